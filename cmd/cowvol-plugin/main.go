@@ -1,0 +1,66 @@
+// Command cowvol-plugin is cowvol's one binary: the CSI node plugin, the
+// controller, or both (--mode), and `cowvol-plugin demo`, which plays a small
+// CI pipeline through a plugin of its own on a temporary state dir.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == "demo" {
+		if err := runDemo(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "demo failed:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	host, _ := os.Hostname()
+	opts := driver.Options{Version: version}
+	fs := flag.NewFlagSet("cowvol-plugin", flag.ExitOnError)
+	fs.StringVar(&opts.Endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint: unix:///path or tcp://host:port")
+	mode := fs.String("mode", string(driver.ModeNode), "services to serve: node, controller or all")
+	fs.StringVar(&opts.NodeID, "node-id", host, "this node's ID (defaults to the host name)")
+	fs.StringVar(&opts.DriverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
+	fs.StringVar(&opts.StateDir, "state-dir", "/var/lib/cowvol", "where cached volumes and metadata live (XFS with reflink is best)")
+	fs.StringVar(&opts.Backend, "cow-backend", "auto", "copy-on-write backend: auto, overlay, reflink, btrfs or copy")
+	fs.IntVar(&opts.FlattenDepth, "flatten-depth", 64, "layer chains deeper than this are flattened in the background")
+	fs.StringVar(&opts.MetricsAddress, "metrics-address", "", "host:port to serve Prometheus /metrics on (empty: none)")
+	fs.DurationVar(&opts.StopTimeout, "stop-timeout", 0, "how long in-flight RPCs may run after SIGTERM (0: 30s)")
+	showVersion := fs.Bool("version", false, "print the version and exit")
+	klog.InitFlags(fs)
+	_ = fs.Parse(os.Args[1:])
+	if *showVersion {
+		fmt.Println("cowvol-plugin", version)
+		return
+	}
+	opts.Mode = driver.Mode(*mode)
+	if err := run(opts); err != nil {
+		klog.ErrorS(err, "cowvol-plugin failed")
+		klog.Flush()
+		os.Exit(1)
+	}
+	klog.Flush()
+}
+
+func run(opts driver.Options) error {
+	d, err := driver.New(opts)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	return d.Run(ctx)
+}

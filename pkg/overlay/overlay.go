@@ -1,0 +1,340 @@
+// Package overlay owns cowvol's copy-on-write mechanics: building a step
+// volume's private tree over a chain of cached layers (an overlay mount, a
+// reflink clone, a btrfs snapshot or a plain copy), mounting it at the pod's
+// target, and turning it into a layer on capture with renames only.
+//
+// It works on the paths it is given. It knows nothing of handles, metadata,
+// namespaces or CSI (package cache and package driver own those), and it never
+// writes into a lower layer: cached layers are immutable.
+package overlay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// Kind names a COW backend.
+type Kind string
+
+const (
+	// KindOverlay stacks the source's layers under a fresh upper dir: O(1)
+	// publish, O(1) capture, chains without copies.
+	KindOverlay Kind = "overlay"
+	// KindReflink clones the source tree file by file (FICLONE): XFS with
+	// reflink. Publish is O(files), not O(bytes).
+	KindReflink Kind = "reflink"
+	// KindBtrfs snapshots the source subvolume: O(1).
+	KindBtrfs Kind = "btrfs"
+	// KindCopy copies the source tree: the last resort.
+	KindCopy Kind = "copy"
+)
+
+// Kinds lists the backends in the order auto-probing prefers them.
+var Kinds = []Kind{KindBtrfs, KindOverlay, KindReflink, KindCopy}
+
+// Spec describes one step volume.
+type Spec struct {
+	// Dir is the volume's private dir; the backend creates what it needs
+	// inside it.
+	Dir string
+	// Target is where the pod sees the volume; it must exist.
+	Target string
+	// Lowers are the source's layer dirs, top first; none for an empty
+	// volume.
+	Lowers []string
+	// ReadOnly volumes are never captured.
+	ReadOnly bool
+}
+
+// Backend builds, mounts and captures step volumes one way.
+type Backend interface {
+	Kind() Kind
+	// Prepare builds the volume's tree and mounts it at the target.
+	Prepare(ctx context.Context, s Spec) error
+	// Remount mounts an already prepared volume again (after a restart
+	// found its target unmounted).
+	Remount(s Spec) error
+	// Content is the tree holding what the step sees and wrote, and
+	// whether it is a diff over the lowers (an overlay upper dir) rather
+	// than a whole tree.
+	Content(s Spec) (dir string, diff bool)
+}
+
+// New returns the backend of a kind.
+func New(kind Kind, m Mounter) (Backend, error) {
+	switch kind {
+	case KindOverlay:
+		return overlayBackend{m: m}, nil
+	case KindReflink, KindCopy, KindBtrfs:
+		return treeBackend{kind: kind, m: m}, nil
+	}
+	return nil, fmt.Errorf("unknown COW backend %q (known: overlay, reflink, btrfs, copy)", kind)
+}
+
+// Unmount takes a step volume down from its target and drops any mount the
+// backend made inside its dir. Every backend's volumes come down the same
+// way, so a restarted plugin running another backend can still do it.
+func Unmount(m Mounter, s Spec) error {
+	if err := m.Unmount(s.Target); err != nil {
+		return err
+	}
+	return m.Unmount(mergedDir(s))
+}
+
+// Commit moves a step volume's content to layerDir, which becomes a cached
+// layer: a rename, whatever the size. It is idempotent, so a capture cut
+// short by a crash can be completed by calling it again. The step volume
+// must be unmounted.
+func Commit(b Backend, s Spec, layerDir string) (diff bool, err error) {
+	content, diff := b.Content(s)
+	if err := os.MkdirAll(filepath.Dir(layerDir), 0o700); err != nil {
+		return false, err
+	}
+	if err := os.Rename(content, layerDir); err != nil {
+		if _, statErr := os.Lstat(layerDir); errors.Is(err, os.ErrNotExist) && statErr == nil {
+			return diff, nil // renamed before a crash
+		}
+		return false, fmt.Errorf("capturing %s: %w", content, err)
+	}
+	// The rename must be on disk before the metadata says the layer is
+	// ready: fsync both parents.
+	return diff, errors.Join(SyncDir(filepath.Dir(layerDir)), SyncDir(filepath.Dir(content)))
+}
+
+// SyncDir fsyncs a dir, making renames in it durable.
+func SyncDir(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return f.Sync()
+}
+
+// mountReadOnly serves read-only volumes the same way in every backend:
+// nothing is copied. One layer is bind-mounted read-only; a chain becomes a
+// read-only overlay; an empty volume is an empty read-only dir.
+func mountReadOnly(m Mounter, s Spec) error {
+	switch len(s.Lowers) {
+	case 0:
+		empty := filepath.Join(s.Dir, "empty")
+		if err := mkdirMode(empty, 0o755); err != nil {
+			return err
+		}
+		return m.Bind(empty, s.Target, true)
+	case 1:
+		return m.Bind(s.Lowers[0], s.Target, true)
+	}
+	return m.Overlay(s.Target, s.Lowers, "", "")
+}
+
+// mkdirMode makes a dir with exactly mode, whatever the umask.
+func mkdirMode(dir string, mode os.FileMode) error {
+	if err := os.Mkdir(dir, mode); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	return os.Chmod(dir, mode)
+}
+
+// emptyRootMode is an empty volume's root: writable by the step whatever
+// user it runs as, like an emptyDir.
+const emptyRootMode = 0o777
+
+type overlayBackend struct{ m Mounter }
+
+func (overlayBackend) Kind() Kind { return KindOverlay }
+
+func (b overlayBackend) Content(s Spec) (string, bool) {
+	return filepath.Join(s.Dir, "upper"), len(s.Lowers) > 0
+}
+
+func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
+	if s.ReadOnly {
+		return mountReadOnly(b.m, s)
+	}
+	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+		return err
+	}
+	upper, _ := b.Content(s)
+	if err := mkdirMode(upper, emptyRootMode); err != nil {
+		return err
+	}
+	if len(s.Lowers) > 0 {
+		// The merged root takes the upper root's attributes: make them
+		// the source's, so the view's root looks like the source's.
+		var st unix.Stat_t
+		if err := unix.Stat(s.Lowers[0], &st); err != nil {
+			return err
+		}
+		if err := os.Lchown(upper, int(st.Uid), int(st.Gid)); err != nil {
+			return err
+		}
+		if err := unix.Chmod(upper, st.Mode&0o7777); err != nil {
+			return err
+		}
+		if err := mkdirMode(filepath.Join(s.Dir, "work"), 0o700); err != nil {
+			return err
+		}
+	}
+	return b.Remount(s)
+}
+
+func (b overlayBackend) Remount(s Spec) error {
+	if s.ReadOnly {
+		return mountReadOnly(b.m, s)
+	}
+	upper, _ := b.Content(s)
+	if len(s.Lowers) == 0 {
+		// Nothing to stack on: the upper dir alone is the volume, and
+		// capturing it gives a root layer.
+		return b.m.Bind(upper, s.Target, false)
+	}
+	return b.m.Overlay(s.Target, s.Lowers, upper, filepath.Join(s.Dir, "work"))
+}
+
+// treeBackend gives each step volume a whole tree of its own (a btrfs
+// snapshot, a reflink clone or a copy) bind-mounted at the target.
+type treeBackend struct {
+	kind Kind
+	m    Mounter
+}
+
+func (b treeBackend) Kind() Kind { return b.kind }
+
+func (b treeBackend) Content(s Spec) (string, bool) {
+	return filepath.Join(s.Dir, "data"), false
+}
+
+func (b treeBackend) Prepare(ctx context.Context, s Spec) error {
+	if s.ReadOnly {
+		return mountReadOnly(b.m, s)
+	}
+	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+		return err
+	}
+	data, _ := b.Content(s)
+	if err := b.build(ctx, s, data); err != nil {
+		return errors.Join(err, RemoveTree(data))
+	}
+	return b.Remount(s)
+}
+
+func (b treeBackend) build(ctx context.Context, s Spec, data string) error {
+	if b.kind == KindBtrfs && len(s.Lowers) == 1 && IsSubvolume(s.Lowers[0]) {
+		return Snapshot(s.Lowers[0], data)
+	}
+	if b.kind == KindBtrfs {
+		if err := CreateSubvolume(data); err != nil {
+			return err
+		}
+	}
+	if len(s.Lowers) == 0 {
+		return mkdirMode(data, emptyRootMode)
+	}
+	return WithMergedTree(b.m, s.Lowers, mergedDir(s), func(src string) error {
+		_, err := CopyTree(ctx, src, data, b.kind != KindCopy)
+		return err
+	})
+}
+
+func (b treeBackend) Remount(s Spec) error {
+	if s.ReadOnly {
+		return mountReadOnly(b.m, s)
+	}
+	data, _ := b.Content(s)
+	return b.m.Bind(data, s.Target, false)
+}
+
+func mergedDir(s Spec) string { return filepath.Join(s.Dir, "merged") }
+
+// WithMergedTree calls fn with a dir showing the merged tree of lowers: the
+// layer itself when there is one, else a read-only overlay mounted at mnt for
+// the duration of the call.
+func WithMergedTree(m Mounter, lowers []string, mnt string, fn func(src string) error) error {
+	if len(lowers) == 1 {
+		return fn(lowers[0])
+	}
+	if err := os.MkdirAll(mnt, 0o700); err != nil {
+		return err
+	}
+	if err := m.Overlay(mnt, lowers, "", ""); err != nil {
+		return err
+	}
+	err := fn(mnt)
+	if uerr := m.Unmount(mnt); uerr != nil {
+		return errors.Join(err, uerr)
+	}
+	return errors.Join(err, os.Remove(mnt))
+}
+
+// Probe picks the best backend the filesystem under dir supports: btrfs
+// snapshots on btrfs, else overlay, else reflink clones, else copies. Each is
+// tried for real in a scratch dir under dir.
+func Probe(dir string, m Mounter) (Kind, error) {
+	for _, k := range Kinds {
+		if err := Supports(k, dir, m); err == nil {
+			return k, nil
+		}
+	}
+	return "", fmt.Errorf("no COW backend works under %s", dir)
+}
+
+func probeOverlay(scratch string, m Mounter) error {
+	var dirs []string
+	for _, d := range []string{"lower", "upper", "work", "mnt"} {
+		p := filepath.Join(scratch, d)
+		if err := os.Mkdir(p, 0o700); err != nil {
+			return err
+		}
+		dirs = append(dirs, p)
+	}
+	if err := m.Overlay(dirs[3], dirs[:1], dirs[1], dirs[2]); err != nil {
+		return err
+	}
+	return m.Unmount(dirs[3])
+}
+
+func probeReflink(scratch string) error {
+	src, err := os.Create(filepath.Join(scratch, "src"))
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	if _, err := src.Write([]byte("cowvol")); err != nil {
+		return err
+	}
+	dst, err := os.Create(filepath.Join(scratch, "dst"))
+	if err != nil {
+		return err
+	}
+	defer dst.Close()
+	return unix.IoctlFileClone(int(dst.Fd()), int(src.Fd()))
+}
+
+// Supports says whether kind works under dir, by trying it.
+func Supports(kind Kind, dir string, m Mounter) error {
+	scratch, err := os.MkdirTemp(dir, ".probe-")
+	if err != nil {
+		return err
+	}
+	defer RemoveTree(scratch)
+	switch kind {
+	case KindBtrfs:
+		if !IsBtrfs(scratch) {
+			return fmt.Errorf("%s is not on btrfs", dir)
+		}
+		return CreateSubvolume(filepath.Join(scratch, "subvol"))
+	case KindOverlay:
+		return probeOverlay(scratch, m)
+	case KindReflink:
+		return probeReflink(scratch)
+	case KindCopy:
+		return nil
+	}
+	return fmt.Errorf("unknown COW backend %q", kind)
+}

@@ -1,0 +1,341 @@
+package overlay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// CopyStats says how a tree copy went.
+type CopyStats struct {
+	Files, Cloned, Copied, Links int64
+}
+
+// treeCopier copies a tree faithfully: modes, owners, times, xattrs (the
+// trusted.overlay.* ones too, so whiteouts and opaque dirs survive), symlinks,
+// hardlinks, device nodes, fifos and sparse files. With reflink set it clones
+// each regular file's extents (FICLONE) and falls back to copying the files
+// the filesystem refuses to clone.
+type treeCopier struct {
+	ctx     context.Context
+	reflink bool
+	links   map[[2]uint64]string
+	stats   CopyStats
+}
+
+// CopyTree copies src into dst; dst may already exist as an empty dir (a
+// fresh btrfs subvolume), in which case it takes src's root attributes.
+func CopyTree(ctx context.Context, src, dst string, reflink bool) (CopyStats, error) {
+	c := &treeCopier{ctx: ctx, reflink: reflink, links: map[[2]uint64]string{}}
+	var st unix.Stat_t
+	if err := unix.Lstat(src, &st); err != nil {
+		return c.stats, fmt.Errorf("reading %s: %w", src, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return c.stats, fmt.Errorf("%s is not a directory", src)
+	}
+	if err := os.Mkdir(dst, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return c.stats, err
+	}
+	err := c.dir(src, dst, &st)
+	return c.stats, err
+}
+
+func (c *treeCopier) dir(src, dst string, st *unix.Stat_t) error {
+	entries, err := os.ReadDir(src)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if err := c.ctx.Err(); err != nil {
+			return err
+		}
+		if err := c.entry(filepath.Join(src, e.Name()), filepath.Join(dst, e.Name())); err != nil {
+			return err
+		}
+	}
+	// Attributes last: a read-only dir must be filled before it is locked,
+	// and filling it would bump the times just set.
+	return setAttrs(src, dst, st)
+}
+
+func (c *treeCopier) entry(src, dst string) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(src, &st); err != nil {
+		return err
+	}
+	c.stats.Files++
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		if err := os.Mkdir(dst, 0o700); err != nil {
+			return err
+		}
+		return c.dir(src, dst, &st)
+	case unix.S_IFREG:
+		key := [2]uint64{st.Dev, st.Ino}
+		if st.Nlink > 1 {
+			if first, ok := c.links[key]; ok {
+				c.stats.Links++
+				return os.Link(first, dst)
+			}
+			c.links[key] = dst
+		}
+		if err := c.file(src, dst, &st); err != nil {
+			return fmt.Errorf("copying %s: %w", src, err)
+		}
+	case unix.S_IFLNK:
+		target, err := os.Readlink(src)
+		if err != nil {
+			return err
+		}
+		if err := os.Symlink(target, dst); err != nil {
+			return err
+		}
+	default: // devices (whiteouts are 0/0 char devices), fifos, sockets
+		if err := unix.Mknod(dst, st.Mode, int(st.Rdev)); err != nil {
+			return fmt.Errorf("making node %s: %w", dst, err)
+		}
+	}
+	return setAttrs(src, dst, &st)
+}
+
+func (c *treeCopier) file(src, dst string, st *unix.Stat_t) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	if c.reflink && st.Size > 0 {
+		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err == nil {
+			c.stats.Cloned++
+			return out.Close()
+		}
+	}
+	c.stats.Copied++
+	if err := copySparse(in, out, st.Size); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
+}
+
+// copySparse copies the data segments of in and leaves its holes as holes.
+func copySparse(in, out *os.File, size int64) error {
+	ifd, ofd := int(in.Fd()), int(out.Fd())
+	var off int64
+	for off < size {
+		data, err := unix.Seek(ifd, off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break // only a hole is left
+		}
+		if err != nil {
+			return plainCopy(in, out)
+		}
+		hole, err := unix.Seek(ifd, data, unix.SEEK_HOLE)
+		if err != nil {
+			return err
+		}
+		for pos := data; pos < hole; {
+			src, dst := pos, pos
+			n, err := unix.CopyFileRange(ifd, &src, ofd, &dst, int(hole-pos), 0)
+			if err != nil {
+				return err
+			}
+			if n == 0 {
+				return io.ErrUnexpectedEOF
+			}
+			pos += int64(n)
+		}
+		off = hole
+	}
+	return out.Truncate(size)
+}
+
+func plainCopy(in, out *os.File) error {
+	if _, err := in.Seek(0, io.SeekStart); err != nil {
+		return err
+	}
+	_, err := io.Copy(out, in)
+	return err
+}
+
+// setAttrs gives dst the owner, mode, xattrs and times of src.
+func setAttrs(src, dst string, st *unix.Stat_t) error {
+	if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
+		return fmt.Errorf("chown %s: %w", dst, err)
+	}
+	isLink := st.Mode&unix.S_IFMT == unix.S_IFLNK
+	if !isLink {
+		// After chown, which clears set-id bits.
+		if err := unix.Fchmodat(unix.AT_FDCWD, dst, st.Mode&0o7777, 0); err != nil {
+			return fmt.Errorf("chmod %s: %w", dst, err)
+		}
+	}
+	if err := copyXattrs(src, dst); err != nil {
+		return err
+	}
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	if err := unix.UtimesNanoAt(unix.AT_FDCWD, dst, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("setting times of %s: %w", dst, err)
+	}
+	return nil
+}
+
+func copyXattrs(src, dst string) error {
+	names, err := listXattrs(src)
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		val, err := getXattr(src, name)
+		if err != nil {
+			return err
+		}
+		if err := unix.Lsetxattr(dst, name, val, 0); err != nil {
+			return fmt.Errorf("setting xattr %s on %s: %w", name, dst, err)
+		}
+	}
+	return nil
+}
+
+func listXattrs(path string) ([]string, error) {
+	buf := make([]byte, 256)
+	for {
+		n, err := unix.Llistxattr(path, buf)
+		if errors.Is(err, unix.ERANGE) {
+			buf = make([]byte, len(buf)*4)
+			continue
+		}
+		if errors.Is(err, unix.ENOTSUP) {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("listing xattrs of %s: %w", path, err)
+		}
+		var names []string
+		start := 0
+		for i := 0; i < n; i++ {
+			if buf[i] == 0 {
+				if i > start {
+					names = append(names, string(buf[start:i]))
+				}
+				start = i + 1
+			}
+		}
+		return names, nil
+	}
+}
+
+func getXattr(path, name string) ([]byte, error) {
+	buf := make([]byte, 256)
+	for {
+		n, err := unix.Lgetxattr(path, name, buf)
+		if errors.Is(err, unix.ERANGE) {
+			buf = make([]byte, len(buf)*4)
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("reading xattr %s of %s: %w", name, path, err)
+		}
+		return buf[:n], nil
+	}
+}
+
+// Usage sums what a tree holds on disk: allocated bytes (hardlinks once) and
+// inodes.
+func Usage(root string) (bytes, inodes int64, err error) {
+	seen := map[[2]uint64]bool{}
+	err = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err != nil {
+			return err
+		}
+		if st.Nlink > 1 && st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			key := [2]uint64{st.Dev, st.Ino}
+			if seen[key] {
+				return nil
+			}
+			seen[key] = true
+		}
+		inodes++
+		bytes += st.Blocks * 512
+		return nil
+	})
+	return bytes, inodes, err
+}
+
+// RemoveTree deletes a tree, destroying btrfs subvolumes with one ioctl
+// instead of unlinking their files. It refuses to descend into a mount
+// point: a mount found under a tree being deleted is a bug to report, not
+// data to delete. A missing path is done.
+func RemoveTree(path string) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return err
+	}
+	if mounts, err := MountsUnder(path); err != nil {
+		return err
+	} else if len(mounts) > 0 {
+		return fmt.Errorf("refusing to delete %s: %s is mounted", path, mounts[0])
+	}
+	return removeTree(path, &st)
+}
+
+func removeTree(path string, st *unix.Stat_t) error {
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return ignoreMissing(os.Remove(path))
+	}
+	if isSubvolume(path, st) {
+		err := destroySubvolume(path)
+		if err == nil || !errors.Is(err, unix.ENOTEMPTY) {
+			return err
+		}
+		// It holds nested subvolumes: empty it, then destroy it.
+	}
+	entries, err := os.ReadDir(path)
+	if err != nil {
+		return ignoreMissing(err)
+	}
+	for _, e := range entries {
+		child := filepath.Join(path, e.Name())
+		var cst unix.Stat_t
+		if err := unix.Lstat(child, &cst); err != nil {
+			if errors.Is(err, unix.ENOENT) {
+				continue
+			}
+			return err
+		}
+		if cst.Dev != st.Dev && cst.Mode&unix.S_IFMT == unix.S_IFDIR && !isSubvolume(child, &cst) {
+			return fmt.Errorf("refusing to delete across a filesystem boundary at %s", child)
+		}
+		if err := removeTree(child, &cst); err != nil {
+			return err
+		}
+	}
+	if isSubvolume(path, st) {
+		return destroySubvolume(path)
+	}
+	return ignoreMissing(os.Remove(path))
+}
+
+func ignoreMissing(err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}
