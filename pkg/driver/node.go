@@ -433,11 +433,7 @@ func (n *nodeService) flatten(handle string, chain []string) error {
 		}
 	}()
 	tree := filepath.Join(work, "tree")
-	err = overlay.WithMergedTree(n.mounter, chain, filepath.Join(work, "merged"), func(src string) error {
-		_, err := overlay.CopyTree(n.bgCtx, src, tree, true)
-		return err
-	})
-	if err != nil {
+	if _, err := overlay.CopyLayers(n.bgCtx, n.mounter, chain, filepath.Join(work, "merged"), tree, true); err != nil {
 		return err
 	}
 	layer := fmt.Sprintf("f%x", time.Now().UnixNano())

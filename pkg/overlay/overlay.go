@@ -123,6 +123,9 @@ func mountReadOnly(m Mounter, s Spec) error {
 	switch len(s.Lowers) {
 	case 0:
 		empty := filepath.Join(s.Dir, "empty")
+		if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+			return err
+		}
 		if err := mkdirMode(empty, 0o755); err != nil {
 			return err
 		}
@@ -236,10 +239,8 @@ func (b treeBackend) build(ctx context.Context, s Spec, data string) error {
 	if len(s.Lowers) == 0 {
 		return mkdirMode(data, emptyRootMode)
 	}
-	return WithMergedTree(b.m, s.Lowers, mergedDir(s), func(src string) error {
-		_, err := CopyTree(ctx, src, data, b.kind != KindCopy)
-		return err
-	})
+	_, err := CopyLayers(ctx, b.m, s.Lowers, mergedDir(s), data, b.kind != KindCopy)
+	return err
 }
 
 func (b treeBackend) Remount(s Spec) error {
@@ -251,26 +252,6 @@ func (b treeBackend) Remount(s Spec) error {
 }
 
 func mergedDir(s Spec) string { return filepath.Join(s.Dir, "merged") }
-
-// WithMergedTree calls fn with a dir showing the merged tree of lowers: the
-// layer itself when there is one, else a read-only overlay mounted at mnt for
-// the duration of the call.
-func WithMergedTree(m Mounter, lowers []string, mnt string, fn func(src string) error) error {
-	if len(lowers) == 1 {
-		return fn(lowers[0])
-	}
-	if err := os.MkdirAll(mnt, 0o700); err != nil {
-		return err
-	}
-	if err := m.Overlay(mnt, lowers, "", ""); err != nil {
-		return err
-	}
-	err := fn(mnt)
-	if uerr := m.Unmount(mnt); uerr != nil {
-		return errors.Join(err, uerr)
-	}
-	return errors.Join(err, os.Remove(mnt))
-}
 
 // Probe picks the best backend the filesystem under dir supports: btrfs
 // snapshots on btrfs, else overlay, else reflink clones, else copies. Each is

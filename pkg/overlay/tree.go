@@ -26,12 +26,54 @@ type treeCopier struct {
 	reflink bool
 	links   map[[2]uint64]string
 	stats   CopyStats
+	// root and realFile let a copy of a merged overlay read each regular
+	// file from the layer that provides it: extents can be cloned from
+	// an XFS or btrfs file, never through an overlay one.
+	root     string
+	realFile func(rel string) string
 }
 
 // CopyTree copies src into dst; dst may already exist as an empty dir (a
 // fresh btrfs subvolume), in which case it takes src's root attributes.
 func CopyTree(ctx context.Context, src, dst string, reflink bool) (CopyStats, error) {
-	c := &treeCopier{ctx: ctx, reflink: reflink, links: map[[2]uint64]string{}}
+	return copyTree(ctx, src, dst, reflink, nil)
+}
+
+// CopyLayers copies the merged tree of lowers (top first) into dst. A chain
+// is merged by a read-only overlay mounted at mnt for the duration.
+func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string, reflink bool) (CopyStats, error) {
+	if len(lowers) == 1 {
+		return CopyTree(ctx, lowers[0], dst, reflink)
+	}
+	if err := os.MkdirAll(mnt, 0o700); err != nil {
+		return CopyStats{}, err
+	}
+	if err := m.Overlay(mnt, lowers, "", ""); err != nil {
+		return CopyStats{}, err
+	}
+	stats, err := copyTree(ctx, mnt, dst, reflink, func(rel string) string {
+		// The topmost layer with an entry at rel provides it: a whiteout
+		// or opaque dir above would have hidden it from the merge.
+		for _, l := range lowers {
+			p := filepath.Join(l, rel)
+			var st unix.Stat_t
+			if unix.Lstat(p, &st) == nil {
+				if st.Mode&unix.S_IFMT == unix.S_IFREG {
+					return p
+				}
+				break
+			}
+		}
+		return filepath.Join(mnt, rel)
+	})
+	if uerr := m.Unmount(mnt); uerr != nil {
+		return stats, errors.Join(err, uerr)
+	}
+	return stats, errors.Join(err, os.Remove(mnt))
+}
+
+func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(string) string) (CopyStats, error) {
+	c := &treeCopier{ctx: ctx, reflink: reflink, links: map[[2]uint64]string{}, root: src, realFile: realFile}
 	var st unix.Stat_t
 	if err := unix.Lstat(src, &st); err != nil {
 		return c.stats, fmt.Errorf("reading %s: %w", src, err)
@@ -105,6 +147,13 @@ func (c *treeCopier) entry(src, dst string) error {
 }
 
 func (c *treeCopier) file(src, dst string, st *unix.Stat_t) error {
+	if c.realFile != nil {
+		rel, err := filepath.Rel(c.root, src)
+		if err != nil {
+			return err
+		}
+		src = c.realFile(rel)
+	}
 	in, err := os.Open(src)
 	if err != nil {
 		return err
@@ -130,7 +179,7 @@ func (c *treeCopier) file(src, dst string, st *unix.Stat_t) error {
 
 // copySparse copies the data segments of in and leaves its holes as holes.
 func copySparse(in, out *os.File, size int64) error {
-	ifd, ofd := int(in.Fd()), int(out.Fd())
+	ifd := int(in.Fd())
 	var off int64
 	for off < size {
 		data, err := unix.Seek(ifd, off, unix.SEEK_DATA)
@@ -144,20 +193,33 @@ func copySparse(in, out *os.File, size int64) error {
 		if err != nil {
 			return err
 		}
-		for pos := data; pos < hole; {
-			src, dst := pos, pos
-			n, err := unix.CopyFileRange(ifd, &src, ofd, &dst, int(hole-pos), 0)
-			if err != nil {
-				return err
-			}
-			if n == 0 {
-				return io.ErrUnexpectedEOF
-			}
-			pos += int64(n)
+		if err := copyRange(in, out, data, hole-data); err != nil {
+			return err
 		}
 		off = hole
 	}
 	return out.Truncate(size)
+}
+
+// copyRange copies n bytes at off in the kernel where it can, and through
+// user space where copy_file_range refuses (across filesystem types).
+func copyRange(in, out *os.File, off, n int64) error {
+	for n > 0 {
+		src, dst := off, off
+		w, err := unix.CopyFileRange(int(in.Fd()), &src, int(out.Fd()), &dst, int(n), 0)
+		switch {
+		case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EOPNOTSUPP):
+			_, err = io.Copy(io.NewOffsetWriter(out, off), io.NewSectionReader(in, off, n))
+			return err
+		case err != nil:
+			return err
+		case w == 0:
+			return io.ErrUnexpectedEOF
+		}
+		off += int64(w)
+		n -= int64(w)
+	}
+	return nil
 }
 
 func plainCopy(in, out *os.File) error {

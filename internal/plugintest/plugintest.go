@@ -1,0 +1,210 @@
+// Package plugintest runs the real cowvol-plugin binary on a unix socket for
+// tests, sanity runs and benchmarks, and gives them gRPC clients to it. It is
+// test support only and never imported by the plugin.
+package plugintest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+var (
+	buildOnce sync.Once
+	binary    string
+	buildErr  error
+)
+
+// Binary returns the plugin binary: $COWVOL_PLUGIN_BINARY (make test builds
+// it once), else one built now for this test process.
+func Binary(tb testing.TB) string {
+	tb.Helper()
+	buildOnce.Do(func() {
+		if b := os.Getenv("COWVOL_PLUGIN_BINARY"); b != "" {
+			binary, buildErr = filepath.Abs(b)
+			return
+		}
+		dir, err := os.MkdirTemp("", "cowvol-plugintest-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binary = filepath.Join(dir, "cowvol-plugin")
+		out, err := exec.Command("go", "build", "-o", binary, "github.com/concourse/cowvol/cmd/cowvol-plugin").CombinedOutput()
+		if err != nil {
+			buildErr = fmt.Errorf("building the plugin: %v: %s", err, out)
+		}
+	})
+	if buildErr != nil {
+		tb.Fatal(buildErr)
+	}
+	return binary
+}
+
+// Config says how to run the plugin.
+type Config struct {
+	StateDir     string
+	Backend      string // default auto
+	Mode         string // default node
+	FlattenDepth int    // default 64
+	Env          []string
+	Args         []string
+}
+
+// Plugin is a running plugin process and clients to it.
+type Plugin struct {
+	Config
+	Sock     string
+	Conn     *grpc.ClientConn
+	Node     csi.NodeClient
+	Identity csi.IdentityClient
+
+	tb   testing.TB
+	cmd  *exec.Cmd
+	log  *bytes.Buffer
+	done chan error
+}
+
+// Start runs the plugin and waits until it answers Probe. It is stopped
+// (SIGTERM) when tb ends, and its log is shown if tb failed.
+func Start(tb testing.TB, cfg Config) *Plugin {
+	tb.Helper()
+	if cfg.Backend == "" {
+		cfg.Backend = "auto"
+	}
+	if cfg.Mode == "" {
+		cfg.Mode = "node"
+	}
+	if cfg.FlattenDepth == 0 {
+		cfg.FlattenDepth = 64
+	}
+	sockDir, err := os.MkdirTemp("", "cowvol-sock-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { os.RemoveAll(sockDir) })
+	p := &Plugin{Config: cfg, Sock: filepath.Join(sockDir, "csi.sock"), tb: tb}
+	p.start(nil)
+	tb.Cleanup(func() {
+		p.Stop()
+		if tb.Failed() {
+			tb.Logf("plugin log:\n%s", p.log.String())
+		}
+	})
+	return p
+}
+
+func (p *Plugin) start(extraEnv []string) {
+	p.tb.Helper()
+	args := append([]string{
+		"--endpoint=unix://" + p.Sock, "--mode=" + p.Mode, "--node-id=test-node",
+		"--state-dir=" + p.StateDir, "--cow-backend=" + p.Backend,
+		"--flatten-depth=" + strconv.Itoa(p.FlattenDepth), "-v=4",
+	}, p.Args...)
+	p.cmd = exec.Command(Binary(p.tb), args...)
+	p.cmd.Env = append(append(os.Environ(), p.Env...), extraEnv...)
+	if p.log == nil {
+		p.log = &bytes.Buffer{}
+	}
+	fmt.Fprintf(p.log, "--- start %v\n", args)
+	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
+	if err := p.cmd.Start(); err != nil {
+		p.tb.Fatal(err)
+	}
+	p.done = make(chan error, 1)
+	go func(cmd *exec.Cmd, done chan error) { done <- cmd.Wait() }(p.cmd, p.done)
+	if p.Conn == nil {
+		conn, err := grpc.NewClient("unix://"+p.Sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			p.tb.Fatal(err)
+		}
+		p.Conn = conn
+		p.Node, p.Identity = csi.NewNodeClient(conn), csi.NewIdentityClient(conn)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := p.Identity.Probe(ctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil {
+			return
+		}
+		select {
+		case err := <-p.done:
+			p.done <- err
+			p.tb.Fatalf("plugin exited at start-up: %v\n%s", err, p.log.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			p.tb.Fatalf("plugin did not answer Probe within 30s: %v\n%s", err, p.log.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Log is what the plugin printed so far.
+func (p *Plugin) Log() string { return p.log.String() }
+
+// Running says whether the process is still alive.
+func (p *Plugin) Running() bool {
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return false
+	default:
+		return true
+	}
+}
+
+// Wait waits for the process to exit on its own (a crash point).
+func (p *Plugin) Wait(timeout time.Duration) error {
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return err
+	case <-time.After(timeout):
+		return fmt.Errorf("plugin still running after %s", timeout)
+	}
+}
+
+func (p *Plugin) signal(sig syscall.Signal) {
+	if p.Running() {
+		_ = p.cmd.Process.Signal(sig)
+		if err := p.Wait(60 * time.Second); err != nil {
+			_ = p.cmd.Process.Kill()
+			_ = p.Wait(10 * time.Second)
+		}
+	}
+}
+
+// Kill stops the plugin with SIGKILL, as a crash would.
+func (p *Plugin) Kill() { p.signal(syscall.SIGKILL) }
+
+// Stop stops the plugin with SIGTERM, as the kubelet's pod deletion would.
+func (p *Plugin) Stop() {
+	p.signal(syscall.SIGTERM)
+	if p.Conn != nil {
+		p.Conn.Close()
+		p.Conn = nil
+	}
+}
+
+// Restart starts the plugin again on the same socket and state dir, with
+// extra environment (say COWVOL_CRASH_AT) for this run only.
+func (p *Plugin) Restart(extraEnv ...string) {
+	p.tb.Helper()
+	p.Kill()
+	p.start(extraEnv)
+}

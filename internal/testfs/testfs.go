@@ -1,0 +1,102 @@
+// Package testfs makes real filesystems for tests and benchmarks: XFS with
+// reflink, btrfs and ext4 on loop devices whose images live on a private
+// tmpfs, so that results do not depend on this machine's throttled root disk.
+// It is test support only and never imported by the plugin.
+package testfs
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// Kind names a filesystem testfs can make.
+type Kind string
+
+const (
+	XFS   Kind = "xfs"   // with reflink=1
+	Btrfs Kind = "btrfs" // snapshots
+	Ext4  Kind = "ext4"  // no reflink: overlay copy-up copies
+)
+
+var mkfs = map[Kind][]string{
+	XFS:   {"mkfs.xfs", "-q", "-f", "-m", "reflink=1"},
+	Btrfs: {"mkfs.btrfs", "-q", "-f"},
+	Ext4:  {"mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0"},
+}
+
+// Need skips tb when it cannot mount: not root, or a tool missing. Under CI
+// (CI=true) it fails instead, because CI must run every test.
+func Need(tb testing.TB, tools ...string) {
+	tb.Helper()
+	var missing []string
+	if os.Geteuid() != 0 {
+		missing = append(missing, "root (the test mounts filesystems)")
+	}
+	for _, t := range tools {
+		if _, err := exec.LookPath(t); err != nil {
+			missing = append(missing, t+" (apt-get install the package that ships it)")
+		}
+	}
+	if len(missing) == 0 {
+		return
+	}
+	msg := "needs " + strings.Join(missing, ", ")
+	if os.Getenv("CI") == "true" {
+		tb.Fatal(msg + "; CI must not skip it")
+	}
+	tb.Skip(msg)
+}
+
+// Mount makes a fresh filesystem of kind and size bytes and returns where it
+// is mounted; everything is undone when tb ends.
+func Mount(tb testing.TB, kind Kind, size int64) string {
+	tb.Helper()
+	Need(tb, mkfs[kind][0], "losetup")
+	base := tb.TempDir()
+	backing := filepath.Join(base, "backing")
+	mnt := filepath.Join(base, "mnt")
+	for _, d := range []string{backing, mnt} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	if err := unix.Mount("tmpfs", backing, "tmpfs", 0, fmt.Sprintf("size=%d", size+(64<<20))); err != nil {
+		tb.Fatalf("mounting tmpfs for the image: %v", err)
+	}
+	tb.Cleanup(func() { _ = unix.Unmount(backing, unix.MNT_DETACH) })
+	img := filepath.Join(backing, "fs.img")
+	f, err := os.Create(img)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := f.Truncate(size); err != nil {
+		tb.Fatal(err)
+	}
+	f.Close()
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		tb.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	tb.Cleanup(func() { _ = exec.Command("losetup", "-d", dev).Run() })
+	args := append(append([]string{}, mkfs[kind][1:]...), dev)
+	if out, err := exec.Command(mkfs[kind][0], args...).CombinedOutput(); err != nil {
+		tb.Fatalf("%s: %v: %s", mkfs[kind][0], err, out)
+	}
+	if err := unix.Mount(dev, mnt, string(kind), 0, ""); err != nil {
+		tb.Fatalf("mounting %s: %v", kind, err)
+	}
+	tb.Cleanup(func() {
+		if err := unix.Unmount(mnt, 0); err != nil {
+			tb.Errorf("unmounting test %s at %s: %v (a leaked mount?)", kind, mnt, err)
+			_ = unix.Unmount(mnt, unix.MNT_DETACH)
+		}
+	})
+	return mnt
+}

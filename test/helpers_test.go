@@ -1,0 +1,224 @@
+// Package test drives the real cowvol-plugin binary over gRPC with real
+// mounts: the behavioural suite on every COW backend, the CSI contract
+// (codes, idempotency) and crash safety.
+package test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+// env is one plugin and a place for pretend pods' volumes.
+type env struct {
+	t    *testing.T
+	p    *plugintest.Plugin
+	pods string
+	n    int
+}
+
+func newEnv(t *testing.T, cfg plugintest.Config) *env {
+	t.Helper()
+	if cfg.StateDir == "" {
+		cfg.StateDir = t.TempDir()
+	}
+	return &env{t: t, p: plugintest.Start(t, cfg), pods: t.TempDir()}
+}
+
+// volume makes a new inline volume for a pretend pod in namespace "ci".
+func (e *env) volume(attrs map[string]string, readOnly bool) driver.InlineVolume {
+	e.n++
+	v := driver.InlineVolume{
+		VolumeID:     fmt.Sprintf("csi-%s-%d", strings.ReplaceAll(e.t.Name(), "/", "-"), e.n),
+		Target:       filepath.Join(e.pods, fmt.Sprintf("pod-%d", e.n), "mount"),
+		Attributes:   attrs,
+		ReadOnly:     readOnly,
+		PodName:      fmt.Sprintf("pod-%d", e.n),
+		PodNamespace: "ci",
+		PodUID:       fmt.Sprintf("uid-%d", e.n),
+	}
+	require.NoError(e.t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
+	return v
+}
+
+func (e *env) publish(v driver.InlineVolume) error {
+	_, err := e.p.Node.NodePublishVolume(context.Background(), v.PublishRequest())
+	return err
+}
+
+func (e *env) unpublish(v driver.InlineVolume) error {
+	_, err := e.p.Node.NodeUnpublishVolume(context.Background(), v.UnpublishRequest())
+	return err
+}
+
+// mount publishes a new volume and fails the test if that fails.
+func (e *env) mount(attrs map[string]string, readOnly bool) driver.InlineVolume {
+	e.t.Helper()
+	v := e.volume(attrs, readOnly)
+	require.NoError(e.t, e.publish(v), "publishing %v", attrs)
+	return v
+}
+
+func (e *env) umount(v driver.InlineVolume) {
+	e.t.Helper()
+	require.NoError(e.t, e.unpublish(v), "unpublishing %s", v.VolumeID)
+	_, err := os.Lstat(v.Target)
+	require.True(e.t, errors.Is(err, os.ErrNotExist), "target %s should be gone after unpublish", v.Target)
+}
+
+// step runs fn as a pod on a volume of source (may be empty) captured as
+// handle, and returns once it is captured.
+func (e *env) step(source, handle string, fn func(dir string)) {
+	e.t.Helper()
+	attrs := map[string]string{driver.AttrCapture: handle}
+	if source != "" {
+		attrs[driver.AttrSource] = source
+	}
+	v := e.mount(attrs, false)
+	fn(v.Target)
+	e.umount(v)
+}
+
+// read runs fn on a read-only view of handle.
+func (e *env) read(handle string, fn func(dir string)) {
+	e.t.Helper()
+	v := e.mount(map[string]string{driver.AttrSource: handle}, true)
+	fn(v.Target)
+	e.umount(v)
+}
+
+func code(err error) codes.Code { return status.Code(err) }
+
+// tree describes a directory tree for comparisons: path → description.
+type tree map[string]string
+
+// snapshot describes every entry under root: type, mode, owner, size,
+// content digest, link target, xattrs (user.* and trusted.overlay.* are
+// what a step can set or what overlay uses) and hardlink groups.
+func snapshot(t *testing.T, root string) tree {
+	t.Helper()
+	out := tree{}
+	inodes := map[uint64]string{}
+	err := filepath.Walk(root, func(path string, _ os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, path)
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err != nil {
+			return err
+		}
+		desc := fmt.Sprintf("mode=%o uid=%d gid=%d", st.Mode, st.Uid, st.Gid)
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFREG:
+			data, err := os.ReadFile(path)
+			if err != nil {
+				return err
+			}
+			desc += fmt.Sprintf(" size=%d data=%q", st.Size, digest(data))
+			if st.Nlink > 1 {
+				if first, ok := inodes[st.Ino]; ok {
+					desc += " link-of=" + first
+				} else {
+					inodes[st.Ino] = rel
+				}
+			}
+		case unix.S_IFLNK:
+			target, _ := os.Readlink(path)
+			desc += " -> " + target
+		case unix.S_IFDIR:
+		default:
+			desc += fmt.Sprintf(" rdev=%d", st.Rdev)
+		}
+		if x := userXattrs(path); x != "" {
+			desc += " xattrs=" + x
+		}
+		if rel != "." {
+			// The root's times move with every change inside it.
+			desc += fmt.Sprintf(" mtime=%d", st.Mtim.Sec)
+		}
+		out[rel] = desc
+		return nil
+	})
+	require.NoError(t, err)
+	return out
+}
+
+func digest(b []byte) string {
+	if len(b) <= 64 {
+		return string(b)
+	}
+	var sum uint64 = 14695981039346656037
+	for _, c := range b {
+		sum = (sum ^ uint64(c)) * 1099511628211
+	}
+	return fmt.Sprintf("%d bytes fnv %x", len(b), sum)
+}
+
+func userXattrs(path string) string {
+	buf := make([]byte, 4096)
+	n, err := unix.Llistxattr(path, buf)
+	if err != nil || n == 0 {
+		return ""
+	}
+	var parts []string
+	for _, name := range bytes.Split(buf[:n-1], []byte{0}) {
+		if !bytes.HasPrefix(name, []byte("user.")) {
+			continue
+		}
+		val := make([]byte, 1024)
+		m, err := unix.Lgetxattr(path, string(name), val)
+		if err == nil {
+			parts = append(parts, string(name)+"="+string(val[:m]))
+		}
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, ",")
+}
+
+func write(t *testing.T, root, name, data string) {
+	t.Helper()
+	p := filepath.Join(root, name)
+	require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
+	require.NoError(t, os.WriteFile(p, []byte(data), 0o644))
+}
+
+func readFile(t *testing.T, root, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(root, name))
+	require.NoError(t, err)
+	return string(b)
+}
+
+func absent(t *testing.T, root, name string) {
+	t.Helper()
+	_, err := os.Lstat(filepath.Join(root, name))
+	require.True(t, errors.Is(err, os.ErrNotExist), "%s should not exist in %s (err %v)", name, root, err)
+}
+
+// eventually retries cond until it holds or the time is up.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
