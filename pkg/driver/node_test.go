@@ -1,0 +1,530 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/overlay"
+)
+
+// fixture is an in-process node service on a real overlay state dir.
+type fixture struct {
+	t        *testing.T
+	opts     Options
+	store    *cache.Store
+	node     *nodeService
+	mounter  *faultyMounter
+	pods     string
+	n        int
+	stateDir string
+}
+
+// faultyMounter is the real mounter with injectable failures, for the error
+// paths a real mount cannot be made to take on demand.
+type faultyMounter struct {
+	overlay.Mounter
+	mu          sync.Mutex
+	failMount   error
+	failUnmount error
+}
+
+func (f *faultyMounter) fault(which *error) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return *which
+}
+
+func (f *faultyMounter) Overlay(target string, lowers []string, upper, work string) error {
+	if err := f.fault(&f.failMount); err != nil {
+		return err
+	}
+	return f.Mounter.Overlay(target, lowers, upper, work)
+}
+
+func (f *faultyMounter) Bind(source, target string, ro bool) error {
+	if err := f.fault(&f.failMount); err != nil {
+		return err
+	}
+	return f.Mounter.Bind(source, target, ro)
+}
+
+func (f *faultyMounter) Unmount(target string) error {
+	if err := f.fault(&f.failUnmount); err != nil {
+		return err
+	}
+	return f.Mounter.Unmount(target)
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	testfs.Need(t)
+	f := &fixture{t: t, pods: t.TempDir(), stateDir: t.TempDir(), mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
+	f.opts = Options{Endpoint: "unix:///unused.sock", Mode: ModeNode, NodeID: "node-1", StateDir: f.stateDir,
+		Backend: "overlay", FlattenDepth: 64}
+	require.NoError(t, f.opts.Validate())
+	f.start()
+	t.Cleanup(f.teardown)
+	return f
+}
+
+// teardown unpublishes what a test left published, as the kubelet would,
+// so that no mount outlives the test.
+func (f *fixture) teardown() {
+	if f.node == nil {
+		return
+	}
+	views, err := f.store.ListViews()
+	require.NoError(f.t, err)
+	for _, v := range views {
+		_, err := f.node.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: v.Target})
+		assert.NoError(f.t, err, "unpublishing %s at teardown", v.VolumeID)
+	}
+	f.stop()
+}
+
+func (f *fixture) start() {
+	store, err := cache.Open(f.stateDir)
+	require.NoError(f.t, err)
+	node, err := newNodeService(f.opts, store, f.mounter, newMetrics())
+	require.NoError(f.t, err)
+	f.store, f.node = store, node
+}
+
+func (f *fixture) stop() {
+	if f.node != nil {
+		f.node.stop()
+		f.store.Close()
+		f.node = nil
+	}
+}
+
+// restart is a new process on the same state dir (without a crash).
+func (f *fixture) restart() {
+	f.stop()
+	f.start()
+}
+
+func (f *fixture) volume(ns string, attrs map[string]string) InlineVolume {
+	f.n++
+	v := InlineVolume{VolumeID: fmt.Sprintf("csi-%d", f.n), Target: filepath.Join(f.pods, fmt.Sprint(f.n), "mount"),
+		Attributes: attrs, PodNamespace: ns, PodName: fmt.Sprintf("pod-%d", f.n)}
+	require.NoError(f.t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
+	return v
+}
+
+func (f *fixture) publish(v InlineVolume) error {
+	_, err := f.node.NodePublishVolume(context.Background(), v.PublishRequest())
+	return err
+}
+
+func (f *fixture) unpublish(v InlineVolume) error {
+	_, err := f.node.NodeUnpublishVolume(context.Background(), v.UnpublishRequest())
+	return err
+}
+
+// capture makes a ready cached volume handle in namespace ns with one file.
+func (f *fixture) capture(ns, handle string, extra map[string]string) {
+	f.t.Helper()
+	attrs := map[string]string{AttrCapture: handle}
+	for k, v := range extra {
+		attrs[k] = v
+	}
+	v := f.volume(ns, attrs)
+	require.NoError(f.t, f.publish(v))
+	require.NoError(f.t, os.WriteFile(filepath.Join(v.Target, "file"), []byte(handle), 0o644))
+	require.NoError(f.t, f.unpublish(v))
+}
+
+func TestNodePublishVolumeCodes(t *testing.T) {
+	f := newFixture(t)
+	f.capture("ci", "src-ns", nil)
+	f.capture("other", "src-cluster", map[string]string{AttrScope: "cluster"})
+	f.capture("ci", "taken", nil)
+	reserving := f.volume("ci", map[string]string{AttrCapture: "reserved"})
+	require.NoError(t, f.publish(reserving))
+	t.Cleanup(func() { _ = f.unpublish(reserving) })
+	published := f.volume("ci", nil)
+	require.NoError(t, f.publish(published))
+
+	base := func(mut func(r *csi.NodePublishVolumeRequest)) *csi.NodePublishVolumeRequest {
+		r := f.volume("ci", nil).PublishRequest()
+		mut(r)
+		return r
+	}
+	attrs := func(kv ...string) func(r *csi.NodePublishVolumeRequest) {
+		return func(r *csi.NodePublishVolumeRequest) {
+			for i := 0; i < len(kv); i += 2 {
+				r.VolumeContext[kv[i]] = kv[i+1]
+			}
+		}
+	}
+	mountCap := func(mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
+		return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
+	}
+	longHandle := strings.Repeat("a", 129)
+	tests := []struct {
+		name     string
+		req      *csi.NodePublishVolumeRequest
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{"ok: empty volume", base(func(*csi.NodePublishVolumeRequest) {}), codes.OK, ""},
+		{"ok: own namespace source", base(attrs(AttrSource, "src-ns")), codes.OK, ""},
+		{"ok: cluster-scoped source from another namespace", base(attrs(AttrSource, "src-cluster")), codes.OK, ""},
+		{"ok: source and capture", base(attrs(AttrSource, "src-ns", AttrCapture, "new-out", "property.version", "v1")), codes.OK, ""},
+		{"ok: read-only by access mode", base(func(r *csi.NodePublishVolumeRequest) {
+			r.VolumeCapability = mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY)
+			r.VolumeContext[AttrSource] = "src-ns"
+		}), codes.OK, ""},
+		{"ok: same request again", published.PublishRequest(), codes.OK, ""},
+		{"no volume ID", base(func(r *csi.NodePublishVolumeRequest) { r.VolumeId = "" }), codes.InvalidArgument, "volume ID"},
+		{"no target", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "" }), codes.InvalidArgument, "target"},
+		{"relative target", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "pods/x" }), codes.InvalidArgument, "absolute"},
+		{"target with ..", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "/var/lib/../../etc" }), codes.InvalidArgument, "clean"},
+		{"no capability", base(func(r *csi.NodePublishVolumeRequest) { r.VolumeCapability = nil }), codes.InvalidArgument, "capability"},
+		{"block access", base(func(r *csi.NodePublishVolumeRequest) {
+			r.VolumeCapability.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
+		}), codes.InvalidArgument, "block"},
+		{"multi-node access", base(func(r *csi.NodePublishVolumeRequest) {
+			r.VolumeCapability = mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+		}), codes.InvalidArgument, "one node"},
+		{"mount flags", base(func(r *csi.NodePublishVolumeRequest) {
+			r.VolumeCapability.GetMount().MountFlags = []string{"noexec"}
+		}), codes.InvalidArgument, "mount flags"},
+		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, knownKeys},
+		{"traversal in source", base(attrs(AttrSource, "../../etc")), codes.InvalidArgument, "invalid"},
+		{"slash in capture", base(attrs(AttrCapture, "a/b")), codes.InvalidArgument, "invalid"},
+		{"dot handle", base(attrs(AttrCapture, ".")), codes.InvalidArgument, "invalid"},
+		{"hidden handle", base(attrs(AttrSource, ".hidden")), codes.InvalidArgument, "invalid"},
+		{"empty handle", base(attrs(AttrSource, "")), codes.InvalidArgument, "invalid"},
+		{"long handle", base(attrs(AttrCapture, longHandle)), codes.InvalidArgument, "invalid"},
+		{"bad scope", base(attrs(AttrCapture, "x1", AttrScope, "global")), codes.InvalidArgument, "scope"},
+		{"scope without capture", base(attrs(AttrScope, "cluster")), codes.InvalidArgument, "need capture"},
+		{"property without capture", base(attrs("property.k", "v")), codes.InvalidArgument, "need capture"},
+		{"bad property key", base(attrs(AttrCapture, "x2", "property.", "v")), codes.InvalidArgument, "property key"},
+		{"read-only capture", base(func(r *csi.NodePublishVolumeRequest) {
+			r.Readonly = true
+			r.VolumeContext[AttrCapture] = "x3"
+		}), codes.InvalidArgument, "read-only"},
+		{"capture equals source", base(attrs(AttrSource, "src-ns", AttrCapture, "src-ns")), codes.InvalidArgument, "immutable"},
+		{"missing source", base(attrs(AttrSource, "nope")), codes.NotFound, `"nope"`},
+		{"source being captured", base(attrs(AttrSource, "reserved")), codes.Unavailable, "being captured"},
+		{"source of another namespace", base(func(r *csi.NodePublishVolumeRequest) {
+			r.VolumeContext[AttrSource] = "src-ns"
+			r.VolumeContext[ctxPodNamespace] = "intruder"
+		}), codes.PermissionDenied, `namespace "ci"`},
+		{"capture handle taken", base(attrs(AttrCapture, "taken")), codes.AlreadyExists, "taken"},
+		{"capture handle reserved", base(attrs(AttrCapture, "reserved")), codes.AlreadyExists, "reserved"},
+		{"same ID at another target", func() *csi.NodePublishVolumeRequest {
+			r := published.PublishRequest()
+			r.TargetPath += "-elsewhere"
+			return r
+		}(), codes.AlreadyExists, "already published"},
+		{"same ID with other attributes", func() *csi.NodePublishVolumeRequest {
+			r := published.PublishRequest()
+			r.VolumeContext[AttrSource] = "src-ns"
+			return r
+		}(), codes.AlreadyExists, "already published"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := f.node.NodePublishVolume(context.Background(), tc.req)
+			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
+			if tc.wantMsg != "" {
+				assert.Contains(t, status.Convert(err).Message(), tc.wantMsg)
+			}
+			if err != nil {
+				return
+			}
+			_, err = f.node.NodePublishVolume(context.Background(), tc.req)
+			require.NoError(t, err, "publish must be idempotent")
+		})
+	}
+}
+
+func TestInFlightDuplicatesAreAborted(t *testing.T) {
+	f := newFixture(t)
+	v := f.volume("ci", nil)
+	release, ok := f.node.inflight.tryLock(v.VolumeID)
+	require.True(t, ok)
+	require.Equal(t, codes.Aborted, status.Code(f.publish(v)))
+	require.Equal(t, codes.Aborted, status.Code(f.unpublish(v)))
+	release()
+	require.NoError(t, f.publish(v))
+	require.NoError(t, f.unpublish(v))
+}
+
+func TestNodeUnpublishVolumeCodes(t *testing.T) {
+	f := newFixture(t)
+	v := f.volume("ci", nil)
+	require.NoError(t, f.publish(v))
+	tests := []struct {
+		name     string
+		req      *csi.NodeUnpublishVolumeRequest
+		wantCode codes.Code
+	}{
+		{"no volume ID", &csi.NodeUnpublishVolumeRequest{TargetPath: v.Target}, codes.InvalidArgument},
+		{"no target", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID}, codes.InvalidArgument},
+		{"wrong target", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: v.Target + "x"}, codes.NotFound},
+		{"ok", v.UnpublishRequest(), codes.OK},
+		{"ok again", v.UnpublishRequest(), codes.OK},
+		{"never published", &csi.NodeUnpublishVolumeRequest{VolumeId: "csi-unknown", TargetPath: "/tmp/cowvol-none/mount"}, codes.OK},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := f.node.NodeUnpublishVolume(context.Background(), tc.req)
+			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
+		})
+	}
+}
+
+func TestNodeGetVolumeStats(t *testing.T) {
+	f := newFixture(t)
+	f.capture("ci", "stats-src", nil)
+	v := f.volume("ci", map[string]string{AttrSource: "stats-src"})
+	require.NoError(t, f.publish(v))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "new"), make([]byte, 1<<20), 0o644))
+	tests := []struct {
+		name     string
+		req      *csi.NodeGetVolumeStatsRequest
+		wantCode codes.Code
+	}{
+		{"no volume ID", &csi.NodeGetVolumeStatsRequest{VolumePath: v.Target}, codes.InvalidArgument},
+		{"no path", &csi.NodeGetVolumeStatsRequest{VolumeId: v.VolumeID}, codes.InvalidArgument},
+		{"unknown volume", &csi.NodeGetVolumeStatsRequest{VolumeId: "csi-x", VolumePath: v.Target}, codes.NotFound},
+		{"wrong path", &csi.NodeGetVolumeStatsRequest{VolumeId: v.VolumeID, VolumePath: "/some/path"}, codes.NotFound},
+		{"ok", &csi.NodeGetVolumeStatsRequest{VolumeId: v.VolumeID, VolumePath: v.Target}, codes.OK},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := f.node.NodeGetVolumeStats(context.Background(), tc.req)
+			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
+			if err != nil {
+				return
+			}
+			bytes, inodes := resp.Usage[0], resp.Usage[1]
+			assert.GreaterOrEqual(t, bytes.Used, int64(1<<20), "the step's own writes count")
+			assert.Less(t, bytes.Used, int64(2<<20), "the source's data does not")
+			assert.Positive(t, bytes.Total)
+			assert.Positive(t, bytes.Available)
+			assert.GreaterOrEqual(t, inodes.Used, int64(2))
+		})
+	}
+}
+
+func TestNodeGetInfoAndCapabilities(t *testing.T) {
+	f := newFixture(t)
+	info, err := f.node.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
+	require.NoError(t, err)
+	assert.Equal(t, "node-1", info.NodeId)
+	assert.Equal(t, "node-1", info.AccessibleTopology.Segments[TopologyKey])
+	caps, err := f.node.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{})
+	require.NoError(t, err)
+	require.Len(t, caps.Capabilities, 1)
+	assert.Equal(t, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS, caps.Capabilities[0].GetRpc().GetType())
+}
+
+// A publish whose mount fails leaves nothing: no view, no reservation, no
+// dirs, and the capture handle is free for the retry.
+func TestFailedPublishLeavesNothing(t *testing.T) {
+	f := newFixture(t)
+	v := f.volume("ci", map[string]string{AttrCapture: "out-1"})
+	f.mounter.failMount = errors.New("injected mount failure")
+	require.Equal(t, codes.Internal, status.Code(f.publish(v)))
+	f.mounter.failMount = nil
+	_, err := f.store.GetView(v.VolumeID)
+	require.ErrorIs(t, err, cache.ErrNotFound)
+	_, err = f.store.Get("out-1")
+	require.ErrorIs(t, err, cache.ErrNotFound)
+	entries, err := os.ReadDir(f.store.ViewsDir())
+	require.NoError(t, err)
+	require.Empty(t, entries)
+	require.NoError(t, f.publish(v), "the retry succeeds")
+	require.NoError(t, f.unpublish(v))
+	vol, err := f.store.Get("out-1")
+	require.NoError(t, err)
+	require.Equal(t, cache.StateReady, vol.State)
+}
+
+// A capture whose unmount fails is retried by the kubelet and completes.
+func TestFailedCaptureCompletesOnRetry(t *testing.T) {
+	f := newFixture(t)
+	v := f.volume("ci", map[string]string{AttrCapture: "out-2"})
+	require.NoError(t, f.publish(v))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "f"), []byte("data"), 0o644))
+	f.mounter.failUnmount = unix.EBUSY
+	require.Equal(t, codes.Internal, status.Code(f.unpublish(v)))
+	vol, err := f.store.Get("out-2")
+	require.NoError(t, err)
+	require.Equal(t, cache.StateCreating, vol.State, "nothing half-made is visible")
+	f.mounter.failUnmount = nil
+	require.NoError(t, f.unpublish(v))
+	vol, err = f.store.Get("out-2")
+	require.NoError(t, err)
+	require.Equal(t, cache.StateReady, vol.State)
+	data, err := os.ReadFile(filepath.Join(f.store.DataPath(vol), "f"))
+	require.NoError(t, err)
+	require.Equal(t, "data", string(data))
+}
+
+// A state dir that runs out of inodes fails publishes with
+// ResourceExhausted and leaves the store consistent.
+func TestDiskFullIsResourceExhausted(t *testing.T) {
+	testfs.Need(t)
+	dir := t.TempDir()
+	require.NoError(t, unix.Mount("tmpfs", dir, "tmpfs", 0, "size=64m,nr_inodes=64"))
+	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+	f := &fixture{t: t, pods: t.TempDir(), stateDir: dir, mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
+	f.opts = Options{Endpoint: "unix:///unused.sock", Mode: ModeNode, NodeID: "n", StateDir: dir, Backend: "overlay", FlattenDepth: 64}
+	require.NoError(t, f.opts.Validate())
+	f.start()
+	t.Cleanup(f.teardown)
+	for i := 0; ; i++ {
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("filler-%d", i)), nil, 0o600); err != nil {
+			require.ErrorIs(t, err, unix.ENOSPC)
+			break
+		}
+	}
+	v := f.volume("ci", map[string]string{AttrCapture: "full"})
+	require.Equal(t, codes.ResourceExhausted, status.Code(f.publish(v)))
+	_, err := f.store.Get("full")
+	require.ErrorIs(t, err, cache.ErrNotFound, "the reservation was released")
+}
+
+// Many volumes published, captured and torn down in parallel (run with
+// -race): every one succeeds and every capture is complete.
+func TestParallelPublishAndCapture(t *testing.T) {
+	f := newFixture(t)
+	f.capture("ci", "shared", nil)
+	const workers = 16
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	vols := make([]InlineVolume, workers)
+	for i := range vols {
+		vols[i] = f.volume("ci", map[string]string{AttrSource: "shared", AttrCapture: fmt.Sprintf("par-%d", i)})
+	}
+	for i := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			v := vols[i]
+			if err := f.publish(v); err != nil {
+				errs <- err
+				return
+			}
+			if err := os.WriteFile(filepath.Join(v.Target, "mine"), []byte(v.VolumeID), 0o644); err != nil {
+				errs <- err
+				return
+			}
+			errs <- f.unpublish(v)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	for i, v := range vols {
+		vol, err := f.store.Get(fmt.Sprintf("par-%d", i))
+		require.NoError(t, err)
+		require.Equal(t, cache.StateReady, vol.State)
+		require.Equal(t, "shared", vol.Base)
+		data, err := os.ReadFile(filepath.Join(f.store.DataPath(vol), "mine"))
+		require.NoError(t, err)
+		require.Equal(t, v.VolumeID, string(data))
+	}
+}
+
+// Two concurrent publishes of one volume: one does the work, the other is
+// told to retry or sees it done; never two volumes.
+func TestConcurrentDuplicatePublish(t *testing.T) {
+	f := newFixture(t)
+	v := f.volume("ci", map[string]string{AttrCapture: "dup"})
+	var wg sync.WaitGroup
+	codesSeen := make(chan codes.Code, 8)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			codesSeen <- status.Code(f.publish(v))
+		}()
+	}
+	wg.Wait()
+	close(codesSeen)
+	for c := range codesSeen {
+		require.Contains(t, []codes.Code{codes.OK, codes.Aborted}, c)
+	}
+	require.NoError(t, f.publish(v))
+	views, err := f.store.ListViews()
+	require.NoError(t, err)
+	require.Len(t, views, 1)
+	require.NoError(t, f.unpublish(v))
+}
+
+// A ready volume whose data vanished is marked failed at start-up and
+// refused as a source, never served half-there.
+func TestMissingDataIsMarkedFailed(t *testing.T) {
+	f := newFixture(t)
+	f.capture("ci", "doomed", nil)
+	vol, err := f.store.Get("doomed")
+	require.NoError(t, err)
+	require.NoError(t, os.RemoveAll(f.store.DataPath(vol)))
+	f.restart()
+	vol, err = f.store.Get("doomed")
+	require.NoError(t, err)
+	require.Equal(t, cache.StateFailed, vol.State)
+	err = f.publish(f.volume("ci", map[string]string{AttrSource: "doomed"}))
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "err: %v", err)
+}
+
+func TestOptionsValidate(t *testing.T) {
+	good := func() Options {
+		return Options{Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: "n", StateDir: "/var/lib/cowvol",
+			Backend: "auto", FlattenDepth: 64}
+	}
+	tests := []struct {
+		name    string
+		mut     func(*Options)
+		wantErr string
+	}{
+		{"ok", func(*Options) {}, ""},
+		{"tcp endpoint", func(o *Options) { o.Endpoint = "tcp://127.0.0.1:10000" }, ""},
+		{"controller needs no state", func(o *Options) { o.Mode = ModeController; o.StateDir = "" }, ""},
+		{"bad scheme", func(o *Options) { o.Endpoint = "http://x" }, "endpoint"},
+		{"no socket path", func(o *Options) { o.Endpoint = "unix://" }, "socket path"},
+		{"bad mode", func(o *Options) { o.Mode = "both" }, "mode"},
+		{"no node ID", func(o *Options) { o.NodeID = "" }, "node ID"},
+		{"relative state dir", func(o *Options) { o.StateDir = "state" }, "absolute"},
+		{"bad backend", func(o *Options) { o.Backend = "zfs" }, "unknown COW backend"},
+		{"flatten depth too deep", func(o *Options) { o.FlattenDepth = 600 }, "flatten depth"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			o := good()
+			tc.mut(&o)
+			err := o.Validate()
+			if tc.wantErr == "" {
+				require.NoError(t, err)
+				require.Equal(t, DefaultDriverName, o.DriverName)
+				return
+			}
+			require.ErrorContains(t, err, tc.wantErr)
+		})
+	}
+}
