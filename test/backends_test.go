@@ -67,12 +67,12 @@ func (e *env) testIsolation(t *testing.T) {
 		write(t, dir, "b.txt", "B")
 		write(t, dir, "dir/c.txt", "C")
 	})
-	var before tree
-	e.read("iso-base", func(dir string) { before = snapshot(t, dir) })
+	var before testfs.Tree
+	e.read("iso-base", func(dir string) { before = testfs.Describe(t, dir) })
 
 	v1 := e.mount(map[string]string{"source": "iso-base"}, false)
 	v2 := e.mount(map[string]string{"source": "iso-base"}, false)
-	require.Equal(t, before, snapshot(t, v1.Target), "a fresh view shows the source exactly")
+	require.Equal(t, before, testfs.Describe(t, v1.Target), "a fresh view shows the source exactly")
 	write(t, v1.Target, "a.txt", "A1")
 	require.NoError(t, os.Remove(filepath.Join(v1.Target, "b.txt")))
 	write(t, v1.Target, "dir/d.txt", "D")
@@ -85,7 +85,7 @@ func (e *env) testIsolation(t *testing.T) {
 	e.umount(v1)
 	e.umount(v2)
 	e.read("iso-base", func(dir string) {
-		require.Equal(t, before, snapshot(t, dir), "the source is unchanged by its views")
+		require.Equal(t, before, testfs.Describe(t, dir), "the source is unchanged by its views")
 	})
 }
 
@@ -108,8 +108,8 @@ func (e *env) testDeletionsAndRenames(t *testing.T) {
 			write(t, dir, f, "v0 "+f)
 		}
 	})
-	var r0 tree
-	e.read("del-0", func(dir string) { r0 = snapshot(t, dir) })
+	var r0 testfs.Tree
+	e.read("del-0", func(dir string) { r0 = testfs.Describe(t, dir) })
 	e.step("del-0", "del-1", func(dir string) {
 		require.NoError(t, os.Remove(filepath.Join(dir, "gone.txt")))
 		require.NoError(t, os.Rename(filepath.Join(dir, "ren.txt"), filepath.Join(dir, "renamed.txt")))
@@ -138,7 +138,7 @@ func (e *env) testDeletionsAndRenames(t *testing.T) {
 		write(t, dir, "more.txt", "v2")
 	})
 	e.read("del-2", check)
-	e.read("del-0", func(dir string) { require.Equal(t, r0, snapshot(t, dir), "the chain's root is unchanged") })
+	e.read("del-0", func(dir string) { require.Equal(t, r0, testfs.Describe(t, dir), "the chain's root is unchanged") })
 }
 
 func (e *env) testChains(t *testing.T, backend string) {
@@ -221,7 +221,7 @@ func (e *env) testReadOnly(t *testing.T) {
 func (e *env) testMetadata(t *testing.T) {
 	e = e.sub(t)
 	when := time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)
-	var made tree
+	var made testfs.Tree
 	e.step("", "meta", func(dir string) {
 		p := func(name string) string { return filepath.Join(dir, name) }
 		write(t, dir, "owned", "owned by 1234:5678")
@@ -248,10 +248,10 @@ func (e *env) testMetadata(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, f.Close())
 		require.NoError(t, os.Chtimes(p("owned"), when, when))
-		made = snapshot(t, dir)
+		made = testfs.Describe(t, dir)
 	})
 	e.read("meta", func(dir string) {
-		require.Equal(t, made, snapshot(t, dir), "a captured volume keeps modes, owners, links, xattrs and times")
+		require.Equal(t, made, testfs.Describe(t, dir), "a captured volume keeps modes, owners, links, xattrs and times")
 		var st unix.Stat_t
 		require.NoError(t, unix.Stat(filepath.Join(dir, "sparse"), &st))
 		require.Less(t, st.Blocks*512, int64(1<<20), "a sparse file stays sparse")
@@ -259,7 +259,7 @@ func (e *env) testMetadata(t *testing.T) {
 	// A writable view shows the same, and a change of owner or mode in it
 	// is captured without touching the source.
 	e.step("meta", "meta-2", func(dir string) {
-		require.Equal(t, made, snapshot(t, dir))
+		require.Equal(t, made, testfs.Describe(t, dir))
 		require.NoError(t, os.Chown(filepath.Join(dir, "exec"), 7, 8))
 		require.NoError(t, os.Chmod(filepath.Join(dir, "owned"), 0o600))
 	})
@@ -270,7 +270,7 @@ func (e *env) testMetadata(t *testing.T) {
 		require.NoError(t, unix.Stat(filepath.Join(dir, "owned"), &st))
 		require.Equal(t, uint32(0o600), st.Mode&0o7777)
 	})
-	e.read("meta", func(dir string) { require.Equal(t, made, snapshot(t, dir)) })
+	e.read("meta", func(dir string) { require.Equal(t, made, testfs.Describe(t, dir)) })
 }
 
 func (e *env) testEmptyVolume(t *testing.T) {

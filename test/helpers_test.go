@@ -4,19 +4,16 @@
 package test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -103,93 +100,6 @@ func (e *env) read(handle string, fn func(dir string)) {
 }
 
 func code(err error) codes.Code { return status.Code(err) }
-
-// tree describes a directory tree for comparisons: path → description.
-type tree map[string]string
-
-// snapshot describes every entry under root: type, mode, owner, size,
-// content digest, link target, xattrs (user.* and trusted.overlay.* are
-// what a step can set or what overlay uses) and hardlink groups.
-func snapshot(t *testing.T, root string) tree {
-	t.Helper()
-	out := tree{}
-	inodes := map[uint64]string{}
-	err := filepath.Walk(root, func(path string, _ os.FileInfo, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, path)
-		var st unix.Stat_t
-		if err := unix.Lstat(path, &st); err != nil {
-			return err
-		}
-		desc := fmt.Sprintf("mode=%o uid=%d gid=%d", st.Mode, st.Uid, st.Gid)
-		switch st.Mode & unix.S_IFMT {
-		case unix.S_IFREG:
-			data, err := os.ReadFile(path)
-			if err != nil {
-				return err
-			}
-			desc += fmt.Sprintf(" size=%d data=%q", st.Size, digest(data))
-			if st.Nlink > 1 {
-				if first, ok := inodes[st.Ino]; ok {
-					desc += " link-of=" + first
-				} else {
-					inodes[st.Ino] = rel
-				}
-			}
-		case unix.S_IFLNK:
-			target, _ := os.Readlink(path)
-			desc += " -> " + target
-		case unix.S_IFDIR:
-		default:
-			desc += fmt.Sprintf(" rdev=%d", st.Rdev)
-		}
-		if x := userXattrs(path); x != "" {
-			desc += " xattrs=" + x
-		}
-		if rel != "." {
-			// The root's times move with every change inside it.
-			desc += fmt.Sprintf(" mtime=%d", st.Mtim.Sec)
-		}
-		out[rel] = desc
-		return nil
-	})
-	require.NoError(t, err)
-	return out
-}
-
-func digest(b []byte) string {
-	if len(b) <= 64 {
-		return string(b)
-	}
-	var sum uint64 = 14695981039346656037
-	for _, c := range b {
-		sum = (sum ^ uint64(c)) * 1099511628211
-	}
-	return fmt.Sprintf("%d bytes fnv %x", len(b), sum)
-}
-
-func userXattrs(path string) string {
-	buf := make([]byte, 4096)
-	n, err := unix.Llistxattr(path, buf)
-	if err != nil || n == 0 {
-		return ""
-	}
-	var parts []string
-	for _, name := range bytes.Split(buf[:n-1], []byte{0}) {
-		if !bytes.HasPrefix(name, []byte("user.")) {
-			continue
-		}
-		val := make([]byte, 1024)
-		m, err := unix.Lgetxattr(path, string(name), val)
-		if err == nil {
-			parts = append(parts, string(name)+"="+string(val[:m]))
-		}
-	}
-	sort.Strings(parts)
-	return strings.Join(parts, ",")
-}
 
 func write(t *testing.T, root, name, data string) {
 	t.Helper()

@@ -1,0 +1,211 @@
+package overlay
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+)
+
+// layerTree fills dir with every kind of entry a captured overlay layer can
+// hold, including a whiteout and an opaque dir.
+func layerTree(t *testing.T, dir string) {
+	t.Helper()
+	p := func(name string) string { return filepath.Join(dir, name) }
+	require.NoError(t, os.MkdirAll(p("sub/opaque"), 0o755))
+	require.NoError(t, os.WriteFile(p("sub/file"), []byte("data"), 0o640))
+	require.NoError(t, os.Chown(p("sub/file"), 1000, 2000))
+	require.NoError(t, unix.Chmod(p("sub"), 0o2750))
+	require.NoError(t, unix.Setxattr(p("sub/opaque"), "trusted.overlay.opaque", []byte("y"), 0))
+	require.NoError(t, unix.Setxattr(p("sub/file"), "user.note", []byte("kept"), 0))
+	require.NoError(t, unix.Mknod(p("whiteout"), unix.S_IFCHR|0o000, 0))
+	require.NoError(t, unix.Mkfifo(p("fifo"), 0o644))
+	require.NoError(t, os.Symlink("sub/file", p("link")))
+	require.NoError(t, os.WriteFile(p("hard1"), []byte("linked"), 0o644))
+	require.NoError(t, os.Link(p("hard1"), p("hard2")))
+	big := make([]byte, 3<<20)
+	for i := range big {
+		big[i] = byte(i % 251)
+	}
+	require.NoError(t, os.WriteFile(p("big"), big, 0o600))
+	f, err := os.Create(p("sparse"))
+	require.NoError(t, err)
+	_, err = f.WriteAt([]byte("tail"), 256<<20)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+	when := time.Date(2021, 5, 6, 7, 8, 9, 123456789, time.UTC)
+	require.NoError(t, os.Chtimes(p("big"), when, when))
+}
+
+func TestCopyTreeIsFaithful(t *testing.T) {
+	for _, fs := range []testfs.Kind{testfs.Ext4, testfs.XFS, testfs.Btrfs} {
+		t.Run(string(fs), func(t *testing.T) {
+			root := testfs.Mount(t, fs, 1<<30)
+			src, dst := filepath.Join(root, "src"), filepath.Join(root, "dst")
+			require.NoError(t, os.Mkdir(src, 0o711))
+			layerTree(t, src)
+			for _, reflink := range []bool{true, false} {
+				out := fmt.Sprintf("%s-%v", dst, reflink)
+				stats, err := CopyTree(context.Background(), src, out, reflink)
+				require.NoError(t, err)
+				require.Equal(t, testfs.Describe(t, src), testfs.Describe(t, out))
+				require.Equal(t, int64(1), stats.Links)
+				var st unix.Stat_t
+				require.NoError(t, unix.Stat(filepath.Join(out, "sparse"), &st))
+				require.Less(t, st.Blocks*512, int64(1<<20), "holes stay holes")
+				if reflink && fs != testfs.Ext4 {
+					require.Equal(t, int64(4), stats.Cloned, "every non-empty file (sub/file, hard1, big, sparse) is cloned")
+					require.Zero(t, stats.Copied)
+				} else {
+					require.Zero(t, stats.Cloned)
+				}
+			}
+		})
+	}
+}
+
+func TestCopyTreeStopsWhenCancelled(t *testing.T) {
+	src := t.TempDir()
+	for i := range 10 {
+		require.NoError(t, os.WriteFile(filepath.Join(src, fmt.Sprint(i)), nil, 0o644))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := CopyTree(ctx, src, filepath.Join(t.TempDir(), "dst"), false)
+	require.ErrorIs(t, err, context.Canceled)
+}
+
+// A chain deeper than mount(2)'s one-page option string can carry mounts
+// through fsopen with one lowerdir+ per layer, and merges as overlay should.
+func TestDeepChainMountsAndMerges(t *testing.T) {
+	testfs.Need(t)
+	root := filepath.Join(t.TempDir(), strings.Repeat("long-path-segment-", 3))
+	const depth = 200
+	var lowers []string
+	for i := depth - 1; i >= 0; i-- { // top first
+		l := filepath.Join(root, fmt.Sprintf("layer-%03d", i))
+		require.NoError(t, os.MkdirAll(l, 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(l, fmt.Sprintf("f%03d", i)), []byte("x"), 0o644))
+		lowers = append(lowers, l)
+	}
+	require.Greater(t, len(strings.Join(lowers, ":")), os.Getpagesize())
+	// The top layer deletes f000 with a whiteout.
+	require.NoError(t, unix.Mknod(filepath.Join(lowers[0], "f000"), unix.S_IFCHR, 0))
+	m := NewSysMounter()
+	mnt := filepath.Join(t.TempDir(), "mnt")
+	dst := filepath.Join(t.TempDir(), "flat")
+	stats, err := CopyLayers(context.Background(), m, lowers, mnt, dst, true)
+	require.NoError(t, err)
+	entries, err := os.ReadDir(dst)
+	require.NoError(t, err)
+	require.Len(t, entries, depth-1, "every layer's file but the whited-out one")
+	require.Equal(t, int64(depth-1), stats.Files)
+	mounts, err := MountsUnder(filepath.Dir(mnt))
+	require.NoError(t, err)
+	require.Empty(t, mounts, "the merge mount is gone")
+}
+
+// Flattening on XFS clones from the real layer files, not through overlay.
+func TestCopyLayersClonesFromLayers(t *testing.T) {
+	root := testfs.Mount(t, testfs.XFS, 512<<20)
+	lower, upper := filepath.Join(root, "lower"), filepath.Join(root, "upper")
+	require.NoError(t, os.MkdirAll(lower, 0o755))
+	require.NoError(t, os.MkdirAll(upper, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(lower, "a"), make([]byte, 1<<20), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(upper, "b"), make([]byte, 1<<20), 0o644))
+	stats, err := CopyLayers(context.Background(), NewSysMounter(), []string{upper, lower},
+		filepath.Join(root, "mnt"), filepath.Join(root, "flat"), true)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), stats.Cloned)
+}
+
+func TestRemoveTree(t *testing.T) {
+	testfs.Need(t)
+	t.Run("refuses a mount inside", func(t *testing.T) {
+		dir := t.TempDir()
+		inner := filepath.Join(dir, "a", "mnt")
+		require.NoError(t, os.MkdirAll(inner, 0o755))
+		src := t.TempDir()
+		require.NoError(t, os.WriteFile(filepath.Join(src, "precious"), []byte("x"), 0o644))
+		m := NewSysMounter()
+		require.NoError(t, m.Bind(src, inner, false))
+		defer m.Unmount(inner)
+		require.ErrorContains(t, RemoveTree(filepath.Join(dir, "a")), "is mounted")
+		_, err := os.Stat(filepath.Join(src, "precious"))
+		require.NoError(t, err)
+	})
+	t.Run("missing path is done", func(t *testing.T) {
+		require.NoError(t, RemoveTree(filepath.Join(t.TempDir(), "nope")))
+	})
+	t.Run("btrfs subvolumes, nested too", func(t *testing.T) {
+		root := testfs.Mount(t, testfs.Btrfs, 256<<20)
+		outer := filepath.Join(root, "outer")
+		require.NoError(t, CreateSubvolume(outer))
+		require.NoError(t, os.WriteFile(filepath.Join(outer, "f"), []byte("x"), 0o644))
+		require.NoError(t, CreateSubvolume(filepath.Join(outer, "inner")))
+		snap := filepath.Join(root, "snap")
+		require.NoError(t, Snapshot(outer, snap))
+		require.True(t, IsSubvolume(snap))
+		require.NoError(t, RemoveTree(outer))
+		require.NoError(t, RemoveTree(snap))
+		entries, err := os.ReadDir(root)
+		require.NoError(t, err)
+		require.Empty(t, entries)
+	})
+}
+
+func TestProbe(t *testing.T) {
+	m := NewSysMounter()
+	tests := []struct {
+		fs      testfs.Kind
+		want    Kind
+		reflink bool
+	}{
+		{testfs.Ext4, KindOverlay, false},
+		{testfs.XFS, KindOverlay, true},
+		{testfs.Btrfs, KindBtrfs, true},
+	}
+	for _, tc := range tests {
+		t.Run(string(tc.fs), func(t *testing.T) {
+			dir := testfs.Mount(t, tc.fs, 512<<20)
+			got, err := Probe(dir, m)
+			require.NoError(t, err)
+			require.Equal(t, tc.want, got)
+			if tc.reflink {
+				require.NoError(t, Supports(KindReflink, dir, m))
+			} else {
+				require.Error(t, Supports(KindReflink, dir, m))
+			}
+			entries, err := os.ReadDir(dir)
+			require.NoError(t, err)
+			for _, e := range entries {
+				require.False(t, strings.HasPrefix(e.Name(), ".probe-"), "probing leaves nothing")
+			}
+		})
+	}
+}
+
+func TestCommitIsIdempotent(t *testing.T) {
+	dir := t.TempDir()
+	b, err := New(KindCopy, NewSysMounter())
+	require.NoError(t, err)
+	s := Spec{Dir: filepath.Join(dir, "view")}
+	content, _ := b.Content(s)
+	require.NoError(t, os.MkdirAll(content, 0o755))
+	layer := filepath.Join(dir, "layers", "h", "l1")
+	diff, err := Commit(b, s, layer)
+	require.NoError(t, err)
+	require.False(t, diff)
+	_, err = Commit(b, s, layer)
+	require.NoError(t, err, "a second commit after a crash finds it done")
+	_, err = Commit(b, Spec{Dir: filepath.Join(dir, "nothing")}, filepath.Join(dir, "layers", "x", "l1"))
+	require.Error(t, err, "nothing to commit and nothing committed is an error")
+}
