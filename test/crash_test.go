@@ -1,0 +1,221 @@
+package test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/overlay"
+)
+
+// retry repeats a kubelet call until it succeeds, as the kubelet does.
+func retry(t *testing.T, what string, call func() error) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := call()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s kept failing: %v", what, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// noLeaks checks that nothing is mounted under the state dir or the pods'
+// dirs, and that no step volume dir or staging leftover remains.
+func (e *env) noLeaks(t *testing.T) {
+	t.Helper()
+	for _, dir := range []string{e.p.StateDir, e.pods} {
+		mounts, err := overlay.MountsUnder(dir)
+		require.NoError(t, err)
+		require.Empty(t, mounts, "leaked mounts under %s", dir)
+	}
+	for _, sub := range []string{"views", "staging"} {
+		entries, err := os.ReadDir(filepath.Join(e.p.StateDir, sub))
+		require.NoError(t, err)
+		require.Empty(t, entries, "leftovers in %s", sub)
+	}
+}
+
+// TestCrashPoints kills the plugin (SIGKILL) exactly between the steps of a
+// publish, a capture and a discard, restarts it, and lets the kubelet's
+// retries finish the job. Nothing half-made may become visible, the source
+// must be intact, the output complete, and no mount may leak.
+func TestCrashPoints(t *testing.T) {
+	testfs.Need(t)
+	points := []struct {
+		name    string
+		capture bool // the crash is in unpublish, after a normal publish
+		scratch bool // a volume without capture
+	}{
+		{"publish-recorded", false, false},
+		{"publish-mounted", false, false},
+		{"capture-unmounted", true, false},
+		{"capture-renamed", true, false},
+		{"capture-committed", true, false},
+		{"discard-unmounted", true, true},
+	}
+	for _, pt := range points {
+		t.Run(pt.name, func(t *testing.T) {
+			e := newEnv(t, plugintest.Config{Backend: "overlay"})
+			e.step("", "base", func(dir string) {
+				write(t, dir, "keep", "base data")
+				write(t, dir, "drop", "deleted by the step")
+			})
+			var baseTree testfs.Tree
+			e.read("base", func(dir string) { baseTree = testfs.Describe(t, dir) })
+
+			attrs := map[string]string{driver.AttrSource: "base", driver.AttrCapture: "out"}
+			if pt.scratch {
+				attrs = map[string]string{driver.AttrSource: "base"}
+			}
+			v := e.volume(attrs, false)
+			work := func() {
+				write(t, v.Target, "new", "written by the step")
+				require.NoError(t, os.Remove(filepath.Join(v.Target, "drop")))
+			}
+			if pt.capture {
+				require.NoError(t, e.publish(v))
+				work()
+				e.p.Restart("COWVOL_CRASH_AT=" + pt.name) // a SIGKILL while published, too
+				require.Error(t, e.unpublish(v), "the plugin dies in the call")
+			} else {
+				e.p.Restart("COWVOL_CRASH_AT=" + pt.name)
+				require.Error(t, e.publish(v), "the plugin dies in the call")
+			}
+			require.NoError(t, e.p.Wait(10*time.Second), "the plugin stopped at the crash point")
+			e.p.Restart()
+
+			// Before the kubelet retries, the output is not visible: a
+			// half-published view's reservation was dropped, a half-made
+			// capture is still reserved.
+			if !pt.scratch && pt.name != "capture-committed" {
+				want := codes.NotFound
+				if pt.capture {
+					want = codes.Unavailable
+				}
+				require.Equal(t, want, code(e.publish(e.volume(map[string]string{driver.AttrSource: "out"}, true))),
+					"a half-made volume is never served")
+			}
+			if !pt.capture {
+				retry(t, "publish", func() error { return e.publish(v) })
+				require.Equal(t, "base data", readFile(t, v.Target, "keep"))
+				work()
+			}
+			retry(t, "unpublish", func() error { return e.unpublish(v) })
+			if !pt.scratch {
+				e.read("out", func(dir string) {
+					require.Equal(t, "base data", readFile(t, dir, "keep"))
+					require.Equal(t, "written by the step", readFile(t, dir, "new"))
+					absent(t, dir, "drop")
+				})
+			}
+			e.read("base", func(dir string) { require.Equal(t, baseTree, testfs.Describe(t, dir)) })
+			e.noLeaks(t)
+		})
+	}
+}
+
+// TestRestartAdoptsAndRemounts: volumes published before a SIGKILL stay
+// usable and are torn down (and captured) by the new process; a mount that
+// vanished while the plugin was down (a reboot) is made again.
+func TestRestartAdoptsAndRemounts(t *testing.T) {
+	testfs.Need(t)
+	e := newEnv(t, plugintest.Config{Backend: "overlay"})
+	e.step("", "src", func(dir string) { write(t, dir, "f", "src") })
+	adopted := e.mount(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "adopted-out"}, false)
+	lost := e.mount(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "lost-out"}, false)
+	write(t, lost.Target, "before", "reboot")
+	e.p.Kill()
+	m := overlay.NewSysMounter()
+	require.NoError(t, m.Unmount(lost.Target))
+	e.p.Restart()
+	require.Contains(t, e.p.Log(), "viewsAdopted=1")
+	require.Contains(t, e.p.Log(), "viewsRemounted=1")
+
+	write(t, adopted.Target, "after", "restart")
+	require.Equal(t, "reboot", readFile(t, lost.Target, "before"), "the remount shows the step's earlier writes")
+	require.NoError(t, e.publish(adopted), "a repeated publish of an adopted volume is a success")
+	e.umount(adopted)
+	e.umount(lost)
+	e.read("adopted-out", func(dir string) { require.Equal(t, "restart", readFile(t, dir, "after")) })
+	e.read("lost-out", func(dir string) { require.Equal(t, "reboot", readFile(t, dir, "before")) })
+	e.noLeaks(t)
+}
+
+// TestKillAtRandomInstants runs a stream of steps (publish, write, capture)
+// and SIGKILLs the plugin at random instants. After each restart, the calls
+// in flight are retried until they succeed; at the end every captured
+// volume is complete and nothing leaked.
+func TestKillAtRandomInstants(t *testing.T) {
+	testfs.Need(t)
+	e := newEnv(t, plugintest.Config{Backend: "overlay"})
+	e.step("", "root", func(dir string) { write(t, dir, "gen", "0") })
+	rng := rand.New(rand.NewPCG(1, 2))
+	const steps = 24
+	prev := "root"
+	kills := 0
+	for i := 1; i <= steps; i++ {
+		handle := fmt.Sprintf("gen-%d", i)
+		v := e.volume(map[string]string{driver.AttrSource: prev, driver.AttrCapture: handle}, false)
+		killer := make(chan struct{})
+		go func() {
+			defer close(killer)
+			time.Sleep(time.Duration(rng.IntN(3000)) * time.Microsecond)
+			if rng.IntN(2) == 0 {
+				e.p.Kill()
+			}
+		}()
+		publishErr := e.publish(v)
+		<-killer
+		if !e.p.Running() {
+			kills++
+			e.p.Restart()
+		}
+		if publishErr != nil {
+			retry(t, "publish", func() error { return e.publish(v) })
+		}
+		require.Equal(t, fmt.Sprint(i-1), readFile(t, v.Target, "gen"))
+		write(t, v.Target, "gen", fmt.Sprint(i))
+		killer = make(chan struct{})
+		go func() {
+			defer close(killer)
+			time.Sleep(time.Duration(rng.IntN(3000)) * time.Microsecond)
+			if rng.IntN(2) == 0 {
+				e.p.Kill()
+			}
+		}()
+		unpublishErr := e.unpublish(v)
+		<-killer
+		if !e.p.Running() {
+			kills++
+			e.p.Restart()
+		}
+		if unpublishErr != nil {
+			retry(t, "unpublish", func() error { return e.unpublish(v) })
+		}
+		prev = handle
+	}
+	t.Logf("%d steps, %d kills", steps, kills)
+	require.Positive(t, kills)
+	for i := 1; i <= steps; i++ {
+		e.read(fmt.Sprintf("gen-%d", i), func(dir string) {
+			require.Equal(t, fmt.Sprint(i), readFile(t, dir, "gen"))
+		})
+	}
+	e.noLeaks(t)
+	require.False(t, strings.Contains(e.p.Log(), "panic"), "no panics")
+}
