@@ -23,8 +23,8 @@ import (
 // at a wrong path is NotFound) is covered on inline volumes by cowvol's own
 // tests (pkg/driver TestNodeUnpublishVolumeCodes, TestNodeGetVolumeStats).
 var skipped = map[string]string{
-	`\[Controller Server\]`:   "the node plugin serves no CSI controller: inline volumes never reach one",
-	"should remove target path": "needs CreateVolume, which inline volumes do not have",
+	`\[Controller Server\]`:                                        "the node plugin serves no CSI controller: inline volumes never reach one",
+	"should remove target path":                                    "needs CreateVolume, which inline volumes do not have",
 	"should fail when volume does not exist on the specified path": "needs CreateVolume, which inline volumes do not have",
 }
 
