@@ -4,7 +4,6 @@
 package test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -53,15 +52,8 @@ func (e *env) volume(attrs map[string]string, readOnly bool) driver.InlineVolume
 	return v
 }
 
-func (e *env) publish(v driver.InlineVolume) error {
-	_, err := e.p.Node.NodePublishVolume(context.Background(), v.PublishRequest())
-	return err
-}
-
-func (e *env) unpublish(v driver.InlineVolume) error {
-	_, err := e.p.Node.NodeUnpublishVolume(context.Background(), v.UnpublishRequest())
-	return err
-}
+func (e *env) publish(v driver.InlineVolume) error   { return e.p.Publish(v) }
+func (e *env) unpublish(v driver.InlineVolume) error { return e.p.Unpublish(v) }
 
 // mount publishes a new volume and fails the test if that fails.
 func (e *env) mount(attrs map[string]string, readOnly bool) driver.InlineVolume {

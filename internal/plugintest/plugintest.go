@@ -20,6 +20,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/concourse/cowvol/pkg/driver"
 )
 
 var (
@@ -159,6 +161,18 @@ func (p *Plugin) start(extraEnv []string) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// Publish makes the kubelet's NodePublishVolume call for v.
+func (p *Plugin) Publish(v driver.InlineVolume) error {
+	_, err := p.Node.NodePublishVolume(context.Background(), v.PublishRequest())
+	return err
+}
+
+// Unpublish makes the kubelet's NodeUnpublishVolume call for v.
+func (p *Plugin) Unpublish(v driver.InlineVolume) error {
+	_, err := p.Node.NodeUnpublishVolume(context.Background(), v.UnpublishRequest())
+	return err
 }
 
 // Log is what the plugin printed so far.

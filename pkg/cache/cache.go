@@ -76,6 +76,10 @@ type Volume struct {
 	// Owner is the step volume that will be captured into this handle,
 	// while the volume is creating.
 	Owner string `json:"owner,omitempty"`
+	// Synced says the volume's data has reached the disk (a syncfs after
+	// its capture). A ready volume that a reboot caught unsynced may be
+	// torn, and is marked failed.
+	Synced bool `json:"synced,omitempty"`
 }
 
 // ViewState is the life-cycle state of a published step volume.
@@ -113,8 +117,11 @@ type View struct {
 	// Lowers are the source's data dirs, top first, as mounted.
 	Lowers []string `json:"lowers,omitempty"`
 	// Pins are the handles of the source chain: in use while the view lives.
-	Pins      []string  `json:"pins,omitempty"`
-	State     ViewState `json:"state"`
+	Pins  []string  `json:"pins,omitempty"`
+	State ViewState `json:"state"`
+	// Boot is the kernel boot the view was published in: a view from an
+	// earlier boot lost whatever had not reached the disk.
+	Boot      string    `json:"boot,omitempty"`
 	CreatedAt time.Time `json:"createdAt"`
 }
 
@@ -136,6 +143,8 @@ type Remover func(path string) error
 var (
 	volumesBucket = []byte("volumes")
 	viewsBucket   = []byte("views")
+	metaBucket    = []byte("meta")
+	bootKey       = []byte("boot")
 )
 
 // Store is the node's volume store. It is safe for concurrent use; bbolt
@@ -159,7 +168,7 @@ func Open(dir string) (*Store, error) {
 		return nil, fmt.Errorf("opening metadata (is another plugin using %s?): %w", dir, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{volumesBucket, viewsBucket} {
+		for _, b := range [][]byte{volumesBucket, viewsBucket, metaBucket} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -548,6 +557,54 @@ func (s *Store) update(handle string, change func(*Volume) error) error {
 	})
 }
 
+// SwapBoot records the current kernel boot ID and returns the one recorded
+// before ("" on a new store).
+func (s *Store) SwapBoot(current string) (previous string, err error) {
+	err = s.db.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(metaBucket)
+		previous = string(b.Get(bootKey))
+		return b.Put(bootKey, []byte(current))
+	})
+	return previous, err
+}
+
+// Unsynced returns the ready volumes whose data may not be on disk yet.
+func (s *Store) Unsynced() ([]string, error) {
+	vols, err := s.List()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, v := range vols {
+		if v.State == StateReady && !v.Synced {
+			out = append(out, v.Handle)
+		}
+	}
+	return out, nil
+}
+
+// MarkSynced records that the volumes' data reached the disk. Volumes gone
+// since are skipped.
+func (s *Store) MarkSynced(handles []string) error {
+	return s.db.Update(func(tx *bolt.Tx) error {
+		vols := tx.Bucket(volumesBucket)
+		for _, h := range handles {
+			v, ok, err := getJSON[Volume](vols, h)
+			if err != nil {
+				return err
+			}
+			if !ok || v.Synced {
+				continue
+			}
+			v.Synced = true
+			if err := putJSON(vols, h, v); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
 // usersOf says why a volume may not go: its children and the views pinning it.
 func usersOf(tx *bolt.Tx, handle string) error {
 	vols, err := listJSON[Volume](tx.Bucket(volumesBucket))
@@ -657,8 +714,9 @@ type RecoveryReport struct {
 // must run after the caller has settled the views (dropping the ones that
 // were half-published), so that a reservation whose view is gone is known to
 // be half-made. Half-made volumes and orphan dirs are removed; a ready
-// volume whose data is missing is marked failed, never silently dropped.
-func (s *Store) Recover(remove Remover) (RecoveryReport, error) {
+// volume whose data is missing, or that a reboot caught unsynced, is marked
+// failed, never silently dropped or served torn.
+func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
 	var rep RecoveryReport
 	views, err := s.ListViews()
 	if err != nil {
@@ -685,7 +743,8 @@ func (s *Store) Recover(remove Remover) (RecoveryReport, error) {
 			rep.FinishedDestroys++
 			continue
 		case v.State == StateReady:
-			if _, err := os.Lstat(s.DataPath(v)); err != nil {
+			_, statErr := os.Lstat(s.DataPath(v))
+			if statErr != nil || (rebooted && !v.Synced) {
 				errs = append(errs, s.update(v.Handle, func(cur *Volume) error {
 					cur.State = StateFailed
 					return nil

@@ -138,7 +138,7 @@ func TestRecoverDropsHalfMadeAndOrphans(t *testing.T) {
 	lost := ready(t, s, "lost", "", "ci", ScopeNamespace, nil)
 	require.NoError(t, os.RemoveAll(s.DataPath(lost)))
 
-	rep, err := s.Recover(os.RemoveAll)
+	rep, err := s.Recover(os.RemoveAll, false)
 	require.NoError(t, err)
 	require.Equal(t, RecoveryReport{Ready: 1, DroppedReservations: 1, MarkedFailed: 1, RemovedOrphans: 3}, rep)
 	_, err = s.Get("half")
@@ -192,4 +192,30 @@ func TestTrash(t *testing.T) {
 	entries, err := os.ReadDir(s.TrashDir())
 	require.NoError(t, err)
 	require.Empty(t, entries)
+}
+
+func TestRebootFailsUnsyncedVolumes(t *testing.T) {
+	s := openStore(t)
+	prev, err := s.SwapBoot("boot-1")
+	require.NoError(t, err)
+	require.Empty(t, prev)
+	ready(t, s, "synced", "", "ci", ScopeNamespace, nil)
+	ready(t, s, "unsynced", "", "ci", ScopeNamespace, nil)
+	require.NoError(t, s.MarkSynced([]string{"synced", "gone"}))
+	unsynced, err := s.Unsynced()
+	require.NoError(t, err)
+	require.Equal(t, []string{"unsynced"}, unsynced)
+
+	prev, err = s.SwapBoot("boot-2")
+	require.NoError(t, err)
+	require.Equal(t, "boot-1", prev)
+	rep, err := s.Recover(os.RemoveAll, true)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.MarkedFailed)
+	v, err := s.Get("unsynced")
+	require.NoError(t, err)
+	require.Equal(t, StateFailed, v.State, "a reboot may have torn it")
+	v, err = s.Get("synced")
+	require.NoError(t, err)
+	require.Equal(t, StateReady, v.State)
 }

@@ -7,6 +7,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -39,7 +40,16 @@ type nodeService struct {
 	bgCancel context.CancelFunc
 	bg       sync.WaitGroup
 	janitor  chan struct{}
+	syncer   chan struct{}
+
+	// boot is this kernel boot's ID: what survives a reboot is only what
+	// was synced before it.
+	boot string
 }
+
+// bootIDPath names the kernel's boot ID; tests point it elsewhere to
+// pretend a reboot.
+var bootIDPath = "/proc/sys/kernel/random/boot_id"
 
 func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *metrics) (*nodeService, error) {
 	kind := overlay.Kind(opts.Backend)
@@ -56,18 +66,25 @@ func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *me
 	if err != nil {
 		return nil, err
 	}
+	boot, err := os.ReadFile(bootIDPath)
+	if err != nil {
+		return nil, fmt.Errorf("reading the boot ID: %w", err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	n := &nodeService{
 		driverName: opts.DriverName, nodeID: opts.NodeID, flattenDepth: opts.FlattenDepth,
 		store: store, mounter: m, backend: backend, metrics: met,
-		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1),
+		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
+		boot: strings.TrimSpace(string(boot)),
 	}
 	if err := n.recover(); err != nil {
 		cancel()
 		return nil, fmt.Errorf("recovering the state dir: %w", err)
 	}
 	n.goBackground(n.runJanitor)
+	n.goBackground(n.runSyncer)
 	n.tidy()
+	n.kick(n.syncer)
 	return n, nil
 }
 
@@ -84,11 +101,45 @@ func (n *nodeService) stop() {
 	n.bg.Wait()
 }
 
-// tidy asks the janitor to empty the trash and prune replaced layers.
-func (n *nodeService) tidy() {
+// kick wakes a background loop; kicks while it runs coalesce into one more
+// round.
+func (n *nodeService) kick(ch chan struct{}) {
 	select {
-	case n.janitor <- struct{}{}:
+	case ch <- struct{}{}:
 	default:
+	}
+}
+
+// tidy asks the janitor to empty the trash and prune replaced layers.
+func (n *nodeService) tidy() { n.kick(n.janitor) }
+
+// runSyncer makes captured volumes durable: one syncfs of the state dir's
+// filesystem covers every capture since the last one, off the capture's
+// path.
+func (n *nodeService) runSyncer() {
+	for {
+		select {
+		case <-n.bgCtx.Done():
+			return
+		case <-n.syncer:
+		}
+		handles, err := n.store.Unsynced()
+		if err != nil || len(handles) == 0 {
+			if err != nil {
+				klog.ErrorS(err, "Listing unsynced volumes")
+			}
+			continue
+		}
+		start := time.Now()
+		if err := overlay.SyncFS(n.store.Dir()); err != nil {
+			klog.ErrorS(err, "Syncing the state dir; will retry on the next capture")
+			continue
+		}
+		if err := n.store.MarkSynced(handles); err != nil {
+			klog.ErrorS(err, "Recording synced volumes")
+			continue
+		}
+		klog.V(4).InfoS("Synced captured volumes", "count", len(handles), "duration", time.Since(start))
 	}
 }
 
@@ -185,7 +236,7 @@ func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	want := cache.View{
 		VolumeID: req.GetVolumeId(), Target: req.GetTargetPath(), Source: vr.Source, Capture: vr.Capture,
 		Scope: vr.Scope, Properties: vr.Properties, ReadOnly: vr.ReadOnly, Pod: vr.Pod,
-		Backend: string(n.backend.Kind()),
+		Backend: string(n.backend.Kind()), Boot: n.boot,
 	}
 	if vr.Capture == "" {
 		want.Scope = ""
@@ -334,6 +385,13 @@ func (n *nodeService) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpu
 			view.VolumeID, view.Target, req.GetTargetPath())
 	}
 	start := time.Now()
+	if view.Capture != "" && view.Boot != n.boot {
+		// The node rebooted under this step: what it wrote may be torn,
+		// so it is not captured. The scheduler sees the output missing.
+		klog.InfoS("Not capturing a step volume from before a reboot", "volumeID", view.VolumeID,
+			"capture", view.Capture, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name))
+		view.Capture = ""
+	}
 	if view.Capture == "" || view.State == cache.ViewPublishing {
 		if err := n.discard(view); err != nil {
 			return nil, storeError(err)
@@ -387,6 +445,7 @@ func (n *nodeService) capture(view cache.View) (cache.Volume, error) {
 		return cache.Volume{}, err
 	}
 	crashPoint("capture-committed")
+	n.kick(n.syncer)
 	if err := n.store.Trash(spec.Dir); err != nil {
 		klog.ErrorS(err, "Trashing a captured step volume's dir", "volumeID", view.VolumeID)
 	}
@@ -434,6 +493,10 @@ func (n *nodeService) flatten(handle string, chain []string) error {
 	}()
 	tree := filepath.Join(work, "tree")
 	if _, err := overlay.CopyLayers(n.bgCtx, n.mounter, chain, filepath.Join(work, "merged"), tree, true); err != nil {
+		return err
+	}
+	// The flat layer replaces synced data: it must be on disk first.
+	if err := overlay.SyncFS(tree); err != nil {
 		return err
 	}
 	layer := fmt.Sprintf("f%x", time.Now().UnixNano())

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/assert"
@@ -527,4 +528,37 @@ func TestOptionsValidate(t *testing.T) {
 			require.ErrorContains(t, err, tc.wantErr)
 		})
 	}
+}
+
+// After a reboot (a new boot ID, the mounts gone), a step volume of the
+// old boot is torn down without being captured (what it wrote may be torn),
+// while synced cached volumes stay ready.
+func TestRebootDiscardsOldStepVolumes(t *testing.T) {
+	bootFile := filepath.Join(t.TempDir(), "boot_id")
+	require.NoError(t, os.WriteFile(bootFile, []byte("boot-1\n"), 0o644))
+	defer func(old string) { bootIDPath = old }(bootIDPath)
+	bootIDPath = bootFile
+
+	f := newFixture(t)
+	f.capture("ci", "durable", nil)
+	require.Eventually(t, func() bool {
+		unsynced, err := f.store.Unsynced()
+		return err == nil && len(unsynced) == 0
+	}, 30*time.Second, 10*time.Millisecond, "captures are synced in the background")
+	v := f.volume("ci", map[string]string{AttrSource: "durable", AttrCapture: "in-flight"})
+	require.NoError(t, f.publish(v))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "half"), []byte("written"), 0o644))
+
+	f.stop()
+	require.NoError(t, unix.Unmount(v.Target, 0))
+	require.NoError(t, os.WriteFile(bootFile, []byte("boot-2\n"), 0o644))
+	f.start()
+
+	require.NoError(t, f.unpublish(v))
+	_, err := f.store.Get("in-flight")
+	require.ErrorIs(t, err, cache.ErrNotFound, "a step from before the reboot is not captured")
+	vol, err := f.store.Get("durable")
+	require.NoError(t, err)
+	require.Equal(t, cache.StateReady, vol.State)
+	require.NoError(t, f.publish(f.volume("ci", map[string]string{AttrSource: "durable"})))
 }

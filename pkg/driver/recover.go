@@ -15,7 +15,8 @@ import (
 //   - a half-published view is taken down and forgotten (the kubelet will
 //     publish it again);
 //   - a published view whose target is still mounted is adopted as is, one
-//     whose mount went away (a reboot) is mounted again;
+//     whose mount went away in this boot is mounted again, one from an
+//     earlier boot is left for the kubelet to unpublish (uncaptured);
 //   - a capturing view is left for the kubelet's retried unpublish, which
 //     completes the capture step by step;
 //   - mounts and dirs under the state dir that no view accounts for are
@@ -23,6 +24,11 @@ import (
 //
 // Nothing a live view pins is touched.
 func (n *nodeService) recover() error {
+	previousBoot, err := n.store.SwapBoot(n.boot)
+	if err != nil {
+		return err
+	}
+	rebooted := previousBoot != "" && previousBoot != n.boot
 	views, err := n.store.ListViews()
 	if err != nil {
 		return err
@@ -45,6 +51,10 @@ func (n *nodeService) recover() error {
 			switch {
 			case err != nil:
 				errs = append(errs, err)
+			case v.Boot != n.boot:
+				// Its pod died with the old boot; the kubelet will
+				// unpublish it, and it will not be captured.
+				counts["fromLastBoot"]++
 			case mounted:
 				counts["adopted"]++
 			case !exists(filepath.Dir(v.Target)):
@@ -64,9 +74,10 @@ func (n *nodeService) recover() error {
 		}
 	}
 	errs = append(errs, n.removeStrays(keep))
-	rep, err := n.store.Recover(overlay.RemoveTree)
+	rep, err := n.store.Recover(overlay.RemoveTree, rebooted)
 	errs = append(errs, err)
-	klog.InfoS("Recovered the state dir", "stateDir", n.store.Dir(),
+	klog.InfoS("Recovered the state dir", "stateDir", n.store.Dir(), "rebooted", rebooted,
+		"viewsFromLastBoot", counts["fromLastBoot"],
 		"viewsAdopted", counts["adopted"], "viewsRemounted", counts["remounted"],
 		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"],
 		"volumesReady", rep.Ready, "reservationsDropped", rep.DroppedReservations,

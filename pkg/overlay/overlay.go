@@ -106,6 +106,16 @@ func Commit(b Backend, s Spec, layerDir string) (diff bool, err error) {
 	return diff, errors.Join(SyncDir(filepath.Dir(layerDir)), SyncDir(filepath.Dir(content)))
 }
 
+// SyncFS flushes the whole filesystem holding path to disk.
+func SyncFS(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return unix.Syncfs(int(f.Fd()))
+}
+
 // SyncDir fsyncs a dir, making renames in it durable.
 func SyncDir(dir string) error {
 	f, err := os.Open(dir)
@@ -197,7 +207,15 @@ func (b overlayBackend) Remount(s Spec) error {
 		// capturing it gives a root layer.
 		return b.m.Bind(upper, s.Target, false)
 	}
-	return b.m.Overlay(s.Target, s.Lowers, upper, filepath.Join(s.Dir, "work"))
+	work := filepath.Join(s.Dir, "work")
+	// A volatile overlay leaves work/incompat/volatile behind, and the
+	// kernel refuses to mount over it again: after a crash the upper dir
+	// may be torn. Callers remount only within the boot that wrote it,
+	// where the page cache kept every write, so the marker can go.
+	if err := os.RemoveAll(filepath.Join(work, "work", "incompat")); err != nil {
+		return err
+	}
+	return b.m.Overlay(s.Target, s.Lowers, upper, work)
 }
 
 // treeBackend gives each step volume a whole tree of its own (a btrfs

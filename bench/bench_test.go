@@ -1,0 +1,261 @@
+// Package bench measures cowvol's publish, unpublish and capture through the
+// real plugin binary over gRPC, on filesystems it makes on loop devices
+// (images on a private tmpfs: the root disk here is throttled and noisy),
+// against cp -a of the same tree in the same run. Figures are reported as
+// benchmark metrics and as a table; nothing here asserts a time.
+package bench
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+// The cached volume of the issue: 50,000 files, 1 GiB.
+const (
+	treeFiles = 50_000
+	treeBytes = 1 << 30
+	dirFiles  = 100
+	samples   = 50 // publishes per O(1) figure
+)
+
+// genTree writes files totalling about bytes into root, in dirs of dirFiles,
+// with sizes spread around the mean and contents that are not all zeros.
+func genTree(b *testing.B, root string, files int, bytes int64) {
+	b.Helper()
+	mean := bytes / int64(files)
+	buf := make([]byte, 2*mean)
+	for i := range buf {
+		buf[i] = byte(i*31 + i>>8)
+	}
+	for i := range files {
+		dir := filepath.Join(root, fmt.Sprintf("d%03d", i/dirFiles))
+		if i%dirFiles == 0 {
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				b.Fatal(err)
+			}
+		}
+		size := 2 * mean * int64((i*7919)%1000) / 1000
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%05d", i)), buf[:size], 0o644); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// node is a plugin with a counter for volume IDs and pod dirs.
+type node struct {
+	b    *testing.B
+	p    *plugintest.Plugin
+	pods string
+	n    int
+}
+
+func newNode(b *testing.B, stateDir, backend string) *node {
+	return &node{b: b, p: plugintest.Start(b, plugintest.Config{StateDir: stateDir, Backend: backend}), pods: b.TempDir()}
+}
+
+func (n *node) volume(attrs map[string]string, readOnly bool) driver.InlineVolume {
+	n.n++
+	v := driver.InlineVolume{VolumeID: fmt.Sprintf("bench-%d", n.n), Target: filepath.Join(n.pods, fmt.Sprint(n.n), "mount"),
+		Attributes: attrs, ReadOnly: readOnly, PodNamespace: "ci", PodName: fmt.Sprintf("pod-%d", n.n)}
+	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {
+		n.b.Fatal(err)
+	}
+	return v
+}
+
+func (n *node) timed(call func(driver.InlineVolume) error, v driver.InlineVolume) time.Duration {
+	start := time.Now()
+	if err := call(v); err != nil {
+		n.b.Fatal(err)
+	}
+	return time.Since(start)
+}
+
+// capture runs fill as a step on an output captured as handle (over source,
+// if any) and returns how long the capture (the unpublish) took.
+func (n *node) capture(source, handle string, fill func(dir string)) time.Duration {
+	attrs := map[string]string{driver.AttrCapture: handle}
+	if source != "" {
+		attrs[driver.AttrSource] = source
+	}
+	v := n.volume(attrs, false)
+	n.timed(n.p.Publish, v)
+	fill(v.Target)
+	return n.timed(n.p.Unpublish, v)
+}
+
+// publishTimes publishes source k times (writable, unmodified) and returns
+// the publish and unpublish times.
+func (n *node) publishTimes(source string, k int) (pub, unpub []time.Duration) {
+	for range k {
+		v := n.volume(map[string]string{driver.AttrSource: source}, false)
+		pub = append(pub, n.timed(n.p.Publish, v))
+		unpub = append(unpub, n.timed(n.p.Unpublish, v))
+	}
+	return pub, unpub
+}
+
+func p50(ds []time.Duration) time.Duration {
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+func cpA(b *testing.B, src, dst string) time.Duration {
+	b.Helper()
+	start := time.Now()
+	if out, err := exec.Command("cp", "-a", src, dst).CombinedOutput(); err != nil {
+		b.Fatalf("cp -a: %v: %s", err, out)
+	}
+	d := time.Since(start)
+	if err := os.RemoveAll(dst); err != nil {
+		b.Fatal(err)
+	}
+	return d
+}
+
+// layerDir finds a cached volume's data dir on disk (for the cp baseline).
+func layerDir(b *testing.B, stateDir, handle string) string {
+	matches, err := filepath.Glob(filepath.Join(stateDir, "layers", handle, "*"))
+	if err != nil || len(matches) != 1 {
+		b.Fatalf("layer of %s: %v %v", handle, matches, err)
+	}
+	return matches[0]
+}
+
+type row struct{ what, value, vs string }
+
+func ms(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d.Microseconds())/1000) }
+
+func ratio(slow, fast time.Duration) string { return fmt.Sprintf("%.0fx", float64(slow)/float64(fast)) }
+
+// BenchmarkCowvol is the issue's speed table. Run it with -benchtime 1x
+// (make bench): each figure is itself a median over many calls.
+func BenchmarkCowvol(b *testing.B) {
+	testfs.Need(b, "cp")
+	var rows []row
+	report := func(name string, d time.Duration) { b.ReportMetric(float64(d.Microseconds())/1000, name+"-ms") }
+
+	for range b.N {
+		// Overlay on XFS with reflink: the recommended state dir.
+		xfs := testfs.Mount(b, testfs.XFS, 8<<30)
+		ov := newNode(b, filepath.Join(xfs, "overlay-state"), "overlay")
+		ov.capture("", "src", func(dir string) { genTree(b, dir, treeFiles, treeBytes) })
+		srcDir := layerDir(b, ov.p.StateDir, "src")
+		var cps []time.Duration
+		for i := range 3 {
+			cps = append(cps, cpA(b, srcDir, filepath.Join(xfs, fmt.Sprintf("cp-%d", i))))
+		}
+		cp := p50(cps)
+		pub1, unpub1 := ov.publishTimes("src", samples)
+		prev := "src"
+		for i := 2; i <= 10; i++ {
+			h := fmt.Sprintf("link-%d", i)
+			ov.capture(prev, h, func(dir string) {
+				if err := os.WriteFile(filepath.Join(dir, h), []byte(h), 0o644); err != nil {
+					b.Fatal(err)
+				}
+			})
+			prev = h
+		}
+		pub10, _ := ov.publishTimes(prev, samples)
+		var fillDir string
+		capture := ov.capture("src", "task-out", func(dir string) {
+			fillDir = filepath.Join(dir, "new")
+			genTree(b, fillDir, treeFiles, treeBytes)
+		})
+		copyOut := cpA(b, filepath.Join(layerDir(b, ov.p.StateDir, "task-out"), "new"), filepath.Join(xfs, "cp-out"))
+
+		report("cp-a", cp)
+		report("overlay-publish-p50", p50(pub1))
+		report("overlay-unpublish-p50", p50(unpub1))
+		report("overlay-depth10-publish-p50", p50(pub10))
+		report("capture-1GiB", capture)
+		rows = append(rows,
+			row{"cp -a of the cached volume (XFS)", ms(cp), "1x"},
+			row{"overlay publish p50, depth 1", ms(p50(pub1)), ratio(cp, p50(pub1)) + " faster than cp -a"},
+			row{"overlay unpublish p50, unmodified", ms(p50(unpub1)), ""},
+			row{"overlay publish p50, depth 10", ms(p50(pub10)), fmt.Sprintf("%.2fx depth 1", float64(p50(pub10))/float64(p50(pub1)))},
+			row{"capture of 1 GiB / 50,000 new files", ms(capture), ""},
+			row{"cp -a of that new data", ms(copyOut), ratio(copyOut, capture) + " slower than capture"},
+		)
+
+		// Reflink clones on the same XFS.
+		rf := newNode(b, filepath.Join(xfs, "reflink-state"), "reflink")
+		rf.capture("", "src", func(dir string) { genTree(b, dir, treeFiles, treeBytes) })
+		pubR, unpubR := rf.publishTimes("src", 3)
+		report("reflink-publish-p50", p50(pubR))
+		rows = append(rows,
+			row{"reflink publish p50 (FICLONE walk)", ms(p50(pubR)), ratio(cp, p50(pubR)) + " faster than cp -a"},
+			row{"reflink unpublish p50", ms(p50(unpubR)), ""})
+		rf.p.Stop()
+		ov.p.Stop()
+
+		// btrfs snapshots.
+		bt := testfs.Mount(b, testfs.Btrfs, 4<<30)
+		bn := newNode(b, filepath.Join(bt, "state"), "btrfs")
+		bn.capture("", "src", func(dir string) { genTree(b, dir, treeFiles, treeBytes) })
+		cpB := cpA(b, layerDir(b, bn.p.StateDir, "src"), filepath.Join(bt, "cp"))
+		pubB, unpubB := bn.publishTimes("src", samples)
+		report("btrfs-publish-p50", p50(pubB))
+		rows = append(rows,
+			row{"cp -a of the cached volume (btrfs)", ms(cpB), "1x"},
+			row{"btrfs snapshot publish p50", ms(p50(pubB)), ratio(cpB, p50(pubB)) + " faster than cp -a"},
+			row{"btrfs unpublish p50", ms(p50(unpubB)), ""})
+		bn.p.Stop()
+
+		// Why XFS: overlay copy-up of a 50 MiB file on XFS and on ext4.
+		for _, fs := range []testfs.Kind{testfs.XFS, testfs.Ext4} {
+			d := copyUp(b, fs)
+			report("copyup-50MiB-"+string(fs), d)
+			rows = append(rows, row{"overlay copy-up of a 50 MiB file, " + string(fs), ms(d), ""})
+		}
+	}
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "\n%-42s %12s  %s\n", "cowvol bench (50,000 files, 1 GiB)", "time", "vs")
+	for _, r := range rows {
+		fmt.Fprintf(&sb, "%-42s %12s  %s\n", r.what, r.value, r.vs)
+	}
+	fmt.Print(sb.String())
+}
+
+// copyUp times the first write to a 50 MiB file that a view got from its
+// source: overlay copies the file up, cloning it where the filesystem can.
+func copyUp(b *testing.B, fs testfs.Kind) time.Duration {
+	root := testfs.Mount(b, fs, 1<<30)
+	n := newNode(b, filepath.Join(root, "state"), "overlay")
+	defer n.p.Stop()
+	n.capture("", "big", func(dir string) {
+		if err := os.WriteFile(filepath.Join(dir, "big"), make([]byte, 50<<20), 0o644); err != nil {
+			b.Fatal(err)
+		}
+	})
+	var times []time.Duration
+	for range 5 {
+		v := n.volume(map[string]string{driver.AttrSource: "big"}, false)
+		n.timed(n.p.Publish, v)
+		start := time.Now()
+		f, err := os.OpenFile(filepath.Join(v.Target, "big"), os.O_WRONLY|os.O_APPEND, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		_, err = f.Write([]byte{1})
+		f.Close()
+		if err != nil {
+			b.Fatal(err)
+		}
+		times = append(times, time.Since(start))
+		n.timed(n.p.Unpublish, v)
+	}
+	return p50(times)
+}
