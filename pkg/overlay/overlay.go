@@ -101,9 +101,11 @@ func Commit(b Backend, s Spec, layerDir string) (diff bool, err error) {
 		}
 		return false, fmt.Errorf("capturing %s: %w", content, err)
 	}
-	// The rename must be on disk before the metadata says the layer is
-	// ready: fsync both parents.
-	return diff, errors.Join(SyncDir(filepath.Dir(layerDir)), SyncDir(filepath.Dir(content)))
+	// No fsync here: the caller records the layer as unsynced and a
+	// background syncfs makes it durable; a reboot that comes first makes
+	// it failed, never half-there. (An fsync of the layer's parent forced
+	// XFS's log of every file the step made: 43 ms for 50,000 files.)
+	return diff, nil
 }
 
 // SyncFS flushes the whole filesystem holding path to disk.

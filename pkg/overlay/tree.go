@@ -7,7 +7,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 )
 
@@ -16,21 +18,39 @@ type CopyStats struct {
 	Files, Cloned, Copied, Links int64
 }
 
+// copyWorkers clone or copy files in parallel: a FICLONE walk is bound by
+// per-file syscalls, not bandwidth, and serial it was slower than cp -a.
+const copyWorkers = 8
+
 // treeCopier copies a tree faithfully: modes, owners, times, xattrs (the
 // trusted.overlay.* ones too, so whiteouts and opaque dirs survive), symlinks,
 // hardlinks, device nodes, fifos and sparse files. With reflink set it clones
 // each regular file's extents (FICLONE) and falls back to copying the files
 // the filesystem refuses to clone.
+//
+// One walker makes the dirs and hands regular files to workers; hardlinks
+// and dir attributes come after the workers finish, since a link needs its
+// first name in place and filling a dir would bump the times set on it.
 type treeCopier struct {
 	ctx     context.Context
 	reflink bool
-	links   map[[2]uint64]string
-	stats   CopyStats
+	workers *errgroup.Group
+
+	files, cloned, copied atomic.Int64
+	seen                  map[[2]uint64]string // walker only
+	links                 [][2]string          // first name, new name
+	dirs                  []dirEntry           // in walk order
+
 	// root and realFile let a copy of a merged overlay read each regular
 	// file from the layer that provides it: extents can be cloned from
 	// an XFS or btrfs file, never through an overlay one.
 	root     string
 	realFile func(rel string) string
+}
+
+type dirEntry struct {
+	src, dst string
+	st       unix.Stat_t
 }
 
 // CopyTree copies src into dst; dst may already exist as an empty dir (a
@@ -73,22 +93,44 @@ func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string
 }
 
 func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(string) string) (CopyStats, error) {
-	c := &treeCopier{ctx: ctx, reflink: reflink, links: map[[2]uint64]string{}, root: src, realFile: realFile}
+	workers, wctx := errgroup.WithContext(ctx)
+	workers.SetLimit(copyWorkers)
+	c := &treeCopier{ctx: wctx, reflink: reflink, workers: workers, seen: map[[2]uint64]string{},
+		root: src, realFile: realFile}
 	var st unix.Stat_t
 	if err := unix.Lstat(src, &st); err != nil {
-		return c.stats, fmt.Errorf("reading %s: %w", src, err)
+		return CopyStats{}, fmt.Errorf("reading %s: %w", src, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return c.stats, fmt.Errorf("%s is not a directory", src)
+		return CopyStats{}, fmt.Errorf("%s is not a directory", src)
 	}
 	if err := os.Mkdir(dst, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
-		return c.stats, err
+		return CopyStats{}, err
 	}
-	err := c.dir(src, dst, &st)
-	return c.stats, err
+	c.dirs = append(c.dirs, dirEntry{src, dst, st})
+	walkErr := c.dir(src, dst)
+	if err := errors.Join(workers.Wait(), walkErr); err != nil {
+		return c.stats(), err
+	}
+	for _, l := range c.links {
+		if err := os.Link(l[0], l[1]); err != nil {
+			return c.stats(), err
+		}
+	}
+	for i := len(c.dirs) - 1; i >= 0; i-- { // children before parents
+		d := c.dirs[i]
+		if err := setAttrs(d.src, d.dst, &d.st); err != nil {
+			return c.stats(), err
+		}
+	}
+	return c.stats(), nil
 }
 
-func (c *treeCopier) dir(src, dst string, st *unix.Stat_t) error {
+func (c *treeCopier) stats() CopyStats {
+	return CopyStats{Files: c.files.Load(), Cloned: c.cloned.Load(), Copied: c.copied.Load(), Links: int64(len(c.links))}
+}
+
+func (c *treeCopier) dir(src, dst string) error {
 	entries, err := os.ReadDir(src)
 	if err != nil {
 		return err
@@ -101,9 +143,7 @@ func (c *treeCopier) dir(src, dst string, st *unix.Stat_t) error {
 			return err
 		}
 	}
-	// Attributes last: a read-only dir must be filled before it is locked,
-	// and filling it would bump the times just set.
-	return setAttrs(src, dst, st)
+	return nil
 }
 
 func (c *treeCopier) entry(src, dst string) error {
@@ -111,25 +151,30 @@ func (c *treeCopier) entry(src, dst string) error {
 	if err := unix.Lstat(src, &st); err != nil {
 		return err
 	}
-	c.stats.Files++
+	c.files.Add(1)
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFDIR:
 		if err := os.Mkdir(dst, 0o700); err != nil {
 			return err
 		}
-		return c.dir(src, dst, &st)
+		c.dirs = append(c.dirs, dirEntry{src, dst, st})
+		return c.dir(src, dst)
 	case unix.S_IFREG:
-		key := [2]uint64{st.Dev, st.Ino}
 		if st.Nlink > 1 {
-			if first, ok := c.links[key]; ok {
-				c.stats.Links++
-				return os.Link(first, dst)
+			key := [2]uint64{st.Dev, st.Ino}
+			if first, ok := c.seen[key]; ok {
+				c.links = append(c.links, [2]string{first, dst})
+				return nil
 			}
-			c.links[key] = dst
+			c.seen[key] = dst
 		}
-		if err := c.file(src, dst, &st); err != nil {
-			return fmt.Errorf("copying %s: %w", src, err)
-		}
+		c.workers.Go(func() error {
+			if err := c.file(src, dst, &st); err != nil {
+				return fmt.Errorf("copying %s: %w", src, err)
+			}
+			return setAttrs(src, dst, &st)
+		})
+		return nil
 	case unix.S_IFLNK:
 		target, err := os.Readlink(src)
 		if err != nil {
@@ -165,11 +210,11 @@ func (c *treeCopier) file(src, dst string, st *unix.Stat_t) error {
 	}
 	if c.reflink && st.Size > 0 {
 		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err == nil {
-			c.stats.Cloned++
+			c.cloned.Add(1)
 			return out.Close()
 		}
 	}
-	c.stats.Copied++
+	c.copied.Add(1)
 	if err := copySparse(in, out, st.Size); err != nil {
 		out.Close()
 		return err
