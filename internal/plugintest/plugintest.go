@@ -74,10 +74,11 @@ type Plugin struct {
 	Node     csi.NodeClient
 	Identity csi.IdentityClient
 
-	tb   testing.TB
-	cmd  *exec.Cmd
-	log  *bytes.Buffer
-	done chan error
+	tb      testing.TB
+	cmd     *exec.Cmd
+	log     *bytes.Buffer
+	done    chan error
+	exitErr error
 }
 
 // Start runs the plugin and waits until it answers Probe. It is stopped
@@ -195,6 +196,7 @@ func (p *Plugin) Wait(timeout time.Duration) error {
 	select {
 	case err := <-p.done:
 		p.done <- err
+		p.exitErr = err
 		return nil
 	case <-time.After(timeout):
 		return fmt.Errorf("plugin still running after %s", timeout)
@@ -210,6 +212,9 @@ func (p *Plugin) signal(sig syscall.Signal) {
 		}
 	}
 }
+
+// ExitErr is how the last process ended (nil for a clean exit).
+func (p *Plugin) ExitErr() error { return p.exitErr }
 
 // Kill stops the plugin with SIGKILL, as a crash would.
 func (p *Plugin) Kill() { p.signal(syscall.SIGKILL) }

@@ -1,0 +1,143 @@
+package test
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+func TestVersionFlag(t *testing.T) {
+	out, err := exec.Command(plugintest.Binary(t), "--version").CombinedOutput()
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(string(out), "cowvol-plugin "), "got %q", out)
+}
+
+// Bad options are refused at start-up with a message naming the option.
+func TestBadOptionsExit(t *testing.T) {
+	sock := "unix://" + filepath.Join(t.TempDir(), "csi.sock")
+	tests := []struct {
+		name, want string
+		args       []string
+	}{
+		{"mode", "mode", []string{"--mode=both"}},
+		{"relative state dir", "absolute", []string{"--state-dir=state"}},
+		{"backend", "unknown COW backend", []string{"--cow-backend=zfs"}},
+		{"endpoint", "endpoint", []string{"--endpoint=http://x"}},
+		{"flatten depth", "flatten depth", []string{"--flatten-depth=0"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"--endpoint=" + sock, "--state-dir=" + t.TempDir()}, tc.args...)
+			out, err := exec.Command(plugintest.Binary(t), args...).CombinedOutput()
+			require.Error(t, err)
+			require.Contains(t, string(out), tc.want)
+		})
+	}
+}
+
+// A socket left by a dead plugin is removed; one a live plugin serves on
+// is not taken over.
+func TestSocketHandling(t *testing.T) {
+	testfs.Need(t)
+	p := plugintest.Start(t, plugintest.Config{StateDir: t.TempDir(), Backend: "overlay"})
+	out, err := exec.Command(plugintest.Binary(t), "--endpoint=unix://"+p.Sock, "--state-dir="+t.TempDir()).CombinedOutput()
+	require.Error(t, err)
+	require.Contains(t, string(out), "another process is serving")
+
+	p.Kill() // leaves the socket file behind
+	_, err = os.Stat(p.Sock)
+	require.NoError(t, err)
+	p.Restart()
+	_, err = p.Identity.Probe(context.Background(), &csi.ProbeRequest{})
+	require.NoError(t, err)
+	require.Contains(t, p.Log(), "Removing stale socket")
+}
+
+func TestControllerMode(t *testing.T) {
+	p := plugintest.Start(t, plugintest.Config{Mode: "controller"})
+	caps, err := p.Identity.GetPluginCapabilities(context.Background(), &csi.GetPluginCapabilitiesRequest{})
+	require.NoError(t, err)
+	var services []csi.PluginCapability_Service_Type
+	for _, c := range caps.Capabilities {
+		services = append(services, c.GetService().GetType())
+	}
+	require.Contains(t, services, csi.PluginCapability_Service_CONTROLLER_SERVICE)
+	cc, err := csi.NewControllerClient(p.Conn).ControllerGetCapabilities(context.Background(), &csi.ControllerGetCapabilitiesRequest{})
+	require.NoError(t, err)
+	require.Empty(t, cc.Capabilities, "inline volumes need no controller capability")
+	_, err = p.Node.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
+	require.Equal(t, codes.Unimplemented, code(err), "controller mode serves no node")
+	info, err := p.Identity.GetPluginInfo(context.Background(), &csi.GetPluginInfoRequest{})
+	require.NoError(t, err)
+	require.Equal(t, driver.DefaultDriverName, info.Name)
+}
+
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func TestMetrics(t *testing.T) {
+	testfs.Need(t)
+	addr := freePort(t)
+	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--metrics-address=" + addr}})
+	e.step("", "m1", func(dir string) { write(t, dir, "f", "x") })
+	require.Error(t, e.publish(e.volume(map[string]string{driver.AttrSource: "absent"}, false)))
+	resp, err := http.Get("http://" + addr + "/metrics")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	for _, want := range []string{
+		`cowvol_rpc_duration_seconds_count{code="OK",method="/csi.v1.Node/NodePublishVolume"} 1`,
+		`cowvol_rpc_duration_seconds_count{code="NotFound",method="/csi.v1.Node/NodePublishVolume"} 1`,
+		`cowvol_cached_volumes{state="ready"} 1`,
+		`cowvol_captures_total{result="ok"} 1`,
+		`cowvol_step_volumes{state="published"} 0`,
+	} {
+		require.Contains(t, string(body), want)
+	}
+}
+
+// SIGTERM lets an RPC in flight finish, then the plugin exits cleanly; the
+// restarted plugin adopts what it published.
+func TestGracefulStop(t *testing.T) {
+	state := testfs.Mount(t, testfs.XFS, 1<<30)
+	e := newEnv(t, plugintest.Config{StateDir: state, Backend: "copy"})
+	e.step("", "many", func(dir string) {
+		for i := range 10000 {
+			write(t, dir, filepath.Join("d", string(rune('a'+i%20)), strings.Repeat("f", 1+i%9)+string(rune('A'+i/400))+string(rune('a'+i%23))), "x")
+		}
+	})
+	v := e.volume(map[string]string{driver.AttrSource: "many"}, false)
+	published := make(chan error, 1)
+	go func() { published <- e.publish(v) }()
+	eventually(t, "the publish to start copying", func() bool {
+		entries, _ := os.ReadDir(filepath.Join(state, "views"))
+		return len(entries) > 0
+	})
+	e.p.Stop()
+	require.NoError(t, <-published, "the in-flight publish finished")
+	require.NoError(t, e.p.ExitErr(), "a clean exit")
+	require.Contains(t, e.p.Log(), "Stopping: letting in-flight RPCs finish")
+	e.p.Restart()
+	require.Contains(t, e.p.Log(), "viewsAdopted=1")
+	e.umount(v)
+	e.noLeaks(t)
+}
