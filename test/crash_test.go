@@ -170,45 +170,36 @@ func TestKillAtRandomInstants(t *testing.T) {
 	const steps = 24
 	prev := "root"
 	kills := 0
+	// underFire makes a kubelet call while the plugin may be SIGKILLed
+	// at a random instant, restarts it if it was, and retries the call
+	// until it succeeds.
+	underFire := func(what string, call func() error) {
+		killed := make(chan struct{})
+		delay, kill := time.Duration(rng.IntN(3000))*time.Microsecond, rng.IntN(2) == 0
+		go func() {
+			defer close(killed)
+			time.Sleep(delay)
+			if kill {
+				e.p.Kill()
+			}
+		}()
+		err := call()
+		<-killed
+		if !e.p.Running() {
+			kills++
+			e.p.Restart()
+		}
+		if err != nil {
+			retry(t, what, call)
+		}
+	}
 	for i := 1; i <= steps; i++ {
 		handle := fmt.Sprintf("gen-%d", i)
 		v := e.volume(map[string]string{driver.AttrSource: prev, driver.AttrCapture: handle}, false)
-		killer := make(chan struct{})
-		go func() {
-			defer close(killer)
-			time.Sleep(time.Duration(rng.IntN(3000)) * time.Microsecond)
-			if rng.IntN(2) == 0 {
-				e.p.Kill()
-			}
-		}()
-		publishErr := e.publish(v)
-		<-killer
-		if !e.p.Running() {
-			kills++
-			e.p.Restart()
-		}
-		if publishErr != nil {
-			retry(t, "publish", func() error { return e.publish(v) })
-		}
+		underFire("publish", func() error { return e.publish(v) })
 		require.Equal(t, fmt.Sprint(i-1), readFile(t, v.Target, "gen"))
 		write(t, v.Target, "gen", fmt.Sprint(i))
-		killer = make(chan struct{})
-		go func() {
-			defer close(killer)
-			time.Sleep(time.Duration(rng.IntN(3000)) * time.Microsecond)
-			if rng.IntN(2) == 0 {
-				e.p.Kill()
-			}
-		}()
-		unpublishErr := e.unpublish(v)
-		<-killer
-		if !e.p.Running() {
-			kills++
-			e.p.Restart()
-		}
-		if unpublishErr != nil {
-			retry(t, "unpublish", func() error { return e.unpublish(v) })
-		}
+		underFire("unpublish", func() error { return e.unpublish(v) })
 		prev = handle
 	}
 	t.Logf("%d steps, %d kills", steps, kills)

@@ -245,31 +245,39 @@ func listJSON[T any](b *bolt.Bucket) ([]T, error) {
 	return out, err
 }
 
-// Get returns the volume with the handle.
-func (s *Store) Get(handle string) (Volume, error) {
-	var v Volume
+// getOne reads one record, answering ErrNotFound (naming what) if absent.
+func getOne[T any](s *Store, bucket []byte, key, what string) (T, error) {
+	var v T
 	err := s.db.View(func(tx *bolt.Tx) error {
 		var ok bool
 		var err error
-		v, ok, err = getJSON[Volume](tx.Bucket(volumesBucket), handle)
+		v, ok, err = getJSON[T](tx.Bucket(bucket), key)
 		if err == nil && !ok {
-			err = fmt.Errorf("volume %q: %w", handle, ErrNotFound)
+			err = fmt.Errorf("%s %q: %w", what, key, ErrNotFound)
 		}
 		return err
 	})
 	return v, err
 }
 
-// List returns every volume, sorted by handle.
-func (s *Store) List() ([]Volume, error) {
-	var out []Volume
+// listAll reads every record of a bucket, in key order.
+func listAll[T any](s *Store, bucket []byte) ([]T, error) {
+	var out []T
 	err := s.db.View(func(tx *bolt.Tx) error {
 		var err error
-		out, err = listJSON[Volume](tx.Bucket(volumesBucket))
+		out, err = listJSON[T](tx.Bucket(bucket))
 		return err
 	})
 	return out, err
 }
+
+// Get returns the volume with the handle.
+func (s *Store) Get(handle string) (Volume, error) {
+	return getOne[Volume](s, volumesBucket, handle, "volume")
+}
+
+// List returns every volume, sorted by handle.
+func (s *Store) List() ([]Volume, error) { return listAll[Volume](s, volumesBucket) }
 
 // FindByProperties returns the ready volumes carrying every given property.
 func (s *Store) FindByProperties(props map[string]string) ([]Volume, error) {
@@ -298,29 +306,11 @@ func (s *Store) FindByProperties(props map[string]string) ([]Volume, error) {
 
 // GetView returns the step volume with the ID.
 func (s *Store) GetView(volumeID string) (View, error) {
-	var v View
-	err := s.db.View(func(tx *bolt.Tx) error {
-		var ok bool
-		var err error
-		v, ok, err = getJSON[View](tx.Bucket(viewsBucket), volumeID)
-		if err == nil && !ok {
-			err = fmt.Errorf("step volume %q: %w", volumeID, ErrNotFound)
-		}
-		return err
-	})
-	return v, err
+	return getOne[View](s, viewsBucket, volumeID, "step volume")
 }
 
 // ListViews returns every step volume.
-func (s *Store) ListViews() ([]View, error) {
-	var out []View
-	err := s.db.View(func(tx *bolt.Tx) error {
-		var err error
-		out, err = listJSON[View](tx.Bucket(viewsBucket))
-		return err
-	})
-	return out, err
-}
+func (s *Store) ListViews() ([]View, error) { return listAll[View](s, viewsBucket) }
 
 // chain walks from handle down its Base links, returning handles and data
 // dirs top first. Every volume on it must be ready.
