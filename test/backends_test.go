@@ -58,7 +58,7 @@ func TestBackends(t *testing.T) {
 }
 
 // sub makes an env for a subtest sharing the plugin.
-func (e *env) sub(t *testing.T) *env { return &env{t: t, p: e.p, pods: t.TempDir()} }
+func (e *env) sub(t *testing.T) *env { return &env{t: t, p: e.p, pods: podsDir(t)} }
 
 func (e *env) testIsolation(t *testing.T) {
 	e = e.sub(t)

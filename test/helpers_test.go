@@ -13,11 +13,13 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/overlay"
 )
 
 // env is one plugin and a place for pretend pods' volumes.
@@ -33,7 +35,21 @@ func newEnv(t *testing.T, cfg plugintest.Config) *env {
 	if cfg.StateDir == "" {
 		cfg.StateDir = t.TempDir()
 	}
-	return &env{t: t, p: plugintest.Start(t, cfg), pods: t.TempDir()}
+	return &env{t: t, p: plugintest.Start(t, cfg), pods: podsDir(t)}
+}
+
+// podsDir is a dir for pretend pods' volumes. A test that fails half-way
+// leaves volumes published; they are detached when it ends so that no
+// mount outlives it (a passing test checks it left none with noLeaks).
+func podsDir(t *testing.T) string {
+	dir := t.TempDir()
+	t.Cleanup(func() {
+		mounts, _ := overlay.MountsUnder(dir)
+		for _, mp := range mounts {
+			_ = unix.Unmount(mp, unix.MNT_DETACH)
+		}
+	})
+	return dir
 }
 
 // volume makes a new inline volume for a pretend pod in namespace "ci".
