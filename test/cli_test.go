@@ -10,10 +10,14 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -140,4 +144,31 @@ func TestGracefulStop(t *testing.T) {
 	require.Contains(t, e.p.Log(), "viewsAdopted=1")
 	e.umount(v)
 	e.noLeaks(t)
+}
+
+// The plugin can register itself with the kubelet (no sidecar): the
+// kubelet's plugin watcher calls GetInfo and NotifyRegistrationStatus on
+// the registration socket, and a stopped plugin's socket is gone.
+func TestKubeletRegistration(t *testing.T) {
+	testfs.Need(t)
+	reg := filepath.Join(t.TempDir(), "cowvol.concourse-ci.org-reg.sock")
+	p := plugintest.Start(t, plugintest.Config{StateDir: t.TempDir(), Backend: "overlay",
+		Args: []string{"--kubelet-registration-socket=" + reg}})
+	conn, err := grpc.NewClient("unix://"+reg, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	client := registerapi.NewRegistrationClient(conn)
+	info, err := client.GetInfo(context.Background(), &registerapi.InfoRequest{})
+	require.NoError(t, err)
+	require.Equal(t, registerapi.CSIPlugin, info.Type)
+	require.Equal(t, driver.DefaultDriverName, info.Name)
+	require.Equal(t, p.Sock, info.Endpoint)
+	require.Equal(t, []string{"1.0.0"}, info.SupportedVersions)
+	_, err = client.NotifyRegistrationStatus(context.Background(), &registerapi.RegistrationStatus{PluginRegistered: true})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return strings.Contains(p.Log(), "Registered with the kubelet") },
+		5*time.Second, 10*time.Millisecond)
+	p.Stop()
+	_, err = os.Stat(reg)
+	require.ErrorIs(t, err, os.ErrNotExist, "the kubelet sees a stopped plugin's registration go")
 }

@@ -39,6 +39,11 @@ func main() {
 	fs.IntVar(&opts.FlattenDepth, "flatten-depth", 64, "layer chains deeper than this are flattened in the background")
 	fs.StringVar(&opts.MetricsAddress, "metrics-address", "", "host:port to serve Prometheus /metrics on (empty: none)")
 	fs.DurationVar(&opts.StopTimeout, "stop-timeout", 0, "how long in-flight RPCs may run after SIGTERM (0: 30s)")
+	fs.StringVar(&opts.RegistrationSocket, "kubelet-registration-socket", "",
+		"serve the kubelet's plugin registration on this socket, without the node-driver-registrar sidecar\n"+
+			"(e.g. /var/lib/kubelet/plugins_registry/cowvol.concourse-ci.org-reg.sock)")
+	fs.StringVar(&opts.KubeletEndpoint, "kubelet-endpoint", "",
+		"the CSI socket path as the kubelet sees it, for registration (default: the --endpoint path)")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])

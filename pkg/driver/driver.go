@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -56,6 +57,13 @@ type Options struct {
 	FlattenDepth   int    // chains deeper than this are flattened
 	MetricsAddress string // host:port for /metrics; empty serves none
 	StopTimeout    time.Duration
+	// RegistrationSocket, if set, is where the plugin serves the kubelet's
+	// plugin-registration API itself (no node-driver-registrar sidecar),
+	// typically /var/lib/kubelet/plugins_registry/<driver>-reg.sock.
+	RegistrationSocket string
+	// KubeletEndpoint is the CSI socket path as the kubelet sees it, told
+	// to the kubelet at registration; it defaults to Endpoint's path.
+	KubeletEndpoint string
 }
 
 // Validate checks the options and fills in defaults.
@@ -88,6 +96,13 @@ func (o *Options) Validate() error {
 		if o.Backend != "auto" {
 			if _, err := overlay.New(overlay.Kind(o.Backend), nil); err != nil {
 				errs = append(errs, fmt.Errorf("%w (or auto)", err))
+			}
+		}
+		if o.RegistrationSocket != "" && o.KubeletEndpoint == "" {
+			if network, addr, err := parseEndpoint(o.Endpoint); err == nil && network == "unix" {
+				o.KubeletEndpoint = addr
+			} else {
+				errs = append(errs, errors.New("kubelet registration needs a unix endpoint (or the kubelet's endpoint path)"))
 			}
 		}
 		if o.FlattenDepth < 1 || o.FlattenDepth > maxKernelLayers-1 {
@@ -201,6 +216,23 @@ func (d *Driver) Run(ctx context.Context) error {
 		"version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(lis) }()
+	if d.opts.RegistrationSocket != "" && d.node != nil {
+		// Registered only once the CSI socket answers: the kubelet calls
+		// it as soon as it has the registration.
+		regLis, err := listen("unix://" + d.opts.RegistrationSocket)
+		if err != nil {
+			srv.Stop()
+			d.Close()
+			return fmt.Errorf("serving kubelet registration: %w", err)
+		}
+		reg := grpc.NewServer()
+		registerapi.RegisterRegistrationServer(reg, &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint})
+		go func() { _ = reg.Serve(regLis) }()
+		// Stopping the registration first tells the kubelet the plugin is
+		// going away (its watcher sees the socket vanish).
+		defer reg.Stop()
+		klog.InfoS("Serving kubelet plugin registration", "socket", d.opts.RegistrationSocket, "kubeletEndpoint", d.opts.KubeletEndpoint)
+	}
 	select {
 	case err = <-served:
 	case <-ctx.Done():
