@@ -8,7 +8,13 @@ IMAGE     ?= cowvol-plugin:$(VERSION)
 BENCHTIME ?= 1x
 BENCHCOUNT ?= 1
 
-.PHONY: build test unit sanity race bench demo lint image clean
+# The e2e harness's Kubernetes, built from source (no registry is reachable).
+K8S_VERSION := v1.33.13
+K8S_BIN     := test/e2e/bin
+K8S_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
+	-X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=33 -X $(p).gitTreeState=clean)
+
+.PHONY: build test bench demo lint image clean e2e
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -18,6 +24,17 @@ build:
 test: build
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 12m ./...
 	$(GO) test -count=1 -race -timeout 5m ./pkg/...
+
+# A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
+e2e: build $(K8S_BIN)/kubelet
+	rm -f $(K8S_BIN)/report.txt
+	cd test/e2e && COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_E2E_REPORT=$(CURDIR)/$(K8S_BIN)/report.txt \
+		$(GO) test -tags e2e -count=1 -timeout 30m -v .
+	@cat $(K8S_BIN)/report.txt 2>/dev/null || true
+
+$(K8S_BIN)/kubelet: test/e2e/tools/go.mod
+	cd test/e2e/tools && $(GO) build -trimpath -ldflags '$(K8S_LDFLAGS)' -o ../bin/ \
+		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl
 
 bench: build
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) $(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -count $(BENCHCOUNT) -timeout 60m ./bench/
@@ -33,4 +50,4 @@ image:
 	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE) .
 
 clean:
-	rm -rf bin
+	rm -rf bin $(K8S_BIN)

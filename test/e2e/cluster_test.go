@@ -1,0 +1,618 @@
+//go:build e2e
+
+// Package e2e runs cowvol under a real kubelet: etcd, kube-apiserver,
+// containerd and a kubelet on loopback (no scheduler: pods name their node),
+// cowvol's node plugin registered with the kubelet, and real step pods whose
+// volumes the kubelet publishes through it. Everything it starts it stops,
+// leaving no process, mount, cgroup or changed sysctl behind.
+package e2e
+
+import (
+	"bytes"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/overlay"
+)
+
+const (
+	nodeName     = "localhost" // other names make the kubelet look itself up in DNS
+	driverName   = "cowvol.concourse-ci.org"
+	adminToken   = "cowvol-e2e-admin-token"
+	pauseImage   = "registry.k8s.io/pause:3.10"
+	busyboxImage = "cowvol.test/busybox:e2e"
+)
+
+// sysctls the kubelet rewrites; the harness puts them back.
+var kubeletSysctls = []string{"kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory"}
+
+// proc is one process the harness runs, logging to a file.
+type proc struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan error
+}
+
+func (p *proc) logText() string {
+	b, _ := os.ReadFile(p.log)
+	return string(b)
+}
+
+func (p *proc) running() bool {
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return false
+	default:
+		return true
+	}
+}
+
+// stop sends sig and waits up to grace, then kills.
+func (p *proc) stop(sig syscall.Signal, grace time.Duration) {
+	if !p.running() {
+		return
+	}
+	_ = p.cmd.Process.Signal(sig)
+	select {
+	case err := <-p.done:
+		p.done <- err
+	case <-time.After(grace):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+type cluster struct {
+	t          *testing.T
+	work       string
+	bin        string
+	kubeconfig string
+	containerd string // its socket
+	kubeletDir string
+	stateDir   string
+	procs      map[string]*proc
+	plugin     *proc
+	pluginArgs []string
+	sysctls    map[string]string
+}
+
+func freePort(t *testing.T) int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func (c *cluster) start(name string, env []string, args ...string) *proc {
+	c.t.Helper()
+	p := &proc{name: name, log: filepath.Join(c.work, "logs", name+".log"), done: make(chan error, 1)}
+	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	p.cmd = exec.Command(args[0], args[1:]...)
+	p.cmd.Stdout, p.cmd.Stderr = f, f
+	p.cmd.Env = append(os.Environ(), env...)
+	// Its own process group, so that a test's ^C does not reach it
+	// before the harness has taken the cluster down in order.
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := p.cmd.Start(); err != nil {
+		c.t.Fatalf("starting %s: %v", name, err)
+	}
+	go func() { p.done <- p.cmd.Wait(); f.Close() }()
+	c.procs[name] = p
+	return p
+}
+
+// until polls cond until it holds, failing with what after timeout.
+func (c *cluster) until(what string, timeout time.Duration, cond func() bool) {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			c.dumpLogs()
+			c.t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func (c *cluster) dumpLogs() {
+	for name, p := range c.procs {
+		text := p.logText()
+		if len(text) > 6000 {
+			text = "..." + text[len(text)-6000:]
+		}
+		c.t.Logf("---- %s log (tail) ----\n%s", name, text)
+	}
+}
+
+// kubectl runs kubectl against the cluster, feeding stdin if given.
+func (c *cluster) kubectl(stdin string, args ...string) (string, error) {
+	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"--kubeconfig", c.kubeconfig}, args...)...)
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	if err != nil {
+		return out.String(), fmt.Errorf("kubectl %s: %v: %s", strings.Join(args, " "), err, errOut.String())
+	}
+	return out.String(), nil
+}
+
+func (c *cluster) mustKubectl(stdin string, args ...string) string {
+	c.t.Helper()
+	out, err := c.kubectl(stdin, args...)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return out
+}
+
+func writeFile(t *testing.T, path, content string) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// startCluster brings the whole node up and registers teardown.
+func startCluster(t *testing.T) *cluster {
+	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox")
+	bin, err := filepath.Abs("bin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range []string{"kube-apiserver", "kubelet", "kubectl"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			t.Fatalf("%s is not built: run make e2e (it builds test/e2e/tools)", b)
+		}
+	}
+	work, err := os.MkdirTemp("", "cowvol-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &cluster{t: t, work: work, bin: bin, procs: map[string]*proc{}, sysctls: map[string]string{}}
+	// Made before the teardown is registered, so that it is unmounted
+	// after the teardown has stopped everything that uses it.
+	c.stateDir = testfs.Mount(t, testfs.XFS, 6<<30)
+	for _, s := range kubeletSysctls {
+		v, err := os.ReadFile("/proc/sys/" + s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.sysctls[s] = strings.TrimSpace(string(v))
+	}
+	t.Cleanup(c.teardown)
+	if err := os.MkdirAll(filepath.Join(work, "logs"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c.startEtcd()
+	c.startAPIServer()
+	c.startContainerd()
+	c.importImages()
+	c.startKubelet()
+	c.startPlugin()
+	c.until("cowvol to register with the kubelet", 60*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
+		return err == nil && strings.Contains(out, driverName)
+	})
+	c.applyManifests()
+	return c
+}
+
+func (c *cluster) startEtcd() {
+	dir := filepath.Join(c.work, "etcd")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		c.t.Fatal(err)
+	}
+	// etcd fsyncs a lot and the root disk is throttled: a tmpfs is enough
+	// for a cluster that lives as long as the test.
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=512m"); err != nil {
+		c.t.Fatal(err)
+	}
+	client, peer := freePort(c.t), freePort(c.t)
+	cu, pu := fmt.Sprintf("http://127.0.0.1:%d", client), fmt.Sprintf("http://127.0.0.1:%d", peer)
+	c.start("etcd", nil, "etcd", "--name=e2e", "--data-dir="+filepath.Join(dir, "data"),
+		"--listen-client-urls="+cu, "--advertise-client-urls="+cu,
+		"--listen-peer-urls="+pu, "--initial-advertise-peer-urls="+pu, "--initial-cluster=e2e="+pu)
+	c.procs["etcd"].cmd.Args = append(c.procs["etcd"].cmd.Args, cu) // remembered for the apiserver
+}
+
+func (c *cluster) startAPIServer() {
+	dir := filepath.Join(c.work, "apiserver")
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	saKey := filepath.Join(dir, "sa.key")
+	writeFile(c.t, saKey, string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
+	tokens := filepath.Join(dir, "tokens.csv")
+	writeFile(c.t, tokens, adminToken+",admin,admin,system:masters\n")
+	etcdArgs := c.procs["etcd"].cmd.Args
+	port := freePort(c.t)
+	c.start("kube-apiserver", nil, filepath.Join(c.bin, "kube-apiserver"),
+		"--etcd-servers="+etcdArgs[len(etcdArgs)-1],
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
+		"--cert-dir="+filepath.Join(dir, "certs"),
+		"--token-auth-file="+tokens, "--authorization-mode=AlwaysAllow",
+		"--service-account-issuer=https://localhost", "--service-account-key-file="+saKey,
+		"--service-account-signing-key-file="+saKey,
+		// No controller-manager creates service accounts' tokens.
+		"--disable-admission-plugins=ServiceAccount",
+		"--service-cluster-ip-range=10.0.0.0/24", // never routed: no kube-proxy, hostNetwork pods
+		"--kubelet-preferred-address-types=Hostname",
+		"--allow-privileged=true", "--profiling=false")
+	c.kubeconfig = filepath.Join(c.work, "kubeconfig")
+	writeFile(c.t, c.kubeconfig, fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {server: "https://127.0.0.1:%d", insecure-skip-tls-verify: true}
+users:
+- name: admin
+  user: {token: %s}
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: admin}
+current-context: e2e
+`, port, adminToken))
+	c.until("the apiserver to be ready", 90*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "--raw", "/readyz")
+		return err == nil && strings.TrimSpace(out) == "ok"
+	})
+}
+
+func (c *cluster) startContainerd() {
+	dir := filepath.Join(c.work, "containerd")
+	c.containerd = filepath.Join(dir, "containerd.sock")
+	cni := filepath.Join(dir, "cni")
+	// hostNetwork pods need no network, but the CRI reports the network
+	// not ready without a CNI config: loopback alone is enough.
+	writeFile(c.t, filepath.Join(cni, "10-loopback.conflist"),
+		`{"cniVersion": "0.4.0", "name": "loopback", "plugins": [{"type": "loopback"}]}`)
+	config := filepath.Join(dir, "config.toml")
+	writeFile(c.t, config, fmt.Sprintf(`version = 2
+root = %q
+state = %q
+[grpc]
+  address = %q
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %q
+  # This machine's root lacks CAP_SYS_RESOURCE: without this every
+  # sandbox fails with "can't get final child's PID from pipe: EOF".
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = %q
+`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, pauseImage, cni))
+	c.start("containerd", nil, "containerd", "--config", config)
+	c.until("containerd", 30*time.Second, func() bool {
+		return exec.Command("ctr", "--address", c.containerd, "version").Run() == nil
+	})
+}
+
+// importImages builds the pause and busybox images here (no registry is
+// reachable) and imports them into the CRI's namespace.
+func (c *cluster) importImages() {
+	dir := filepath.Join(c.work, "images")
+	pause := filepath.Join(dir, "pause")
+	build := exec.Command("go", "build", "-o", pause, "./pause")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		c.t.Fatalf("building pause: %v: %s", err, out)
+	}
+	pauseBin, err := os.ReadFile(pause)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	busybox, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	applets, err := exec.Command("busybox", "--list").Output()
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	bbFiles := map[string]imageFile{"bin/busybox": {mode: 0o755, data: busybox}, "tmp/.keep": {mode: 0o644}}
+	for _, a := range strings.Fields(string(applets)) {
+		if a != "busybox" {
+			bbFiles["bin/"+a] = imageFile{linkname: "busybox"}
+		}
+	}
+	images := []struct {
+		name  string
+		files map[string]imageFile
+		cmd   []string
+	}{
+		{pauseImage, map[string]imageFile{"pause": {mode: 0o755, data: pauseBin}}, []string{"/pause"}},
+		{busyboxImage, bbFiles, []string{"/bin/sh"}},
+	}
+	for i, img := range images {
+		out := filepath.Join(dir, fmt.Sprintf("image-%d.tar", i))
+		if err := ociImage(out, img.name, img.files, img.cmd); err != nil {
+			c.t.Fatal(err)
+		}
+		if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
+			c.t.Fatalf("importing %s: %v: %s", img.name, err, b)
+		}
+	}
+}
+
+func (c *cluster) startKubelet() {
+	c.kubeletDir = filepath.Join(c.work, "kubelet")
+	config := filepath.Join(c.work, "kubelet.yaml")
+	writeFile(c.t, config, fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: %d
+readOnlyPort: 0
+healthzPort: 0
+cgroupDriver: cgroupfs
+# cgroup v1 here, and no swap to speak of.
+failCgroupV1: false
+failSwapOn: false
+containerRuntimeEndpoint: unix://%s
+authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
+authorization: {mode: AlwaysAllow}
+evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", imagefs.available: "1%%"}
+imageGCHighThresholdPercent: 100
+serializeImagePulls: false
+resolvConf: ""
+syncFrequency: 2s
+fileCheckFrequency: 2s
+`, freePort(c.t), c.containerd))
+	c.start("kubelet", nil, filepath.Join(c.bin, "kubelet"), "--config="+config, "--kubeconfig="+c.kubeconfig,
+		"--root-dir="+c.kubeletDir, "--hostname-override="+nodeName, "--v=2")
+	c.until("the node to register", 90*time.Second, func() bool {
+		_, err := c.kubectl("", "get", "node", nodeName)
+		return err == nil
+	})
+}
+
+// startPlugin runs cowvol's node plugin on the host, registered with the
+// kubelet through its own registration socket (no sidecar).
+func (c *cluster) startPlugin(env ...string) {
+	if c.pluginArgs == nil {
+		c.pluginArgs = []string{plugintest.Binary(c.t), "--mode=node", "--node-id=" + nodeName,
+			"--endpoint=unix://" + filepath.Join(c.kubeletDir, "plugins", driverName, "csi.sock"),
+			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
+			"--state-dir=" + filepath.Join(c.stateDir, "cowvol"), "--v=4"}
+		if err := os.MkdirAll(filepath.Join(c.kubeletDir, "plugins", driverName), 0o755); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+	c.plugin = c.start("cowvol", env, c.pluginArgs...)
+}
+
+// killPlugin SIGKILLs the plugin, as a crash would.
+func (c *cluster) killPlugin() { c.plugin.stop(syscall.SIGKILL, 10*time.Second) }
+
+func (c *cluster) applyManifests() {
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/namespace.yaml", "-f", "../../deploy/csi/csidriver.yaml")
+	for _, ns := range []string{"ci", "other"} {
+		c.mustKubectl("", "create", "namespace", ns)
+	}
+	// Every manifest must be valid against this apiserver.
+	c.mustKubectl("", "apply", "--dry-run=server", "-f", "../../deploy/csi/")
+}
+
+func (c *cluster) teardown() {
+	t := c.t
+	if t.Failed() {
+		c.dumpLogs()
+	}
+	if c.kubeconfig != "" && c.procs["kube-apiserver"] != nil && c.procs["kube-apiserver"].running() {
+		// Through the API first, so that the kubelet unpublishes.
+		for _, ns := range []string{"ci", "other"} {
+			_, _ = c.kubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=90s")
+		}
+	}
+	for _, name := range []string{"kubelet", "cowvol"} {
+		if p := c.procs[name]; p != nil {
+			p.stop(syscall.SIGTERM, 30*time.Second)
+		}
+	}
+	c.killShims()
+	for _, name := range []string{"containerd", "kube-apiserver", "etcd"} {
+		if p := c.procs[name]; p != nil {
+			p.stop(syscall.SIGTERM, 30*time.Second)
+		}
+	}
+	mounts, err := overlay.MountsUnder(c.work)
+	if err != nil {
+		t.Error(err)
+	}
+	for _, mp := range mounts {
+		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmounting %s: %v", mp, err)
+		}
+	}
+	removeKubeCgroups(t)
+	for s, v := range c.sysctls {
+		if err := os.WriteFile("/proc/sys/"+s, []byte(v), 0o644); err != nil {
+			t.Errorf("restoring %s: %v", s, err)
+		}
+	}
+	if err := os.RemoveAll(c.work); err != nil {
+		t.Errorf("removing %s: %v", c.work, err)
+	}
+}
+
+// killShims kills the containerd shims of this cluster's containerd (they
+// outlive it by design) by PID.
+func (c *cluster) killShims() {
+	if c.containerd == "" {
+		return
+	}
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cmdline), "\x00")
+		if strings.HasPrefix(filepath.Base(args[0]), "containerd-shim") && strings.Contains(string(cmdline), c.containerd) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
+	time.Sleep(200 * time.Millisecond)
+}
+
+// removeKubeCgroups removes the kubelet's cgroups (v1 and v2), deepest first.
+func removeKubeCgroups(t *testing.T) {
+	var dirs []string
+	roots, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods*")
+	if v2, _ := filepath.Glob("/sys/fs/cgroup/kubepods*"); len(v2) > 0 {
+		roots = append(roots, v2...)
+	}
+	for _, root := range roots {
+		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+			if err == nil && d.IsDir() {
+				dirs = append(dirs, p)
+			}
+			return nil
+		})
+	}
+	for i := len(dirs) - 1; i >= 0; i-- {
+		if err := unix.Rmdir(dirs[i]); err != nil && !os.IsNotExist(err) {
+			t.Errorf("removing cgroup %s: %v", dirs[i], err)
+		}
+	}
+}
+
+// scenario runs one step of the build, logging where it starts and ends.
+// Scenarios build on each other, so a failure ends the whole run.
+func (c *cluster) scenario(name string, fn func()) {
+	c.t.Helper()
+	start := time.Now()
+	c.t.Logf("=== scenario: %s", name)
+	fn()
+	c.t.Logf("--- scenario done in %s: %s", time.Since(start).Round(time.Millisecond), name)
+}
+
+// ---- pods ----
+
+// volume is one inline cowvol volume (or an emptyDir) of a step pod.
+type volume struct {
+	name, mountPath string
+	attrs           map[string]string // nil: an emptyDir
+	readOnly        bool
+}
+
+func podJSON(ns, name, script string, vols []volume) string {
+	var mounts, volumes []map[string]any
+	for _, v := range vols {
+		mounts = append(mounts, map[string]any{"name": v.name, "mountPath": v.mountPath, "readOnly": v.readOnly})
+		if v.attrs == nil {
+			volumes = append(volumes, map[string]any{"name": v.name, "emptyDir": map[string]any{}})
+			continue
+		}
+		volumes = append(volumes, map[string]any{"name": v.name, "csi": map[string]any{
+			"driver": driverName, "volumeAttributes": v.attrs, "readOnly": v.readOnly}})
+	}
+	pod := map[string]any{
+		"apiVersion": "v1", "kind": "Pod",
+		"metadata": map[string]any{"name": name, "namespace": ns},
+		"spec": map[string]any{
+			"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
+			"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+			"containers": []any{map[string]any{
+				"name": "step", "image": busyboxImage, "imagePullPolicy": "Never",
+				"command": []string{"/bin/sh", "-c", script}, "volumeMounts": mounts,
+			}},
+			"volumes": volumes,
+		},
+	}
+	b, _ := json.Marshal(pod)
+	return string(b)
+}
+
+func (c *cluster) createPod(ns, name, script string, vols ...volume) {
+	c.t.Helper()
+	c.mustKubectl(podJSON(ns, name, script, vols), "create", "-f", "-")
+}
+
+func (c *cluster) phase(ns, name string) string {
+	out, _ := c.kubectl("", "get", "pod", "-n", ns, name, "-o", "jsonpath={.status.phase}")
+	return out
+}
+
+// waitDone waits for a pod to finish and returns its phase and log.
+func (c *cluster) waitDone(ns, name string) (phase, log string) {
+	c.t.Helper()
+	c.until("pod "+ns+"/"+name+" to finish", 3*time.Minute, func() bool {
+		p := c.phase(ns, name)
+		return p == "Succeeded" || p == "Failed"
+	})
+	log, _ = c.kubectl("", "logs", "-n", ns, name)
+	return c.phase(ns, name), log
+}
+
+// mustSucceed waits for a pod to succeed and returns its log.
+func (c *cluster) mustSucceed(ns, name string) string {
+	c.t.Helper()
+	phase, log := c.waitDone(ns, name)
+	if phase != "Succeeded" {
+		c.t.Fatalf("pod %s/%s %s; log:\n%s\nevents:\n%s", ns, name, phase, log, c.events(ns, name))
+	}
+	return log
+}
+
+func (c *cluster) events(ns, name string) string {
+	out, _ := c.kubectl("", "get", "events", "-n", ns, "--field-selector", "involvedObject.name="+name,
+		"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+	return out
+}
+
+func (c *cluster) deletePod(ns, name string) {
+	c.t.Helper()
+	c.mustKubectl("", "delete", "pod", "-n", ns, name, "--grace-period=1", "--timeout=120s")
+}
+
+// waitCaptured waits until the plugin has captured handle: the kubelet
+// unpublishes a finished pod's volumes on its own schedule.
+func (c *cluster) waitCaptured(handle string) time.Duration {
+	c.t.Helper()
+	start := time.Now()
+	c.until("capture of "+handle, 3*time.Minute, func() bool {
+		return strings.Contains(c.plugin.logText(), `"Captured step volume"`) &&
+			strings.Contains(c.plugin.logText(), `handle="`+handle+`"`)
+	})
+	return time.Since(start)
+}

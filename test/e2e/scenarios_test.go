@@ -1,0 +1,201 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/pkg/overlay"
+)
+
+// listFn prints every file under a dir with its checksum and every entry,
+// sorted, so that two pods' views of a volume compare byte for byte.
+const listFn = `list() { (cd "$1" && find . -type f | sort | xargs -r sha256sum && find . | sort); }; `
+
+func listScript(dir string) string { return listFn + "list " + dir }
+
+func attrs(kv ...string) map[string]string {
+	m := map[string]string{}
+	for i := 0; i < len(kv); i += 2 {
+		m[kv[i]] = kv[i+1]
+	}
+	return m
+}
+
+// TestE2E brings up one node and plays a CI build's steps on it.
+func TestE2E(t *testing.T) {
+	c := startCluster(t)
+
+	// get: a pod writes a repository into a captured output.
+	c.createPod("ci", "get", `set -e; cd /out
+		mkdir -p src docs; echo 'package main' > src/main.go; echo 'old' > src/old.go
+		echo '# repo' > README.md; echo 'guide' > docs/guide.md; ln -s README.md link`,
+		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "res-v1", "property.version", "v1")})
+	c.mustSucceed("ci", "get")
+	t.Logf("get captured %s after the pod succeeded", c.waitCaptured("res-v1"))
+	c.createPod("ci", "get-list", listScript("/in"), volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
+	resV1 := c.mustSucceed("ci", "get-list")
+	require.Contains(t, resV1, "./src/old.go")
+
+	c.scenario("task changes a COW input and leaves the source as it was", func() {
+		c.createPod("ci", "task", listFn+`set -e; cd /repo
+			echo 'package main // built' > src/main.go; rm src/old.go; rm -r docs; echo new > src/new.go
+			list /repo`,
+			volume{name: "repo", mountPath: "/repo", attrs: attrs("source", "res-v1", "capture", "task-v1")})
+		taskView := c.mustSucceed("ci", "task")
+		require.NotContains(t, taskView, "old.go")
+		c.waitCaptured("task-v1")
+		c.createPod("ci", "source-after", listScript("/in"), volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
+		require.Equal(t, resV1, c.mustSucceed("ci", "source-after"), "the cached source is byte-for-byte unchanged")
+
+		// The next task sees exactly the previous task's changes.
+		c.createPod("ci", "next-task", listScript("/in"), volume{name: "in", mountPath: "/in", attrs: attrs("source", "task-v1")})
+		require.Equal(t, taskView, c.mustSucceed("ci", "next-task"))
+	})
+
+	c.scenario("a chain: input captured and reused, twice", func() {
+		prev := "res-v1"
+		for i := 1; i <= 3; i++ {
+			name, handle := fmt.Sprintf("chain-%d", i), fmt.Sprintf("chain-v%d", i)
+			c.createPod("ci", name, fmt.Sprintf(`set -e; cd /w; test "$(cat step 2>/dev/null || echo 0)" = %d; echo %d > step; echo %d > file-%d`, i-1, i, i, i),
+				volume{name: "w", mountPath: "/w", attrs: attrs("source", prev, "capture", handle)})
+			c.mustSucceed("ci", name)
+			c.waitCaptured(handle)
+			prev = handle
+		}
+		c.createPod("ci", "chain-read", `set -e; cd /in; test "$(cat step)" = 3; cat file-1 file-2 file-3`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", prev), readOnly: true})
+		require.Equal(t, "1\n2\n3\n", c.mustSucceed("ci", "chain-read"))
+	})
+
+	c.scenario("two pods on one source do not see each other's writes", func() {
+		for _, who := range []string{"a", "b"} {
+			other := map[string]string{"a": "b", "b": "a"}[who]
+			c.createPod("ci", "twin-"+who, fmt.Sprintf(`set -e; echo %s > /w/mine-%s; sleep 3; test ! -e /w/mine-%s; echo isolated`, who, who, other),
+				volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1")})
+		}
+		require.Equal(t, "isolated\n", c.mustSucceed("ci", "twin-a"))
+		require.Equal(t, "isolated\n", c.mustSucceed("ci", "twin-b"))
+	})
+
+	c.scenario("a task cache is promoted only after success", func() {
+		// Build 1 fills the cache and succeeds: the scheduler promotes it.
+		c.createPod("ci", "build-1", `set -e; echo deps-1 > /cache/deps`,
+			volume{name: "cache", mountPath: "/cache", attrs: attrs("capture", "cache-b1")})
+		c.mustSucceed("ci", "build-1")
+		c.waitCaptured("cache-b1")
+		promoted := "cache-b1"
+		// Build 2 uses it, adds to it, and fails: not promoted.
+		c.createPod("ci", "build-2", `set -e; test "$(cat /cache/deps)" = deps-1; echo broken > /cache/deps; exit 1`,
+			volume{name: "cache", mountPath: "/cache", attrs: attrs("source", promoted, "capture", "cache-b2")})
+		phase, _ := c.waitDone("ci", "build-2")
+		require.Equal(t, "Failed", phase)
+		c.waitCaptured("cache-b2")
+		// Build 3 gets the last promoted cache, untouched by build 2.
+		c.createPod("ci", "build-3", `set -e; cat /cache/deps`,
+			volume{name: "cache", mountPath: "/cache", attrs: attrs("source", promoted, "capture", "cache-b3")})
+		require.Equal(t, "deps-1\n", c.mustSucceed("ci", "build-3"))
+	})
+
+	c.scenario("namespaces: a namespace-scoped source is refused, a cluster-scoped one is not", func() {
+		c.createPod("other", "intruder", `cat /in/README.md`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
+		c.until("the refusal to show in the pod's events", 90*time.Second, func() bool {
+			return strings.Contains(c.events("other", "intruder"), "PermissionDenied")
+		})
+		require.Contains(t, c.events("other", "intruder"), `belongs to namespace "ci"`)
+		require.Equal(t, "Pending", c.phase("other", "intruder"), "the pod stays ContainerCreating")
+		c.deletePod("other", "intruder")
+
+		c.createPod("ci", "shared-get", `echo shared > /out/data`,
+			volume{name: "out", mountPath: "/out", attrs: attrs("capture", "shared-v1", "scope", "cluster")})
+		c.mustSucceed("ci", "shared-get")
+		c.waitCaptured("shared-v1")
+		c.createPod("other", "guest", `cat /in/data`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "shared-v1"), readOnly: true})
+		require.Equal(t, "shared\n", c.mustSucceed("other", "guest"))
+	})
+
+	c.scenario("the plugin is killed and restarted while pods run and while volumes are torn down", func() {
+		c.createPod("ci", "survivor", `set -e; echo before > /w/before; sleep 6; echo after > /w/after`,
+			volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "survivor-v1")})
+		c.until("the survivor to run", 60*time.Second, func() bool { return c.phase("ci", "survivor") == "Running" })
+		c.killPlugin()
+		c.startPlugin()
+		c.mustSucceed("ci", "survivor")
+		c.waitCaptured("survivor-v1")
+
+		// Killed mid-capture: the plugin dies between the rename and the
+		// commit; the kubelet's retried unpublish completes the capture.
+		c.createPod("ci", "torn", `echo done > /w/result`,
+			volume{name: "w", mountPath: "/w", attrs: attrs("capture", "torn-v1")})
+		c.killPlugin()
+		c.startPlugin("COWVOL_CRASH_AT=capture-renamed")
+		c.until("the plugin to crash mid-capture", 3*time.Minute, func() bool { return !c.plugin.running() })
+		c.startPlugin()
+		c.waitCaptured("torn-v1")
+
+		c.createPod("ci", "survivor-read", `cat /in/before /in/after /in/README.md; cat /r/result`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "survivor-v1"), readOnly: true},
+			volume{name: "r", mountPath: "/r", attrs: attrs("source", "torn-v1"), readOnly: true})
+		require.Equal(t, "before\nafter\n# repo\ndone\n", c.mustSucceed("ci", "survivor-read"))
+	})
+
+	c.scenario("step time with a 1 GiB COW input beside an emptyDir", func() {
+		c.createPod("ci", "big-get", `set -e; dd if=/dev/zero of=/out/blob bs=1M count=1024 2>/dev/null; for i in $(seq 1 1000); do echo $i > /out/f$i; done`,
+			volume{name: "out", mountPath: "/out", attrs: attrs("capture", "big-v1")})
+		c.mustSucceed("ci", "big-get")
+		c.waitCaptured("big-v1")
+		timeStep := func(name string, v volume) time.Duration {
+			start := time.Now()
+			c.createPod("ci", name, `ls /in >/dev/null; echo ok`, v)
+			c.mustSucceed("ci", name)
+			return time.Since(start)
+		}
+		// Warm the image and the node once, then time each kind twice.
+		timeStep("warm", volume{name: "in", mountPath: "/in"})
+		var cow, empty []time.Duration
+		for i := range 2 {
+			cow = append(cow, timeStep(fmt.Sprintf("cow-%d", i), volume{name: "in", mountPath: "/in", attrs: attrs("source", "big-v1")}))
+			empty = append(empty, timeStep(fmt.Sprintf("empty-%d", i), volume{name: "in", mountPath: "/in"}))
+		}
+		t.Logf("pod create to Succeeded: COW input of a 1 GiB cached volume %v, emptyDir %v", cow, empty)
+		writeReport(t, fmt.Sprintf("pod create to Succeeded, COW input of 1 GiB: %v; emptyDir: %v\n", cow, empty))
+	})
+
+	// Every pod gone, nothing of cowvol's may stay mounted.
+	for _, ns := range []string{"ci", "other"} {
+		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
+	}
+	c.until("every step volume to be torn down", 2*time.Minute, func() bool {
+		mounts, err := overlay.MountsUnder(c.kubeletDir)
+		if err != nil {
+			return false
+		}
+		for _, mp := range mounts {
+			if strings.Contains(mp, "kubernetes.io~csi") {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// writeReport leaves the timings where make e2e prints them.
+func writeReport(t *testing.T, line string) {
+	if path := os.Getenv("COWVOL_E2E_REPORT"); path != "" {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer f.Close()
+		_, _ = f.WriteString(line)
+	}
+}
