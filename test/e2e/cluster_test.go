@@ -465,29 +465,41 @@ func (c *cluster) teardown() {
 			t.Errorf("restoring %s: %v", s, err)
 		}
 	}
+	for _, pid := range c.pidsMentioning(c.work) {
+		t.Errorf("process %d outlived the cluster", pid)
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
 	if err := os.RemoveAll(c.work); err != nil {
 		t.Errorf("removing %s: %v", c.work, err)
 	}
 }
 
+// pidsMentioning lists processes whose command line contains s: every
+// process of the cluster names its work dir (its data, config or socket).
+func (c *cluster) pidsMentioning(s string) []int {
+	var pids []int
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err == nil && strings.Contains(string(cmdline), s) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
 // killShims kills the containerd shims of this cluster's containerd (they
-// outlive it by design) by PID.
+// outlive it by design) by PID: they name its socket.
 func (c *cluster) killShims() {
 	if c.containerd == "" {
 		return
 	}
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		args := strings.Split(string(cmdline), "\x00")
-		if strings.HasPrefix(filepath.Base(args[0]), "containerd-shim") && strings.Contains(string(cmdline), c.containerd) {
+	for _, pid := range c.pidsMentioning(c.containerd) {
+		if exe, _ := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); strings.Contains(filepath.Base(exe), "containerd-shim") {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
@@ -603,6 +615,45 @@ func (c *cluster) events(ns, name string) string {
 func (c *cluster) deletePod(ns, name string) {
 	c.t.Helper()
 	c.mustKubectl("", "delete", "pod", "-n", ns, name, "--grace-period=1", "--timeout=120s")
+}
+
+// pluginLine is the first line the plugin logged containing all of parts.
+func (c *cluster) pluginLine(parts ...string) (string, bool) {
+	for _, line := range strings.Split(c.plugin.logText(), "\n") {
+		match := true
+		for _, p := range parts {
+			match = match && strings.Contains(line, p)
+		}
+		if match && len(line) > 21 {
+			return line, true
+		}
+	}
+	return "", false
+}
+
+// pluginLogTime is when the plugin logged the line (klog stamps lines with
+// month, day and microseconds, in UTC here).
+func (c *cluster) pluginLogTime(parts ...string) (time.Time, bool) {
+	line, ok := c.pluginLine(parts...)
+	if !ok {
+		return time.Time{}, false
+	}
+	at, err := time.Parse("0102 15:04:05.000000", line[1:21])
+	if err != nil {
+		return time.Time{}, false
+	}
+	return time.Date(time.Now().UTC().Year(), at.Month(), at.Day(), at.Hour(), at.Minute(), at.Second(), at.Nanosecond(), time.UTC), true
+}
+
+// pluginDuration is the duration="..." the plugin logged on that line.
+func (c *cluster) pluginDuration(parts ...string) string {
+	line, _ := c.pluginLine(parts...)
+	i := strings.Index(line, `duration="`)
+	if i < 0 {
+		return "not logged"
+	}
+	rest := line[i+len(`duration="`):]
+	return rest[:strings.IndexByte(rest, '"')]
 }
 
 // waitCaptured waits until the plugin has captured handle: the kubelet

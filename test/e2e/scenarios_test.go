@@ -38,7 +38,16 @@ func TestE2E(t *testing.T) {
 		echo '# repo' > README.md; echo 'guide' > docs/guide.md; ln -s README.md link`,
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "res-v1", "property.version", "v1")})
 	c.mustSucceed("ci", "get")
-	t.Logf("get captured %s after the pod succeeded", c.waitCaptured("res-v1"))
+	c.waitCaptured("res-v1")
+	// When does the kubelet unpublish a finished pod's volume? Compare
+	// the container's end with the plugin's capture.
+	finished, err := time.Parse(time.RFC3339, c.mustKubectl("", "get", "pod", "-n", "ci", "get",
+		"-o", "jsonpath={.status.containerStatuses[0].state.terminated.finishedAt}"))
+	require.NoError(t, err)
+	captured, ok := c.pluginLogTime(`"Captured step volume"`, `handle="res-v1"`)
+	require.True(t, ok)
+	report(t, fmt.Sprintf("the kubelet unpublished (and cowvol captured) a finished pod's volume %s after its container ended (finishedAt has 1 s resolution), without the pod being deleted\n",
+		captured.Sub(finished).Round(time.Millisecond)))
 	c.createPod("ci", "get-list", listScript("/in"), volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
 	resV1 := c.mustSucceed("ci", "get-list")
 	require.Contains(t, resV1, "./src/old.go")
@@ -165,8 +174,10 @@ func TestE2E(t *testing.T) {
 			cow = append(cow, timeStep(fmt.Sprintf("cow-%d", i), volume{name: "in", mountPath: "/in", attrs: attrs("source", "big-v1")}))
 			empty = append(empty, timeStep(fmt.Sprintf("empty-%d", i), volume{name: "in", mountPath: "/in"}))
 		}
-		t.Logf("pod create to Succeeded: COW input of a 1 GiB cached volume %v, emptyDir %v", cow, empty)
-		writeReport(t, fmt.Sprintf("pod create to Succeeded, COW input of 1 GiB: %v; emptyDir: %v\n", cow, empty))
+		report(t, fmt.Sprintf("pod create to Succeeded: COW input of a 1 GiB cached volume %v; emptyDir %v\n", cow, empty))
+		for i := range cow {
+			report(t, fmt.Sprintf("cowvol's own NodePublishVolume for cow-%d: %s\n", i, c.pluginDuration(`"Published step volume"`, fmt.Sprintf(`pod="ci/cow-%d"`, i))))
+		}
 	})
 
 	// Every pod gone, nothing of cowvol's may stay mounted.
@@ -187,8 +198,9 @@ func TestE2E(t *testing.T) {
 	})
 }
 
-// writeReport leaves the timings where make e2e prints them.
-func writeReport(t *testing.T, line string) {
+// report logs a finding and leaves it where make e2e prints it.
+func report(t *testing.T, line string) {
+	t.Log(strings.TrimSpace(line))
 	if path := os.Getenv("COWVOL_E2E_REPORT"); path != "" {
 		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 		if err != nil {
