@@ -27,6 +27,7 @@ test: build
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 e2e: build $(K8S_BIN)/kubelet
+	test/e2e/install-deps.sh
 	rm -f $(K8S_BIN)/report.txt
 	cd test/e2e && COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_E2E_REPORT=$(CURDIR)/$(K8S_BIN)/report.txt \
 		$(GO) test -tags e2e -count=1 -timeout 30m -v .
