@@ -25,15 +25,15 @@ import (
 // nodeService serves inline step volumes on this node.
 type nodeService struct {
 	csi.UnimplementedNodeServer
-	driverName, nodeID string
-	flattenDepth       int
-	store              *cache.Store
-	mounter            overlay.Mounter
-	backend            overlay.Backend
-	metrics            *metrics
-	inflight           inflight
+	nodeID       string
+	flattenDepth int
+	store        *cache.Store
+	mounter      overlay.Mounter
+	backend      overlay.Backend
+	metrics      *metrics
+	inflight     inflight
 
-	// Background work (trash, usage, flattening) runs under bgCtx, which
+	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
 	// outlives any one RPC: a kubelet giving up on a call must not abort
 	// work a retry will want finished.
 	bgCtx    context.Context
@@ -72,7 +72,7 @@ func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *me
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	n := &nodeService{
-		driverName: opts.DriverName, nodeID: opts.NodeID, flattenDepth: opts.FlattenDepth,
+		nodeID: opts.NodeID, flattenDepth: opts.FlattenDepth,
 		store: store, mounter: m, backend: backend, metrics: met,
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
 		boot: strings.TrimSpace(string(boot)),
@@ -468,23 +468,24 @@ func (n *nodeService) afterCapture(vol cache.Volume) {
 		return
 	}
 	start := time.Now()
-	if err := n.flatten(vol.Handle, chain); err != nil {
+	stats, err := n.flatten(vol.Handle, chain)
+	if err != nil {
 		n.metrics.flattens.WithLabelValues("error").Inc()
 		klog.ErrorS(err, "Flattening a deep chain", "handle", vol.Handle, "depth", len(chain))
 		return
 	}
 	n.metrics.flattens.WithLabelValues("ok").Inc()
 	klog.InfoS("Flattened a deep chain into a root layer", "handle", vol.Handle, "depth", len(chain),
-		"duration", time.Since(start))
+		"files", stats.Files, "cloned", stats.Cloned, "copied", stats.Copied, "duration", time.Since(start))
 }
 
 // flatten copies (reflinking where it can) the merged tree of a chain into a
 // new root layer, staged out of sight, then swaps it in with one rename and
 // one transaction.
-func (n *nodeService) flatten(handle string, chain []string) error {
+func (n *nodeService) flatten(handle string, chain []string) (overlay.CopyStats, error) {
 	work, err := os.MkdirTemp(n.store.StagingDir(), "flatten-")
 	if err != nil {
-		return err
+		return overlay.CopyStats{}, err
 	}
 	defer func() {
 		if err := overlay.RemoveTree(work); err != nil {
@@ -492,26 +493,27 @@ func (n *nodeService) flatten(handle string, chain []string) error {
 		}
 	}()
 	tree := filepath.Join(work, "tree")
-	if _, err := overlay.CopyLayers(n.bgCtx, n.mounter, chain, filepath.Join(work, "merged"), tree, true); err != nil {
-		return err
+	stats, err := overlay.CopyLayers(n.bgCtx, n.mounter, chain, filepath.Join(work, "merged"), tree, true)
+	if err != nil {
+		return stats, err
 	}
 	// The flat layer replaces synced data: it must be on disk first.
 	if err := overlay.SyncFS(tree); err != nil {
-		return err
+		return stats, err
 	}
 	layer := fmt.Sprintf("f%x", time.Now().UnixNano())
 	dst := n.store.LayerPath(handle, layer)
 	if err := os.Rename(tree, dst); err != nil {
-		return err
+		return stats, err
 	}
 	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
-		return err
+		return stats, err
 	}
 	if err := n.store.ReplaceLayer(handle, layer); err != nil {
-		return errors.Join(err, overlay.RemoveTree(dst))
+		return stats, errors.Join(err, overlay.RemoveTree(dst))
 	}
 	n.tidy()
-	return nil
+	return stats, nil
 }
 
 func (n *nodeService) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
