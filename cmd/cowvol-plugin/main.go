@@ -44,6 +44,8 @@ func main() {
 			"(e.g. /var/lib/kubelet/plugins_registry/cowvol.concourse-ci.org-reg.sock)")
 	fs.StringVar(&opts.KubeletEndpoint, "kubelet-endpoint", "",
 		"the CSI socket path as the kubelet sees it, for registration (default: the --endpoint path)")
+	fs.StringVar(&opts.Kubeconfig, "kubeconfig", "",
+		"kubeconfig for posting Kubernetes Events on step pods (default: in-cluster when run in a pod; else none)")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])

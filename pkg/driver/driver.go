@@ -64,6 +64,9 @@ type Options struct {
 	// KubeletEndpoint is the CSI socket path as the kubelet sees it, told
 	// to the kubelet at registration; it defaults to Endpoint's path.
 	KubeletEndpoint string
+	// Kubeconfig reaches the API server for Kubernetes Events; empty means
+	// in-cluster when run in a pod, and no events otherwise.
+	Kubeconfig string
 }
 
 // Validate checks the options and fills in defaults.

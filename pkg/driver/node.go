@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -31,6 +32,7 @@ type nodeService struct {
 	mounter      overlay.Mounter
 	backend      overlay.Backend
 	metrics      *metrics
+	events       podEvents
 	inflight     inflight
 
 	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
@@ -66,6 +68,10 @@ func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *me
 	if err != nil {
 		return nil, err
 	}
+	events, sender, err := newPodEvents(opts.Kubeconfig, opts.NodeID)
+	if err != nil {
+		return nil, err
+	}
 	boot, err := os.ReadFile(bootIDPath)
 	if err != nil {
 		return nil, fmt.Errorf("reading the boot ID: %w", err)
@@ -73,7 +79,7 @@ func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *me
 	ctx, cancel := context.WithCancel(context.Background())
 	n := &nodeService{
 		nodeID: opts.NodeID, flattenDepth: opts.FlattenDepth,
-		store: store, mounter: m, backend: backend, metrics: met,
+		store: store, mounter: m, backend: backend, metrics: met, events: events,
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
 		boot: strings.TrimSpace(string(boot)),
 	}
@@ -83,6 +89,9 @@ func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *me
 	}
 	n.goBackground(n.runJanitor)
 	n.goBackground(n.runSyncer)
+	if sender != nil {
+		n.goBackground(func() { sender.run(n.bgCtx) })
+	}
 	n.tidy()
 	n.kick(n.syncer)
 	return n, nil
@@ -390,6 +399,8 @@ func (n *nodeService) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpu
 		// so it is not captured. The scheduler sees the output missing.
 		klog.InfoS("Not capturing a step volume from before a reboot", "volumeID", view.VolumeID,
 			"capture", view.Capture, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name))
+		n.events.event(view.Pod, corev1.EventTypeWarning, "CaptureSkipped", fmt.Sprintf(
+			"Not captured into %q: the node rebooted while the step ran, so what it wrote may be incomplete", view.Capture))
 		view.Capture = ""
 	}
 	if view.Capture == "" || view.State == cache.ViewPublishing {
@@ -403,13 +414,24 @@ func (n *nodeService) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpu
 	if err != nil {
 		n.metrics.captures.WithLabelValues("error").Inc()
 		klog.ErrorS(err, "Capture failed; the kubelet will retry", "volumeID", view.VolumeID, "capture", view.Capture)
+		n.events.event(view.Pod, corev1.EventTypeWarning, "CaptureFailed", fmt.Sprintf(
+			"Capturing into %q failed (the kubelet retries): %v", view.Capture, err))
 		return nil, storeError(err)
 	}
 	n.metrics.captures.WithLabelValues("ok").Inc()
+	n.events.event(view.Pod, corev1.EventTypeNormal, "VolumeCaptured", capturedMessage(vol, time.Since(start)))
 	klog.V(2).InfoS("Captured step volume", "volumeID", view.VolumeID, "handle", vol.Handle,
 		"parent", vol.Parent, "base", vol.Base, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name),
 		"duration", time.Since(start))
 	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+func capturedMessage(vol cache.Volume, took time.Duration) string {
+	msg := fmt.Sprintf("Captured into cached volume %q", vol.Handle)
+	if vol.Parent != "" {
+		msg += fmt.Sprintf(" (a copy-on-write child of %q)", vol.Parent)
+	}
+	return msg + fmt.Sprintf(" in %s", took.Round(time.Microsecond))
 }
 
 // capture commits a view into its reserved handle. Each step is idempotent,

@@ -408,7 +408,7 @@ func (c *cluster) startPlugin(env ...string) {
 		c.pluginArgs = []string{plugintest.Binary(c.t), "--mode=node", "--node-id=" + nodeName,
 			"--endpoint=unix://" + filepath.Join(c.kubeletDir, "plugins", driverName, "csi.sock"),
 			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
-			"--state-dir=" + filepath.Join(c.stateDir, "cowvol"), "--v=4"}
+			"--state-dir=" + filepath.Join(c.stateDir, "cowvol"), "--kubeconfig=" + c.kubeconfig, "--v=4"}
 		if err := os.MkdirAll(filepath.Join(c.kubeletDir, "plugins", driverName), 0o755); err != nil {
 			c.t.Fatal(err)
 		}

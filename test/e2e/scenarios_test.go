@@ -46,6 +46,9 @@ func TestE2E(t *testing.T) {
 	require.NoError(t, err)
 	captured, ok := c.pluginLogTime(`"Captured step volume"`, `handle="res-v1"`)
 	require.True(t, ok)
+	c.until("the capture's event on the pod", 30*time.Second, func() bool {
+		return strings.Contains(c.events("ci", "get"), `VolumeCaptured: Captured into cached volume "res-v1"`)
+	})
 	report(t, fmt.Sprintf("the kubelet unpublished (and cowvol captured) a finished pod's volume %s after its container ended (finishedAt has 1 s resolution), without the pod being deleted\n",
 		captured.Sub(finished).Round(time.Millisecond)))
 	c.createPod("ci", "get-list", listScript("/in"), volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})

@@ -1,0 +1,105 @@
+package driver
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+)
+
+// podEvents posts Kubernetes Events on step pods, where an operator looks
+// first (kubectl describe pod): what became of a pod's captured volumes,
+// which happens at teardown where no RPC error shows. Publish refusals need
+// none of this: the kubelet turns them into FailedMount events itself.
+type podEvents interface {
+	event(pod cache.PodInfo, eventType, reason, message string)
+}
+
+// noEvents is the sink when no API server is configured.
+type noEvents struct{}
+
+func (noEvents) event(cache.PodInfo, string, string, string) {}
+
+// kubeEvents sends events from a queue, off the RPC path: a slow or absent
+// API server must never hold up a capture. A full queue drops events.
+type kubeEvents struct {
+	client kubernetes.Interface
+	node   string
+	queue  chan *corev1.Event
+}
+
+const eventQueue = 256
+
+// newPodEvents connects to the API server through kubeconfig, or in-cluster
+// when it is empty and the plugin runs in a pod; otherwise events are off.
+func newPodEvents(kubeconfig, node string) (podEvents, *kubeEvents, error) {
+	var cfg *rest.Config
+	var err error
+	switch {
+	case kubeconfig != "":
+		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	case os.Getenv("KUBERNETES_SERVICE_HOST") != "":
+		cfg, err = rest.InClusterConfig()
+	default:
+		klog.InfoS("Kubernetes Events are off: no API server configured (--kubeconfig, or run in a pod)")
+		return noEvents{}, nil, nil
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("configuring the API client for events: %w", err)
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	k := &kubeEvents{client: client, node: node, queue: make(chan *corev1.Event, eventQueue)}
+	return k, k, nil
+}
+
+func (k *kubeEvents) event(pod cache.PodInfo, eventType, reason, message string) {
+	if pod.Name == "" || pod.Namespace == "" {
+		return // no pod info (podInfoOnMount off, or not the kubelet)
+	}
+	now := metav1.NewTime(time.Now())
+	ev := &corev1.Event{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: pod.Name + ".", Namespace: pod.Namespace},
+		InvolvedObject: corev1.ObjectReference{
+			Kind: "Pod", APIVersion: "v1", Name: pod.Name, Namespace: pod.Namespace, UID: types.UID(pod.UID),
+		},
+		Type: eventType, Reason: reason, Message: message,
+		Source:         corev1.EventSource{Component: "cowvol", Host: k.node},
+		FirstTimestamp: now, LastTimestamp: now, Count: 1,
+		ReportingController: DefaultDriverName, ReportingInstance: k.node,
+	}
+	select {
+	case k.queue <- ev:
+	default:
+		klog.InfoS("Dropping a Kubernetes Event: the queue is full", "pod", klog.KRef(pod.Namespace, pod.Name), "reason", reason)
+	}
+}
+
+// run sends queued events until ctx is done.
+func (k *kubeEvents) run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ev := <-k.queue:
+			sendCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			_, err := k.client.CoreV1().Events(ev.Namespace).Create(sendCtx, ev, metav1.CreateOptions{})
+			cancel()
+			if err != nil {
+				klog.ErrorS(err, "Posting a Kubernetes Event", "pod", klog.KRef(ev.Namespace, ev.InvolvedObject.Name), "reason", ev.Reason)
+			}
+		}
+	}
+}
