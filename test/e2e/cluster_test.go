@@ -93,6 +93,19 @@ type cluster struct {
 	plugin     *proc
 	pluginArgs []string
 	sysctls    map[string]string
+	links      []string // network devices before the cluster
+}
+
+func linkNames(t *testing.T) []string {
+	ifs, err := net.Interfaces()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, i := range ifs {
+		names = append(names, i.Name)
+	}
+	return names
 }
 
 func freePort(t *testing.T) int {
@@ -198,7 +211,7 @@ func startCluster(t *testing.T) *cluster {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := &cluster{t: t, work: work, bin: bin, procs: map[string]*proc{}, sysctls: map[string]string{}}
+	c := &cluster{t: t, work: work, bin: bin, procs: map[string]*proc{}, sysctls: map[string]string{}, links: linkNames(t)}
 	// Made before the teardown is registered, so that it is unmounted
 	// after the teardown has stopped everything that uses it.
 	c.stateDir = testfs.Mount(t, testfs.XFS, 6<<30)
@@ -464,6 +477,9 @@ func (c *cluster) teardown() {
 		if err := os.WriteFile("/proc/sys/"+s, []byte(v), 0o644); err != nil {
 			t.Errorf("restoring %s: %v", s, err)
 		}
+	}
+	if after := linkNames(t); strings.Join(after, ",") != strings.Join(c.links, ",") {
+		t.Errorf("network devices changed: %v before, %v after", c.links, after)
 	}
 	for _, pid := range c.pidsMentioning(c.work) {
 		t.Errorf("process %d outlived the cluster", pid)
