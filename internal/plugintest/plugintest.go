@@ -76,9 +76,28 @@ type Plugin struct {
 
 	tb      testing.TB
 	cmd     *exec.Cmd
-	log     *bytes.Buffer
+	log     *lockedBuffer
 	done    chan error
 	exitErr error
+}
+
+// lockedBuffer is the plugin's log: written by the process's output copier
+// while a test reads it.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // Start runs the plugin and waits until it answers Probe. It is stopped
@@ -120,7 +139,7 @@ func (p *Plugin) start(extraEnv []string) {
 	p.cmd = exec.Command(Binary(p.tb), args...)
 	p.cmd.Env = append(append(os.Environ(), p.Env...), extraEnv...)
 	if p.log == nil {
-		p.log = &bytes.Buffer{}
+		p.log = &lockedBuffer{}
 	}
 	fmt.Fprintf(p.log, "--- start %v\n", args)
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log

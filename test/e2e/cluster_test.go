@@ -90,8 +90,7 @@ type cluster struct {
 	kubeletDir string
 	stateDir   string
 	procs      map[string]*proc
-	plugin     *proc
-	pluginArgs []string
+	plugin     *plugintest.Plugin
 	sysctls    map[string]string
 	links      []string // network devices before the cluster
 }
@@ -232,6 +231,9 @@ func startCluster(t *testing.T) *cluster {
 	c.importImages()
 	c.startKubelet()
 	c.startPlugin()
+	// Registered after the plugin's own stop, so it runs before it: pods
+	// are deleted through the API while the plugin can still unpublish.
+	t.Cleanup(c.deletePods)
 	c.until("cowvol to register with the kubelet", 60*time.Second, func() bool {
 		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
 		return err == nil && strings.Contains(out, driverName)
@@ -415,22 +417,15 @@ fileCheckFrequency: 2s
 }
 
 // startPlugin runs cowvol's node plugin on the host, registered with the
-// kubelet through its own registration socket (no sidecar).
-func (c *cluster) startPlugin(env ...string) {
-	if c.pluginArgs == nil {
-		c.pluginArgs = []string{plugintest.Binary(c.t), "--mode=node", "--node-id=" + nodeName,
-			"--endpoint=unix://" + filepath.Join(c.kubeletDir, "plugins", driverName, "csi.sock"),
-			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
-			"--state-dir=" + filepath.Join(c.stateDir, "cowvol"), "--kubeconfig=" + c.kubeconfig, "--v=4"}
-		if err := os.MkdirAll(filepath.Join(c.kubeletDir, "plugins", driverName), 0o755); err != nil {
-			c.t.Fatal(err)
-		}
-	}
-	c.plugin = c.start("cowvol", env, c.pluginArgs...)
+// kubelet through its own registration socket (no sidecar): the kubelet
+// learns the CSI socket's path from it.
+func (c *cluster) startPlugin() {
+	c.plugin = plugintest.Start(c.t, plugintest.Config{
+		StateDir: filepath.Join(c.stateDir, "cowvol"),
+		Args: []string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
+			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock")},
+	})
 }
-
-// killPlugin SIGKILLs the plugin, as a crash would.
-func (c *cluster) killPlugin() { c.plugin.stop(syscall.SIGKILL, 10*time.Second) }
 
 func (c *cluster) applyManifests() {
 	c.mustKubectl("", "apply", "-f", "../../deploy/csi/namespace.yaml", "-f", "../../deploy/csi/csidriver.yaml")
@@ -441,21 +436,21 @@ func (c *cluster) applyManifests() {
 	c.mustKubectl("", "apply", "--dry-run=server", "-f", "../../deploy/csi/")
 }
 
+// deletePods deletes every step pod through the API, so that the kubelet
+// unpublishes their volumes while the plugin still runs.
+func (c *cluster) deletePods() {
+	for _, ns := range []string{"ci", "other"} {
+		_, _ = c.kubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=90s")
+	}
+}
+
 func (c *cluster) teardown() {
 	t := c.t
 	if t.Failed() {
 		c.dumpLogs()
 	}
-	if c.kubeconfig != "" && c.procs["kube-apiserver"] != nil && c.procs["kube-apiserver"].running() {
-		// Through the API first, so that the kubelet unpublishes.
-		for _, ns := range []string{"ci", "other"} {
-			_, _ = c.kubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=90s")
-		}
-	}
-	for _, name := range []string{"kubelet", "cowvol"} {
-		if p := c.procs[name]; p != nil {
-			p.stop(syscall.SIGTERM, 30*time.Second)
-		}
+	if p := c.procs["kubelet"]; p != nil {
+		p.stop(syscall.SIGTERM, 30*time.Second)
 	}
 	c.killShims()
 	for _, name := range []string{"containerd", "kube-apiserver", "etcd"} {
@@ -635,7 +630,7 @@ func (c *cluster) deletePod(ns, name string) {
 
 // pluginLine is the first line the plugin logged containing all of parts.
 func (c *cluster) pluginLine(parts ...string) (string, bool) {
-	for _, line := range strings.Split(c.plugin.logText(), "\n") {
+	for _, line := range strings.Split(c.plugin.Log(), "\n") {
 		match := true
 		for _, p := range parts {
 			match = match && strings.Contains(line, p)
@@ -678,8 +673,8 @@ func (c *cluster) waitCaptured(handle string) time.Duration {
 	c.t.Helper()
 	start := time.Now()
 	c.until("capture of "+handle, 3*time.Minute, func() bool {
-		return strings.Contains(c.plugin.logText(), `"Captured step volume"`) &&
-			strings.Contains(c.plugin.logText(), `handle="`+handle+`"`)
+		_, ok := c.pluginLine(`"Captured step volume"`, `handle="`+handle+`"`)
+		return ok
 	})
 	return time.Since(start)
 }

@@ -138,8 +138,7 @@ func TestE2E(t *testing.T) {
 		c.createPod("ci", "survivor", `set -e; echo before > /w/before; sleep 6; echo after > /w/after`,
 			volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "survivor-v1")})
 		c.until("the survivor to run", 60*time.Second, func() bool { return c.phase("ci", "survivor") == "Running" })
-		c.killPlugin()
-		c.startPlugin()
+		c.plugin.Restart() // a SIGKILL, then a new process
 		c.mustSucceed("ci", "survivor")
 		c.waitCaptured("survivor-v1")
 
@@ -147,10 +146,9 @@ func TestE2E(t *testing.T) {
 		// commit; the kubelet's retried unpublish completes the capture.
 		c.createPod("ci", "torn", `echo done > /w/result`,
 			volume{name: "w", mountPath: "/w", attrs: attrs("capture", "torn-v1")})
-		c.killPlugin()
-		c.startPlugin("COWVOL_CRASH_AT=capture-renamed")
-		c.until("the plugin to crash mid-capture", 3*time.Minute, func() bool { return !c.plugin.running() })
-		c.startPlugin()
+		c.plugin.Restart("COWVOL_CRASH_AT=capture-renamed")
+		c.until("the plugin to crash mid-capture", 3*time.Minute, func() bool { return !c.plugin.Running() })
+		c.plugin.Restart()
 		c.waitCaptured("torn-v1")
 
 		c.createPod("ci", "survivor-read", `cat /in/before /in/after /in/README.md; cat /r/result`,
