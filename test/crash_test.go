@@ -212,3 +212,34 @@ func TestKillAtRandomInstants(t *testing.T) {
 	e.noLeaks(t)
 	require.False(t, strings.Contains(e.p.Log(), "panic"), "no panics")
 }
+
+// TestBackendSwitch: a plugin restarted with another COW backend tears
+// down the views the old one built (capturing them) and serves the old
+// backend's layer chains through its own mechanism.
+func TestBackendSwitch(t *testing.T) {
+	testfs.Need(t)
+	e := newEnv(t, plugintest.Config{Backend: "overlay"})
+	e.step("", "sw-1", func(dir string) { write(t, dir, "a", "1"); write(t, dir, "gone", "x") })
+	e.step("sw-1", "sw-2", func(dir string) {
+		write(t, dir, "b", "2")
+		require.NoError(t, os.Remove(filepath.Join(dir, "gone")))
+	})
+	live := e.mount(map[string]string{driver.AttrSource: "sw-2", driver.AttrCapture: "sw-3"}, false)
+	write(t, live.Target, "c", "3")
+
+	e.p.Backend = "copy"
+	e.p.Restart()
+	require.Contains(t, e.p.Log(), `backend="copy"`)
+	check := func(dir string, want map[string]string) {
+		for name, content := range want {
+			require.Equal(t, content, readFile(t, dir, name))
+		}
+		absent(t, dir, "gone")
+	}
+	// A copy of the overlay chain, with the deletion kept.
+	e.step("sw-2", "sw-copy", func(dir string) { check(dir, map[string]string{"a": "1", "b": "2"}) })
+	// The overlay view published before the switch is captured as it was.
+	e.umount(live)
+	e.read("sw-3", func(dir string) { check(dir, map[string]string{"a": "1", "b": "2", "c": "3"}) })
+	e.noLeaks(t)
+}
