@@ -89,6 +89,9 @@ func (o *Options) Validate() error {
 	default:
 		errs = append(errs, fmt.Errorf("mode %q is invalid: want node, controller or all", o.Mode))
 	}
+	if o.Mode == ModeController && o.RegistrationSocket != "" {
+		errs = append(errs, errors.New("kubelet registration is for node plugins: use --mode=node or all"))
+	}
 	if o.Mode != ModeController {
 		if o.NodeID == "" {
 			errs = append(errs, errors.New("node ID is required"))

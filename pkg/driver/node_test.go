@@ -335,6 +335,11 @@ func TestOptionsValidate(t *testing.T) {
 		{"relative state dir", func(o *Options) { o.StateDir = "state" }, "absolute"},
 		{"bad backend", func(o *Options) { o.Backend = "zfs" }, "unknown COW backend"},
 		{"flatten depth too deep", func(o *Options) { o.FlattenDepth = 600 }, "flatten depth"},
+		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
+		{"registration needs a unix endpoint", func(o *Options) {
+			o.Endpoint = "tcp://127.0.0.1:1"
+			o.RegistrationSocket = "/r.sock"
+		}, "unix endpoint"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
