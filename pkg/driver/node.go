@@ -87,8 +87,8 @@ func newNodeService(opts Options, store *cache.Store, m overlay.Mounter, met *me
 		cancel()
 		return nil, fmt.Errorf("recovering the state dir: %w", err)
 	}
-	n.goBackground(n.runJanitor)
-	n.goBackground(n.runSyncer)
+	n.onKick(n.janitor, n.tidyRound)
+	n.onKick(n.syncer, n.syncRound)
 	if sender != nil {
 		n.goBackground(func() { sender.run(n.bgCtx) })
 	}
@@ -122,49 +122,52 @@ func (n *nodeService) kick(ch chan struct{}) {
 // tidy asks the janitor to empty the trash and prune replaced layers.
 func (n *nodeService) tidy() { n.kick(n.janitor) }
 
-// runSyncer makes captured volumes durable: one syncfs of the state dir's
-// filesystem covers every capture since the last one, off the capture's
-// path.
-func (n *nodeService) runSyncer() {
-	for {
-		select {
-		case <-n.bgCtx.Done():
-			return
-		case <-n.syncer:
-		}
-		handles, err := n.store.Unsynced()
-		if err != nil || len(handles) == 0 {
-			if err != nil {
-				klog.ErrorS(err, "Listing unsynced volumes")
+// onKick runs round in the background each time ch is kicked, until the
+// node service stops.
+func (n *nodeService) onKick(ch chan struct{}, round func()) {
+	n.goBackground(func() {
+		for {
+			select {
+			case <-n.bgCtx.Done():
+				return
+			case <-ch:
 			}
-			continue
+			round()
 		}
-		start := time.Now()
-		if err := overlay.SyncFS(n.store.Dir()); err != nil {
-			klog.ErrorS(err, "Syncing the state dir; will retry on the next capture")
-			continue
-		}
-		if err := n.store.MarkSynced(handles); err != nil {
-			klog.ErrorS(err, "Recording synced volumes")
-			continue
-		}
-		klog.V(4).InfoS("Synced captured volumes", "count", len(handles), "duration", time.Since(start))
-	}
+	})
 }
 
-func (n *nodeService) runJanitor() {
-	for {
-		select {
-		case <-n.bgCtx.Done():
-			return
-		case <-n.janitor:
-		}
-		if err := n.store.EmptyTrash(overlay.RemoveTree); err != nil {
-			klog.ErrorS(err, "Emptying the trash")
-		}
-		if err := n.store.PruneLayers(overlay.RemoveTree); err != nil {
-			klog.ErrorS(err, "Pruning replaced layers")
-		}
+// syncRound makes captured volumes durable: one syncfs of the state dir's
+// filesystem covers every capture since the last round, off the capture's
+// path.
+func (n *nodeService) syncRound() {
+	handles, err := n.store.Unsynced()
+	if err != nil {
+		klog.ErrorS(err, "Listing unsynced volumes")
+		return
+	}
+	if len(handles) == 0 {
+		return
+	}
+	start := time.Now()
+	if err := overlay.SyncFS(n.store.Dir()); err != nil {
+		klog.ErrorS(err, "Syncing the state dir; will retry on the next capture")
+		return
+	}
+	if err := n.store.MarkSynced(handles); err != nil {
+		klog.ErrorS(err, "Recording synced volumes")
+		return
+	}
+	klog.V(4).InfoS("Synced captured volumes", "count", len(handles), "duration", time.Since(start))
+}
+
+// tidyRound empties the trash and prunes layers flattening replaced.
+func (n *nodeService) tidyRound() {
+	if err := n.store.EmptyTrash(overlay.RemoveTree); err != nil {
+		klog.ErrorS(err, "Emptying the trash")
+	}
+	if err := n.store.PruneLayers(overlay.RemoveTree); err != nil {
+		klog.ErrorS(err, "Pruning replaced layers")
 	}
 }
 
