@@ -51,25 +51,21 @@ func genTree(b *testing.B, root string, files int, bytes int64) {
 	}
 }
 
-// node is a plugin with a counter for volume IDs and pod dirs.
+// node is a plugin with a counter for pod names.
 type node struct {
-	b    *testing.B
-	p    *plugintest.Plugin
-	pods string
-	n    int
+	b *testing.B
+	p *plugintest.Plugin
+	n int
 }
 
 func newNode(b *testing.B, stateDir, backend string) *node {
-	return &node{b: b, p: plugintest.Start(b, plugintest.Config{StateDir: stateDir, Backend: backend}), pods: b.TempDir()}
+	return &node{b: b, p: plugintest.Start(b, plugintest.Config{StateDir: stateDir, Backend: backend})}
 }
 
 func (n *node) volume(attrs map[string]string, readOnly bool) driver.InlineVolume {
 	n.n++
-	v := driver.InlineVolume{VolumeID: fmt.Sprintf("bench-%d", n.n), Target: filepath.Join(n.pods, fmt.Sprint(n.n), "mount"),
-		Attributes: attrs, ReadOnly: readOnly, PodNamespace: "ci", PodName: fmt.Sprintf("pod-%d", n.n)}
-	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {
-		n.b.Fatal(err)
-	}
+	v := n.p.Volume("ci", fmt.Sprintf("pod-%d", n.n), "vol", attrs)
+	v.ReadOnly = readOnly
 	return v
 }
 

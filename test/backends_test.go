@@ -58,7 +58,7 @@ func TestBackends(t *testing.T) {
 }
 
 // sub makes an env for a subtest sharing the plugin.
-func (e *env) sub(t *testing.T) *env { return &env{t: t, p: e.p, pods: podsDir(t)} }
+func (e *env) sub(t *testing.T) *env { return &env{t: t, p: e.p, metrics: e.metrics} }
 
 func (e *env) testIsolation(t *testing.T) {
 	e = e.sub(t)
@@ -175,7 +175,7 @@ func (e *env) testChains(t *testing.T, backend string) {
 				// The first volume past the limit becomes a root layer, so
 				// the chains of its descendants start again from it.
 				first := prefix + strconv.Itoa(suiteFlattenDepth+1)
-				layers := filepath.Join(e.p.StateDir, "layers", first)
+				layers := filepath.Join(e.p.StateDir, "volumes", "ci", first)
 				eventually(t, "the deep chain to be flattened", func() bool {
 					entries, _ := os.ReadDir(layers)
 					return len(entries) == 1 && strings.HasPrefix(entries[0].Name(), "f")

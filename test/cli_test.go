@@ -2,9 +2,7 @@ package test
 
 import (
 	"context"
-	"io"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -99,23 +97,20 @@ func freePort(t *testing.T) string {
 
 func TestMetrics(t *testing.T) {
 	testfs.Need(t)
-	addr := freePort(t)
-	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--metrics-address=" + addr}})
+	e := newEnv(t, plugintest.Config{Backend: "overlay"})
 	e.step("", "m1", func(dir string) { write(t, dir, "f", "x") })
 	require.Error(t, e.publish(e.volume(map[string]string{driver.AttrSource: "absent"}, false)))
-	resp, err := http.Get("http://" + addr + "/metrics")
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
+	body := scrape(t, e)
 	for _, want := range []string{
 		`cowvol_rpc_duration_seconds_count{code="OK",method="/csi.v1.Node/NodePublishVolume"} 1`,
 		`cowvol_rpc_duration_seconds_count{code="NotFound",method="/csi.v1.Node/NodePublishVolume"} 1`,
 		`cowvol_cached_volumes{state="ready"} 1`,
 		`cowvol_captures_total{result="ok"} 1`,
 		`cowvol_step_volumes{state="published"} 0`,
+		`cowvol_quarantined_step_volumes 0`,
+		`cowvol_node_info{backend="overlay",size_limits="off"} 1`,
 	} {
-		require.Contains(t, string(body), want)
+		require.Contains(t, body, want)
 	}
 }
 

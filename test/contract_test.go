@@ -19,19 +19,17 @@ import (
 	"github.com/concourse/cowvol/pkg/driver"
 )
 
-const podNamespaceKey = "csi.storage.k8s.io/pod.namespace"
-
-// captureIn makes a ready cached volume handle, captured by a pod of ns.
+// captureIn makes a ready cached volume handle, captured by a pod of ns,
+// holding a file that names both.
 func (e *env) captureIn(ns, handle string, extra map[string]string) {
 	e.t.Helper()
 	attrs := map[string]string{driver.AttrCapture: handle}
 	for k, v := range extra {
 		attrs[k] = v
 	}
-	v := e.volume(attrs, false)
-	v.PodNamespace = ns
+	v := e.volumeIn(ns, attrs, false)
 	require.NoError(e.t, e.publish(v))
-	write(e.t, v.Target, "file", handle)
+	write(e.t, v.Target, "file", ns+"/"+handle)
 	e.umount(v)
 }
 
@@ -49,6 +47,11 @@ func TestPublishContract(t *testing.T) {
 
 	base := func(mut func(r *csi.NodePublishVolumeRequest)) *csi.NodePublishVolumeRequest {
 		r := e.volume(nil, false).PublishRequest()
+		mut(r)
+		return r
+	}
+	fromNS := func(ns string, mut func(r *csi.NodePublishVolumeRequest)) *csi.NodePublishVolumeRequest {
+		r := e.volumeIn(ns, nil, false).PublishRequest()
 		mut(r)
 		return r
 	}
@@ -71,7 +74,8 @@ func TestPublishContract(t *testing.T) {
 	}{
 		{"ok: empty volume", base(func(*csi.NodePublishVolumeRequest) {}), codes.OK, ""},
 		{"ok: own namespace source", base(attrs("source", "src-ns")), codes.OK, ""},
-		{"ok: cluster-scoped source from another namespace", base(attrs("source", "src-cluster")), codes.OK, ""},
+		{"ok: cluster-scoped source of another namespace, named", base(attrs("source", "src-cluster", "sourceNamespace", "other")), codes.OK, ""},
+		{"ok: own namespace named", base(attrs("source", "src-ns", "sourceNamespace", "ci")), codes.OK, ""},
 		{"ok: source and capture with properties", base(attrs("source", "src-ns", "capture", "new-out", "property.version", "v1")), codes.OK, ""},
 		{"ok: read-only by access mode", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeCapability = mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY)
@@ -82,6 +86,10 @@ func TestPublishContract(t *testing.T) {
 		{"no target", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "" }), codes.InvalidArgument, "target"},
 		{"relative target", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "pods/x" }), codes.InvalidArgument, "absolute"},
 		{"target with ..", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "/var/lib/../../etc" }), codes.InvalidArgument, "clean"},
+		{"target outside the kubelet dir", base(func(r *csi.NodePublishVolumeRequest) { r.TargetPath = "/etc/cron.d/mount" }), codes.InvalidArgument, "not the kubelet's"},
+		{"target of another pod", base(func(r *csi.NodePublishVolumeRequest) {
+			r.TargetPath = e.volume(nil, false).Target
+		}), codes.InvalidArgument, "not a volume of pod"},
 		{"no capability", base(func(r *csi.NodePublishVolumeRequest) { r.VolumeCapability = nil }), codes.InvalidArgument, "capability"},
 		{"block access", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeCapability.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
@@ -92,7 +100,16 @@ func TestPublishContract(t *testing.T) {
 		{"mount flags", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeCapability.GetMount().MountFlags = []string{"noexec"}
 		}), codes.InvalidArgument, "mount flags"},
-		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, "source, capture, scope, property.<key>"},
+		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, "source, sourceNamespace, capture, scope, sizeLimit, property.<key>"},
+		{"no pod info: podInfoOnMount off", base(func(r *csi.NodePublishVolumeRequest) {
+			r.VolumeContext = map[string]string{"source": "src-ns"}
+		}), codes.FailedPrecondition, "podInfoOnMount: true"},
+		{"forged pod info without the kubelet's ephemeral key", base(func(r *csi.NodePublishVolumeRequest) {
+			delete(r.VolumeContext, "csi.storage.k8s.io/ephemeral")
+		}), codes.FailedPrecondition, "podInfoOnMount: true"},
+		{"a pod name that forges a log line", base(attrs("csi.storage.k8s.io/pod.name", "x\nI1122 08:00:00.000000 1 node.go:1] \"Captured\"\x1b[0m")),
+			codes.InvalidArgument, "pod name"},
+		{"size limit where nothing enforces it", base(attrs("capture", "x4", "sizeLimit", "1Gi")), codes.FailedPrecondition, "size limits are off"},
 		{"traversal in source", base(attrs("source", "../../etc")), codes.InvalidArgument, "invalid"},
 		{"slash in capture", base(attrs("capture", "a/b")), codes.InvalidArgument, "invalid"},
 		{"dot handle", base(attrs("capture", ".")), codes.InvalidArgument, "invalid"},
@@ -110,12 +127,19 @@ func TestPublishContract(t *testing.T) {
 		{"capture equals source", base(attrs("source", "src-ns", "capture", "src-ns")), codes.InvalidArgument, "immutable"},
 		{"missing source", base(attrs("source", "nope")), codes.NotFound, `"nope"`},
 		{"source being captured", base(attrs("source", "reserved")), codes.Unavailable, "being captured"},
-		{"source of another namespace", base(attrs("source", "src-ns", podNamespaceKey, "intruder")), codes.PermissionDenied, `namespace "ci"`},
+		{"another namespace's source, unnamed, resolves in the pod's own", fromNS("intruder", attrs("source", "src-ns")), codes.NotFound,
+			`source volume "src-ns" is not cached on this node`},
+		{"another namespace's private source, named", fromNS("intruder", attrs("source", "src-ns", "sourceNamespace", "ci")), codes.NotFound,
+			`source volume "src-ns" of namespace "ci" is not cached on this node, or is not shared`},
+		{"another namespace's missing source, named: the same answer", fromNS("intruder", attrs("source", "nope", "sourceNamespace", "ci")), codes.NotFound,
+			`source volume "nope" of namespace "ci" is not cached on this node, or is not shared`},
+		{"another namespace's reservation, named", fromNS("intruder", attrs("source", "reserved", "sourceNamespace", "ci")), codes.NotFound,
+			`source volume "reserved" of namespace "ci" is not cached on this node, or is not shared`},
 		{"capture handle taken", base(attrs("capture", "taken")), codes.AlreadyExists, "taken"},
 		{"capture handle reserved", base(attrs("capture", "reserved")), codes.AlreadyExists, "reserved"},
 		{"same ID at another target", func() *csi.NodePublishVolumeRequest {
 			r := published.PublishRequest()
-			r.TargetPath += "-elsewhere"
+			r.TargetPath = filepath.Join(filepath.Dir(filepath.Dir(r.TargetPath)), "elsewhere", "mount")
 			return r
 		}(), codes.AlreadyExists, "already published"},
 		{"same ID with other attributes", func() *csi.NodePublishVolumeRequest {
@@ -130,6 +154,9 @@ func TestPublishContract(t *testing.T) {
 			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
 			if tc.wantMsg != "" {
 				assert.Contains(t, status.Convert(err).Message(), tc.wantMsg)
+			}
+			if ns := tc.req.VolumeContext["csi.storage.k8s.io/pod.namespace"]; ns == "intruder" {
+				noOtherNamespace(t, err, tc.req.VolumeContext["sourceNamespace"])
 			}
 			if err != nil {
 				return
@@ -164,10 +191,11 @@ func TestUnpublishContract(t *testing.T) {
 		{"no volume ID", &csi.NodeUnpublishVolumeRequest{TargetPath: v.Target}, codes.InvalidArgument},
 		{"no target", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID}, codes.InvalidArgument},
 		{"relative target", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: "x/y"}, codes.InvalidArgument},
-		{"wrong target", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: v.Target + "x"}, codes.NotFound},
+		{"target outside the kubelet dir", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: "/tmp/x/mount"}, codes.InvalidArgument},
+		{"wrong target", &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: e.volume(nil, false).Target}, codes.NotFound},
 		{"ok", v.UnpublishRequest(), codes.OK},
 		{"ok again", v.UnpublishRequest(), codes.OK},
-		{"never published", &csi.NodeUnpublishVolumeRequest{VolumeId: "csi-unknown", TargetPath: filepath.Join(e.pods, "none", "mount")}, codes.OK},
+		{"never published", &csi.NodeUnpublishVolumeRequest{VolumeId: "csi-unknown", TargetPath: e.volume(nil, false).Target}, codes.OK},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -203,15 +231,36 @@ func TestVolumeStatsContract(t *testing.T) {
 			if err != nil {
 				return
 			}
-			bytes, inodes := resp.Usage[0], resp.Usage[1]
-			assert.GreaterOrEqual(t, bytes.Used, int64(1<<20), "the step's own writes count")
-			assert.Less(t, bytes.Used, int64(4<<20), "the source's data does not")
+			bytes := resp.Usage[0]
 			assert.Positive(t, bytes.Total)
 			assert.Positive(t, bytes.Available)
-			assert.GreaterOrEqual(t, inodes.Used, int64(2))
 		})
 	}
+	// What the step holds of its own is measured in the background: a
+	// stats call never walks the tree, and soon answers with the writes.
+	eventually(t, "the step's own writes to be measured", func() bool {
+		resp, err := e.p.Node.NodeGetVolumeStats(context.Background(), &csi.NodeGetVolumeStatsRequest{VolumeId: v.VolumeID, VolumePath: v.Target})
+		require.NoError(t, err)
+		bytes, inodes := resp.Usage[0], resp.Usage[1]
+		require.Less(t, bytes.Used, int64(4<<20), "the source's data never counts")
+		return bytes.Used >= 1<<20 && inodes.Used >= 2
+	})
 	e.umount(v)
+}
+
+// noOtherNamespace checks that a refusal says nothing of another namespace
+// but what the caller named itself.
+func noOtherNamespace(t *testing.T, err error, named string) {
+	t.Helper()
+	msg := status.Convert(err).Message()
+	for _, ns := range []string{"ci", "other"} {
+		if ns != named {
+			assert.NotContains(t, msg, `"`+ns+`"`, "the answer names another namespace")
+		}
+	}
+	for _, state := range []string{"creating", "ready", "failed", "scope is namespace", "belongs to"} {
+		assert.NotContains(t, msg, state, "the answer tells another namespace's state")
+	}
 }
 
 // A kubelet retry that arrives while the first publish is still copying

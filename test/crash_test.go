@@ -39,7 +39,7 @@ func retry(t *testing.T, what string, call func() error) {
 // dirs, and that no step volume dir or staging leftover remains.
 func (e *env) noLeaks(t *testing.T) {
 	t.Helper()
-	for _, dir := range []string{e.p.StateDir, e.pods} {
+	for _, dir := range []string{e.p.StateDir, e.p.KubeletDir} {
 		mounts, err := overlay.MountsUnder(dir)
 		require.NoError(t, err)
 		mounts = slices.DeleteFunc(mounts, func(mp string) bool { return mp == dir }) // a test filesystem

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -22,12 +21,12 @@ import (
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
-// env is one plugin and a place for pretend pods' volumes.
+// env is one plugin and its pretend pods.
 type env struct {
-	t    *testing.T
-	p    *plugintest.Plugin
-	pods string
-	n    int
+	t       *testing.T
+	p       *plugintest.Plugin
+	metrics string // host:port of its /metrics
+	n       int
 }
 
 func newEnv(t *testing.T, cfg plugintest.Config) *env {
@@ -35,13 +34,18 @@ func newEnv(t *testing.T, cfg plugintest.Config) *env {
 	if cfg.StateDir == "" {
 		cfg.StateDir = t.TempDir()
 	}
-	return &env{t: t, p: plugintest.Start(t, cfg), pods: podsDir(t)}
+	if cfg.KubeletDir == "" {
+		cfg.KubeletDir = kubeletDir(t)
+	}
+	metrics := freePort(t)
+	cfg.Args = append([]string{"--metrics-address=" + metrics}, cfg.Args...)
+	return &env{t: t, p: plugintest.Start(t, cfg), metrics: metrics}
 }
 
-// podsDir is a dir for pretend pods' volumes. A test that fails half-way
+// kubeletDir is a dir for pretend pods' volumes. A test that fails half-way
 // leaves volumes published; they are detached when it ends so that no
 // mount outlives it (a passing test checks it left none with noLeaks).
-func podsDir(t *testing.T) string {
+func kubeletDir(t *testing.T) string {
 	dir := t.TempDir()
 	t.Cleanup(func() {
 		mounts, _ := overlay.MountsUnder(dir)
@@ -54,17 +58,14 @@ func podsDir(t *testing.T) string {
 
 // volume makes a new inline volume for a pretend pod in namespace "ci".
 func (e *env) volume(attrs map[string]string, readOnly bool) driver.InlineVolume {
+	return e.volumeIn("ci", attrs, readOnly)
+}
+
+// volumeIn makes a new inline volume for a pretend pod in namespace ns.
+func (e *env) volumeIn(ns string, attrs map[string]string, readOnly bool) driver.InlineVolume {
 	e.n++
-	v := driver.InlineVolume{
-		VolumeID:     fmt.Sprintf("csi-%s-%d", strings.ReplaceAll(e.t.Name(), "/", "-"), e.n),
-		Target:       filepath.Join(e.pods, fmt.Sprintf("pod-%d", e.n), "mount"),
-		Attributes:   attrs,
-		ReadOnly:     readOnly,
-		PodName:      fmt.Sprintf("pod-%d", e.n),
-		PodNamespace: "ci",
-		PodUID:       fmt.Sprintf("uid-%d", e.n),
-	}
-	require.NoError(e.t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
+	v := e.p.Volume(ns, fmt.Sprintf("pod-%d", e.n), "vol", attrs)
+	v.ReadOnly = readOnly
 	return v
 }
 

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/overlay"
 )
 
 // runDemo plays get → task → task through a real plugin on a unix socket,
@@ -37,10 +38,11 @@ func runDemo(args []string) error {
 		*stateDir = filepath.Join(work, "state")
 	}
 	sock := filepath.Join(work, "csi.sock")
+	kubeletDir := filepath.Join(work, "kubelet")
 	d, err := driver.New(driver.Options{
 		Endpoint: "unix://" + sock, Mode: driver.ModeNode, NodeID: "demo-node", StateDir: *stateDir,
-		Backend: *backend, FlattenDepth: 64, Version: version,
-	})
+		Backend: *backend, FlattenDepth: 64, Version: version, KubeletDir: kubeletDir,
+	}, driver.Deps{Mounter: overlay.NewSysMounter()})
 	if err != nil {
 		return err
 	}
@@ -54,25 +56,22 @@ func runDemo(args []string) error {
 		return err
 	}
 	defer conn.Close()
-	p := &pipeline{node: csi.NewNodeClient(conn), work: work}
+	p := &pipeline{node: csi.NewNodeClient(conn), kubeletDir: kubeletDir}
 	fmt.Printf("cowvol demo: plugin %s on %s, state dir %s, COW backend %s\n\n", version, sock, *stateDir, d.Backend())
 	return p.play()
 }
 
 type pipeline struct {
-	node csi.NodeClient
-	work string
-	n    int
+	node       csi.NodeClient
+	kubeletDir string
 }
 
 // step publishes a volume for a pretend pod, lets body act as the pod's
 // container on the mounted path, then unpublishes it.
 func (p *pipeline) step(name string, attrs map[string]string, readOnly bool, body func(dir string) error) error {
-	p.n++
-	v := driver.InlineVolume{
-		VolumeID: fmt.Sprintf("csi-demo-%d", p.n), Target: filepath.Join(p.work, "pods", name, "mount"),
-		Attributes: attrs, ReadOnly: readOnly, PodName: name, PodNamespace: "ci",
-	}
+	v := driver.NewInlineVolume(p.kubeletDir, driver.NewPod("ci", name), "work", attrs)
+	v.ReadOnly = readOnly
+	// The kubelet makes the volume's dir; the plugin makes the target in it.
 	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {
 		return err
 	}

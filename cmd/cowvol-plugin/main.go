@@ -11,10 +11,31 @@ import (
 	"os/signal"
 	"syscall"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/overlay"
 )
+
+// quantityFlag is a byte count given as a Kubernetes quantity (10Gi).
+type quantityFlag struct{ bytes *int64 }
+
+func (q quantityFlag) String() string {
+	if q.bytes == nil {
+		return "0"
+	}
+	return resource.NewQuantity(*q.bytes, resource.BinarySI).String()
+}
+
+func (q quantityFlag) Set(s string) error {
+	v, err := resource.ParseQuantity(s)
+	if err != nil {
+		return fmt.Errorf("want a quantity such as 10Gi: %w", err)
+	}
+	*q.bytes = v.Value()
+	return nil
+}
 
 // version is set at build time with -ldflags "-X main.version=...".
 var version = "dev"
@@ -45,7 +66,14 @@ func main() {
 	fs.StringVar(&opts.KubeletEndpoint, "kubelet-endpoint", "",
 		"the CSI socket path as the kubelet sees it, for registration (default: the --endpoint path)")
 	fs.StringVar(&opts.Kubeconfig, "kubeconfig", "",
-		"kubeconfig for posting Kubernetes Events on step pods (default: in-cluster when run in a pod; else none)")
+		"kubeconfig for the API server: Kubernetes Events on step pods, and the CSIDriver check (default: in-cluster when run in a pod; else none)")
+	fs.StringVar(&opts.KubeletDir, "kubelet-dir", "/var/lib/kubelet",
+		"the kubelet's root dir: targets must lie below it as pods/<uid>/volumes/kubernetes.io~csi/<name>/mount")
+	fs.Var(quantityFlag{&opts.DefaultSizeLimit}, "default-size-limit",
+		"cap on what a step may write into a volume that names no sizeLimit, as a quantity such as 10Gi (0: none)")
+	fs.Var(quantityFlag{&opts.MaxSizeLimit}, "max-size-limit",
+		"the largest sizeLimit a step volume may ask for, as a quantity such as 100Gi (0: none)")
+	fs.BoolVar(&opts.AllowSetuid, "allow-setuid", false, "mount step volumes without nosuid (they are always nodev)")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])
@@ -63,7 +91,11 @@ func main() {
 }
 
 func run(opts driver.Options) error {
-	d, err := driver.New(opts)
+	kube, err := driver.KubeClient(opts.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	d, err := driver.New(opts, driver.Deps{Mounter: overlay.NewSysMounter(), Kube: kube})
 	if err != nil {
 		return err
 	}

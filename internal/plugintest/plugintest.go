@@ -62,8 +62,10 @@ type Config struct {
 	Backend      string // default auto
 	Mode         string // default node
 	FlattenDepth int    // default 64
-	Env          []string
-	Args         []string
+	// KubeletDir is where pods' targets live (default: a temp dir).
+	KubeletDir string
+	Env        []string
+	Args       []string
 }
 
 // Plugin is a running plugin process and clients to it.
@@ -113,6 +115,9 @@ func Start(tb testing.TB, cfg Config) *Plugin {
 	if cfg.FlattenDepth == 0 {
 		cfg.FlattenDepth = 64
 	}
+	if cfg.KubeletDir == "" {
+		cfg.KubeletDir = tb.TempDir()
+	}
 	sockDir, err := os.MkdirTemp("", "cowvol-sock-")
 	if err != nil {
 		tb.Fatal(err)
@@ -134,7 +139,7 @@ func (p *Plugin) start(extraEnv []string) {
 	args := append([]string{
 		"--endpoint=unix://" + p.Sock, "--mode=" + p.Mode, "--node-id=test-node",
 		"--state-dir=" + p.StateDir, "--cow-backend=" + p.Backend,
-		"--flatten-depth=" + strconv.Itoa(p.FlattenDepth), "-v=4",
+		"--flatten-depth=" + strconv.Itoa(p.FlattenDepth), "--kubelet-dir=" + p.KubeletDir, "-v=4",
 	}, p.Args...)
 	p.cmd = exec.Command(Binary(p.tb), args...)
 	p.cmd.Env = append(append(os.Environ(), p.Env...), extraEnv...)
@@ -181,6 +186,18 @@ func (p *Plugin) start(extraEnv []string) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// Volume is the inline volume name of a new pod of namespace ns, laid out
+// under the plugin's kubelet dir with the volume's dir made, as the kubelet
+// does before it publishes.
+func (p *Plugin) Volume(ns, pod, name string, attrs map[string]string) driver.InlineVolume {
+	p.tb.Helper()
+	v := driver.NewInlineVolume(p.KubeletDir, driver.NewPod(ns, pod), name, attrs)
+	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {
+		p.tb.Fatal(err)
+	}
+	return v
 }
 
 // Publish makes the kubelet's NodePublishVolume call for v.

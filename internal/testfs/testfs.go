@@ -57,6 +57,42 @@ func Need(tb testing.TB, tools ...string) {
 // is mounted; everything is undone when tb ends.
 func Mount(tb testing.TB, kind Kind, size int64) string {
 	tb.Helper()
+	mnt, err := mount(tb, kind, size, nil, "")
+	if err != nil {
+		tb.Fatalf("mounting %s: %v", kind, err)
+	}
+	return mnt
+}
+
+// MountWithProjectQuota makes a filesystem of kind (XFS or ext4) mounted
+// with project quotas enforced, or skips tb where the kernel cannot (these
+// machines' kernels lack CONFIG_XFS_QUOTA, and CONFIG_QUOTA with
+// CONFIG_QFMT_V2 for ext4): the test runs wherever the kernel allows.
+func MountWithProjectQuota(tb testing.TB, kind Kind, size int64) string {
+	tb.Helper()
+	var extra []string
+	if kind == Ext4 {
+		extra = []string{"-O", "quota,project"}
+	}
+	mnt, err := mount(tb, kind, size, extra, "prjquota")
+	if err != nil {
+		tb.Skipf("this kernel cannot mount %s with project quotas (%v): XFS needs CONFIG_XFS_QUOTA, ext4 CONFIG_QUOTA and CONFIG_QFMT_V2", kind, err)
+	}
+	return mnt
+}
+
+// EnableBtrfsQuota turns quotas (qgroups) on for the btrfs mounted at mnt,
+// as an operator preparing a state dir for size limits does.
+func EnableBtrfsQuota(tb testing.TB, mnt string) {
+	tb.Helper()
+	Need(tb, "btrfs")
+	if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
+		tb.Fatalf("btrfs quota enable: %v: %s", err, out)
+	}
+}
+
+func mount(tb testing.TB, kind Kind, size int64, mkfsExtra []string, options string) (string, error) {
+	tb.Helper()
 	Need(tb, mkfs[kind][0], "losetup")
 	base := tb.TempDir()
 	backing := filepath.Join(base, "backing")
@@ -85,12 +121,12 @@ func Mount(tb testing.TB, kind Kind, size int64) string {
 	}
 	dev := strings.TrimSpace(string(out))
 	tb.Cleanup(func() { _ = exec.Command("losetup", "-d", dev).Run() })
-	args := append(append([]string{}, mkfs[kind][1:]...), dev)
+	args := append(append(append([]string{}, mkfs[kind][1:]...), mkfsExtra...), dev)
 	if out, err := exec.Command(mkfs[kind][0], args...).CombinedOutput(); err != nil {
 		tb.Fatalf("%s: %v: %s", mkfs[kind][0], err, out)
 	}
-	if err := unix.Mount(dev, mnt, string(kind), 0, ""); err != nil {
-		tb.Fatalf("mounting %s: %v", kind, err)
+	if err := unix.Mount(dev, mnt, string(kind), 0, options); err != nil {
+		return "", err
 	}
 	tb.Cleanup(func() {
 		if err := unix.Unmount(mnt, 0); err != nil {
@@ -98,5 +134,39 @@ func Mount(tb testing.TB, kind Kind, size int64) string {
 			_ = unix.Unmount(mnt, unix.MNT_DETACH)
 		}
 	})
-	return mnt
+	return mnt, nil
+}
+
+// DeepTree makes a chain of dirs under root whose full path is longer than
+// PATH_MAX, with a 64 KiB file at the bottom, walking by file descriptor as
+// a step would have to. It returns how many dirs it made.
+func DeepTree(tb testing.TB, root string) int {
+	tb.Helper()
+	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	name := strings.Repeat("d", 200)
+	depth := 2*unix.PathMax/len(name) + 1
+	for range depth {
+		if err := unix.Mkdirat(fd, name, 0o755); err != nil {
+			tb.Fatal(err)
+		}
+		next, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		unix.Close(fd)
+		fd = next
+	}
+	defer unix.Close(fd)
+	f, err := unix.Openat(fd, "bottom", unix.O_CREAT|unix.O_WRONLY, 0o644)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer unix.Close(f)
+	if _, err := unix.Write(f, make([]byte, 64<<10)); err != nil {
+		tb.Fatal(err)
+	}
+	return depth
 }

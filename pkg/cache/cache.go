@@ -23,49 +23,28 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// State is the life-cycle state of a cached volume.
-type State string
-
-const (
-	// StateCreating marks a handle reserved by a step volume that will be
-	// captured into it; it is never usable as a source.
-	StateCreating State = "creating"
-	// StateReady marks an immutable cached volume that steps may use.
-	StateReady State = "ready"
-	// StateFailed marks a volume whose data was found damaged or missing.
-	StateFailed State = "failed"
-	// StateDestroying marks a volume whose data is being removed.
-	StateDestroying State = "destroying"
-)
-
-// Scope says who may use a cached volume as a source.
-type Scope string
-
-const (
-	// ScopeNamespace limits use to pods of the namespace that captured it.
-	ScopeNamespace Scope = "namespace"
-	// ScopeCluster allows any pod on the node.
-	ScopeCluster Scope = "cluster"
-)
-
-// Volume is the metadata of one cached volume.
+// Volume is the metadata of one cached volume. Its identity is its
+// namespace (the capturing pod's) and its handle.
 type Volume struct {
-	Handle string `json:"handle"`
-	// Parent is the source the volume was captured from (lineage), if any.
-	Parent string `json:"parent,omitempty"`
+	Namespace string `json:"namespace"`
+	Handle    string `json:"handle"`
+	// Parent is the source the volume was captured from (lineage), if any;
+	// it may be another namespace's cluster-scoped volume.
+	Parent volume.Ref `json:"parent,omitzero"`
 	// Base is the volume whose data this volume's layer is a diff over
-	// (overlay capture); empty for a root layer holding a whole tree.
-	Base string `json:"base,omitempty"`
+	// (overlay capture); zero for a root layer holding a whole tree.
+	Base volume.Ref `json:"base,omitzero"`
 	// Layer names the data dir under layers/<handle>/ that is current.
 	Layer string `json:"layer"`
 	// OldLayers are data dirs replaced by flattening, kept until no view
 	// mounts them.
 	OldLayers  []string          `json:"oldLayers,omitempty"`
-	State      State             `json:"state"`
-	Namespace  string            `json:"namespace,omitempty"`
-	Scope      Scope             `json:"scope"`
+	State      volume.State      `json:"state"`
+	Scope      volume.Scope      `json:"scope"`
 	Properties map[string]string `json:"properties,omitempty"`
 	// SizeBytes and Inodes are what the layer itself holds on disk; -1
 	// until measured (measuring walks the tree, so it runs after commit).
@@ -82,6 +61,9 @@ type Volume struct {
 	Synced bool `json:"synced,omitempty"`
 }
 
+// Ref is the volume's identity.
+func (v Volume) Ref() volume.Ref { return volume.Ref{Namespace: v.Namespace, Handle: v.Handle} }
+
 // ViewState is the life-cycle state of a published step volume.
 type ViewState string
 
@@ -94,35 +76,46 @@ const (
 	ViewCapturing ViewState = "capturing"
 )
 
-// PodInfo identifies the pod a step volume was published for.
-type PodInfo struct {
-	Name      string `json:"name,omitempty"`
-	Namespace string `json:"namespace,omitempty"`
-	UID       string `json:"uid,omitempty"`
-}
-
 // View is the metadata of one published step volume.
 type View struct {
-	VolumeID   string            `json:"volumeID"`
-	Target     string            `json:"target"`
-	Source     string            `json:"source,omitempty"`
+	VolumeID string `json:"volumeID"`
+	Target   string `json:"target"`
+	// Source is the cached volume the view starts as, if any.
+	Source volume.Ref `json:"source,omitzero"`
+	// Capture is the handle, in the pod's namespace, the view is captured
+	// into on teardown, if any.
 	Capture    string            `json:"capture,omitempty"`
-	Scope      Scope             `json:"scope,omitempty"`
+	Scope      volume.Scope      `json:"scope,omitempty"`
 	Properties map[string]string `json:"properties,omitempty"`
 	ReadOnly   bool              `json:"readOnly,omitempty"`
-	Pod        PodInfo           `json:"pod"`
+	Pod        volume.Pod        `json:"pod"`
+	// SizeLimit caps what the step may write (bytes; 0: none), and
+	// QuotaID is the project quota enforcing it where project quotas do.
+	SizeLimit int64  `json:"sizeLimit,omitempty"`
+	QuotaID   uint32 `json:"quotaID,omitempty"`
+	// MountID is the unique ID of the mount cowvol made at Target: an
+	// unpublish unmounts that mount and no other.
+	MountID uint64 `json:"mountID,omitempty"`
 	// Backend is the COW backend that built the view; a restarted plugin
 	// may run another one and must still tear this view down its way.
 	Backend string `json:"backend"`
 	// Lowers are the source's data dirs, top first, as mounted.
 	Lowers []string `json:"lowers,omitempty"`
-	// Pins are the handles of the source chain: in use while the view lives.
-	Pins  []string  `json:"pins,omitempty"`
-	State ViewState `json:"state"`
+	// Pins are the source chain: in use while the view lives.
+	Pins  []volume.Ref `json:"pins,omitempty"`
+	State ViewState    `json:"state"`
 	// Boot is the kernel boot the view was published in: a view from an
 	// earlier boot lost whatever had not reached the disk.
 	Boot      string    `json:"boot,omitempty"`
 	CreatedAt time.Time `json:"createdAt"`
+}
+
+// CaptureRef is the volume the view is captured into (zero if none).
+func (v View) CaptureRef() volume.Ref {
+	if v.Capture == "" {
+		return volume.Ref{}
+	}
+	return volume.Ref{Namespace: v.Pod.Namespace, Handle: v.Capture}
 }
 
 // Errors the store answers with; callers map them to their own codes.
@@ -145,19 +138,25 @@ var (
 	viewsBucket   = []byte("views")
 	metaBucket    = []byte("meta")
 	bootKey       = []byte("boot")
+	schemaKey     = []byte("schema")
 )
+
+// schemaVersion is the metadata layout this code writes: 1 keys volumes by
+// namespace/handle and keeps their data under volumes/<namespace>/<handle>.
+// Version 0 (no key) keyed them by handle alone, under layers/<handle>.
+const schemaVersion = "1"
 
 // Store is the node's volume store. It is safe for concurrent use; bbolt
 // serialises writers.
 type Store struct {
 	dir string
 	db  *bolt.DB
-	now func() time.Time
 }
 
-// Open opens (creating if needed) the store under dir.
+// Open opens (creating if needed) the store under dir, migrating metadata
+// and data written by an older schema.
 func Open(dir string) (*Store, error) {
-	for _, d := range []string{dir, filepath.Join(dir, "layers"), filepath.Join(dir, "views"),
+	for _, d := range []string{dir, filepath.Join(dir, "volumes"), filepath.Join(dir, "views"),
 		filepath.Join(dir, "staging"), filepath.Join(dir, "trash")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("creating state dir: %w", err)
@@ -167,19 +166,28 @@ func Open(dir string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening metadata (is another plugin using %s?): %w", dir, err)
 	}
+	s := &Store{dir: dir, db: db}
+	fresh := false
 	err = db.Update(func(tx *bolt.Tx) error {
+		fresh = tx.Bucket(volumesBucket) == nil
 		for _, b := range [][]byte{volumesBucket, viewsBucket, metaBucket} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
 		}
+		if fresh {
+			return tx.Bucket(metaBucket).Put(schemaKey, []byte(schemaVersion))
+		}
 		return nil
 	})
+	if err == nil && !fresh {
+		err = s.migrate()
+	}
 	if err != nil {
 		db.Close()
 		return nil, err
 	}
-	return &Store{dir: dir, db: db, now: time.Now}, nil
+	return s, nil
 }
 
 // Close closes the metadata file.
@@ -188,13 +196,19 @@ func (s *Store) Close() error { return s.db.Close() }
 // Dir is the state dir.
 func (s *Store) Dir() string { return s.dir }
 
+// VolumeDir holds every data dir of a volume. Namespaces and handles are
+// validated names (no slash, no leading dot), so the path cannot escape.
+func (s *Store) VolumeDir(r volume.Ref) string {
+	return filepath.Join(s.dir, "volumes", r.Namespace, r.Handle)
+}
+
 // LayerPath is where a volume's data dir named layer lives.
-func (s *Store) LayerPath(handle, layer string) string {
-	return filepath.Join(s.dir, "layers", handle, layer)
+func (s *Store) LayerPath(r volume.Ref, layer string) string {
+	return filepath.Join(s.VolumeDir(r), layer)
 }
 
 // DataPath is where a volume's current data lives.
-func (s *Store) DataPath(v Volume) string { return s.LayerPath(v.Handle, v.Layer) }
+func (s *Store) DataPath(v Volume) string { return s.LayerPath(v.Ref(), v.Layer) }
 
 // ViewDir is the private dir of a step volume. Volume IDs come from the
 // caller, so the dir is named by a digest, never by the ID itself.
@@ -212,235 +226,275 @@ func (s *Store) StagingDir() string { return filepath.Join(s.dir, "staging") }
 // TrashDir holds trees renamed away for deletion in the background.
 func (s *Store) TrashDir() string { return filepath.Join(s.dir, "trash") }
 
-func getJSON[T any](b *bolt.Bucket, key string) (T, bool, error) {
+func key(r volume.Ref) []byte { return []byte(r.String()) }
+
+func getJSON[T any](b *bolt.Bucket, key []byte) (T, bool, error) {
 	var v T
-	raw := b.Get([]byte(key))
+	raw := b.Get(key)
 	if raw == nil {
 		return v, false, nil
 	}
 	if err := json.Unmarshal(raw, &v); err != nil {
-		return v, false, fmt.Errorf("decoding %q: %w", key, err)
+		return v, false, fmt.Errorf("decoding record %q: %w", key, err)
 	}
 	return v, true, nil
 }
 
-func putJSON(b *bolt.Bucket, key string, v any) error {
+func putJSON(b *bolt.Bucket, key []byte, v any) error {
 	raw, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
-	return b.Put([]byte(key), raw)
+	return b.Put(key, raw)
 }
 
-func listJSON[T any](b *bolt.Bucket) ([]T, error) {
-	var out []T
-	err := b.ForEach(func(k, raw []byte) error {
+// listJSON decodes every record of a bucket. A record that does not decode
+// is skipped and named in bad: one damaged entry must not take down every
+// listing (and with it the plugin's start-up).
+func listJSON[T any](b *bolt.Bucket) (out []T, bad []string) {
+	_ = b.ForEach(func(k, raw []byte) error {
 		var v T
 		if err := json.Unmarshal(raw, &v); err != nil {
-			return fmt.Errorf("decoding %q: %w", k, err)
+			bad = append(bad, string(k))
+			return nil
 		}
 		out = append(out, v)
 		return nil
 	})
-	return out, err
+	return out, bad
 }
 
 // getOne reads one record, answering ErrNotFound (naming what) if absent.
-func getOne[T any](s *Store, bucket []byte, key, what string) (T, error) {
+func getOne[T any](s *Store, bucket, k []byte, what string) (T, error) {
 	var v T
 	err := s.db.View(func(tx *bolt.Tx) error {
 		var ok bool
 		var err error
-		v, ok, err = getJSON[T](tx.Bucket(bucket), key)
+		v, ok, err = getJSON[T](tx.Bucket(bucket), k)
 		if err == nil && !ok {
-			err = fmt.Errorf("%s %q: %w", what, key, ErrNotFound)
+			err = fmt.Errorf("%s %q: %w", what, k, ErrNotFound)
 		}
 		return err
 	})
 	return v, err
 }
 
-// listAll reads every record of a bucket, in key order.
-func listAll[T any](s *Store, bucket []byte) ([]T, error) {
+// listAll reads every decodable record of a bucket, in key order.
+func listAll[T any](s *Store, bucket []byte) []T {
 	var out []T
-	err := s.db.View(func(tx *bolt.Tx) error {
-		var err error
-		out, err = listJSON[T](tx.Bucket(bucket))
-		return err
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		out, _ = listJSON[T](tx.Bucket(bucket))
+		return nil
 	})
-	return out, err
+	return out
 }
 
-// Get returns the volume with the handle.
-func (s *Store) Get(handle string) (Volume, error) {
-	return getOne[Volume](s, volumesBucket, handle, "volume")
+// Get returns the volume named by r.
+func (s *Store) Get(r volume.Ref) (Volume, error) {
+	return getOne[Volume](s, volumesBucket, key(r), "volume")
 }
 
-// List returns every volume, sorted by handle.
-func (s *Store) List() ([]Volume, error) { return listAll[Volume](s, volumesBucket) }
-
-// FindByProperties returns the ready volumes carrying every given property.
-func (s *Store) FindByProperties(props map[string]string) ([]Volume, error) {
-	all, err := s.List()
-	if err != nil {
-		return nil, err
-	}
-	var out []Volume
-	for _, v := range all {
-		if v.State != StateReady {
-			continue
-		}
-		match := true
-		for k, want := range props {
-			if got, ok := v.Properties[k]; !ok || got != want {
-				match = false
-				break
-			}
-		}
-		if match {
-			out = append(out, v)
-		}
-	}
-	return out, nil
-}
+// List returns every volume, sorted by namespace and handle.
+func (s *Store) List() []Volume { return listAll[Volume](s, volumesBucket) }
 
 // GetView returns the step volume with the ID.
 func (s *Store) GetView(volumeID string) (View, error) {
-	return getOne[View](s, viewsBucket, volumeID, "step volume")
+	return getOne[View](s, viewsBucket, []byte(volumeID), "step volume")
 }
 
 // ListViews returns every step volume.
-func (s *Store) ListViews() ([]View, error) { return listAll[View](s, viewsBucket) }
+func (s *Store) ListViews() []View { return listAll[View](s, viewsBucket) }
 
-// chain walks from handle down its Base links, returning handles and data
-// dirs top first. Every volume on it must be ready.
-func (s *Store) chain(vols *bolt.Bucket, handle string) (handles, dirs []string, err error) {
-	for h := handle; h != ""; {
-		v, ok, err := getJSON[Volume](vols, h)
+// BadRecords names the records that do not decode, per bucket.
+func (s *Store) BadRecords() []string {
+	var out []string
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		_, vols := listJSON[Volume](tx.Bucket(volumesBucket))
+		_, views := listJSON[View](tx.Bucket(viewsBucket))
+		for _, k := range vols {
+			out = append(out, "volume "+k)
+		}
+		for _, k := range views {
+			out = append(out, "step volume "+k)
+		}
+		return nil
+	})
+	return out
+}
+
+// chain walks from r down its Base links, returning refs and data dirs top
+// first. Every volume on it must be ready. Errors name only the volume asked
+// for: a layer below may belong to another namespace.
+func (s *Store) chain(vols *bolt.Bucket, r volume.Ref) (refs []volume.Ref, dirs []string, err error) {
+	for cur := r; !cur.IsZero(); {
+		v, ok, err := getJSON[Volume](vols, key(cur))
 		if err != nil {
 			return nil, nil, err
 		}
 		if !ok {
-			return nil, nil, fmt.Errorf("volume %q (in the chain of %q): %w", h, handle, ErrNotFound)
+			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is missing: %w", r.Handle, ErrUnusable)
 		}
-		if v.State != StateReady {
-			return nil, nil, fmt.Errorf("volume %q (in the chain of %q) is %s: %w", h, handle, v.State, ErrUnusable)
+		if v.State != volume.StateReady {
+			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is %s: %w", r.Handle, v.State, ErrUnusable)
 		}
-		handles = append(handles, h)
+		refs = append(refs, cur)
 		dirs = append(dirs, s.DataPath(v))
-		if len(handles) > 10000 {
-			return nil, nil, fmt.Errorf("chain of %q loops", handle)
+		if len(refs) > 10000 {
+			return nil, nil, fmt.Errorf("chain of %q loops", r.Handle)
 		}
-		h = v.Base
+		cur = v.Base
 	}
-	return handles, dirs, nil
+	return refs, dirs, nil
 }
 
 // Chain returns a ready volume's data dirs, top first.
-func (s *Store) Chain(handle string) ([]string, error) {
+func (s *Store) Chain(r volume.Ref) ([]string, error) {
 	var dirs []string
 	err := s.db.View(func(tx *bolt.Tx) error {
 		var err error
-		_, dirs, err = s.chain(tx.Bucket(volumesBucket), handle)
+		_, dirs, err = s.chain(tx.Bucket(volumesBucket), r)
 		return err
 	})
 	return dirs, err
 }
 
-// CanRead says whether a pod of namespace may use v as a source.
-func CanRead(v Volume, namespace string) bool {
-	return v.Scope == ScopeCluster || v.Namespace == namespace
+// notVisible is the one answer for a source that does not exist and for one
+// the pod may not read: the two must be indistinguishable, or the answer
+// would tell another namespace's handles, owners and states.
+func notVisible(src volume.Ref, podNamespace string) error {
+	if src.Namespace == podNamespace {
+		return fmt.Errorf("source volume %q is not cached on this node: %w", src.Handle, ErrNotFound)
+	}
+	return fmt.Errorf("source volume %q of namespace %q is not cached on this node, or is not shared "+
+		"(captured with scope: cluster): %w", src.Handle, src.Namespace, ErrNotFound)
+}
+
+// readable says whether a pod of namespace may use v as a source: its own
+// namespace's volumes, and others' that their owners shared.
+func readable(v Volume, namespace string) bool {
+	return v.Namespace == namespace || v.Scope == volume.ScopeCluster
 }
 
 // Publish records a new step volume in one transaction: the source must be
 // ready and readable by the pod's namespace (its chain is pinned), and the
-// capture handle, if any, must be free (it is reserved). The returned view
-// carries the lowers to mount.
+// capture handle, if any, must be free in the pod's namespace (it is
+// reserved there). The returned view carries the lowers to mount. A view
+// with a size limit gets a fresh quota ID.
 func (s *Store) Publish(v View) (View, error) {
-	now := s.now()
+	now := time.Now()
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		vols, views := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
-		if _, ok, err := getJSON[View](views, v.VolumeID); err != nil {
+		if _, ok, err := getJSON[View](views, []byte(v.VolumeID)); err != nil {
 			return err
 		} else if ok {
 			return fmt.Errorf("step volume %q: %w", v.VolumeID, ErrExists)
 		}
 		v.Lowers, v.Pins = nil, nil
-		if v.Source != "" {
-			src, ok, err := getJSON[Volume](vols, v.Source)
+		if !v.Source.IsZero() {
+			src, ok, err := getJSON[Volume](vols, key(v.Source))
 			if err != nil {
 				return err
 			}
 			switch {
-			case !ok:
-				return fmt.Errorf("source volume %q is not cached on this node: %w", v.Source, ErrNotFound)
-			case src.State == StateCreating:
-				return fmt.Errorf("source volume %q is still being captured: %w", v.Source, ErrNotReady)
-			case src.State != StateReady:
-				return fmt.Errorf("source volume %q is %s: %w", v.Source, src.State, ErrUnusable)
-			case !CanRead(src, v.Pod.Namespace):
-				return fmt.Errorf("source volume %q belongs to namespace %q and is not cluster-scoped: %w",
-					v.Source, src.Namespace, ErrPermission)
+			case !ok || !readable(src, v.Pod.Namespace):
+				return notVisible(v.Source, v.Pod.Namespace)
+			case src.State == volume.StateCreating:
+				return fmt.Errorf("source volume %q is still being captured: %w", v.Source.Handle, ErrNotReady)
+			case src.State != volume.StateReady:
+				return fmt.Errorf("source volume %q is %s: %w", v.Source.Handle, src.State, ErrUnusable)
 			}
 			if v.Pins, v.Lowers, err = s.chain(vols, v.Source); err != nil {
 				return err
 			}
 			src.LastUsed = now
-			if err := putJSON(vols, src.Handle, src); err != nil {
+			if err := putJSON(vols, key(v.Source), src); err != nil {
 				return err
 			}
 		}
-		if v.Capture != "" {
-			if old, ok, err := getJSON[Volume](vols, v.Capture); err != nil {
+		if c := v.CaptureRef(); !c.IsZero() {
+			if old, ok, err := getJSON[Volume](vols, key(c)); err != nil {
 				return err
 			} else if ok {
-				return fmt.Errorf("capture handle %q is taken (volume is %s): %w", v.Capture, old.State, ErrExists)
+				return fmt.Errorf("capture handle %q is taken in namespace %q (volume is %s): %w", c.Handle, c.Namespace, old.State, ErrExists)
 			}
 			reserved := Volume{
-				Handle: v.Capture, Parent: v.Source, Layer: fmt.Sprintf("l%x", now.UnixNano()),
-				State: StateCreating, Namespace: v.Pod.Namespace, Scope: v.Scope, Properties: v.Properties,
+				Namespace: c.Namespace, Handle: c.Handle, Parent: v.Source, Layer: fmt.Sprintf("l%x", now.UnixNano()),
+				State: volume.StateCreating, Scope: v.Scope, Properties: v.Properties,
 				SizeBytes: -1, Inodes: -1, CreatedAt: now, LastUsed: now, Owner: v.VolumeID,
 			}
-			if err := putJSON(vols, v.Capture, reserved); err != nil {
+			if err := putJSON(vols, key(c), reserved); err != nil {
 				return err
 			}
+		}
+		if v.SizeLimit > 0 {
+			seq, err := views.NextSequence()
+			if err != nil {
+				return err
+			}
+			v.QuotaID = quotaIDBase + uint32(seq%quotaIDSpan)
 		}
 		v.State = ViewPublishing
 		v.CreatedAt = now
-		return putJSON(views, v.VolumeID, v)
+		return putJSON(views, []byte(v.VolumeID), v)
 	})
 	return v, err
 }
 
-// SetViewState moves a step volume from one state to another.
-func (s *Store) SetViewState(volumeID string, from, to ViewState) error {
+// Project quota IDs cowvol hands out: a range of its own, clear of the small
+// IDs operators give their own projects.
+const (
+	quotaIDBase = 0x636f0000 // "co"
+	quotaIDSpan = 1 << 24
+)
+
+// updateView changes a recorded step volume in one transaction.
+func (s *Store) updateView(volumeID string, change func(*View) error) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		views := tx.Bucket(viewsBucket)
-		v, ok, err := getJSON[View](views, volumeID)
+		v, ok, err := getJSON[View](views, []byte(volumeID))
 		if err != nil {
 			return err
 		}
 		if !ok {
 			return fmt.Errorf("step volume %q: %w", volumeID, ErrNotFound)
 		}
-		if v.State == to {
+		if err := change(&v); err != nil {
+			return err
+		}
+		return putJSON(views, []byte(volumeID), v)
+	})
+}
+
+// SetViewState moves a step volume from one state to another.
+func (s *Store) SetViewState(volumeID string, from, to ViewState) error {
+	return s.updateView(volumeID, func(v *View) error {
+		if v.State == to || v.State == from {
+			v.State = to
 			return nil
 		}
-		if v.State != from {
-			return fmt.Errorf("step volume %q is %s, not %s: %w", volumeID, v.State, from, ErrWrongViewState)
+		return fmt.Errorf("step volume %q is %s, not %s: %w", volumeID, v.State, from, ErrWrongViewState)
+	})
+}
+
+// SetMounted records that a step volume is mounted at its target, as the
+// mount with the given ID, and so published.
+func (s *Store) SetMounted(volumeID string, mountID uint64) error {
+	return s.updateView(volumeID, func(v *View) error {
+		if v.State == ViewCapturing {
+			return fmt.Errorf("step volume %q is capturing: %w", volumeID, ErrWrongViewState)
 		}
-		v.State = to
-		return putJSON(views, volumeID, v)
+		v.MountID, v.State = mountID, ViewPublished
+		return nil
 	})
 }
 
 // CaptureTarget returns the reserved volume a capturing view commits into.
 func (s *Store) CaptureTarget(view View) (Volume, error) {
-	v, err := s.Get(view.Capture)
+	v, err := s.Get(view.CaptureRef())
 	if err != nil {
 		return v, err
 	}
-	if v.State != StateCreating || v.Owner != view.VolumeID {
+	if v.State != volume.StateCreating || v.Owner != view.VolumeID {
 		return v, fmt.Errorf("capture handle %q is %s and not reserved by %q: %w", view.Capture, v.State, view.VolumeID, ErrExists)
 	}
 	return v, nil
@@ -453,26 +507,27 @@ func (s *Store) CommitCapture(volumeID string, diff bool) (Volume, error) {
 	var out Volume
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		vols, views := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
-		view, ok, err := getJSON[View](views, volumeID)
+		view, ok, err := getJSON[View](views, []byte(volumeID))
 		if err != nil {
 			return err
 		}
 		if !ok || view.State != ViewCapturing {
 			return fmt.Errorf("step volume %q is not capturing: %w", volumeID, ErrWrongViewState)
 		}
-		vol, ok, err := getJSON[Volume](vols, view.Capture)
+		c := view.CaptureRef()
+		vol, ok, err := getJSON[Volume](vols, key(c))
 		if err != nil {
 			return err
 		}
-		if !ok || vol.State != StateCreating || vol.Owner != volumeID {
+		if !ok || vol.State != volume.StateCreating || vol.Owner != volumeID {
 			return fmt.Errorf("capture handle %q is not reserved by %q: %w", view.Capture, volumeID, ErrExists)
 		}
 		if diff {
 			vol.Base = view.Source
 		}
-		now := s.now()
-		vol.State, vol.Owner, vol.CreatedAt, vol.LastUsed = StateReady, "", now, now
-		if err := putJSON(vols, vol.Handle, vol); err != nil {
+		now := time.Now()
+		vol.State, vol.Owner, vol.CreatedAt, vol.LastUsed = volume.StateReady, "", now, now
+		if err := putJSON(vols, key(c), vol); err != nil {
 			return err
 		}
 		out = vol
@@ -482,36 +537,35 @@ func (s *Store) CommitCapture(volumeID string, diff bool) (Volume, error) {
 }
 
 // DropView forgets a step volume that is not being captured, releasing its
-// capture reservation. It returns the dropped view (ok false if there was
-// none) and the reserved volume's dir that the caller must remove, if any.
-func (s *Store) DropView(volumeID string) (view View, ok bool, reservedDir string, err error) {
+// capture reservation. It returns the reserved volume's dir that the caller
+// must remove, if any.
+func (s *Store) DropView(volumeID string) (reservedDir string, err error) {
 	err = s.db.Update(func(tx *bolt.Tx) error {
 		vols, views := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
-		var err error
-		view, ok, err = getJSON[View](views, volumeID)
+		view, ok, err := getJSON[View](views, []byte(volumeID))
 		if err != nil || !ok {
 			return err
 		}
-		if view.Capture != "" {
-			vol, found, err := getJSON[Volume](vols, view.Capture)
+		if c := view.CaptureRef(); !c.IsZero() {
+			vol, found, err := getJSON[Volume](vols, key(c))
 			if err != nil {
 				return err
 			}
-			if found && vol.State == StateCreating && vol.Owner == volumeID {
-				reservedDir = filepath.Dir(s.DataPath(vol))
-				if err := vols.Delete([]byte(vol.Handle)); err != nil {
+			if found && vol.State == volume.StateCreating && vol.Owner == volumeID {
+				reservedDir = s.VolumeDir(c)
+				if err := vols.Delete(key(c)); err != nil {
 					return err
 				}
 			}
 		}
 		return views.Delete([]byte(volumeID))
 	})
-	return view, ok, reservedDir, err
+	return reservedDir, err
 }
 
 // SetUsage records what a volume's layer holds on disk.
-func (s *Store) SetUsage(handle string, bytes, inodes int64) error {
-	return s.update(handle, func(v *Volume) error {
+func (s *Store) SetUsage(r volume.Ref, bytes, inodes int64) error {
+	return s.update(r, func(v *Volume) error {
 		v.SizeBytes, v.Inodes = bytes, inodes
 		return nil
 	})
@@ -519,31 +573,31 @@ func (s *Store) SetUsage(handle string, bytes, inodes int64) error {
 
 // ReplaceLayer makes layer (already in place under the volume's dir) the
 // volume's data, as a root layer; the old one is kept until unused.
-func (s *Store) ReplaceLayer(handle, layer string) error {
-	return s.update(handle, func(v *Volume) error {
-		if v.State != StateReady {
-			return fmt.Errorf("volume %q is %s: %w", handle, v.State, ErrUnusable)
+func (s *Store) ReplaceLayer(r volume.Ref, layer string) error {
+	return s.update(r, func(v *Volume) error {
+		if v.State != volume.StateReady {
+			return fmt.Errorf("volume %s is %s: %w", r, v.State, ErrUnusable)
 		}
 		v.OldLayers = append(v.OldLayers, v.Layer)
-		v.Layer, v.Base = layer, ""
+		v.Layer, v.Base = layer, volume.Ref{}
 		return nil
 	})
 }
 
-func (s *Store) update(handle string, change func(*Volume) error) error {
+func (s *Store) update(r volume.Ref, change func(*Volume) error) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		vols := tx.Bucket(volumesBucket)
-		v, ok, err := getJSON[Volume](vols, handle)
+		v, ok, err := getJSON[Volume](vols, key(r))
 		if err != nil {
 			return err
 		}
 		if !ok {
-			return fmt.Errorf("volume %q: %w", handle, ErrNotFound)
+			return fmt.Errorf("volume %s: %w", r, ErrNotFound)
 		}
 		if err := change(&v); err != nil {
 			return err
 		}
-		return putJSON(vols, handle, v)
+		return putJSON(vols, key(r), v)
 	})
 }
 
@@ -559,27 +613,23 @@ func (s *Store) SwapBoot(current string) (previous string, err error) {
 }
 
 // Unsynced returns the ready volumes whose data may not be on disk yet.
-func (s *Store) Unsynced() ([]string, error) {
-	vols, err := s.List()
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, v := range vols {
-		if v.State == StateReady && !v.Synced {
-			out = append(out, v.Handle)
+func (s *Store) Unsynced() []volume.Ref {
+	var out []volume.Ref
+	for _, v := range s.List() {
+		if v.State == volume.StateReady && !v.Synced {
+			out = append(out, v.Ref())
 		}
 	}
-	return out, nil
+	return out
 }
 
 // MarkSynced records that the volumes' data reached the disk. Volumes gone
 // since are skipped.
-func (s *Store) MarkSynced(handles []string) error {
+func (s *Store) MarkSynced(refs []volume.Ref) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		vols := tx.Bucket(volumesBucket)
-		for _, h := range handles {
-			v, ok, err := getJSON[Volume](vols, h)
+		for _, r := range refs {
+			v, ok, err := getJSON[Volume](vols, key(r))
 			if err != nil {
 				return err
 			}
@@ -587,7 +637,7 @@ func (s *Store) MarkSynced(handles []string) error {
 				continue
 			}
 			v.Synced = true
-			if err := putJSON(vols, h, v); err != nil {
+			if err := putJSON(vols, key(r), v); err != nil {
 				return err
 			}
 		}
@@ -596,23 +646,17 @@ func (s *Store) MarkSynced(handles []string) error {
 }
 
 // usersOf says why a volume may not go: its children and the views pinning it.
-func usersOf(tx *bolt.Tx, handle string) error {
-	vols, err := listJSON[Volume](tx.Bucket(volumesBucket))
-	if err != nil {
-		return err
-	}
+func usersOf(tx *bolt.Tx, r volume.Ref) error {
+	vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
 	for _, c := range vols {
-		if c.Parent == handle || c.Base == handle {
-			return fmt.Errorf("volume %q has child %q: %w", handle, c.Handle, ErrHasChildren)
+		if c.Parent == r || c.Base == r {
+			return fmt.Errorf("volume %s has child %s: %w", r, c.Ref(), ErrHasChildren)
 		}
 	}
-	views, err := listJSON[View](tx.Bucket(viewsBucket))
-	if err != nil {
-		return err
-	}
+	views, _ := listJSON[View](tx.Bucket(viewsBucket))
 	for _, v := range views {
-		if slices.Contains(v.Pins, handle) {
-			return fmt.Errorf("volume %q is mounted by step volume %q: %w", handle, v.VolumeID, ErrInUse)
+		if slices.Contains(v.Pins, r) {
+			return fmt.Errorf("volume %s is mounted by step volume %q: %w", r, v.VolumeID, ErrInUse)
 		}
 	}
 	return nil
@@ -620,23 +664,23 @@ func usersOf(tx *bolt.Tx, handle string) error {
 
 // Destroy removes a volume and its data. It refuses while the volume has
 // children or is in use, and a missing volume counts as destroyed.
-func (s *Store) Destroy(handle string, remove Remover) error {
+func (s *Store) Destroy(r volume.Ref, remove Remover) error {
 	var doomed Volume
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		vols := tx.Bucket(volumesBucket)
-		v, ok, err := getJSON[Volume](vols, handle)
+		v, ok, err := getJSON[Volume](vols, key(r))
 		if err != nil || !ok {
 			return err
 		}
-		if v.State == StateCreating {
-			return fmt.Errorf("volume %q is being captured by %q: %w", handle, v.Owner, ErrInUse)
+		if v.State == volume.StateCreating {
+			return fmt.Errorf("volume %s is being captured by %q: %w", r, v.Owner, ErrInUse)
 		}
-		if err := usersOf(tx, handle); err != nil {
+		if err := usersOf(tx, r); err != nil {
 			return err
 		}
-		v.State = StateDestroying
+		v.State = volume.StateDestroying
 		doomed = v
-		return putJSON(vols, handle, v)
+		return putJSON(vols, key(r), v)
 	})
 	if err != nil || doomed.Handle == "" {
 		return err
@@ -645,36 +689,28 @@ func (s *Store) Destroy(handle string, remove Remover) error {
 }
 
 func (s *Store) finishDestroy(v Volume, remove Remover) error {
-	if err := remove(filepath.Dir(s.DataPath(v))); err != nil {
-		return fmt.Errorf("removing data of %q: %w", v.Handle, err)
+	if err := remove(s.VolumeDir(v.Ref())); err != nil {
+		return fmt.Errorf("removing data of %s: %w", v.Ref(), err)
 	}
 	return s.db.Update(func(tx *bolt.Tx) error {
-		return tx.Bucket(volumesBucket).Delete([]byte(v.Handle))
+		return tx.Bucket(volumesBucket).Delete(key(v.Ref()))
 	})
 }
 
 // PruneLayers removes data dirs that flattening replaced and that no view
 // mounts any longer.
 func (s *Store) PruneLayers(remove Remover) error {
-	views, err := s.ListViews()
-	if err != nil {
-		return err
-	}
 	mounted := map[string]bool{}
-	for _, v := range views {
+	for _, v := range s.ListViews() {
 		for _, l := range v.Lowers {
 			mounted[l] = true
 		}
 	}
-	vols, err := s.List()
-	if err != nil {
-		return err
-	}
 	var errs []error
-	for _, v := range vols {
+	for _, v := range s.List() {
 		var gone []string
 		for _, old := range v.OldLayers {
-			p := s.LayerPath(v.Handle, old)
+			p := s.LayerPath(v.Ref(), old)
 			if mounted[p] {
 				continue
 			}
@@ -687,7 +723,7 @@ func (s *Store) PruneLayers(remove Remover) error {
 		if len(gone) == 0 {
 			continue
 		}
-		errs = append(errs, s.update(v.Handle, func(cur *Volume) error {
+		errs = append(errs, s.update(v.Ref(), func(cur *Volume) error {
 			cur.OldLayers = slices.DeleteFunc(cur.OldLayers, func(l string) bool { return slices.Contains(gone, l) })
 			return nil
 		}))
@@ -698,6 +734,9 @@ func (s *Store) PruneLayers(remove Remover) error {
 // RecoveryReport says what Recover found and did.
 type RecoveryReport struct {
 	Ready, DroppedReservations, FinishedDestroys, MarkedFailed, RemovedOrphans int
+	// BadRecords are metadata entries that do not decode: left alone,
+	// never served.
+	BadRecords []string
 }
 
 // Recover reconciles the volume metadata with the disk after a restart. It
@@ -705,38 +744,31 @@ type RecoveryReport struct {
 // were half-published), so that a reservation whose view is gone is known to
 // be half-made. Half-made volumes and orphan dirs are removed; a ready
 // volume whose data is missing, or that a reboot caught unsynced, is marked
-// failed, never silently dropped or served torn.
+// failed, never silently dropped or served torn. Each failure is reported
+// and the rest goes on: one bad entry must not stop the node.
 func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
-	var rep RecoveryReport
-	views, err := s.ListViews()
-	if err != nil {
-		return rep, err
-	}
+	rep := RecoveryReport{BadRecords: s.BadRecords()}
 	live := map[string]bool{}
-	for _, v := range views {
+	for _, v := range s.ListViews() {
 		live[v.VolumeID] = true
 	}
-	vols, err := s.List()
-	if err != nil {
-		return rep, err
-	}
 	var errs []error
-	known := map[string]Volume{}
-	for _, v := range vols {
+	known := map[volume.Ref]Volume{}
+	for _, v := range s.List() {
 		switch {
-		case v.State == StateCreating && !live[v.Owner]:
+		case v.State == volume.StateCreating && !live[v.Owner]:
 			errs = append(errs, s.finishDestroy(v, remove))
 			rep.DroppedReservations++
 			continue
-		case v.State == StateDestroying:
+		case v.State == volume.StateDestroying:
 			errs = append(errs, s.finishDestroy(v, remove))
 			rep.FinishedDestroys++
 			continue
-		case v.State == StateReady:
+		case v.State == volume.StateReady:
 			_, statErr := os.Lstat(s.DataPath(v))
 			if statErr != nil || (rebooted && !v.Synced) {
-				errs = append(errs, s.update(v.Handle, func(cur *Volume) error {
-					cur.State = StateFailed
+				errs = append(errs, s.update(v.Ref(), func(cur *Volume) error {
+					cur.State = volume.StateFailed
 					return nil
 				}))
 				rep.MarkedFailed++
@@ -744,43 +776,69 @@ func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
 				rep.Ready++
 			}
 		}
-		known[v.Handle] = v
+		known[v.Ref()] = v
 	}
 	// Dirs on disk that the metadata does not name are leftovers of a
 	// capture or flatten cut short: they were never visible, so they go.
-	layersDir := filepath.Join(s.dir, "layers")
-	entries, err := os.ReadDir(layersDir)
-	if err != nil {
-		return rep, err
-	}
-	for _, e := range entries {
-		v, ok := known[e.Name()]
-		if !ok {
-			errs = append(errs, remove(filepath.Join(layersDir, e.Name())))
-			rep.RemovedOrphans++
-			continue
-		}
-		inner, err := os.ReadDir(filepath.Join(layersDir, e.Name()))
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		for _, l := range inner {
-			if l.Name() == v.Layer || slices.Contains(v.OldLayers, l.Name()) {
-				continue
-			}
-			errs = append(errs, remove(s.LayerPath(v.Handle, l.Name())))
-			rep.RemovedOrphans++
-		}
-	}
+	n, err := s.removeOrphans(known, remove)
+	rep.RemovedOrphans += n
+	errs = append(errs, err)
 	staged, err := os.ReadDir(s.StagingDir())
-	if err != nil {
-		return rep, err
-	}
+	errs = append(errs, err)
 	for _, e := range staged {
 		errs = append(errs, remove(filepath.Join(s.StagingDir(), e.Name())))
 		rep.RemovedOrphans++
 	}
 	errs = append(errs, s.PruneLayers(remove))
 	return rep, errors.Join(errs...)
+}
+
+// removeOrphans removes what lies under volumes/ that no known volume owns:
+// namespace dirs, volume dirs and data dirs.
+func (s *Store) removeOrphans(known map[volume.Ref]Volume, remove Remover) (int, error) {
+	root := filepath.Join(s.dir, "volumes")
+	owned := map[string]bool{}
+	for r := range known {
+		owned[r.Namespace] = true
+	}
+	var errs []error
+	removed := 0
+	drop := func(p string) {
+		errs = append(errs, remove(p))
+		removed++
+	}
+	namespaces, err := os.ReadDir(root)
+	if err != nil {
+		return 0, err
+	}
+	for _, ns := range namespaces {
+		nsDir := filepath.Join(root, ns.Name())
+		if !owned[ns.Name()] {
+			drop(nsDir)
+			continue
+		}
+		handles, err := os.ReadDir(nsDir)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		for _, h := range handles {
+			v, ok := known[volume.Ref{Namespace: ns.Name(), Handle: h.Name()}]
+			if !ok {
+				drop(filepath.Join(nsDir, h.Name()))
+				continue
+			}
+			layers, err := os.ReadDir(filepath.Join(nsDir, h.Name()))
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			for _, l := range layers {
+				if l.Name() != v.Layer && !slices.Contains(v.OldLayers, l.Name()) {
+					drop(s.LayerPath(v.Ref(), l.Name()))
+				}
+			}
+		}
+	}
+	return removed, errors.Join(errs...)
 }

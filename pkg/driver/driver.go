@@ -20,6 +20,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
@@ -64,9 +65,28 @@ type Options struct {
 	// KubeletEndpoint is the CSI socket path as the kubelet sees it, told
 	// to the kubelet at registration; it defaults to Endpoint's path.
 	KubeletEndpoint string
-	// Kubeconfig reaches the API server for Kubernetes Events; empty means
-	// in-cluster when run in a pod, and no events otherwise.
+	// Kubeconfig reaches the API server (Events, the CSIDriver check);
+	// empty means in-cluster when run in a pod, and none otherwise.
 	Kubeconfig string
+	// KubeletDir is the kubelet's root dir: every target path must lie
+	// below it in the kubelet's inline-volume layout.
+	KubeletDir string
+	// DefaultSizeLimit caps a writable step volume that names no
+	// sizeLimit, and MaxSizeLimit caps any (bytes; 0: none).
+	DefaultSizeLimit, MaxSizeLimit int64
+	// AllowSetuid mounts step volumes without nosuid.
+	AllowSetuid bool
+
+	// bootIDFile names the kernel's boot ID; tests point it elsewhere to
+	// pretend a reboot.
+	bootIDFile string
+}
+
+func (o Options) bootIDPath() string {
+	if o.bootIDFile != "" {
+		return o.bootIDFile
+	}
+	return bootIDPath
 }
 
 // Validate checks the options and fills in defaults.
@@ -100,9 +120,18 @@ func (o *Options) Validate() error {
 			errs = append(errs, fmt.Errorf("state dir %q must be an absolute path", o.StateDir))
 		}
 		if o.Backend != "auto" {
-			if _, err := overlay.New(overlay.Kind(o.Backend), nil); err != nil {
+			if _, err := overlay.ParseKind(o.Backend); err != nil {
 				errs = append(errs, fmt.Errorf("%w (or auto)", err))
 			}
+		}
+		if o.KubeletDir == "" || !strings.HasPrefix(o.KubeletDir, "/") {
+			errs = append(errs, fmt.Errorf("kubelet dir %q must be an absolute path", o.KubeletDir))
+		}
+		if o.DefaultSizeLimit < 0 || o.MaxSizeLimit < 0 {
+			errs = append(errs, errors.New("size limits cannot be negative"))
+		}
+		if o.MaxSizeLimit > 0 && o.DefaultSizeLimit > o.MaxSizeLimit {
+			errs = append(errs, fmt.Errorf("the default size limit (%d bytes) exceeds the maximum (%d bytes)", o.DefaultSizeLimit, o.MaxSizeLimit))
 		}
 		if o.RegistrationSocket != "" && o.KubeletEndpoint == "" {
 			if network, addr, err := parseEndpoint(o.Endpoint); err == nil && network == "unix" {
@@ -154,10 +183,17 @@ type Driver struct {
 	store      *cache.Store
 }
 
+// Deps are what a driver works through, built by its caller.
+type Deps struct {
+	Mounter overlay.Mounter
+	// Kube reaches the API server; nil when none is configured.
+	Kube kubernetes.Interface
+}
+
 // New builds a driver. In node mode it opens the state dir, picks the COW
-// backend and recovers whatever a previous process left, before any RPC is
-// served.
-func New(opts Options) (*Driver, error) {
+// backend, checks the CSIDriver object (with an API server) and recovers
+// whatever a previous process left, before any RPC is served.
+func New(opts Options, deps Deps) (*Driver, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
@@ -172,13 +208,12 @@ func New(opts Options) (*Driver, error) {
 			return nil, err
 		}
 		d.store = store
-		node, err := newNodeService(opts, store, overlay.NewSysMounter(), d.metrics)
+		node, err := newNodeService(opts, store, deps.Mounter, d.metrics, deps.Kube)
 		if err != nil {
 			store.Close()
 			return nil, err
 		}
 		d.node = node
-		d.metrics.watchStore(store)
 	}
 	return d, nil
 }

@@ -14,7 +14,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
-	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // podEvents posts Kubernetes Events on step pods, where an operator looks
@@ -22,27 +22,29 @@ import (
 // which happens at teardown where no RPC error shows. Publish refusals need
 // none of this: the kubelet turns them into FailedMount events itself.
 type podEvents interface {
-	event(pod cache.PodInfo, eventType, reason, message string)
+	event(pod volume.Pod, eventType, reason, message string)
 }
 
 // noEvents is the sink when no API server is configured.
 type noEvents struct{}
 
-func (noEvents) event(cache.PodInfo, string, string, string) {}
+func (noEvents) event(volume.Pod, string, string, string) {}
 
 // kubeEvents sends events from a queue, off the RPC path: a slow or absent
 // API server must never hold up a capture. A full queue drops events.
 type kubeEvents struct {
 	client kubernetes.Interface
+	driver string
 	node   string
 	queue  chan *corev1.Event
 }
 
 const eventQueue = 256
 
-// newPodEvents connects to the API server through kubeconfig, or in-cluster
-// when it is empty and the plugin runs in a pod; otherwise events are off.
-func newPodEvents(kubeconfig, node string) (podEvents, *kubeEvents, error) {
+// KubeClient connects to the API server through kubeconfig, or in-cluster
+// when it is empty and the plugin runs in a pod; otherwise it returns nil:
+// no API server is configured.
+func KubeClient(kubeconfig string) (kubernetes.Interface, error) {
 	var cfg *rest.Config
 	var err error
 	switch {
@@ -51,24 +53,19 @@ func newPodEvents(kubeconfig, node string) (podEvents, *kubeEvents, error) {
 	case os.Getenv("KUBERNETES_SERVICE_HOST") != "":
 		cfg, err = rest.InClusterConfig()
 	default:
-		klog.InfoS("Kubernetes Events are off: no API server configured (--kubeconfig, or run in a pod)")
-		return noEvents{}, nil, nil
+		return nil, nil
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("configuring the API client for events: %w", err)
+		return nil, fmt.Errorf("configuring the API client: %w", err)
 	}
-	client, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		return nil, nil, err
-	}
-	k := &kubeEvents{client: client, node: node, queue: make(chan *corev1.Event, eventQueue)}
-	return k, k, nil
+	return kubernetes.NewForConfig(cfg)
 }
 
-func (k *kubeEvents) event(pod cache.PodInfo, eventType, reason, message string) {
-	if pod.Name == "" || pod.Namespace == "" {
-		return // no pod info (podInfoOnMount off, or not the kubelet)
-	}
+func newKubeEvents(client kubernetes.Interface, driver, node string) *kubeEvents {
+	return &kubeEvents{client: client, driver: driver, node: node, queue: make(chan *corev1.Event, eventQueue)}
+}
+
+func (k *kubeEvents) event(pod volume.Pod, eventType, reason, message string) {
 	now := metav1.NewTime(time.Now())
 	ev := &corev1.Event{
 		ObjectMeta: metav1.ObjectMeta{GenerateName: pod.Name + ".", Namespace: pod.Namespace},
@@ -78,7 +75,7 @@ func (k *kubeEvents) event(pod cache.PodInfo, eventType, reason, message string)
 		Type: eventType, Reason: reason, Message: message,
 		Source:         corev1.EventSource{Component: "cowvol", Host: k.node},
 		FirstTimestamp: now, LastTimestamp: now, Count: 1,
-		ReportingController: DefaultDriverName, ReportingInstance: k.node,
+		ReportingController: k.driver, ReportingInstance: k.node,
 	}
 	select {
 	case k.queue <- ev:

@@ -11,6 +11,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // metrics are the plugin's Prometheus metrics, in a registry of its own so
@@ -56,55 +57,59 @@ func (m *metrics) interceptor(ctx context.Context, req any, info *grpc.UnaryServ
 	return resp, err
 }
 
-// storeCollector reports the node cache's contents at scrape time.
-type storeCollector struct {
-	store                *cache.Store
-	volumes, bytes, view *prometheus.Desc
+// nodeCollector reports the node cache's contents and the node service's
+// state at scrape time.
+type nodeCollector struct {
+	node                           *nodeService
+	volumes, bytes, view, quarantd *prometheus.Desc
 }
 
-func (m *metrics) watchStore(s *cache.Store) {
-	m.registry.MustRegister(&storeCollector{
-		store:   s,
-		volumes: prometheus.NewDesc("cowvol_cached_volumes", "Cached volumes on this node, by state.", []string{"state"}, nil),
-		bytes:   prometheus.NewDesc("cowvol_cached_bytes", "Bytes held by ready cached volumes' own layers.", nil, nil),
-		view:    prometheus.NewDesc("cowvol_step_volumes", "Step volumes published on this node, by state.", []string{"state"}, nil),
+func (m *metrics) watchNode(n *nodeService, backend string) {
+	limits := "off"
+	if n.limiter != nil {
+		limits = n.limiter.Mechanism()
+	}
+	info := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "cowvol_node_info",
+		Help:        "The node plugin's COW backend and how it enforces size limits (always 1).",
+		ConstLabels: prometheus.Labels{"backend": backend, "size_limits": limits},
+	})
+	info.Set(1)
+	m.registry.MustRegister(info, &nodeCollector{
+		node:     n,
+		volumes:  prometheus.NewDesc("cowvol_cached_volumes", "Cached volumes on this node, by state.", []string{"state"}, nil),
+		bytes:    prometheus.NewDesc("cowvol_cached_bytes", "Bytes held by ready cached volumes' own layers.", nil, nil),
+		view:     prometheus.NewDesc("cowvol_step_volumes", "Step volumes published on this node, by state.", []string{"state"}, nil),
+		quarantd: prometheus.NewDesc("cowvol_quarantined_step_volumes", "Step volumes recovery could not settle, retried in the background.", nil, nil),
 	})
 }
 
-func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
+func (c *nodeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.volumes
 	ch <- c.bytes
 	ch <- c.view
+	ch <- c.quarantd
 }
 
-func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
-	vols, err := c.store.List()
-	if err != nil {
-		klog.ErrorS(err, "Listing volumes for metrics")
-		return
-	}
-	byState := map[cache.State]int{}
+func (c *nodeCollector) Collect(ch chan<- prometheus.Metric) {
+	byState := map[volume.State]int{}
 	var ready int64
-	for _, v := range vols {
+	for _, v := range c.node.store.List() {
 		byState[v.State]++
-		if v.State == cache.StateReady && v.SizeBytes > 0 {
+		if v.State == volume.StateReady && v.SizeBytes > 0 {
 			ready += v.SizeBytes
 		}
 	}
-	for _, st := range []cache.State{cache.StateCreating, cache.StateReady, cache.StateFailed, cache.StateDestroying} {
+	for _, st := range []volume.State{volume.StateCreating, volume.StateReady, volume.StateFailed, volume.StateDestroying} {
 		ch <- prometheus.MustNewConstMetric(c.volumes, prometheus.GaugeValue, float64(byState[st]), string(st))
 	}
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.GaugeValue, float64(ready))
-	views, err := c.store.ListViews()
-	if err != nil {
-		klog.ErrorS(err, "Listing step volumes for metrics")
-		return
-	}
 	byView := map[cache.ViewState]int{}
-	for _, v := range views {
+	for _, v := range c.node.store.ListViews() {
 		byView[v.State]++
 	}
 	for _, st := range []cache.ViewState{cache.ViewPublishing, cache.ViewPublished, cache.ViewCapturing} {
 		ch <- prometheus.MustNewConstMetric(c.view, prometheus.GaugeValue, float64(byView[st]), string(st))
 	}
+	ch <- prometheus.MustNewConstMetric(c.quarantd, prometheus.GaugeValue, float64(c.node.quarantine.size()))
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // fixture is an in-process node service on a real overlay state dir.
@@ -49,18 +50,24 @@ func (f *faultyMounter) fault(which *error) error {
 	return *which
 }
 
-func (f *faultyMounter) Overlay(target string, lowers []string, upper, work string) error {
+func (f *faultyMounter) Overlay(target string, lowers []string, upper, work string, a overlay.Attrs) error {
 	if err := f.fault(&f.failMount); err != nil {
 		return err
 	}
-	return f.Mounter.Overlay(target, lowers, upper, work)
+	return f.Mounter.Overlay(target, lowers, upper, work, a)
 }
 
-func (f *faultyMounter) Bind(source, target string, ro bool) error {
+func (f *faultyMounter) Bind(source, target string, a overlay.Attrs) error {
 	if err := f.fault(&f.failMount); err != nil {
 		return err
 	}
-	return f.Mounter.Bind(source, target, ro)
+	return f.Mounter.Bind(source, target, a)
+}
+
+func (f *faultyMounter) set(which *error, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	*which = err
 }
 
 func (f *faultyMounter) Unmount(target string) error {
@@ -72,10 +79,17 @@ func (f *faultyMounter) Unmount(target string) error {
 
 func newFixture(t *testing.T) *fixture {
 	t.Helper()
+	return newFixtureAt(t, t.TempDir(), "")
+}
+
+// newFixtureAt runs a node service on stateDir, reading the boot ID from
+// bootIDFile (the kernel's when empty).
+func newFixtureAt(t *testing.T, stateDir, bootIDFile string) *fixture {
+	t.Helper()
 	testfs.Need(t)
-	f := &fixture{t: t, pods: t.TempDir(), stateDir: t.TempDir(), mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
+	f := &fixture{t: t, pods: t.TempDir(), stateDir: stateDir, mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
 	f.opts = Options{Endpoint: "unix:///unused.sock", Mode: ModeNode, NodeID: "node-1", StateDir: f.stateDir,
-		Backend: "overlay", FlattenDepth: 64}
+		Backend: "overlay", FlattenDepth: 64, KubeletDir: f.pods, bootIDFile: bootIDFile}
 	require.NoError(t, f.opts.Validate())
 	f.start()
 	t.Cleanup(f.teardown)
@@ -88,9 +102,7 @@ func (f *fixture) teardown() {
 	if f.node == nil {
 		return
 	}
-	views, err := f.store.ListViews()
-	require.NoError(f.t, err)
-	for _, v := range views {
+	for _, v := range f.store.ListViews() {
 		_, err := f.node.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: v.Target})
 		assert.NoError(f.t, err, "unpublishing %s at teardown", v.VolumeID)
 	}
@@ -100,7 +112,7 @@ func (f *fixture) teardown() {
 func (f *fixture) start() {
 	store, err := cache.Open(f.stateDir)
 	require.NoError(f.t, err)
-	node, err := newNodeService(f.opts, store, f.mounter, newMetrics())
+	node, err := newNodeService(f.opts, store, f.mounter, newMetrics(), nil)
 	require.NoError(f.t, err)
 	f.store, f.node = store, node
 }
@@ -121,8 +133,7 @@ func (f *fixture) restart() {
 
 func (f *fixture) volume(ns string, attrs map[string]string) InlineVolume {
 	f.n++
-	v := InlineVolume{VolumeID: fmt.Sprintf("csi-%d", f.n), Target: filepath.Join(f.pods, fmt.Sprint(f.n), "mount"),
-		Attributes: attrs, PodNamespace: ns, PodName: fmt.Sprintf("pod-%d", f.n)}
+	v := NewInlineVolume(f.pods, NewPod(ns, fmt.Sprintf("pod-%d", f.n)), "vol", attrs)
 	require.NoError(f.t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
 	return v
 }
@@ -167,22 +178,26 @@ func TestNodeGetInfoAndCapabilities(t *testing.T) {
 func TestFailedPublishLeavesNothing(t *testing.T) {
 	f := newFixture(t)
 	v := f.volume("ci", map[string]string{AttrCapture: "out-1"})
-	f.mounter.failMount = errors.New("injected mount failure")
+	f.mounter.set(&f.mounter.failMount, errors.New("injected mount failure"))
 	require.Equal(t, codes.Internal, status.Code(f.publish(v)))
-	f.mounter.failMount = nil
+	f.mounter.set(&f.mounter.failMount, nil)
 	_, err := f.store.GetView(v.VolumeID)
 	require.ErrorIs(t, err, cache.ErrNotFound)
-	_, err = f.store.Get("out-1")
+	_, err = os.Lstat(v.Target)
+	require.ErrorIs(t, err, os.ErrNotExist, "the target dir made for it is gone")
+	_, err = f.store.Get(ref("ci", "out-1"))
 	require.ErrorIs(t, err, cache.ErrNotFound)
 	entries, err := os.ReadDir(f.store.ViewsDir())
 	require.NoError(t, err)
 	require.Empty(t, entries)
 	require.NoError(t, f.publish(v), "the retry succeeds")
 	require.NoError(t, f.unpublish(v))
-	vol, err := f.store.Get("out-1")
+	vol, err := f.store.Get(ref("ci", "out-1"))
 	require.NoError(t, err)
-	require.Equal(t, cache.StateReady, vol.State)
+	require.Equal(t, volume.StateReady, vol.State)
 }
+
+func ref(ns, h string) volume.Ref { return volume.Ref{Namespace: ns, Handle: h} }
 
 // A capture whose unmount fails is retried by the kubelet and completes.
 func TestFailedCaptureCompletesOnRetry(t *testing.T) {
@@ -190,16 +205,16 @@ func TestFailedCaptureCompletesOnRetry(t *testing.T) {
 	v := f.volume("ci", map[string]string{AttrCapture: "out-2"})
 	require.NoError(t, f.publish(v))
 	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "f"), []byte("data"), 0o644))
-	f.mounter.failUnmount = unix.EBUSY
+	f.mounter.set(&f.mounter.failUnmount, unix.EBUSY)
 	require.Equal(t, codes.Internal, status.Code(f.unpublish(v)))
-	vol, err := f.store.Get("out-2")
+	vol, err := f.store.Get(ref("ci", "out-2"))
 	require.NoError(t, err)
-	require.Equal(t, cache.StateCreating, vol.State, "nothing half-made is visible")
-	f.mounter.failUnmount = nil
+	require.Equal(t, volume.StateCreating, vol.State, "nothing half-made is visible")
+	f.mounter.set(&f.mounter.failUnmount, nil)
 	require.NoError(t, f.unpublish(v))
-	vol, err = f.store.Get("out-2")
+	vol, err = f.store.Get(ref("ci", "out-2"))
 	require.NoError(t, err)
-	require.Equal(t, cache.StateReady, vol.State)
+	require.Equal(t, volume.StateReady, vol.State)
 	data, err := os.ReadFile(filepath.Join(f.store.DataPath(vol), "f"))
 	require.NoError(t, err)
 	require.Equal(t, "data", string(data))
@@ -212,11 +227,7 @@ func TestDiskFullIsResourceExhausted(t *testing.T) {
 	dir := t.TempDir()
 	require.NoError(t, unix.Mount("tmpfs", dir, "tmpfs", 0, "size=64m,nr_inodes=64"))
 	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
-	f := &fixture{t: t, pods: t.TempDir(), stateDir: dir, mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
-	f.opts = Options{Endpoint: "unix:///unused.sock", Mode: ModeNode, NodeID: "n", StateDir: dir, Backend: "overlay", FlattenDepth: 64}
-	require.NoError(t, f.opts.Validate())
-	f.start()
-	t.Cleanup(f.teardown)
+	f := newFixtureAt(t, dir, "")
 	for i := 0; ; i++ {
 		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("filler-%d", i)), nil, 0o600); err != nil {
 			require.ErrorIs(t, err, unix.ENOSPC)
@@ -225,7 +236,7 @@ func TestDiskFullIsResourceExhausted(t *testing.T) {
 	}
 	v := f.volume("ci", map[string]string{AttrCapture: "full"})
 	require.Equal(t, codes.ResourceExhausted, status.Code(f.publish(v)))
-	_, err := f.store.Get("full")
+	_, err := f.store.Get(ref("ci", "full"))
 	require.ErrorIs(t, err, cache.ErrNotFound, "the reservation was released")
 }
 
@@ -263,10 +274,10 @@ func TestParallelPublishAndCapture(t *testing.T) {
 		require.NoError(t, err)
 	}
 	for i, v := range vols {
-		vol, err := f.store.Get(fmt.Sprintf("par-%d", i))
+		vol, err := f.store.Get(ref("ci", fmt.Sprintf("par-%d", i)))
 		require.NoError(t, err)
-		require.Equal(t, cache.StateReady, vol.State)
-		require.Equal(t, "shared", vol.Base)
+		require.Equal(t, volume.StateReady, vol.State)
+		require.Equal(t, ref("ci", "shared"), vol.Base)
 		data, err := os.ReadFile(filepath.Join(f.store.DataPath(vol), "mine"))
 		require.NoError(t, err)
 		require.Equal(t, v.VolumeID, string(data))
@@ -293,9 +304,7 @@ func TestConcurrentDuplicatePublish(t *testing.T) {
 		require.Contains(t, []codes.Code{codes.OK, codes.Aborted}, c)
 	}
 	require.NoError(t, f.publish(v))
-	views, err := f.store.ListViews()
-	require.NoError(t, err)
-	require.Len(t, views, 1)
+	require.Len(t, f.store.ListViews(), 1)
 	require.NoError(t, f.unpublish(v))
 }
 
@@ -304,13 +313,13 @@ func TestConcurrentDuplicatePublish(t *testing.T) {
 func TestMissingDataIsMarkedFailed(t *testing.T) {
 	f := newFixture(t)
 	f.capture("ci", "doomed", nil)
-	vol, err := f.store.Get("doomed")
+	vol, err := f.store.Get(ref("ci", "doomed"))
 	require.NoError(t, err)
 	require.NoError(t, os.RemoveAll(f.store.DataPath(vol)))
 	f.restart()
-	vol, err = f.store.Get("doomed")
+	vol, err = f.store.Get(ref("ci", "doomed"))
 	require.NoError(t, err)
-	require.Equal(t, cache.StateFailed, vol.State)
+	require.Equal(t, volume.StateFailed, vol.State)
 	err = f.publish(f.volume("ci", map[string]string{AttrSource: "doomed"}))
 	require.Equal(t, codes.FailedPrecondition, status.Code(err), "err: %v", err)
 }
@@ -318,7 +327,7 @@ func TestMissingDataIsMarkedFailed(t *testing.T) {
 func TestOptionsValidate(t *testing.T) {
 	good := func() Options {
 		return Options{Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: "n", StateDir: "/var/lib/cowvol",
-			Backend: "auto", FlattenDepth: 64}
+			Backend: "auto", FlattenDepth: 64, KubeletDir: "/var/lib/kubelet"}
 	}
 	tests := []struct {
 		name    string
@@ -335,6 +344,9 @@ func TestOptionsValidate(t *testing.T) {
 		{"relative state dir", func(o *Options) { o.StateDir = "state" }, "absolute"},
 		{"bad backend", func(o *Options) { o.Backend = "zfs" }, "unknown COW backend"},
 		{"flatten depth too deep", func(o *Options) { o.FlattenDepth = 600 }, "flatten depth"},
+		{"relative kubelet dir", func(o *Options) { o.KubeletDir = "kubelet" }, "kubelet dir"},
+		{"negative limit", func(o *Options) { o.MaxSizeLimit = -1 }, "negative"},
+		{"default over max", func(o *Options) { o.DefaultSizeLimit, o.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
 		{"registration needs a unix endpoint", func(o *Options) {
 			o.Endpoint = "tcp://127.0.0.1:1"
@@ -362,15 +374,11 @@ func TestOptionsValidate(t *testing.T) {
 func TestRebootDiscardsOldStepVolumes(t *testing.T) {
 	bootFile := filepath.Join(t.TempDir(), "boot_id")
 	require.NoError(t, os.WriteFile(bootFile, []byte("boot-1\n"), 0o644))
-	defer func(old string) { bootIDPath = old }(bootIDPath)
-	bootIDPath = bootFile
 
-	f := newFixture(t)
+	f := newFixtureAt(t, t.TempDir(), bootFile)
 	f.capture("ci", "durable", nil)
-	require.Eventually(t, func() bool {
-		unsynced, err := f.store.Unsynced()
-		return err == nil && len(unsynced) == 0
-	}, 30*time.Second, 10*time.Millisecond, "captures are synced in the background")
+	require.Eventually(t, func() bool { return len(f.store.Unsynced()) == 0 },
+		30*time.Second, 10*time.Millisecond, "captures are synced in the background")
 	v := f.volume("ci", map[string]string{AttrSource: "durable", AttrCapture: "in-flight"})
 	require.NoError(t, f.publish(v))
 	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "half"), []byte("written"), 0o644))
@@ -381,10 +389,10 @@ func TestRebootDiscardsOldStepVolumes(t *testing.T) {
 	f.start()
 
 	require.NoError(t, f.unpublish(v))
-	_, err := f.store.Get("in-flight")
+	_, err := f.store.Get(ref("ci", "in-flight"))
 	require.ErrorIs(t, err, cache.ErrNotFound, "a step from before the reboot is not captured")
-	vol, err := f.store.Get("durable")
+	vol, err := f.store.Get(ref("ci", "durable"))
 	require.NoError(t, err)
-	require.Equal(t, cache.StateReady, vol.State)
+	require.Equal(t, volume.StateReady, vol.State)
 	require.NoError(t, f.publish(f.volume("ci", map[string]string{AttrSource: "durable"})))
 }

@@ -4,11 +4,14 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync"
+	"time"
 
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/target"
 )
 
 // recover reconciles what a previous process left, before any RPC is served:
@@ -22,67 +25,83 @@ import (
 //   - mounts and dirs under the state dir that no view accounts for are
 //     removed, and then the store drops half-made volumes and orphan layers.
 //
-// Nothing a live view pins is touched.
+// Nothing a live view pins is touched. A view that cannot be settled is
+// quarantined (retried in the background) and anything else that fails is
+// logged: one bad entry never keeps the node from serving the rest. Only a
+// store that cannot be written stops it.
 func (n *nodeService) recover() error {
 	previousBoot, err := n.store.SwapBoot(n.boot)
 	if err != nil {
 		return err
 	}
 	rebooted := previousBoot != "" && previousBoot != n.boot
-	views, err := n.store.ListViews()
-	if err != nil {
-		return err
-	}
-	var errs []error
 	keep := map[string]bool{}
 	counts := map[string]int{}
-	for _, v := range views {
-		switch v.State {
-		case cache.ViewPublishing:
-			if err := n.discard(v); err != nil {
-				errs = append(errs, err)
-				keep[n.store.ViewDir(v.VolumeID)] = true
-				continue
-			}
-			counts["dropped"]++
-		case cache.ViewPublished:
+	for _, v := range n.store.ListViews() {
+		outcome, err := n.settle(v)
+		if err != nil {
+			n.quarantine.add(v.VolumeID, err)
+			outcome = "quarantined"
+		}
+		counts[outcome]++
+		if outcome != "dropped" {
 			keep[n.store.ViewDir(v.VolumeID)] = true
-			mounted, err := n.mounter.IsMountPoint(v.Target)
-			switch {
-			case err != nil:
-				errs = append(errs, err)
-			case v.Boot != n.boot:
-				// Its pod died with the old boot; the kubelet will
-				// unpublish it, and it will not be captured.
-				counts["fromLastBoot"]++
-			case mounted:
-				counts["adopted"]++
-			case !exists(filepath.Dir(v.Target)):
-				// The pod's dir is gone: the kubelet will unpublish.
-				counts["orphaned"]++
-			default:
-				if err := n.ensureMounted(v); err != nil {
-					klog.ErrorS(err, "Mounting a step volume again", "volumeID", v.VolumeID)
-					counts["orphaned"]++
-				} else {
-					counts["remounted"]++
-				}
-			}
-		case cache.ViewCapturing:
-			keep[n.store.ViewDir(v.VolumeID)] = true
-			counts["capturing"]++
 		}
 	}
-	errs = append(errs, n.removeStrays(keep))
+	if err := n.removeStrays(keep); err != nil {
+		klog.ErrorS(err, "Removing what dead step volumes left; going on")
+	}
 	rep, err := n.store.Recover(overlay.RemoveTree, rebooted)
-	errs = append(errs, err)
+	if err != nil {
+		klog.ErrorS(err, "Reconciling cached volumes with the disk; going on with what could be")
+	}
+	for _, bad := range rep.BadRecords {
+		klog.ErrorS(nil, "A metadata record does not decode: it is left alone and never served", "record", bad)
+	}
 	klog.InfoS("Recovered the state dir", "stateDir", n.store.Dir(), "rebooted", rebooted,
 		"viewsFromLastBoot", counts["fromLastBoot"],
 		"viewsAdopted", counts["adopted"], "viewsRemounted", counts["remounted"],
 		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"],
+		"viewsQuarantined", counts["quarantined"],
 		"volumesReady", rep.Ready, "reservationsDropped", rep.DroppedReservations,
-		"destroysFinished", rep.FinishedDestroys, "markedFailed", rep.MarkedFailed, "orphansRemoved", rep.RemovedOrphans)
-	return errors.Join(errs...)
+		"destroysFinished", rep.FinishedDestroys, "markedFailed", rep.MarkedFailed, "orphansRemoved", rep.RemovedOrphans,
+		"badRecords", len(rep.BadRecords))
+	return nil
+}
+
+// settle brings one view a previous process left to a state the kubelet can
+// work with, saying what it did.
+func (n *nodeService) settle(v cache.View) (string, error) {
+	switch v.State {
+	case cache.ViewPublishing:
+		return "dropped", n.discard(v, true)
+	case cache.ViewCapturing:
+		return "capturing", nil
+	}
+	if v.Boot != n.boot {
+		// Its pod died with the old boot; the kubelet will unpublish
+		// it, and it will not be captured.
+		return "fromLastBoot", nil
+	}
+	d, err := n.openTarget(v)
+	if errors.Is(err, target.ErrGone) {
+		return "orphaned", nil // the pod's dir is gone: the kubelet will unpublish
+	}
+	if err != nil {
+		return "", err
+	}
+	st, err := d.Stat()
+	d.Close()
+	if err != nil {
+		return "", err
+	}
+	if st.Mounted && (st.MountID == v.MountID || v.MountID == 0) {
+		if v.MountID == 0 {
+			return "adopted", n.ensureMounted(v) // records the mount's ID
+		}
+		return "adopted", nil
+	}
+	return "remounted", n.ensureMounted(v)
 }
 
 // removeStrays unmounts what a dead process left mounted under the views and
@@ -113,7 +132,88 @@ func (n *nodeService) removeStrays(keep map[string]bool) error {
 	return errors.Join(errs...)
 }
 
-func exists(p string) bool {
-	_, err := os.Lstat(p)
-	return err == nil
+// quarantine holds the step volumes recovery could not settle (a target
+// that stays busy, a mount that cannot be made again): the node serves
+// everything else while they are retried in the background.
+type quarantine struct {
+	mu    sync.Mutex
+	views map[string]string // volume ID → why
+}
+
+func (q *quarantine) add(volumeID string, err error) {
+	klog.ErrorS(err, "Quarantined a step volume that cannot be settled; retrying it in the background", "volumeID", volumeID)
+	q.mu.Lock()
+	q.views[volumeID] = err.Error()
+	q.mu.Unlock()
+}
+
+func (q *quarantine) ids() []string {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	var out []string
+	for id := range q.views {
+		out = append(out, id)
+	}
+	return out
+}
+
+func (q *quarantine) size() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.views)
+}
+
+func (q *quarantine) release(volumeID string) {
+	q.mu.Lock()
+	delete(q.views, volumeID)
+	q.mu.Unlock()
+}
+
+// Quarantined views are retried with exponential backoff.
+const (
+	quarantineFirstRetry = time.Second
+	quarantineMaxRetry   = 2 * time.Minute
+)
+
+// retryQuarantined settles quarantined views until none is left or the
+// node stops. A view the kubelet settled meanwhile (unpublished) is done.
+func (n *nodeService) retryQuarantined() {
+	wait := quarantineFirstRetry
+	for {
+		select {
+		case <-n.bgCtx.Done():
+			return
+		case <-time.After(wait):
+		}
+		for _, id := range n.quarantine.ids() {
+			n.retryOne(id)
+		}
+		if n.quarantine.size() == 0 {
+			wait = quarantineFirstRetry
+		} else {
+			wait = min(2*wait, quarantineMaxRetry)
+		}
+	}
+}
+
+func (n *nodeService) retryOne(volumeID string) {
+	release, ok := n.inflight.tryLock(volumeID)
+	if !ok {
+		return // the kubelet is at it
+	}
+	defer release()
+	v, err := n.store.GetView(volumeID)
+	if errors.Is(err, cache.ErrNotFound) {
+		n.quarantine.release(volumeID)
+		return
+	}
+	if err == nil {
+		_, err = n.settle(v)
+	}
+	if err != nil {
+		klog.V(2).InfoS("A quarantined step volume is still unsettled", "volumeID", volumeID, "err", err)
+		return
+	}
+	klog.InfoS("Settled a quarantined step volume", "volumeID", volumeID)
+	n.quarantine.release(volumeID)
 }

@@ -1,9 +1,16 @@
 package driver
 
 import (
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
 	"maps"
+	"path/filepath"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // InlineVolume describes an inline volume the way the kubelet hands it over.
@@ -11,8 +18,28 @@ type InlineVolume struct {
 	VolumeID, Target string
 	Attributes       map[string]string
 	ReadOnly         bool
-	PodName, PodUID  string
-	PodNamespace     string
+	Pod              volume.Pod
+}
+
+// NewPod is a pod identity with a fresh UID, as the API server makes one.
+func NewPod(namespace, name string) volume.Pod {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6], b[8] = b[6]&0x0f|0x40, b[8]&0x3f|0x80
+	uid := fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+	return volume.Pod{Namespace: namespace, Name: name, UID: uid}
+}
+
+// NewInlineVolume is the inline volume named name of pod, with the volume ID
+// and target path the kubelet gives it under kubeletDir.
+func NewInlineVolume(kubeletDir string, pod volume.Pod, name string, attrs map[string]string) InlineVolume {
+	sum := sha256.Sum256([]byte(pod.UID + "/" + name))
+	return InlineVolume{
+		VolumeID:   "csi-" + hex.EncodeToString(sum[:]),
+		Target:     filepath.Join(kubeletDir, "pods", pod.UID, "volumes", "kubernetes.io~csi", name, "mount"),
+		Attributes: attrs,
+		Pod:        pod,
+	}
 }
 
 // PublishRequest is the NodePublishVolume call the kubelet makes for v, with
@@ -23,15 +50,9 @@ func (v InlineVolume) PublishRequest() *csi.NodePublishVolumeRequest {
 		ctx = map[string]string{}
 	}
 	ctx[ctxEphemeral] = "true"
-	if v.PodNamespace != "" {
-		ctx[ctxPodNamespace] = v.PodNamespace
-	}
-	if v.PodName != "" {
-		ctx[ctxPodName] = v.PodName
-	}
-	if v.PodUID != "" {
-		ctx[ctxPodUID] = v.PodUID
-	}
+	ctx[ctxPodNamespace] = v.Pod.Namespace
+	ctx[ctxPodName] = v.Pod.Name
+	ctx[ctxPodUID] = v.Pod.UID
 	return &csi.NodePublishVolumeRequest{
 		VolumeId:   v.VolumeID,
 		TargetPath: v.Target,

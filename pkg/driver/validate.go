@@ -1,7 +1,6 @@
 package driver
 
 import (
-	"fmt"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -10,16 +9,20 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"k8s.io/apimachinery/pkg/api/resource"
 
-	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// Volume attributes a step pod may set.
+// Volume attributes a step pod may set. The pod's author controls every
+// one of them: none is trusted.
 const (
-	AttrSource         = "source"
-	AttrCapture        = "capture"
-	AttrScope          = "scope"
-	AttrPropertyPrefix = "property."
+	AttrSource          = "source"
+	AttrSourceNamespace = "sourceNamespace"
+	AttrCapture         = "capture"
+	AttrScope           = "scope"
+	AttrSizeLimit       = "sizeLimit"
+	AttrPropertyPrefix  = "property."
 )
 
 // Keys the kubelet adds to an inline volume's context (podInfoOnMount).
@@ -37,42 +40,40 @@ var kubeletKeys = map[string]bool{
 	ctxServiceAccount: true, ctxSATokens: true,
 }
 
-const knownKeys = "source, capture, scope, property.<key>"
+const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, property.<key>"
 
-// Limits on caller-chosen strings. Handles name dirs on disk, so their
-// charset leaves no room for path tricks: no slash, no leading dot.
+// Limits on caller-chosen strings.
 const (
-	maxIDLen          = 1024
-	maxPathLen        = 4096
-	maxProperties     = 64
-	maxPropertyValue  = 4096
-	handleDescription = "1-128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+	maxIDLen         = 1024
+	maxPathLen       = 4096
+	maxProperties    = 64
+	maxPropertyValue = 4096
 )
 
-var (
-	handleRE      = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
-	propertyKeyRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]{0,252}$`)
-)
-
-// ValidateHandle checks a cached volume handle.
-func ValidateHandle(h string) error {
-	if !handleRE.MatchString(h) {
-		return fmt.Errorf("handle %q is invalid: want %s", h, handleDescription)
-	}
-	return nil
-}
+var propertyKeyRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]{0,252}$`)
 
 // volumeRequest is a validated NodePublishVolume request.
 type volumeRequest struct {
-	Source, Capture string
-	Scope           cache.Scope
-	Properties      map[string]string
-	Pod             cache.PodInfo
-	ReadOnly        bool
+	Source     volume.Ref
+	Capture    string
+	Scope      volume.Scope
+	SizeLimit  int64 // bytes; 0: none asked for
+	Properties map[string]string
+	Pod        volume.Pod
+	ReadOnly   bool
 }
 
 func invalid(format string, args ...any) error {
 	return status.Errorf(codes.InvalidArgument, format, args...)
+}
+
+// noPodInfo answers a publish the kubelet did not vouch for: without the
+// pod's identity from the kubelet, nothing says which namespace may own or
+// read what, so nothing is served.
+func noPodInfo(missing string) error {
+	return status.Errorf(codes.FailedPrecondition, "the volume context lacks %s: cowvol serves only inline volumes "+
+		"published by the kubelet with the pod's identity; its CSIDriver object must have podInfoOnMount: true "+
+		"and volumeLifecycleModes: [Ephemeral]", missing)
 }
 
 func validateVolumeID(id string) error {
@@ -92,7 +93,7 @@ func validatePath(what, p string) error {
 	case len(p) > maxPathLen || strings.ContainsRune(p, 0):
 		return invalid("%s is invalid", what)
 	case !filepath.IsAbs(p) || filepath.Clean(p) != p:
-		return invalid("%s %q must be absolute and clean (no .., no trailing slash)", what, p)
+		return invalid("%s %s must be absolute and clean (no .., no trailing slash)", what, volume.Quote(p))
 	}
 	return nil
 }
@@ -111,7 +112,7 @@ func validateCapability(c *csi.VolumeCapability) (readOnly bool, err error) {
 		return false, invalid("volume capability must have mount access type")
 	}
 	if len(m.GetMountFlags()) > 0 {
-		return false, invalid("mount flags %q are not supported: cowvol mounts are overlay or bind mounts it configures itself", m.GetMountFlags())
+		return false, invalid("mount flags are not supported: cowvol mounts are overlay or bind mounts it configures itself (nodev, nosuid)")
 	}
 	switch mode := c.GetAccessMode().GetMode(); mode {
 	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
@@ -125,49 +126,73 @@ func validateCapability(c *csi.VolumeCapability) (readOnly bool, err error) {
 	}
 }
 
-// parseVolumeContext validates an inline volume's attributes strictly: an
-// unknown key is a typo that would otherwise silently change what the step
+// parseVolumeContext validates an inline volume's context strictly: the
+// kubelet's pod identity must be there and well formed, and an unknown
+// attribute is a typo that would otherwise silently change what the step
 // gets.
 func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
+	if vc[ctxEphemeral] != "true" {
+		return volumeRequest{}, noPodInfo(ctxEphemeral + `: "true"`)
+	}
+	for _, k := range []string{ctxPodNamespace, ctxPodName, ctxPodUID} {
+		if vc[k] == "" {
+			return volumeRequest{}, noPodInfo(k)
+		}
+	}
 	r := volumeRequest{
-		Scope: cache.ScopeNamespace,
-		Pod:   cache.PodInfo{Name: vc[ctxPodName], Namespace: vc[ctxPodNamespace], UID: vc[ctxPodUID]},
+		Scope: volume.ScopeNamespace,
+		Pod:   volume.Pod{Name: vc[ctxPodName], Namespace: vc[ctxPodNamespace], UID: vc[ctxPodUID]},
+	}
+	if err := r.Pod.Validate(); err != nil {
+		return r, invalid("the kubelet's pod info is malformed: %v", err)
 	}
 	scopeSet := false
+	sourceNS := ""
 	for k, v := range vc {
 		switch {
 		case kubeletKeys[k]:
 		case k == AttrSource:
-			if err := ValidateHandle(v); err != nil {
+			if err := volume.ValidateHandle(v); err != nil {
 				return r, invalid("attribute source: %v", err)
 			}
-			r.Source = v
+			r.Source.Handle = v
+		case k == AttrSourceNamespace:
+			if err := volume.ValidateNamespace(v); err != nil {
+				return r, invalid("attribute sourceNamespace: %v", err)
+			}
+			sourceNS = v
 		case k == AttrCapture:
-			if err := ValidateHandle(v); err != nil {
+			if err := volume.ValidateHandle(v); err != nil {
 				return r, invalid("attribute capture: %v", err)
 			}
 			r.Capture = v
 		case k == AttrScope:
-			switch cache.Scope(v) {
-			case cache.ScopeNamespace, cache.ScopeCluster:
-				r.Scope, scopeSet = cache.Scope(v), true
+			switch volume.Scope(v) {
+			case volume.ScopeNamespace, volume.ScopeCluster:
+				r.Scope, scopeSet = volume.Scope(v), true
 			default:
-				return r, invalid("attribute scope %q is invalid: want namespace or cluster", v)
+				return r, invalid("attribute scope %s is invalid: want namespace or cluster", volume.Quote(v))
 			}
+		case k == AttrSizeLimit:
+			q, err := resource.ParseQuantity(v)
+			if err != nil || q.Sign() <= 0 {
+				return r, invalid("attribute sizeLimit %s is invalid: want a positive quantity such as 10Gi", volume.Quote(v))
+			}
+			r.SizeLimit = q.Value()
 		case strings.HasPrefix(k, AttrPropertyPrefix):
 			key := strings.TrimPrefix(k, AttrPropertyPrefix)
 			if !propertyKeyRE.MatchString(key) {
-				return r, invalid("property key %q is invalid: want 1-253 characters of A-Z a-z 0-9 . _ / -", key)
+				return r, invalid("property key %s is invalid: want 1-253 characters of A-Z a-z 0-9 . _ / -", volume.Quote(key))
 			}
 			if len(v) > maxPropertyValue || !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
-				return r, invalid("property %q: value must be at most %d bytes of UTF-8 without NUL", key, maxPropertyValue)
+				return r, invalid("property %s: value must be at most %d bytes of UTF-8 without NUL", volume.Quote(key), maxPropertyValue)
 			}
 			if r.Properties == nil {
 				r.Properties = map[string]string{}
 			}
 			r.Properties[key] = v
 		default:
-			return r, invalid("unknown volume attribute %q: known attributes are %s", k, knownKeys)
+			return r, invalid("unknown volume attribute %s: known attributes are %s", volume.Quote(k), knownKeys)
 		}
 	}
 	if len(r.Properties) > maxProperties {
@@ -176,7 +201,16 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	if r.Capture == "" && (scopeSet || r.Properties != nil) {
 		return r, invalid("attributes scope and property.* describe a captured volume: they need capture")
 	}
-	if r.Capture != "" && r.Capture == r.Source {
+	if sourceNS != "" && r.Source.IsZero() {
+		return r, invalid("attribute sourceNamespace names the namespace of source: it needs source")
+	}
+	if !r.Source.IsZero() {
+		r.Source.Namespace = r.Pod.Namespace
+		if sourceNS != "" {
+			r.Source.Namespace = sourceNS
+		}
+	}
+	if r.Capture != "" && r.Source == (volume.Ref{Namespace: r.Pod.Namespace, Handle: r.Capture}) {
 		return r, invalid("capture handle %q equals the source: a cached volume is immutable", r.Capture)
 	}
 	return r, nil

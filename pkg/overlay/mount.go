@@ -10,15 +10,36 @@ import (
 	mountutils "k8s.io/mount-utils"
 )
 
+// Attrs are the mount attributes of a step volume. Every cowvol mount is
+// nodev: a step must not reach the node's devices through a volume.
+type Attrs struct {
+	ReadOnly bool
+	// AllowSetuid drops nosuid, for operators whose steps need setuid
+	// binaries from their volumes.
+	AllowSetuid bool
+}
+
+func (a Attrs) mountAttr() uint64 {
+	attr := uint64(unix.MOUNT_ATTR_NODEV)
+	if !a.AllowSetuid {
+		attr |= unix.MOUNT_ATTR_NOSUID
+	}
+	if a.ReadOnly {
+		attr |= unix.MOUNT_ATTR_RDONLY
+	}
+	return attr
+}
+
 // Mounter is the small set of mount operations the backends need. The real
 // one makes syscalls; tests swap in a failing one for error paths that real
-// mounts cannot be made to produce.
+// mounts cannot be made to produce. Targets are never followed if they are
+// symlinks.
 type Mounter interface {
 	// Overlay mounts an overlay of lowers (top first) at target. An empty
 	// upper makes it read-only.
-	Overlay(target string, lowers []string, upper, work string) error
+	Overlay(target string, lowers []string, upper, work string, a Attrs) error
 	// Bind bind-mounts source at target.
-	Bind(source, target string, readOnly bool) error
+	Bind(source, target string, a Attrs) error
 	// Unmount unmounts target; a path that is not mounted is done.
 	Unmount(target string) error
 	// IsMountPoint says whether path is a mount point.
@@ -42,26 +63,26 @@ const volatileOption = "volatile"
 // with EXDEV, which mv and friends answer by copying.
 var overlayOptions = [][2]string{{"index", "off"}, {"metacopy", "off"}, {"redirect_dir", "off"}}
 
-// SysMounter mounts with direct syscalls: the new mount API (fsopen with one
-// lowerdir+ per layer, so chains are not bounded by a one-page option string)
-// where the kernel has it, mount(2) otherwise.
-type SysMounter struct {
-	checker mountutils.Interface
-}
+// SysMounter mounts with direct syscalls and the new mount API: fsopen with
+// one lowerdir+ per layer (so chains are not bounded by a one-page option
+// string; mount(2) where the kernel lacks lowerdir+), open_tree for binds,
+// and move_mount, which never follows a symlink at the target.
+type SysMounter struct{}
 
 // NewSysMounter returns the real mounter.
-func NewSysMounter() *SysMounter {
-	return &SysMounter{checker: mountutils.New("")}
-}
+func NewSysMounter() *SysMounter { return &SysMounter{} }
 
 // Overlay implements Mounter.
-func (m *SysMounter) Overlay(target string, lowers []string, upper, work string) error {
+func (m *SysMounter) Overlay(target string, lowers []string, upper, work string, a Attrs) error {
 	if len(lowers) == 0 {
 		return errors.New("overlay needs at least one lower dir")
 	}
-	err := overlayNewAPI(target, lowers, upper, work)
+	if upper == "" {
+		a.ReadOnly = true
+	}
+	err := overlayNewAPI(target, lowers, upper, work, a)
 	if errors.Is(err, unix.ENOSYS) || errors.Is(err, errNoLowerdirPlus) {
-		err = overlayLegacy(target, lowers, upper, work)
+		err = overlayLegacy(target, lowers, upper, work, a)
 	}
 	if err != nil {
 		return fmt.Errorf("mounting overlay of %d layers at %s: %w", len(lowers), target, err)
@@ -71,7 +92,7 @@ func (m *SysMounter) Overlay(target string, lowers []string, upper, work string)
 
 var errNoLowerdirPlus = errors.New("kernel lacks lowerdir+")
 
-func overlayNewAPI(target string, lowers []string, upper, work string) error {
+func overlayNewAPI(target string, lowers []string, upper, work string, a Attrs) error {
 	fd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
 	if err != nil {
 		return err
@@ -85,7 +106,6 @@ func overlayNewAPI(target string, lowers []string, upper, work string) error {
 			return fsError(fd, "lowerdir+ "+l, err)
 		}
 	}
-	var attrs int
 	if upper != "" {
 		if err := unix.FsconfigSetString(fd, "upperdir", upper); err != nil {
 			return fsError(fd, "upperdir", err)
@@ -96,8 +116,6 @@ func overlayNewAPI(target string, lowers []string, upper, work string) error {
 		if err := unix.FsconfigSetFlag(fd, volatileOption); err != nil {
 			return fsError(fd, volatileOption, err)
 		}
-	} else {
-		attrs = unix.MOUNT_ATTR_RDONLY
 	}
 	for _, o := range overlayOptions {
 		if err := unix.FsconfigSetString(fd, o[0], o[1]); err != nil {
@@ -107,12 +125,21 @@ func overlayNewAPI(target string, lowers []string, upper, work string) error {
 	if err := unix.FsconfigCreate(fd); err != nil {
 		return fsError(fd, "create", err)
 	}
-	mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, attrs)
+	mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, int(a.mountAttr()))
 	if err != nil {
 		return fsError(fd, "fsmount", err)
 	}
 	defer unix.Close(mfd)
-	return unix.MoveMount(mfd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH)
+	return moveMount(mfd, target)
+}
+
+// moveMount attaches a detached mount at target. Without
+// MOVE_MOUNT_T_SYMLINKS the kernel does not follow a symlink there.
+func moveMount(mfd int, target string) error {
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attaching the mount at %s: %w", target, err)
+	}
+	return nil
 }
 
 // fsError adds the kernel's own explanation, which it queues on the fs
@@ -133,18 +160,26 @@ func fsError(fd int, step string, err error) error {
 	return fmt.Errorf("%s: %w", step, err)
 }
 
-func overlayLegacy(target string, lowers []string, upper, work string) error {
+func overlayLegacy(target string, lowers []string, upper, work string, a Attrs) error {
 	for _, p := range append([]string{upper, work}, lowers...) {
 		if strings.ContainsAny(p, ",:") {
 			return fmt.Errorf("path %q cannot be passed to mount(2) for overlay", p)
 		}
 	}
+	var st unix.Stat_t
+	if err := unix.Lstat(target, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return fmt.Errorf("target %s is not a directory (mount(2) would follow a symlink): %v", target, err)
+	}
 	opts := []string{"lowerdir=" + strings.Join(lowers, ":")}
-	var flags uintptr
+	flags := uintptr(unix.MS_NODEV)
+	if !a.AllowSetuid {
+		flags |= unix.MS_NOSUID
+	}
+	if a.ReadOnly {
+		flags |= unix.MS_RDONLY
+	}
 	if upper != "" {
 		opts = append(opts, "upperdir="+upper, "workdir="+work, volatileOption)
-	} else {
-		flags = unix.MS_RDONLY
 	}
 	for _, o := range overlayOptions {
 		opts = append(opts, o[0]+"="+o[1])
@@ -156,26 +191,26 @@ func overlayLegacy(target string, lowers []string, upper, work string) error {
 	return unix.Mount("overlay", target, "overlay", flags, data)
 }
 
-// Bind implements Mounter.
-func (m *SysMounter) Bind(source, target string, readOnly bool) error {
-	if err := unix.Mount(source, target, "", unix.MS_BIND, ""); err != nil {
-		return fmt.Errorf("bind-mounting %s at %s: %w", source, target, err)
+// Bind implements Mounter: a clone of source's mount tree node, given its
+// attributes before anyone can see it, then attached at target.
+func (m *SysMounter) Bind(source, target string, a Attrs) error {
+	fd, err := unix.OpenTree(unix.AT_FDCWD, source, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_SYMLINK_NOFOLLOW)
+	if err != nil {
+		return fmt.Errorf("bind-mounting %s: %w", source, err)
 	}
-	if !readOnly {
-		return nil
+	defer unix.Close(fd)
+	attr := &unix.MountAttr{Attr_set: a.mountAttr()}
+	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, attr); err != nil {
+		return fmt.Errorf("setting mount attributes of %s: %w", source, err)
 	}
-	if err := unix.Mount("", target, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
-		_ = unix.Unmount(target, unix.MNT_DETACH)
-		return fmt.Errorf("making %s read-only: %w", target, err)
-	}
-	return nil
+	return moveMount(fd, target)
 }
 
-// Unmount implements Mounter.
+// Unmount implements Mounter. It never follows a symlink at target.
 func (m *SysMounter) Unmount(target string) error {
 	err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW)
 	switch {
-	case err == nil, errors.Is(err, unix.ENOENT):
+	case err == nil, errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENOTDIR):
 		return nil
 	case errors.Is(err, unix.EINVAL):
 		// Not a mount point (or not ours to unmount): say which.
@@ -189,15 +224,32 @@ func (m *SysMounter) Unmount(target string) error {
 // IsMountPoint implements Mounter. Unlike a device-number comparison it sees
 // bind mounts of the same filesystem, which is what most of ours are.
 func (m *SysMounter) IsMountPoint(path string) (bool, error) {
-	mp, err := m.checker.IsMountPoint(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return false, nil
-	}
-	return mp, err
+	_, root, err := MountOf(path)
+	return root, err
 }
 
-// MountsUnder lists the mount points at or below dir, deepest first, from
-// /proc/self/mountinfo.
+// MountOf says which mount path is on (its unique ID where the kernel has
+// them) and whether path is that mount's root. A symlink at path is not
+// followed; a missing path is on no mount.
+func MountOf(path string) (id uint64, root bool, err error) {
+	var stx unix.Statx_t
+	err = unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW|unix.AT_NO_AUTOMOUNT,
+		unix.STATX_MNT_ID_UNIQUE|unix.STATX_MNT_ID, &stx)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("statx %s: %w", path, err)
+	}
+	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT == 0 {
+		return 0, false, fmt.Errorf("statx %s: the kernel does not say whether it is a mount root (cowvol needs Linux 5.8 or later)", path)
+	}
+	return stx.Mnt_id, stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
+}
+
+// MountsUnder lists the mount points at or below dir from
+// /proc/self/mountinfo, most recent first: unmounting in this order takes a
+// mount down before the one it sits on.
 func MountsUnder(dir string) ([]string, error) {
 	infos, err := mountutils.ParseMountInfo("/proc/self/mountinfo")
 	if err != nil {

@@ -34,8 +34,8 @@ const (
 	KindCopy Kind = "copy"
 )
 
-// Kinds lists the backends in the order auto-probing prefers them.
-var Kinds = []Kind{KindBtrfs, KindOverlay, KindReflink, KindCopy}
+// probeOrder lists the backends in the order auto-probing prefers them.
+var probeOrder = []Kind{KindBtrfs, KindOverlay, KindReflink, KindCopy}
 
 // Spec describes one step volume.
 type Spec struct {
@@ -47,8 +47,13 @@ type Spec struct {
 	// Lowers are the source's layer dirs, top first; none for an empty
 	// volume.
 	Lowers []string
-	// ReadOnly volumes are never captured.
-	ReadOnly bool
+	// Attrs are the target mount's attributes; Attrs.ReadOnly volumes are
+	// never captured.
+	Attrs Attrs
+	// Limit caps what the step may write (bytes, 0: none), enforced by the
+	// backend's Limiter under quota ID QuotaID.
+	Limit   int64
+	QuotaID uint32
 }
 
 // Backend builds, mounts and captures step volumes one way.
@@ -65,23 +70,36 @@ type Backend interface {
 	Content(s Spec) (dir string, diff bool)
 }
 
-// New returns the backend of a kind.
-func New(kind Kind, m Mounter) (Backend, error) {
-	switch kind {
-	case KindOverlay:
-		return overlayBackend{m: m}, nil
-	case KindReflink, KindCopy, KindBtrfs:
-		return treeBackend{kind: kind, m: m}, nil
+// ParseKind checks a backend name.
+func ParseKind(name string) (Kind, error) {
+	switch k := Kind(name); k {
+	case KindOverlay, KindReflink, KindCopy, KindBtrfs:
+		return k, nil
 	}
-	return nil, fmt.Errorf("unknown COW backend %q (known: overlay, reflink, btrfs, copy)", kind)
+	return "", fmt.Errorf("unknown COW backend %q (known: overlay, reflink, btrfs, copy)", name)
 }
 
-// Unmount takes a step volume down from its target and drops any mount the
-// backend made inside its dir. Every backend's volumes come down the same
-// way, so a restarted plugin running another backend can still do it.
+// New returns the backend of a kind. lim enforces size limits; nil means
+// none can be, and a Spec with a Limit is refused.
+func New(kind Kind, m Mounter, lim Limiter) (Backend, error) {
+	if _, err := ParseKind(string(kind)); err != nil {
+		return nil, err
+	}
+	if kind == KindOverlay {
+		return overlayBackend{m: m, lim: lim}, nil
+	}
+	return treeBackend{kind: kind, m: m, lim: lim}, nil
+}
+
+// Unmount takes a step volume down from its target (unless Target is
+// empty: nothing is mounted there) and drops any mount the backend made
+// inside its dir. Every backend's volumes come down the same way, so a
+// restarted plugin running another backend can still do it.
 func Unmount(m Mounter, s Spec) error {
-	if err := m.Unmount(s.Target); err != nil {
-		return err
+	if s.Target != "" {
+		if err := m.Unmount(s.Target); err != nil {
+			return err
+		}
 	}
 	return m.Unmount(mergedDir(s))
 }
@@ -141,11 +159,22 @@ func mountReadOnly(m Mounter, s Spec) error {
 		if err := mkdirMode(empty, 0o755); err != nil {
 			return err
 		}
-		return m.Bind(empty, s.Target, true)
+		return m.Bind(empty, s.Target, s.Attrs)
 	case 1:
-		return m.Bind(s.Lowers[0], s.Target, true)
+		return m.Bind(s.Lowers[0], s.Target, s.Attrs)
 	}
-	return m.Overlay(s.Target, s.Lowers, "", "")
+	return m.Overlay(s.Target, s.Lowers, "", "", s.Attrs)
+}
+
+// limited checks that a limited volume can be limited.
+func limited(lim Limiter, s Spec) (bool, error) {
+	if s.Limit <= 0 || s.Attrs.ReadOnly {
+		return false, nil
+	}
+	if lim == nil {
+		return false, errors.New("this node cannot enforce size limits")
+	}
+	return true, nil
 }
 
 // mkdirMode makes a dir with exactly mode, whatever the umask.
@@ -160,7 +189,10 @@ func mkdirMode(dir string, mode os.FileMode) error {
 // user it runs as, like an emptyDir.
 const emptyRootMode = 0o777
 
-type overlayBackend struct{ m Mounter }
+type overlayBackend struct {
+	m   Mounter
+	lim Limiter
+}
 
 func (overlayBackend) Kind() Kind { return KindOverlay }
 
@@ -169,15 +201,30 @@ func (b overlayBackend) Content(s Spec) (string, bool) {
 }
 
 func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
-	if s.ReadOnly {
+	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
+	}
+	limit, err := limited(b.lim, s)
+	if err != nil {
+		return err
 	}
 	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 		return err
 	}
 	upper, _ := b.Content(s)
+	work := filepath.Join(s.Dir, "work")
 	if err := mkdirMode(upper, emptyRootMode); err != nil {
 		return err
+	}
+	if err := mkdirMode(work, 0o700); err != nil {
+		return err
+	}
+	// Copy-ups are made in work and renamed into upper: both carry the
+	// quota, so that what the step writes is counted wherever it lands.
+	if limit {
+		if err := b.lim.Limit(s.QuotaID, s.Limit, upper, work); err != nil {
+			return err
+		}
 	}
 	if len(s.Lowers) > 0 {
 		// The merged root takes the upper root's attributes: make them
@@ -192,22 +239,19 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 		if err := unix.Chmod(upper, st.Mode&0o7777); err != nil {
 			return err
 		}
-		if err := mkdirMode(filepath.Join(s.Dir, "work"), 0o700); err != nil {
-			return err
-		}
 	}
 	return b.Remount(s)
 }
 
 func (b overlayBackend) Remount(s Spec) error {
-	if s.ReadOnly {
+	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
 	}
 	upper, _ := b.Content(s)
 	if len(s.Lowers) == 0 {
 		// Nothing to stack on: the upper dir alone is the volume, and
 		// capturing it gives a root layer.
-		return b.m.Bind(upper, s.Target, false)
+		return b.m.Bind(upper, s.Target, s.Attrs)
 	}
 	work := filepath.Join(s.Dir, "work")
 	// A volatile overlay leaves work/incompat/volatile behind, and the
@@ -217,7 +261,7 @@ func (b overlayBackend) Remount(s Spec) error {
 	if err := os.RemoveAll(filepath.Join(work, "work", "incompat")); err != nil {
 		return err
 	}
-	return b.m.Overlay(s.Target, s.Lowers, upper, work)
+	return b.m.Overlay(s.Target, s.Lowers, upper, work, s.Attrs)
 }
 
 // treeBackend gives each step volume a whole tree of its own (a btrfs
@@ -225,6 +269,7 @@ func (b overlayBackend) Remount(s Spec) error {
 type treeBackend struct {
 	kind Kind
 	m    Mounter
+	lim  Limiter
 }
 
 func (b treeBackend) Kind() Kind { return b.kind }
@@ -234,41 +279,63 @@ func (b treeBackend) Content(s Spec) (string, bool) {
 }
 
 func (b treeBackend) Prepare(ctx context.Context, s Spec) error {
-	if s.ReadOnly {
+	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
+	}
+	limit, err := limited(b.lim, s)
+	if err != nil {
+		return err
 	}
 	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 		return err
 	}
 	data, _ := b.Content(s)
-	if err := b.build(ctx, s, data); err != nil {
+	if err := b.build(ctx, s, data, limit); err != nil {
 		return errors.Join(err, RemoveTree(data))
 	}
 	return b.Remount(s)
 }
 
-func (b treeBackend) build(ctx context.Context, s Spec, data string) error {
-	if b.kind == KindBtrfs && len(s.Lowers) == 1 && IsSubvolume(s.Lowers[0]) {
-		return Snapshot(s.Lowers[0], data)
-	}
-	if b.kind == KindBtrfs {
-		if err := CreateSubvolume(data); err != nil {
+// build makes the step's own tree. A limited tree is the limiter's before
+// anything is copied in, so that the limit counts what the step writes on
+// top of what it started with.
+func (b treeBackend) build(ctx context.Context, s Spec, data string, limit bool) error {
+	if b.kind == KindBtrfs && len(s.Lowers) == 1 && isSubvolume(s.Lowers[0]) {
+		if err := snapshot(s.Lowers[0], data); err != nil {
 			return err
 		}
+	} else {
+		if b.kind == KindBtrfs {
+			if err := createSubvolume(data); err != nil {
+				return err
+			}
+		}
+		if err := mkdirMode(data, emptyRootMode); err != nil {
+			return err
+		}
+		if limit {
+			if err := b.lim.Claim(s.QuotaID, data); err != nil {
+				return err
+			}
+		}
+		if len(s.Lowers) > 0 {
+			if _, err := CopyLayers(ctx, b.m, s.Lowers, mergedDir(s), data, b.kind != KindCopy); err != nil {
+				return err
+			}
+		}
 	}
-	if len(s.Lowers) == 0 {
-		return mkdirMode(data, emptyRootMode)
+	if limit {
+		return b.lim.Limit(s.QuotaID, s.Limit, data)
 	}
-	_, err := CopyLayers(ctx, b.m, s.Lowers, mergedDir(s), data, b.kind != KindCopy)
-	return err
+	return nil
 }
 
 func (b treeBackend) Remount(s Spec) error {
-	if s.ReadOnly {
+	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
 	}
 	data, _ := b.Content(s)
-	return b.m.Bind(data, s.Target, false)
+	return b.m.Bind(data, s.Target, s.Attrs)
 }
 
 func mergedDir(s Spec) string { return filepath.Join(s.Dir, "merged") }
@@ -277,7 +344,7 @@ func mergedDir(s Spec) string { return filepath.Join(s.Dir, "merged") }
 // snapshots on btrfs, else overlay, else reflink clones, else copies. Each is
 // tried for real in a scratch dir under dir.
 func Probe(dir string, m Mounter) (Kind, error) {
-	for _, k := range Kinds {
+	for _, k := range probeOrder {
 		if err := Supports(k, dir, m); err == nil {
 			return k, nil
 		}
@@ -294,7 +361,7 @@ func probeOverlay(scratch string, m Mounter) error {
 		}
 		dirs = append(dirs, p)
 	}
-	if err := m.Overlay(dirs[3], dirs[:1], dirs[1], dirs[2]); err != nil {
+	if err := m.Overlay(dirs[3], dirs[:1], dirs[1], dirs[2], Attrs{}); err != nil {
 		return err
 	}
 	return m.Unmount(dirs[3])
@@ -326,10 +393,10 @@ func Supports(kind Kind, dir string, m Mounter) error {
 	defer RemoveTree(scratch)
 	switch kind {
 	case KindBtrfs:
-		if !IsBtrfs(scratch) {
+		if !isBtrfs(scratch) {
 			return fmt.Errorf("%s is not on btrfs", dir)
 		}
-		return CreateSubvolume(filepath.Join(scratch, "subvol"))
+		return createSubvolume(filepath.Join(scratch, "subvol"))
 	case KindOverlay:
 		return probeOverlay(scratch, m)
 	case KindReflink:

@@ -54,7 +54,7 @@ func TestCopyTreeIsFaithful(t *testing.T) {
 			layerTree(t, src)
 			for _, reflink := range []bool{true, false} {
 				out := fmt.Sprintf("%s-%v", dst, reflink)
-				stats, err := CopyTree(context.Background(), src, out, reflink)
+				stats, err := copyTree(context.Background(), src, out, reflink, nil)
 				require.NoError(t, err)
 				require.Equal(t, testfs.Describe(t, src), testfs.Describe(t, out))
 				require.Equal(t, int64(1), stats.Links)
@@ -79,7 +79,7 @@ func TestCopyTreeStopsWhenCancelled(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, err := CopyTree(ctx, src, filepath.Join(t.TempDir(), "dst"), false)
+	_, err := copyTree(ctx, src, filepath.Join(t.TempDir(), "dst"), false, nil)
 	require.ErrorIs(t, err, context.Canceled)
 }
 
@@ -136,7 +136,7 @@ func TestRemoveTree(t *testing.T) {
 		src := t.TempDir()
 		require.NoError(t, os.WriteFile(filepath.Join(src, "precious"), []byte("x"), 0o644))
 		m := NewSysMounter()
-		require.NoError(t, m.Bind(src, inner, false))
+		require.NoError(t, m.Bind(src, inner, Attrs{}))
 		defer m.Unmount(inner)
 		require.ErrorContains(t, RemoveTree(filepath.Join(dir, "a")), "is mounted")
 		_, err := os.Stat(filepath.Join(src, "precious"))
@@ -148,12 +148,12 @@ func TestRemoveTree(t *testing.T) {
 	t.Run("btrfs subvolumes, nested too", func(t *testing.T) {
 		root := testfs.Mount(t, testfs.Btrfs, 256<<20)
 		outer := filepath.Join(root, "outer")
-		require.NoError(t, CreateSubvolume(outer))
+		require.NoError(t, createSubvolume(outer))
 		require.NoError(t, os.WriteFile(filepath.Join(outer, "f"), []byte("x"), 0o644))
-		require.NoError(t, CreateSubvolume(filepath.Join(outer, "inner")))
+		require.NoError(t, createSubvolume(filepath.Join(outer, "inner")))
 		snap := filepath.Join(root, "snap")
-		require.NoError(t, Snapshot(outer, snap))
-		require.True(t, IsSubvolume(snap))
+		require.NoError(t, snapshot(outer, snap))
+		require.True(t, isSubvolume(snap))
 		require.NoError(t, RemoveTree(outer))
 		require.NoError(t, RemoveTree(snap))
 		entries, err := os.ReadDir(root)
@@ -195,7 +195,7 @@ func TestProbe(t *testing.T) {
 
 func TestCommitIsIdempotent(t *testing.T) {
 	dir := t.TempDir()
-	b, err := New(KindCopy, NewSysMounter())
+	b, err := New(KindCopy, NewSysMounter(), nil)
 	require.NoError(t, err)
 	s := Spec{Dir: filepath.Join(dir, "view")}
 	content, _ := b.Content(s)
@@ -208,4 +208,125 @@ func TestCommitIsIdempotent(t *testing.T) {
 	require.NoError(t, err, "a second commit after a crash finds it done")
 	_, err = Commit(b, Spec{Dir: filepath.Join(dir, "nothing")}, filepath.Join(dir, "layers", "x", "l1"))
 	require.Error(t, err, "nothing to commit and nothing committed is an error")
+}
+
+// Trees deeper than PATH_MAX are measured and removed: both walk by file
+// descriptor.
+func TestDeepTreeUsageAndRemoval(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "deep")
+	require.NoError(t, os.Mkdir(root, 0o755))
+	depth := testfs.DeepTree(t, root)
+	bytes, inodes, err := Usage(root)
+	require.NoError(t, err)
+	require.Equal(t, int64(depth+2), inodes, "every dir, the root and the file")
+	require.GreaterOrEqual(t, bytes, int64(64<<10))
+	require.NoError(t, RemoveTree(root))
+	_, err = os.Lstat(root)
+	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+// Every mount is nodev, and nosuid unless setuid is allowed; a symlink at
+// the target is never followed.
+func TestMountAttrs(t *testing.T) {
+	testfs.Need(t)
+	m := NewSysMounter()
+	src, lower, upper, work := t.TempDir(), t.TempDir(), t.TempDir(), t.TempDir()
+	dir := t.TempDir()
+	opts := func(mnt string) string {
+		infos, err := os.ReadFile("/proc/self/mountinfo")
+		require.NoError(t, err)
+		for _, line := range strings.Split(string(infos), "\n") {
+			if f := strings.Fields(line); len(f) > 5 && f[4] == mnt {
+				return f[5]
+			}
+		}
+		t.Fatalf("%s is not mounted", mnt)
+		return ""
+	}
+	tests := []struct {
+		name  string
+		mount func(target string) error
+		want  []string
+		not   []string
+	}{
+		{"bind", func(tg string) error { return m.Bind(src, tg, Attrs{}) }, []string{"nodev", "nosuid", "rw"}, nil},
+		{"bind read-only", func(tg string) error { return m.Bind(src, tg, Attrs{ReadOnly: true}) }, []string{"nodev", "nosuid", "ro"}, nil},
+		{"bind setuid", func(tg string) error { return m.Bind(src, tg, Attrs{AllowSetuid: true}) }, []string{"nodev"}, []string{"nosuid"}},
+		{"overlay", func(tg string) error { return m.Overlay(tg, []string{lower}, upper, work, Attrs{}) }, []string{"nodev", "nosuid", "rw"}, nil},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			target := filepath.Join(dir, fmt.Sprint(i))
+			require.NoError(t, os.Mkdir(target, 0o755))
+			require.NoError(t, tc.mount(target))
+			got := strings.Split(opts(target), ",")
+			for _, w := range tc.want {
+				require.Contains(t, got, w)
+			}
+			for _, n := range tc.not {
+				require.NotContains(t, got, n)
+			}
+			_, root, err := MountOf(target)
+			require.NoError(t, err)
+			require.True(t, root)
+			require.NoError(t, m.Unmount(target))
+		})
+	}
+	t.Run("symlink target", func(t *testing.T) {
+		link := filepath.Join(dir, "link")
+		victim := t.TempDir()
+		require.NoError(t, os.Symlink(victim, link))
+		require.Error(t, m.Bind(src, link, Attrs{}), "move_mount must not follow the symlink")
+		_, root, err := MountOf(victim)
+		require.NoError(t, err)
+		require.False(t, root, "nothing was mounted where the symlink points")
+		require.NoError(t, m.Unmount(link), "unmounting a symlink is a no-op, never a follow")
+	})
+}
+
+// btrfs qgroups cap what a subvolume's writer adds; other subvolumes are
+// untouched. Quotas off: the probe says why.
+func TestBtrfsLimits(t *testing.T) {
+	root := testfs.Mount(t, testfs.Btrfs, 512<<20)
+	_, err := ProbeLimits(root, KindBtrfs)
+	require.ErrorContains(t, err, "btrfs qgroups")
+	testfs.EnableBtrfsQuota(t, root)
+	lim, err := ProbeLimits(root, KindBtrfs)
+	require.NoError(t, err)
+	_, err = ProbeLimits(root, KindOverlay)
+	require.ErrorContains(t, err, "use the btrfs backend")
+
+	limited, free := filepath.Join(root, "limited"), filepath.Join(root, "free")
+	require.NoError(t, createSubvolume(limited))
+	require.NoError(t, createSubvolume(free))
+	require.NoError(t, lim.Limit(1, 8<<20, limited))
+	err = os.WriteFile(filepath.Join(limited, "big"), make([]byte, 16<<20), 0o644)
+	require.ErrorIs(t, err, unix.EDQUOT)
+	require.NoError(t, os.WriteFile(filepath.Join(free, "big"), make([]byte, 16<<20), 0o644), "another subvolume is not limited")
+	require.NoError(t, SyncFS(limited))
+	used, _, err := lim.Used(1, limited)
+	require.NoError(t, err)
+	require.InDelta(t, 8<<20, used, 1<<20)
+}
+
+// Project quotas need kernel support these machines lack: the probe must
+// say so, and where the kernel has them the limit must hold.
+func TestProjectQuotaLimits(t *testing.T) {
+	for _, fs := range []testfs.Kind{testfs.XFS, testfs.Ext4} {
+		t.Run(string(fs), func(t *testing.T) {
+			root := testfs.MountWithProjectQuota(t, fs, 512<<20)
+			lim, err := ProbeLimits(root, KindOverlay)
+			require.NoError(t, err)
+			dir := filepath.Join(root, "upper")
+			require.NoError(t, os.Mkdir(dir, 0o777))
+			require.NoError(t, lim.Limit(7, 4<<20, dir))
+			err = os.WriteFile(filepath.Join(dir, "big"), make([]byte, 8<<20), 0o644)
+			require.ErrorIs(t, err, unix.EDQUOT)
+			used, inodes, err := lim.Used(7, dir)
+			require.NoError(t, err)
+			require.InDelta(t, 4<<20, used, 1<<20)
+			require.Equal(t, int64(2), inodes)
+			require.NoError(t, lim.Release(7))
+		})
+	}
 }

@@ -53,22 +53,16 @@ type dirEntry struct {
 	st       unix.Stat_t
 }
 
-// CopyTree copies src into dst; dst may already exist as an empty dir (a
-// fresh btrfs subvolume), in which case it takes src's root attributes.
-func CopyTree(ctx context.Context, src, dst string, reflink bool) (CopyStats, error) {
-	return copyTree(ctx, src, dst, reflink, nil)
-}
-
 // CopyLayers copies the merged tree of lowers (top first) into dst. A chain
 // is merged by a read-only overlay mounted at mnt for the duration.
 func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string, reflink bool) (CopyStats, error) {
 	if len(lowers) == 1 {
-		return CopyTree(ctx, lowers[0], dst, reflink)
+		return copyTree(ctx, lowers[0], dst, reflink, nil)
 	}
 	if err := os.MkdirAll(mnt, 0o700); err != nil {
 		return CopyStats{}, err
 	}
-	if err := m.Overlay(mnt, lowers, "", ""); err != nil {
+	if err := m.Overlay(mnt, lowers, "", "", Attrs{ReadOnly: true}); err != nil {
 		return CopyStats{}, err
 	}
 	stats, err := copyTree(ctx, mnt, dst, reflink, func(rel string) string {
@@ -92,6 +86,8 @@ func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string
 	return stats, errors.Join(err, os.Remove(mnt))
 }
 
+// copyTree copies src into dst; dst may already exist as an empty dir (a
+// fresh btrfs subvolume), in which case it takes src's root attributes.
 func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(string) string) (CopyStats, error) {
 	workers, wctx := errgroup.WithContext(ctx)
 	workers.SetLimit(copyWorkers)
@@ -358,35 +354,92 @@ func getXattr(path, name string) ([]byte, error) {
 }
 
 // Usage sums what a tree holds on disk: allocated bytes (hardlinks once) and
-// inodes.
+// inodes. It walks dir by dir from file descriptors, so a tree of any depth
+// is measured, however long its paths.
 func Usage(root string) (bytes, inodes int64, err error) {
-	seen := map[[2]uint64]bool{}
-	err = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(root, &st); err != nil {
+		return 0, 0, err
+	}
+	u := usage{seen: map[[2]uint64]bool{}}
+	u.add(&st)
+	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return 0, 0, err
+		}
+		err = u.dir(fd)
+		unix.Close(fd)
+		if err != nil {
+			return 0, 0, fmt.Errorf("measuring %s: %w", root, err)
+		}
+	}
+	return u.bytes, u.inodes, nil
+}
+
+type usage struct {
+	bytes, inodes int64
+	seen          map[[2]uint64]bool
+}
+
+func (u *usage) add(st *unix.Stat_t) {
+	if st.Nlink > 1 && st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		key := [2]uint64{st.Dev, st.Ino}
+		if u.seen[key] {
+			return
+		}
+		u.seen[key] = true
+	}
+	u.inodes++
+	u.bytes += st.Blocks * 512
+}
+
+func (u *usage) dir(fd int) error {
+	names, err := readDirNames(fd)
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		var st unix.Stat_t
+		if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			if errors.Is(err, unix.ENOENT) {
+				continue
+			}
+			return err
+		}
+		u.add(&st)
+		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			continue
+		}
+		child, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return err
 		}
-		var st unix.Stat_t
-		if err := unix.Lstat(path, &st); err != nil {
+		err = u.dir(child)
+		unix.Close(child)
+		if err != nil {
 			return err
 		}
-		if st.Nlink > 1 && st.Mode&unix.S_IFMT != unix.S_IFDIR {
-			key := [2]uint64{st.Dev, st.Ino}
-			if seen[key] {
-				return nil
-			}
-			seen[key] = true
-		}
-		inodes++
-		bytes += st.Blocks * 512
-		return nil
-	})
-	return bytes, inodes, err
+	}
+	return nil
+}
+
+// readDirNames lists the dir open at fd without closing it.
+func readDirNames(fd int) ([]string, error) {
+	dup, err := unix.Dup(fd)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(dup), "dir")
+	defer f.Close()
+	return f.Readdirnames(-1)
 }
 
 // RemoveTree deletes a tree, destroying btrfs subvolumes with one ioctl
 // instead of unlinking their files. It refuses to descend into a mount
 // point: a mount found under a tree being deleted is a bug to report, not
-// data to delete. A missing path is done.
+// data to delete. It walks from file descriptors, so a tree of any depth
+// goes, however long its paths. A missing path is done.
 func RemoveTree(path string) error {
 	var st unix.Stat_t
 	if err := unix.Lstat(path, &st); err != nil {
@@ -400,44 +453,66 @@ func RemoveTree(path string) error {
 	} else if len(mounts) > 0 {
 		return fmt.Errorf("refusing to delete %s: %s is mounted", path, mounts[0])
 	}
-	return removeTree(path, &st)
+	parent, err := unix.Open(filepath.Dir(path), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(parent)
+	if err := removeAt(parent, filepath.Base(path), &st); err != nil {
+		return fmt.Errorf("removing %s: %w", path, err)
+	}
+	return nil
 }
 
-func removeTree(path string, st *unix.Stat_t) error {
+// removeAt removes the entry name (whose stat is st) of the dir dirfd.
+func removeAt(dirfd int, name string, st *unix.Stat_t) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return ignoreMissing(os.Remove(path))
+		return ignoreMissing(unix.Unlinkat(dirfd, name, 0))
 	}
-	if isSubvolume(path, st) {
-		err := destroySubvolume(path)
+	subvol := subvolumeAt(dirfd, st)
+	if subvol {
+		err := destroySubvolumeAt(dirfd, name)
 		if err == nil || !errors.Is(err, unix.ENOTEMPTY) {
 			return err
 		}
 		// It holds nested subvolumes: empty it, then destroy it.
 	}
-	entries, err := os.ReadDir(path)
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return ignoreMissing(err)
 	}
-	for _, e := range entries {
-		child := filepath.Join(path, e.Name())
+	err = removeChildren(fd, st.Dev)
+	unix.Close(fd)
+	if err != nil {
+		return err
+	}
+	if subvol {
+		return destroySubvolumeAt(dirfd, name)
+	}
+	return ignoreMissing(unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR))
+}
+
+func removeChildren(fd int, dev uint64) error {
+	names, err := readDirNames(fd)
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
 		var cst unix.Stat_t
-		if err := unix.Lstat(child, &cst); err != nil {
+		if err := unix.Fstatat(fd, name, &cst, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			if errors.Is(err, unix.ENOENT) {
 				continue
 			}
 			return err
 		}
-		if cst.Dev != st.Dev && cst.Mode&unix.S_IFMT == unix.S_IFDIR && !isSubvolume(child, &cst) {
-			return fmt.Errorf("refusing to delete across a filesystem boundary at %s", child)
+		if cst.Dev != dev && cst.Mode&unix.S_IFMT == unix.S_IFDIR && !subvolumeAt(fd, &cst) {
+			return fmt.Errorf("refusing to delete across a filesystem boundary at %s", name)
 		}
-		if err := removeTree(child, &cst); err != nil {
+		if err := removeAt(fd, name, &cst); err != nil {
 			return err
 		}
 	}
-	if isSubvolume(path, st) {
-		return destroySubvolume(path)
-	}
-	return ignoreMissing(os.Remove(path))
+	return nil
 }
 
 func ignoreMissing(err error) error {

@@ -1,0 +1,147 @@
+package driver
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+const testUID = "0b4a8c1e-3f2d-4c5b-9a6e-7d8f9a0b1c2d"
+
+// kubeletContext is what the kubelet sends for a pod of namespace ci, plus
+// the pod author's attributes.
+func kubeletContext(kv ...string) map[string]string {
+	vc := map[string]string{ctxEphemeral: "true", ctxPodNamespace: "ci", ctxPodName: "step-1", ctxPodUID: testUID,
+		ctxServiceAccount: "default"}
+	for i := 0; i < len(kv); i += 2 {
+		vc[kv[i]] = kv[i+1]
+	}
+	return vc
+}
+
+func without(vc map[string]string, keys ...string) map[string]string {
+	for _, k := range keys {
+		delete(vc, k)
+	}
+	return vc
+}
+
+// Every refusal of parseVolumeContext, with no root and no plugin.
+func TestParseVolumeContext(t *testing.T) {
+	tests := []struct {
+		name     string
+		vc       map[string]string
+		wantCode codes.Code
+		wantMsg  string
+		want     volumeRequest
+	}{
+		{"empty volume", kubeletContext(), codes.OK, "", volumeRequest{}},
+		{"own source", kubeletContext("source", "res"), codes.OK, "", volumeRequest{Source: volume.Ref{Namespace: "ci", Handle: "res"}}},
+		{"shared source", kubeletContext("source", "res", "sourceNamespace", "team-b"), codes.OK, "",
+			volumeRequest{Source: volume.Ref{Namespace: "team-b", Handle: "res"}}},
+		{"capture with limit", kubeletContext("capture", "out", "sizeLimit", "10Mi"), codes.OK, "",
+			volumeRequest{Capture: "out", SizeLimit: 10 << 20}},
+		{"no ephemeral key", without(kubeletContext(), ctxEphemeral), codes.FailedPrecondition, "podInfoOnMount: true", volumeRequest{}},
+		{"ephemeral false", kubeletContext(ctxEphemeral, "false"), codes.FailedPrecondition, "Ephemeral", volumeRequest{}},
+		{"no namespace", without(kubeletContext(), ctxPodNamespace), codes.FailedPrecondition, "pod.namespace", volumeRequest{}},
+		{"no pod name", without(kubeletContext(), ctxPodName), codes.FailedPrecondition, "pod.name", volumeRequest{}},
+		{"no pod UID", without(kubeletContext(), ctxPodUID), codes.FailedPrecondition, "pod.uid", volumeRequest{}},
+		{"forged namespace alone", map[string]string{ctxPodNamespace: "ci", "source": "res"}, codes.FailedPrecondition, "podInfoOnMount", volumeRequest{}},
+		{"bad namespace", kubeletContext(ctxPodNamespace, "CI/../x"), codes.InvalidArgument, "namespace", volumeRequest{}},
+		{"pod name with a newline", kubeletContext(ctxPodName, "a\nI1122 forged log line\x1b[31m"), codes.InvalidArgument, `\n`, volumeRequest{}},
+		{"bad UID", kubeletContext(ctxPodUID, "../../etc"), codes.InvalidArgument, "UID", volumeRequest{}},
+		{"unknown attribute", kubeletContext("sorce", "x"), codes.InvalidArgument, knownKeys, volumeRequest{}},
+		{"bad source", kubeletContext("source", "../x"), codes.InvalidArgument, "source", volumeRequest{}},
+		{"bad source namespace", kubeletContext("source", "x", "sourceNamespace", "A_B"), codes.InvalidArgument, "sourceNamespace", volumeRequest{}},
+		{"source namespace without source", kubeletContext("sourceNamespace", "team-b"), codes.InvalidArgument, "needs source", volumeRequest{}},
+		{"bad size limit", kubeletContext("sizeLimit", "lots"), codes.InvalidArgument, "sizeLimit", volumeRequest{}},
+		{"zero size limit", kubeletContext("sizeLimit", "0"), codes.InvalidArgument, "positive", volumeRequest{}},
+		{"negative size limit", kubeletContext("sizeLimit", "-1Gi"), codes.InvalidArgument, "positive", volumeRequest{}},
+		{"scope without capture", kubeletContext("scope", "cluster"), codes.InvalidArgument, "need capture", volumeRequest{}},
+		{"capture equals own source", kubeletContext("source", "x", "capture", "x"), codes.InvalidArgument, "immutable", volumeRequest{}},
+		{"capture equals a shared source's handle", kubeletContext("source", "x", "sourceNamespace", "b", "capture", "x"), codes.OK, "",
+			volumeRequest{Source: volume.Ref{Namespace: "b", Handle: "x"}, Capture: "x"}},
+		{"huge value is cut in the message", kubeletContext("scope", strings.Repeat("z", 5000)), codes.InvalidArgument, "(5000 bytes)", volumeRequest{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseVolumeContext(tc.vc)
+			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
+			if tc.wantMsg != "" {
+				assert.Contains(t, status.Convert(err).Message(), tc.wantMsg)
+			}
+			assert.NotContains(t, status.Convert(err).Message(), "\n", "a caller's string never breaks a line")
+			if err != nil {
+				return
+			}
+			tc.want.Scope = volume.ScopeNamespace
+			tc.want.Pod = volume.Pod{Namespace: "ci", Name: "step-1", UID: testUID}
+			require.Equal(t, tc.want, got)
+		})
+	}
+}
+
+func TestValidateCapability(t *testing.T) {
+	mount := func(mode csi.VolumeCapability_AccessMode_Mode, flags ...string) *csi.VolumeCapability {
+		return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{MountFlags: flags}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
+	}
+	tests := []struct {
+		name         string
+		c            *csi.VolumeCapability
+		wantCode     codes.Code
+		wantReadOnly bool
+	}{
+		{"writer", mount(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), codes.OK, false},
+		{"reader", mount(csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY), codes.OK, true},
+		{"nil", nil, codes.InvalidArgument, false},
+		{"block", &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}}, codes.InvalidArgument, false},
+		{"multi-node", mount(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER), codes.InvalidArgument, false},
+		{"mount flags (suid)", mount(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "suid"), codes.InvalidArgument, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ro, err := validateCapability(tc.c)
+			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
+			require.Equal(t, tc.wantReadOnly, ro)
+		})
+	}
+}
+
+func TestCheckCSIDriver(t *testing.T) {
+	yes, no := true, false
+	driver := func(podInfo *bool, modes ...storagev1.VolumeLifecycleMode) *storagev1.CSIDriver {
+		return &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: DefaultDriverName},
+			Spec: storagev1.CSIDriverSpec{PodInfoOnMount: podInfo, VolumeLifecycleModes: modes}}
+	}
+	tests := []struct {
+		name, want string
+		d          *storagev1.CSIDriver
+	}{
+		{"right", "", driver(&yes, storagev1.VolumeLifecycleEphemeral)},
+		{"missing", "does not exist", nil},
+		{"podInfoOnMount unset", "podInfoOnMount", driver(nil, storagev1.VolumeLifecycleEphemeral)},
+		{"podInfoOnMount false", "podInfoOnMount", driver(&no, storagev1.VolumeLifecycleEphemeral)},
+		{"persistent", "volumeLifecycleModes", driver(&yes, storagev1.VolumeLifecyclePersistent)},
+		{"both modes", "volumeLifecycleModes", driver(&yes, storagev1.VolumeLifecycleEphemeral, storagev1.VolumeLifecyclePersistent)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got := checkCSIDriver(tc.d)
+			if tc.want == "" {
+				require.Empty(t, got)
+			} else {
+				require.Contains(t, got, tc.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,150 @@
+// Package volume holds the types every side of cowvol shares: a cached
+// volume's identity (namespace and handle), its states and scopes, the pod
+// identity the kubelet vouches for, and the validation of each. It imports no
+// storage, gRPC or filesystem code, so that the node plugin, a controller and
+// a scheduler's client can all use it; it must never grow any.
+package volume
+
+import (
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+// State is the life-cycle state of a cached volume.
+type State string
+
+const (
+	// StateCreating marks a handle reserved by a step volume that will be
+	// captured into it; it is never usable as a source.
+	StateCreating State = "creating"
+	// StateReady marks an immutable cached volume that steps may use.
+	StateReady State = "ready"
+	// StateFailed marks a volume whose data was found damaged or missing.
+	StateFailed State = "failed"
+	// StateDestroying marks a volume whose data is being removed.
+	StateDestroying State = "destroying"
+)
+
+// Scope says who may use a cached volume as a source.
+type Scope string
+
+const (
+	// ScopeNamespace limits use to pods of the namespace that captured it.
+	ScopeNamespace Scope = "namespace"
+	// ScopeCluster lets pods of any namespace use it, naming its namespace:
+	// the capturing namespace consented to share it.
+	ScopeCluster Scope = "cluster"
+)
+
+// Ref names a cached volume: a handle is unique within its namespace only,
+// so two namespaces may use the same handle without ever meeting.
+type Ref struct {
+	Namespace string `json:"namespace"`
+	Handle    string `json:"handle"`
+}
+
+// String is "namespace/handle", also the volume's key in stores and APIs.
+func (r Ref) String() string {
+	if r.IsZero() {
+		return ""
+	}
+	return r.Namespace + "/" + r.Handle
+}
+
+// IsZero says the ref names nothing.
+func (r Ref) IsZero() bool { return r.Handle == "" }
+
+// Validate checks both parts of the ref.
+func (r Ref) Validate() error {
+	return errors.Join(ValidateNamespace(r.Namespace), ValidateHandle(r.Handle))
+}
+
+// ParseRef parses "namespace/handle".
+func ParseRef(s string) (Ref, error) {
+	ns, h, ok := strings.Cut(s, "/")
+	if !ok {
+		return Ref{}, fmt.Errorf("volume %s: want namespace/handle", Quote(s))
+	}
+	r := Ref{Namespace: ns, Handle: h}
+	return r, r.Validate()
+}
+
+// HandleDescription says what a valid handle looks like, for messages.
+const HandleDescription = "1-128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+
+// Handles name dirs on disk, so their charset leaves no room for path
+// tricks: no slash, no leading dot.
+var handleRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+
+// Quote quotes a caller's string for a message or a log: escaped, and cut
+// short, so that a hostile value can neither forge a log line nor flood one.
+func Quote(s string) string {
+	const max = 80
+	if len(s) > max {
+		return fmt.Sprintf("%q...(%d bytes)", s[:max], len(s))
+	}
+	return fmt.Sprintf("%q", s)
+}
+
+// ValidateHandle checks a cached volume handle.
+func ValidateHandle(h string) error {
+	if !handleRE.MatchString(h) {
+		return fmt.Errorf("handle %s is invalid: want %s", Quote(h), HandleDescription)
+	}
+	return nil
+}
+
+// dns1123Label is a Kubernetes namespace (and volume) name.
+var dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$`)
+
+// dns1123Subdomain is a Kubernetes object name such as a pod's.
+var dns1123Subdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
+
+// uidRE is a pod UID: a UUID, or the 32 hex digits of a static pod's hash.
+var uidRE = regexp.MustCompile(`^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32})$`)
+
+// ValidateNamespace checks a Kubernetes namespace name (a DNS-1123 label).
+func ValidateNamespace(ns string) error {
+	if !dns1123Label.MatchString(ns) {
+		return fmt.Errorf("namespace %s is invalid: want a DNS-1123 label (1-63 of a-z 0-9 -)", Quote(ns))
+	}
+	return nil
+}
+
+// ValidateLabel checks a DNS-1123 label, such as a pod's volume name.
+func ValidateLabel(what, s string) error {
+	if !dns1123Label.MatchString(s) {
+		return fmt.Errorf("%s %s is invalid: want a DNS-1123 label (1-63 of a-z 0-9 -)", what, Quote(s))
+	}
+	return nil
+}
+
+// ValidatePodUID checks the shape of a pod UID.
+func ValidatePodUID(uid string) error {
+	if !uidRE.MatchString(uid) {
+		return fmt.Errorf("pod UID %s is invalid: want a UUID (or a static pod's 32 hex digits)", Quote(uid))
+	}
+	return nil
+}
+
+// Pod identifies the pod a step volume is published for, as the kubelet
+// told it (podInfoOnMount). Its namespace owns what the pod captures.
+type Pod struct {
+	Name      string `json:"name,omitempty"`
+	Namespace string `json:"namespace,omitempty"`
+	UID       string `json:"uid,omitempty"`
+}
+
+// Validate checks each field's shape, so that nothing a pod author could
+// smuggle in (a newline, an escape sequence, a path) reaches a log, a
+// message or a file name.
+func (p Pod) Validate() error {
+	var errs []error
+	if len(p.Name) > 253 || !dns1123Subdomain.MatchString(p.Name) {
+		errs = append(errs, fmt.Errorf("pod name %s is invalid: want a DNS-1123 subdomain", Quote(p.Name)))
+	}
+	errs = append(errs, ValidateNamespace(p.Namespace), ValidatePodUID(p.UID))
+	return errors.Join(errs...)
+}
