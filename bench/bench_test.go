@@ -141,7 +141,7 @@ func cpA(b *testing.B, src, dst string) time.Duration {
 
 // layerDir finds a cached volume's data dir on disk (for the cp baseline).
 func layerDir(b *testing.B, stateDir, handle string) string {
-	matches, err := filepath.Glob(filepath.Join(stateDir, "layers", handle, "*"))
+	matches, err := filepath.Glob(filepath.Join(stateDir, "volumes", "ci", handle, "*"))
 	if err != nil || len(matches) != 1 {
 		b.Fatalf("layer of %s: %v %v", handle, matches, err)
 	}

@@ -271,9 +271,15 @@ func storeError(err error) error {
 	return status.Error(code, err.Error())
 }
 
-// busy answers a call for a volume while another call for it runs.
-func busy(volumeID string) error {
-	return status.Errorf(codes.Aborted, "an operation on volume %s is already in progress", volume.Quote(volumeID))
+// lock takes the volume's in-flight lock, answering Aborted while another
+// call for the volume runs: the kubelet retries, and the retry must not race
+// the original.
+func (n *nodeService) lock(volumeID string) (release func(), err error) {
+	release, ok := n.inflight.tryLock(volumeID)
+	if !ok {
+		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is already in progress", volume.Quote(volumeID))
+	}
+	return release, nil
 }
 
 // elsewhere answers a call naming a path the volume is not published at.

@@ -64,9 +64,9 @@ func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	if err != nil {
 		return nil, err
 	}
-	release, ok := n.inflight.tryLock(req.GetVolumeId())
-	if !ok {
-		return nil, busy(req.GetVolumeId())
+	release, err := n.lock(req.GetVolumeId())
+	if err != nil {
+		return nil, err
 	}
 	defer release()
 
@@ -281,9 +281,9 @@ func (n *nodeService) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpu
 	if err != nil {
 		return nil, err
 	}
-	release, ok := n.inflight.tryLock(req.GetVolumeId())
-	if !ok {
-		return nil, busy(req.GetVolumeId())
+	release, err := n.lock(req.GetVolumeId())
+	if err != nil {
+		return nil, err
 	}
 	defer release()
 

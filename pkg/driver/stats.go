@@ -71,9 +71,9 @@ func (n *nodeService) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVo
 		return nil, invalid("volume path is required")
 	}
 	// The lock keeps a capture from moving the data away mid-answer.
-	release, ok := n.inflight.tryLock(req.GetVolumeId())
-	if !ok {
-		return nil, busy(req.GetVolumeId())
+	release, err := n.lock(req.GetVolumeId())
+	if err != nil {
+		return nil, err
 	}
 	defer release()
 	view, err := n.store.GetView(req.GetVolumeId())

@@ -212,8 +212,10 @@ func startCluster(t *testing.T) *cluster {
 	}
 	c := &cluster{t: t, work: work, bin: bin, procs: map[string]*proc{}, sysctls: map[string]string{}, links: linkNames(t)}
 	// Made before the teardown is registered, so that it is unmounted
-	// after the teardown has stopped everything that uses it.
-	c.stateDir = testfs.Mount(t, testfs.XFS, 6<<30)
+	// after the teardown has stopped everything that uses it. btrfs with
+	// quotas: the state dir enforces step volumes' size limits.
+	c.stateDir = testfs.Mount(t, testfs.Btrfs, 6<<30)
+	testfs.EnableBtrfsQuota(t, c.stateDir)
 	for _, s := range kubeletSysctls {
 		v, err := os.ReadFile("/proc/sys/" + s)
 		if err != nil {
@@ -230,6 +232,9 @@ func startCluster(t *testing.T) *cluster {
 	c.startContainerd()
 	c.importImages()
 	c.startKubelet()
+	// The plugin refuses to serve until the CSIDriver object makes the
+	// kubelet vouch for pods.
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/namespace.yaml", "-f", "../../deploy/csi/csidriver.yaml")
 	c.startPlugin()
 	// Registered after the plugin's own stop, so it runs before it: pods
 	// are deleted through the API while the plugin can still unpublish.
@@ -421,14 +426,14 @@ fileCheckFrequency: 2s
 // learns the CSI socket's path from it.
 func (c *cluster) startPlugin() {
 	c.plugin = plugintest.Start(c.t, plugintest.Config{
-		StateDir: filepath.Join(c.stateDir, "cowvol"),
+		StateDir:   filepath.Join(c.stateDir, "cowvol"),
+		KubeletDir: c.kubeletDir,
 		Args: []string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
 			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock")},
 	})
 }
 
 func (c *cluster) applyManifests() {
-	c.mustKubectl("", "apply", "-f", "../../deploy/csi/namespace.yaml", "-f", "../../deploy/csi/csidriver.yaml")
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
 	}
@@ -669,12 +674,13 @@ func (c *cluster) pluginDuration(parts ...string) string {
 
 // waitCaptured waits until the plugin has captured handle: the kubelet
 // unpublishes a finished pod's volumes on its own schedule.
-func (c *cluster) waitCaptured(handle string) time.Duration {
+func (c *cluster) waitCaptured(handle string) { c.t.Helper(); c.waitCapturedIn("ci", handle) }
+
+// waitCapturedIn waits until the plugin has captured handle of namespace ns.
+func (c *cluster) waitCapturedIn(ns, handle string) {
 	c.t.Helper()
-	start := time.Now()
-	c.until("capture of "+handle, 3*time.Minute, func() bool {
-		_, ok := c.pluginLine(`"Captured step volume"`, `handle="`+handle+`"`)
+	c.until("capture of "+ns+"/"+handle, 3*time.Minute, func() bool {
+		_, ok := c.pluginLine(`"Captured step volume"`, `volume="`+ns+"/"+handle+`"`)
 		return ok
 	})
-	return time.Since(start)
 }

@@ -5,12 +5,15 @@ package e2e
 import (
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -44,7 +47,7 @@ func TestE2E(t *testing.T) {
 	finished, err := time.Parse(time.RFC3339, c.mustKubectl("", "get", "pod", "-n", "ci", "get",
 		"-o", "jsonpath={.status.containerStatuses[0].state.terminated.finishedAt}"))
 	require.NoError(t, err)
-	captured, ok := c.pluginLogTime(`"Captured step volume"`, `handle="res-v1"`)
+	captured, ok := c.pluginLogTime(`"Captured step volume"`, `volume="ci/res-v1"`)
 	require.True(t, ok)
 	c.until("the capture's event on the pod", 30*time.Second, func() bool {
 		return strings.Contains(c.events("ci", "get"), `VolumeCaptured: Captured into cached volume "res-v1"`)
@@ -115,23 +118,53 @@ func TestE2E(t *testing.T) {
 		require.Equal(t, "deps-1\n", c.mustSucceed("ci", "build-3"))
 	})
 
-	c.scenario("namespaces: a namespace-scoped source is refused, a cluster-scoped one is not", func() {
-		c.createPod("other", "intruder", `cat /in/README.md`,
-			volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
-		c.until("the refusal to show in the pod's events", 90*time.Second, func() bool {
-			return strings.Contains(c.events("other", "intruder"), "PermissionDenied")
-		})
-		require.Contains(t, c.events("other", "intruder"), `belongs to namespace "ci"`)
-		require.Equal(t, "Pending", c.phase("other", "intruder"), "the pod stays ContainerCreating")
-		c.deletePod("other", "intruder")
+	c.scenario("namespaces: another's private volume is answered as missing, a shared one is readable by name", func() {
+		refused := func(pod string, a map[string]string, want string) {
+			c.createPod("other", pod, `cat /in/README.md`, volume{name: "in", mountPath: "/in", attrs: a, readOnly: true})
+			c.until("the refusal to show in "+pod+"'s events", 90*time.Second, func() bool {
+				return strings.Contains(c.events("other", pod), "NotFound")
+			})
+			require.Contains(t, c.events("other", pod), want)
+			require.NotContains(t, c.events("other", pod), "ready", "no state of ci's volume leaks")
+			require.Equal(t, "Pending", c.phase("other", pod), "the pod stays ContainerCreating")
+			c.deletePod("other", pod)
+		}
+		// Unnamed, a source resolves in the pod's own namespace.
+		refused("intruder", attrs("source", "res-v1"), `source volume "res-v1" is not cached on this node`)
+		// Named, a private volume answers exactly like a missing one.
+		refused("intruder-named", attrs("source", "res-v1", "sourceNamespace", "ci"),
+			`source volume "res-v1" of namespace "ci" is not cached on this node, or is not shared`)
+		// A pod author's forged pod info is overwritten by the kubelet's.
+		refused("forger", attrs("source", "res-v1", "csi.storage.k8s.io/pod.namespace", "ci"),
+			`source volume "res-v1" is not cached on this node`)
 
 		c.createPod("ci", "shared-get", `echo shared > /out/data`,
 			volume{name: "out", mountPath: "/out", attrs: attrs("capture", "shared-v1", "scope", "cluster")})
 		c.mustSucceed("ci", "shared-get")
 		c.waitCaptured("shared-v1")
 		c.createPod("other", "guest", `cat /in/data`,
-			volume{name: "in", mountPath: "/in", attrs: attrs("source", "shared-v1"), readOnly: true})
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "shared-v1", "sourceNamespace", "ci"), readOnly: true})
 		require.Equal(t, "shared\n", c.mustSucceed("other", "guest"))
+		// The same handle captured in another namespace is that namespace's own.
+		c.createPod("other", "same-handle", `echo mine > /out/data`,
+			volume{name: "out", mountPath: "/out", attrs: attrs("capture", "shared-v1")})
+		c.mustSucceed("other", "same-handle")
+		c.waitCapturedIn("other", "shared-v1")
+		c.createPod("other", "same-handle-read", `cat /in/data`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "shared-v1"), readOnly: true})
+		require.Equal(t, "mine\n", c.mustSucceed("other", "same-handle-read"))
+	})
+
+	c.scenario("a size-limited step that writes too much fails cleanly; what it wrote is captured", func() {
+		c.createPod("ci", "greedy", `set -e; echo start > /out/first; dd if=/dev/zero of=/out/big bs=1M count=64`,
+			volume{name: "out", mountPath: "/out", attrs: attrs("capture", "greedy-v1", "sizeLimit", "16Mi")})
+		phase, log := c.waitDone("ci", "greedy")
+		require.Equal(t, "Failed", phase, "the step fails: %s", log)
+		require.Contains(t, log, "Disk quota exceeded")
+		c.waitCaptured("greedy-v1")
+		c.createPod("ci", "greedy-read", `cat /in/first; ls -s /in/big | awk '{print ($1 <= 16384) ? "capped" : "over"}'`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "greedy-v1"), readOnly: true})
+		require.Equal(t, "start\ncapped\n", c.mustSucceed("ci", "greedy-read"))
 	})
 
 	c.scenario("the plugin is killed and restarted while pods run and while volumes are torn down", func() {
@@ -179,6 +212,32 @@ func TestE2E(t *testing.T) {
 		for i := range cow {
 			report(t, fmt.Sprintf("cowvol's own NodePublishVolume for cow-%d: %s\n", i, c.pluginDuration(`"Published step volume"`, fmt.Sprintf(`pod="ci/cow-%d"`, i))))
 		}
+	})
+
+	c.scenario("the plugin serves only while the CSIDriver object makes the kubelet vouch for pods", func() {
+		// A driver without its CSIDriver object refuses to start.
+		out, err := exec.Command(plugintest.Binary(t), "--endpoint=unix://"+filepath.Join(t.TempDir(), "csi.sock"),
+			"--state-dir="+t.TempDir(), "--kubelet-dir="+t.TempDir(), "--kubeconfig="+c.kubeconfig,
+			"--driver-name=absent.cowvol.example.org").CombinedOutput()
+		require.Error(t, err)
+		require.Contains(t, string(out), "the CSIDriver object does not exist")
+		// Switched to podInfoOnMount: false at run time (the kubelet would
+		// then pass pod authors' attributes through), publishes are
+		// refused until it is switched back.
+		patch := func(v bool) {
+			c.mustKubectl("", "patch", "csidriver", driverName, "--type=merge", "-p", fmt.Sprintf(`{"spec":{"podInfoOnMount":%v}}`, v))
+		}
+		patch(false)
+		c.until("the plugin to see the change", 60*time.Second, func() bool {
+			return strings.Contains(c.plugin.Log(), "Refusing publishes until the CSIDriver object is fixed")
+		})
+		c.createPod("ci", "unvouched", `cat /in/README.md`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
+		c.until("the refusal to show in the pod's events", 90*time.Second, func() bool {
+			return strings.Contains(c.events("ci", "unvouched"), "refusing to publish")
+		})
+		patch(true)
+		require.Equal(t, "# repo\n", c.mustSucceed("ci", "unvouched"), "the kubelet's retry is served once it is fixed")
 	})
 
 	// Every pod gone, nothing of cowvol's may stay mounted.
