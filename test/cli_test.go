@@ -51,6 +51,27 @@ func TestBadOptionsExit(t *testing.T) {
 	}
 }
 
+// A server that cannot serve stops the whole process with its error, and
+// takes nothing with it: the state dir is released and the socket gone.
+func TestAServerFailingStopsThePlugin(t *testing.T) {
+	testfs.Need(t)
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer busy.Close()
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "csi.sock")
+	state := t.TempDir()
+	out, err := exec.Command(plugintest.Binary(t), "--endpoint=unix://"+sock, "--state-dir="+state, "--kubelet-dir="+dir,
+		"--cow-backend=overlay", "--metrics-address="+busy.Addr().String()).CombinedOutput()
+	require.Error(t, err)
+	require.Contains(t, string(out), "serving metrics")
+	_, err = os.Stat(sock)
+	require.ErrorIs(t, err, os.ErrNotExist, "the CSI socket went with the process")
+	p := plugintest.Start(t, plugintest.Config{StateDir: state, Backend: "overlay", KubeletDir: dir})
+	_, err = p.Identity.Probe(context.Background(), &csi.ProbeRequest{})
+	require.NoError(t, err, "the state dir was released")
+}
+
 // A socket left by a dead plugin is removed; one a live plugin serves on
 // is not taken over.
 func TestSocketHandling(t *testing.T) {

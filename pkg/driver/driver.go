@@ -14,17 +14,18 @@ import (
 	"net/url"
 	"os"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -82,11 +83,13 @@ type Options struct {
 	bootIDFile string
 }
 
-func (o Options) bootIDPath() string {
-	if o.bootIDFile != "" {
-		return o.bootIDFile
+// engineConfig is the node engine's part of the options.
+func (o Options) engineConfig() node.Config {
+	return node.Config{
+		NodeID: o.NodeID, StateDir: o.StateDir, Backend: o.Backend, FlattenDepth: o.FlattenDepth,
+		KubeletDir: o.KubeletDir, DefaultSizeLimit: o.DefaultSizeLimit, MaxSizeLimit: o.MaxSizeLimit,
+		AllowSetuid: o.AllowSetuid, BootIDFile: o.bootIDFile,
 	}
-	return bootIDPath
 }
 
 // Validate checks the options and fills in defaults.
@@ -181,6 +184,9 @@ type Driver struct {
 	controller *controllerService
 	metrics    *metrics
 	store      *cache.Store
+	engine     *node.Engine
+	// stopKube ends the API server watches and the event sender.
+	stopKube context.CancelFunc
 }
 
 // Deps are what a driver works through, built by its caller.
@@ -203,33 +209,58 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.controller = &controllerService{}
 	}
 	if opts.Mode != ModeController {
-		store, err := cache.Open(opts.StateDir)
-		if err != nil {
+		if err := d.startNode(deps); err != nil {
+			d.Close()
 			return nil, err
 		}
-		d.store = store
-		node, err := newNodeService(opts, store, deps.Mounter, d.metrics, deps.Kube)
-		if err != nil {
-			store.Close()
-			return nil, err
-		}
-		d.node = node
 	}
 	return d, nil
 }
 
-// Backend says which COW backend the node service runs ("" without one).
+// startNode opens the store, checks the CSIDriver object (with an API
+// server) and starts the node engine, which recovers what a previous
+// process left.
+func (d *Driver) startNode(deps Deps) error {
+	store, err := cache.Open(d.opts.StateDir)
+	if err != nil {
+		return err
+	}
+	d.store = store
+	var events node.PodEvents = node.NoEvents{}
+	var guard *csiDriverGuard
+	if deps.Kube != nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		d.stopKube = cancel
+		if guard, err = watchCSIDriver(ctx, deps.Kube, d.opts.DriverName); err != nil {
+			return err
+		}
+		sender := newKubeEvents(deps.Kube, d.opts.DriverName, d.opts.NodeID)
+		go sender.run(ctx)
+		events = sender
+	} else {
+		klog.InfoS("No API server configured (--kubeconfig, or run in a pod): no Kubernetes Events, and the CSIDriver object is not checked")
+	}
+	if d.engine, err = node.New(d.opts.engineConfig(), store, deps.Mounter, events); err != nil {
+		return err
+	}
+	d.metrics.registry.MustRegister(d.engine.Collectors()...)
+	d.node = &nodeService{nodeID: d.opts.NodeID, engine: d.engine, csiDriver: guard}
+	return nil
+}
+
+// Backend says which COW backend the node engine runs ("" without one).
 func (d *Driver) Backend() overlay.Kind {
-	if d.node == nil {
+	if d.engine == nil {
 		return ""
 	}
-	return d.node.backend.Kind()
+	return d.engine.Backend()
 }
 
 // Run serves until ctx is done, then stops gracefully: RPCs in flight finish
 // (up to StopTimeout), background work is cancelled and cleans up after
 // itself, and the socket is removed.
 func (d *Driver) Run(ctx context.Context) error {
+	defer d.Close()
 	lis, err := listen(d.opts.Endpoint)
 	if err != nil {
 		return err
@@ -242,42 +273,50 @@ func (d *Driver) Run(ctx context.Context) error {
 	if d.controller != nil {
 		csi.RegisterControllerServer(srv, d.controller)
 	}
-	var metricsSrv *http.Server
+	// The servers run as a group: one failing stops the others, and the
+	// process exits with its error.
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return srv.Serve(lis) })
 	if d.opts.MetricsAddress != "" {
+		mlis, err := net.Listen("tcp", d.opts.MetricsAddress)
+		if err != nil {
+			srv.Stop()
+			return fmt.Errorf("serving metrics: %w", err)
+		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(d.metrics.registry, promhttp.HandlerOpts{}))
-		metricsSrv = &http.Server{Addr: d.opts.MetricsAddress, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		go func() {
-			if err := metricsSrv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				klog.ErrorS(err, "Metrics server failed", "address", d.opts.MetricsAddress)
+		metricsSrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		g.Go(func() error {
+			if err := metricsSrv.Serve(mlis); !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("serving metrics: %w", err)
 			}
-		}()
+			return nil
+		})
+		g.Go(func() error { <-gctx.Done(); return metricsSrv.Close() })
 	}
 	klog.InfoS("Serving CSI", "endpoint", d.opts.Endpoint, "mode", d.opts.Mode, "driver", d.opts.DriverName,
 		"version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
 	if d.opts.RegistrationSocket != "" && d.node != nil {
-		// Registered only once the CSI socket answers: the kubelet calls
-		// it as soon as it has the registration.
+		// Registered once the CSI socket listens: the kubelet calls it as
+		// soon as it has the registration.
 		regLis, err := listen("unix://" + d.opts.RegistrationSocket)
 		if err != nil {
 			srv.Stop()
-			d.Close()
-			return fmt.Errorf("serving kubelet registration: %w", err)
+			return errors.Join(fmt.Errorf("serving kubelet registration: %w", err), g.Wait())
 		}
 		reg := grpc.NewServer()
 		registerapi.RegisterRegistrationServer(reg, &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint})
-		go func() { _ = reg.Serve(regLis) }()
+		g.Go(func() error { return reg.Serve(regLis) })
 		// Stopping the registration first tells the kubelet the plugin is
 		// going away (its watcher sees the socket vanish).
-		defer reg.Stop()
+		g.Go(func() error { <-gctx.Done(); reg.Stop(); return nil })
 		klog.InfoS("Serving kubelet plugin registration", "socket", d.opts.RegistrationSocket, "kubeletEndpoint", d.opts.KubeletEndpoint)
 	}
-	select {
-	case err = <-served:
-	case <-ctx.Done():
-		klog.InfoS("Stopping: letting in-flight RPCs finish", "timeout", d.opts.StopTimeout)
+	g.Go(func() error {
+		<-gctx.Done()
+		if ctx.Err() != nil {
+			klog.InfoS("Stopping: letting in-flight RPCs finish", "timeout", d.opts.StopTimeout)
+		}
 		stopped := make(chan struct{})
 		go func() { srv.GracefulStop(); close(stopped) }()
 		select {
@@ -286,18 +325,18 @@ func (d *Driver) Run(ctx context.Context) error {
 			klog.InfoS("In-flight RPCs did not finish in time; stopping hard")
 			srv.Stop()
 		}
-	}
-	if metricsSrv != nil {
-		_ = metricsSrv.Close()
-	}
-	d.Close()
-	return err
+		return nil
+	})
+	return g.Wait()
 }
 
 // Close stops background work and closes the store.
 func (d *Driver) Close() {
-	if d.node != nil {
-		d.node.stop()
+	if d.engine != nil {
+		d.engine.Close()
+	}
+	if d.stopKube != nil {
+		d.stopKube()
 	}
 	if d.store != nil {
 		_ = d.store.Close()
@@ -324,28 +363,4 @@ func listen(endpoint string) (net.Listener, error) {
 		}
 	}
 	return net.Listen(network, addr)
-}
-
-// inflight refuses a second call for a volume while one is running: the
-// kubelet retries, and the retry must not race the original.
-type inflight struct {
-	mu   sync.Mutex
-	busy map[string]bool
-}
-
-func (f *inflight) tryLock(key string) (release func(), ok bool) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.busy == nil {
-		f.busy = map[string]bool{}
-	}
-	if f.busy[key] {
-		return nil, false
-	}
-	f.busy[key] = true
-	return func() {
-		f.mu.Lock()
-		delete(f.busy, key)
-		f.mu.Unlock()
-	}, true
 }

@@ -17,19 +17,6 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// podEvents posts Kubernetes Events on step pods, where an operator looks
-// first (kubectl describe pod): what became of a pod's captured volumes,
-// which happens at teardown where no RPC error shows. Publish refusals need
-// none of this: the kubelet turns them into FailedMount events itself.
-type podEvents interface {
-	event(pod volume.Pod, eventType, reason, message string)
-}
-
-// noEvents is the sink when no API server is configured.
-type noEvents struct{}
-
-func (noEvents) event(volume.Pod, string, string, string) {}
-
 // kubeEvents sends events from a queue, off the RPC path: a slow or absent
 // API server must never hold up a capture. A full queue drops events.
 type kubeEvents struct {
@@ -65,7 +52,8 @@ func newKubeEvents(client kubernetes.Interface, driver, node string) *kubeEvents
 	return &kubeEvents{client: client, driver: driver, node: node, queue: make(chan *corev1.Event, eventQueue)}
 }
 
-func (k *kubeEvents) event(pod volume.Pod, eventType, reason, message string) {
+// Event implements node.PodEvents.
+func (k *kubeEvents) Event(pod volume.Pod, eventType, reason, message string) {
 	now := metav1.NewTime(time.Now())
 	ev := &corev1.Event{
 		ObjectMeta: metav1.ObjectMeta{GenerateName: pod.Name + ".", Namespace: pod.Namespace},

@@ -1,7 +1,6 @@
-package driver
+package node
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -10,12 +9,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
@@ -23,12 +19,12 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// fixture is an in-process node service on a real overlay state dir.
+// fixture is an in-process engine on a real overlay state dir.
 type fixture struct {
 	t        *testing.T
-	opts     Options
+	cfg      Config
 	store    *cache.Store
-	node     *nodeService
+	engine   *Engine
 	mounter  *faultyMounter
 	pods     string
 	n        int
@@ -88,9 +84,7 @@ func newFixtureAt(t *testing.T, stateDir, bootIDFile string) *fixture {
 	t.Helper()
 	testfs.Need(t)
 	f := &fixture{t: t, pods: t.TempDir(), stateDir: stateDir, mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
-	f.opts = Options{Endpoint: "unix:///unused.sock", Mode: ModeNode, NodeID: "node-1", StateDir: f.stateDir,
-		Backend: "overlay", FlattenDepth: 64, KubeletDir: f.pods, bootIDFile: bootIDFile}
-	require.NoError(t, f.opts.Validate())
+	f.cfg = Config{NodeID: "node-1", StateDir: f.stateDir, Backend: "overlay", FlattenDepth: 64, KubeletDir: f.pods, BootIDFile: bootIDFile}
 	f.start()
 	t.Cleanup(f.teardown)
 	return f
@@ -99,12 +93,13 @@ func newFixtureAt(t *testing.T, stateDir, bootIDFile string) *fixture {
 // teardown unpublishes what a test left published, as the kubelet would,
 // so that no mount outlives the test.
 func (f *fixture) teardown() {
-	if f.node == nil {
+	if f.engine == nil {
 		return
 	}
 	for _, v := range f.store.ListViews() {
-		_, err := f.node.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeID, TargetPath: v.Target})
-		assert.NoError(f.t, err, "unpublishing %s at teardown", v.VolumeID)
+		tp, err := f.engine.Layout().Parse(v.Target)
+		require.NoError(f.t, err)
+		assert.NoError(f.t, f.engine.Unpublish(v.VolumeID, tp), "unpublishing %s at teardown", v.VolumeID)
 	}
 	f.stop()
 }
@@ -112,16 +107,16 @@ func (f *fixture) teardown() {
 func (f *fixture) start() {
 	store, err := cache.Open(f.stateDir)
 	require.NoError(f.t, err)
-	node, err := newNodeService(f.opts, store, f.mounter, newMetrics(), nil)
+	engine, err := New(f.cfg, store, f.mounter, nil)
 	require.NoError(f.t, err)
-	f.store, f.node = store, node
+	f.store, f.engine = store, engine
 }
 
 func (f *fixture) stop() {
-	if f.node != nil {
-		f.node.stop()
+	if f.engine != nil {
+		f.engine.Close()
 		f.store.Close()
-		f.node = nil
+		f.engine = nil
 	}
 }
 
@@ -131,59 +126,47 @@ func (f *fixture) restart() {
 	f.start()
 }
 
-func (f *fixture) volume(ns string, attrs map[string]string) InlineVolume {
+// volume is a request for a new pod's volume in namespace ns, its dir made
+// as the kubelet makes it; source names a volume of ns.
+func (f *fixture) volume(ns, source, capture string) PublishRequest {
 	f.n++
-	v := NewInlineVolume(f.pods, NewPod(ns, fmt.Sprintf("pod-%d", f.n)), "vol", attrs)
-	require.NoError(f.t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
-	return v
+	uid := fmt.Sprintf("0b4a8c1e-3f2d-4c5b-9a6e-%012d", f.n)
+	p := filepath.Join(f.pods, "pods", uid, "volumes", "kubernetes.io~csi", "vol", "mount")
+	require.NoError(f.t, os.MkdirAll(filepath.Dir(p), 0o750))
+	tp, err := f.engine.Layout().Parse(p)
+	require.NoError(f.t, err)
+	r := PublishRequest{VolumeID: fmt.Sprintf("csi-%d", f.n), Target: tp, Capture: capture, Scope: volume.ScopeNamespace,
+		Pod: volume.Pod{Namespace: ns, Name: fmt.Sprintf("pod-%d", f.n), UID: uid}}
+	if source != "" {
+		r.Source = ref(ns, source)
+	}
+	return r
 }
 
-func (f *fixture) publish(v InlineVolume) error {
-	_, err := f.node.NodePublishVolume(context.Background(), v.PublishRequest())
-	return err
-}
-
-func (f *fixture) unpublish(v InlineVolume) error {
-	_, err := f.node.NodeUnpublishVolume(context.Background(), v.UnpublishRequest())
-	return err
-}
+func (f *fixture) publish(r PublishRequest) error   { return f.engine.Publish(r) }
+func (f *fixture) unpublish(r PublishRequest) error { return f.engine.Unpublish(r.VolumeID, r.Target) }
 
 // capture makes a ready cached volume handle in namespace ns with one file.
-func (f *fixture) capture(ns, handle string, extra map[string]string) {
+func (f *fixture) capture(ns, handle string) {
 	f.t.Helper()
-	attrs := map[string]string{AttrCapture: handle}
-	for k, v := range extra {
-		attrs[k] = v
-	}
-	v := f.volume(ns, attrs)
+	v := f.volume(ns, "", handle)
 	require.NoError(f.t, f.publish(v))
-	require.NoError(f.t, os.WriteFile(filepath.Join(v.Target, "file"), []byte(handle), 0o644))
+	require.NoError(f.t, os.WriteFile(filepath.Join(v.Target.Full, "file"), []byte(handle), 0o644))
 	require.NoError(f.t, f.unpublish(v))
-}
-
-func TestNodeGetInfoAndCapabilities(t *testing.T) {
-	f := newFixture(t)
-	info, err := f.node.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
-	require.NoError(t, err)
-	assert.Equal(t, "node-1", info.NodeId)
-	assert.Equal(t, "node-1", info.AccessibleTopology.Segments[TopologyKey])
-	caps, err := f.node.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{})
-	require.NoError(t, err)
-	require.Len(t, caps.Capabilities, 1)
-	assert.Equal(t, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS, caps.Capabilities[0].GetRpc().GetType())
 }
 
 // A publish whose mount fails leaves nothing: no view, no reservation, no
 // dirs, and the capture handle is free for the retry.
 func TestFailedPublishLeavesNothing(t *testing.T) {
 	f := newFixture(t)
-	v := f.volume("ci", map[string]string{AttrCapture: "out-1"})
-	f.mounter.set(&f.mounter.failMount, errors.New("injected mount failure"))
-	require.Equal(t, codes.Internal, status.Code(f.publish(v)))
+	v := f.volume("ci", "", "out-1")
+	injected := errors.New("injected mount failure")
+	f.mounter.set(&f.mounter.failMount, injected)
+	require.ErrorIs(t, f.publish(v), injected)
 	f.mounter.set(&f.mounter.failMount, nil)
 	_, err := f.store.GetView(v.VolumeID)
 	require.ErrorIs(t, err, cache.ErrNotFound)
-	_, err = os.Lstat(v.Target)
+	_, err = os.Lstat(v.Target.Full)
 	require.ErrorIs(t, err, os.ErrNotExist, "the target dir made for it is gone")
 	_, err = f.store.Get(ref("ci", "out-1"))
 	require.ErrorIs(t, err, cache.ErrNotFound)
@@ -202,11 +185,11 @@ func ref(ns, h string) volume.Ref { return volume.Ref{Namespace: ns, Handle: h} 
 // A capture whose unmount fails is retried by the kubelet and completes.
 func TestFailedCaptureCompletesOnRetry(t *testing.T) {
 	f := newFixture(t)
-	v := f.volume("ci", map[string]string{AttrCapture: "out-2"})
+	v := f.volume("ci", "", "out-2")
 	require.NoError(t, f.publish(v))
-	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "f"), []byte("data"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target.Full, "f"), []byte("data"), 0o644))
 	f.mounter.set(&f.mounter.failUnmount, unix.EBUSY)
-	require.Equal(t, codes.Internal, status.Code(f.unpublish(v)))
+	require.ErrorIs(t, f.unpublish(v), unix.EBUSY)
 	vol, err := f.store.Get(ref("ci", "out-2"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateCreating, vol.State, "nothing half-made is visible")
@@ -220,8 +203,9 @@ func TestFailedCaptureCompletesOnRetry(t *testing.T) {
 	require.Equal(t, "data", string(data))
 }
 
-// A state dir that runs out of inodes fails publishes with
-// ResourceExhausted and leaves the store consistent.
+// A state dir that runs out of inodes fails publishes with ENOSPC (which
+// the CSI adapter answers ResourceExhausted) and leaves the store
+// consistent.
 func TestDiskFullIsResourceExhausted(t *testing.T) {
 	testfs.Need(t)
 	dir := t.TempDir()
@@ -234,8 +218,8 @@ func TestDiskFullIsResourceExhausted(t *testing.T) {
 			break
 		}
 	}
-	v := f.volume("ci", map[string]string{AttrCapture: "full"})
-	require.Equal(t, codes.ResourceExhausted, status.Code(f.publish(v)))
+	v := f.volume("ci", "", "full")
+	require.ErrorIs(t, f.publish(v), unix.ENOSPC)
 	_, err := f.store.Get(ref("ci", "full"))
 	require.ErrorIs(t, err, cache.ErrNotFound, "the reservation was released")
 }
@@ -244,13 +228,13 @@ func TestDiskFullIsResourceExhausted(t *testing.T) {
 // -race): every one succeeds and every capture is complete.
 func TestParallelPublishAndCapture(t *testing.T) {
 	f := newFixture(t)
-	f.capture("ci", "shared", nil)
+	f.capture("ci", "shared")
 	const workers = 16
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)
-	vols := make([]InlineVolume, workers)
+	vols := make([]PublishRequest, workers)
 	for i := range vols {
-		vols[i] = f.volume("ci", map[string]string{AttrSource: "shared", AttrCapture: fmt.Sprintf("par-%d", i)})
+		vols[i] = f.volume("ci", "shared", fmt.Sprintf("par-%d", i))
 	}
 	for i := range workers {
 		wg.Add(1)
@@ -261,7 +245,7 @@ func TestParallelPublishAndCapture(t *testing.T) {
 				errs <- err
 				return
 			}
-			if err := os.WriteFile(filepath.Join(v.Target, "mine"), []byte(v.VolumeID), 0o644); err != nil {
+			if err := os.WriteFile(filepath.Join(v.Target.Full, "mine"), []byte(v.VolumeID), 0o644); err != nil {
 				errs <- err
 				return
 			}
@@ -288,20 +272,22 @@ func TestParallelPublishAndCapture(t *testing.T) {
 // told to retry or sees it done; never two volumes.
 func TestConcurrentDuplicatePublish(t *testing.T) {
 	f := newFixture(t)
-	v := f.volume("ci", map[string]string{AttrCapture: "dup"})
+	v := f.volume("ci", "", "dup")
 	var wg sync.WaitGroup
-	codesSeen := make(chan codes.Code, 8)
+	errs := make(chan error, 8)
 	for range 8 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			codesSeen <- status.Code(f.publish(v))
+			errs <- f.publish(v)
 		}()
 	}
 	wg.Wait()
-	close(codesSeen)
-	for c := range codesSeen {
-		require.Contains(t, []codes.Code{codes.OK, codes.Aborted}, c)
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			require.ErrorIs(t, err, ErrBusy)
+		}
 	}
 	require.NoError(t, f.publish(v))
 	require.Len(t, f.store.ListViews(), 1)
@@ -312,7 +298,7 @@ func TestConcurrentDuplicatePublish(t *testing.T) {
 // refused as a source, never served half-there.
 func TestMissingDataIsMarkedFailed(t *testing.T) {
 	f := newFixture(t)
-	f.capture("ci", "doomed", nil)
+	f.capture("ci", "doomed")
 	vol, err := f.store.Get(ref("ci", "doomed"))
 	require.NoError(t, err)
 	require.NoError(t, os.RemoveAll(f.store.DataPath(vol)))
@@ -320,52 +306,7 @@ func TestMissingDataIsMarkedFailed(t *testing.T) {
 	vol, err = f.store.Get(ref("ci", "doomed"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateFailed, vol.State)
-	err = f.publish(f.volume("ci", map[string]string{AttrSource: "doomed"}))
-	require.Equal(t, codes.FailedPrecondition, status.Code(err), "err: %v", err)
-}
-
-func TestOptionsValidate(t *testing.T) {
-	good := func() Options {
-		return Options{Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: "n", StateDir: "/var/lib/cowvol",
-			Backend: "auto", FlattenDepth: 64, KubeletDir: "/var/lib/kubelet"}
-	}
-	tests := []struct {
-		name    string
-		mut     func(*Options)
-		wantErr string
-	}{
-		{"ok", func(*Options) {}, ""},
-		{"tcp endpoint", func(o *Options) { o.Endpoint = "tcp://127.0.0.1:10000" }, ""},
-		{"controller needs no state", func(o *Options) { o.Mode = ModeController; o.StateDir = "" }, ""},
-		{"bad scheme", func(o *Options) { o.Endpoint = "http://x" }, "endpoint"},
-		{"no socket path", func(o *Options) { o.Endpoint = "unix://" }, "socket path"},
-		{"bad mode", func(o *Options) { o.Mode = "both" }, "mode"},
-		{"no node ID", func(o *Options) { o.NodeID = "" }, "node ID"},
-		{"relative state dir", func(o *Options) { o.StateDir = "state" }, "absolute"},
-		{"bad backend", func(o *Options) { o.Backend = "zfs" }, "unknown COW backend"},
-		{"flatten depth too deep", func(o *Options) { o.FlattenDepth = 600 }, "flatten depth"},
-		{"relative kubelet dir", func(o *Options) { o.KubeletDir = "kubelet" }, "kubelet dir"},
-		{"negative limit", func(o *Options) { o.MaxSizeLimit = -1 }, "negative"},
-		{"default over max", func(o *Options) { o.DefaultSizeLimit, o.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
-		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
-		{"registration needs a unix endpoint", func(o *Options) {
-			o.Endpoint = "tcp://127.0.0.1:1"
-			o.RegistrationSocket = "/r.sock"
-		}, "unix endpoint"},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			o := good()
-			tc.mut(&o)
-			err := o.Validate()
-			if tc.wantErr == "" {
-				require.NoError(t, err)
-				require.Equal(t, DefaultDriverName, o.DriverName)
-				return
-			}
-			require.ErrorContains(t, err, tc.wantErr)
-		})
-	}
+	require.ErrorIs(t, f.publish(f.volume("ci", "doomed", "")), cache.ErrUnusable)
 }
 
 // After a reboot (a new boot ID, the mounts gone), a step volume of the
@@ -376,15 +317,15 @@ func TestRebootDiscardsOldStepVolumes(t *testing.T) {
 	require.NoError(t, os.WriteFile(bootFile, []byte("boot-1\n"), 0o644))
 
 	f := newFixtureAt(t, t.TempDir(), bootFile)
-	f.capture("ci", "durable", nil)
+	f.capture("ci", "durable")
 	require.Eventually(t, func() bool { return len(f.store.Unsynced()) == 0 },
 		30*time.Second, 10*time.Millisecond, "captures are synced in the background")
-	v := f.volume("ci", map[string]string{AttrSource: "durable", AttrCapture: "in-flight"})
+	v := f.volume("ci", "durable", "in-flight")
 	require.NoError(t, f.publish(v))
-	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "half"), []byte("written"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target.Full, "half"), []byte("written"), 0o644))
 
 	f.stop()
-	require.NoError(t, unix.Unmount(v.Target, 0))
+	require.NoError(t, unix.Unmount(v.Target.Full, 0))
 	require.NoError(t, os.WriteFile(bootFile, []byte("boot-2\n"), 0o644))
 	f.start()
 
@@ -394,5 +335,5 @@ func TestRebootDiscardsOldStepVolumes(t *testing.T) {
 	vol, err := f.store.Get(ref("ci", "durable"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, vol.State)
-	require.NoError(t, f.publish(f.volume("ci", map[string]string{AttrSource: "durable"})))
+	require.NoError(t, f.publish(f.volume("ci", "durable", "")))
 }

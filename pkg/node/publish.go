@@ -1,7 +1,6 @@
-package driver
+package node
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"maps"
@@ -9,10 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -21,105 +16,87 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// parseTarget checks a target path: absolute, clean, and of the kubelet's
-// inline-volume layout.
-func (n *nodeService) parseTarget(p string) (target.Path, error) {
-	if err := validatePath("target path", p); err != nil {
-		return target.Path{}, err
-	}
-	tp, err := n.layout.Parse(p)
-	if err != nil {
-		return tp, invalid("%v", err)
-	}
-	return tp, nil
+// PublishRequest is a validated request for a step volume.
+type PublishRequest struct {
+	VolumeID string
+	Target   target.Path
+	// Source is the cached volume the step volume starts as, if any.
+	Source volume.Ref
+	// Capture is the handle, in the pod's namespace, to capture into on
+	// teardown; Scope and Properties describe the captured volume.
+	Capture    string
+	Scope      volume.Scope
+	Properties map[string]string
+	ReadOnly   bool
+	Pod        volume.Pod
+	// SizeLimit is the limit asked for (bytes; 0: the node's default).
+	SizeLimit int64
 }
 
-func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
-	if err := validateVolumeID(req.GetVolumeId()); err != nil {
-		return nil, err
-	}
-	tp, err := n.parseTarget(req.GetTargetPath())
+// Publish makes a step volume and mounts it at its target: a new one, the
+// same one again (idempotent, mounting again if its mount went away), or,
+// after a publish that failed half-way, a clean retry.
+func (e *Engine) Publish(r PublishRequest) error {
+	limit, err := e.sizeLimit(r.SizeLimit, r.ReadOnly)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	capReadOnly, err := validateCapability(req.GetVolumeCapability())
+	release, err := e.lock(r.VolumeID)
 	if err != nil {
-		return nil, err
-	}
-	if problem := n.csiDriver.problem(); problem != "" {
-		return nil, status.Errorf(codes.FailedPrecondition, "refusing to publish: %s", problem)
-	}
-	vr, err := parseVolumeContext(req.GetVolumeContext())
-	if err != nil {
-		return nil, err
-	}
-	if tp.PodUID != vr.Pod.UID {
-		return nil, invalid("target path %s is not a volume of pod %s", volume.Quote(tp.Full), vr.Pod.UID)
-	}
-	vr.ReadOnly = req.GetReadonly() || capReadOnly
-	if vr.ReadOnly && vr.Capture != "" {
-		return nil, invalid("a read-only volume cannot be captured: drop capture or readOnly")
-	}
-	limit, err := n.sizeLimit(vr)
-	if err != nil {
-		return nil, err
-	}
-	release, err := n.lock(req.GetVolumeId())
-	if err != nil {
-		return nil, err
+		return err
 	}
 	defer release()
 
 	want := cache.View{
-		VolumeID: req.GetVolumeId(), Target: tp.Full, Source: vr.Source, Capture: vr.Capture,
-		Scope: vr.Scope, Properties: vr.Properties, ReadOnly: vr.ReadOnly, Pod: vr.Pod, SizeLimit: limit,
-		Backend: string(n.backend.Kind()), Boot: n.boot,
+		VolumeID: r.VolumeID, Target: r.Target.Full, Source: r.Source, Capture: r.Capture,
+		Scope: r.Scope, Properties: r.Properties, ReadOnly: r.ReadOnly, Pod: r.Pod, SizeLimit: limit,
+		Backend: string(e.backend.Kind()), Boot: e.boot,
 	}
-	if vr.Capture == "" {
+	if r.Capture == "" {
 		want.Scope = ""
 	}
-	if old, err := n.store.GetView(want.VolumeID); err == nil && old.State != cache.ViewPublishing {
-		return n.republish(old, want)
+	if old, err := e.store.GetView(want.VolumeID); err == nil && old.State != cache.ViewPublishing {
+		return e.republish(old, want)
 	} else if err == nil {
 		// A publish that failed and could not be cleaned up then: clean
 		// up now and start over.
-		if err := n.discard(old, true); err != nil {
-			return nil, storeError(err)
+		if err := e.discard(old, true); err != nil {
+			return err
 		}
 	} else if !errors.Is(err, cache.ErrNotFound) {
-		return nil, storeError(err)
+		return err
 	}
 	start := time.Now()
-	view, err := n.store.Publish(want)
+	view, err := e.store.Publish(want)
 	if err != nil {
-		return nil, storeError(err)
+		return err
 	}
-	if mounted, err := n.prepare(view); err != nil {
-		if rerr := n.discard(view, mounted); rerr != nil {
+	if mounted, err := e.prepare(view); err != nil {
+		if rerr := e.discard(view, mounted); rerr != nil {
 			klog.ErrorS(rerr, "Cleaning up a failed publish", "volumeID", view.VolumeID)
 		}
-		return nil, storeError(err)
+		return err
 	}
 	klog.V(2).InfoS("Published step volume", "volumeID", view.VolumeID, "target", view.Target,
 		"source", view.Source, "capture", view.Capture, "layers", len(view.Lowers), "readOnly", view.ReadOnly,
 		"sizeLimit", view.SizeLimit, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name), "backend", view.Backend,
 		"duration", time.Since(start))
-	return &csi.NodePublishVolumeResponse{}, nil
+	return nil
 }
 
 // openTarget opens a view's target dir without following symlinks.
-func (n *nodeService) openTarget(v cache.View) (*target.Dir, error) {
-	tp, err := n.layout.Parse(v.Target)
+func (e *Engine) openTarget(v cache.View) (*target.Dir, error) {
+	tp, err := e.layout.Parse(v.Target)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", err, target.ErrUnsafe)
 	}
-	return n.layout.Open(tp)
+	return e.layout.Open(tp)
 }
 
 // prepare makes the view's tree and mounts it at the target, saying whether
 // anything may be mounted there when it fails.
-func (n *nodeService) prepare(view cache.View) (mounted bool, err error) {
-	d, err := n.openTarget(view)
+func (e *Engine) prepare(view cache.View) (mounted bool, err error) {
+	d, err := e.openTarget(view)
 	if err != nil {
 		return false, err
 	}
@@ -128,16 +105,16 @@ func (n *nodeService) prepare(view cache.View) (mounted bool, err error) {
 		return false, err
 	}
 	crashPoint("publish-recorded")
-	if err := n.backend.Prepare(n.bgCtx, n.spec(view, d.MountPath())); err != nil {
+	if err := e.backend.Prepare(e.bgCtx, e.spec(view, d.MountPath())); err != nil {
 		return false, errors.Join(err, d.Remove())
 	}
 	crashPoint("publish-mounted")
-	return true, n.recordMount(view, d)
+	return true, e.recordMount(view, d)
 }
 
 // recordMount records the mount cowvol just made at the target: only that
 // mount is ever unmounted there.
-func (n *nodeService) recordMount(view cache.View, d *target.Dir) error {
+func (e *Engine) recordMount(view cache.View, d *target.Dir) error {
 	st, err := d.Stat()
 	if err != nil {
 		return err
@@ -145,32 +122,29 @@ func (n *nodeService) recordMount(view cache.View, d *target.Dir) error {
 	if !st.Mounted {
 		return fmt.Errorf("no mount appeared at %s", view.Target)
 	}
-	return n.store.SetMounted(view.VolumeID, st.MountID)
+	return e.store.SetMounted(view.VolumeID, st.MountID)
 }
 
 // republish answers a repeated publish of a known volume: the same request
 // is a success (mounting again if the mount went away), another one is
 // refused.
-func (n *nodeService) republish(old, want cache.View) (*csi.NodePublishVolumeResponse, error) {
+func (e *Engine) republish(old, want cache.View) error {
 	same := old.Target == want.Target && old.Source == want.Source && old.Capture == want.Capture &&
 		old.ReadOnly == want.ReadOnly && old.Scope == want.Scope && old.SizeLimit == want.SizeLimit &&
 		maps.Equal(old.Properties, want.Properties)
 	if !same {
-		return nil, status.Errorf(codes.AlreadyExists, "volume %s is already published with other attributes", volume.Quote(old.VolumeID))
+		return fmt.Errorf("volume %s: %w", volume.Quote(old.VolumeID), ErrOtherAttributes)
 	}
 	if old.State == cache.ViewCapturing {
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is being captured", volume.Quote(old.VolumeID))
+		return fmt.Errorf("volume %s is being captured: %w", volume.Quote(old.VolumeID), cache.ErrWrongViewState)
 	}
-	if err := n.ensureMounted(old); err != nil {
-		return nil, storeError(err)
-	}
-	return &csi.NodePublishVolumeResponse{}, nil
+	return e.ensureMounted(old)
 }
 
 // ensureMounted mounts a published view again if its mount went away. A
 // mount at its target that cowvol did not make is refused, never used.
-func (n *nodeService) ensureMounted(v cache.View) error {
-	d, err := n.openTarget(v)
+func (e *Engine) ensureMounted(v cache.View) error {
+	d, err := e.openTarget(v)
 	if err != nil {
 		return err
 	}
@@ -181,23 +155,23 @@ func (n *nodeService) ensureMounted(v cache.View) error {
 		return err
 	case st.Mounted && (st.MountID == v.MountID || v.MountID == 0):
 		if v.MountID == 0 { // recorded by a plugin that kept no mount IDs
-			return n.store.SetMounted(v.VolumeID, st.MountID)
+			return e.store.SetMounted(v.VolumeID, st.MountID)
 		}
 		return nil
 	case st.Mounted:
 		return fmt.Errorf("%s is a mount cowvol did not make: %w", v.Target, target.ErrUnsafe)
 	}
-	b, err := n.backendOf(v)
+	b, err := e.backendOf(v)
 	if err != nil {
 		return err
 	}
 	if err := d.Make(); err != nil {
 		return err
 	}
-	if err := b.Remount(n.spec(v, d.MountPath())); err != nil {
+	if err := b.Remount(e.spec(v, d.MountPath())); err != nil {
 		return err
 	}
-	return n.recordMount(v, d)
+	return e.recordMount(v, d)
 }
 
 // takeDown unmounts a view from its target and removes the target dir. Only
@@ -205,11 +179,11 @@ func (n *nodeService) ensureMounted(v cache.View) error {
 // a crash cut short before the record, the one it made: a publish refuses a
 // target that is already a mount point). Whatever else is at the target is
 // left alone.
-func (n *nodeService) takeDown(v cache.View) error {
-	spec := n.spec(v, "")
-	d, err := n.openTarget(v)
+func (e *Engine) takeDown(v cache.View) error {
+	spec := e.spec(v, "")
+	d, err := e.openTarget(v)
 	if errors.Is(err, target.ErrGone) {
-		return overlay.Unmount(n.mounter, spec) // no target left; private mounts may be
+		return overlay.Unmount(e.mounter, spec) // no target left; private mounts may be
 	}
 	if err != nil {
 		return err
@@ -218,7 +192,7 @@ func (n *nodeService) takeDown(v cache.View) error {
 	st, err := d.Stat()
 	if errors.Is(err, target.ErrUnsafe) && !st.Mounted {
 		klog.InfoS("Leaving what is at a step volume's target: cowvol did not make it", "volumeID", v.VolumeID, "target", v.Target, "err", err)
-		return overlay.Unmount(n.mounter, spec)
+		return overlay.Unmount(e.mounter, spec)
 	}
 	if err != nil {
 		return err
@@ -230,7 +204,7 @@ func (n *nodeService) takeDown(v cache.View) error {
 	if st.Mounted {
 		spec.Target = d.MountPath()
 	}
-	if err := overlay.Unmount(n.mounter, spec); err != nil {
+	if err := overlay.Unmount(e.mounter, spec); err != nil {
 		return err
 	}
 	return d.Remove()
@@ -239,95 +213,92 @@ func (n *nodeService) takeDown(v cache.View) error {
 // discard takes a view down without capturing it and forgets it. A view
 // known never to have been mounted at its target (a publish that failed
 // before mounting) leaves the target alone: it may not even be safe to open.
-func (n *nodeService) discard(v cache.View, mayBeMounted bool) error {
-	takeDown := n.takeDown
+func (e *Engine) discard(v cache.View, mayBeMounted bool) error {
+	takeDown := e.takeDown
 	if !mayBeMounted {
-		takeDown = func(v cache.View) error { return overlay.Unmount(n.mounter, n.spec(v, "")) }
+		takeDown = func(v cache.View) error { return overlay.Unmount(e.mounter, e.spec(v, "")) }
 	}
 	if err := takeDown(v); err != nil {
 		return err
 	}
 	crashPoint("discard-unmounted")
-	if err := n.store.Trash(n.store.ViewDir(v.VolumeID)); err != nil {
+	if err := e.store.Trash(e.store.ViewDir(v.VolumeID)); err != nil {
 		return err
 	}
-	reserved, err := n.store.DropView(v.VolumeID)
+	reserved, err := e.store.DropView(v.VolumeID)
 	if err != nil {
 		return err
 	}
-	n.forget(v)
+	e.forget(v)
 	if reserved != "" {
 		err = overlay.RemoveTree(reserved)
 	}
-	n.tidy()
+	e.tidy()
 	return err
 }
 
 // forget drops what the node kept about a view that is gone.
-func (n *nodeService) forget(v cache.View) {
-	n.usage.forget(v.VolumeID)
-	if v.QuotaID != 0 && n.limiter != nil {
-		if err := n.limiter.Release(v.QuotaID); err != nil {
+func (e *Engine) forget(v cache.View) {
+	e.usage.forget(v.VolumeID)
+	if v.QuotaID != 0 && e.limiter != nil {
+		if err := e.limiter.Release(v.QuotaID); err != nil {
 			klog.ErrorS(err, "Releasing a step volume's size limit", "volumeID", v.VolumeID)
 		}
 	}
 }
 
-func (n *nodeService) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
-	if err := validateVolumeID(req.GetVolumeId()); err != nil {
-		return nil, err
-	}
-	tp, err := n.parseTarget(req.GetTargetPath())
+// Unpublish tears a step volume down from its target: it is captured into
+// its handle if it has one (and its node did not reboot under it),
+// discarded otherwise. A volume with no record is done, once nothing of
+// cowvol's is left at the target.
+func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
+	release, err := e.lock(volumeID)
 	if err != nil {
-		return nil, err
-	}
-	release, err := n.lock(req.GetVolumeId())
-	if err != nil {
-		return nil, err
+		return err
 	}
 	defer release()
 
-	view, err := n.store.GetView(req.GetVolumeId())
+	view, err := e.store.GetView(volumeID)
 	if errors.Is(err, cache.ErrNotFound) {
-		return n.unpublishUnknown(req.GetVolumeId(), tp)
+		return e.unpublishUnknown(volumeID, tp)
 	}
 	if err != nil {
-		return nil, storeError(err)
+		return err
 	}
 	if view.Target != tp.Full {
-		return nil, elsewhere(view, tp.Full)
+		return elsewhere(view, tp.Full)
 	}
 	start := time.Now()
-	if view.Capture != "" && view.Boot != n.boot {
+	if view.Capture != "" && view.Boot != e.boot {
 		// The node rebooted under this step: what it wrote may be torn,
 		// so it is not captured. The scheduler sees the output missing.
 		klog.InfoS("Not capturing a step volume from before a reboot", "volumeID", view.VolumeID,
 			"capture", view.Capture, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name))
-		n.events.event(view.Pod, corev1.EventTypeWarning, "CaptureSkipped", fmt.Sprintf(
+		e.events.Event(view.Pod, EventWarning, "CaptureSkipped", fmt.Sprintf(
 			"Not captured into %q: the node rebooted while the step ran, so what it wrote may be incomplete", view.Capture))
 		view.Capture = ""
 	}
 	if view.Capture == "" || view.State == cache.ViewPublishing {
-		if err := n.discard(view, true); err != nil {
-			return nil, storeError(err)
+		if err := e.discard(view, true); err != nil {
+			return err
 		}
 		klog.V(2).InfoS("Unpublished step volume", "volumeID", view.VolumeID, "duration", time.Since(start))
-		return &csi.NodeUnpublishVolumeResponse{}, nil
+		return nil
 	}
-	vol, err := n.capture(view)
+	vol, err := e.capture(view)
 	if err != nil {
-		n.metrics.captures.WithLabelValues("error").Inc()
+		e.metrics.captures.WithLabelValues("error").Inc()
 		klog.ErrorS(err, "Capture failed; the kubelet will retry", "volumeID", view.VolumeID, "capture", view.Capture)
-		n.events.event(view.Pod, corev1.EventTypeWarning, "CaptureFailed", fmt.Sprintf(
+		e.events.Event(view.Pod, EventWarning, "CaptureFailed", fmt.Sprintf(
 			"Capturing into %q failed (the kubelet retries): %v", view.Capture, err))
-		return nil, storeError(err)
+		return err
 	}
-	n.metrics.captures.WithLabelValues("ok").Inc()
-	n.events.event(view.Pod, corev1.EventTypeNormal, "VolumeCaptured", capturedMessage(vol, time.Since(start)))
+	e.metrics.captures.WithLabelValues("ok").Inc()
+	e.events.Event(view.Pod, EventNormal, "VolumeCaptured", capturedMessage(vol, time.Since(start)))
 	klog.V(2).InfoS("Captured step volume", "volumeID", view.VolumeID, "volume", vol.Ref(),
 		"parent", vol.Parent, "base", vol.Base, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name),
 		"duration", time.Since(start))
-	return &csi.NodeUnpublishVolumeResponse{}, nil
+	return nil
 }
 
 // unpublishUnknown answers an unpublish of a volume cowvol has no record of
@@ -335,17 +306,17 @@ func (n *nodeService) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpu
 // cowvol's is left at the target. An empty target dir is removed; a mount
 // cowvol did not record is refused, never unmounted; anything else there
 // is not cowvol's and is left alone.
-func (n *nodeService) unpublishUnknown(volumeID string, tp target.Path) (*csi.NodeUnpublishVolumeResponse, error) {
-	d, err := n.layout.Open(tp)
+func (e *Engine) unpublishUnknown(volumeID string, tp target.Path) error {
+	d, err := e.layout.Open(tp)
 	switch {
 	case errors.Is(err, target.ErrGone):
-		return &csi.NodeUnpublishVolumeResponse{}, nil
+		return nil
 	case errors.Is(err, target.ErrUnsafe):
 		// cowvol never follows a symlink: nothing of its can be there.
 		klog.V(2).InfoS("Unpublish of an unknown volume: a symlink is on the way to the target", "volumeID", volumeID, "err", err)
-		return &csi.NodeUnpublishVolumeResponse{}, nil
+		return nil
 	case err != nil:
-		return nil, storeError(err)
+		return err
 	}
 	defer d.Close()
 	st, err := d.Stat()
@@ -353,16 +324,14 @@ func (n *nodeService) unpublishUnknown(volumeID string, tp target.Path) (*csi.No
 	case errors.Is(err, target.ErrUnsafe):
 		klog.V(2).InfoS("Unpublish of an unknown volume: leaving what is at the target", "volumeID", volumeID, "target", tp.Full, "err", err)
 	case err != nil:
-		return nil, storeError(err)
+		return err
 	case st.Mounted:
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s is unknown to cowvol but %s is a mount point: cowvol unmounts only what it mounted", volume.Quote(volumeID), tp.Full)
+		return fmt.Errorf("volume %s is unknown to cowvol but %s is a mount point (cowvol unmounts only what it mounted): %w",
+			volume.Quote(volumeID), tp.Full, ErrNotCowvols)
 	case st.Exists && st.Empty:
-		if err := d.Remove(); err != nil {
-			return nil, storeError(err)
-		}
+		return d.Remove()
 	}
-	return &csi.NodeUnpublishVolumeResponse{}, nil
+	return nil
 }
 
 func capturedMessage(vol cache.Volume, took time.Duration) string {
@@ -376,68 +345,68 @@ func capturedMessage(vol cache.Volume, took time.Duration) string {
 // capture commits a view into its reserved handle. Each step is idempotent,
 // so a capture cut short (by a crash, or a failure) completes when the
 // kubelet calls again.
-func (n *nodeService) capture(view cache.View) (cache.Volume, error) {
-	if err := n.store.SetViewState(view.VolumeID, cache.ViewPublished, cache.ViewCapturing); err != nil {
+func (e *Engine) capture(view cache.View) (cache.Volume, error) {
+	if err := e.store.SetViewState(view.VolumeID, cache.ViewPublished, cache.ViewCapturing); err != nil {
 		return cache.Volume{}, err
 	}
-	b, err := n.backendOf(view)
+	b, err := e.backendOf(view)
 	if err != nil {
 		return cache.Volume{}, err
 	}
-	if err := n.takeDown(view); err != nil {
+	if err := e.takeDown(view); err != nil {
 		return cache.Volume{}, err
 	}
 	crashPoint("capture-unmounted")
-	reserved, err := n.store.CaptureTarget(view)
+	reserved, err := e.store.CaptureTarget(view)
 	if err != nil {
 		return cache.Volume{}, err
 	}
-	spec := n.spec(view, "")
-	diff, err := overlay.Commit(b, spec, n.store.DataPath(reserved))
+	spec := e.spec(view, "")
+	diff, err := overlay.Commit(b, spec, e.store.DataPath(reserved))
 	if err != nil {
 		return cache.Volume{}, err
 	}
 	crashPoint("capture-renamed")
-	vol, err := n.store.CommitCapture(view.VolumeID, diff)
+	vol, err := e.store.CommitCapture(view.VolumeID, diff)
 	if err != nil {
 		return cache.Volume{}, err
 	}
 	crashPoint("capture-committed")
-	n.kick(n.syncer)
-	n.forget(view)
-	if err := n.store.Trash(spec.Dir); err != nil {
+	e.kick(e.syncer)
+	e.forget(view)
+	if err := e.store.Trash(spec.Dir); err != nil {
 		klog.ErrorS(err, "Trashing a captured step volume's dir", "volumeID", view.VolumeID)
 	}
-	n.tidy()
-	n.goBackground(func() { n.afterCapture(vol) })
+	e.tidy()
+	e.goBackground(func() { e.afterCapture(vol) })
 	return vol, nil
 }
 
 // afterCapture measures a new volume and flattens its chain if it grew past
 // the limit. Neither blocks a publish: views use the chain as it is until the
 // flat layer replaces it.
-func (n *nodeService) afterCapture(vol cache.Volume) {
-	if bytes, inodes, err := overlay.Usage(n.store.DataPath(vol)); err != nil {
+func (e *Engine) afterCapture(vol cache.Volume) {
+	if bytes, inodes, err := overlay.Usage(e.store.DataPath(vol)); err != nil {
 		klog.ErrorS(err, "Measuring a captured volume", "volume", vol.Ref())
-	} else if err := n.store.SetUsage(vol.Ref(), bytes, inodes); err != nil {
+	} else if err := e.store.SetUsage(vol.Ref(), bytes, inodes); err != nil {
 		klog.ErrorS(err, "Recording a captured volume's size", "volume", vol.Ref())
 	}
-	chain, err := n.store.Chain(vol.Ref())
+	chain, err := e.store.Chain(vol.Ref())
 	if err != nil {
 		klog.ErrorS(err, "Reading a captured volume's chain", "volume", vol.Ref())
 		return
 	}
-	if len(chain) <= n.flattenDepth {
+	if len(chain) <= e.flattenDepth {
 		return
 	}
 	start := time.Now()
-	stats, err := n.flatten(vol.Ref(), chain)
+	stats, err := e.flatten(vol.Ref(), chain)
 	if err != nil {
-		n.metrics.flattens.WithLabelValues("error").Inc()
+		e.metrics.flattens.WithLabelValues("error").Inc()
 		klog.ErrorS(err, "Flattening a deep chain", "volume", vol.Ref(), "depth", len(chain))
 		return
 	}
-	n.metrics.flattens.WithLabelValues("ok").Inc()
+	e.metrics.flattens.WithLabelValues("ok").Inc()
 	klog.InfoS("Flattened a deep chain into a root layer", "volume", vol.Ref(), "depth", len(chain),
 		"files", stats.Files, "cloned", stats.Cloned, "copied", stats.Copied, "duration", time.Since(start))
 }
@@ -448,8 +417,8 @@ const flattenedLayerPrefix = "f"
 // flatten copies (reflinking where it can) the merged tree of a chain into a
 // new root layer, staged out of sight, then swaps it in with one rename and
 // one transaction.
-func (n *nodeService) flatten(r volume.Ref, chain []string) (overlay.CopyStats, error) {
-	work, err := os.MkdirTemp(n.store.StagingDir(), "flatten-")
+func (e *Engine) flatten(r volume.Ref, chain []string) (overlay.CopyStats, error) {
+	work, err := os.MkdirTemp(e.store.StagingDir(), "flatten-")
 	if err != nil {
 		return overlay.CopyStats{}, err
 	}
@@ -459,7 +428,7 @@ func (n *nodeService) flatten(r volume.Ref, chain []string) (overlay.CopyStats, 
 		}
 	}()
 	tree := filepath.Join(work, "tree")
-	stats, err := overlay.CopyLayers(n.bgCtx, n.mounter, chain, filepath.Join(work, "merged"), tree, true)
+	stats, err := overlay.CopyLayers(e.bgCtx, e.mounter, chain, filepath.Join(work, "merged"), tree, true)
 	if err != nil {
 		return stats, err
 	}
@@ -468,16 +437,16 @@ func (n *nodeService) flatten(r volume.Ref, chain []string) (overlay.CopyStats, 
 		return stats, err
 	}
 	layer := fmt.Sprintf("%s%x", flattenedLayerPrefix, time.Now().UnixNano())
-	dst := n.store.LayerPath(r, layer)
+	dst := e.store.LayerPath(r, layer)
 	if err := os.Rename(tree, dst); err != nil {
 		return stats, err
 	}
 	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
 		return stats, err
 	}
-	if err := n.store.ReplaceLayer(r, layer); err != nil {
+	if err := e.store.ReplaceLayer(r, layer); err != nil {
 		return stats, errors.Join(err, overlay.RemoveTree(dst))
 	}
-	n.tidy()
+	e.tidy()
 	return stats, nil
 }

@@ -1,4 +1,4 @@
-package driver
+package node
 
 import (
 	"errors"
@@ -29,36 +29,36 @@ import (
 // quarantined (retried in the background) and anything else that fails is
 // logged: one bad entry never keeps the node from serving the rest. Only a
 // store that cannot be written stops it.
-func (n *nodeService) recover() error {
-	previousBoot, err := n.store.SwapBoot(n.boot)
+func (e *Engine) recover() error {
+	previousBoot, err := e.store.SwapBoot(e.boot)
 	if err != nil {
 		return err
 	}
-	rebooted := previousBoot != "" && previousBoot != n.boot
+	rebooted := previousBoot != "" && previousBoot != e.boot
 	keep := map[string]bool{}
 	counts := map[string]int{}
-	for _, v := range n.store.ListViews() {
-		outcome, err := n.settle(v)
+	for _, v := range e.store.ListViews() {
+		outcome, err := e.settle(v)
 		if err != nil {
-			n.quarantine.add(v.VolumeID, err)
+			e.quarantine.add(v.VolumeID, err)
 			outcome = "quarantined"
 		}
 		counts[outcome]++
 		if outcome != "dropped" {
-			keep[n.store.ViewDir(v.VolumeID)] = true
+			keep[e.store.ViewDir(v.VolumeID)] = true
 		}
 	}
-	if err := n.removeStrays(keep); err != nil {
+	if err := e.removeStrays(keep); err != nil {
 		klog.ErrorS(err, "Removing what dead step volumes left; going on")
 	}
-	rep, err := n.store.Recover(overlay.RemoveTree, rebooted)
+	rep, err := e.store.Recover(overlay.RemoveTree, rebooted)
 	if err != nil {
 		klog.ErrorS(err, "Reconciling cached volumes with the disk; going on with what could be")
 	}
 	for _, bad := range rep.BadRecords {
 		klog.ErrorS(nil, "A metadata record does not decode: it is left alone and never served", "record", bad)
 	}
-	klog.InfoS("Recovered the state dir", "stateDir", n.store.Dir(), "rebooted", rebooted,
+	klog.InfoS("Recovered the state dir", "stateDir", e.store.Dir(), "rebooted", rebooted,
 		"viewsFromLastBoot", counts["fromLastBoot"],
 		"viewsAdopted", counts["adopted"], "viewsRemounted", counts["remounted"],
 		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"],
@@ -71,19 +71,19 @@ func (n *nodeService) recover() error {
 
 // settle brings one view a previous process left to a state the kubelet can
 // work with, saying what it did.
-func (n *nodeService) settle(v cache.View) (string, error) {
+func (e *Engine) settle(v cache.View) (string, error) {
 	switch v.State {
 	case cache.ViewPublishing:
-		return "dropped", n.discard(v, true)
+		return "dropped", e.discard(v, true)
 	case cache.ViewCapturing:
 		return "capturing", nil
 	}
-	if v.Boot != n.boot {
+	if v.Boot != e.boot {
 		// Its pod died with the old boot; the kubelet will unpublish
 		// it, and it will not be captured.
 		return "fromLastBoot", nil
 	}
-	d, err := n.openTarget(v)
+	d, err := e.openTarget(v)
 	if errors.Is(err, target.ErrGone) {
 		return "orphaned", nil // the pod's dir is gone: the kubelet will unpublish
 	}
@@ -97,36 +97,36 @@ func (n *nodeService) settle(v cache.View) (string, error) {
 	}
 	if st.Mounted && (st.MountID == v.MountID || v.MountID == 0) {
 		if v.MountID == 0 {
-			return "adopted", n.ensureMounted(v) // records the mount's ID
+			return "adopted", e.ensureMounted(v) // records the mount's ID
 		}
 		return "adopted", nil
 	}
-	return "remounted", n.ensureMounted(v)
+	return "remounted", e.ensureMounted(v)
 }
 
 // removeStrays unmounts what a dead process left mounted under the views and
 // staging dirs (read-only merges for copies and flattens: a live view's mount
 // is at its target, never in there) and trashes view dirs no view owns.
-func (n *nodeService) removeStrays(keep map[string]bool) error {
+func (e *Engine) removeStrays(keep map[string]bool) error {
 	var errs []error
-	for _, dir := range []string{n.store.ViewsDir(), n.store.StagingDir()} {
+	for _, dir := range []string{e.store.ViewsDir(), e.store.StagingDir()} {
 		mounts, err := overlay.MountsUnder(dir)
 		if err != nil {
 			return err
 		}
 		for _, mp := range mounts {
 			klog.InfoS("Unmounting a stray mount", "path", mp)
-			errs = append(errs, n.mounter.Unmount(mp))
+			errs = append(errs, e.mounter.Unmount(mp))
 		}
 	}
-	entries, err := os.ReadDir(n.store.ViewsDir())
+	entries, err := os.ReadDir(e.store.ViewsDir())
 	if err != nil {
 		return errors.Join(append(errs, err)...)
 	}
-	for _, e := range entries {
-		dir := filepath.Join(n.store.ViewsDir(), e.Name())
+	for _, ent := range entries {
+		dir := filepath.Join(e.store.ViewsDir(), ent.Name())
 		if !keep[dir] {
-			errs = append(errs, n.store.Trash(dir))
+			errs = append(errs, e.store.Trash(dir))
 		}
 	}
 	return errors.Join(errs...)
@@ -177,18 +177,18 @@ const (
 
 // retryQuarantined settles quarantined views until none is left or the
 // node stops. A view the kubelet settled meanwhile (unpublished) is done.
-func (n *nodeService) retryQuarantined() {
+func (e *Engine) retryQuarantined() {
 	wait := quarantineFirstRetry
 	for {
 		select {
-		case <-n.bgCtx.Done():
+		case <-e.bgCtx.Done():
 			return
 		case <-time.After(wait):
 		}
-		for _, id := range n.quarantine.ids() {
-			n.retryOne(id)
+		for _, id := range e.quarantine.ids() {
+			e.retryOne(id)
 		}
-		if n.quarantine.size() == 0 {
+		if e.quarantine.size() == 0 {
 			wait = quarantineFirstRetry
 		} else {
 			wait = min(2*wait, quarantineMaxRetry)
@@ -196,24 +196,24 @@ func (n *nodeService) retryQuarantined() {
 	}
 }
 
-func (n *nodeService) retryOne(volumeID string) {
-	release, ok := n.inflight.tryLock(volumeID)
+func (e *Engine) retryOne(volumeID string) {
+	release, ok := e.inflight.tryLock(volumeID)
 	if !ok {
 		return // the kubelet is at it
 	}
 	defer release()
-	v, err := n.store.GetView(volumeID)
+	v, err := e.store.GetView(volumeID)
 	if errors.Is(err, cache.ErrNotFound) {
-		n.quarantine.release(volumeID)
+		e.quarantine.release(volumeID)
 		return
 	}
 	if err == nil {
-		_, err = n.settle(v)
+		_, err = e.settle(v)
 	}
 	if err != nil {
 		klog.V(2).InfoS("A quarantined step volume is still unsettled", "volumeID", volumeID, "err", err)
 		return
 	}
 	klog.InfoS("Settled a quarantined step volume", "volumeID", volumeID)
-	n.quarantine.release(volumeID)
+	e.quarantine.release(volumeID)
 }

@@ -1,14 +1,11 @@
-package driver
+package node
 
 import (
-	"context"
+	"fmt"
 	"sync"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -63,55 +60,58 @@ func (c *usageCache) forget(volumeID string) {
 	c.mu.Unlock()
 }
 
-func (n *nodeService) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
-	if err := validateVolumeID(req.GetVolumeId()); err != nil {
-		return nil, err
-	}
-	if req.GetVolumePath() == "" {
-		return nil, invalid("volume path is required")
-	}
+// Usage is what a step volume holds and has room for, in bytes and inodes.
+type Usage struct {
+	TotalBytes, AvailableBytes, UsedBytes    int64
+	TotalInodes, AvailableInodes, UsedInodes int64
+}
+
+// Stats says what a published step volume holds: its room is the state
+// dir's filesystem, capped by its size limit; what it uses is its quota's
+// count, or the last background measurement of what it wrote. It never walks
+// a tree itself.
+func (e *Engine) Stats(volumeID, path string) (Usage, error) {
 	// The lock keeps a capture from moving the data away mid-answer.
-	release, err := n.lock(req.GetVolumeId())
+	release, err := e.lock(volumeID)
 	if err != nil {
-		return nil, err
+		return Usage{}, err
 	}
 	defer release()
-	view, err := n.store.GetView(req.GetVolumeId())
+	view, err := e.store.GetView(volumeID)
 	if err != nil {
-		return nil, storeError(err)
+		return Usage{}, err
 	}
-	if view.Target != req.GetVolumePath() {
-		return nil, elsewhere(view, req.GetVolumePath())
+	if view.Target != path {
+		return Usage{}, elsewhere(view, path)
 	}
-	// The volume's room is the state dir's filesystem, capped by its limit.
 	var fs unix.Statfs_t
-	if err := unix.Statfs(n.store.Dir(), &fs); err != nil {
-		return nil, status.Errorf(codes.Internal, "reading the state dir's filesystem: %v", err)
+	if err := unix.Statfs(e.store.Dir(), &fs); err != nil {
+		return Usage{}, fmt.Errorf("reading the state dir's filesystem: %w", err)
 	}
 	bsize := int64(fs.Bsize)
-	bytes := &csi.VolumeUsage{Unit: csi.VolumeUsage_BYTES, Total: int64(fs.Blocks) * bsize, Available: int64(fs.Bavail) * bsize}
-	inodes := &csi.VolumeUsage{Unit: csi.VolumeUsage_INODES, Total: int64(fs.Files), Available: int64(fs.Ffree)}
+	u := Usage{TotalBytes: int64(fs.Blocks) * bsize, AvailableBytes: int64(fs.Bavail) * bsize,
+		TotalInodes: int64(fs.Files), AvailableInodes: int64(fs.Ffree)}
 	if !view.ReadOnly { // a read-only view holds nothing of its own
-		bytes.Used, inodes.Used = n.used(view)
+		u.UsedBytes, u.UsedInodes = e.used(view)
 	}
 	if view.SizeLimit > 0 {
-		bytes.Total = view.SizeLimit
-		bytes.Available = max(0, min(bytes.Available, view.SizeLimit-bytes.Used))
+		u.TotalBytes = view.SizeLimit
+		u.AvailableBytes = max(0, min(u.AvailableBytes, view.SizeLimit-u.UsedBytes))
 	}
-	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{bytes, inodes}}, nil
+	return u, nil
 }
 
 // used is what a view holds of its own: its quota's count where a quota
 // limits it, else the last background measurement of its upper dir or tree.
-func (n *nodeService) used(view cache.View) (bytes, inodes int64) {
-	b, err := n.backendOf(view)
+func (e *Engine) used(view cache.View) (bytes, inodes int64) {
+	b, err := e.backendOf(view)
 	if err != nil {
 		klog.ErrorS(err, "Measuring a step volume", "volumeID", view.VolumeID)
 		return 0, 0
 	}
-	content, _ := b.Content(n.spec(view, ""))
-	mBytes, mInodes, _ := n.usage.get(view.VolumeID, func(done func(int64, int64)) {
-		n.goBackground(func() {
+	content, _ := b.Content(e.spec(view, ""))
+	mBytes, mInodes, _ := e.usage.get(view.VolumeID, func(done func(int64, int64)) {
+		e.goBackground(func() {
 			bytes, inodes, err := overlay.Usage(content)
 			if err != nil {
 				klog.V(2).InfoS("Measuring a step volume", "volumeID", view.VolumeID, "err", err)
@@ -120,8 +120,8 @@ func (n *nodeService) used(view cache.View) (bytes, inodes int64) {
 			done(bytes, inodes)
 		})
 	})
-	if view.SizeLimit > 0 && n.limiter != nil {
-		qBytes, qInodes, err := n.limiter.Used(view.QuotaID, content)
+	if view.SizeLimit > 0 && e.limiter != nil {
+		qBytes, qInodes, err := e.limiter.Used(view.QuotaID, content)
 		if err == nil {
 			if qInodes < 0 {
 				qInodes = mInodes

@@ -1,0 +1,66 @@
+package driver
+
+import (
+	"context"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestNodeGetInfoAndCapabilities(t *testing.T) {
+	n := &nodeService{nodeID: "node-1"}
+	info, err := n.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
+	require.NoError(t, err)
+	assert.Equal(t, "node-1", info.NodeId)
+	assert.Equal(t, "node-1", info.AccessibleTopology.Segments[TopologyKey])
+	caps, err := n.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{})
+	require.NoError(t, err)
+	require.Len(t, caps.Capabilities, 1)
+	assert.Equal(t, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS, caps.Capabilities[0].GetRpc().GetType())
+}
+
+func TestOptionsValidate(t *testing.T) {
+	good := func() Options {
+		return Options{Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: "n", StateDir: "/var/lib/cowvol",
+			Backend: "auto", FlattenDepth: 64, KubeletDir: "/var/lib/kubelet"}
+	}
+	tests := []struct {
+		name    string
+		mut     func(*Options)
+		wantErr string
+	}{
+		{"ok", func(*Options) {}, ""},
+		{"tcp endpoint", func(o *Options) { o.Endpoint = "tcp://127.0.0.1:10000" }, ""},
+		{"controller needs no state", func(o *Options) { o.Mode = ModeController; o.StateDir = "" }, ""},
+		{"bad scheme", func(o *Options) { o.Endpoint = "http://x" }, "endpoint"},
+		{"no socket path", func(o *Options) { o.Endpoint = "unix://" }, "socket path"},
+		{"bad mode", func(o *Options) { o.Mode = "both" }, "mode"},
+		{"no node ID", func(o *Options) { o.NodeID = "" }, "node ID"},
+		{"relative state dir", func(o *Options) { o.StateDir = "state" }, "absolute"},
+		{"bad backend", func(o *Options) { o.Backend = "zfs" }, "unknown COW backend"},
+		{"flatten depth too deep", func(o *Options) { o.FlattenDepth = 600 }, "flatten depth"},
+		{"relative kubelet dir", func(o *Options) { o.KubeletDir = "kubelet" }, "kubelet dir"},
+		{"negative limit", func(o *Options) { o.MaxSizeLimit = -1 }, "negative"},
+		{"default over max", func(o *Options) { o.DefaultSizeLimit, o.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
+		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
+		{"registration needs a unix endpoint", func(o *Options) {
+			o.Endpoint = "tcp://127.0.0.1:1"
+			o.RegistrationSocket = "/r.sock"
+		}, "unix endpoint"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			o := good()
+			tc.mut(&o)
+			err := o.Validate()
+			if tc.wantErr == "" {
+				require.NoError(t, err)
+				require.Equal(t, DefaultDriverName, o.DriverName)
+				return
+			}
+			require.ErrorContains(t, err, tc.wantErr)
+		})
+	}
+}

@@ -1,0 +1,326 @@
+// Package node is cowvol's node engine: everything a node does with volumes,
+// whether a pod asked or not. It publishes step volumes at the kubelet's
+// targets and captures or discards them on teardown, flattens deep chains,
+// makes captures durable, measures what step volumes hold, and recovers
+// (quarantining what it cannot settle) after a restart.
+//
+// It speaks no gRPC and no CSI: callers validate requests (package driver
+// does for the kubelet) and map the errors it returns, which wrap the
+// sentinels of this package and of packages cache and target. It builds on
+// package cache (metadata), package overlay (copy-on-write mechanics) and
+// package target (the kubelet's dirs), and never imports package driver.
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/target"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Errors the engine answers with, besides those of packages cache and
+// target.
+var (
+	// ErrBusy: another call for the same volume is in flight.
+	ErrBusy = errors.New("an operation on the volume is already in progress")
+	// ErrElsewhere: the volume is published at another path.
+	ErrElsewhere = errors.New("the volume is published elsewhere")
+	// ErrOtherAttributes: the volume is published with other attributes.
+	ErrOtherAttributes = errors.New("the volume is already published with other attributes")
+	// ErrLimitsOff: a size limit was asked for where none can be enforced.
+	ErrLimitsOff = errors.New("size limits are off on this node")
+	// ErrLimitTooLarge: a size limit above the node's maximum.
+	ErrLimitTooLarge = errors.New("the size limit exceeds this node's maximum")
+	// ErrNotCowvols: a mount at a target cowvol has no record of.
+	ErrNotCowvols = errors.New("not cowvol's")
+)
+
+// Config is the engine's part of the plugin's options, validated by the
+// caller.
+type Config struct {
+	NodeID string
+	// StateDir holds the store; the backend is probed there.
+	StateDir string
+	// Backend is "auto" or an overlay.Kind.
+	Backend      string
+	FlattenDepth int
+	KubeletDir   string
+	// DefaultSizeLimit caps a writable step volume that names no limit,
+	// MaxSizeLimit any (bytes; 0: none).
+	DefaultSizeLimit, MaxSizeLimit int64
+	AllowSetuid                    bool
+	// BootIDFile names the kernel's boot ID (default: the kernel's own);
+	// tests point it elsewhere to pretend a reboot.
+	BootIDFile string
+}
+
+// bootIDPath names the kernel's boot ID.
+const bootIDPath = "/proc/sys/kernel/random/boot_id"
+
+// Engine runs a node's volumes.
+type Engine struct {
+	nodeID       string
+	flattenDepth int
+	store        *cache.Store
+	mounter      overlay.Mounter
+	backend      overlay.Backend
+	metrics      *metrics
+	events       PodEvents
+	inflight     inflight
+	layout       target.Layout
+	allowSetuid  bool
+
+	// limiter enforces size limits (nil: none can be, for limitsOff);
+	// defaultLimit and maxLimit are the node's policy (0: none).
+	limiter                overlay.Limiter
+	limitsOff              error
+	defaultLimit, maxLimit int64
+	usage                  usageCache
+	quarantine             quarantine
+
+	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
+	// outlives any one call: a kubelet giving up on a call must not abort
+	// work a retry will want finished.
+	bgCtx    context.Context
+	bgCancel context.CancelFunc
+	bg       sync.WaitGroup
+	janitor  chan struct{}
+	syncer   chan struct{}
+
+	// boot is this kernel boot's ID: what survives a reboot is only what
+	// was synced before it.
+	boot string
+}
+
+// New starts an engine on an open store: it picks the COW backend and the
+// size limiter by probing the state dir, and recovers whatever a previous
+// process left before returning.
+func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*Engine, error) {
+	kind := overlay.Kind(cfg.Backend)
+	if cfg.Backend == "auto" {
+		var err error
+		if kind, err = overlay.Probe(cfg.StateDir, m); err != nil {
+			return nil, err
+		}
+		klog.InfoS("Probed the state dir for a COW backend", "stateDir", cfg.StateDir, "backend", kind)
+	} else if err := overlay.Supports(kind, cfg.StateDir, m); err != nil {
+		return nil, fmt.Errorf("COW backend %s does not work under %s: %w", kind, cfg.StateDir, err)
+	}
+	limiter, limitsOff := overlay.ProbeLimits(cfg.StateDir, kind)
+	if limitsOff != nil {
+		klog.InfoS("Size limits are off: sizeLimit attributes are refused", "stateDir", cfg.StateDir, "backend", kind, "reason", limitsOff)
+		if cfg.DefaultSizeLimit > 0 {
+			return nil, fmt.Errorf("--default-size-limit needs size limits, which this state dir cannot enforce: %w", limitsOff)
+		}
+	} else {
+		klog.InfoS("Size limits are on", "mechanism", limiter.Mechanism(), "default", cfg.DefaultSizeLimit, "max", cfg.MaxSizeLimit)
+	}
+	backend, err := overlay.New(kind, m, limiter)
+	if err != nil {
+		return nil, err
+	}
+	bootFile := cfg.BootIDFile
+	if bootFile == "" {
+		bootFile = bootIDPath
+	}
+	boot, err := os.ReadFile(bootFile)
+	if err != nil {
+		return nil, fmt.Errorf("reading the boot ID: %w", err)
+	}
+	if events == nil {
+		events = NoEvents{}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	e := &Engine{
+		nodeID: cfg.NodeID, flattenDepth: cfg.FlattenDepth,
+		store: store, mounter: m, backend: backend, events: events,
+		layout: target.Layout{KubeletDir: cfg.KubeletDir}, allowSetuid: cfg.AllowSetuid,
+		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
+		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
+		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
+		boot: strings.TrimSpace(string(boot)),
+	}
+	e.metrics = newMetrics(e, string(kind))
+	if err := e.recover(); err != nil {
+		e.Close()
+		return nil, fmt.Errorf("recovering the state dir: %w", err)
+	}
+	e.onKick(e.janitor, e.tidyRound)
+	e.onKick(e.syncer, e.syncRound)
+	e.goBackground(e.retryQuarantined)
+	e.tidy()
+	e.kick(e.syncer)
+	return e, nil
+}
+
+// Close stops background work and waits for it; the store stays open.
+func (e *Engine) Close() {
+	e.bgCancel()
+	e.bg.Wait()
+}
+
+// Backend says which COW backend the engine runs.
+func (e *Engine) Backend() overlay.Kind { return e.backend.Kind() }
+
+// Layout is the kubelet's dir layout the engine accepts targets in.
+func (e *Engine) Layout() target.Layout { return e.layout }
+
+// Collectors are the engine's Prometheus metrics.
+func (e *Engine) Collectors() []prometheus.Collector { return e.metrics.collectors() }
+
+// Go runs fn in the background until the engine stops; Close waits for it.
+func (e *Engine) Go(fn func(ctx context.Context)) { e.goBackground(func() { fn(e.bgCtx) }) }
+
+func (e *Engine) goBackground(fn func()) {
+	e.bg.Add(1)
+	go func() {
+		defer e.bg.Done()
+		fn()
+	}()
+}
+
+// kick wakes a background loop; kicks while it runs coalesce into one more
+// round.
+func (e *Engine) kick(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+// tidy asks the janitor to empty the trash and prune replaced layers.
+func (e *Engine) tidy() { e.kick(e.janitor) }
+
+// onKick runs round in the background each time ch is kicked, until the
+// engine stops.
+func (e *Engine) onKick(ch chan struct{}, round func()) {
+	e.goBackground(func() {
+		for {
+			select {
+			case <-e.bgCtx.Done():
+				return
+			case <-ch:
+			}
+			round()
+		}
+	})
+}
+
+// syncRound makes captured volumes durable: one syncfs of the state dir's
+// filesystem covers every capture since the last round, off the capture's
+// path.
+func (e *Engine) syncRound() {
+	refs := e.store.Unsynced()
+	if len(refs) == 0 {
+		return
+	}
+	start := time.Now()
+	if err := overlay.SyncFS(e.store.Dir()); err != nil {
+		klog.ErrorS(err, "Syncing the state dir; will retry on the next capture")
+		return
+	}
+	if err := e.store.MarkSynced(refs); err != nil {
+		klog.ErrorS(err, "Recording synced volumes")
+		return
+	}
+	klog.V(4).InfoS("Synced captured volumes", "count", len(refs), "duration", time.Since(start))
+}
+
+// tidyRound empties the trash and prunes layers flattening replaced.
+func (e *Engine) tidyRound() {
+	if err := e.store.EmptyTrash(overlay.RemoveTree); err != nil {
+		klog.ErrorS(err, "Emptying the trash")
+	}
+	if err := e.store.PruneLayers(overlay.RemoveTree); err != nil {
+		klog.ErrorS(err, "Pruning replaced layers")
+	}
+}
+
+// backendOf returns the backend that built a view: a restarted plugin may
+// run another one, and must tear each view down the way it was built.
+func (e *Engine) backendOf(v cache.View) (overlay.Backend, error) {
+	if overlay.Kind(v.Backend) == e.backend.Kind() {
+		return e.backend, nil
+	}
+	return overlay.New(overlay.Kind(v.Backend), e.mounter, e.limiter)
+}
+
+// spec describes a view to its backend, mounted at mountPath (a path
+// through the target's open parent dir; empty when nothing is mounted).
+func (e *Engine) spec(v cache.View, mountPath string) overlay.Spec {
+	return overlay.Spec{
+		Dir: e.store.ViewDir(v.VolumeID), Target: mountPath, Lowers: v.Lowers,
+		Attrs: overlay.Attrs{ReadOnly: v.ReadOnly, AllowSetuid: e.allowSetuid},
+		Limit: v.SizeLimit, QuotaID: v.QuotaID,
+	}
+}
+
+// sizeLimit is the limit a step volume gets: the one asked for, else the
+// node's default; none for a read-only volume, which cannot be written.
+func (e *Engine) sizeLimit(asked int64, readOnly bool) (int64, error) {
+	if readOnly {
+		return 0, nil
+	}
+	limit := asked
+	if limit == 0 {
+		limit = e.defaultLimit
+	}
+	switch {
+	case limit == 0:
+		return 0, nil
+	case e.limiter == nil:
+		return 0, fmt.Errorf("%w (%v): drop the sizeLimit attribute, or see the README on preparing the state dir", ErrLimitsOff, e.limitsOff)
+	case e.maxLimit > 0 && limit > e.maxLimit:
+		return 0, fmt.Errorf("a sizeLimit of %d bytes: %w of %d bytes", limit, ErrLimitTooLarge, e.maxLimit)
+	}
+	return limit, nil
+}
+
+// lock takes the volume's in-flight lock: the kubelet retries, and the
+// retry must not race the original.
+func (e *Engine) lock(volumeID string) (release func(), err error) {
+	release, ok := e.inflight.tryLock(volumeID)
+	if !ok {
+		return nil, fmt.Errorf("volume %s: %w", volume.Quote(volumeID), ErrBusy)
+	}
+	return release, nil
+}
+
+// elsewhere answers a call naming a path the volume is not published at.
+func elsewhere(v cache.View, path string) error {
+	return fmt.Errorf("volume %s is not published at %s: %w", volume.Quote(v.VolumeID), volume.Quote(path), ErrElsewhere)
+}
+
+// inflight refuses a second call for a volume while one is running.
+type inflight struct {
+	mu   sync.Mutex
+	busy map[string]bool
+}
+
+func (f *inflight) tryLock(key string) (release func(), ok bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.busy == nil {
+		f.busy = map[string]bool{}
+	}
+	if f.busy[key] {
+		return nil, false
+	}
+	f.busy[key] = true
+	return func() {
+		f.mu.Lock()
+		delete(f.busy, key)
+		f.mu.Unlock()
+	}, true
+}
