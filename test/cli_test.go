@@ -51,6 +51,33 @@ func TestBadOptionsExit(t *testing.T) {
 	}
 }
 
+// NodeGetInfo names the node and its store: the store's ID stays with the
+// state dir across restarts, and a wiped state dir has a new one.
+func TestNodeGetInfoReportsTheStore(t *testing.T) {
+	testfs.Need(t)
+	p := plugintest.Start(t, plugintest.Config{StateDir: t.TempDir(), Backend: "overlay"})
+	info := func() map[string]string {
+		resp, err := p.Node.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
+		require.NoError(t, err)
+		require.Equal(t, "test-node", resp.NodeId)
+		return resp.AccessibleTopology.Segments
+	}
+	first := info()
+	require.Equal(t, "test-node", first[driver.TopologyKey])
+	require.Len(t, first[driver.StoreTopologyKey], 32)
+	p.Restart()
+	require.Equal(t, first, info(), "a restart keeps the store")
+	p.Kill()
+	require.NoError(t, os.RemoveAll(p.StateDir))
+	require.NoError(t, os.Mkdir(p.StateDir, 0o700))
+	p.Restart()
+	require.NotEqual(t, first[driver.StoreTopologyKey], info()[driver.StoreTopologyKey], "a wiped state dir is a new store")
+	caps, err := p.Node.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{})
+	require.NoError(t, err)
+	require.Len(t, caps.Capabilities, 1)
+	require.Equal(t, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS, caps.Capabilities[0].GetRpc().GetType())
+}
+
 // A server that cannot serve stops the whole process with its error, and
 // takes nothing with it: the state dir is released and the socket gone.
 func TestAServerFailingStopsThePlugin(t *testing.T) {

@@ -77,6 +77,9 @@ func TestPublishContract(t *testing.T) {
 		{"ok: cluster-scoped source of another namespace, named", base(attrs("source", "src-cluster", "sourceNamespace", "other")), codes.OK, ""},
 		{"ok: own namespace named", base(attrs("source", "src-ns", "sourceNamespace", "ci")), codes.OK, ""},
 		{"ok: source and capture with properties", base(attrs("source", "src-ns", "capture", "new-out", "property.version", "v1")), codes.OK, ""},
+		{"ok: capture with a TTL", base(attrs("capture", "ttl-out", "ttl", "72h")), codes.OK, ""},
+		{"bad TTL", base(attrs("capture", "ttl-bad", "ttl", "soon")), codes.InvalidArgument, "ttl"},
+		{"TTL without capture", base(attrs("ttl", "1h")), codes.InvalidArgument, "need capture"},
 		{"ok: read-only by access mode", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeCapability = mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY)
 			r.VolumeContext["source"] = "src-ns"
@@ -100,7 +103,7 @@ func TestPublishContract(t *testing.T) {
 		{"mount flags", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeCapability.GetMount().MountFlags = []string{"noexec"}
 		}), codes.InvalidArgument, "mount flags"},
-		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, "source, sourceNamespace, capture, scope, sizeLimit, property.<key>"},
+		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, "source, sourceNamespace, capture, scope, sizeLimit, ttl, property.<key>"},
 		{"no pod info: podInfoOnMount off", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeContext = map[string]string{"source": "src-ns"}
 		}), codes.FailedPrecondition, "podInfoOnMount: true"},

@@ -1,6 +1,7 @@
 package test
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -241,5 +242,26 @@ func TestBackendSwitch(t *testing.T) {
 	// The overlay view published before the switch is captured as it was.
 	e.umount(live)
 	e.read("sw-3", func(dir string) { check(dir, map[string]string{"a": "1", "b": "2", "c": "3"}) })
+	e.noLeaks(t)
+}
+
+// A crash while a destroyed volume's data is being freed (here one whose
+// TTL ran out) leaves nothing half-deleted visible: after a restart the
+// volume is gone for good, its dir too, and the rest is untouched.
+func TestCrashMidDestroy(t *testing.T) {
+	testfs.Need(t)
+	e := newEnv(t, plugintest.Config{Backend: "overlay"})
+	e.step("", "keep", func(dir string) { write(t, dir, "f", "kept") })
+	e.p.Restart("COWVOL_CRASH_AT=reap-data-removed")
+	v := e.mount(map[string]string{driver.AttrCapture: "brief", driver.AttrTTL: "1s"}, false)
+	write(t, v.Target, "f", "brief")
+	e.umount(v)
+	require.NoError(t, e.p.Wait(60*time.Second), "the plugin dies after freeing the data, before forgetting the volume")
+	e.p.Restart()
+	eventually(t, "the destroyed volume to be forgotten", func() bool {
+		_, err := os.Stat(filepath.Join(e.p.StateDir, "volumes", "ci", "brief"))
+		return errors.Is(err, os.ErrNotExist) && code(e.publish(e.volume(map[string]string{driver.AttrSource: "brief"}, true))) == codes.NotFound
+	})
+	e.read("keep", func(dir string) { require.Equal(t, "kept", readFile(t, dir, "f")) })
 	e.noLeaks(t)
 }

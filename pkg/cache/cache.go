@@ -12,7 +12,10 @@
 package cache
 
 import (
+	"bytes"
+	"crypto/rand"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -52,9 +55,16 @@ type Volume struct {
 	Inodes    int64     `json:"inodes"`
 	CreatedAt time.Time `json:"createdAt"`
 	LastUsed  time.Time `json:"lastUsed"`
-	// Owner is the step volume that will be captured into this handle,
-	// while the volume is creating.
-	Owner string `json:"owner,omitempty"`
+	// Lease owns a creating volume: what will make it (a step volume to be
+	// captured into it). Recovery drops a reservation whose owner is gone.
+	Lease Lease `json:"lease,omitzero"`
+	// DestroyOnCommit marks a creating volume destroyed while it was
+	// being made: it commits straight to destroying.
+	DestroyOnCommit bool `json:"destroyOnCommit,omitempty"`
+	// TTL destroys the volume that long after its last use (0: never).
+	TTL time.Duration `json:"ttl,omitempty"`
+	// Pin protects the volume from TTL expiry and eviction.
+	Pin Pin `json:"pin,omitzero"`
 	// Synced says the volume's data has reached the disk (a syncfs after
 	// its capture). A ready volume that a reboot caught unsynced may be
 	// torn, and is marked failed.
@@ -63,6 +73,30 @@ type Volume struct {
 
 // Ref is the volume's identity.
 func (v Volume) Ref() volume.Ref { return volume.Ref{Namespace: v.Namespace, Handle: v.Handle} }
+
+// LeaseKind names what owns a reservation.
+type LeaseKind string
+
+// LeaseView: a step volume (by volume ID) will be captured into it.
+const LeaseView LeaseKind = "view"
+
+// Lease names the owner of a volume being made.
+type Lease struct {
+	Kind LeaseKind `json:"kind"`
+	ID   string    `json:"id"`
+}
+
+func viewLease(volumeID string) Lease { return Lease{Kind: LeaseView, ID: volumeID} }
+
+// Pin protects a volume from TTL expiry and eviction, until Until (zero:
+// for good).
+type Pin struct {
+	Pinned bool      `json:"pinned,omitempty"`
+	Until  time.Time `json:"until,omitzero"`
+}
+
+// Active says whether the pin protects the volume at now.
+func (p Pin) Active(now time.Time) bool { return p.Pinned && (p.Until.IsZero() || now.Before(p.Until)) }
 
 // ViewState is the life-cycle state of a published step volume.
 type ViewState string
@@ -89,6 +123,8 @@ type View struct {
 	Properties map[string]string `json:"properties,omitempty"`
 	ReadOnly   bool              `json:"readOnly,omitempty"`
 	Pod        volume.Pod        `json:"pod"`
+	// TTL is given to the captured volume.
+	TTL time.Duration `json:"ttl,omitempty"`
 	// SizeLimit caps what the step may write (bytes; 0: none), and
 	// QuotaID is the project quota enforcing it where project quotas do.
 	SizeLimit int64  `json:"sizeLimit,omitempty"`
@@ -128,6 +164,8 @@ var (
 	ErrInUse          = errors.New("in use")
 	ErrHasChildren    = errors.New("has children")
 	ErrWrongViewState = errors.New("step volume is in the wrong state")
+	// ErrBackoff: captures into the handle failed lately; retry later.
+	ErrBackoff = errors.New("backing off")
 )
 
 // Remover deletes a tree from disk; it must treat a missing path as done.
@@ -137,13 +175,25 @@ var (
 	volumesBucket = []byte("volumes")
 	viewsBucket   = []byte("views")
 	metaBucket    = []byte("meta")
-	bootKey       = []byte("boot")
-	schemaKey     = []byte("schema")
+	// childrenBucket indexes base → child (key "base\x00child"), and
+	// pinsBucket pinned volume → step volume ("volume\x00volumeID"), so
+	// that whether a volume may go is a prefix scan, not a scan of all.
+	childrenBucket = []byte("children")
+	pinsBucket     = []byte("pins")
+	// failuresBucket counts a handle's failed volumes, for backoff.
+	failuresBucket = []byte("failures")
+	bootKey        = []byte("boot")
+	schemaKey      = []byte("schema")
+	storeIDKey     = []byte("storeID")
+	revisionKey    = []byte("revision")
 )
 
+var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket}
+
 // schemaVersion is the metadata layout this code writes: 1 keys volumes by
-// namespace/handle and keeps their data under volumes/<namespace>/<handle>.
-// Version 0 (no key) keyed them by handle alone, under layers/<handle>.
+// namespace/handle, keeps their data under volumes/<namespace>/<handle>,
+// and indexes children and pins. Version 0 (no key) keyed them by handle
+// alone, under layers/<handle>.
 const schemaVersion = "1"
 
 // Store is the node's volume store. It is safe for concurrent use; bbolt
@@ -151,6 +201,7 @@ const schemaVersion = "1"
 type Store struct {
 	dir string
 	db  *bolt.DB
+	id  string
 }
 
 // Open opens (creating if needed) the store under dir, migrating metadata
@@ -170,13 +221,28 @@ func Open(dir string) (*Store, error) {
 	fresh := false
 	err = db.Update(func(tx *bolt.Tx) error {
 		fresh = tx.Bucket(volumesBucket) == nil
-		for _, b := range [][]byte{volumesBucket, viewsBucket, metaBucket} {
+		for _, b := range allBuckets {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
 		}
+		meta := tx.Bucket(metaBucket)
+		if id := meta.Get(storeIDKey); id != nil {
+			s.id = string(id)
+		} else {
+			// Made on first use: a wiped state dir gets a new one, which
+			// tells a controller it holds nothing it held before.
+			var b [16]byte
+			if _, err := rand.Read(b[:]); err != nil {
+				return err
+			}
+			s.id = hex.EncodeToString(b[:])
+			if err := meta.Put(storeIDKey, []byte(s.id)); err != nil {
+				return err
+			}
+		}
 		if fresh {
-			return tx.Bucket(metaBucket).Put(schemaKey, []byte(schemaVersion))
+			return meta.Put(schemaKey, []byte(schemaVersion))
 		}
 		return nil
 	})
@@ -195,6 +261,48 @@ func (s *Store) Close() error { return s.db.Close() }
 
 // Dir is the state dir.
 func (s *Store) Dir() string { return s.dir }
+
+// ID is the store's identity: random, made when the state dir was first
+// used.
+func (s *Store) ID() string { return s.id }
+
+// Revision counts the changes to the volumes: it grows with every one.
+func (s *Store) Revision() uint64 {
+	var rev uint64
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		if raw := tx.Bucket(metaBucket).Get(revisionKey); len(raw) == 8 {
+			rev = binary.BigEndian.Uint64(raw)
+		}
+		return nil
+	})
+	return rev
+}
+
+// bump records one more change to the volumes.
+func bump(tx *bolt.Tx) error {
+	meta := tx.Bucket(metaBucket)
+	var rev uint64
+	if raw := meta.Get(revisionKey); len(raw) == 8 {
+		rev = binary.BigEndian.Uint64(raw)
+	}
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], rev+1)
+	return meta.Put(revisionKey, b[:])
+}
+
+// indexKey is "from\x00to": handles, namespaces and volume IDs hold no NUL.
+func indexKey(from, to string) []byte { return []byte(from + "\x00" + to) }
+
+// indexed lists what an index holds for from.
+func indexed(b *bolt.Bucket, from string) []string {
+	var out []string
+	prefix := []byte(from + "\x00")
+	c := b.Cursor()
+	for k, _ := c.Seek(prefix); k != nil && bytes.HasPrefix(k, prefix); k, _ = c.Next() {
+		out = append(out, string(k[len(prefix):]))
+	}
+	return out
+}
 
 // VolumeDir holds every data dir of a volume. Namespaces and handles are
 // validated names (no slash, no leading dot), so the path cannot escape.
@@ -334,7 +442,9 @@ func (s *Store) chain(vols *bolt.Bucket, r volume.Ref) (refs []volume.Ref, dirs 
 		if !ok {
 			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is missing: %w", r.Handle, ErrUnusable)
 		}
-		if v.State != volume.StateReady {
+		// A destroyed volume is hidden, but its data stays for the
+		// children built on it.
+		if v.State != volume.StateReady && (cur == r || v.State != volume.StateDestroying) {
 			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is %s: %w", r.Handle, v.State, ErrUnusable)
 		}
 		refs = append(refs, cur)
@@ -396,7 +506,7 @@ func (s *Store) Publish(v View) (View, error) {
 				return err
 			}
 			switch {
-			case !ok || !readable(src, v.Pod.Namespace):
+			case !ok || !readable(src, v.Pod.Namespace) || src.State == volume.StateDestroying:
 				return notVisible(v.Source, v.Pod.Namespace)
 			case src.State == volume.StateCreating:
 				return fmt.Errorf("source volume %q is still being captured: %w", v.Source.Handle, ErrNotReady)
@@ -406,12 +516,20 @@ func (s *Store) Publish(v View) (View, error) {
 			if v.Pins, v.Lowers, err = s.chain(vols, v.Source); err != nil {
 				return err
 			}
+			for _, p := range v.Pins {
+				if err := tx.Bucket(pinsBucket).Put(indexKey(p.String(), v.VolumeID), nil); err != nil {
+					return err
+				}
+			}
 			src.LastUsed = now
 			if err := putJSON(vols, key(v.Source), src); err != nil {
 				return err
 			}
 		}
 		if c := v.CaptureRef(); !c.IsZero() {
+			if err := checkBackoff(tx, c, now); err != nil {
+				return err
+			}
 			if old, ok, err := getJSON[Volume](vols, key(c)); err != nil {
 				return err
 			} else if ok {
@@ -419,8 +537,8 @@ func (s *Store) Publish(v View) (View, error) {
 			}
 			reserved := Volume{
 				Namespace: c.Namespace, Handle: c.Handle, Parent: v.Source, Layer: fmt.Sprintf("l%x", now.UnixNano()),
-				State: volume.StateCreating, Scope: v.Scope, Properties: v.Properties,
-				SizeBytes: -1, Inodes: -1, CreatedAt: now, LastUsed: now, Owner: v.VolumeID,
+				State: volume.StateCreating, Scope: v.Scope, Properties: v.Properties, TTL: v.TTL,
+				SizeBytes: -1, Inodes: -1, CreatedAt: now, LastUsed: now, Lease: viewLease(v.VolumeID),
 			}
 			if err := putJSON(vols, key(c), reserved); err != nil {
 				return err
@@ -435,9 +553,22 @@ func (s *Store) Publish(v View) (View, error) {
 		}
 		v.State = ViewPublishing
 		v.CreatedAt = now
+		if err := bump(tx); err != nil {
+			return err
+		}
 		return putJSON(views, []byte(v.VolumeID), v)
 	})
 	return v, err
+}
+
+// unpin drops a step volume's pins from the index.
+func unpin(tx *bolt.Tx, v View) error {
+	for _, p := range v.Pins {
+		if err := tx.Bucket(pinsBucket).Delete(indexKey(p.String(), v.VolumeID)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Project quota IDs cowvol hands out: a range of its own, clear of the small
@@ -494,7 +625,7 @@ func (s *Store) CaptureTarget(view View) (Volume, error) {
 	if err != nil {
 		return v, err
 	}
-	if v.State != volume.StateCreating || v.Owner != view.VolumeID {
+	if v.State != volume.StateCreating || v.Lease != viewLease(view.VolumeID) {
 		return v, fmt.Errorf("capture handle %q is %s and not reserved by %q: %w", view.Capture, v.State, view.VolumeID, ErrExists)
 	}
 	return v, nil
@@ -519,18 +650,27 @@ func (s *Store) CommitCapture(volumeID string, diff bool) (Volume, error) {
 		if err != nil {
 			return err
 		}
-		if !ok || vol.State != volume.StateCreating || vol.Owner != volumeID {
+		if !ok || vol.State != volume.StateCreating || vol.Lease != viewLease(volumeID) {
 			return fmt.Errorf("capture handle %q is not reserved by %q: %w", view.Capture, volumeID, ErrExists)
 		}
 		if diff {
 			vol.Base = view.Source
+			if err := tx.Bucket(childrenBucket).Put(indexKey(vol.Base.String(), c.String()), nil); err != nil {
+				return err
+			}
 		}
 		now := time.Now()
-		vol.State, vol.Owner, vol.CreatedAt, vol.LastUsed = volume.StateReady, "", now, now
+		vol.State, vol.Lease, vol.CreatedAt, vol.LastUsed = volume.StateReady, Lease{}, now, now
+		if vol.DestroyOnCommit {
+			vol.State = volume.StateDestroying
+		}
 		if err := putJSON(vols, key(c), vol); err != nil {
 			return err
 		}
 		out = vol
+		if err := errors.Join(unpin(tx, view), bump(tx), tx.Bucket(failuresBucket).Delete(key(c))); err != nil {
+			return err
+		}
 		return views.Delete([]byte(volumeID))
 	})
 	return out, err
@@ -551,12 +691,15 @@ func (s *Store) DropView(volumeID string) (reservedDir string, err error) {
 			if err != nil {
 				return err
 			}
-			if found && vol.State == volume.StateCreating && vol.Owner == volumeID {
+			if found && vol.State == volume.StateCreating && vol.Lease == viewLease(volumeID) {
 				reservedDir = s.VolumeDir(c)
 				if err := vols.Delete(key(c)); err != nil {
 					return err
 				}
 			}
+		}
+		if err := errors.Join(unpin(tx, view), bump(tx)); err != nil {
+			return err
 		}
 		return views.Delete([]byte(volumeID))
 	})
@@ -579,12 +722,22 @@ func (s *Store) ReplaceLayer(r volume.Ref, layer string) error {
 			return fmt.Errorf("volume %s is %s: %w", r, v.State, ErrUnusable)
 		}
 		v.OldLayers = append(v.OldLayers, v.Layer)
-		v.Layer, v.Base = layer, volume.Ref{}
+		v.Layer = layer
 		return nil
+	}, func(tx *bolt.Tx, v *Volume) error {
+		// A root layer rests on nothing: its base holds no data for it.
+		if v.Base.IsZero() {
+			return nil
+		}
+		err := tx.Bucket(childrenBucket).Delete(indexKey(v.Base.String(), r.String()))
+		v.Base = volume.Ref{}
+		return err
 	})
 }
 
-func (s *Store) update(r volume.Ref, change func(*Volume) error) error {
+// update changes a volume in one transaction; also runs after the change,
+// in the same transaction, for index upkeep.
+func (s *Store) update(r volume.Ref, change func(*Volume) error, also ...func(*bolt.Tx, *Volume) error) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		vols := tx.Bucket(volumesBucket)
 		v, ok, err := getJSON[Volume](vols, key(r))
@@ -595,6 +748,14 @@ func (s *Store) update(r volume.Ref, change func(*Volume) error) error {
 			return fmt.Errorf("volume %s: %w", r, ErrNotFound)
 		}
 		if err := change(&v); err != nil {
+			return err
+		}
+		for _, fn := range also {
+			if err := fn(tx, &v); err != nil {
+				return err
+			}
+		}
+		if err := bump(tx); err != nil {
 			return err
 		}
 		return putJSON(vols, key(r), v)
@@ -645,58 +806,6 @@ func (s *Store) MarkSynced(refs []volume.Ref) error {
 	})
 }
 
-// usersOf says why a volume may not go: its children and the views pinning it.
-func usersOf(tx *bolt.Tx, r volume.Ref) error {
-	vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
-	for _, c := range vols {
-		if c.Parent == r || c.Base == r {
-			return fmt.Errorf("volume %s has child %s: %w", r, c.Ref(), ErrHasChildren)
-		}
-	}
-	views, _ := listJSON[View](tx.Bucket(viewsBucket))
-	for _, v := range views {
-		if slices.Contains(v.Pins, r) {
-			return fmt.Errorf("volume %s is mounted by step volume %q: %w", r, v.VolumeID, ErrInUse)
-		}
-	}
-	return nil
-}
-
-// Destroy removes a volume and its data. It refuses while the volume has
-// children or is in use, and a missing volume counts as destroyed.
-func (s *Store) Destroy(r volume.Ref, remove Remover) error {
-	var doomed Volume
-	err := s.db.Update(func(tx *bolt.Tx) error {
-		vols := tx.Bucket(volumesBucket)
-		v, ok, err := getJSON[Volume](vols, key(r))
-		if err != nil || !ok {
-			return err
-		}
-		if v.State == volume.StateCreating {
-			return fmt.Errorf("volume %s is being captured by %q: %w", r, v.Owner, ErrInUse)
-		}
-		if err := usersOf(tx, r); err != nil {
-			return err
-		}
-		v.State = volume.StateDestroying
-		doomed = v
-		return putJSON(vols, key(r), v)
-	})
-	if err != nil || doomed.Handle == "" {
-		return err
-	}
-	return s.finishDestroy(doomed, remove)
-}
-
-func (s *Store) finishDestroy(v Volume, remove Remover) error {
-	if err := remove(s.VolumeDir(v.Ref())); err != nil {
-		return fmt.Errorf("removing data of %s: %w", v.Ref(), err)
-	}
-	return s.db.Update(func(tx *bolt.Tx) error {
-		return tx.Bucket(volumesBucket).Delete(key(v.Ref()))
-	})
-}
-
 // PruneLayers removes data dirs that flattening replaced and that no view
 // mounts any longer.
 func (s *Store) PruneLayers(remove Remover) error {
@@ -733,7 +842,7 @@ func (s *Store) PruneLayers(remove Remover) error {
 
 // RecoveryReport says what Recover found and did.
 type RecoveryReport struct {
-	Ready, DroppedReservations, FinishedDestroys, MarkedFailed, RemovedOrphans int
+	Ready, DroppedReservations, Destroying, MarkedFailed, RemovedOrphans int
 	// BadRecords are metadata entries that do not decode: left alone,
 	// never served.
 	BadRecords []string
@@ -756,21 +865,16 @@ func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
 	known := map[volume.Ref]Volume{}
 	for _, v := range s.List() {
 		switch {
-		case v.State == volume.StateCreating && !live[v.Owner]:
-			errs = append(errs, s.finishDestroy(v, remove))
+		case v.State == volume.StateCreating && !s.leaseLive(v.Lease, live):
+			errs = append(errs, s.remove(v, remove))
 			rep.DroppedReservations++
 			continue
 		case v.State == volume.StateDestroying:
-			errs = append(errs, s.finishDestroy(v, remove))
-			rep.FinishedDestroys++
-			continue
+			rep.Destroying++ // the reaper frees them once nothing holds them
 		case v.State == volume.StateReady:
 			_, statErr := os.Lstat(s.DataPath(v))
 			if statErr != nil || (rebooted && !v.Synced) {
-				errs = append(errs, s.update(v.Ref(), func(cur *Volume) error {
-					cur.State = volume.StateFailed
-					return nil
-				}))
+				errs = append(errs, s.MarkFailed(v.Ref()))
 				rep.MarkedFailed++
 			} else {
 				rep.Ready++

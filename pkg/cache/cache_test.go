@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	bolt "go.etcd.io/bbolt"
@@ -114,27 +115,147 @@ func TestChainsAcrossNamespaces(t *testing.T) {
 	require.NotContains(t, err.Error(), `"a"`)
 }
 
-func TestDestroyRefusesChildrenAndUsers(t *testing.T) {
+// Destroy hides a volume at once; its data goes once nothing holds it: not
+// a step volume mounting it, not a child whose layer is a diff over it.
+func TestDestroyHidesAtOnceAndReapsWhenFree(t *testing.T) {
 	s := openStore(t)
-	ready(t, s, "ci", "parent", volume.Ref{}, volume.ScopeNamespace, nil)
+	parent := ready(t, s, "ci", "parent", volume.Ref{}, volume.ScopeNamespace, nil)
 	child := ready(t, s, "ci", "child", ref("ci", "parent"), volume.ScopeNamespace, nil)
-	require.ErrorIs(t, s.Destroy(ref("ci", "parent"), os.RemoveAll), ErrHasChildren)
-
 	_, err := s.Publish(View{VolumeID: "reader", Source: ref("ci", "child"), Pod: pod("ci")})
 	require.NoError(t, err)
-	require.ErrorIs(t, s.Destroy(ref("ci", "child"), os.RemoveAll), ErrInUse)
-	_, err = s.DropView("reader")
-	require.NoError(t, err)
+	require.Equal(t, Holders{Children: []volume.Ref{ref("ci", "child")}, Views: []string{"reader"}}, s.Holders(ref("ci", "parent")))
 
-	require.NoError(t, s.Destroy(ref("ci", "child"), os.RemoveAll))
-	_, err = os.Stat(s.DataPath(child))
-	require.ErrorIs(t, err, os.ErrNotExist)
-	require.NoError(t, s.Destroy(ref("ci", "child"), os.RemoveAll), "destroy is idempotent")
-	require.NoError(t, s.Destroy(ref("ci", "parent"), os.RemoveAll), "no children left")
+	require.NoError(t, s.Destroy(ref("ci", "parent")))
+	require.NoError(t, s.Destroy(ref("ci", "parent")), "destroy is idempotent")
+	require.NoError(t, s.Destroy(ref("ci", "nope")), "a missing volume counts as destroyed")
+	_, err = s.Publish(View{VolumeID: "r2", Source: ref("ci", "parent"), Pod: pod("ci")})
+	require.ErrorIs(t, err, ErrNotFound, "hidden at once")
+	require.Empty(t, s.Reapable(), "its child and a reader hold its data")
+	require.ErrorIs(t, s.Reap(ref("ci", "parent"), os.RemoveAll), ErrInUse)
+	_, err = s.Publish(View{VolumeID: "r3", Source: ref("ci", "child"), Pod: pod("ci")})
+	require.NoError(t, err, "the child still works")
 
+	require.NoError(t, s.Destroy(ref("ci", "child")))
+	require.Empty(t, s.Reapable(), "readers hold both")
+	for _, id := range []string{"reader", "r3"} {
+		_, err = s.DropView(id)
+		require.NoError(t, err)
+	}
+	require.Equal(t, []volume.Ref{ref("ci", "child")}, refs(s.Reapable()), "the child first: it holds its parent")
+	require.NoError(t, s.Reap(ref("ci", "child"), os.RemoveAll))
+	require.Equal(t, []volume.Ref{ref("ci", "parent")}, refs(s.Reapable()))
+	require.NoError(t, s.Reap(ref("ci", "parent"), os.RemoveAll))
+	for _, v := range []Volume{parent, child} {
+		_, err = os.Stat(s.DataPath(v))
+		require.ErrorIs(t, err, os.ErrNotExist)
+	}
+	require.Empty(t, s.List())
+
+	// A volume being made is destroyed when its capture commits.
 	_, err = s.Publish(View{VolumeID: "w", Capture: "wip", Pod: pod("ci")})
 	require.NoError(t, err)
-	require.ErrorIs(t, s.Destroy(ref("ci", "wip"), os.RemoveAll), ErrInUse, "a volume being captured stays")
+	require.NoError(t, s.Destroy(ref("ci", "wip")))
+	require.NoError(t, s.SetMounted("w", 1))
+	require.NoError(t, s.SetViewState("w", ViewPublished, ViewCapturing))
+	vol, err := s.CommitCapture("w", false)
+	require.NoError(t, err)
+	require.Equal(t, volume.StateDestroying, vol.State)
+}
+
+func refs(vols []Volume) []volume.Ref {
+	var out []volume.Ref
+	for _, v := range vols {
+		out = append(out, v.Ref())
+	}
+	return out
+}
+
+// Eviction candidates: unpinned leaves nobody mounts, least recently used
+// first; taking a leaf makes its base one.
+func TestCandidatesAndPins(t *testing.T) {
+	s := openStore(t)
+	ready(t, s, "ci", "old", volume.Ref{}, volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "base", volume.Ref{}, volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "leaf", ref("ci", "base"), volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "pinned", volume.Ref{}, volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "mounted", volume.Ref{}, volume.ScopeNamespace, nil)
+	_, err := s.Publish(View{VolumeID: "m", Source: ref("ci", "mounted"), Pod: pod("ci")})
+	require.NoError(t, err)
+	now := time.Now()
+	_, err = s.SetPin(ref("ci", "pinned"), true, time.Time{})
+	require.NoError(t, err)
+	require.Equal(t, []volume.Ref{ref("ci", "old"), ref("ci", "leaf")}, refs(s.Candidates(now)))
+	require.NoError(t, s.Destroy(ref("ci", "leaf")))
+	require.NoError(t, s.Reap(ref("ci", "leaf"), os.RemoveAll))
+	require.Equal(t, []volume.Ref{ref("ci", "old"), ref("ci", "base")}, refs(s.Candidates(now)))
+	_, err = s.SetPin(ref("ci", "pinned"), true, now.Add(time.Minute))
+	require.NoError(t, err)
+	require.NotContains(t, refs(s.Candidates(now)), ref("ci", "pinned"))
+	require.Contains(t, refs(s.Candidates(now.Add(2*time.Minute))), ref("ci", "pinned"), "a pin expires")
+}
+
+func TestTTLExpiry(t *testing.T) {
+	s := openStore(t)
+	v, err := s.Publish(View{VolumeID: "v", Capture: "short", TTL: time.Hour, Pod: pod("ci")})
+	require.NoError(t, err)
+	require.NoError(t, s.SetMounted(v.VolumeID, 1))
+	require.NoError(t, s.SetViewState(v.VolumeID, ViewPublished, ViewCapturing))
+	res, err := s.CaptureTarget(v)
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
+	_, err = s.CommitCapture(v.VolumeID, false)
+	require.NoError(t, err)
+	require.Empty(t, s.Expired(time.Now()))
+	require.Equal(t, []volume.Ref{ref("ci", "short")}, s.Expired(time.Now().Add(2*time.Hour)))
+	_, err = s.SetPin(ref("ci", "short"), true, time.Time{})
+	require.NoError(t, err)
+	require.Empty(t, s.Expired(time.Now().Add(2*time.Hour)), "a pin protects from the TTL")
+}
+
+// A handle whose volume failed backs off: captures into it are refused
+// with when to retry, the wait doubling per failure up to 10 minutes; a
+// successful capture clears it.
+func TestFailedHandleBacksOff(t *testing.T) {
+	s := openStore(t)
+	ready(t, s, "ci", "flaky", volume.Ref{}, volume.ScopeNamespace, nil)
+	require.NoError(t, s.MarkFailed(ref("ci", "flaky")))
+	require.NoError(t, s.Destroy(ref("ci", "flaky")))
+	require.NoError(t, s.Reap(ref("ci", "flaky"), os.RemoveAll))
+	_, err := s.Publish(View{VolumeID: "again", Capture: "flaky", Pod: pod("ci")})
+	require.ErrorIs(t, err, ErrBackoff)
+	require.Contains(t, err.Error(), "retry after")
+	_, err = s.Publish(View{VolumeID: "other-ns", Capture: "flaky", Pod: pod("other")})
+	require.NoError(t, err, "another namespace's handle is its own")
+	require.Equal(t, 10*time.Second, backoff(1))
+	require.Equal(t, 20*time.Second, backoff(2))
+	require.Equal(t, 10*time.Minute, backoff(50))
+	require.NoError(t, s.db.Update(func(tx *bolt.Tx) error {
+		return putJSON(tx.Bucket(failuresBucket), key(ref("ci", "flaky")), failure{Count: 1, RetryAfter: time.Now().Add(-time.Second)})
+	}))
+	ready(t, s, "ci", "flaky", volume.Ref{}, volume.ScopeNamespace, nil)
+	require.NoError(t, s.db.View(func(tx *bolt.Tx) error {
+		require.Nil(t, tx.Bucket(failuresBucket).Get(key(ref("ci", "flaky"))), "a good capture clears the record")
+		return nil
+	}))
+}
+
+func TestStoreIDAndRevision(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	require.NoError(t, err)
+	id, rev := s.ID(), s.Revision()
+	require.Len(t, id, 32)
+	ready(t, s, "ci", "x", volume.Ref{}, volume.ScopeNamespace, nil)
+	require.Greater(t, s.Revision(), rev, "every change counts")
+	require.NoError(t, s.Close())
+	s, err = Open(dir)
+	require.NoError(t, err)
+	require.Equal(t, id, s.ID(), "the ID stays with the state dir")
+	require.NoError(t, s.Close())
+	other, err := Open(t.TempDir())
+	require.NoError(t, err)
+	defer other.Close()
+	require.NotEqual(t, id, other.ID(), "a new state dir is a new store")
 }
 
 func TestRecoverDropsHalfMadeAndOrphans(t *testing.T) {
@@ -163,6 +284,8 @@ func TestRecoverDropsHalfMadeAndOrphans(t *testing.T) {
 	rep, err := s.Recover(os.RemoveAll, false)
 	require.NoError(t, err)
 	require.Equal(t, RecoveryReport{Ready: 1, DroppedReservations: 1, MarkedFailed: 1, RemovedOrphans: 4}, rep)
+	_, err = s.Publish(View{VolumeID: "retry", Capture: "lost", Pod: pod("ci")})
+	require.ErrorIs(t, err, ErrBackoff, "a failed volume's handle backs off")
 	_, err = s.Get(ref("ci", "half"))
 	require.ErrorIs(t, err, ErrNotFound)
 	_, err = s.Get(ref("ci", "pending"))

@@ -25,6 +25,7 @@ type v0Volume struct {
 	Volume
 	Parent string `json:"parent,omitempty"`
 	Base   string `json:"base,omitempty"`
+	Owner  string `json:"owner,omitempty"`
 }
 
 type v0View struct {
@@ -101,11 +102,19 @@ func (s *Store) migrateFrom0() error {
 		for _, old := range vols {
 			v := old.Volume
 			v.Parent, v.Base = ref(old.Parent), ref(old.Base)
+			if old.Owner != "" {
+				v.Lease = viewLease(old.Owner)
+			}
 			if err := vb.Delete([]byte(v.Handle)); err != nil {
 				return err
 			}
 			if err := putJSON(vb, key(v.Ref()), v); err != nil {
 				return err
+			}
+			if !v.Base.IsZero() {
+				if err := tx.Bucket(childrenBucket).Put(indexKey(v.Base.String(), v.Ref().String()), nil); err != nil {
+					return err
+				}
 			}
 		}
 		for _, old := range views {
@@ -124,6 +133,11 @@ func (s *Store) migrateFrom0() error {
 			}
 			if err := putJSON(wb, []byte(v.VolumeID), v); err != nil {
 				return err
+			}
+			for _, p := range v.Pins {
+				if err := tx.Bucket(pinsBucket).Put(indexKey(p.String(), v.VolumeID), nil); err != nil {
+					return err
+				}
 			}
 		}
 		return tx.Bucket(metaBucket).Put(schemaKey, []byte(schemaVersion))

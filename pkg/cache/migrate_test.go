@@ -63,6 +63,8 @@ func checkMigrated(t *testing.T, s *Store) {
 	dirs, err := s.Chain(ref("other", "out"))
 	require.NoError(t, err)
 	require.Equal(t, dirs, view.Lowers, "the view's lowers follow the move")
+	require.Equal(t, Holders{Views: []string{"csi-1"}, Children: []volume.Ref{ref("other", "out")}}, s.Holders(ref("ci", "res")),
+		"the indexes are built")
 	rep, err := s.Recover(os.RemoveAll, false)
 	require.NoError(t, err)
 	require.Equal(t, 3, rep.Ready)

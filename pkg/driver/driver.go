@@ -44,6 +44,9 @@ const DefaultDriverName = "cowvol.concourse-ci.org"
 // TopologyKey is the topology segment NodeGetInfo reports.
 const TopologyKey = "topology.cowvol.concourse-ci.org/node"
 
+// StoreTopologyKey is the segment that carries the node's store ID.
+const StoreTopologyKey = "topology.cowvol.concourse-ci.org/store"
+
 // maxKernelLayers is what overlayfs stacks at most.
 const maxKernelLayers = 500
 
@@ -77,6 +80,10 @@ type Options struct {
 	DefaultSizeLimit, MaxSizeLimit int64
 	// AllowSetuid mounts step volumes without nosuid.
 	AllowSetuid bool
+	// HighWatermark and LowWatermark are percent of the state dir's
+	// filesystem (bytes and inodes): over high, the node evicts until
+	// under low, and refuses captures while it cannot.
+	HighWatermark, LowWatermark int
 
 	// bootIDFile names the kernel's boot ID; tests point it elsewhere to
 	// pretend a reboot.
@@ -89,6 +96,7 @@ func (o Options) engineConfig() node.Config {
 		NodeID: o.NodeID, StateDir: o.StateDir, Backend: o.Backend, FlattenDepth: o.FlattenDepth,
 		KubeletDir: o.KubeletDir, DefaultSizeLimit: o.DefaultSizeLimit, MaxSizeLimit: o.MaxSizeLimit,
 		AllowSetuid: o.AllowSetuid, BootIDFile: o.bootIDFile,
+		Watermarks: node.Watermarks{High: o.HighWatermark, Low: o.LowWatermark},
 	}
 }
 
@@ -103,6 +111,9 @@ func (o *Options) Validate() error {
 	}
 	if o.StopTimeout == 0 {
 		o.StopTimeout = 30 * time.Second
+	}
+	if o.HighWatermark == 0 && o.LowWatermark == 0 {
+		o.HighWatermark, o.LowWatermark = 90, 80
 	}
 	if _, _, err := parseEndpoint(o.Endpoint); err != nil {
 		errs = append(errs, err)
@@ -132,6 +143,10 @@ func (o *Options) Validate() error {
 		}
 		if o.DefaultSizeLimit < 0 || o.MaxSizeLimit < 0 {
 			errs = append(errs, errors.New("size limits cannot be negative"))
+		}
+		if o.LowWatermark < 1 || o.HighWatermark > 100 || o.LowWatermark >= o.HighWatermark {
+			errs = append(errs, fmt.Errorf("watermarks %d%% (low) and %d%% (high) are invalid: want 1 <= low < high <= 100",
+				o.LowWatermark, o.HighWatermark))
 		}
 		if o.MaxSizeLimit > 0 && o.DefaultSizeLimit > o.MaxSizeLimit {
 			errs = append(errs, fmt.Errorf("the default size limit (%d bytes) exceeds the maximum (%d bytes)", o.DefaultSizeLimit, o.MaxSizeLimit))

@@ -1,25 +1,10 @@
 package driver
 
 import (
-	"context"
 	"testing"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-func TestNodeGetInfoAndCapabilities(t *testing.T) {
-	n := &nodeService{nodeID: "node-1"}
-	info, err := n.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
-	require.NoError(t, err)
-	assert.Equal(t, "node-1", info.NodeId)
-	assert.Equal(t, "node-1", info.AccessibleTopology.Segments[TopologyKey])
-	caps, err := n.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{})
-	require.NoError(t, err)
-	require.Len(t, caps.Capabilities, 1)
-	assert.Equal(t, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS, caps.Capabilities[0].GetRpc().GetType())
-}
 
 func TestOptionsValidate(t *testing.T) {
 	good := func() Options {
@@ -44,6 +29,8 @@ func TestOptionsValidate(t *testing.T) {
 		{"relative kubelet dir", func(o *Options) { o.KubeletDir = "kubelet" }, "kubelet dir"},
 		{"negative limit", func(o *Options) { o.MaxSizeLimit = -1 }, "negative"},
 		{"default over max", func(o *Options) { o.DefaultSizeLimit, o.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
+		{"watermarks crossed", func(o *Options) { o.HighWatermark, o.LowWatermark = 70, 80 }, "watermarks"},
+		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
 		{"registration needs a unix endpoint", func(o *Options) {
 			o.Endpoint = "tcp://127.0.0.1:1"

@@ -65,10 +65,29 @@ func (k *kubeEvents) Event(pod volume.Pod, eventType, reason, message string) {
 		FirstTimestamp: now, LastTimestamp: now, Count: 1,
 		ReportingController: k.driver, ReportingInstance: k.node,
 	}
+	k.enqueue(ev)
+}
+
+// NodeEvent implements node.PodEvents: an event on this node's Node object,
+// where an operator watching the node looks.
+func (k *kubeEvents) NodeEvent(eventType, reason, message string) {
+	now := metav1.NewTime(time.Now())
+	ev := &corev1.Event{
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: k.node + ".", Namespace: metav1.NamespaceDefault},
+		InvolvedObject: corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: k.node, UID: types.UID(k.node)},
+		Type:           eventType, Reason: reason, Message: message,
+		Source:         corev1.EventSource{Component: "cowvol", Host: k.node},
+		FirstTimestamp: now, LastTimestamp: now, Count: 1,
+		ReportingController: k.driver, ReportingInstance: k.node,
+	}
+	k.enqueue(ev)
+}
+
+func (k *kubeEvents) enqueue(ev *corev1.Event) {
 	select {
 	case k.queue <- ev:
 	default:
-		klog.InfoS("Dropping a Kubernetes Event: the queue is full", "pod", klog.KRef(pod.Namespace, pod.Name), "reason", reason)
+		klog.InfoS("Dropping a Kubernetes Event: the queue is full", "object", klog.KRef(ev.InvolvedObject.Namespace, ev.InvolvedObject.Name), "reason", ev.Reason)
 	}
 }
 

@@ -25,9 +25,12 @@ type nodeService struct {
 }
 
 func (n *nodeService) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	// The store's ID rides along as a topology segment (the kubelet
+	// labels the Node with it): a node whose state dir was wiped shows a
+	// new one.
 	return &csi.NodeGetInfoResponse{
 		NodeId:             n.nodeID,
-		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: n.nodeID}},
+		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: n.nodeID, StoreTopologyKey: n.engine.StoreID()}},
 	}, nil
 }
 
@@ -80,7 +83,7 @@ func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	}
 	err = n.engine.Publish(node.PublishRequest{
 		VolumeID: req.GetVolumeId(), Target: tp, Source: vr.Source, Capture: vr.Capture, Scope: vr.Scope,
-		Properties: vr.Properties, ReadOnly: vr.ReadOnly, Pod: vr.Pod, SizeLimit: vr.SizeLimit,
+		Properties: vr.Properties, ReadOnly: vr.ReadOnly, Pod: vr.Pod, SizeLimit: vr.SizeLimit, TTL: vr.TTL,
 	})
 	if err != nil {
 		return nil, engineError(err)
@@ -126,8 +129,8 @@ func engineError(err error) error {
 	switch {
 	case errors.Is(err, cache.ErrNotFound), errors.Is(err, node.ErrElsewhere):
 		code = codes.NotFound
-	case errors.Is(err, cache.ErrNotReady):
-		code = codes.Unavailable // retryable: the capture will finish
+	case errors.Is(err, cache.ErrNotReady), errors.Is(err, cache.ErrBackoff):
+		code = codes.Unavailable // retryable: the capture will finish, the backoff end
 	case errors.Is(err, cache.ErrExists), errors.Is(err, node.ErrOtherAttributes):
 		code = codes.AlreadyExists
 	case errors.Is(err, node.ErrBusy):
@@ -139,7 +142,7 @@ func engineError(err error) error {
 		errors.Is(err, target.ErrUnsafe), errors.Is(err, target.ErrGone),
 		errors.Is(err, node.ErrLimitsOff), errors.Is(err, node.ErrNotCowvols):
 		code = codes.FailedPrecondition
-	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT), errors.Is(err, node.ErrNodeFull):
 		code = codes.ResourceExhausted
 	}
 	return status.Error(code, err.Error())

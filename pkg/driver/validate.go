@@ -4,6 +4,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -22,6 +23,7 @@ const (
 	AttrCapture         = "capture"
 	AttrScope           = "scope"
 	AttrSizeLimit       = "sizeLimit"
+	AttrTTL             = "ttl"
 	AttrPropertyPrefix  = "property."
 )
 
@@ -40,7 +42,7 @@ var kubeletKeys = map[string]bool{
 	ctxServiceAccount: true, ctxSATokens: true,
 }
 
-const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, property.<key>"
+const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, property.<key>"
 
 // Limits on caller-chosen strings.
 const (
@@ -58,6 +60,7 @@ type volumeRequest struct {
 	Capture    string
 	Scope      volume.Scope
 	SizeLimit  int64 // bytes; 0: none asked for
+	TTL        time.Duration
 	Properties map[string]string
 	Pod        volume.Pod
 	ReadOnly   bool
@@ -173,6 +176,12 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 			default:
 				return r, invalid("attribute scope %s is invalid: want namespace or cluster", volume.Quote(v))
 			}
+		case k == AttrTTL:
+			d, err := time.ParseDuration(v)
+			if err != nil || d <= 0 {
+				return r, invalid("attribute ttl %s is invalid: want a positive duration such as 72h", volume.Quote(v))
+			}
+			r.TTL = d
 		case k == AttrSizeLimit:
 			q, err := resource.ParseQuantity(v)
 			if err != nil || q.Sign() <= 0 {
@@ -198,8 +207,8 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	if len(r.Properties) > maxProperties {
 		return r, invalid("%d properties given: at most %d", len(r.Properties), maxProperties)
 	}
-	if r.Capture == "" && (scopeSet || r.Properties != nil) {
-		return r, invalid("attributes scope and property.* describe a captured volume: they need capture")
+	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0) {
+		return r, invalid("attributes scope, ttl and property.* describe a captured volume: they need capture")
 	}
 	if sourceNS != "" && r.Source.IsZero() {
 		return r, invalid("attribute sourceNamespace names the namespace of source: it needs source")

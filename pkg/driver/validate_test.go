@@ -3,6 +3,7 @@ package driver
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/assert"
@@ -63,6 +64,9 @@ func TestParseVolumeContext(t *testing.T) {
 		{"bad source", kubeletContext("source", "../x"), codes.InvalidArgument, "source", volumeRequest{}},
 		{"bad source namespace", kubeletContext("source", "x", "sourceNamespace", "A_B"), codes.InvalidArgument, "sourceNamespace", volumeRequest{}},
 		{"source namespace without source", kubeletContext("sourceNamespace", "team-b"), codes.InvalidArgument, "needs source", volumeRequest{}},
+		{"capture with a TTL", kubeletContext("capture", "out", "ttl", "72h"), codes.OK, "", volumeRequest{Capture: "out", TTL: 72 * time.Hour}},
+		{"bad TTL", kubeletContext("capture", "out", "ttl", "-1h"), codes.InvalidArgument, "ttl", volumeRequest{}},
+		{"TTL without capture", kubeletContext("ttl", "1h"), codes.InvalidArgument, "need capture", volumeRequest{}},
 		{"bad size limit", kubeletContext("sizeLimit", "lots"), codes.InvalidArgument, "sizeLimit", volumeRequest{}},
 		{"zero size limit", kubeletContext("sizeLimit", "0"), codes.InvalidArgument, "positive", volumeRequest{}},
 		{"negative size limit", kubeletContext("sizeLimit", "-1Gi"), codes.InvalidArgument, "positive", volumeRequest{}},

@@ -60,6 +60,8 @@ type Config struct {
 	// MaxSizeLimit any (bytes; 0: none).
 	DefaultSizeLimit, MaxSizeLimit int64
 	AllowSetuid                    bool
+	// Watermarks bound the state dir's filesystem's fill (percent).
+	Watermarks Watermarks
 	// BootIDFile names the kernel's boot ID (default: the kernel's own);
 	// tests point it elsewhere to pretend a reboot.
 	BootIDFile string
@@ -88,6 +90,8 @@ type Engine struct {
 	defaultLimit, maxLimit int64
 	usage                  usageCache
 	quarantine             quarantine
+	watermarks             Watermarks
+	pressure               pressure
 
 	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
 	// outlives any one call: a kubelet giving up on a call must not abort
@@ -97,6 +101,7 @@ type Engine struct {
 	bg       sync.WaitGroup
 	janitor  chan struct{}
 	syncer   chan struct{}
+	reaper   chan struct{}
 
 	// boot is this kernel boot's ID: what survives a reboot is only what
 	// was synced before it.
@@ -117,6 +122,11 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	} else if err := overlay.Supports(kind, cfg.StateDir, m); err != nil {
 		return nil, fmt.Errorf("COW backend %s does not work under %s: %w", kind, cfg.StateDir, err)
 	}
+	if cfg.Watermarks.High == 0 {
+		cfg.Watermarks = Watermarks{High: 90, Low: 80}
+	}
+	klog.InfoS("Opened the node's store", "stateDir", cfg.StateDir, "storeID", store.ID(),
+		"highWatermark", cfg.Watermarks.High, "lowWatermark", cfg.Watermarks.Low)
 	limiter, limitsOff := overlay.ProbeLimits(cfg.StateDir, kind)
 	if limitsOff != nil {
 		klog.InfoS("Size limits are off: sizeLimit attributes are refused", "stateDir", cfg.StateDir, "backend", kind, "reason", limitsOff)
@@ -149,7 +159,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
-		boot: strings.TrimSpace(string(boot)),
+		reaper: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
 	}
 	e.metrics = newMetrics(e, string(kind))
 	if err := e.recover(); err != nil {
@@ -159,6 +169,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	e.onKick(e.janitor, e.tidyRound)
 	e.onKick(e.syncer, e.syncRound)
 	e.goBackground(e.retryQuarantined)
+	e.Go(e.reapLoop)
 	e.tidy()
 	e.kick(e.syncer)
 	return e, nil
@@ -169,6 +180,10 @@ func (e *Engine) Close() {
 	e.bgCancel()
 	e.bg.Wait()
 }
+
+// StoreID is the identity of the node's store: a wiped state dir has a new
+// one.
+func (e *Engine) StoreID() string { return e.store.ID() }
 
 // Backend says which COW backend the engine runs.
 func (e *Engine) Backend() overlay.Kind { return e.backend.Kind() }
@@ -237,8 +252,12 @@ func (e *Engine) syncRound() {
 	klog.V(4).InfoS("Synced captured volumes", "count", len(refs), "duration", time.Since(start))
 }
 
-// tidyRound empties the trash and prunes layers flattening replaced.
+// tidyRound empties the trash, prunes layers flattening replaced, and sets
+// the metadata's reserve aside again once there is room.
 func (e *Engine) tidyRound() {
+	if err := e.store.Reserve(); err != nil {
+		klog.V(2).InfoS("No room yet to set the metadata reserve aside", "err", err)
+	}
 	if err := e.store.EmptyTrash(overlay.RemoveTree); err != nil {
 		klog.ErrorS(err, "Emptying the trash")
 	}

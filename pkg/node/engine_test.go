@@ -78,13 +78,20 @@ func newFixture(t *testing.T) *fixture {
 	return newFixtureAt(t, t.TempDir(), "")
 }
 
-// newFixtureAt runs a node service on stateDir, reading the boot ID from
+// newFixtureAt runs an engine on stateDir, reading the boot ID from
 // bootIDFile (the kernel's when empty).
 func newFixtureAt(t *testing.T, stateDir, bootIDFile string) *fixture {
 	t.Helper()
+	return newFixtureWith(t, stateDir, func(c *Config) { c.BootIDFile = bootIDFile })
+}
+
+// newFixtureWith runs an engine on stateDir, its config changed by change.
+func newFixtureWith(t *testing.T, stateDir string, change func(*Config)) *fixture {
+	t.Helper()
 	testfs.Need(t)
 	f := &fixture{t: t, pods: t.TempDir(), stateDir: stateDir, mounter: &faultyMounter{Mounter: overlay.NewSysMounter()}}
-	f.cfg = Config{NodeID: "node-1", StateDir: f.stateDir, Backend: "overlay", FlattenDepth: 64, KubeletDir: f.pods, BootIDFile: bootIDFile}
+	f.cfg = Config{NodeID: "node-1", StateDir: f.stateDir, Backend: "overlay", FlattenDepth: 64, KubeletDir: f.pods}
+	change(&f.cfg)
 	f.start()
 	t.Cleanup(f.teardown)
 	return f

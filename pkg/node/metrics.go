@@ -9,10 +9,15 @@ import (
 
 // metrics are the engine's Prometheus metrics; the caller registers them.
 type metrics struct {
-	captures *prometheus.CounterVec
-	flattens *prometheus.CounterVec
-	info     prometheus.Gauge
-	node     *nodeCollector
+	captures  *prometheus.CounterVec
+	flattens  *prometheus.CounterVec
+	evictions *prometheus.CounterVec
+	destroys  *prometheus.CounterVec
+	reclaimed prometheus.Counter
+	overHigh  prometheus.Gauge
+	disk      *prometheus.GaugeVec
+	info      prometheus.Gauge
+	node      *nodeCollector
 }
 
 func newMetrics(e *Engine, backend string) *metrics {
@@ -27,6 +32,21 @@ func newMetrics(e *Engine, backend string) *metrics {
 		flattens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_flattens_total", Help: "Deep layer chains flattened into a root layer, by result.",
 		}, []string{"result"}),
+		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_evictions_total", Help: "Cached volumes the node destroyed on its own, by reason (watermark, ttl, failed).",
+		}, []string{"reason"}),
+		destroys: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_destroys_total", Help: "Destroyed volumes whose data was freed, by result.",
+		}, []string{"result"}),
+		reclaimed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_reclaimed_bytes_total", Help: "Bytes freed by destroying cached volumes (as measured at capture).",
+		}),
+		overHigh: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "cowvol_over_high_watermark", Help: "1 while the state dir is over its high watermark and captures are refused.",
+		}),
+		disk: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "cowvol_state_dir", Help: "The state dir's filesystem, as last measured: bytes and inodes, used and free.",
+		}, []string{"resource", "kind"}),
 		info: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name:        "cowvol_node_info",
 			Help:        "The node plugin's COW backend and how it enforces size limits (always 1).",
@@ -45,7 +65,14 @@ func newMetrics(e *Engine, backend string) *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.captures, m.flattens, m.info, m.node}
+	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.overHigh, m.disk, m.info, m.node}
+}
+
+func (m *metrics) setDisk(d diskFill) {
+	m.disk.WithLabelValues("bytes", "used").Set(float64(d.usedBytes))
+	m.disk.WithLabelValues("bytes", "free").Set(float64(d.freeBytes))
+	m.disk.WithLabelValues("inodes", "used").Set(float64(d.usedInodes))
+	m.disk.WithLabelValues("inodes", "free").Set(float64(d.freeInodes))
 }
 
 // nodeCollector reports the node cache's contents and the engine's state at

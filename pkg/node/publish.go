@@ -31,6 +31,8 @@ type PublishRequest struct {
 	Pod        volume.Pod
 	// SizeLimit is the limit asked for (bytes; 0: the node's default).
 	SizeLimit int64
+	// TTL destroys the captured volume that long after its last use.
+	TTL time.Duration
 }
 
 // Publish makes a step volume and mounts it at its target: a new one, the
@@ -41,6 +43,9 @@ func (e *Engine) Publish(r PublishRequest) error {
 	if err != nil {
 		return err
 	}
+	if err := e.refuseIfFull(r); err != nil {
+		return err
+	}
 	release, err := e.lock(r.VolumeID)
 	if err != nil {
 		return err
@@ -49,11 +54,11 @@ func (e *Engine) Publish(r PublishRequest) error {
 
 	want := cache.View{
 		VolumeID: r.VolumeID, Target: r.Target.Full, Source: r.Source, Capture: r.Capture,
-		Scope: r.Scope, Properties: r.Properties, ReadOnly: r.ReadOnly, Pod: r.Pod, SizeLimit: limit,
+		Scope: r.Scope, Properties: r.Properties, ReadOnly: r.ReadOnly, Pod: r.Pod, SizeLimit: limit, TTL: r.TTL,
 		Backend: string(e.backend.Kind()), Boot: e.boot,
 	}
 	if r.Capture == "" {
-		want.Scope = ""
+		want.Scope, want.TTL = "", 0
 	}
 	if old, err := e.store.GetView(want.VolumeID); err == nil && old.State != cache.ViewPublishing {
 		return e.republish(old, want)
@@ -104,11 +109,11 @@ func (e *Engine) prepare(view cache.View) (mounted bool, err error) {
 	if err := d.Make(); err != nil {
 		return false, err
 	}
-	crashPoint("publish-recorded")
+	cache.CrashPoint("publish-recorded")
 	if err := e.backend.Prepare(e.bgCtx, e.spec(view, d.MountPath())); err != nil {
 		return false, errors.Join(err, d.Remove())
 	}
-	crashPoint("publish-mounted")
+	cache.CrashPoint("publish-mounted")
 	return true, e.recordMount(view, d)
 }
 
@@ -131,7 +136,7 @@ func (e *Engine) recordMount(view cache.View, d *target.Dir) error {
 func (e *Engine) republish(old, want cache.View) error {
 	same := old.Target == want.Target && old.Source == want.Source && old.Capture == want.Capture &&
 		old.ReadOnly == want.ReadOnly && old.Scope == want.Scope && old.SizeLimit == want.SizeLimit &&
-		maps.Equal(old.Properties, want.Properties)
+		old.TTL == want.TTL && maps.Equal(old.Properties, want.Properties)
 	if !same {
 		return fmt.Errorf("volume %s: %w", volume.Quote(old.VolumeID), ErrOtherAttributes)
 	}
@@ -221,7 +226,7 @@ func (e *Engine) discard(v cache.View, mayBeMounted bool) error {
 	if err := takeDown(v); err != nil {
 		return err
 	}
-	crashPoint("discard-unmounted")
+	cache.CrashPoint("discard-unmounted")
 	if err := e.store.Trash(e.store.ViewDir(v.VolumeID)); err != nil {
 		return err
 	}
@@ -234,6 +239,7 @@ func (e *Engine) discard(v cache.View, mayBeMounted bool) error {
 		err = overlay.RemoveTree(reserved)
 	}
 	e.tidy()
+	e.kick(e.reaper) // what it pinned may be free to go
 	return err
 }
 
@@ -356,7 +362,7 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 	if err := e.takeDown(view); err != nil {
 		return cache.Volume{}, err
 	}
-	crashPoint("capture-unmounted")
+	cache.CrashPoint("capture-unmounted")
 	reserved, err := e.store.CaptureTarget(view)
 	if err != nil {
 		return cache.Volume{}, err
@@ -366,18 +372,19 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 	if err != nil {
 		return cache.Volume{}, err
 	}
-	crashPoint("capture-renamed")
+	cache.CrashPoint("capture-renamed")
 	vol, err := e.store.CommitCapture(view.VolumeID, diff)
 	if err != nil {
 		return cache.Volume{}, err
 	}
-	crashPoint("capture-committed")
+	cache.CrashPoint("capture-committed")
 	e.kick(e.syncer)
 	e.forget(view)
 	if err := e.store.Trash(spec.Dir); err != nil {
 		klog.ErrorS(err, "Trashing a captured step volume's dir", "volumeID", view.VolumeID)
 	}
 	e.tidy()
+	e.kick(e.reaper)
 	e.goBackground(func() { e.afterCapture(vol) })
 	return vol, nil
 }

@@ -64,7 +64,7 @@ func (e *Engine) recover() error {
 		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"],
 		"viewsQuarantined", counts["quarantined"],
 		"volumesReady", rep.Ready, "reservationsDropped", rep.DroppedReservations,
-		"destroysFinished", rep.FinishedDestroys, "markedFailed", rep.MarkedFailed, "orphansRemoved", rep.RemovedOrphans,
+		"volumesDestroying", rep.Destroying, "markedFailed", rep.MarkedFailed, "orphansRemoved", rep.RemovedOrphans,
 		"badRecords", len(rep.BadRecords))
 	return nil
 }

@@ -1,4 +1,4 @@
-package node
+package cache
 
 import (
 	"os"
@@ -14,7 +14,10 @@ import (
 // string comparison.
 var crashAt = os.Getenv("COWVOL_CRASH_AT")
 
-func crashPoint(name string) {
+// CrashPoint kills the process with SIGKILL if COWVOL_CRASH_AT names the
+// point: the store and the node engine mark with it the places between
+// steps that a crash must never be able to hurt.
+func CrashPoint(name string) {
 	if crashAt != "" && crashAt == name {
 		klog.InfoS("Crashing on purpose", "point", name)
 		klog.Flush()

@@ -1,0 +1,280 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Destroy hides a volume at once (lookups and publishes answer NotFound)
+// and leaves its data for Reap, which frees it once nothing holds it. A
+// volume being made is destroyed when its capture commits. A missing volume
+// counts as destroyed. It works on a full disk: the reserve gives the
+// metadata room.
+func (s *Store) Destroy(r volume.Ref) error {
+	return s.withRoom(func() error { return s.destroy(r) })
+}
+
+func (s *Store) destroy(r volume.Ref) error {
+	return s.db.Update(func(tx *bolt.Tx) error {
+		vols := tx.Bucket(volumesBucket)
+		v, ok, err := getJSON[Volume](vols, key(r))
+		if err != nil || !ok {
+			return err
+		}
+		switch v.State {
+		case volume.StateDestroying:
+			return nil
+		case volume.StateCreating:
+			if v.DestroyOnCommit {
+				return nil
+			}
+			v.DestroyOnCommit = true
+		default:
+			v.State = volume.StateDestroying
+		}
+		if err := bump(tx); err != nil {
+			return err
+		}
+		return putJSON(vols, key(r), v)
+	})
+}
+
+// Holders are what keep a volume's data: step volumes whose chain it is
+// in, and volumes whose layer is a diff over it.
+type Holders struct {
+	Views    []string     `json:"views,omitempty"`
+	Children []volume.Ref `json:"children,omitempty"`
+}
+
+// Empty says nothing holds the data.
+func (h Holders) Empty() bool { return len(h.Views) == 0 && len(h.Children) == 0 }
+
+func holdersOf(tx *bolt.Tx, r volume.Ref) Holders {
+	h := Holders{Views: indexed(tx.Bucket(pinsBucket), r.String())}
+	for _, c := range indexed(tx.Bucket(childrenBucket), r.String()) {
+		if ref, err := volume.ParseRef(c); err == nil {
+			h.Children = append(h.Children, ref)
+		} else {
+			h.Children = append(h.Children, volume.Ref{Handle: c})
+		}
+	}
+	return h
+}
+
+// Holders says what keeps a volume's data.
+func (s *Store) Holders(r volume.Ref) Holders {
+	var h Holders
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		h = holdersOf(tx, r)
+		return nil
+	})
+	return h
+}
+
+// Reapable lists the destroyed volumes whose data nothing holds any longer.
+func (s *Store) Reapable() []Volume {
+	var out []Volume
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
+		for _, v := range vols {
+			if v.State == volume.StateDestroying && holdersOf(tx, v.Ref()).Empty() {
+				out = append(out, v)
+			}
+		}
+		return nil
+	})
+	return out
+}
+
+// Reap frees a destroyed volume's data and forgets it, unless something
+// took hold of it meanwhile (then ErrInUse).
+func (s *Store) Reap(r volume.Ref, remove Remover) error {
+	var v Volume
+	err := s.db.View(func(tx *bolt.Tx) error {
+		var ok bool
+		var err error
+		if v, ok, err = getJSON[Volume](tx.Bucket(volumesBucket), key(r)); err != nil || !ok {
+			return err
+		}
+		if v.State != volume.StateDestroying {
+			return fmt.Errorf("volume %s is %s, not destroyed: %w", r, v.State, ErrUnusable)
+		}
+		if h := holdersOf(tx, r); !h.Empty() {
+			return fmt.Errorf("volume %s is held by %d step volumes and %d children: %w", r, len(h.Views), len(h.Children), ErrInUse)
+		}
+		return nil
+	})
+	if err != nil || v.Handle == "" {
+		return err
+	}
+	return s.remove(v, remove)
+}
+
+// remove deletes a volume's data, then its record and its place in the
+// children index. Data first: a crash between leaves a record whose data is
+// gone, which recovery marks failed and the reaper then forgets; the other
+// order would leak the data. Deleting frees space before the transaction
+// needs any, so it works on a full disk.
+func (s *Store) remove(v Volume, remove Remover) error {
+	if err := remove(s.VolumeDir(v.Ref())); err != nil {
+		return fmt.Errorf("removing data of %s: %w", v.Ref(), err)
+	}
+	CrashPoint("reap-data-removed")
+	return s.db.Update(func(tx *bolt.Tx) error {
+		if !v.Base.IsZero() {
+			if err := tx.Bucket(childrenBucket).Delete(indexKey(v.Base.String(), v.Ref().String())); err != nil {
+				return err
+			}
+		}
+		return errors.Join(tx.Bucket(volumesBucket).Delete(key(v.Ref())), bump(tx))
+	})
+}
+
+// leaseLive says whether what owns a reservation still exists.
+func (s *Store) leaseLive(l Lease, views map[string]bool) bool {
+	switch l.Kind {
+	case LeaseView:
+		return views[l.ID]
+	}
+	return false // an owner this code does not know cannot finish it
+}
+
+// Candidates are the volumes eviction may take, least recently used first:
+// ready or failed, unpinned, held by nothing (a leaf nobody mounts). Taking
+// one may make its base a candidate.
+func (s *Store) Candidates(now time.Time) []Volume {
+	var out []Volume
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
+		for _, v := range vols {
+			if (v.State == volume.StateReady || v.State == volume.StateFailed) && !v.Pin.Active(now) &&
+				holdersOf(tx, v.Ref()).Empty() {
+				out = append(out, v)
+			}
+		}
+		return nil
+	})
+	sort.SliceStable(out, func(i, j int) bool { return out[i].LastUsed.Before(out[j].LastUsed) })
+	return out
+}
+
+// Expired are the volumes whose TTL ran out since their last use and that
+// no pin protects.
+func (s *Store) Expired(now time.Time) []volume.Ref {
+	var out []volume.Ref
+	for _, v := range s.List() {
+		if v.TTL > 0 && v.State == volume.StateReady && !v.Pin.Active(now) && now.Sub(v.LastUsed) > v.TTL {
+			out = append(out, v.Ref())
+		}
+	}
+	return out
+}
+
+// SetPin pins a volume (until, zero: for good) or unpins it.
+func (s *Store) SetPin(r volume.Ref, pinned bool, until time.Time) (Volume, error) {
+	var out Volume
+	err := s.update(r, func(v *Volume) error {
+		if v.State == volume.StateDestroying {
+			return fmt.Errorf("volume %s: %w", r, ErrNotFound)
+		}
+		v.Pin = Pin{}
+		if pinned {
+			v.Pin = Pin{Pinned: true, Until: until}
+		}
+		out = *v
+		return nil
+	})
+	return out, err
+}
+
+// failure is the record of a handle whose volumes keep failing: captures
+// into it back off until RetryAfter.
+type failure struct {
+	Count      int       `json:"count"`
+	RetryAfter time.Time `json:"retryAfter"`
+}
+
+// Failed volumes' handles back off exponentially, capped.
+const (
+	firstBackoff = 10 * time.Second
+	maxBackoff   = 10 * time.Minute
+)
+
+func backoff(count int) time.Duration {
+	d := firstBackoff
+	for i := 1; i < count && d < maxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, maxBackoff)
+}
+
+// MarkFailed marks a volume's data lost: it is never served again, and a
+// capture into its handle backs off (10 s, doubling, at most 10 min) while
+// failures repeat. The caller destroys it.
+func (s *Store) MarkFailed(r volume.Ref) error {
+	return s.update(r, func(v *Volume) error {
+		v.State = volume.StateFailed
+		return nil
+	}, func(tx *bolt.Tx, _ *Volume) error {
+		b := tx.Bucket(failuresBucket)
+		f, _, err := getJSON[failure](b, key(r))
+		if err != nil {
+			f = failure{}
+		}
+		f.Count++
+		f.RetryAfter = time.Now().Add(backoff(f.Count))
+		return putJSON(b, key(r), f)
+	})
+}
+
+// checkBackoff refuses a capture into a handle that is backing off.
+func checkBackoff(tx *bolt.Tx, r volume.Ref, now time.Time) error {
+	f, ok, err := getJSON[failure](tx.Bucket(failuresBucket), key(r))
+	if err != nil || !ok || !now.Before(f.RetryAfter) {
+		return nil
+	}
+	return fmt.Errorf("capture handle %q failed %d times: retry after %s (in %s): %w",
+		r.Handle, f.Count, f.RetryAfter.UTC().Format(time.RFC3339), f.RetryAfter.Sub(now).Round(time.Second), ErrBackoff)
+}
+
+// reserveSize is the room kept aside for metadata, released when a change
+// that frees space (a destroy) finds the disk full.
+const reserveSize = 8 << 20
+
+func (s *Store) reservePath() string { return filepath.Join(s.dir, "reserve") }
+
+// Reserve sets the metadata's room aside again if it was used and there is
+// space for it; a full disk simply leaves it for later.
+func (s *Store) Reserve() error {
+	f, err := os.OpenFile(s.reservePath(), os.O_CREATE|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, reserveSize); err != nil {
+		return fmt.Errorf("setting aside room for metadata: %w", err)
+	}
+	return nil
+}
+
+// withRoom runs change, and once more after releasing the reserve if the
+// disk was too full for it.
+func (s *Store) withRoom(change func() error) error {
+	err := change()
+	if !errors.Is(err, unix.ENOSPC) {
+		return err
+	}
+	if rerr := os.Remove(s.reservePath()); rerr != nil {
+		return errors.Join(err, rerr)
+	}
+	return change()
+}

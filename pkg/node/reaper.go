@@ -1,0 +1,266 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// The reaper frees destroyed volumes' data once nothing holds it, at most
+// reapParallelism at a time (a hung delete never wedges the rest), and
+// looks at failed volumes, TTLs and the disk every reapInterval, and
+// whenever something may have changed.
+const (
+	reapParallelism = 3
+	reapInterval    = 10 * time.Second
+)
+
+// Destroy hides volumes at once (NotFound to new publishes) and frees their
+// data in the background as soon as nothing holds it. It never blocks on
+// the deletion, and a volume already gone counts as destroyed.
+func (e *Engine) Destroy(refs ...volume.Ref) error {
+	var errs []error
+	for _, r := range refs {
+		if err := e.store.Destroy(r); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		klog.V(2).InfoS("Destroyed a cached volume; its data goes once nothing holds it", "volume", r)
+	}
+	e.kick(e.reaper)
+	return errors.Join(errs...)
+}
+
+// Pin protects a volume from TTL expiry and eviction, until until (zero:
+// for good); Unpin lifts it.
+func (e *Engine) Pin(r volume.Ref, until time.Time) (cache.Volume, error) {
+	return e.store.SetPin(r, true, until)
+}
+
+// Unpin lifts a volume's pin.
+func (e *Engine) Unpin(r volume.Ref) (cache.Volume, error) {
+	v, err := e.store.SetPin(r, false, time.Time{})
+	e.kick(e.reaper)
+	return v, err
+}
+
+// reapRound does the reaper's work once: failed and expired volumes are
+// destroyed, the disk is brought under its low watermark if it went over
+// its high one, and destroyed volumes nothing holds are freed.
+func (e *Engine) reapRound() {
+	now := time.Now()
+	for _, v := range e.store.List() {
+		if v.State == volume.StateFailed {
+			e.destroyFor("failed", v.Ref())
+		}
+	}
+	for _, r := range e.store.Expired(now) {
+		e.destroyFor("ttl", r)
+	}
+	e.relievePressure(now)
+	e.freeReapable()
+}
+
+func (e *Engine) destroyFor(reason string, r volume.Ref) {
+	if err := e.store.Destroy(r); err != nil {
+		klog.ErrorS(err, "Destroying a cached volume", "volume", r, "reason", reason)
+		return
+	}
+	e.metrics.evictions.WithLabelValues(reason).Inc()
+	klog.InfoS("Destroying a cached volume", "volume", r, "reason", reason)
+}
+
+// freeReapable deletes the data of every destroyed volume nothing holds,
+// children before the bases they free.
+func (e *Engine) freeReapable() {
+	for {
+		doomed := e.store.Reapable()
+		if len(doomed) == 0 || e.bgCtx.Err() != nil {
+			return
+		}
+		g := errgroup.Group{}
+		g.SetLimit(reapParallelism)
+		var mu sync.Mutex
+		progress := false
+		for _, v := range doomed {
+			g.Go(func() error {
+				err := e.store.Reap(v.Ref(), overlay.RemoveTree)
+				if err != nil {
+					e.metrics.destroys.WithLabelValues("error").Inc()
+					klog.ErrorS(err, "Freeing a destroyed volume's data; retrying later", "volume", v.Ref())
+					return nil
+				}
+				e.metrics.destroys.WithLabelValues("ok").Inc()
+				if v.SizeBytes > 0 {
+					e.metrics.reclaimed.Add(float64(v.SizeBytes))
+				}
+				mu.Lock()
+				progress = true
+				mu.Unlock()
+				return nil
+			})
+		}
+		_ = g.Wait()
+		if !progress {
+			return
+		}
+	}
+}
+
+// Watermarks are the disk pressure policy, in percent of the state dir's
+// filesystem bytes and inodes, whichever is fuller.
+type Watermarks struct{ High, Low int }
+
+// pressure is the state dir's filesystem's fill, and whether the node is
+// refusing new data because it is over its high watermark.
+type pressure struct {
+	mu        sync.Mutex
+	over      bool
+	usedPct   int
+	cause     string
+	lastCheck time.Time
+}
+
+// diskFill is how full the filesystem under dir is, in percent (bytes or
+// inodes, whichever is fuller), with what it amounts to.
+type diskFill struct {
+	pct                     int
+	usedBytes, totalBytes   int64
+	usedInodes, totalInodes int64
+	freeBytes, freeInodes   int64
+}
+
+func measureDisk(dir string) (diskFill, error) {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return diskFill{}, err
+	}
+	d := diskFill{
+		totalBytes: int64(fs.Blocks) * int64(fs.Bsize), freeBytes: int64(fs.Bavail) * int64(fs.Bsize),
+		totalInodes: int64(fs.Files), freeInodes: int64(fs.Ffree),
+	}
+	d.usedBytes = d.totalBytes - int64(fs.Bfree)*int64(fs.Bsize)
+	d.usedInodes = d.totalInodes - d.freeInodes
+	pct := func(used, total int64) int {
+		if total <= 0 {
+			return 0
+		}
+		return int((100*used + total - 1) / total)
+	}
+	d.pct = max(pct(d.usedBytes, d.totalBytes), pct(d.usedInodes, d.totalInodes))
+	return d, nil
+}
+
+// relievePressure evicts unpinned, unused cached volumes, least recently
+// used first (leaves before the bases they sit on), once the disk is over
+// its high watermark, until it is under its low one; then it says whether
+// the node is still over.
+func (e *Engine) relievePressure(now time.Time) {
+	d, err := measureDisk(e.store.Dir())
+	if err != nil {
+		klog.ErrorS(err, "Measuring the state dir's filesystem")
+		return
+	}
+	e.metrics.setDisk(d)
+	if d.pct >= e.watermarks.High {
+		// Freed space shows late on some filesystems (btrfs deletes
+		// subvolumes in the background): count what each eviction frees
+		// from its measured size, and stop once that brings the disk
+		// under the low mark.
+		needBytes := d.usedBytes - d.totalBytes*int64(e.watermarks.Low)/100
+		needInodes := d.usedInodes - d.totalInodes*int64(e.watermarks.Low)/100
+		for needBytes > 0 || needInodes > 0 {
+			cands := e.store.Candidates(now)
+			if len(cands) == 0 {
+				break
+			}
+			v := cands[0]
+			e.destroyFor("watermark", v.Ref())
+			needBytes -= max(v.SizeBytes, 0)
+			needInodes -= max(v.Inodes, 0)
+			if err := e.store.Reap(v.Ref(), overlay.RemoveTree); err != nil {
+				klog.ErrorS(err, "Freeing an evicted volume's data", "volume", v.Ref())
+				break
+			}
+			e.metrics.destroys.WithLabelValues("ok").Inc()
+			e.metrics.reclaimed.Add(float64(max(v.SizeBytes, 0)))
+		}
+		if d, err = measureDisk(e.store.Dir()); err != nil {
+			return
+		}
+		e.metrics.setDisk(d)
+	}
+	e.setPressure(d)
+}
+
+// setPressure records whether the disk is over its high watermark, and
+// tells the node's people when that changes.
+func (e *Engine) setPressure(d diskFill) {
+	e.pressure.mu.Lock()
+	was := e.pressure.over
+	e.pressure.over = d.pct >= e.watermarks.High
+	e.pressure.usedPct = d.pct
+	e.pressure.cause = fmt.Sprintf("the state dir's filesystem is %d%% full (bytes or inodes; high watermark %d%%) "+
+		"and nothing more can be evicted: every cached volume left is pinned or in use", d.pct, e.watermarks.High)
+	e.pressure.lastCheck = time.Now()
+	now := e.pressure.over
+	e.pressure.mu.Unlock()
+	e.metrics.overHigh.Set(map[bool]float64{true: 1, false: 0}[now])
+	switch {
+	case now && !was:
+		klog.ErrorS(nil, "Over the high watermark: refusing new captures and empty volumes", "usedPercent", d.pct, "high", e.watermarks.High)
+		e.events.NodeEvent(EventWarning, "CacheFull", "cowvol refuses new captures and empty volumes: "+e.pressure.cause)
+	case was && !now:
+		klog.InfoS("Back under the high watermark: accepting captures again", "usedPercent", d.pct, "high", e.watermarks.High)
+		e.events.NodeEvent(EventNormal, "CacheRecovered", fmt.Sprintf("cowvol accepts captures again: the state dir's filesystem is %d%% full", d.pct))
+	}
+}
+
+// refuseIfFull refuses a step volume that would add data while the disk is
+// over its high watermark: a capture or an empty volume. A view of a cached
+// volume adds little until written, and is what lets a pipeline finish.
+func (e *Engine) refuseIfFull(r PublishRequest) error {
+	if r.Capture == "" && !r.Source.IsZero() {
+		return nil
+	}
+	e.pressure.mu.Lock()
+	stale := time.Since(e.pressure.lastCheck) > reapInterval
+	e.pressure.mu.Unlock()
+	if stale {
+		e.kick(e.reaper)
+	}
+	e.pressure.mu.Lock()
+	defer e.pressure.mu.Unlock()
+	if e.pressure.over {
+		return fmt.Errorf("%s: %w", e.pressure.cause, ErrNodeFull)
+	}
+	return nil
+}
+
+// ErrNodeFull: the node is over its high watermark and cannot evict enough.
+var ErrNodeFull = errors.New("the node's cache is full")
+
+// reapLoop runs reapRound every reapInterval and whenever kicked.
+func (e *Engine) reapLoop(ctx context.Context) {
+	tick := time.NewTicker(reapInterval)
+	defer tick.Stop()
+	for {
+		e.reapRound()
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-e.reaper:
+		}
+	}
+}

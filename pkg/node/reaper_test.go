@@ -1,0 +1,171 @@
+package node
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/cache"
+)
+
+// captureSized captures handle in ci over source (may be empty) with a file
+// of size bytes, and returns the volume.
+func (f *fixture) captureSized(handle, source string, size int) cache.Volume {
+	f.t.Helper()
+	v := f.volume("ci", source, handle)
+	require.NoError(f.t, f.publish(v))
+	require.NoError(f.t, os.WriteFile(filepath.Join(v.Target.Full, handle), make([]byte, size), 0o644))
+	require.NoError(f.t, f.unpublish(v))
+	require.Eventually(f.t, func() bool {
+		vol, err := f.store.Get(ref("ci", handle))
+		return err == nil && vol.SizeBytes >= 0
+	}, 30*time.Second, 10*time.Millisecond, "the capture is measured")
+	vol, err := f.store.Get(ref("ci", handle))
+	require.NoError(f.t, err)
+	return vol
+}
+
+func (f *fixture) gone(handle string) bool {
+	_, err := f.store.Get(ref("ci", handle))
+	return err != nil
+}
+
+// Destroying a volume hides it at once; a child built on it and a step
+// reading it keep working, and its data goes once they are gone.
+func TestDestroyHoldsDataForChildrenAndReaders(t *testing.T) {
+	f := newFixture(t)
+	parent := f.captureSized("parent", "", 1<<20)
+	f.captureSized("child", "parent", 1<<10)
+	reader := f.volume("ci", "child", "")
+	require.NoError(t, f.publish(reader))
+
+	require.NoError(t, f.engine.Destroy(ref("ci", "parent"), ref("ci", "child")))
+	require.ErrorIs(t, f.publish(f.volume("ci", "parent", "")), cache.ErrNotFound, "hidden at once")
+	require.ErrorIs(t, f.publish(f.volume("ci", "child", "")), cache.ErrNotFound)
+	_, err := os.Stat(filepath.Join(reader.Target.Full, "parent"))
+	require.NoError(t, err, "the reader still sees the parent's data through the child")
+	f.engine.kick(f.engine.reaper)
+	time.Sleep(100 * time.Millisecond)
+	_, err = os.Stat(f.store.DataPath(parent))
+	require.NoError(t, err, "held while read")
+
+	require.NoError(t, f.unpublish(reader))
+	require.Eventually(t, func() bool { return f.gone("parent") && f.gone("child") }, 30*time.Second, 10*time.Millisecond)
+	_, err = os.Stat(f.store.VolumeDir(ref("ci", "parent")))
+	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+// A volume with a TTL is destroyed that long after its last use, unless
+// pinned.
+func TestTTLDestroysUnusedVolumes(t *testing.T) {
+	f := newFixture(t)
+	for _, h := range []string{"brief", "kept"} {
+		v := f.volume("ci", "", h)
+		v.TTL = 200 * time.Millisecond
+		require.NoError(t, f.publish(v))
+		require.NoError(t, f.unpublish(v))
+	}
+	_, err := f.engine.Pin(ref("ci", "kept"), time.Time{})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("brief") }, 30*time.Second, 50*time.Millisecond)
+	require.False(t, f.gone("kept"), "a pinned volume outlives its TTL")
+	_, err = f.engine.Unpin(ref("ci", "kept"))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("kept") }, 30*time.Second, 50*time.Millisecond)
+}
+
+// Over its high watermark the node evicts unpinned, unused volumes, least
+// recently used first, until it is under its low one; while it cannot get
+// under the high mark it refuses captures and empty volumes, but serves
+// views of cached volumes, and it recovers on its own once space frees.
+func TestEvictionUnderPressure(t *testing.T) {
+	dir := testfs.Mount(t, testfs.Ext4, 96<<20)
+	f := newFixtureWith(t, dir, func(c *Config) { c.Watermarks = Watermarks{High: 70, Low: 50} })
+	// Six volumes of 8 MiB, oldest first; then one pinned, one mounted.
+	for i := range 6 {
+		f.captureSized(fmt.Sprintf("v%d", i), "", 8<<20)
+	}
+	f.captureSized("pinned", "", 8<<20)
+	f.captureSized("mounted", "", 8<<20)
+	_, err := f.engine.Pin(ref("ci", "pinned"), time.Time{})
+	require.NoError(t, err)
+	reader := f.volume("ci", "mounted", "")
+	require.NoError(t, f.publish(reader))
+	// Fill the disk past the high mark from outside the cache.
+	filler := filepath.Join(dir, "filler")
+	fill(t, filler, dir, 75)
+	f.engine.reapRound()
+	require.True(t, f.gone("v0"), "the least recently used goes first")
+	require.False(t, f.gone("pinned"), "pinned volumes stay")
+	require.False(t, f.gone("mounted"), "volumes in use stay")
+	d, err := measureDisk(dir)
+	require.NoError(t, err)
+	require.Less(t, d.pct, 70, "under the high mark")
+	for i := 5; i >= 0; i-- {
+		if f.gone(fmt.Sprintf("v%d", i)) {
+			for j := range i {
+				require.True(t, f.gone(fmt.Sprintf("v%d", j)), "evicted in LRU order")
+			}
+			break
+		}
+	}
+
+	// Nothing left to evict: captures and empty volumes are refused,
+	// views of cached volumes are not.
+	fill(t, filler+"2", dir, 95)
+	f.engine.reapRound()
+	require.ErrorIs(t, f.publish(f.volume("ci", "", "refused")), ErrNodeFull)
+	require.ErrorIs(t, f.publish(f.volume("ci", "", "")), ErrNodeFull)
+	view := f.volume("ci", "pinned", "")
+	require.NoError(t, f.publish(view), "a view of a cached volume still works")
+	require.NoError(t, f.unpublish(view))
+
+	require.NoError(t, os.Remove(filler+"2"))
+	require.NoError(t, os.Remove(filler))
+	f.engine.reapRound()
+	require.NoError(t, f.publish(f.volume("ci", "", "accepted")), "the node recovers on its own")
+	require.NoError(t, f.unpublish(reader))
+}
+
+// fill writes into path until the filesystem at dir is pct full.
+func fill(t *testing.T, path, dir string, pct int) {
+	t.Helper()
+	file, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	require.NoError(t, err)
+	defer file.Close()
+	chunk := make([]byte, 1<<20)
+	for {
+		d, err := measureDisk(dir)
+		require.NoError(t, err)
+		if d.pct >= pct {
+			return
+		}
+		if _, err := file.Write(chunk); err != nil {
+			require.ErrorIs(t, err, unix.ENOSPC)
+			return
+		}
+		require.NoError(t, file.Sync())
+	}
+}
+
+// On a filesystem filled to the last block, destroying still works: the
+// metadata's reserve makes room, and the data is freed.
+func TestDestroyOnAFullDisk(t *testing.T) {
+	dir := testfs.Mount(t, testfs.Ext4, 64<<20)
+	f := newFixtureWith(t, dir, func(c *Config) { c.Watermarks = Watermarks{High: 100, Low: 99} })
+	f.captureSized("big", "", 8<<20)
+	require.Eventually(t, func() bool { _, err := os.Stat(filepath.Join(dir, "reserve")); return err == nil }, 30*time.Second, 10*time.Millisecond)
+	fill(t, filepath.Join(dir, "filler"), dir, 101)
+	var fs unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &fs))
+	require.Zero(t, fs.Bavail, "the disk is full")
+	require.NoError(t, f.engine.Destroy(ref("ci", "big")))
+	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("big") }, 30*time.Second, 50*time.Millisecond)
+}
+
