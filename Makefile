@@ -14,7 +14,13 @@ K8S_BIN     := test/e2e/bin
 K8S_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
 	-X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=33 -X $(p).gitTreeState=clean)
 
-.PHONY: build test bench demo lint image clean e2e
+# Code generated from api/*.proto, with pinned generators (and protoc from
+# Debian's protobuf-compiler).
+PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
+TOOLS              := $(CURDIR)/bin/tools
+
+.PHONY: build test bench demo lint image clean e2e generate
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -42,6 +48,13 @@ bench: build
 
 demo: build
 	$(BIN) demo
+
+generate:
+	@command -v protoc >/dev/null || { echo "protoc is missing: apt-get install protobuf-compiler"; exit 1; }
+	GOBIN=$(TOOLS) $(GO) install $(PROTOC_GEN_GO)
+	GOBIN=$(TOOLS) $(GO) install $(PROTOC_GEN_GO_GRPC)
+	PATH=$(TOOLS):$$PATH protoc -I api --go_out=api --go_opt=paths=source_relative \
+		--go-grpc_out=api --go-grpc_opt=paths=source_relative api/node/v1/node.proto
 
 lint:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); exit 1; }

@@ -74,6 +74,8 @@ func main() {
 	fs.Var(quantityFlag{&opts.MaxSizeLimit}, "max-size-limit",
 		"the largest sizeLimit a step volume may ask for, as a quantity such as 100Gi (0: none)")
 	fs.BoolVar(&opts.AllowSetuid, "allow-setuid", false, "mount step volumes without nosuid (they are always nodev)")
+	fs.StringVar(&opts.NodeAPIEndpoint, "node-api-endpoint", "",
+		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
 	fs.IntVar(&opts.HighWatermark, "high-watermark", 90,
 		"percent of the state dir's filesystem (bytes or inodes) above which cached volumes are evicted and captures refused")
 	fs.IntVar(&opts.LowWatermark, "low-watermark", 80, "percent of the state dir's filesystem that eviction brings it under")

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/pkg/driver"
 )
 
@@ -75,6 +76,9 @@ type Plugin struct {
 	Conn     *grpc.ClientConn
 	Node     csi.NodeClient
 	Identity csi.IdentityClient
+	// NodeAPI is a client of the node API served beside the CSI socket.
+	NodeAPI nodev1.NodeAPIClient
+	apiConn *grpc.ClientConn
 
 	tb      testing.TB
 	cmd     *exec.Cmd
@@ -154,18 +158,19 @@ func (p *Plugin) start(extraEnv []string) {
 	p.done = make(chan error, 1)
 	go func(cmd *exec.Cmd, done chan error) { done <- cmd.Wait() }(p.cmd, p.done)
 	if p.Conn == nil {
-		// Restarts are routine here: reconnect quickly instead of backing
-		// off for seconds.
 		conn, err := grpc.NewClient("unix://"+p.Sock, grpc.WithTransportCredentials(insecure.NewCredentials()),
-			grpc.WithConnectParams(grpc.ConnectParams{
-				Backoff:           backoff.Config{BaseDelay: 10 * time.Millisecond, Multiplier: 1.6, MaxDelay: 100 * time.Millisecond},
-				MinConnectTimeout: time.Second,
-			}))
+			fastReconnect)
 		if err != nil {
 			p.tb.Fatal(err)
 		}
 		p.Conn = conn
 		p.Node, p.Identity = csi.NewNodeClient(conn), csi.NewIdentityClient(conn)
+		api, err := grpc.NewClient("unix://"+filepath.Join(filepath.Dir(p.Sock), "node-api.sock"),
+			grpc.WithTransportCredentials(insecure.NewCredentials()), fastReconnect)
+		if err != nil {
+			p.tb.Fatal(err)
+		}
+		p.apiConn, p.NodeAPI = api, nodev1.NewNodeAPIClient(api)
 	}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -199,6 +204,13 @@ func (p *Plugin) Volume(ns, pod, name string, attrs map[string]string) driver.In
 	}
 	return v
 }
+
+// fastReconnect: restarts are routine here, so clients reconnect quickly
+// instead of backing off for seconds.
+var fastReconnect = grpc.WithConnectParams(grpc.ConnectParams{
+	Backoff:           backoff.Config{BaseDelay: 10 * time.Millisecond, Multiplier: 1.6, MaxDelay: 100 * time.Millisecond},
+	MinConnectTimeout: time.Second,
+})
 
 // Publish makes the kubelet's NodePublishVolume call for v.
 func (p *Plugin) Publish(v driver.InlineVolume) error {
@@ -260,6 +272,7 @@ func (p *Plugin) Stop() {
 	p.signal(syscall.SIGTERM)
 	if p.Conn != nil {
 		p.Conn.Close()
+		p.apiConn.Close()
 		p.Conn = nil
 	}
 }

@@ -1,6 +1,8 @@
 package cache
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -277,4 +279,57 @@ func (s *Store) withRoom(change func() error) error {
 		return errors.Join(err, rerr)
 	}
 	return change()
+}
+
+// Page is one page of a listing, with the holders of each volume.
+type Page struct {
+	Volumes []Volume
+	Holders []Holders
+	// Next is the key to list from for the next page ("" on the last).
+	Next string
+}
+
+// ListPage lists up to limit volumes after the key after ("" from the
+// start), in key (namespace/handle) order, under prefix (a namespace's
+// "ns/", or ""), keeping those match accepts. One read transaction: a page
+// is a consistent view.
+func (s *Store) ListPage(prefix, after string, limit int, match func(Volume) bool) (Page, error) {
+	var p Page
+	err := s.db.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(volumesBucket).Cursor()
+		k, raw := c.Seek([]byte(max(prefix, after)))
+		if after != "" && string(k) == after {
+			k, raw = c.Next()
+		}
+		for ; k != nil && bytes.HasPrefix(k, []byte(prefix)); k, raw = c.Next() {
+			if len(p.Volumes) == limit {
+				p.Next = p.Volumes[len(p.Volumes)-1].Ref().String()
+				return nil
+			}
+			var v Volume
+			if json.Unmarshal(raw, &v) != nil || !match(v) {
+				continue
+			}
+			p.Volumes = append(p.Volumes, v)
+			p.Holders = append(p.Holders, holdersOf(tx, v.Ref()))
+		}
+		return nil
+	})
+	return p, err
+}
+
+// HeldForChildren sums the measured bytes of destroyed volumes whose data
+// children still rest on.
+func (s *Store) HeldForChildren() int64 {
+	var sum int64
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
+		for _, v := range vols {
+			if v.State == volume.StateDestroying && v.SizeBytes > 0 && len(holdersOf(tx, v.Ref()).Children) > 0 {
+				sum += v.SizeBytes
+			}
+		}
+		return nil
+	})
+	return sum
 }

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -80,6 +82,9 @@ type Options struct {
 	DefaultSizeLimit, MaxSizeLimit int64
 	// AllowSetuid mounts step volumes without nosuid.
 	AllowSetuid bool
+	// NodeAPIEndpoint is where the node API is served: a unix socket, by
+	// default node-api.sock beside a unix CSI endpoint.
+	NodeAPIEndpoint string
 	// HighWatermark and LowWatermark are percent of the state dir's
 	// filesystem (bytes and inodes): over high, the node evicts until
 	// under low, and refuses captures while it cannot.
@@ -143,6 +148,16 @@ func (o *Options) Validate() error {
 		}
 		if o.DefaultSizeLimit < 0 || o.MaxSizeLimit < 0 {
 			errs = append(errs, errors.New("size limits cannot be negative"))
+		}
+		if o.NodeAPIEndpoint == "" {
+			if network, addr, err := parseEndpoint(o.Endpoint); err == nil && network == "unix" {
+				o.NodeAPIEndpoint = "unix://" + filepath.Join(filepath.Dir(addr), "node-api.sock")
+			}
+		}
+		if o.NodeAPIEndpoint != "" {
+			if network, _, err := parseEndpoint(o.NodeAPIEndpoint); err != nil || network != "unix" {
+				errs = append(errs, fmt.Errorf("node API endpoint %q must be unix:///path: it has no authentication of its own", o.NodeAPIEndpoint))
+			}
 		}
 		if o.LowWatermark < 1 || o.HighWatermark > 100 || o.LowWatermark >= o.HighWatermark {
 			errs = append(errs, fmt.Errorf("watermarks %d%% (low) and %d%% (high) are invalid: want 1 <= low < high <= 100",
@@ -311,6 +326,22 @@ func (d *Driver) Run(ctx context.Context) error {
 	}
 	klog.InfoS("Serving CSI", "endpoint", d.opts.Endpoint, "mode", d.opts.Mode, "driver", d.opts.DriverName,
 		"version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())
+	if d.engine != nil && d.opts.NodeAPIEndpoint != "" {
+		apiLis, err := listen(d.opts.NodeAPIEndpoint)
+		if err == nil {
+			_, path, _ := parseEndpoint(d.opts.NodeAPIEndpoint)
+			err = os.Chmod(path, 0o600) // root's alone: it destroys volumes
+		}
+		if err != nil {
+			srv.Stop()
+			return errors.Join(fmt.Errorf("serving the node API: %w", err), g.Wait())
+		}
+		api := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+		nodev1.RegisterNodeAPIServer(api, &nodeAPIService{engine: d.engine})
+		g.Go(func() error { return api.Serve(apiLis) })
+		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
+		klog.InfoS("Serving the node API", "endpoint", d.opts.NodeAPIEndpoint)
+	}
 	if d.opts.RegistrationSocket != "" && d.node != nil {
 		// Registered once the CSI socket listens: the kubelet calls it as
 		// soon as it has the registration.

@@ -92,6 +92,7 @@ type Engine struct {
 	quarantine             quarantine
 	watermarks             Watermarks
 	pressure               pressure
+	reaping                sync.Mutex
 
 	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
 	// outlives any one call: a kubelet giving up on a call must not abort

@@ -11,7 +11,6 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
-	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -42,22 +41,29 @@ func (e *Engine) Destroy(refs ...volume.Ref) error {
 }
 
 // Pin protects a volume from TTL expiry and eviction, until until (zero:
-// for good); Unpin lifts it.
-func (e *Engine) Pin(r volume.Ref, until time.Time) (cache.Volume, error) {
-	return e.store.SetPin(r, true, until)
+// for good). Idempotent.
+func (e *Engine) Pin(r volume.Ref, until time.Time) (VolumeInfo, error) {
+	if _, err := e.store.SetPin(r, true, until); err != nil {
+		return VolumeInfo{}, err
+	}
+	return e.Volume(r)
 }
 
-// Unpin lifts a volume's pin.
-func (e *Engine) Unpin(r volume.Ref) (cache.Volume, error) {
-	v, err := e.store.SetPin(r, false, time.Time{})
+// Unpin lifts a volume's pin. Idempotent.
+func (e *Engine) Unpin(r volume.Ref) (VolumeInfo, error) {
+	if _, err := e.store.SetPin(r, false, time.Time{}); err != nil {
+		return VolumeInfo{}, err
+	}
 	e.kick(e.reaper)
-	return v, err
+	return e.Volume(r)
 }
 
 // reapRound does the reaper's work once: failed and expired volumes are
 // destroyed, the disk is brought under its low watermark if it went over
 // its high one, and destroyed volumes nothing holds are freed.
 func (e *Engine) reapRound() {
+	e.reaping.Lock() // one round at a time: two would evict twice
+	defer e.reaping.Unlock()
 	now := time.Now()
 	for _, v := range e.store.List() {
 		if v.State == volume.StateFailed {

@@ -168,4 +168,3 @@ func TestDestroyOnAFullDisk(t *testing.T) {
 	require.NoError(t, f.engine.Destroy(ref("ci", "big")))
 	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("big") }, 30*time.Second, 50*time.Millisecond)
 }
-

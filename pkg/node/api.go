@@ -1,0 +1,114 @@
+package node
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// VolumeInfo is a cached volume and what holds its data.
+type VolumeInfo struct {
+	cache.Volume
+	Holders cache.Holders
+}
+
+// Volume returns a cached volume. A destroyed one is not found: it is
+// hidden from the moment it is destroyed.
+func (e *Engine) Volume(r volume.Ref) (VolumeInfo, error) {
+	v, err := e.store.Get(r)
+	if err == nil && v.State == volume.StateDestroying {
+		err = fmt.Errorf("volume %s was destroyed: %w", r, cache.ErrNotFound)
+	}
+	if err != nil {
+		return VolumeInfo{}, err
+	}
+	return VolumeInfo{Volume: v, Holders: e.store.Holders(r)}, nil
+}
+
+// Query selects volumes for a listing.
+type Query struct {
+	Namespace string
+	// Selector keeps volumes carrying every one of these properties.
+	Selector map[string]string
+	// After is the last key of the previous page ("" for the first).
+	After            string
+	Limit            int
+	IncludeDestroyed bool
+}
+
+// Volumes lists a page of cached volumes in (namespace, handle) order, with
+// the key to list the next page after ("" on the last) and the store's
+// revision.
+func (e *Engine) Volumes(q Query) (vols []VolumeInfo, next string, revision uint64, err error) {
+	prefix := ""
+	if q.Namespace != "" {
+		prefix = q.Namespace + "/"
+	}
+	if q.After != "" && !strings.HasPrefix(q.After, prefix) {
+		return nil, "", 0, fmt.Errorf("the page token belongs to another listing: %w", ErrBadPageToken)
+	}
+	revision = e.store.Revision()
+	page, err := e.store.ListPage(prefix, q.After, q.Limit, func(v cache.Volume) bool {
+		if v.State == volume.StateDestroying && !q.IncludeDestroyed {
+			return false
+		}
+		for k, want := range q.Selector {
+			if got, ok := v.Properties[k]; !ok || got != want {
+				return false
+			}
+		}
+		return true
+	})
+	if err != nil {
+		return nil, "", 0, err
+	}
+	for i, v := range page.Volumes {
+		vols = append(vols, VolumeInfo{Volume: v, Holders: page.Holders[i]})
+	}
+	return vols, page.Next, revision, nil
+}
+
+// ErrBadPageToken: a page token that no listing like this one handed out.
+var ErrBadPageToken = fmt.Errorf("invalid page token")
+
+// NodeInfo is who the node is and how full its cache is.
+type NodeInfo struct {
+	NodeID, StoreID, Backend, SizeLimits string
+	BytesTotal, BytesFree                int64
+	InodesTotal, InodesFree              int64
+	UsedPercent                          int
+	Watermarks                           Watermarks
+	OverHighWatermark                    bool
+	BytesHeldForChildren                 int64
+	Revision                             uint64
+	Volumes                              int
+}
+
+// Info says who the node is and how full its cache is, measured now.
+func (e *Engine) Info() (NodeInfo, error) {
+	d, err := measureDisk(e.store.Dir())
+	if err != nil {
+		return NodeInfo{}, err
+	}
+	limits := "off"
+	if e.limiter != nil {
+		limits = e.limiter.Mechanism()
+	}
+	e.pressure.mu.Lock()
+	over := e.pressure.over
+	e.pressure.mu.Unlock()
+	count := 0
+	for _, v := range e.store.List() {
+		if v.State != volume.StateDestroying {
+			count++
+		}
+	}
+	return NodeInfo{
+		NodeID: e.nodeID, StoreID: e.store.ID(), Backend: string(e.backend.Kind()), SizeLimits: limits,
+		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
+		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over,
+		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
+	}, nil
+}
