@@ -74,14 +74,23 @@ func TestNodeAPIContract(t *testing.T) {
 		call     func() error
 		wantCode codes.Code
 	}{
-		{"get", func() error { _, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "ci-1")}); return err }, codes.OK},
-		{"get missing", func() error { _, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "nope")}); return err }, codes.NotFound},
+		{"get", func() error {
+			_, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "ci-1")})
+			return err
+		}, codes.OK},
+		{"get missing", func() error {
+			_, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "nope")})
+			return err
+		}, codes.NotFound},
 		{"get another namespace's handle", func() error {
 			_, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("other", "ci-1")})
 			return err
 		}, codes.NotFound},
 		{"get without ref", func() error { _, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{}); return err }, codes.InvalidArgument},
-		{"get bad handle", func() error { _, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "../x")}); return err }, codes.InvalidArgument},
+		{"get bad handle", func() error {
+			_, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "../x")})
+			return err
+		}, codes.InvalidArgument},
 		{"list bad namespace", func() error { _, err := api.ListVolumes(ctx, &nodev1.ListVolumesRequest{Namespace: "A/B"}); return err }, codes.InvalidArgument},
 		{"list negative page", func() error { _, err := api.ListVolumes(ctx, &nodev1.ListVolumesRequest{PageSize: -1}); return err }, codes.InvalidArgument},
 		{"list forged token", func() error { _, err := api.ListVolumes(ctx, &nodev1.ListVolumesRequest{PageToken: "%%%"}); return err }, codes.InvalidArgument},
@@ -89,11 +98,26 @@ func TestNodeAPIContract(t *testing.T) {
 			_, err := api.ListVolumes(ctx, &nodev1.ListVolumesRequest{Namespace: "ci", PageToken: "b3RoZXIvb3RoZXItMA"})
 			return err
 		}, codes.InvalidArgument},
-		{"pin", func() error { _, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "ci-2")}); return err }, codes.OK},
-		{"pin again", func() error { _, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "ci-2")}); return err }, codes.OK},
-		{"pin missing", func() error { _, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "nope")}); return err }, codes.NotFound},
-		{"unpin", func() error { _, err := api.UnpinVolume(ctx, &nodev1.UnpinVolumeRequest{Ref: vref("ci", "ci-2")}); return err }, codes.OK},
-		{"unpin again", func() error { _, err := api.UnpinVolume(ctx, &nodev1.UnpinVolumeRequest{Ref: vref("ci", "ci-2")}); return err }, codes.OK},
+		{"pin", func() error {
+			_, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "ci-2")})
+			return err
+		}, codes.OK},
+		{"pin again", func() error {
+			_, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "ci-2")})
+			return err
+		}, codes.OK},
+		{"pin missing", func() error {
+			_, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "nope")})
+			return err
+		}, codes.NotFound},
+		{"unpin", func() error {
+			_, err := api.UnpinVolume(ctx, &nodev1.UnpinVolumeRequest{Ref: vref("ci", "ci-2")})
+			return err
+		}, codes.OK},
+		{"unpin again", func() error {
+			_, err := api.UnpinVolume(ctx, &nodev1.UnpinVolumeRequest{Ref: vref("ci", "ci-2")})
+			return err
+		}, codes.OK},
 		{"destroy a batch too large", func() error {
 			refs := make([]*nodev1.VolumeRef, 1001)
 			for i := range refs {
@@ -186,4 +210,74 @@ func stripRefs(refs []*nodev1.VolumeRef) []*nodev1.VolumeRef {
 		out[i] = vref(r.Namespace, r.Handle)
 	}
 	return out
+}
+
+// The real binary on a small loop filesystem pushed over its high
+// watermark: it evicts least recently used first and spares what is pinned,
+// refuses captures with ResourceExhausted while it cannot get under the
+// mark, and takes them again once space frees.
+func TestWatermarksThroughTheBinary(t *testing.T) {
+	state := testfs.Mount(t, testfs.Ext4, 96<<20)
+	e := newEnv(t, plugintest.Config{StateDir: state, Backend: "overlay", Args: []string{"--high-watermark=70", "--low-watermark=50"}})
+	api, ctx := e.p.NodeAPI, context.Background()
+	for i := range 4 {
+		e.step("", fmt.Sprintf("v%d", i), func(dir string) { write(t, dir, "blob", string(make([]byte, 8<<20))) })
+	}
+	_, err := api.PinVolume(ctx, &nodev1.PinVolumeRequest{Ref: vref("ci", "v0")})
+	require.NoError(t, err)
+	gone := func(h string) bool {
+		_, err := api.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", h)})
+		return code(err) == codes.NotFound
+	}
+	filler := filepath.Join(state, "filler")
+	fillTo(t, filler, 75, api)
+	eventually(t, "the least recently used unpinned volume to be evicted", func() bool {
+		// A capture attempt wakes the reaper when it has not looked lately.
+		if v := e.volume(nil, false); e.publish(v) == nil {
+			require.NoError(t, e.unpublish(v))
+		}
+		return gone("v1")
+	})
+	require.False(t, gone("v0"), "a pinned volume is never evicted")
+
+	fillTo(t, filler, 99, api)
+	eventually(t, "captures to be refused", func() bool {
+		v := e.volume(map[string]string{driver.AttrCapture: fmt.Sprintf("try-%d", e.n)}, false)
+		err := e.publish(v)
+		if err == nil {
+			require.NoError(t, e.unpublish(v))
+		}
+		return code(err) == codes.ResourceExhausted
+	})
+	n, err := api.GetNode(ctx, &nodev1.GetNodeRequest{})
+	require.NoError(t, err)
+	require.True(t, n.OverHighWatermark)
+	require.NoError(t, os.Remove(filler))
+	retry(t, "a capture after space freed", func() error {
+		v := e.volume(map[string]string{driver.AttrCapture: "accepted"}, false)
+		if err := e.publish(v); err != nil {
+			return err
+		}
+		return e.unpublish(v)
+	})
+	e.noLeaks(t)
+}
+
+// fillTo appends to path until the node says its state dir is pct full.
+func fillTo(t *testing.T, path string, pct int32, api nodev1.NodeAPIClient) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	require.NoError(t, err)
+	defer f.Close()
+	for {
+		n, err := api.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+		require.NoError(t, err)
+		if n.UsedPercent >= pct {
+			return
+		}
+		if _, err := f.Write(make([]byte, 1<<20)); err != nil {
+			return // full
+		}
+		require.NoError(t, f.Sync())
+	}
 }

@@ -185,21 +185,27 @@ func (e *Engine) relievePressure(now time.Time) {
 		// under the low mark.
 		needBytes := d.usedBytes - d.totalBytes*int64(e.watermarks.Low)/100
 		needInodes := d.usedInodes - d.totalInodes*int64(e.watermarks.Low)/100
+		// Candidates are listed once per batch (a scan of the store), not
+		// once per eviction; a batch done, the bases it freed are next.
 		for needBytes > 0 || needInodes > 0 {
 			cands := e.store.Candidates(now)
 			if len(cands) == 0 {
 				break
 			}
-			v := cands[0]
-			e.destroyFor("watermark", v.Ref())
-			needBytes -= max(v.SizeBytes, 0)
-			needInodes -= max(v.Inodes, 0)
-			if err := e.store.Reap(v.Ref(), overlay.RemoveTree); err != nil {
-				klog.ErrorS(err, "Freeing an evicted volume's data", "volume", v.Ref())
-				break
+			for _, v := range cands {
+				if needBytes <= 0 && needInodes <= 0 {
+					break
+				}
+				e.destroyFor("watermark", v.Ref())
+				if err := e.store.Reap(v.Ref(), overlay.RemoveTree); err != nil {
+					klog.ErrorS(err, "Freeing an evicted volume's data", "volume", v.Ref())
+					continue
+				}
+				needBytes -= max(v.SizeBytes, 0)
+				needInodes -= max(v.Inodes, 0)
+				e.metrics.destroys.WithLabelValues("ok").Inc()
+				e.metrics.reclaimed.Add(float64(max(v.SizeBytes, 0)))
 			}
-			e.metrics.destroys.WithLabelValues("ok").Inc()
-			e.metrics.reclaimed.Add(float64(max(v.SizeBytes, 0)))
 		}
 		if d, err = measureDisk(e.store.Dir()); err != nil {
 			return
