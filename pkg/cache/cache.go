@@ -1,14 +1,15 @@
 // Package cache owns cowvol's node-local volume store: the metadata of every
-// cached volume (handle, lineage, state, owner, properties, size) and of every
-// step volume ("view") published from one, kept in a single bbolt file so that
-// each change is one fsynced transaction, plus the layout of the state dir.
+// cached volume (namespace and handle, lineage, state, properties, size, pin,
+// TTL) and of every step volume ("view") published from one, kept in a
+// single bbolt file so that each change is one fsynced transaction, with
+// indexes of what holds each volume's data, plus the layout of the state dir.
 //
 // It decides what may happen (find-or-create, who may read what, what is in
-// use, what is an orphan) but never mounts anything and never reads or writes
-// volume contents: the copy-on-write mechanics live in package overlay and the
-// CSI surface in package driver. Deleting trees is done through a Remover the
-// caller supplies, because only the caller knows how (a btrfs subvolume is not
-// a plain directory).
+// use, what may be evicted, what is an orphan) but never mounts anything and
+// never reads or writes volume contents: the copy-on-write mechanics live in
+// package overlay, the pipelines in package node. Deleting trees is done
+// through a Remover the caller supplies, because only the caller knows how (a
+// btrfs subvolume is not a plain directory).
 package cache
 
 import (

@@ -1,8 +1,8 @@
-// Package driver is cowvol's CSI surface: the Identity, Node and Controller
-// gRPC services, the validation of every request and the mapping of every
-// failure to its gRPC code. It composes the services the mode asks for and
-// orchestrates packages cache (metadata) and overlay (COW mechanics); those
-// packages never import it.
+// Package driver is cowvol's gRPC surface: the CSI Identity, Node and
+// Controller services and the node API, the validation of every request and
+// the mapping of every failure to its gRPC code. It composes the services
+// the mode asks for around the node engine (package node), which does the
+// work; nothing below it imports it, and it never touches a volume itself.
 package driver
 
 import (
