@@ -429,7 +429,10 @@ func (c *cluster) startPlugin() {
 		StateDir:   filepath.Join(c.stateDir, "cowvol"),
 		KubeletDir: c.kubeletDir,
 		Args: []string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
-			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock")},
+			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
+			// Low enough for the last scenario to cross without filling
+			// 6 GiB; the build never gets near it.
+			"--high-watermark=50", "--low-watermark=40"},
 	})
 }
 

@@ -3,16 +3,20 @@
 package e2e
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
@@ -238,6 +242,41 @@ func TestE2E(t *testing.T) {
 		})
 		patch(true)
 		require.Equal(t, "# repo\n", c.mustSucceed("ci", "unvouched"), "the kubelet's retry is served once it is fixed")
+	})
+
+	c.scenario("a node whose cache fills up says so on its Node object, and again when it recovers", func() {
+		nodeEvents := func() string {
+			out, _ := c.kubectl("", "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+nodeName,
+				"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+			return out
+		}
+		filler, err := os.Create(filepath.Join(c.stateDir, "filler"))
+		require.NoError(t, err)
+		defer filler.Close()
+		for {
+			n, err := c.plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+			require.NoError(t, err)
+			if n.UsedPercent > 55 {
+				break
+			}
+			// Synced, so that the filesystem counts it (btrfs reports
+			// space late); a full disk is past the mark too.
+			if _, err = filler.Write(make([]byte, 64<<20)); err == nil {
+				err = filler.Sync()
+			}
+			if errors.Is(err, syscall.ENOSPC) {
+				break
+			}
+			require.NoError(t, err)
+		}
+		c.until("the CacheFull event on the Node", 60*time.Second, func() bool {
+			return strings.Contains(nodeEvents(), "CacheFull: cowvol refuses new captures")
+		})
+		require.NoError(t, os.Remove(filler.Name()))
+		c.until("the CacheRecovered event on the Node", 60*time.Second, func() bool {
+			return strings.Contains(nodeEvents(), "CacheRecovered")
+		})
+		report(t, "the Node's events: "+strings.ReplaceAll(strings.TrimSpace(nodeEvents()), "\n", " | ")+"\n")
 	})
 
 	// Every pod gone, nothing of cowvol's may stay mounted.
