@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/klog/v2"
@@ -76,6 +77,14 @@ func main() {
 	fs.BoolVar(&opts.AllowSetuid, "allow-setuid", false, "mount step volumes without nosuid (they are always nodev)")
 	fs.StringVar(&opts.NodeAPIEndpoint, "node-api-endpoint", "",
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
+	fs.StringVar(&opts.ControllerAddress, "controller-address", "",
+		"node mode: the controller's host:port to report this node's cache to (loopback only until TLS lands)")
+	fs.StringVar(&opts.APIAddress, "api-address", "",
+		"controller mode: host:port to serve the Registry and Cache APIs on (loopback only until TLS lands)")
+	fs.DurationVar(&opts.StalledAfter, "stalled-after", 30*time.Second,
+		"controller mode: a node silent this long is stalled: left out of lookups and placement")
+	fs.DurationVar(&opts.ForgetStalledAfter, "forget-stalled-after", 10*time.Minute,
+		"controller mode: a node silent this long is forgotten")
 	fs.IntVar(&opts.HighWatermark, "high-watermark", 90,
 		"percent of the state dir's filesystem (bytes or inodes) above which cached volumes are evicted and captures refused")
 	fs.IntVar(&opts.LowWatermark, "low-watermark", 80, "percent of the state dir's filesystem that eviction brings it under")

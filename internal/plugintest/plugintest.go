@@ -65,8 +65,10 @@ type Config struct {
 	FlattenDepth int    // default 64
 	// KubeletDir is where pods' targets live (default: a temp dir).
 	KubeletDir string
-	Env        []string
-	Args       []string
+	// NodeID is the node's name (default test-node).
+	NodeID string
+	Env    []string
+	Args   []string
 }
 
 // Plugin is a running plugin process and clients to it.
@@ -122,6 +124,9 @@ func Start(tb testing.TB, cfg Config) *Plugin {
 	if cfg.KubeletDir == "" {
 		cfg.KubeletDir = tb.TempDir()
 	}
+	if cfg.NodeID == "" {
+		cfg.NodeID = "test-node"
+	}
 	sockDir, err := os.MkdirTemp("", "cowvol-sock-")
 	if err != nil {
 		tb.Fatal(err)
@@ -141,7 +146,7 @@ func Start(tb testing.TB, cfg Config) *Plugin {
 func (p *Plugin) start(extraEnv []string) {
 	p.tb.Helper()
 	args := append([]string{
-		"--endpoint=unix://" + p.Sock, "--mode=" + p.Mode, "--node-id=test-node",
+		"--endpoint=unix://" + p.Sock, "--mode=" + p.Mode, "--node-id=" + p.NodeID,
 		"--state-dir=" + p.StateDir, "--cow-backend=" + p.Backend,
 		"--flatten-depth=" + strconv.Itoa(p.FlattenDepth), "--kubelet-dir=" + p.KubeletDir, "-v=4",
 	}, p.Args...)

@@ -21,12 +21,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
@@ -85,6 +88,16 @@ type Options struct {
 	// NodeAPIEndpoint is where the node API is served: a unix socket, by
 	// default node-api.sock beside a unix CSI endpoint.
 	NodeAPIEndpoint string
+	// ControllerAddress (node mode) is the controller's host:port that the
+	// node reports its cache to; empty reports to none.
+	ControllerAddress string
+	// APIAddress (controller mode) is the host:port the controller serves
+	// its Registry and Cache APIs on; empty serves none.
+	APIAddress string
+	// StalledAfter is how long a node may go without reporting before it
+	// is left out of lookups and placement; ForgetStalledAfter, before the
+	// controller forgets it.
+	StalledAfter, ForgetStalledAfter time.Duration
 	// HighWatermark and LowWatermark are percent of the state dir's
 	// filesystem (bytes and inodes): over high, the node evicts until
 	// under low, and refuses captures while it cannot.
@@ -119,6 +132,26 @@ func (o *Options) Validate() error {
 	}
 	if o.HighWatermark == 0 && o.LowWatermark == 0 {
 		o.HighWatermark, o.LowWatermark = 90, 80
+	}
+	if o.StalledAfter == 0 {
+		o.StalledAfter = 30 * time.Second
+	}
+	if o.ForgetStalledAfter == 0 {
+		o.ForgetStalledAfter = 10 * time.Minute
+	}
+	if o.ForgetStalledAfter < o.StalledAfter {
+		errs = append(errs, fmt.Errorf("--forget-stalled-after (%s) is shorter than --stalled-after (%s)", o.ForgetStalledAfter, o.StalledAfter))
+	}
+	for flag, addr := range map[string]string{"--api-address": o.APIAddress, "--controller-address": o.ControllerAddress} {
+		if err := loopbackOnly(addr); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", flag, err))
+		}
+	}
+	if o.APIAddress != "" && o.Mode == ModeNode {
+		errs = append(errs, errors.New("--api-address is the controller's: use --mode=controller or all"))
+	}
+	if o.ControllerAddress != "" && o.Mode == ModeController {
+		errs = append(errs, errors.New("--controller-address is for node plugins: use --mode=node or all"))
 	}
 	if _, _, err := parseEndpoint(o.Endpoint); err != nil {
 		errs = append(errs, err)
@@ -181,6 +214,22 @@ func (o *Options) Validate() error {
 	return errors.Join(errs...)
 }
 
+// loopbackOnly checks a host:port that is served or dialled in plaintext:
+// until the APIs carry TLS and authentication, they stay on this machine.
+func loopbackOnly(addr string) error {
+	if addr == "" {
+		return nil
+	}
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%q is not host:port: %w", addr, err)
+	}
+	if ip := net.ParseIP(host); host == "localhost" || (ip != nil && ip.IsLoopback()) {
+		return nil
+	}
+	return fmt.Errorf("%q is not a loopback address: without TLS and authentication the APIs are served and reached on loopback only", addr)
+}
+
 // parseEndpoint splits unix:///path or tcp://host:port.
 func parseEndpoint(ep string) (network, addr string, err error) {
 	u, err := url.Parse(ep)
@@ -215,6 +264,8 @@ type Driver struct {
 	metrics    *metrics
 	store      *cache.Store
 	engine     *node.Engine
+	// view is the controller's picture of the nodes' caches.
+	view *controller.View
 	// stopKube ends the API server watches and the event sender.
 	stopKube context.CancelFunc
 }
@@ -237,6 +288,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	d.identity = &identityService{name: opts.DriverName, version: opts.Version, controller: opts.Mode != ModeNode}
 	if opts.Mode != ModeNode {
 		d.controller = &controllerService{}
+		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
 	}
 	if opts.Mode != ModeController {
 		if err := d.startNode(deps); err != nil {
@@ -342,6 +394,31 @@ func (d *Driver) Run(ctx context.Context) error {
 		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
 		klog.InfoS("Serving the node API", "endpoint", d.opts.NodeAPIEndpoint)
 	}
+	if d.engine != nil && d.opts.ControllerAddress != "" {
+		conn, err := grpc.NewClient(d.opts.ControllerAddress, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			srv.Stop()
+			return errors.Join(fmt.Errorf("reaching the controller: %w", err), g.Wait())
+		}
+		defer conn.Close()
+		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(conn), nodeID: d.opts.NodeID}
+		g.Go(func() error { r.run(gctx); return nil })
+		klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
+	}
+	if d.view != nil && d.opts.APIAddress != "" {
+		apiLis, err := net.Listen("tcp", d.opts.APIAddress)
+		if err != nil {
+			srv.Stop()
+			return errors.Join(fmt.Errorf("serving the controller's APIs: %w", err), g.Wait())
+		}
+		api := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+		controller.Register(api, d.view)
+		g.Go(func() error { return api.Serve(apiLis) })
+		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
+		g.Go(func() error { d.forgetStalled(gctx); return nil })
+		klog.InfoS("Serving the controller's Registry and Cache APIs", "address", apiLis.Addr().String(),
+			"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
+	}
 	if d.opts.RegistrationSocket != "" && d.node != nil {
 		// Registered once the CSI socket listens: the kubelet calls it as
 		// soon as it has the registration.
@@ -374,6 +451,22 @@ func (d *Driver) Run(ctx context.Context) error {
 		return nil
 	})
 	return g.Wait()
+}
+
+// forgetStalled drops nodes that stopped reporting long ago.
+func (d *Driver) forgetStalled(ctx context.Context) {
+	tick := time.NewTicker(d.opts.StalledAfter)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		for _, id := range d.view.Forget(time.Now()) {
+			klog.InfoS("Forgot a node that stopped reporting", "node", id, "after", d.opts.ForgetStalledAfter)
+		}
+	}
 }
 
 // Close stops background work and closes the store.

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -30,6 +31,11 @@ func TestOptionsValidate(t *testing.T) {
 		{"negative limit", func(o *Options) { o.MaxSizeLimit = -1 }, "negative"},
 		{"default over max", func(o *Options) { o.DefaultSizeLimit, o.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
 		{"watermarks crossed", func(o *Options) { o.HighWatermark, o.LowWatermark = 70, 80 }, "watermarks"},
+		{"controller on loopback", func(o *Options) { o.ControllerAddress = "127.0.0.1:7000" }, ""},
+		{"controller off loopback", func(o *Options) { o.ControllerAddress = "10.0.0.5:7000" }, "not a loopback address"},
+		{"API off loopback", func(o *Options) { o.Mode, o.APIAddress = ModeController, "0.0.0.0:7000" }, "not a loopback address"},
+		{"API in node mode", func(o *Options) { o.APIAddress = "127.0.0.1:7000" }, "the controller's"},
+		{"forget before stalled", func(o *Options) { o.StalledAfter, o.ForgetStalledAfter = time.Minute, time.Second }, "shorter"},
 		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
 		{"registration needs a unix endpoint", func(o *Options) {

@@ -112,3 +112,6 @@ func (e *Engine) Info() (NodeInfo, error) {
 		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
 	}, nil
 }
+
+// Revision is the store's: it grows with every change to the volumes.
+func (e *Engine) Revision() uint64 { return e.store.Revision() }

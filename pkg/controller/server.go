@@ -1,0 +1,79 @@
+package controller
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+)
+
+// maxLookup bounds a lookup or placement batch.
+const maxLookup = 1000
+
+// Register serves the view's Registry (for nodes) and Cache (for
+// schedulers) on srv.
+func Register(srv *grpc.Server, v *View) {
+	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v})
+	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v})
+}
+
+func code(err error) error {
+	if errors.Is(err, ErrInvalid) {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+type registryServer struct {
+	controllerv1.UnimplementedRegistryServer
+	view *View
+}
+
+func (s *registryServer) Report(_ context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
+	resp, err := s.view.Report(req, time.Now())
+	if err != nil {
+		return nil, code(err)
+	}
+	if req.GetFull() {
+		klog.V(2).InfoS("A node reported its whole inventory", "node", req.GetNodeId(), "store", req.GetStoreId(),
+			"volumes", len(req.GetUpserts()), "revision", req.GetRevision())
+	}
+	return resp, nil
+}
+
+type cacheServer struct {
+	controllerv1.UnimplementedCacheServer
+	view *View
+}
+
+func (s *cacheServer) LookupVolumes(_ context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
+	if len(req.GetRefs()) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one lookup: at most %d", len(req.GetRefs()), maxLookup)
+	}
+	locs, err := s.view.Lookup(req.GetRefs(), time.Now())
+	if err != nil {
+		return nil, code(err)
+	}
+	return &controllerv1.LookupVolumesResponse{Volumes: locs}, nil
+}
+
+func (s *cacheServer) Place(_ context.Context, req *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+	if len(req.GetInputs()) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d inputs: at most %d", len(req.GetInputs()), maxLookup)
+	}
+	nodes, err := s.view.Place(req.GetInputs(), time.Now())
+	if err != nil {
+		return nil, code(err)
+	}
+	return &controllerv1.PlaceResponse{Nodes: nodes}, nil
+}
+
+func (s *cacheServer) ListNodes(context.Context, *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
+	return &controllerv1.ListNodesResponse{Nodes: s.view.Nodes(time.Now())}, nil
+}

@@ -1,0 +1,244 @@
+// Package controller owns the cluster-wide view of the node caches: which
+// node holds which volume in what state, which nodes are live, and the
+// answers a scheduler gets from that view (lookups, placement). It keeps no
+// database: the view is what the nodes report, and after a restart it is
+// rebuilt from their next reports. It never touches a volume: nodes do.
+package controller
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Node states a scheduler sees.
+const (
+	NodeRunning = "running"
+	// NodeStalled: no report within the stalled-after time. Its volumes
+	// are left out of lookups and placement until it reports again.
+	NodeStalled = "stalled"
+)
+
+// View is the controller's picture of every node's cache. It is safe for
+// concurrent use.
+type View struct {
+	mu                 sync.RWMutex
+	nodes              map[string]*nodeState
+	stalledAfter       time.Duration
+	forgetStalledAfter time.Duration
+}
+
+type nodeState struct {
+	id, storeID string
+	revision    uint64
+	lastReport  time.Time
+	volumes     map[volume.Ref]*controllerv1.VolumeSummary
+	bytesFree   int64
+	over        bool
+}
+
+// NewView makes an empty view; nodes fill it as they report.
+func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
+	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter}
+}
+
+// ErrInvalid marks a malformed report or query.
+var ErrInvalid = errors.New("invalid")
+
+func refOf(r *controllerv1.VolumeRef) (volume.Ref, error) {
+	ref := volume.Ref{Namespace: r.GetNamespace(), Handle: r.GetHandle()}
+	if err := ref.Validate(); err != nil {
+		return ref, fmt.Errorf("volume: %w: %w", err, ErrInvalid)
+	}
+	return ref, nil
+}
+
+// Report applies a node's report and says whether the controller needs the
+// whole inventory instead. A node that reports a new store ID is believed
+// to hold nothing it held before, at once.
+func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controllerv1.ReportResponse, error) {
+	if req.GetNodeId() == "" || req.GetStoreId() == "" {
+		return nil, fmt.Errorf("a report needs the node's ID and its store's: %w", ErrInvalid)
+	}
+	upserts := make(map[volume.Ref]*controllerv1.VolumeSummary, len(req.GetUpserts()))
+	for _, s := range req.GetUpserts() {
+		r, err := refOf(s.GetRef())
+		if err != nil {
+			return nil, err
+		}
+		upserts[r] = s
+	}
+	deletes := make([]volume.Ref, 0, len(req.GetDeletes()))
+	for _, d := range req.GetDeletes() {
+		r, err := refOf(d)
+		if err != nil {
+			return nil, err
+		}
+		deletes = append(deletes, r)
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	n := v.nodes[req.GetNodeId()]
+	if n == nil || n.storeID != req.GetStoreId() {
+		// New, or back with a wiped state dir: nothing it held before.
+		n = &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), volumes: map[volume.Ref]*controllerv1.VolumeSummary{}}
+		v.nodes[n.id] = n
+	}
+	n.lastReport, n.bytesFree, n.over = now, req.GetBytesFree(), req.GetOverHighWatermark()
+	switch {
+	case req.GetFull():
+		n.volumes = upserts
+	case n.revision == 0 || req.GetBaseRevision() != n.revision:
+		return &controllerv1.ReportResponse{Resync: true, Revision: n.revision}, nil
+	default:
+		for r, s := range upserts {
+			n.volumes[r] = s
+		}
+		for _, r := range deletes {
+			delete(n.volumes, r)
+		}
+	}
+	n.revision = req.GetRevision()
+	return &controllerv1.ReportResponse{Revision: n.revision}, nil
+}
+
+func (v *View) live(n *nodeState, now time.Time) bool { return now.Sub(n.lastReport) <= v.stalledAfter }
+
+// liveNodes lists the nodes that reported lately, by ID. The caller holds
+// the lock.
+func (v *View) liveNodes(now time.Time) []*nodeState {
+	var out []*nodeState
+	for _, n := range v.nodes {
+		if v.live(n, now) {
+			out = append(out, n)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
+	return out
+}
+
+var stateRank = map[string]int{string(volume.StateReady): 3, string(volume.StateCreating): 2, string(volume.StateFailed): 1}
+
+// Lookup says where each volume is, among live nodes.
+func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.VolumeLocation, error) {
+	parsed := make([]volume.Ref, len(refs))
+	for i, r := range refs {
+		var err error
+		if parsed[i], err = refOf(r); err != nil {
+			return nil, err
+		}
+	}
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	live := v.liveNodes(now)
+	out := make([]*controllerv1.VolumeLocation, len(parsed))
+	for i, r := range parsed {
+		loc := &controllerv1.VolumeLocation{Ref: refs[i]}
+		for _, n := range live {
+			s := n.volumes[r]
+			if s == nil {
+				continue
+			}
+			if !loc.Found || stateRank[s.GetState()] > stateRank[loc.State] {
+				loc.Found, loc.State, loc.SizeBytes = true, s.GetState(), s.GetSizeBytes()
+				loc.Parent, loc.Scope, loc.Properties = s.GetParent(), s.GetScope(), s.GetProperties()
+			}
+			if s.GetState() == string(volume.StateReady) {
+				loc.Nodes = append(loc.Nodes, n.id)
+			}
+		}
+		out[i] = loc
+	}
+	return out, nil
+}
+
+// Place ranks the live nodes that take captures (not over their high
+// watermark) for a step with these inputs: most input bytes held ready
+// first, then most free space, then by ID.
+func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.NodePlacement, error) {
+	parsed := make([]volume.Ref, len(inputs))
+	for i, r := range inputs {
+		var err error
+		if parsed[i], err = refOf(r); err != nil {
+			return nil, err
+		}
+	}
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	var out []*controllerv1.NodePlacement
+	for _, n := range v.liveNodes(now) {
+		if n.over {
+			continue
+		}
+		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}
+		for i, r := range parsed {
+			if s := n.volumes[r]; s != nil && s.GetState() == string(volume.StateReady) {
+				p.InputBytesHeld += max(s.GetSizeBytes(), 0)
+			} else {
+				p.Missing = append(p.Missing, inputs[i])
+			}
+		}
+		out = append(out, p)
+	}
+	slices.SortStableFunc(out, func(a, b *controllerv1.NodePlacement) int {
+		switch {
+		case a.InputBytesHeld != b.InputBytesHeld:
+			return cmpDesc(a.InputBytesHeld, b.InputBytesHeld)
+		case a.BytesFree != b.BytesFree:
+			return cmpDesc(a.BytesFree, b.BytesFree)
+		}
+		return 0 // already by ID
+	})
+	return out, nil
+}
+
+func cmpDesc(a, b int64) int {
+	if a > b {
+		return -1
+	}
+	return 1
+}
+
+// Nodes lists every node the controller knows, with its state.
+func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	var out []*controllerv1.NodeStatus
+	for _, n := range v.nodes {
+		st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: NodeRunning, Revision: n.revision,
+			Volumes: int32(len(n.volumes)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
+			LastReport: timestamppb.New(n.lastReport)}
+		if !v.live(n, now) {
+			st.State = NodeStalled
+		}
+		for _, s := range n.volumes {
+			st.Bytes += max(s.GetSizeBytes(), 0)
+		}
+		out = append(out, st)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].NodeId < out[j].NodeId })
+	return out
+}
+
+// Forget drops the nodes stalled for longer than the forget time, saying
+// which.
+func (v *View) Forget(now time.Time) []string {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	var gone []string
+	for id, n := range v.nodes {
+		if now.Sub(n.lastReport) > v.forgetStalledAfter {
+			delete(v.nodes, id)
+			gone = append(gone, id)
+		}
+	}
+	return gone
+}

@@ -1,0 +1,88 @@
+package controller
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+)
+
+func vol(h, state string, size int64) *controllerv1.VolumeSummary {
+	return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: "ci", Handle: h}, State: state, SizeBytes: size}
+}
+
+func ref(h string) *controllerv1.VolumeRef { return &controllerv1.VolumeRef{Namespace: "ci", Handle: h} }
+
+func TestReportsAndResyncs(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	tests := []struct {
+		name       string
+		req        *controllerv1.ReportRequest
+		wantResync bool
+		wantErr    bool
+		wantVols   int
+	}{
+		{"no node ID", &controllerv1.ReportRequest{StoreId: "s1"}, false, true, 0},
+		{"a bad ref", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Full: true,
+			Upserts: []*controllerv1.VolumeSummary{{Ref: &controllerv1.VolumeRef{Handle: "x"}}}}, false, true, 0},
+		{"changes from an unknown node", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 5, BaseRevision: 4}, true, false, 0},
+		{"full", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 5, Full: true,
+			Upserts: []*controllerv1.VolumeSummary{vol("a", "ready", 10), vol("b", "ready", 20)}}, false, false, 2},
+		{"changes", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 7, BaseRevision: 5,
+			Upserts: []*controllerv1.VolumeSummary{vol("c", "creating", -1)}, Deletes: []*controllerv1.VolumeRef{ref("a")}}, false, false, 2},
+		{"changes from a revision the controller never saw", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 9, BaseRevision: 8}, true, false, 2},
+		{"heartbeat", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 7, BaseRevision: 7}, false, false, 2},
+		{"a wiped node back under its name", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s2", Revision: 1, BaseRevision: 7}, true, false, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := v.Report(tc.req, now)
+			if tc.wantErr {
+				require.ErrorIs(t, err, ErrInvalid)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.wantResync, resp.Resync)
+			nodes := v.Nodes(now)
+			require.Len(t, nodes, 1)
+			require.Equal(t, int32(tc.wantVols), nodes[0].Volumes)
+		})
+	}
+}
+
+func TestLookupPlaceAndStalls(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	report := func(node string, at time.Time, free int64, over bool, vols ...*controllerv1.VolumeSummary) {
+		_, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node + "-store", Revision: 1, Full: true,
+			Upserts: vols, BytesFree: free, OverHighWatermark: over}, at)
+		require.NoError(t, err)
+	}
+	report("a", now, 100, false, vol("small", "ready", 10))
+	report("b", now, 50, false, vol("small", "ready", 10), vol("big", "ready", 1000))
+	report("c", now, 900, false)
+	report("d", now, 900, true, vol("big", "ready", 1000))
+	report("gone", now.Add(-2*time.Minute), 900, false, vol("big", "ready", 1000))
+
+	locs, err := v.Lookup([]*controllerv1.VolumeRef{ref("small"), ref("big"), ref("nope")}, now)
+	require.NoError(t, err)
+	require.Equal(t, []string{"a", "b"}, locs[0].Nodes)
+	require.Equal(t, []string{"b", "d"}, locs[1].Nodes, "a stalled node is left out")
+	require.False(t, locs[2].Found)
+
+	placed, err := v.Place([]*controllerv1.VolumeRef{ref("small"), ref("big")}, now)
+	require.NoError(t, err)
+	var order []string
+	for _, p := range placed {
+		order = append(order, p.NodeId)
+	}
+	require.Equal(t, []string{"b", "a", "c"}, order, "bytes held first, then free space; over the mark and stalled left out")
+	require.Equal(t, int64(1010), placed[0].InputBytesHeld)
+	require.Len(t, placed[2].Missing, 2)
+
+	require.Equal(t, "stalled", v.Nodes(now)[4].State)
+	require.Equal(t, []string{"gone"}, v.Forget(now.Add(59*time.Minute)))
+}

@@ -1,0 +1,148 @@
+package driver
+
+import (
+	"context"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+	"k8s.io/klog/v2"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/node"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// A node looks for changes to report every reportEvery, reports at least
+// every heartbeatEvery (its heartbeat), and sends its whole inventory every
+// resyncEvery as a safety net.
+const (
+	reportEvery    = time.Second
+	heartbeatEvery = 5 * time.Second
+	resyncEvery    = 5 * time.Minute
+)
+
+// reporter keeps the controller's view of this node current: the whole
+// inventory first, then what changed since the revision the controller
+// acknowledged, computed against what it was last sent.
+type reporter struct {
+	engine   *node.Engine
+	client   controllerv1.RegistryClient
+	nodeID   string
+	sent     map[volume.Ref]*controllerv1.VolumeSummary
+	acked    uint64
+	needFull bool
+	lastSent time.Time
+	lastFull time.Time
+}
+
+func (r *reporter) run(ctx context.Context) {
+	r.needFull = true
+	tick := time.NewTicker(reportEvery)
+	defer tick.Stop()
+	failing := false
+	for {
+		err := r.round(ctx)
+		switch {
+		case err != nil && !failing:
+			klog.ErrorS(err, "Reporting to the controller; retrying every second")
+		case err == nil && failing:
+			klog.InfoS("Reporting to the controller again")
+		}
+		failing = err != nil
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// round sends one report if there is anything to say (or a heartbeat is
+// due), and the whole inventory if the controller asks for it.
+func (r *reporter) round(ctx context.Context) error {
+	for range 2 {
+		rev := r.engine.Revision()
+		full := r.needFull || time.Since(r.lastFull) > resyncEvery
+		if !full && rev == r.acked && time.Since(r.lastSent) < heartbeatEvery {
+			return nil
+		}
+		inv, err := r.inventory()
+		if err != nil {
+			return err
+		}
+		info, err := r.engine.Info()
+		if err != nil {
+			return err
+		}
+		req := &controllerv1.ReportRequest{NodeId: r.nodeID, StoreId: info.StoreID, Revision: rev, Full: full,
+			BaseRevision: r.acked, OverHighWatermark: info.OverHighWatermark,
+			BytesFree: max(0, info.BytesTotal*int64(info.Watermarks.High)/100-(info.BytesTotal-info.BytesFree))}
+		if full {
+			for _, s := range inv {
+				req.Upserts = append(req.Upserts, s)
+			}
+		} else {
+			req.Upserts, req.Deletes = diff(r.sent, inv)
+		}
+		callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		resp, err := r.client.Report(callCtx, req)
+		cancel()
+		if err != nil {
+			return err
+		}
+		if resp.GetResync() {
+			r.needFull = true
+			continue
+		}
+		r.sent, r.acked, r.lastSent = inv, rev, time.Now()
+		if full {
+			r.needFull, r.lastFull = false, r.lastSent
+		}
+		return nil
+	}
+	return nil
+}
+
+// inventory is every cached volume the node holds (destroyed ones are gone
+// as far as anyone else is concerned).
+func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, error) {
+	inv := map[volume.Ref]*controllerv1.VolumeSummary{}
+	after := ""
+	for {
+		vols, next, _, err := r.engine.Volumes(node.Query{After: after, Limit: maxPageSize})
+		if err != nil {
+			return nil, err
+		}
+		for _, v := range vols {
+			inv[v.Ref()] = &controllerv1.VolumeSummary{
+				Ref: ctlRef(v.Ref()), State: string(v.State), SizeBytes: v.SizeBytes,
+				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: v.Properties,
+			}
+		}
+		if after = next; after == "" {
+			return inv, nil
+		}
+	}
+}
+
+func ctlRef(r volume.Ref) *controllerv1.VolumeRef {
+	if r.IsZero() {
+		return nil
+	}
+	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
+}
+
+// diff is what changed from sent to now.
+func diff(sent, now map[volume.Ref]*controllerv1.VolumeSummary) (upserts []*controllerv1.VolumeSummary, deletes []*controllerv1.VolumeRef) {
+	for r, s := range now {
+		if old, ok := sent[r]; !ok || !proto.Equal(old, s) {
+			upserts = append(upserts, s)
+		}
+	}
+	for r := range sent {
+		if _, ok := now[r]; !ok {
+			deletes = append(deletes, ctlRef(r))
+		}
+	}
+	return upserts, deletes
+}

@@ -1,0 +1,109 @@
+package test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+)
+
+func cref(ns, h string) *controllerv1.VolumeRef { return &controllerv1.VolumeRef{Namespace: ns, Handle: h} }
+
+// A controller and three node plugins on loopback: the nodes report what
+// they capture, lookups say which nodes hold what, placement ranks nodes by
+// the bytes of a step's inputs they hold, a killed node goes stalled and
+// out of the answers, a node back with a wiped state dir holds nothing it
+// held before at once, and a restarted controller rebuilds the same view
+// from the nodes.
+func TestControllerViewOfTheNodes(t *testing.T) {
+	testfs.Need(t)
+	addr := freePort(t)
+	ctl := plugintest.Start(t, plugintest.Config{Mode: "controller",
+		Args: []string{"--api-address=" + addr, "--stalled-after=3s", "--forget-stalled-after=1m"}})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	api, ctx := controllerv1.NewCacheClient(conn), context.Background()
+	nodes := map[string]*env{}
+	for _, id := range []string{"node-a", "node-b", "node-c"} {
+		nodes[id] = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, Args: []string{"--controller-address=" + addr}})
+	}
+	blob := func(size int) func(string) {
+		return func(dir string) { write(t, dir, "blob", strings.Repeat("x", size)) }
+	}
+	nodes["node-a"].step("", "res", blob(1<<20))
+	nodes["node-b"].step("", "res", blob(1<<20))
+	nodes["node-b"].step("", "tools", blob(4<<20))
+
+	lookup := func() []*controllerv1.VolumeLocation {
+		resp, err := api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{
+			cref("ci", "res"), cref("ci", "tools"), cref("ci", "nope")}})
+		require.NoError(t, err)
+		return resp.Volumes
+	}
+	eventually(t, "the controller to see every capture", func() bool {
+		l := lookup()
+		return strings.Join(l[0].Nodes, ",") == "node-a,node-b" && strings.Join(l[1].Nodes, ",") == "node-b"
+	})
+	require.False(t, lookup()[2].Found)
+	require.Equal(t, "ready", lookup()[0].State)
+
+	placed := func() []string {
+		resp, err := api.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("ci", "res"), cref("ci", "tools")}})
+		require.NoError(t, err)
+		var order []string
+		for _, n := range resp.Nodes {
+			order = append(order, n.NodeId)
+		}
+		return order
+	}
+	eventually(t, "placement to rank by the bytes held", func() bool {
+		return strings.Join(placed(), ",") == "node-b,node-a,node-c"
+	})
+	resp, err := api.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("ci", "res"), cref("ci", "tools")}})
+	require.NoError(t, err)
+	require.Greater(t, resp.Nodes[0].InputBytesHeld, int64(5<<20))
+	require.Len(t, resp.Nodes[1].Missing, 1, "node-a lacks tools")
+	require.Len(t, resp.Nodes[2].Missing, 2)
+
+	// A controller restart rebuilds the same view from the nodes.
+	ctl.Restart()
+	start := time.Now()
+	eventually(t, "the restarted controller's view", func() bool {
+		l := lookup()
+		return strings.Join(l[0].Nodes, ",") == "node-a,node-b" && strings.Join(l[1].Nodes, ",") == "node-b"
+	})
+	t.Logf("a restarted controller had the whole view again after %s", time.Since(start).Round(time.Millisecond))
+
+	// A killed node goes stalled and out of the answers.
+	nodes["node-a"].p.Kill()
+	eventually(t, "node-a to stall", func() bool { return strings.Join(lookup()[0].Nodes, ",") == "node-b" })
+	listed, err := api.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+	require.NoError(t, err)
+	require.Equal(t, "stalled", listed.Nodes[0].State)
+	require.Equal(t, "running", listed.Nodes[1].State)
+
+	// Back with a wiped state dir under its name, node-b holds nothing.
+	b := nodes["node-b"]
+	b.p.Kill()
+	entries, err := os.ReadDir(b.p.StateDir)
+	require.NoError(t, err)
+	for _, e := range entries {
+		require.NoError(t, os.RemoveAll(filepath.Join(b.p.StateDir, e.Name())))
+	}
+	b.p.Restart()
+	eventually(t, "node-b's old volumes to be gone", func() bool {
+		l := lookup()
+		return !l[0].Found && !l[1].Found
+	})
+}
