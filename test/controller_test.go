@@ -17,7 +17,9 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 )
 
-func cref(ns, h string) *controllerv1.VolumeRef { return &controllerv1.VolumeRef{Namespace: ns, Handle: h} }
+func cref(ns, h string) *controllerv1.VolumeRef {
+	return &controllerv1.VolumeRef{Namespace: ns, Handle: h}
+}
 
 // A controller and three node plugins on loopback: the nodes report what
 // they capture, lookups say which nodes hold what, placement ranks nodes by

@@ -13,7 +13,9 @@ func vol(h, state string, size int64) *controllerv1.VolumeSummary {
 	return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: "ci", Handle: h}, State: state, SizeBytes: size}
 }
 
-func ref(h string) *controllerv1.VolumeRef { return &controllerv1.VolumeRef{Namespace: "ci", Handle: h} }
+func ref(h string) *controllerv1.VolumeRef {
+	return &controllerv1.VolumeRef{Namespace: "ci", Handle: h}
+}
 
 func TestReportsAndResyncs(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
