@@ -128,7 +128,14 @@ func TestControllerMode(t *testing.T) {
 	require.Contains(t, services, csi.PluginCapability_Service_CONTROLLER_SERVICE)
 	cc, err := csi.NewControllerClient(p.Conn).ControllerGetCapabilities(context.Background(), &csi.ControllerGetCapabilitiesRequest{})
 	require.NoError(t, err)
-	require.Empty(t, cc.Capabilities, "inline volumes need no controller capability")
+	var rpcs []csi.ControllerServiceCapability_RPC_Type
+	for _, c := range cc.Capabilities {
+		rpcs = append(rpcs, c.GetRpc().GetType())
+	}
+	require.ElementsMatch(t, []csi.ControllerServiceCapability_RPC_Type{
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES, csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+		csi.ControllerServiceCapability_RPC_GET_CAPACITY, csi.ControllerServiceCapability_RPC_GET_VOLUME,
+	}, rpcs, "what the controller's view can answer, and nothing it cannot (inline volumes are never created or attached)")
 	_, err = p.Node.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
 	require.Equal(t, codes.Unimplemented, code(err), "controller mode serves no node")
 	info, err := p.Identity.GetPluginInfo(context.Background(), &csi.GetPluginInfoRequest{})

@@ -8,13 +8,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
 )
 
 func cref(ns, h string) *controllerv1.VolumeRef {
@@ -77,6 +80,38 @@ func TestControllerViewOfTheNodes(t *testing.T) {
 	require.Greater(t, resp.Nodes[0].InputBytesHeld, int64(5<<20))
 	require.Len(t, resp.Nodes[1].Missing, 1, "node-a lacks tools")
 	require.Len(t, resp.Nodes[2].Missing, 2)
+
+	// The CSI controller answers from the same view.
+	reader := nodes["node-b"].mount(map[string]string{"source": "tools"}, true)
+	csiCtl := csi.NewControllerClient(ctl.Conn)
+	eventually(t, "ListVolumes to show where tools is held and mounted", func() bool {
+		resp, err := csiCtl.ListVolumes(ctx, &csi.ListVolumesRequest{})
+		require.NoError(t, err)
+		for _, e := range resp.Entries {
+			if e.Volume.VolumeId == "ci/tools" {
+				return len(e.Status.PublishedNodeIds) == 1 && e.Status.PublishedNodeIds[0] == "node-b"
+			}
+		}
+		return false
+	})
+	page, err := csiCtl.ListVolumes(ctx, &csi.ListVolumesRequest{MaxEntries: 1})
+	require.NoError(t, err)
+	require.Equal(t, "ci/res", page.Entries[0].Volume.VolumeId)
+	require.Len(t, page.Entries[0].Volume.AccessibleTopology, 2, "held by node-a and node-b")
+	page, err = csiCtl.ListVolumes(ctx, &csi.ListVolumesRequest{MaxEntries: 1, StartingToken: page.NextToken})
+	require.NoError(t, err)
+	require.Equal(t, "ci/tools", page.Entries[0].Volume.VolumeId)
+	require.Empty(t, page.NextToken)
+	got, err := csiCtl.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: "ci/tools"})
+	require.NoError(t, err)
+	require.Greater(t, got.Volume.CapacityBytes, int64(4<<20))
+	_, err = csiCtl.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: "ci/nope"})
+	require.Equal(t, codes.NotFound, code(err))
+	capacity, err := csiCtl.GetCapacity(ctx, &csi.GetCapacityRequest{
+		AccessibleTopology: &csi.Topology{Segments: map[string]string{driver.TopologyKey: "node-c"}}})
+	require.NoError(t, err)
+	require.Positive(t, capacity.AvailableCapacity)
+	nodes["node-b"].umount(reader)
 
 	// A controller restart rebuilds the same view from the nodes.
 	ctl.Restart()

@@ -242,3 +242,58 @@ func (v *View) Forget(now time.Time) []string {
 	}
 	return gone
 }
+
+// Entry is one cached volume across the live nodes.
+type Entry struct {
+	Ref       volume.Ref
+	SizeBytes int64
+	// Ready lists the live nodes holding it ready; Published, those where
+	// step volumes mount it. Both sorted.
+	Ready, Published []string
+}
+
+// Volumes lists every volume some live node holds ready, in (namespace,
+// handle) order.
+func (v *View) Volumes(now time.Time) []Entry {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	byRef := map[volume.Ref]*Entry{}
+	for _, n := range v.liveNodes(now) {
+		for r, s := range n.volumes {
+			if s.GetState() != string(volume.StateReady) {
+				continue
+			}
+			e := byRef[r]
+			if e == nil {
+				e = &Entry{Ref: r, SizeBytes: max(s.GetSizeBytes(), 0)}
+				byRef[r] = e
+			}
+			e.Ready = append(e.Ready, n.id)
+			if s.GetStepVolumes() > 0 {
+				e.Published = append(e.Published, n.id)
+			}
+		}
+	}
+	out := make([]Entry, 0, len(byRef))
+	for _, e := range byRef {
+		out = append(out, *e)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Ref.String() < out[j].Ref.String() })
+	return out
+}
+
+// Free is the room a live node has left under its high watermark (all live
+// nodes' together for ""), and whether the node is known and live.
+func (v *View) Free(nodeID string, now time.Time) (int64, bool) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	var sum int64
+	found := false
+	for _, n := range v.liveNodes(now) {
+		if nodeID == "" || n.id == nodeID {
+			sum += n.bytesFree
+			found = true
+		}
+	}
+	return sum, found || nodeID == ""
+}

@@ -287,8 +287,8 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	d := &Driver{opts: opts, metrics: newMetrics()}
 	d.identity = &identityService{name: opts.DriverName, version: opts.Version, controller: opts.Mode != ModeNode}
 	if opts.Mode != ModeNode {
-		d.controller = &controllerService{}
 		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
+		d.controller = &controllerService{view: d.view}
 	}
 	if opts.Mode != ModeController {
 		if err := d.startNode(deps); err != nil {

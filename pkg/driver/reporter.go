@@ -117,6 +117,7 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 			inv[v.Ref()] = &controllerv1.VolumeSummary{
 				Ref: ctlRef(v.Ref()), State: string(v.State), SizeBytes: v.SizeBytes,
 				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: v.Properties,
+				StepVolumes: int32(len(v.Holders.Views)),
 			}
 		}
 		if after = next; after == "" {

@@ -84,12 +84,14 @@ type VolumeSummary struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Ref   *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
 	// creating, ready or failed (destroyed volumes are not reported).
-	State         string            `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
-	SizeBytes     int64             `protobuf:"varint,3,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
-	Parent        *VolumeRef        `protobuf:"bytes,4,opt,name=parent,proto3" json:"parent,omitempty"`
-	Base          *VolumeRef        `protobuf:"bytes,5,opt,name=base,proto3" json:"base,omitempty"`
-	Scope         string            `protobuf:"bytes,6,opt,name=scope,proto3" json:"scope,omitempty"`
-	Properties    map[string]string `protobuf:"bytes,7,rep,name=properties,proto3" json:"properties,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	State      string            `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	SizeBytes  int64             `protobuf:"varint,3,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	Parent     *VolumeRef        `protobuf:"bytes,4,opt,name=parent,proto3" json:"parent,omitempty"`
+	Base       *VolumeRef        `protobuf:"bytes,5,opt,name=base,proto3" json:"base,omitempty"`
+	Scope      string            `protobuf:"bytes,6,opt,name=scope,proto3" json:"scope,omitempty"`
+	Properties map[string]string `protobuf:"bytes,7,rep,name=properties,proto3" json:"properties,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// How many step volumes on the node mount it (directly or down a chain).
+	StepVolumes   int32 `protobuf:"varint,8,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -171,6 +173,13 @@ func (x *VolumeSummary) GetProperties() map[string]string {
 		return x.Properties
 	}
 	return nil
+}
+
+func (x *VolumeSummary) GetStepVolumes() int32 {
+	if x != nil {
+		return x.StepVolumes
+	}
+	return 0
 }
 
 type ReportRequest struct {
@@ -889,7 +898,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x1econtroller/v1/controller.proto\x12\x14cowvol.controller.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
-	"\x06handle\x18\x02 \x01(\tR\x06handle\"\x8f\x03\n" +
+	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xb2\x03\n" +
 	"\rVolumeSummary\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1d\n" +
@@ -900,7 +909,8 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x05scope\x18\x06 \x01(\tR\x05scope\x12S\n" +
 	"\n" +
 	"properties\x18\a \x03(\v23.cowvol.controller.v1.VolumeSummary.PropertiesEntryR\n" +
-	"properties\x1a=\n" +
+	"properties\x12!\n" +
+	"\fstep_volumes\x18\b \x01(\x05R\vstepVolumes\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x02\n" +
