@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -143,4 +144,64 @@ func TestControllerViewOfTheNodes(t *testing.T) {
 		l := lookup()
 		return !l[0].Found && !l[1].Found
 	})
+}
+
+// The scheduler's garbage collection through the controller: destroyed
+// volumes are gone from lookups at once and destroyed on every node that
+// holds them; one a step still reads keeps working there and goes once it
+// is released; a pin reaches the nodes too.
+func TestGarbageCollectionThroughTheController(t *testing.T) {
+	testfs.Need(t)
+	addr := freePort(t)
+	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr}})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	api, ctx := controllerv1.NewCacheClient(conn), context.Background()
+	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr}})
+	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", Args: []string{"--controller-address=" + addr}})
+	for _, e := range []*env{a, b} {
+		e.step("", "old", func(dir string) { write(t, dir, "f", "old") })
+		e.step("", "keep", func(dir string) { write(t, dir, "f", "keep") })
+	}
+	reader := b.mount(map[string]string{"source": "old"}, true)
+	found := func(h string) []string {
+		resp, err := api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", h)}})
+		require.NoError(t, err)
+		return resp.Volumes[0].Nodes
+	}
+	eventually(t, "both nodes to report", func() bool { return len(found("old")) == 2 && len(found("keep")) == 2 })
+
+	resp, err := api.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", "old")}})
+	require.NoError(t, err)
+	require.Equal(t, []string{"node-a", "node-b"}, resp.Volumes[0].Nodes)
+	require.Empty(t, found("old"), "gone from lookups at once")
+	onNode := func(e *env, h string) codes.Code {
+		_, err := e.p.NodeAPI.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", h)})
+		return code(err)
+	}
+	eventually(t, "both nodes to destroy it", func() bool {
+		return onNode(a, "old") == codes.NotFound && onNode(b, "old") == codes.NotFound
+	})
+	require.Equal(t, "old", readFile(t, reader.Target, "f"), "a step reading it keeps working")
+	b.umount(reader)
+	eventually(t, "its data to go once released", func() bool {
+		_, err := os.Stat(filepath.Join(b.p.StateDir, "volumes", "ci", "old"))
+		return os.IsNotExist(err)
+	})
+	require.Len(t, found("keep"), 2, "the rest is untouched")
+
+	_, err = api.PinVolumes(ctx, &controllerv1.PinVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", "keep")}})
+	require.NoError(t, err)
+	eventually(t, "the pin to reach both nodes", func() bool {
+		for _, e := range []*env{a, b} {
+			v, err := e.p.NodeAPI.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "keep")})
+			if err != nil || !v.Pinned {
+				return false
+			}
+		}
+		return true
+	})
+	a.noLeaks(t)
+	b.noLeaks(t)
 }

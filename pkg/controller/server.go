@@ -77,3 +77,29 @@ func (s *cacheServer) Place(_ context.Context, req *controllerv1.PlaceRequest) (
 func (s *cacheServer) ListNodes(context.Context, *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
 	return &controllerv1.ListNodesResponse{Nodes: s.view.Nodes(time.Now())}, nil
 }
+
+func (s *cacheServer) DestroyVolumes(_ context.Context, req *controllerv1.DestroyVolumesRequest) (*controllerv1.DestroyVolumesResponse, error) {
+	if len(req.GetRefs()) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one batch: at most %d", len(req.GetRefs()), maxLookup)
+	}
+	out, err := s.view.Destroy(req.GetRefs())
+	if err != nil {
+		return nil, code(err)
+	}
+	klog.V(2).InfoS("Destroying volumes on the nodes holding them", "volumes", len(out))
+	return &controllerv1.DestroyVolumesResponse{Volumes: out}, nil
+}
+
+func (s *cacheServer) PinVolumes(_ context.Context, req *controllerv1.PinVolumesRequest) (*controllerv1.PinVolumesResponse, error) {
+	if len(req.GetRefs()) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one batch: at most %d", len(req.GetRefs()), maxLookup)
+	}
+	if u := req.GetUntil(); u != nil && u.CheckValid() != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "until: %v", u.CheckValid())
+	}
+	out, err := s.view.Pin(req.GetRefs(), req.GetUnpin(), req.GetUntil())
+	if err != nil {
+		return nil, code(err)
+	}
+	return &controllerv1.PinVolumesResponse{Volumes: out}, nil
+}

@@ -43,6 +43,9 @@ type nodeState struct {
 	volumes     map[volume.Ref]*controllerv1.VolumeSummary
 	bytesFree   int64
 	over        bool
+	// What schedulers asked of the node, until its reports show it done.
+	destroy map[volume.Ref]bool
+	pins    map[volume.Ref]*controllerv1.PinCommand
 }
 
 // NewView makes an empty view; nodes fill it as they report.
@@ -89,7 +92,8 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 	n := v.nodes[req.GetNodeId()]
 	if n == nil || n.storeID != req.GetStoreId() {
 		// New, or back with a wiped state dir: nothing it held before.
-		n = &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), volumes: map[volume.Ref]*controllerv1.VolumeSummary{}}
+		n = &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), volumes: map[volume.Ref]*controllerv1.VolumeSummary{},
+			destroy: map[volume.Ref]bool{}, pins: map[volume.Ref]*controllerv1.PinCommand{}}
 		v.nodes[n.id] = n
 	}
 	n.lastReport, n.bytesFree, n.over = now, req.GetBytesFree(), req.GetOverHighWatermark()
@@ -107,7 +111,87 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		}
 	}
 	n.revision = req.GetRevision()
-	return &controllerv1.ReportResponse{Revision: n.revision}, nil
+	return &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins()}, nil
+}
+
+// pendingDestroys are the destroys the node has not done yet: volumes it
+// still reports. Done ones are dropped. The caller holds the lock.
+func (n *nodeState) pendingDestroys() []*controllerv1.VolumeRef {
+	var out []*controllerv1.VolumeRef
+	for r := range n.destroy {
+		if _, held := n.volumes[r]; !held {
+			delete(n.destroy, r)
+			continue
+		}
+		out = append(out, toRef(r))
+	}
+	return out
+}
+
+// has is the volume as the node holds it, unless a scheduler destroyed it:
+// then it is gone from every answer at once, whatever the node still says.
+func (n *nodeState) has(r volume.Ref) *controllerv1.VolumeSummary {
+	if n.destroy[r] {
+		return nil
+	}
+	return n.volumes[r]
+}
+
+// pendingPins are the pin changes the node's reports do not show yet.
+func (n *nodeState) pendingPins() []*controllerv1.PinCommand {
+	var out []*controllerv1.PinCommand
+	for r, c := range n.pins {
+		if s, held := n.volumes[r]; !held || s.GetPinned() == !c.GetUnpin() {
+			delete(n.pins, r)
+			continue
+		}
+		out = append(out, c)
+	}
+	return out
+}
+
+func toRef(r volume.Ref) *controllerv1.VolumeRef {
+	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
+}
+
+// Destroy hides each volume from lookups at once and asks every node that
+// reported it to destroy it, saying which nodes were asked.
+func (v *View) Destroy(refs []*controllerv1.VolumeRef) ([]*controllerv1.VolumeNodes, error) {
+	return v.command(refs, func(n *nodeState, r volume.Ref) { n.destroy[r] = true })
+}
+
+// Pin asks every node that reported each volume to pin (until until, or
+// for good) or unpin it.
+func (v *View) Pin(refs []*controllerv1.VolumeRef, unpin bool, until *timestamppb.Timestamp) ([]*controllerv1.VolumeNodes, error) {
+	return v.command(refs, func(n *nodeState, r volume.Ref) {
+		n.pins[r] = &controllerv1.PinCommand{Ref: toRef(r), Unpin: unpin, Until: until}
+	})
+}
+
+// command runs ask on every node holding each volume (live or stalled: a
+// stalled node that comes back gets the command too).
+func (v *View) command(refs []*controllerv1.VolumeRef, ask func(*nodeState, volume.Ref)) ([]*controllerv1.VolumeNodes, error) {
+	parsed := make([]volume.Ref, len(refs))
+	for i, r := range refs {
+		var err error
+		if parsed[i], err = refOf(r); err != nil {
+			return nil, err
+		}
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	out := make([]*controllerv1.VolumeNodes, len(parsed))
+	for i, r := range parsed {
+		out[i] = &controllerv1.VolumeNodes{Ref: refs[i]}
+		for _, n := range v.nodes {
+			if _, held := n.volumes[r]; held {
+				ask(n, r)
+				out[i].Nodes = append(out[i].Nodes, n.id)
+			}
+		}
+		sort.Strings(out[i].Nodes)
+	}
+	return out, nil
 }
 
 func (v *View) live(n *nodeState, now time.Time) bool { return now.Sub(n.lastReport) <= v.stalledAfter }
@@ -143,7 +227,7 @@ func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*control
 	for i, r := range parsed {
 		loc := &controllerv1.VolumeLocation{Ref: refs[i]}
 		for _, n := range live {
-			s := n.volumes[r]
+			s := n.has(r)
 			if s == nil {
 				continue
 			}
@@ -180,7 +264,7 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*contro
 		}
 		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}
 		for i, r := range parsed {
-			if s := n.volumes[r]; s != nil && s.GetState() == string(volume.StateReady) {
+			if s := n.has(r); s != nil && s.GetState() == string(volume.StateReady) {
 				p.InputBytesHeld += max(s.GetSizeBytes(), 0)
 			} else {
 				p.Missing = append(p.Missing, inputs[i])
@@ -260,7 +344,7 @@ func (v *View) Volumes(now time.Time) []Entry {
 	byRef := map[volume.Ref]*Entry{}
 	for _, n := range v.liveNodes(now) {
 		for r, s := range n.volumes {
-			if s.GetState() != string(volume.StateReady) {
+			if s.GetState() != string(volume.StateReady) || n.destroy[r] {
 				continue
 			}
 			e := byRef[r]

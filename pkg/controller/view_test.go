@@ -88,3 +88,42 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	require.Equal(t, "stalled", v.Nodes(now)[4].State)
 	require.Equal(t, []string{"gone"}, v.Forget(now.Add(59*time.Minute)))
 }
+
+// A scheduler's destroy hides the volume at once and is repeated to each
+// node holding it until the node's reports show it gone; a pin, until they
+// show it pinned.
+func TestDestroyAndPinCommands(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	report := func(node string, rev uint64, full bool, base uint64, vols []*controllerv1.VolumeSummary, deletes ...*controllerv1.VolumeRef) *controllerv1.ReportResponse {
+		resp, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, Revision: rev, Full: full, BaseRevision: base,
+			Upserts: vols, Deletes: deletes}, now)
+		require.NoError(t, err)
+		return resp
+	}
+	report("a", 1, true, 0, []*controllerv1.VolumeSummary{vol("x", "ready", 1), vol("y", "ready", 1)})
+	report("b", 1, true, 0, []*controllerv1.VolumeSummary{vol("x", "ready", 1)})
+
+	out, err := v.Destroy([]*controllerv1.VolumeRef{ref("x"), ref("nope")})
+	require.NoError(t, err)
+	require.Equal(t, []string{"a", "b"}, out[0].Nodes)
+	require.Empty(t, out[1].Nodes)
+	locs, err := v.Lookup([]*controllerv1.VolumeRef{ref("x")}, now)
+	require.NoError(t, err)
+	require.False(t, locs[0].Found, "gone from lookups at once")
+
+	resp := report("a", 1, false, 1, nil)
+	require.Equal(t, []*controllerv1.VolumeRef{ref("x")}, resp.Destroy, "asked until done")
+	resp = report("a", 2, false, 1, nil, ref("x"))
+	require.Empty(t, resp.Destroy, "done once the node reports it gone")
+	require.NotEmpty(t, report("b", 1, false, 1, nil).Destroy, "b has not done it yet")
+
+	_, err = v.Pin([]*controllerv1.VolumeRef{ref("y")}, false, nil)
+	require.NoError(t, err)
+	resp = report("a", 2, false, 2, nil)
+	require.Len(t, resp.Pins, 1)
+	pinned := vol("y", "ready", 1)
+	pinned.Pinned = true
+	resp = report("a", 3, false, 2, []*controllerv1.VolumeSummary{pinned})
+	require.Empty(t, resp.Pins, "done once the node reports it pinned")
+}

@@ -13,11 +13,12 @@ import (
 )
 
 // A node looks for changes to report every reportEvery, reports at least
-// every heartbeatEvery (its heartbeat), and sends its whole inventory every
-// resyncEvery as a safety net.
+// every heartbeatEvery (its heartbeat, which also fetches what schedulers
+// asked of it), and sends its whole inventory every resyncEvery as a safety
+// net.
 const (
 	reportEvery    = time.Second
-	heartbeatEvery = 5 * time.Second
+	heartbeatEvery = 2 * time.Second
 	resyncEvery    = 5 * time.Minute
 )
 
@@ -94,6 +95,7 @@ func (r *reporter) round(ctx context.Context) error {
 			r.needFull = true
 			continue
 		}
+		r.obey(resp)
 		r.sent, r.acked, r.lastSent = inv, rev, time.Now()
 		if full {
 			r.needFull, r.lastFull = false, r.lastSent
@@ -101,6 +103,39 @@ func (r *reporter) round(ctx context.Context) error {
 		return nil
 	}
 	return nil
+}
+
+// obey does what schedulers asked of the node through the controller. Each
+// is idempotent: the controller repeats it until the node's reports show it
+// done.
+func (r *reporter) obey(resp *controllerv1.ReportResponse) {
+	for _, d := range resp.GetDestroy() {
+		ref := volume.Ref{Namespace: d.GetNamespace(), Handle: d.GetHandle()}
+		if err := ref.Validate(); err != nil {
+			klog.ErrorS(err, "The controller asked to destroy a malformed volume")
+			continue
+		}
+		if err := r.engine.Destroy(ref); err != nil {
+			klog.ErrorS(err, "Destroying a volume as the controller asked", "volume", ref)
+		}
+	}
+	for _, p := range resp.GetPins() {
+		ref := volume.Ref{Namespace: p.GetRef().GetNamespace(), Handle: p.GetRef().GetHandle()}
+		var err error
+		switch {
+		case ref.Validate() != nil:
+			err = ref.Validate()
+		case p.GetUnpin():
+			_, err = r.engine.Unpin(ref)
+		case p.GetUntil() != nil:
+			_, err = r.engine.Pin(ref, p.GetUntil().AsTime())
+		default:
+			_, err = r.engine.Pin(ref, time.Time{})
+		}
+		if err != nil {
+			klog.ErrorS(err, "Pinning a volume as the controller asked", "volume", ref, "unpin", p.GetUnpin())
+		}
+	}
 }
 
 // inventory is every cached volume the node holds (destroyed ones are gone
@@ -117,7 +152,7 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 			inv[v.Ref()] = &controllerv1.VolumeSummary{
 				Ref: ctlRef(v.Ref()), State: string(v.State), SizeBytes: v.SizeBytes,
 				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: v.Properties,
-				StepVolumes: int32(len(v.Holders.Views)),
+				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned,
 			}
 		}
 		if after = next; after == "" {

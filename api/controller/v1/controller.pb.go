@@ -92,6 +92,7 @@ type VolumeSummary struct {
 	Properties map[string]string `protobuf:"bytes,7,rep,name=properties,proto3" json:"properties,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// How many step volumes on the node mount it (directly or down a chain).
 	StepVolumes   int32 `protobuf:"varint,8,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
+	Pinned        bool  `protobuf:"varint,9,opt,name=pinned,proto3" json:"pinned,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -180,6 +181,13 @@ func (x *VolumeSummary) GetStepVolumes() int32 {
 		return x.StepVolumes
 	}
 	return 0
+}
+
+func (x *VolumeSummary) GetPinned() bool {
+	if x != nil {
+		return x.Pinned
+	}
+	return false
 }
 
 type ReportRequest struct {
@@ -302,7 +310,11 @@ type ReportResponse struct {
 	// report): send the whole inventory.
 	Resync bool `protobuf:"varint,1,opt,name=resync,proto3" json:"resync,omitempty"`
 	// The revision the controller now holds for the node.
-	Revision      uint64 `protobuf:"varint,2,opt,name=revision,proto3" json:"revision,omitempty"`
+	Revision uint64 `protobuf:"varint,2,opt,name=revision,proto3" json:"revision,omitempty"`
+	// What schedulers asked of the node: repeated in every answer until
+	// the node's reports show it done.
+	Destroy       []*VolumeRef  `protobuf:"bytes,3,rep,name=destroy,proto3" json:"destroy,omitempty"`
+	Pins          []*PinCommand `protobuf:"bytes,4,rep,name=pins,proto3" json:"pins,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -351,6 +363,327 @@ func (x *ReportResponse) GetRevision() uint64 {
 	return 0
 }
 
+func (x *ReportResponse) GetDestroy() []*VolumeRef {
+	if x != nil {
+		return x.Destroy
+	}
+	return nil
+}
+
+func (x *ReportResponse) GetPins() []*PinCommand {
+	if x != nil {
+		return x.Pins
+	}
+	return nil
+}
+
+type PinCommand struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Ref   *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	Unpin bool                   `protobuf:"varint,2,opt,name=unpin,proto3" json:"unpin,omitempty"`
+	// Unset: for good.
+	Until         *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=until,proto3" json:"until,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PinCommand) Reset() {
+	*x = PinCommand{}
+	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PinCommand) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PinCommand) ProtoMessage() {}
+
+func (x *PinCommand) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PinCommand.ProtoReflect.Descriptor instead.
+func (*PinCommand) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *PinCommand) GetRef() *VolumeRef {
+	if x != nil {
+		return x.Ref
+	}
+	return nil
+}
+
+func (x *PinCommand) GetUnpin() bool {
+	if x != nil {
+		return x.Unpin
+	}
+	return false
+}
+
+func (x *PinCommand) GetUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Until
+	}
+	return nil
+}
+
+type DestroyVolumesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Refs          []*VolumeRef           `protobuf:"bytes,1,rep,name=refs,proto3" json:"refs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DestroyVolumesRequest) Reset() {
+	*x = DestroyVolumesRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DestroyVolumesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DestroyVolumesRequest) ProtoMessage() {}
+
+func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DestroyVolumesRequest.ProtoReflect.Descriptor instead.
+func (*DestroyVolumesRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *DestroyVolumesRequest) GetRefs() []*VolumeRef {
+	if x != nil {
+		return x.Refs
+	}
+	return nil
+}
+
+type DestroyVolumesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per ref, in order: the nodes told to destroy it.
+	Volumes       []*VolumeNodes `protobuf:"bytes,1,rep,name=volumes,proto3" json:"volumes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DestroyVolumesResponse) Reset() {
+	*x = DestroyVolumesResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DestroyVolumesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DestroyVolumesResponse) ProtoMessage() {}
+
+func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DestroyVolumesResponse.ProtoReflect.Descriptor instead.
+func (*DestroyVolumesResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *DestroyVolumesResponse) GetVolumes() []*VolumeNodes {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
+}
+
+type VolumeNodes struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ref           *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	Nodes         []string               `protobuf:"bytes,2,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VolumeNodes) Reset() {
+	*x = VolumeNodes{}
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VolumeNodes) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VolumeNodes) ProtoMessage() {}
+
+func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VolumeNodes.ProtoReflect.Descriptor instead.
+func (*VolumeNodes) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *VolumeNodes) GetRef() *VolumeRef {
+	if x != nil {
+		return x.Ref
+	}
+	return nil
+}
+
+func (x *VolumeNodes) GetNodes() []string {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
+type PinVolumesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Refs          []*VolumeRef           `protobuf:"bytes,1,rep,name=refs,proto3" json:"refs,omitempty"`
+	Unpin         bool                   `protobuf:"varint,2,opt,name=unpin,proto3" json:"unpin,omitempty"`
+	Until         *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=until,proto3" json:"until,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PinVolumesRequest) Reset() {
+	*x = PinVolumesRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PinVolumesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PinVolumesRequest) ProtoMessage() {}
+
+func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PinVolumesRequest.ProtoReflect.Descriptor instead.
+func (*PinVolumesRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *PinVolumesRequest) GetRefs() []*VolumeRef {
+	if x != nil {
+		return x.Refs
+	}
+	return nil
+}
+
+func (x *PinVolumesRequest) GetUnpin() bool {
+	if x != nil {
+		return x.Unpin
+	}
+	return false
+}
+
+func (x *PinVolumesRequest) GetUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Until
+	}
+	return nil
+}
+
+type PinVolumesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per ref, in order: the nodes told to pin (or unpin) it.
+	Volumes       []*VolumeNodes `protobuf:"bytes,1,rep,name=volumes,proto3" json:"volumes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PinVolumesResponse) Reset() {
+	*x = PinVolumesResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PinVolumesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PinVolumesResponse) ProtoMessage() {}
+
+func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PinVolumesResponse.ProtoReflect.Descriptor instead.
+func (*PinVolumesResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *PinVolumesResponse) GetVolumes() []*VolumeNodes {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
+}
+
 type LookupVolumesRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Refs          []*VolumeRef           `protobuf:"bytes,1,rep,name=refs,proto3" json:"refs,omitempty"`
@@ -360,7 +693,7 @@ type LookupVolumesRequest struct {
 
 func (x *LookupVolumesRequest) Reset() {
 	*x = LookupVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -372,7 +705,7 @@ func (x *LookupVolumesRequest) String() string {
 func (*LookupVolumesRequest) ProtoMessage() {}
 
 func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -385,7 +718,7 @@ func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesRequest.ProtoReflect.Descriptor instead.
 func (*LookupVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{4}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *LookupVolumesRequest) GetRefs() []*VolumeRef {
@@ -405,7 +738,7 @@ type LookupVolumesResponse struct {
 
 func (x *LookupVolumesResponse) Reset() {
 	*x = LookupVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -417,7 +750,7 @@ func (x *LookupVolumesResponse) String() string {
 func (*LookupVolumesResponse) ProtoMessage() {}
 
 func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -430,7 +763,7 @@ func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesResponse.ProtoReflect.Descriptor instead.
 func (*LookupVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{5}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *LookupVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -459,7 +792,7 @@ type VolumeLocation struct {
 
 func (x *VolumeLocation) Reset() {
 	*x = VolumeLocation{}
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -471,7 +804,7 @@ func (x *VolumeLocation) String() string {
 func (*VolumeLocation) ProtoMessage() {}
 
 func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -484,7 +817,7 @@ func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeLocation.ProtoReflect.Descriptor instead.
 func (*VolumeLocation) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *VolumeLocation) GetRef() *VolumeRef {
@@ -552,7 +885,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -564,7 +897,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -577,7 +910,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -597,7 +930,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -609,7 +942,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -622,7 +955,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -646,7 +979,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -658,7 +991,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -671,7 +1004,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -710,7 +1043,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -722,7 +1055,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -735,7 +1068,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
 }
 
 type ListNodesResponse struct {
@@ -747,7 +1080,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -759,7 +1092,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -772,7 +1105,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -800,7 +1133,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -812,7 +1145,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -825,7 +1158,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -898,7 +1231,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x1econtroller/v1/controller.proto\x12\x14cowvol.controller.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
-	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xb2\x03\n" +
+	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xca\x03\n" +
 	"\rVolumeSummary\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1d\n" +
@@ -910,7 +1243,8 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\n" +
 	"properties\x18\a \x03(\v23.cowvol.controller.v1.VolumeSummary.PropertiesEntryR\n" +
 	"properties\x12!\n" +
-	"\fstep_volumes\x18\b \x01(\x05R\vstepVolumes\x1a=\n" +
+	"\fstep_volumes\x18\b \x01(\x05R\vstepVolumes\x12\x16\n" +
+	"\x06pinned\x18\t \x01(\bR\x06pinned\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x02\n" +
@@ -924,10 +1258,30 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\adeletes\x18\a \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adeletes\x12\x1d\n" +
 	"\n" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
-	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\"D\n" +
+	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\"\xb5\x01\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
-	"\brevision\x18\x02 \x01(\x04R\brevision\"K\n" +
+	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
+	"\adestroy\x18\x03 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adestroy\x124\n" +
+	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\"\x87\x01\n" +
+	"\n" +
+	"PinCommand\x121\n" +
+	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
+	"\x05unpin\x18\x02 \x01(\bR\x05unpin\x120\n" +
+	"\x05until\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05until\"L\n" +
+	"\x15DestroyVolumesRequest\x123\n" +
+	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\"U\n" +
+	"\x16DestroyVolumesResponse\x12;\n" +
+	"\avolumes\x18\x01 \x03(\v2!.cowvol.controller.v1.VolumeNodesR\avolumes\"V\n" +
+	"\vVolumeNodes\x121\n" +
+	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
+	"\x05nodes\x18\x02 \x03(\tR\x05nodes\"\x90\x01\n" +
+	"\x11PinVolumesRequest\x123\n" +
+	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\x12\x14\n" +
+	"\x05unpin\x18\x02 \x01(\bR\x05unpin\x120\n" +
+	"\x05until\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05until\"Q\n" +
+	"\x12PinVolumesResponse\x12;\n" +
+	"\avolumes\x18\x01 \x03(\v2!.cowvol.controller.v1.VolumeNodesR\avolumes\"K\n" +
 	"\x14LookupVolumesRequest\x123\n" +
 	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\"W\n" +
 	"\x15LookupVolumesResponse\x12>\n" +
@@ -974,11 +1328,14 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark2_\n" +
 	"\bRegistry\x12S\n" +
-	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xa1\x02\n" +
+	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xef\x03\n" +
 	"\x05Cache\x12h\n" +
 	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12P\n" +
 	"\x05Place\x12\".cowvol.controller.v1.PlaceRequest\x1a#.cowvol.controller.v1.PlaceResponse\x12\\\n" +
-	"\tListNodes\x12&.cowvol.controller.v1.ListNodesRequest\x1a'.cowvol.controller.v1.ListNodesResponseB<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
+	"\tListNodes\x12&.cowvol.controller.v1.ListNodesRequest\x1a'.cowvol.controller.v1.ListNodesResponse\x12k\n" +
+	"\x0eDestroyVolumes\x12+.cowvol.controller.v1.DestroyVolumesRequest\x1a,.cowvol.controller.v1.DestroyVolumesResponse\x12_\n" +
+	"\n" +
+	"PinVolumes\x12'.cowvol.controller.v1.PinVolumesRequest\x1a(.cowvol.controller.v1.PinVolumesResponseB<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
 
 var (
 	file_controller_v1_controller_proto_rawDescOnce sync.Once
@@ -992,55 +1349,75 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_controller_v1_controller_proto_goTypes = []any{
-	(*VolumeRef)(nil),             // 0: cowvol.controller.v1.VolumeRef
-	(*VolumeSummary)(nil),         // 1: cowvol.controller.v1.VolumeSummary
-	(*ReportRequest)(nil),         // 2: cowvol.controller.v1.ReportRequest
-	(*ReportResponse)(nil),        // 3: cowvol.controller.v1.ReportResponse
-	(*LookupVolumesRequest)(nil),  // 4: cowvol.controller.v1.LookupVolumesRequest
-	(*LookupVolumesResponse)(nil), // 5: cowvol.controller.v1.LookupVolumesResponse
-	(*VolumeLocation)(nil),        // 6: cowvol.controller.v1.VolumeLocation
-	(*PlaceRequest)(nil),          // 7: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),         // 8: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),         // 9: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),      // 10: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),     // 11: cowvol.controller.v1.ListNodesResponse
-	(*NodeStatus)(nil),            // 12: cowvol.controller.v1.NodeStatus
-	nil,                           // 13: cowvol.controller.v1.VolumeSummary.PropertiesEntry
-	nil,                           // 14: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*VolumeRef)(nil),              // 0: cowvol.controller.v1.VolumeRef
+	(*VolumeSummary)(nil),          // 1: cowvol.controller.v1.VolumeSummary
+	(*ReportRequest)(nil),          // 2: cowvol.controller.v1.ReportRequest
+	(*ReportResponse)(nil),         // 3: cowvol.controller.v1.ReportResponse
+	(*PinCommand)(nil),             // 4: cowvol.controller.v1.PinCommand
+	(*DestroyVolumesRequest)(nil),  // 5: cowvol.controller.v1.DestroyVolumesRequest
+	(*DestroyVolumesResponse)(nil), // 6: cowvol.controller.v1.DestroyVolumesResponse
+	(*VolumeNodes)(nil),            // 7: cowvol.controller.v1.VolumeNodes
+	(*PinVolumesRequest)(nil),      // 8: cowvol.controller.v1.PinVolumesRequest
+	(*PinVolumesResponse)(nil),     // 9: cowvol.controller.v1.PinVolumesResponse
+	(*LookupVolumesRequest)(nil),   // 10: cowvol.controller.v1.LookupVolumesRequest
+	(*LookupVolumesResponse)(nil),  // 11: cowvol.controller.v1.LookupVolumesResponse
+	(*VolumeLocation)(nil),         // 12: cowvol.controller.v1.VolumeLocation
+	(*PlaceRequest)(nil),           // 13: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),          // 14: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),          // 15: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),       // 16: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),      // 17: cowvol.controller.v1.ListNodesResponse
+	(*NodeStatus)(nil),             // 18: cowvol.controller.v1.NodeStatus
+	nil,                            // 19: cowvol.controller.v1.VolumeSummary.PropertiesEntry
+	nil,                            // 20: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	(*timestamppb.Timestamp)(nil),  // 21: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 1: cowvol.controller.v1.VolumeSummary.parent:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 2: cowvol.controller.v1.VolumeSummary.base:type_name -> cowvol.controller.v1.VolumeRef
-	13, // 3: cowvol.controller.v1.VolumeSummary.properties:type_name -> cowvol.controller.v1.VolumeSummary.PropertiesEntry
+	19, // 3: cowvol.controller.v1.VolumeSummary.properties:type_name -> cowvol.controller.v1.VolumeSummary.PropertiesEntry
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 6: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	6,  // 7: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 8: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 9: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	14, // 10: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	0,  // 11: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	9,  // 12: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 13: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	12, // 14: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	15, // 15: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	2,  // 16: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	4,  // 17: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	7,  // 18: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	10, // 19: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	3,  // 20: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	5,  // 21: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	8,  // 22: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	11, // 23: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	20, // [20:24] is the sub-list for method output_type
-	16, // [16:20] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
+	4,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
+	0,  // 8: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
+	21, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	0,  // 10: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	7,  // 11: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 12: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 13: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	21, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	7,  // 15: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 16: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	12, // 17: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 18: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 19: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
+	20, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	0,  // 21: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	15, // 22: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 23: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	18, // 24: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	21, // 25: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	2,  // 26: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	10, // 27: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	13, // 28: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	16, // 29: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	5,  // 30: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	8,  // 31: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	3,  // 32: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	11, // 33: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	14, // 34: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	17, // 35: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	6,  // 36: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	9,  // 37: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	32, // [32:38] is the sub-list for method output_type
+	26, // [26:32] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
@@ -1054,7 +1431,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

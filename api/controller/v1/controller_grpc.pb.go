@@ -132,9 +132,11 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Cache_LookupVolumes_FullMethodName = "/cowvol.controller.v1.Cache/LookupVolumes"
-	Cache_Place_FullMethodName         = "/cowvol.controller.v1.Cache/Place"
-	Cache_ListNodes_FullMethodName     = "/cowvol.controller.v1.Cache/ListNodes"
+	Cache_LookupVolumes_FullMethodName  = "/cowvol.controller.v1.Cache/LookupVolumes"
+	Cache_Place_FullMethodName          = "/cowvol.controller.v1.Cache/Place"
+	Cache_ListNodes_FullMethodName      = "/cowvol.controller.v1.Cache/ListNodes"
+	Cache_DestroyVolumes_FullMethodName = "/cowvol.controller.v1.Cache/DestroyVolumes"
+	Cache_PinVolumes_FullMethodName     = "/cowvol.controller.v1.Cache/PinVolumes"
 )
 
 // CacheClient is the client API for Cache service.
@@ -149,6 +151,14 @@ type CacheClient interface {
 	Place(ctx context.Context, in *PlaceRequest, opts ...grpc.CallOption) (*PlaceResponse, error)
 	// ListNodes lists the nodes the controller knows.
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*ListNodesResponse, error)
+	// DestroyVolumes destroys each volume on every node holding it: gone
+	// from lookups at once, destroyed by each node when it next reports
+	// (within a heartbeat), its data freed there once nothing holds it.
+	// Idempotent.
+	DestroyVolumes(ctx context.Context, in *DestroyVolumesRequest, opts ...grpc.CallOption) (*DestroyVolumesResponse, error)
+	// PinVolumes pins (until a time, or for good) or unpins each volume on
+	// every node holding it.
+	PinVolumes(ctx context.Context, in *PinVolumesRequest, opts ...grpc.CallOption) (*PinVolumesResponse, error)
 }
 
 type cacheClient struct {
@@ -189,6 +199,26 @@ func (c *cacheClient) ListNodes(ctx context.Context, in *ListNodesRequest, opts 
 	return out, nil
 }
 
+func (c *cacheClient) DestroyVolumes(ctx context.Context, in *DestroyVolumesRequest, opts ...grpc.CallOption) (*DestroyVolumesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DestroyVolumesResponse)
+	err := c.cc.Invoke(ctx, Cache_DestroyVolumes_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *cacheClient) PinVolumes(ctx context.Context, in *PinVolumesRequest, opts ...grpc.CallOption) (*PinVolumesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PinVolumesResponse)
+	err := c.cc.Invoke(ctx, Cache_PinVolumes_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CacheServer is the server API for Cache service.
 // All implementations must embed UnimplementedCacheServer
 // for forward compatibility.
@@ -201,6 +231,14 @@ type CacheServer interface {
 	Place(context.Context, *PlaceRequest) (*PlaceResponse, error)
 	// ListNodes lists the nodes the controller knows.
 	ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error)
+	// DestroyVolumes destroys each volume on every node holding it: gone
+	// from lookups at once, destroyed by each node when it next reports
+	// (within a heartbeat), its data freed there once nothing holds it.
+	// Idempotent.
+	DestroyVolumes(context.Context, *DestroyVolumesRequest) (*DestroyVolumesResponse, error)
+	// PinVolumes pins (until a time, or for good) or unpins each volume on
+	// every node holding it.
+	PinVolumes(context.Context, *PinVolumesRequest) (*PinVolumesResponse, error)
 	mustEmbedUnimplementedCacheServer()
 }
 
@@ -219,6 +257,12 @@ func (UnimplementedCacheServer) Place(context.Context, *PlaceRequest) (*PlaceRes
 }
 func (UnimplementedCacheServer) ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListNodes not implemented")
+}
+func (UnimplementedCacheServer) DestroyVolumes(context.Context, *DestroyVolumesRequest) (*DestroyVolumesResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method DestroyVolumes not implemented")
+}
+func (UnimplementedCacheServer) PinVolumes(context.Context, *PinVolumesRequest) (*PinVolumesResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method PinVolumes not implemented")
 }
 func (UnimplementedCacheServer) mustEmbedUnimplementedCacheServer() {}
 func (UnimplementedCacheServer) testEmbeddedByValue()               {}
@@ -295,6 +339,42 @@ func _Cache_ListNodes_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Cache_DestroyVolumes_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DestroyVolumesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CacheServer).DestroyVolumes(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cache_DestroyVolumes_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CacheServer).DestroyVolumes(ctx, req.(*DestroyVolumesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Cache_PinVolumes_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PinVolumesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CacheServer).PinVolumes(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cache_PinVolumes_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CacheServer).PinVolumes(ctx, req.(*PinVolumesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Cache_ServiceDesc is the grpc.ServiceDesc for Cache service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -313,6 +393,14 @@ var Cache_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListNodes",
 			Handler:    _Cache_ListNodes_Handler,
+		},
+		{
+			MethodName: "DestroyVolumes",
+			Handler:    _Cache_DestroyVolumes_Handler,
+		},
+		{
+			MethodName: "PinVolumes",
+			Handler:    _Cache_PinVolumes_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
