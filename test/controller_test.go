@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -201,6 +202,74 @@ func TestGarbageCollectionThroughTheController(t *testing.T) {
 			}
 		}
 		return true
+	})
+	a.noLeaks(t)
+	b.noLeaks(t)
+}
+
+// Node lifecycle through the controller: a landed node takes no
+// placements and refuses captures until resumed; a retiring node, once its
+// steps are done, destroys everything it holds and leaves.
+func TestNodeLifecycleThroughTheController(t *testing.T) {
+	testfs.Need(t)
+	addr := freePort(t)
+	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr}})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	api, ctx := controllerv1.NewCacheClient(conn), context.Background()
+	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr}})
+	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", Args: []string{"--controller-address=" + addr}})
+	a.step("", "res", func(dir string) { write(t, dir, "f", "a") })
+	b.step("", "res", func(dir string) { write(t, dir, "f", "b") })
+	eventually(t, "both nodes to report", func() bool {
+		resp, err := api.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+		return err == nil && len(resp.Nodes) == 2
+	})
+	_, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-x", Action: "land"})
+	require.Equal(t, codes.NotFound, code(err))
+	_, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "fly"})
+	require.Equal(t, codes.InvalidArgument, code(err))
+
+	st, err := api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "land"})
+	require.NoError(t, err)
+	require.Equal(t, "landed", st.State, "no step uses its volumes")
+	placed, err := api.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("ci", "res")}})
+	require.NoError(t, err)
+	require.Len(t, placed.Nodes, 1)
+	require.Equal(t, "node-b", placed.Nodes[0].NodeId, "no placements on a landed node")
+	eventually(t, "node-a to refuse captures", func() bool {
+		v := a.volume(map[string]string{"capture": fmt.Sprintf("out-%d", a.n)}, false)
+		err := a.publish(v)
+		if err == nil {
+			require.NoError(t, a.unpublish(v))
+		}
+		return code(err) == codes.Unavailable
+	})
+	a.read("res", func(dir string) { require.Equal(t, "a", readFile(t, dir, "f")) }) // its volumes are kept and readable
+	_, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "resume"})
+	require.NoError(t, err)
+	retry(t, "a capture on the resumed node", func() error {
+		v := a.volume(map[string]string{"capture": fmt.Sprintf("back-%d", a.n)}, false)
+		if err := a.publish(v); err != nil {
+			return err
+		}
+		return a.unpublish(v)
+	})
+
+	reader := b.mount(map[string]string{"source": "res"}, true)
+	st, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-b", Action: "retire"})
+	require.NoError(t, err)
+	require.Equal(t, "retiring", st.State)
+	time.Sleep(3 * time.Second)
+	require.Equal(t, "b", readFile(t, reader.Target, "f"), "a running step keeps its volumes")
+	b.umount(reader)
+	eventually(t, "the retired node to empty and leave", func() bool {
+		nodes, err := api.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+		require.NoError(t, err)
+		list, err := b.p.NodeAPI.ListVolumes(ctx, &nodev1.ListVolumesRequest{})
+		require.NoError(t, err)
+		return len(nodes.Nodes) == 1 && len(list.Volumes) == 0
 	})
 	a.noLeaks(t)
 	b.noLeaks(t)

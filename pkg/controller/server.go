@@ -24,8 +24,11 @@ func Register(srv *grpc.Server, v *View) {
 }
 
 func code(err error) error {
-	if errors.Is(err, ErrInvalid) {
+	switch {
+	case errors.Is(err, ErrInvalid):
 		return status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, ErrUnknownNode):
+		return status.Error(codes.NotFound, err.Error())
 	}
 	return status.Error(codes.Internal, err.Error())
 }
@@ -102,4 +105,13 @@ func (s *cacheServer) PinVolumes(_ context.Context, req *controllerv1.PinVolumes
 		return nil, code(err)
 	}
 	return &controllerv1.PinVolumesResponse{Volumes: out}, nil
+}
+
+func (s *cacheServer) SetNodeLifecycle(_ context.Context, req *controllerv1.SetNodeLifecycleRequest) (*controllerv1.NodeStatus, error) {
+	st, err := s.view.SetLifecycle(req.GetNodeId(), req.GetAction(), time.Now())
+	if err != nil {
+		return nil, code(err)
+	}
+	klog.InfoS("Changed a node's lifecycle", "node", req.GetNodeId(), "action", req.GetAction(), "state", st.State)
+	return st, nil
 }

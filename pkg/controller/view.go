@@ -22,6 +22,13 @@ import (
 // Node states a scheduler sees.
 const (
 	NodeRunning = "running"
+	// NodeLanding: no new placements, captures refused, volumes kept;
+	// NodeLanded once no step uses its volumes.
+	NodeLanding = "landing"
+	NodeLanded  = "landed"
+	// NodeRetiring: as landing, then everything it holds is destroyed
+	// and it is forgotten.
+	NodeRetiring = "retiring"
 	// NodeStalled: no report within the stalled-after time. Its volumes
 	// are left out of lookups and placement until it reports again.
 	NodeStalled = "stalled"
@@ -46,6 +53,23 @@ type nodeState struct {
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[volume.Ref]bool
 	pins    map[volume.Ref]*controllerv1.PinCommand
+	// lifecycle is running, landing or retiring, as set through the API;
+	// stepVolumes is how many step volumes it last reported.
+	lifecycle   string
+	stepVolumes int32
+}
+
+// state is what a scheduler sees of the node.
+func (v *View) state(n *nodeState, now time.Time) string {
+	switch {
+	case !v.live(n, now):
+		return NodeStalled
+	case n.lifecycle == NodeLanding && n.stepVolumes == 0:
+		return NodeLanded
+	case n.lifecycle != "":
+		return n.lifecycle
+	}
+	return NodeRunning
 }
 
 // NewView makes an empty view; nodes fill it as they report.
@@ -92,11 +116,15 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 	n := v.nodes[req.GetNodeId()]
 	if n == nil || n.storeID != req.GetStoreId() {
 		// New, or back with a wiped state dir: nothing it held before.
-		n = &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), volumes: map[volume.Ref]*controllerv1.VolumeSummary{},
+		fresh := &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), volumes: map[volume.Ref]*controllerv1.VolumeSummary{},
 			destroy: map[volume.Ref]bool{}, pins: map[volume.Ref]*controllerv1.PinCommand{}}
+		if n != nil {
+			fresh.lifecycle = n.lifecycle // taken out of service by name, not by store
+		}
+		n = fresh
 		v.nodes[n.id] = n
 	}
-	n.lastReport, n.bytesFree, n.over = now, req.GetBytesFree(), req.GetOverHighWatermark()
+	n.lastReport, n.bytesFree, n.over, n.stepVolumes = now, req.GetBytesFree(), req.GetOverHighWatermark(), req.GetStepVolumes()
 	switch {
 	case req.GetFull():
 		n.volumes = upserts
@@ -111,7 +139,39 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		}
 	}
 	n.revision = req.GetRevision()
-	return &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins()}, nil
+	if n.lifecycle == NodeRetiring && n.stepVolumes == 0 {
+		if len(n.volumes) == 0 {
+			delete(v.nodes, n.id) // retired: it leaves
+			return &controllerv1.ReportResponse{Revision: n.revision, RefuseCaptures: "the node is retired"}, nil
+		}
+		for r := range n.volumes {
+			n.destroy[r] = true // released: everything it holds goes
+		}
+	}
+	resp := &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins()}
+	if n.lifecycle != "" {
+		resp.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
+	}
+	return resp, nil
+}
+
+// ErrUnknownNode: no node by that name reported.
+var ErrUnknownNode = errors.New("unknown node")
+
+// SetLifecycle lands, retires or resumes a node.
+func (v *View) SetLifecycle(nodeID, action string, now time.Time) (*controllerv1.NodeStatus, error) {
+	next, ok := map[string]string{"land": NodeLanding, "retire": NodeRetiring, "resume": ""}[action]
+	if !ok {
+		return nil, fmt.Errorf("action %s: want land, retire or resume: %w", volume.Quote(action), ErrInvalid)
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	n := v.nodes[nodeID]
+	if n == nil {
+		return nil, fmt.Errorf("node %s: %w", volume.Quote(nodeID), ErrUnknownNode)
+	}
+	n.lifecycle = next
+	return v.status(n, now), nil
 }
 
 // pendingDestroys are the destroys the node has not done yet: volumes it
@@ -259,7 +319,7 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*contro
 	defer v.mu.RUnlock()
 	var out []*controllerv1.NodePlacement
 	for _, n := range v.liveNodes(now) {
-		if n.over {
+		if n.over || n.lifecycle != "" {
 			continue
 		}
 		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}
@@ -297,19 +357,21 @@ func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
 	defer v.mu.RUnlock()
 	var out []*controllerv1.NodeStatus
 	for _, n := range v.nodes {
-		st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: NodeRunning, Revision: n.revision,
-			Volumes: int32(len(n.volumes)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
-			LastReport: timestamppb.New(n.lastReport)}
-		if !v.live(n, now) {
-			st.State = NodeStalled
-		}
-		for _, s := range n.volumes {
-			st.Bytes += max(s.GetSizeBytes(), 0)
-		}
-		out = append(out, st)
+		out = append(out, v.status(n, now))
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].NodeId < out[j].NodeId })
 	return out
+}
+
+// status is what a scheduler sees of a node. The caller holds the lock.
+func (v *View) status(n *nodeState, now time.Time) *controllerv1.NodeStatus {
+	st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: v.state(n, now), Revision: n.revision,
+		Volumes: int32(len(n.volumes)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
+		LastReport: timestamppb.New(n.lastReport)}
+	for _, s := range n.volumes {
+		st.Bytes += max(s.GetSizeBytes(), 0)
+	}
+	return st
 }
 
 // Forget drops the nodes stalled for longer than the forget time, saying

@@ -127,3 +127,40 @@ func TestDestroyAndPinCommands(t *testing.T) {
 	resp = report("a", 3, false, 2, []*controllerv1.VolumeSummary{pinned})
 	require.Empty(t, resp.Pins, "done once the node reports it pinned")
 }
+
+func TestLifecycle(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	report := func(node string, rev uint64, steps int32, vols ...*controllerv1.VolumeSummary) *controllerv1.ReportResponse {
+		resp, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, Revision: rev, Full: true,
+			Upserts: vols, StepVolumes: steps, BytesFree: 10}, now)
+		require.NoError(t, err)
+		return resp
+	}
+	report("a", 1, 1, vol("x", "ready", 1))
+	report("b", 1, 0, vol("x", "ready", 1))
+	_, err := v.SetLifecycle("nope", "land", now)
+	require.ErrorIs(t, err, ErrUnknownNode)
+	_, err = v.SetLifecycle("a", "fly", now)
+	require.ErrorIs(t, err, ErrInvalid)
+
+	st, err := v.SetLifecycle("a", "land", now)
+	require.NoError(t, err)
+	require.Equal(t, NodeLanding, st.State, "a step still uses it")
+	require.NotEmpty(t, report("a", 2, 1, vol("x", "ready", 1)).RefuseCaptures)
+	placed, err := v.Place([]*controllerv1.VolumeRef{ref("x")}, now)
+	require.NoError(t, err)
+	require.Len(t, placed, 1, "no placements on a landing node")
+	report("a", 3, 0, vol("x", "ready", 1))
+	require.Equal(t, NodeLanded, v.Nodes(now)[0].State)
+	_, err = v.SetLifecycle("a", "resume", now)
+	require.NoError(t, err)
+	require.Empty(t, report("a", 4, 0, vol("x", "ready", 1)).RefuseCaptures)
+
+	_, err = v.SetLifecycle("b", "retire", now)
+	require.NoError(t, err)
+	resp := report("b", 2, 0, vol("x", "ready", 1))
+	require.Equal(t, []*controllerv1.VolumeRef{ref("x")}, resp.Destroy, "released: everything goes")
+	report("b", 3, 0)
+	require.Len(t, v.Nodes(now), 1, "retired: it leaves")
+}

@@ -76,7 +76,7 @@ func (r *reporter) round(ctx context.Context) error {
 			return err
 		}
 		req := &controllerv1.ReportRequest{NodeId: r.nodeID, StoreId: info.StoreID, Revision: rev, Full: full,
-			BaseRevision: r.acked, OverHighWatermark: info.OverHighWatermark,
+			BaseRevision: r.acked, OverHighWatermark: info.OverHighWatermark, StepVolumes: int32(info.StepVolumes),
 			BytesFree: max(0, info.BytesTotal*int64(info.Watermarks.High)/100-(info.BytesTotal-info.BytesFree))}
 		if full {
 			for _, s := range inv {
@@ -96,6 +96,7 @@ func (r *reporter) round(ctx context.Context) error {
 			continue
 		}
 		r.obey(resp)
+		r.engine.RefuseCaptures(resp.GetRefuseCaptures())
 		r.sent, r.acked, r.lastSent = inv, rev, time.Now()
 		if full {
 			r.needFull, r.lastFull = false, r.lastSent

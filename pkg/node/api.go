@@ -1,8 +1,11 @@
 package node
 
 import (
+	"errors"
 	"fmt"
 	"strings"
+
+	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -84,6 +87,8 @@ type NodeInfo struct {
 	BytesHeldForChildren                 int64
 	Revision                             uint64
 	Volumes                              int
+	// StepVolumes are published now.
+	StepVolumes int
 }
 
 // Info says who the node is and how full its cache is, measured now.
@@ -110,7 +115,30 @@ func (e *Engine) Info() (NodeInfo, error) {
 		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
 		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over,
 		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
+		StepVolumes: len(e.store.ListViews()),
 	}, nil
+}
+
+// RefuseCaptures makes the node refuse new captures, saying why (the
+// controller took it out of service), or accept them again ("").
+func (e *Engine) RefuseCaptures(why string) {
+	if old := e.refusal.Swap(&why); old == nil || *old != why {
+		if why != "" {
+			klog.InfoS("Refusing new captures", "why", why)
+		} else if old != nil {
+			klog.InfoS("Accepting captures again")
+		}
+	}
+}
+
+// ErrOutOfService: the node was taken out of service and takes no captures.
+var ErrOutOfService = errors.New("the node takes no new captures")
+
+func (e *Engine) refuseIfOutOfService(r PublishRequest) error {
+	if why := e.refusal.Load(); r.Capture != "" && why != nil && *why != "" {
+		return fmt.Errorf("%s: %w", *why, ErrOutOfService)
+	}
+	return nil
 }
 
 // Revision is the store's: it grows with every change to the volumes.

@@ -18,6 +18,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -93,6 +94,8 @@ type Engine struct {
 	watermarks             Watermarks
 	pressure               pressure
 	reaping                sync.Mutex
+	// refusal says why captures are refused ("" or nil: they are not).
+	refusal atomic.Pointer[string]
 
 	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
 	// outlives any one call: a kubelet giving up on a call must not abort

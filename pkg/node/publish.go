@@ -46,6 +46,9 @@ func (e *Engine) Publish(r PublishRequest) error {
 	if err := e.refuseIfFull(r); err != nil {
 		return err
 	}
+	if err := e.refuseIfOutOfService(r); err != nil {
+		return err
+	}
 	release, err := e.lock(r.VolumeID)
 	if err != nil {
 		return err

@@ -207,8 +207,10 @@ type ReportRequest struct {
 	BytesFree int64 `protobuf:"varint,8,opt,name=bytes_free,json=bytesFree,proto3" json:"bytes_free,omitempty"`
 	// Captures are refused there while true.
 	OverHighWatermark bool `protobuf:"varint,9,opt,name=over_high_watermark,json=overHighWatermark,proto3" json:"over_high_watermark,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Step volumes published on the node now.
+	StepVolumes   int32 `protobuf:"varint,10,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReportRequest) Reset() {
@@ -304,6 +306,13 @@ func (x *ReportRequest) GetOverHighWatermark() bool {
 	return false
 }
 
+func (x *ReportRequest) GetStepVolumes() int32 {
+	if x != nil {
+		return x.StepVolumes
+	}
+	return 0
+}
+
 type ReportResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The controller lacks base_revision (it restarted, or missed a
@@ -313,10 +322,13 @@ type ReportResponse struct {
 	Revision uint64 `protobuf:"varint,2,opt,name=revision,proto3" json:"revision,omitempty"`
 	// What schedulers asked of the node: repeated in every answer until
 	// the node's reports show it done.
-	Destroy       []*VolumeRef  `protobuf:"bytes,3,rep,name=destroy,proto3" json:"destroy,omitempty"`
-	Pins          []*PinCommand `protobuf:"bytes,4,rep,name=pins,proto3" json:"pins,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Destroy []*VolumeRef  `protobuf:"bytes,3,rep,name=destroy,proto3" json:"destroy,omitempty"`
+	Pins    []*PinCommand `protobuf:"bytes,4,rep,name=pins,proto3" json:"pins,omitempty"`
+	// Why the node must refuse captures ("" while it is running): it is
+	// landing, landed or retiring.
+	RefuseCaptures string `protobuf:"bytes,5,opt,name=refuse_captures,json=refuseCaptures,proto3" json:"refuse_captures,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ReportResponse) Reset() {
@@ -375,6 +387,13 @@ func (x *ReportResponse) GetPins() []*PinCommand {
 		return x.Pins
 	}
 	return nil
+}
+
+func (x *ReportResponse) GetRefuseCaptures() string {
+	if x != nil {
+		return x.RefuseCaptures
+	}
+	return ""
 }
 
 type PinCommand struct {
@@ -1115,11 +1134,65 @@ func (x *ListNodesResponse) GetNodes() []*NodeStatus {
 	return nil
 }
 
+type SetNodeLifecycleRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// land, retire or resume.
+	Action        string `protobuf:"bytes,2,opt,name=action,proto3" json:"action,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetNodeLifecycleRequest) Reset() {
+	*x = SetNodeLifecycleRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetNodeLifecycleRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetNodeLifecycleRequest) ProtoMessage() {}
+
+func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
+func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *SetNodeLifecycleRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *SetNodeLifecycleRequest) GetAction() string {
+	if x != nil {
+		return x.Action
+	}
+	return ""
+}
+
 type NodeStatus struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	NodeId  string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
 	StoreId string                 `protobuf:"bytes,2,opt,name=store_id,json=storeId,proto3" json:"store_id,omitempty"`
-	// running, or stalled (no report within --stalled-after).
+	// running, landing, landed, retiring, or stalled (no report within
+	// --stalled-after).
 	State             string                 `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
 	LastReport        *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=last_report,json=lastReport,proto3" json:"last_report,omitempty"`
 	Revision          uint64                 `protobuf:"varint,5,opt,name=revision,proto3" json:"revision,omitempty"`
@@ -1133,7 +1206,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1145,7 +1218,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1158,7 +1231,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -1247,7 +1320,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x06pinned\x18\t \x01(\bR\x06pinned\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x84\x03\n" +
 	"\rReportRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
 	"\bstore_id\x18\x02 \x01(\tR\astoreId\x12\x1a\n" +
@@ -1258,12 +1331,15 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\adeletes\x18\a \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adeletes\x12\x1d\n" +
 	"\n" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
-	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\"\xb5\x01\n" +
+	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
+	"\fstep_volumes\x18\n" +
+	" \x01(\x05R\vstepVolumes\"\xde\x01\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
 	"\adestroy\x18\x03 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adestroy\x124\n" +
-	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\"\x87\x01\n" +
+	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\x12'\n" +
+	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\"\x87\x01\n" +
 	"\n" +
 	"PinCommand\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
@@ -1313,7 +1389,10 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\amissing\x18\x04 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\amissing\"\x12\n" +
 	"\x10ListNodesRequest\"K\n" +
 	"\x11ListNodesResponse\x126\n" +
-	"\x05nodes\x18\x01 \x03(\v2 .cowvol.controller.v1.NodeStatusR\x05nodes\"\xae\x02\n" +
+	"\x05nodes\x18\x01 \x03(\v2 .cowvol.controller.v1.NodeStatusR\x05nodes\"J\n" +
+	"\x17SetNodeLifecycleRequest\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x16\n" +
+	"\x06action\x18\x02 \x01(\tR\x06action\"\xae\x02\n" +
 	"\n" +
 	"NodeStatus\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
@@ -1328,14 +1407,15 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark2_\n" +
 	"\bRegistry\x12S\n" +
-	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xef\x03\n" +
+	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xd4\x04\n" +
 	"\x05Cache\x12h\n" +
 	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12P\n" +
 	"\x05Place\x12\".cowvol.controller.v1.PlaceRequest\x1a#.cowvol.controller.v1.PlaceResponse\x12\\\n" +
 	"\tListNodes\x12&.cowvol.controller.v1.ListNodesRequest\x1a'.cowvol.controller.v1.ListNodesResponse\x12k\n" +
 	"\x0eDestroyVolumes\x12+.cowvol.controller.v1.DestroyVolumesRequest\x1a,.cowvol.controller.v1.DestroyVolumesResponse\x12_\n" +
 	"\n" +
-	"PinVolumes\x12'.cowvol.controller.v1.PinVolumesRequest\x1a(.cowvol.controller.v1.PinVolumesResponseB<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
+	"PinVolumes\x12'.cowvol.controller.v1.PinVolumesRequest\x1a(.cowvol.controller.v1.PinVolumesResponse\x12c\n" +
+	"\x10SetNodeLifecycle\x12-.cowvol.controller.v1.SetNodeLifecycleRequest\x1a .cowvol.controller.v1.NodeStatusB<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
 
 var (
 	file_controller_v1_controller_proto_rawDescOnce sync.Once
@@ -1349,72 +1429,75 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_controller_v1_controller_proto_goTypes = []any{
-	(*VolumeRef)(nil),              // 0: cowvol.controller.v1.VolumeRef
-	(*VolumeSummary)(nil),          // 1: cowvol.controller.v1.VolumeSummary
-	(*ReportRequest)(nil),          // 2: cowvol.controller.v1.ReportRequest
-	(*ReportResponse)(nil),         // 3: cowvol.controller.v1.ReportResponse
-	(*PinCommand)(nil),             // 4: cowvol.controller.v1.PinCommand
-	(*DestroyVolumesRequest)(nil),  // 5: cowvol.controller.v1.DestroyVolumesRequest
-	(*DestroyVolumesResponse)(nil), // 6: cowvol.controller.v1.DestroyVolumesResponse
-	(*VolumeNodes)(nil),            // 7: cowvol.controller.v1.VolumeNodes
-	(*PinVolumesRequest)(nil),      // 8: cowvol.controller.v1.PinVolumesRequest
-	(*PinVolumesResponse)(nil),     // 9: cowvol.controller.v1.PinVolumesResponse
-	(*LookupVolumesRequest)(nil),   // 10: cowvol.controller.v1.LookupVolumesRequest
-	(*LookupVolumesResponse)(nil),  // 11: cowvol.controller.v1.LookupVolumesResponse
-	(*VolumeLocation)(nil),         // 12: cowvol.controller.v1.VolumeLocation
-	(*PlaceRequest)(nil),           // 13: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),          // 14: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),          // 15: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),       // 16: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),      // 17: cowvol.controller.v1.ListNodesResponse
-	(*NodeStatus)(nil),             // 18: cowvol.controller.v1.NodeStatus
-	nil,                            // 19: cowvol.controller.v1.VolumeSummary.PropertiesEntry
-	nil,                            // 20: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	(*timestamppb.Timestamp)(nil),  // 21: google.protobuf.Timestamp
+	(*VolumeRef)(nil),               // 0: cowvol.controller.v1.VolumeRef
+	(*VolumeSummary)(nil),           // 1: cowvol.controller.v1.VolumeSummary
+	(*ReportRequest)(nil),           // 2: cowvol.controller.v1.ReportRequest
+	(*ReportResponse)(nil),          // 3: cowvol.controller.v1.ReportResponse
+	(*PinCommand)(nil),              // 4: cowvol.controller.v1.PinCommand
+	(*DestroyVolumesRequest)(nil),   // 5: cowvol.controller.v1.DestroyVolumesRequest
+	(*DestroyVolumesResponse)(nil),  // 6: cowvol.controller.v1.DestroyVolumesResponse
+	(*VolumeNodes)(nil),             // 7: cowvol.controller.v1.VolumeNodes
+	(*PinVolumesRequest)(nil),       // 8: cowvol.controller.v1.PinVolumesRequest
+	(*PinVolumesResponse)(nil),      // 9: cowvol.controller.v1.PinVolumesResponse
+	(*LookupVolumesRequest)(nil),    // 10: cowvol.controller.v1.LookupVolumesRequest
+	(*LookupVolumesResponse)(nil),   // 11: cowvol.controller.v1.LookupVolumesResponse
+	(*VolumeLocation)(nil),          // 12: cowvol.controller.v1.VolumeLocation
+	(*PlaceRequest)(nil),            // 13: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),           // 14: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),           // 15: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),        // 16: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),       // 17: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil), // 18: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),              // 19: cowvol.controller.v1.NodeStatus
+	nil,                             // 20: cowvol.controller.v1.VolumeSummary.PropertiesEntry
+	nil,                             // 21: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	(*timestamppb.Timestamp)(nil),   // 22: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 1: cowvol.controller.v1.VolumeSummary.parent:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 2: cowvol.controller.v1.VolumeSummary.base:type_name -> cowvol.controller.v1.VolumeRef
-	19, // 3: cowvol.controller.v1.VolumeSummary.properties:type_name -> cowvol.controller.v1.VolumeSummary.PropertiesEntry
+	20, // 3: cowvol.controller.v1.VolumeSummary.properties:type_name -> cowvol.controller.v1.VolumeSummary.PropertiesEntry
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
 	4,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	21, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	22, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
 	0,  // 10: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	7,  // 11: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 12: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 13: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	21, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	22, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
 	7,  // 15: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 16: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	12, // 17: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 18: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 19: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	20, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	21, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
 	0,  // 21: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
 	15, // 22: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
 	0,  // 23: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	18, // 24: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	21, // 25: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	19, // 24: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	22, // 25: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
 	2,  // 26: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
 	10, // 27: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
 	13, // 28: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
 	16, // 29: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
 	5,  // 30: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
 	8,  // 31: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	3,  // 32: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	11, // 33: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	14, // 34: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	17, // 35: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	6,  // 36: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	9,  // 37: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	32, // [32:38] is the sub-list for method output_type
-	26, // [26:32] is the sub-list for method input_type
+	18, // 32: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	3,  // 33: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	11, // 34: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	14, // 35: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	17, // 36: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	6,  // 37: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	9,  // 38: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	19, // 39: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	33, // [33:40] is the sub-list for method output_type
+	26, // [26:33] is the sub-list for method input_type
 	26, // [26:26] is the sub-list for extension type_name
 	26, // [26:26] is the sub-list for extension extendee
 	0,  // [0:26] is the sub-list for field type_name
@@ -1431,7 +1514,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

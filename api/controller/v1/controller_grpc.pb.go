@@ -132,11 +132,12 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Cache_LookupVolumes_FullMethodName  = "/cowvol.controller.v1.Cache/LookupVolumes"
-	Cache_Place_FullMethodName          = "/cowvol.controller.v1.Cache/Place"
-	Cache_ListNodes_FullMethodName      = "/cowvol.controller.v1.Cache/ListNodes"
-	Cache_DestroyVolumes_FullMethodName = "/cowvol.controller.v1.Cache/DestroyVolumes"
-	Cache_PinVolumes_FullMethodName     = "/cowvol.controller.v1.Cache/PinVolumes"
+	Cache_LookupVolumes_FullMethodName    = "/cowvol.controller.v1.Cache/LookupVolumes"
+	Cache_Place_FullMethodName            = "/cowvol.controller.v1.Cache/Place"
+	Cache_ListNodes_FullMethodName        = "/cowvol.controller.v1.Cache/ListNodes"
+	Cache_DestroyVolumes_FullMethodName   = "/cowvol.controller.v1.Cache/DestroyVolumes"
+	Cache_PinVolumes_FullMethodName       = "/cowvol.controller.v1.Cache/PinVolumes"
+	Cache_SetNodeLifecycle_FullMethodName = "/cowvol.controller.v1.Cache/SetNodeLifecycle"
 )
 
 // CacheClient is the client API for Cache service.
@@ -159,6 +160,11 @@ type CacheClient interface {
 	// PinVolumes pins (until a time, or for good) or unpins each volume on
 	// every node holding it.
 	PinVolumes(ctx context.Context, in *PinVolumesRequest, opts ...grpc.CallOption) (*PinVolumesResponse, error)
+	// SetNodeLifecycle takes a node out of service or back in: land (no new
+	// placements, captures refused, volumes kept; landed once no step uses
+	// its volumes), retire (the same, then everything it holds is destroyed
+	// and it is forgotten), or resume.
+	SetNodeLifecycle(ctx context.Context, in *SetNodeLifecycleRequest, opts ...grpc.CallOption) (*NodeStatus, error)
 }
 
 type cacheClient struct {
@@ -219,6 +225,16 @@ func (c *cacheClient) PinVolumes(ctx context.Context, in *PinVolumesRequest, opt
 	return out, nil
 }
 
+func (c *cacheClient) SetNodeLifecycle(ctx context.Context, in *SetNodeLifecycleRequest, opts ...grpc.CallOption) (*NodeStatus, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(NodeStatus)
+	err := c.cc.Invoke(ctx, Cache_SetNodeLifecycle_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CacheServer is the server API for Cache service.
 // All implementations must embed UnimplementedCacheServer
 // for forward compatibility.
@@ -239,6 +255,11 @@ type CacheServer interface {
 	// PinVolumes pins (until a time, or for good) or unpins each volume on
 	// every node holding it.
 	PinVolumes(context.Context, *PinVolumesRequest) (*PinVolumesResponse, error)
+	// SetNodeLifecycle takes a node out of service or back in: land (no new
+	// placements, captures refused, volumes kept; landed once no step uses
+	// its volumes), retire (the same, then everything it holds is destroyed
+	// and it is forgotten), or resume.
+	SetNodeLifecycle(context.Context, *SetNodeLifecycleRequest) (*NodeStatus, error)
 	mustEmbedUnimplementedCacheServer()
 }
 
@@ -263,6 +284,9 @@ func (UnimplementedCacheServer) DestroyVolumes(context.Context, *DestroyVolumesR
 }
 func (UnimplementedCacheServer) PinVolumes(context.Context, *PinVolumesRequest) (*PinVolumesResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method PinVolumes not implemented")
+}
+func (UnimplementedCacheServer) SetNodeLifecycle(context.Context, *SetNodeLifecycleRequest) (*NodeStatus, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method SetNodeLifecycle not implemented")
 }
 func (UnimplementedCacheServer) mustEmbedUnimplementedCacheServer() {}
 func (UnimplementedCacheServer) testEmbeddedByValue()               {}
@@ -375,6 +399,24 @@ func _Cache_PinVolumes_Handler(srv interface{}, ctx context.Context, dec func(in
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Cache_SetNodeLifecycle_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SetNodeLifecycleRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CacheServer).SetNodeLifecycle(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cache_SetNodeLifecycle_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CacheServer).SetNodeLifecycle(ctx, req.(*SetNodeLifecycleRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Cache_ServiceDesc is the grpc.ServiceDesc for Cache service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -401,6 +443,10 @@ var Cache_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "PinVolumes",
 			Handler:    _Cache_PinVolumes_Handler,
+		},
+		{
+			MethodName: "SetNodeLifecycle",
+			Handler:    _Cache_SetNodeLifecycle_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
