@@ -2,7 +2,15 @@ package test
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"fmt"
+	"math/big"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -273,4 +282,125 @@ func TestNodeLifecycleThroughTheController(t *testing.T) {
 	})
 	a.noLeaks(t)
 	b.noLeaks(t)
+}
+
+// selfSigned writes a certificate for 127.0.0.1 that is its own CA.
+func selfSigned(t *testing.T, dir string) (cert, key string) {
+	t.Helper()
+	priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "cowvol-controller"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, IsCA: true, BasicConstraintsValid: true,
+		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &priv.PublicKey, priv)
+	require.NoError(t, err)
+	keyDER, err := x509.MarshalECPrivateKey(priv)
+	require.NoError(t, err)
+	cert, key = filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	require.NoError(t, os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600))
+	require.NoError(t, os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600))
+	return cert, key
+}
+
+type token string
+
+func (tok token) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(tok)}, nil
+}
+func (token) RequireTransportSecurity() bool { return true }
+
+// The controller's APIs over TLS with tokens: nothing without a token, a
+// namespace's scheduler sees its own volumes and what others shared,
+// cannot act on others' nor on nodes, and nodes report with theirs.
+func TestControllerAuthentication(t *testing.T) {
+	testfs.Need(t)
+	dir := t.TempDir()
+	cert, key := selfSigned(t, dir)
+	tokens := filepath.Join(dir, "tokens")
+	require.NoError(t, os.WriteFile(tokens, []byte("# the controller's callers\n"+
+		"node-token-0123456789,system:cowvol-node,*\nadmin-token-0123456789,admin,*\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
+	nodeToken := filepath.Join(dir, "node-token")
+	require.NoError(t, os.WriteFile(nodeToken, []byte("node-token-0123456789\n"), 0o600))
+	addr := freePort(t)
+	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr,
+		"--tls-cert-file=" + cert, "--tls-key-file=" + key, "--tokens-file=" + tokens}})
+	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr,
+		"--tls-ca-file=" + cert, "--token-file=" + nodeToken}})
+	n.captureIn("ci", "mine", nil)
+	n.captureIn("other", "private", nil)
+	n.captureIn("other", "shared", map[string]string{"scope": "cluster"})
+
+	creds, err := credentials.NewClientTLSFromFile(cert, "")
+	require.NoError(t, err)
+	client := func(tok string) controllerv1.CacheClient {
+		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+		if tok != "" {
+			opts = append(opts, grpc.WithPerRPCCredentials(token(tok)))
+		}
+		conn, err := grpc.NewClient(addr, opts...)
+		require.NoError(t, err)
+		t.Cleanup(func() { conn.Close() })
+		return controllerv1.NewCacheClient(conn)
+	}
+	admin, ci, nobody := client("admin-token-0123456789"), client("ci-token-0123456789ab"), client("")
+	ctx := context.Background()
+	lookup := func(c controllerv1.CacheClient, ns, h string) (bool, error) {
+		resp, err := c.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref(ns, h)}})
+		if err != nil {
+			return false, err
+		}
+		return resp.Volumes[0].Found, nil
+	}
+	eventually(t, "the node to report over TLS with its token", func() bool {
+		found, err := lookup(admin, "other", "private")
+		return err == nil && found
+	})
+	tests := []struct {
+		name      string
+		call      func() error
+		wantCode  codes.Code
+		wantFound bool
+	}{
+		{"no token", func() error { _, err := lookup(nobody, "ci", "mine"); return err }, codes.Unauthenticated, false},
+		{"a forged token", func() error { _, err := lookup(client("forged-token-0123456789"), "ci", "mine"); return err }, codes.Unauthenticated, false},
+		{"own namespace", func() error {
+			found, err := lookup(ci, "ci", "mine")
+			require.True(t, found)
+			return err
+		}, codes.OK, true},
+		{"another's private volume is not found", func() error {
+			found, err := lookup(ci, "other", "private")
+			require.False(t, found)
+			return err
+		}, codes.OK, false},
+		{"another's shared volume is", func() error {
+			found, err := lookup(ci, "other", "shared")
+			require.True(t, found)
+			return err
+		}, codes.OK, true},
+		{"destroying another's", func() error {
+			_, err := ci.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("other", "shared")}})
+			return err
+		}, codes.PermissionDenied, false},
+		{"listing nodes", func() error { _, err := ci.ListNodes(ctx, &controllerv1.ListNodesRequest{}); return err }, codes.PermissionDenied, false},
+		{"landing a node", func() error {
+			_, err := ci.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "land"})
+			return err
+		}, codes.PermissionDenied, false},
+		{"the admin lists nodes", func() error { _, err := admin.ListNodes(ctx, &controllerv1.ListNodesRequest{}); return err }, codes.OK, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, tc.wantCode, code(tc.call()))
+		})
+	}
+	placed, err := ci.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("other", "private")}})
+	require.NoError(t, err)
+	require.Zero(t, placed.Nodes[0].InputBytesHeld, "placement tells nothing of a volume the caller may not see")
+	plain, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer plain.Close()
+	_, err = controllerv1.NewCacheClient(plain).ListNodes(ctx, &controllerv1.ListNodesRequest{})
+	require.Equal(t, codes.Unavailable, code(err), "no plaintext")
 }

@@ -85,6 +85,12 @@ func main() {
 		"controller mode: a node silent this long is stalled: left out of lookups and placement")
 	fs.DurationVar(&opts.ForgetStalledAfter, "forget-stalled-after", 10*time.Minute,
 		"controller mode: a node silent this long is forgotten")
+	fs.StringVar(&opts.TokensFile, "tokens-file", "",
+		"controller mode: the callers of its APIs, a token,user,namespaces line each (namespaces * or a;b)")
+	fs.StringVar(&opts.TokenFile, "token-file", "", "node mode: the token to present to the controller")
+	fs.StringVar(&opts.TLSCertFile, "tls-cert-file", "", "controller mode: the certificate to serve its APIs with (then any address)")
+	fs.StringVar(&opts.TLSKeyFile, "tls-key-file", "", "controller mode: the certificate's key")
+	fs.StringVar(&opts.TLSCAFile, "tls-ca-file", "", "node mode: the CA to verify the controller's certificate with")
 	fs.IntVar(&opts.HighWatermark, "high-watermark", 90,
 		"percent of the state dir's filesystem (bytes or inodes) above which cached volumes are evicted and captures refused")
 	fs.IntVar(&opts.LowWatermark, "low-watermark", 80, "percent of the state dir's filesystem that eviction brings it under")

@@ -11,6 +11,7 @@ import (
 	"k8s.io/klog/v2"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // maxLookup bounds a lookup or placement batch.
@@ -38,7 +39,10 @@ type registryServer struct {
 	view *View
 }
 
-func (s *registryServer) Report(_ context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
+func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
+	if err := needAll(ctx, "reporting a node"); err != nil {
+		return nil, err
+	}
 	resp, err := s.view.Report(req, time.Now())
 	if err != nil {
 		return nil, code(err)
@@ -55,35 +59,71 @@ type cacheServer struct {
 	view *View
 }
 
-func (s *cacheServer) LookupVolumes(_ context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
-	if len(req.GetRefs()) > maxLookup {
-		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one lookup: at most %d", len(req.GetRefs()), maxLookup)
+// lookup is the view's answer as the caller may see it: another
+// namespace's volume that was not shared is answered as not found.
+func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef) ([]*controllerv1.VolumeLocation, error) {
+	if len(refs) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one call: at most %d", len(refs), maxLookup)
 	}
-	locs, err := s.view.Lookup(req.GetRefs(), time.Now())
+	locs, err := s.view.Lookup(refs, time.Now())
 	if err != nil {
 		return nil, code(err)
+	}
+	c := CallerFrom(ctx)
+	for i, l := range locs {
+		if !c.Can(refs[i].GetNamespace()) && l.GetScope() != string(volume.ScopeCluster) {
+			locs[i] = &controllerv1.VolumeLocation{Ref: refs[i]}
+		}
+	}
+	return locs, nil
+}
+
+func (s *cacheServer) LookupVolumes(ctx context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
+	locs, err := s.lookup(ctx, req.GetRefs())
+	if err != nil {
+		return nil, err
 	}
 	return &controllerv1.LookupVolumesResponse{Volumes: locs}, nil
 }
 
-func (s *cacheServer) Place(_ context.Context, req *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
-	if len(req.GetInputs()) > maxLookup {
-		return nil, status.Errorf(codes.InvalidArgument, "%d inputs: at most %d", len(req.GetInputs()), maxLookup)
+// Place ranks nodes by the inputs the caller may read; one it may not is
+// missing everywhere, as if it did not exist.
+func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+	locs, err := s.lookup(ctx, req.GetInputs())
+	if err != nil {
+		return nil, err
 	}
-	nodes, err := s.view.Place(req.GetInputs(), time.Now())
+	var readable, hidden []*controllerv1.VolumeRef
+	for i, l := range locs {
+		if l.GetFound() || CallerFrom(ctx).Can(req.GetInputs()[i].GetNamespace()) {
+			readable = append(readable, req.GetInputs()[i])
+		} else {
+			hidden = append(hidden, req.GetInputs()[i])
+		}
+	}
+	nodes, err := s.view.Place(readable, time.Now())
 	if err != nil {
 		return nil, code(err)
+	}
+	for _, n := range nodes {
+		n.Missing = append(n.Missing, hidden...)
 	}
 	return &controllerv1.PlaceResponse{Nodes: nodes}, nil
 }
 
-func (s *cacheServer) ListNodes(context.Context, *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
+func (s *cacheServer) ListNodes(ctx context.Context, _ *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
+	if err := needAll(ctx, "listing nodes"); err != nil {
+		return nil, err
+	}
 	return &controllerv1.ListNodesResponse{Nodes: s.view.Nodes(time.Now())}, nil
 }
 
-func (s *cacheServer) DestroyVolumes(_ context.Context, req *controllerv1.DestroyVolumesRequest) (*controllerv1.DestroyVolumesResponse, error) {
+func (s *cacheServer) DestroyVolumes(ctx context.Context, req *controllerv1.DestroyVolumesRequest) (*controllerv1.DestroyVolumesResponse, error) {
 	if len(req.GetRefs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one batch: at most %d", len(req.GetRefs()), maxLookup)
+	}
+	if err := needNamespaces(ctx, req.GetRefs()); err != nil {
+		return nil, err
 	}
 	out, err := s.view.Destroy(req.GetRefs())
 	if err != nil {
@@ -93,9 +133,12 @@ func (s *cacheServer) DestroyVolumes(_ context.Context, req *controllerv1.Destro
 	return &controllerv1.DestroyVolumesResponse{Volumes: out}, nil
 }
 
-func (s *cacheServer) PinVolumes(_ context.Context, req *controllerv1.PinVolumesRequest) (*controllerv1.PinVolumesResponse, error) {
+func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolumesRequest) (*controllerv1.PinVolumesResponse, error) {
 	if len(req.GetRefs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one batch: at most %d", len(req.GetRefs()), maxLookup)
+	}
+	if err := needNamespaces(ctx, req.GetRefs()); err != nil {
+		return nil, err
 	}
 	if u := req.GetUntil(); u != nil && u.CheckValid() != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "until: %v", u.CheckValid())
@@ -107,7 +150,10 @@ func (s *cacheServer) PinVolumes(_ context.Context, req *controllerv1.PinVolumes
 	return &controllerv1.PinVolumesResponse{Volumes: out}, nil
 }
 
-func (s *cacheServer) SetNodeLifecycle(_ context.Context, req *controllerv1.SetNodeLifecycleRequest) (*controllerv1.NodeStatus, error) {
+func (s *cacheServer) SetNodeLifecycle(ctx context.Context, req *controllerv1.SetNodeLifecycleRequest) (*controllerv1.NodeStatus, error) {
+	if err := needAll(ctx, "changing a node's lifecycle"); err != nil {
+		return nil, err
+	}
 	st, err := s.view.SetLifecycle(req.GetNodeId(), req.GetAction(), time.Now())
 	if err != nil {
 		return nil, code(err)

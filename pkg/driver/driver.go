@@ -21,7 +21,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
@@ -98,6 +97,12 @@ type Options struct {
 	// is left out of lookups and placement; ForgetStalledAfter, before the
 	// controller forgets it.
 	StalledAfter, ForgetStalledAfter time.Duration
+	// TokensFile (controller) lists the callers of the controller's APIs,
+	// "token,user,namespaces" a line; TokenFile (node) holds the token the
+	// node presents. TLSCertFile and TLSKeyFile serve the controller's APIs
+	// over TLS; TLSCAFile verifies the controller.
+	TokensFile, TokenFile              string
+	TLSCertFile, TLSKeyFile, TLSCAFile string
 	// HighWatermark and LowWatermark are percent of the state dir's
 	// filesystem (bytes and inodes): over high, the node evicts until
 	// under low, and refuses captures while it cannot.
@@ -142,10 +147,23 @@ func (o *Options) Validate() error {
 	if o.ForgetStalledAfter < o.StalledAfter {
 		errs = append(errs, fmt.Errorf("--forget-stalled-after (%s) is shorter than --stalled-after (%s)", o.ForgetStalledAfter, o.StalledAfter))
 	}
-	for flag, addr := range map[string]string{"--api-address": o.APIAddress, "--controller-address": o.ControllerAddress} {
-		if err := loopbackOnly(addr); err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", flag, err))
+	if (o.TLSCertFile == "") != (o.TLSKeyFile == "") {
+		errs = append(errs, errors.New("--tls-cert-file and --tls-key-file go together"))
+	}
+	// Plaintext stays on this machine; on the network, TLS and tokens.
+	if o.TLSCertFile == "" {
+		if err := loopbackOnly(o.APIAddress); err != nil {
+			errs = append(errs, fmt.Errorf("--api-address: %w (or give --tls-cert-file and --tls-key-file)", err))
 		}
+	} else if o.TokensFile == "" {
+		errs = append(errs, errors.New("serving the controller's APIs over TLS needs --tokens-file: on the network only authenticated callers are served"))
+	}
+	if o.TLSCAFile == "" {
+		if err := loopbackOnly(o.ControllerAddress); err != nil {
+			errs = append(errs, fmt.Errorf("--controller-address: %w (or give --tls-ca-file)", err))
+		}
+	} else if o.TokenFile == "" && o.ControllerAddress != "" {
+		errs = append(errs, errors.New("reaching the controller over TLS needs --token-file"))
 	}
 	if o.APIAddress != "" && o.Mode == ModeNode {
 		errs = append(errs, errors.New("--api-address is the controller's: use --mode=controller or all"))
@@ -395,7 +413,12 @@ func (d *Driver) Run(ctx context.Context) error {
 		klog.InfoS("Serving the node API", "endpoint", d.opts.NodeAPIEndpoint)
 	}
 	if d.engine != nil && d.opts.ControllerAddress != "" {
-		conn, err := grpc.NewClient(d.opts.ControllerAddress, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		dial, err := controllerDialOptions(d.opts)
+		if err != nil {
+			srv.Stop()
+			return errors.Join(err, g.Wait())
+		}
+		conn, err := grpc.NewClient(d.opts.ControllerAddress, dial...)
 		if err != nil {
 			srv.Stop()
 			return errors.Join(fmt.Errorf("reaching the controller: %w", err), g.Wait())
@@ -406,17 +429,23 @@ func (d *Driver) Run(ctx context.Context) error {
 		klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
 	}
 	if d.view != nil && d.opts.APIAddress != "" {
+		serve, err := controllerServerOptions(d.opts, d.metrics.interceptor)
+		if err != nil {
+			srv.Stop()
+			return errors.Join(err, g.Wait())
+		}
 		apiLis, err := net.Listen("tcp", d.opts.APIAddress)
 		if err != nil {
 			srv.Stop()
 			return errors.Join(fmt.Errorf("serving the controller's APIs: %w", err), g.Wait())
 		}
-		api := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+		api := grpc.NewServer(serve...)
 		controller.Register(api, d.view)
 		g.Go(func() error { return api.Serve(apiLis) })
 		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
 		g.Go(func() error { d.forgetStalled(gctx); return nil })
 		klog.InfoS("Serving the controller's Registry and Cache APIs", "address", apiLis.Addr().String(),
+			"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
 			"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
 	}
 	if d.opts.RegistrationSocket != "" && d.node != nil {

@@ -34,6 +34,15 @@ func TestOptionsValidate(t *testing.T) {
 		{"controller on loopback", func(o *Options) { o.ControllerAddress = "127.0.0.1:7000" }, ""},
 		{"controller off loopback", func(o *Options) { o.ControllerAddress = "10.0.0.5:7000" }, "not a loopback address"},
 		{"API off loopback", func(o *Options) { o.Mode, o.APIAddress = ModeController, "0.0.0.0:7000" }, "not a loopback address"},
+		{"API off loopback over TLS with tokens", func(o *Options) {
+			o.Mode, o.APIAddress, o.TLSCertFile, o.TLSKeyFile, o.TokensFile = ModeController, "0.0.0.0:7000", "/c", "/k", "/t"
+		}, ""},
+		{"TLS without tokens", func(o *Options) { o.Mode, o.TLSCertFile, o.TLSKeyFile = ModeController, "/c", "/k" }, "needs --tokens-file"},
+		{"cert without key", func(o *Options) { o.Mode, o.TLSCertFile = ModeController, "/c" }, "go together"},
+		{"controller over TLS without a token", func(o *Options) { o.ControllerAddress, o.TLSCAFile = "10.0.0.5:7000", "/ca" }, "needs --token-file"},
+		{"controller over TLS with a token", func(o *Options) {
+			o.ControllerAddress, o.TLSCAFile, o.TokenFile = "10.0.0.5:7000", "/ca", "/t"
+		}, ""},
 		{"API in node mode", func(o *Options) { o.APIAddress = "127.0.0.1:7000" }, "the controller's"},
 		{"forget before stalled", func(o *Options) { o.StalledAfter, o.ForgetStalledAfter = time.Minute, time.Second }, "shorter"},
 		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
