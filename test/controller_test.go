@@ -221,8 +221,8 @@ func TestGarbageCollectionThroughTheController(t *testing.T) {
 // steps are done, destroys everything it holds and leaves.
 func TestNodeLifecycleThroughTheController(t *testing.T) {
 	testfs.Need(t)
-	addr := freePort(t)
-	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr}})
+	addr, metrics := freePort(t), freePort(t)
+	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr, "--metrics-address=" + metrics}})
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
 	defer conn.Close()
@@ -243,6 +243,11 @@ func TestNodeLifecycleThroughTheController(t *testing.T) {
 	st, err := api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "land"})
 	require.NoError(t, err)
 	require.Equal(t, "landed", st.State, "no step uses its volumes")
+	metric := func(line string) bool { return strings.Contains(scrape(t, &env{metrics: metrics}), line) }
+	for _, line := range []string{`cowvol_controller_nodes{state="landed"} 1`, `cowvol_controller_nodes{state="running"} 1`,
+		`cowvol_controller_requests_total{kind="land"} 1`, `cowvol_controller_volumes{state="ready"} 2`} {
+		eventually(t, "the controller's metrics to show "+line, func() bool { return metric(line) })
+	}
 	placed, err := api.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("ci", "res")}})
 	require.NoError(t, err)
 	require.Len(t, placed.Nodes, 1)

@@ -3,6 +3,8 @@ package controller
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -17,11 +19,17 @@ import (
 // maxLookup bounds a lookup or placement batch.
 const maxLookup = 1000
 
+// NodeEvents tells a node's operators what the controller did with it, on
+// its Node object.
+type NodeEvents interface {
+	NodeEventOn(node, eventType, reason, message string)
+}
+
 // Register serves the view's Registry (for nodes) and Cache (for
 // schedulers) on srv.
-func Register(srv *grpc.Server, v *View) {
+func Register(srv *grpc.Server, v *View, m *Metrics, events NodeEvents) {
 	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v})
-	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v})
+	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events})
 }
 
 func code(err error) error {
@@ -56,7 +64,9 @@ func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportReq
 
 type cacheServer struct {
 	controllerv1.UnimplementedCacheServer
-	view *View
+	view    *View
+	metrics *Metrics
+	events  NodeEvents
 }
 
 // lookup is the view's answer as the caller may see it: another
@@ -129,7 +139,8 @@ func (s *cacheServer) DestroyVolumes(ctx context.Context, req *controllerv1.Dest
 	if err != nil {
 		return nil, code(err)
 	}
-	klog.V(2).InfoS("Destroying volumes on the nodes holding them", "volumes", len(out))
+	klog.V(2).InfoS("Destroying volumes on the nodes holding them", "volumes", len(out), "caller", CallerFrom(ctx).User)
+	s.metrics.Commands.WithLabelValues("destroy").Add(float64(len(out)))
 	return &controllerv1.DestroyVolumesResponse{Volumes: out}, nil
 }
 
@@ -147,6 +158,7 @@ func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolum
 	if err != nil {
 		return nil, code(err)
 	}
+	s.metrics.Commands.WithLabelValues(map[bool]string{false: "pin", true: "unpin"}[req.GetUnpin()]).Add(float64(len(out)))
 	return &controllerv1.PinVolumesResponse{Volumes: out}, nil
 }
 
@@ -158,6 +170,10 @@ func (s *cacheServer) SetNodeLifecycle(ctx context.Context, req *controllerv1.Se
 	if err != nil {
 		return nil, code(err)
 	}
-	klog.InfoS("Changed a node's lifecycle", "node", req.GetNodeId(), "action", req.GetAction(), "state", st.State)
+	klog.InfoS("Changed a node's lifecycle", "node", req.GetNodeId(), "action", req.GetAction(), "state", st.State,
+		"caller", CallerFrom(ctx).User)
+	s.metrics.Commands.WithLabelValues(req.GetAction()).Inc()
+	s.events.NodeEventOn(req.GetNodeId(), "Normal", "Cowvol"+strings.ToUpper(req.GetAction()[:1])+req.GetAction()[1:],
+		fmt.Sprintf("%s asked cowvol to %s the node: it is %s", CallerFrom(ctx).User, req.GetAction(), st.State))
 	return st, nil
 }

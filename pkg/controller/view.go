@@ -57,6 +57,8 @@ type nodeState struct {
 	// stepVolumes is how many step volumes it last reported.
 	lifecycle   string
 	stepVolumes int32
+	// stallSeen: the sweep has told of this node's stall.
+	stallSeen bool
 }
 
 // state is what a scheduler sees of the node.
@@ -125,6 +127,7 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		v.nodes[n.id] = n
 	}
 	n.lastReport, n.bytesFree, n.over, n.stepVolumes = now, req.GetBytesFree(), req.GetOverHighWatermark(), req.GetStepVolumes()
+	n.stallSeen = false
 	switch {
 	case req.GetFull():
 		n.volumes = upserts
@@ -374,19 +377,24 @@ func (v *View) status(n *nodeState, now time.Time) *controllerv1.NodeStatus {
 	return st
 }
 
-// Forget drops the nodes stalled for longer than the forget time, saying
-// which.
-func (v *View) Forget(now time.Time) []string {
+// Sweep says which nodes stalled since the last sweep, and forgets (and
+// says) those stalled for longer than the forget time.
+func (v *View) Sweep(now time.Time) (stalled, forgotten []string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	var gone []string
 	for id, n := range v.nodes {
-		if now.Sub(n.lastReport) > v.forgetStalledAfter {
+		switch {
+		case now.Sub(n.lastReport) > v.forgetStalledAfter:
 			delete(v.nodes, id)
-			gone = append(gone, id)
+			forgotten = append(forgotten, id)
+		case !v.live(n, now) && !n.stallSeen:
+			n.stallSeen = true
+			stalled = append(stalled, id)
 		}
 	}
-	return gone
+	sort.Strings(stalled)
+	sort.Strings(forgotten)
+	return stalled, forgotten
 }
 
 // Entry is one cached volume across the live nodes.

@@ -86,7 +86,13 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	require.Len(t, placed[2].Missing, 2)
 
 	require.Equal(t, "stalled", v.Nodes(now)[4].State)
-	require.Equal(t, []string{"gone"}, v.Forget(now.Add(59*time.Minute)))
+	stalled, forgotten := v.Sweep(now)
+	require.Equal(t, []string{"gone"}, stalled)
+	require.Empty(t, forgotten)
+	stalled, _ = v.Sweep(now)
+	require.Empty(t, stalled, "a stall is told once")
+	_, forgotten = v.Sweep(now.Add(59 * time.Minute))
+	require.Equal(t, []string{"gone"}, forgotten)
 }
 
 // A scheduler's destroy hides the volume at once and is repeated to each

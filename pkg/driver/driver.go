@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
@@ -283,7 +284,9 @@ type Driver struct {
 	store      *cache.Store
 	engine     *node.Engine
 	// view is the controller's picture of the nodes' caches.
-	view *controller.View
+	view       *controller.View
+	ctlMetrics *controller.Metrics
+	nodeEvents controller.NodeEvents
 	// stopKube ends the API server watches and the event sender.
 	stopKube context.CancelFunc
 }
@@ -304,12 +307,30 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	}
 	d := &Driver{opts: opts, metrics: newMetrics()}
 	d.identity = &identityService{name: opts.DriverName, version: opts.Version, controller: opts.Mode != ModeNode}
+	// One event sender and one context for every API server watch.
+	var events *kubeEvents
+	kubeCtx := context.Background()
+	if deps.Kube != nil {
+		var cancel context.CancelFunc
+		kubeCtx, cancel = context.WithCancel(context.Background())
+		d.stopKube = cancel
+		events = newKubeEvents(deps.Kube, opts.DriverName, opts.NodeID)
+		go events.run(kubeCtx)
+	} else {
+		klog.InfoS("No API server configured (--kubeconfig, or run in a pod): no Kubernetes Events, and the CSIDriver object is not checked")
+	}
 	if opts.Mode != ModeNode {
 		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
 		d.controller = &controllerService{view: d.view}
+		d.ctlMetrics = controller.NewMetrics(d.view)
+		d.metrics.registry.MustRegister(d.ctlMetrics.Collectors()...)
+		d.nodeEvents = noNodeEvents{}
+		if events != nil {
+			d.nodeEvents = events
+		}
 	}
 	if opts.Mode != ModeController {
-		if err := d.startNode(deps); err != nil {
+		if err := d.startNode(kubeCtx, deps, events); err != nil {
 			d.Close()
 			return nil, err
 		}
@@ -320,7 +341,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 // startNode opens the store, checks the CSIDriver object (with an API
 // server) and starts the node engine, which recovers what a previous
 // process left.
-func (d *Driver) startNode(deps Deps) error {
+func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvents) error {
 	store, err := cache.Open(d.opts.StateDir)
 	if err != nil {
 		return err
@@ -329,16 +350,10 @@ func (d *Driver) startNode(deps Deps) error {
 	var events node.PodEvents = node.NoEvents{}
 	var guard *csiDriverGuard
 	if deps.Kube != nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		d.stopKube = cancel
-		if guard, err = watchCSIDriver(ctx, deps.Kube, d.opts.DriverName); err != nil {
+		if guard, err = watchCSIDriver(kubeCtx, deps.Kube, d.opts.DriverName); err != nil {
 			return err
 		}
-		sender := newKubeEvents(deps.Kube, d.opts.DriverName, d.opts.NodeID)
-		go sender.run(ctx)
 		events = sender
-	} else {
-		klog.InfoS("No API server configured (--kubeconfig, or run in a pod): no Kubernetes Events, and the CSIDriver object is not checked")
 	}
 	if d.engine, err = node.New(d.opts.engineConfig(), store, deps.Mounter, events); err != nil {
 		return err
@@ -440,7 +455,7 @@ func (d *Driver) Run(ctx context.Context) error {
 			return errors.Join(fmt.Errorf("serving the controller's APIs: %w", err), g.Wait())
 		}
 		api := grpc.NewServer(serve...)
-		controller.Register(api, d.view)
+		controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents)
 		g.Go(func() error { return api.Serve(apiLis) })
 		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
 		g.Go(func() error { d.forgetStalled(gctx); return nil })
@@ -492,7 +507,13 @@ func (d *Driver) forgetStalled(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		for _, id := range d.view.Forget(time.Now()) {
+		stalled, forgotten := d.view.Sweep(time.Now())
+		for _, id := range stalled {
+			klog.InfoS("A node stopped reporting: left out of lookups and placement", "node", id, "after", d.opts.StalledAfter)
+			d.nodeEvents.NodeEventOn(id, corev1.EventTypeWarning, "CowvolNodeStalled", fmt.Sprintf(
+				"cowvol's controller heard nothing from the node for %s: its cached volumes are left out of lookups and placement", d.opts.StalledAfter))
+		}
+		for _, id := range forgotten {
 			klog.InfoS("Forgot a node that stopped reporting", "node", id, "after", d.opts.ForgetStalledAfter)
 		}
 	}

@@ -71,10 +71,21 @@ func (k *kubeEvents) Event(pod volume.Pod, eventType, reason, message string) {
 // NodeEvent implements node.PodEvents: an event on this node's Node object,
 // where an operator watching the node looks.
 func (k *kubeEvents) NodeEvent(eventType, reason, message string) {
+	k.NodeEventOn(k.node, eventType, reason, message)
+}
+
+// noNodeEvents is the controller's sink when no API server is configured.
+type noNodeEvents struct{}
+
+func (noNodeEvents) NodeEventOn(string, string, string, string) {}
+
+// NodeEventOn implements controller.NodeEvents: an event on a Node object
+// (its UID is its name, as the kubelet records node events).
+func (k *kubeEvents) NodeEventOn(node, eventType, reason, message string) {
 	now := metav1.NewTime(time.Now())
 	ev := &corev1.Event{
-		ObjectMeta:     metav1.ObjectMeta{GenerateName: k.node + ".", Namespace: metav1.NamespaceDefault},
-		InvolvedObject: corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: k.node, UID: types.UID(k.node)},
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: node + ".", Namespace: metav1.NamespaceDefault},
+		InvolvedObject: corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: node, UID: types.UID(node)},
 		Type:           eventType, Reason: reason, Message: message,
 		Source:         corev1.EventSource{Component: "cowvol", Host: k.node},
 		FirstTimestamp: now, LastTimestamp: now, Count: 1,
