@@ -41,6 +41,8 @@ type View struct {
 	nodes              map[string]*nodeState
 	stalledAfter       time.Duration
 	forgetStalledAfter time.Duration
+	// cordoned are the Kubernetes Nodes marked unschedulable: landing.
+	cordoned map[string]bool
 }
 
 type nodeState struct {
@@ -61,22 +63,50 @@ type nodeState struct {
 	stallSeen bool
 }
 
+// lifecycle is the node's, where a cordoned Kubernetes Node is landing.
+func (v *View) lifecycle(n *nodeState) string {
+	if n.lifecycle == "" && v.cordoned[n.id] {
+		return NodeLanding
+	}
+	return n.lifecycle
+}
+
 // state is what a scheduler sees of the node.
 func (v *View) state(n *nodeState, now time.Time) string {
-	switch {
+	switch lc := v.lifecycle(n); {
 	case !v.live(n, now):
 		return NodeStalled
-	case n.lifecycle == NodeLanding && n.stepVolumes == 0:
+	case lc == NodeLanding && n.stepVolumes == 0:
 		return NodeLanded
-	case n.lifecycle != "":
-		return n.lifecycle
+	case lc != "":
+		return lc
 	}
 	return NodeRunning
 }
 
+// SetCordoned follows a Kubernetes Node's unschedulable mark.
+func (v *View) SetCordoned(node string, cordoned bool) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if cordoned {
+		v.cordoned[node] = true
+	} else {
+		delete(v.cordoned, node)
+	}
+}
+
+// ForgetNode forgets a node at once (its Kubernetes Node was deleted).
+func (v *View) ForgetNode(node string) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	delete(v.nodes, node)
+	delete(v.cordoned, node)
+}
+
 // NewView makes an empty view; nodes fill it as they report.
 func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
-	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter}
+	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter,
+		cordoned: map[string]bool{}}
 }
 
 // ErrInvalid marks a malformed report or query.
@@ -152,7 +182,7 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		}
 	}
 	resp := &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins()}
-	if n.lifecycle != "" {
+	if v.lifecycle(n) != "" {
 		resp.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
 	return resp, nil
@@ -322,7 +352,7 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*contro
 	defer v.mu.RUnlock()
 	var out []*controllerv1.NodePlacement
 	for _, n := range v.liveNodes(now) {
-		if n.over || n.lifecycle != "" {
+		if n.over || v.lifecycle(n) != "" {
 			continue
 		}
 		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}

@@ -170,3 +170,21 @@ func TestLifecycle(t *testing.T) {
 	report("b", 3, 0)
 	require.Len(t, v.Nodes(now), 1, "retired: it leaves")
 }
+
+// A cordoned Kubernetes Node is landing until uncordoned; a deleted one is
+// forgotten at once.
+func TestKubernetesNodes(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	v.SetCordoned("a", true) // before it ever reports
+	resp, err := v.Report(&controllerv1.ReportRequest{NodeId: "a", StoreId: "s", Revision: 1, Full: true}, now)
+	require.NoError(t, err)
+	require.Contains(t, resp.RefuseCaptures, "landed")
+	placed, err := v.Place(nil, now)
+	require.NoError(t, err)
+	require.Empty(t, placed)
+	v.SetCordoned("a", false)
+	require.Equal(t, NodeRunning, v.Nodes(now)[0].State)
+	v.ForgetNode("a")
+	require.Empty(t, v.Nodes(now))
+}

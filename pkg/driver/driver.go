@@ -327,6 +327,10 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
+			if err := followNodes(kubeCtx, deps.Kube, d.view); err != nil {
+				d.Close()
+				return nil, err
+			}
 		}
 	}
 	if opts.Mode != ModeController {

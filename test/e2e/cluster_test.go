@@ -26,7 +26,10 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -91,8 +94,13 @@ type cluster struct {
 	stateDir   string
 	procs      map[string]*proc
 	plugin     *plugintest.Plugin
-	sysctls    map[string]string
-	links      []string // network devices before the cluster
+	// controller runs beside the node plugin, which reports to it; cache
+	// is a scheduler's client of its Cache API.
+	controller     *plugintest.Plugin
+	controllerAddr string
+	cache          controllerv1.CacheClient
+	sysctls        map[string]string
+	links          []string // network devices before the cluster
 }
 
 func linkNames(t *testing.T) []string {
@@ -235,6 +243,7 @@ func startCluster(t *testing.T) *cluster {
 	// The plugin refuses to serve until the CSIDriver object makes the
 	// kubelet vouch for pods.
 	c.mustKubectl("", "apply", "-f", "../../deploy/csi/namespace.yaml", "-f", "../../deploy/csi/csidriver.yaml")
+	c.startController()
 	c.startPlugin()
 	// Registered after the plugin's own stop, so it runs before it: pods
 	// are deleted through the API while the plugin can still unpublish.
@@ -424,12 +433,27 @@ fileCheckFrequency: 2s
 // startPlugin runs cowvol's node plugin on the host, registered with the
 // kubelet through its own registration socket (no sidecar): the kubelet
 // learns the CSI socket's path from it.
+// startController runs cowvol's controller on the host, following the
+// cluster's Nodes through the API server, and connects a scheduler's client.
+func (c *cluster) startController() {
+	c.controllerAddr = fmt.Sprintf("127.0.0.1:%d", freePort(c.t))
+	c.controller = plugintest.Start(c.t, plugintest.Config{Mode: "controller",
+		Args: []string{"--api-address=" + c.controllerAddr, "--kubeconfig=" + c.kubeconfig, "--node-id=cowvol-controller"}})
+	conn, err := grpc.NewClient(c.controllerAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.t.Cleanup(func() { conn.Close() })
+	c.cache = controllerv1.NewCacheClient(conn)
+}
+
 func (c *cluster) startPlugin() {
 	c.plugin = plugintest.Start(c.t, plugintest.Config{
 		StateDir:   filepath.Join(c.stateDir, "cowvol"),
 		KubeletDir: c.kubeletDir,
 		Args: []string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
 			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
+			"--controller-address=" + c.controllerAddr,
 			// Low enough for the last scenario to cross without filling
 			// 6 GiB; the build never gets near it.
 			"--high-watermark=50", "--low-watermark=40"},

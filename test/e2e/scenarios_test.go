@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -242,6 +243,32 @@ func TestE2E(t *testing.T) {
 		})
 		patch(true)
 		require.Equal(t, "# repo\n", c.mustSucceed("ci", "unvouched"), "the kubelet's retry is served once it is fixed")
+	})
+
+	c.scenario("the controller knows what the node holds, places a step next to its input, and treats a cordoned Node as landing", func() {
+		ctx := context.Background()
+		c.until("the controller to see res-v1 on the node", 30*time.Second, func() bool {
+			resp, err := c.cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{{Namespace: "ci", Handle: "res-v1"}}})
+			return err == nil && len(resp.Volumes[0].Nodes) == 1 && resp.Volumes[0].Nodes[0] == nodeName
+		})
+		placed, err := c.cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{{Namespace: "ci", Handle: "res-v1"}}})
+		require.NoError(t, err)
+		require.Equal(t, nodeName, placed.Nodes[0].NodeId)
+		require.Positive(t, placed.Nodes[0].InputBytesHeld)
+		report(t, fmt.Sprintf("the controller places a step reading res-v1 on %s, which holds %d bytes of it\n", placed.Nodes[0].NodeId, placed.Nodes[0].InputBytesHeld))
+
+		c.mustKubectl("", "cordon", nodeName)
+		c.until("the controller to treat the cordoned node as landing", 30*time.Second, func() bool {
+			resp, err := c.cache.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+			return err == nil && len(resp.Nodes) == 1 && (resp.Nodes[0].State == "landed" || resp.Nodes[0].State == "landing")
+		})
+		c.createPod("ci", "on-cordoned", `echo late > /out/f`, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "cordoned-v1")})
+		c.until("the cordoned node to refuse the capture", 90*time.Second, func() bool {
+			return strings.Contains(c.events("ci", "on-cordoned"), "schedule steps that capture elsewhere")
+		})
+		c.mustKubectl("", "uncordon", nodeName)
+		c.mustSucceed("ci", "on-cordoned")
+		c.waitCaptured("cordoned-v1")
 	})
 
 	c.scenario("a node whose cache fills up says so on its Node object, and again when it recovers", func() {
