@@ -35,6 +35,32 @@ func cref(ns, h string) *controllerv1.VolumeRef {
 	return &controllerv1.VolumeRef{Namespace: ns, Handle: h}
 }
 
+// fleet is a controller, node plugins reporting to it on loopback, and a
+// scheduler's client of its Cache API.
+type fleet struct {
+	ctl   *plugintest.Plugin
+	api   controllerv1.CacheClient
+	nodes map[string]*env
+}
+
+// startFleet starts a controller with ctlArgs and a node plugin for each
+// of nodeIDs.
+func startFleet(t *testing.T, ctlArgs []string, nodeIDs ...string) *fleet {
+	t.Helper()
+	testfs.Need(t)
+	addr := freePort(t)
+	f := &fleet{nodes: map[string]*env{}}
+	f.ctl = plugintest.Start(t, plugintest.Config{Mode: "controller", Args: append([]string{"--api-address=" + addr}, ctlArgs...)})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	f.api = controllerv1.NewCacheClient(conn)
+	for _, id := range nodeIDs {
+		f.nodes[id] = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, Args: []string{"--controller-address=" + addr}})
+	}
+	return f
+}
+
 // A controller and three node plugins on loopback: the nodes report what
 // they capture, lookups say which nodes hold what, placement ranks nodes by
 // the bytes of a step's inputs they hold, a killed node goes stalled and
@@ -42,18 +68,8 @@ func cref(ns, h string) *controllerv1.VolumeRef {
 // held before at once, and a restarted controller rebuilds the same view
 // from the nodes.
 func TestControllerViewOfTheNodes(t *testing.T) {
-	testfs.Need(t)
-	addr := freePort(t)
-	ctl := plugintest.Start(t, plugintest.Config{Mode: "controller",
-		Args: []string{"--api-address=" + addr, "--stalled-after=3s", "--forget-stalled-after=1m"}})
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	api, ctx := controllerv1.NewCacheClient(conn), context.Background()
-	nodes := map[string]*env{}
-	for _, id := range []string{"node-a", "node-b", "node-c"} {
-		nodes[id] = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, Args: []string{"--controller-address=" + addr}})
-	}
+	f := startFleet(t, []string{"--stalled-after=3s", "--forget-stalled-after=1m"}, "node-a", "node-b", "node-c")
+	ctl, api, nodes, ctx := f.ctl, f.api, f.nodes, context.Background()
 	blob := func(size int) func(string) {
 		return func(dir string) { write(t, dir, "blob", strings.Repeat("x", size)) }
 	}
@@ -161,15 +177,8 @@ func TestControllerViewOfTheNodes(t *testing.T) {
 // holds them; one a step still reads keeps working there and goes once it
 // is released; a pin reaches the nodes too.
 func TestGarbageCollectionThroughTheController(t *testing.T) {
-	testfs.Need(t)
-	addr := freePort(t)
-	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr}})
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	api, ctx := controllerv1.NewCacheClient(conn), context.Background()
-	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr}})
-	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", Args: []string{"--controller-address=" + addr}})
+	f := startFleet(t, nil, "node-a", "node-b")
+	api, a, b, ctx := f.api, f.nodes["node-a"], f.nodes["node-b"], context.Background()
 	for _, e := range []*env{a, b} {
 		e.step("", "old", func(dir string) { write(t, dir, "f", "old") })
 		e.step("", "keep", func(dir string) { write(t, dir, "f", "keep") })
@@ -220,22 +229,16 @@ func TestGarbageCollectionThroughTheController(t *testing.T) {
 // placements and refuses captures until resumed; a retiring node, once its
 // steps are done, destroys everything it holds and leaves.
 func TestNodeLifecycleThroughTheController(t *testing.T) {
-	testfs.Need(t)
-	addr, metrics := freePort(t), freePort(t)
-	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr, "--metrics-address=" + metrics}})
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	api, ctx := controllerv1.NewCacheClient(conn), context.Background()
-	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr}})
-	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", Args: []string{"--controller-address=" + addr}})
+	metrics := freePort(t)
+	f := startFleet(t, []string{"--metrics-address=" + metrics}, "node-a", "node-b")
+	api, a, b, ctx := f.api, f.nodes["node-a"], f.nodes["node-b"], context.Background()
 	a.step("", "res", func(dir string) { write(t, dir, "f", "a") })
 	b.step("", "res", func(dir string) { write(t, dir, "f", "b") })
 	eventually(t, "both nodes to report", func() bool {
 		resp, err := api.ListNodes(ctx, &controllerv1.ListNodesRequest{})
 		return err == nil && len(resp.Nodes) == 2
 	})
-	_, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-x", Action: "land"})
+	_, err := api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-x", Action: "land"})
 	require.Equal(t, codes.NotFound, code(err))
 	_, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "fly"})
 	require.Equal(t, codes.InvalidArgument, code(err))
