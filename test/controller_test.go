@@ -264,6 +264,9 @@ func TestNodeLifecycleThroughTheController(t *testing.T) {
 		return code(err) == codes.Unavailable
 	})
 	a.read("res", func(dir string) { require.Equal(t, "a", readFile(t, dir, "f")) }) // its volumes are kept and readable
+	n, err := a.p.NodeAPI.GetNode(ctx, &nodev1.GetNodeRequest{})
+	require.NoError(t, err)
+	require.Contains(t, n.CapturesRefused, "landed", "the node says why it refuses captures")
 	_, err = api.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: "node-a", Action: "resume"})
 	require.NoError(t, err)
 	retry(t, "a capture on the resumed node", func() error {

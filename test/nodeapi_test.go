@@ -252,6 +252,7 @@ func TestWatermarksThroughTheBinary(t *testing.T) {
 	n, err := api.GetNode(ctx, &nodev1.GetNodeRequest{})
 	require.NoError(t, err)
 	require.True(t, n.OverHighWatermark)
+	require.Contains(t, n.CapturesRefused, "high watermark", "the node says why it refuses captures")
 	require.NoError(t, os.Remove(filler))
 	retry(t, "a capture after space freed", func() error {
 		v := e.volume(map[string]string{driver.AttrCapture: "accepted"}, false)

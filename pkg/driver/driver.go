@@ -32,6 +32,7 @@ import (
 	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // Mode says which CSI services a plugin process serves.
@@ -44,7 +45,7 @@ const (
 )
 
 // DefaultDriverName is the CSI driver name pods refer to.
-const DefaultDriverName = "cowvol.concourse-ci.org"
+const DefaultDriverName = volume.DriverName
 
 // TopologyKey is the topology segment NodeGetInfo reports.
 const TopologyKey = "topology.cowvol.concourse-ci.org/node"

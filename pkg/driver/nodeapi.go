@@ -73,7 +73,7 @@ func (s *nodeAPIService) GetNode(context.Context, *nodev1.GetNodeRequest) (*node
 		BytesTotal: i.BytesTotal, BytesFree: i.BytesFree, InodesTotal: i.InodesTotal, InodesFree: i.InodesFree,
 		UsedPercent: int32(i.UsedPercent), HighWatermark: int32(i.Watermarks.High), LowWatermark: int32(i.Watermarks.Low),
 		OverHighWatermark: i.OverHighWatermark, BytesHeldForChildren: i.BytesHeldForChildren,
-		Revision: i.Revision, Volumes: int32(i.Volumes),
+		Revision: i.Revision, Volumes: int32(i.Volumes), CapturesRefused: i.CapturesRefused,
 	}, nil
 }
 

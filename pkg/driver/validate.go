@@ -15,16 +15,16 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// Volume attributes a step pod may set. The pod's author controls every
-// one of them: none is trusted.
+// Volume attributes a step pod may set (defined with the shared types). The
+// pod's author controls every one of them: none is trusted.
 const (
-	AttrSource          = "source"
-	AttrSourceNamespace = "sourceNamespace"
-	AttrCapture         = "capture"
-	AttrScope           = "scope"
-	AttrSizeLimit       = "sizeLimit"
-	AttrTTL             = "ttl"
-	AttrPropertyPrefix  = "property."
+	AttrSource          = volume.AttrSource
+	AttrSourceNamespace = volume.AttrSourceNamespace
+	AttrCapture         = volume.AttrCapture
+	AttrScope           = volume.AttrScope
+	AttrSizeLimit       = volume.AttrSizeLimit
+	AttrTTL             = volume.AttrTTL
+	AttrPropertyPrefix  = volume.AttrPropertyPrefix
 )
 
 // Keys the kubelet adds to an inline volume's context (podInfoOnMount).

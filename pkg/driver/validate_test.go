@@ -10,9 +10,11 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -147,5 +149,25 @@ func TestCheckCSIDriver(t *testing.T) {
 				require.Contains(t, got, tc.want)
 			}
 		})
+	}
+}
+
+// What pkg/client builds for a scheduler is what this driver accepts: the
+// two sides of the attribute contract cannot drift apart.
+func TestClientVolumesParse(t *testing.T) {
+	res := volume.Ref{Namespace: "ci", Handle: "res"}
+	for _, v := range []corev1.Volume{
+		client.Input("in", res, "ci"),
+		client.Input("shared", volume.Ref{Namespace: "platform", Handle: "tools"}, "ci"),
+		client.OutputVolume("out", client.Output{Capture: "out", Source: &res, Shared: true,
+			Properties: map[string]string{"k": "v"}, SizeLimit: 1 << 30, TTL: time.Hour}, "ci"),
+		client.TaskCache("cache", &res, "cache-2", "ci"),
+	} {
+		vc := kubeletContext()
+		for k, val := range v.CSI.VolumeAttributes {
+			vc[k] = val
+		}
+		_, err := parseVolumeContext(vc)
+		require.NoError(t, err, "volume %s", v.Name)
 	}
 }

@@ -89,6 +89,8 @@ type NodeInfo struct {
 	Volumes                              int
 	// StepVolumes are published now.
 	StepVolumes int
+	// CapturesRefused says why new captures are refused ("": they are not).
+	CapturesRefused string
 }
 
 // Info says who the node is and how full its cache is, measured now.
@@ -102,8 +104,14 @@ func (e *Engine) Info() (NodeInfo, error) {
 		limits = e.limiter.Mechanism()
 	}
 	e.pressure.mu.Lock()
-	over := e.pressure.over
+	over, refused := e.pressure.over, ""
+	if over {
+		refused = e.pressure.cause
+	}
 	e.pressure.mu.Unlock()
+	if why := e.refusal.Load(); why != nil && *why != "" {
+		refused = *why
+	}
 	count := 0
 	for _, v := range e.store.List() {
 		if v.State != volume.StateDestroying {
@@ -115,7 +123,7 @@ func (e *Engine) Info() (NodeInfo, error) {
 		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
 		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over,
 		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
-		StepVolumes: len(e.store.ListViews()),
+		StepVolumes: len(e.store.ListViews()), CapturesRefused: refused,
 	}, nil
 }
 

@@ -12,6 +12,20 @@ import (
 	"strings"
 )
 
+// DriverName is the CSI driver name step pods name in their inline volumes.
+const DriverName = "cowvol.concourse-ci.org"
+
+// Volume attributes a step pod may set on an inline cowvol volume.
+const (
+	AttrSource          = "source"
+	AttrSourceNamespace = "sourceNamespace"
+	AttrCapture         = "capture"
+	AttrScope           = "scope"
+	AttrSizeLimit       = "sizeLimit"
+	AttrTTL             = "ttl"
+	AttrPropertyPrefix  = "property."
+)
+
 // State is the life-cycle state of a cached volume.
 type State string
 

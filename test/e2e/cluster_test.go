@@ -26,12 +26,10 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -98,7 +96,7 @@ type cluster struct {
 	// is a scheduler's client of its Cache API.
 	controller     *plugintest.Plugin
 	controllerAddr string
-	cache          controllerv1.CacheClient
+	cache          *client.Client
 	sysctls        map[string]string
 	links          []string // network devices before the cluster
 }
@@ -439,12 +437,12 @@ func (c *cluster) startController() {
 	c.controllerAddr = fmt.Sprintf("127.0.0.1:%d", freePort(c.t))
 	c.controller = plugintest.Start(c.t, plugintest.Config{Mode: "controller",
 		Args: []string{"--api-address=" + c.controllerAddr, "--kubeconfig=" + c.kubeconfig, "--node-id=cowvol-controller"}})
-	conn, err := grpc.NewClient(c.controllerAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	cache, err := client.Dial(client.Options{Address: c.controllerAddr})
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	c.t.Cleanup(func() { conn.Close() })
-	c.cache = controllerv1.NewCacheClient(conn)
+	c.t.Cleanup(func() { cache.Close() })
+	c.cache = cache
 }
 
 func (c *cluster) startPlugin() {

@@ -19,7 +19,9 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/overlay"
+	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
 
 // listFn prints every file under a dir with its checksum and every entry,
@@ -247,20 +249,29 @@ func TestE2E(t *testing.T) {
 
 	c.scenario("the controller knows what the node holds, places a step next to its input, and treats a cordoned Node as landing", func() {
 		ctx := context.Background()
+		res := cowvolume.Ref{Namespace: "ci", Handle: "res-v1"}
 		c.until("the controller to see res-v1 on the node", 30*time.Second, func() bool {
-			resp, err := c.cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{{Namespace: "ci", Handle: "res-v1"}}})
-			return err == nil && len(resp.Volumes[0].Nodes) == 1 && resp.Volumes[0].Nodes[0] == nodeName
+			locs, err := c.cache.Lookup(ctx, res)
+			return err == nil && len(locs[0].Nodes) == 1 && locs[0].Nodes[0] == nodeName
 		})
-		placed, err := c.cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{{Namespace: "ci", Handle: "res-v1"}}})
+		placed, err := c.cache.Place(ctx, res)
 		require.NoError(t, err)
-		require.Equal(t, nodeName, placed.Nodes[0].NodeId)
-		require.Positive(t, placed.Nodes[0].InputBytesHeld)
-		report(t, fmt.Sprintf("the controller places a step reading res-v1 on %s, which holds %d bytes of it\n", placed.Nodes[0].NodeId, placed.Nodes[0].InputBytesHeld))
+		require.Equal(t, nodeName, placed[0].NodeId)
+		require.Positive(t, placed[0].InputBytesHeld)
+		report(t, "the scheduler's client places a step reading res-v1 on "+client.Describe(placed[0])+"\n")
+		// The step itself, its input built by the client as a scheduler would.
+		in := client.Input("in", res, "ci")
+		c.createPod("ci", "placed", `cat /in/README.md`, volume{name: "in", mountPath: "/in", attrs: in.CSI.VolumeAttributes, readOnly: true})
+		require.Equal(t, "# repo\n", c.mustSucceed("ci", "placed"))
 
 		c.mustKubectl("", "cordon", nodeName)
 		c.until("the controller to treat the cordoned node as landing", 30*time.Second, func() bool {
-			resp, err := c.cache.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+			resp, err := c.cache.Cache.ListNodes(ctx, &controllerv1.ListNodesRequest{})
 			return err == nil && len(resp.Nodes) == 1 && (resp.Nodes[0].State == "landed" || resp.Nodes[0].State == "landing")
+		})
+		c.until("the node to learn it at its next heartbeat", 30*time.Second, func() bool {
+			n, err := c.plugin.NodeAPI.GetNode(ctx, &nodev1.GetNodeRequest{})
+			return err == nil && strings.Contains(n.CapturesRefused, "schedule steps that capture elsewhere")
 		})
 		c.createPod("ci", "on-cordoned", `echo late > /out/f`, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "cordoned-v1")})
 		c.until("the cordoned node to refuse the capture", 90*time.Second, func() bool {

@@ -311,10 +311,13 @@ type Node struct {
 	// Bytes of destroyed volumes kept because children rest on them.
 	BytesHeldForChildren int64 `protobuf:"varint,13,opt,name=bytes_held_for_children,json=bytesHeldForChildren,proto3" json:"bytes_held_for_children,omitempty"`
 	// Grows with every change to the volumes.
-	Revision      uint64 `protobuf:"varint,14,opt,name=revision,proto3" json:"revision,omitempty"`
-	Volumes       int32  `protobuf:"varint,15,opt,name=volumes,proto3" json:"volumes,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Revision uint64 `protobuf:"varint,14,opt,name=revision,proto3" json:"revision,omitempty"`
+	Volumes  int32  `protobuf:"varint,15,opt,name=volumes,proto3" json:"volumes,omitempty"`
+	// Why the node refuses new captures now (over its high watermark, or
+	// taken out of service by the controller); empty while it takes them.
+	CapturesRefused string `protobuf:"bytes,16,opt,name=captures_refused,json=capturesRefused,proto3" json:"captures_refused,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
@@ -450,6 +453,13 @@ func (x *Node) GetVolumes() int32 {
 		return x.Volumes
 	}
 	return 0
+}
+
+func (x *Node) GetCapturesRefused() string {
+	if x != nil {
+		return x.CapturesRefused
+	}
+	return ""
 }
 
 type ListVolumesRequest struct {
@@ -910,7 +920,7 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x10\n" +
-	"\x0eGetNodeRequest\"\x85\x04\n" +
+	"\x0eGetNodeRequest\"\xb0\x04\n" +
 	"\x04Node\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
 	"\bstore_id\x18\x02 \x01(\tR\astoreId\x12\x18\n" +
@@ -931,7 +941,8 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x13over_high_watermark\x18\f \x01(\bR\x11overHighWatermark\x125\n" +
 	"\x17bytes_held_for_children\x18\r \x01(\x03R\x14bytesHeldForChildren\x12\x1a\n" +
 	"\brevision\x18\x0e \x01(\x04R\brevision\x12\x18\n" +
-	"\avolumes\x18\x0f \x01(\x05R\avolumes\"\xa6\x02\n" +
+	"\avolumes\x18\x0f \x01(\x05R\avolumes\x12)\n" +
+	"\x10captures_refused\x18\x10 \x01(\tR\x0fcapturesRefused\"\xa6\x02\n" +
 	"\x12ListVolumesRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12L\n" +
 	"\bselector\x18\x02 \x03(\v20.cowvol.node.v1.ListVolumesRequest.SelectorEntryR\bselector\x12\x1b\n" +

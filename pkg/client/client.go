@@ -1,0 +1,117 @@
+// Package client is what a scheduler (a Kubernetes runtime for Concourse CI,
+// say) uses to drive cowvol: the controller's Cache API, reached with a
+// token over TLS (or plaintext on loopback), and the parts of a step pod's
+// spec: inline volumes for inputs, outputs and task caches, and the node
+// affinity that places the step beside its inputs. It depends only on the
+// API and the shared volume types, never on the plugin's insides.
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Options say how to reach the controller.
+type Options struct {
+	// Address is the controller's host:port.
+	Address string
+	// Token is presented on every call (from the controller's tokens
+	// file); TokenFile is read for it where Token is empty.
+	Token, TokenFile string
+	// CAFile verifies the controller's certificate. Without one the
+	// connection is plaintext, which the controller serves on loopback
+	// only.
+	CAFile string
+}
+
+// Client is a connection to the controller's Cache API.
+type Client struct {
+	conn  *grpc.ClientConn
+	Cache controllerv1.CacheClient
+}
+
+// Dial connects to the controller (lazily: the first call connects).
+func Dial(o Options) (*Client, error) {
+	if o.Address == "" {
+		return nil, errors.New("the controller's address is required")
+	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	if o.CAFile != "" {
+		creds, err := credentials.NewClientTLSFromFile(o.CAFile, "")
+		if err != nil {
+			return nil, fmt.Errorf("loading the controller's CA: %w", err)
+		}
+		opts = []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+	}
+	token := o.Token
+	if token == "" && o.TokenFile != "" {
+		raw, err := os.ReadFile(o.TokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("reading the token: %w", err)
+		}
+		token = strings.TrimSpace(string(raw))
+	}
+	if token != "" {
+		opts = append(opts, grpc.WithPerRPCCredentials(bearer{token: token, secure: o.CAFile != ""}))
+	}
+	conn, err := grpc.NewClient(o.Address, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn, Cache: controllerv1.NewCacheClient(conn)}, nil
+}
+
+// Close closes the connection.
+func (c *Client) Close() error { return c.conn.Close() }
+
+type bearer struct {
+	token  string
+	secure bool
+}
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + b.token}, nil
+}
+
+func (b bearer) RequireTransportSecurity() bool { return b.secure }
+
+// Ref is a volume reference in the API's terms.
+func Ref(r volume.Ref) *controllerv1.VolumeRef {
+	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
+}
+
+func refs(rs []volume.Ref) []*controllerv1.VolumeRef {
+	out := make([]*controllerv1.VolumeRef, len(rs))
+	for i, r := range rs {
+		out[i] = Ref(r)
+	}
+	return out
+}
+
+// Lookup says where each volume is, in order.
+func (c *Client) Lookup(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeLocation, error) {
+	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: refs(vols)})
+	return resp.GetVolumes(), err
+}
+
+// Place ranks the nodes for a step with these inputs, best first.
+func (c *Client) Place(ctx context.Context, inputs ...volume.Ref) ([]*controllerv1.NodePlacement, error) {
+	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: refs(inputs)})
+	return resp.GetNodes(), err
+}
+
+// Destroy destroys volumes on every node holding them.
+func (c *Client) Destroy(ctx context.Context, vols ...volume.Ref) error {
+	_, err := c.Cache.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: refs(vols)})
+	return err
+}
