@@ -229,6 +229,9 @@ func (p *Plugin) Unpublish(v driver.InlineVolume) error {
 	return err
 }
 
+// PID is the running process's ID.
+func (p *Plugin) PID() int { return p.cmd.Process.Pid }
+
 // Log is what the plugin printed so far.
 func (p *Plugin) Log() string { return p.log.String() }
 

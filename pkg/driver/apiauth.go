@@ -13,6 +13,10 @@ import (
 	"github.com/concourse/cowvol/pkg/controller"
 )
 
+// maxReport bounds one report: a node's whole inventory (about 100 bytes a
+// volume) must fit, 4 MiB (gRPC's default) does not at tens of thousands.
+const maxReport = 64 << 20
+
 // controllerServerOptions are the controller's API server's: TLS where a
 // certificate is given, and bearer tokens checked on every call where a
 // tokens file is.
@@ -24,7 +28,7 @@ func controllerServerOptions(o Options, metrics grpc.UnaryServerInterceptor) ([]
 			return nil, err
 		}
 	}
-	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(metrics, tokens.Interceptor)}
+	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(metrics, tokens.Interceptor), grpc.MaxRecvMsgSize(maxReport)}
 	if o.TLSCertFile != "" {
 		creds, err := credentials.NewServerTLSFromFile(o.TLSCertFile, o.TLSKeyFile)
 		if err != nil {
@@ -38,13 +42,14 @@ func controllerServerOptions(o Options, metrics grpc.UnaryServerInterceptor) ([]
 // controllerDialOptions are a node's, reaching the controller: TLS
 // verified against the CA where one is given, and its token on every call.
 func controllerDialOptions(o Options) ([]grpc.DialOption, error) {
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	opts := []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(maxReport)),
+		grpc.WithTransportCredentials(insecure.NewCredentials())}
 	if o.TLSCAFile != "" {
 		creds, err := credentials.NewClientTLSFromFile(o.TLSCAFile, "")
 		if err != nil {
 			return nil, fmt.Errorf("loading the controller's CA: %w", err)
 		}
-		opts = []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+		opts[1] = grpc.WithTransportCredentials(creds)
 	}
 	if o.TokenFile != "" {
 		raw, err := os.ReadFile(o.TokenFile)

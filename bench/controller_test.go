@@ -1,0 +1,176 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
+)
+
+// The simulated fleet: nodes × volumes each, reporting to one controller
+// over loopback as node plugins do.
+const (
+	fleetNodes   = 100
+	fleetVolumes = 10_000
+)
+
+// inventory is one simulated node's whole report: volumes shared with
+// other nodes (a resource cache everyone holds) and its own.
+func inventory(node int) []*controllerv1.VolumeSummary {
+	out := make([]*controllerv1.VolumeSummary, fleetVolumes)
+	for i := range out {
+		handle := fmt.Sprintf("n%03d-v%05d", node, i)
+		if i < fleetVolumes/10 {
+			handle = fmt.Sprintf("shared-v%05d", i) // on every node
+		}
+		out[i] = &controllerv1.VolumeSummary{
+			Ref: &controllerv1.VolumeRef{Namespace: fmt.Sprintf("team-%d", i%20), Handle: handle}, State: "ready",
+			SizeBytes: int64(1<<20 + node*i), Scope: "namespace",
+			Properties: map[string]string{"resource": "repo", "version": strconv.Itoa(i)},
+		}
+	}
+	return out
+}
+
+func freeAddr(b *testing.B) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func rss(b *testing.B, pid int) int64 {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if f := strings.Fields(line); len(f) == 3 && f[0] == "VmRSS:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+// BenchmarkControllerFleet measures the controller against a simulated fleet
+// of 100 nodes × 10,000 volumes: applying one node's full sync, lookups of
+// 10 handles, placement of a 5-input step, rebuilding the whole view after a
+// restart, and its memory.
+func BenchmarkControllerFleet(b *testing.B) {
+	addr := freeAddr(b)
+	ctl := plugintest.Start(b, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr}})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	reg, cache := controllerv1.NewRegistryClient(conn), controllerv1.NewCacheClient(conn)
+	ctx := context.Background()
+	invs := make([][]*controllerv1.VolumeSummary, fleetNodes)
+	for n := range invs {
+		invs[n] = inventory(n)
+	}
+	report := func(n int, full bool) (time.Duration, bool) {
+		start := time.Now()
+		resp, err := reg.Report(ctx, &controllerv1.ReportRequest{NodeId: fmt.Sprintf("node-%03d", n), StoreId: "store",
+			Revision: 1, Full: full, BaseRevision: 1, Upserts: map[bool][]*controllerv1.VolumeSummary{true: invs[n]}[full],
+			BytesFree: int64(n) << 30})
+		if err != nil {
+			b.Fatal(err)
+		}
+		return time.Since(start), resp.GetResync()
+	}
+	// The whole fleet reports; each full sync timed.
+	var syncs []time.Duration
+	start := time.Now()
+	var mu sync.Mutex
+	g := errgroup.Group{}
+	g.SetLimit(4)
+	for n := range fleetNodes {
+		g.Go(func() error {
+			d, _ := report(n, true)
+			mu.Lock()
+			syncs = append(syncs, d)
+			mu.Unlock()
+			return nil
+		})
+	}
+	_ = g.Wait()
+	fill := time.Since(start)
+
+	var lookups, placements []time.Duration
+	for i := range 500 {
+		var refs, inputs []*controllerv1.VolumeRef
+		for j := range 10 {
+			k := (i*10 + j) % fleetVolumes
+			refs = append(refs, &controllerv1.VolumeRef{Namespace: fmt.Sprintf("team-%d", k%20), Handle: fmt.Sprintf("n%03d-v%05d", (i+j)%fleetNodes, k)})
+		}
+		for j := range 5 {
+			k := (i*5 + j) % (fleetVolumes / 10)
+			inputs = append(inputs, &controllerv1.VolumeRef{Namespace: fmt.Sprintf("team-%d", k%20), Handle: fmt.Sprintf("shared-v%05d", k)})
+		}
+		t0 := time.Now()
+		if _, err := cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: refs}); err != nil {
+			b.Fatal(err)
+		}
+		lookups = append(lookups, time.Since(t0))
+		t0 = time.Now()
+		if _, err := cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: inputs}); err != nil {
+			b.Fatal(err)
+		}
+		placements = append(placements, time.Since(t0))
+	}
+	mem := rss(b, ctl.PID())
+
+	// A restart: every node's next heartbeat is told to resync, and sends
+	// everything again.
+	ctl.Restart()
+	start = time.Now()
+	for n := range fleetNodes {
+		g.Go(func() error {
+			if _, resync := report(n, false); resync {
+				report(n, true)
+			}
+			return nil
+		})
+	}
+	_ = g.Wait()
+	rebuild := time.Since(start)
+	memAfter := rss(b, ctl.PID())
+
+	b.ReportMetric(float64(p50(syncs).Microseconds())/1000, "full-sync-p50-ms")
+	b.ReportMetric(float64(p99(lookups).Microseconds())/1000, "lookup10-p99-ms")
+	b.ReportMetric(float64(p99(placements).Microseconds())/1000, "place5-p99-ms")
+	b.ReportMetric(float64(rebuild.Milliseconds()), "rebuild-ms")
+	b.ReportMetric(float64(mem>>20), "rss-MiB")
+	rows := []row{
+		{fmt.Sprintf("full sync of one node's %d volumes, p50 (p99)", fleetVolumes), ms(p50(syncs)), "p99 " + ms(p99(syncs)) + " (target ≤ 50 ms)"},
+		{fmt.Sprintf("the whole fleet's first reports (%d nodes, 4 at a time)", fleetNodes), ms(fill), ""},
+		{"lookup of 10 handles, p99", ms(p99(lookups)), "target ≤ 1 ms"},
+		{"placement of a 5-input step, p99", ms(p99(placements)), "target ≤ 2 ms"},
+		{"restart to a complete view (every node resyncs)", ms(rebuild), "target ≤ 10 s"},
+		{fmt.Sprintf("controller RSS with %d volumes", fleetNodes*fleetVolumes), fmt.Sprintf("%d MiB", mem>>20), fmt.Sprintf("after the restart %d MiB (target ≤ 512 MiB)", memAfter>>20)},
+	}
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "\n%-58s %12s  %s\n", "cowvol controller bench (100 nodes × 10,000 volumes)", "time", "vs")
+	for _, r := range rows {
+		fmt.Fprintf(&sb, "%-58s %12s  %s\n", r.what, r.value, r.vs)
+	}
+	fmt.Print(sb.String())
+}
