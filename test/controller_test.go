@@ -28,6 +28,7 @@ import (
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/driver"
 )
 
@@ -314,13 +315,6 @@ func selfSigned(t *testing.T, dir string) (cert, key string) {
 	return cert, key
 }
 
-type token string
-
-func (tok token) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(tok)}, nil
-}
-func (token) RequireTransportSecurity() bool { return true }
-
 // The controller's APIs over TLS with tokens: nothing without a token, a
 // namespace's scheduler sees its own volumes and what others shared,
 // cannot act on others' nor on nodes, and nodes report with theirs.
@@ -344,17 +338,17 @@ func TestControllerAuthentication(t *testing.T) {
 
 	creds, err := credentials.NewClientTLSFromFile(cert, "")
 	require.NoError(t, err)
-	client := func(tok string) controllerv1.CacheClient {
+	dial := func(tok string) controllerv1.CacheClient {
 		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
 		if tok != "" {
-			opts = append(opts, grpc.WithPerRPCCredentials(token(tok)))
+			opts = append(opts, grpc.WithPerRPCCredentials(client.Bearer{Token: tok, Secure: true}))
 		}
 		conn, err := grpc.NewClient(addr, opts...)
 		require.NoError(t, err)
 		t.Cleanup(func() { conn.Close() })
 		return controllerv1.NewCacheClient(conn)
 	}
-	admin, ci, nobody := client("admin-token-0123456789"), client("ci-token-0123456789ab"), client("")
+	admin, ci, nobody := dial("admin-token-0123456789"), dial("ci-token-0123456789ab"), dial("")
 	ctx := context.Background()
 	lookup := func(c controllerv1.CacheClient, ns, h string) (bool, error) {
 		resp, err := c.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref(ns, h)}})
@@ -374,7 +368,7 @@ func TestControllerAuthentication(t *testing.T) {
 		wantFound bool
 	}{
 		{"no token", func() error { _, err := lookup(nobody, "ci", "mine"); return err }, codes.Unauthenticated, false},
-		{"a forged token", func() error { _, err := lookup(client("forged-token-0123456789"), "ci", "mine"); return err }, codes.Unauthenticated, false},
+		{"a forged token", func() error { _, err := lookup(dial("forged-token-0123456789"), "ci", "mine"); return err }, codes.Unauthenticated, false},
 		{"own namespace", func() error {
 			found, err := lookup(ci, "ci", "mine")
 			require.True(t, found)

@@ -45,14 +45,36 @@ func Dial(o Options) (*Client, error) {
 	if o.Address == "" {
 		return nil, errors.New("the controller's address is required")
 	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	opts, err := DialOptions(o)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := grpc.NewClient(o.Address, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn, Cache: controllerv1.NewCacheClient(conn)}, nil
+}
+
+// MaxMessage bounds what a caller sends the controller: a node's whole
+// inventory (about 100 bytes a volume) must fit, and gRPC's default of
+// 4 MiB does not at tens of thousands of volumes.
+const MaxMessage = 64 << 20
+
+// DialOptions are how anyone reaches the controller, a scheduler or a
+// node: TLS verified against the CA where one is given (plaintext, which
+// the controller serves on loopback only, otherwise), and the token on
+// every call.
+func DialOptions(o Options) ([]grpc.DialOption, error) {
+	transport := insecure.NewCredentials()
 	if o.CAFile != "" {
-		creds, err := credentials.NewClientTLSFromFile(o.CAFile, "")
-		if err != nil {
+		var err error
+		if transport, err = credentials.NewClientTLSFromFile(o.CAFile, ""); err != nil {
 			return nil, fmt.Errorf("loading the controller's CA: %w", err)
 		}
-		opts = []grpc.DialOption{grpc.WithTransportCredentials(creds)}
 	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(transport),
+		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(MaxMessage))}
 	token := o.Token
 	if token == "" && o.TokenFile != "" {
 		raw, err := os.ReadFile(o.TokenFile)
@@ -62,28 +84,28 @@ func Dial(o Options) (*Client, error) {
 		token = strings.TrimSpace(string(raw))
 	}
 	if token != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(bearer{token: token, secure: o.CAFile != ""}))
+		opts = append(opts, grpc.WithPerRPCCredentials(Bearer{Token: token, Secure: o.CAFile != ""}))
 	}
-	conn, err := grpc.NewClient(o.Address, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return &Client{conn: conn, Cache: controllerv1.NewCacheClient(conn)}, nil
+	return opts, nil
 }
 
 // Close closes the connection.
 func (c *Client) Close() error { return c.conn.Close() }
 
-type bearer struct {
-	token  string
-	secure bool
+// Bearer presents a token on every call; Secure refuses to send it over
+// plaintext.
+type Bearer struct {
+	Token  string
+	Secure bool
 }
 
-func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + b.token}, nil
+// GetRequestMetadata implements credentials.PerRPCCredentials.
+func (b Bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + b.Token}, nil
 }
 
-func (b bearer) RequireTransportSecurity() bool { return b.secure }
+// RequireTransportSecurity implements credentials.PerRPCCredentials.
+func (b Bearer) RequireTransportSecurity() bool { return b.Secure }
 
 // Ref is a volume reference in the API's terms.
 func Ref(r volume.Ref) *controllerv1.VolumeRef {
