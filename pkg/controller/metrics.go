@@ -55,9 +55,9 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		if !v.live(n, now) {
 			continue
 		}
-		for _, s := range n.volumes {
-			vols[s.GetState()]++
-			bytes += max(s.GetSizeBytes(), 0)
+		for _, rec := range n.held {
+			vols[rec.state.String()]++
+			bytes += max(rec.size, 0)
 		}
 	}
 	for st, c := range byState {

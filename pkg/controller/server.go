@@ -2,6 +2,7 @@ package controller
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"strings"
@@ -94,6 +95,45 @@ func (s *cacheServer) LookupVolumes(ctx context.Context, req *controllerv1.Looku
 		return nil, err
 	}
 	return &controllerv1.LookupVolumesResponse{Volumes: locs}, nil
+}
+
+// Page sizes of ListVolumes.
+const (
+	defaultListLimit = 500
+	maxListLimit     = 5000
+)
+
+// ListVolumes lists what the caller may see: its namespaces' volumes, and
+// others' shared with scope cluster. Listing a node's volumes needs no
+// cluster-wide token: the answer holds only what the caller may see.
+func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVolumesRequest) (*controllerv1.ListVolumesResponse, error) {
+	limit := int(req.GetLimit())
+	switch {
+	case limit < 0 || limit > maxListLimit:
+		return nil, status.Errorf(codes.InvalidArgument, "limit %d: want 0 to %d", limit, maxListLimit)
+	case limit == 0:
+		limit = defaultListLimit
+	}
+	after := ""
+	if tok := req.GetPageToken(); tok != "" {
+		raw, err := base64.RawURLEncoding.DecodeString(tok)
+		if err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "page token %s is not one this controller handed out", volume.Quote(tok))
+		}
+		after = string(raw)
+	}
+	c := CallerFrom(ctx)
+	vols, more, err := s.view.List(ListQuery{Visible: c.Can, Namespace: req.GetNamespace(), Node: req.GetNodeId(),
+		Selector: req.GetSelector(), After: after, Limit: limit}, time.Now())
+	if err != nil {
+		return nil, code(err)
+	}
+	resp := &controllerv1.ListVolumesResponse{Volumes: vols}
+	if more {
+		last := vols[len(vols)-1].GetRef()
+		resp.NextPageToken = base64.RawURLEncoding.EncodeToString([]byte(last.GetNamespace() + "/" + last.GetHandle()))
+	}
+	return resp, nil
 }
 
 // Place ranks nodes by the inputs the caller may read; one it may not is

@@ -1,8 +1,8 @@
 // Package controller owns the cluster-wide view of the node caches: which
 // node holds which volume in what state, which nodes are live, and the
-// answers a scheduler gets from that view (lookups, placement). It keeps no
-// database: the view is what the nodes report, and after a restart it is
-// rebuilt from their next reports. It never touches a volume: nodes do.
+// answers a scheduler gets from that view (lookups, listings, placement). It
+// keeps no database: the view is what the nodes report, and after a restart
+// it is rebuilt from their next reports. It never touches a volume: nodes do.
 package controller
 
 import (
@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -36,6 +37,11 @@ const (
 
 // View is the controller's picture of every node's cache. It is safe for
 // concurrent use.
+//
+// It is built for a fleet of a hundred nodes holding ten thousand volumes
+// each: one entry per volume, indexed by namespace and handle, lists the
+// nodes holding it, and each node keeps a compact record of its copy. A
+// lookup or a placement touches only the entries it names.
 type View struct {
 	mu                 sync.RWMutex
 	nodes              map[string]*nodeState
@@ -43,18 +49,96 @@ type View struct {
 	forgetStalledAfter time.Duration
 	// cordoned are the Kubernetes Nodes marked unschedulable: landing.
 	cordoned map[string]bool
+	// byNamespace indexes every volume some node reports: namespace,
+	// then handle.
+	byNamespace map[string]map[string]*entry
+	// names interns the strings many records repeat (namespaces,
+	// property keys), so a million records do not hold a million copies.
+	names interner
+}
+
+// entry is one volume across the nodes that report it, with what is the
+// volume's own and not a copy's: its lineage, scope and properties, as the
+// last node to report it said.
+type entry struct {
+	ref volume.Ref
+	// holders are the nodes reporting it; each keeps its record. Most
+	// volumes are on one node: holders starts in one, saving an object
+	// per volume for the garbage collector to trace.
+	holders []*nodeState
+	one     [1]*nodeState
+	parent  *volume.Ref
+	// props are key, value, ... sorted by key.
+	props []string
+	scope scopeCode
+}
+
+// record is what one node reports of its copy of a volume, kept small: a
+// fleet holds a million of them.
+type record struct {
+	size   int64
+	steps  int32
+	state  stateCode
+	pinned bool
+}
+
+// stateCode and scopeCode are a record's state and an entry's scope in a
+// byte; a report naming any other is refused.
+type (
+	stateCode uint8
+	scopeCode uint8
+)
+
+var (
+	states = []volume.State{volume.StateCreating, volume.StateReady, volume.StateFailed}
+	scopes = []volume.Scope{volume.ScopeNamespace, volume.ScopeCluster}
+)
+
+func (c stateCode) String() string { return string(states[c]) }
+func (c scopeCode) String() string { return string(scopes[c]) }
+
+func (e *entry) properties() map[string]string {
+	if len(e.props) == 0 {
+		return nil
+	}
+	m := make(map[string]string, len(e.props)/2)
+	for i := 0; i < len(e.props); i += 2 {
+		m[e.props[i]] = e.props[i+1]
+	}
+	return m
+}
+
+// interner hands out one copy of each string it is given, up to a bound
+// (past it, strings are kept as they come): the namespaces and property
+// keys of a cluster are few.
+type interner struct{ seen map[string]string }
+
+const maxInterned = 1 << 16
+
+func (in *interner) intern(s string) string {
+	if c, ok := in.seen[s]; ok {
+		return c
+	}
+	if in.seen == nil {
+		in.seen = map[string]string{}
+	}
+	if len(in.seen) < maxInterned {
+		s = strings.Clone(s) // not a slice of a whole decoded report
+		in.seen[s] = s
+	}
+	return s
 }
 
 type nodeState struct {
 	id, storeID string
 	revision    uint64
 	lastReport  time.Time
-	volumes     map[volume.Ref]*controllerv1.VolumeSummary
+	held        map[*entry]record
 	bytesFree   int64
 	over        bool
 	// What schedulers asked of the node, until its reports show it done.
-	destroy map[volume.Ref]bool
-	pins    map[volume.Ref]*controllerv1.PinCommand
+	destroy map[*entry]bool
+	pins    map[*entry]*controllerv1.PinCommand
 	// lifecycle is running, landing or retiring, as set through the API;
 	// stepVolumes is how many step volumes it last reported.
 	lifecycle   string
@@ -99,14 +183,16 @@ func (v *View) SetCordoned(node string, cordoned bool) {
 func (v *View) ForgetNode(node string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	delete(v.nodes, node)
+	if n := v.nodes[node]; n != nil {
+		v.drop(n)
+	}
 	delete(v.cordoned, node)
 }
 
 // NewView makes an empty view; nodes fill it as they report.
 func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
 	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter,
-		cordoned: map[string]bool{}}
+		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}}
 }
 
 // ErrInvalid marks a malformed report or query.
@@ -120,6 +206,63 @@ func refOf(r *controllerv1.VolumeRef) (volume.Ref, error) {
 	return ref, nil
 }
 
+func refsOf(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
+	out := make([]volume.Ref, len(refs))
+	for i, r := range refs {
+		var err error
+		if out[i], err = refOf(r); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// upsert is one volume of a report, checked before the view is locked.
+type upsert struct {
+	ref    volume.Ref
+	rec    record
+	parent volume.Ref
+	props  []string
+	scope  scopeCode
+}
+
+func parseUpserts(in []*controllerv1.VolumeSummary) ([]upsert, error) {
+	out := make([]upsert, len(in))
+	for i, s := range in {
+		r, err := refOf(s.GetRef())
+		if err != nil {
+			return nil, err
+		}
+		state := slices.Index(states, volume.State(s.GetState()))
+		scope := 0 // unsaid: the default, the namespace's own
+		if s.GetScope() != "" {
+			scope = slices.Index(scopes, volume.Scope(s.GetScope()))
+		}
+		if state < 0 || scope < 0 {
+			return nil, fmt.Errorf("volume %s: state %s, scope %s: %w", r, volume.Quote(s.GetState()), volume.Quote(s.GetScope()), ErrInvalid)
+		}
+		u := upsert{ref: r, scope: scopeCode(scope),
+			rec: record{size: s.GetSizeBytes(), steps: s.GetStepVolumes(), pinned: s.GetPinned(), state: stateCode(state)}}
+		if p := s.GetParent(); p.GetHandle() != "" {
+			if u.parent, err = refOf(p); err != nil {
+				return nil, err
+			}
+		}
+		if len(s.GetProperties()) > 0 {
+			keys := make([]string, 0, len(s.GetProperties()))
+			for k := range s.GetProperties() {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			for _, k := range keys {
+				u.props = append(u.props, k, s.GetProperties()[k])
+			}
+		}
+		out[i] = u
+	}
+	return out, nil
+}
+
 // Report applies a node's report and says whether the controller needs the
 // whole inventory instead. A node that reports a new store ID is believed
 // to hold nothing it held before, at once.
@@ -127,31 +270,24 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 	if req.GetNodeId() == "" || req.GetStoreId() == "" {
 		return nil, fmt.Errorf("a report needs the node's ID and its store's: %w", ErrInvalid)
 	}
-	upserts := make(map[volume.Ref]*controllerv1.VolumeSummary, len(req.GetUpserts()))
-	for _, s := range req.GetUpserts() {
-		r, err := refOf(s.GetRef())
-		if err != nil {
-			return nil, err
-		}
-		upserts[r] = s
+	upserts, err := parseUpserts(req.GetUpserts())
+	if err != nil {
+		return nil, err
 	}
-	deletes := make([]volume.Ref, 0, len(req.GetDeletes()))
-	for _, d := range req.GetDeletes() {
-		r, err := refOf(d)
-		if err != nil {
-			return nil, err
-		}
-		deletes = append(deletes, r)
+	deletes, err := refsOf(req.GetDeletes())
+	if err != nil {
+		return nil, err
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	n := v.nodes[req.GetNodeId()]
 	if n == nil || n.storeID != req.GetStoreId() {
 		// New, or back with a wiped state dir: nothing it held before.
-		fresh := &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), volumes: map[volume.Ref]*controllerv1.VolumeSummary{},
-			destroy: map[volume.Ref]bool{}, pins: map[volume.Ref]*controllerv1.PinCommand{}}
+		fresh := &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), held: map[*entry]record{},
+			destroy: map[*entry]bool{}, pins: map[*entry]*controllerv1.PinCommand{}}
 		if n != nil {
 			fresh.lifecycle = n.lifecycle // taken out of service by name, not by store
+			v.drop(n)
 		}
 		n = fresh
 		v.nodes[n.id] = n
@@ -160,25 +296,27 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 	n.stallSeen = false
 	switch {
 	case req.GetFull():
-		n.volumes = upserts
+		v.replace(n, upserts)
 	case n.revision == 0 || req.GetBaseRevision() != n.revision:
 		return &controllerv1.ReportResponse{Resync: true, Revision: n.revision}, nil
 	default:
-		for r, s := range upserts {
-			n.volumes[r] = s
+		for _, u := range upserts {
+			v.put(n, u)
 		}
 		for _, r := range deletes {
-			delete(n.volumes, r)
+			if e := v.find(r); e != nil {
+				v.remove(n, e)
+			}
 		}
 	}
 	n.revision = req.GetRevision()
 	if n.lifecycle == NodeRetiring && n.stepVolumes == 0 {
-		if len(n.volumes) == 0 {
-			delete(v.nodes, n.id) // retired: it leaves
+		if len(n.held) == 0 {
+			v.drop(n) // retired: it leaves
 			return &controllerv1.ReportResponse{Revision: n.revision, RefuseCaptures: "the node is retired"}, nil
 		}
-		for r := range n.volumes {
-			n.destroy[r] = true // released: everything it holds goes
+		for e := range n.held {
+			n.destroy[e] = true // released: everything it holds goes
 		}
 	}
 	resp := &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins()}
@@ -186,6 +324,114 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		resp.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
 	return resp, nil
+}
+
+// find is the entry of a volume some node reports. The caller holds the
+// lock.
+func (v *View) find(r volume.Ref) *entry { return v.byNamespace[r.Namespace][r.Handle] }
+
+// put records a node's copy of a volume. The caller holds the lock.
+func (v *View) put(n *nodeState, u upsert) *entry {
+	e := v.find(u.ref)
+	if e == nil {
+		ns := v.names.intern(u.ref.Namespace)
+		e = &entry{}
+		e.holders = e.one[:0]
+		e.ref.Namespace = ns
+		e.ref.Handle, e.props = v.keep(u.ref.Handle, u.props)
+		if v.byNamespace[ns] == nil {
+			v.byNamespace[ns] = map[string]*entry{}
+		}
+		v.byNamespace[ns][e.ref.Handle] = e
+	}
+	if _, held := n.held[e]; !held {
+		e.holders = append(e.holders, n)
+	}
+	n.held[e] = u.rec
+	e.scope = u.scope
+	if !slices.Equal(e.props, u.props) {
+		_, e.props = v.keep("", u.props)
+	}
+	switch p := u.parent; {
+	case p.Handle == "":
+		e.parent = nil
+	case e.parent == nil || *e.parent != p:
+		if pe := v.find(p); pe != nil {
+			p = pe.ref
+		} else {
+			p = volume.Ref{Namespace: v.names.intern(p.Namespace), Handle: strings.Clone(p.Handle)}
+		}
+		e.parent = &p
+	}
+	return e
+}
+
+// keep copies a volume's handle and properties out of the report they were
+// decoded from: keys interned, the handle and values in one allocation.
+func (v *View) keep(handle string, props []string) (string, []string) {
+	size := len(handle)
+	for i := 1; i < len(props); i += 2 {
+		size += len(props[i])
+	}
+	var b strings.Builder
+	b.Grow(size)
+	b.WriteString(handle)
+	for i := 1; i < len(props); i += 2 {
+		b.WriteString(props[i])
+	}
+	all := b.String()
+	handle, at := all[:len(handle)], len(handle)
+	if len(props) == 0 {
+		return handle, nil
+	}
+	out := make([]string, len(props))
+	for i := 0; i < len(props); i += 2 {
+		out[i] = v.names.intern(props[i])
+		out[i+1], at = all[at:at+len(props[i+1])], at+len(props[i+1])
+	}
+	return handle, out
+}
+
+// replace makes a node's inventory exactly upserts. The caller holds the
+// lock.
+func (v *View) replace(n *nodeState, upserts []upsert) {
+	keep := make(map[*entry]bool, len(upserts))
+	for _, u := range upserts {
+		keep[v.put(n, u)] = true
+	}
+	for e := range n.held {
+		if !keep[e] {
+			v.remove(n, e)
+		}
+	}
+}
+
+// remove forgets a node's copy of a volume, and the volume once no node
+// reports it. The caller holds the lock.
+func (v *View) remove(n *nodeState, e *entry) {
+	if _, held := n.held[e]; !held {
+		return
+	}
+	delete(n.held, e)
+	e.holders = slices.DeleteFunc(e.holders, func(h *nodeState) bool { return h == n })
+	if len(e.holders) == 0 {
+		handles := v.byNamespace[e.ref.Namespace]
+		delete(handles, e.ref.Handle)
+		if len(handles) == 0 {
+			delete(v.byNamespace, e.ref.Namespace)
+		}
+	}
+}
+
+// drop forgets a node and everything it reported. The caller holds the
+// lock.
+func (v *View) drop(n *nodeState) {
+	for e := range n.held {
+		v.remove(n, e)
+	}
+	if v.nodes[n.id] == n {
+		delete(v.nodes, n.id)
+	}
 }
 
 // ErrUnknownNode: no node by that name reported.
@@ -211,31 +457,32 @@ func (v *View) SetLifecycle(nodeID, action string, now time.Time) (*controllerv1
 // still reports. Done ones are dropped. The caller holds the lock.
 func (n *nodeState) pendingDestroys() []*controllerv1.VolumeRef {
 	var out []*controllerv1.VolumeRef
-	for r := range n.destroy {
-		if _, held := n.volumes[r]; !held {
-			delete(n.destroy, r)
+	for e := range n.destroy {
+		if _, held := n.held[e]; !held {
+			delete(n.destroy, e)
 			continue
 		}
-		out = append(out, toRef(r))
+		out = append(out, toRef(e.ref))
 	}
 	return out
 }
 
-// has is the volume as the node holds it, unless a scheduler destroyed it:
+// has is the node's record of the volume, unless a scheduler destroyed it:
 // then it is gone from every answer at once, whatever the node still says.
-func (n *nodeState) has(r volume.Ref) *controllerv1.VolumeSummary {
-	if n.destroy[r] {
-		return nil
+func (n *nodeState) has(e *entry) (record, bool) {
+	if n.destroy[e] {
+		return record{}, false
 	}
-	return n.volumes[r]
+	rec, ok := n.held[e]
+	return rec, ok
 }
 
 // pendingPins are the pin changes the node's reports do not show yet.
 func (n *nodeState) pendingPins() []*controllerv1.PinCommand {
 	var out []*controllerv1.PinCommand
-	for r, c := range n.pins {
-		if s, held := n.volumes[r]; !held || s.GetPinned() == !c.GetUnpin() {
-			delete(n.pins, r)
+	for e, c := range n.pins {
+		if rec, held := n.held[e]; !held || rec.pinned == !c.GetUnpin() {
+			delete(n.pins, e)
 			continue
 		}
 		out = append(out, c)
@@ -244,41 +491,41 @@ func (n *nodeState) pendingPins() []*controllerv1.PinCommand {
 }
 
 func toRef(r volume.Ref) *controllerv1.VolumeRef {
+	if r.Handle == "" {
+		return nil
+	}
 	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
 }
 
 // Destroy hides each volume from lookups at once and asks every node that
 // reported it to destroy it, saying which nodes were asked.
 func (v *View) Destroy(refs []*controllerv1.VolumeRef) ([]*controllerv1.VolumeNodes, error) {
-	return v.command(refs, func(n *nodeState, r volume.Ref) { n.destroy[r] = true })
+	return v.command(refs, func(n *nodeState, e *entry) { n.destroy[e] = true })
 }
 
 // Pin asks every node that reported each volume to pin (until until, or
 // for good) or unpin it.
 func (v *View) Pin(refs []*controllerv1.VolumeRef, unpin bool, until *timestamppb.Timestamp) ([]*controllerv1.VolumeNodes, error) {
-	return v.command(refs, func(n *nodeState, r volume.Ref) {
-		n.pins[r] = &controllerv1.PinCommand{Ref: toRef(r), Unpin: unpin, Until: until}
+	return v.command(refs, func(n *nodeState, e *entry) {
+		n.pins[e] = &controllerv1.PinCommand{Ref: toRef(e.ref), Unpin: unpin, Until: until}
 	})
 }
 
 // command runs ask on every node holding each volume (live or stalled: a
 // stalled node that comes back gets the command too).
-func (v *View) command(refs []*controllerv1.VolumeRef, ask func(*nodeState, volume.Ref)) ([]*controllerv1.VolumeNodes, error) {
-	parsed := make([]volume.Ref, len(refs))
-	for i, r := range refs {
-		var err error
-		if parsed[i], err = refOf(r); err != nil {
-			return nil, err
-		}
+func (v *View) command(refs []*controllerv1.VolumeRef, ask func(*nodeState, *entry)) ([]*controllerv1.VolumeNodes, error) {
+	parsed, err := refsOf(refs)
+	if err != nil {
+		return nil, err
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	out := make([]*controllerv1.VolumeNodes, len(parsed))
 	for i, r := range parsed {
 		out[i] = &controllerv1.VolumeNodes{Ref: refs[i]}
-		for _, n := range v.nodes {
-			if _, held := n.volumes[r]; held {
-				ask(n, r)
+		if e := v.find(r); e != nil {
+			for _, n := range e.holders {
+				ask(n, e)
 				out[i].Nodes = append(out[i].Nodes, n.id)
 			}
 		}
@@ -288,101 +535,6 @@ func (v *View) command(refs []*controllerv1.VolumeRef, ask func(*nodeState, volu
 }
 
 func (v *View) live(n *nodeState, now time.Time) bool { return now.Sub(n.lastReport) <= v.stalledAfter }
-
-// liveNodes lists the nodes that reported lately, by ID. The caller holds
-// the lock.
-func (v *View) liveNodes(now time.Time) []*nodeState {
-	var out []*nodeState
-	for _, n := range v.nodes {
-		if v.live(n, now) {
-			out = append(out, n)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
-	return out
-}
-
-var stateRank = map[string]int{string(volume.StateReady): 3, string(volume.StateCreating): 2, string(volume.StateFailed): 1}
-
-// Lookup says where each volume is, among live nodes.
-func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.VolumeLocation, error) {
-	parsed := make([]volume.Ref, len(refs))
-	for i, r := range refs {
-		var err error
-		if parsed[i], err = refOf(r); err != nil {
-			return nil, err
-		}
-	}
-	v.mu.RLock()
-	defer v.mu.RUnlock()
-	live := v.liveNodes(now)
-	out := make([]*controllerv1.VolumeLocation, len(parsed))
-	for i, r := range parsed {
-		loc := &controllerv1.VolumeLocation{Ref: refs[i]}
-		for _, n := range live {
-			s := n.has(r)
-			if s == nil {
-				continue
-			}
-			if !loc.Found || stateRank[s.GetState()] > stateRank[loc.State] {
-				loc.Found, loc.State, loc.SizeBytes = true, s.GetState(), s.GetSizeBytes()
-				loc.Parent, loc.Scope, loc.Properties = s.GetParent(), s.GetScope(), s.GetProperties()
-			}
-			if s.GetState() == string(volume.StateReady) {
-				loc.Nodes = append(loc.Nodes, n.id)
-			}
-		}
-		out[i] = loc
-	}
-	return out, nil
-}
-
-// Place ranks the live nodes that take captures (not over their high
-// watermark) for a step with these inputs: most input bytes held ready
-// first, then most free space, then by ID.
-func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.NodePlacement, error) {
-	parsed := make([]volume.Ref, len(inputs))
-	for i, r := range inputs {
-		var err error
-		if parsed[i], err = refOf(r); err != nil {
-			return nil, err
-		}
-	}
-	v.mu.RLock()
-	defer v.mu.RUnlock()
-	var out []*controllerv1.NodePlacement
-	for _, n := range v.liveNodes(now) {
-		if n.over || v.lifecycle(n) != "" {
-			continue
-		}
-		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}
-		for i, r := range parsed {
-			if s := n.has(r); s != nil && s.GetState() == string(volume.StateReady) {
-				p.InputBytesHeld += max(s.GetSizeBytes(), 0)
-			} else {
-				p.Missing = append(p.Missing, inputs[i])
-			}
-		}
-		out = append(out, p)
-	}
-	slices.SortStableFunc(out, func(a, b *controllerv1.NodePlacement) int {
-		switch {
-		case a.InputBytesHeld != b.InputBytesHeld:
-			return cmpDesc(a.InputBytesHeld, b.InputBytesHeld)
-		case a.BytesFree != b.BytesFree:
-			return cmpDesc(a.BytesFree, b.BytesFree)
-		}
-		return 0 // already by ID
-	})
-	return out, nil
-}
-
-func cmpDesc(a, b int64) int {
-	if a > b {
-		return -1
-	}
-	return 1
-}
 
 // Nodes lists every node the controller knows, with its state.
 func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
@@ -399,10 +551,10 @@ func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
 // status is what a scheduler sees of a node. The caller holds the lock.
 func (v *View) status(n *nodeState, now time.Time) *controllerv1.NodeStatus {
 	st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: v.state(n, now), Revision: n.revision,
-		Volumes: int32(len(n.volumes)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
+		Volumes: int32(len(n.held)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
 		LastReport: timestamppb.New(n.lastReport)}
-	for _, s := range n.volumes {
-		st.Bytes += max(s.GetSizeBytes(), 0)
+	for _, rec := range n.held {
+		st.Bytes += max(rec.size, 0)
 	}
 	return st
 }
@@ -415,7 +567,7 @@ func (v *View) Sweep(now time.Time) (stalled, forgotten []string) {
 	for id, n := range v.nodes {
 		switch {
 		case now.Sub(n.lastReport) > v.forgetStalledAfter:
-			delete(v.nodes, id)
+			v.drop(n)
 			forgotten = append(forgotten, id)
 		case !v.live(n, now) && !n.stallSeen:
 			n.stallSeen = true
@@ -427,45 +579,6 @@ func (v *View) Sweep(now time.Time) (stalled, forgotten []string) {
 	return stalled, forgotten
 }
 
-// Entry is one cached volume across the live nodes.
-type Entry struct {
-	Ref       volume.Ref
-	SizeBytes int64
-	// Ready lists the live nodes holding it ready; Published, those where
-	// step volumes mount it. Both sorted.
-	Ready, Published []string
-}
-
-// Volumes lists every volume some live node holds ready, in (namespace,
-// handle) order.
-func (v *View) Volumes(now time.Time) []Entry {
-	v.mu.RLock()
-	defer v.mu.RUnlock()
-	byRef := map[volume.Ref]*Entry{}
-	for _, n := range v.liveNodes(now) {
-		for r, s := range n.volumes {
-			if s.GetState() != string(volume.StateReady) || n.destroy[r] {
-				continue
-			}
-			e := byRef[r]
-			if e == nil {
-				e = &Entry{Ref: r, SizeBytes: max(s.GetSizeBytes(), 0)}
-				byRef[r] = e
-			}
-			e.Ready = append(e.Ready, n.id)
-			if s.GetStepVolumes() > 0 {
-				e.Published = append(e.Published, n.id)
-			}
-		}
-	}
-	out := make([]Entry, 0, len(byRef))
-	for _, e := range byRef {
-		out = append(out, *e)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Ref.String() < out[j].Ref.String() })
-	return out
-}
-
 // Free is the room a live node has left under its high watermark (all live
 // nodes' together for ""), and whether the node is known and live.
 func (v *View) Free(nodeID string, now time.Time) (int64, bool) {
@@ -473,8 +586,8 @@ func (v *View) Free(nodeID string, now time.Time) (int64, bool) {
 	defer v.mu.RUnlock()
 	var sum int64
 	found := false
-	for _, n := range v.liveNodes(now) {
-		if nodeID == "" || n.id == nodeID {
+	for _, n := range v.nodes {
+		if v.live(n, now) && (nodeID == "" || n.id == nodeID) {
 			sum += n.bytesFree
 			found = true
 		}

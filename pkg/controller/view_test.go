@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 func vol(h, state string, size int64) *controllerv1.VolumeSummary {
@@ -187,4 +188,83 @@ func TestKubernetesNodes(t *testing.T) {
 	require.Equal(t, NodeRunning, v.Nodes(now)[0].State)
 	v.ForgetNode("a")
 	require.Empty(t, v.Nodes(now))
+}
+
+// Listings by namespace, node and property selector, paged, showing a
+// caller only its namespaces and what others shared; and the index forgets
+// a volume once no node reports it.
+func TestList(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	withProps := func(ns, h, state, scope string, props map[string]string) *controllerv1.VolumeSummary {
+		return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: ns, Handle: h}, State: state, SizeBytes: 1,
+			Scope: scope, Properties: props}
+	}
+	repo := func(version string) map[string]string {
+		return map[string]string{"resource": "repo", "version": version}
+	}
+	_, err := v.Report(&controllerv1.ReportRequest{NodeId: "a", StoreId: "a", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
+		withProps("ci", "r1", "ready", "namespace", repo("1")), withProps("ci", "r2", "ready", "namespace", repo("2")),
+		withProps("ci", "out", "creating", "namespace", nil), withProps("other", "secret", "ready", "namespace", repo("1")),
+		withProps("other", "shared", "ready", "cluster", repo("3")),
+	}}, now)
+	require.NoError(t, err)
+	_, err = v.Report(&controllerv1.ReportRequest{NodeId: "b", StoreId: "b", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
+		withProps("ci", "r2", "ready", "namespace", repo("2")), withProps("ci", "broken", "failed", "namespace", nil),
+	}}, now)
+	require.NoError(t, err)
+
+	ciOnly := func(ns string) bool { return ns == "ci" }
+	handles := func(locs []*controllerv1.VolumeLocation) (out []string) {
+		for _, l := range locs {
+			out = append(out, l.Ref.Namespace+"/"+l.Ref.Handle)
+		}
+		return out
+	}
+	tests := []struct {
+		name     string
+		q        ListQuery
+		want     []string
+		wantMore bool
+		wantErr  error
+	}{
+		{name: "everything, for a cluster-wide caller", q: ListQuery{},
+			want: []string{"ci/broken", "ci/out", "ci/r1", "ci/r2", "other/secret", "other/shared"}},
+		{name: "a namespace's caller sees its own and what was shared", q: ListQuery{Visible: ciOnly},
+			want: []string{"ci/broken", "ci/out", "ci/r1", "ci/r2", "other/shared"}},
+		{name: "by namespace", q: ListQuery{Namespace: "other", Visible: ciOnly}, want: []string{"other/shared"}},
+		{name: "by node, every state it holds", q: ListQuery{Node: "b"}, want: []string{"ci/broken", "ci/r2"}},
+		{name: "by selector", q: ListQuery{Selector: "resource=repo,version in (1,3)", Visible: ciOnly},
+			want: []string{"ci/r1", "other/shared"}},
+		{name: "a page", q: ListQuery{Limit: 2}, want: []string{"ci/broken", "ci/out"}, wantMore: true},
+		{name: "the next page", q: ListQuery{Limit: 2, After: "ci/out"}, want: []string{"ci/r1", "ci/r2"}, wantMore: true},
+		{name: "the last page", q: ListQuery{Limit: 2, After: "ci/r2"}, want: []string{"other/secret", "other/shared"}},
+		{name: "a bad selector", q: ListQuery{Selector: "version in ("}, wantErr: ErrInvalid},
+		{name: "a bad page token", q: ListQuery{After: "no-slash"}, wantErr: ErrInvalid},
+		{name: "an unknown node", q: ListQuery{Node: "z"}, wantErr: ErrUnknownNode},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			locs, more, err := v.List(tc.q, now)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, handles(locs))
+			require.Equal(t, tc.wantMore, more)
+		})
+	}
+
+	locs, _, err := v.List(ListQuery{Node: "a", Selector: "version=2"}, now)
+	require.NoError(t, err)
+	require.Equal(t, []string{"a", "b"}, locs[0].Nodes, "a node's listing still says where else it is")
+
+	// b comes back wiped: what only it held is gone from the index.
+	_, err = v.Report(&controllerv1.ReportRequest{NodeId: "b", StoreId: "b2", Revision: 1, Full: true}, now)
+	require.NoError(t, err)
+	require.Nil(t, v.find(volume.Ref{Namespace: "ci", Handle: "broken"}))
+	require.Len(t, v.find(volume.Ref{Namespace: "ci", Handle: "r2"}).holders, 1)
+	v.ForgetNode("a")
+	require.Empty(t, v.byNamespace, "nothing left once no node reports anything")
 }

@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"encoding/base64"
-	"sort"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -70,15 +69,13 @@ func (s *controllerService) ListVolumes(_ context.Context, req *csi.ListVolumesR
 		}
 		after = string(raw)
 	}
-	entries := s.view.Volumes(time.Now())
-	i := sort.Search(len(entries), func(i int) bool { return entries[i].Ref.String() > after })
+	entries, more := s.view.Volumes(after, int(req.GetMaxEntries()), time.Now())
 	resp := &csi.ListVolumesResponse{}
-	for ; i < len(entries); i++ {
-		if req.GetMaxEntries() > 0 && len(resp.Entries) == int(req.GetMaxEntries()) {
-			resp.NextToken = base64.RawURLEncoding.EncodeToString([]byte(entries[i-1].Ref.String()))
-			break
-		}
-		resp.Entries = append(resp.Entries, s.entry(entries[i]))
+	for _, e := range entries {
+		resp.Entries = append(resp.Entries, s.entry(e))
+	}
+	if more {
+		resp.NextToken = base64.RawURLEncoding.EncodeToString([]byte(entries[len(entries)-1].Ref.String()))
 	}
 	return resp, nil
 }
@@ -102,10 +99,8 @@ func (s *controllerService) find(id string) (controller.Entry, error) {
 	if err != nil {
 		return controller.Entry{}, status.Errorf(codes.NotFound, "volume %s does not exist: cowvol's volume IDs are <namespace>/<handle>", volume.Quote(id))
 	}
-	for _, e := range s.view.Volumes(time.Now()) {
-		if e.Ref == r {
-			return e, nil
-		}
+	if e, ok := s.view.Volume(r, time.Now()); ok {
+		return e, nil
 	}
 	return controller.Entry{}, status.Errorf(codes.NotFound, "volume %s is not held ready by any live node", volume.Quote(id))
 }

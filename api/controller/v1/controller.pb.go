@@ -804,7 +804,11 @@ type VolumeLocation struct {
 	Scope      string            `protobuf:"bytes,6,opt,name=scope,proto3" json:"scope,omitempty"`
 	Properties map[string]string `protobuf:"bytes,7,rep,name=properties,proto3" json:"properties,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The live nodes holding it ready, sorted.
-	Nodes         []string `protobuf:"bytes,8,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	Nodes []string `protobuf:"bytes,8,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	// The live nodes where step volumes mount it, sorted.
+	PublishedNodes []string `protobuf:"bytes,9,rep,name=published_nodes,json=publishedNodes,proto3" json:"published_nodes,omitempty"`
+	// Pinned on some node holding it.
+	Pinned        bool `protobuf:"varint,10,opt,name=pinned,proto3" json:"pinned,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -895,6 +899,158 @@ func (x *VolumeLocation) GetNodes() []string {
 	return nil
 }
 
+func (x *VolumeLocation) GetPublishedNodes() []string {
+	if x != nil {
+		return x.PublishedNodes
+	}
+	return nil
+}
+
+func (x *VolumeLocation) GetPinned() bool {
+	if x != nil {
+		return x.Pinned
+	}
+	return false
+}
+
+type ListVolumesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only this namespace's volumes ("": every namespace the caller may
+	// see, and other namespaces' volumes shared with scope cluster).
+	Namespace string `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// Only volumes this node holds, in the state it holds them in (its
+	// creating and failed ones too; stalled nodes included). "": volumes
+	// some live node holds.
+	NodeId string `protobuf:"bytes,2,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// A Kubernetes label selector over the volumes' properties, e.g.
+	// "resource=repo,version in (3,4)".
+	Selector string `protobuf:"bytes,3,opt,name=selector,proto3" json:"selector,omitempty"`
+	// At most this many (0: 500; at most 5000).
+	Limit int32 `protobuf:"varint,4,opt,name=limit,proto3" json:"limit,omitempty"`
+	// From a previous answer's next_page_token.
+	PageToken     string `protobuf:"bytes,5,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListVolumesRequest) Reset() {
+	*x = ListVolumesRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListVolumesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListVolumesRequest) ProtoMessage() {}
+
+func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
+func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ListVolumesRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ListVolumesRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *ListVolumesRequest) GetSelector() string {
+	if x != nil {
+		return x.Selector
+	}
+	return ""
+}
+
+func (x *ListVolumesRequest) GetLimit() int32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+func (x *ListVolumesRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+type ListVolumesResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Volumes []*VolumeLocation      `protobuf:"bytes,1,rep,name=volumes,proto3" json:"volumes,omitempty"`
+	// "" on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListVolumesResponse) Reset() {
+	*x = ListVolumesResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListVolumesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListVolumesResponse) ProtoMessage() {}
+
+func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
+func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ListVolumesResponse) GetVolumes() []*VolumeLocation {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
+}
+
+func (x *ListVolumesResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
 type PlaceRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Inputs        []*VolumeRef           `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
@@ -904,7 +1060,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -916,7 +1072,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -929,7 +1085,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -949,7 +1105,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -961,7 +1117,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -974,7 +1130,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -998,7 +1154,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1010,7 +1166,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1023,7 +1179,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -1062,7 +1218,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1074,7 +1230,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1087,7 +1243,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
 }
 
 type ListNodesResponse struct {
@@ -1099,7 +1255,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1111,7 +1267,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1124,7 +1280,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -1145,7 +1301,7 @@ type SetNodeLifecycleRequest struct {
 
 func (x *SetNodeLifecycleRequest) Reset() {
 	*x = SetNodeLifecycleRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1157,7 +1313,7 @@ func (x *SetNodeLifecycleRequest) String() string {
 func (*SetNodeLifecycleRequest) ProtoMessage() {}
 
 func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1170,7 +1326,7 @@ func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
 func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SetNodeLifecycleRequest) GetNodeId() string {
@@ -1206,7 +1362,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1218,7 +1374,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1231,7 +1387,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -1361,7 +1517,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x14LookupVolumesRequest\x123\n" +
 	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\"W\n" +
 	"\x15LookupVolumesResponse\x12>\n" +
-	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\x88\x03\n" +
+	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\xc9\x03\n" +
 	"\x0eVolumeLocation\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x14\n" +
@@ -1373,10 +1529,23 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\n" +
 	"properties\x18\a \x03(\v24.cowvol.controller.v1.VolumeLocation.PropertiesEntryR\n" +
 	"properties\x12\x14\n" +
-	"\x05nodes\x18\b \x03(\tR\x05nodes\x1a=\n" +
+	"\x05nodes\x18\b \x03(\tR\x05nodes\x12'\n" +
+	"\x0fpublished_nodes\x18\t \x03(\tR\x0epublishedNodes\x12\x16\n" +
+	"\x06pinned\x18\n" +
+	" \x01(\bR\x06pinned\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"G\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x01\n" +
+	"\x12ListVolumesRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x17\n" +
+	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x1a\n" +
+	"\bselector\x18\x03 \x01(\tR\bselector\x12\x14\n" +
+	"\x05limit\x18\x04 \x01(\x05R\x05limit\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x05 \x01(\tR\tpageToken\"}\n" +
+	"\x13ListVolumesResponse\x12>\n" +
+	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"G\n" +
 	"\fPlaceRequest\x127\n" +
 	"\x06inputs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x06inputs\"J\n" +
 	"\rPlaceResponse\x129\n" +
@@ -1407,9 +1576,10 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark2_\n" +
 	"\bRegistry\x12S\n" +
-	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xd4\x04\n" +
+	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xb8\x05\n" +
 	"\x05Cache\x12h\n" +
-	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12P\n" +
+	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12b\n" +
+	"\vListVolumes\x12(.cowvol.controller.v1.ListVolumesRequest\x1a).cowvol.controller.v1.ListVolumesResponse\x12P\n" +
 	"\x05Place\x12\".cowvol.controller.v1.PlaceRequest\x1a#.cowvol.controller.v1.PlaceResponse\x12\\\n" +
 	"\tListNodes\x12&.cowvol.controller.v1.ListNodesRequest\x1a'.cowvol.controller.v1.ListNodesResponse\x12k\n" +
 	"\x0eDestroyVolumes\x12+.cowvol.controller.v1.DestroyVolumesRequest\x1a,.cowvol.controller.v1.DestroyVolumesResponse\x12_\n" +
@@ -1429,7 +1599,7 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_controller_v1_controller_proto_goTypes = []any{
 	(*VolumeRef)(nil),               // 0: cowvol.controller.v1.VolumeRef
 	(*VolumeSummary)(nil),           // 1: cowvol.controller.v1.VolumeSummary
@@ -1444,63 +1614,68 @@ var file_controller_v1_controller_proto_goTypes = []any{
 	(*LookupVolumesRequest)(nil),    // 10: cowvol.controller.v1.LookupVolumesRequest
 	(*LookupVolumesResponse)(nil),   // 11: cowvol.controller.v1.LookupVolumesResponse
 	(*VolumeLocation)(nil),          // 12: cowvol.controller.v1.VolumeLocation
-	(*PlaceRequest)(nil),            // 13: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),           // 14: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),           // 15: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),        // 16: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),       // 17: cowvol.controller.v1.ListNodesResponse
-	(*SetNodeLifecycleRequest)(nil), // 18: cowvol.controller.v1.SetNodeLifecycleRequest
-	(*NodeStatus)(nil),              // 19: cowvol.controller.v1.NodeStatus
-	nil,                             // 20: cowvol.controller.v1.VolumeSummary.PropertiesEntry
-	nil,                             // 21: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	(*timestamppb.Timestamp)(nil),   // 22: google.protobuf.Timestamp
+	(*ListVolumesRequest)(nil),      // 13: cowvol.controller.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),     // 14: cowvol.controller.v1.ListVolumesResponse
+	(*PlaceRequest)(nil),            // 15: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),           // 16: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),           // 17: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),        // 18: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),       // 19: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil), // 20: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),              // 21: cowvol.controller.v1.NodeStatus
+	nil,                             // 22: cowvol.controller.v1.VolumeSummary.PropertiesEntry
+	nil,                             // 23: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	(*timestamppb.Timestamp)(nil),   // 24: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 1: cowvol.controller.v1.VolumeSummary.parent:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 2: cowvol.controller.v1.VolumeSummary.base:type_name -> cowvol.controller.v1.VolumeRef
-	20, // 3: cowvol.controller.v1.VolumeSummary.properties:type_name -> cowvol.controller.v1.VolumeSummary.PropertiesEntry
+	22, // 3: cowvol.controller.v1.VolumeSummary.properties:type_name -> cowvol.controller.v1.VolumeSummary.PropertiesEntry
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
 	4,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	22, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	24, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
 	0,  // 10: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	7,  // 11: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 12: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 13: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	22, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	24, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
 	7,  // 15: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 16: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	12, // 17: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 18: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 19: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	21, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	0,  // 21: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	15, // 22: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 23: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	19, // 24: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	22, // 25: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	2,  // 26: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	10, // 27: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	13, // 28: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	16, // 29: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	5,  // 30: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	8,  // 31: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	18, // 32: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	3,  // 33: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	11, // 34: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	14, // 35: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	17, // 36: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	6,  // 37: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	9,  // 38: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	19, // 39: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	33, // [33:40] is the sub-list for method output_type
-	26, // [26:33] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	23, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	12, // 21: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 22: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	17, // 23: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 24: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	21, // 25: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	24, // 26: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	2,  // 27: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	10, // 28: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	13, // 29: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	15, // 30: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	18, // 31: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	5,  // 32: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	8,  // 33: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	20, // 34: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	3,  // 35: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	11, // 36: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	14, // 37: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	16, // 38: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	19, // 39: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	6,  // 40: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	9,  // 41: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	21, // 42: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	35, // [35:43] is the sub-list for method output_type
+	27, // [27:35] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
@@ -1514,7 +1689,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   22,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

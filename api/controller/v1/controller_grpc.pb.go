@@ -133,6 +133,7 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 
 const (
 	Cache_LookupVolumes_FullMethodName    = "/cowvol.controller.v1.Cache/LookupVolumes"
+	Cache_ListVolumes_FullMethodName      = "/cowvol.controller.v1.Cache/ListVolumes"
 	Cache_Place_FullMethodName            = "/cowvol.controller.v1.Cache/Place"
 	Cache_ListNodes_FullMethodName        = "/cowvol.controller.v1.Cache/ListNodes"
 	Cache_DestroyVolumes_FullMethodName   = "/cowvol.controller.v1.Cache/DestroyVolumes"
@@ -147,6 +148,11 @@ type CacheClient interface {
 	// LookupVolumes says, for each volume, whether a live node holds it and
 	// which nodes hold it ready.
 	LookupVolumes(ctx context.Context, in *LookupVolumesRequest, opts ...grpc.CallOption) (*LookupVolumesResponse, error)
+	// ListVolumes lists volumes the caller may see, by namespace, by the
+	// node holding them (in any state, for a scheduler's reconcile loop),
+	// and by a selector over their properties; paged, in (namespace,
+	// handle) order.
+	ListVolumes(ctx context.Context, in *ListVolumesRequest, opts ...grpc.CallOption) (*ListVolumesResponse, error)
 	// Place ranks the live nodes for a step by the bytes of its inputs they
 	// already hold, then by free space, saying which inputs each lacks.
 	Place(ctx context.Context, in *PlaceRequest, opts ...grpc.CallOption) (*PlaceResponse, error)
@@ -179,6 +185,16 @@ func (c *cacheClient) LookupVolumes(ctx context.Context, in *LookupVolumesReques
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(LookupVolumesResponse)
 	err := c.cc.Invoke(ctx, Cache_LookupVolumes_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *cacheClient) ListVolumes(ctx context.Context, in *ListVolumesRequest, opts ...grpc.CallOption) (*ListVolumesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListVolumesResponse)
+	err := c.cc.Invoke(ctx, Cache_ListVolumes_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -242,6 +258,11 @@ type CacheServer interface {
 	// LookupVolumes says, for each volume, whether a live node holds it and
 	// which nodes hold it ready.
 	LookupVolumes(context.Context, *LookupVolumesRequest) (*LookupVolumesResponse, error)
+	// ListVolumes lists volumes the caller may see, by namespace, by the
+	// node holding them (in any state, for a scheduler's reconcile loop),
+	// and by a selector over their properties; paged, in (namespace,
+	// handle) order.
+	ListVolumes(context.Context, *ListVolumesRequest) (*ListVolumesResponse, error)
 	// Place ranks the live nodes for a step by the bytes of its inputs they
 	// already hold, then by free space, saying which inputs each lacks.
 	Place(context.Context, *PlaceRequest) (*PlaceResponse, error)
@@ -272,6 +293,9 @@ type UnimplementedCacheServer struct{}
 
 func (UnimplementedCacheServer) LookupVolumes(context.Context, *LookupVolumesRequest) (*LookupVolumesResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method LookupVolumes not implemented")
+}
+func (UnimplementedCacheServer) ListVolumes(context.Context, *ListVolumesRequest) (*ListVolumesResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListVolumes not implemented")
 }
 func (UnimplementedCacheServer) Place(context.Context, *PlaceRequest) (*PlaceResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Place not implemented")
@@ -323,6 +347,24 @@ func _Cache_LookupVolumes_Handler(srv interface{}, ctx context.Context, dec func
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(CacheServer).LookupVolumes(ctx, req.(*LookupVolumesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Cache_ListVolumes_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListVolumesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CacheServer).ListVolumes(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cache_ListVolumes_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CacheServer).ListVolumes(ctx, req.(*ListVolumesRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -427,6 +469,10 @@ var Cache_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "LookupVolumes",
 			Handler:    _Cache_LookupVolumes_Handler,
+		},
+		{
+			MethodName: "ListVolumes",
+			Handler:    _Cache_ListVolumes_Handler,
 		},
 		{
 			MethodName: "Place",

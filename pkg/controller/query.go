@@ -1,0 +1,271 @@
+package controller
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/labels"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// stateRank orders the states a volume's copies are in: the best one is
+// the volume's.
+func stateRank(c stateCode) int {
+	return map[volume.State]int{volume.StateReady: 3, volume.StateCreating: 2, volume.StateFailed: 1}[states[c]]
+}
+
+// location is what the live nodes say of one volume: the best state any
+// holds it in, with that copy's metadata, and which hold it ready and which
+// have it mounted. The caller holds the lock.
+func (v *View) location(e *entry, now time.Time) *controllerv1.VolumeLocation {
+	loc := &controllerv1.VolumeLocation{Ref: toRef(e.ref)}
+	var best record
+	for _, n := range e.holders {
+		rec, ok := n.has(e)
+		if !ok || !v.live(n, now) {
+			continue
+		}
+		if !loc.Found || stateRank(rec.state) > stateRank(best.state) {
+			loc.Found, best = true, rec
+		}
+		if states[rec.state] == volume.StateReady {
+			loc.Nodes = append(loc.Nodes, n.id)
+			if rec.steps > 0 {
+				loc.PublishedNodes = append(loc.PublishedNodes, n.id)
+			}
+		}
+		loc.Pinned = loc.Pinned || rec.pinned
+	}
+	if loc.Found {
+		describe(loc, e, best)
+		sort.Strings(loc.Nodes)
+		sort.Strings(loc.PublishedNodes)
+	}
+	return loc
+}
+
+// describe fills in a volume's metadata, and the state and size of one
+// node's copy.
+func describe(loc *controllerv1.VolumeLocation, e *entry, rec record) {
+	loc.State, loc.SizeBytes, loc.Scope, loc.Properties = rec.state.String(), rec.size, e.scope.String(), e.properties()
+	if e.parent != nil {
+		loc.Parent = toRef(*e.parent)
+	}
+}
+
+// Lookup says where each volume is, among live nodes.
+func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.VolumeLocation, error) {
+	parsed, err := refsOf(refs)
+	if err != nil {
+		return nil, err
+	}
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	out := make([]*controllerv1.VolumeLocation, len(parsed))
+	for i, r := range parsed {
+		if e := v.find(r); e != nil {
+			out[i] = v.location(e, now)
+		} else {
+			out[i] = &controllerv1.VolumeLocation{}
+		}
+		out[i].Ref = refs[i]
+	}
+	return out, nil
+}
+
+// Place ranks the live nodes that take captures (not over their high
+// watermark) for a step with these inputs: most input bytes held ready
+// first, then most free space, then by ID.
+func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.NodePlacement, error) {
+	parsed, err := refsOf(inputs)
+	if err != nil {
+		return nil, err
+	}
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	held := map[*nodeState][]bool{} // per node: which inputs it holds ready
+	bytes := map[*nodeState]int64{}
+	for i, r := range parsed {
+		e := v.find(r)
+		if e == nil {
+			continue
+		}
+		for _, n := range e.holders {
+			if rec, ok := n.has(e); ok && states[rec.state] == volume.StateReady {
+				if held[n] == nil {
+					held[n] = make([]bool, len(parsed))
+				}
+				if !held[n][i] {
+					held[n][i] = true
+					bytes[n] += max(rec.size, 0)
+				}
+			}
+		}
+	}
+	out := make([]*controllerv1.NodePlacement, 0, len(v.nodes))
+	for _, n := range v.nodes {
+		if n.over || v.lifecycle(n) != "" || !v.live(n, now) {
+			continue
+		}
+		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree, InputBytesHeld: bytes[n]}
+		for i := range parsed {
+			if h := held[n]; h == nil || !h[i] {
+				p.Missing = append(p.Missing, inputs[i])
+			}
+		}
+		out = append(out, p)
+	}
+	slices.SortFunc(out, func(a, b *controllerv1.NodePlacement) int {
+		switch {
+		case a.InputBytesHeld != b.InputBytesHeld:
+			return cmpDesc(a.InputBytesHeld, b.InputBytesHeld)
+		case a.BytesFree != b.BytesFree:
+			return cmpDesc(a.BytesFree, b.BytesFree)
+		}
+		return strings.Compare(a.NodeId, b.NodeId)
+	})
+	return out, nil
+}
+
+func cmpDesc(a, b int64) int {
+	if a > b {
+		return -1
+	}
+	return 1
+}
+
+// Entry is one cached volume across the live nodes.
+type Entry struct {
+	Ref       volume.Ref
+	SizeBytes int64
+	// Ready lists the live nodes holding it ready; Published, those where
+	// step volumes mount it. Both sorted.
+	Ready, Published []string
+}
+
+// Volumes lists the volumes some live node holds ready, in (namespace,
+// handle) order, after the volume ID after (all for ""), at most limit of
+// them (all for 0); more says whether others follow.
+func (v *View) Volumes(after string, limit int, now time.Time) (out []Entry, more bool) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	for _, e := range v.sorted(nil, after) {
+		loc := v.location(e, now)
+		if len(loc.Nodes) == 0 {
+			continue
+		}
+		if limit > 0 && len(out) == limit {
+			return out, true
+		}
+		out = append(out, Entry{Ref: e.ref, SizeBytes: max(loc.SizeBytes, 0), Ready: loc.Nodes, Published: loc.PublishedNodes})
+	}
+	return out, false
+}
+
+// Volume is one volume some live node holds ready.
+func (v *View) Volume(r volume.Ref, now time.Time) (Entry, bool) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	if e := v.find(r); e != nil {
+		if loc := v.location(e, now); len(loc.Nodes) > 0 {
+			return Entry{Ref: e.ref, SizeBytes: max(loc.SizeBytes, 0), Ready: loc.Nodes, Published: loc.PublishedNodes}, true
+		}
+	}
+	return Entry{}, false
+}
+
+// sorted are the entries of the namespaces visible (all when nil) after the
+// volume ID after, in (namespace, handle) order. The caller holds the lock.
+func (v *View) sorted(visible func(namespace string) bool, after string) []*entry {
+	afterNS, afterHandle, _ := strings.Cut(after, "/")
+	var namespaces []string
+	for ns := range v.byNamespace {
+		if ns >= afterNS && (visible == nil || visible(ns)) {
+			namespaces = append(namespaces, ns)
+		}
+	}
+	sort.Strings(namespaces)
+	var out []*entry
+	for _, ns := range namespaces {
+		start := len(out)
+		for h, e := range v.byNamespace[ns] {
+			if ns > afterNS || h > afterHandle {
+				out = append(out, e)
+			}
+		}
+		part := out[start:]
+		sort.Slice(part, func(i, j int) bool { return part[i].ref.Handle < part[j].ref.Handle })
+	}
+	return out
+}
+
+// ListQuery selects volumes for List.
+type ListQuery struct {
+	// Visible says which namespaces' volumes the caller may see whole;
+	// others' appear only when shared (scope cluster).
+	Visible   func(namespace string) bool
+	Namespace string
+	// Node: the volumes this node holds, in the state it holds them in.
+	Node     string
+	Selector string
+	After    string
+	Limit    int
+}
+
+// List answers a ListQuery: the matching volumes in (namespace, handle)
+// order, and whether more follow.
+func (v *View) List(q ListQuery, now time.Time) ([]*controllerv1.VolumeLocation, bool, error) {
+	sel, err := labels.Parse(q.Selector)
+	if err != nil {
+		return nil, false, fmt.Errorf("selector %s: %w: %w", volume.Quote(q.Selector), err, ErrInvalid)
+	}
+	if q.After != "" {
+		if _, err := volume.ParseRef(q.After); err != nil {
+			return nil, false, fmt.Errorf("page token: %w: %w", err, ErrInvalid)
+		}
+	}
+	if q.Namespace != "" {
+		if err := volume.ValidateNamespace(q.Namespace); err != nil {
+			return nil, false, fmt.Errorf("namespace: %w: %w", err, ErrInvalid)
+		}
+	}
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	var node *nodeState
+	if q.Node != "" {
+		if node = v.nodes[q.Node]; node == nil {
+			return nil, false, fmt.Errorf("node %s: %w", volume.Quote(q.Node), ErrUnknownNode)
+		}
+	}
+	var out []*controllerv1.VolumeLocation
+	for _, e := range v.sorted(func(ns string) bool { return q.Namespace == "" || ns == q.Namespace }, q.After) {
+		var loc *controllerv1.VolumeLocation
+		if node != nil {
+			rec, ok := node.has(e)
+			if !ok {
+				continue
+			}
+			loc = v.location(e, now)
+			loc.Found = true
+			describe(loc, e, rec)
+		} else if loc = v.location(e, now); !loc.Found {
+			continue
+		}
+		if q.Visible != nil && !q.Visible(e.ref.Namespace) && loc.Scope != string(volume.ScopeCluster) {
+			continue
+		}
+		if !sel.Matches(labels.Set(loc.Properties)) {
+			continue
+		}
+		if q.Limit > 0 && len(out) == q.Limit {
+			return out, true, nil
+		}
+		out = append(out, loc)
+	}
+	return out, false, nil
+}
