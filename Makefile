@@ -3,6 +3,7 @@ GO        ?= go
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS   := -s -w -X main.version=$(VERSION)
 BIN       := bin/cowvol-plugin
+CLI       := bin/kubectl-cowvol
 IMAGE     ?= cowvol-plugin:$(VERSION)
 # Benchmarks: how long each runs, and how many times (benchstat-friendly).
 BENCHTIME ?= 1x
@@ -24,18 +25,19 @@ TOOLS              := $(CURDIR)/bin/tools
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(CLI) ./cmd/kubectl-cowvol
 
 # The whole suite: unit tests, the behavioural suite on every backend, the
 # CSI contract and crash tests against the real binary, and csi-sanity.
 test: build
-	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 12m ./...
+	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) $(GO) test -count=1 -timeout 12m ./...
 	$(GO) test -count=1 -race -timeout 5m ./pkg/...
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 e2e: build $(K8S_BIN)/kubelet
 	test/e2e/install-deps.sh
 	rm -f $(K8S_BIN)/report.txt
-	cd test/e2e && COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_E2E_REPORT=$(CURDIR)/$(K8S_BIN)/report.txt \
+	cd test/e2e && COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(K8S_BIN)/report.txt \
 		$(GO) test -tags e2e -count=1 -timeout 30m -v .
 	@cat $(K8S_BIN)/report.txt 2>/dev/null || true
 

@@ -40,6 +40,7 @@ func cref(ns, h string) *controllerv1.VolumeRef {
 // scheduler's client of its Cache API.
 type fleet struct {
 	ctl   *plugintest.Plugin
+	addr  string // the controller's API
 	api   controllerv1.CacheClient
 	nodes map[string]*env
 }
@@ -50,7 +51,7 @@ func startFleet(t *testing.T, ctlArgs []string, nodeIDs ...string) *fleet {
 	t.Helper()
 	testfs.Need(t)
 	addr := freePort(t)
-	f := &fleet{nodes: map[string]*env{}}
+	f := &fleet{nodes: map[string]*env{}, addr: addr}
 	f.ctl = plugintest.Start(t, plugintest.Config{Mode: "controller", Args: append([]string{"--api-address=" + addr}, ctlArgs...)})
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)

@@ -12,10 +12,13 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -112,7 +115,8 @@ func Ref(r volume.Ref) *controllerv1.VolumeRef {
 	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
 }
 
-func refs(rs []volume.Ref) []*controllerv1.VolumeRef {
+// Refs are volume references in the API's terms.
+func Refs(rs []volume.Ref) []*controllerv1.VolumeRef {
 	out := make([]*controllerv1.VolumeRef, len(rs))
 	for i, r := range rs {
 		out[i] = Ref(r)
@@ -122,18 +126,89 @@ func refs(rs []volume.Ref) []*controllerv1.VolumeRef {
 
 // Lookup says where each volume is, in order.
 func (c *Client) Lookup(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeLocation, error) {
-	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: refs(vols)})
+	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: Refs(vols)})
 	return resp.GetVolumes(), err
 }
 
 // Place ranks the nodes for a step with these inputs, best first.
 func (c *Client) Place(ctx context.Context, inputs ...volume.Ref) ([]*controllerv1.NodePlacement, error) {
-	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: refs(inputs)})
+	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: Refs(inputs)})
 	return resp.GetNodes(), err
 }
 
-// Destroy destroys volumes on every node holding them.
-func (c *Client) Destroy(ctx context.Context, vols ...volume.Ref) error {
-	_, err := c.Cache.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: refs(vols)})
-	return err
+// Destroy destroys volumes on every node holding them, saying which nodes
+// were asked.
+func (c *Client) Destroy(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
+	resp, err := c.Cache.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: Refs(vols)})
+	return resp.GetVolumes(), err
 }
+
+// Pin pins volumes on every node holding them, until until (zero: for
+// good).
+func (c *Client) Pin(ctx context.Context, until time.Time, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
+	req := &controllerv1.PinVolumesRequest{Refs: Refs(vols)}
+	if !until.IsZero() {
+		req.Until = timestamppb.New(until)
+	}
+	resp, err := c.Cache.PinVolumes(ctx, req)
+	return resp.GetVolumes(), err
+}
+
+// Unpin unpins volumes on every node holding them.
+func (c *Client) Unpin(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
+	resp, err := c.Cache.PinVolumes(ctx, &controllerv1.PinVolumesRequest{Refs: Refs(vols), Unpin: true})
+	return resp.GetVolumes(), err
+}
+
+// Nodes lists the nodes the controller knows.
+func (c *Client) Nodes(ctx context.Context) ([]*controllerv1.NodeStatus, error) {
+	resp, err := c.Cache.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+	return resp.GetNodes(), err
+}
+
+// SetLifecycle lands, retires or resumes a node.
+func (c *Client) SetLifecycle(ctx context.Context, node, action string) (*controllerv1.NodeStatus, error) {
+	return c.Cache.SetNodeLifecycle(ctx, &controllerv1.SetNodeLifecycleRequest{NodeId: node, Action: action})
+}
+
+// List lists every volume the query selects, page by page (its limit is
+// the page size; its page token is ignored).
+func (c *Client) List(ctx context.Context, q *controllerv1.ListVolumesRequest) ([]*controllerv1.VolumeLocation, error) {
+	var out []*controllerv1.VolumeLocation
+	page := proto.Clone(q).(*controllerv1.ListVolumesRequest)
+	page.PageToken = ""
+	for {
+		resp, err := c.Cache.ListVolumes(ctx, page)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, resp.GetVolumes()...)
+		if page.PageToken = resp.GetNextPageToken(); page.PageToken == "" {
+			return out, nil
+		}
+	}
+}
+
+// Chain is a volume and its ancestors, each the parent of the one before,
+// as far as live nodes hold them (the last one's parent, if it has one the
+// controller does not know, is left out).
+func (c *Client) Chain(ctx context.Context, vol volume.Ref) ([]*controllerv1.VolumeLocation, error) {
+	var out []*controllerv1.VolumeLocation
+	seen := map[volume.Ref]bool{}
+	for r := vol; r.Handle != "" && !seen[r] && len(out) < maxChain; {
+		seen[r] = true
+		locs, err := c.Lookup(ctx, r)
+		if err != nil {
+			return nil, err
+		}
+		if len(locs) != 1 || !locs[0].GetFound() {
+			break
+		}
+		out = append(out, locs[0])
+		r = volume.Ref{Namespace: locs[0].GetParent().GetNamespace(), Handle: locs[0].GetParent().GetHandle()}
+	}
+	return out, nil
+}
+
+// maxChain bounds a lineage walk: captures of captures rarely go past tens.
+const maxChain = 1000

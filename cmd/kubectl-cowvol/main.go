@@ -1,0 +1,289 @@
+// Command kubectl-cowvol is cowvol's operator CLI, a kubectl plugin
+// (`kubectl cowvol ...`): the nodes and their caches, the cached volumes,
+// and what an operator does with them (destroy, pin, take nodes out of
+// service), all through the controller's Cache API. It prints tables for
+// people and -o json or -o yaml for scripts, and takes the namespace from
+// -n or the kubeconfig's context as kubectl does.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/grpc/status"
+	"k8s.io/client-go/tools/clientcmd"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/client"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+var version = "dev"
+
+// options are the flags every command shares.
+type options struct {
+	kube    clientcmd.ClientConfig
+	dial    client.Options
+	output  string
+	timeout time.Duration
+	out     io.Writer
+}
+
+func main() {
+	if err := newRoot(os.Stdout).Execute(); err != nil {
+		msg := err.Error()
+		if st, ok := status.FromError(err); ok {
+			msg = st.Code().String() + ": " + st.Message()
+		}
+		fmt.Fprintln(os.Stderr, "error:", msg)
+		os.Exit(1)
+	}
+}
+
+func newRoot(out io.Writer) *cobra.Command {
+	o := &options{out: out}
+	root := &cobra.Command{
+		Use:           "kubectl-cowvol",
+		Short:         "Operate cowvol: the nodes' caches and the volumes in them",
+		Version:       version,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	flags := root.PersistentFlags()
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	flags.StringVar(&rules.ExplicitPath, "kubeconfig", "", "path to the kubeconfig file (for the namespace of its context)")
+	overrides := &clientcmd.ConfigOverrides{}
+	flags.StringVarP(&overrides.Context.Namespace, "namespace", "n", "", "the namespace whose volumes to act on")
+	flags.StringVar(&overrides.CurrentContext, "context", "", "the kubeconfig context to use")
+	o.kube = clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, overrides)
+	flags.StringVar(&o.dial.Address, "controller-address", os.Getenv("COWVOL_CONTROLLER_ADDRESS"),
+		"the controller's Cache API, host:port (default $COWVOL_CONTROLLER_ADDRESS)")
+	flags.StringVar(&o.dial.TokenFile, "token-file", os.Getenv("COWVOL_TOKEN_FILE"), "a file holding the bearer token to present (default $COWVOL_TOKEN_FILE)")
+	flags.StringVar(&o.dial.CAFile, "tls-ca-file", os.Getenv("COWVOL_TLS_CA_FILE"), "the CA that signed the controller's certificate (default $COWVOL_TLS_CA_FILE)")
+	flags.StringVarP(&o.output, "output", "o", "", "output format: json or yaml (default: a table)")
+	flags.DurationVar(&o.timeout, "request-timeout", 30*time.Second, "how long to wait for the controller")
+	root.AddCommand(o.nodesCmd(), o.volumesCmd(), o.chainCmd(), o.destroyCmd(), o.pinCmd(), o.unpinCmd())
+	for _, action := range []string{"land", "retire", "resume"} {
+		root.AddCommand(o.lifecycleCmd(action))
+	}
+	return root
+}
+
+// connect dials the controller for one command.
+func (o *options) connect(cmd *cobra.Command) (*client.Client, context.Context, func(), error) {
+	if o.output != "" && o.output != "json" && o.output != "yaml" {
+		return nil, nil, nil, fmt.Errorf("output %q: want json or yaml", o.output)
+	}
+	if o.dial.Address == "" {
+		return nil, nil, nil, errors.New("no controller: set --controller-address or $COWVOL_CONTROLLER_ADDRESS")
+	}
+	c, err := client.Dial(o.dial)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), o.timeout)
+	return c, ctx, func() { cancel(); c.Close() }, nil
+}
+
+// namespace is -n's, else the kubeconfig context's, else "default".
+func (o *options) namespace() (string, error) {
+	ns, _, err := o.kube.Namespace()
+	if err != nil && !clientcmd.IsEmptyConfig(err) {
+		return "", err
+	}
+	if ns == "" {
+		ns = "default"
+	}
+	return ns, volume.ValidateNamespace(ns)
+}
+
+// refs are handles in the namespace; "ns/handle" names another's.
+func (o *options) refs(args []string) ([]volume.Ref, error) {
+	ns, err := o.namespace()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]volume.Ref, len(args))
+	for i, a := range args {
+		r, perr := volume.ParseRef(a)
+		if perr != nil {
+			r = volume.Ref{Namespace: ns, Handle: a}
+		}
+		if err := r.Validate(); err != nil {
+			return nil, fmt.Errorf("%s: %w", volume.Quote(a), err)
+		}
+		out[i] = r
+	}
+	return out, nil
+}
+
+func (o *options) nodesCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "nodes",
+		Short: "List the nodes the controller knows: state, store, volumes, bytes, free space, last heartbeat",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, ctx, done, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			defer done()
+			nodes, err := c.Nodes(ctx)
+			if err != nil {
+				return err
+			}
+			return o.print(nodeRows(nodes, time.Now()))
+		},
+	}
+}
+
+func (o *options) volumesCmd() *cobra.Command {
+	var all bool
+	q := &controllerv1.ListVolumesRequest{}
+	cmd := &cobra.Command{
+		Use:   "volumes",
+		Short: "List cached volumes, by namespace, node and property selector",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !all {
+				ns, err := o.namespace()
+				if err != nil {
+					return err
+				}
+				q.Namespace = ns
+			}
+			c, ctx, done, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			defer done()
+			vols, err := c.List(ctx, q)
+			if err != nil {
+				return err
+			}
+			return o.print(volumeRows(vols))
+		},
+	}
+	cmd.Flags().BoolVarP(&all, "all-namespaces", "A", false, "every namespace you may see")
+	cmd.Flags().StringVar(&q.NodeId, "node", "", "only volumes this node holds (in any state)")
+	cmd.Flags().StringVarP(&q.Selector, "selector", "l", "", "a selector over the volumes' properties, e.g. resource=repo,version=3")
+	return cmd
+}
+
+func (o *options) chainCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "chain HANDLE",
+		Short: "Show a volume and the volumes it was captured from, newest first",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			refs, err := o.refs(args)
+			if err != nil {
+				return err
+			}
+			c, ctx, done, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			defer done()
+			chain, err := c.Chain(ctx, refs[0])
+			if err != nil {
+				return err
+			}
+			if len(chain) == 0 {
+				return fmt.Errorf("volume %s: no live node holds it", refs[0])
+			}
+			return o.print(volumeRows(chain))
+		},
+	}
+}
+
+func (o *options) destroyCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "destroy HANDLE...",
+		Short: "Destroy volumes on every node holding them (once no step uses them)",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: o.onVolumes(func(ctx context.Context, c *client.Client, refs []volume.Ref) ([]*controllerv1.VolumeNodes, error) {
+			return c.Destroy(ctx, refs...)
+		}),
+	}
+}
+
+func (o *options) pinCmd() *cobra.Command {
+	var until time.Duration
+	cmd := &cobra.Command{
+		Use:   "pin HANDLE...",
+		Short: "Keep volumes from TTL expiry and eviction, for good or --for a while",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: o.onVolumes(func(ctx context.Context, c *client.Client, refs []volume.Ref) ([]*controllerv1.VolumeNodes, error) {
+			var at time.Time
+			if until > 0 {
+				at = time.Now().Add(until)
+			}
+			return c.Pin(ctx, at, refs...)
+		}),
+	}
+	cmd.Flags().DurationVar(&until, "for", 0, "how long the pin lasts (default: for good)")
+	return cmd
+}
+
+func (o *options) unpinCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "unpin HANDLE...",
+		Short: "Let pinned volumes expire and be evicted again",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: o.onVolumes(func(ctx context.Context, c *client.Client, refs []volume.Ref) ([]*controllerv1.VolumeNodes, error) {
+			return c.Unpin(ctx, refs...)
+		}),
+	}
+}
+
+// onVolumes runs a command on the volumes its arguments name, printing
+// which nodes were asked.
+func (o *options) onVolumes(do func(context.Context, *client.Client, []volume.Ref) ([]*controllerv1.VolumeNodes, error)) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		refs, err := o.refs(args)
+		if err != nil {
+			return err
+		}
+		c, ctx, done, err := o.connect(cmd)
+		if err != nil {
+			return err
+		}
+		defer done()
+		asked, err := do(ctx, c, refs)
+		if err != nil {
+			return err
+		}
+		return o.print(askedRows(cmd.Name(), asked))
+	}
+}
+
+func (o *options) lifecycleCmd(action string) *cobra.Command {
+	short := map[string]string{
+		"land":   "Take a node out of service, keeping its volumes: no new placements or captures",
+		"retire": "Take a node out of service for good: once its steps finish, its volumes are destroyed and it is forgotten",
+		"resume": "Put a landed or retiring node back in service",
+	}[action]
+	return &cobra.Command{
+		Use:   action + " NODE",
+		Short: short,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, ctx, done, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			defer done()
+			st, err := c.SetLifecycle(ctx, args[0], action)
+			if err != nil {
+				return err
+			}
+			return o.print(nodeRows([]*controllerv1.NodeStatus{st}, time.Now()))
+		},
+	}
+}

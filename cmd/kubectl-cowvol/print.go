@@ -1,0 +1,206 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/util/duration"
+	"sigs.k8s.io/yaml"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+)
+
+// table is what a command prints: rows for -o json and -o yaml (a list
+// under "items", as kubectl prints lists), and their columns for people.
+type table interface {
+	header() []string
+	cells() [][]string
+	items() any
+}
+
+func (o *options) print(t table) error {
+	switch o.output {
+	case "json", "yaml":
+		raw, err := json.MarshalIndent(map[string]any{"items": t.items()}, "", "  ")
+		if err != nil {
+			return err
+		}
+		if o.output == "yaml" {
+			if raw, err = yaml.JSONToYAML(raw); err != nil {
+				return err
+			}
+		}
+		_, err = fmt.Fprintln(o.out, string(raw))
+		return err
+	}
+	w := tabwriter.NewWriter(o.out, 0, 8, 3, ' ', 0)
+	fmt.Fprintln(w, strings.Join(t.header(), "\t"))
+	for _, row := range t.cells() {
+		fmt.Fprintln(w, strings.Join(row, "\t"))
+	}
+	return w.Flush()
+}
+
+func bytes(n int64) string {
+	if n < 0 {
+		return "<unmeasured>"
+	}
+	return resource.NewQuantity(n, resource.BinarySI).String()
+}
+
+func list(s []string) string {
+	if len(s) == 0 {
+		return "<none>"
+	}
+	return strings.Join(s, ",")
+}
+
+// Node is one node, as -o json and -o yaml print it.
+type Node struct {
+	Name              string    `json:"name"`
+	State             string    `json:"state"`
+	StoreID           string    `json:"storeID"`
+	Volumes           int32     `json:"volumes"`
+	Bytes             int64     `json:"bytes"`
+	BytesFree         int64     `json:"bytesFree"`
+	OverHighWatermark bool      `json:"overHighWatermark"`
+	LastReport        time.Time `json:"lastReport"`
+	Revision          uint64    `json:"revision"`
+}
+
+type nodeTable struct {
+	nodes []Node
+	now   time.Time
+}
+
+func nodeRows(in []*controllerv1.NodeStatus, now time.Time) nodeTable {
+	t := nodeTable{nodes: []Node{}, now: now}
+	for _, n := range in {
+		t.nodes = append(t.nodes, Node{Name: n.GetNodeId(), State: n.GetState(), StoreID: n.GetStoreId(), Volumes: n.GetVolumes(),
+			Bytes: n.GetBytes(), BytesFree: n.GetBytesFree(), OverHighWatermark: n.GetOverHighWatermark(),
+			LastReport: n.GetLastReport().AsTime(), Revision: n.GetRevision()})
+	}
+	return t
+}
+
+func (t nodeTable) header() []string {
+	return []string{"NAME", "STATE", "STORE", "VOLUMES", "BYTES", "FREE", "LAST HEARTBEAT"}
+}
+func (t nodeTable) items() any { return t.nodes }
+func (t nodeTable) cells() [][]string {
+	var out [][]string
+	for _, n := range t.nodes {
+		free := bytes(n.BytesFree)
+		if n.OverHighWatermark {
+			free += " (full)"
+		}
+		out = append(out, []string{n.Name, n.State, n.StoreID, fmt.Sprint(n.Volumes), bytes(n.Bytes), free,
+			duration.HumanDuration(t.now.Sub(n.LastReport)) + " ago"})
+	}
+	return out
+}
+
+// Volume is one cached volume, as -o json and -o yaml print it.
+type Volume struct {
+	Namespace  string            `json:"namespace"`
+	Handle     string            `json:"handle"`
+	State      string            `json:"state"`
+	SizeBytes  int64             `json:"sizeBytes"`
+	Scope      string            `json:"scope"`
+	Parent     string            `json:"parent,omitempty"`
+	Properties map[string]string `json:"properties,omitempty"`
+	Nodes      []string          `json:"nodes"`
+	InUseOn    []string          `json:"inUseOn,omitempty"`
+	Pinned     bool              `json:"pinned,omitempty"`
+}
+
+type volumeTable []Volume
+
+func volumeRows(in []*controllerv1.VolumeLocation) volumeTable {
+	t := volumeTable{}
+	for _, l := range in {
+		v := Volume{Namespace: l.GetRef().GetNamespace(), Handle: l.GetRef().GetHandle(), State: l.GetState(),
+			SizeBytes: l.GetSizeBytes(), Scope: l.GetScope(), Properties: l.GetProperties(), Nodes: l.GetNodes(),
+			InUseOn: l.GetPublishedNodes(), Pinned: l.GetPinned()}
+		if p := l.GetParent(); p.GetHandle() != "" {
+			v.Parent = p.GetNamespace() + "/" + p.GetHandle()
+		}
+		if v.Nodes == nil {
+			v.Nodes = []string{}
+		}
+		t = append(t, v)
+	}
+	return t
+}
+
+func (t volumeTable) header() []string {
+	return []string{"NAMESPACE", "HANDLE", "STATE", "SIZE", "SCOPE", "PARENT", "NODES", "IN USE ON", "PROPERTIES"}
+}
+func (t volumeTable) items() any { return []Volume(t) }
+func (t volumeTable) cells() [][]string {
+	var out [][]string
+	for _, v := range t {
+		var props []string
+		for k, val := range v.Properties {
+			props = append(props, k+"="+val)
+		}
+		sort.Strings(props)
+		state := v.State
+		if v.Pinned {
+			state += ",pinned"
+		}
+		parent := v.Parent
+		if parent == "" {
+			parent = "<none>"
+		}
+		out = append(out, []string{v.Namespace, v.Handle, state, bytes(v.SizeBytes), v.Scope, parent, list(v.Nodes),
+			list(v.InUseOn), list(props)})
+	}
+	return out
+}
+
+// Asked is what a destroy, pin or unpin did to one volume: which nodes
+// were told.
+type Asked struct {
+	Namespace string   `json:"namespace"`
+	Handle    string   `json:"handle"`
+	Nodes     []string `json:"nodes"`
+}
+
+type askedTable struct {
+	verb  string
+	asked []Asked
+}
+
+func askedRows(verb string, in []*controllerv1.VolumeNodes) askedTable {
+	t := askedTable{verb: verb, asked: []Asked{}}
+	for _, v := range in {
+		nodes := v.GetNodes()
+		if nodes == nil {
+			nodes = []string{}
+		}
+		t.asked = append(t.asked, Asked{Namespace: v.GetRef().GetNamespace(), Handle: v.GetRef().GetHandle(), Nodes: nodes})
+	}
+	return t
+}
+
+func (t askedTable) header() []string {
+	return []string{"NAMESPACE", "HANDLE", strings.ToUpper(t.verb) + " ASKED OF"}
+}
+func (t askedTable) items() any { return t.asked }
+func (t askedTable) cells() [][]string {
+	var out [][]string
+	for _, a := range t.asked {
+		nodes := list(a.Nodes)
+		if len(a.Nodes) == 0 {
+			nodes = "<no node holds it>"
+		}
+		out = append(out, []string{a.Namespace, a.Handle, nodes})
+	}
+	return out
+}
