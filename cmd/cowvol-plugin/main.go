@@ -78,22 +78,36 @@ func main() {
 	fs.StringVar(&opts.NodeAPIEndpoint, "node-api-endpoint", "",
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
 	fs.StringVar(&opts.ControllerAddress, "controller-address", "",
-		"node mode: the controller's host:port to report this node's cache to (loopback only until TLS lands)")
+		"node mode: the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&opts.APIAddress, "api-address", "",
-		"controller mode: host:port to serve the Registry and Cache APIs on (loopback only until TLS lands)")
+		"controller mode: host:port to serve the Registry and Cache APIs on (plaintext on loopback only; else --tls-cert-file)")
 	fs.DurationVar(&opts.StalledAfter, "stalled-after", 30*time.Second,
 		"controller mode: a node silent this long is stalled: left out of lookups and placement")
 	fs.DurationVar(&opts.ForgetStalledAfter, "forget-stalled-after", 10*time.Minute,
 		"controller mode: a node silent this long is forgotten")
 	fs.StringVar(&opts.TokensFile, "tokens-file", "",
 		"controller mode: the callers of its APIs, a token,user,namespaces line each (namespaces * or a;b)")
-	fs.StringVar(&opts.TokenFile, "token-file", "", "node mode: the token to present to the controller")
+	fs.BoolVar(&opts.KubeAuth, "kube-auth", false,
+		"controller mode: check callers' bearer tokens with TokenReviews and authorize each call with a SubjectAccessReview\n"+
+			"on cachedvolumes.cowvol.concourse-ci.org (namespaced) and cachenodes.cowvol.concourse-ci.org (instead of --tokens-file)")
+	fs.StringVar(&opts.TokenFile, "token-file", "",
+		"node mode: a file holding the token to present to the controller, read at every call (a projected ServiceAccount token rotates)")
 	fs.StringVar(&opts.TLSCertFile, "tls-cert-file", "", "controller mode: the certificate to serve its APIs with (then any address)")
 	fs.StringVar(&opts.TLSKeyFile, "tls-key-file", "", "controller mode: the certificate's key")
 	fs.StringVar(&opts.TLSCAFile, "tls-ca-file", "", "node mode: the CA to verify the controller's certificate with")
 	fs.IntVar(&opts.HighWatermark, "high-watermark", 90,
 		"percent of the state dir's filesystem (bytes or inodes) above which cached volumes are evicted and captures refused")
 	fs.IntVar(&opts.LowWatermark, "low-watermark", 80, "percent of the state dir's filesystem that eviction brings it under")
+	le := &opts.LeaderElection
+	fs.BoolVar(&le.Enabled, "leader-election", false,
+		"controller mode: elect one serving replica through a Lease; the others answer Unavailable naming the leader, and are not ready")
+	fs.StringVar(&le.Namespace, "leader-election-namespace", os.Getenv("POD_NAMESPACE"), "the Lease's namespace (default $POD_NAMESPACE)")
+	fs.StringVar(&le.Name, "leader-election-lease", "cowvol-controller", "the Lease's name")
+	fs.StringVar(&le.Identity, "leader-election-identity", firstOf(os.Getenv("POD_NAME"), host),
+		"this replica's name in the Lease (default $POD_NAME, else the host name)")
+	fs.DurationVar(&le.LeaseDuration, "leader-election-lease-duration", 15*time.Second, "how long followers wait before taking over a silent leader's Lease")
+	fs.DurationVar(&le.RenewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader tries to renew before it gives up leading (and exits)")
+	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", 2*time.Second, "how often replicas try to acquire or renew the Lease")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])
@@ -108,6 +122,15 @@ func main() {
 		os.Exit(1)
 	}
 	klog.Flush()
+}
+
+func firstOf(s ...string) string {
+	for _, v := range s {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
 }
 
 func run(opts driver.Options) error {

@@ -63,7 +63,8 @@ func newRoot(out io.Writer) *cobra.Command {
 	o.kube = clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, overrides)
 	flags.StringVar(&o.dial.Address, "controller-address", os.Getenv("COWVOL_CONTROLLER_ADDRESS"),
 		"the controller's Cache API, host:port (default $COWVOL_CONTROLLER_ADDRESS)")
-	flags.StringVar(&o.dial.TokenFile, "token-file", os.Getenv("COWVOL_TOKEN_FILE"), "a file holding the bearer token to present (default $COWVOL_TOKEN_FILE)")
+	flags.StringVar(&o.dial.TokenFile, "token-file", os.Getenv("COWVOL_TOKEN_FILE"),
+		"a file holding the bearer token to present (default $COWVOL_TOKEN_FILE, else the kubeconfig user's token)")
 	flags.StringVar(&o.dial.CAFile, "tls-ca-file", os.Getenv("COWVOL_TLS_CA_FILE"), "the CA that signed the controller's certificate (default $COWVOL_TLS_CA_FILE)")
 	flags.StringVarP(&o.output, "output", "o", "", "output format: json or yaml (default: a table)")
 	flags.DurationVar(&o.timeout, "request-timeout", 30*time.Second, "how long to wait for the controller")
@@ -82,7 +83,15 @@ func (o *options) connect(cmd *cobra.Command) (*client.Client, context.Context, 
 	if o.dial.Address == "" {
 		return nil, nil, nil, errors.New("no controller: set --controller-address or $COWVOL_CONTROLLER_ADDRESS")
 	}
-	c, err := client.Dial(o.dial)
+	dial := o.dial
+	if dial.TokenFile == "" {
+		// As kubectl would: the kubeconfig's own credentials, which a
+		// controller with --kube-auth checks with the API server.
+		if cfg, err := o.kube.ClientConfig(); err == nil {
+			dial.Token, dial.TokenFile = cfg.BearerToken, cfg.BearerTokenFile
+		}
+	}
+	c, err := client.Dial(dial)
 	if err != nil {
 		return nil, nil, nil, err
 	}

@@ -78,16 +78,15 @@ func DialOptions(o Options) ([]grpc.DialOption, error) {
 	}
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(transport),
 		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(MaxMessage))}
-	token := o.Token
-	if token == "" && o.TokenFile != "" {
-		raw, err := os.ReadFile(o.TokenFile)
-		if err != nil {
-			return nil, fmt.Errorf("reading the token: %w", err)
+	if o.Token != "" || o.TokenFile != "" {
+		b := Bearer{Token: o.Token, Secure: o.CAFile != ""}
+		if o.Token == "" {
+			b.File = o.TokenFile
+			if _, err := b.token(); err != nil {
+				return nil, err
+			}
 		}
-		token = strings.TrimSpace(string(raw))
-	}
-	if token != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(Bearer{Token: token, Secure: o.CAFile != ""}))
+		opts = append(opts, grpc.WithPerRPCCredentials(b))
 	}
 	return opts, nil
 }
@@ -95,16 +94,36 @@ func DialOptions(o Options) ([]grpc.DialOption, error) {
 // Close closes the connection.
 func (c *Client) Close() error { return c.conn.Close() }
 
-// Bearer presents a token on every call; Secure refuses to send it over
-// plaintext.
+// Bearer presents a token on every call: Token, or what File holds when
+// the call is made (a projected ServiceAccount token is rotated in
+// place). Secure refuses to send it over plaintext.
 type Bearer struct {
-	Token  string
-	Secure bool
+	Token, File string
+	Secure      bool
+}
+
+func (b Bearer) token() (string, error) {
+	if b.File == "" {
+		return b.Token, nil
+	}
+	raw, err := os.ReadFile(b.File)
+	if err != nil {
+		return "", fmt.Errorf("reading the token: %w", err)
+	}
+	t := strings.TrimSpace(string(raw))
+	if t == "" {
+		return "", fmt.Errorf("the token file %s is empty", b.File)
+	}
+	return t, nil
 }
 
 // GetRequestMetadata implements credentials.PerRPCCredentials.
 func (b Bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + b.Token}, nil
+	t, err := b.token()
+	if err != nil {
+		return nil, err
+	}
+	return map[string]string{"authorization": "Bearer " + t}, nil
 }
 
 // RequireTransportSecurity implements credentials.PerRPCCredentials.

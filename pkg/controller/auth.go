@@ -18,20 +18,35 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// Caller is who is calling: a user and the namespaces they may act in
-// (every one when All).
+// What callers act on, as Kubernetes RBAC names it: a virtual resource
+// per namespace for the cached volumes, and a cluster-wide one for the
+// nodes' caches. Operators grant them with ordinary Roles and ClusterRoles.
+const (
+	APIGroup = "cowvol.concourse-ci.org"
+	// ResourceVolumes (namespaced): get (lookups, placement), list
+	// (listings), delete (destroy), update (pin, unpin).
+	ResourceVolumes = "cachedvolumes"
+	// ResourceNodes (cluster-wide): update (a node reporting its cache),
+	// list (listing the nodes), patch (land, retire, resume).
+	ResourceNodes = "cachenodes"
+)
+
+// Caller is who is calling, and what they may do.
 type Caller struct {
-	User       string
-	All        bool
-	Namespaces []string
+	User string
+	// may says whether the caller may do verb on resource in namespace
+	// ("" for a cluster-wide resource, or every namespace).
+	may func(ctx context.Context, verb, resource, namespace string) bool
 }
 
-// Can says whether the caller may act in namespace ns.
-func (c Caller) Can(ns string) bool { return c.All || slices.Contains(c.Namespaces, ns) }
+// May says whether the caller may do verb on resource in namespace.
+func (c Caller) May(ctx context.Context, verb, resource, namespace string) bool {
+	return c.may(ctx, verb, resource, namespace)
+}
 
 // anyone is the caller where no authentication is configured: the APIs
 // then listen on loopback only, so only this machine's root can call.
-var anyone = Caller{User: "loopback", All: true}
+var anyone = Caller{User: "loopback", may: func(context.Context, string, string, string) bool { return true }}
 
 type callerKey struct{}
 
@@ -43,8 +58,40 @@ func CallerFrom(ctx context.Context) Caller {
 	return anyone
 }
 
+// Authenticator finds the caller a bearer token belongs to; it answers
+// Unauthenticated for a token it does not know.
+type Authenticator interface {
+	Authenticate(ctx context.Context, token string) (Caller, error)
+}
+
+// Interceptor authenticates every call, refusing those without a known
+// token. A nil Authenticator lets every call through as anyone.
+func Interceptor(auth Authenticator) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		if auth == nil {
+			return handler(ctx, req)
+		}
+		md, _ := metadata.FromIncomingContext(ctx)
+		var token string
+		for _, v := range md.Get("authorization") {
+			if rest, ok := strings.CutPrefix(v, "Bearer "); ok {
+				token = rest
+			}
+		}
+		if token == "" {
+			return nil, status.Error(codes.Unauthenticated, "no bearer token")
+		}
+		c, err := auth.Authenticate(ctx, token)
+		if err != nil {
+			return nil, err
+		}
+		return handler(context.WithValue(ctx, callerKey{}, c), req)
+	}
+}
+
 // Tokens authenticates callers by bearer token, from a file of
-// "token,user,namespaces" lines, namespaces "*" or "a;b".
+// "token,user,namespaces" lines, namespaces "*" or "a;b". A "*" caller may
+// do anything; another may act on the cached volumes of its namespaces.
 type Tokens struct{ callers map[string]Caller }
 
 // LoadTokens reads a tokens file.
@@ -65,17 +112,21 @@ func LoadTokens(path string) (*Tokens, error) {
 		if len(parts) != 3 || parts[0] == "" || parts[1] == "" || parts[2] == "" {
 			return nil, fmt.Errorf("%s:%d: want token,user,namespaces", path, line)
 		}
-		c := Caller{User: parts[1], All: parts[2] == "*"}
-		if !c.All {
+		if len(parts[0]) < 16 {
+			return nil, fmt.Errorf("%s:%d: a token must be at least 16 characters", path, line)
+		}
+		c := Caller{User: parts[1], may: anyone.may}
+		if parts[2] != "*" {
+			var namespaces []string
 			for _, ns := range strings.Split(parts[2], ";") {
 				if err := volume.ValidateNamespace(ns); err != nil {
 					return nil, fmt.Errorf("%s:%d: %w", path, line, err)
 				}
-				c.Namespaces = append(c.Namespaces, ns)
+				namespaces = append(namespaces, ns)
 			}
-		}
-		if len(parts[0]) < 16 {
-			return nil, fmt.Errorf("%s:%d: a token must be at least 16 characters", path, line)
+			c.may = func(_ context.Context, _, resource, ns string) bool {
+				return resource == ResourceVolumes && slices.Contains(namespaces, ns)
+			}
 		}
 		t.callers[parts[0]] = c
 	}
@@ -88,19 +139,8 @@ func LoadTokens(path string) (*Tokens, error) {
 	return t, nil
 }
 
-// authenticate finds the caller of a bearer token, comparing in constant
-// time.
-func (t *Tokens) authenticate(ctx context.Context) (Caller, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	var token string
-	for _, v := range md.Get("authorization") {
-		if rest, ok := strings.CutPrefix(v, "Bearer "); ok {
-			token = rest
-		}
-	}
-	if token == "" {
-		return Caller{}, status.Error(codes.Unauthenticated, "no bearer token: present one from the controller's tokens file")
-	}
+// Authenticate finds the caller of a token, comparing in constant time.
+func (t *Tokens) Authenticate(_ context.Context, token string) (Caller, error) {
 	for known, c := range t.callers {
 		if subtle.ConstantTimeCompare([]byte(known), []byte(token)) == 1 {
 			return c, nil
@@ -109,34 +149,31 @@ func (t *Tokens) authenticate(ctx context.Context) (Caller, error) {
 	return Caller{}, status.Error(codes.Unauthenticated, "unknown bearer token")
 }
 
-// Interceptor authenticates every call, refusing those without a known
-// token. A nil Tokens lets every call through as anyone.
-func (t *Tokens) Interceptor(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if t == nil {
-		return handler(ctx, req)
-	}
-	c, err := t.authenticate(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return handler(context.WithValue(ctx, callerKey{}, c), req)
-}
-
-// needAll refuses a call only a cluster-wide caller may make.
-func needAll(ctx context.Context, what string) error {
-	if c := CallerFrom(ctx); !c.All {
-		return status.Errorf(codes.PermissionDenied, "%s %s needs a cluster-wide token (namespaces *)", c.User, what)
-	}
-	return nil
-}
-
-// needNamespaces refuses a call that acts on volumes outside the caller's
-// namespaces. The answer does not depend on whether the volumes exist.
-func needNamespaces(ctx context.Context, refs []*controllerv1.VolumeRef) error {
+// need refuses a call the caller may not make.
+func need(ctx context.Context, verb, resource, namespace, what string) error {
 	c := CallerFrom(ctx)
+	if c.May(ctx, verb, resource, namespace) {
+		return nil
+	}
+	where := "cluster-wide"
+	if namespace != "" {
+		where = "in namespace " + volume.Quote(namespace)
+	}
+	return status.Errorf(codes.PermissionDenied, "%s may not %s: that needs %s on %s.%s %s", volume.Quote(c.User), what, verb,
+		resource, APIGroup, where)
+}
+
+// needNamespaces refuses a call that does verb to volumes outside the
+// namespaces where the caller may. The answer does not depend on whether
+// the volumes exist.
+func needNamespaces(ctx context.Context, verb, what string, refs []*controllerv1.VolumeRef) error {
+	seen := map[string]bool{}
 	for _, r := range refs {
-		if !c.Can(r.GetNamespace()) {
-			return status.Errorf(codes.PermissionDenied, "%s may not act in namespace %s", c.User, volume.Quote(r.GetNamespace()))
+		if ns := r.GetNamespace(); !seen[ns] {
+			seen[ns] = true
+			if err := need(ctx, verb, ResourceVolumes, ns, what); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

@@ -49,7 +49,7 @@ type registryServer struct {
 }
 
 func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
-	if err := needAll(ctx, "reporting a node"); err != nil {
+	if err := need(ctx, "update", ResourceNodes, "", "report a node's cache"); err != nil {
 		return nil, err
 	}
 	resp, err := s.view.Report(req, time.Now())
@@ -82,7 +82,7 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 	}
 	c := CallerFrom(ctx)
 	for i, l := range locs {
-		if !c.Can(refs[i].GetNamespace()) && l.GetScope() != string(volume.ScopeCluster) {
+		if l.GetScope() != string(volume.ScopeCluster) && !c.May(ctx, "get", ResourceVolumes, refs[i].GetNamespace()) {
 			locs[i] = &controllerv1.VolumeLocation{Ref: refs[i]}
 		}
 	}
@@ -123,7 +123,11 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 		after = string(raw)
 	}
 	c := CallerFrom(ctx)
-	vols, more, err := s.view.List(ListQuery{Visible: c.Can, Namespace: req.GetNamespace(), Node: req.GetNodeId(),
+	visible := func(ns string) bool { return c.May(ctx, "list", ResourceVolumes, ns) }
+	if c.May(ctx, "list", ResourceVolumes, "") {
+		visible = nil // every namespace
+	}
+	vols, more, err := s.view.List(ListQuery{Visible: visible, Namespace: req.GetNamespace(), Node: req.GetNodeId(),
 		Selector: req.GetSelector(), After: after, Limit: limit}, time.Now())
 	if err != nil {
 		return nil, code(err)
@@ -145,7 +149,7 @@ func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest)
 	}
 	var readable, hidden []*controllerv1.VolumeRef
 	for i, l := range locs {
-		if l.GetFound() || CallerFrom(ctx).Can(req.GetInputs()[i].GetNamespace()) {
+		if l.GetFound() || CallerFrom(ctx).May(ctx, "get", ResourceVolumes, req.GetInputs()[i].GetNamespace()) {
 			readable = append(readable, req.GetInputs()[i])
 		} else {
 			hidden = append(hidden, req.GetInputs()[i])
@@ -162,7 +166,7 @@ func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest)
 }
 
 func (s *cacheServer) ListNodes(ctx context.Context, _ *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
-	if err := needAll(ctx, "listing nodes"); err != nil {
+	if err := need(ctx, "list", ResourceNodes, "", "list the nodes"); err != nil {
 		return nil, err
 	}
 	return &controllerv1.ListNodesResponse{Nodes: s.view.Nodes(time.Now())}, nil
@@ -172,7 +176,7 @@ func (s *cacheServer) DestroyVolumes(ctx context.Context, req *controllerv1.Dest
 	if len(req.GetRefs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one batch: at most %d", len(req.GetRefs()), maxLookup)
 	}
-	if err := needNamespaces(ctx, req.GetRefs()); err != nil {
+	if err := needNamespaces(ctx, "delete", "destroy volumes", req.GetRefs()); err != nil {
 		return nil, err
 	}
 	out, err := s.view.Destroy(req.GetRefs())
@@ -188,7 +192,7 @@ func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolum
 	if len(req.GetRefs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one batch: at most %d", len(req.GetRefs()), maxLookup)
 	}
-	if err := needNamespaces(ctx, req.GetRefs()); err != nil {
+	if err := needNamespaces(ctx, "update", "pin or unpin volumes", req.GetRefs()); err != nil {
 		return nil, err
 	}
 	if u := req.GetUntil(); u != nil && u.CheckValid() != nil {
@@ -203,7 +207,7 @@ func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolum
 }
 
 func (s *cacheServer) SetNodeLifecycle(ctx context.Context, req *controllerv1.SetNodeLifecycleRequest) (*controllerv1.NodeStatus, error) {
-	if err := needAll(ctx, "changing a node's lifecycle"); err != nil {
+	if err := need(ctx, "patch", ResourceNodes, "", "land, retire or resume a node"); err != nil {
 		return nil, err
 	}
 	st, err := s.view.SetLifecycle(req.GetNodeId(), req.GetAction(), time.Now())

@@ -2,26 +2,38 @@ package driver
 
 import (
 	"fmt"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/controller"
 )
 
+// kubeAuthTTL is how long the controller trusts an API server's answer
+// about a token or a grant (the API server's webhook authorizer caches
+// allowed answers for 5 minutes; this is shorter, so revocations bite).
+const kubeAuthTTL = 10 * time.Second
+
 // controllerServerOptions are the controller's API server's: TLS where a
-// certificate is given, and bearer tokens checked on every call where a
-// tokens file is.
-func controllerServerOptions(o Options, metrics grpc.UnaryServerInterceptor) ([]grpc.ServerOption, error) {
-	var tokens *controller.Tokens
-	if o.TokensFile != "" {
-		var err error
-		if tokens, err = controller.LoadTokens(o.TokensFile); err != nil {
+// certificate is given, bearer tokens checked on every call where a tokens
+// file is, and then the leadership check (after authentication: who leads
+// is for callers).
+func controllerServerOptions(o Options, kube kubernetes.Interface, metrics, leadership grpc.UnaryServerInterceptor) ([]grpc.ServerOption, error) {
+	var auth controller.Authenticator
+	switch {
+	case o.KubeAuth:
+		auth = controller.NewKubeAuth(kube, kubeAuthTTL)
+	case o.TokensFile != "":
+		tokens, err := controller.LoadTokens(o.TokensFile)
+		if err != nil {
 			return nil, err
 		}
+		auth = tokens
 	}
-	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(metrics, tokens.Interceptor), grpc.MaxRecvMsgSize(client.MaxMessage)}
+	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(metrics, controller.Interceptor(auth), leadership), grpc.MaxRecvMsgSize(client.MaxMessage)}
 	if o.TLSCertFile != "" {
 		creds, err := credentials.NewServerTLSFromFile(o.TLSCertFile, o.TLSKeyFile)
 		if err != nil {

@@ -105,10 +105,15 @@ type Options struct {
 	// over TLS; TLSCAFile verifies the controller.
 	TokensFile, TokenFile              string
 	TLSCertFile, TLSKeyFile, TLSCAFile string
+	// KubeAuth (controller) checks callers' tokens with TokenReviews and
+	// each call with a SubjectAccessReview, instead of a tokens file.
+	KubeAuth bool
 	// HighWatermark and LowWatermark are percent of the state dir's
 	// filesystem (bytes and inodes): over high, the node evicts until
 	// under low, and refuses captures while it cannot.
 	HighWatermark, LowWatermark int
+	// LeaderElection (controller mode) elects one serving replica.
+	LeaderElection LeaderElection
 
 	// bootIDFile names the kernel's boot ID; tests point it elsewhere to
 	// pretend a reboot.
@@ -157,8 +162,14 @@ func (o *Options) Validate() error {
 		if err := loopbackOnly(o.APIAddress); err != nil {
 			errs = append(errs, fmt.Errorf("--api-address: %w (or give --tls-cert-file and --tls-key-file)", err))
 		}
-	} else if o.TokensFile == "" {
-		errs = append(errs, errors.New("serving the controller's APIs over TLS needs --tokens-file: on the network only authenticated callers are served"))
+	} else if o.TokensFile == "" && !o.KubeAuth {
+		errs = append(errs, errors.New("serving the controller's APIs over TLS needs --tokens-file or --kube-auth: on the network only authenticated callers are served"))
+	}
+	if o.KubeAuth && o.TokensFile != "" {
+		errs = append(errs, errors.New("--kube-auth and --tokens-file are two ways to authenticate callers: give one"))
+	}
+	if o.KubeAuth && o.Mode == ModeNode {
+		errs = append(errs, errors.New("--kube-auth is the controller's: use --mode=controller or all"))
 	}
 	if o.TLSCAFile == "" {
 		if err := loopbackOnly(o.ControllerAddress); err != nil {
@@ -176,6 +187,7 @@ func (o *Options) Validate() error {
 	if _, _, err := parseEndpoint(o.Endpoint); err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, o.LeaderElection.validate(o.Mode)...)
 	switch o.Mode {
 	case ModeNode, ModeController, ModeAll:
 	default:
@@ -288,6 +300,9 @@ type Driver struct {
 	view       *controller.View
 	ctlMetrics *controller.Metrics
 	nodeEvents controller.NodeEvents
+	// leader says whether this controller replica serves.
+	leader *leadership
+	kube   kubernetes.Interface
 	// stopKube ends the API server watches and the event sender.
 	stopKube context.CancelFunc
 }
@@ -306,7 +321,10 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
-	d := &Driver{opts: opts, metrics: newMetrics()}
+	d := &Driver{opts: opts, metrics: newMetrics(), kube: deps.Kube}
+	if deps.Kube == nil && (opts.LeaderElection.Enabled || opts.KubeAuth) {
+		return nil, errors.New("--leader-election and --kube-auth need an API server (--kubeconfig, or run in a pod)")
+	}
 	d.identity = &identityService{name: opts.DriverName, version: opts.Version, controller: opts.Mode != ModeNode}
 	// One event sender and one context for every API server watch.
 	var events *kubeEvents
@@ -322,6 +340,8 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	}
 	if opts.Mode != ModeNode {
 		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
+		d.leader = &leadership{self: opts.LeaderElection.Identity}
+		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = &controllerService{view: d.view}
 		d.ctlMetrics = controller.NewMetrics(d.view)
 		d.metrics.registry.MustRegister(d.ctlMetrics.Collectors()...)
@@ -385,7 +405,12 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+	interceptors := []grpc.UnaryServerInterceptor{d.metrics.interceptor}
+	if d.leader != nil {
+		// A follower's view is empty: its CSI controller answers nothing.
+		interceptors = append(interceptors, d.leader.interceptor("/csi.v1.Controller/"))
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...))
 	csi.RegisterIdentityServer(srv, d.identity)
 	if d.node != nil {
 		csi.RegisterNodeServer(srv, d.node)
@@ -405,6 +430,14 @@ func (d *Driver) Run(ctx context.Context) error {
 		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(d.metrics.registry, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+		mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+			if d.leader != nil {
+				d.leader.ready(w, r)
+				return
+			}
+			_, _ = w.Write([]byte("ok\n"))
+		})
 		metricsSrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		g.Go(func() error {
 			if err := metricsSrv.Serve(mlis); !errors.Is(err, http.ErrServerClosed) {
@@ -449,7 +482,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
 	}
 	if d.view != nil && d.opts.APIAddress != "" {
-		serve, err := controllerServerOptions(d.opts, d.metrics.interceptor)
+		serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader.interceptor("/cowvol.controller."))
 		if err != nil {
 			srv.Stop()
 			return errors.Join(err, g.Wait())
@@ -463,7 +496,11 @@ func (d *Driver) Run(ctx context.Context) error {
 		controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents)
 		g.Go(func() error { return api.Serve(apiLis) })
 		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
-		g.Go(func() error { d.forgetStalled(gctx); return nil })
+		if d.opts.LeaderElection.Enabled {
+			g.Go(func() error { return d.leader.elect(gctx, d.kube, d.opts.LeaderElection, d.forgetStalled) })
+		} else {
+			g.Go(func() error { d.forgetStalled(gctx); return nil })
+		}
 		klog.InfoS("Serving the controller's Registry and Cache APIs", "address", apiLis.Addr().String(),
 			"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
 			"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)

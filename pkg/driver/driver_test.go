@@ -47,6 +47,27 @@ func TestOptionsValidate(t *testing.T) {
 		{"forget before stalled", func(o *Options) { o.StalledAfter, o.ForgetStalledAfter = time.Minute, time.Second }, "shorter"},
 		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
+		{"API off loopback over TLS with Kubernetes auth", func(o *Options) {
+			o.Mode, o.APIAddress, o.TLSCertFile, o.TLSKeyFile, o.KubeAuth = ModeController, "0.0.0.0:7000", "/c", "/k", true
+		}, ""},
+		{"Kubernetes auth and a tokens file", func(o *Options) { o.Mode, o.KubeAuth, o.TokensFile = ModeController, true, "/t" }, "give one"},
+		{"Kubernetes auth in node mode", func(o *Options) { o.KubeAuth = true }, "the controller's"},
+		{"leader election", func(o *Options) {
+			o.Mode, o.LeaderElection = ModeController, LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "ctl-0"}
+		}, ""},
+		{"leader election in node mode", func(o *Options) {
+			o.LeaderElection = LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "n"}
+		}, "the controller's"},
+		{"leader election in all mode", func(o *Options) {
+			o.Mode, o.LeaderElection = ModeAll, LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "n"}
+		}, "every node plugin must serve"},
+		{"leader election without a namespace", func(o *Options) {
+			o.Mode, o.LeaderElection = ModeController, LeaderElection{Enabled: true, Identity: "ctl-0"}
+		}, "POD_NAMESPACE"},
+		{"leader election timings crossed", func(o *Options) {
+			o.Mode, o.LeaderElection = ModeController, LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "ctl-0",
+				LeaseDuration: time.Second, RenewDeadline: 2 * time.Second}
+		}, "renew deadline"},
 		{"registration needs a unix endpoint", func(o *Options) {
 			o.Endpoint = "tcp://127.0.0.1:1"
 			o.RegistrationSocket = "/r.sock"

@@ -288,7 +288,7 @@ func (c *cluster) startAPIServer() {
 		"--etcd-servers="+etcdArgs[len(etcdArgs)-1],
 		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
 		"--cert-dir="+filepath.Join(dir, "certs"),
-		"--token-auth-file="+tokens, "--authorization-mode=AlwaysAllow",
+		"--token-auth-file="+tokens, "--authorization-mode=RBAC", // cowvol --kube-auth asks it
 		"--service-account-issuer=https://localhost", "--service-account-key-file="+saKey,
 		"--service-account-signing-key-file="+saKey,
 		// No controller-manager creates service accounts' tokens.
@@ -708,4 +708,28 @@ func (c *cluster) waitCapturedIn(ns, handle string) {
 		_, ok := c.pluginLine(`"Captured step volume"`, `volume="`+ns+"/"+handle+`"`)
 		return ok
 	})
+}
+
+// kubectlCowvol runs the operator CLI through kubectl, as an operator
+// would: kubectl finds kubectl-cowvol on its PATH.
+func (c *cluster) kubectlCowvol(args ...string) string {
+	c.t.Helper()
+	return c.kubectlCowvolAt(c.controllerAddr, args...)
+}
+
+// kubectlCowvolAt runs it against the controller at addr.
+func (c *cluster) kubectlCowvolAt(addr string, args ...string) string {
+	c.t.Helper()
+	bin := os.Getenv("COWVOL_KUBECTL_BINARY")
+	if bin == "" {
+		c.t.Fatal("COWVOL_KUBECTL_BINARY is not set: run make e2e")
+	}
+	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"--kubeconfig=" + c.kubeconfig, "cowvol",
+		"--controller-address=" + addr}, args...)...)
+	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(bin)+":"+os.Getenv("PATH"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		c.t.Fatalf("kubectl cowvol %v: %v: %s", args, err, out)
+	}
+	return string(out)
 }

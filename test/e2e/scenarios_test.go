@@ -263,6 +263,11 @@ func TestE2E(t *testing.T) {
 		in := client.Input("in", res, "ci")
 		c.createPod("ci", "placed", `cat /in/README.md`, volume{name: "in", mountPath: "/in", attrs: in.CSI.VolumeAttributes, readOnly: true})
 		require.Equal(t, "# repo\n", c.mustSucceed("ci", "placed"))
+		// The operator's view: kubectl cowvol, as a kubectl plugin on PATH.
+		listing := c.kubectlCowvol("volumes", "-n", "ci", "-l", "version=v1")
+		require.Regexp(t, `(?m)^ci\s+res-v1\s+ready\s+\S+\s+namespace\s+<none>\s+`+nodeName+`\s`, listing)
+		report(t, "kubectl cowvol volumes -n ci -l version=v1:\n"+listing)
+		require.Regexp(t, `(?m)^`+nodeName+`\s+running\s`, c.kubectlCowvol("nodes"))
 
 		c.mustKubectl("", "cordon", nodeName)
 		c.until("the controller to treat the cordoned node as landing", 30*time.Second, func() bool {
@@ -280,6 +285,14 @@ func TestE2E(t *testing.T) {
 		c.mustKubectl("", "uncordon", nodeName)
 		c.mustSucceed("ci", "on-cordoned")
 		c.waitCaptured("cordoned-v1")
+	})
+
+	c.scenario("with --kube-auth, RBAC on cachedvolumes decides who sees and destroys what", func() {
+		c.kubeAuth()
+	})
+
+	c.scenario("two controller replicas elect a leader through a Lease; the leader killed, the other takes over", func() {
+		c.controllerHA()
 	})
 
 	c.scenario("a node whose cache fills up says so on its Node object, and again when it recovers", func() {
