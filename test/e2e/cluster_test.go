@@ -724,7 +724,8 @@ func (c *cluster) kubectlCowvolAt(addr string, args ...string) string {
 	if bin == "" {
 		c.t.Fatal("COWVOL_KUBECTL_BINARY is not set: run make e2e")
 	}
-	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"--kubeconfig=" + c.kubeconfig, "cowvol",
+	// kubectl takes no flags before a plugin's name: they go to the plugin.
+	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"cowvol", "--kubeconfig=" + c.kubeconfig,
 		"--controller-address=" + addr}, args...)...)
 	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(bin)+":"+os.Getenv("PATH"))
 	out, err := cmd.CombinedOutput()
