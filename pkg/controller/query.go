@@ -88,22 +88,31 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*contro
 	}
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	held := map[*nodeState][]bool{} // per node: which inputs it holds ready
-	bytes := map[*nodeState]int64{}
+	// Per node, which inputs it holds ready and their bytes: one pass over
+	// the holders of each input.
+	type holding struct {
+		inputs []bool
+		bytes  int64
+	}
+	held := make(map[*nodeState]*holding, len(v.nodes))
 	for i, r := range parsed {
 		e := v.find(r)
 		if e == nil {
 			continue
 		}
 		for _, n := range e.holders {
-			if rec, ok := n.has(e); ok && states[rec.state] == volume.StateReady {
-				if held[n] == nil {
-					held[n] = make([]bool, len(parsed))
-				}
-				if !held[n][i] {
-					held[n][i] = true
-					bytes[n] += max(rec.size, 0)
-				}
+			rec, ok := n.has(e)
+			if !ok || states[rec.state] != volume.StateReady {
+				continue
+			}
+			h := held[n]
+			if h == nil {
+				h = &holding{inputs: make([]bool, len(parsed))}
+				held[n] = h
+			}
+			if !h.inputs[i] {
+				h.inputs[i] = true
+				h.bytes += max(rec.size, 0)
 			}
 		}
 	}
@@ -112,9 +121,13 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*contro
 		if n.over || v.lifecycle(n) != "" || !v.live(n, now) {
 			continue
 		}
-		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree, InputBytesHeld: bytes[n]}
+		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}
+		h := held[n]
+		if h != nil {
+			p.InputBytesHeld = h.bytes
+		}
 		for i := range parsed {
-			if h := held[n]; h == nil || !h[i] {
+			if h == nil || !h.inputs[i] {
 				p.Missing = append(p.Missing, inputs[i])
 			}
 		}

@@ -6,6 +6,7 @@
 package controller
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -68,8 +69,10 @@ type entry struct {
 	holders []*nodeState
 	one     [1]*nodeState
 	parent  *volume.Ref
-	// props are key, value, ... sorted by key.
-	props []string
+	// props are the properties, sorted by key, each key and value
+	// length-prefixed (encodeProps): one string, sharing its allocation
+	// with the handle's.
+	props string
 	scope scopeCode
 }
 
@@ -80,6 +83,8 @@ type record struct {
 	steps  int32
 	state  stateCode
 	pinned bool
+	// sync is the full sync that last named it (replace drops the others).
+	sync uint16
 }
 
 // stateCode and scopeCode are a record's state and an entry's scope in a
@@ -98,14 +103,46 @@ func (c stateCode) String() string { return string(states[c]) }
 func (c scopeCode) String() string { return string(scopes[c]) }
 
 func (e *entry) properties() map[string]string {
-	if len(e.props) == 0 {
+	if e.props == "" {
 		return nil
 	}
-	m := make(map[string]string, len(e.props)/2)
-	for i := 0; i < len(e.props); i += 2 {
-		m[e.props[i]] = e.props[i+1]
+	m := map[string]string{}
+	for rest := e.props; rest != ""; {
+		var k, v string
+		k, rest = cutPrefixed(rest)
+		v, rest = cutPrefixed(rest)
+		m[k] = v
 	}
 	return m
+}
+
+// encodeProps packs properties into one string: for each key in order, its
+// length, the key, the value's length, the value.
+func encodeProps(props map[string]string) string {
+	if len(props) == 0 {
+		return ""
+	}
+	keys := make([]string, 0, len(props))
+	size := 0
+	for k, v := range props {
+		keys = append(keys, k)
+		size += len(k) + len(v) + 2*binary.MaxVarintLen32
+	}
+	sort.Strings(keys)
+	b := make([]byte, 0, size)
+	for _, k := range keys {
+		b = binary.AppendUvarint(b, uint64(len(k)))
+		b = append(b, k...)
+		b = binary.AppendUvarint(b, uint64(len(props[k])))
+		b = append(b, props[k]...)
+	}
+	return string(b)
+}
+
+// cutPrefixed splits a length-prefixed string off the front of s.
+func cutPrefixed(s string) (string, string) {
+	n, w := binary.Uvarint([]byte(s[:min(len(s), binary.MaxVarintLen64)]))
+	return s[w : w+int(n)], s[w+int(n):]
 }
 
 // interner hands out one copy of each string it is given, up to a bound
@@ -134,8 +171,10 @@ type nodeState struct {
 	revision    uint64
 	lastReport  time.Time
 	held        map[*entry]record
-	bytesFree   int64
-	over        bool
+	// syncs counts its full syncs, to mark what each one named.
+	syncs     uint16
+	bytesFree int64
+	over      bool
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[*entry]bool
 	pins    map[*entry]*controllerv1.PinCommand
@@ -222,7 +261,7 @@ type upsert struct {
 	ref    volume.Ref
 	rec    record
 	parent volume.Ref
-	props  []string
+	props  string
 	scope  scopeCode
 }
 
@@ -248,16 +287,7 @@ func parseUpserts(in []*controllerv1.VolumeSummary) ([]upsert, error) {
 				return nil, err
 			}
 		}
-		if len(s.GetProperties()) > 0 {
-			keys := make([]string, 0, len(s.GetProperties()))
-			for k := range s.GetProperties() {
-				keys = append(keys, k)
-			}
-			sort.Strings(keys)
-			for _, k := range keys {
-				u.props = append(u.props, k, s.GetProperties()[k])
-			}
-		}
+		u.props = encodeProps(s.GetProperties())
 		out[i] = u
 	}
 	return out, nil
@@ -349,8 +379,8 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 	}
 	n.held[e] = u.rec
 	e.scope = u.scope
-	if !slices.Equal(e.props, u.props) {
-		_, e.props = v.keep("", u.props)
+	if e.props != u.props {
+		e.props = u.props
 	}
 	switch p := u.parent; {
 	case p.Handle == "":
@@ -367,40 +397,24 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 }
 
 // keep copies a volume's handle and properties out of the report they were
-// decoded from: keys interned, the handle and values in one allocation.
-func (v *View) keep(handle string, props []string) (string, []string) {
-	size := len(handle)
-	for i := 1; i < len(props); i += 2 {
-		size += len(props[i])
-	}
-	var b strings.Builder
-	b.Grow(size)
-	b.WriteString(handle)
-	for i := 1; i < len(props); i += 2 {
-		b.WriteString(props[i])
-	}
-	all := b.String()
-	handle, at := all[:len(handle)], len(handle)
-	if len(props) == 0 {
-		return handle, nil
-	}
-	out := make([]string, len(props))
-	for i := 0; i < len(props); i += 2 {
-		out[i] = v.names.intern(props[i])
-		out[i+1], at = all[at:at+len(props[i+1])], at+len(props[i+1])
-	}
-	return handle, out
+// decoded from, in one allocation.
+func (v *View) keep(handle, props string) (string, string) {
+	all := handle + props
+	return all[:len(handle)], all[len(handle):]
 }
 
 // replace makes a node's inventory exactly upserts. The caller holds the
 // lock.
 func (v *View) replace(n *nodeState, upserts []upsert) {
-	keep := make(map[*entry]bool, len(upserts))
-	for _, u := range upserts {
-		keep[v.put(n, u)] = true
+	if n.syncs++; n.syncs == 0 {
+		n.syncs = 1 // 0 marks records that only changes named
 	}
-	for e := range n.held {
-		if !keep[e] {
+	for _, u := range upserts {
+		u.rec.sync = n.syncs
+		v.put(n, u)
+	}
+	for e, rec := range n.held {
+		if rec.sync != n.syncs {
 			v.remove(n, e)
 		}
 	}
@@ -470,7 +484,7 @@ func (n *nodeState) pendingDestroys() []*controllerv1.VolumeRef {
 // has is the node's record of the volume, unless a scheduler destroyed it:
 // then it is gone from every answer at once, whatever the node still says.
 func (n *nodeState) has(e *entry) (record, bool) {
-	if n.destroy[e] {
+	if len(n.destroy) > 0 && n.destroy[e] {
 		return record{}, false
 	}
 	rec, ok := n.held[e]
