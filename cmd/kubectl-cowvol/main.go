@@ -8,7 +8,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -29,6 +28,7 @@ var version = "dev"
 type options struct {
 	kube    clientcmd.ClientConfig
 	dial    client.Options
+	via     client.KubeOptions
 	output  string
 	timeout time.Duration
 	out     io.Writer
@@ -62,10 +62,14 @@ func newRoot(out io.Writer) *cobra.Command {
 	flags.StringVar(&overrides.CurrentContext, "context", "", "the kubeconfig context to use")
 	o.kube = clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, overrides)
 	flags.StringVar(&o.dial.Address, "controller-address", os.Getenv("COWVOL_CONTROLLER_ADDRESS"),
-		"the controller's Cache API, host:port (default $COWVOL_CONTROLLER_ADDRESS)")
+		"the controller's Cache API, host:port (default $COWVOL_CONTROLLER_ADDRESS; unset: a port-forward to its leader through the kubeconfig's API server)")
 	flags.StringVar(&o.dial.TokenFile, "token-file", os.Getenv("COWVOL_TOKEN_FILE"),
 		"a file holding the bearer token to present (default $COWVOL_TOKEN_FILE, else the kubeconfig user's token)")
 	flags.StringVar(&o.dial.CAFile, "tls-ca-file", os.Getenv("COWVOL_TLS_CA_FILE"), "the CA that signed the controller's certificate (default $COWVOL_TLS_CA_FILE)")
+	flags.StringVar(&o.via.Namespace, "controller-namespace", "cowvol",
+		"without --controller-address: the namespace of the controller's pods, Lease and TLS Secret, reached through the API server")
+	flags.StringVar(&o.via.Lease, "controller-lease", "cowvol-controller", "without --controller-address: the controller's leader-election Lease")
+	flags.IntVar(&o.via.Port, "controller-port", 7070, "without --controller-address: the controller's API port in its pod")
 	flags.StringVarP(&o.output, "output", "o", "", "output format: json or yaml (default: a table)")
 	flags.DurationVar(&o.timeout, "request-timeout", 30*time.Second, "how long to wait for the controller")
 	root.AddCommand(o.nodesCmd(), o.volumesCmd(), o.chainCmd(), o.destroyCmd(), o.pinCmd(), o.unpinCmd())
@@ -80,8 +84,25 @@ func (o *options) connect(cmd *cobra.Command) (*client.Client, context.Context, 
 	if o.output != "" && o.output != "json" && o.output != "yaml" {
 		return nil, nil, nil, fmt.Errorf("output %q: want json or yaml", o.output)
 	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), o.timeout)
+	c, err := o.dialController(ctx)
+	if err != nil {
+		cancel()
+		return nil, nil, nil, err
+	}
+	return c, ctx, func() { cancel(); c.Close() }, nil
+}
+
+// dialController reaches the controller at --controller-address, or else
+// through the kubeconfig's cluster, as kubectl port-forward does.
+func (o *options) dialController(ctx context.Context) (*client.Client, error) {
 	if o.dial.Address == "" {
-		return nil, nil, nil, errors.New("no controller: set --controller-address or $COWVOL_CONTROLLER_ADDRESS")
+		cfg, err := o.kube.ClientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("no controller: give --controller-address, or a kubeconfig to reach it through (%w)", err)
+		}
+		o.via.CAFile = o.dial.CAFile
+		return client.DialKube(ctx, cfg, o.via)
 	}
 	dial := o.dial
 	if dial.TokenFile == "" {
@@ -91,12 +112,7 @@ func (o *options) connect(cmd *cobra.Command) (*client.Client, context.Context, 
 			dial.Token, dial.TokenFile = cfg.BearerToken, cfg.BearerTokenFile
 		}
 	}
-	c, err := client.Dial(dial)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	ctx, cancel := context.WithTimeout(cmd.Context(), o.timeout)
-	return c, ctx, func() { cancel(); c.Close() }, nil
+	return client.Dial(dial)
 }
 
 // namespace is -n's, else the kubeconfig context's, else "default".

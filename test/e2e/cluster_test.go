@@ -720,17 +720,22 @@ func (c *cluster) kubectlCowvol(args ...string) string {
 // kubectlCowvolAt runs it against the controller at addr.
 func (c *cluster) kubectlCowvolAt(addr string, args ...string) string {
 	c.t.Helper()
+	out, err := c.runKubectlCowvol(append([]string{"--controller-address=" + addr}, args...)...)
+	if err != nil {
+		c.t.Fatalf("kubectl cowvol %v: %v: %s", args, err, out)
+	}
+	return out
+}
+
+// runKubectlCowvol runs kubectl cowvol with the cluster's kubeconfig.
+func (c *cluster) runKubectlCowvol(args ...string) (string, error) {
 	bin := os.Getenv("COWVOL_KUBECTL_BINARY")
 	if bin == "" {
 		c.t.Fatal("COWVOL_KUBECTL_BINARY is not set: run make e2e")
 	}
 	// kubectl takes no flags before a plugin's name: they go to the plugin.
-	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"cowvol", "--kubeconfig=" + c.kubeconfig,
-		"--controller-address=" + addr}, args...)...)
+	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"cowvol", "--kubeconfig=" + c.kubeconfig}, args...)...)
 	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(bin)+":"+os.Getenv("PATH"))
 	out, err := cmd.CombinedOutput()
-	if err != nil {
-		c.t.Fatalf("kubectl cowvol %v: %v: %s", args, err, out)
-	}
-	return string(out)
+	return string(out), err
 }

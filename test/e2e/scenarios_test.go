@@ -291,6 +291,10 @@ func TestE2E(t *testing.T) {
 		c.kubeAuth()
 	})
 
+	c.scenario("a scheduler with only a kubeconfig reaches the controller pod through a port-forward", func() {
+		c.reachThroughKubeconfig()
+	})
+
 	c.scenario("two controller replicas elect a leader through a Lease; the leader killed, the other takes over", func() {
 		c.controllerHA()
 	})
