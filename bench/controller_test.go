@@ -38,7 +38,7 @@ func inventory(node int) []*controllerv1.VolumeSummary {
 		out[i] = &controllerv1.VolumeSummary{
 			Ref: &controllerv1.VolumeRef{Namespace: fmt.Sprintf("team-%d", i%20), Handle: handle}, State: "ready",
 			SizeBytes: int64(1<<20 + node*i), Scope: "namespace",
-			Properties: map[string]string{"resource": "repo", "version": strconv.Itoa(i)},
+			Properties: []*controllerv1.Property{{Key: "resource", Value: "repo"}, {Key: "version", Value: strconv.Itoa(i)}},
 		}
 	}
 	return out

@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -132,6 +133,20 @@ func (b Bearer) RequireTransportSecurity() bool { return b.Secure }
 // Ref is a volume reference in the API's terms.
 func Ref(r volume.Ref) *controllerv1.VolumeRef {
 	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
+}
+
+// Properties are a volume's properties as a node reports them: sorted by
+// key.
+func Properties(m map[string]string) []*controllerv1.Property {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]*controllerv1.Property, 0, len(m))
+	for k, v := range m {
+		out = append(out, &controllerv1.Property{Key: k, Value: v})
+	}
+	slices.SortFunc(out, func(a, b *controllerv1.Property) int { return strings.Compare(a.Key, b.Key) })
+	return out
 }
 
 // Refs are volume references in the API's terms.

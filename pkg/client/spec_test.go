@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -63,4 +65,27 @@ func TestPreferNodes(t *testing.T) {
 	require.Equal(t, int32(100), terms[0].Weight)
 	require.Equal(t, []string{"node-b"}, terms[0].Preference.MatchFields[0].Values)
 	require.Greater(t, terms[0].Weight, terms[1].Weight)
+}
+
+// A node's report carries properties as repeated (key, value) messages:
+// on the wire exactly what map<string, string> was, so a node and a
+// controller of either encoding understand each other.
+func TestPropertiesAreWireCompatibleWithAMap(t *testing.T) {
+	var entry []byte // one map<string, string> entry: key = 1, value = 2
+	entry = protowire.AppendTag(entry, 1, protowire.BytesType)
+	entry = protowire.AppendString(entry, "version")
+	entry = protowire.AppendTag(entry, 2, protowire.BytesType)
+	entry = protowire.AppendString(entry, "v3")
+	var raw []byte // VolumeSummary.properties = 7
+	raw = protowire.AppendTag(raw, 7, protowire.BytesType)
+	raw = protowire.AppendBytes(raw, entry)
+
+	var s controllerv1.VolumeSummary
+	require.NoError(t, proto.Unmarshal(raw, &s))
+	require.Len(t, s.Properties, 1)
+	require.Equal(t, "version", s.Properties[0].Key)
+	require.Equal(t, "v3", s.Properties[0].Value)
+	out, err := proto.Marshal(&controllerv1.VolumeSummary{Properties: Properties(map[string]string{"version": "v3"})})
+	require.NoError(t, err)
+	require.Equal(t, raw, out)
 }

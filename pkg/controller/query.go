@@ -42,9 +42,7 @@ func (v *View) location(e *entry, now time.Time) *controllerv1.VolumeLocation {
 		loc.Pinned = loc.Pinned || rec.pinned
 	}
 	if loc.Found {
-		describe(loc, e, best)
-		sort.Strings(loc.Nodes)
-		sort.Strings(loc.PublishedNodes)
+		describe(loc, e, best) // Nodes are sorted: holders are kept so
 	}
 	return loc
 }
@@ -80,8 +78,10 @@ func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*control
 
 // Place ranks the live nodes that take captures (not over their high
 // watermark) for a step with these inputs: most input bytes held ready
-// first, then most free space, then by ID.
-func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.NodePlacement, error) {
+// first, then most free space, then by ID. An input of a namespace not
+// visible (nil: all are) that was not shared counts as held nowhere, as if
+// it did not exist.
+func (v *View) Place(inputs []*controllerv1.VolumeRef, visible func(namespace string) bool, now time.Time) ([]*controllerv1.NodePlacement, error) {
 	parsed, err := refsOf(inputs)
 	if err != nil {
 		return nil, err
@@ -97,7 +97,7 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, now time.Time) ([]*contro
 	held := make(map[*nodeState]*holding, len(v.nodes))
 	for i, r := range parsed {
 		e := v.find(r)
-		if e == nil {
+		if e == nil || (visible != nil && scopes[e.scope] != volume.ScopeCluster && !visible(r.Namespace)) {
 			continue
 		}
 		for _, n := range e.holders {

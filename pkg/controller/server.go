@@ -143,24 +143,13 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 // Place ranks nodes by the inputs the caller may read; one it may not is
 // missing everywhere, as if it did not exist.
 func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
-	locs, err := s.lookup(ctx, req.GetInputs())
-	if err != nil {
-		return nil, err
+	if len(req.GetInputs()) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d inputs in one call: at most %d", len(req.GetInputs()), maxLookup)
 	}
-	var readable, hidden []*controllerv1.VolumeRef
-	for i, l := range locs {
-		if l.GetFound() || CallerFrom(ctx).May(ctx, "get", ResourceVolumes, req.GetInputs()[i].GetNamespace()) {
-			readable = append(readable, req.GetInputs()[i])
-		} else {
-			hidden = append(hidden, req.GetInputs()[i])
-		}
-	}
-	nodes, err := s.view.Place(readable, time.Now())
+	c := CallerFrom(ctx)
+	nodes, err := s.view.Place(req.GetInputs(), func(ns string) bool { return c.May(ctx, "get", ResourceVolumes, ns) }, time.Now())
 	if err != nil {
 		return nil, code(err)
-	}
-	for _, n := range nodes {
-		n.Missing = append(n.Missing, hidden...)
 	}
 	return &controllerv1.PlaceResponse{Nodes: nodes}, nil
 }

@@ -63,7 +63,7 @@ type View struct {
 // last node to report it said.
 type entry struct {
 	ref volume.Ref
-	// holders are the nodes reporting it; each keeps its record. Most
+	// holders are the nodes reporting it, by ID; each keeps its record. Most
 	// volumes are on one node: holders starts in one, saving an object
 	// per volume for the garbage collector to trace.
 	holders []*nodeState
@@ -117,24 +117,30 @@ func (e *entry) properties() map[string]string {
 }
 
 // encodeProps packs properties into one string: for each key in order, its
-// length, the key, the value's length, the value.
-func encodeProps(props map[string]string) string {
+// length, the key, the value's length, the value. A key said twice keeps
+// its last value, as a map would.
+func encodeProps(props []*controllerv1.Property) string {
 	if len(props) == 0 {
 		return ""
 	}
-	keys := make([]string, 0, len(props))
-	size := 0
-	for k, v := range props {
-		keys = append(keys, k)
-		size += len(k) + len(v) + 2*binary.MaxVarintLen32
+	sorted := slices.IsSortedFunc(props, func(a, b *controllerv1.Property) int { return strings.Compare(a.GetKey(), b.GetKey()) })
+	if !sorted {
+		props = slices.Clone(props)
+		slices.SortStableFunc(props, func(a, b *controllerv1.Property) int { return strings.Compare(a.GetKey(), b.GetKey()) })
 	}
-	sort.Strings(keys)
+	size := 0
+	for _, p := range props {
+		size += len(p.GetKey()) + len(p.GetValue()) + 2*binary.MaxVarintLen32
+	}
 	b := make([]byte, 0, size)
-	for _, k := range keys {
-		b = binary.AppendUvarint(b, uint64(len(k)))
-		b = append(b, k...)
-		b = binary.AppendUvarint(b, uint64(len(props[k])))
-		b = append(b, props[k]...)
+	for i, p := range props {
+		if i+1 < len(props) && props[i+1].GetKey() == p.GetKey() {
+			continue // said again later
+		}
+		b = binary.AppendUvarint(b, uint64(len(p.GetKey())))
+		b = append(b, p.GetKey()...)
+		b = binary.AppendUvarint(b, uint64(len(p.GetValue())))
+		b = append(b, p.GetValue()...)
 	}
 	return string(b)
 }
@@ -375,7 +381,9 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 		v.byNamespace[ns][e.ref.Handle] = e
 	}
 	if _, held := n.held[e]; !held {
-		e.holders = append(e.holders, n)
+		// In node ID order: answers list nodes sorted, without sorting.
+		at, _ := slices.BinarySearchFunc(e.holders, n.id, func(h *nodeState, id string) int { return strings.Compare(h.id, id) })
+		e.holders = slices.Insert(e.holders, at, n)
 	}
 	n.held[e] = u.rec
 	e.scope = u.scope

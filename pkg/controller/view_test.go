@@ -1,6 +1,7 @@
 package controller
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -76,7 +77,7 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	require.Equal(t, []string{"b", "d"}, locs[1].Nodes, "a stalled node is left out")
 	require.False(t, locs[2].Found)
 
-	placed, err := v.Place([]*controllerv1.VolumeRef{ref("small"), ref("big")}, now)
+	placed, err := v.Place([]*controllerv1.VolumeRef{ref("small"), ref("big")}, nil, now)
 	require.NoError(t, err)
 	var order []string
 	for _, p := range placed {
@@ -85,6 +86,12 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	require.Equal(t, []string{"b", "a", "c"}, order, "bytes held first, then free space; over the mark and stalled left out")
 	require.Equal(t, int64(1010), placed[0].InputBytesHeld)
 	require.Len(t, placed[2].Missing, 2)
+	hidden, err := v.Place([]*controllerv1.VolumeRef{ref("small")}, func(string) bool { return false }, now)
+	require.NoError(t, err)
+	for _, p := range hidden {
+		require.Zero(t, p.InputBytesHeld, "another namespace's private input is held nowhere")
+		require.Len(t, p.Missing, 1)
+	}
 
 	require.Equal(t, "stalled", v.Nodes(now)[4].State)
 	stalled, forgotten := v.Sweep(now)
@@ -155,7 +162,7 @@ func TestLifecycle(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, NodeLanding, st.State, "a step still uses it")
 	require.NotEmpty(t, report("a", 2, 1, vol("x", "ready", 1)).RefuseCaptures)
-	placed, err := v.Place([]*controllerv1.VolumeRef{ref("x")}, now)
+	placed, err := v.Place([]*controllerv1.VolumeRef{ref("x")}, nil, now)
 	require.NoError(t, err)
 	require.Len(t, placed, 1, "no placements on a landing node")
 	report("a", 3, 0, vol("x", "ready", 1))
@@ -181,7 +188,7 @@ func TestKubernetesNodes(t *testing.T) {
 	resp, err := v.Report(&controllerv1.ReportRequest{NodeId: "a", StoreId: "s", Revision: 1, Full: true}, now)
 	require.NoError(t, err)
 	require.Contains(t, resp.RefuseCaptures, "landed")
-	placed, err := v.Place(nil, now)
+	placed, err := v.Place(nil, nil, now)
 	require.NoError(t, err)
 	require.Empty(t, placed)
 	v.SetCordoned("a", false)
@@ -196,12 +203,12 @@ func TestKubernetesNodes(t *testing.T) {
 func TestList(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
-	withProps := func(ns, h, state, scope string, props map[string]string) *controllerv1.VolumeSummary {
+	withProps := func(ns, h, state, scope string, props []*controllerv1.Property) *controllerv1.VolumeSummary {
 		return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: ns, Handle: h}, State: state, SizeBytes: 1,
 			Scope: scope, Properties: props}
 	}
-	repo := func(version string) map[string]string {
-		return map[string]string{"resource": "repo", "version": version}
+	repo := func(version string) []*controllerv1.Property { // not sorted, as a hostile node might send
+		return []*controllerv1.Property{{Key: "version", Value: version}, {Key: "resource", Value: "repo"}}
 	}
 	_, err := v.Report(&controllerv1.ReportRequest{NodeId: "a", StoreId: "a", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
 		withProps("ci", "r1", "ready", "namespace", repo("1")), withProps("ci", "r2", "ready", "namespace", repo("2")),
@@ -267,4 +274,30 @@ func TestList(t *testing.T) {
 	require.Len(t, v.find(volume.Ref{Namespace: "ci", Handle: "r2"}).holders, 1)
 	v.ForgetNode("a")
 	require.Empty(t, v.byNamespace, "nothing left once no node reports anything")
+}
+
+func TestEncodeProps(t *testing.T) {
+	p := func(kv ...string) (out []*controllerv1.Property) {
+		for i := 0; i < len(kv); i += 2 {
+			out = append(out, &controllerv1.Property{Key: kv[i], Value: kv[i+1]})
+		}
+		return out
+	}
+	tests := []struct {
+		name string
+		in   []*controllerv1.Property
+		want map[string]string
+	}{
+		{"none", nil, nil},
+		{"sorted", p("a", "1", "b", "2"), map[string]string{"a": "1", "b": "2"}},
+		{"unsorted", p("b", "2", "a", "1"), map[string]string{"a": "1", "b": "2"}},
+		{"a key said twice keeps its last value", p("a", "1", "b", "2", "a", "3"), map[string]string{"a": "3", "b": "2"}},
+		{"empty and odd strings", p("", "", "k\x00", "v\xff"+strings.Repeat("x", 300)), map[string]string{"": "", "k\x00": "v\xff" + strings.Repeat("x", 300)}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			e := &entry{props: encodeProps(tc.in)}
+			require.Equal(t, tc.want, e.properties())
+		})
+	}
 }

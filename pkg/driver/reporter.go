@@ -8,6 +8,7 @@ import (
 	"k8s.io/klog/v2"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -152,7 +153,7 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 		for _, v := range vols {
 			inv[v.Ref()] = &controllerv1.VolumeSummary{
 				Ref: ctlRef(v.Ref()), State: string(v.State), SizeBytes: v.SizeBytes,
-				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: v.Properties,
+				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: client.Properties(v.Properties),
 				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned,
 			}
 		}

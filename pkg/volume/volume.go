@@ -90,7 +90,23 @@ const HandleDescription = "1-128 characters of A-Z a-z 0-9 . _ -, starting with 
 
 // Handles name dirs on disk, so their charset leaves no room for path
 // tricks: no slash, no leading dot.
-var handleRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+// isHandle says whether h is a handle: 1 to 128 of A-Z a-z 0-9 . _ -, not
+// starting with . _ or -. By hand, not a regexp: the controller checks a
+// million of them when a fleet reports.
+func isHandle(h string) bool {
+	if len(h) == 0 || len(h) > 128 {
+		return false
+	}
+	for i := 0; i < len(h); i++ {
+		switch c := h[i]; {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+		case (c == '.' || c == '_' || c == '-') && i > 0:
+		default:
+			return false
+		}
+	}
+	return true
+}
 
 // Quote quotes a caller's string for a message or a log: escaped, and cut
 // short, so that a hostile value can neither forge a log line nor flood one.
@@ -104,14 +120,28 @@ func Quote(s string) string {
 
 // ValidateHandle checks a cached volume handle.
 func ValidateHandle(h string) error {
-	if !handleRE.MatchString(h) {
+	if !isHandle(h) {
 		return fmt.Errorf("handle %s is invalid: want %s", Quote(h), HandleDescription)
 	}
 	return nil
 }
 
-// dns1123Label is a Kubernetes namespace (and volume) name.
-var dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$`)
+// isDNS1123Label says whether s is a Kubernetes namespace (or volume) name:
+// 1 to 63 of a-z 0-9 -, starting and ending with a letter or digit.
+func isDNS1123Label(s string) bool {
+	if len(s) == 0 || len(s) > 63 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9':
+		case c == '-' && i > 0 && i < len(s)-1:
+		default:
+			return false
+		}
+	}
+	return true
+}
 
 // dns1123Subdomain is a Kubernetes object name such as a pod's.
 var dns1123Subdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
@@ -121,7 +151,7 @@ var uidRE = regexp.MustCompile(`^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4
 
 // ValidateNamespace checks a Kubernetes namespace name (a DNS-1123 label).
 func ValidateNamespace(ns string) error {
-	if !dns1123Label.MatchString(ns) {
+	if !isDNS1123Label(ns) {
 		return fmt.Errorf("namespace %s is invalid: want a DNS-1123 label (1-63 of a-z 0-9 -)", Quote(ns))
 	}
 	return nil
@@ -129,7 +159,7 @@ func ValidateNamespace(ns string) error {
 
 // ValidateLabel checks a DNS-1123 label, such as a pod's volume name.
 func ValidateLabel(what, s string) error {
-	if !dns1123Label.MatchString(s) {
+	if !isDNS1123Label(s) {
 		return fmt.Errorf("%s %s is invalid: want a DNS-1123 label (1-63 of a-z 0-9 -)", what, Quote(s))
 	}
 	return nil

@@ -1,6 +1,8 @@
 package volume
 
 import (
+	"math/rand/v2"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -35,4 +37,32 @@ func TestPodValidate(t *testing.T) {
 	}
 	require.Equal(t, `"a\nb"`, Quote("a\nb"))
 	require.Contains(t, Quote(strings.Repeat("x", 1000)), "(1000 bytes)")
+}
+
+// The hand-written checks accept exactly what the grammars say (as
+// regexps), over random strings of the characters that matter and every
+// length around the bounds.
+func TestHandAndNamespaceCheckersMatchTheirGrammars(t *testing.T) {
+	handle := regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+	label := regexp.MustCompile(`^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$`)
+	common, rare := []byte("az09-"), []byte("Z._/ \n\x00\xc3\xa9")
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 200_000 {
+		b := make([]byte, rng.IntN(132))
+		for i := range b {
+			if rng.IntN(50) == 0 {
+				b[i] = rare[rng.IntN(len(rare))]
+			} else {
+				b[i] = common[rng.IntN(len(common))]
+			}
+		}
+		s := string(b)
+		require.Equal(t, handle.MatchString(s), isHandle(s), "handle %q", s)
+		require.Equal(t, label.MatchString(s), isDNS1123Label(s), "label %q", s)
+	}
+	for n := range 131 {
+		s := strings.Repeat("a", n)
+		require.Equal(t, handle.MatchString(s), isHandle(s), "handle of %d", n)
+		require.Equal(t, label.MatchString(s), isDNS1123Label(s), "label of %d", n)
+	}
 }
