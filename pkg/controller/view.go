@@ -1,8 +1,11 @@
 // Package controller owns the cluster-wide view of the node caches: which
-// node holds which volume in what state, which nodes are live, and the
-// answers a scheduler gets from that view (lookups, listings, placement). It
-// keeps no database: the view is what the nodes report, and after a restart
-// it is rebuilt from their next reports. It never touches a volume: nodes do.
+// node holds which volume in what state, which nodes are live, the answers
+// a scheduler gets from that view (lookups, listings, placement), the gRPC
+// services that give them, and who may ask (a tokens file, or the API
+// server's TokenReviews and SubjectAccessReviews). It keeps no database:
+// the view is what the nodes report, and after a restart it is rebuilt
+// from their next reports. It never touches a volume: nodes do, when their
+// reports are answered.
 package controller
 
 import (
