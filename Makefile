@@ -32,6 +32,9 @@ build:
 test: build
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) $(GO) test -count=1 -timeout 12m ./...
 	$(GO) test -count=1 -race -timeout 5m ./pkg/...
+	# The archive extractor against mutated archives, bounded by count (a
+	# time bound stalls Go's fuzzer on this machine).
+	$(GO) test -run '^$$' -fuzz FuzzUnpack -fuzztime 20000x -parallel 2 ./pkg/streamer
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 e2e: build $(K8S_BIN)/kubelet

@@ -4,6 +4,7 @@ go 1.26
 
 require (
 	github.com/container-storage-interface/spec v1.13.0
+	github.com/klauspost/compress v1.18.0
 	github.com/kubernetes-csi/csi-test/v5 v5.6.0
 	github.com/onsi/ginkgo/v2 v2.32.1
 	github.com/onsi/gomega v1.42.1

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -15,43 +14,13 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 )
 
-// layerTree fills dir with every kind of entry a captured overlay layer can
-// hold, including a whiteout and an opaque dir.
-func layerTree(t *testing.T, dir string) {
-	t.Helper()
-	p := func(name string) string { return filepath.Join(dir, name) }
-	require.NoError(t, os.MkdirAll(p("sub/opaque"), 0o755))
-	require.NoError(t, os.WriteFile(p("sub/file"), []byte("data"), 0o640))
-	require.NoError(t, os.Chown(p("sub/file"), 1000, 2000))
-	require.NoError(t, unix.Chmod(p("sub"), 0o2750))
-	require.NoError(t, unix.Setxattr(p("sub/opaque"), "trusted.overlay.opaque", []byte("y"), 0))
-	require.NoError(t, unix.Setxattr(p("sub/file"), "user.note", []byte("kept"), 0))
-	require.NoError(t, unix.Mknod(p("whiteout"), unix.S_IFCHR|0o000, 0))
-	require.NoError(t, unix.Mkfifo(p("fifo"), 0o644))
-	require.NoError(t, os.Symlink("sub/file", p("link")))
-	require.NoError(t, os.WriteFile(p("hard1"), []byte("linked"), 0o644))
-	require.NoError(t, os.Link(p("hard1"), p("hard2")))
-	big := make([]byte, 3<<20)
-	for i := range big {
-		big[i] = byte(i % 251)
-	}
-	require.NoError(t, os.WriteFile(p("big"), big, 0o600))
-	f, err := os.Create(p("sparse"))
-	require.NoError(t, err)
-	_, err = f.WriteAt([]byte("tail"), 256<<20)
-	require.NoError(t, err)
-	require.NoError(t, f.Close())
-	when := time.Date(2021, 5, 6, 7, 8, 9, 123456789, time.UTC)
-	require.NoError(t, os.Chtimes(p("big"), when, when))
-}
-
 func TestCopyTreeIsFaithful(t *testing.T) {
 	for _, fs := range []testfs.Kind{testfs.Ext4, testfs.XFS, testfs.Btrfs} {
 		t.Run(string(fs), func(t *testing.T) {
 			root := testfs.Mount(t, fs, 1<<30)
 			src, dst := filepath.Join(root, "src"), filepath.Join(root, "dst")
 			require.NoError(t, os.Mkdir(src, 0o711))
-			layerTree(t, src)
+			testfs.LayerTree(t, src)
 			for _, reflink := range []bool{true, false} {
 				out := fmt.Sprintf("%s-%v", dst, reflink)
 				stats, err := copyTree(context.Background(), src, out, reflink, nil)

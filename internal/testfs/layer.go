@@ -1,0 +1,47 @@
+package testfs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// LayerTree fills dir with every kind of entry a captured overlay layer can
+// hold, including a whiteout and an opaque dir.
+func LayerTree(t testing.TB, dir string) {
+	t.Helper()
+	p := func(name string) string { return filepath.Join(dir, name) }
+	must(t, os.MkdirAll(p("sub/opaque"), 0o755))
+	must(t, os.WriteFile(p("sub/file"), []byte("data"), 0o640))
+	must(t, os.Chown(p("sub/file"), 1000, 2000))
+	must(t, unix.Chmod(p("sub"), 0o2750))
+	must(t, unix.Setxattr(p("sub/opaque"), "trusted.overlay.opaque", []byte("y"), 0))
+	must(t, unix.Setxattr(p("sub/file"), "user.note", []byte("kept"), 0))
+	must(t, unix.Mknod(p("whiteout"), unix.S_IFCHR|0o000, 0))
+	must(t, unix.Mkfifo(p("fifo"), 0o644))
+	must(t, os.Symlink("sub/file", p("link")))
+	must(t, os.WriteFile(p("hard1"), []byte("linked"), 0o644))
+	must(t, os.Link(p("hard1"), p("hard2")))
+	big := make([]byte, 3<<20)
+	for i := range big {
+		big[i] = byte(i % 251)
+	}
+	must(t, os.WriteFile(p("big"), big, 0o600))
+	f, err := os.Create(p("sparse"))
+	must(t, err)
+	_, err = f.WriteAt([]byte("tail"), 256<<20)
+	must(t, err)
+	must(t, f.Close())
+	when := time.Date(2021, 5, 6, 7, 8, 9, 123456789, time.UTC)
+	must(t, os.Chtimes(p("big"), when, when))
+}

@@ -1,0 +1,623 @@
+// Package streamer moves cached volumes between nodes. This part owns the
+// wire format: a tar stream that keeps what an overlay layer needs
+// (whiteouts as 0/0 character devices, trusted.overlay.* and other
+// xattrs, hardlinks, owners, modes, times, holes), an encoding per link,
+// a digest and a size over the tar bytes, and an extractor that lets
+// nothing in a crafted archive land outside its directory. It reads and
+// writes trees it is given; it never touches the node's cache metadata.
+package streamer
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// xattrPrefixes are the extended attributes that travel: the overlay's own
+// (whiteouts, opaque dirs, redirects), users', and file capabilities (which
+// a nosuid mount disarms). Others (SELinux labels, ACLs) belong to the
+// node, not the volume.
+var xattrPrefixes = []string{"trusted.overlay.", "user.", "security.capability"}
+
+func xattrTravels(name string) bool {
+	for _, p := range xattrPrefixes {
+		if strings.HasPrefix(name, p) {
+			return true
+		}
+	}
+	return false
+}
+
+const paxXattr = "SCHILY.xattr."
+
+// Summary is what a stream carried: the tar bytes (before encoding), their
+// SHA-256, and how many entries.
+type Summary struct {
+	Bytes   int64
+	Entries int64
+	Digest  string // "sha256:<hex>"
+}
+
+// counter hashes and counts the tar bytes as they pass.
+type counter struct {
+	h hash.Hash
+	n int64
+}
+
+func newCounter() *counter { return &counter{h: sha256.New()} }
+
+func (c *counter) Write(p []byte) (int, error) {
+	c.h.Write(p)
+	c.n += int64(len(p))
+	return len(p), nil
+}
+
+func (c *counter) summary(entries int64) Summary {
+	return Summary{Bytes: c.n, Entries: entries, Digest: "sha256:" + hex.EncodeToString(c.h.Sum(nil))}
+}
+
+// paxHoles is cowvol's own PAX record for a sparse file: its size and the
+// data segments ("size offset:length ..."), the body carrying only those.
+// Go's archive/tar writes no sparse format, and a hole of gigabytes
+// should not cross the wire as zeros. Only cowvol reads it: Pack leaves it
+// out (holes travel as zeros) when the tar is for anyone else.
+const paxHoles = "COWVOL.holes"
+
+// maxSegments bounds a sparse file's segment list (a PAX record stays well
+// under the 1 MiB readers accept); a file more fragmented than that
+// travels with its zeros.
+const maxSegments = 20_000
+
+// Pack writes the tree at root to w as a tar stream, encoded with enc;
+// with holes, sparse files travel as their data segments only (for
+// Unpack; a plain tar reader would misread them). Device nodes other than
+// whiteouts and sockets cannot be moved: Pack refuses them, saying which.
+func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes bool) (Summary, error) {
+	ew, err := enc.writer(w)
+	if err != nil {
+		return Summary{}, err
+	}
+	c := newCounter()
+	tw := tar.NewWriter(io.MultiWriter(ew, c))
+	seen := map[[2]uint64]string{}
+	var entries int64
+	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(root, p)
+		if err != nil || rel == "." {
+			return err
+		}
+		entries++
+		return packEntry(tw, p, filepath.ToSlash(rel), seen, holes)
+	})
+	if err == nil {
+		err = tw.Close()
+	}
+	if err == nil {
+		err = ew.Close()
+	}
+	if err != nil {
+		return Summary{}, err
+	}
+	return c.summary(entries), nil
+}
+
+func packEntry(tw *tar.Writer, p, name string, seen map[[2]uint64]string, holes bool) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(p, &st); err != nil {
+		return err
+	}
+	hdr := &tar.Header{Name: name, Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
+		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
+	xattrs, err := readXattrs(p)
+	if err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	if len(xattrs) > 0 {
+		hdr.PAXRecords = map[string]string{}
+		for k, v := range xattrs {
+			hdr.PAXRecords[paxXattr+k] = v
+		}
+	}
+	var file *os.File
+	var segments [][2]int64 // of a sparse file: offset, length
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		hdr.Typeflag, hdr.Name = tar.TypeDir, name+"/"
+	case unix.S_IFLNK:
+		target, err := os.Readlink(p)
+		if err != nil {
+			return err
+		}
+		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
+	case unix.S_IFREG:
+		key := [2]uint64{st.Dev, st.Ino}
+		if first, ok := seen[key]; ok && st.Nlink > 1 {
+			hdr.Typeflag, hdr.Linkname = tar.TypeLink, first
+			break
+		}
+		if st.Nlink > 1 {
+			seen[key] = name
+		}
+		if file, err = os.Open(p); err != nil {
+			return err
+		}
+		defer file.Close()
+		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
+		if holes && st.Blocks*512 < st.Size {
+			if segments, err = dataSegments(file, st.Size); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			if segments != nil {
+				if hdr.PAXRecords == nil {
+					hdr.PAXRecords = map[string]string{}
+				}
+				hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, segments)
+			}
+		}
+	case unix.S_IFCHR:
+		if st.Rdev != 0 {
+			return fmt.Errorf("%s is a device node (%d:%d): only whiteouts (0:0) can be moved", name, unix.Major(st.Rdev), unix.Minor(st.Rdev))
+		}
+		hdr.Typeflag = tar.TypeChar
+	case unix.S_IFIFO:
+		hdr.Typeflag = tar.TypeFifo
+	default:
+		return fmt.Errorf("%s is a %s: it cannot be moved", name, fs.FileMode(st.Mode).Type())
+	}
+	if err := tw.WriteHeader(hdr); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	if file == nil {
+		return nil
+	}
+	if segments == nil {
+		segments = [][2]int64{{0, hdr.Size}}
+	}
+	for _, s := range segments {
+		if n, err := io.Copy(tw, io.NewSectionReader(file, s[0], s[1])); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		} else if n != s[1] {
+			return fmt.Errorf("%s changed while it was read", name)
+		}
+	}
+	return nil
+}
+
+// dataSegments are where a sparse file holds data (SEEK_DATA, SEEK_HOLE),
+// or nil to send it whole: too fragmented, or the filesystem cannot say.
+func dataSegments(f *os.File, size int64) ([][2]int64, error) {
+	fd := int(f.Fd())
+	var out [][2]int64
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break // only a hole from here
+		}
+		if err != nil {
+			return nil, nil //nolint:nilerr // no SEEK_DATA: send it whole
+		}
+		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
+		if err != nil {
+			return nil, nil //nolint:nilerr
+		}
+		hole = min(hole, size)
+		if out = append(out, [2]int64{data, hole - data}); len(out) > maxSegments {
+			return nil, nil
+		}
+		off = hole
+	}
+	return out, nil
+}
+
+func formatHoles(size int64, segments [][2]int64) (string, int64) {
+	var b strings.Builder
+	b.WriteString(strconv.FormatInt(size, 10))
+	var data int64
+	for _, s := range segments {
+		fmt.Fprintf(&b, " %d:%d", s[0], s[1])
+		data += s[1]
+	}
+	return b.String(), data
+}
+
+// parseHoles reads a paxHoles record, checking that its segments are in
+// order, apart, within the file, and add up to the body's size.
+func parseHoles(rec string, body int64) (int64, [][2]int64, error) {
+	fields := strings.Fields(rec)
+	if len(fields) == 0 || len(fields) > maxSegments+1 {
+		return 0, nil, refused("sparse map %q", rec)
+	}
+	size, err := strconv.ParseInt(fields[0], 10, 64)
+	if err != nil || size < 0 {
+		return 0, nil, refused("sparse map size %q", fields[0])
+	}
+	var segments [][2]int64
+	var end, data int64
+	for _, f := range fields[1:] {
+		o, l, ok := strings.Cut(f, ":")
+		off, err1 := strconv.ParseInt(o, 10, 64)
+		n, err2 := strconv.ParseInt(l, 10, 64)
+		if !ok || err1 != nil || err2 != nil || off < end || n < 0 || off > size || n > size-off {
+			return 0, nil, refused("sparse map segment %q", f)
+		}
+		segments = append(segments, [2]int64{off, n})
+		end, data = off+n, data+n
+	}
+	if data != body {
+		return 0, nil, refused("sparse map holds %d bytes, the entry %d", data, body)
+	}
+	return size, segments, nil
+}
+
+// readXattrs are the xattrs of p that travel.
+func readXattrs(p string) (map[string]string, error) {
+	size, err := unix.Llistxattr(p, nil)
+	if err != nil || size == 0 {
+		if errors.Is(err, unix.ENOTSUP) {
+			err = nil
+		}
+		return nil, err
+	}
+	buf := make([]byte, size)
+	if size, err = unix.Llistxattr(p, buf); err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for _, name := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
+		if !xattrTravels(name) {
+			continue
+		}
+		vsize, err := unix.Lgetxattr(p, name, nil)
+		if err != nil {
+			return nil, err
+		}
+		val := make([]byte, vsize)
+		if vsize, err = unix.Lgetxattr(p, name, val); err != nil {
+			return nil, err
+		}
+		out[name] = string(val[:vsize])
+	}
+	return out, nil
+}
+
+// Limits bound what an extraction accepts.
+type Limits struct {
+	// Bytes bounds the tar stream (after decoding); Entries, its entries.
+	Bytes, Entries int64
+}
+
+// DefaultLimits are generous for CI volumes and fatal to a decompression
+// bomb.
+var DefaultLimits = Limits{Bytes: 1 << 40, Entries: 10_000_000}
+
+// ErrRefused marks an archive that tried something no volume needs: an
+// entry outside the directory, a device node, a link that escapes, a limit
+// passed.
+var ErrRefused = errors.New("archive refused")
+
+func refused(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrRefused, fmt.Sprintf(format, args...))
+}
+
+// Unpack extracts a tar stream encoded with enc from r into dir, which must
+// be an empty directory. Nothing in the archive lands outside dir: names
+// are relative and clean, every parent is opened beneath dir without
+// following a symlink, hardlinks name files already extracted, and the
+// only device node is the whiteout. It reads the stream to its end, so that
+// the summary's digest covers every byte the sender hashed.
+func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits) (Summary, error) {
+	dr, err := enc.reader(r)
+	if err != nil {
+		return Summary{}, err
+	}
+	defer dr.Close()
+	root, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return Summary{}, err
+	}
+	defer unix.Close(root)
+	c := newCounter()
+	limited := &limitReader{r: dr, left: lim.Bytes}
+	tr := tar.NewReader(io.TeeReader(limited, c))
+	x := &extractor{root: root}
+	var entries int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return Summary{}, err
+		}
+		hdr, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return Summary{}, limited.explain(err)
+		}
+		if entries++; entries > lim.Entries {
+			return Summary{}, refused("more than %d entries", lim.Entries)
+		}
+		if err := x.entry(hdr, tr); err != nil {
+			return Summary{}, limited.explain(err)
+		}
+	}
+	// The end-of-archive blocks and padding count in the digest too.
+	if _, err := io.Copy(io.Discard, io.TeeReader(limited, c)); err != nil {
+		return Summary{}, limited.explain(err)
+	}
+	if err := x.finish(); err != nil {
+		return Summary{}, err
+	}
+	return c.summary(entries), nil
+}
+
+// limitReader fails a stream longer than its limit.
+type limitReader struct {
+	r    io.Reader
+	left int64
+}
+
+var errTooLong = errors.New("stream too long")
+
+func (l *limitReader) Read(p []byte) (int, error) {
+	if l.left <= 0 {
+		// At the limit: fine if the stream ends here.
+		var probe [1]byte
+		if n, err := l.r.Read(probe[:]); n == 0 && errors.Is(err, io.EOF) {
+			return 0, io.EOF
+		}
+		return 0, errTooLong
+	}
+	if int64(len(p)) > l.left {
+		p = p[:l.left]
+	}
+	n, err := l.r.Read(p)
+	l.left -= int64(n)
+	return n, err
+}
+
+func (l *limitReader) explain(err error) error {
+	if errors.Is(err, errTooLong) {
+		return refused("the stream passed its size limit")
+	}
+	return err
+}
+
+// extractor creates entries beneath root, by file descriptor.
+type extractor struct {
+	root int
+	// dirs get their times once everything in them is made.
+	dirs []*tar.Header
+}
+
+// cleanName checks an entry's name: relative, clean, no "..", no NUL.
+func cleanName(name string) (string, error) {
+	n := strings.TrimSuffix(name, "/")
+	if n == "" || n == "." || strings.HasPrefix(n, "/") || strings.ContainsRune(n, 0) || len(n) > unix.PathMax {
+		return "", refused("entry name %q", name)
+	}
+	for _, part := range strings.Split(n, "/") {
+		if part == "" || part == "." || part == ".." {
+			return "", refused("entry name %q", name)
+		}
+	}
+	return n, nil
+}
+
+// parent opens the directory holding name, beneath root, following no
+// symlink, and returns it with the last component.
+func (x *extractor) parent(name string) (int, string, error) {
+	dir, base := filepath.Split(name)
+	if dir == "" {
+		fd, err := unix.Dup(x.root)
+		return fd, base, err
+	}
+	fd, err := unix.Openat2(x.root, strings.TrimSuffix(dir, "/"), &unix.OpenHow{
+		Flags:   unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV,
+	})
+	if err != nil {
+		return -1, "", refused("the parent of %q: %v (a symlink, or missing)", name, err)
+	}
+	return fd, base, nil
+}
+
+func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
+	name, err := cleanName(hdr.Name)
+	if err != nil {
+		return err
+	}
+	for k, v := range hdr.PAXRecords {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!xattrTravels(xattr) || len(v) > 64<<10) {
+			return refused("%s: xattr %q", name, xattr)
+		}
+	}
+	dirfd, base, err := x.parent(name)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dirfd)
+	switch hdr.Typeflag {
+	case tar.TypeDir:
+		if err := unix.Mkdirat(dirfd, base, 0o700); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		x.dirs = append(x.dirs, hdr)
+		return x.attrs(dirfd, base, hdr, false)
+	case tar.TypeReg:
+		if hdr.Size < 0 {
+			return refused("%s: size %d", name, hdr.Size)
+		}
+		fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		f := os.NewFile(uintptr(fd), name)
+		err = writeFile(f, body, hdr)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+	case tar.TypeSymlink:
+		if err := unix.Symlinkat(hdr.Linkname, dirfd, base); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+	case tar.TypeLink:
+		target, err := cleanName(hdr.Linkname)
+		if err != nil {
+			return refused("%s: hardlink to %q", name, hdr.Linkname)
+		}
+		tdir, tbase, err := x.parent(target)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(tdir)
+		var st unix.Stat_t
+		if err := unix.Fstatat(tdir, tbase, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+			return refused("%s: hardlink to %q, which is not a file extracted before it", name, hdr.Linkname)
+		}
+		if err := unix.Linkat(tdir, tbase, dirfd, base, 0); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		return nil // the first name's attributes are the file's
+	case tar.TypeChar:
+		if hdr.Devmajor != 0 || hdr.Devminor != 0 {
+			return refused("%s: device node %d:%d (only whiteouts, 0:0, are moved)", name, hdr.Devmajor, hdr.Devminor)
+		}
+		if err := unix.Mknodat(dirfd, base, unix.S_IFCHR|0o600, 0); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+	case tar.TypeFifo:
+		if err := unix.Mkfifoat(dirfd, base, 0o600); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+	default:
+		return refused("%s: entry type %q", name, hdr.Typeflag)
+	}
+	return x.attrs(dirfd, base, hdr, hdr.Typeflag == tar.TypeSymlink)
+}
+
+// attrs gives an entry its xattrs, owner, mode and (but for dirs, done at
+// the end) times.
+func (x *extractor) attrs(dirfd int, base string, hdr *tar.Header, symlink bool) error {
+	path := fdPath(dirfd, base)
+	for k, v := range hdr.PAXRecords {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok {
+			if err := unix.Lsetxattr(path, xattr, []byte(v), 0); err != nil {
+				return fmt.Errorf("%s: xattr %s: %w", hdr.Name, xattr, err)
+			}
+		}
+	}
+	if err := unix.Fchownat(dirfd, base, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("%s: %w", hdr.Name, err)
+	}
+	if !symlink {
+		if err := unix.Fchmodat(dirfd, base, uint32(hdr.Mode&0o7777), 0); err != nil {
+			return fmt.Errorf("%s: %w", hdr.Name, err)
+		}
+	}
+	if hdr.Typeflag == tar.TypeDir {
+		return nil
+	}
+	return setTimes(dirfd, base, hdr)
+}
+
+func setTimes(dirfd int, base string, hdr *tar.Header) error {
+	ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
+	if err := unix.UtimesNanoAt(dirfd, base, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("%s: %w", hdr.Name, err)
+	}
+	return nil
+}
+
+// fdPath names base in the directory open as dirfd, for the calls that
+// take no directory descriptor (the xattr ones): through /proc, which
+// resolves the descriptor, not a path someone could swap.
+func fdPath(dirfd int, base string) string {
+	return fmt.Sprintf("/proc/self/fd/%d/%s", dirfd, base)
+}
+
+// finish sets the directories' times, deepest first, now that nothing more
+// is made in them.
+func (x *extractor) finish() error {
+	for i := len(x.dirs) - 1; i >= 0; i-- {
+		hdr := x.dirs[i]
+		name, _ := cleanName(hdr.Name)
+		dirfd, base, err := x.parent(name)
+		if err != nil {
+			return err
+		}
+		err = setTimes(dirfd, base, hdr)
+		unix.Close(dirfd)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeFile writes a file's body: its data segments where the sender sent
+// only those, each with runs of zeros left as holes.
+func writeFile(f *os.File, body io.Reader, hdr *tar.Header) error {
+	segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
+	if rec, ok := hdr.PAXRecords[paxHoles]; ok {
+		var err error
+		if size, segments, err = parseHoles(rec, hdr.Size); err != nil {
+			return err
+		}
+	}
+	for _, s := range segments {
+		if err := writeSparse(f, body, s[0], s[1]); err != nil {
+			return err
+		}
+	}
+	return f.Truncate(size)
+}
+
+// holeBlock is the run of zeros written as a hole instead.
+const holeBlock = 64 << 10
+
+// writeSparse copies n bytes of r into f at off, leaving runs of zeros as
+// holes: a sparse file stays sparse, whatever the sender's filesystem.
+func writeSparse(f *os.File, r io.Reader, off, n int64) error {
+	buf := make([]byte, holeBlock)
+	zero := make([]byte, holeBlock)
+	for end := off + n; off < end; {
+		got, err := io.ReadFull(r, buf[:min(int64(len(buf)), end-off)])
+		if got > 0 {
+			if got == holeBlock && bytes.Equal(buf[:got], zero) {
+				// a hole: skip it
+			} else if _, werr := f.WriteAt(buf[:got], off); werr != nil {
+				return werr
+			}
+			off += int64(got)
+		}
+		if err != nil {
+			if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+				return io.ErrUnexpectedEOF
+			}
+			return err
+		}
+	}
+	return nil
+}

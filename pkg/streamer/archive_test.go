@@ -1,0 +1,242 @@
+package streamer
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+)
+
+// A layer with every kind of entry travels in each encoding and lands
+// identical: modes, owners, times, xattrs (the overlay's opaque mark too),
+// the whiteout, the fifo, the hardlink, and the sparse file stays sparse.
+// Both ends agree on the size and digest of what crossed.
+func TestRoundTripKeepsALayer(t *testing.T) {
+	root := testfs.Mount(t, testfs.XFS, 1<<30)
+	src := filepath.Join(root, "src")
+	require.NoError(t, os.Mkdir(src, 0o755))
+	testfs.LayerTree(t, src)
+	want := testfs.Describe(t, src)
+	for _, enc := range []Encoding{Raw, Zstd, S2, Gzip} {
+		t.Run(string(enc), func(t *testing.T) {
+			var wire bytes.Buffer
+			sent, err := Pack(context.Background(), src, &wire, enc, true)
+			require.NoError(t, err)
+			require.Less(t, sent.Bytes, int64(8<<20), "the 256 MiB hole did not cross as zeros")
+			dst := filepath.Join(root, "dst-"+string(enc))
+			require.NoError(t, os.Mkdir(dst, 0o755))
+			got, err := Unpack(context.Background(), &wire, enc, dst, DefaultLimits)
+			require.NoError(t, err)
+			require.Equal(t, sent, got)
+			require.Equal(t, want, testfs.Describe(t, dst))
+			var st unix.Stat_t
+			require.NoError(t, unix.Stat(filepath.Join(dst, "sparse"), &st))
+			require.Less(t, st.Blocks*512, int64(1<<20), "the sparse file's holes stay holes")
+		})
+	}
+}
+
+// Without holes the stream is a plain tar any reader takes: the sparse
+// file is its zeros.
+func TestPackWithoutHolesIsAPlainTar(t *testing.T) {
+	src := t.TempDir()
+	f, err := os.Create(filepath.Join(src, "sparse"))
+	require.NoError(t, err)
+	_, err = f.WriteAt([]byte("tail"), 8<<20)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+	var wire bytes.Buffer
+	_, err = Pack(context.Background(), src, &wire, Raw, false)
+	require.NoError(t, err)
+	tr := tar.NewReader(&wire)
+	hdr, err := tr.Next()
+	require.NoError(t, err)
+	require.Equal(t, "sparse", hdr.Name)
+	require.Equal(t, int64(8<<20+4), hdr.Size)
+	require.NotContains(t, hdr.PAXRecords, paxHoles)
+}
+
+func TestPackRefusesDeviceNodes(t *testing.T) {
+	src := t.TempDir()
+	require.NoError(t, unix.Mknod(filepath.Join(src, "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+	_, err := Pack(context.Background(), src, &bytes.Buffer{}, Raw, true)
+	require.ErrorContains(t, err, "null is a device node (1:3)")
+}
+
+// entry is one header (and body) of a crafted archive.
+type entry struct {
+	hdr  tar.Header
+	body string
+}
+
+func craft(t testing.TB, entries ...entry) []byte {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, e := range entries {
+		h := e.hdr
+		if h.Typeflag == tar.TypeReg {
+			h.Size = int64(len(e.body))
+		}
+		if h.Mode == 0 {
+			h.Mode = 0o644
+		}
+		require.NoError(t, tw.WriteHeader(&h))
+		if e.body != "" {
+			_, err := tw.Write([]byte(e.body))
+			require.NoError(t, err)
+		}
+	}
+	require.NoError(t, tw.Close())
+	return buf.Bytes()
+}
+
+func file(name, body string) entry {
+	return entry{hdr: tar.Header{Name: name, Typeflag: tar.TypeReg}, body: body}
+}
+
+// Every way out of the directory a crafted archive can try is refused, and
+// nothing lands outside it (nor is anything outside read, written or
+// linked).
+func TestUnpackRefusesAttacks(t *testing.T) {
+	tests := []struct {
+		name    string
+		entries []entry
+		limits  Limits
+		wantErr string
+	}{
+		{name: "dot-dot", entries: []entry{file("../escaped", "x")}, wantErr: "archive refused"},
+		{name: "dot-dot inside", entries: []entry{file("a/../../escaped", "x")}, wantErr: "archive refused"},
+		{name: "absolute", entries: []entry{file("/tmp/escaped", "x")}, wantErr: "archive refused"},
+		{name: "empty name", entries: []entry{file("", "x")}, wantErr: "archive refused"},
+		{name: "through a symlink to outside", entries: []entry{
+			{hdr: tar.Header{Name: "link", Typeflag: tar.TypeSymlink, Linkname: "OUTSIDE"}},
+			file("link/escaped", "x"),
+		}, wantErr: "a symlink"},
+		{name: "through a symlink to inside", entries: []entry{
+			{hdr: tar.Header{Name: "d", Typeflag: tar.TypeDir}},
+			{hdr: tar.Header{Name: "link", Typeflag: tar.TypeSymlink, Linkname: "d"}},
+			file("link/f", "x"),
+		}, wantErr: "a symlink"},
+		{name: "hardlink outside", entries: []entry{
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "../secret"}},
+		}, wantErr: "archive refused"},
+		{name: "hardlink through a symlink", entries: []entry{
+			{hdr: tar.Header{Name: "link", Typeflag: tar.TypeSymlink, Linkname: "OUTSIDE"}},
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "link/secret"}},
+		}, wantErr: "a symlink"},
+		{name: "hardlink to a symlink", entries: []entry{
+			{hdr: tar.Header{Name: "link", Typeflag: tar.TypeSymlink, Linkname: "OUTSIDE/secret"}},
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "link"}},
+		}, wantErr: "not a file extracted before it"},
+		{name: "hardlink to nothing yet", entries: []entry{
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "later"}},
+			file("later", "x"),
+		}, wantErr: "not a file extracted before it"},
+		{name: "a device node", entries: []entry{
+			{hdr: tar.Header{Name: "null", Typeflag: tar.TypeChar, Devmajor: 1, Devminor: 3}},
+		}, wantErr: "device node 1:3"},
+		{name: "a block device", entries: []entry{
+			{hdr: tar.Header{Name: "sda", Typeflag: tar.TypeBlock, Devmajor: 8}},
+		}, wantErr: "entry type"},
+		{name: "an xattr that does not travel", entries: []entry{
+			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxXattr + "security.selinux": "system_u:object_r:shadow_t:s0"}}},
+		}, wantErr: `xattr "security.selinux"`},
+		{name: "a sparse map past the file's end", entries: []entry{
+			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxHoles: "10 8:4"}}, body: "abcd"},
+		}, wantErr: "sparse map segment"},
+		{name: "a sparse map with overlapping segments", entries: []entry{
+			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxHoles: "100 0:4 2:4"}}, body: "abcdefgh"},
+		}, wantErr: "sparse map segment"},
+		{name: "a sparse map that is not the body", entries: []entry{
+			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxHoles: "1099511627776 0:1"}}, body: "abcd"},
+		}, wantErr: "sparse map holds 1 bytes"},
+		{name: "a name twice", entries: []entry{file("f", "1"), file("f", "2")}, wantErr: "file exists"},
+		{name: "too many entries", entries: []entry{file("a", "1"), file("b", "2"), file("c", "3")},
+			limits: Limits{Bytes: 1 << 20, Entries: 2}, wantErr: "more than 2 entries"},
+		{name: "too many bytes", entries: []entry{file("big", string(make([]byte, 64<<10)))},
+			limits: Limits{Bytes: 16 << 10, Entries: 10}, wantErr: "size limit"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			base := t.TempDir()
+			outside, dir := filepath.Join(base, "outside"), filepath.Join(base, "dir")
+			require.NoError(t, os.Mkdir(outside, 0o755))
+			require.NoError(t, os.WriteFile(filepath.Join(outside, "secret"), []byte("secret"), 0o600))
+			require.NoError(t, os.Mkdir(dir, 0o755))
+			for i := range tc.entries {
+				if tc.entries[i].hdr.Linkname == "OUTSIDE" {
+					tc.entries[i].hdr.Linkname = outside
+				} else if rest, ok := bytes.CutPrefix([]byte(tc.entries[i].hdr.Linkname), []byte("OUTSIDE/")); ok {
+					tc.entries[i].hdr.Linkname = filepath.Join(outside, string(rest))
+				}
+			}
+			lim := tc.limits
+			if lim == (Limits{}) {
+				lim = DefaultLimits
+			}
+			_, err := Unpack(context.Background(), bytes.NewReader(craft(t, tc.entries...)), Raw, dir, lim)
+			require.ErrorContains(t, err, tc.wantErr)
+			names, err := os.ReadDir(outside)
+			require.NoError(t, err)
+			require.Len(t, names, 1, "nothing lands outside")
+			secret, err := os.ReadFile(filepath.Join(outside, "secret"))
+			require.NoError(t, err)
+			require.Equal(t, "secret", string(secret))
+			var st unix.Stat_t
+			require.NoError(t, unix.Stat(filepath.Join(outside, "secret"), &st))
+			require.Equal(t, uint64(1), uint64(st.Nlink), "nothing outside is linked")
+			_, err = os.Stat(filepath.Join(base, "escaped"))
+			require.True(t, os.IsNotExist(err))
+		})
+	}
+}
+
+// A stream with a byte changed in transit either fails to decode or
+// carries another digest: the receiver can tell.
+func TestCorruptionIsDetected(t *testing.T) {
+	src := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(src, "f"), bytes.Repeat([]byte("cowvol "), 10_000), 0o644))
+	for _, enc := range []Encoding{Raw, Zstd, S2, Gzip} {
+		t.Run(string(enc), func(t *testing.T) {
+			var wire bytes.Buffer
+			sent, err := Pack(context.Background(), src, &wire, enc, true)
+			require.NoError(t, err)
+			raw := wire.Bytes()
+			raw[len(raw)/2] ^= 0x40
+			got, err := Unpack(context.Background(), bytes.NewReader(raw), enc, t.TempDir(), DefaultLimits)
+			if err == nil {
+				require.NotEqual(t, sent.Digest, got.Digest)
+			}
+		})
+	}
+}
+
+// The extractor takes any bytes without panicking and without making
+// anything outside its directory.
+func FuzzUnpack(f *testing.F) {
+	f.Add(craft(f, file("a", "x")))
+	f.Add(craft(f, entry{hdr: tar.Header{Name: "d", Typeflag: tar.TypeDir}}, file("d/f", "y"),
+		entry{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "d/f"}}))
+	f.Add(craft(f, entry{hdr: tar.Header{Name: "l", Typeflag: tar.TypeSymlink, Linkname: "/"}}, file("l/etc/x", "z")))
+	f.Add(craft(f, file("../x", "x")))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		base := t.TempDir()
+		dir := filepath.Join(base, "dir")
+		require.NoError(t, os.Mkdir(dir, 0o755))
+		_, _ = Unpack(context.Background(), bytes.NewReader(data), Raw, dir, Limits{Bytes: 1 << 20, Entries: 1000})
+		names, err := os.ReadDir(base)
+		require.NoError(t, err)
+		require.Len(t, names, 1, "only dir in %s", base)
+	})
+}
