@@ -9,6 +9,7 @@ package streamer
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -23,6 +24,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -87,13 +89,15 @@ const maxSegments = 20_000
 // Unpack; a plain tar reader would misread them). Device nodes other than
 // whiteouts and sockets cannot be moved: Pack refuses them, saying which.
 func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes bool) (Summary, error) {
-	ew, err := enc.writer(w)
+	// Buffered: a tar writes 512-byte headers, and a socket write each
+	// would cost more than the file.
+	bw := bufio.NewWriterSize(w, streamBuffer)
+	ew, err := enc.writer(bw)
 	if err != nil {
 		return Summary{}, err
 	}
 	c := newCounter()
-	tw := tar.NewWriter(io.MultiWriter(ew, c))
-	seen := map[[2]uint64]string{}
+	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, holes: holes, buf: make([]byte, 256<<10)}
 	var entries int64
 	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -107,13 +111,16 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes boo
 			return err
 		}
 		entries++
-		return packEntry(tw, p, filepath.ToSlash(rel), seen, holes)
+		return pk.entry(p, filepath.ToSlash(rel))
 	})
 	if err == nil {
-		err = tw.Close()
+		err = pk.tw.Close()
 	}
 	if err == nil {
 		err = ew.Close()
+	}
+	if err == nil {
+		err = bw.Flush()
 	}
 	if err != nil {
 		return Summary{}, err
@@ -121,7 +128,18 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes boo
 	return c.summary(entries), nil
 }
 
-func packEntry(tw *tar.Writer, p, name string, seen map[[2]uint64]string, holes bool) error {
+// streamBuffer is what each end buffers of a stream.
+const streamBuffer = 256 << 10
+
+// packer writes a tree's entries.
+type packer struct {
+	tw    *tar.Writer
+	seen  map[[2]uint64]string // first names of files with several links
+	holes bool
+	buf   []byte // one copy buffer for every file
+}
+
+func (pk *packer) entry(p, name string) error {
 	var st unix.Stat_t
 	if err := unix.Lstat(p, &st); err != nil {
 		return err
@@ -151,19 +169,19 @@ func packEntry(tw *tar.Writer, p, name string, seen map[[2]uint64]string, holes 
 		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
 	case unix.S_IFREG:
 		key := [2]uint64{st.Dev, st.Ino}
-		if first, ok := seen[key]; ok && st.Nlink > 1 {
+		if first, ok := pk.seen[key]; ok && st.Nlink > 1 {
 			hdr.Typeflag, hdr.Linkname = tar.TypeLink, first
 			break
 		}
 		if st.Nlink > 1 {
-			seen[key] = name
+			pk.seen[key] = name
 		}
 		if file, err = os.Open(p); err != nil {
 			return err
 		}
 		defer file.Close()
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
-		if holes && st.Blocks*512 < st.Size {
+		if pk.holes && st.Blocks*512 < st.Size {
 			if segments, err = dataSegments(file, st.Size); err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
@@ -184,7 +202,7 @@ func packEntry(tw *tar.Writer, p, name string, seen map[[2]uint64]string, holes 
 	default:
 		return fmt.Errorf("%s is a %s: it cannot be moved", name, fs.FileMode(st.Mode).Type())
 	}
-	if err := tw.WriteHeader(hdr); err != nil {
+	if err := pk.tw.WriteHeader(hdr); err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
 	if file == nil {
@@ -194,7 +212,7 @@ func packEntry(tw *tar.Writer, p, name string, seen map[[2]uint64]string, holes 
 		segments = [][2]int64{{0, hdr.Size}}
 	}
 	for _, s := range segments {
-		if n, err := io.Copy(tw, io.NewSectionReader(file, s[0], s[1])); err != nil {
+		if n, err := io.CopyBuffer(pk.tw, io.NewSectionReader(file, s[0], s[1]), pk.buf); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		} else if n != s[1] {
 			return fmt.Errorf("%s changed while it was read", name)
@@ -326,7 +344,7 @@ func refused(format string, args ...any) error {
 // only device node is the whiteout. It reads the stream to its end, so that
 // the summary's digest covers every byte the sender hashed.
 func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits) (Summary, error) {
-	dr, err := enc.reader(r)
+	dr, err := enc.reader(bufio.NewReaderSize(r, streamBuffer))
 	if err != nil {
 		return Summary{}, err
 	}
@@ -339,7 +357,8 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	c := newCounter()
 	limited := &limitReader{r: dr, left: lim.Bytes}
 	tr := tar.NewReader(io.TeeReader(limited, c))
-	x := &extractor{root: root}
+	x := &extractor{root: root, buf: make([]byte, holeBlock), zero: make([]byte, holeBlock), cachedFd: -1}
+	defer x.close()
 	var entries int64
 	for {
 		if err := ctx.Err(); err != nil {
@@ -406,6 +425,18 @@ type extractor struct {
 	root int
 	// dirs get their times once everything in them is made.
 	dirs []*tar.Header
+	// buf and zero are every file's copy buffer and the hole to compare
+	// with.
+	buf, zero []byte
+	// The parent of the last entry stays open: entries come dir by dir.
+	cachedDir string
+	cachedFd  int
+}
+
+func (x *extractor) close() {
+	if x.cachedFd >= 0 {
+		unix.Close(x.cachedFd)
+	}
 }
 
 // cleanName checks an entry's name: relative, clean, no "..", no NUL.
@@ -422,9 +453,26 @@ func cleanName(name string) (string, error) {
 	return n, nil
 }
 
-// parent opens the directory holding name, beneath root, following no
-// symlink, and returns it with the last component.
+// parent is the directory holding name, opened beneath root as
+// openParent does, and the last component; it stays the extractor's to
+// close.
 func (x *extractor) parent(name string) (int, string, error) {
+	dir, base := filepath.Split(name)
+	if x.cachedFd >= 0 && dir == x.cachedDir {
+		return x.cachedFd, base, nil
+	}
+	fd, base, err := x.openParent(name)
+	if err != nil {
+		return -1, "", err
+	}
+	x.close()
+	x.cachedDir, x.cachedFd = dir, fd
+	return fd, base, nil
+}
+
+// openParent opens the directory holding name, beneath root, following no
+// symlink, and returns it (the caller's to close) with the last component.
+func (x *extractor) openParent(name string) (int, string, error) {
 	dir, base := filepath.Split(name)
 	if dir == "" {
 		fd, err := unix.Dup(x.root)
@@ -454,7 +502,6 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	if err != nil {
 		return err
 	}
-	defer unix.Close(dirfd)
 	switch hdr.Typeflag {
 	case tar.TypeDir:
 		if err := unix.Mkdirat(dirfd, base, 0o700); err != nil {
@@ -471,13 +518,17 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 		f := os.NewFile(uintptr(fd), name)
-		err = writeFile(f, body, hdr)
+		err = x.writeFile(f, body, hdr)
+		if err == nil {
+			err = fileAttrs(fd, hdr) // through the descriptor: no path lookups
+		}
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
+		return nil
 	case tar.TypeSymlink:
 		if err := unix.Symlinkat(hdr.Linkname, dirfd, base); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
@@ -487,7 +538,7 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		if err != nil {
 			return refused("%s: hardlink to %q", name, hdr.Linkname)
 		}
-		tdir, tbase, err := x.parent(target)
+		tdir, tbase, err := x.openParent(target)
 		if err != nil {
 			return err
 		}
@@ -568,7 +619,6 @@ func (x *extractor) finish() error {
 			return err
 		}
 		err = setTimes(dirfd, base, hdr)
-		unix.Close(dirfd)
 		if err != nil {
 			return err
 		}
@@ -578,7 +628,7 @@ func (x *extractor) finish() error {
 
 // writeFile writes a file's body: its data segments where the sender sent
 // only those, each with runs of zeros left as holes.
-func writeFile(f *os.File, body io.Reader, hdr *tar.Header) error {
+func (x *extractor) writeFile(f *os.File, body io.Reader, hdr *tar.Header) error {
 	segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
 	if rec, ok := hdr.PAXRecords[paxHoles]; ok {
 		var err error
@@ -586,38 +636,71 @@ func writeFile(f *os.File, body io.Reader, hdr *tar.Header) error {
 			return err
 		}
 	}
+	var end int64 // past the last byte written
 	for _, s := range segments {
-		if err := writeSparse(f, body, s[0], s[1]); err != nil {
+		written, err := x.writeSparse(f, body, s[0], s[1])
+		if err != nil {
 			return err
 		}
+		end = max(end, written)
+	}
+	if end == size {
+		return nil // a truncate costs a journal transaction per file
 	}
 	return f.Truncate(size)
+}
+
+// fileAttrs gives a regular file its xattrs, owner, mode and times
+// through its descriptor.
+func fileAttrs(fd int, hdr *tar.Header) error {
+	for k, v := range hdr.PAXRecords {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok {
+			if err := unix.Fsetxattr(fd, xattr, []byte(v), 0); err != nil {
+				return fmt.Errorf("xattr %s: %w", xattr, err)
+			}
+		}
+	}
+	if err := unix.Fchown(fd, hdr.Uid, hdr.Gid); err != nil {
+		return err
+	}
+	if err := unix.Fchmod(fd, uint32(hdr.Mode&0o7777)); err != nil {
+		return err
+	}
+	ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
+	// utimensat(fd, NULL, ...) is futimens: x/sys names no path-less form.
+	if _, _, errno := unix.Syscall6(unix.SYS_UTIMENSAT, uintptr(fd), 0, uintptr(unsafe.Pointer(&ts[0])), 0, 0, 0); errno != 0 {
+		return errno
+	}
+	return nil
 }
 
 // holeBlock is the run of zeros written as a hole instead.
 const holeBlock = 64 << 10
 
 // writeSparse copies n bytes of r into f at off, leaving runs of zeros as
-// holes: a sparse file stays sparse, whatever the sender's filesystem.
-func writeSparse(f *os.File, r io.Reader, off, n int64) error {
-	buf := make([]byte, holeBlock)
-	zero := make([]byte, holeBlock)
+// holes: a sparse file stays sparse, whatever the sender's filesystem. It
+// says where the last byte it wrote ends.
+func (x *extractor) writeSparse(f *os.File, r io.Reader, off, n int64) (int64, error) {
+	buf, zero := x.buf, x.zero
+	var written int64
 	for end := off + n; off < end; {
 		got, err := io.ReadFull(r, buf[:min(int64(len(buf)), end-off)])
 		if got > 0 {
 			if got == holeBlock && bytes.Equal(buf[:got], zero) {
 				// a hole: skip it
 			} else if _, werr := f.WriteAt(buf[:got], off); werr != nil {
-				return werr
+				return 0, werr
+			} else {
+				written = off + int64(got)
 			}
 			off += int64(got)
 		}
 		if err != nil {
 			if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
-				return io.ErrUnexpectedEOF
+				return 0, io.ErrUnexpectedEOF
 			}
-			return err
+			return 0, err
 		}
 	}
-	return nil
+	return written, nil
 }
