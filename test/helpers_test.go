@@ -141,3 +141,16 @@ func eventually(t *testing.T, what string, cond func() bool) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// mountID is the unique ID of the mount whose root path is, or 0 when path
+// is not a mount root: a view adopted across a restart keeps its ID, a
+// view mounted again gets a new one.
+func mountID(t *testing.T, path string) uint64 {
+	t.Helper()
+	id, root, err := overlay.MountOf(path)
+	require.NoError(t, err)
+	if !root {
+		return 0
+	}
+	return id
+}
