@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"runtime"
 	"strconv"
@@ -42,15 +41,6 @@ func inventory(node int) []*controllerv1.VolumeSummary {
 		}
 	}
 	return out
-}
-
-func freeAddr(b *testing.B) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 func rss(b *testing.B, pid int) int64 {
@@ -100,7 +90,7 @@ func queries(b *testing.B, cache controllerv1.CacheClient) (lookups, placements 
 // 10 handles, placement of a 5-input step, rebuilding the whole view after a
 // restart, and its memory.
 func BenchmarkControllerFleet(b *testing.B) {
-	addr := freeAddr(b)
+	addr := plugintest.FreeAddr(b)
 	// GOMEMLIMIT as deploy/csi's controller Deployment sets it, under its
 	// 512 MiB memory limit.
 	ctl := plugintest.Start(b, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr, "-v=2"},

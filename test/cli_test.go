@@ -143,13 +143,6 @@ func TestControllerMode(t *testing.T) {
 	require.Equal(t, driver.DefaultDriverName, info.Name)
 }
 
-func freePort(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer l.Close()
-	return l.Addr().String()
-}
-
 func TestMetrics(t *testing.T) {
 	testfs.Need(t)
 	e := newEnv(t, plugintest.Config{Backend: "overlay"})

@@ -50,7 +50,7 @@ type fleet struct {
 func startFleet(t *testing.T, ctlArgs []string, nodeIDs ...string) *fleet {
 	t.Helper()
 	testfs.Need(t)
-	addr := freePort(t)
+	addr := plugintest.FreeAddr(t)
 	f := &fleet{nodes: map[string]*env{}, addr: addr}
 	f.ctl = plugintest.Start(t, plugintest.Config{Mode: "controller", Args: append([]string{"--api-address=" + addr}, ctlArgs...)})
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -231,7 +231,7 @@ func TestGarbageCollectionThroughTheController(t *testing.T) {
 // placements and refuses captures until resumed; a retiring node, once its
 // steps are done, destroys everything it holds and leaves.
 func TestNodeLifecycleThroughTheController(t *testing.T) {
-	metrics := freePort(t)
+	metrics := plugintest.FreeAddr(t)
 	f := startFleet(t, []string{"--metrics-address=" + metrics}, "node-a", "node-b")
 	api, a, b, ctx := f.api, f.nodes["node-a"], f.nodes["node-b"], context.Background()
 	a.step("", "res", func(dir string) { write(t, dir, "f", "a") })
@@ -328,7 +328,7 @@ func TestControllerAuthentication(t *testing.T) {
 		"node-token-0123456789,system:cowvol-node,*\nadmin-token-0123456789,admin,*\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
 	nodeToken := filepath.Join(dir, "node-token")
 	require.NoError(t, os.WriteFile(nodeToken, []byte("node-token-0123456789\n"), 0o600))
-	addr := freePort(t)
+	addr := plugintest.FreeAddr(t)
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr,
 		"--tls-cert-file=" + cert, "--tls-key-file=" + key, "--tokens-file=" + tokens}})
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr,

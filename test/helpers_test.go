@@ -37,7 +37,7 @@ func newEnv(t *testing.T, cfg plugintest.Config) *env {
 	if cfg.KubeletDir == "" {
 		cfg.KubeletDir = kubeletDir(t)
 	}
-	metrics := freePort(t)
+	metrics := plugintest.FreeAddr(t)
 	cfg.Args = append([]string{"--metrics-address=" + metrics}, cfg.Args...)
 	return &env{t: t, p: plugintest.Start(t, cfg), metrics: metrics}
 }

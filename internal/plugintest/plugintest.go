@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -292,3 +293,18 @@ func (p *Plugin) Restart(extraEnv ...string) {
 	p.Kill()
 	p.start(extraEnv)
 }
+
+// FreePort is a loopback TCP port nothing listens on now (for a plugin's
+// API, metrics or peer address).
+func FreePort(tb testing.TB) int {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// FreeAddr is FreePort as a host:port.
+func FreeAddr(tb testing.TB) string { return fmt.Sprintf("127.0.0.1:%d", FreePort(tb)) }

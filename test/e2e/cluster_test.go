@@ -113,15 +113,6 @@ func linkNames(t *testing.T) []string {
 	return names
 }
 
-func freePort(t *testing.T) int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 func (c *cluster) start(name string, env []string, args ...string) *proc {
 	c.t.Helper()
 	p := &proc{name: name, log: filepath.Join(c.work, "logs", name+".log"), done: make(chan error, 1)}
@@ -264,7 +255,7 @@ func (c *cluster) startEtcd() {
 	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=512m"); err != nil {
 		c.t.Fatal(err)
 	}
-	client, peer := freePort(c.t), freePort(c.t)
+	client, peer := plugintest.FreePort(c.t), plugintest.FreePort(c.t)
 	cu, pu := fmt.Sprintf("http://127.0.0.1:%d", client), fmt.Sprintf("http://127.0.0.1:%d", peer)
 	c.start("etcd", nil, "etcd", "--name=e2e", "--data-dir="+filepath.Join(dir, "data"),
 		"--listen-client-urls="+cu, "--advertise-client-urls="+cu,
@@ -283,7 +274,7 @@ func (c *cluster) startAPIServer() {
 	tokens := filepath.Join(dir, "tokens.csv")
 	writeFile(c.t, tokens, adminToken+",admin,admin,system:masters\n")
 	etcdArgs := c.procs["etcd"].cmd.Args
-	port := freePort(c.t)
+	port := plugintest.FreePort(c.t)
 	c.start("kube-apiserver", nil, filepath.Join(c.bin, "kube-apiserver"),
 		"--etcd-servers="+etcdArgs[len(etcdArgs)-1],
 		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
@@ -419,7 +410,7 @@ serializeImagePulls: false
 resolvConf: ""
 syncFrequency: 2s
 fileCheckFrequency: 2s
-`, freePort(c.t), c.containerd))
+`, plugintest.FreePort(c.t), c.containerd))
 	c.start("kubelet", nil, filepath.Join(c.bin, "kubelet"), "--config="+config, "--kubeconfig="+c.kubeconfig,
 		"--root-dir="+c.kubeletDir, "--hostname-override="+nodeName, "--v=2")
 	c.until("the node to register", 90*time.Second, func() bool {
@@ -434,7 +425,7 @@ fileCheckFrequency: 2s
 // startController runs cowvol's controller on the host, following the
 // cluster's Nodes through the API server, and connects a scheduler's client.
 func (c *cluster) startController() {
-	c.controllerAddr = fmt.Sprintf("127.0.0.1:%d", freePort(c.t))
+	c.controllerAddr = fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.t))
 	c.controller = plugintest.Start(c.t, plugintest.Config{Mode: "controller",
 		Args: []string{"--api-address=" + c.controllerAddr, "--kubeconfig=" + c.kubeconfig, "--node-id=cowvol-controller"}})
 	cache, err := client.Dial(client.Options{Address: c.controllerAddr})

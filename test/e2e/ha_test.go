@@ -34,7 +34,7 @@ const (
 )
 
 func (c *cluster) startReplica(name string) *replica {
-	r := &replica{name: name, api: fmt.Sprintf("127.0.0.1:%d", freePort(c.t)), metrics: fmt.Sprintf("127.0.0.1:%d", freePort(c.t))}
+	r := &replica{name: name, api: fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.t)), metrics: fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.t))}
 	r.p = plugintest.Start(c.t, plugintest.Config{Mode: "controller", Args: []string{
 		"--api-address=" + r.api, "--metrics-address=" + r.metrics, "--kubeconfig=" + c.kubeconfig, "--node-id=" + name,
 		"--leader-election", "--leader-election-namespace=cowvol", "--leader-election-lease=cowvol-controller-e2e",

@@ -66,7 +66,7 @@ func (c *cluster) kubeAuth() {
 	t := c.t
 	ctx := context.Background()
 	c.mustKubectl(kubeAuthRBAC, "apply", "-f", "-")
-	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	addr := fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(t))
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{
 		"--api-address=" + addr, "--kubeconfig=" + c.kubeconfig, "--node-id=ctl-kube-auth", "--kube-auth"}})
 	dial := func(token string) *client.Client {

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/client"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
@@ -66,7 +67,7 @@ func (c *cluster) reachThroughKubeconfig() {
 	t := c.t
 	ctx := context.Background()
 	const name, lease = "cowvol-controller-pf", "cowvol-controller-pf"
-	port := freePort(t)
+	port := plugintest.FreePort(t)
 	c.controllerPod(name, lease, port)
 	cfg, err := clientcmd.BuildConfigFromFlags("", c.kubeconfig)
 	require.NoError(t, err)
