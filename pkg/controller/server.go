@@ -80,9 +80,9 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 	if err != nil {
 		return nil, code(err)
 	}
-	c := CallerFrom(ctx)
+	may := CallerFrom(ctx).MayIn(ctx, "get")
 	for i, l := range locs {
-		if l.GetScope() != string(volume.ScopeCluster) && !c.May(ctx, "get", ResourceVolumes, refs[i].GetNamespace()) {
+		if l.GetScope() != string(volume.ScopeCluster) && !may(refs[i].GetNamespace()) {
 			locs[i] = &controllerv1.VolumeLocation{Ref: refs[i]}
 		}
 	}
@@ -123,7 +123,7 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 		after = string(raw)
 	}
 	c := CallerFrom(ctx)
-	visible := func(ns string) bool { return c.May(ctx, "list", ResourceVolumes, ns) }
+	visible := c.MayIn(ctx, "list")
 	if c.May(ctx, "list", ResourceVolumes, "") {
 		visible = nil // every namespace
 	}
@@ -146,8 +146,7 @@ func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest)
 	if len(req.GetInputs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d inputs in one call: at most %d", len(req.GetInputs()), maxLookup)
 	}
-	c := CallerFrom(ctx)
-	nodes, err := s.view.Place(req.GetInputs(), func(ns string) bool { return c.May(ctx, "get", ResourceVolumes, ns) }, time.Now())
+	nodes, err := s.view.Place(req.GetInputs(), CallerFrom(ctx).MayIn(ctx, "get"), time.Now())
 	if err != nil {
 		return nil, code(err)
 	}
