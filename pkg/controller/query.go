@@ -1,6 +1,7 @@
 package controller
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"sort"
@@ -13,11 +14,16 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// stateRank orders the states a volume's copies are in: the best one is
-// the volume's.
-func stateRank(c stateCode) int {
-	return map[volume.State]int{volume.StateReady: 3, volume.StateCreating: 2, volume.StateFailed: 1}[states[c]]
-}
+// stateRank orders the states a volume's copies are in, by stateCode: the
+// best one is the volume's (ready, then creating, then failed).
+var stateRank = func() []int {
+	rank := map[volume.State]int{volume.StateReady: 3, volume.StateCreating: 2, volume.StateFailed: 1}
+	out := make([]int, len(states))
+	for i, s := range states {
+		out[i] = rank[s]
+	}
+	return out
+}()
 
 // location is what the live nodes say of one volume: the best state any
 // holds it in, with that copy's metadata, and which hold it ready and which
@@ -30,7 +36,7 @@ func (v *View) location(e *entry, now time.Time) *controllerv1.VolumeLocation {
 		if !ok || !v.live(n, now) {
 			continue
 		}
-		if !loc.Found || stateRank(rec.state) > stateRank(best.state) {
+		if !loc.Found || stateRank[rec.state] > stateRank[best.state] {
 			loc.Found, best = true, rec
 		}
 		if states[rec.state] == volume.StateReady {
@@ -136,20 +142,13 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, visible func(namespace st
 	slices.SortFunc(out, func(a, b *controllerv1.NodePlacement) int {
 		switch {
 		case a.InputBytesHeld != b.InputBytesHeld:
-			return cmpDesc(a.InputBytesHeld, b.InputBytesHeld)
+			return cmp.Compare(b.InputBytesHeld, a.InputBytesHeld) // most first
 		case a.BytesFree != b.BytesFree:
-			return cmpDesc(a.BytesFree, b.BytesFree)
+			return cmp.Compare(b.BytesFree, a.BytesFree)
 		}
 		return strings.Compare(a.NodeId, b.NodeId)
 	})
 	return out, nil
-}
-
-func cmpDesc(a, b int64) int {
-	if a > b {
-		return -1
-	}
-	return 1
 }
 
 // Entry is one cached volume across the live nodes.

@@ -56,8 +56,8 @@ type View struct {
 	// byNamespace indexes every volume some node reports: namespace,
 	// then handle.
 	byNamespace map[string]map[string]*entry
-	// names interns the strings many records repeat (namespaces,
-	// property keys), so a million records do not hold a million copies.
+	// names interns the namespaces a million entries repeat, so that they
+	// do not hold a million copies.
 	names interner
 }
 
@@ -377,7 +377,7 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 		e = &entry{}
 		e.holders = e.one[:0]
 		e.ref.Namespace = ns
-		e.ref.Handle, e.props = v.keep(u.ref.Handle, u.props)
+		e.ref.Handle, e.props = keep(u.ref.Handle, u.props)
 		if v.byNamespace[ns] == nil {
 			v.byNamespace[ns] = map[string]*entry{}
 		}
@@ -390,7 +390,7 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 	}
 	n.held[e] = u.rec
 	e.scope = u.scope
-	if e.props != u.props {
+	if e.props != u.props { // equal ones stay in the handle's allocation
 		e.props = u.props
 	}
 	switch p := u.parent; {
@@ -409,7 +409,7 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 
 // keep copies a volume's handle and properties out of the report they were
 // decoded from, in one allocation.
-func (v *View) keep(handle, props string) (string, string) {
+func keep(handle, props string) (string, string) {
 	all := handle + props
 	return all[:len(handle)], all[len(handle):]
 }
