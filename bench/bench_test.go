@@ -32,11 +32,19 @@ const (
 // with sizes spread around the mean and contents that are not all zeros.
 func genTree(b *testing.B, root string, files int, bytes int64) {
 	b.Helper()
-	mean := bytes / int64(files)
-	buf := make([]byte, 2*mean)
+	buf := make([]byte, 2*(bytes/int64(files)))
 	for i := range buf {
 		buf[i] = byte(i*31 + i>>8)
 	}
+	writeTree(b, root, files, bytes, func(_ int, size int64) []byte { return buf[:size] })
+}
+
+// writeTree writes files totalling about bytes into root, in dirs of
+// dirFiles, with sizes spread around the mean (at most twice it) and each
+// file's contents from contents.
+func writeTree(b *testing.B, root string, files int, bytes int64, contents func(i int, size int64) []byte) {
+	b.Helper()
+	mean := bytes / int64(files)
 	for i := range files {
 		dir := filepath.Join(root, fmt.Sprintf("d%03d", i/dirFiles))
 		if i%dirFiles == 0 {
@@ -45,7 +53,7 @@ func genTree(b *testing.B, root string, files int, bytes int64) {
 			}
 		}
 		size := 2 * mean * int64((i*7919)%1000) / 1000
-		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%05d", i)), buf[:size], 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%05d", i)), contents(i, size), 0o644); err != nil {
 			b.Fatal(err)
 		}
 	}

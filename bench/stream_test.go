@@ -27,23 +27,13 @@ func genMixedTree(b *testing.B, root string, files int, bytes int64) {
 	text := []byte(strings.Repeat(line, int(2*mean)/len(line)+1))
 	random := make([]byte, 2*mean)
 	rng := rand.NewChaCha8([32]byte{7, 11})
-	for i := range files {
-		dir := filepath.Join(root, fmt.Sprintf("d%03d", i/dirFiles))
-		if i%dirFiles == 0 {
-			if err := os.MkdirAll(dir, 0o755); err != nil {
-				b.Fatal(err)
-			}
+	writeTree(b, root, files, bytes, func(i int, size int64) []byte {
+		if i%2 == 0 {
+			return text[:size]
 		}
-		size := 2 * mean * int64((i*7919)%1000) / 1000
-		data := text
-		if i%2 == 1 {
-			_, _ = rng.Read(random[:size]) // each its own: nothing to find across files
-			data = random
-		}
-		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%05d", i)), data[:size], 0o644); err != nil {
-			b.Fatal(err)
-		}
-	}
+		_, _ = rng.Read(random[:size]) // each its own: nothing to find across files
+		return random[:size]
+	})
 }
 
 // socketPair is a TCP connection over loopback: what a stream between

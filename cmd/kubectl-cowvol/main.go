@@ -79,18 +79,19 @@ func newRoot(out io.Writer) *cobra.Command {
 	return root
 }
 
-// connect dials the controller for one command.
-func (o *options) connect(cmd *cobra.Command) (*client.Client, context.Context, func(), error) {
+// call dials the controller for one command and runs do with it.
+func (o *options) call(cmd *cobra.Command, do func(context.Context, *client.Client) error) error {
 	if o.output != "" && o.output != "json" && o.output != "yaml" {
-		return nil, nil, nil, fmt.Errorf("output %q: want json or yaml", o.output)
+		return fmt.Errorf("output %q: want json or yaml", o.output)
 	}
 	ctx, cancel := context.WithTimeout(cmd.Context(), o.timeout)
+	defer cancel()
 	c, err := o.dialController(ctx)
 	if err != nil {
-		cancel()
-		return nil, nil, nil, err
+		return err
 	}
-	return c, ctx, func() { cancel(); c.Close() }, nil
+	defer c.Close()
+	return do(ctx, c)
 }
 
 // dialController reaches the controller at --controller-address, or else
@@ -153,16 +154,13 @@ func (o *options) nodesCmd() *cobra.Command {
 		Short: "List the nodes the controller knows: state, store, volumes, bytes, free space, last heartbeat",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, ctx, done, err := o.connect(cmd)
-			if err != nil {
-				return err
-			}
-			defer done()
-			nodes, err := c.Nodes(ctx)
-			if err != nil {
-				return err
-			}
-			return o.print(nodeRows(nodes, time.Now()))
+			return o.call(cmd, func(ctx context.Context, c *client.Client) error {
+				nodes, err := c.Nodes(ctx)
+				if err != nil {
+					return err
+				}
+				return o.print(nodeRows(nodes, time.Now()))
+			})
 		},
 	}
 }
@@ -182,16 +180,13 @@ func (o *options) volumesCmd() *cobra.Command {
 				}
 				q.Namespace = ns
 			}
-			c, ctx, done, err := o.connect(cmd)
-			if err != nil {
-				return err
-			}
-			defer done()
-			vols, err := c.List(ctx, q)
-			if err != nil {
-				return err
-			}
-			return o.print(volumeRows(vols))
+			return o.call(cmd, func(ctx context.Context, c *client.Client) error {
+				vols, err := c.List(ctx, q)
+				if err != nil {
+					return err
+				}
+				return o.print(volumeRows(vols))
+			})
 		},
 	}
 	cmd.Flags().BoolVarP(&all, "all-namespaces", "A", false, "every namespace you may see")
@@ -210,19 +205,16 @@ func (o *options) chainCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			c, ctx, done, err := o.connect(cmd)
-			if err != nil {
-				return err
-			}
-			defer done()
-			chain, err := c.Chain(ctx, refs[0])
-			if err != nil {
-				return err
-			}
-			if len(chain) == 0 {
-				return fmt.Errorf("volume %s: no live node holds it", refs[0])
-			}
-			return o.print(volumeRows(chain))
+			return o.call(cmd, func(ctx context.Context, c *client.Client) error {
+				chain, err := c.Chain(ctx, refs[0])
+				if err != nil {
+					return err
+				}
+				if len(chain) == 0 {
+					return fmt.Errorf("volume %s: no live node holds it", refs[0])
+				}
+				return o.print(volumeRows(chain))
+			})
 		},
 	}
 }
@@ -275,16 +267,13 @@ func (o *options) onVolumes(do func(context.Context, *client.Client, []volume.Re
 		if err != nil {
 			return err
 		}
-		c, ctx, done, err := o.connect(cmd)
-		if err != nil {
-			return err
-		}
-		defer done()
-		asked, err := do(ctx, c, refs)
-		if err != nil {
-			return err
-		}
-		return o.print(askedRows(cmd.Name(), asked))
+		return o.call(cmd, func(ctx context.Context, c *client.Client) error {
+			asked, err := do(ctx, c, refs)
+			if err != nil {
+				return err
+			}
+			return o.print(askedRows(cmd.Name(), asked))
+		})
 	}
 }
 
@@ -299,16 +288,13 @@ func (o *options) lifecycleCmd(action string) *cobra.Command {
 		Short: short,
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c, ctx, done, err := o.connect(cmd)
-			if err != nil {
-				return err
-			}
-			defer done()
-			st, err := c.SetLifecycle(ctx, args[0], action)
-			if err != nil {
-				return err
-			}
-			return o.print(nodeRows([]*controllerv1.NodeStatus{st}, time.Now()))
+			return o.call(cmd, func(ctx context.Context, c *client.Client) error {
+				st, err := c.SetLifecycle(ctx, args[0], action)
+				if err != nil {
+					return err
+				}
+				return o.print(nodeRows([]*controllerv1.NodeStatus{st}, time.Now()))
+			})
 		},
 	}
 }
