@@ -2,6 +2,7 @@ package controller
 
 import (
 	"cmp"
+	"encoding/base64"
 	"fmt"
 	"slices"
 	"sort"
@@ -214,6 +215,23 @@ func (v *View) sorted(visible func(namespace string) bool, after string) []*entr
 		sort.Slice(part, func(i, j int) bool { return part[i].ref.Handle < part[j].ref.Handle })
 	}
 	return out
+}
+
+// PageToken is the opaque token that resumes a listing after volume r
+// (for Cache.ListVolumes and the CSI ListVolumes alike).
+func PageToken(r volume.Ref) string { return base64.RawURLEncoding.EncodeToString([]byte(r.String())) }
+
+// AfterToken is the volume ID a page token resumes after, or an error
+// for a token no listing handed out.
+func AfterToken(tok string) (string, error) {
+	raw, err := base64.RawURLEncoding.DecodeString(tok)
+	if err == nil {
+		_, err = volume.ParseRef(string(raw))
+	}
+	if err != nil {
+		return "", fmt.Errorf("page token %s is not one this controller handed out: %w", volume.Quote(tok), ErrInvalid)
+	}
+	return string(raw), nil
 }
 
 // ListQuery selects volumes for List.

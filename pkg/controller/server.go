@@ -2,7 +2,6 @@ package controller
 
 import (
 	"context"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"strings"
@@ -116,11 +115,10 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	}
 	after := ""
 	if tok := req.GetPageToken(); tok != "" {
-		raw, err := base64.RawURLEncoding.DecodeString(tok)
-		if err != nil {
-			return nil, status.Errorf(codes.InvalidArgument, "page token %s is not one this controller handed out", volume.Quote(tok))
+		var err error
+		if after, err = AfterToken(tok); err != nil {
+			return nil, code(err)
 		}
-		after = string(raw)
 	}
 	c := CallerFrom(ctx)
 	visible := c.MayIn(ctx, "list")
@@ -135,7 +133,7 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	resp := &controllerv1.ListVolumesResponse{Volumes: vols}
 	if more {
 		last := vols[len(vols)-1].GetRef()
-		resp.NextPageToken = base64.RawURLEncoding.EncodeToString([]byte(last.GetNamespace() + "/" + last.GetHandle()))
+		resp.NextPageToken = PageToken(volume.Ref{Namespace: last.GetNamespace(), Handle: last.GetHandle()})
 	}
 	return resp, nil
 }

@@ -2,7 +2,6 @@ package driver
 
 import (
 	"context"
-	"encoding/base64"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -63,11 +62,10 @@ func (s *controllerService) ListVolumes(_ context.Context, req *csi.ListVolumesR
 	}
 	after := ""
 	if tok := req.GetStartingToken(); tok != "" {
-		raw, err := base64.RawURLEncoding.DecodeString(tok)
-		if _, perr := volume.ParseRef(string(raw)); err != nil || perr != nil {
+		var err error
+		if after, err = controller.AfterToken(tok); err != nil {
 			return nil, status.Errorf(codes.Aborted, "starting_token %s is not one this controller handed out", volume.Quote(tok))
 		}
-		after = string(raw)
 	}
 	entries, more := s.view.Volumes(after, int(req.GetMaxEntries()), time.Now())
 	resp := &csi.ListVolumesResponse{}
@@ -75,7 +73,7 @@ func (s *controllerService) ListVolumes(_ context.Context, req *csi.ListVolumesR
 		resp.Entries = append(resp.Entries, s.entry(e))
 	}
 	if more {
-		resp.NextToken = base64.RawURLEncoding.EncodeToString([]byte(entries[len(entries)-1].Ref.String()))
+		resp.NextToken = controller.PageToken(entries[len(entries)-1].Ref)
 	}
 	return resp, nil
 }
