@@ -59,7 +59,7 @@ generate:
 	GOBIN=$(TOOLS) $(GO) install $(PROTOC_GEN_GO)
 	GOBIN=$(TOOLS) $(GO) install $(PROTOC_GEN_GO_GRPC)
 	PATH=$(TOOLS):$$PATH protoc -I api --go_out=api --go_opt=paths=source_relative \
-		--go-grpc_out=api --go-grpc_opt=paths=source_relative api/node/v1/node.proto api/controller/v1/controller.proto
+		--go-grpc_out=api --go-grpc_opt=paths=source_relative api/node/v1/node.proto api/controller/v1/controller.proto api/peer/v1/peer.proto
 
 lint:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); exit 1; }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -108,6 +109,25 @@ func main() {
 	fs.DurationVar(&le.LeaseDuration, "leader-election-lease-duration", 15*time.Second, "how long followers wait before taking over a silent leader's Lease")
 	fs.DurationVar(&le.RenewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader tries to renew before it gives up leading (and exits)")
 	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", 2*time.Second, "how often replicas try to acquire or renew the Lease")
+	fs.StringVar(&opts.Peers.Address, "peer-address", "",
+		"node mode: host:port to serve cached volumes to pulling peers on (empty: none)")
+	fs.StringVar(&opts.Peers.AdvertiseAddress, "peer-advertise-address", "",
+		"node mode: host:port peers dial, told to the controller (default: --peer-address)")
+	fs.StringVar(&opts.Peers.CertFile, "peer-tls-cert-file", "", "node mode: the node's certificate for mutual TLS with peers")
+	fs.StringVar(&opts.Peers.KeyFile, "peer-tls-key-file", "", "node mode: the key of --peer-tls-cert-file")
+	fs.StringVar(&opts.Peers.CAFile, "peer-ca-file", "", "node mode: the CA that signs every node's peer certificate")
+	fs.StringVar(&opts.Peers.ServerName, "peer-tls-server-name", driver.DefaultPeerServerName,
+		"node mode: the DNS name peers' certificates carry")
+	fs.Func("peers", "node mode, without a controller: peers to pull missing sources from, node=host:port,... ",
+		func(v string) error {
+			opts.Peers.Static = append(opts.Peers.Static, strings.Split(v, ",")...)
+			return nil
+		})
+	fs.StringVar(&opts.Peers.Encoding, "stream-encoding", "s2", "node mode: how pulled layers travel: raw, zstd, s2 or gzip")
+	fs.Var(quantityFlag{&opts.Peers.SizeLimit}, "stream-size-limit",
+		"node mode: the largest layer a pull accepts, as a tar stream (a quantity such as 100Gi; default 1Ti)")
+	fs.DurationVar(&opts.Peers.PullWait, "pull-wait", 20*time.Second,
+		"node mode: how long a publish waits for a pull before answering with its progress (the kubelet retries)")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])

@@ -70,6 +70,9 @@ type Config struct {
 	NodeID string
 	Env    []string
 	Args   []string
+	// Wrap, if set, says how to run the binary (say, in a network
+	// namespace: netlab.Host.Command).
+	Wrap func(name string, args ...string) (string, []string)
 }
 
 // Plugin is a running plugin process and clients to it.
@@ -151,7 +154,11 @@ func (p *Plugin) start(extraEnv []string) {
 		"--state-dir=" + p.StateDir, "--cow-backend=" + p.Backend,
 		"--flatten-depth=" + strconv.Itoa(p.FlattenDepth), "--kubelet-dir=" + p.KubeletDir, "-v=4",
 	}, p.Args...)
-	p.cmd = exec.Command(Binary(p.tb), args...)
+	name := Binary(p.tb)
+	if p.Wrap != nil {
+		name, args = p.Wrap(name, args...)
+	}
+	p.cmd = exec.Command(name, args...)
 	p.cmd.Env = append(append(os.Environ(), p.Env...), extraEnv...)
 	if p.log == nil {
 		p.log = &lockedBuffer{}

@@ -21,6 +21,10 @@ func must(t testing.TB, err error) {
 func LayerTree(t testing.TB, dir string) {
 	t.Helper()
 	p := func(name string) string { return filepath.Join(dir, name) }
+	// The root's own attributes belong to the volume too.
+	must(t, os.Chown(dir, 1000, 1000))
+	must(t, unix.Chmod(dir, 0o1775))
+	must(t, unix.Setxattr(dir, "user.root", []byte("kept"), 0))
 	must(t, os.MkdirAll(p("sub/opaque"), 0o755))
 	must(t, os.WriteFile(p("sub/file"), []byte("data"), 0o640))
 	must(t, os.Chown(p("sub/file"), 1000, 2000))

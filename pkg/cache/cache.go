@@ -469,10 +469,10 @@ func (s *Store) Chain(r volume.Ref) ([]string, error) {
 	return dirs, err
 }
 
-// notVisible is the one answer for a source that does not exist and for one
+// NotVisible is the one answer for a source that does not exist and for one
 // the pod may not read: the two must be indistinguishable, or the answer
 // would tell another namespace's handles, owners and states.
-func notVisible(src volume.Ref, podNamespace string) error {
+func NotVisible(src volume.Ref, podNamespace string) error {
 	if src.Namespace == podNamespace {
 		return fmt.Errorf("source volume %q is not cached on this node: %w", src.Handle, ErrNotFound)
 	}
@@ -480,9 +480,9 @@ func notVisible(src volume.Ref, podNamespace string) error {
 		"(captured with scope: cluster): %w", src.Handle, src.Namespace, ErrNotFound)
 }
 
-// readable says whether a pod of namespace may use v as a source: its own
-// namespace's volumes, and others' that their owners shared.
-func readable(v Volume, namespace string) bool {
+// ReadableBy says whether a pod of namespace may use v as a source: its
+// own namespace's volumes, and others' that their owners shared.
+func (v Volume) ReadableBy(namespace string) bool {
 	return v.Namespace == namespace || v.Scope == volume.ScopeCluster
 }
 
@@ -507,8 +507,8 @@ func (s *Store) Publish(v View) (View, error) {
 				return err
 			}
 			switch {
-			case !ok || !readable(src, v.Pod.Namespace) || src.State == volume.StateDestroying:
-				return notVisible(v.Source, v.Pod.Namespace)
+			case !ok || !src.ReadableBy(v.Pod.Namespace) || src.State == volume.StateDestroying:
+				return NotVisible(v.Source, v.Pod.Namespace)
 			case src.State == volume.StateCreating:
 				return fmt.Errorf("source volume %q is still being captured: %w", v.Source.Handle, ErrNotReady)
 			case src.State != volume.StateReady:
@@ -808,8 +808,9 @@ func (s *Store) MarkSynced(refs []volume.Ref) error {
 }
 
 // PruneLayers removes data dirs that flattening replaced and that no view
-// mounts any longer.
-func (s *Store) PruneLayers(remove Remover) error {
+// mounts any longer, leaving the volumes busy says are being read (nil:
+// none is).
+func (s *Store) PruneLayers(remove Remover, busy func(volume.Ref) bool) error {
 	mounted := map[string]bool{}
 	for _, v := range s.ListViews() {
 		for _, l := range v.Lowers {
@@ -818,6 +819,9 @@ func (s *Store) PruneLayers(remove Remover) error {
 	}
 	var errs []error
 	for _, v := range s.List() {
+		if len(v.OldLayers) == 0 || (busy != nil && busy(v.Ref())) {
+			continue
+		}
 		var gone []string
 		for _, old := range v.OldLayers {
 			p := s.LayerPath(v.Ref(), old)
@@ -894,7 +898,7 @@ func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
 		errs = append(errs, remove(filepath.Join(s.StagingDir(), e.Name())))
 		rep.RemovedOrphans++
 	}
-	errs = append(errs, s.PruneLayers(remove))
+	errs = append(errs, s.PruneLayers(remove, nil))
 	return rep, errors.Join(errs...)
 }
 

@@ -146,6 +146,8 @@ func (s *Store) leaseLive(l Lease, views map[string]bool) bool {
 	switch l.Kind {
 	case LeaseView:
 		return views[l.ID]
+	case LeasePull:
+		return false // the pull died with the process that ran it
 	}
 	return false // an owner this code does not know cannot finish it
 }
@@ -226,19 +228,24 @@ func (s *Store) MarkFailed(r volume.Ref) error {
 	return s.update(r, func(v *Volume) error {
 		v.State = volume.StateFailed
 		return nil
-	}, func(tx *bolt.Tx, _ *Volume) error {
-		b := tx.Bucket(failuresBucket)
-		f, _, err := getJSON[failure](b, key(r))
-		if err != nil {
-			f = failure{}
-		}
-		f.Count++
-		f.RetryAfter = time.Now().Add(backoff(f.Count))
-		return putJSON(b, key(r), f)
-	})
+	}, func(tx *bolt.Tx, _ *Volume) error { return noteFailure(tx, r) })
 }
 
-// checkBackoff refuses a capture into a handle that is backing off.
+// noteFailure counts a failure of the handle and sets when it may be tried
+// again.
+func noteFailure(tx *bolt.Tx, r volume.Ref) error {
+	b := tx.Bucket(failuresBucket)
+	f, _, err := getJSON[failure](b, key(r))
+	if err != nil {
+		f = failure{}
+	}
+	f.Count++
+	f.RetryAfter = time.Now().Add(backoff(f.Count))
+	return putJSON(b, key(r), f)
+}
+
+// checkBackoff refuses a capture into (or a pull of) a handle that is
+// backing off.
 func checkBackoff(tx *bolt.Tx, r volume.Ref, now time.Time) error {
 	f, ok, err := getJSON[failure](tx.Bucket(failuresBucket), key(r))
 	if err != nil || !ok || !now.Before(f.RetryAfter) {

@@ -42,6 +42,7 @@ func (v *View) location(e *entry, now time.Time) *controllerv1.VolumeLocation {
 		}
 		if states[rec.state] == volume.StateReady {
 			loc.Nodes = append(loc.Nodes, n.id)
+			loc.PeerAddresses = append(loc.PeerAddresses, n.peerAddress)
 			if rec.steps > 0 {
 				loc.PublishedNodes = append(loc.PublishedNodes, n.id)
 			}

@@ -184,6 +184,8 @@ type nodeState struct {
 	syncs     uint16
 	bytesFree int64
 	over      bool
+	// peerAddress is where the node serves its volumes to pulling peers.
+	peerAddress string
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[*entry]bool
 	pins    map[*entry]*controllerv1.PinCommand
@@ -332,6 +334,7 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		v.nodes[n.id] = n
 	}
 	n.lastReport, n.bytesFree, n.over, n.stepVolumes = now, req.GetBytesFree(), req.GetOverHighWatermark(), req.GetStepVolumes()
+	n.peerAddress = req.GetPeerAddress()
 	n.stallSeen = false
 	switch {
 	case req.GetFull():
@@ -577,7 +580,7 @@ func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
 func (v *View) status(n *nodeState, now time.Time) *controllerv1.NodeStatus {
 	st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: v.state(n, now), Revision: n.revision,
 		Volumes: int32(len(n.held)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
-		LastReport: timestamppb.New(n.lastReport)}
+		LastReport: timestamppb.New(n.lastReport), PeerAddress: n.peerAddress}
 	for _, rec := range n.held {
 		st.Bytes += max(rec.size, 0)
 	}

@@ -32,6 +32,7 @@ import (
 	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -114,6 +115,8 @@ type Options struct {
 	HighWatermark, LowWatermark int
 	// LeaderElection (controller mode) elects one serving replica.
 	LeaderElection LeaderElection
+	// Peers (node mode) streams volumes between nodes.
+	Peers PeerOptions
 
 	// bootIDFile names the kernel's boot ID; tests point it elsewhere to
 	// pretend a reboot.
@@ -188,6 +191,7 @@ func (o *Options) Validate() error {
 		errs = append(errs, err)
 	}
 	errs = append(errs, o.LeaderElection.validate(o.Mode)...)
+	errs = append(errs, o.Peers.validate(o)...)
 	switch o.Mode {
 	case ModeNode, ModeController, ModeAll:
 	default:
@@ -302,7 +306,11 @@ type Driver struct {
 	nodeEvents controller.NodeEvents
 	// leader says whether this controller replica serves.
 	leader *leadership
-	kube   kubernetes.Interface
+	// ctlConn (node mode) reaches the controller: reports and lookups.
+	ctlConn *grpc.ClientConn
+	// peerMetrics count what the node streams to its peers.
+	peerMetrics *streamer.Metrics
+	kube        kubernetes.Interface
 	// stopKube ends the API server watches and the event sender.
 	stopKube context.CancelFunc
 }
@@ -380,9 +388,30 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 		}
 		events = sender
 	}
-	if d.engine, err = node.New(d.opts.engineConfig(), store, deps.Mounter, events); err != nil {
+	cfg := d.opts.engineConfig()
+	if d.opts.ControllerAddress != "" {
+		dial, err := controllerDialOptions(d.opts)
+		if err != nil {
+			return err
+		}
+		if d.ctlConn, err = grpc.NewClient(d.opts.ControllerAddress, dial...); err != nil {
+			return fmt.Errorf("reaching the controller: %w", err)
+		}
+	}
+	if d.opts.pulls() {
+		var ctl grpc.ClientConnInterface
+		if d.ctlConn != nil {
+			ctl = d.ctlConn
+		}
+		if cfg.Pulls, err = d.opts.pullConfig(ctl); err != nil {
+			return err
+		}
+	}
+	if d.engine, err = node.New(cfg, store, deps.Mounter, events); err != nil {
 		return err
 	}
+	d.peerMetrics = streamer.NewMetrics()
+	d.metrics.registry.MustRegister(d.peerMetrics.Collectors()...)
 	d.metrics.registry.MustRegister(d.engine.Collectors()...)
 	d.node = &nodeService{nodeID: d.opts.NodeID, engine: d.engine, csiDriver: guard}
 	return nil
@@ -465,19 +494,25 @@ func (d *Driver) Run(ctx context.Context) error {
 		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
 		klog.InfoS("Serving the node API", "endpoint", d.opts.NodeAPIEndpoint)
 	}
-	if d.engine != nil && d.opts.ControllerAddress != "" {
-		dial, err := controllerDialOptions(d.opts)
+	if d.engine != nil && d.opts.Peers.Address != "" {
+		peerSrv, err := d.peerServer(d.peerMetrics)
+		if err == nil {
+			var plis net.Listener
+			if plis, err = net.Listen("tcp", d.opts.Peers.Address); err == nil {
+				g.Go(func() error { return peerSrv.Serve(plis) })
+				g.Go(func() error { <-gctx.Done(); peerSrv.Stop(); return nil })
+				klog.InfoS("Serving volumes to peers", "address", plis.Addr().String(),
+					"advertised", d.opts.Peers.AdvertiseAddress, "mutualTLS", d.opts.Peers.CertFile != "")
+			}
+		}
 		if err != nil {
 			srv.Stop()
-			return errors.Join(err, g.Wait())
+			return errors.Join(fmt.Errorf("serving peers: %w", err), g.Wait())
 		}
-		conn, err := grpc.NewClient(d.opts.ControllerAddress, dial...)
-		if err != nil {
-			srv.Stop()
-			return errors.Join(fmt.Errorf("reaching the controller: %w", err), g.Wait())
-		}
-		defer conn.Close()
-		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(conn), nodeID: d.opts.NodeID}
+	}
+	if d.engine != nil && d.ctlConn != nil {
+		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
+			peerAddress: d.opts.Peers.AdvertiseAddress}
 		g.Go(func() error { r.run(gctx); return nil })
 		klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
 	}
@@ -568,6 +603,9 @@ func (d *Driver) Close() {
 	}
 	if d.stopKube != nil {
 		d.stopKube()
+	}
+	if d.ctlConn != nil {
+		_ = d.ctlConn.Close()
 	}
 	if d.store != nil {
 		_ = d.store.Close()

@@ -46,6 +46,22 @@ func TestOptionsValidate(t *testing.T) {
 		{"API in node mode", func(o *Options) { o.APIAddress = "127.0.0.1:7000" }, "the controller's"},
 		{"forget before stalled", func(o *Options) { o.StalledAfter, o.ForgetStalledAfter = time.Minute, time.Second }, "shorter"},
 		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
+		{"peers on loopback", func(o *Options) { o.Peers.Address, o.Peers.Static = "127.0.0.1:7443", []string{"b=127.0.0.1:7444"} }, ""},
+		{"peer address off loopback without TLS", func(o *Options) { o.Peers.Address = "10.0.0.5:7443" }, "not a loopback address"},
+		{"static peer off loopback without TLS", func(o *Options) { o.Peers.Static = []string{"b=10.0.0.6:7443"} }, "not a loopback address"},
+		{"peers over mutual TLS", func(o *Options) {
+			o.Peers.Address, o.Peers.Static = "10.0.0.5:7443", []string{"b=10.0.0.6:7443"}
+			o.Peers.CertFile, o.Peers.KeyFile, o.Peers.CAFile = "/c", "/k", "/ca"
+		}, ""},
+		{"peer TLS without a CA", func(o *Options) { o.Peers.CertFile, o.Peers.KeyFile = "/c", "/k" }, "go together"},
+		{"peer address with no host to advertise", func(o *Options) {
+			o.Peers.Address, o.Peers.CertFile, o.Peers.KeyFile, o.Peers.CAFile = ":7443", "/c", "/k", "/ca"
+		}, "--peer-advertise-address"},
+		{"advertised without an address", func(o *Options) { o.Peers.AdvertiseAddress = "10.0.0.5:7443" }, "needs --peer-address"},
+		{"static peer without a node", func(o *Options) { o.Peers.Static = []string{"127.0.0.1:7443"} }, "want node=host:port"},
+		{"bad stream encoding", func(o *Options) { o.Peers.Encoding = "lz4" }, "--stream-encoding"},
+		{"negative stream limit", func(o *Options) { o.Peers.SizeLimit = -1 }, "--stream-size-limit"},
+		{"peers in controller mode", func(o *Options) { o.Mode, o.Peers.Address = ModeController, "127.0.0.1:7443" }, "node plugins"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
 		{"API off loopback over TLS with Kubernetes auth", func(o *Options) {
 			o.Mode, o.APIAddress, o.TLSCertFile, o.TLSKeyFile, o.KubeAuth = ModeController, "0.0.0.0:7000", "/c", "/k", true

@@ -129,8 +129,9 @@ func engineError(err error) error {
 	switch {
 	case errors.Is(err, cache.ErrNotFound), errors.Is(err, node.ErrElsewhere):
 		code = codes.NotFound
-	case errors.Is(err, cache.ErrNotReady), errors.Is(err, cache.ErrBackoff), errors.Is(err, node.ErrOutOfService):
-		code = codes.Unavailable // retryable: the capture will finish, the backoff end
+	case errors.Is(err, cache.ErrNotReady), errors.Is(err, cache.ErrBackoff), errors.Is(err, node.ErrOutOfService),
+		errors.Is(err, node.ErrPulling), errors.Is(err, node.ErrPullFailed):
+		code = codes.Unavailable // retryable: the capture or pull will finish, the backoff end
 	case errors.Is(err, cache.ErrExists), errors.Is(err, node.ErrOtherAttributes):
 		code = codes.AlreadyExists
 	case errors.Is(err, node.ErrBusy):

@@ -27,14 +27,16 @@ const (
 // inventory first, then what changed since the revision the controller
 // acknowledged, computed against what it was last sent.
 type reporter struct {
-	engine   *node.Engine
-	client   controllerv1.RegistryClient
-	nodeID   string
-	sent     map[volume.Ref]*controllerv1.VolumeSummary
-	acked    uint64
-	needFull bool
-	lastSent time.Time
-	lastFull time.Time
+	engine *node.Engine
+	client controllerv1.RegistryClient
+	nodeID string
+	// peerAddress is where peers pull the node's volumes from.
+	peerAddress string
+	sent        map[volume.Ref]*controllerv1.VolumeSummary
+	acked       uint64
+	needFull    bool
+	lastSent    time.Time
+	lastFull    time.Time
 }
 
 func (r *reporter) run(ctx context.Context) {
@@ -78,7 +80,8 @@ func (r *reporter) round(ctx context.Context) error {
 		}
 		req := &controllerv1.ReportRequest{NodeId: r.nodeID, StoreId: info.StoreID, Revision: rev, Full: full,
 			BaseRevision: r.acked, OverHighWatermark: info.OverHighWatermark, StepVolumes: int32(info.StepVolumes),
-			BytesFree: max(0, info.BytesTotal*int64(info.Watermarks.High)/100-(info.BytesTotal-info.BytesFree))}
+			BytesFree:   max(0, info.BytesTotal*int64(info.Watermarks.High)/100-(info.BytesTotal-info.BytesFree)),
+			PeerAddress: r.peerAddress}
 		if full {
 			for _, s := range inv {
 				req.Upserts = append(req.Upserts, s)

@@ -2,7 +2,6 @@ package driver
 
 import (
 	"path/filepath"
-	"regexp"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -46,13 +45,9 @@ const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, prop
 
 // Limits on caller-chosen strings.
 const (
-	maxIDLen         = 1024
-	maxPathLen       = 4096
-	maxProperties    = 64
-	maxPropertyValue = 4096
+	maxIDLen   = 1024
+	maxPathLen = 4096
 )
-
-var propertyKeyRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]{0,252}$`)
 
 // volumeRequest is a validated NodePublishVolume request.
 type volumeRequest struct {
@@ -170,12 +165,11 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 			}
 			r.Capture = v
 		case k == AttrScope:
-			switch volume.Scope(v) {
-			case volume.ScopeNamespace, volume.ScopeCluster:
-				r.Scope, scopeSet = volume.Scope(v), true
-			default:
-				return r, invalid("attribute scope %s is invalid: want namespace or cluster", volume.Quote(v))
+			sc, err := volume.ParseScope(v)
+			if err != nil {
+				return r, invalid("attribute %v", err)
 			}
+			r.Scope, scopeSet = sc, true
 		case k == AttrTTL:
 			d, err := time.ParseDuration(v)
 			if err != nil || d <= 0 {
@@ -190,11 +184,8 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 			r.SizeLimit = q.Value()
 		case strings.HasPrefix(k, AttrPropertyPrefix):
 			key := strings.TrimPrefix(k, AttrPropertyPrefix)
-			if !propertyKeyRE.MatchString(key) {
-				return r, invalid("property key %s is invalid: want 1-253 characters of A-Z a-z 0-9 . _ / -", volume.Quote(key))
-			}
-			if len(v) > maxPropertyValue || !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
-				return r, invalid("property %s: value must be at most %d bytes of UTF-8 without NUL", volume.Quote(key), maxPropertyValue)
+			if err := volume.ValidateProperty(key, v); err != nil {
+				return r, invalid("%v", err)
 			}
 			if r.Properties == nil {
 				r.Properties = map[string]string{}
@@ -204,8 +195,8 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 			return r, invalid("unknown volume attribute %s: known attributes are %s", volume.Quote(k), knownKeys)
 		}
 	}
-	if len(r.Properties) > maxProperties {
-		return r, invalid("%d properties given: at most %d", len(r.Properties), maxProperties)
+	if len(r.Properties) > volume.MaxProperties {
+		return r, invalid("%d properties given: at most %d", len(r.Properties), volume.MaxProperties)
 	}
 	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0) {
 		return r, invalid("attributes scope, ttl and property.* describe a captured volume: they need capture")

@@ -66,7 +66,13 @@ type Config struct {
 	// BootIDFile names the kernel's boot ID (default: the kernel's own);
 	// tests point it elsewhere to pretend a reboot.
 	BootIDFile string
+	// Pulls, if set, pulls the sources the node lacks from peers.
+	Pulls *PullConfig
 }
+
+// defaultPullWait is how long a publish waits for a pull before answering
+// with its progress: well inside the kubelet's 2-minute call timeout.
+const defaultPullWait = 20 * time.Second
 
 // bootIDPath names the kernel's boot ID.
 const bootIDPath = "/proc/sys/kernel/random/boot_id"
@@ -94,6 +100,10 @@ type Engine struct {
 	watermarks             Watermarks
 	pressure               pressure
 	reaping                sync.Mutex
+	// reads holds the layers streaming to peers; pulls, what this node
+	// pulls from them (nil: it pulls nothing).
+	reads reads
+	pulls *pulls
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
 
@@ -166,6 +176,12 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		reaper: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
 	}
 	e.metrics = newMetrics(e, string(kind))
+	if cfg.Pulls != nil {
+		e.pulls = &pulls{cfg: *cfg.Pulls, running: map[pullKey]*pull{}}
+		if e.pulls.cfg.Wait <= 0 {
+			e.pulls.cfg.Wait = defaultPullWait
+		}
+	}
 	if err := e.recover(); err != nil {
 		e.Close()
 		return nil, fmt.Errorf("recovering the state dir: %w", err)
@@ -265,7 +281,7 @@ func (e *Engine) tidyRound() {
 	if err := e.store.EmptyTrash(overlay.RemoveTree); err != nil {
 		klog.ErrorS(err, "Emptying the trash")
 	}
-	if err := e.store.PruneLayers(overlay.RemoveTree); err != nil {
+	if err := e.store.PruneLayers(overlay.RemoveTree, e.reads.busy); err != nil {
 		klog.ErrorS(err, "Pruning replaced layers")
 	}
 }

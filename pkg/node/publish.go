@@ -49,6 +49,11 @@ func (e *Engine) Publish(r PublishRequest) error {
 	if err := e.refuseIfOutOfService(r); err != nil {
 		return err
 	}
+	// Outside the volume's lock: a pull takes long, and the kubelet's
+	// retries must see its progress, not a busy volume.
+	if err := e.ensureSource(r); err != nil {
+		return err
+	}
 	release, err := e.lock(r.VolumeID)
 	if err != nil {
 		return err

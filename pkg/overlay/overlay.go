@@ -406,3 +406,13 @@ func Supports(kind Kind, dir string, m Mounter) error {
 	}
 	return fmt.Errorf("unknown COW backend %q", kind)
 }
+
+// NewLayerDir makes an empty dir to fill with a layer from elsewhere (a
+// pull): a subvolume for the btrfs backend, whose step volumes snapshot
+// it, a plain dir otherwise.
+func NewLayerDir(kind Kind, path string) error {
+	if kind == KindBtrfs {
+		return createSubvolume(path)
+	}
+	return os.Mkdir(path, 0o700)
+}

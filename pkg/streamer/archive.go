@@ -107,10 +107,10 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes boo
 			return err
 		}
 		rel, err := filepath.Rel(root, p)
-		if err != nil || rel == "." {
+		if err != nil {
 			return err
 		}
-		entries++
+		entries++ // the root too: its owner, mode and xattrs are the volume's
 		return pk.entry(p, filepath.ToSlash(rel))
 	})
 	if err == nil {
@@ -431,6 +431,10 @@ type extractor struct {
 	// The parent of the last entry stays open: entries come dir by dir.
 	cachedDir string
 	cachedFd  int
+	// rootHdr is the root entry, if the archive had one; made says an
+	// entry other than the root was, after which none may come.
+	rootHdr *tar.Header
+	made    bool
 }
 
 func (x *extractor) close() {
@@ -489,6 +493,10 @@ func (x *extractor) openParent(name string) (int, string, error) {
 }
 
 func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
+	if hdr.Name == rootName {
+		return x.rootEntry(hdr)
+	}
+	x.made = true
 	name, err := cleanName(hdr.Name)
 	if err != nil {
 		return err
@@ -568,6 +576,18 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	return x.attrs(dirfd, base, hdr, hdr.Typeflag == tar.TypeSymlink)
 }
 
+// rootName is the entry of the tree's root: only first, only a dir.
+const rootName = "./"
+
+// rootEntry gives the extraction dir the attributes of the tree's root.
+func (x *extractor) rootEntry(hdr *tar.Header) error {
+	if x.made || x.rootHdr != nil || hdr.Typeflag != tar.TypeDir {
+		return refused("a root entry (%q) that is not the first, or not a dir", hdr.Name)
+	}
+	x.rootHdr = hdr
+	return x.attrs(x.root, ".", hdr, false)
+}
+
 // attrs gives an entry its xattrs, owner, mode and (but for dirs, done at
 // the end) times.
 func (x *extractor) attrs(dirfd int, base string, hdr *tar.Header, symlink bool) error {
@@ -622,6 +642,9 @@ func (x *extractor) finish() error {
 		if err != nil {
 			return err
 		}
+	}
+	if x.rootHdr != nil {
+		return setTimes(x.root, ".", x.rootHdr)
 	}
 	return nil
 }

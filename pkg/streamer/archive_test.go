@@ -58,6 +58,9 @@ func TestPackWithoutHolesIsAPlainTar(t *testing.T) {
 	tr := tar.NewReader(&wire)
 	hdr, err := tr.Next()
 	require.NoError(t, err)
+	require.Equal(t, "./", hdr.Name, "the root comes first, as GNU tar writes it")
+	hdr, err = tr.Next()
+	require.NoError(t, err)
 	require.Equal(t, "sparse", hdr.Name)
 	require.Equal(t, int64(8<<20+4), hdr.Size)
 	require.NotContains(t, hdr.PAXRecords, paxHoles)
@@ -161,6 +164,9 @@ func TestUnpackRefusesAttacks(t *testing.T) {
 			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
 				PAXRecords: map[string]string{paxHoles: "1099511627776 0:1"}}, body: "abcd"},
 		}, wantErr: "sparse map holds 1 bytes"},
+		{name: "a root entry after others", entries: []entry{file("f", "1"),
+			{hdr: tar.Header{Name: "./", Typeflag: tar.TypeDir, Mode: 0o777}}}, wantErr: "root entry"},
+		{name: "a root that is not a dir", entries: []entry{file(".", "x")}, wantErr: "archive refused"},
 		{name: "a name twice", entries: []entry{file("f", "1"), file("f", "2")}, wantErr: "file exists"},
 		{name: "too many entries", entries: []entry{file("a", "1"), file("b", "2"), file("c", "3")},
 			limits: Limits{Bytes: 1 << 20, Entries: 2}, wantErr: "more than 2 entries"},

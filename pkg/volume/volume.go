@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"unicode/utf8"
 )
 
 // DriverName is the CSI driver name step pods name in their inline volumes.
@@ -191,4 +192,45 @@ func (p Pod) Validate() error {
 	}
 	errs = append(errs, ValidateNamespace(p.Namespace), ValidatePodUID(p.UID))
 	return errors.Join(errs...)
+}
+
+// ParseScope checks a scope's name.
+func ParseScope(s string) (Scope, error) {
+	switch sc := Scope(s); sc {
+	case ScopeNamespace, ScopeCluster:
+		return sc, nil
+	}
+	return "", fmt.Errorf("scope %s is invalid: want namespace or cluster", Quote(s))
+}
+
+// Limits on a volume's properties.
+const (
+	MaxProperties    = 64
+	MaxPropertyValue = 4096
+)
+
+var propertyKeyRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]{0,252}$`)
+
+// ValidateProperty checks one property of a volume.
+func ValidateProperty(key, value string) error {
+	if !propertyKeyRE.MatchString(key) {
+		return fmt.Errorf("property key %s is invalid: want 1-253 characters of A-Z a-z 0-9 . _ / -", Quote(key))
+	}
+	if len(value) > MaxPropertyValue || !utf8.ValidString(value) || strings.ContainsRune(value, 0) {
+		return fmt.Errorf("property %s: value must be at most %d bytes of UTF-8 without NUL", Quote(key), MaxPropertyValue)
+	}
+	return nil
+}
+
+// ValidateProperties checks a volume's properties.
+func ValidateProperties(props map[string]string) error {
+	if len(props) > MaxProperties {
+		return fmt.Errorf("%d properties given: at most %d", len(props), MaxProperties)
+	}
+	for k, v := range props {
+		if err := ValidateProperty(k, v); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -263,7 +263,9 @@ type ReportRequest struct {
 	// Captures are refused there while true.
 	OverHighWatermark bool `protobuf:"varint,9,opt,name=over_high_watermark,json=overHighWatermark,proto3" json:"over_high_watermark,omitempty"`
 	// Step volumes published on the node now.
-	StepVolumes   int32 `protobuf:"varint,10,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
+	StepVolumes int32 `protobuf:"varint,10,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
+	// Where the node serves its volumes to peers ("" if it does not).
+	PeerAddress   string `protobuf:"bytes,11,opt,name=peer_address,json=peerAddress,proto3" json:"peer_address,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -366,6 +368,13 @@ func (x *ReportRequest) GetStepVolumes() int32 {
 		return x.StepVolumes
 	}
 	return 0
+}
+
+func (x *ReportRequest) GetPeerAddress() string {
+	if x != nil {
+		return x.PeerAddress
+	}
+	return ""
 }
 
 type ReportResponse struct {
@@ -863,7 +872,10 @@ type VolumeLocation struct {
 	// The live nodes where step volumes mount it, sorted.
 	PublishedNodes []string `protobuf:"bytes,9,rep,name=published_nodes,json=publishedNodes,proto3" json:"published_nodes,omitempty"`
 	// Pinned on some node holding it.
-	Pinned        bool `protobuf:"varint,10,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	Pinned bool `protobuf:"varint,10,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// Where each of nodes serves its volumes to peers, in the same order
+	// ("" for a node that serves none).
+	PeerAddresses []string `protobuf:"bytes,11,rep,name=peer_addresses,json=peerAddresses,proto3" json:"peer_addresses,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -966,6 +978,13 @@ func (x *VolumeLocation) GetPinned() bool {
 		return x.Pinned
 	}
 	return false
+}
+
+func (x *VolumeLocation) GetPeerAddresses() []string {
+	if x != nil {
+		return x.PeerAddresses
+	}
+	return nil
 }
 
 type ListVolumesRequest struct {
@@ -1411,6 +1430,7 @@ type NodeStatus struct {
 	Bytes             int64                  `protobuf:"varint,7,opt,name=bytes,proto3" json:"bytes,omitempty"`
 	BytesFree         int64                  `protobuf:"varint,8,opt,name=bytes_free,json=bytesFree,proto3" json:"bytes_free,omitempty"`
 	OverHighWatermark bool                   `protobuf:"varint,9,opt,name=over_high_watermark,json=overHighWatermark,proto3" json:"over_high_watermark,omitempty"`
+	PeerAddress       string                 `protobuf:"bytes,10,opt,name=peer_address,json=peerAddress,proto3" json:"peer_address,omitempty"`
 	unknownFields     protoimpl.UnknownFields
 	sizeCache         protoimpl.SizeCache
 }
@@ -1508,6 +1528,13 @@ func (x *NodeStatus) GetOverHighWatermark() bool {
 	return false
 }
 
+func (x *NodeStatus) GetPeerAddress() string {
+	if x != nil {
+		return x.PeerAddress
+	}
+	return ""
+}
+
 var File_controller_v1_controller_proto protoreflect.FileDescriptor
 
 const file_controller_v1_controller_proto_rawDesc = "" +
@@ -1531,7 +1558,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x06pinned\x18\t \x01(\bR\x06pinned\"2\n" +
 	"\bProperty\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value\"\x84\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value\"\xa7\x03\n" +
 	"\rReportRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
 	"\bstore_id\x18\x02 \x01(\tR\astoreId\x12\x1a\n" +
@@ -1544,7 +1571,8 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fstep_volumes\x18\n" +
-	" \x01(\x05R\vstepVolumes\"\xde\x01\n" +
+	" \x01(\x05R\vstepVolumes\x12!\n" +
+	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\"\xde\x01\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
@@ -1572,7 +1600,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x14LookupVolumesRequest\x123\n" +
 	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\"W\n" +
 	"\x15LookupVolumesResponse\x12>\n" +
-	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\xc9\x03\n" +
+	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\xf0\x03\n" +
 	"\x0eVolumeLocation\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x14\n" +
@@ -1587,7 +1615,8 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x05nodes\x18\b \x03(\tR\x05nodes\x12'\n" +
 	"\x0fpublished_nodes\x18\t \x03(\tR\x0epublishedNodes\x12\x16\n" +
 	"\x06pinned\x18\n" +
-	" \x01(\bR\x06pinned\x1a=\n" +
+	" \x01(\bR\x06pinned\x12%\n" +
+	"\x0epeer_addresses\x18\v \x03(\tR\rpeerAddresses\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x01\n" +
@@ -1616,7 +1645,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x05nodes\x18\x01 \x03(\v2 .cowvol.controller.v1.NodeStatusR\x05nodes\"J\n" +
 	"\x17SetNodeLifecycleRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x16\n" +
-	"\x06action\x18\x02 \x01(\tR\x06action\"\xae\x02\n" +
+	"\x06action\x18\x02 \x01(\tR\x06action\"\xd1\x02\n" +
 	"\n" +
 	"NodeStatus\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
@@ -1629,7 +1658,9 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x05bytes\x18\a \x01(\x03R\x05bytes\x12\x1d\n" +
 	"\n" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
-	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark2_\n" +
+	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
+	"\fpeer_address\x18\n" +
+	" \x01(\tR\vpeerAddress2_\n" +
 	"\bRegistry\x12S\n" +
 	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xb8\x05\n" +
 	"\x05Cache\x12h\n" +

@@ -1,0 +1,102 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// LeasePull: a pull from a peer (by pull ID) is making the volume. A pull
+// lives in the process that runs it, so recovery always drops its
+// reservation: a restarted node pulls again when asked.
+const LeasePull LeaseKind = "pull"
+
+// ReservePull records a volume a pull will fill: creating, owned by the
+// pull, with the peer's metadata (lineage, scope, properties, TTL). A base
+// must be ready here already, and is held (as a child's base is) from now
+// on. The returned volume names the layer dir to fill. A volume marked
+// DestroyOnCommit (kept by the peer only as a base) commits destroyed.
+func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
+	now := time.Now()
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		vols := tx.Bucket(volumesBucket)
+		if err := checkBackoff(tx, v.Ref(), now); err != nil {
+			return err
+		}
+		if old, ok, err := getJSON[Volume](vols, key(v.Ref())); err != nil {
+			return err
+		} else if ok {
+			return fmt.Errorf("volume %s is already here (%s): %w", v.Ref(), old.State, ErrExists)
+		}
+		if !v.Base.IsZero() {
+			base, ok, err := getJSON[Volume](vols, key(v.Base))
+			if err != nil {
+				return err
+			}
+			if !ok || base.State != volume.StateReady {
+				return fmt.Errorf("base %s of %s is not ready here: %w", v.Base, v.Ref(), ErrNotReady)
+			}
+			if err := tx.Bucket(childrenBucket).Put(indexKey(v.Base.String(), v.Ref().String()), nil); err != nil {
+				return err
+			}
+		}
+		v.Layer = fmt.Sprintf("p%x", now.UnixNano())
+		v.State, v.Lease = volume.StateCreating, Lease{Kind: LeasePull, ID: pullID}
+		v.SizeBytes, v.Inodes, v.CreatedAt, v.LastUsed = -1, -1, now, now
+		v.OldLayers, v.Pin, v.Synced = nil, Pin{}, false
+		return errors.Join(bump(tx), putJSON(vols, key(v.Ref()), v))
+	})
+	return v, err
+}
+
+// CommitPull makes a pulled volume ready, its layer in place and synced.
+// A volume destroyed while it was pulled commits straight to destroying.
+func (s *Store) CommitPull(r volume.Ref, pullID string, bytes, inodes int64) (Volume, error) {
+	var out Volume
+	err := s.update(r, func(v *Volume) error {
+		if v.State != volume.StateCreating || v.Lease != (Lease{Kind: LeasePull, ID: pullID}) {
+			return fmt.Errorf("volume %s is not being pulled by %s: %w", r, pullID, ErrExists)
+		}
+		now := time.Now()
+		v.State, v.Lease, v.Synced, v.LastUsed = volume.StateReady, Lease{}, true, now
+		v.SizeBytes, v.Inodes = bytes, inodes
+		if v.DestroyOnCommit {
+			v.State = volume.StateDestroying
+		}
+		out = *v
+		return nil
+	}, func(tx *bolt.Tx, _ *Volume) error { return tx.Bucket(failuresBucket).Delete(key(r)) })
+	return out, err
+}
+
+// AbortPull forgets a volume a pull could not finish, and its data. A
+// volume no longer this pull's is left alone.
+func (s *Store) AbortPull(r volume.Ref, pullID string, remove Remover) error {
+	v, err := s.Get(r)
+	if errors.Is(err, ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if v.State != volume.StateCreating || v.Lease != (Lease{Kind: LeasePull, ID: pullID}) {
+		return nil
+	}
+	return s.remove(v, remove)
+}
+
+// NoteFailure makes a handle back off as a failed volume's does: no peer
+// could deliver it.
+func (s *Store) NoteFailure(r volume.Ref) error {
+	return s.db.Update(func(tx *bolt.Tx) error { return noteFailure(tx, r) })
+}
+
+// CheckBackoff says whether the handle is backing off after failures
+// (ErrBackoff), without a transaction that writes.
+func (s *Store) CheckBackoff(r volume.Ref) error {
+	return s.db.View(func(tx *bolt.Tx) error { return checkBackoff(tx, r, time.Now()) })
+}

@@ -1,0 +1,236 @@
+package driver
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/node"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// PeerOptions are a node's, for streaming volumes between nodes.
+type PeerOptions struct {
+	// Address is where the node serves its volumes to peers (host:port;
+	// empty: it serves none). AdvertiseAddress is what peers dial,
+	// told to the controller; it defaults to Address when that names a
+	// host.
+	Address, AdvertiseAddress string
+	// CertFile and KeyFile are the node's certificate, served and
+	// presented to peers; CAFile verifies peers' (mutual TLS). ServerName
+	// is the name peers' certificates carry.
+	CertFile, KeyFile, CAFile, ServerName string
+	// Static lists peers as node=host:port, for nodes run without a
+	// controller; a node with a controller asks it who holds what.
+	Static []string
+	// Encoding is what pulled layers travel as; SizeLimit bounds each
+	// layer's tar stream (bytes).
+	Encoding  string
+	SizeLimit int64
+	// PullWait is how long a publish waits for a pull before answering
+	// with its progress.
+	PullWait time.Duration
+}
+
+// DefaultPeerServerName is the name in the peer certificate a deployment
+// provides to every node.
+const DefaultPeerServerName = "cowvol-peer"
+
+func (p *PeerOptions) validate(o *Options) []error {
+	var errs []error
+	if p.Encoding == "" {
+		p.Encoding = string(streamer.S2)
+	}
+	if _, err := streamer.ParseEncoding(p.Encoding); err != nil {
+		errs = append(errs, fmt.Errorf("--stream-encoding: %w", err))
+	}
+	if p.SizeLimit == 0 {
+		p.SizeLimit = streamer.DefaultLimits.Bytes
+	}
+	if p.SizeLimit < 0 {
+		errs = append(errs, errors.New("--stream-size-limit cannot be negative"))
+	}
+	if p.ServerName == "" {
+		p.ServerName = DefaultPeerServerName
+	}
+	tlsSet := p.CertFile != "" || p.KeyFile != "" || p.CAFile != ""
+	if tlsSet && (p.CertFile == "" || p.KeyFile == "" || p.CAFile == "") {
+		errs = append(errs, errors.New("--peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file go together (mutual TLS)"))
+	}
+	if p.Address == "" && p.AdvertiseAddress != "" {
+		errs = append(errs, errors.New("--peer-advertise-address needs --peer-address"))
+	}
+	if p.Address != "" {
+		host, _, err := net.SplitHostPort(p.Address)
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("--peer-address %q is not host:port: %w", p.Address, err))
+		case p.AdvertiseAddress == "" && (host == "" || net.ParseIP(host).IsUnspecified()):
+			errs = append(errs, fmt.Errorf("--peer-address %q names no host peers can dial: give --peer-advertise-address", p.Address))
+		case p.AdvertiseAddress == "":
+			p.AdvertiseAddress = p.Address
+		}
+		if !tlsSet {
+			if err := loopbackOnly(p.Address); err != nil {
+				errs = append(errs, fmt.Errorf("--peer-address: %w (or give --peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file)", err))
+			}
+		}
+	}
+	for _, s := range p.Static {
+		id, addr, ok := strings.Cut(s, "=")
+		if _, _, err := net.SplitHostPort(addr); !ok || id == "" || err != nil {
+			errs = append(errs, fmt.Errorf("--peers entry %q: want node=host:port", s))
+			continue
+		}
+		if !tlsSet {
+			if err := loopbackOnly(addr); err != nil {
+				errs = append(errs, fmt.Errorf("--peers: %w (or give the peer TLS flags)", err))
+			}
+		}
+	}
+	if (p.Address != "" || len(p.Static) > 0) && o.Mode == ModeController {
+		errs = append(errs, errors.New("--peer-address and --peers are for node plugins: use --mode=node or all"))
+	}
+	return errs
+}
+
+// tlsConfigs are the peer link's two ends: the server demands a client
+// certificate signed by the CA, and the client checks the server's.
+func (p PeerOptions) tlsConfigs() (server, client *tls.Config, err error) {
+	if p.CertFile == "" {
+		return nil, nil, nil
+	}
+	cert, err := tls.LoadX509KeyPair(p.CertFile, p.KeyFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("loading the peer certificate: %w", err)
+	}
+	pem, err := os.ReadFile(p.CAFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("reading the peer CA: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, nil, fmt.Errorf("the peer CA file %s holds no certificate", p.CAFile)
+	}
+	server = &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool,
+		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}
+	client = &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, ServerName: p.ServerName,
+		MinVersion: tls.VersionTLS13}
+	return server, client, nil
+}
+
+// pulls says whether the node pulls sources it lacks: it knows peers,
+// from the controller or a static list.
+func (o Options) pulls() bool { return o.ControllerAddress != "" || len(o.Peers.Static) > 0 }
+
+// pullConfig is the engine's part of the peer options; ctl reaches the
+// controller (nil: the static list is the locator).
+func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, error) {
+	_, clientTLS, err := o.Peers.tlsConfigs()
+	if err != nil {
+		return nil, err
+	}
+	var loc node.Locator = staticPeers(o.Peers.Static)
+	if ctl != nil {
+		loc = controllerLocator{api: controllerv1.NewCacheClient(ctl), nodeID: o.NodeID}
+	}
+	creds := insecure.NewCredentials()
+	if clientTLS != nil {
+		creds = credentials.NewTLS(clientTLS)
+	}
+	dial := func(address string) (*streamer.Client, io.Closer, error) {
+		if clientTLS == nil {
+			// Plaintext stays on this machine, whoever named the address.
+			if err := loopbackOnly(address); err != nil {
+				return nil, nil, fmt.Errorf("peer %s: %w", address, err)
+			}
+		}
+		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds),
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(streamer.MaxChunk)))
+		if err != nil {
+			return nil, nil, err
+		}
+		return streamer.NewClient(conn), conn, nil
+	}
+	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
+	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait,
+		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries}}, nil
+}
+
+// peerServer is the node's peer API server, with mutual TLS where the
+// options give certificates.
+func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
+	serverTLS, _, err := d.opts.Peers.tlsConfigs()
+	if err != nil {
+		return nil, err
+	}
+	var opts []grpc.ServerOption
+	if serverTLS != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(serverTLS)))
+	}
+	srv := grpc.NewServer(opts...)
+	streamer.NewServer(d.engine.PeerHolder(), m).Register(srv)
+	return srv, nil
+}
+
+// staticPeers are the peers of --peers: every one is asked.
+type staticPeers []string
+
+func (s staticPeers) Holders(context.Context, string, volume.Ref) ([]node.Peer, error) {
+	var out []node.Peer
+	for _, p := range s {
+		id, addr, _ := strings.Cut(p, "=")
+		out = append(out, node.Peer{NodeID: id, Address: addr})
+	}
+	return out, nil
+}
+
+// controllerLocator asks the controller which nodes hold a volume ready.
+type controllerLocator struct {
+	api    controllerv1.CacheClient
+	nodeID string
+}
+
+// lookupTimeout bounds a lookup at the controller.
+const lookupTimeout = 10 * time.Second
+
+func (c controllerLocator) Holders(ctx context.Context, _ string, r volume.Ref) ([]node.Peer, error) {
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
+	defer cancel()
+	resp, err := c.api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{
+		Refs: []*controllerv1.VolumeRef{{Namespace: r.Namespace, Handle: r.Handle}}})
+	if err != nil {
+		return nil, fmt.Errorf("asking the controller: %w", err)
+	}
+	var out []node.Peer
+	for _, loc := range resp.GetVolumes() {
+		for i, id := range loc.GetNodes() {
+			if i < len(loc.GetPeerAddresses()) {
+				out = append(out, node.Peer{NodeID: id, Address: loc.GetPeerAddresses()[i]})
+			}
+		}
+	}
+	// Start at a place of this node's own, so that pulls from many nodes
+	// spread over the holders instead of all asking the first.
+	if len(out) > 1 {
+		h := fnv.New32a()
+		_, _ = h.Write([]byte(c.nodeID))
+		k := int(h.Sum32() % uint32(len(out)))
+		out = append(out[k:], out[:k]...)
+	}
+	return out, nil
+}

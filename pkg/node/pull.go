@@ -1,0 +1,320 @@
+package node
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// PullConfig lets a node pull the sources it lacks from peers.
+type PullConfig struct {
+	// Locator says which peers hold a volume ready.
+	Locator Locator
+	// Dial reaches a peer's --peer-address.
+	Dial func(address string) (*streamer.Client, io.Closer, error)
+	// Encoding is what layers travel as; Limits bound each one.
+	Encoding streamer.Encoding
+	Limits   streamer.Limits
+	// Wait is how long a publish waits for a pull before it answers with
+	// the pull's progress (the kubelet retries, and joins the pull).
+	Wait time.Duration
+}
+
+// Locator finds the peers holding a volume ready, best first.
+type Locator interface {
+	Holders(ctx context.Context, namespace string, r volume.Ref) ([]Peer, error)
+}
+
+// Peer is a node that serves its volumes to pulls.
+type Peer struct{ NodeID, Address string }
+
+// Errors a publish answers while a source is pulled.
+var (
+	// ErrPulling: the source is on its way from a peer; retry.
+	ErrPulling = errors.New("the source volume is being pulled from a peer")
+	// ErrPullFailed: no peer could deliver the source.
+	ErrPullFailed = errors.New("pulling the source volume from peers failed")
+)
+
+// pulls are the pulls under way, one per source and namespace asking: a
+// publish joins a running pull of its source instead of starting another.
+type pulls struct {
+	cfg     PullConfig
+	mu      sync.Mutex
+	running map[pullKey]*pull
+}
+
+type pullKey struct {
+	namespace string
+	ref       volume.Ref
+}
+
+// pull is one source on its way here.
+type pull struct {
+	id      string
+	key     pullKey
+	started time.Time
+	done    chan struct{}
+	err     error // set before done closes
+	// received counts wire bytes, expected the layers' size on the peer.
+	received, expected atomic.Int64
+	from               atomic.Pointer[string]
+}
+
+func (p *pull) progress() error {
+	from := "a peer"
+	if f := p.from.Load(); f != nil {
+		from = "node " + *f
+	}
+	msg := fmt.Sprintf("%s from %s: %s received", p.key.ref, from, mib(p.received.Load()))
+	if exp := p.expected.Load(); exp > 0 {
+		msg += " of about " + mib(exp)
+	}
+	return fmt.Errorf("source volume %s, %s in %s; retry: %w", volume.Quote(p.key.ref.Handle), msg,
+		time.Since(p.started).Round(time.Second), ErrPulling)
+}
+
+func mib(n int64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
+
+// ensureSource makes sure a publish's source is here, pulling it from a
+// peer if the node lacks it. It returns once the source is here (or the
+// node has it in some state the publish will answer for), or with the
+// pull's progress after the configured wait.
+func (e *Engine) ensureSource(r PublishRequest) error {
+	if e.pulls == nil || r.Source.IsZero() {
+		return nil
+	}
+	v, err := e.store.Get(r.Source)
+	pulling := err == nil && v.State == volume.StateCreating && v.Lease.Kind == cache.LeasePull
+	if !pulling && !errors.Is(err, cache.ErrNotFound) {
+		return nil // here, in a state the publish answers for
+	}
+	if _, err := e.store.GetView(r.VolumeID); err == nil {
+		return nil // published already: a repeat needs no source
+	}
+	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source})
+	wait := time.NewTimer(e.pulls.cfg.Wait)
+	defer wait.Stop()
+	select {
+	case <-p.done:
+		return p.err
+	case <-wait.C:
+		return p.progress()
+	}
+}
+
+// join returns the running pull of key, starting one if none is.
+func (ps *pulls) join(e *Engine, key pullKey) *pull {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if p, ok := ps.running[key]; ok {
+		return p
+	}
+	id := make([]byte, 8)
+	_, _ = rand.Read(id)
+	p := &pull{id: hex.EncodeToString(id), key: key, started: time.Now(), done: make(chan struct{})}
+	ps.running[key] = p
+	e.goBackground(func() {
+		p.err = e.runPull(p)
+		ps.mu.Lock()
+		delete(ps.running, key)
+		ps.mu.Unlock()
+		close(p.done)
+	})
+	return p
+}
+
+// runPull brings a source here from the first holder that can deliver it,
+// layer by layer. A holder failing mid-way leaves the layers it delivered
+// (they are whole cached volumes) and the next holder sends the rest.
+func (e *Engine) runPull(p *pull) error {
+	ns, ref := p.key.namespace, p.key.ref
+	if err := e.store.CheckBackoff(ref); err != nil {
+		return err // a failed pull's retry waits, asking no one
+	}
+	holders, err := e.pulls.cfg.Locator.Holders(e.bgCtx, ns, ref)
+	if err != nil {
+		e.metrics.pulls.WithLabelValues("failed").Inc()
+		return fmt.Errorf("finding the nodes that hold %s: %w: %w", ref, ErrPullFailed, err)
+	}
+	var errs []error
+	tried := 0
+	for _, h := range holders {
+		if h.NodeID == e.nodeID || h.Address == "" {
+			continue
+		}
+		tried++
+		from := h.NodeID
+		p.from.Store(&from)
+		start := time.Now()
+		layers, err := e.pullFrom(p, h)
+		if err == nil {
+			e.metrics.pulls.WithLabelValues("ok").Inc()
+			klog.InfoS("Pulled a source volume from a peer", "volume", ref, "namespace", ns, "peer", h.NodeID,
+				"layers", layers, "wireBytes", p.received.Load(), "duration", time.Since(start))
+			return nil
+		}
+		if errors.Is(err, ErrPulling) || errors.Is(err, cache.ErrBackoff) {
+			return err // another pull is making it, or a failure is fresh
+		}
+		if local(err) {
+			errs = append(errs, err)
+			break // another holder would fail here the same way
+		}
+		if !streamer.NotHeld(err) {
+			klog.ErrorS(err, "Pulling a source volume from a peer failed; trying the next holder",
+				"volume", ref, "namespace", ns, "peer", h.NodeID)
+		}
+		errs = append(errs, fmt.Errorf("node %s: %w", h.NodeID, err))
+	}
+	if len(errs) == 0 || allNotHeld(errs) {
+		e.metrics.pulls.WithLabelValues("not_found").Inc()
+		return fmt.Errorf("%w (nor on any of the %d peers asked)", cache.NotVisible(ref, ns), tried)
+	}
+	e.metrics.pulls.WithLabelValues("failed").Inc()
+	if err := e.store.NoteFailure(ref); err != nil {
+		klog.ErrorS(err, "Recording a failed pull", "volume", ref)
+	}
+	return fmt.Errorf("source volume %s: %w: %w", ref, ErrPullFailed, errors.Join(errs...))
+}
+
+// local says a pull failed for want of room here, not for its holder.
+func local(err error) bool {
+	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT)
+}
+
+func allNotHeld(errs []error) bool {
+	for _, err := range errs {
+		if !streamer.NotHeld(err) {
+			return false
+		}
+	}
+	return true
+}
+
+// pullFrom pulls, from one peer, the layers of the source's chain this node
+// lacks, bottom first, and says how many it pulled.
+func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
+	client, conn, err := e.pulls.cfg.Dial(h.Address)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	chain, err := client.Chain(e.bgCtx, p.key.namespace, p.key.ref)
+	if err != nil {
+		return 0, err
+	}
+	var missing []streamer.Layer
+	for _, l := range chain {
+		v, err := e.store.Get(l.Ref)
+		if err == nil && v.State == volume.StateReady {
+			break // the rest of the chain is here
+		}
+		if err == nil {
+			if v.State == volume.StateCreating && v.Lease.Kind == cache.LeasePull {
+				return 0, fmt.Errorf("%s is being pulled for another namespace's pod: %w", l.Ref, ErrPulling)
+			}
+			return 0, fmt.Errorf("%s, which %s stacks on, is %s here: %w", l.Ref, p.key.ref, v.State, cache.ErrUnusable)
+		}
+		if !errors.Is(err, cache.ErrNotFound) {
+			return 0, err
+		}
+		missing = append(missing, l)
+	}
+	var expected int64
+	for _, l := range missing {
+		expected += max(l.SizeBytes, 0)
+	}
+	p.expected.Store(expected)
+	for i := len(missing) - 1; i >= 0; i-- {
+		if err := e.pullLayer(p, client, missing[i]); err != nil {
+			return len(missing) - 1 - i, err
+		}
+	}
+	return len(missing), nil
+}
+
+// pullLayer pulls one volume's own layer into the cache: reserved under the
+// pull's lease, extracted into staging out of sight, checked against the
+// peer's digest, synced, moved into place and committed in one
+// transaction. Anything short of that leaves no trace: the reservation
+// and the staging go (and a crash leaves them to recovery).
+func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) (err error) {
+	v, err := e.store.ReservePull(cache.Volume{
+		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
+		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
+	}, p.id)
+	if errors.Is(err, cache.ErrExists) {
+		return fmt.Errorf("%s: %w", err.Error(), ErrPulling) // made here meanwhile
+	}
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			if aerr := e.store.AbortPull(v.Ref(), p.id, overlay.RemoveTree); aerr != nil {
+				klog.ErrorS(aerr, "Dropping a pull's reservation; recovery will", "volume", v.Ref())
+			}
+		}
+	}()
+	stage, err := os.MkdirTemp(e.store.StagingDir(), "pull-")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if rerr := overlay.RemoveTree(stage); rerr != nil {
+			klog.ErrorS(rerr, "Removing a pull's staging", "dir", stage)
+		}
+	}()
+	tree := filepath.Join(stage, "layer")
+	if err := overlay.NewLayerDir(e.backend.Kind(), tree); err != nil {
+		return err
+	}
+	start := time.Now()
+	sum, err := client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits,
+		func(n int64) { p.received.Add(n) })
+	if err != nil {
+		return fmt.Errorf("pulling %s: %w", l.Ref, err)
+	}
+	cache.CrashPoint("pull-extracted")
+	// Ready means on disk: a reboot must not find a torn pulled volume.
+	if err := overlay.SyncFS(tree); err != nil {
+		return err
+	}
+	data := e.store.DataPath(v)
+	if err := os.MkdirAll(filepath.Dir(data), 0o700); err != nil {
+		return err
+	}
+	if err := os.Rename(tree, data); err != nil {
+		return err
+	}
+	if err := overlay.SyncDir(filepath.Dir(data)); err != nil {
+		return err
+	}
+	cache.CrashPoint("pull-renamed")
+	vol, err := e.store.CommitPull(v.Ref(), p.id, l.SizeBytes, -1)
+	if err != nil {
+		return err
+	}
+	e.metrics.pulled.Inc()
+	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "tarBytes", sum.Bytes,
+		"entries", sum.Entries, "digest", sum.Digest, "duration", time.Since(start))
+	e.goBackground(func() { e.afterCapture(vol) })
+	return nil
+}

@@ -1,0 +1,113 @@
+package node
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// reads counts the layers being streamed to peers, by volume: a layer being
+// read is neither freed nor pruned. Holds live in memory only; a crash ends
+// every stream with them.
+type reads struct {
+	mu    sync.Mutex
+	count map[volume.Ref]int
+}
+
+func (r *reads) hold(ref volume.Ref) (release func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.count == nil {
+		r.count = map[volume.Ref]int{}
+	}
+	r.count[ref]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			if r.count[ref]--; r.count[ref] == 0 {
+				delete(r.count, ref)
+			}
+		})
+	}
+}
+
+func (r *reads) busy(ref volume.Ref) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.count[ref] > 0
+}
+
+// PeerHolder is what the node serves its peers: its ready volumes, to pulls
+// made for pods that may read them.
+func (e *Engine) PeerHolder() streamer.Holder { return peerHolder{e} }
+
+type peerHolder struct{ e *Engine }
+
+// notHeld is the answer for a volume this node lacks or will not serve to
+// namespace, the same words for both.
+func notHeld(r volume.Ref, namespace string) error {
+	return fmt.Errorf("volume %s is not held here for namespace %q: %w", r, namespace, streamer.ErrNotHeld)
+}
+
+// Chain describes a ready volume and the volumes its layer is a diff over.
+// Every one of them must be readable by namespace: a chain through another
+// namespace's private volume is not served (the puller would learn of it).
+func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, error) {
+	v, err := h.e.store.Get(r)
+	if errors.Is(err, cache.ErrNotFound) || (err == nil && (v.State != volume.StateReady || !v.ReadableBy(namespace))) {
+		return nil, notHeld(r, namespace)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []streamer.Layer
+	for seen := 0; ; seen++ {
+		if seen > maxKernelLayers {
+			return nil, fmt.Errorf("volume %s: a chain deeper than %d layers", r, maxKernelLayers)
+		}
+		out = append(out, streamer.Layer{Ref: v.Ref(), Parent: v.Parent, Base: v.Base, Scope: v.Scope,
+			Properties: v.Properties, TTL: v.TTL, SizeBytes: v.SizeBytes, Destroyed: v.State == volume.StateDestroying})
+		if v.Base.IsZero() {
+			return out, nil
+		}
+		if v, err = h.e.store.Get(v.Base); err != nil {
+			return nil, fmt.Errorf("volume %s: reading its chain: %w", r, err)
+		}
+		if !v.ReadableBy(namespace) {
+			return nil, fmt.Errorf("volume %s stacks on a volume namespace %q may not read, so it is not served to it: %w",
+				r, namespace, streamer.ErrNotHeld)
+		}
+	}
+}
+
+// maxKernelLayers bounds a chain: overlayfs stacks no more.
+const maxKernelLayers = 500
+
+// OpenLayer holds a volume's own layer for a stream. A destroyed volume is
+// served only while it is the base of others (a puller of those needs it).
+func (h peerHolder) OpenLayer(namespace string, r volume.Ref) (string, func(), error) {
+	// Hold first, then look: the reaper looks at holds after the state,
+	// so a volume seen servable here cannot be freed under the stream.
+	release := h.e.reads.hold(r)
+	v, err := h.e.store.Get(r)
+	servable := err == nil && v.ReadableBy(namespace) && (v.State == volume.StateReady ||
+		(v.State == volume.StateDestroying && len(h.e.store.Holders(r).Children) > 0))
+	if errors.Is(err, cache.ErrNotFound) || (err == nil && !servable) {
+		err = notHeld(r, namespace)
+	}
+	if err != nil {
+		release()
+		return "", nil, err
+	}
+	return h.e.store.DataPath(v), func() {
+		release()
+		h.e.kick(h.e.reaper) // a destroy may have waited for the stream
+		h.e.tidy()
+	}, nil
+}

@@ -1,0 +1,341 @@
+package streamer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"k8s.io/klog/v2"
+
+	peerv1 "github.com/concourse/cowvol/api/peer/v1"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Layer is a cached volume as a peer describes it to a puller: what the
+// puller records of its copy.
+type Layer struct {
+	Ref, Parent, Base volume.Ref
+	Scope             volume.Scope
+	Properties        map[string]string
+	TTL               time.Duration
+	// SizeBytes is what the layer holds on disk (-1: not measured).
+	SizeBytes int64
+	// Destroyed: kept on the peer only as the base of what stacks on it.
+	Destroyed bool
+}
+
+// ErrNotHeld is the one answer for a volume the node lacks and for one the
+// asking namespace may not read: the two must look alike.
+var ErrNotHeld = errors.New("not held here")
+
+// Holder is what a node serves its peers from.
+type Holder interface {
+	// Chain describes a ready volume namespace may read, and the volumes
+	// its layer stacks on, top first.
+	Chain(namespace string, r volume.Ref) ([]Layer, error)
+	// OpenLayer returns the dir of a ready volume's own layer, held (not
+	// freed, not pruned) until release is called.
+	OpenLayer(namespace string, r volume.Ref) (dir string, release func(), err error)
+}
+
+// Server serves the peer API (api/peer/v1) from a Holder.
+type Server struct {
+	peerv1.UnimplementedPeerServer
+	holder  Holder
+	metrics *Metrics
+}
+
+// NewServer serves h's volumes; m counts what is served (nil: nothing).
+func NewServer(h Holder, m *Metrics) *Server { return &Server{holder: h, metrics: m} }
+
+// Register adds the peer API to a gRPC server.
+func (s *Server) Register(g *grpc.Server) { peerv1.RegisterPeerServer(g, s) }
+
+func parseRequest(namespace string, r *peerv1.VolumeRef) (volume.Ref, error) {
+	if err := volume.ValidateNamespace(namespace); err != nil {
+		return volume.Ref{}, status.Errorf(codes.InvalidArgument, "namespace: %v", err)
+	}
+	ref := volume.Ref{Namespace: r.GetNamespace(), Handle: r.GetHandle()}
+	if err := ref.Validate(); err != nil {
+		return volume.Ref{}, status.Errorf(codes.InvalidArgument, "volume: %v", err)
+	}
+	return ref, nil
+}
+
+func holderError(err error) error {
+	if errors.Is(err, ErrNotHeld) {
+		return status.Error(codes.NotFound, err.Error())
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return status.FromContextError(err).Err()
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+func toPeerRef(r volume.Ref) *peerv1.VolumeRef {
+	if r.IsZero() {
+		return nil
+	}
+	return &peerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
+}
+
+func fromPeerRef(r *peerv1.VolumeRef) volume.Ref {
+	return volume.Ref{Namespace: r.GetNamespace(), Handle: r.GetHandle()}
+}
+
+// GetChain describes a volume's chain to a puller.
+func (s *Server) GetChain(_ context.Context, req *peerv1.GetChainRequest) (*peerv1.GetChainResponse, error) {
+	ref, err := parseRequest(req.GetNamespace(), req.GetVolume())
+	if err != nil {
+		return nil, err
+	}
+	layers, err := s.holder.Chain(req.GetNamespace(), ref)
+	if err != nil {
+		return nil, holderError(err)
+	}
+	out := &peerv1.GetChainResponse{}
+	for _, l := range layers {
+		pl := &peerv1.LayerVolume{Ref: toPeerRef(l.Ref), Parent: toPeerRef(l.Parent), Base: toPeerRef(l.Base),
+			Scope: string(l.Scope), Properties: l.Properties, SizeBytes: l.SizeBytes, Destroyed: l.Destroyed}
+		if l.TTL > 0 {
+			pl.Ttl = durationpb.New(l.TTL)
+		}
+		out.Layers = append(out.Layers, pl)
+	}
+	return out, nil
+}
+
+// PullLayer streams a volume's own layer, then its size and digest.
+func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]) error {
+	ref, err := parseRequest(req.GetNamespace(), req.GetVolume())
+	if err != nil {
+		return err
+	}
+	enc, err := ParseEncoding(req.GetEncoding())
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref)
+	if err != nil {
+		return holderError(err)
+	}
+	defer release()
+	start := time.Now()
+	w := &chunkWriter{stream: stream}
+	sum, err := Pack(stream.Context(), dir, w, enc, true)
+	s.metrics.served(enc, w.sent, err)
+	if err != nil {
+		klog.ErrorS(err, "Serving a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "sent", w.sent)
+		return holderError(err)
+	}
+	klog.V(2).InfoS("Served a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "encoding", enc,
+		"tarBytes", sum.Bytes, "wireBytes", w.sent, "entries", sum.Entries, "duration", time.Since(start))
+	return stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: &peerv1.Trailer{
+		Bytes: sum.Bytes, Entries: sum.Entries, Digest: sum.Digest}}})
+}
+
+// chunkWriter sends what Pack writes as data chunks (Pack buffers, so each
+// write is up to streamBuffer bytes).
+type chunkWriter struct {
+	stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]
+	sent   int64
+}
+
+func (w *chunkWriter) Write(p []byte) (int, error) {
+	written := 0
+	for len(p) > 0 {
+		n := min(len(p), maxChunkData)
+		// SendMsg has encoded the chunk when it returns: p may be reused.
+		if err := w.stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Data{Data: p[:n]}}); err != nil {
+			return written, err
+		}
+		w.sent += int64(n)
+		written += n
+		p = p[n:]
+	}
+	return written, nil
+}
+
+// maxChunkData is the most data a chunk carries; MaxChunk, the most a
+// chunk message takes on the wire (what a client must accept).
+const (
+	maxChunkData = 1 << 20
+	MaxChunk     = maxChunkData + 4<<10
+)
+
+// Client pulls layers from one peer.
+type Client struct {
+	api peerv1.PeerClient
+}
+
+// NewClient pulls through conn, a connection to a peer's --peer-address.
+func NewClient(conn grpc.ClientConnInterface) *Client {
+	return &Client{api: peerv1.NewPeerClient(conn)}
+}
+
+// Chain asks the peer for a volume's chain, for a pod of namespace.
+func (c *Client) Chain(ctx context.Context, namespace string, r volume.Ref) ([]Layer, error) {
+	resp, err := c.api.GetChain(ctx, &peerv1.GetChainRequest{Namespace: namespace, Volume: toPeerRef(r)})
+	if err != nil {
+		return nil, peerError(err)
+	}
+	var out []Layer
+	for _, l := range resp.GetLayers() {
+		layer := Layer{Ref: fromPeerRef(l.GetRef()), Parent: fromPeerRef(l.GetParent()), Base: fromPeerRef(l.GetBase()),
+			Scope: volume.Scope(l.GetScope()), Properties: maps.Clone(l.GetProperties()),
+			TTL: l.GetTtl().AsDuration(), SizeBytes: l.GetSizeBytes(), Destroyed: l.GetDestroyed()}
+		if err := layer.validate(); err != nil {
+			return nil, fmt.Errorf("the peer described %s: %w", r, err)
+		}
+		out = append(out, layer)
+	}
+	if len(out) == 0 || out[0].Ref != r || out[0].Destroyed {
+		return nil, fmt.Errorf("the peer described another chain than %s's", r)
+	}
+	for i := 1; i < len(out); i++ {
+		if out[i-1].Base != out[i].Ref {
+			return nil, fmt.Errorf("the peer described a broken chain for %s (%s's base is %s, then comes %s)", r, out[i-1].Ref, out[i-1].Base, out[i].Ref)
+		}
+	}
+	if !out[len(out)-1].Base.IsZero() {
+		return nil, fmt.Errorf("the peer described a chain for %s that ends in a diff", r)
+	}
+	return out, nil
+}
+
+// validate checks what a peer said of a layer: it becomes metadata here.
+func (l Layer) validate() error {
+	for _, r := range []volume.Ref{l.Parent, l.Base} {
+		if !r.IsZero() {
+			if err := r.Validate(); err != nil {
+				return err
+			}
+		}
+	}
+	if err := l.Ref.Validate(); err != nil {
+		return err
+	}
+	if _, err := volume.ParseScope(string(l.Scope)); err != nil {
+		return err
+	}
+	if l.TTL < 0 {
+		return fmt.Errorf("a negative TTL")
+	}
+	return volume.ValidateProperties(l.Properties)
+}
+
+// ErrCorrupt: what arrived is not what the peer sent.
+var ErrCorrupt = errors.New("the stream arrived corrupt")
+
+// PullLayer streams a volume's own layer into dir (an empty dir), for a pod
+// of namespace, and checks the size and digest the peer sent after it.
+// progress is told of each wire chunk's size.
+func (c *Client) PullLayer(ctx context.Context, namespace string, r volume.Ref, enc Encoding, dir string, lim Limits, progress func(int64)) (Summary, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // stops the peer sending if extraction fails
+	stream, err := c.api.PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Encoding: string(enc)})
+	if err != nil {
+		return Summary{}, peerError(err)
+	}
+	cr := &chunkReader{stream: stream, progress: progress}
+	sum, err := Unpack(ctx, cr, enc, dir, lim)
+	if err != nil {
+		if cr.err != nil && !errors.Is(cr.err, io.EOF) {
+			return Summary{}, peerError(cr.err)
+		}
+		var errno syscall.Errno
+		if errors.Is(err, ErrRefused) || errors.As(err, &errno) || ctx.Err() != nil {
+			return Summary{}, err // refused, or failed here (a full disk): not the stream's fault
+		}
+		return Summary{}, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	// The encoded stream may end before its trailer has been read.
+	if _, err := io.Copy(io.Discard, cr); err != nil {
+		return Summary{}, peerError(err)
+	}
+	t := cr.trailer
+	switch {
+	case t == nil:
+		return Summary{}, fmt.Errorf("%w: the peer sent no trailer", ErrCorrupt)
+	case cr.extra > 0:
+		return Summary{}, fmt.Errorf("%w: %d bytes after the archive's end", ErrCorrupt, cr.extra)
+	case t.GetBytes() != sum.Bytes || t.GetDigest() != sum.Digest || t.GetEntries() != sum.Entries:
+		return Summary{}, fmt.Errorf("%w: the peer sent %d bytes (%d entries, %s), %d arrived (%d entries, %s)",
+			ErrCorrupt, t.GetBytes(), t.GetEntries(), t.GetDigest(), sum.Bytes, sum.Entries, sum.Digest)
+	}
+	return sum, nil
+}
+
+// peerError keeps a peer's status, for callers that tell NotFound from a
+// dead link.
+func peerError(err error) error {
+	if s, ok := status.FromError(err); ok {
+		return fmt.Errorf("peer: %s: %w", s.Message(), &PeerError{Code: s.Code()})
+	}
+	return err
+}
+
+// PeerError is a peer's answer that was not a success.
+type PeerError struct{ Code codes.Code }
+
+func (e *PeerError) Error() string { return e.Code.String() }
+
+// NotHeld says the peer does not hold the volume (or will not say it for
+// this namespace).
+func NotHeld(err error) bool {
+	var pe *PeerError
+	return errors.As(err, &pe) && pe.Code == codes.NotFound
+}
+
+// chunkReader reads data chunks until the trailer, which it keeps; data
+// after the encoded stream's end is counted, never extracted.
+type chunkReader struct {
+	stream   grpc.ServerStreamingClient[peerv1.PullLayerChunk]
+	progress func(int64)
+	buf      []byte
+	trailer  *peerv1.Trailer
+	err      error
+	extra    int64
+	drained  bool
+}
+
+func (r *chunkReader) Read(p []byte) (int, error) {
+	for len(r.buf) == 0 {
+		if r.err != nil {
+			return 0, r.err
+		}
+		msg, err := r.stream.Recv()
+		if err != nil {
+			r.err = err
+			if errors.Is(err, io.EOF) && r.trailer == nil {
+				r.err = io.ErrUnexpectedEOF
+			}
+			return 0, r.err
+		}
+		switch part := msg.GetPart().(type) {
+		case *peerv1.PullLayerChunk_Data:
+			if r.trailer != nil {
+				r.err = fmt.Errorf("%w: data after the trailer", ErrCorrupt)
+				return 0, r.err
+			}
+			r.buf = part.Data
+			if r.progress != nil {
+				r.progress(int64(len(part.Data)))
+			}
+		case *peerv1.PullLayerChunk_Trailer:
+			r.trailer = part.Trailer
+			r.err = io.EOF
+		}
+	}
+	n := copy(p, r.buf)
+	r.buf = r.buf[n:]
+	return n, nil
+}
