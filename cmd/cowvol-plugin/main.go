@@ -113,11 +113,12 @@ func main() {
 		"node mode: host:port to serve cached volumes to pulling peers on (empty: none)")
 	fs.StringVar(&opts.Peers.AdvertiseAddress, "peer-advertise-address", "",
 		"node mode: host:port peers dial, told to the controller (default: --peer-address)")
-	fs.StringVar(&opts.Peers.CertFile, "peer-tls-cert-file", "", "node mode: the node's certificate for mutual TLS with peers")
-	fs.StringVar(&opts.Peers.KeyFile, "peer-tls-key-file", "", "node mode: the key of --peer-tls-cert-file")
-	fs.StringVar(&opts.Peers.CAFile, "peer-ca-file", "", "node mode: the CA that signs every node's peer certificate")
+	fs.StringVar(&opts.Peers.CertFile, "peer-tls-cert-file", "",
+		"the certificate for mutual TLS between peers: nodes serve and present it, the controller presents it to read and upload volumes")
+	fs.StringVar(&opts.Peers.KeyFile, "peer-tls-key-file", "", "the key of --peer-tls-cert-file")
+	fs.StringVar(&opts.Peers.CAFile, "peer-ca-file", "", "the CA that signs every peer certificate")
 	fs.StringVar(&opts.Peers.ServerName, "peer-tls-server-name", driver.DefaultPeerServerName,
-		"node mode: the DNS name peers' certificates carry")
+		"the DNS name peer certificates carry")
 	fs.Func("peers", "node mode, without a controller: peers to pull missing sources from, node=host:port,... ",
 		func(v string) error {
 			opts.Peers.Static = append(opts.Peers.Static, strings.Split(v, ",")...)

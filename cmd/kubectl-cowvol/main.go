@@ -72,7 +72,7 @@ func newRoot(out io.Writer) *cobra.Command {
 	flags.IntVar(&o.via.Port, "controller-port", 7070, "without --controller-address: the controller's API port in its pod")
 	flags.StringVarP(&o.output, "output", "o", "", "output format: json or yaml (default: a table)")
 	flags.DurationVar(&o.timeout, "request-timeout", 30*time.Second, "how long to wait for the controller")
-	root.AddCommand(o.nodesCmd(), o.volumesCmd(), o.chainCmd(), o.destroyCmd(), o.pinCmd(), o.unpinCmd())
+	root.AddCommand(o.nodesCmd(), o.volumesCmd(), o.chainCmd(), o.destroyCmd(), o.pinCmd(), o.unpinCmd(), o.catCmd(), o.cpCmd())
 	for _, action := range []string{"land", "retire", "resume"} {
 		root.AddCommand(o.lifecycleCmd(action))
 	}

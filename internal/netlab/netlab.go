@@ -20,9 +20,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Lab is a network: hosts on one /24, and the test's own address on it.
@@ -104,6 +107,48 @@ func (l *Lab) Host(name string) *Host {
 // the test's mounts, so what it mounts the test sees).
 func (h *Host) Command(name string, args ...string) (string, []string) {
 	return "nsenter", append([]string{"--net=/run/netns/" + h.Netns, "--", name}, args...)
+}
+
+// Listen opens a TCP listener in the host's namespace, from this process:
+// the socket is made on a thread moved into the namespace, and belongs to
+// the namespace from then on, whichever thread uses it.
+func (h *Host) Listen(port int) (net.Listener, error) {
+	type result struct {
+		l   net.Listener
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		// A goroutine of its own, locked to its thread: if the thread
+		// cannot be moved back, it exits locked and Go ends the thread.
+		runtime.LockOSThread()
+		self, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			done <- result{err: err}
+			return
+		}
+		defer self.Close()
+		target, err := os.Open("/run/netns/" + h.Netns)
+		if err != nil {
+			runtime.UnlockOSThread()
+			done <- result{err: err}
+			return
+		}
+		defer target.Close()
+		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			done <- result{err: err}
+			return
+		}
+		l, err := net.Listen("tcp", net.JoinHostPort(h.IP, fmt.Sprint(port)))
+		if serr := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); serr == nil {
+			runtime.UnlockOSThread()
+		}
+		done <- result{l, err}
+	}()
+	r := <-done
+	return r.l, r.err
 }
 
 // Throttle limits what the switch sends the host to rate (tc's units, such

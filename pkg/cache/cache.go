@@ -460,13 +460,18 @@ func (s *Store) chain(vols *bolt.Bucket, r volume.Ref) (refs []volume.Ref, dirs 
 
 // Chain returns a ready volume's data dirs, top first.
 func (s *Store) Chain(r volume.Ref) ([]string, error) {
-	var dirs []string
-	err := s.db.View(func(tx *bolt.Tx) error {
-		var err error
-		_, dirs, err = s.chain(tx.Bucket(volumesBucket), r)
+	_, dirs, err := s.ChainOf(r)
+	return dirs, err
+}
+
+// ChainOf returns the volumes of a ready volume's chain and their data
+// dirs, top first.
+func (s *Store) ChainOf(r volume.Ref) (refs []volume.Ref, dirs []string, err error) {
+	err = s.db.View(func(tx *bolt.Tx) error {
+		refs, dirs, err = s.chain(tx.Bucket(volumesBucket), r)
 		return err
 	})
-	return dirs, err
+	return refs, dirs, err
 }
 
 // NotVisible is the one answer for a source that does not exist and for one

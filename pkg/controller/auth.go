@@ -83,25 +83,55 @@ type Authenticator interface {
 // token. A nil Authenticator lets every call through as anyone.
 func Interceptor(auth Authenticator) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		if auth == nil {
-			return handler(ctx, req)
-		}
-		md, _ := metadata.FromIncomingContext(ctx)
-		var token string
-		for _, v := range md.Get("authorization") {
-			if rest, ok := strings.CutPrefix(v, "Bearer "); ok {
-				token = rest
-			}
-		}
-		if token == "" {
-			return nil, status.Error(codes.Unauthenticated, "no bearer token")
-		}
-		c, err := auth.Authenticate(ctx, token)
+		ctx, err := authenticate(ctx, auth)
 		if err != nil {
 			return nil, err
 		}
-		return handler(context.WithValue(ctx, callerKey{}, c), req)
+		return handler(ctx, req)
 	}
+}
+
+// StreamInterceptor is Interceptor for streaming calls (volume reads and
+// uploads).
+func StreamInterceptor(auth Authenticator) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		ctx, err := authenticate(ss.Context(), auth)
+		if err != nil {
+			return err
+		}
+		return handler(srv, &callerStream{ServerStream: ss, ctx: ctx})
+	}
+}
+
+// callerStream carries the authenticated caller in its context.
+type callerStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *callerStream) Context() context.Context { return s.ctx }
+
+// authenticate puts the bearer token's caller in ctx (with no
+// authenticator, the anonymous caller who may do anything stays).
+func authenticate(ctx context.Context, auth Authenticator) (context.Context, error) {
+	if auth == nil {
+		return ctx, nil
+	}
+	md, _ := metadata.FromIncomingContext(ctx)
+	var token string
+	for _, v := range md.Get("authorization") {
+		if rest, ok := strings.CutPrefix(v, "Bearer "); ok {
+			token = rest
+		}
+	}
+	if token == "" {
+		return nil, status.Error(codes.Unauthenticated, "no bearer token")
+	}
+	c, err := auth.Authenticate(ctx, token)
+	if err != nil {
+		return nil, err
+	}
+	return context.WithValue(ctx, callerKey{}, c), nil
 }
 
 // Tokens authenticates callers by bearer token, from a file of

@@ -27,9 +27,10 @@ type NodeEvents interface {
 
 // Register serves the view's Registry (for nodes) and Cache (for
 // schedulers) on srv.
-func Register(srv *grpc.Server, v *View, m *Metrics, events NodeEvents) {
+// dial reaches nodes' data for reads and uploads (nil: they are refused).
+func Register(srv *grpc.Server, v *View, m *Metrics, events NodeEvents, dial PeerDialer) {
 	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v})
-	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events})
+	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events, dial: dial})
 }
 
 func code(err error) error {
@@ -67,6 +68,7 @@ type cacheServer struct {
 	view    *View
 	metrics *Metrics
 	events  NodeEvents
+	dial    PeerDialer
 }
 
 // lookup is the view's answer as the caller may see it: another

@@ -576,6 +576,17 @@ func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
 	return out
 }
 
+// PeerAddress is where a node serves its volumes ("" if it does not, or
+// is unknown).
+func (v *View) PeerAddress(nodeID string) string {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	if n := v.nodes[nodeID]; n != nil {
+		return n.peerAddress
+	}
+	return ""
+}
+
 // status is what a scheduler sees of a node. The caller holds the lock.
 func (v *View) status(n *nodeState, now time.Time) *controllerv1.NodeStatus {
 	st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: v.state(n, now), Revision: n.revision,

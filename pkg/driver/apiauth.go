@@ -21,7 +21,7 @@ const kubeAuthTTL = 10 * time.Second
 // certificate is given, bearer tokens checked on every call where a tokens
 // file is, and then the leadership check (after authentication: who leads
 // is for callers).
-func controllerServerOptions(o Options, kube kubernetes.Interface, metrics, leadership grpc.UnaryServerInterceptor) ([]grpc.ServerOption, error) {
+func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.UnaryServerInterceptor, leader *leadership, prefix string) ([]grpc.ServerOption, error) {
 	var auth controller.Authenticator
 	switch {
 	case o.KubeAuth:
@@ -33,7 +33,11 @@ func controllerServerOptions(o Options, kube kubernetes.Interface, metrics, lead
 		}
 		auth = tokens
 	}
-	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(metrics, controller.Interceptor(auth), leadership), grpc.MaxRecvMsgSize(client.MaxMessage)}
+	opts := []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(metrics, controller.Interceptor(auth), leader.interceptor(prefix)),
+		grpc.ChainStreamInterceptor(controller.StreamInterceptor(auth), leader.streamInterceptor(prefix)),
+		grpc.MaxRecvMsgSize(client.MaxMessage),
+	}
 	if o.TLSCertFile != "" {
 		creds, err := credentials.NewServerTLSFromFile(o.TLSCertFile, o.TLSKeyFile)
 		if err != nil {

@@ -517,7 +517,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
 	}
 	if d.view != nil && d.opts.APIAddress != "" {
-		serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader.interceptor("/cowvol.controller."))
+		serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
 		if err != nil {
 			srv.Stop()
 			return errors.Join(err, g.Wait())
@@ -527,8 +527,13 @@ func (d *Driver) Run(ctx context.Context) error {
 			srv.Stop()
 			return errors.Join(fmt.Errorf("serving the controller's APIs: %w", err), g.Wait())
 		}
+		dial, err := d.opts.Peers.dialer()
+		if err != nil {
+			srv.Stop()
+			return errors.Join(err, g.Wait())
+		}
 		api := grpc.NewServer(serve...)
-		controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents)
+		controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
 		g.Go(func() error { return api.Serve(apiLis) })
 		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
 		if d.opts.LeaderElection.Enabled {

@@ -93,6 +93,18 @@ func (l *leadership) interceptor(prefix string) grpc.UnaryServerInterceptor {
 	}
 }
 
+// streamInterceptor is interceptor for streaming calls.
+func (l *leadership) streamInterceptor(prefix string) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		if strings.HasPrefix(info.FullMethod, prefix) {
+			if err := l.refuse(); err != nil {
+				return err
+			}
+		}
+		return handler(srv, ss)
+	}
+}
+
 func (l *leadership) refuse() error {
 	if !l.leading.Load() {
 		leader := l.current()

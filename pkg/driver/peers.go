@@ -140,7 +140,7 @@ func (o Options) pulls() bool { return o.ControllerAddress != "" || len(o.Peers.
 // pullConfig is the engine's part of the peer options; ctl reaches the
 // controller (nil: the static list is the locator).
 func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, error) {
-	_, clientTLS, err := o.Peers.tlsConfigs()
+	dial, err := o.Peers.dialer()
 	if err != nil {
 		return nil, err
 	}
@@ -148,11 +148,23 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 	if ctl != nil {
 		loc = controllerLocator{api: controllerv1.NewCacheClient(ctl), nodeID: o.NodeID}
 	}
+	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
+	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait,
+		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries}}, nil
+}
+
+// dialer reaches peers' --peer-address: over mutual TLS where the options
+// give certificates, else in plaintext to loopback only.
+func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer, error), error) {
+	_, clientTLS, err := p.tlsConfigs()
+	if err != nil {
+		return nil, err
+	}
 	creds := insecure.NewCredentials()
 	if clientTLS != nil {
 		creds = credentials.NewTLS(clientTLS)
 	}
-	dial := func(address string) (*streamer.Client, io.Closer, error) {
+	return func(address string) (*streamer.Client, io.Closer, error) {
 		if clientTLS == nil {
 			// Plaintext stays on this machine, whoever named the address.
 			if err := loopbackOnly(address); err != nil {
@@ -165,10 +177,7 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 			return nil, nil, err
 		}
 		return streamer.NewClient(conn), conn, nil
-	}
-	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
-	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait,
-		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries}}, nil
+	}, nil
 }
 
 // peerServer is the node's peer API server, with mutual TLS where the
@@ -183,7 +192,9 @@ func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(serverTLS)))
 	}
 	srv := grpc.NewServer(opts...)
-	streamer.NewServer(d.engine.PeerHolder(), m).Register(srv)
+	lim := streamer.DefaultLimits
+	lim.Bytes = d.opts.Peers.SizeLimit
+	streamer.NewServer(d.engine.PeerHolder(), m, lim).Register(srv)
 	return srv, nil
 }
 

@@ -2,8 +2,6 @@ package node
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -126,9 +124,7 @@ func (ps *pulls) join(e *Engine, key pullKey) *pull {
 	if p, ok := ps.running[key]; ok {
 		return p
 	}
-	id := make([]byte, 8)
-	_, _ = rand.Read(id)
-	p := &pull{id: hex.EncodeToString(id), key: key, started: time.Now(), done: make(chan struct{})}
+	p := &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{})}
 	ps.running[key] = p
 	e.goBackground(func() {
 		p.err = e.runPull(p)
@@ -250,71 +246,82 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 	return len(missing), nil
 }
 
-// pullLayer pulls one volume's own layer into the cache: reserved under the
-// pull's lease, extracted into staging out of sight, checked against the
-// peer's digest, synced, moved into place and committed in one
-// transaction. Anything short of that leaves no trace: the reservation
-// and the staging go (and a crash leaves them to recovery).
-func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) (err error) {
-	v, err := e.store.ReservePull(cache.Volume{
-		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
-		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
-	}, p.id)
+// pullLayer pulls one volume's own layer into the cache, checked against
+// the peer's digest.
+func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) error {
+	start := time.Now()
+	vol, err := e.receiveLayer(l, p.id, func(dir string) (streamer.Summary, error) {
+		return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, e.pulls.cfg.Encoding, dir, e.pulls.cfg.Limits,
+			func(n int64) { p.received.Add(n) })
+	})
 	if errors.Is(err, cache.ErrExists) {
 		return fmt.Errorf("%s: %w", err.Error(), ErrPulling) // made here meanwhile
 	}
 	if err != nil {
-		return err
+		return fmt.Errorf("pulling %s: %w", l.Ref, err)
+	}
+	e.metrics.pulled.Inc()
+	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "duration", time.Since(start))
+	return nil
+}
+
+// receiveLayer makes a cached volume of a layer that arrives from
+// elsewhere (a pull, an upload): reserved under the lease id, filled by fill
+// in staging out of sight, synced, moved into place and committed in one
+// transaction. Anything short of that leaves no trace: the reservation and
+// the staging go (and a crash leaves them to recovery).
+func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string) (streamer.Summary, error)) (vol cache.Volume, err error) {
+	v, err := e.store.ReservePull(cache.Volume{
+		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
+		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
+	}, id)
+	if err != nil {
+		return cache.Volume{}, err
 	}
 	defer func() {
 		if err != nil {
-			if aerr := e.store.AbortPull(v.Ref(), p.id, overlay.RemoveTree); aerr != nil {
-				klog.ErrorS(aerr, "Dropping a pull's reservation; recovery will", "volume", v.Ref())
+			if aerr := e.store.AbortPull(v.Ref(), id, overlay.RemoveTree); aerr != nil {
+				klog.ErrorS(aerr, "Dropping a reservation of a layer that did not arrive; recovery will", "volume", v.Ref())
 			}
 		}
 	}()
-	stage, err := os.MkdirTemp(e.store.StagingDir(), "pull-")
+	stage, err := os.MkdirTemp(e.store.StagingDir(), "receive-")
 	if err != nil {
-		return err
+		return cache.Volume{}, err
 	}
 	defer func() {
 		if rerr := overlay.RemoveTree(stage); rerr != nil {
-			klog.ErrorS(rerr, "Removing a pull's staging", "dir", stage)
+			klog.ErrorS(rerr, "Removing a received layer's staging", "dir", stage)
 		}
 	}()
 	tree := filepath.Join(stage, "layer")
 	if err := overlay.NewLayerDir(e.backend.Kind(), tree); err != nil {
-		return err
+		return cache.Volume{}, err
 	}
-	start := time.Now()
-	sum, err := client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits,
-		func(n int64) { p.received.Add(n) })
+	sum, err := fill(tree)
 	if err != nil {
-		return fmt.Errorf("pulling %s: %w", l.Ref, err)
+		return cache.Volume{}, err
 	}
 	cache.CrashPoint("pull-extracted")
-	// Ready means on disk: a reboot must not find a torn pulled volume.
+	// Ready means on disk: a reboot must not find a torn volume.
 	if err := overlay.SyncFS(tree); err != nil {
-		return err
+		return cache.Volume{}, err
 	}
 	data := e.store.DataPath(v)
 	if err := os.MkdirAll(filepath.Dir(data), 0o700); err != nil {
-		return err
+		return cache.Volume{}, err
 	}
 	if err := os.Rename(tree, data); err != nil {
-		return err
+		return cache.Volume{}, err
 	}
 	if err := overlay.SyncDir(filepath.Dir(data)); err != nil {
-		return err
+		return cache.Volume{}, err
 	}
 	cache.CrashPoint("pull-renamed")
-	vol, err := e.store.CommitPull(v.Ref(), p.id, l.SizeBytes, -1)
-	if err != nil {
-		return err
+	if vol, err = e.store.CommitPull(v.Ref(), id, l.SizeBytes, -1); err != nil {
+		return cache.Volume{}, err
 	}
-	e.metrics.pulled.Inc()
-	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "tarBytes", sum.Bytes,
-		"entries", sum.Entries, "digest", sum.Digest, "duration", time.Since(start))
+	klog.V(2).InfoS("Received a layer", "volume", vol.Ref(), "tarBytes", sum.Bytes, "entries", sum.Entries, "digest", sum.Digest)
 	e.goBackground(func() { e.afterCapture(vol) })
-	return nil
+	return vol, nil
 }

@@ -322,6 +322,10 @@ func readXattrs(p string) (map[string]string, error) {
 type Limits struct {
 	// Bytes bounds the tar stream (after decoding); Entries, its entries.
 	Bytes, Entries int64
+	// Strict refuses what only cowvol's own layers carry, whiteouts and
+	// trusted.* xattrs: an archive from outside the cluster (an upload)
+	// must not steer the overlay the volume is mounted with.
+	Strict bool
 }
 
 // DefaultLimits are generous for CI volumes and fatal to a decompression
@@ -357,7 +361,8 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	c := newCounter()
 	limited := &limitReader{r: dr, left: lim.Bytes}
 	tr := tar.NewReader(io.TeeReader(limited, c))
-	x := &extractor{root: root, buf: make([]byte, holeBlock), zero: make([]byte, holeBlock), cachedFd: -1}
+	x := &extractor{root: root, buf: make([]byte, holeBlock), zero: make([]byte, holeBlock), cachedFd: -1, strict: lim.Strict,
+		unprivileged: os.Geteuid() != 0}
 	defer x.close()
 	var entries int64
 	for {
@@ -435,6 +440,10 @@ type extractor struct {
 	// entry other than the root was, after which none may come.
 	rootHdr *tar.Header
 	made    bool
+	strict  bool
+	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
+	// the files and sets only user.* xattrs.
+	unprivileged bool
 }
 
 func (x *extractor) close() {
@@ -501,10 +510,11 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	if err != nil {
 		return err
 	}
-	for k, v := range hdr.PAXRecords {
-		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!xattrTravels(xattr) || len(v) > 64<<10) {
-			return refused("%s: xattr %q", name, xattr)
-		}
+	if err := x.checkXattrs(name, hdr); err != nil {
+		return err
+	}
+	if x.strict && hdr.Typeflag == tar.TypeChar {
+		return refused("%s: a whiteout (an upload is a whole tree, with nothing to white out)", name)
 	}
 	dirfd, base, err := x.parent(name)
 	if err != nil {
@@ -528,7 +538,7 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		f := os.NewFile(uintptr(fd), name)
 		err = x.writeFile(f, body, hdr)
 		if err == nil {
-			err = fileAttrs(fd, hdr) // through the descriptor: no path lookups
+			err = x.fileAttrs(fd, hdr) // through the descriptor: no path lookups
 		}
 		if cerr := f.Close(); err == nil {
 			err = cerr
@@ -576,6 +586,24 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	return x.attrs(dirfd, base, hdr, hdr.Typeflag == tar.TypeSymlink)
 }
 
+// setsXattr says whether the extractor sets an xattr: a user sets only
+// user.* ones (the others are root's to set, as only root gives files
+// away).
+func (x *extractor) setsXattr(name string) bool {
+	return !x.unprivileged || strings.HasPrefix(name, "user.")
+}
+
+// checkXattrs refuses xattrs that do not travel, or are too big.
+func (x *extractor) checkXattrs(name string, hdr *tar.Header) error {
+	for k, v := range hdr.PAXRecords {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!xattrTravels(xattr) || len(v) > 64<<10 ||
+			(x.strict && strings.HasPrefix(xattr, "trusted."))) {
+			return refused("%s: xattr %q", name, xattr)
+		}
+	}
+	return nil
+}
+
 // rootName is the entry of the tree's root: only first, only a dir.
 const rootName = "./"
 
@@ -583,6 +611,9 @@ const rootName = "./"
 func (x *extractor) rootEntry(hdr *tar.Header) error {
 	if x.made || x.rootHdr != nil || hdr.Typeflag != tar.TypeDir {
 		return refused("a root entry (%q) that is not the first, or not a dir", hdr.Name)
+	}
+	if err := x.checkXattrs(rootName, hdr); err != nil {
+		return err
 	}
 	x.rootHdr = hdr
 	return x.attrs(x.root, ".", hdr, false)
@@ -593,14 +624,17 @@ func (x *extractor) rootEntry(hdr *tar.Header) error {
 func (x *extractor) attrs(dirfd int, base string, hdr *tar.Header, symlink bool) error {
 	path := fdPath(dirfd, base)
 	for k, v := range hdr.PAXRecords {
-		if xattr, ok := strings.CutPrefix(k, paxXattr); ok {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && x.setsXattr(xattr) {
 			if err := unix.Lsetxattr(path, xattr, []byte(v), 0); err != nil {
 				return fmt.Errorf("%s: xattr %s: %w", hdr.Name, xattr, err)
 			}
 		}
 	}
-	if err := unix.Fchownat(dirfd, base, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return fmt.Errorf("%s: %w", hdr.Name, err)
+	// As tar does for a user, an unprivileged extractor keeps the files.
+	if !x.unprivileged {
+		if err := unix.Fchownat(dirfd, base, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return fmt.Errorf("%s: %w", hdr.Name, err)
+		}
 	}
 	if !symlink {
 		if err := unix.Fchmodat(dirfd, base, uint32(hdr.Mode&0o7777), 0); err != nil {
@@ -675,16 +709,18 @@ func (x *extractor) writeFile(f *os.File, body io.Reader, hdr *tar.Header) error
 
 // fileAttrs gives a regular file its xattrs, owner, mode and times
 // through its descriptor.
-func fileAttrs(fd int, hdr *tar.Header) error {
+func (x *extractor) fileAttrs(fd int, hdr *tar.Header) error {
 	for k, v := range hdr.PAXRecords {
-		if xattr, ok := strings.CutPrefix(k, paxXattr); ok {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && x.setsXattr(xattr) {
 			if err := unix.Fsetxattr(fd, xattr, []byte(v), 0); err != nil {
 				return fmt.Errorf("xattr %s: %w", xattr, err)
 			}
 		}
 	}
-	if err := unix.Fchown(fd, hdr.Uid, hdr.Gid); err != nil {
-		return err
+	if !x.unprivileged {
+		if err := unix.Fchown(fd, hdr.Uid, hdr.Gid); err != nil {
+			return err
+		}
 	}
 	if err := unix.Fchmod(fd, uint32(hdr.Mode&0o7777)); err != nil {
 		return err

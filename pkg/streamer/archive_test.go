@@ -152,6 +152,17 @@ func TestUnpackRefusesAttacks(t *testing.T) {
 			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
 				PAXRecords: map[string]string{paxXattr + "security.selinux": "system_u:object_r:shadow_t:s0"}}},
 		}, wantErr: `xattr "security.selinux"`},
+		{name: "an xattr that does not travel, on the root", entries: []entry{
+			{hdr: tar.Header{Name: "./", Typeflag: tar.TypeDir, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxXattr + "security.selinux": "system_u:object_r:shadow_t:s0"}}},
+		}, wantErr: `xattr "security.selinux"`},
+		{name: "an upload's whiteout", entries: []entry{
+			{hdr: tar.Header{Name: "wh", Typeflag: tar.TypeChar}},
+		}, limits: Limits{Bytes: 1 << 20, Entries: 10, Strict: true}, wantErr: "a whiteout"},
+		{name: "an upload's overlay xattr", entries: []entry{
+			{hdr: tar.Header{Name: "d/", Typeflag: tar.TypeDir, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxXattr + "trusted.overlay.redirect": "/etc"}}},
+		}, limits: Limits{Bytes: 1 << 20, Entries: 10, Strict: true}, wantErr: `xattr "trusted.overlay.redirect"`},
 		{name: "a sparse map past the file's end", entries: []entry{
 			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
 				PAXRecords: map[string]string{paxHoles: "10 8:4"}}, body: "abcd"},

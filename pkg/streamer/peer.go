@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
+	"os"
 	"syscall"
 	"time"
 
@@ -32,11 +32,22 @@ type Layer struct {
 	Destroyed bool
 }
 
-// ErrNotHeld is the one answer for a volume the node lacks and for one the
-// asking namespace may not read: the two must look alike.
-var ErrNotHeld = errors.New("not held here")
+// What a Holder answers with, mapped to gRPC codes here.
+var (
+	// ErrNotHeld is the one answer for a volume the node lacks and for
+	// one the asking namespace may not read: the two must look alike.
+	ErrNotHeld = errors.New("not held here")
+	// ErrNoPath: the path is not in the volume.
+	ErrNoPath = errors.New("no such file or directory in the volume")
+	// ErrWrongKind: a file read of a dir, a tar of a file.
+	ErrWrongKind = errors.New("not of the kind the format reads")
+	// ErrExists: an upload to a handle that is taken.
+	ErrExists = errors.New("already exists")
+	// ErrRetry: not now (the handle is backing off); retry later.
+	ErrRetry = errors.New("not now")
+)
 
-// Holder is what a node serves its peers from.
+// Holder is what a node serves its peers (and the controller) from.
 type Holder interface {
 	// Chain describes a ready volume namespace may read, and the volumes
 	// its layer stacks on, top first.
@@ -44,6 +55,43 @@ type Holder interface {
 	// OpenLayer returns the dir of a ready volume's own layer, held (not
 	// freed, not pruned) until release is called.
 	OpenLayer(namespace string, r volume.Ref) (dir string, release func(), err error)
+	// OpenVolume opens what a read of a volume namespace may read
+	// serves: the path inside it, resolved within it, as the format
+	// reads it.
+	OpenVolume(namespace string, r volume.Ref, path string, format Format) (Reading, error)
+	// Receive makes a new cached volume of l from what fill extracts into
+	// an empty dir.
+	Receive(l Layer, fill func(dir string) (Summary, error)) error
+}
+
+// Format is how a volume read serves a path.
+type Format string
+
+const (
+	// FormatTar: a tar of a dir's tree.
+	FormatTar Format = "tar"
+	// FormatFile: the bytes of one regular file.
+	FormatFile Format = "file"
+)
+
+// ParseFormat checks a read format ("" is tar).
+func ParseFormat(s string) (Format, error) {
+	switch f := Format(s); f {
+	case "":
+		return FormatTar, nil
+	case FormatTar, FormatFile:
+		return f, nil
+	}
+	return "", fmt.Errorf("format %q: want tar or file", s)
+}
+
+// Reading is an open volume read: a tree to tar, or a file's bytes.
+type Reading struct {
+	Dir  string
+	File *os.File
+	// Size is the file's size, or the tree's on disk (-1: unknown).
+	Size  int64
+	Close func()
 }
 
 // Server serves the peer API (api/peer/v1) from a Holder.
@@ -51,10 +99,14 @@ type Server struct {
 	peerv1.UnimplementedPeerServer
 	holder  Holder
 	metrics *Metrics
+	limits  Limits
 }
 
-// NewServer serves h's volumes; m counts what is served (nil: nothing).
-func NewServer(h Holder, m *Metrics) *Server { return &Server{holder: h, metrics: m} }
+// NewServer serves h's volumes; m counts what is served (nil: nothing);
+// lim bounds what an upload may bring.
+func NewServer(h Holder, m *Metrics, lim Limits) *Server {
+	return &Server{holder: h, metrics: m, limits: lim}
+}
 
 // Register adds the peer API to a gRPC server.
 func (s *Server) Register(g *grpc.Server) { peerv1.RegisterPeerServer(g, s) }
@@ -71,13 +123,24 @@ func parseRequest(namespace string, r *peerv1.VolumeRef) (volume.Ref, error) {
 }
 
 func holderError(err error) error {
-	if errors.Is(err, ErrNotHeld) {
-		return status.Error(codes.NotFound, err.Error())
-	}
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	code := codes.Internal
+	switch {
+	case errors.Is(err, ErrNotHeld), errors.Is(err, ErrNoPath):
+		code = codes.NotFound
+	case errors.Is(err, ErrWrongKind):
+		code = codes.FailedPrecondition
+	case errors.Is(err, ErrExists):
+		code = codes.AlreadyExists
+	case errors.Is(err, ErrRetry):
+		code = codes.Unavailable
+	case errors.Is(err, ErrRefused), errors.Is(err, ErrCorrupt):
+		code = codes.InvalidArgument
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+		code = codes.ResourceExhausted
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err).Err()
 	}
-	return status.Error(codes.Internal, err.Error())
+	return status.Error(code, err.Error())
 }
 
 func toPeerRef(r volume.Ref) *peerv1.VolumeRef {
@@ -147,21 +210,35 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 type chunkWriter struct {
 	stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]
 	sent   int64
+	// total is told on the first chunk (a read's size, for progress).
+	total   int64
+	started bool
 }
 
 func (w *chunkWriter) Write(p []byte) (int, error) {
 	written := 0
 	for len(p) > 0 {
 		n := min(len(p), maxChunkData)
-		// SendMsg has encoded the chunk when it returns: p may be reused.
-		if err := w.stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Data{Data: p[:n]}}); err != nil {
+		if err := w.send(p[:n]); err != nil {
 			return written, err
 		}
-		w.sent += int64(n)
 		written += n
 		p = p[n:]
 	}
 	return written, nil
+}
+
+func (w *chunkWriter) send(p []byte) error {
+	msg := &peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Data{Data: p}}
+	if !w.started {
+		msg.TotalBytes, w.started = w.total, true
+	}
+	// SendMsg has encoded the chunk when it returns: p may be reused.
+	if err := w.stream.Send(msg); err != nil {
+		return err
+	}
+	w.sent += int64(len(p))
+	return nil
 }
 
 // maxChunkData is the most data a chunk carries; MaxChunk, the most a
@@ -189,9 +266,7 @@ func (c *Client) Chain(ctx context.Context, namespace string, r volume.Ref) ([]L
 	}
 	var out []Layer
 	for _, l := range resp.GetLayers() {
-		layer := Layer{Ref: fromPeerRef(l.GetRef()), Parent: fromPeerRef(l.GetParent()), Base: fromPeerRef(l.GetBase()),
-			Scope: volume.Scope(l.GetScope()), Properties: maps.Clone(l.GetProperties()),
-			TTL: l.GetTtl().AsDuration(), SizeBytes: l.GetSizeBytes(), Destroyed: l.GetDestroyed()}
+		layer := layerOf(l)
 		if err := layer.validate(); err != nil {
 			return nil, fmt.Errorf("the peer described %s: %w", r, err)
 		}

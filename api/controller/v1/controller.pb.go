@@ -14,6 +14,7 @@ package controllerv1
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
@@ -1535,11 +1536,315 @@ func (x *NodeStatus) GetPeerAddress() string {
 	return ""
 }
 
+type ReadVolumeRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Ref   *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	// Inside the volume ("" or "/": all of it).
+	Path string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// tar (default) or file.
+	Format string `protobuf:"bytes,3,opt,name=format,proto3" json:"format,omitempty"`
+	// Of a tar: raw (default), zstd, s2 or gzip.
+	Encoding      string `protobuf:"bytes,4,opt,name=encoding,proto3" json:"encoding,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadVolumeRequest) Reset() {
+	*x = ReadVolumeRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadVolumeRequest) ProtoMessage() {}
+
+func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
+func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ReadVolumeRequest) GetRef() *VolumeRef {
+	if x != nil {
+		return x.Ref
+	}
+	return nil
+}
+
+func (x *ReadVolumeRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ReadVolumeRequest) GetFormat() string {
+	if x != nil {
+		return x.Format
+	}
+	return ""
+}
+
+func (x *ReadVolumeRequest) GetEncoding() string {
+	if x != nil {
+		return x.Encoding
+	}
+	return ""
+}
+
+type DataChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Data  []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// On the first chunk: the file's size, or the tree's size on disk as the
+	// node measured it (-1: unknown); for a progress bar.
+	TotalBytes int64 `protobuf:"varint,2,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
+	// On the first chunk: the node the data comes from.
+	NodeId        string `protobuf:"bytes,3,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DataChunk) Reset() {
+	*x = DataChunk{}
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DataChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DataChunk) ProtoMessage() {}
+
+func (x *DataChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DataChunk.ProtoReflect.Descriptor instead.
+func (*DataChunk) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *DataChunk) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *DataChunk) GetTotalBytes() int64 {
+	if x != nil {
+		return x.TotalBytes
+	}
+	return 0
+}
+
+func (x *DataChunk) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+type WriteVolumeRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Part:
+	//
+	//	*WriteVolumeRequest_Volume
+	//	*WriteVolumeRequest_Data
+	Part          isWriteVolumeRequest_Part `protobuf_oneof:"part"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WriteVolumeRequest) Reset() {
+	*x = WriteVolumeRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WriteVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WriteVolumeRequest) ProtoMessage() {}
+
+func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WriteVolumeRequest.ProtoReflect.Descriptor instead.
+func (*WriteVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *WriteVolumeRequest) GetPart() isWriteVolumeRequest_Part {
+	if x != nil {
+		return x.Part
+	}
+	return nil
+}
+
+func (x *WriteVolumeRequest) GetVolume() *NewVolume {
+	if x != nil {
+		if x, ok := x.Part.(*WriteVolumeRequest_Volume); ok {
+			return x.Volume
+		}
+	}
+	return nil
+}
+
+func (x *WriteVolumeRequest) GetData() []byte {
+	if x != nil {
+		if x, ok := x.Part.(*WriteVolumeRequest_Data); ok {
+			return x.Data
+		}
+	}
+	return nil
+}
+
+type isWriteVolumeRequest_Part interface {
+	isWriteVolumeRequest_Part()
+}
+
+type WriteVolumeRequest_Volume struct {
+	Volume *NewVolume `protobuf:"bytes,1,opt,name=volume,proto3,oneof"`
+}
+
+type WriteVolumeRequest_Data struct {
+	Data []byte `protobuf:"bytes,2,opt,name=data,proto3,oneof"`
+}
+
+func (*WriteVolumeRequest_Volume) isWriteVolumeRequest_Part() {}
+
+func (*WriteVolumeRequest_Data) isWriteVolumeRequest_Part() {}
+
+// NewVolume is what an upload makes.
+type NewVolume struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Ref   *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	// namespace (default) or cluster.
+	Scope      string               `protobuf:"bytes,2,opt,name=scope,proto3" json:"scope,omitempty"`
+	Properties map[string]string    `protobuf:"bytes,3,rep,name=properties,proto3" json:"properties,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Ttl        *durationpb.Duration `protobuf:"bytes,4,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// How the tar is encoded: raw (default), zstd, s2 or gzip.
+	Encoding string `protobuf:"bytes,5,opt,name=encoding,proto3" json:"encoding,omitempty"`
+	// The node to keep it on (default: the running node with most room).
+	NodeId        string `protobuf:"bytes,6,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NewVolume) Reset() {
+	*x = NewVolume{}
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NewVolume) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NewVolume) ProtoMessage() {}
+
+func (x *NewVolume) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NewVolume.ProtoReflect.Descriptor instead.
+func (*NewVolume) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *NewVolume) GetRef() *VolumeRef {
+	if x != nil {
+		return x.Ref
+	}
+	return nil
+}
+
+func (x *NewVolume) GetScope() string {
+	if x != nil {
+		return x.Scope
+	}
+	return ""
+}
+
+func (x *NewVolume) GetProperties() map[string]string {
+	if x != nil {
+		return x.Properties
+	}
+	return nil
+}
+
+func (x *NewVolume) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+func (x *NewVolume) GetEncoding() string {
+	if x != nil {
+		return x.Encoding
+	}
+	return ""
+}
+
+func (x *NewVolume) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
 var File_controller_v1_controller_proto protoreflect.FileDescriptor
 
 const file_controller_v1_controller_proto_rawDesc = "" +
 	"\n" +
-	"\x1econtroller/v1/controller.proto\x12\x14cowvol.controller.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
+	"\x1econtroller/v1/controller.proto\x12\x14cowvol.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
 	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xf6\x02\n" +
@@ -1660,9 +1965,35 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fpeer_address\x18\n" +
-	" \x01(\tR\vpeerAddress2_\n" +
+	" \x01(\tR\vpeerAddress\"\x8e\x01\n" +
+	"\x11ReadVolumeRequest\x121\n" +
+	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x16\n" +
+	"\x06format\x18\x03 \x01(\tR\x06format\x12\x1a\n" +
+	"\bencoding\x18\x04 \x01(\tR\bencoding\"Y\n" +
+	"\tDataChunk\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x1f\n" +
+	"\vtotal_bytes\x18\x02 \x01(\x03R\n" +
+	"totalBytes\x12\x17\n" +
+	"\anode_id\x18\x03 \x01(\tR\x06nodeId\"m\n" +
+	"\x12WriteVolumeRequest\x129\n" +
+	"\x06volume\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.NewVolumeH\x00R\x06volume\x12\x14\n" +
+	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x06\n" +
+	"\x04part\"\xc6\x02\n" +
+	"\tNewVolume\x121\n" +
+	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
+	"\x05scope\x18\x02 \x01(\tR\x05scope\x12O\n" +
+	"\n" +
+	"properties\x18\x03 \x03(\v2/.cowvol.controller.v1.NewVolume.PropertiesEntryR\n" +
+	"properties\x12+\n" +
+	"\x03ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12\x1a\n" +
+	"\bencoding\x18\x05 \x01(\tR\bencoding\x12\x17\n" +
+	"\anode_id\x18\x06 \x01(\tR\x06nodeId\x1a=\n" +
+	"\x0fPropertiesEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012_\n" +
 	"\bRegistry\x12S\n" +
-	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xb8\x05\n" +
+	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xf3\x06\n" +
 	"\x05Cache\x12h\n" +
 	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12b\n" +
 	"\vListVolumes\x12(.cowvol.controller.v1.ListVolumesRequest\x1a).cowvol.controller.v1.ListVolumesResponse\x12P\n" +
@@ -1671,7 +2002,10 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x0eDestroyVolumes\x12+.cowvol.controller.v1.DestroyVolumesRequest\x1a,.cowvol.controller.v1.DestroyVolumesResponse\x12_\n" +
 	"\n" +
 	"PinVolumes\x12'.cowvol.controller.v1.PinVolumesRequest\x1a(.cowvol.controller.v1.PinVolumesResponse\x12c\n" +
-	"\x10SetNodeLifecycle\x12-.cowvol.controller.v1.SetNodeLifecycleRequest\x1a .cowvol.controller.v1.NodeStatusB<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
+	"\x10SetNodeLifecycle\x12-.cowvol.controller.v1.SetNodeLifecycleRequest\x1a .cowvol.controller.v1.NodeStatus\x12X\n" +
+	"\n" +
+	"ReadVolume\x12'.cowvol.controller.v1.ReadVolumeRequest\x1a\x1f.cowvol.controller.v1.DataChunk0\x01\x12_\n" +
+	"\vWriteVolume\x12(.cowvol.controller.v1.WriteVolumeRequest\x1a$.cowvol.controller.v1.VolumeLocation(\x01B<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
 
 var (
 	file_controller_v1_controller_proto_rawDescOnce sync.Once
@@ -1685,7 +2019,7 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_controller_v1_controller_proto_goTypes = []any{
 	(*VolumeRef)(nil),               // 0: cowvol.controller.v1.VolumeRef
 	(*VolumeSummary)(nil),           // 1: cowvol.controller.v1.VolumeSummary
@@ -1710,8 +2044,14 @@ var file_controller_v1_controller_proto_goTypes = []any{
 	(*ListNodesResponse)(nil),       // 20: cowvol.controller.v1.ListNodesResponse
 	(*SetNodeLifecycleRequest)(nil), // 21: cowvol.controller.v1.SetNodeLifecycleRequest
 	(*NodeStatus)(nil),              // 22: cowvol.controller.v1.NodeStatus
-	nil,                             // 23: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	(*timestamppb.Timestamp)(nil),   // 24: google.protobuf.Timestamp
+	(*ReadVolumeRequest)(nil),       // 23: cowvol.controller.v1.ReadVolumeRequest
+	(*DataChunk)(nil),               // 24: cowvol.controller.v1.DataChunk
+	(*WriteVolumeRequest)(nil),      // 25: cowvol.controller.v1.WriteVolumeRequest
+	(*NewVolume)(nil),               // 26: cowvol.controller.v1.NewVolume
+	nil,                             // 27: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	nil,                             // 28: cowvol.controller.v1.NewVolume.PropertiesEntry
+	(*timestamppb.Timestamp)(nil),   // 29: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),     // 30: google.protobuf.Duration
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -1723,45 +2063,54 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
 	5,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	24, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	29, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
 	0,  // 10: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	8,  // 11: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 12: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 13: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	24, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	29, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
 	8,  // 15: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 16: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	13, // 17: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 18: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 19: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	23, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	27, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
 	13, // 21: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 22: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
 	18, // 23: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
 	0,  // 24: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
 	22, // 25: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	24, // 26: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	3,  // 27: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	11, // 28: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	14, // 29: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	16, // 30: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	19, // 31: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	6,  // 32: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	9,  // 33: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	21, // 34: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	4,  // 35: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	12, // 36: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	15, // 37: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	17, // 38: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	20, // 39: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	7,  // 40: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	10, // 41: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	22, // 42: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	35, // [35:43] is the sub-list for method output_type
-	27, // [27:35] is the sub-list for method input_type
-	27, // [27:27] is the sub-list for extension type_name
-	27, // [27:27] is the sub-list for extension extendee
-	0,  // [0:27] is the sub-list for field type_name
+	29, // 26: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	0,  // 27: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
+	26, // 28: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	0,  // 29: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	28, // 30: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	30, // 31: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	3,  // 32: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	11, // 33: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	14, // 34: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	16, // 35: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	19, // 36: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	6,  // 37: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	9,  // 38: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	21, // 39: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	23, // 40: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	25, // 41: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	4,  // 42: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	12, // 43: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	15, // 44: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	17, // 45: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	20, // 46: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	7,  // 47: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	10, // 48: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	22, // 49: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	24, // 50: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	13, // 51: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	42, // [42:52] is the sub-list for method output_type
+	32, // [32:42] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
@@ -1769,13 +2118,17 @@ func file_controller_v1_controller_proto_init() {
 	if File_controller_v1_controller_proto != nil {
 		return
 	}
+	file_controller_v1_controller_proto_msgTypes[25].OneofWrappers = []any{
+		(*WriteVolumeRequest_Volume)(nil),
+		(*WriteVolumeRequest_Data)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   24,
+			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

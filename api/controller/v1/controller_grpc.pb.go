@@ -139,6 +139,8 @@ const (
 	Cache_DestroyVolumes_FullMethodName   = "/cowvol.controller.v1.Cache/DestroyVolumes"
 	Cache_PinVolumes_FullMethodName       = "/cowvol.controller.v1.Cache/PinVolumes"
 	Cache_SetNodeLifecycle_FullMethodName = "/cowvol.controller.v1.Cache/SetNodeLifecycle"
+	Cache_ReadVolume_FullMethodName       = "/cowvol.controller.v1.Cache/ReadVolume"
+	Cache_WriteVolume_FullMethodName      = "/cowvol.controller.v1.Cache/WriteVolume"
 )
 
 // CacheClient is the client API for Cache service.
@@ -171,6 +173,15 @@ type CacheClient interface {
 	// its volumes), retire (the same, then everything it holds is destroyed
 	// and it is forgotten), or resume.
 	SetNodeLifecycle(ctx context.Context, in *SetNodeLifecycleRequest, opts ...grpc.CallOption) (*NodeStatus, error)
+	// ReadVolume streams a cached volume, or a path inside it, from a node
+	// that holds it ready: a tar of a dir's tree (format tar, the default),
+	// or the bytes of one regular file (format file). Paths resolve inside
+	// the volume, symlinks included, never out of it.
+	ReadVolume(ctx context.Context, in *ReadVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[DataChunk], error)
+	// WriteVolume makes a new cached volume from a tar the caller streams
+	// (an upload): the first message says what it is, the rest carry the
+	// tar's bytes. It answers once the volume is ready on a node.
+	WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeRequest, VolumeLocation], error)
 }
 
 type cacheClient struct {
@@ -251,6 +262,38 @@ func (c *cacheClient) SetNodeLifecycle(ctx context.Context, in *SetNodeLifecycle
 	return out, nil
 }
 
+func (c *cacheClient) ReadVolume(ctx context.Context, in *ReadVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[DataChunk], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Cache_ServiceDesc.Streams[0], Cache_ReadVolume_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ReadVolumeRequest, DataChunk]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Cache_ReadVolumeClient = grpc.ServerStreamingClient[DataChunk]
+
+func (c *cacheClient) WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeRequest, VolumeLocation], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Cache_ServiceDesc.Streams[1], Cache_WriteVolume_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WriteVolumeRequest, VolumeLocation]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Cache_WriteVolumeClient = grpc.ClientStreamingClient[WriteVolumeRequest, VolumeLocation]
+
 // CacheServer is the server API for Cache service.
 // All implementations must embed UnimplementedCacheServer
 // for forward compatibility.
@@ -281,6 +324,15 @@ type CacheServer interface {
 	// its volumes), retire (the same, then everything it holds is destroyed
 	// and it is forgotten), or resume.
 	SetNodeLifecycle(context.Context, *SetNodeLifecycleRequest) (*NodeStatus, error)
+	// ReadVolume streams a cached volume, or a path inside it, from a node
+	// that holds it ready: a tar of a dir's tree (format tar, the default),
+	// or the bytes of one regular file (format file). Paths resolve inside
+	// the volume, symlinks included, never out of it.
+	ReadVolume(*ReadVolumeRequest, grpc.ServerStreamingServer[DataChunk]) error
+	// WriteVolume makes a new cached volume from a tar the caller streams
+	// (an upload): the first message says what it is, the rest carry the
+	// tar's bytes. It answers once the volume is ready on a node.
+	WriteVolume(grpc.ClientStreamingServer[WriteVolumeRequest, VolumeLocation]) error
 	mustEmbedUnimplementedCacheServer()
 }
 
@@ -311,6 +363,12 @@ func (UnimplementedCacheServer) PinVolumes(context.Context, *PinVolumesRequest) 
 }
 func (UnimplementedCacheServer) SetNodeLifecycle(context.Context, *SetNodeLifecycleRequest) (*NodeStatus, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method SetNodeLifecycle not implemented")
+}
+func (UnimplementedCacheServer) ReadVolume(*ReadVolumeRequest, grpc.ServerStreamingServer[DataChunk]) error {
+	return status.Errorf(codes.Unimplemented, "method ReadVolume not implemented")
+}
+func (UnimplementedCacheServer) WriteVolume(grpc.ClientStreamingServer[WriteVolumeRequest, VolumeLocation]) error {
+	return status.Errorf(codes.Unimplemented, "method WriteVolume not implemented")
 }
 func (UnimplementedCacheServer) mustEmbedUnimplementedCacheServer() {}
 func (UnimplementedCacheServer) testEmbeddedByValue()               {}
@@ -459,6 +517,24 @@ func _Cache_SetNodeLifecycle_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Cache_ReadVolume_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(ReadVolumeRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(CacheServer).ReadVolume(m, &grpc.GenericServerStream[ReadVolumeRequest, DataChunk]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Cache_ReadVolumeServer = grpc.ServerStreamingServer[DataChunk]
+
+func _Cache_WriteVolume_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(CacheServer).WriteVolume(&grpc.GenericServerStream[WriteVolumeRequest, VolumeLocation]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Cache_WriteVolumeServer = grpc.ClientStreamingServer[WriteVolumeRequest, VolumeLocation]
+
 // Cache_ServiceDesc is the grpc.ServiceDesc for Cache service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -495,6 +571,17 @@ var Cache_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _Cache_SetNodeLifecycle_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "ReadVolume",
+			Handler:       _Cache_ReadVolume_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "WriteVolume",
+			Handler:       _Cache_WriteVolume_Handler,
+			ClientStreams: true,
+		},
+	},
 	Metadata: "controller/v1/controller.proto",
 }

@@ -28,6 +28,175 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type ReadVolumeRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Volume    *VolumeRef             `protobuf:"bytes,2,opt,name=volume,proto3" json:"volume,omitempty"`
+	Path      string                 `protobuf:"bytes,3,opt,name=path,proto3" json:"path,omitempty"`
+	// tar or file.
+	Format        string `protobuf:"bytes,4,opt,name=format,proto3" json:"format,omitempty"`
+	Encoding      string `protobuf:"bytes,5,opt,name=encoding,proto3" json:"encoding,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadVolumeRequest) Reset() {
+	*x = ReadVolumeRequest{}
+	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadVolumeRequest) ProtoMessage() {}
+
+func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
+func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *ReadVolumeRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ReadVolumeRequest) GetVolume() *VolumeRef {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
+func (x *ReadVolumeRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ReadVolumeRequest) GetFormat() string {
+	if x != nil {
+		return x.Format
+	}
+	return ""
+}
+
+func (x *ReadVolumeRequest) GetEncoding() string {
+	if x != nil {
+		return x.Encoding
+	}
+	return ""
+}
+
+type WriteVolumeChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Part:
+	//
+	//	*WriteVolumeChunk_Volume
+	//	*WriteVolumeChunk_Data
+	Part isWriteVolumeChunk_Part `protobuf_oneof:"part"`
+	// With the volume: how the tar is encoded.
+	Encoding      string `protobuf:"bytes,4,opt,name=encoding,proto3" json:"encoding,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WriteVolumeChunk) Reset() {
+	*x = WriteVolumeChunk{}
+	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WriteVolumeChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WriteVolumeChunk) ProtoMessage() {}
+
+func (x *WriteVolumeChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WriteVolumeChunk.ProtoReflect.Descriptor instead.
+func (*WriteVolumeChunk) Descriptor() ([]byte, []int) {
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *WriteVolumeChunk) GetPart() isWriteVolumeChunk_Part {
+	if x != nil {
+		return x.Part
+	}
+	return nil
+}
+
+func (x *WriteVolumeChunk) GetVolume() *LayerVolume {
+	if x != nil {
+		if x, ok := x.Part.(*WriteVolumeChunk_Volume); ok {
+			return x.Volume
+		}
+	}
+	return nil
+}
+
+func (x *WriteVolumeChunk) GetData() []byte {
+	if x != nil {
+		if x, ok := x.Part.(*WriteVolumeChunk_Data); ok {
+			return x.Data
+		}
+	}
+	return nil
+}
+
+func (x *WriteVolumeChunk) GetEncoding() string {
+	if x != nil {
+		return x.Encoding
+	}
+	return ""
+}
+
+type isWriteVolumeChunk_Part interface {
+	isWriteVolumeChunk_Part()
+}
+
+type WriteVolumeChunk_Volume struct {
+	// First: the volume to make (ref, scope, properties, ttl).
+	Volume *LayerVolume `protobuf:"bytes,1,opt,name=volume,proto3,oneof"`
+}
+
+type WriteVolumeChunk_Data struct {
+	Data []byte `protobuf:"bytes,2,opt,name=data,proto3,oneof"`
+}
+
+func (*WriteVolumeChunk_Volume) isWriteVolumeChunk_Part() {}
+
+func (*WriteVolumeChunk_Data) isWriteVolumeChunk_Part() {}
+
 type VolumeRef struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Namespace     string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
@@ -38,7 +207,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	mi := &file_peer_v1_peer_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -50,7 +219,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	mi := &file_peer_v1_peer_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -63,7 +232,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{0}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *VolumeRef) GetNamespace() string {
@@ -91,7 +260,7 @@ type GetChainRequest struct {
 
 func (x *GetChainRequest) Reset() {
 	*x = GetChainRequest{}
-	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	mi := &file_peer_v1_peer_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -103,7 +272,7 @@ func (x *GetChainRequest) String() string {
 func (*GetChainRequest) ProtoMessage() {}
 
 func (x *GetChainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	mi := &file_peer_v1_peer_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -116,7 +285,7 @@ func (x *GetChainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetChainRequest.ProtoReflect.Descriptor instead.
 func (*GetChainRequest) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{1}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *GetChainRequest) GetNamespace() string {
@@ -144,7 +313,7 @@ type GetChainResponse struct {
 
 func (x *GetChainResponse) Reset() {
 	*x = GetChainResponse{}
-	mi := &file_peer_v1_peer_proto_msgTypes[2]
+	mi := &file_peer_v1_peer_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -156,7 +325,7 @@ func (x *GetChainResponse) String() string {
 func (*GetChainResponse) ProtoMessage() {}
 
 func (x *GetChainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[2]
+	mi := &file_peer_v1_peer_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -169,7 +338,7 @@ func (x *GetChainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetChainResponse.ProtoReflect.Descriptor instead.
 func (*GetChainResponse) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{2}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GetChainResponse) GetLayers() []*LayerVolume {
@@ -200,7 +369,7 @@ type LayerVolume struct {
 
 func (x *LayerVolume) Reset() {
 	*x = LayerVolume{}
-	mi := &file_peer_v1_peer_proto_msgTypes[3]
+	mi := &file_peer_v1_peer_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -212,7 +381,7 @@ func (x *LayerVolume) String() string {
 func (*LayerVolume) ProtoMessage() {}
 
 func (x *LayerVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[3]
+	mi := &file_peer_v1_peer_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -225,7 +394,7 @@ func (x *LayerVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LayerVolume.ProtoReflect.Descriptor instead.
 func (*LayerVolume) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{3}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *LayerVolume) GetRef() *VolumeRef {
@@ -296,7 +465,7 @@ type PullLayerRequest struct {
 
 func (x *PullLayerRequest) Reset() {
 	*x = PullLayerRequest{}
-	mi := &file_peer_v1_peer_proto_msgTypes[4]
+	mi := &file_peer_v1_peer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -308,7 +477,7 @@ func (x *PullLayerRequest) String() string {
 func (*PullLayerRequest) ProtoMessage() {}
 
 func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[4]
+	mi := &file_peer_v1_peer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -321,7 +490,7 @@ func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullLayerRequest.ProtoReflect.Descriptor instead.
 func (*PullLayerRequest) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{4}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *PullLayerRequest) GetNamespace() string {
@@ -351,14 +520,17 @@ type PullLayerChunk struct {
 	//
 	//	*PullLayerChunk_Data
 	//	*PullLayerChunk_Trailer
-	Part          isPullLayerChunk_Part `protobuf_oneof:"part"`
+	Part isPullLayerChunk_Part `protobuf_oneof:"part"`
+	// On a ReadVolume's first chunk: the file's or the tree's size (-1:
+	// unknown).
+	TotalBytes    int64 `protobuf:"varint,3,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PullLayerChunk) Reset() {
 	*x = PullLayerChunk{}
-	mi := &file_peer_v1_peer_proto_msgTypes[5]
+	mi := &file_peer_v1_peer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -370,7 +542,7 @@ func (x *PullLayerChunk) String() string {
 func (*PullLayerChunk) ProtoMessage() {}
 
 func (x *PullLayerChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[5]
+	mi := &file_peer_v1_peer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -383,7 +555,7 @@ func (x *PullLayerChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullLayerChunk.ProtoReflect.Descriptor instead.
 func (*PullLayerChunk) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{5}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *PullLayerChunk) GetPart() isPullLayerChunk_Part {
@@ -409,6 +581,13 @@ func (x *PullLayerChunk) GetTrailer() *Trailer {
 		}
 	}
 	return nil
+}
+
+func (x *PullLayerChunk) GetTotalBytes() int64 {
+	if x != nil {
+		return x.TotalBytes
+	}
+	return 0
 }
 
 type isPullLayerChunk_Part interface {
@@ -440,7 +619,7 @@ type Trailer struct {
 
 func (x *Trailer) Reset() {
 	*x = Trailer{}
-	mi := &file_peer_v1_peer_proto_msgTypes[6]
+	mi := &file_peer_v1_peer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -452,7 +631,7 @@ func (x *Trailer) String() string {
 func (*Trailer) ProtoMessage() {}
 
 func (x *Trailer) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[6]
+	mi := &file_peer_v1_peer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -465,7 +644,7 @@ func (x *Trailer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Trailer.ProtoReflect.Descriptor instead.
 func (*Trailer) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{6}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Trailer) GetBytes() int64 {
@@ -493,7 +672,18 @@ var File_peer_v1_peer_proto protoreflect.FileDescriptor
 
 const file_peer_v1_peer_proto_rawDesc = "" +
 	"\n" +
-	"\x12peer/v1/peer.proto\x12\x0ecowvol.peer.v1\x1a\x1egoogle/protobuf/duration.proto\"A\n" +
+	"\x12peer/v1/peer.proto\x12\x0ecowvol.peer.v1\x1a\x1egoogle/protobuf/duration.proto\"\xac\x01\n" +
+	"\x11ReadVolumeRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
+	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x12\n" +
+	"\x04path\x18\x03 \x01(\tR\x04path\x12\x16\n" +
+	"\x06format\x18\x04 \x01(\tR\x06format\x12\x1a\n" +
+	"\bencoding\x18\x05 \x01(\tR\bencoding\"\x83\x01\n" +
+	"\x10WriteVolumeChunk\x125\n" +
+	"\x06volume\x18\x01 \x01(\v2\x1b.cowvol.peer.v1.LayerVolumeH\x00R\x06volume\x12\x14\n" +
+	"\x04data\x18\x02 \x01(\fH\x00R\x04data\x12\x1a\n" +
+	"\bencoding\x18\x04 \x01(\tR\bencodingB\x06\n" +
+	"\x04part\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
 	"\x06handle\x18\x02 \x01(\tR\x06handle\"b\n" +
@@ -520,18 +710,23 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
-	"\bencoding\x18\x03 \x01(\tR\bencoding\"c\n" +
+	"\bencoding\x18\x03 \x01(\tR\bencoding\"\x84\x01\n" +
 	"\x0ePullLayerChunk\x12\x14\n" +
 	"\x04data\x18\x01 \x01(\fH\x00R\x04data\x123\n" +
-	"\atrailer\x18\x02 \x01(\v2\x17.cowvol.peer.v1.TrailerH\x00R\atrailerB\x06\n" +
+	"\atrailer\x18\x02 \x01(\v2\x17.cowvol.peer.v1.TrailerH\x00R\atrailer\x12\x1f\n" +
+	"\vtotal_bytes\x18\x03 \x01(\x03R\n" +
+	"totalBytesB\x06\n" +
 	"\x04part\"Q\n" +
 	"\aTrailer\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12\x18\n" +
 	"\aentries\x18\x02 \x01(\x03R\aentries\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest2\xa6\x01\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest2\xc9\x02\n" +
 	"\x04Peer\x12M\n" +
 	"\bGetChain\x12\x1f.cowvol.peer.v1.GetChainRequest\x1a .cowvol.peer.v1.GetChainResponse\x12O\n" +
-	"\tPullLayer\x12 .cowvol.peer.v1.PullLayerRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01B0Z.github.com/concourse/cowvol/api/peer/v1;peerv1b\x06proto3"
+	"\tPullLayer\x12 .cowvol.peer.v1.PullLayerRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12Q\n" +
+	"\n" +
+	"ReadVolume\x12!.cowvol.peer.v1.ReadVolumeRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12N\n" +
+	"\vWriteVolume\x12 .cowvol.peer.v1.WriteVolumeChunk\x1a\x1b.cowvol.peer.v1.LayerVolume(\x01B0Z.github.com/concourse/cowvol/api/peer/v1;peerv1b\x06proto3"
 
 var (
 	file_peer_v1_peer_proto_rawDescOnce sync.Once
@@ -545,37 +740,45 @@ func file_peer_v1_peer_proto_rawDescGZIP() []byte {
 	return file_peer_v1_peer_proto_rawDescData
 }
 
-var file_peer_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_peer_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_peer_v1_peer_proto_goTypes = []any{
-	(*VolumeRef)(nil),           // 0: cowvol.peer.v1.VolumeRef
-	(*GetChainRequest)(nil),     // 1: cowvol.peer.v1.GetChainRequest
-	(*GetChainResponse)(nil),    // 2: cowvol.peer.v1.GetChainResponse
-	(*LayerVolume)(nil),         // 3: cowvol.peer.v1.LayerVolume
-	(*PullLayerRequest)(nil),    // 4: cowvol.peer.v1.PullLayerRequest
-	(*PullLayerChunk)(nil),      // 5: cowvol.peer.v1.PullLayerChunk
-	(*Trailer)(nil),             // 6: cowvol.peer.v1.Trailer
-	nil,                         // 7: cowvol.peer.v1.LayerVolume.PropertiesEntry
-	(*durationpb.Duration)(nil), // 8: google.protobuf.Duration
+	(*ReadVolumeRequest)(nil),   // 0: cowvol.peer.v1.ReadVolumeRequest
+	(*WriteVolumeChunk)(nil),    // 1: cowvol.peer.v1.WriteVolumeChunk
+	(*VolumeRef)(nil),           // 2: cowvol.peer.v1.VolumeRef
+	(*GetChainRequest)(nil),     // 3: cowvol.peer.v1.GetChainRequest
+	(*GetChainResponse)(nil),    // 4: cowvol.peer.v1.GetChainResponse
+	(*LayerVolume)(nil),         // 5: cowvol.peer.v1.LayerVolume
+	(*PullLayerRequest)(nil),    // 6: cowvol.peer.v1.PullLayerRequest
+	(*PullLayerChunk)(nil),      // 7: cowvol.peer.v1.PullLayerChunk
+	(*Trailer)(nil),             // 8: cowvol.peer.v1.Trailer
+	nil,                         // 9: cowvol.peer.v1.LayerVolume.PropertiesEntry
+	(*durationpb.Duration)(nil), // 10: google.protobuf.Duration
 }
 var file_peer_v1_peer_proto_depIdxs = []int32{
-	0,  // 0: cowvol.peer.v1.GetChainRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
-	3,  // 1: cowvol.peer.v1.GetChainResponse.layers:type_name -> cowvol.peer.v1.LayerVolume
-	0,  // 2: cowvol.peer.v1.LayerVolume.ref:type_name -> cowvol.peer.v1.VolumeRef
-	0,  // 3: cowvol.peer.v1.LayerVolume.parent:type_name -> cowvol.peer.v1.VolumeRef
-	0,  // 4: cowvol.peer.v1.LayerVolume.base:type_name -> cowvol.peer.v1.VolumeRef
-	7,  // 5: cowvol.peer.v1.LayerVolume.properties:type_name -> cowvol.peer.v1.LayerVolume.PropertiesEntry
-	8,  // 6: cowvol.peer.v1.LayerVolume.ttl:type_name -> google.protobuf.Duration
-	0,  // 7: cowvol.peer.v1.PullLayerRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
-	6,  // 8: cowvol.peer.v1.PullLayerChunk.trailer:type_name -> cowvol.peer.v1.Trailer
-	1,  // 9: cowvol.peer.v1.Peer.GetChain:input_type -> cowvol.peer.v1.GetChainRequest
-	4,  // 10: cowvol.peer.v1.Peer.PullLayer:input_type -> cowvol.peer.v1.PullLayerRequest
-	2,  // 11: cowvol.peer.v1.Peer.GetChain:output_type -> cowvol.peer.v1.GetChainResponse
-	5,  // 12: cowvol.peer.v1.Peer.PullLayer:output_type -> cowvol.peer.v1.PullLayerChunk
-	11, // [11:13] is the sub-list for method output_type
-	9,  // [9:11] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	2,  // 0: cowvol.peer.v1.ReadVolumeRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 1: cowvol.peer.v1.WriteVolumeChunk.volume:type_name -> cowvol.peer.v1.LayerVolume
+	2,  // 2: cowvol.peer.v1.GetChainRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 3: cowvol.peer.v1.GetChainResponse.layers:type_name -> cowvol.peer.v1.LayerVolume
+	2,  // 4: cowvol.peer.v1.LayerVolume.ref:type_name -> cowvol.peer.v1.VolumeRef
+	2,  // 5: cowvol.peer.v1.LayerVolume.parent:type_name -> cowvol.peer.v1.VolumeRef
+	2,  // 6: cowvol.peer.v1.LayerVolume.base:type_name -> cowvol.peer.v1.VolumeRef
+	9,  // 7: cowvol.peer.v1.LayerVolume.properties:type_name -> cowvol.peer.v1.LayerVolume.PropertiesEntry
+	10, // 8: cowvol.peer.v1.LayerVolume.ttl:type_name -> google.protobuf.Duration
+	2,  // 9: cowvol.peer.v1.PullLayerRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	8,  // 10: cowvol.peer.v1.PullLayerChunk.trailer:type_name -> cowvol.peer.v1.Trailer
+	3,  // 11: cowvol.peer.v1.Peer.GetChain:input_type -> cowvol.peer.v1.GetChainRequest
+	6,  // 12: cowvol.peer.v1.Peer.PullLayer:input_type -> cowvol.peer.v1.PullLayerRequest
+	0,  // 13: cowvol.peer.v1.Peer.ReadVolume:input_type -> cowvol.peer.v1.ReadVolumeRequest
+	1,  // 14: cowvol.peer.v1.Peer.WriteVolume:input_type -> cowvol.peer.v1.WriteVolumeChunk
+	4,  // 15: cowvol.peer.v1.Peer.GetChain:output_type -> cowvol.peer.v1.GetChainResponse
+	7,  // 16: cowvol.peer.v1.Peer.PullLayer:output_type -> cowvol.peer.v1.PullLayerChunk
+	7,  // 17: cowvol.peer.v1.Peer.ReadVolume:output_type -> cowvol.peer.v1.PullLayerChunk
+	5,  // 18: cowvol.peer.v1.Peer.WriteVolume:output_type -> cowvol.peer.v1.LayerVolume
+	15, // [15:19] is the sub-list for method output_type
+	11, // [11:15] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_peer_v1_peer_proto_init() }
@@ -583,7 +786,11 @@ func file_peer_v1_peer_proto_init() {
 	if File_peer_v1_peer_proto != nil {
 		return
 	}
-	file_peer_v1_peer_proto_msgTypes[5].OneofWrappers = []any{
+	file_peer_v1_peer_proto_msgTypes[1].OneofWrappers = []any{
+		(*WriteVolumeChunk_Volume)(nil),
+		(*WriteVolumeChunk_Data)(nil),
+	}
+	file_peer_v1_peer_proto_msgTypes[7].OneofWrappers = []any{
 		(*PullLayerChunk_Data)(nil),
 		(*PullLayerChunk_Trailer)(nil),
 	}
@@ -593,7 +800,7 @@ func file_peer_v1_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_v1_peer_proto_rawDesc), len(file_peer_v1_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   8,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

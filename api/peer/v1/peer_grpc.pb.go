@@ -25,8 +25,10 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Peer_GetChain_FullMethodName  = "/cowvol.peer.v1.Peer/GetChain"
-	Peer_PullLayer_FullMethodName = "/cowvol.peer.v1.Peer/PullLayer"
+	Peer_GetChain_FullMethodName    = "/cowvol.peer.v1.Peer/GetChain"
+	Peer_PullLayer_FullMethodName   = "/cowvol.peer.v1.Peer/PullLayer"
+	Peer_ReadVolume_FullMethodName  = "/cowvol.peer.v1.Peer/ReadVolume"
+	Peer_WriteVolume_FullMethodName = "/cowvol.peer.v1.Peer/WriteVolume"
 )
 
 // PeerClient is the client API for Peer service.
@@ -42,6 +44,13 @@ type PeerClient interface {
 	// bytes in chunks, and a trailer with their size and digest, which the
 	// puller checks before the copy becomes ready.
 	PullLayer(ctx context.Context, in *PullLayerRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error)
+	// ReadVolume streams a volume as its pods see it (its chain merged), or
+	// a path inside it: a tar, or a file's bytes; then a trailer.
+	ReadVolume(ctx context.Context, in *ReadVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error)
+	// WriteVolume makes a new cached volume (a root layer) from a tar: a
+	// header, then the tar's bytes; the sender closing its side ends it (a
+	// tar cut short fails to extract).
+	WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeChunk, LayerVolume], error)
 }
 
 type peerClient struct {
@@ -81,6 +90,38 @@ func (c *peerClient) PullLayer(ctx context.Context, in *PullLayerRequest, opts .
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_PullLayerClient = grpc.ServerStreamingClient[PullLayerChunk]
 
+func (c *peerClient) ReadVolume(ctx context.Context, in *ReadVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[1], Peer_ReadVolume_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ReadVolumeRequest, PullLayerChunk]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_ReadVolumeClient = grpc.ServerStreamingClient[PullLayerChunk]
+
+func (c *peerClient) WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeChunk, LayerVolume], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[2], Peer_WriteVolume_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WriteVolumeChunk, LayerVolume]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_WriteVolumeClient = grpc.ClientStreamingClient[WriteVolumeChunk, LayerVolume]
+
 // PeerServer is the server API for Peer service.
 // All implementations must embed UnimplementedPeerServer
 // for forward compatibility.
@@ -94,6 +135,13 @@ type PeerServer interface {
 	// bytes in chunks, and a trailer with their size and digest, which the
 	// puller checks before the copy becomes ready.
 	PullLayer(*PullLayerRequest, grpc.ServerStreamingServer[PullLayerChunk]) error
+	// ReadVolume streams a volume as its pods see it (its chain merged), or
+	// a path inside it: a tar, or a file's bytes; then a trailer.
+	ReadVolume(*ReadVolumeRequest, grpc.ServerStreamingServer[PullLayerChunk]) error
+	// WriteVolume makes a new cached volume (a root layer) from a tar: a
+	// header, then the tar's bytes; the sender closing its side ends it (a
+	// tar cut short fails to extract).
+	WriteVolume(grpc.ClientStreamingServer[WriteVolumeChunk, LayerVolume]) error
 	mustEmbedUnimplementedPeerServer()
 }
 
@@ -109,6 +157,12 @@ func (UnimplementedPeerServer) GetChain(context.Context, *GetChainRequest) (*Get
 }
 func (UnimplementedPeerServer) PullLayer(*PullLayerRequest, grpc.ServerStreamingServer[PullLayerChunk]) error {
 	return status.Errorf(codes.Unimplemented, "method PullLayer not implemented")
+}
+func (UnimplementedPeerServer) ReadVolume(*ReadVolumeRequest, grpc.ServerStreamingServer[PullLayerChunk]) error {
+	return status.Errorf(codes.Unimplemented, "method ReadVolume not implemented")
+}
+func (UnimplementedPeerServer) WriteVolume(grpc.ClientStreamingServer[WriteVolumeChunk, LayerVolume]) error {
+	return status.Errorf(codes.Unimplemented, "method WriteVolume not implemented")
 }
 func (UnimplementedPeerServer) mustEmbedUnimplementedPeerServer() {}
 func (UnimplementedPeerServer) testEmbeddedByValue()              {}
@@ -160,6 +214,24 @@ func _Peer_PullLayer_Handler(srv interface{}, stream grpc.ServerStream) error {
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_PullLayerServer = grpc.ServerStreamingServer[PullLayerChunk]
 
+func _Peer_ReadVolume_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(ReadVolumeRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(PeerServer).ReadVolume(m, &grpc.GenericServerStream[ReadVolumeRequest, PullLayerChunk]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_ReadVolumeServer = grpc.ServerStreamingServer[PullLayerChunk]
+
+func _Peer_WriteVolume_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(PeerServer).WriteVolume(&grpc.GenericServerStream[WriteVolumeChunk, LayerVolume]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_WriteVolumeServer = grpc.ClientStreamingServer[WriteVolumeChunk, LayerVolume]
+
 // Peer_ServiceDesc is the grpc.ServiceDesc for Peer service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -177,6 +249,16 @@ var Peer_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "PullLayer",
 			Handler:       _Peer_PullLayer_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "ReadVolume",
+			Handler:       _Peer_ReadVolume_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "WriteVolume",
+			Handler:       _Peer_WriteVolume_Handler,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "peer/v1/peer.proto",

@@ -1,0 +1,227 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+// vmKiB reads a process's VmRSS or VmHWM (peak) in KiB.
+func vmKiB(b *testing.B, pid int, field string) int64 {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), field+":"); ok {
+			n, err := strconv.ParseInt(strings.Fields(rest)[0], 10, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return n
+		}
+	}
+	b.Fatalf("no %s for process %d", field, pid)
+	return 0
+}
+
+// resetPeak restarts a process's VmHWM from its current RSS.
+func resetPeak(b *testing.B, pid int) {
+	if err := os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", pid), []byte("5"), 0); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// vethStream runs a sender pipeline here and a receiver reading from a
+// socket accepted in host's namespace: the bytes cross the lab's veths, as
+// a stream between two nodes' processes would.
+func vethStream(b *testing.B, host *netlab.Host, send, receive string) time.Duration {
+	b.Helper()
+	l, err := host.Listen(0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, _ := l.Accept()
+		accepted <- c
+	}()
+	out, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	in := <-accepted
+	start := time.Now()
+	sender := exec.Command("sh", "-c", send)
+	sender.Stdout = out
+	receiver := exec.Command("sh", "-c", receive)
+	receiver.Stdin = in
+	if err := receiver.Start(); err != nil {
+		b.Fatal(err)
+	}
+	if err := sender.Run(); err != nil {
+		b.Fatal(err)
+	}
+	out.Close()
+	if err := receiver.Wait(); err != nil {
+		b.Fatal(err)
+	}
+	in.Close()
+	return time.Since(start)
+}
+
+// BenchmarkPull pulls a 50,000-file / 1 GiB cached volume from one node
+// plugin to another, each a host of its own joined by veth pairs, over
+// mutual TLS, in each encoding; against, in the same run and over the same
+// veths, Concourse's default pipeline (tar | gzip | tar over a socket), a
+// tar | zstd | tar socket pipe and a local tar | tar pipe. It reports the
+// extra memory each end needed, and what crosses the wire for a child whose
+// parent the puller holds.
+func BenchmarkPull(b *testing.B) {
+	testfs.Need(b, "tar", "gzip", "zstd")
+	lab := netlab.New(b)
+	hostA, hostB := lab.Host("a"), lab.Host("b")
+	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), driver.DefaultPeerServerName)
+	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
+	peerA, metricsA := net.JoinHostPort(hostA.IP, "7443"), net.JoinHostPort(hostA.IP, "9090")
+	for range b.N {
+		stateA, stateB := testfs.Mount(b, testfs.XFS, 4<<30), testfs.Mount(b, testfs.XFS, 6<<30)
+		a := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "a", StateDir: stateA,
+			Wrap: hostA.Command, Args: append([]string{"--peer-address=" + peerA, "--metrics-address=" + metricsA}, tlsArgs...)})}
+		a.capture("", "tree", func(dir string) { genMixedTree(b, dir, treeFiles, treeBytes) })
+		src := layerDir(b, stateA, "tree")
+		a.settle()
+
+		mbps := func(d time.Duration) float64 { return float64(treeBytes) / d.Seconds() / 1e6 }
+		type result struct {
+			what           string
+			took           time.Duration
+			rssIn, rssOut  int64 // MiB, receiver and sender
+			measuredMemory bool
+		}
+		var results []result
+		scratch := func(name string) string {
+			d := filepath.Join(stateB, "cmp-"+name)
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				b.Fatal(err)
+			}
+			return d
+		}
+		drop := func(d string) {
+			if err := os.RemoveAll(d); err != nil {
+				b.Fatal(err)
+			}
+			_ = exec.Command("sync").Run()
+		}
+		gz := scratch("gzip")
+		results = append(results, result{what: "tar | gzip | tar over the veths (Concourse's default)",
+			took: vethStream(b, hostB, "tar -C "+src+" -cf - . | gzip", "gzip -d | tar -C "+gz+" -xf -")})
+		drop(gz)
+		zs := scratch("zstd")
+		results = append(results, result{what: "tar | zstd | tar over the veths",
+			took: vethStream(b, hostB, "tar -C "+src+" -cf - . | zstd -q -T1", "zstd -q -d | tar -C "+zs+" -xf -")})
+		drop(zs)
+		local := scratch("local")
+		start := time.Now()
+		if out, err := exec.Command("sh", "-c", "tar -C "+src+" -cf - . | tar -C "+local+" -xf -").CombinedOutput(); err != nil {
+			b.Fatal(err, string(out))
+		}
+		results = append(results, result{what: "tar -c | tar -x, local pipe", took: time.Since(start)})
+		drop(local)
+
+		var last *node
+		for _, enc := range []string{"raw", "s2", "zstd", "gzip"} {
+			dir := scratch("state-" + enc)
+			bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b", StateDir: dir,
+				Wrap: hostB.Command, Args: append([]string{"--peers=a=" + peerA, "--stream-encoding=" + enc,
+					"--pull-wait=30m"}, tlsArgs...)})}
+			baseIn, baseOut := vmKiB(b, bn.p.PID(), "VmRSS"), vmKiB(b, a.p.PID(), "VmRSS")
+			resetPeak(b, bn.p.PID())
+			resetPeak(b, a.p.PID())
+			v := bn.volume(map[string]string{driver.AttrSource: "tree"}, true)
+			took := bn.timed(bn.p.Publish, v)
+			res := result{what: "cowvol pull, " + enc, took: took, measuredMemory: true,
+				rssIn:  (vmKiB(b, bn.p.PID(), "VmHWM") - baseIn) >> 10,
+				rssOut: (vmKiB(b, a.p.PID(), "VmHWM") - baseOut) >> 10}
+			results = append(results, res)
+			b.ReportMetric(mbps(took), enc+"-MB/s")
+			bn.timed(bn.p.Unpublish, v)
+			if enc == "gzip" {
+				last = bn // keeps its copy: the child pull below stacks on it
+				break
+			}
+			bn.p.Stop()
+			drop(dir)
+		}
+
+		// A child of the tree: the puller holds its parent, so only the
+		// child's layer crosses.
+		a.capture("tree", "child", func(dir string) { genTree(b, filepath.Join(dir, "child"), 100, 1<<20) })
+		sentBefore := peerSent(b, metricsA)
+		v := last.volume(map[string]string{driver.AttrSource: "child"}, true)
+		childTook := last.timed(last.p.Publish, v)
+		last.timed(last.p.Unpublish, v)
+		childWire := peerSent(b, metricsA) - sentBefore
+		got, err := last.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "child"}})
+		if err != nil || got.GetBase().GetHandle() != "tree" {
+			b.Fatalf("the child pulled does not stack on the local tree: %v %v", got, err)
+		}
+
+		gzip, zstd, localPipe := results[0].took, results[1].took, results[2].took
+		var sb strings.Builder
+		fmt.Fprintf(&sb, "\n%-55s %11s %8s %14s  %s\n", "pulling a 50,000-file / 1 GiB volume between two hosts", "time", "MB/s",
+			"extra RSS in/out", "vs gzip / zstd pipe / local pipe")
+		for _, r := range results {
+			mem := "-"
+			if r.measuredMemory {
+				mem = fmt.Sprintf("%d / %d MiB", r.rssIn, r.rssOut)
+			}
+			fmt.Fprintf(&sb, "%-55s %11s %8.0f %14s  %s / %s / %s\n", r.what, ms(r.took), mbps(r.took), mem,
+				ratio(gzip, r.took), ratio(zstd, r.took), ratio(localPipe, r.took))
+		}
+		fmt.Fprintf(&sb, "a child (100 files, 1 MiB) of a tree the puller holds: %s, %d KiB on the wire\n", ms(childTook), childWire>>10)
+		fmt.Print(sb.String())
+	}
+}
+
+// peerSent is what a node sent its peers on the wire so far (bytes, every
+// encoding), from its metrics.
+func peerSent(b *testing.B, metricsAddr string) int64 {
+	b.Helper()
+	resp, err := http.Get("http://" + metricsAddr + "/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "cowvol_peer_sent_bytes_total{"); ok {
+			_, val, _ := strings.Cut(rest, "} ")
+			v, err := strconv.ParseFloat(val, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			sum += v
+		}
+	}
+	return int64(sum)
+}

@@ -1,0 +1,252 @@
+package controller
+
+import (
+	"context"
+	"errors"
+	"io"
+	"slices"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// PeerDialer reaches a node's peer API (its --peer-address), as a peer:
+// with the deployment's peer certificate.
+type PeerDialer func(address string) (*streamer.Client, io.Closer, error)
+
+// ReadVolume forwards a read to a node holding the volume ready: the first
+// that answers, in the order lookups give them.
+func (s *cacheServer) ReadVolume(req *controllerv1.ReadVolumeRequest, stream grpc.ServerStreamingServer[controllerv1.DataChunk]) error {
+	ctx := stream.Context()
+	if s.dial == nil {
+		return status.Error(codes.Unimplemented, "this controller reaches no node's data: give it the peer TLS flags")
+	}
+	ref := volume.Ref{Namespace: req.GetRef().GetNamespace(), Handle: req.GetRef().GetHandle()}
+	if err := ref.Validate(); err != nil {
+		return status.Errorf(codes.InvalidArgument, "volume: %v", err)
+	}
+	format, err := streamer.ParseFormat(req.GetFormat())
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	enc := streamer.Raw
+	if req.GetEncoding() != "" {
+		if enc, err = streamer.ParseEncoding(req.GetEncoding()); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	if err := streamer.CheckPath(req.GetPath()); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	locs, err := s.lookup(ctx, []*controllerv1.VolumeRef{req.GetRef()})
+	if err != nil {
+		return err
+	}
+	loc := locs[0]
+	if len(loc.GetNodes()) == 0 {
+		return status.Errorf(codes.NotFound, "volume %s is not held ready by any live node, or is not yours to read", ref)
+	}
+	var errs []error
+	for i, node := range loc.GetNodes() {
+		addr := loc.GetPeerAddresses()[i]
+		if addr == "" {
+			continue
+		}
+		sent := false
+		err := s.readFrom(ctx, addr, ref, req.GetPath(), format, enc, func(data []byte, total int64) error {
+			msg := &controllerv1.DataChunk{Data: data}
+			if !sent {
+				msg.TotalBytes, msg.NodeId, sent = total, node, true
+			}
+			return stream.Send(msg)
+		})
+		if err == nil {
+			klog.V(2).InfoS("Served a volume read", "volume", ref, "path", req.GetPath(), "format", format, "node", node,
+				"user", CallerFrom(ctx).User)
+			return nil
+		}
+		if sent || !failover(err) {
+			return err
+		}
+		klog.V(2).InfoS("A holder could not serve a read; trying the next", "volume", ref, "node", node, "err", err)
+		errs = append(errs, err)
+	}
+	if len(errs) > 0 && allNotFound(errs) {
+		return errs[0] // not there on any node: the path is missing
+	}
+	return status.Errorf(codes.Unavailable, "no node holding %s could serve it: %v", ref, errors.Join(errs...))
+}
+
+func allNotFound(errs []error) bool {
+	for _, err := range errs {
+		if status.Code(err) != codes.NotFound {
+			return false
+		}
+	}
+	return true
+}
+
+// failover says another holder may do better: this one could not be
+// reached, or no longer holds the volume.
+func failover(err error) bool {
+	switch status.Code(err) {
+	case codes.Unavailable, codes.NotFound, codes.DeadlineExceeded:
+		return true
+	}
+	return false
+}
+
+func (s *cacheServer) readFrom(ctx context.Context, addr string, ref volume.Ref, path string, format streamer.Format,
+	enc streamer.Encoding, chunk func([]byte, int64) error) error {
+	client, conn, err := s.dial(addr)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "reaching %s: %v", addr, err)
+	}
+	defer conn.Close()
+	// The controller checked the caller; the node checks the namespace
+	// the controller names, the volume's own.
+	_, err = client.ReadVolume(ctx, ref.Namespace, ref, path, format, enc, chunk)
+	return err
+}
+
+// WriteVolume forwards an upload to a node: the one asked for, or the
+// running node with the most room.
+func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1.WriteVolumeRequest, controllerv1.VolumeLocation]) error {
+	ctx := stream.Context()
+	if s.dial == nil {
+		return status.Error(codes.Unimplemented, "this controller reaches no node's data: give it the peer TLS flags")
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	nv := first.GetVolume()
+	if nv == nil {
+		return status.Error(codes.InvalidArgument, "the first message must say what volume to make")
+	}
+	ref := volume.Ref{Namespace: nv.GetRef().GetNamespace(), Handle: nv.GetRef().GetHandle()}
+	if err := ref.Validate(); err != nil {
+		return status.Errorf(codes.InvalidArgument, "volume: %v", err)
+	}
+	if err := need(ctx, "create", ResourceVolumes, ref.Namespace, "upload volumes"); err != nil {
+		return err
+	}
+	layer := streamer.Layer{Ref: ref, Scope: volume.ScopeNamespace, Properties: nv.GetProperties(), TTL: nv.GetTtl().AsDuration()}
+	if nv.GetScope() != "" {
+		if layer.Scope, err = volume.ParseScope(nv.GetScope()); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	if err := volume.ValidateProperties(layer.Properties); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	if layer.TTL < 0 {
+		return status.Error(codes.InvalidArgument, "a negative TTL")
+	}
+	enc := streamer.Raw
+	if nv.GetEncoding() != "" {
+		if enc, err = streamer.ParseEncoding(nv.GetEncoding()); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	if locs, err := s.view.Lookup([]*controllerv1.VolumeRef{nv.GetRef()}, time.Now()); err == nil && locs[0].GetFound() {
+		return status.Errorf(codes.AlreadyExists, "volume %s exists (%s)", ref, locs[0].GetState())
+	}
+	node, addr, err := s.uploadNode(nv.GetNodeId())
+	if err != nil {
+		return err
+	}
+	client, conn, err := s.dial(addr)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "reaching node %s: %v", node, err)
+	}
+	defer conn.Close()
+	start := time.Now()
+	r := &uploadReader{stream: stream}
+	if err := client.WriteVolume(ctx, layer, enc, r); err != nil {
+		if r.err != nil && !errors.Is(r.err, io.EOF) {
+			return r.err
+		}
+		return err
+	}
+	klog.InfoS("Uploaded a volume", "volume", ref, "node", node, "bytes", r.n, "user", CallerFrom(ctx).User,
+		"duration", time.Since(start))
+	return stream.SendAndClose(s.awaitReport(ctx, nv.GetRef(), node, layer))
+}
+
+// reportWait bounds how long an upload's answer waits for the node's
+// report of the new volume.
+const reportWait = 10 * time.Second
+
+// awaitReport answers an upload once the node has reported the volume, so
+// that the uploader's next lookup or read finds it; a node slow to report
+// gets the answer built from what the upload made.
+func (s *cacheServer) awaitReport(ctx context.Context, ref *controllerv1.VolumeRef, node string, l streamer.Layer) *controllerv1.VolumeLocation {
+	deadline := time.Now().Add(reportWait)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		if locs, err := s.view.Lookup([]*controllerv1.VolumeRef{ref}, time.Now()); err == nil && slices.Contains(locs[0].GetNodes(), node) {
+			return locs[0]
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return &controllerv1.VolumeLocation{Ref: ref, Found: true, State: string(volume.StateReady), SizeBytes: -1,
+		Scope: string(l.Scope), Properties: l.Properties, Nodes: []string{node}, PeerAddresses: []string{s.view.PeerAddress(node)}}
+}
+
+// uploadNode is where an upload goes: the node asked for, if it takes
+// uploads, or the placement's first node with a peer address.
+func (s *cacheServer) uploadNode(asked string) (node, addr string, err error) {
+	placed, err := s.view.Place(nil, nil, time.Now())
+	if err != nil {
+		return "", "", code(err)
+	}
+	for _, p := range placed {
+		if asked != "" && p.GetNodeId() != asked {
+			continue
+		}
+		if addr := s.view.PeerAddress(p.GetNodeId()); addr != "" {
+			return p.GetNodeId(), addr, nil
+		}
+	}
+	if asked != "" {
+		return "", "", status.Errorf(codes.FailedPrecondition, "node %s takes no uploads: it is not running, is full, or serves no peers", asked)
+	}
+	return "", "", status.Error(codes.Unavailable, "no running node with room serves uploads (--peer-address)")
+}
+
+// uploadReader reads an upload's data messages until the caller closes.
+type uploadReader struct {
+	stream grpc.ClientStreamingServer[controllerv1.WriteVolumeRequest, controllerv1.VolumeLocation]
+	buf    []byte
+	n      int64
+	err    error
+}
+
+func (r *uploadReader) Read(p []byte) (int, error) {
+	for len(r.buf) == 0 {
+		if r.err != nil {
+			return 0, r.err
+		}
+		msg, err := r.stream.Recv()
+		if err != nil {
+			r.err = err
+			return 0, err
+		}
+		if msg.GetVolume() != nil {
+			r.err = status.Error(codes.InvalidArgument, "a second header in one upload")
+			return 0, r.err
+		}
+		r.buf = msg.GetData()
+	}
+	n := copy(p, r.buf)
+	r.buf = r.buf[n:]
+	r.n += int64(n)
+	return n, nil
+}
