@@ -172,13 +172,23 @@ func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer
 			}
 		}
 		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds),
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(streamer.MaxChunk)))
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(streamer.MaxChunk)),
+			grpc.WithInitialWindowSize(streamWindow), grpc.WithInitialConnWindowSize(streamWindow),
+			grpc.WithReadBufferSize(streamBuffer), grpc.WithWriteBufferSize(streamBuffer))
 		if err != nil {
 			return nil, nil, err
 		}
 		return streamer.NewClient(conn), conn, nil
 	}, nil
 }
+
+// A stream's flow-control window and socket buffers: gRPC's defaults (a
+// 64 KiB window grown by estimate, 32 KiB buffers) are sized for RPCs, not
+// for a gigabyte moving between two hosts.
+const (
+	streamWindow = 8 << 20
+	streamBuffer = 1 << 20
+)
 
 // peerServer is the node's peer API server, with mutual TLS where the
 // options give certificates.
@@ -187,7 +197,8 @@ func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	var opts []grpc.ServerOption
+	opts := []grpc.ServerOption{grpc.InitialWindowSize(streamWindow), grpc.InitialConnWindowSize(streamWindow),
+		grpc.ReadBufferSize(streamBuffer), grpc.WriteBufferSize(streamBuffer)}
 	if serverTLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(serverTLS)))
 	}

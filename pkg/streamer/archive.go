@@ -12,11 +12,8 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash"
 	"io"
 	"io/fs"
 	"os"
@@ -26,6 +23,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/cespare/xxhash/v2"
 	"golang.org/x/sys/unix"
 )
 
@@ -47,29 +45,33 @@ func xattrTravels(name string) bool {
 const paxXattr = "SCHILY.xattr."
 
 // Summary is what a stream carried: the tar bytes (before encoding), their
-// SHA-256, and how many entries.
+// digest, and how many entries.
 type Summary struct {
 	Bytes   int64
 	Entries int64
-	Digest  string // "sha256:<hex>"
+	Digest  string // "xxh64:<hex>"
 }
 
-// counter hashes and counts the tar bytes as they pass.
+// counter hashes and counts the tar bytes as they pass. The digest guards
+// against corruption between the sender's reads and the receiver's writes
+// (a proxy, a bad NIC, a bug); against an attacker, peers have mutual TLS.
+// XXH64 runs at memory speed where SHA-256 took a quarter of both ends'
+// CPU in a pull.
 type counter struct {
-	h hash.Hash
+	h *xxhash.Digest
 	n int64
 }
 
-func newCounter() *counter { return &counter{h: sha256.New()} }
+func newCounter() *counter { return &counter{h: xxhash.New()} }
 
 func (c *counter) Write(p []byte) (int, error) {
-	c.h.Write(p)
+	_, _ = c.h.Write(p)
 	c.n += int64(len(p))
 	return len(p), nil
 }
 
 func (c *counter) summary(entries int64) Summary {
-	return Summary{Bytes: c.n, Entries: entries, Digest: "sha256:" + hex.EncodeToString(c.h.Sum(nil))}
+	return Summary{Bytes: c.n, Entries: entries, Digest: fmt.Sprintf("xxh64:%016x", c.h.Sum64())}
 }
 
 // paxHoles is cowvol's own PAX record for a sparse file: its size and the

@@ -442,7 +442,7 @@ func (c *cluster) startPlugin() {
 		KubeletDir: c.kubeletDir,
 		Args: []string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
 			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
-			"--controller-address=" + c.controllerAddr,
+			"--controller-address=" + c.controllerAddr, "--peer-address=" + plugintest.FreeAddr(c.t),
 			// Low enough for the last scenario to cross without filling
 			// 6 GiB; the build never gets near it.
 			"--high-watermark=50", "--low-watermark=40"},

@@ -287,6 +287,10 @@ func TestE2E(t *testing.T) {
 		c.waitCaptured("cordoned-v1")
 	})
 
+	c.scenario("a step uses an input that only another node holds: the node pulls it from that node's plugin", func() {
+		c.pullFromAnotherNode()
+	})
+
 	c.scenario("with --kube-auth, RBAC on cachedvolumes decides who sees and destroys what", func() {
 		c.kubeAuth()
 	})

@@ -1,0 +1,61 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/pkg/driver"
+	cowvolume "github.com/concourse/cowvol/pkg/volume"
+)
+
+// pullFromAnotherNode runs a second node plugin outside the kubelet (a
+// node of its own as far as the controller knows), captures a volume
+// there, and has a step pod on the kubelet's node use it as its input: the
+// node's plugin pulls it from the other one while the kubelet retries.
+func (c *cluster) pullFromAnotherNode() {
+	t := c.t
+	kubeletDir := t.TempDir()
+	other := plugintest.Start(t, plugintest.Config{
+		NodeID: "other-node", StateDir: filepath.Join(c.stateDir, "other-node"), KubeletDir: kubeletDir,
+		Args: []string{"--controller-address=" + c.controllerAddr, "--peer-address=" + plugintest.FreeAddr(t)},
+	})
+	defer other.Stop()
+	// A step on the other node: its output is captured there.
+	v := other.Volume("ci", "remote-get", "out", map[string]string{driver.AttrCapture: "remote-v1"})
+	require.NoError(t, other.Publish(v))
+	require.NoError(t, os.MkdirAll(filepath.Join(v.Target, "src"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "src", "main.go"), []byte("package remote\n"), 0o644))
+	big := make([]byte, 64<<20)
+	for i := range big {
+		big[i] = byte(i * 7 / 3)
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "blob"), big, 0o644))
+	require.NoError(t, other.Unpublish(v))
+	ctx := context.Background()
+	c.until("the controller to see remote-v1 on the other node only", 30*time.Second, func() bool {
+		locs, err := c.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
+		return err == nil && len(locs[0].Nodes) == 1 && locs[0].Nodes[0] == "other-node"
+	})
+	start := time.Now()
+	c.createPod("ci", "uses-remote", `set -e; cat /in/src/main.go; wc -c < /in/blob`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "remote-v1"), readOnly: true})
+	out := c.mustSucceed("ci", "uses-remote")
+	require.Equal(t, "package remote\n"+fmt.Sprint(64<<20)+"\n", out)
+	c.until("the controller to see remote-v1 on both nodes", 30*time.Second, func() bool {
+		locs, err := c.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
+		return err == nil && len(locs[0].Nodes) == 2
+	})
+	pulled, ok := c.pluginLine(`"Pulled a source volume from a peer"`, `volume="ci/remote-v1"`)
+	require.True(t, ok, "the kubelet's node pulled it")
+	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s)\n",
+		time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(pulled[strings.Index(pulled, "Pulled"):])))
+}
