@@ -68,24 +68,7 @@ func vethStream(b *testing.B, host *netlab.Host, send, receive string) time.Dura
 	if err != nil {
 		b.Fatal(err)
 	}
-	in := <-accepted
-	start := time.Now()
-	sender := exec.Command("sh", "-c", send)
-	sender.Stdout = out
-	receiver := exec.Command("sh", "-c", receive)
-	receiver.Stdin = in
-	if err := receiver.Start(); err != nil {
-		b.Fatal(err)
-	}
-	if err := sender.Run(); err != nil {
-		b.Fatal(err)
-	}
-	out.Close()
-	if err := receiver.Wait(); err != nil {
-		b.Fatal(err)
-	}
-	in.Close()
-	return time.Since(start)
+	return pipeline(b, out, <-accepted, send, receive)
 }
 
 // BenchmarkPull pulls a 50,000-file / 1 GiB cached volume from one node

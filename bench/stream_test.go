@@ -61,6 +61,13 @@ func socketPair(b *testing.B) (net.Conn, net.Conn) {
 func shellStream(b *testing.B, send, receive string) time.Duration {
 	b.Helper()
 	out, in := socketPair(b)
+	return pipeline(b, out, in, send, receive)
+}
+
+// pipeline runs send writing into out and receive reading from in (the two
+// ends of one connection), and says how long both took.
+func pipeline(b *testing.B, out, in net.Conn, send, receive string) time.Duration {
+	b.Helper()
 	start := time.Now()
 	sender := exec.Command("sh", "-c", send)
 	sender.Stdout = out

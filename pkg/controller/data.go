@@ -169,14 +169,20 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	}
 	defer conn.Close()
 	start := time.Now()
-	r := &uploadReader{stream: stream}
+	r := streamer.NewMessageReader(func() ([]byte, error) {
+		msg, err := stream.Recv()
+		if err == nil && msg.GetVolume() != nil {
+			err = status.Error(codes.InvalidArgument, "a second header in one upload")
+		}
+		return msg.GetData(), err
+	})
 	if err := client.WriteVolume(ctx, layer, enc, r); err != nil {
-		if r.err != nil && !errors.Is(r.err, io.EOF) {
-			return r.err
+		if rerr := r.Err(); rerr != nil && !errors.Is(rerr, io.EOF) {
+			return rerr
 		}
 		return err
 	}
-	klog.InfoS("Uploaded a volume", "volume", ref, "node", node, "bytes", r.n, "user", CallerFrom(ctx).User,
+	klog.InfoS("Uploaded a volume", "volume", ref, "node", node, "bytes", r.N, "user", CallerFrom(ctx).User,
 		"duration", time.Since(start))
 	return stream.SendAndClose(s.awaitReport(ctx, nv.GetRef(), node, layer))
 }
@@ -219,34 +225,4 @@ func (s *cacheServer) uploadNode(asked string) (node, addr string, err error) {
 		return "", "", status.Errorf(codes.FailedPrecondition, "node %s takes no uploads: it is not running, is full, or serves no peers", asked)
 	}
 	return "", "", status.Error(codes.Unavailable, "no running node with room serves uploads (--peer-address)")
-}
-
-// uploadReader reads an upload's data messages until the caller closes.
-type uploadReader struct {
-	stream grpc.ClientStreamingServer[controllerv1.WriteVolumeRequest, controllerv1.VolumeLocation]
-	buf    []byte
-	n      int64
-	err    error
-}
-
-func (r *uploadReader) Read(p []byte) (int, error) {
-	for len(r.buf) == 0 {
-		if r.err != nil {
-			return 0, r.err
-		}
-		msg, err := r.stream.Recv()
-		if err != nil {
-			r.err = err
-			return 0, err
-		}
-		if msg.GetVolume() != nil {
-			r.err = status.Error(codes.InvalidArgument, "a second header in one upload")
-			return 0, r.err
-		}
-		r.buf = msg.GetData()
-	}
-	n := copy(p, r.buf)
-	r.buf = r.buf[n:]
-	r.n += int64(n)
-	return n, nil
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -73,6 +74,8 @@ type pull struct {
 	// received counts wire bytes, expected the layers' size on the peer.
 	received, expected atomic.Int64
 	from               atomic.Pointer[string]
+	// pods are the pods that asked for it (under pulls.mu).
+	pods []volume.Pod
 }
 
 func (p *pull) progress() error {
@@ -106,7 +109,7 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	if _, err := e.store.GetView(r.VolumeID); err == nil {
 		return nil // published already: a repeat needs no source
 	}
-	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source})
+	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source}, r.Pod)
 	wait := time.NewTimer(e.pulls.cfg.Wait)
 	defer wait.Stop()
 	select {
@@ -117,23 +120,53 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	}
 }
 
-// join returns the running pull of key, starting one if none is.
-func (ps *pulls) join(e *Engine, key pullKey) *pull {
+// join returns the running pull of key, starting one if none is; pod is
+// told how it ends.
+func (ps *pulls) join(e *Engine, key pullKey, pod volume.Pod) *pull {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if p, ok := ps.running[key]; ok {
+		if !slices.Contains(p.pods, pod) {
+			p.pods = append(p.pods, pod)
+		}
 		return p
 	}
-	p := &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{})}
+	p := &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{}), pods: []volume.Pod{pod}}
 	ps.running[key] = p
 	e.goBackground(func() {
-		p.err = e.runPull(p)
+		err := e.runPull(p)
 		ps.mu.Lock()
 		delete(ps.running, key)
+		pods := p.pods
 		ps.mu.Unlock()
+		p.err = err
 		close(p.done)
+		e.tellPods(p, pods, err)
 	})
 	return p
+}
+
+// tellPods puts how a pull ended on the pods that waited for it, where
+// their owners look.
+func (e *Engine) tellPods(p *pull, pods []volume.Pod, err error) {
+	from := "a peer"
+	if f := p.from.Load(); f != nil {
+		from = "node " + *f
+	}
+	took := time.Since(p.started).Round(time.Millisecond)
+	for _, pod := range pods {
+		switch {
+		case err == nil:
+			e.events.Event(pod, EventNormal, "VolumePulled", fmt.Sprintf("Pulled source volume %q from %s (%s on the wire) in %s",
+				p.key.ref.Handle, from, mib(p.received.Load()), took))
+		case errors.Is(err, cache.ErrNotFound), errors.Is(err, ErrPulling):
+			// A missing source is the publish's own answer; another
+			// pull is still making it.
+		default:
+			e.events.Event(pod, EventWarning, "PullFailed", fmt.Sprintf("Pulling source volume %q failed (the kubelet retries): %v",
+				p.key.ref.Handle, err))
+		}
+	}
 }
 
 // runPull brings a source here from the first holder that can deliver it,

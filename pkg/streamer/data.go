@@ -100,7 +100,13 @@ func (s *Server) WriteVolume(stream grpc.ClientStreamingServer[peerv1.WriteVolum
 	}
 	lim := s.limits
 	lim.Strict = true
-	r := &uploadReader{stream: stream}
+	r := NewMessageReader(func() ([]byte, error) {
+		msg, err := stream.Recv()
+		if err == nil && msg.GetVolume() != nil {
+			err = status.Error(codes.InvalidArgument, "a second header in one upload")
+		}
+		return msg.GetData(), err
+	})
 	err = s.holder.Receive(l, func(dir string) (Summary, error) {
 		sum, err := Unpack(stream.Context(), r, enc, dir, lim)
 		if err == nil {
@@ -109,40 +115,12 @@ func (s *Server) WriteVolume(stream grpc.ClientStreamingServer[peerv1.WriteVolum
 		return sum, err
 	})
 	if err != nil {
-		if r.err != nil && !errors.Is(r.err, io.EOF) {
-			return r.err
+		if rerr := r.Err(); rerr != nil && !errors.Is(rerr, io.EOF) {
+			return rerr
 		}
 		return holderError(err)
 	}
 	return stream.SendAndClose(head)
-}
-
-// uploadReader reads an upload's data messages until the sender closes.
-type uploadReader struct {
-	stream grpc.ClientStreamingServer[peerv1.WriteVolumeChunk, peerv1.LayerVolume]
-	buf    []byte
-	err    error
-}
-
-func (r *uploadReader) Read(p []byte) (int, error) {
-	for len(r.buf) == 0 {
-		if r.err != nil {
-			return 0, r.err
-		}
-		msg, err := r.stream.Recv()
-		if err != nil {
-			r.err = err
-			return 0, err
-		}
-		if msg.GetVolume() != nil {
-			r.err = status.Error(codes.InvalidArgument, "a second header in one upload")
-			return 0, r.err
-		}
-		r.buf = msg.GetData()
-	}
-	n := copy(p, r.buf)
-	r.buf = r.buf[n:]
-	return n, nil
 }
 
 func layerOf(l *peerv1.LayerVolume) Layer {

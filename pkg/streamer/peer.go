@@ -320,11 +320,31 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r volume.Ref, 
 	if err != nil {
 		return Summary{}, peerError(err)
 	}
-	cr := &chunkReader{stream: stream, progress: progress}
+	var trailer *peerv1.Trailer
+	cr := NewMessageReader(func() ([]byte, error) {
+		if trailer != nil {
+			return nil, io.EOF
+		}
+		msg, err := stream.Recv()
+		switch {
+		case errors.Is(err, io.EOF):
+			return nil, io.ErrUnexpectedEOF // no trailer: cut short
+		case err != nil:
+			return nil, err
+		}
+		if t := msg.GetTrailer(); t != nil {
+			trailer = t
+			return nil, io.EOF
+		}
+		if progress != nil {
+			progress(int64(len(msg.GetData())))
+		}
+		return msg.GetData(), nil
+	})
 	sum, err := Unpack(ctx, cr, enc, dir, lim)
 	if err != nil {
-		if cr.err != nil && !errors.Is(cr.err, io.EOF) {
-			return Summary{}, peerError(cr.err)
+		if rerr := cr.Err(); rerr != nil && !errors.Is(rerr, io.EOF) {
+			return Summary{}, peerError(rerr)
 		}
 		var errno syscall.Errno
 		if errors.Is(err, ErrRefused) || errors.As(err, &errno) || ctx.Err() != nil {
@@ -332,16 +352,16 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r volume.Ref, 
 		}
 		return Summary{}, fmt.Errorf("%w: %w", ErrCorrupt, err)
 	}
-	// The encoded stream may end before its trailer has been read.
-	if _, err := io.Copy(io.Discard, cr); err != nil {
+	// The encoded stream may end before its trailer has been read; data
+	// after the archive's end is corruption.
+	if n, err := io.Copy(io.Discard, cr); err != nil {
 		return Summary{}, peerError(err)
+	} else if n > 0 {
+		return Summary{}, fmt.Errorf("%w: %d bytes after the archive's end", ErrCorrupt, n)
 	}
-	t := cr.trailer
-	switch {
+	switch t := trailer; {
 	case t == nil:
 		return Summary{}, fmt.Errorf("%w: the peer sent no trailer", ErrCorrupt)
-	case cr.extra > 0:
-		return Summary{}, fmt.Errorf("%w: %d bytes after the archive's end", ErrCorrupt, cr.extra)
 	case t.GetBytes() != sum.Bytes || t.GetDigest() != sum.Digest || t.GetEntries() != sum.Entries:
 		return Summary{}, fmt.Errorf("%w: the peer sent %d bytes (%d entries, %s), %d arrived (%d entries, %s)",
 			ErrCorrupt, t.GetBytes(), t.GetEntries(), t.GetDigest(), sum.Bytes, sum.Entries, sum.Digest)
@@ -370,47 +390,33 @@ func NotHeld(err error) bool {
 	return errors.As(err, &pe) && pe.Code == codes.NotFound
 }
 
-// chunkReader reads data chunks until the trailer, which it keeps; data
-// after the encoded stream's end is counted, never extracted.
-type chunkReader struct {
-	stream   grpc.ServerStreamingClient[peerv1.PullLayerChunk]
-	progress func(int64)
-	buf      []byte
-	trailer  *peerv1.Trailer
-	err      error
-	extra    int64
-	drained  bool
+// MessageReader reads a stream of messages' data as one byte stream.
+type MessageReader struct {
+	next func() ([]byte, error)
+	buf  []byte
+	err  error
+	// N counts the bytes read.
+	N int64
 }
 
-func (r *chunkReader) Read(p []byte) (int, error) {
+// NewMessageReader reads what next returns, message by message, until it
+// fails (io.EOF: the end).
+func NewMessageReader(next func() ([]byte, error)) *MessageReader {
+	return &MessageReader{next: next}
+}
+
+func (r *MessageReader) Read(p []byte) (int, error) {
 	for len(r.buf) == 0 {
 		if r.err != nil {
 			return 0, r.err
 		}
-		msg, err := r.stream.Recv()
-		if err != nil {
-			r.err = err
-			if errors.Is(err, io.EOF) && r.trailer == nil {
-				r.err = io.ErrUnexpectedEOF
-			}
-			return 0, r.err
-		}
-		switch part := msg.GetPart().(type) {
-		case *peerv1.PullLayerChunk_Data:
-			if r.trailer != nil {
-				r.err = fmt.Errorf("%w: data after the trailer", ErrCorrupt)
-				return 0, r.err
-			}
-			r.buf = part.Data
-			if r.progress != nil {
-				r.progress(int64(len(part.Data)))
-			}
-		case *peerv1.PullLayerChunk_Trailer:
-			r.trailer = part.Trailer
-			r.err = io.EOF
-		}
+		r.buf, r.err = r.next()
 	}
 	n := copy(p, r.buf)
 	r.buf = r.buf[n:]
+	r.N += int64(n)
 	return n, nil
 }
+
+// Err is what ended the stream: nil while it runs, io.EOF at a clean end.
+func (r *MessageReader) Err() error { return r.err }

@@ -54,6 +54,9 @@ func (c *cluster) pullFromAnotherNode() {
 		locs, err := c.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
 		return err == nil && len(locs[0].Nodes) == 2
 	})
+	c.until("the pull's event on the pod", 30*time.Second, func() bool {
+		return strings.Contains(c.events("ci", "uses-remote"), `VolumePulled: Pulled source volume "remote-v1" from node other-node`)
+	})
 	pulled, ok := c.pluginLine(`"Pulled a source volume from a peer"`, `volume="ci/remote-v1"`)
 	require.True(t, ok, "the kubelet's node pulled it")
 	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s)\n",
