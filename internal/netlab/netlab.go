@@ -26,6 +26,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
 )
 
 // Lab is a network: hosts on one /24, and the test's own address on it.
@@ -54,18 +56,11 @@ func run(tb testing.TB, args ...string) {
 	}
 }
 
-// New makes a lab, or skips the test saying what is missing. Everything is
-// removed when the test ends.
+// New makes a lab, or skips the test saying what is missing (fails it
+// under CI). Everything is removed when the test ends.
 func New(tb testing.TB) *Lab {
 	tb.Helper()
-	for _, tool := range []string{"ip", "nsenter"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			tb.Skipf("multi-host tests need %s (iproute2, util-linux)", tool)
-		}
-	}
-	if os.Geteuid() != 0 {
-		tb.Skip("multi-host tests make network namespaces: run as root")
-	}
+	testfs.Need(tb, "ip", "nsenter") // iproute2, util-linux; and root
 	l := &Lab{tb: tb, id: fmt.Sprintf("%x", os.Getpid()%0xffff)}
 	// A /24 of its own per test process, out of the way of real networks.
 	l.subnet = 100 + os.Getpid()%100
