@@ -142,8 +142,8 @@ func BenchmarkPull(b *testing.B) {
 			v := bn.volume(map[string]string{driver.AttrSource: "tree"}, true)
 			took := bn.timed(bn.p.Publish, v)
 			res := result{what: "cowvol pull, " + enc, took: took, measuredMemory: true,
-				rssIn:  (vmKiB(b, bn.p.PID(), "VmHWM") - baseIn) >> 10,
-				rssOut: (vmKiB(b, a.p.PID(), "VmHWM") - baseOut) >> 10}
+				rssIn:  max(0, vmKiB(b, bn.p.PID(), "VmHWM")-baseIn) >> 10,
+				rssOut: max(0, vmKiB(b, a.p.PID(), "VmHWM")-baseOut) >> 10}
 			results = append(results, res)
 			b.ReportMetric(mbps(took), enc+"-MB/s")
 			bn.timed(bn.p.Unpublish, v)
