@@ -1,13 +1,18 @@
-# Multi-stage: a static binary on a small base. The node plugin needs no
-# userland of its own (it mounts with syscalls), only the binary.
+# Multi-stage: the static binary, the CA certificates and a /tmp on an empty
+# base: what `make image` builds without Docker (hack/build-image). The
+# plugin mounts with syscalls and runs no other program.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 ARG VERSION=dev
-RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/cowvol-plugin ./cmd/cowvol-plugin
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/cowvol-plugin ./cmd/cowvol-plugin \
+ && mkdir -p /out/tmp && chmod 1777 /out/tmp
 
-FROM gcr.io/distroless/static-debian12
+FROM scratch
 COPY --from=build /out/cowvol-plugin /cowvol-plugin
+COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
+COPY --from=build /out/tmp /tmp
+ENV PATH=/ SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
 ENTRYPOINT ["/cowvol-plugin"]

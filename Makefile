@@ -21,7 +21,7 @@ PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 TOOLS              := $(CURDIR)/bin/tools
 
-.PHONY: build test bench demo lint image clean e2e generate
+.PHONY: build test bench demo lint image docker-image clean e2e generate
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -65,7 +65,13 @@ lint:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); exit 1; }
 	$(GO) vet ./...
 
-image:
+# The plugin image as an OCI layout tar, without a Docker daemon: load it
+# with `ctr images import`, or push it with `skopeo copy oci-archive:...`.
+image: build
+	$(GO) run ./hack/build-image -binary $(BIN) -name $(IMAGE) -version $(VERSION) -out bin/cowvol-plugin-image.tar
+
+# The same content through Docker, for those who have it.
+docker-image:
 	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE) .
 
 clean:

@@ -35,7 +35,7 @@ const csiDriverCheckTimeout = 30 * time.Second
 // "" if nothing is.
 func checkCSIDriver(d *storagev1.CSIDriver) string {
 	if d == nil {
-		return "the CSIDriver object does not exist: apply deploy/csi/csidriver.yaml"
+		return "the CSIDriver object does not exist: apply deploy/csi/base/csidriver.yaml (or the whole install: kubectl apply -k deploy/csi/)"
 	}
 	if d.Spec.PodInfoOnMount == nil || !*d.Spec.PodInfoOnMount {
 		return fmt.Sprintf("CSIDriver %s lacks podInfoOnMount: true, so the kubelet does not vouch for the pod's namespace", d.Name)

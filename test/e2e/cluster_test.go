@@ -27,6 +27,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
@@ -39,6 +40,8 @@ const (
 	adminToken   = "cowvol-e2e-admin-token"
 	pauseImage   = "registry.k8s.io/pause:3.10"
 	busyboxImage = "cowvol.test/busybox:e2e"
+	// pluginImage is the plugin's image as make image builds it.
+	pluginImage = "cowvol.test/cowvol-plugin:e2e"
 )
 
 // sysctls the kubelet rewrites; the harness puts them back.
@@ -231,7 +234,7 @@ func startCluster(t *testing.T) *cluster {
 	c.startKubelet()
 	// The plugin refuses to serve until the CSIDriver object makes the
 	// kubelet vouch for pods.
-	c.mustKubectl("", "apply", "-f", "../../deploy/csi/namespace.yaml", "-f", "../../deploy/csi/csidriver.yaml")
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml", "-f", "../../deploy/csi/base/csidriver.yaml")
 	c.startController()
 	c.startPlugin()
 	// Registered after the plugin's own stop, so it runs before it: pods
@@ -363,28 +366,30 @@ func (c *cluster) importImages() {
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	bbFiles := map[string]imageFile{"bin/busybox": {mode: 0o755, data: busybox}, "tmp/.keep": {mode: 0o644}}
+	bbFiles := []ociimage.File{{Path: "bin/busybox", Mode: 0o755, Data: busybox}, {Path: "tmp", Dir: true, Mode: 0o1777}}
 	for _, a := range strings.Fields(string(applets)) {
 		if a != "busybox" {
-			bbFiles["bin/"+a] = imageFile{linkname: "busybox"}
+			bbFiles = append(bbFiles, ociimage.File{Path: "bin/" + a, Link: "busybox"})
 		}
 	}
-	images := []struct {
-		name  string
-		files map[string]imageFile
-		cmd   []string
-	}{
-		{pauseImage, map[string]imageFile{"pause": {mode: 0o755, data: pauseBin}}, []string{"/pause"}},
-		{busyboxImage, bbFiles, []string{"/bin/sh"}},
+	plugin, err := os.ReadFile(os.Getenv("COWVOL_PLUGIN_BINARY"))
+	if err != nil {
+		c.t.Fatal(err)
 	}
-	for i, img := range images {
-		out := filepath.Join(dir, fmt.Sprintf("image-%d.tar", i))
-		if err := ociImage(out, img.name, img.files, img.cmd); err != nil {
-			c.t.Fatal(err)
-		}
-		if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
-			c.t.Fatalf("importing %s: %v: %s", img.name, err, b)
-		}
+	certs, err := os.ReadFile("/etc/ssl/certs/ca-certificates.crt")
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	out := filepath.Join(dir, "images.tar")
+	if err := ociimage.Write(out,
+		ociimage.Image{Name: pauseImage, Files: []ociimage.File{{Path: "pause", Mode: 0o755, Data: pauseBin}}, Cmd: []string{"/pause"}},
+		ociimage.Image{Name: busyboxImage, Files: bbFiles, Cmd: []string{"/bin/sh"}, Env: []string{"PATH=/bin"}},
+		ociimage.Plugin(pluginImage, "e2e", plugin, certs),
+	); err != nil {
+		c.t.Fatal(err)
+	}
+	if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
+		c.t.Fatalf("importing the images: %v: %s", err, b)
 	}
 }
 
@@ -453,8 +458,12 @@ func (c *cluster) applyManifests() {
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
 	}
-	// Every manifest must be valid against this apiserver.
-	c.mustKubectl("", "apply", "--dry-run=server", "-f", "../../deploy/csi/")
+	// What a user applies must be valid against this apiserver: the
+	// default install and the example overlay (with the registrar-less
+	// component), rendered by kubectl's own kustomize.
+	for _, k := range []string{"../../deploy/csi/", "../../deploy/csi/overlays/example/"} {
+		c.mustKubectl("", "apply", "--dry-run=server", "-k", k)
+	}
 }
 
 // deletePods deletes every step pod through the API, so that the kubelet

@@ -287,6 +287,10 @@ func TestE2E(t *testing.T) {
 		c.waitCaptured("cordoned-v1")
 	})
 
+	c.scenario("the plugin image, built without Docker, runs in the cluster", func() {
+		c.pluginImageRuns()
+	})
+
 	c.scenario("a step uses an input that only another node holds: the node pulls it from that node's plugin", func() {
 		c.pullFromAnotherNode()
 	})
