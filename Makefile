@@ -46,7 +46,8 @@ e2e: build $(K8S_BIN)/kubelet
 
 $(K8S_BIN)/kubelet: test/e2e/tools/go.mod
 	cd test/e2e/tools && $(GO) build -trimpath -ldflags '$(K8S_LDFLAGS)' -o ../bin/ \
-		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl
+		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl \
+		k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
 
 bench: build
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) $(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -count $(BENCHCOUNT) -timeout 60m ./bench/

@@ -14,6 +14,7 @@ import (
 	"crypto/x509"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -90,6 +91,7 @@ type cluster struct {
 	work       string
 	bin        string
 	kubeconfig string
+	apiPort    int    // the API server's, on loopback
 	containerd string // its socket
 	kubeletDir string
 	stateDir   string
@@ -194,8 +196,30 @@ func writeFile(t *testing.T, path, content string) {
 	}
 }
 
-// startCluster brings the whole node up and registers teardown.
+// startCluster brings the whole node up, cowvol's plugin and controller
+// running as host processes, and registers teardown.
 func startCluster(t *testing.T) *cluster {
+	c := startNode(t, false)
+	// The plugin refuses to serve until the CSIDriver object makes the
+	// kubelet vouch for pods.
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml", "-f", "../../deploy/csi/base/csidriver.yaml")
+	c.startController()
+	c.startPlugin()
+	// Registered after the plugin's own stop, so it runs before it: pods
+	// are deleted through the API while the plugin can still unpublish.
+	t.Cleanup(c.deletePods)
+	c.until("cowvol to register with the kubelet", 60*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
+		return err == nil && strings.Contains(out, driverName)
+	})
+	c.applyManifests()
+	return c
+}
+
+// startNode brings up etcd, the API server, containerd with the images and
+// the kubelet; with controllers, the controller manager and the scheduler
+// too (Deployments and DaemonSets need them), and ServiceAccounts' tokens.
+func startNode(t *testing.T, controllers bool) *cluster {
 	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox")
 	bin, err := filepath.Abs("bin")
 	if err != nil {
@@ -228,23 +252,13 @@ func startCluster(t *testing.T) *cluster {
 		t.Fatal(err)
 	}
 	c.startEtcd()
-	c.startAPIServer()
+	c.startAPIServer(controllers)
 	c.startContainerd()
 	c.importImages()
 	c.startKubelet()
-	// The plugin refuses to serve until the CSIDriver object makes the
-	// kubelet vouch for pods.
-	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml", "-f", "../../deploy/csi/base/csidriver.yaml")
-	c.startController()
-	c.startPlugin()
-	// Registered after the plugin's own stop, so it runs before it: pods
-	// are deleted through the API while the plugin can still unpublish.
-	t.Cleanup(c.deletePods)
-	c.until("cowvol to register with the kubelet", 60*time.Second, func() bool {
-		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
-		return err == nil && strings.Contains(out, driverName)
-	})
-	c.applyManifests()
+	if controllers {
+		c.startControllers()
+	}
 	return c
 }
 
@@ -266,7 +280,7 @@ func (c *cluster) startEtcd() {
 	c.procs["etcd"].cmd.Args = append(c.procs["etcd"].cmd.Args, cu) // remembered for the apiserver
 }
 
-func (c *cluster) startAPIServer() {
+func (c *cluster) startAPIServer(serviceAccounts bool) {
 	dir := filepath.Join(c.work, "apiserver")
 	key, err := rsa.GenerateKey(rand.Reader, 2048)
 	if err != nil {
@@ -278,18 +292,22 @@ func (c *cluster) startAPIServer() {
 	writeFile(c.t, tokens, adminToken+",admin,admin,system:masters\n")
 	etcdArgs := c.procs["etcd"].cmd.Args
 	port := plugintest.FreePort(c.t)
-	c.start("kube-apiserver", nil, filepath.Join(c.bin, "kube-apiserver"),
-		"--etcd-servers="+etcdArgs[len(etcdArgs)-1],
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
-		"--cert-dir="+filepath.Join(dir, "certs"),
-		"--token-auth-file="+tokens, "--authorization-mode=RBAC", // cowvol --kube-auth asks it
-		"--service-account-issuer=https://localhost", "--service-account-key-file="+saKey,
-		"--service-account-signing-key-file="+saKey,
-		// No controller-manager creates service accounts' tokens.
-		"--disable-admission-plugins=ServiceAccount",
+	c.apiPort = port
+	args := []string{filepath.Join(c.bin, "kube-apiserver"),
+		"--etcd-servers=" + etcdArgs[len(etcdArgs)-1],
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port=" + strconv.Itoa(port),
+		"--cert-dir=" + filepath.Join(dir, "certs"),
+		"--token-auth-file=" + tokens, "--authorization-mode=RBAC", // cowvol --kube-auth asks it
+		"--service-account-issuer=https://localhost", "--service-account-key-file=" + saKey,
+		"--service-account-signing-key-file=" + saKey,
 		"--service-cluster-ip-range=10.0.0.0/24", // never routed: no kube-proxy, hostNetwork pods
 		"--kubelet-preferred-address-types=Hostname",
-		"--allow-privileged=true", "--profiling=false")
+		"--allow-privileged=true", "--profiling=false"}
+	if !serviceAccounts {
+		// No controller manager makes namespaces' default ServiceAccounts.
+		args = append(args, "--disable-admission-plugins=ServiceAccount")
+	}
+	c.start("kube-apiserver", nil, args...)
 	c.kubeconfig = filepath.Join(c.work, "kubeconfig")
 	writeFile(c.t, c.kubeconfig, fmt.Sprintf(`apiVersion: v1
 kind: Config
@@ -393,6 +411,22 @@ func (c *cluster) importImages() {
 	}
 }
 
+// startControllers runs the controller manager (Deployments, DaemonSets,
+// ServiceAccounts, the root CA's ConfigMap) and the scheduler.
+func (c *cluster) startControllers() {
+	ca := filepath.Join(c.work, "apiserver", "certs", "apiserver.crt")
+	c.start("kube-controller-manager", nil, filepath.Join(c.bin, "kube-controller-manager"),
+		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--root-ca-file="+ca,
+		"--use-service-account-credentials=false", "--bind-address=127.0.0.1", "--secure-port=0",
+		"--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach")
+	c.start("kube-scheduler", nil, filepath.Join(c.bin, "kube-scheduler"),
+		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0")
+	c.until("the default ServiceAccount", 60*time.Second, func() bool {
+		_, err := c.kubectl("", "get", "serviceaccount", "default", "-n", "default")
+		return err == nil
+	})
+}
+
 func (c *cluster) startKubelet() {
 	c.kubeletDir = filepath.Join(c.work, "kubelet")
 	config := filepath.Join(c.work, "kubelet.yaml")
@@ -483,18 +517,29 @@ func (c *cluster) teardown() {
 		p.stop(syscall.SIGTERM, 30*time.Second)
 	}
 	c.killShims()
-	for _, name := range []string{"containerd", "kube-apiserver", "etcd"} {
+	for _, name := range []string{"kube-scheduler", "kube-controller-manager", "containerd", "kube-apiserver", "etcd"} {
 		if p := c.procs[name]; p != nil {
 			p.stop(syscall.SIGTERM, 30*time.Second)
 		}
 	}
-	mounts, err := overlay.MountsUnder(c.work)
-	if err != nil {
-		t.Error(err)
-	}
-	for _, mp := range mounts {
-		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
-			t.Errorf("unmounting %s: %v", mp, err)
+	// Rounds: a shared kubelet dir (TestInstall's) holds each pod mount
+	// twice, one copy hidden under the other until that goes.
+	for round := 0; ; round++ {
+		mounts, err := overlay.MountsUnder(c.work)
+		if err != nil {
+			t.Error(err)
+		}
+		if len(mounts) == 0 {
+			break
+		}
+		if round == 5 {
+			t.Errorf("mounts left under %s: %v", c.work, mounts)
+			break
+		}
+		for _, mp := range mounts {
+			if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+				t.Errorf("unmounting %s: %v", mp, err)
+			}
 		}
 	}
 	removeKubeCgroups(t)

@@ -4,9 +4,20 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
+	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/pkg/driver"
 )
 
 // pluginImageRuns runs the plugin's image, as make image builds it without
@@ -29,4 +40,187 @@ func (c *cluster) pluginImageRuns() {
 	out := c.mustSucceed("ci", "plugin-image")
 	require.True(c.t, strings.HasPrefix(out, "cowvol-plugin "), "the image's entrypoint is the plugin: %q", out)
 	report(c.t, "the plugin image built without Docker (make image) ran in containerd: "+strings.TrimSpace(out)+"\n")
+}
+
+// installOverlay is the overlay the e2e installs cowvol with, as a user's
+// would be: the base and the registrar-less component, the image built by
+// make image, and what differs on this node (the kubelet's root dir, the
+// state dir, host networking without a CNI, the API server and the
+// controller reached on loopback without kube-proxy).
+func (c *cluster) installOverlay() string {
+	dir := filepath.Join(c.work, "overlay")
+	repo, err := filepath.Abs("../..")
+	require.NoError(c.t, err)
+	rel := func(p string) string {
+		r, err := filepath.Rel(dir, filepath.Join(repo, p))
+		require.NoError(c.t, err)
+		return r
+	}
+	writeFile(c.t, filepath.Join(dir, "kustomization.yaml"), fmt.Sprintf(`apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - %[1]s
+components:
+  - %[2]s
+images:
+  - name: cowvol-plugin
+    newName: cowvol.test/cowvol-plugin
+    newTag: e2e
+patches:
+  - target: {kind: DaemonSet, name: cowvol-node}
+    patch: |-
+      - {op: add, path: /spec/template/spec/hostNetwork, value: true}
+      - {op: test, path: /spec/template/spec/volumes/0/name, value: plugin-dir}
+      - {op: replace, path: /spec/template/spec/volumes/0/hostPath/path, value: %[3]s/plugins/cowvol.concourse-ci.org}
+      - {op: test, path: /spec/template/spec/volumes/1/name, value: registration-dir}
+      - {op: replace, path: /spec/template/spec/volumes/1/hostPath/path, value: %[3]s/plugins_registry}
+      - {op: test, path: /spec/template/spec/volumes/2/name, value: pods-dir}
+      - {op: replace, path: /spec/template/spec/volumes/2/hostPath/path, value: %[3]s/pods}
+      - {op: test, path: /spec/template/spec/volumes/3/name, value: state-dir}
+      - {op: replace, path: /spec/template/spec/volumes/3/hostPath/path, value: %[4]s}
+      - {op: test, path: /spec/template/spec/containers/0/volumeMounts/1/name, value: pods-dir}
+      - {op: replace, path: /spec/template/spec/containers/0/volumeMounts/1/mountPath, value: %[3]s/pods}
+      - {op: add, path: /spec/template/spec/containers/0/args/-, value: --kubelet-dir=%[3]s}
+      - {op: add, path: /spec/template/spec/containers/0/args/-, value: --kubelet-endpoint=%[3]s/plugins/cowvol.concourse-ci.org/csi.sock}
+      - {op: add, path: /spec/template/spec/containers/0/args/-, value: --controller-address=127.0.0.1:7070}
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[5]d"}}
+  - target: {kind: Deployment, name: cowvol-controller}
+    patch: |-
+      - {op: add, path: /spec/template/spec/hostNetwork, value: true}
+      - {op: replace, path: /spec/replicas, value: 1}
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[5]d"}}
+`, rel("deploy/csi/base"), rel("deploy/csi/components/registrar-less"), c.kubeletDir, filepath.Join(c.stateDir, "cowvol"), c.apiPort))
+	return dir
+}
+
+// TestInstall installs cowvol as a user does, kubectl apply -k of an
+// overlay, on a node with a controller manager and a scheduler: the
+// DaemonSet's pod registers the plugin with the kubelet, the controller's
+// Deployment elects its leader, and a get → task → task pipeline, a volume
+// shared across namespaces and a size-limited step run through them; the
+// plugin killed, the kubelet restarts it and the pipeline goes on.
+func TestInstall(t *testing.T) {
+	c := startNode(t, true)
+	// A real node's kubelet dir is a shared mount: the plugin's mounts
+	// (Bidirectional) must reach the pods.
+	require.NoError(t, unix.Mount(c.kubeletDir, c.kubeletDir, "", unix.MS_BIND, ""))
+	require.NoError(t, unix.Mount("", c.kubeletDir, "", unix.MS_SHARED|unix.MS_REC, ""))
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml")
+	certs := filepath.Join(c.work, "certs")
+	ctl := netlab.NewPKI(t, filepath.Join(certs, "controller"), "cowvol-controller.cowvol.svc", "127.0.0.1")
+	peer := netlab.NewPKI(t, filepath.Join(certs, "peer"), driver.DefaultPeerServerName)
+	for name, p := range map[string]netlab.PKI{"cowvol-controller-tls": ctl, "cowvol-peer-tls": peer} {
+		c.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
+			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
+	}
+	// This node has no CNI (its pods use the host's network), so it never
+	// turns Ready and keeps the not-ready taint the kubelet registers it
+	// with, which would keep the scheduler and the DaemonSet controller
+	// away; a cluster with a network has no such taint to lift.
+	c.mustKubectl("", "taint", "nodes", nodeName, "node.kubernetes.io/not-ready:NoSchedule-")
+	overlay := c.installOverlay()
+	start := time.Now()
+	c.mustKubectl("", "apply", "-k", overlay)
+	t.Cleanup(c.deletePods) // before the plugin goes: it unpublishes them
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, args := range [][]string{
+				{"get", "pods", "-A", "-o", "wide"},
+				{"get", "events", "-n", "cowvol"},
+				{"describe", "pods", "-n", "cowvol"},
+				{"logs", "-n", "cowvol", "-l", "app=cowvol-node", "--tail=40"},
+				{"logs", "-n", "cowvol", "-l", "app=cowvol-controller", "--tail=40"},
+			} {
+				out, _ := c.kubectl("", args...)
+				t.Logf("kubectl %s:\n%s", strings.Join(args, " "), out)
+			}
+		}
+	})
+	c.until("the DaemonSet's pod to register the plugin with the kubelet", 120*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
+		return err == nil && strings.Contains(out, driverName)
+	})
+	c.until("the controller's Deployment to be available, its pod leading", 120*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.status.availableReplicas}")
+		return err == nil && out == "1"
+	})
+	report(t, fmt.Sprintf("kubectl apply -k of an overlay: the plugin registered through the DaemonSet's pod and the controller led in %s\n",
+		time.Since(start).Round(100*time.Millisecond)))
+	for _, ns := range []string{"ci", "other"} {
+		c.mustKubectl("", "create", "namespace", ns)
+	}
+	c.until("the namespaces' ServiceAccounts", 30*time.Second, func() bool {
+		_, err1 := c.kubectl("", "get", "serviceaccount", "default", "-n", "ci")
+		_, err2 := c.kubectl("", "get", "serviceaccount", "default", "-n", "other")
+		return err1 == nil && err2 == nil
+	})
+
+	// get → task → task, through the installed plugin.
+	c.createPod("ci", "get", `set -e; echo 'package main' > /out/main.go; echo v1 > /out/version`,
+		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "res-v1", "scope", "cluster")})
+	c.mustSucceed("ci", "get")
+	c.waitCapturedInstalled("ci", "res-v1")
+	c.createPod("ci", "task-1", `set -e; cd /w; test "$(cat version)" = v1; echo built > out.bin`,
+		volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "task-1")})
+	c.mustSucceed("ci", "task-1")
+	c.waitCapturedInstalled("ci", "task-1")
+	c.createPod("ci", "task-2", `set -e; cat /in/out.bin /in/main.go`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "task-1"), readOnly: true})
+	require.Equal(t, "built\npackage main\n", c.mustSucceed("ci", "task-2"))
+	// Shared across namespaces by name; a size-limited step fails cleanly.
+	c.createPod("other", "reads-shared", `cat /in/version`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1", "sourceNamespace", "ci"), readOnly: true})
+	require.Equal(t, "v1\n", c.mustSucceed("other", "reads-shared"))
+	c.createPod("ci", "too-big", `dd if=/dev/zero of=/w/big bs=1M count=8 && sync`,
+		volume{name: "w", mountPath: "/w", attrs: attrs("sizeLimit", "2Mi")})
+	phase, _ := c.waitDone("ci", "too-big")
+	require.Equal(t, "Failed", phase, "a step over its size limit fails")
+
+	// The plugin's container killed: the kubelet restarts it, and the
+	// pipeline goes on.
+	pids := c.pluginContainerPIDs()
+	require.NotEmpty(t, pids)
+	for _, pid := range pids {
+		require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
+	}
+	c.until("the kubelet to restart the plugin's container", 120*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
+			"-o", "jsonpath={.items[0].status.containerStatuses[0].restartCount} {.items[0].status.containerStatuses[0].ready}")
+		restarts, ready, _ := strings.Cut(out, " ")
+		n, _ := strconv.Atoi(restarts)
+		return err == nil && n >= 1 && ready == "true"
+	})
+	c.createPod("ci", "after-restart", `set -e; cat /in/out.bin`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "task-1"), readOnly: true})
+	require.Equal(t, "built\n", c.mustSucceed("ci", "after-restart"))
+	report(t, "the installed plugin's container SIGKILLed: the kubelet restarted it and the next step used the cached volume\n")
+}
+
+// waitCapturedInstalled waits until the installed plugin's controller
+// lists a volume ready: the API server's view of the pipeline's outputs.
+func (c *cluster) waitCapturedInstalled(ns, handle string) {
+	c.t.Helper()
+	c.until("the capture of "+ns+"/"+handle, 60*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "events", "-n", ns, "-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+		return err == nil && strings.Contains(out, fmt.Sprintf(`VolumeCaptured: Captured into cached volume %q`, handle))
+	})
+}
+
+// pluginContainerPIDs are the processes of the DaemonSet's plugin.
+func (c *cluster) pluginContainerPIDs() []int {
+	var pids []int
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err == nil && strings.HasPrefix(string(cmdline), "/cowvol-plugin\x00") && strings.Contains(string(cmdline), "--mode=node") {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
 }
