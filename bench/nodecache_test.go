@@ -215,7 +215,7 @@ func seed(b *testing.B, dir string, n int) {
 			Properties: map[string]string{"resource": "repo", "version": fmt.Sprint(i)},
 			Pod:        volume.Pod{Namespace: "ci", Name: "seed", UID: "0b4a8c1e-3f2d-4c5b-9a6e-7d8f9a0b1c2d"}})
 		if err == nil {
-			err = s.SetMounted(id, 1)
+			err = s.SetMounted(id, 1, "")
 		}
 		if err == nil {
 			err = s.SetViewState(id, cache.ViewPublished, cache.ViewCapturing)

@@ -130,9 +130,12 @@ type View struct {
 	// QuotaID is the project quota enforcing it where project quotas do.
 	SizeLimit int64  `json:"sizeLimit,omitempty"`
 	QuotaID   uint32 `json:"quotaID,omitempty"`
-	// MountID is the unique ID of the mount cowvol made at Target: an
-	// unpublish unmounts that mount and no other.
-	MountID uint64 `json:"mountID,omitempty"`
+	// MountID is the unique ID of the mount cowvol made at Target, and
+	// MountRoot its root ("dev:ino"): an unpublish unmounts that mount and
+	// no other. The root names it from a restarted plugin container too,
+	// where the propagated mount has another ID.
+	MountID   uint64 `json:"mountID,omitempty"`
+	MountRoot string `json:"mountRoot,omitempty"`
 	// Backend is the COW backend that built the view; a restarted plugin
 	// may run another one and must still tear this view down its way.
 	Backend string `json:"backend"`
@@ -614,13 +617,13 @@ func (s *Store) SetViewState(volumeID string, from, to ViewState) error {
 }
 
 // SetMounted records that a step volume is mounted at its target, as the
-// mount with the given ID, and so published.
-func (s *Store) SetMounted(volumeID string, mountID uint64) error {
+// mount with the given ID and root, and so published.
+func (s *Store) SetMounted(volumeID string, mountID uint64, root string) error {
 	return s.updateView(volumeID, func(v *View) error {
 		if v.State == ViewCapturing {
 			return fmt.Errorf("step volume %q is capturing: %w", volumeID, ErrWrongViewState)
 		}
-		v.MountID, v.State = mountID, ViewPublished
+		v.MountID, v.MountRoot, v.State = mountID, root, ViewPublished
 		return nil
 	})
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -135,7 +136,35 @@ func (e *Engine) recordMount(view cache.View, d *target.Dir) error {
 	if !st.Mounted {
 		return fmt.Errorf("no mount appeared at %s", view.Target)
 	}
-	return e.store.SetMounted(view.VolumeID, st.MountID)
+	return e.store.SetMounted(view.VolumeID, st.MountID, st.Root)
+}
+
+// ownsMount says whether the mount at a view's target is the one cowvol
+// made for it: the same mount, or its copy in this mount namespace (the
+// plugin's container restarted; mounts it made propagated here with new
+// IDs) by its root. A record from a plugin that kept no root is checked
+// against what the mount holds: the view's own tree.
+func (e *Engine) ownsMount(v cache.View, st target.State) bool {
+	switch {
+	case !st.Mounted:
+		return false
+	case v.MountID == 0 && v.MountRoot == "": // recorded by a plugin that kept neither
+		return true
+	case st.MountID == v.MountID:
+		return true
+	case v.MountRoot != "":
+		return st.Root == v.MountRoot
+	}
+	b, err := e.backendOf(v)
+	if err != nil {
+		return false
+	}
+	content, diff := b.Content(e.spec(v, ""))
+	if diff {
+		return overlay.UpperDirAt(v.Target) == content
+	}
+	var s unix.Stat_t
+	return unix.Stat(content, &s) == nil && target.RootID(&s) == st.Root
 }
 
 // republish answers a repeated publish of a known volume: the same request
@@ -166,9 +195,9 @@ func (e *Engine) ensureMounted(v cache.View) error {
 	switch {
 	case err != nil:
 		return err
-	case st.Mounted && (st.MountID == v.MountID || v.MountID == 0):
-		if v.MountID == 0 { // recorded by a plugin that kept no mount IDs
-			return e.store.SetMounted(v.VolumeID, st.MountID)
+	case e.ownsMount(v, st):
+		if st.MountID != v.MountID || st.Root != v.MountRoot { // as this namespace names it
+			return e.store.SetMounted(v.VolumeID, st.MountID, st.Root)
 		}
 		return nil
 	case st.Mounted:
@@ -210,9 +239,9 @@ func (e *Engine) takeDown(v cache.View) error {
 	if err != nil {
 		return err
 	}
-	if st.Mounted && v.MountID != 0 && st.MountID != v.MountID {
-		return fmt.Errorf("%s is a mount cowvol did not make (mount %d, cowvol's was %d): not unmounting it: %w",
-			v.Target, st.MountID, v.MountID, target.ErrUnsafe)
+	if st.Mounted && !e.ownsMount(v, st) {
+		return fmt.Errorf("%s is a mount cowvol did not make (mount %d root %s, cowvol's was %d root %s): not unmounting it: %w",
+			v.Target, st.MountID, st.Root, v.MountID, v.MountRoot, target.ErrUnsafe)
 	}
 	if st.Mounted {
 		spec.Target = d.MountPath()

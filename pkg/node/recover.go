@@ -95,9 +95,9 @@ func (e *Engine) settle(v cache.View) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if st.Mounted && (st.MountID == v.MountID || v.MountID == 0) {
-		if v.MountID == 0 {
-			return "adopted", e.ensureMounted(v) // records the mount's ID
+	if e.ownsMount(v, st) {
+		if st.MountID != v.MountID || st.Root != v.MountRoot {
+			return "adopted", e.ensureMounted(v) // records the mount as this namespace names it
 		}
 		return "adopted", nil
 	}

@@ -247,6 +247,29 @@ func MountOf(path string) (id uint64, root bool, err error) {
 	return stx.Mnt_id, stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
 }
 
+// UpperDirAt is the upper dir of the overlay mounted on top at path ("" if
+// none is): what a step volume's overlay was made of, whichever mount
+// namespace made it.
+func UpperDirAt(path string) string {
+	infos, err := mountutils.ParseMountInfo("/proc/self/mountinfo")
+	if err != nil {
+		return ""
+	}
+	upper := "" // of the last mount at path: the one on top
+	for _, mi := range infos {
+		if mi.MountPoint != path {
+			continue
+		}
+		upper = ""
+		for _, o := range mi.SuperOptions {
+			if dir, ok := strings.CutPrefix(o, "upperdir="); ok && mi.FsType == "overlay" {
+				upper = dir
+			}
+		}
+	}
+	return upper
+}
+
 // MountsUnder lists the mount points at or below dir from
 // /proc/self/mountinfo, most recent first: unmounting in this order takes a
 // mount down before the one it sits on.

@@ -102,9 +102,13 @@ func (d *Dir) MountPath() string { return fmt.Sprintf("/proc/self/fd/%d/mount", 
 // State is what is at a target.
 type State struct {
 	Exists bool
-	// Mounted says a mount's root is at the target; MountID names it.
+	// Mounted says a mount's root is at the target; MountID names it in
+	// this mount namespace, and Root ("dev:ino" of the mount's root) in
+	// every one: the copies of a mount that propagation makes in other
+	// namespaces (a restarted plugin container's) have IDs of their own.
 	Mounted bool
 	MountID uint64
+	Root    string
 	// Empty says the target is an empty dir (and not mounted).
 	Empty bool
 }
@@ -127,11 +131,16 @@ func (d *Dir) Stat() (State, error) {
 		return State{}, err
 	}
 	s := State{Exists: true, Mounted: root, MountID: id}
-	if !root {
+	if root {
+		s.Root = RootID(&st)
+	} else {
 		s.Empty, err = d.empty()
 	}
 	return s, err
 }
+
+// RootID names a directory by device and inode, as State.Root does.
+func RootID(st *unix.Stat_t) string { return fmt.Sprintf("%d:%d", st.Dev, st.Ino) }
 
 func (d *Dir) empty() (bool, error) {
 	fd, err := unix.Openat(int(d.parent.Fd()), "mount", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/pkg/driver"
 )
 
@@ -47,7 +49,7 @@ func (c *cluster) pluginImageRuns() {
 // make image, and what differs on this node (the kubelet's root dir, the
 // state dir, host networking without a CNI, the API server and the
 // controller reached on loopback without kube-proxy).
-func (c *cluster) installOverlay() string {
+func (c *cluster) installOverlay(tag string) string {
 	dir := filepath.Join(c.work, "overlay")
 	repo, err := filepath.Abs("../..")
 	require.NoError(c.t, err)
@@ -65,7 +67,7 @@ components:
 images:
   - name: cowvol-plugin
     newName: cowvol.test/cowvol-plugin
-    newTag: e2e
+    newTag: %[6]s
 patches:
   - target: {kind: DaemonSet, name: cowvol-node}
     patch: |-
@@ -89,20 +91,69 @@ patches:
     patch: |-
       - {op: add, path: /spec/template/spec/hostNetwork, value: true}
       - {op: replace, path: /spec/replicas, value: 1}
+      # One replica on the host's network: the old one must go before the
+      # new one can listen.
+      - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[5]d"}}
-`, rel("deploy/csi/base"), rel("deploy/csi/components/registrar-less"), c.kubeletDir, filepath.Join(c.stateDir, "cowvol"), c.apiPort))
+`, rel("deploy/csi/base"), rel("deploy/csi/components/registrar-less"), c.kubeletDir, filepath.Join(c.stateDir, "cowvol"), c.apiPort, tag))
 	return dir
 }
 
+// upgradeFrom is the commit whose plugin the upgrade starts from: the last
+// one CI passed before cowvol was installed from deploy/ in the e2e.
+const upgradeFrom = "2e62b3c8f26656dbe7999c79605b95d900a67111"
+
+// previousPlugin builds the plugin of upgradeFrom, or skips the test when
+// this clone lacks that commit (a shallow one).
+func (c *cluster) previousPlugin() []byte {
+	c.t.Helper()
+	repo, err := filepath.Abs("../..")
+	require.NoError(c.t, err)
+	if err := exec.Command("git", "-C", repo, "cat-file", "-e", upgradeFrom+"^{commit}").Run(); err != nil {
+		c.t.Skipf("the upgrade starts from commit %s, which this clone lacks (a shallow clone?): %v", upgradeFrom, err)
+	}
+	src := filepath.Join(c.work, "previous")
+	require.NoError(c.t, os.MkdirAll(src, 0o755))
+	archive := exec.Command("sh", "-c", fmt.Sprintf("git -C %s archive %s | tar -x -C %s", repo, upgradeFrom, src))
+	if out, err := archive.CombinedOutput(); err != nil {
+		c.t.Fatalf("extracting %s: %v: %s", upgradeFrom, err, out)
+	}
+	bin := filepath.Join(src, "cowvol-plugin")
+	build := exec.Command("go", "build", "-trimpath", "-ldflags", "-X main.version=previous", "-o", bin, "./cmd/cowvol-plugin")
+	build.Dir, build.Env = src, append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		c.t.Fatalf("building the plugin of %s: %v: %s", upgradeFrom, err, out)
+	}
+	b, err := os.ReadFile(bin)
+	require.NoError(c.t, err)
+	return b
+}
+
+// importImage builds img and imports it into the node's containerd.
+func (c *cluster) importImage(img ociimage.Image) {
+	c.t.Helper()
+	out := filepath.Join(c.work, "images", "extra.tar")
+	require.NoError(c.t, ociimage.Write(out, img))
+	if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
+		c.t.Fatalf("importing %s: %v: %s", img.Name, err, b)
+	}
+}
+
 // TestInstall installs cowvol as a user does, kubectl apply -k of an
-// overlay, on a node with a controller manager and a scheduler: the
-// DaemonSet's pod registers the plugin with the kubelet, the controller's
-// Deployment elects its leader, and a get → task → task pipeline, a volume
-// shared across namespaces and a size-limited step run through them; the
-// plugin killed, the kubelet restarts it and the pipeline goes on.
+// overlay, on a node with a controller manager and a scheduler, starting
+// from an earlier commit's image: the DaemonSet's pod registers the plugin
+// with the kubelet and the controller's Deployment elects its leader. A
+// volume is captured and another is in use when the overlay rolls to this
+// commit's image: nothing is lost. Then a get → task → task pipeline, a
+// volume shared across namespaces and a size-limited step run through the
+// new pods; the plugin killed, or hung until its liveness probe fails, the
+// kubelet restarts it and the pipeline goes on.
 func TestInstall(t *testing.T) {
 	c := startNode(t, true)
+	certsPEM, err := os.ReadFile("/etc/ssl/certs/ca-certificates.crt")
+	require.NoError(t, err)
+	c.importImage(ociimage.Plugin("cowvol.test/cowvol-plugin:previous", "previous", c.previousPlugin(), certsPEM))
 	// A real node's kubelet dir is a shared mount: the plugin's mounts
 	// (Bidirectional) must reach the pods.
 	require.NoError(t, unix.Mount(c.kubeletDir, c.kubeletDir, "", unix.MS_BIND, ""))
@@ -120,9 +171,6 @@ func TestInstall(t *testing.T) {
 	// with, which would keep the scheduler and the DaemonSet controller
 	// away; a cluster with a network has no such taint to lift.
 	c.mustKubectl("", "taint", "nodes", nodeName, "node.kubernetes.io/not-ready:NoSchedule-")
-	overlay := c.installOverlay()
-	start := time.Now()
-	c.mustKubectl("", "apply", "-k", overlay)
 	t.Cleanup(c.deletePods) // before the plugin goes: it unpublishes them
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -138,16 +186,11 @@ func TestInstall(t *testing.T) {
 			}
 		}
 	})
-	c.until("the DaemonSet's pod to register the plugin with the kubelet", 120*time.Second, func() bool {
-		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
-		return err == nil && strings.Contains(out, driverName)
-	})
-	c.until("the controller's Deployment to be available, its pod leading", 120*time.Second, func() bool {
-		out, err := c.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.status.availableReplicas}")
-		return err == nil && out == "1"
-	})
-	report(t, fmt.Sprintf("kubectl apply -k of an overlay: the plugin registered through the DaemonSet's pod and the controller led in %s\n",
-		time.Since(start).Round(100*time.Millisecond)))
+	start := time.Now()
+	c.mustKubectl("", "apply", "-k", c.installOverlay("previous"))
+	c.waitInstalled("previous")
+	report(t, fmt.Sprintf("kubectl apply -k of an overlay (commit %.7s's image): the plugin registered through the DaemonSet's pod and the controller led in %s\n",
+		upgradeFrom, time.Since(start).Round(100*time.Millisecond)))
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
 	}
@@ -157,11 +200,31 @@ func TestInstall(t *testing.T) {
 		return err1 == nil && err2 == nil
 	})
 
-	// get → task → task, through the installed plugin.
+	// Before the upgrade: a volume captured, and a step running on it.
 	c.createPod("ci", "get", `set -e; echo 'package main' > /out/main.go; echo v1 > /out/version`,
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "res-v1", "scope", "cluster")})
 	c.mustSucceed("ci", "get")
 	c.waitCapturedInstalled("ci", "res-v1")
+	c.createPod("ci", "across-upgrade", `set -e; cd /w; test "$(cat version)" = v1; echo before > upgraded
+		while [ ! -e /w/go ]; do sleep 0.2; done; echo after >> upgraded; rm go`,
+		volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "across-upgrade")})
+	c.until("the step to start", 60*time.Second, func() bool { return c.phase("ci", "across-upgrade") == "Running" })
+
+	// The roll: this commit's image.
+	start = time.Now()
+	c.mustKubectl("", "apply", "-k", c.installOverlay("e2e"))
+	c.waitInstalled("e2e")
+	report(t, fmt.Sprintf("rolled to this commit's image in %s, a step running on a cowvol volume\n", time.Since(start).Round(100*time.Millisecond)))
+	uid := c.mustKubectl("", "get", "pod", "-n", "ci", "across-upgrade", "-o", "jsonpath={.metadata.uid}")
+	target := filepath.Join(c.kubeletDir, "pods", uid, "volumes", "kubernetes.io~csi", "w", "mount")
+	require.NoError(t, os.WriteFile(filepath.Join(target, "go"), nil, 0o644), "the step's volume is still mounted after the roll")
+	c.mustSucceed("ci", "across-upgrade")
+	c.waitCapturedInstalled("ci", "across-upgrade")
+	c.createPod("ci", "after-upgrade", `set -e; cat /in/upgraded /in/version`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "across-upgrade"), readOnly: true})
+	require.Equal(t, "before\nafter\nv1\n", c.mustSucceed("ci", "after-upgrade"), "captured by the new plugin, over the old one's volume")
+
+	// get → task → task, through the new pods.
 	c.createPod("ci", "task-1", `set -e; cd /w; test "$(cat version)" = v1; echo built > out.bin`,
 		volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "task-1")})
 	c.mustSucceed("ci", "task-1")
@@ -178,24 +241,49 @@ func TestInstall(t *testing.T) {
 	phase, _ := c.waitDone("ci", "too-big")
 	require.Equal(t, "Failed", phase, "a step over its size limit fails")
 
-	// The plugin's container killed: the kubelet restarts it, and the
-	// pipeline goes on.
-	pids := c.pluginContainerPIDs()
-	require.NotEmpty(t, pids)
-	for _, pid := range pids {
-		require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
+	// The plugin killed, then hung: the kubelet restarts it each time (the
+	// second through the liveness probe), and the next step goes on.
+	for i, sig := range []syscall.Signal{syscall.SIGKILL, syscall.SIGSTOP} {
+		pids := c.pluginContainerPIDs()
+		require.NotEmpty(t, pids)
+		for _, pid := range pids {
+			require.NoError(t, syscall.Kill(pid, sig))
+		}
+		c.until(fmt.Sprintf("the kubelet to restart the plugin (%s)", sig), 120*time.Second, func() bool {
+			out, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
+				"-o", "jsonpath={.items[0].status.containerStatuses[0].restartCount} {.items[0].status.containerStatuses[0].ready}")
+			restarts, ready, _ := strings.Cut(out, " ")
+			n, _ := strconv.Atoi(restarts)
+			return err == nil && n >= i+1 && ready == "true"
+		})
+		name := fmt.Sprintf("after-restart-%d", i)
+		c.createPod("ci", name, `set -e; cat /in/out.bin`,
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", "task-1"), readOnly: true})
+		require.Equal(t, "built\n", c.mustSucceed("ci", name))
 	}
-	c.until("the kubelet to restart the plugin's container", 120*time.Second, func() bool {
-		out, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
-			"-o", "jsonpath={.items[0].status.containerStatuses[0].restartCount} {.items[0].status.containerStatuses[0].ready}")
-		restarts, ready, _ := strings.Cut(out, " ")
-		n, _ := strconv.Atoi(restarts)
-		return err == nil && n >= 1 && ready == "true"
+	report(t, "the installed plugin SIGKILLed, then SIGSTOPped: the kubelet restarted it (the second time when its liveness probe failed) and the next steps used the cached volumes\n")
+}
+
+// waitInstalled waits until the DaemonSet's pod runs the image of tag and
+// has registered the plugin with the kubelet, and the controller's
+// Deployment is available on that image.
+func (c *cluster) waitInstalled(tag string) {
+	c.t.Helper()
+	image := "cowvol.test/cowvol-plugin:" + tag
+	c.until("the DaemonSet's pod on "+tag+" to register the plugin with the kubelet", 120*time.Second, func() bool {
+		pods, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
+			"-o", "jsonpath={range .items[*]}{.spec.containers[0].image} {.status.containerStatuses[0].ready}{\"\\n\"}{end}")
+		if err != nil || strings.TrimSpace(pods) != image+" true" {
+			return false
+		}
+		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
+		return err == nil && strings.Contains(out, driverName)
 	})
-	c.createPod("ci", "after-restart", `set -e; cat /in/out.bin`,
-		volume{name: "in", mountPath: "/in", attrs: attrs("source", "task-1"), readOnly: true})
-	require.Equal(t, "built\n", c.mustSucceed("ci", "after-restart"))
-	report(t, "the installed plugin's container SIGKILLed: the kubelet restarted it and the next step used the cached volume\n")
+	c.until("the controller's Deployment on "+tag+" to be available", 120*time.Second, func() bool {
+		out, err := c.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol",
+			"-o", "jsonpath={.status.updatedReplicas} {.status.availableReplicas} {.spec.template.spec.containers[0].image}")
+		return err == nil && out == "1 1 "+image
+	})
 }
 
 // waitCapturedInstalled waits until the installed plugin's controller
