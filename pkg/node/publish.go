@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -156,15 +155,7 @@ func (e *Engine) ownsMount(v cache.View, st target.State) bool {
 		return st.Root == v.MountRoot
 	}
 	b, err := e.backendOf(v)
-	if err != nil {
-		return false
-	}
-	content, diff := b.Content(e.spec(v, ""))
-	if diff {
-		return overlay.UpperDirAt(v.Target) == content
-	}
-	var s unix.Stat_t
-	return unix.Stat(content, &s) == nil && target.RootID(&s) == st.Root
+	return err == nil && overlay.Holds(b, e.spec(v, ""), v.Target, st.Root)
 }
 
 // republish answers a repeated publish of a known volume: the same request

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -247,27 +248,61 @@ func MountOf(path string) (id uint64, root bool, err error) {
 	return stx.Mnt_id, stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
 }
 
-// UpperDirAt is the upper dir of the overlay mounted on top at path ("" if
-// none is): what a step volume's overlay was made of, whichever mount
-// namespace made it.
-func UpperDirAt(path string) string {
+// RootID names a mount's root (or any dir) by device and inode: the same
+// in every mount namespace, where a mount's copies have IDs of their own.
+func RootID(st *unix.Stat_t) string { return fmt.Sprintf("%d:%d", st.Dev, st.Ino) }
+
+// Holds says whether the mount on top at path, whose root is root, is
+// what backend b mounts for s: how a plugin whose records predate mount
+// roots recognises, from another mount namespace, the mounts it made.
+func Holds(b Backend, s Spec, path, root string) bool {
+	sameRoot := func(dir string) bool {
+		var st unix.Stat_t
+		return unix.Stat(dir, &st) == nil && RootID(&st) == root
+	}
+	if s.Attrs.ReadOnly {
+		switch len(s.Lowers) {
+		case 0:
+			return sameRoot(emptyDir(s))
+		case 1:
+			return sameRoot(s.Lowers[0])
+		}
+		lowers, upper, ok := overlayAt(path)
+		return ok && upper == "" && slices.Equal(lowers, s.Lowers)
+	}
+	content, diff := b.Content(s)
+	if diff {
+		_, upper, ok := overlayAt(path)
+		return ok && upper == content
+	}
+	return sameRoot(content)
+}
+
+// overlayAt reads the overlay mounted on top at path from mountinfo: its
+// lower dirs (top first) and upper dir; ok is false if what is on top is
+// not an overlay.
+func overlayAt(path string) (lowers []string, upper string, ok bool) {
 	infos, err := mountutils.ParseMountInfo("/proc/self/mountinfo")
 	if err != nil {
-		return ""
+		return nil, "", false
 	}
-	upper := "" // of the last mount at path: the one on top
-	for _, mi := range infos {
+	for _, mi := range infos { // the last at path is the one on top
 		if mi.MountPoint != path {
 			continue
 		}
-		upper = ""
+		lowers, upper, ok = nil, "", mi.FsType == "overlay"
 		for _, o := range mi.SuperOptions {
-			if dir, ok := strings.CutPrefix(o, "upperdir="); ok && mi.FsType == "overlay" {
-				upper = dir
+			switch k, v, _ := strings.Cut(o, "="); k {
+			case "lowerdir+": // the new mount API's, one per layer
+				lowers = append(lowers, v)
+			case "lowerdir":
+				lowers = append(lowers, strings.Split(v, ":")...)
+			case "upperdir":
+				upper = v
 			}
 		}
 	}
-	return upper
+	return lowers, upper, ok
 }
 
 // MountsUnder lists the mount points at or below dir from

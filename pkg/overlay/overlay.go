@@ -152,7 +152,7 @@ func SyncDir(dir string) error {
 func mountReadOnly(m Mounter, s Spec) error {
 	switch len(s.Lowers) {
 	case 0:
-		empty := filepath.Join(s.Dir, "empty")
+		empty := emptyDir(s)
 		if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 			return err
 		}
@@ -339,6 +339,9 @@ func (b treeBackend) Remount(s Spec) error {
 }
 
 func mergedDir(s Spec) string { return filepath.Join(s.Dir, "merged") }
+
+// emptyDir is what an empty read-only volume mounts.
+func emptyDir(s Spec) string { return filepath.Join(s.Dir, "empty") }
 
 // Probe picks the best backend the filesystem under dir supports: btrfs
 // snapshots on btrfs, else overlay, else reflink clones, else copies. Each is

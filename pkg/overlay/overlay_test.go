@@ -299,3 +299,53 @@ func TestProjectQuotaLimits(t *testing.T) {
 		})
 	}
 }
+
+// Holds recognises each kind of step volume mount by what it holds, and
+// refuses one made for another volume: how a plugin with records from
+// before mount roots finds its mounts from a new mount namespace.
+func TestHoldsRecognisesItsMounts(t *testing.T) {
+	testfs.Need(t)
+	root := testfs.Mount(t, testfs.XFS, 1<<30)
+	m := NewSysMounter()
+	layer := func(name string) string {
+		d := filepath.Join(root, name)
+		require.NoError(t, os.MkdirAll(d, 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(d, name), []byte(name), 0o644))
+		return d
+	}
+	l1, l2 := layer("l1"), layer("l2")
+	tests := []struct {
+		name   string
+		kind   Kind
+		lowers []string
+		ro     bool
+	}{
+		{"a writable overlay", KindOverlay, []string{l1, l2}, false},
+		{"a writable tree", KindCopy, []string{l1}, false},
+		{"a read-only chain", KindOverlay, []string{l1, l2}, true},
+		{"a read-only layer", KindReflink, []string{l1}, true},
+		{"a read-only empty volume", KindOverlay, nil, true},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			b, err := New(tc.kind, m, nil)
+			require.NoError(t, err)
+			target := filepath.Join(root, fmt.Sprintf("target-%d", i))
+			require.NoError(t, os.Mkdir(target, 0o755))
+			s := Spec{Dir: filepath.Join(root, fmt.Sprintf("view-%d", i)), Target: target, Lowers: tc.lowers, Attrs: Attrs{ReadOnly: tc.ro}}
+			require.NoError(t, b.Prepare(context.Background(), s))
+			defer func() { require.NoError(t, Unmount(m, s)) }()
+			var st unix.Stat_t
+			require.NoError(t, unix.Stat(target, &st))
+			require.True(t, Holds(b, s, target, RootID(&st)), "its own mount")
+			other := s
+			other.Dir = filepath.Join(root, "another-view")
+			if len(s.Lowers) > 1 {
+				other.Lowers = []string{l2, l1}
+			} else if len(s.Lowers) == 1 {
+				other.Lowers = []string{l2}
+			}
+			require.False(t, Holds(b, other, target, RootID(&st)), "another volume's spec")
+		})
+	}
+}

@@ -132,15 +132,12 @@ func (d *Dir) Stat() (State, error) {
 	}
 	s := State{Exists: true, Mounted: root, MountID: id}
 	if root {
-		s.Root = RootID(&st)
+		s.Root = overlay.RootID(&st)
 	} else {
 		s.Empty, err = d.empty()
 	}
 	return s, err
 }
-
-// RootID names a directory by device and inode, as State.Root does.
-func RootID(st *unix.Stat_t) string { return fmt.Sprintf("%d:%d", st.Dev, st.Ino) }
 
 func (d *Dir) empty() (bool, error) {
 	fd, err := unix.Openat(int(d.parent.Fd()), "mount", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)

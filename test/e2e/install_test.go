@@ -20,6 +20,7 @@ import (
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/overlay"
 )
 
 // pluginImageRuns runs the plugin's image, as make image builds it without
@@ -208,7 +209,12 @@ func TestInstall(t *testing.T) {
 	c.createPod("ci", "across-upgrade", `set -e; cd /w; test "$(cat version)" = v1; echo before > upgraded
 		while [ ! -e /w/go ]; do sleep 0.2; done; echo after >> upgraded; rm go`,
 		volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "across-upgrade")})
-	c.until("the step to start", 60*time.Second, func() bool { return c.phase("ci", "across-upgrade") == "Running" })
+	c.createPod("ci", "reads-across-upgrade", `sleep 20; cat /in/version`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
+	for _, pod := range []string{"across-upgrade", "reads-across-upgrade"} {
+		c.until(pod+" to start", 60*time.Second, func() bool { return c.phase("ci", pod) == "Running" })
+	}
+	readerUID := c.mustKubectl("", "get", "pod", "-n", "ci", "reads-across-upgrade", "-o", "jsonpath={.metadata.uid}")
 
 	// The roll: this commit's image.
 	start = time.Now()
@@ -223,6 +229,14 @@ func TestInstall(t *testing.T) {
 	c.createPod("ci", "after-upgrade", `set -e; cat /in/upgraded /in/version`,
 		volume{name: "in", mountPath: "/in", attrs: attrs("source", "across-upgrade"), readOnly: true})
 	require.Equal(t, "before\nafter\nv1\n", c.mustSucceed("ci", "after-upgrade"), "captured by the new plugin, over the old one's volume")
+	// The read-only step the old plugin published ends too: the new one
+	// takes its volume down.
+	require.Equal(t, "v1\n", c.mustSucceed("ci", "reads-across-upgrade"))
+	readerTarget := filepath.Join(c.kubeletDir, "pods", readerUID, "volumes", "kubernetes.io~csi", "in", "mount")
+	c.until("the new plugin to unpublish the old one's read-only volume", 60*time.Second, func() bool {
+		_, mounted, err := overlay.MountOf(readerTarget)
+		return err == nil && !mounted
+	})
 
 	// get → task → task, through the new pods.
 	c.createPod("ci", "task-1", `set -e; cd /w; test "$(cat version)" = v1; echo built > out.bin`,
