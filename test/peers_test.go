@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -112,22 +113,13 @@ func (f *peerFleet) holders(ns, handle string, want ...string) []string {
 		}
 		nodes = resp.Volumes[0].Nodes
 		for _, w := range want {
-			if !contains(nodes, w) {
+			if !slices.Contains(nodes, w) {
 				return false
 			}
 		}
 		return true
 	})
 	return nodes
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // publishWaiting publishes v as the kubelet does, retrying while a pull is

@@ -36,11 +36,9 @@ func (s *cacheServer) ReadVolume(req *controllerv1.ReadVolumeRequest, stream grp
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	enc := streamer.Raw
-	if req.GetEncoding() != "" {
-		if enc, err = streamer.ParseEncoding(req.GetEncoding()); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
-		}
+	enc, err := streamer.ParseDataEncoding(req.GetEncoding())
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if err := streamer.CheckPath(req.GetPath()); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
@@ -144,17 +142,12 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
-	if err := volume.ValidateProperties(layer.Properties); err != nil {
+	if err := layer.Validate(); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	if layer.TTL < 0 {
-		return status.Error(codes.InvalidArgument, "a negative TTL")
-	}
-	enc := streamer.Raw
-	if nv.GetEncoding() != "" {
-		if enc, err = streamer.ParseEncoding(nv.GetEncoding()); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
-		}
+	enc, err := streamer.ParseDataEncoding(nv.GetEncoding())
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if locs, err := s.view.Lookup([]*controllerv1.VolumeRef{nv.GetRef()}, time.Now()); err == nil && locs[0].GetFound() {
 		return status.Errorf(codes.AlreadyExists, "volume %s exists (%s)", ref, locs[0].GetState())

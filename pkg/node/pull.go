@@ -78,12 +78,16 @@ type pull struct {
 	pods []volume.Pod
 }
 
-func (p *pull) progress() error {
-	from := "a peer"
+// source says where the pull is coming from.
+func (p *pull) source() string {
 	if f := p.from.Load(); f != nil {
-		from = "node " + *f
+		return "node " + *f
 	}
-	msg := fmt.Sprintf("%s from %s: %s received", p.key.ref, from, mib(p.received.Load()))
+	return "a peer"
+}
+
+func (p *pull) progress() error {
+	msg := fmt.Sprintf("%s from %s: %s received", p.key.ref, p.source(), mib(p.received.Load()))
 	if exp := p.expected.Load(); exp > 0 {
 		msg += " of about " + mib(exp)
 	}
@@ -149,16 +153,12 @@ func (ps *pulls) join(e *Engine, key pullKey, pod volume.Pod) *pull {
 // tellPods puts how a pull ended on the pods that waited for it, where
 // their owners look.
 func (e *Engine) tellPods(p *pull, pods []volume.Pod, err error) {
-	from := "a peer"
-	if f := p.from.Load(); f != nil {
-		from = "node " + *f
-	}
 	took := time.Since(p.started).Round(time.Millisecond)
 	for _, pod := range pods {
 		switch {
 		case err == nil:
 			e.events.Event(pod, EventNormal, "VolumePulled", fmt.Sprintf("Pulled source volume %q from %s (%s on the wire) in %s",
-				p.key.ref.Handle, from, mib(p.received.Load()), took))
+				p.key.ref.Handle, p.source(), mib(p.received.Load()), took))
 		case errors.Is(err, cache.ErrNotFound), errors.Is(err, ErrPulling):
 			// A missing source is the publish's own answer; another
 			// pull is still making it.

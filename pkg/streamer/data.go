@@ -39,11 +39,9 @@ func (s *Server) ReadVolume(req *peerv1.ReadVolumeRequest, stream grpc.ServerStr
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	enc := Raw
-	if req.GetEncoding() != "" {
-		if enc, err = ParseEncoding(req.GetEncoding()); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
-		}
+	enc, err := ParseDataEncoding(req.GetEncoding())
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if err := CheckPath(req.GetPath()); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
@@ -86,17 +84,15 @@ func (s *Server) WriteVolume(stream grpc.ClientStreamingServer[peerv1.WriteVolum
 		return status.Error(codes.InvalidArgument, "the first message must say what volume to make")
 	}
 	l := layerOf(head)
-	if err := l.validate(); err != nil {
+	if err := l.Validate(); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if !l.Parent.IsZero() || !l.Base.IsZero() || l.Destroyed {
 		return status.Error(codes.InvalidArgument, "an upload is a root volume: no parent, no base")
 	}
-	enc := Raw
-	if first.GetEncoding() != "" {
-		if enc, err = ParseEncoding(first.GetEncoding()); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
-		}
+	enc, err := ParseDataEncoding(first.GetEncoding())
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	lim := s.limits
 	lim.Strict = true

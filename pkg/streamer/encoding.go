@@ -33,6 +33,15 @@ func ParseEncoding(s string) (Encoding, error) {
 	return "", fmt.Errorf("encoding %q: want raw, zstd, s2 or gzip", s)
 }
 
+// ParseDataEncoding checks the encoding a volume read or upload names:
+// raw unless it names one.
+func ParseDataEncoding(s string) (Encoding, error) {
+	if s == "" {
+		return Raw, nil
+	}
+	return ParseEncoding(s)
+}
+
 type nopWriteCloser struct{ io.Writer }
 
 func (nopWriteCloser) Close() error { return nil }

@@ -267,7 +267,7 @@ func (c *Client) Chain(ctx context.Context, namespace string, r volume.Ref) ([]L
 	var out []Layer
 	for _, l := range resp.GetLayers() {
 		layer := layerOf(l)
-		if err := layer.validate(); err != nil {
+		if err := layer.Validate(); err != nil {
 			return nil, fmt.Errorf("the peer described %s: %w", r, err)
 		}
 		out = append(out, layer)
@@ -286,8 +286,9 @@ func (c *Client) Chain(ctx context.Context, namespace string, r volume.Ref) ([]L
 	return out, nil
 }
 
-// validate checks what a peer said of a layer: it becomes metadata here.
-func (l Layer) validate() error {
+// Validate checks what is said of a layer (by a peer, an uploader): it
+// becomes metadata where it lands.
+func (l Layer) Validate() error {
 	for _, r := range []volume.Ref{l.Parent, l.Base} {
 		if !r.IsZero() {
 			if err := r.Validate(); err != nil {

@@ -563,6 +563,12 @@ func (c *cluster) teardown() {
 // pidsMentioning lists processes whose command line contains s: every
 // process of the cluster names its work dir (its data, config or socket).
 func (c *cluster) pidsMentioning(s string) []int {
+	return pidsWhere(func(cmdline string) bool { return strings.Contains(cmdline, s) })
+}
+
+// pidsWhere lists the processes (but this one) whose command line, its
+// arguments NUL-separated, match says.
+func pidsWhere(match func(cmdline string) bool) []int {
 	var pids []int
 	entries, _ := os.ReadDir("/proc")
 	for _, e := range entries {
@@ -571,7 +577,7 @@ func (c *cluster) pidsMentioning(s string) []int {
 			continue
 		}
 		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && strings.Contains(string(cmdline), s) {
+		if err == nil && match(string(cmdline)) {
 			pids = append(pids, pid)
 		}
 	}

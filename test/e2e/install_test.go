@@ -312,17 +312,7 @@ func (c *cluster) waitCapturedInstalled(ns, handle string) {
 
 // pluginContainerPIDs are the processes of the DaemonSet's plugin.
 func (c *cluster) pluginContainerPIDs() []int {
-	var pids []int
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && strings.HasPrefix(string(cmdline), "/cowvol-plugin\x00") && strings.Contains(string(cmdline), "--mode=node") {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
+	return pidsWhere(func(cmdline string) bool {
+		return strings.HasPrefix(cmdline, "/cowvol-plugin\x00") && strings.Contains(cmdline, "--mode=node")
+	})
 }
