@@ -46,10 +46,11 @@ func (c *cluster) pluginImageRuns() {
 }
 
 // installOverlay is the overlay the e2e installs cowvol with, as a user's
-// would be: the base and the registrar-less component, the image built by
-// make image, and what differs on this node (the kubelet's root dir, the
-// state dir, host networking without a CNI, the API server and the
-// controller reached on loopback without kube-proxy).
+// would be: the base with the settings and registrar-less components, the
+// example's settings.yaml with this node's kubelet root dir and state dir,
+// the image built by make image, and patches for what only this harness
+// lacks (no CNI: host networking; no kube-proxy: the API server and the
+// controller on loopback).
 func (c *cluster) installOverlay(tag string) string {
 	dir := filepath.Join(c.work, "overlay")
 	repo, err := filepath.Abs("../..")
@@ -59,45 +60,42 @@ func (c *cluster) installOverlay(tag string) string {
 		require.NoError(c.t, err)
 		return r
 	}
+	settings, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
+	require.NoError(c.t, err)
+	s := withSetting(c.t, string(settings), "kubelet-dir", c.kubeletDir)
+	s = withSetting(c.t, s, "state-dir", filepath.Join(c.stateDir, "cowvol"))
+	writeFile(c.t, filepath.Join(dir, "settings.yaml"), s)
 	writeFile(c.t, filepath.Join(dir, "kustomization.yaml"), fmt.Sprintf(`apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
   - %[1]s
+  - settings.yaml
 components:
   - %[2]s
+  - %[3]s
 images:
   - name: cowvol-plugin
     newName: cowvol.test/cowvol-plugin
-    newTag: %[6]s
+    newTag: %[5]s
+# One replica on the host's network: the old one must go before the new
+# one can listen.
+replicas:
+  - name: cowvol-controller
+    count: 1
 patches:
   - target: {kind: DaemonSet, name: cowvol-node}
     patch: |-
       - {op: add, path: /spec/template/spec/hostNetwork, value: true}
-      - {op: test, path: /spec/template/spec/volumes/0/name, value: plugin-dir}
-      - {op: replace, path: /spec/template/spec/volumes/0/hostPath/path, value: %[3]s/plugins/cowvol.concourse-ci.org}
-      - {op: test, path: /spec/template/spec/volumes/1/name, value: registration-dir}
-      - {op: replace, path: /spec/template/spec/volumes/1/hostPath/path, value: %[3]s/plugins_registry}
-      - {op: test, path: /spec/template/spec/volumes/2/name, value: pods-dir}
-      - {op: replace, path: /spec/template/spec/volumes/2/hostPath/path, value: %[3]s/pods}
-      - {op: test, path: /spec/template/spec/volumes/3/name, value: state-dir}
-      - {op: replace, path: /spec/template/spec/volumes/3/hostPath/path, value: %[4]s}
-      - {op: test, path: /spec/template/spec/containers/0/volumeMounts/1/name, value: pods-dir}
-      - {op: replace, path: /spec/template/spec/containers/0/volumeMounts/1/mountPath, value: %[3]s/pods}
-      - {op: add, path: /spec/template/spec/containers/0/args/-, value: --kubelet-dir=%[3]s}
-      - {op: add, path: /spec/template/spec/containers/0/args/-, value: --kubelet-endpoint=%[3]s/plugins/cowvol.concourse-ci.org/csi.sock}
       - {op: add, path: /spec/template/spec/containers/0/args/-, value: --controller-address=127.0.0.1:7070}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
-      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[5]d"}}
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}
   - target: {kind: Deployment, name: cowvol-controller}
     patch: |-
       - {op: add, path: /spec/template/spec/hostNetwork, value: true}
-      - {op: replace, path: /spec/replicas, value: 1}
-      # One replica on the host's network: the old one must go before the
-      # new one can listen.
       - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
-      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[5]d"}}
-`, rel("deploy/csi/base"), rel("deploy/csi/components/registrar-less"), c.kubeletDir, filepath.Join(c.stateDir, "cowvol"), c.apiPort, tag))
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}
+`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), rel("deploy/csi/components/registrar-less"), c.apiPort, tag))
 	return dir
 }
 

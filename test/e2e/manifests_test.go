@@ -1,0 +1,172 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"sigs.k8s.io/yaml"
+)
+
+// renderKustomization renders the kustomization in dir with kubectl's own
+// kustomize, as kubectl apply -k would, and returns its objects by
+// "Kind/name".
+func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, error) {
+	t.Helper()
+	kubectl, err := filepath.Abs(filepath.Join("bin", "kubectl"))
+	require.NoError(t, err)
+	if _, err := os.Stat(kubectl); err != nil {
+		t.Fatalf("kubectl is not built: run make e2e (it builds test/e2e/tools)")
+	}
+	out, err := exec.Command(kubectl, "kustomize", dir).CombinedOutput()
+	if err != nil {
+		return nil, &renderError{string(out)}
+	}
+	objects := map[string]map[string]any{}
+	for _, doc := range strings.Split(string(out), "\n---\n") {
+		var obj map[string]any
+		require.NoError(t, yaml.Unmarshal([]byte(doc), &obj))
+		meta := obj["metadata"].(map[string]any)
+		objects[obj["kind"].(string)+"/"+meta["name"].(string)] = obj
+	}
+	return objects, nil
+}
+
+type renderError struct{ out string }
+
+// withSetting sets key in a settings.yaml, which must have it once.
+func withSetting(t *testing.T, settings, key, value string) string {
+	t.Helper()
+	line := regexp.MustCompile(`(?m)^  ` + regexp.QuoteMeta(key) + `: .*$`)
+	require.Len(t, line.FindAllString(settings, -1), 1, "settings.yaml's %s", key)
+	return line.ReplaceAllLiteralString(settings, "  "+key+": "+value)
+}
+
+func (e *renderError) Error() string { return e.out }
+
+// settingsOverlay writes an overlay of deploy/csi/base with the settings
+// component and the example's settings.yaml, edited by edit, and returns
+// its dir.
+func settingsOverlay(t *testing.T, edit func(settings string) string) string {
+	t.Helper()
+	repo, err := filepath.Abs("../..")
+	require.NoError(t, err)
+	dir := t.TempDir()
+	example, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
+	require.NoError(t, err)
+	writeFile(t, filepath.Join(dir, "settings.yaml"), edit(string(example)))
+	rel := func(p string) string {
+		r, err := filepath.Rel(dir, filepath.Join(repo, p))
+		require.NoError(t, err)
+		return r
+	}
+	writeFile(t, filepath.Join(dir, "kustomization.yaml"), "resources: ["+rel("deploy/csi/base")+", settings.yaml]\n"+
+		"components: ["+rel("deploy/csi/components/settings")+"]\n")
+	return dir
+}
+
+// TestManifests checks what users render, before any cluster: the
+// example overlay's settings.yaml holds the base's own values (so a user
+// changes only what differs), every setting reaches every place the base
+// uses it, and a settings file missing a key is refused rather than
+// rendering half-set manifests.
+func TestManifests(t *testing.T) {
+	base, err := renderKustomization(t, "../../deploy/csi")
+	require.NoError(t, err)
+
+	t.Run("the example's settings are the base's", func(t *testing.T) {
+		got, err := renderKustomization(t, settingsOverlay(t, func(s string) string { return s }))
+		require.NoError(t, err)
+		require.Equal(t, base, got)
+	})
+
+	t.Run("every setting reaches every place", func(t *testing.T) {
+		changed := map[string][2]string{
+			"kubelet-dir":           {"/var/lib/kubelet", "/srv/k8s/kubelet"},
+			"state-dir":             {"/var/lib/cowvol", "/mnt/cowvol"},
+			"cow-backend":           {"auto", "reflink"},
+			"default-size-limit":    {`"0"`, "20Gi"},
+			"max-size-limit":        {`"0"`, "200Gi"},
+			"high-watermark":        {`"90"`, `"85"`},
+			"low-watermark":         {`"80"`, `"70"`},
+			"stream-size-limit":     {"100Gi", "50Gi"},
+			"controller-tls-secret": {"cowvol-controller-tls", "my-controller-tls"},
+			"peer-tls-secret":       {"cowvol-peer-tls", "my-peer-tls"},
+		}
+		got, err := renderKustomization(t, settingsOverlay(t, func(s string) string {
+			for key, v := range changed {
+				require.Contains(t, s, "\n  "+key+": "+v[0]+"\n", "the example's default")
+				s = withSetting(t, s, key, v[1])
+			}
+			return s
+		}))
+		require.NoError(t, err)
+		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
+		controller, _ := yaml.Marshal(got["Deployment/cowvol-controller"])
+		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-tls"} {
+			require.NotContains(t, string(node), old, "the node DaemonSet still names the default")
+			require.NotContains(t, string(controller), old, "the controller Deployment still names the default")
+		}
+		spec := got["DaemonSet/cowvol-node"]["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)
+		hostPaths := map[string]string{}
+		for _, v := range spec["volumes"].([]any) {
+			v := v.(map[string]any)
+			if hp, ok := v["hostPath"].(map[string]any); ok {
+				hostPaths[v["name"].(string)] = hp["path"].(string)
+			}
+		}
+		require.Equal(t, map[string]string{
+			"plugin-dir":       "/srv/k8s/kubelet/plugins/cowvol.concourse-ci.org",
+			"registration-dir": "/srv/k8s/kubelet/plugins_registry",
+			"pods-dir":         "/srv/k8s/kubelet/pods",
+			"state-dir":        "/mnt/cowvol",
+		}, hostPaths)
+		for _, c := range spec["containers"].([]any) {
+			c := c.(map[string]any)
+			env := map[string]string{}
+			for _, e := range c["env"].([]any) {
+				e := e.(map[string]any)
+				if v, ok := e["value"].(string); ok {
+					env[e["name"].(string)] = v
+				}
+			}
+			require.Equal(t, "/srv/k8s/kubelet", env["KUBELET_DIR"], "container %s", c["name"])
+			if c["name"] != "cowvol" {
+				continue
+			}
+			require.Equal(t, map[string]string{
+				"KUBELET_DIR": "/srv/k8s/kubelet", "COW_BACKEND": "reflink", "DEFAULT_SIZE_LIMIT": "20Gi",
+				"MAX_SIZE_LIMIT": "200Gi", "HIGH_WATERMARK": "85", "LOW_WATERMARK": "70", "STREAM_SIZE_LIMIT": "50Gi",
+			}, env)
+			// The kubelet names targets by host path: the pods dir is
+			// mounted at the same path inside.
+			require.Contains(t, c["volumeMounts"], map[string]any{
+				"name": "pods-dir", "mountPath": "/srv/k8s/kubelet/pods", "mountPropagation": "Bidirectional"})
+			// Every setting is passed by its variable, none by a literal
+			// (but the state dir, always /var/lib/cowvol inside).
+			for _, arg := range c["args"].([]any) {
+				for key := range changed {
+					if key != "state-dir" && strings.HasPrefix(arg.(string), "--"+key+"=") {
+						require.Contains(t, arg, "$(", "%s is set in args, beyond the settings' reach", arg)
+					}
+				}
+			}
+		}
+		_, settingsApplied := got["ConfigMap/cowvol-settings"]
+		require.False(t, settingsApplied, "the settings are local-config: read, never applied")
+	})
+
+	t.Run("a settings file missing a key is refused", func(t *testing.T) {
+		_, err := renderKustomization(t, settingsOverlay(t, func(s string) string {
+			return strings.Replace(s, "  state-dir: /var/lib/cowvol\n", "", 1)
+		}))
+		require.Error(t, err)
+		require.Contains(t, err.Error(), "state-dir")
+	})
+}
