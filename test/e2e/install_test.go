@@ -62,8 +62,10 @@ func (c *cluster) installOverlay(tag string) string {
 	}
 	settings, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
 	require.NoError(c.t, err)
-	s := withSetting(c.t, string(settings), "kubelet-dir", c.kubeletDir)
-	s = withSetting(c.t, s, "state-dir", filepath.Join(c.stateDir, "cowvol"))
+	s := string(settings)
+	for key, value := range installSettings(c) {
+		s = withSetting(c.t, s, key, value)
+	}
 	writeFile(c.t, filepath.Join(dir, "settings.yaml"), s)
 	writeFile(c.t, filepath.Join(dir, "kustomization.yaml"), fmt.Sprintf(`apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
@@ -98,6 +100,23 @@ patches:
 `, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), rel("deploy/csi/components/registrar-less"), c.apiPort, tag))
 	return dir
 }
+
+// installSettings are the settings the e2e changes, as a user would in
+// settings.yaml: this node's dirs, a default size limit its steps feel,
+// and Secrets of its own names.
+func installSettings(c *cluster) map[string]string {
+	return map[string]string{
+		"kubelet-dir":           c.kubeletDir,
+		"state-dir":             filepath.Join(c.stateDir, "cowvol"),
+		"default-size-limit":    installDefaultSizeLimit,
+		"controller-tls-secret": "e2e-controller-tls",
+		"peer-tls-secret":       "e2e-peer-tls",
+	}
+}
+
+// installDefaultSizeLimit caps the installed plugin's step volumes that
+// name no sizeLimit.
+const installDefaultSizeLimit = "4Mi"
 
 // upgradeFrom is the commit whose plugin the upgrade starts from: the last
 // one CI passed before cowvol was installed from deploy/ in the e2e.
@@ -145,7 +164,8 @@ func (c *cluster) importImage(img ociimage.Image) {
 // with the kubelet and the controller's Deployment elects its leader. A
 // volume is captured and another is in use when the overlay rolls to this
 // commit's image: nothing is lost. Then a get → task → task pipeline, a
-// volume shared across namespaces and a size-limited step run through the
+// volume shared across namespaces and size-limited steps (by the volume and
+// by the settings' default) run through the
 // new pods; the plugin killed, or hung until its liveness probe fails, the
 // kubelet restarts it and the pipeline goes on.
 func TestInstall(t *testing.T) {
@@ -161,7 +181,8 @@ func TestInstall(t *testing.T) {
 	certs := filepath.Join(c.work, "certs")
 	ctl := netlab.NewPKI(t, filepath.Join(certs, "controller"), "cowvol-controller.cowvol.svc", "127.0.0.1")
 	peer := netlab.NewPKI(t, filepath.Join(certs, "peer"), driver.DefaultPeerServerName)
-	for name, p := range map[string]netlab.PKI{"cowvol-controller-tls": ctl, "cowvol-peer-tls": peer} {
+	settings := installSettings(c)
+	for name, p := range map[string]netlab.PKI{settings["controller-tls-secret"]: ctl, settings["peer-tls-secret"]: peer} {
 		c.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
 			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
 	}
@@ -252,6 +273,12 @@ func TestInstall(t *testing.T) {
 		volume{name: "w", mountPath: "/w", attrs: attrs("sizeLimit", "2Mi")})
 	phase, _ := c.waitDone("ci", "too-big")
 	require.Equal(t, "Failed", phase, "a step over its size limit fails")
+	// The settings' default size limit caps a step that names none.
+	c.createPod("ci", "too-big-by-default", `dd if=/dev/zero of=/w/big bs=1M count=8 && sync`,
+		volume{name: "w", mountPath: "/w", attrs: attrs()})
+	phase, log := c.waitDone("ci", "too-big-by-default")
+	require.Equal(t, "Failed", phase, "a step over the default size limit (%s) fails", installDefaultSizeLimit)
+	require.Contains(t, log, "Disk quota exceeded")
 
 	// The plugin killed, then hung: the kubelet restarts it each time (the
 	// second through the liveness probe), and the next step goes on.
