@@ -5,6 +5,7 @@ go 1.26
 require (
 	github.com/cespare/xxhash/v2 v2.3.0
 	github.com/container-storage-interface/spec v1.13.0
+	github.com/google/btree v1.1.3
 	github.com/google/go-containerregistry v0.22.1
 	github.com/klauspost/compress v1.19.2
 	github.com/kubernetes-csi/csi-test/v5 v5.6.0

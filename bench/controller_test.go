@@ -85,6 +85,41 @@ func queries(b *testing.B, cache controllerv1.CacheClient) (lookups, placements 
 	return lookups, placements
 }
 
+// listPages times paging through one namespace's volumes and through
+// every namespace, 500 a page (kubectl cowvol volumes, a scheduler's
+// sweep), pages pages of each; and, as the comparator, lookups of the same
+// 500 volumes a page returns: the cost of answering with them at all.
+func listPages(b *testing.B, cache controllerv1.CacheClient, pages int) (one, all, lookups []time.Duration) {
+	ctx := context.Background()
+	page := func(namespace string, out *[]time.Duration) {
+		req := &controllerv1.ListVolumesRequest{Namespace: namespace, Limit: 500}
+		for range pages {
+			t0 := time.Now()
+			resp, err := cache.ListVolumes(ctx, req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			*out = append(*out, time.Since(t0))
+			if len(resp.GetVolumes()) != 500 {
+				b.Fatalf("a page of %d volumes, not 500", len(resp.GetVolumes()))
+			}
+			var refs []*controllerv1.VolumeRef
+			for _, v := range resp.GetVolumes() {
+				refs = append(refs, v.GetRef())
+			}
+			t0 = time.Now()
+			if _, err := cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: refs}); err != nil {
+				b.Fatal(err)
+			}
+			lookups = append(lookups, time.Since(t0))
+			req.PageToken = resp.GetNextPageToken()
+		}
+	}
+	page("team-7", &one)
+	page("", &all)
+	return one, all, lookups
+}
+
 // BenchmarkControllerFleet measures the controller against a simulated fleet
 // of 100 nodes × 10,000 volumes: applying one node's full sync, lookups of
 // 10 handles, placement of a 5-input step, rebuilding the whole view after a
@@ -145,6 +180,7 @@ func BenchmarkControllerFleet(b *testing.B) {
 	runtime.GC()
 
 	lookups, placements := queries(b, cache)
+	listOne, listAll, listLookups := listPages(b, cache, 20)
 	mem := rss(b, ctl.PID())
 
 	// A restart: every node's next heartbeat is told to resync, and sends
@@ -166,6 +202,7 @@ func BenchmarkControllerFleet(b *testing.B) {
 	b.ReportMetric(float64(p50(syncs).Microseconds())/1000, "full-sync-p50-ms")
 	b.ReportMetric(float64(p99(lookups).Microseconds())/1000, "lookup10-p99-ms")
 	b.ReportMetric(float64(p99(placements).Microseconds())/1000, "place5-p99-ms")
+	b.ReportMetric(float64(p50(listAll).Microseconds())/1000, "list500-p50-ms")
 	b.ReportMetric(float64(rebuild.Milliseconds()), "rebuild-ms")
 	b.ReportMetric(float64(mem>>20), "rss-MiB")
 	rows := []row{
@@ -175,6 +212,10 @@ func BenchmarkControllerFleet(b *testing.B) {
 			"empty controller " + ms(p50(floorLookups)) + " (" + ms(p99(floorLookups)) + "); target p99 ≤ 1 ms"},
 		{"placement of a 5-input step, p50 (p99)", ms(p50(placements)) + " (" + ms(p99(placements)) + ")",
 			"empty controller " + ms(p50(floorPlacements)) + " (" + ms(p99(floorPlacements)) + "); target p99 ≤ 2 ms"},
+		{"a page of 500 of one namespace's volumes, p50 (p99)", ms(p50(listOne)) + " (" + ms(p99(listOne)) + ")",
+			ratio(p50(listOne), p50(listLookups)) + " a lookup of the same 500, p50 " + ms(p50(listLookups))},
+		{"a page of 500 of every namespace's volumes, p50 (p99)", ms(p50(listAll)) + " (" + ms(p99(listAll)) + ")",
+			ratio(p50(listAll), p50(listLookups)) + " a lookup of the same 500"},
 		{"restart to a complete view (every node resyncs)", ms(rebuild), "target ≤ 10 s"},
 		{fmt.Sprintf("controller RSS with %d volumes", fleetNodes*fleetVolumes), fmt.Sprintf("%d MiB", mem>>20), fmt.Sprintf("after the restart %d MiB (target ≤ 512 MiB)", memAfter>>20)},
 	}

@@ -5,7 +5,6 @@ import (
 	"encoding/base64"
 	"fmt"
 	"slices"
-	"sort"
 	"strings"
 	"time"
 
@@ -168,17 +167,19 @@ type Entry struct {
 func (v *View) Volumes(after string, limit int, now time.Time) (out []Entry, more bool) {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	for _, e := range v.sorted(nil, after) {
+	v.ascend("", after, func(e *entry) bool {
 		loc := v.location(e, now)
 		if len(loc.Nodes) == 0 {
-			continue
+			return true
 		}
 		if limit > 0 && len(out) == limit {
-			return out, true
+			more = true
+			return false
 		}
 		out = append(out, Entry{Ref: e.ref, SizeBytes: max(loc.SizeBytes, 0), Ready: loc.Nodes, Published: loc.PublishedNodes})
-	}
-	return out, false
+		return true
+	})
+	return out, more
 }
 
 // Volume is one volume some live node holds ready.
@@ -193,29 +194,24 @@ func (v *View) Volume(r volume.Ref, now time.Time) (Entry, bool) {
 	return Entry{}, false
 }
 
-// sorted are the entries of the namespaces visible (all when nil) after the
-// volume ID after, in (namespace, handle) order. The caller holds the lock.
-func (v *View) sorted(visible func(namespace string) bool, after string) []*entry {
+// ascend calls fn with the entries after the volume ID after (all for ""),
+// in (namespace, handle) order, only namespace ns's unless ns is "", until
+// fn returns false. The caller holds the lock.
+func (v *View) ascend(ns, after string, fn func(*entry) bool) {
 	afterNS, afterHandle, _ := strings.Cut(after, "/")
-	var namespaces []string
-	for ns := range v.byNamespace {
-		if ns >= afterNS && (visible == nil || visible(ns)) {
-			namespaces = append(namespaces, ns)
-		}
+	from := &entry{ref: volume.Ref{Namespace: afterNS, Handle: afterHandle}}
+	if ns > afterNS {
+		from.ref = volume.Ref{Namespace: ns}
 	}
-	sort.Strings(namespaces)
-	var out []*entry
-	for _, ns := range namespaces {
-		start := len(out)
-		for h, e := range v.byNamespace[ns] {
-			if ns > afterNS || h > afterHandle {
-				out = append(out, e)
-			}
+	v.ordered.AscendGreaterOrEqual(from, func(e *entry) bool {
+		switch {
+		case e.ref.Namespace == afterNS && e.ref.Handle == afterHandle:
+			return true // the last page's last entry
+		case ns != "" && e.ref.Namespace != ns:
+			return false
 		}
-		part := out[start:]
-		sort.Slice(part, func(i, j int) bool { return part[i].ref.Handle < part[j].ref.Handle })
-	}
-	return out
+		return fn(e)
+	})
 }
 
 // PageToken is the opaque token that resumes a listing after volume r
@@ -250,7 +246,7 @@ type ListQuery struct {
 
 // List answers a ListQuery: the matching volumes in (namespace, handle)
 // order, and whether more follow.
-func (v *View) List(q ListQuery, now time.Time) ([]*controllerv1.VolumeLocation, bool, error) {
+func (v *View) List(q ListQuery, now time.Time) (out []*controllerv1.VolumeLocation, more bool, err error) {
 	sel, err := labels.Parse(q.Selector)
 	if err != nil {
 		return nil, false, fmt.Errorf("selector %s: %w: %w", volume.Quote(q.Selector), err, ErrInvalid)
@@ -273,30 +269,31 @@ func (v *View) List(q ListQuery, now time.Time) ([]*controllerv1.VolumeLocation,
 			return nil, false, fmt.Errorf("node %s: %w", volume.Quote(q.Node), ErrUnknownNode)
 		}
 	}
-	var out []*controllerv1.VolumeLocation
-	for _, e := range v.sorted(func(ns string) bool { return q.Namespace == "" || ns == q.Namespace }, q.After) {
+	v.ascend(q.Namespace, q.After, func(e *entry) bool {
 		var loc *controllerv1.VolumeLocation
 		if node != nil {
 			rec, ok := node.has(e)
 			if !ok {
-				continue
+				return true
 			}
 			loc = v.location(e, now)
 			loc.Found = true
 			describe(loc, e, rec)
 		} else if loc = v.location(e, now); !loc.Found {
-			continue
+			return true
 		}
 		if q.Visible != nil && !q.Visible(e.ref.Namespace) && loc.Scope != string(volume.ScopeCluster) {
-			continue
+			return true
 		}
 		if !sel.Matches(labels.Set(loc.Properties)) {
-			continue
+			return true
 		}
 		if q.Limit > 0 && len(out) == q.Limit {
-			return out, true, nil
+			more = true
+			return false
 		}
 		out = append(out, loc)
-	}
-	return out, false, nil
+		return true
+	})
+	return out, more, nil
 }

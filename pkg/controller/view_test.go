@@ -1,6 +1,10 @@
 package controller
 
 import (
+	"cmp"
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -274,6 +278,112 @@ func TestList(t *testing.T) {
 	require.Len(t, v.find(volume.Ref{Namespace: "ci", Handle: "r2"}).holders, 1)
 	v.ForgetNode("a")
 	require.Empty(t, v.byNamespace, "nothing left once no node reports anything")
+	require.Zero(t, v.ordered.Len(), "nor in the listing order")
+}
+
+// volumeIDOrder orders volume IDs as listings do: by namespace, then
+// handle ("ci/x" before "ci-2/x").
+func volumeIDOrder(a, b string) int {
+	ans, ah, _ := strings.Cut(a, "/")
+	bns, bh, _ := strings.Cut(b, "/")
+	return cmp.Or(strings.Compare(ans, bns), strings.Compare(ah, bh))
+}
+
+// Paging stays exact while nodes report, delete, resync, come back wiped
+// and are forgotten: every page resumes after the last one's volume (even
+// one gone since), each namespace's listing is its slice of the whole,
+// and the listing order holds exactly the volumes some node reports.
+func TestPagingThroughChurn(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	rng := rand.New(rand.NewPCG(1, 2))
+	namespaces := []string{"a", "ci", "ci-2", "team"}
+	random := func() *controllerv1.VolumeSummary {
+		return &controllerv1.VolumeSummary{State: "ready", SizeBytes: 1, Ref: &controllerv1.VolumeRef{
+			Namespace: namespaces[rng.IntN(len(namespaces))], Handle: fmt.Sprintf("v%d", rng.IntN(300))}}
+	}
+	revisions := map[string]uint64{}
+	report := func(node string, full bool, store string, n int) {
+		req := &controllerv1.ReportRequest{NodeId: node, StoreId: store, Full: full, BaseRevision: revisions[node]}
+		revisions[node]++
+		req.Revision = revisions[node]
+		for range n {
+			req.Upserts = append(req.Upserts, random())
+			if !full && rng.IntN(2) == 0 {
+				req.Deletes = append(req.Deletes, random().Ref)
+			}
+		}
+		_, err := v.Report(req, now)
+		require.NoError(t, err)
+	}
+	everything := func() (want []string) {
+		for ns, handles := range v.byNamespace {
+			for h := range handles {
+				want = append(want, ns+"/"+h)
+			}
+		}
+		slices.SortFunc(want, volumeIDOrder)
+		return want
+	}
+	page := func(namespace string, limit int, churn bool) (got []string) {
+		after := ""
+		for {
+			locs, more, err := v.List(ListQuery{Namespace: namespace, After: after, Limit: limit}, now)
+			require.NoError(t, err)
+			for _, l := range locs {
+				got = append(got, l.Ref.Namespace+"/"+l.Ref.Handle)
+			}
+			if !more {
+				return got
+			}
+			after = got[len(got)-1]
+			if churn { // the page's last volume goes before the next page
+				last := locs[len(locs)-1]
+				for _, node := range last.Nodes {
+					_, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, BaseRevision: revisions[node],
+						Revision: revisions[node] + 1, Deletes: []*controllerv1.VolumeRef{last.Ref}}, now)
+					require.NoError(t, err)
+					revisions[node]++
+				}
+			}
+		}
+	}
+	for round := range 40 {
+		for _, node := range []string{"n1", "n2", "n3"} {
+			report(node, revisions[node] == 0 || rng.IntN(5) == 0, node, 1+rng.IntN(60))
+		}
+		switch round % 10 {
+		case 4:
+			revisions["n2"] = 0
+			report("n2", true, fmt.Sprintf("n2-wiped-%d", round), rng.IntN(20)) // back wiped
+		case 9:
+			v.ForgetNode("n3")
+			revisions["n3"] = 0
+		}
+		want := everything()
+		require.Equal(t, len(want), v.ordered.Len(), "round %d: the listing order holds what the index holds", round)
+		require.Equal(t, want, page("", 1+rng.IntN(25), false), "round %d", round)
+		ns := namespaces[rng.IntN(len(namespaces))]
+		var inNS []string
+		for _, id := range want {
+			if strings.HasPrefix(id, ns+"/") {
+				inNS = append(inNS, id)
+			}
+		}
+		require.Equal(t, inNS, page(ns, 1+rng.IntN(10), false), "round %d: namespace %s", round, ns)
+		// Pages resume past a volume deleted since: none is listed twice,
+		// none skipped but those deleted.
+		before := everything()
+		got := page("", 1+rng.IntN(25), true)
+		require.Subset(t, before, got)
+		require.True(t, slices.IsSortedFunc(got, volumeIDOrder) && len(slices.Compact(slices.Clone(got))) == len(got),
+			"round %d: in order, once each", round)
+		for _, id := range before {
+			if !slices.Contains(got, id) {
+				require.NotContains(t, everything(), id, "round %d: %s skipped though still held", round, id)
+			}
+		}
+	}
 }
 
 func TestEncodeProps(t *testing.T) {
