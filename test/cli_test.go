@@ -2,13 +2,14 @@ package test
 
 import (
 	"context"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/require"
@@ -192,12 +193,26 @@ func TestGracefulStop(t *testing.T) {
 
 // The plugin can register itself with the kubelet (no sidecar): the
 // kubelet's plugin watcher calls GetInfo and NotifyRegistrationStatus on
-// the registration socket, and a stopped plugin's socket is gone.
+// the registration socket; the plugin is ready (its readiness probe, which
+// a DaemonSet's rolling update waits for) once the kubelet took it, and a
+// stopped plugin's socket is gone.
 func TestKubeletRegistration(t *testing.T) {
 	testfs.Need(t)
 	reg := filepath.Join(t.TempDir(), "cowvol.concourse-ci.org-reg.sock")
+	metrics := plugintest.FreeAddr(t)
 	p := plugintest.Start(t, plugintest.Config{StateDir: t.TempDir(), Backend: "overlay",
-		Args: []string{"--kubelet-registration-socket=" + reg}})
+		Args: []string{"--kubelet-registration-socket=" + reg, "--metrics-address=" + metrics}})
+	readyz := func() (int, string) {
+		resp, err := http.Get("http://" + metrics + "/readyz")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, strings.TrimSpace(string(body))
+	}
+	code, why := readyz()
+	require.Equal(t, http.StatusServiceUnavailable, code)
+	require.Equal(t, "not registered with the kubelet yet", why)
 	conn, err := grpc.NewClient("unix://"+reg, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
 	defer conn.Close()
@@ -208,10 +223,16 @@ func TestKubeletRegistration(t *testing.T) {
 	require.Equal(t, driver.DefaultDriverName, info.Name)
 	require.Equal(t, p.Sock, info.Endpoint)
 	require.Equal(t, []string{"1.0.0"}, info.SupportedVersions)
+	_, err = client.NotifyRegistrationStatus(context.Background(), &registerapi.RegistrationStatus{
+		PluginRegistered: false, Error: "plugin cowvol.concourse-ci.org: version 0.9 not supported"})
+	require.NoError(t, err)
+	code, why = readyz()
+	require.Equal(t, http.StatusServiceUnavailable, code)
+	require.Equal(t, "the kubelet refused the registration: plugin cowvol.concourse-ci.org: version 0.9 not supported", why)
 	_, err = client.NotifyRegistrationStatus(context.Background(), &registerapi.RegistrationStatus{PluginRegistered: true})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return strings.Contains(p.Log(), "Registered with the kubelet") },
-		5*time.Second, 10*time.Millisecond)
+	code, why = readyz()
+	require.Equal(t, http.StatusOK, code, why)
 	p.Stop()
 	_, err = os.Stat(reg)
 	require.ErrorIs(t, err, os.ErrNotExist, "the kubelet sees a stopped plugin's registration go")

@@ -447,6 +447,10 @@ func (d *Driver) Run(ctx context.Context) error {
 	if d.controller != nil {
 		csi.RegisterControllerServer(srv, d.controller)
 	}
+	var registration *registrationService
+	if d.opts.RegistrationSocket != "" && d.node != nil {
+		registration = &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint}
+	}
 	// The servers run as a group: one failing stops the others, and the
 	// process exits with its error.
 	g, gctx := errgroup.WithContext(ctx)
@@ -464,6 +468,12 @@ func (d *Driver) Run(ctx context.Context) error {
 			if d.leader != nil {
 				d.leader.ready(w, r)
 				return
+			}
+			if registration != nil {
+				if why := registration.notReady(); why != "" {
+					http.Error(w, why, http.StatusServiceUnavailable)
+					return
+				}
 			}
 			_, _ = w.Write([]byte("ok\n"))
 		})
@@ -545,7 +555,7 @@ func (d *Driver) Run(ctx context.Context) error {
 			"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
 			"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
 	}
-	if d.opts.RegistrationSocket != "" && d.node != nil {
+	if registration != nil {
 		// Registered once the CSI socket listens: the kubelet calls it as
 		// soon as it has the registration.
 		regLis, err := listen("unix://" + d.opts.RegistrationSocket)
@@ -554,7 +564,7 @@ func (d *Driver) Run(ctx context.Context) error {
 			return errors.Join(fmt.Errorf("serving kubelet registration: %w", err), g.Wait())
 		}
 		reg := grpc.NewServer()
-		registerapi.RegisterRegistrationServer(reg, &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint})
+		registerapi.RegisterRegistrationServer(reg, registration)
 		g.Go(func() error { return reg.Serve(regLis) })
 		// Stopping the registration first tells the kubelet the plugin is
 		// going away (its watcher sees the socket vanish).
