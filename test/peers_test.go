@@ -300,6 +300,40 @@ func TestPullsBetweenNodes(t *testing.T) {
 		require.Equal(t, codes.NotFound, code(err), "%v", err)
 		_, err = b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("other", "private")})
 		require.Equal(t, codes.NotFound, code(err), "nothing of it reached B")
+
+		// other shares a volume stacked on its private one: ci's pod on B
+		// mounts the whole chain, as it would on A; the private layer comes
+		// only through the shared one, and B never names it to ci.
+		top := a.volumeIn("other", map[string]string{driver.AttrSource: "private", driver.AttrCapture: "shared-top",
+			driver.AttrScope: "cluster"}, false)
+		require.NoError(t, a.publish(top))
+		write(t, top.Target, "top", "shared")
+		a.umount(top)
+		f.holders("other", "shared-top", "node-a")
+		v = b.volumeIn("ci", map[string]string{driver.AttrSource: "shared-top", driver.AttrSourceNamespace: "other"}, true)
+		require.NoError(t, b.publishWaiting(v))
+		require.Equal(t, "shared", readFile(t, v.Target, "top"))
+		require.Equal(t, "other/private", readFile(t, v.Target, "file"), "the private layer under it, merged")
+		b.umount(v)
+		v = b.volumeIn("ci", map[string]string{driver.AttrSource: "private", driver.AttrSourceNamespace: "other"}, true)
+		err = b.publishWaiting(v)
+		require.Equal(t, codes.NotFound, code(err), "B holds it now, and still serves it to ci only merged: %v", err)
+		pull := func(via *peerv1.VolumeRef) error {
+			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(tlsWith(peerCert)))
+			require.NoError(t, err)
+			defer conn.Close()
+			stream, err := peerv1.NewPeerClient(conn).PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: "ci",
+				Volume: &peerv1.VolumeRef{Namespace: "other", Handle: "private"}, Via: via, Encoding: "raw"})
+			require.NoError(t, err)
+			for {
+				if _, err := stream.Recv(); err != nil {
+					return err
+				}
+			}
+		}
+		require.ErrorIs(t, pull(&peerv1.VolumeRef{Namespace: "other", Handle: "shared-top"}), io.EOF, "through the shared volume")
+		require.Equal(t, codes.NotFound, code(pull(nil)), "alone")
+		require.Equal(t, codes.NotFound, code(pull(&peerv1.VolumeRef{Namespace: "ci", Handle: "base"})), "through a volume not on it")
 	})
 
 	t.Run("a full disk fails the pull and leaves nothing", func(t *testing.T) {

@@ -491,7 +491,7 @@ func NotVisible(src volume.Ref, podNamespace string) error {
 // ReadableBy says whether a pod of namespace may use v as a source: its
 // own namespace's volumes, and others' that their owners shared.
 func (v Volume) ReadableBy(namespace string) bool {
-	return v.Namespace == namespace || v.Scope == volume.ScopeCluster
+	return volume.Readable(v.Ref(), v.Scope, namespace)
 }
 
 // Publish records a new step volume in one transaction: the source must be

@@ -86,6 +86,16 @@ func (p *pull) source() string {
 	return "a peer"
 }
 
+// layerName names a layer of the pulled chain in what the pod's namespace
+// is told: a volume of another namespace it may not use itself is one the
+// source stacks on, never named.
+func (p *pull) layerName(l streamer.Layer) string {
+	if l.Ref == p.key.ref || l.ReadableBy(p.key.namespace) {
+		return l.Ref.String()
+	}
+	return "a volume " + p.key.ref.String() + " stacks on"
+}
+
 func (p *pull) progress() error {
 	msg := fmt.Sprintf("%s from %s: %s received", p.key.ref, p.source(), mib(p.received.Load()))
 	if exp := p.expected.Load(); exp > 0 {
@@ -249,6 +259,9 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	if len(chain) == 0 || chain[0].Ref != p.key.ref {
+		return 0, fmt.Errorf("the peer described another chain than %s's", p.key.ref)
+	}
 	var missing []streamer.Layer
 	for _, l := range chain {
 		v, err := e.store.Get(l.Ref)
@@ -257,9 +270,9 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 		}
 		if err == nil {
 			if v.State == volume.StateCreating && v.Lease.Kind == cache.LeasePull {
-				return 0, fmt.Errorf("%s is being pulled for another namespace's pod: %w", l.Ref, ErrPulling)
+				return 0, fmt.Errorf("%s is being pulled for another namespace's pod: %w", p.layerName(l), ErrPulling)
 			}
-			return 0, fmt.Errorf("%s, which %s stacks on, is %s here: %w", l.Ref, p.key.ref, v.State, cache.ErrUnusable)
+			return 0, fmt.Errorf("%s, which %s stacks on, is %s here: %w", p.layerName(l), p.key.ref, v.State, cache.ErrUnusable)
 		}
 		if !errors.Is(err, cache.ErrNotFound) {
 			return 0, err
@@ -284,14 +297,15 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) error {
 	start := time.Now()
 	vol, err := e.receiveLayer(l, p.id, func(dir string) (streamer.Summary, error) {
-		return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, e.pulls.cfg.Encoding, dir, e.pulls.cfg.Limits,
+		return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, dir, e.pulls.cfg.Limits,
 			func(n int64) { p.received.Add(n) })
 	})
 	if errors.Is(err, cache.ErrExists) {
-		return fmt.Errorf("%s: %w", err.Error(), ErrPulling) // made here meanwhile
+		return fmt.Errorf("%s is being made here meanwhile: %w", p.layerName(l), ErrPulling)
 	}
 	if err != nil {
-		return fmt.Errorf("pulling %s: %w", l.Ref, err)
+		klog.ErrorS(err, "Pulling a layer failed", "volume", l.Ref, "for", p.key.ref, "namespace", p.key.namespace)
+		return fmt.Errorf("pulling %s: %w", p.layerName(l), err)
 	}
 	e.metrics.pulled.Inc()
 	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "duration", time.Since(start))

@@ -55,9 +55,10 @@ func notHeld(r volume.Ref, namespace string) error {
 	return fmt.Errorf("volume %s is not held here for namespace %q: %w", r, namespace, streamer.ErrNotHeld)
 }
 
-// Chain describes a ready volume and the volumes its layer is a diff over.
-// Every one of them must be readable by namespace: a chain through another
-// namespace's private volume is not served (the puller would learn of it).
+// Chain describes a ready volume namespace may read, and the volumes its
+// layer is a diff over, whoever owns them: a pod of namespace mounts that
+// whole chain on this node, so a pull for it brings the whole chain. (It
+// sees a volume under its own only merged, as here.)
 func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, error) {
 	v, err := h.e.store.Get(r)
 	if errors.Is(err, cache.ErrNotFound) || (err == nil && (v.State != volume.StateReady || !v.ReadableBy(namespace))) {
@@ -79,24 +80,41 @@ func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, err
 		if v, err = h.e.store.Get(v.Base); err != nil {
 			return nil, fmt.Errorf("volume %s: reading its chain: %w", r, err)
 		}
-		if !v.ReadableBy(namespace) {
-			return nil, fmt.Errorf("volume %s stacks on a volume namespace %q may not read, so it is not served to it: %w",
-				r, namespace, streamer.ErrNotHeld)
+	}
+}
+
+// inChainOf says whether r is a layer of via's chain, via being a ready
+// volume namespace may read: what a pull for a pod that uses via may take.
+func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
+	v, err := h.e.store.Get(via)
+	if err != nil || v.State != volume.StateReady || !v.ReadableBy(namespace) {
+		return false
+	}
+	for seen := 0; seen <= maxKernelLayers && !v.Base.IsZero(); seen++ {
+		if v.Base == r {
+			return true
+		}
+		if v, err = h.e.store.Get(v.Base); err != nil {
+			return false
 		}
 	}
+	return false
 }
 
 // maxKernelLayers bounds a chain: overlayfs stacks no more.
 const maxKernelLayers = 500
 
-// OpenLayer holds a volume's own layer for a stream. A destroyed volume is
-// served only while it is the base of others (a puller of those needs it).
-func (h peerHolder) OpenLayer(namespace string, r volume.Ref) (string, func(), error) {
+// OpenLayer holds a volume's own layer for a stream: one namespace may
+// read, or one in the chain of via, which it may read. A destroyed volume
+// is served only while it is the base of others (a puller of those needs
+// it).
+func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func(), error) {
 	// Hold first, then look: the reaper looks at holds after the state,
 	// so a volume seen servable here cannot be freed under the stream.
 	release := h.e.reads.hold(r)
 	v, err := h.e.store.Get(r)
-	servable := err == nil && v.ReadableBy(namespace) && (v.State == volume.StateReady ||
+	readable := err == nil && (v.ReadableBy(namespace) || (!via.IsZero() && h.inChainOf(namespace, r, via)))
+	servable := readable && (v.State == volume.StateReady ||
 		(v.State == volume.StateDestroying && len(h.e.store.Holders(r).Children) > 0))
 	if errors.Is(err, cache.ErrNotFound) || (err == nil && !servable) {
 		err = notHeld(r, namespace)

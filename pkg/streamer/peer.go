@@ -53,8 +53,9 @@ type Holder interface {
 	// its layer stacks on, top first.
 	Chain(namespace string, r volume.Ref) ([]Layer, error)
 	// OpenLayer returns the dir of a ready volume's own layer, held (not
-	// freed, not pruned) until release is called.
-	OpenLayer(namespace string, r volume.Ref) (dir string, release func(), err error)
+	// freed, not pruned) until release is called: a volume namespace may
+	// read, or one in the chain of via, which it may read.
+	OpenLayer(namespace string, r, via volume.Ref) (dir string, release func(), err error)
 	// OpenVolume opens what a read of a volume namespace may read
 	// serves: the path inside it, resolved within it, as the format
 	// reads it.
@@ -186,7 +187,13 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref)
+	var via volume.Ref
+	if req.GetVia() != nil {
+		if via, err = parseRequest(req.GetNamespace(), req.GetVia()); err != nil {
+			return err
+		}
+	}
+	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
 	if err != nil {
 		return holderError(err)
 	}
@@ -308,16 +315,22 @@ func (l Layer) Validate() error {
 	return volume.ValidateProperties(l.Properties)
 }
 
+// ReadableBy says whether pods of namespace may use the layer's volume
+// itself, not only through one above it.
+func (l Layer) ReadableBy(namespace string) bool { return volume.Readable(l.Ref, l.Scope, namespace) }
+
 // ErrCorrupt: what arrived is not what the peer sent.
 var ErrCorrupt = errors.New("the stream arrived corrupt")
 
 // PullLayer streams a volume's own layer into dir (an empty dir), for a pod
-// of namespace, and checks the size and digest the peer sent after it.
-// progress is told of each wire chunk's size.
-func (c *Client) PullLayer(ctx context.Context, namespace string, r volume.Ref, enc Encoding, dir string, lim Limits, progress func(int64)) (Summary, error) {
+// of namespace that uses the volume via (the top of the chain r is in),
+// and checks the size and digest the peer sent after it. progress is told
+// of each wire chunk's size.
+func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits, progress func(int64)) (Summary, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops the peer sending if extraction fails
-	stream, err := c.api.PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Encoding: string(enc)})
+	stream, err := c.api.PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via),
+		Encoding: string(enc)})
 	if err != nil {
 		return Summary{}, peerError(err)
 	}

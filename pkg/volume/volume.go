@@ -53,6 +53,12 @@ const (
 	ScopeCluster Scope = "cluster"
 )
 
+// Readable says whether pods of namespace may use the volume r, of scope,
+// as a source (and so see the volumes under it, merged into it).
+func Readable(r Ref, scope Scope, namespace string) bool {
+	return r.Namespace == namespace || scope == ScopeCluster
+}
+
 // Ref names a cached volume: a handle is unique within its namespace only,
 // so two namespaces may use the same handle without ever meeting.
 type Ref struct {
