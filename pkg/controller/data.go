@@ -162,15 +162,9 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	}
 	defer conn.Close()
 	start := time.Now()
-	r := streamer.NewMessageReader(func() ([]byte, error) {
-		msg, err := stream.Recv()
-		if err == nil && msg.GetVolume() != nil {
-			err = status.Error(codes.InvalidArgument, "a second header in one upload")
-		}
-		return msg.GetData(), err
-	})
+	r := streamer.NewUploadReader(stream.Recv, func(m *controllerv1.WriteVolumeRequest) bool { return m.GetVolume() != nil })
 	if err := client.WriteVolume(ctx, layer, enc, r); err != nil {
-		if rerr := r.Err(); rerr != nil && !errors.Is(rerr, io.EOF) {
+		if rerr := r.Failed(); rerr != nil {
 			return rerr
 		}
 		return err

@@ -96,13 +96,7 @@ func (s *Server) WriteVolume(stream grpc.ClientStreamingServer[peerv1.WriteVolum
 	}
 	lim := s.limits
 	lim.Strict = true
-	r := NewMessageReader(func() ([]byte, error) {
-		msg, err := stream.Recv()
-		if err == nil && msg.GetVolume() != nil {
-			err = status.Error(codes.InvalidArgument, "a second header in one upload")
-		}
-		return msg.GetData(), err
-	})
+	r := NewUploadReader(stream.Recv, func(m *peerv1.WriteVolumeChunk) bool { return m.GetVolume() != nil })
 	err = s.holder.Receive(l, func(dir string) (Summary, error) {
 		sum, err := Unpack(stream.Context(), r, enc, dir, lim)
 		if err == nil {
@@ -111,7 +105,7 @@ func (s *Server) WriteVolume(stream grpc.ClientStreamingServer[peerv1.WriteVolum
 		return sum, err
 	})
 	if err != nil {
-		if rerr := r.Err(); rerr != nil && !errors.Is(rerr, io.EOF) {
+		if rerr := r.Failed(); rerr != nil {
 			return rerr
 		}
 		return holderError(err)

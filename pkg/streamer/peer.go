@@ -357,7 +357,7 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.
 	})
 	sum, err := Unpack(ctx, cr, enc, dir, lim)
 	if err != nil {
-		if rerr := cr.Err(); rerr != nil && !errors.Is(rerr, io.EOF) {
+		if rerr := cr.Failed(); rerr != nil {
 			return Summary{}, peerError(rerr)
 		}
 		var errno syscall.Errno
@@ -432,5 +432,23 @@ func (r *MessageReader) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// Err is what ended the stream: nil while it runs, io.EOF at a clean end.
-func (r *MessageReader) Err() error { return r.err }
+// Failed is what broke the stream: nil while it runs and at a clean end
+// (io.EOF), so that a caller tells the stream's failure from the reader's.
+func (r *MessageReader) Failed() error {
+	if errors.Is(r.err, io.EOF) {
+		return nil
+	}
+	return r.err
+}
+
+// NewUploadReader reads an upload's data messages, those after its header,
+// as one byte stream; a second header breaks it.
+func NewUploadReader[M interface{ GetData() []byte }](recv func() (M, error), isHeader func(M) bool) *MessageReader {
+	return NewMessageReader(func() ([]byte, error) {
+		msg, err := recv()
+		if err == nil && isHeader(msg) {
+			err = status.Error(codes.InvalidArgument, "a second header in one upload")
+		}
+		return msg.GetData(), err
+	})
+}
