@@ -5,6 +5,11 @@ LDFLAGS   := -s -w -X main.version=$(VERSION)
 BIN       := bin/cowvol-plugin
 CLI       := bin/kubectl-cowvol
 IMAGE     ?= cowvol-plugin:$(VERSION)
+# The architectures make image builds one multi-platform image for.
+IMAGE_ARCHS ?= amd64 arm64
+IMAGE_TAR   ?= bin/cowvol-plugin-image.tar
+comma := ,
+space := $(subst ,, )
 # Benchmarks: how long each runs, and how many times (benchstat-friendly).
 BENCHTIME ?= 1x
 BENCHCOUNT ?= 1
@@ -37,10 +42,13 @@ test: build
 	$(GO) test -run '^$$' -fuzz FuzzUnpack -fuzztime 20000x -parallel 2 ./pkg/streamer
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
+# The cluster runs the image make image builds (under the e2e's name).
 e2e: build $(K8S_BIN)/kubelet
 	test/e2e/install-deps.sh
+	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(K8S_BIN)/plugin-image.tar
 	rm -f $(K8S_BIN)/report.txt
 	cd test/e2e && COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(K8S_BIN)/report.txt \
+		COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(K8S_BIN)/plugin-image.tar \
 		$(GO) test -tags e2e -count=1 -timeout 30m -v .
 	@cat $(K8S_BIN)/report.txt 2>/dev/null || true
 
@@ -68,8 +76,10 @@ lint:
 
 # The plugin image as an OCI layout tar, without a Docker daemon: load it
 # with `ctr images import`, or push it with `skopeo copy oci-archive:...`.
-image: build
-	$(GO) run ./hack/build-image -binary $(BIN) -name $(IMAGE) -version $(VERSION) -out bin/cowvol-plugin-image.tar
+image:
+	$(foreach a,$(IMAGE_ARCHS),CGO_ENABLED=0 GOARCH=$(a) $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/linux-$(a)/cowvol-plugin ./cmd/cowvol-plugin &&) true
+	$(GO) run ./hack/build-image -name $(IMAGE) -version $(VERSION) -out $(IMAGE_TAR) \
+		-binary $(subst $(space),$(comma),$(foreach a,$(IMAGE_ARCHS),$(a)=bin/linux-$(a)/cowvol-plugin))
 
 # The same content through Docker, for those who have it.
 docker-image:

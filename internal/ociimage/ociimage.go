@@ -1,8 +1,10 @@
 // Package ociimage builds container images without a Docker daemon: each
 // image is one layer made from files given in memory, written with its
 // config and manifest as an OCI image layout packed in one tar, which
-// `ctr images import` (and `skopeo copy oci-archive:`) takes. Builds are
-// reproducible: the same files give the same digests, byte for byte.
+// `ctr images import` (and `skopeo copy --all oci-archive:`) takes. Images
+// of one name for several architectures become one multi-platform image
+// (an image index). Builds are reproducible: the same files give the same
+// digests, byte for byte.
 //
 // It serves `make image` (hack/build-image) and the e2e harness, which
 // builds every image its cluster runs this way (no registry is reachable
@@ -17,6 +19,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strings"
 	"time"
@@ -46,7 +49,10 @@ type File struct {
 // Image is one single-layer image.
 type Image struct {
 	// Name is the reference it is imported as (registry/repo:tag).
-	Name       string
+	Name string
+	// Arch is the GOARCH its files run on (linux's); "" is this
+	// machine's.
+	Arch       string
 	Files      []File
 	Entrypoint []string
 	Cmd        []string
@@ -56,7 +62,9 @@ type Image struct {
 	User string
 }
 
-// Write packs images into one OCI image layout tar at out.
+// Write packs images into one OCI image layout tar at out. Images that
+// share a name, one per architecture, are written as one image index:
+// a runtime pulls or unpacks the one for its machine.
 func Write(out string, images ...Image) error {
 	dir, err := os.MkdirTemp(filepath.Dir(out), ".oci-layout-")
 	if err != nil {
@@ -67,20 +75,58 @@ func Write(out string, images ...Image) error {
 	if err != nil {
 		return err
 	}
+	var names []string
+	byName := map[string][]Image{}
 	for _, im := range images {
-		img, err := build(im)
-		if err != nil {
-			return fmt.Errorf("image %s: %w", im.Name, err)
+		if im.Arch == "" {
+			im.Arch = runtime.GOARCH
 		}
-		if err := lp.AppendImage(img, layout.WithAnnotations(map[string]string{
-			"org.opencontainers.image.ref.name": im.Name,
-			"io.containerd.image.name":          im.Name,
-		})); err != nil {
-			return fmt.Errorf("image %s: %w", im.Name, err)
+		if byName[im.Name] == nil {
+			names = append(names, im.Name)
+		}
+		for _, other := range byName[im.Name] {
+			if other.Arch == im.Arch {
+				return fmt.Errorf("image %s: two for %s", im.Name, im.Arch)
+			}
+		}
+		byName[im.Name] = append(byName[im.Name], im)
+	}
+	for _, name := range names {
+		if err := appendNamed(lp, name, byName[name]); err != nil {
+			return fmt.Errorf("image %s: %w", name, err)
 		}
 	}
 	return tarDir(dir, out)
 }
+
+// appendNamed adds the image of one name to the layout: the image itself,
+// or an index of its architectures' images.
+func appendNamed(lp layout.Path, name string, images []Image) error {
+	named := layout.WithAnnotations(map[string]string{
+		"org.opencontainers.image.ref.name": name,
+		"io.containerd.image.name":          name,
+	})
+	if len(images) == 1 {
+		img, err := build(images[0])
+		if err != nil {
+			return err
+		}
+		return lp.AppendImage(img, named, layout.WithPlatform(platform(images[0])))
+	}
+	var manifests []mutate.IndexAddendum
+	for _, im := range images {
+		img, err := build(im)
+		if err != nil {
+			return fmt.Errorf("%s: %w", im.Arch, err)
+		}
+		p := platform(im)
+		manifests = append(manifests, mutate.IndexAddendum{Add: img, Descriptor: v1.Descriptor{Platform: &p}})
+	}
+	idx := mutate.IndexMediaType(mutate.AppendManifests(empty.Index, manifests...), types.OCIImageIndex)
+	return lp.AppendIndex(idx, named)
+}
+
+func platform(im Image) v1.Platform { return v1.Platform{OS: "linux", Architecture: im.Arch} }
 
 func build(im Image) (v1.Image, error) {
 	layerTar, err := layerOf(im.Files)
@@ -102,7 +148,8 @@ func build(im Image) (v1.Image, error) {
 		return nil, err
 	}
 	cfg = cfg.DeepCopy()
-	cfg.Architecture, cfg.OS = "amd64", "linux"
+	p := platform(im)
+	cfg.Architecture, cfg.OS = p.Architecture, p.OS
 	cfg.Created = v1.Time{Time: Epoch}
 	cfg.Config.Entrypoint, cfg.Config.Cmd, cfg.Config.Env = im.Entrypoint, im.Cmd, im.Env
 	cfg.Config.Labels, cfg.Config.User = im.Labels, im.User

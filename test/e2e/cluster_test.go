@@ -41,7 +41,8 @@ const (
 	adminToken   = "cowvol-e2e-admin-token"
 	pauseImage   = "registry.k8s.io/pause:3.10"
 	busyboxImage = "cowvol.test/busybox:e2e"
-	// pluginImage is the plugin's image as make image builds it.
+	// pluginImage is the plugin's image: make e2e builds it with make
+	// image, under this name, into $COWVOL_PLUGIN_IMAGE_TAR.
 	pluginImage = "cowvol.test/cowvol-plugin:e2e"
 )
 
@@ -390,24 +391,21 @@ func (c *cluster) importImages() {
 			bbFiles = append(bbFiles, ociimage.File{Path: "bin/" + a, Link: "busybox"})
 		}
 	}
-	plugin, err := os.ReadFile(os.Getenv("COWVOL_PLUGIN_BINARY"))
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	certs, err := os.ReadFile("/etc/ssl/certs/ca-certificates.crt")
-	if err != nil {
-		c.t.Fatal(err)
+	plugin := os.Getenv("COWVOL_PLUGIN_IMAGE_TAR")
+	if plugin == "" {
+		c.t.Fatal("COWVOL_PLUGIN_IMAGE_TAR is not set: run make e2e (it builds the plugin's image with make image)")
 	}
 	out := filepath.Join(dir, "images.tar")
 	if err := ociimage.Write(out,
 		ociimage.Image{Name: pauseImage, Files: []ociimage.File{{Path: "pause", Mode: 0o755, Data: pauseBin}}, Cmd: []string{"/pause"}},
 		ociimage.Image{Name: busyboxImage, Files: bbFiles, Cmd: []string{"/bin/sh"}, Env: []string{"PATH=/bin"}},
-		ociimage.Plugin(pluginImage, "e2e", plugin, certs),
 	); err != nil {
 		c.t.Fatal(err)
 	}
-	if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
-		c.t.Fatalf("importing the images: %v: %s", err, b)
+	for _, archive := range []string{out, plugin} {
+		if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", archive).CombinedOutput(); err != nil {
+			c.t.Fatalf("importing %s: %v: %s", archive, err, b)
+		}
 	}
 }
 

@@ -41,8 +41,13 @@ func (c *cluster) pluginImageRuns() {
 	require.NoError(c.t, err)
 	c.mustKubectl(string(b), "create", "-f", "-")
 	out := c.mustSucceed("ci", "plugin-image")
-	require.True(c.t, strings.HasPrefix(out, "cowvol-plugin "), "the image's entrypoint is the plugin: %q", out)
-	report(c.t, "the plugin image built without Docker (make image) ran in containerd: "+strings.TrimSpace(out)+"\n")
+	require.Equal(c.t, "cowvol-plugin e2e\n", out, "the image's entrypoint is make image's plugin")
+	// One image for every architecture make image builds for: containerd
+	// ran this machine's.
+	images, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "ls", "name=="+pluginImage).CombinedOutput()
+	require.NoError(c.t, err, "%s", images)
+	require.Contains(c.t, string(images), "linux/amd64,linux/arm64")
+	report(c.t, "the plugin image built without Docker (make image, linux/amd64 and linux/arm64) ran in containerd: "+strings.TrimSpace(out)+"\n")
 }
 
 // installOverlay is the overlay the e2e installs cowvol with, as a user's
