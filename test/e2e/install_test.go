@@ -245,6 +245,16 @@ func TestInstall(t *testing.T) {
 	c.mustKubectl("", "apply", "-k", c.installOverlay("e2e"))
 	c.waitInstalled("e2e")
 	report(t, fmt.Sprintf("rolled to this commit's image in %s, a step running on a cowvol volume\n", time.Since(start).Round(100*time.Millisecond)))
+	// The controller runs as the manifests say: nobody, no capabilities.
+	ctlPIDs := pidsWhere(func(cmdline string) bool {
+		return strings.HasPrefix(cmdline, "/cowvol-plugin\x00") && strings.Contains(cmdline, "--mode=controller")
+	})
+	require.Len(t, ctlPIDs, 1)
+	procStatus, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", ctlPIDs[0]))
+	require.NoError(t, err)
+	require.Regexp(t, `(?m)^Uid:\s+65534\s+65534\s+65534\s+65534$`, string(procStatus))
+	require.Regexp(t, `(?m)^CapEff:\s+0+$`, string(procStatus))
+	require.Regexp(t, `(?m)^NoNewPrivs:\s+1$`, string(procStatus))
 	uid := c.mustKubectl("", "get", "pod", "-n", "ci", "across-upgrade", "-o", "jsonpath={.metadata.uid}")
 	target := filepath.Join(c.kubeletDir, "pods", uid, "volumes", "kubernetes.io~csi", "w", "mount")
 	require.NoError(t, os.WriteFile(filepath.Join(target, "go"), nil, 0o644), "the step's volume is still mounted after the roll")
