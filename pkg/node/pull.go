@@ -233,6 +233,32 @@ func (e *Engine) runPull(p *pull) error {
 	return fmt.Errorf("source volume %s: %w: %w", ref, ErrPullFailed, errors.Join(errs...))
 }
 
+// hiddenLayerError is a failure to pull a layer the pod's namespace may
+// not name (another namespace's private volume under its source): its
+// words name neither the layer nor what the peer said of it (the node's log
+// does), and it unwraps to the cause, so that the pull still tells a full
+// disk, a layer gone and a corrupt stream apart.
+type hiddenLayerError struct {
+	layer string
+	err   error
+}
+
+func (h hiddenLayerError) Error() string {
+	why := "failed (the node plugin's log says why)"
+	var errno syscall.Errno
+	switch {
+	case errors.As(h.err, &errno) && local(h.err):
+		why = errno.Error()
+	case streamer.NotHeld(h.err):
+		why = "its holder no longer has it"
+	case errors.Is(h.err, streamer.ErrCorrupt):
+		why = streamer.ErrCorrupt.Error()
+	}
+	return "pulling " + h.layer + ": " + why
+}
+
+func (h hiddenLayerError) Unwrap() error { return h.err }
+
 // local says a pull failed for want of room here, not for its holder.
 func local(err error) bool {
 	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT)
@@ -305,7 +331,10 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 	}
 	if err != nil {
 		klog.ErrorS(err, "Pulling a layer failed", "volume", l.Ref, "for", p.key.ref, "namespace", p.key.namespace)
-		return fmt.Errorf("pulling %s: %w", p.layerName(l), err)
+		if !l.ReadableBy(p.key.namespace) {
+			return hiddenLayerError{layer: p.layerName(l), err: err}
+		}
+		return fmt.Errorf("pulling %s: %w", l.Ref, err)
 	}
 	e.metrics.pulled.Inc()
 	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "duration", time.Since(start))

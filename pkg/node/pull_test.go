@@ -1,9 +1,12 @@
 package node
 
 import (
+	"fmt"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
 
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -29,6 +32,37 @@ func TestPullNamesOnlyWhatTheNamespaceMayRead(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			require.Equal(t, tc.want, p.layerName(tc.layer))
+		})
+	}
+}
+
+// A failure to pull a layer the namespace may not name says what kind of
+// failure it was, never the peer's words (which name the layer), and still
+// unwraps to its cause for the pull's decisions.
+func TestHiddenLayerErrors(t *testing.T) {
+	peerSaid := func(code codes.Code) error {
+		return fmt.Errorf("peer: volume other/secret-base is not held here: %w", &streamer.PeerError{Code: code})
+	}
+	tests := []struct {
+		name  string
+		cause error
+		want  string
+		is    error
+	}{
+		{"a full disk here", fmt.Errorf("writing: %w", syscall.ENOSPC), "pulling a volume other/shared-top stacks on: no space left on device", syscall.ENOSPC},
+		{"gone from the peer", peerSaid(codes.NotFound), "pulling a volume other/shared-top stacks on: its holder no longer has it", nil},
+		{"corrupt", fmt.Errorf("%w: bad digest of other/secret-base", streamer.ErrCorrupt), "pulling a volume other/shared-top stacks on: " + streamer.ErrCorrupt.Error(), streamer.ErrCorrupt},
+		{"anything else", peerSaid(codes.Internal), "pulling a volume other/shared-top stacks on: failed (the node plugin's log says why)", nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := hiddenLayerError{layer: "a volume other/shared-top stacks on", err: tc.cause}
+			require.Equal(t, tc.want, err.Error())
+			require.NotContains(t, err.Error(), "secret-base")
+			require.ErrorIs(t, err, tc.cause)
+			if tc.is != nil {
+				require.ErrorIs(t, err, tc.is)
+			}
 		})
 	}
 }
