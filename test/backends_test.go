@@ -147,9 +147,15 @@ func (e *env) testChains(t *testing.T, backend string) {
 			e := e.sub(t)
 			prefix := fmt.Sprintf("chain%d-", depth)
 			prev := ""
+			var deep testfs.Tree // a tree past PATH_MAX, made in the first layer
 			for i := 1; i <= depth; i++ {
 				handle := prefix + strconv.Itoa(i)
 				e.step(prev, handle, func(dir string) {
+					if i == 1 {
+						require.NoError(t, os.Mkdir(filepath.Join(dir, "deep"), 0o755))
+						testfs.DeepTree(t, filepath.Join(dir, "deep"))
+						deep = testfs.Describe(t, filepath.Join(dir, "deep"))
+					}
 					write(t, dir, "layer", strconv.Itoa(i))
 					write(t, dir, fmt.Sprintf("f/%d", i), "kept")
 					if i > 1 {
@@ -168,6 +174,7 @@ func (e *env) testChains(t *testing.T, backend string) {
 					absent(t, dir, fmt.Sprintf("g%d", i))
 				}
 				require.Equal(t, "only the last", readFile(t, dir, fmt.Sprintf("g%d", depth)))
+				require.Equal(t, deep, testfs.Describe(t, filepath.Join(dir, "deep")), "the deep tree, through every layer")
 			}
 			// Right after the last capture, while a flatten may be running.
 			e.read(prev, check)

@@ -4,13 +4,15 @@ import (
 	"bytes"
 	"fmt"
 	"hash/fnv"
+	"io"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
 )
 
 // Tree describes a directory tree: relative path → type, mode, owner, size,
@@ -23,21 +25,28 @@ type Tree map[string]string
 // as such). The root's own mtime is left out: it moves with any change.
 func Describe(tb testing.TB, root string) Tree {
 	tb.Helper()
+	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer unix.Close(rootFd)
+	var st unix.Stat_t
+	if err := unix.Fstat(rootFd, &st); err != nil {
+		tb.Fatal(err)
+	}
 	out := Tree{}
 	inodes := map[uint64]string{}
-	err := filepath.Walk(root, func(path string, _ os.FileInfo, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, path)
-		var st unix.Stat_t
-		if err := unix.Lstat(path, &st); err != nil {
-			return err
-		}
+	describe := func(dir int, name, rel string, st *unix.Stat_t) error {
 		desc := fmt.Sprintf("mode=%o uid=%d gid=%d", st.Mode, st.Uid, st.Gid)
 		switch st.Mode & unix.S_IFMT {
 		case unix.S_IFREG:
-			data, err := os.ReadFile(path)
+			fd, err := unix.Openat(dir, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			f := os.NewFile(uintptr(fd), rel)
+			data, err := io.ReadAll(f)
+			f.Close()
 			if err != nil {
 				return err
 			}
@@ -50,13 +59,13 @@ func Describe(tb testing.TB, root string) Tree {
 				}
 			}
 		case unix.S_IFLNK:
-			target, _ := os.Readlink(path)
+			target, _ := fdtree.Readlink(dir, name)
 			desc += " -> " + target
 		case unix.S_IFDIR:
 		default:
 			desc += fmt.Sprintf(" rdev=%d", st.Rdev)
 		}
-		if x := xattrs(path); x != "" {
+		if x := xattrs(fdtree.ProcPath(dir, name)); x != "" {
 			desc += " xattrs=" + x
 		}
 		if rel != "." {
@@ -64,7 +73,13 @@ func Describe(tb testing.TB, root string) Tree {
 		}
 		out[rel] = desc
 		return nil
-	})
+	}
+	err = describe(rootFd, ".", ".", &st)
+	if err == nil {
+		err = fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+			return true, describe(e.Parent, e.Name, e.Path, &e.Stat)
+		}})
+	}
 	if err != nil {
 		tb.Fatal(err)
 	}

@@ -17,7 +17,8 @@ func must(t testing.TB, err error) {
 }
 
 // LayerTree fills dir with every kind of entry a captured overlay layer can
-// hold, including a whiteout and an opaque dir.
+// hold, including a whiteout, an opaque dir and a tree deeper than PATH_MAX
+// (DeepTree, in deep/).
 func LayerTree(t testing.TB, dir string) {
 	t.Helper()
 	p := func(name string) string { return filepath.Join(dir, name) }
@@ -48,4 +49,6 @@ func LayerTree(t testing.TB, dir string) {
 	must(t, f.Close())
 	when := time.Date(2021, 5, 6, 7, 8, 9, 123456789, time.UTC)
 	must(t, os.Chtimes(p("big"), when, when))
+	must(t, os.Mkdir(p("deep"), 0o755))
+	DeepTree(t, p("deep"))
 }

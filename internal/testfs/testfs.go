@@ -138,8 +138,10 @@ func mount(tb testing.TB, kind Kind, size int64, mkfsExtra []string, options str
 }
 
 // DeepTree makes a chain of dirs under root whose full path is longer than
-// PATH_MAX, with a 64 KiB file at the bottom, walking by file descriptor as
-// a step would have to. It returns how many dirs it made.
+// twice PATH_MAX, walking by file descriptor as a step would have to, and at
+// its bottom a 64 KiB file with an xattr, a hardlink to it, a symlink and a
+// dir of mode 0700 owned by 1000: DeepInodes inodes beyond the chain's
+// dirs. It returns how many dirs the chain has.
 func DeepTree(tb testing.TB, root string) int {
 	tb.Helper()
 	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY, 0)
@@ -168,5 +170,19 @@ func DeepTree(tb testing.TB, root string) int {
 	if _, err := unix.Write(f, make([]byte, 64<<10)); err != nil {
 		tb.Fatal(err)
 	}
+	for _, err := range []error{
+		unix.Fsetxattr(f, "user.deep", []byte("yes"), 0),
+		unix.Linkat(fd, "bottom", fd, "bottom-link", 0),
+		unix.Symlinkat("bottom", fd, "to-bottom"),
+		unix.Mkdirat(fd, "private", 0o700),
+		unix.Fchownat(fd, "private", 1000, 1000, unix.AT_SYMLINK_NOFOLLOW),
+	} {
+		if err != nil {
+			tb.Fatal(err)
+		}
+	}
 	return depth
 }
+
+// DeepInodes counts what DeepTree puts at the bottom of its chain.
+const DeepInodes = 3

@@ -26,12 +26,12 @@ func TestCopyTreeIsFaithful(t *testing.T) {
 				stats, err := copyTree(context.Background(), src, out, reflink, nil)
 				require.NoError(t, err)
 				require.Equal(t, testfs.Describe(t, src), testfs.Describe(t, out))
-				require.Equal(t, int64(1), stats.Links)
+				require.Equal(t, int64(2), stats.Links, "hard2, and deep/.../bottom-link")
 				var st unix.Stat_t
 				require.NoError(t, unix.Stat(filepath.Join(out, "sparse"), &st))
 				require.Less(t, st.Blocks*512, int64(1<<20), "holes stay holes")
 				if reflink && fs != testfs.Ext4 {
-					require.Equal(t, int64(4), stats.Cloned, "every non-empty file (sub/file, hard1, big, sparse) is cloned")
+					require.Equal(t, int64(5), stats.Cloned, "every non-empty file (sub/file, hard1, big, sparse, deep/.../bottom) is cloned")
 					require.Zero(t, stats.Copied)
 				} else {
 					require.Zero(t, stats.Cloned)
@@ -82,18 +82,31 @@ func TestDeepChainMountsAndMerges(t *testing.T) {
 	require.Empty(t, mounts, "the merge mount is gone")
 }
 
-// Flattening on XFS clones from the real layer files, not through overlay.
+// Flattening on XFS clones from the real layer files, not through overlay,
+// deep in a tree past PATH_MAX too.
 func TestCopyLayersClonesFromLayers(t *testing.T) {
 	root := testfs.Mount(t, testfs.XFS, 512<<20)
 	lower, upper := filepath.Join(root, "lower"), filepath.Join(root, "upper")
-	require.NoError(t, os.MkdirAll(lower, 0o755))
+	require.NoError(t, os.MkdirAll(filepath.Join(lower, "deep"), 0o755))
 	require.NoError(t, os.MkdirAll(upper, 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(lower, "a"), make([]byte, 1<<20), 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(upper, "b"), make([]byte, 1<<20), 0o644))
-	stats, err := CopyLayers(context.Background(), NewSysMounter(), []string{upper, lower},
-		filepath.Join(root, "mnt"), filepath.Join(root, "flat"), true)
+	testfs.DeepTree(t, filepath.Join(lower, "deep"))
+	flat := filepath.Join(root, "flat")
+	stats, err := CopyLayers(context.Background(), NewSysMounter(), []string{upper, lower}, filepath.Join(root, "mnt"), flat, true)
 	require.NoError(t, err)
-	require.Equal(t, int64(2), stats.Cloned)
+	require.Equal(t, int64(3), stats.Cloned, "a, b and the deep tree's bottom")
+	require.Zero(t, stats.Copied)
+	deep := func(tree testfs.Tree) testfs.Tree {
+		out := testfs.Tree{}
+		for p, d := range tree {
+			if strings.HasPrefix(p, "deep") {
+				out[p] = d
+			}
+		}
+		return out
+	}
+	require.Equal(t, deep(testfs.Describe(t, lower)), deep(testfs.Describe(t, flat)))
 }
 
 func TestRemoveTree(t *testing.T) {
@@ -187,7 +200,7 @@ func TestDeepTreeUsageAndRemoval(t *testing.T) {
 	depth := testfs.DeepTree(t, root)
 	bytes, inodes, err := Usage(root)
 	require.NoError(t, err)
-	require.Equal(t, int64(depth+2), inodes, "every dir, the root and the file")
+	require.Equal(t, int64(1+depth+testfs.DeepInodes), inodes, "the root, every dir and what is at the bottom")
 	require.GreaterOrEqual(t, bytes, int64(64<<10))
 	require.NoError(t, RemoveTree(root))
 	_, err = os.Lstat(root)

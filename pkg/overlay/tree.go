@@ -6,11 +6,15 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
 )
 
 // CopyStats says how a tree copy went.
@@ -26,31 +30,38 @@ const copyWorkers = 8
 // trusted.overlay.* ones too, so whiteouts and opaque dirs survive), symlinks,
 // hardlinks, device nodes, fifos and sparse files. With reflink set it clones
 // each regular file's extents (FICLONE) and falls back to copying the files
-// the filesystem refuses to clone.
+// the filesystem refuses to clone. It works from descriptors (fdtree), so a
+// tree of any depth is copied, however long its paths.
 //
-// One walker makes the dirs and hands regular files to workers; hardlinks
-// and dir attributes come after the workers finish, since a link needs its
-// first name in place and filling a dir would bump the times set on it.
+// One walker makes the entries and hands regular files, open at both ends,
+// to workers; a dir's attributes are set when the walker leaves it (filling
+// a file does not touch its dir's times). Hardlinks come after the workers
+// finish, since a link needs its first name in place; the dirs they land in
+// get their times again.
 type treeCopier struct {
 	ctx     context.Context
 	reflink bool
 	workers *errgroup.Group
 
 	files, cloned, copied atomic.Int64
-	seen                  map[[2]uint64]string // walker only
-	links                 [][2]string          // first name, new name
-	dirs                  []dirEntry           // in walk order
+	seen                  map[[2]uint64]string // walker only: first names of files with several links
+	links                 []deferredLink
+	// dst holds the destination dirs the walker is in, by depth: the
+	// root's is dst[0].
+	dst []int
 
-	// root and realFile let a copy of a merged overlay read each regular
-	// file from the layer that provides it: extents can be cloned from
-	// an XFS or btrfs file, never through an overlay one.
-	root     string
-	realFile func(rel string) string
+	// realFile lets a copy of a merged overlay read each regular file's
+	// data from the layer that provides it: extents can be cloned from an
+	// XFS or btrfs file, never through an overlay one. nil: the file
+	// itself.
+	realFile func(rel string) (*os.File, error)
 }
 
-type dirEntry struct {
-	src, dst string
-	st       unix.Stat_t
+// deferredLink is a hardlink made after the walk: the first name's path
+// and the new one's, and the times of the dir it lands in.
+type deferredLink struct {
+	first, name string
+	dirTimes    [2]unix.Timespec
 }
 
 // CopyLayers copies the merged tree of lowers (top first) into dst. A chain
@@ -59,26 +70,27 @@ func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string
 	if len(lowers) == 1 {
 		return copyTree(ctx, lowers[0], dst, reflink, nil)
 	}
+	var roots []int
+	defer func() {
+		for _, fd := range roots {
+			unix.Close(fd)
+		}
+	}()
+	for _, l := range lowers {
+		fd, err := unix.Open(l, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return CopyStats{}, err
+		}
+		roots = append(roots, fd)
+	}
 	if err := os.MkdirAll(mnt, 0o700); err != nil {
 		return CopyStats{}, err
 	}
 	if err := m.Overlay(mnt, lowers, "", "", Attrs{ReadOnly: true}); err != nil {
 		return CopyStats{}, err
 	}
-	stats, err := copyTree(ctx, mnt, dst, reflink, func(rel string) string {
-		// The topmost layer with an entry at rel provides it: a whiteout
-		// or opaque dir above would have hidden it from the merge.
-		for _, l := range lowers {
-			p := filepath.Join(l, rel)
-			var st unix.Stat_t
-			if unix.Lstat(p, &st) == nil {
-				if st.Mode&unix.S_IFMT == unix.S_IFREG {
-					return p
-				}
-				break
-			}
-		}
-		return filepath.Join(mnt, rel)
+	stats, err := copyTree(ctx, mnt, dst, reflink, func(rel string) (*os.File, error) {
+		return providingFile(roots, rel)
 	})
 	if uerr := m.Unmount(mnt); uerr != nil {
 		return stats, errors.Join(err, uerr)
@@ -86,136 +98,265 @@ func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string
 	return stats, errors.Join(err, os.Remove(mnt))
 }
 
+// providingFile opens the regular file at rel in the topmost of the layers
+// open as roots that has an entry there: the one the merge shows (a
+// whiteout or opaque dir above would have hidden it). nil: none has a
+// regular file there.
+func providingFile(roots []int, rel string) (*os.File, error) {
+	dir, base := path.Split(rel)
+	for _, root := range roots {
+		parent, err := fdtree.OpenBeneath(root, strings.TrimSuffix(dir, "/"))
+		if err != nil {
+			continue // not in this layer (or not a plain dir in it)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstatat(parent, base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			unix.Close(parent)
+			continue
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFREG {
+			unix.Close(parent)
+			return nil, nil
+		}
+		fd, err := unix.Openat(parent, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(parent)
+		if err != nil {
+			return nil, err
+		}
+		return os.NewFile(uintptr(fd), rel), nil
+	}
+	return nil, nil
+}
+
 // copyTree copies src into dst; dst may already exist as an empty dir (a
 // fresh btrfs subvolume), in which case it takes src's root attributes.
-func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(string) string) (CopyStats, error) {
-	workers, wctx := errgroup.WithContext(ctx)
-	workers.SetLimit(copyWorkers)
-	c := &treeCopier{ctx: wctx, reflink: reflink, workers: workers, seen: map[[2]uint64]string{},
-		root: src, realFile: realFile}
-	var st unix.Stat_t
-	if err := unix.Lstat(src, &st); err != nil {
+func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(string) (*os.File, error)) (CopyStats, error) {
+	srcRoot, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
 		return CopyStats{}, fmt.Errorf("reading %s: %w", src, err)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return CopyStats{}, fmt.Errorf("%s is not a directory", src)
-	}
+	defer unix.Close(srcRoot)
 	if err := os.Mkdir(dst, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return CopyStats{}, err
 	}
-	c.dirs = append(c.dirs, dirEntry{src, dst, st})
-	walkErr := c.dir(src, dst)
+	dstRoot, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return CopyStats{}, err
+	}
+	defer unix.Close(dstRoot)
+	workers, wctx := errgroup.WithContext(ctx)
+	workers.SetLimit(copyWorkers)
+	c := &treeCopier{ctx: wctx, reflink: reflink, workers: workers, seen: map[[2]uint64]string{},
+		dst: []int{dstRoot}, realFile: realFile}
+	walkErr := fdtree.Walk(srcRoot, fdtree.Visitor{Visit: c.visit, Leave: c.leave})
+	for _, fd := range c.dst[1:] { // left open by a walk that failed
+		unix.Close(fd)
+	}
 	if err := errors.Join(workers.Wait(), walkErr); err != nil {
 		return c.stats(), err
 	}
-	for _, l := range c.links {
-		if err := os.Link(l[0], l[1]); err != nil {
-			return c.stats(), err
-		}
+	if err := c.link(dstRoot); err != nil {
+		return c.stats(), err
 	}
-	for i := len(c.dirs) - 1; i >= 0; i-- { // children before parents
-		d := c.dirs[i]
-		if err := setAttrs(d.src, d.dst, &d.st); err != nil {
-			return c.stats(), err
-		}
+	var st unix.Stat_t
+	if err := unix.Fstat(srcRoot, &st); err != nil {
+		return c.stats(), err
 	}
-	return c.stats(), nil
+	return c.stats(), fdAttrs(srcRoot, dstRoot, &st)
 }
 
 func (c *treeCopier) stats() CopyStats {
 	return CopyStats{Files: c.files.Load(), Cloned: c.cloned.Load(), Copied: c.copied.Load(), Links: int64(len(c.links))}
 }
 
-func (c *treeCopier) dir(src, dst string) error {
-	entries, err := os.ReadDir(src)
-	if err != nil {
-		return err
+// visit makes the copy of one entry in the destination dir of its depth.
+func (c *treeCopier) visit(e *fdtree.Entry) (bool, error) {
+	if err := c.ctx.Err(); err != nil {
+		return false, err
 	}
-	for _, e := range entries {
-		if err := c.ctx.Err(); err != nil {
-			return err
+	c.files.Add(1)
+	parent := c.dst[e.Depth-1]
+	st := &e.Stat
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		if err := unix.Mkdirat(parent, e.Name, 0o700); err != nil {
+			return false, fmt.Errorf("%s: %w", e.Path, err)
 		}
-		if err := c.entry(filepath.Join(src, e.Name()), filepath.Join(dst, e.Name())); err != nil {
-			return err
+		fd, err := fdtree.OpenDir(parent, e.Name)
+		if err != nil {
+			return false, fmt.Errorf("%s: %w", e.Path, err)
+		}
+		c.dst = append(c.dst, fd)
+		return true, nil
+	case unix.S_IFREG:
+		if st.Nlink > 1 {
+			key := [2]uint64{st.Dev, st.Ino}
+			if first, ok := c.seen[key]; ok {
+				var dirSt unix.Stat_t
+				if err := unix.Fstat(e.Parent, &dirSt); err != nil {
+					return false, err
+				}
+				c.links = append(c.links, deferredLink{first: first, name: e.Path, dirTimes: [2]unix.Timespec{dirSt.Atim, dirSt.Mtim}})
+				return false, nil
+			}
+			c.seen[key] = e.Path
+		}
+		return false, c.file(e, parent)
+	case unix.S_IFLNK:
+		target, err := fdtree.Readlink(e.Parent, e.Name)
+		if err != nil {
+			return false, fmt.Errorf("%s: %w", e.Path, err)
+		}
+		if err := unix.Symlinkat(target, parent, e.Name); err != nil {
+			return false, fmt.Errorf("%s: %w", e.Path, err)
+		}
+	default: // devices (whiteouts are 0/0 char devices), fifos, sockets
+		if err := unix.Mknodat(parent, e.Name, st.Mode, int(st.Rdev)); err != nil {
+			return false, fmt.Errorf("making node %s: %w", e.Path, err)
+		}
+	}
+	return false, entryAttrs(e, parent)
+}
+
+// leave gives a copied dir its attributes, its entries made.
+func (c *treeCopier) leave(e *fdtree.Entry, dir int) error {
+	fd := c.dst[len(c.dst)-1]
+	c.dst = c.dst[:len(c.dst)-1]
+	defer unix.Close(fd)
+	if err := fdAttrs(dir, fd, &e.Stat); err != nil {
+		return fmt.Errorf("%s: %w", e.Path, err)
+	}
+	return nil
+}
+
+// file opens a regular file at both ends and hands it to a worker, which
+// fills the copy and gives it its attributes.
+func (c *treeCopier) file(e *fdtree.Entry, parent int) error {
+	inFd, err := unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("%s: %w", e.Path, err)
+	}
+	in := os.NewFile(uintptr(inFd), e.Path)
+	outFd, err := unix.Openat(parent, e.Name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		in.Close()
+		return fmt.Errorf("%s: %w", e.Path, err)
+	}
+	out := os.NewFile(uintptr(outFd), e.Path)
+	data := in
+	if c.realFile != nil {
+		real, err := c.realFile(e.Path)
+		if err != nil {
+			in.Close()
+			out.Close()
+			return fmt.Errorf("%s: %w", e.Path, err)
+		}
+		if real != nil {
+			data = real
+		}
+	}
+	st := e.Stat
+	c.workers.Go(func() error {
+		defer in.Close()
+		defer out.Close()
+		if data != in {
+			defer data.Close()
+		}
+		if err := c.fill(data, out, st.Size); err != nil {
+			return fmt.Errorf("copying %s: %w", e.Path, err)
+		}
+		if err := fdAttrs(int(in.Fd()), int(out.Fd()), &st); err != nil {
+			return fmt.Errorf("%s: %w", e.Path, err)
+		}
+		return nil
+	})
+	return nil
+}
+
+// fill gives out in's data: its extents cloned where it can, else copied
+// with its holes kept.
+func (c *treeCopier) fill(in, out *os.File, size int64) error {
+	if c.reflink && size > 0 {
+		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err == nil {
+			c.cloned.Add(1)
+			return nil
+		}
+	}
+	c.copied.Add(1)
+	return copySparse(in, out, size)
+}
+
+// link makes the hardlinks found on the walk, and puts back the times of
+// the dirs they landed in.
+func (c *treeCopier) link(root int) error {
+	for _, l := range c.links {
+		if err := linkBeneath(root, l); err != nil {
+			return fmt.Errorf("linking %s to %s: %w", l.name, l.first, err)
 		}
 	}
 	return nil
 }
 
-func (c *treeCopier) entry(src, dst string) error {
-	var st unix.Stat_t
-	if err := unix.Lstat(src, &st); err != nil {
+func linkBeneath(root int, l deferredLink) error {
+	firstDir, firstBase := path.Split(l.first)
+	from, err := fdtree.OpenBeneath(root, strings.TrimSuffix(firstDir, "/"))
+	if err != nil {
 		return err
 	}
-	c.files.Add(1)
-	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFDIR:
-		if err := os.Mkdir(dst, 0o700); err != nil {
-			return err
-		}
-		c.dirs = append(c.dirs, dirEntry{src, dst, st})
-		return c.dir(src, dst)
-	case unix.S_IFREG:
-		if st.Nlink > 1 {
-			key := [2]uint64{st.Dev, st.Ino}
-			if first, ok := c.seen[key]; ok {
-				c.links = append(c.links, [2]string{first, dst})
-				return nil
-			}
-			c.seen[key] = dst
-		}
-		c.workers.Go(func() error {
-			if err := c.file(src, dst, &st); err != nil {
-				return fmt.Errorf("copying %s: %w", src, err)
-			}
-			return setAttrs(src, dst, &st)
-		})
-		return nil
-	case unix.S_IFLNK:
-		target, err := os.Readlink(src)
-		if err != nil {
-			return err
-		}
-		if err := os.Symlink(target, dst); err != nil {
-			return err
-		}
-	default: // devices (whiteouts are 0/0 char devices), fifos, sockets
-		if err := unix.Mknod(dst, st.Mode, int(st.Rdev)); err != nil {
-			return fmt.Errorf("making node %s: %w", dst, err)
-		}
+	defer unix.Close(from)
+	dir, base := path.Split(l.name)
+	to, err := fdtree.OpenBeneath(root, strings.TrimSuffix(dir, "/"))
+	if err != nil {
+		return err
 	}
-	return setAttrs(src, dst, &st)
+	defer unix.Close(to)
+	if err := unix.Linkat(from, firstBase, to, base, 0); err != nil {
+		return err
+	}
+	return unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(to, ""), l.dirTimes[:], 0)
 }
 
-func (c *treeCopier) file(src, dst string, st *unix.Stat_t) error {
-	if c.realFile != nil {
-		rel, err := filepath.Rel(c.root, src)
-		if err != nil {
-			return err
+// fdAttrs gives the file or dir open as dst the owner, mode, xattrs and
+// times of the one open as src (whose stat is st).
+func fdAttrs(src, dst int, st *unix.Stat_t) error {
+	if err := unix.Fchown(dst, int(st.Uid), int(st.Gid)); err != nil {
+		return fmt.Errorf("chown: %w", err)
+	}
+	// After chown, which clears set-id bits.
+	if err := unix.Fchmod(dst, st.Mode&0o7777); err != nil {
+		return fmt.Errorf("chmod: %w", err)
+	}
+	if err := copyXattrs(fdXattrs(src), fdXattrs(dst)); err != nil {
+		return err
+	}
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(dst, ""), ts, 0); err != nil {
+		return fmt.Errorf("setting times: %w", err)
+	}
+	return nil
+}
+
+// entryAttrs gives what was copied of e (a symlink, device node or fifo)
+// in the dir open as parent e's owner, mode, xattrs and times, by name:
+// none of them can be opened to be changed.
+func entryAttrs(e *fdtree.Entry, parent int) error {
+	st := &e.Stat
+	if err := unix.Fchownat(parent, e.Name, int(st.Uid), int(st.Gid), unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("chown %s: %w", e.Path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFLNK {
+		if err := unix.Fchmodat(parent, e.Name, st.Mode&0o7777, 0); err != nil {
+			return fmt.Errorf("chmod %s: %w", e.Path, err)
 		}
-		src = c.realFile(rel)
 	}
-	in, err := os.Open(src)
-	if err != nil {
-		return err
+	if err := copyXattrs(nameXattrs(fdtree.ProcPath(e.Parent, e.Name)), nameXattrs(fdtree.ProcPath(parent, e.Name))); err != nil {
+		return fmt.Errorf("%s: %w", e.Path, err)
 	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return err
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	if err := unix.UtimesNanoAt(parent, e.Name, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("setting times of %s: %w", e.Path, err)
 	}
-	if c.reflink && st.Size > 0 {
-		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err == nil {
-			c.cloned.Add(1)
-			return out.Close()
-		}
-	}
-	c.copied.Add(1)
-	if err := copySparse(in, out, st.Size); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
+	return nil
 }
 
 // copySparse copies the data segments of in and leaves its holes as holes.
@@ -271,49 +412,52 @@ func plainCopy(in, out *os.File) error {
 	return err
 }
 
-// setAttrs gives dst the owner, mode, xattrs and times of src.
-func setAttrs(src, dst string, st *unix.Stat_t) error {
-	if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
-		return fmt.Errorf("chown %s: %w", dst, err)
-	}
-	isLink := st.Mode&unix.S_IFMT == unix.S_IFLNK
-	if !isLink {
-		// After chown, which clears set-id bits.
-		if err := unix.Fchmodat(unix.AT_FDCWD, dst, st.Mode&0o7777, 0); err != nil {
-			return fmt.Errorf("chmod %s: %w", dst, err)
-		}
-	}
-	if err := copyXattrs(src, dst); err != nil {
-		return err
-	}
-	ts := []unix.Timespec{st.Atim, st.Mtim}
-	if err := unix.UtimesNanoAt(unix.AT_FDCWD, dst, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return fmt.Errorf("setting times of %s: %w", dst, err)
-	}
-	return nil
+// xattrs reads and writes one entry's extended attributes: through its
+// descriptor (files, dirs), or by a name that is not followed (symlinks and
+// device nodes, which cannot be opened to be changed).
+type xattrs struct {
+	list func(buf []byte) (int, error)
+	get  func(name string, buf []byte) (int, error)
+	set  func(name string, val []byte) error
 }
 
-func copyXattrs(src, dst string) error {
-	names, err := listXattrs(src)
+func fdXattrs(fd int) xattrs {
+	return xattrs{
+		list: func(buf []byte) (int, error) { return unix.Flistxattr(fd, buf) },
+		get:  func(name string, buf []byte) (int, error) { return unix.Fgetxattr(fd, name, buf) },
+		set:  func(name string, val []byte) error { return unix.Fsetxattr(fd, name, val, 0) },
+	}
+}
+
+func nameXattrs(path string) xattrs {
+	return xattrs{
+		list: func(buf []byte) (int, error) { return unix.Llistxattr(path, buf) },
+		get:  func(name string, buf []byte) (int, error) { return unix.Lgetxattr(path, name, buf) },
+		set:  func(name string, val []byte) error { return unix.Lsetxattr(path, name, val, 0) },
+	}
+}
+
+func copyXattrs(src, dst xattrs) error {
+	names, err := src.names()
 	if err != nil {
 		return err
 	}
 	for _, name := range names {
-		val, err := getXattr(src, name)
+		val, err := src.value(name)
 		if err != nil {
 			return err
 		}
-		if err := unix.Lsetxattr(dst, name, val, 0); err != nil {
-			return fmt.Errorf("setting xattr %s on %s: %w", name, dst, err)
+		if err := dst.set(name, val); err != nil {
+			return fmt.Errorf("setting xattr %s: %w", name, err)
 		}
 	}
 	return nil
 }
 
-func listXattrs(path string) ([]string, error) {
+func (x xattrs) names() ([]string, error) {
 	buf := make([]byte, 256)
 	for {
-		n, err := unix.Llistxattr(path, buf)
+		n, err := x.list(buf)
 		if errors.Is(err, unix.ERANGE) {
 			buf = make([]byte, len(buf)*4)
 			continue
@@ -322,7 +466,7 @@ func listXattrs(path string) ([]string, error) {
 			return nil, nil
 		}
 		if err != nil {
-			return nil, fmt.Errorf("listing xattrs of %s: %w", path, err)
+			return nil, fmt.Errorf("listing xattrs: %w", err)
 		}
 		var names []string
 		start := 0
@@ -338,16 +482,16 @@ func listXattrs(path string) ([]string, error) {
 	}
 }
 
-func getXattr(path, name string) ([]byte, error) {
+func (x xattrs) value(name string) ([]byte, error) {
 	buf := make([]byte, 256)
 	for {
-		n, err := unix.Lgetxattr(path, name, buf)
+		n, err := x.get(name, buf)
 		if errors.Is(err, unix.ERANGE) {
 			buf = make([]byte, len(buf)*4)
 			continue
 		}
 		if err != nil {
-			return nil, fmt.Errorf("reading xattr %s of %s: %w", name, path, err)
+			return nil, fmt.Errorf("reading xattr %s: %w", name, err)
 		}
 		return buf[:n], nil
 	}
@@ -395,7 +539,7 @@ func (u *usage) add(st *unix.Stat_t) {
 }
 
 func (u *usage) dir(fd int) error {
-	names, err := readDirNames(fd)
+	names, err := fdtree.Names(fd)
 	if err != nil {
 		return err
 	}
@@ -422,17 +566,6 @@ func (u *usage) dir(fd int) error {
 		}
 	}
 	return nil
-}
-
-// readDirNames lists the dir open at fd without closing it.
-func readDirNames(fd int) ([]string, error) {
-	dup, err := unix.Dup(fd)
-	if err != nil {
-		return nil, err
-	}
-	f := os.NewFile(uintptr(dup), "dir")
-	defer f.Close()
-	return f.Readdirnames(-1)
 }
 
 // RemoveTree deletes a tree, destroying btrfs subvolumes with one ioctl
@@ -493,7 +626,7 @@ func removeAt(dirfd int, name string, st *unix.Stat_t) error {
 }
 
 func removeChildren(fd int, dev uint64) error {
-	names, err := readDirNames(fd)
+	names, err := fdtree.Names(fd)
 	if err != nil {
 		return err
 	}

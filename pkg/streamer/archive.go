@@ -25,6 +25,8 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
 )
 
 // xattrPrefixes are the extended attributes that travel: the overlay's own
@@ -100,21 +102,27 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes boo
 	}
 	c := newCounter()
 	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, holes: holes, buf: make([]byte, 256<<10)}
-	var entries int64
-	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		rel, err := filepath.Rel(root, p)
-		if err != nil {
-			return err
-		}
-		entries++ // the root too: its owner, mode and xattrs are the volume's
-		return pk.entry(p, filepath.ToSlash(rel))
-	})
+	// Walked from descriptors: a tree of any depth goes, however long its
+	// paths.
+	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return Summary{}, err
+	}
+	defer unix.Close(rootFd)
+	entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
+	var rootSt unix.Stat_t
+	if err = unix.Fstat(rootFd, &rootSt); err == nil {
+		err = pk.entry(rootFd, ".", ".", &rootSt)
+	}
+	if err == nil {
+		err = fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+			if err := ctx.Err(); err != nil {
+				return false, err
+			}
+			entries++
+			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
+		}})
+	}
 	if err == nil {
 		err = pk.tw.Close()
 	}
@@ -141,14 +149,12 @@ type packer struct {
 	buf   []byte // one copy buffer for every file
 }
 
-func (pk *packer) entry(p, name string) error {
-	var st unix.Stat_t
-	if err := unix.Lstat(p, &st); err != nil {
-		return err
-	}
+// entry writes the entry base of the directory open as dir, named name in
+// the archive, whose stat is st.
+func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 	hdr := &tar.Header{Name: name, Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
 		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
-	xattrs, err := readXattrs(p)
+	xattrs, err := readXattrs(fdtree.ProcPath(dir, base))
 	if err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
@@ -164,9 +170,9 @@ func (pk *packer) entry(p, name string) error {
 	case unix.S_IFDIR:
 		hdr.Typeflag, hdr.Name = tar.TypeDir, name+"/"
 	case unix.S_IFLNK:
-		target, err := os.Readlink(p)
+		target, err := fdtree.Readlink(dir, base)
 		if err != nil {
-			return err
+			return fmt.Errorf("%s: %w", name, err)
 		}
 		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
 	case unix.S_IFREG:
@@ -178,9 +184,11 @@ func (pk *packer) entry(p, name string) error {
 		if st.Nlink > 1 {
 			pk.seen[key] = name
 		}
-		if file, err = os.Open(p); err != nil {
-			return err
+		fd, err := unix.Openat(dir, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
 		}
+		file = os.NewFile(uintptr(fd), name)
 		defer file.Close()
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
 		if pk.holes && st.Blocks*512 < st.Size {
@@ -454,10 +462,14 @@ func (x *extractor) close() {
 	}
 }
 
+// maxNameLen bounds an entry's name. Names may run past PATH_MAX (a deep
+// tree's do: entries are made from descriptors), not without end.
+const maxNameLen = 64 << 10
+
 // cleanName checks an entry's name: relative, clean, no "..", no NUL.
 func cleanName(name string) (string, error) {
 	n := strings.TrimSuffix(name, "/")
-	if n == "" || n == "." || strings.HasPrefix(n, "/") || strings.ContainsRune(n, 0) || len(n) > unix.PathMax {
+	if n == "" || n == "." || strings.HasPrefix(n, "/") || strings.ContainsRune(n, 0) || len(n) > maxNameLen {
 		return "", refused("entry name %q", name)
 	}
 	for _, part := range strings.Split(n, "/") {
@@ -493,10 +505,7 @@ func (x *extractor) openParent(name string) (int, string, error) {
 		fd, err := unix.Dup(x.root)
 		return fd, base, err
 	}
-	fd, err := unix.Openat2(x.root, strings.TrimSuffix(dir, "/"), &unix.OpenHow{
-		Flags:   unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV,
-	})
+	fd, err := fdtree.OpenBeneath(x.root, strings.TrimSuffix(dir, "/"))
 	if err != nil {
 		return -1, "", refused("the parent of %q: %v (a symlink, or missing)", name, err)
 	}
@@ -624,7 +633,7 @@ func (x *extractor) rootEntry(hdr *tar.Header) error {
 // attrs gives an entry its xattrs, owner, mode and (but for dirs, done at
 // the end) times.
 func (x *extractor) attrs(dirfd int, base string, hdr *tar.Header, symlink bool) error {
-	path := fdPath(dirfd, base)
+	path := fdtree.ProcPath(dirfd, base)
 	for k, v := range hdr.PAXRecords {
 		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && x.setsXattr(xattr) {
 			if err := unix.Lsetxattr(path, xattr, []byte(v), 0); err != nil {
@@ -655,13 +664,6 @@ func setTimes(dirfd int, base string, hdr *tar.Header) error {
 		return fmt.Errorf("%s: %w", hdr.Name, err)
 	}
 	return nil
-}
-
-// fdPath names base in the directory open as dirfd, for the calls that
-// take no directory descriptor (the xattr ones): through /proc, which
-// resolves the descriptor, not a path someone could swap.
-func fdPath(dirfd int, base string) string {
-	return fmt.Sprintf("/proc/self/fd/%d/%s", dirfd, base)
 }
 
 // finish sets the directories' times, deepest first, now that nothing more

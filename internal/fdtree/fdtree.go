@@ -1,0 +1,176 @@
+// Package fdtree walks and opens trees by directory file descriptor, so that
+// no path handed to the kernel is longer than one name: a tree of any depth
+// is walked, however far past PATH_MAX (4096 bytes) its paths run, and no
+// symlink is followed. A step can make such a tree (a recursive copy of a
+// dir into itself), and the copies, archives and descriptions of volumes
+// must not fail on it.
+//
+// It owns only the walking; what is done with each entry is its callers'.
+package fdtree
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Entry is one entry below a walked root.
+type Entry struct {
+	// Parent is the directory holding it, open for the call.
+	Parent int
+	Name   string
+	// Path is relative to the root, slash-separated; it may be longer
+	// than PATH_MAX. Depth counts its names (1 for the root's children).
+	Path  string
+	Depth int
+	Stat  unix.Stat_t
+}
+
+// IsDir says whether the entry is a directory.
+func (e *Entry) IsDir() bool { return e.Stat.Mode&unix.S_IFMT == unix.S_IFDIR }
+
+// Visitor is called with each entry, parents before children and each
+// directory's entries in name order. For a directory, descend says whether
+// to walk it; leave, if not nil, is then called with it open, once its
+// entries are done.
+type Visitor struct {
+	Visit func(e *Entry) (descend bool, err error)
+	Leave func(e *Entry, dir int) error
+}
+
+// Walk walks the tree below the directory open as root. It holds one
+// descriptor per level of the directory it is in, and no more.
+func Walk(root int, v Visitor) error {
+	return walk(root, "", 0, v)
+}
+
+func walk(dir int, prefix string, depth int, v Visitor) error {
+	names, err := Names(dir)
+	if err != nil {
+		return fmt.Errorf("reading %s: %w", orRoot(prefix), err)
+	}
+	for _, name := range names {
+		e := &Entry{Parent: dir, Name: name, Path: prefix + name, Depth: depth + 1}
+		if err := unix.Fstatat(dir, name, &e.Stat, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return fmt.Errorf("%s: %w", e.Path, err)
+		}
+		descend, err := v.Visit(e)
+		if err != nil {
+			return err
+		}
+		if !descend || !e.IsDir() {
+			continue
+		}
+		child, err := OpenDir(dir, name)
+		if err != nil {
+			return fmt.Errorf("%s: %w", e.Path, err)
+		}
+		err = walk(child, e.Path+"/", e.Depth, v)
+		if err == nil && v.Leave != nil {
+			err = v.Leave(e, child)
+		}
+		unix.Close(child)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func orRoot(prefix string) string {
+	if prefix == "" {
+		return "the root"
+	}
+	return strings.TrimSuffix(prefix, "/")
+}
+
+// OpenDir opens the directory name in dir, following no symlink.
+func OpenDir(dir int, name string) (int, error) {
+	return unix.Openat(dir, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+}
+
+// Names lists the entries of the directory open as fd, sorted ("." and
+// ".." left out), from its start.
+func Names(fd int) ([]string, error) {
+	if _, err := unix.Seek(fd, 0, 0); err != nil {
+		return nil, err
+	}
+	var names []string
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := unix.Getdents(fd, buf)
+		if err != nil {
+			return nil, err
+		}
+		if n <= 0 {
+			slices.Sort(names)
+			return names, nil
+		}
+		_, _, names = unix.ParseDirent(buf[:n], -1, names)
+	}
+}
+
+// OpenBeneath opens the directory at rel (slash-separated, no "..") below
+// the directory open as root, following no symlink on the way, however
+// long rel is: a long one is opened a stretch of names at a time.
+func OpenBeneath(root int, rel string) (int, error) {
+	fd, err := unix.Dup(root)
+	if err != nil {
+		return -1, err
+	}
+	for rel != "" {
+		stretch := rel
+		if len(stretch) >= maxStretch {
+			cut := strings.LastIndexByte(rel[:maxStretch], '/')
+			if cut <= 0 {
+				unix.Close(fd)
+				return -1, unix.ENAMETOOLONG
+			}
+			stretch = rel[:cut]
+		}
+		rel = strings.TrimPrefix(rel[len(stretch):], "/")
+		next, err := unix.Openat2(fd, stretch, &unix.OpenHow{
+			Flags:   unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV,
+		})
+		unix.Close(fd)
+		if err != nil {
+			return -1, err
+		}
+		fd = next
+	}
+	return fd, nil
+}
+
+// maxStretch is the longest stretch of a path opened in one call: under
+// PATH_MAX, with its terminating NUL.
+const maxStretch = unix.PathMax - 1
+
+// ProcPath names name in the directory open as dir through /proc, for the
+// calls that take only a path (the l*xattr ones): short whatever the
+// depth, and resolved from the descriptor, not from a path someone could
+// swap. With name "", it names what dir is open as (any file), through a
+// link only calls that follow links follow.
+func ProcPath(dir int, name string) string {
+	if name == "" {
+		return fmt.Sprintf("/proc/self/fd/%d", dir)
+	}
+	return fmt.Sprintf("/proc/self/fd/%d/%s", dir, name)
+}
+
+// Readlink reads the target of the symlink name in the directory open as
+// dir.
+func Readlink(dir int, name string) (string, error) {
+	for size := 256; ; size *= 2 {
+		buf := make([]byte, size)
+		n, err := unix.Readlinkat(dir, name, buf)
+		if err != nil {
+			return "", err
+		}
+		if n < size {
+			return string(buf[:n]), nil
+		}
+	}
+}

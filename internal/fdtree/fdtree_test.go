@@ -1,0 +1,136 @@
+package fdtree
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// deepChain makes depth dirs of 200-byte names below dir, from
+// descriptors, and returns their path relative to dir.
+func deepChain(t *testing.T, dir string, depth int) string {
+	t.Helper()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	require.NoError(t, err)
+	name := strings.Repeat("d", 200)
+	var rel []string
+	for range depth {
+		require.NoError(t, unix.Mkdirat(fd, name, 0o755))
+		next, err := OpenDir(fd, name)
+		require.NoError(t, err)
+		unix.Close(fd)
+		fd = next
+		rel = append(rel, name)
+	}
+	require.NoError(t, unix.Mkdirat(fd, "end", 0o755))
+	unix.Close(fd)
+	return strings.Join(append(rel, "end"), "/")
+}
+
+func open(t *testing.T, dir string) int {
+	t.Helper()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd
+}
+
+// Walk visits parents before children, names in order, leaves each dir it
+// entered after its entries, and goes past PATH_MAX.
+func TestWalk(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "b", "c"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "a"), nil, 0o644))
+	require.NoError(t, os.Symlink("/etc", filepath.Join(dir, "b", "link")))
+	require.NoError(t, os.Mkdir(filepath.Join(dir, "skipped"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "skipped", "unseen"), nil, 0o644))
+	deep := deepChain(t, filepath.Join(dir, "b", "c"), 45)
+	var events []string
+	err := Walk(open(t, dir), Visitor{
+		Visit: func(e *Entry) (bool, error) {
+			events = append(events, "visit "+e.Path)
+			require.Equal(t, strings.Count(e.Path, "/")+1, e.Depth)
+			return e.Name != "skipped", nil
+		},
+		Leave: func(e *Entry, _ int) error { events = append(events, "leave "+e.Path); return nil },
+	})
+	require.NoError(t, err)
+	require.Greater(t, len("b/c/"+deep), 2*unix.PathMax)
+	var want []string
+	want = append(want, "visit a", "visit b", "visit b/c")
+	parts := strings.Split(deep, "/")
+	for i := range parts {
+		want = append(want, "visit b/c/"+strings.Join(parts[:i+1], "/"))
+	}
+	for i := len(parts); i > 0; i-- {
+		want = append(want, "leave b/c/"+strings.Join(parts[:i], "/"))
+	}
+	want = append(want, "leave b/c", "visit b/link", "leave b", "visit skipped")
+	require.Equal(t, want, events, "the symlink is visited, not followed; skipped is not entered")
+}
+
+// OpenBeneath opens a dir however long its path, and refuses a path that
+// climbs out or runs through a symlink.
+func TestOpenBeneath(t *testing.T) {
+	dir := t.TempDir()
+	deep := deepChain(t, dir, 45)
+	require.NoError(t, os.Symlink(".", filepath.Join(dir, "loop")))
+	require.NoError(t, os.Symlink("/", filepath.Join(dir, "out")))
+	root := open(t, dir)
+	tests := []struct {
+		name, rel string
+		wantErr   error
+	}{
+		{"the root itself", "", nil},
+		{"past twice PATH_MAX", deep, nil},
+		{"a name too long to stretch over", strings.Repeat("x", unix.PathMax+1), unix.ENAMETOOLONG},
+		{"through a symlink", "loop/" + deep, unix.ELOOP},
+		{"an absolute symlink", "out/etc", unix.ELOOP},
+		{"climbing out", strings.Repeat("d", 200) + "/../..", unix.EXDEV},
+		{"missing", "nope", unix.ENOENT},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			fd, err := OpenBeneath(root, tc.rel)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			defer unix.Close(fd)
+			names, err := Names(fd)
+			require.NoError(t, err)
+			if tc.rel == deep {
+				require.Empty(t, names, "the chain's end")
+			}
+		})
+	}
+}
+
+func TestNamesReadlinkProcPath(t *testing.T) {
+	dir := t.TempDir()
+	for _, n := range []string{"c", "a", "b"} {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, n), []byte(n), 0o644))
+	}
+	long := strings.Repeat("t", 3000)
+	require.NoError(t, os.Symlink(long, filepath.Join(dir, "z")))
+	fd := open(t, dir)
+	for range 2 { // from the start each time
+		names, err := Names(fd)
+		require.NoError(t, err)
+		require.Equal(t, []string{"a", "b", "c", "z"}, names)
+	}
+	target, err := Readlink(fd, "z")
+	require.NoError(t, err)
+	require.Equal(t, long, target)
+	data, err := os.ReadFile(ProcPath(fd, "b"))
+	require.NoError(t, err)
+	require.Equal(t, "b", string(data))
+	st, err := os.Stat(ProcPath(fd, ""))
+	require.NoError(t, err)
+	require.True(t, st.IsDir())
+}
