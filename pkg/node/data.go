@@ -39,24 +39,15 @@ func (h peerHolder) OpenVolume(namespace string, r volume.Ref, path string, form
 	if err != nil {
 		return streamer.Reading{}, err
 	}
-	refs, dirs, err := e.store.ChainOf(r)
+	dirs, release, err := e.holdChain(r)
 	if err != nil {
 		return streamer.Reading{}, err
 	}
-	var cleanup []func()
+	cleanup := []func(){release}
 	closeAll := func() {
 		for i := len(cleanup) - 1; i >= 0; i-- {
 			cleanup[i]()
 		}
-	}
-	for _, ref := range refs {
-		cleanup = append(cleanup, e.reads.hold(ref))
-	}
-	// Held now: the chain read before the holds may have been flattened
-	// since, so it is read again.
-	if _, dirs, err = e.store.ChainOf(r); err != nil {
-		closeAll()
-		return streamer.Reading{}, err
 	}
 	root := dirs[0]
 	if len(dirs) > 1 {
@@ -98,8 +89,6 @@ func (h peerHolder) OpenVolume(namespace string, r volume.Ref, path string, form
 	rd.Close = func() {
 		inner()
 		closeAll()
-		e.kick(e.reaper)
-		e.tidy()
 	}
 	return rd, nil
 }

@@ -426,11 +426,14 @@ func (e *Engine) afterCapture(vol cache.Volume) {
 	} else if err := e.store.SetUsage(vol.Ref(), bytes, inodes); err != nil {
 		klog.ErrorS(err, "Recording a captured volume's size", "volume", vol.Ref())
 	}
-	chain, err := e.store.Chain(vol.Ref())
+	// Held while it is copied: a flatten of an ancestor finishing
+	// meanwhile must not prune the layers this one reads.
+	chain, release, err := e.holdChain(vol.Ref())
 	if err != nil {
 		klog.ErrorS(err, "Reading a captured volume's chain", "volume", vol.Ref())
 		return
 	}
+	defer release()
 	if len(chain) <= e.flattenDepth {
 		return
 	}

@@ -37,6 +37,33 @@ func (r *reads) hold(ref volume.Ref) (release func()) {
 	}
 }
 
+// holdChain holds every volume of a ready volume's chain, so that none of
+// its layers is pruned or freed, and returns the chain's data dirs, top
+// first, and the release. The chain is read again once held: one read
+// before may have been flattened since.
+func (e *Engine) holdChain(r volume.Ref) (dirs []string, release func(), err error) {
+	refs, _, err := e.store.ChainOf(r)
+	if err != nil {
+		return nil, nil, err
+	}
+	releases := make([]func(), 0, len(refs))
+	for _, ref := range refs {
+		releases = append(releases, e.reads.hold(ref))
+	}
+	release = func() {
+		for _, rel := range releases {
+			rel()
+		}
+		e.kick(e.reaper) // a destroy or a prune may have waited
+		e.tidy()
+	}
+	if _, dirs, err = e.store.ChainOf(r); err != nil {
+		release()
+		return nil, nil, err
+	}
+	return dirs, release, nil
+}
+
 func (r *reads) busy(ref volume.Ref) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
