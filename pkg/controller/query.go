@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/btree"
 	"k8s.io/apimachinery/pkg/labels"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -167,7 +168,7 @@ type Entry struct {
 func (v *View) Volumes(after string, limit int, now time.Time) (out []Entry, more bool) {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	v.ascend("", after, func(e *entry) bool {
+	ascend(v.ordered, "", after, func(e *entry) bool {
 		loc := v.location(e, now)
 		if len(loc.Nodes) == 0 {
 			return true
@@ -194,24 +195,51 @@ func (v *View) Volume(r volume.Ref, now time.Time) (Entry, bool) {
 	return Entry{}, false
 }
 
-// ascend calls fn with the entries after the volume ID after (all for ""),
-// in (namespace, handle) order, only namespace ns's unless ns is "", until
-// fn returns false. The caller holds the lock.
-func (v *View) ascend(ns, after string, fn func(*entry) bool) {
+// ascend calls fn with the entries of tree after the volume ID after (all
+// for ""), in (namespace, handle) order, only namespace ns's unless ns is
+// "", until fn returns false, and says whether fn did. The caller holds the
+// lock.
+func ascend(tree *btree.BTreeG[*entry], ns, after string, fn func(*entry) bool) (stopped bool) {
 	afterNS, afterHandle, _ := strings.Cut(after, "/")
 	from := &entry{ref: volume.Ref{Namespace: afterNS, Handle: afterHandle}}
 	if ns > afterNS {
 		from.ref = volume.Ref{Namespace: ns}
 	}
-	v.ordered.AscendGreaterOrEqual(from, func(e *entry) bool {
+	tree.AscendGreaterOrEqual(from, func(e *entry) bool {
 		switch {
 		case e.ref.Namespace == afterNS && e.ref.Handle == afterHandle:
 			return true // the last page's last entry
 		case ns != "" && e.ref.Namespace != ns:
 			return false
 		}
-		return fn(e)
+		stopped = !fn(e)
+		return !stopped
 	})
+	return stopped
+}
+
+// ascendVisible is ascend over what a caller who sees only the namespaces
+// visible says may be listed: those namespaces' entries and the shared
+// ones of the others, namespace by namespace, so that the entries of the
+// namespaces it may not see are never walked. The caller holds the lock.
+func (v *View) ascendVisible(visible func(string) bool, after string, fn func(*entry) bool) {
+	afterNS, _, _ := strings.Cut(after, "/")
+	namespaces := make([]string, 0, len(v.byNamespace))
+	for ns := range v.byNamespace {
+		if ns >= afterNS {
+			namespaces = append(namespaces, ns)
+		}
+	}
+	slices.Sort(namespaces)
+	for _, ns := range namespaces {
+		tree := v.shared
+		if visible(ns) {
+			tree = v.ordered
+		}
+		if ascend(tree, ns, after, fn) {
+			return
+		}
+	}
 }
 
 // PageToken is the opaque token that resumes a listing after volume r
@@ -269,7 +297,7 @@ func (v *View) List(q ListQuery, now time.Time) (out []*controllerv1.VolumeLocat
 			return nil, false, fmt.Errorf("node %s: %w", volume.Quote(q.Node), ErrUnknownNode)
 		}
 	}
-	v.ascend(q.Namespace, q.After, func(e *entry) bool {
+	each := func(e *entry) bool {
 		var loc *controllerv1.VolumeLocation
 		if node != nil {
 			rec, ok := node.has(e)
@@ -294,6 +322,11 @@ func (v *View) List(q ListQuery, now time.Time) (out []*controllerv1.VolumeLocat
 		}
 		out = append(out, loc)
 		return true
-	})
+	}
+	if q.Visible != nil && q.Namespace == "" {
+		v.ascendVisible(q.Visible, q.After, each)
+	} else {
+		ascend(v.ordered, q.Namespace, q.After, each)
+	}
 	return out, more, nil
 }

@@ -59,8 +59,11 @@ type View struct {
 	byNamespace map[string]map[string]*entry
 	// ordered holds the same entries in (namespace, handle) order: a
 	// listing's page starts where the last one stopped, in O(log n),
-	// instead of sorting a million volumes for every page.
-	ordered *btree.BTreeG[*entry]
+	// instead of sorting a million volumes for every page. shared holds
+	// the scope cluster ones alone, in the same order: a caller who sees
+	// few namespaces pages through those and what others shared, not
+	// through everything.
+	ordered, shared *btree.BTreeG[*entry]
 	// names interns the namespaces a million entries repeat, so that they
 	// do not hold a million copies.
 	names interner
@@ -247,7 +250,7 @@ func (v *View) ForgetNode(node string) {
 // NewView makes an empty view; nodes fill it as they report.
 func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
 	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter,
-		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess)}
+		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess), shared: btree.NewG(32, entryLess)}
 }
 
 // entryLess orders entries by namespace, then handle: volume ID order.
@@ -406,7 +409,14 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 		e.holders = slices.Insert(e.holders, at, n)
 	}
 	n.held[e] = u.rec
-	e.scope = u.scope
+	if e.scope != u.scope {
+		if scopes[e.scope] == volume.ScopeCluster {
+			v.shared.Delete(e)
+		}
+		if e.scope = u.scope; scopes[e.scope] == volume.ScopeCluster {
+			v.shared.ReplaceOrInsert(e)
+		}
+	}
 	if e.props != u.props { // equal ones stay in the handle's allocation
 		e.props = u.props
 	}
@@ -463,6 +473,7 @@ func (v *View) remove(n *nodeState, e *entry) {
 			delete(v.byNamespace, e.ref.Namespace)
 		}
 		v.ordered.Delete(e)
+		v.shared.Delete(e)
 	}
 }
 

@@ -299,7 +299,11 @@ func TestPagingThroughChurn(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	namespaces := []string{"a", "ci", "ci-2", "team"}
 	random := func() *controllerv1.VolumeSummary {
-		return &controllerv1.VolumeSummary{State: "ready", SizeBytes: 1, Ref: &controllerv1.VolumeRef{
+		scope := "namespace"
+		if rng.IntN(3) == 0 {
+			scope = "cluster" // a node may say otherwise of the same volume later
+		}
+		return &controllerv1.VolumeSummary{State: "ready", SizeBytes: 1, Scope: scope, Ref: &controllerv1.VolumeRef{
 			Namespace: namespaces[rng.IntN(len(namespaces))], Handle: fmt.Sprintf("v%d", rng.IntN(300))}}
 	}
 	revisions := map[string]uint64{}
@@ -325,10 +329,10 @@ func TestPagingThroughChurn(t *testing.T) {
 		slices.SortFunc(want, volumeIDOrder)
 		return want
 	}
-	page := func(namespace string, limit int, churn bool) (got []string) {
+	page := func(namespace string, visible func(string) bool, limit int, churn bool) (got []string) {
 		after := ""
 		for {
-			locs, more, err := v.List(ListQuery{Namespace: namespace, After: after, Limit: limit}, now)
+			locs, more, err := v.List(ListQuery{Namespace: namespace, Visible: visible, After: after, Limit: limit}, now)
 			require.NoError(t, err)
 			for _, l := range locs {
 				got = append(got, l.Ref.Namespace+"/"+l.Ref.Handle)
@@ -362,7 +366,24 @@ func TestPagingThroughChurn(t *testing.T) {
 		}
 		want := everything()
 		require.Equal(t, len(want), v.ordered.Len(), "round %d: the listing order holds what the index holds", round)
-		require.Equal(t, want, page("", 1+rng.IntN(25), false), "round %d", round)
+		require.Equal(t, want, page("", nil, 1+rng.IntN(25), false), "round %d", round)
+		// A caller who sees one namespace: its volumes and the shared ones.
+		mine := namespaces[rng.IntN(len(namespaces))]
+		var visible []string
+		shared := 0
+		for _, id := range want {
+			ns, h, _ := strings.Cut(id, "/")
+			isShared := v.find(volume.Ref{Namespace: ns, Handle: h}).scope.String() == "cluster"
+			if isShared {
+				shared++
+			}
+			if ns == mine || isShared {
+				visible = append(visible, id)
+			}
+		}
+		require.Equal(t, shared, v.shared.Len(), "round %d: the shared order holds the shared volumes", round)
+		require.Equal(t, visible, page("", func(ns string) bool { return ns == mine }, 1+rng.IntN(25), false),
+			"round %d: as %s sees it", round, mine)
 		ns := namespaces[rng.IntN(len(namespaces))]
 		var inNS []string
 		for _, id := range want {
@@ -370,11 +391,11 @@ func TestPagingThroughChurn(t *testing.T) {
 				inNS = append(inNS, id)
 			}
 		}
-		require.Equal(t, inNS, page(ns, 1+rng.IntN(10), false), "round %d: namespace %s", round, ns)
+		require.Equal(t, inNS, page(ns, nil, 1+rng.IntN(10), false), "round %d: namespace %s", round, ns)
 		// Pages resume past a volume deleted since: none is listed twice,
 		// none skipped but those deleted.
 		before := everything()
-		got := page("", 1+rng.IntN(25), true)
+		got := page("", nil, 1+rng.IntN(25), true)
 		require.Subset(t, before, got)
 		require.True(t, slices.IsSortedFunc(got, volumeIDOrder) && len(slices.Compact(slices.Clone(got))) == len(got),
 			"round %d: in order, once each", round)
