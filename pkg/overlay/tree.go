@@ -139,7 +139,7 @@ func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(
 	if err := os.Mkdir(dst, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return CopyStats{}, err
 	}
-	dstRoot, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	dstRoot, err := fdtree.OpenDir(unix.AT_FDCWD, dst)
 	if err != nil {
 		return CopyStats{}, err
 	}
@@ -508,7 +508,7 @@ func Usage(root string) (bytes, inodes int64, err error) {
 	u := usage{seen: map[[2]uint64]bool{}}
 	u.add(&st)
 	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
-		fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		fd, err := fdtree.OpenDir(unix.AT_FDCWD, root)
 		if err != nil {
 			return 0, 0, err
 		}
@@ -555,7 +555,7 @@ func (u *usage) dir(fd int) error {
 		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			continue
 		}
-		child, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		child, err := fdtree.OpenDir(fd, name)
 		if err != nil {
 			return err
 		}
@@ -610,7 +610,7 @@ func removeAt(dirfd int, name string, st *unix.Stat_t) error {
 		}
 		// It holds nested subvolumes: empty it, then destroy it.
 	}
-	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err := fdtree.OpenDir(dirfd, name)
 	if err != nil {
 		return ignoreMissing(err)
 	}
