@@ -3,6 +3,7 @@ package node
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -113,19 +114,11 @@ func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, err
 // inChainOf says whether r is a layer of via's chain, via being a ready
 // volume namespace may read: what a pull for a pod that uses via may take.
 func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
-	v, err := h.e.store.Get(via)
-	if err != nil || v.State != volume.StateReady || !v.ReadableBy(namespace) {
+	if v, err := h.e.store.Get(via); err != nil || !v.ReadableBy(namespace) {
 		return false
 	}
-	for seen := 0; seen <= maxKernelLayers && !v.Base.IsZero(); seen++ {
-		if v.Base == r {
-			return true
-		}
-		if v, err = h.e.store.Get(v.Base); err != nil {
-			return false
-		}
-	}
-	return false
+	refs, _, err := h.e.store.ChainOf(via) // via's own first; ready, or an error
+	return err == nil && slices.Contains(refs[1:], r)
 }
 
 // maxKernelLayers bounds a chain: overlayfs stacks no more.
