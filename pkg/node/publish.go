@@ -426,17 +426,22 @@ func (e *Engine) afterCapture(vol cache.Volume) {
 	} else if err := e.store.SetUsage(vol.Ref(), bytes, inodes); err != nil {
 		klog.ErrorS(err, "Recording a captured volume's size", "volume", vol.Ref())
 	}
-	// Held while it is copied: a flatten of an ancestor finishing
-	// meanwhile must not prune the layers this one reads.
-	chain, release, err := e.holdChain(vol.Ref())
+	chain, err := e.store.Chain(vol.Ref())
 	if err != nil {
 		klog.ErrorS(err, "Reading a captured volume's chain", "volume", vol.Ref())
 		return
 	}
-	defer release()
 	if len(chain) <= e.flattenDepth {
 		return
 	}
+	// Held while it is copied: a flatten of an ancestor finishing
+	// meanwhile must not prune the layers this one reads.
+	chain, release, err := e.holdChain(vol.Ref())
+	if err != nil {
+		klog.ErrorS(err, "Holding a captured volume's chain", "volume", vol.Ref())
+		return
+	}
+	defer release()
 	start := time.Now()
 	stats, err := e.flatten(vol.Ref(), chain)
 	if err != nil {
