@@ -58,21 +58,13 @@ func (c *cluster) pluginImageRuns() {
 // controller on loopback).
 func (c *cluster) installOverlay(tag string) string {
 	dir := filepath.Join(c.work, "overlay")
-	repo, err := filepath.Abs("../..")
-	require.NoError(c.t, err)
-	rel := func(p string) string {
-		r, err := filepath.Rel(dir, filepath.Join(repo, p))
-		require.NoError(c.t, err)
-		return r
-	}
-	settings, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
-	require.NoError(c.t, err)
-	s := string(settings)
-	for key, value := range installSettings(c) {
-		s = withSetting(c.t, s, key, value)
-	}
-	writeFile(c.t, filepath.Join(dir, "settings.yaml"), s)
-	writeFile(c.t, filepath.Join(dir, "kustomization.yaml"), fmt.Sprintf(`apiVersion: kustomize.config.k8s.io/v1beta1
+	writeOverlay(c.t, dir, func(s string) string {
+		for key, value := range installSettings(c) {
+			s = withSetting(c.t, s, key, value)
+		}
+		return s
+	}, func(rel func(string) string) string {
+		return fmt.Sprintf(`apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
   - %[1]s
@@ -102,7 +94,8 @@ patches:
       - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}
-`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), rel("deploy/csi/components/registrar-less"), c.apiPort, tag))
+`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), rel("deploy/csi/components/registrar-less"), c.apiPort, tag)
+	})
 	return dir
 }
 

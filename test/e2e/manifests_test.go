@@ -40,6 +40,8 @@ func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, e
 
 type renderError struct{ out string }
 
+func (e *renderError) Error() string { return e.out }
+
 // withSetting sets key in a settings.yaml, which must have it once.
 func withSetting(t *testing.T, settings, key, value string) string {
 	t.Helper()
@@ -48,26 +50,33 @@ func withSetting(t *testing.T, settings, key, value string) string {
 	return line.ReplaceAllLiteralString(settings, "  "+key+": "+value)
 }
 
-func (e *renderError) Error() string { return e.out }
+// writeOverlay writes an overlay in dir as a user would: the example's
+// settings.yaml edited by edit, and the kustomization.yaml kustomization
+// makes, given how to name a dir of the repo from dir.
+func writeOverlay(t *testing.T, dir string, edit func(settings string) string, kustomization func(rel func(repoDir string) string) string) {
+	t.Helper()
+	repo, err := filepath.Abs("../..")
+	require.NoError(t, err)
+	example, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
+	require.NoError(t, err)
+	writeFile(t, filepath.Join(dir, "settings.yaml"), edit(string(example)))
+	writeFile(t, filepath.Join(dir, "kustomization.yaml"), kustomization(func(p string) string {
+		r, err := filepath.Rel(dir, filepath.Join(repo, p))
+		require.NoError(t, err)
+		return r
+	}))
+}
 
 // settingsOverlay writes an overlay of deploy/csi/base with the settings
 // component and the example's settings.yaml, edited by edit, and returns
 // its dir.
 func settingsOverlay(t *testing.T, edit func(settings string) string) string {
 	t.Helper()
-	repo, err := filepath.Abs("../..")
-	require.NoError(t, err)
 	dir := t.TempDir()
-	example, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
-	require.NoError(t, err)
-	writeFile(t, filepath.Join(dir, "settings.yaml"), edit(string(example)))
-	rel := func(p string) string {
-		r, err := filepath.Rel(dir, filepath.Join(repo, p))
-		require.NoError(t, err)
-		return r
-	}
-	writeFile(t, filepath.Join(dir, "kustomization.yaml"), "resources: ["+rel("deploy/csi/base")+", settings.yaml]\n"+
-		"components: ["+rel("deploy/csi/components/settings")+"]\n")
+	writeOverlay(t, dir, edit, func(rel func(string) string) string {
+		return "resources: [" + rel("deploy/csi/base") + ", settings.yaml]\n" +
+			"components: [" + rel("deploy/csi/components/settings") + "]\n"
+	})
 	return dir
 }
 
