@@ -14,11 +14,21 @@ space := $(subst ,, )
 BENCHTIME ?= 1x
 BENCHCOUNT ?= 1
 
-# The e2e harness's Kubernetes, built from source (no registry is reachable).
-K8S_VERSION := v1.33.13
-K8S_BIN     := test/e2e/bin
+# The e2e harness's Kubernetes, built from source (no registry is reachable):
+# the newest release by default, or another supported one (K8S_VERSION=v1.35.4),
+# each from its own module in test/e2e/tools and cached in its own bin dir.
+K8S_VERSION ?= v1.37.2
+K8S_MINOR   := $(word 2,$(subst ., ,$(K8S_VERSION)))
+K8S_TOOLS   := test/e2e/tools/k8s-1.$(K8S_MINOR)
+E2E_BIN     := test/e2e/bin
+K8S_BIN     := $(E2E_BIN)/kubernetes-$(K8S_VERSION)
 K8S_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
-	-X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=33 -X $(p).gitTreeState=clean)
+	-X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=$(K8S_MINOR) -X $(p).gitTreeState=clean)
+# Its container runtime, also from source at pinned versions: containerd 2
+# with its runc shim and ctr, and runc (cgo, libseccomp).
+RUNTIME_TOOLS := test/e2e/tools/runtime
+RUNTIME_BIN   := $(E2E_BIN)/runtime
+CONTAINERD_VERSION := $(shell sed -n 's|^\tgithub.com/containerd/containerd/v2 \(v[^ ]*\).*|\1|p' $(RUNTIME_TOOLS)/go.mod)
 
 # Code generated from api/*.proto, with pinned generators (and protoc from
 # Debian's protobuf-compiler).
@@ -43,19 +53,32 @@ test: build
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 # The cluster runs the image make image builds (under the e2e's name).
-e2e: build $(K8S_BIN)/kubelet
+e2e: build $(K8S_BIN)/kubelet $(RUNTIME_BIN)/runc
 	test/e2e/install-deps.sh
-	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(K8S_BIN)/plugin-image.tar
-	rm -f $(K8S_BIN)/report.txt
-	cd test/e2e && COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(K8S_BIN)/report.txt \
-		COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(K8S_BIN)/plugin-image.tar \
-		$(GO) test -tags e2e -count=1 -timeout 30m -v .
-	@cat $(K8S_BIN)/report.txt 2>/dev/null || true
+	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(E2E_BIN)/plugin-image.tar
+	rm -f $(E2E_BIN)/report.txt
+	cd test/e2e && PATH=$(CURDIR)/$(RUNTIME_BIN):$$PATH \
+		COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/report.txt \
+		COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(E2E_BIN)/plugin-image.tar COWVOL_E2E_KUBE_BIN=$(CURDIR)/$(K8S_BIN) \
+		$(GO) test -tags e2e -count=1 -timeout 40m -v .
+	@cat $(E2E_BIN)/report.txt 2>/dev/null || true
 
-$(K8S_BIN)/kubelet: test/e2e/tools/go.mod
-	cd test/e2e/tools && $(GO) build -trimpath -ldflags '$(K8S_LDFLAGS)' -o ../bin/ \
+$(K8S_BIN)/kubelet: $(K8S_TOOLS)/go.mod
+	@test -f $(K8S_TOOLS)/go.mod || { echo "no e2e tools for Kubernetes $(K8S_VERSION) (test/e2e/tools has: $$(ls test/e2e/tools))"; exit 1; }
+	@grep -q "k8s.io/kubernetes $(K8S_VERSION)\b" $(K8S_TOOLS)/go.mod || { echo "$(K8S_TOOLS) pins another release than $(K8S_VERSION)"; exit 1; }
+	cd $(K8S_TOOLS) && $(GO) build -trimpath -ldflags '$(K8S_LDFLAGS)' -o $(CURDIR)/$(K8S_BIN)/ \
 		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl \
 		k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+
+# runc links libseccomp (Debian's libseccomp-dev, which install-deps.sh adds).
+$(RUNTIME_BIN)/runc: $(RUNTIME_TOOLS)/go.mod
+	test/e2e/install-deps.sh
+	cd $(RUNTIME_TOOLS) && CGO_ENABLED=0 $(GO) build -trimpath -tags no_btrfs \
+		-ldflags '-s -w -X github.com/containerd/containerd/v2/version.Version=$(CONTAINERD_VERSION)' -o $(CURDIR)/$(RUNTIME_BIN)/ \
+		github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+		github.com/containerd/containerd/v2/cmd/ctr
+	cd $(RUNTIME_TOOLS) && CGO_ENABLED=1 $(GO) build -trimpath -tags seccomp -ldflags '-s -w' -o $(CURDIR)/$(RUNTIME_BIN)/runc \
+		github.com/opencontainers/runc
 
 bench: build
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) $(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -count $(BENCHCOUNT) -timeout 60m ./bench/
@@ -86,4 +109,4 @@ docker-image:
 	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE) .
 
 clean:
-	rm -rf bin $(K8S_BIN)
+	rm -rf bin $(E2E_BIN)

@@ -197,6 +197,20 @@ func writeFile(t *testing.T, path, content string) {
 	}
 }
 
+// kubeBin is where make e2e built the Kubernetes release it runs on.
+func kubeBin(t *testing.T) string {
+	bin := os.Getenv("COWVOL_E2E_KUBE_BIN")
+	if bin == "" {
+		t.Fatal("COWVOL_E2E_KUBE_BIN is not set: run make e2e (it builds Kubernetes from test/e2e/tools)")
+	}
+	for _, b := range []string{"kube-apiserver", "kubelet", "kubectl", "kube-controller-manager", "kube-scheduler"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			t.Fatalf("%s is not built in %s: run make e2e", b, bin)
+		}
+	}
+	return bin
+}
+
 // startCluster brings the whole node up, cowvol's plugin and controller
 // running as host processes, and registers teardown.
 func startCluster(t *testing.T) *cluster {
@@ -222,15 +236,7 @@ func startCluster(t *testing.T) *cluster {
 // too (Deployments and DaemonSets need them), and ServiceAccounts' tokens.
 func startNode(t *testing.T, controllers bool) *cluster {
 	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox")
-	bin, err := filepath.Abs("bin")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range []string{"kube-apiserver", "kubelet", "kubectl"} {
-		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
-			t.Fatalf("%s is not built: run make e2e (it builds test/e2e/tools)", b)
-		}
-	}
+	bin := kubeBin(t)
 	work, err := os.MkdirTemp("", "cowvol-e2e-")
 	if err != nil {
 		t.Fatal(err)
@@ -338,23 +344,27 @@ func (c *cluster) startContainerd() {
 	writeFile(c.t, filepath.Join(cni, "10-loopback.conflist"),
 		`{"cniVersion": "0.4.0", "name": "loopback", "plugins": [{"type": "loopback"}]}`)
 	config := filepath.Join(dir, "config.toml")
-	writeFile(c.t, config, fmt.Sprintf(`version = 2
+	// containerd 2's config schema (version 3): the CRI plugin's images and
+	// runtime halves are plugins of their own.
+	writeFile(c.t, config, fmt.Sprintf(`version = 3
 root = %q
 state = %q
 [grpc]
   address = %q
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %q
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = %q
+[plugins.'io.containerd.cri.v1.runtime']
   # This machine's root lacks CAP_SYS_RESOURCE: without this every
   # sandbox fails with "can't get final child's PID from pipe: EOF".
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = %q
 `, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, pauseImage, cni))
 	c.start("containerd", nil, "containerd", "--config", config)

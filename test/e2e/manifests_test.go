@@ -19,11 +19,7 @@ import (
 // "Kind/name".
 func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, error) {
 	t.Helper()
-	kubectl, err := filepath.Abs(filepath.Join("bin", "kubectl"))
-	require.NoError(t, err)
-	if _, err := os.Stat(kubectl); err != nil {
-		t.Fatalf("kubectl is not built: run make e2e (it builds test/e2e/tools)")
-	}
+	kubectl := filepath.Join(kubeBin(t), "kubectl")
 	out, err := exec.Command(kubectl, "kustomize", dir).CombinedOutput()
 	if err != nil {
 		return nil, &renderError{string(out)}
