@@ -237,3 +237,24 @@ func TestKubeletRegistration(t *testing.T) {
 	_, err = os.Stat(reg)
 	require.ErrorIs(t, err, os.ErrNotExist, "the kubelet sees a stopped plugin's registration go")
 }
+
+// The README's first command works the first time, also on a loaded
+// machine: the demo's client waits for the plugin it starts to listen
+// (before, its first call could beat the socket: "dial unix .../csi.sock:
+// connect: no such file or directory").
+func TestDemoUnderLoad(t *testing.T) {
+	testfs.Need(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Two busy loops per core keep the plugin's start-up slow.
+	for i := 0; i < 4; i++ {
+		spin := exec.CommandContext(ctx, "sh", "-c", "while :; do :; done")
+		require.NoError(t, spin.Start())
+		t.Cleanup(func() { _ = spin.Wait() })
+	}
+	for run := 0; run < 3; run++ {
+		out, err := exec.Command(plugintest.Binary(t), "demo").CombinedOutput()
+		require.NoError(t, err, "run %d:\n%s", run, out)
+		require.Contains(t, string(out), "OK: every step saw what it should")
+	}
+}

@@ -56,9 +56,40 @@ func runDemo(args []string) error {
 		return err
 	}
 	defer conn.Close()
+	if err := waitServing(conn, served); err != nil {
+		return err
+	}
 	p := &pipeline{node: csi.NewNodeClient(conn), kubeletDir: kubeletDir}
 	fmt.Printf("cowvol demo: plugin %s on %s, state dir %s, COW backend %s\n\n", version, sock, *stateDir, d.Backend())
 	return p.play()
+}
+
+// servingTimeout bounds how long the demo waits for its plugin to listen.
+const servingTimeout = 30 * time.Second
+
+// waitServing waits until the plugin Run started answers Probe. Run makes
+// its socket only once it listens, and a call made before that fails at
+// once ("no such file or directory"), so the first call waits for the
+// connection; Run returning first (it could not start) ends the wait with
+// its error.
+func waitServing(conn *grpc.ClientConn, served chan error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), servingTimeout)
+	defer cancel()
+	probed := make(chan error, 1)
+	go func() {
+		_, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
+		probed <- err
+	}()
+	select {
+	case err := <-probed:
+		if err != nil {
+			return fmt.Errorf("the plugin did not answer within %s: %w", servingTimeout, err)
+		}
+		return nil
+	case err := <-served:
+		served <- err // for the deferred stop
+		return fmt.Errorf("the plugin stopped before serving: %w", err)
+	}
 }
 
 type pipeline struct {
