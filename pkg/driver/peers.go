@@ -150,7 +150,7 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 	}
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
 	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait,
-		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries}}, nil
+		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.AllowSetuid}}, nil
 }
 
 // dialer reaches peers' --peer-address: over mutual TLS where the options
@@ -204,7 +204,7 @@ func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
 	}
 	srv := grpc.NewServer(opts...)
 	lim := streamer.DefaultLimits
-	lim.Bytes = d.opts.Peers.SizeLimit
+	lim.Bytes, lim.KeepSetuid = d.opts.Peers.SizeLimit, d.opts.AllowSetuid
 	streamer.NewServer(d.engine.PeerHolder(), m, lim).Register(srv)
 	return srv, nil
 }

@@ -336,6 +336,10 @@ type Limits struct {
 	// trusted.* xattrs: an archive from outside the cluster (an upload)
 	// must not steer the overlay the volume is mounted with.
 	Strict bool
+	// KeepSetuid keeps regular files' setuid and setgid bits
+	// (--allow-setuid). Otherwise they are cleared, as a capture clears
+	// them: runtimes do not pass a volume's nosuid into the container.
+	KeepSetuid bool
 }
 
 // DefaultLimits are generous for CI volumes and fatal to a decompression
@@ -372,7 +376,7 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	limited := &limitReader{r: dr, left: lim.Bytes}
 	tr := tar.NewReader(io.TeeReader(limited, c))
 	x := &extractor{root: root, buf: make([]byte, holeBlock), zero: make([]byte, holeBlock), cachedFd: -1, strict: lim.Strict,
-		unprivileged: os.Geteuid() != 0}
+		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0}
 	defer x.close()
 	var entries int64
 	for {
@@ -448,9 +452,10 @@ type extractor struct {
 	cachedFd  int
 	// rootHdr is the root entry, if the archive had one; made says an
 	// entry other than the root was, after which none may come.
-	rootHdr *tar.Header
-	made    bool
-	strict  bool
+	rootHdr    *tar.Header
+	made       bool
+	strict     bool
+	keepSetuid bool
 	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
 	// the files and sets only user.* xattrs.
 	unprivileged bool
@@ -726,7 +731,11 @@ func (x *extractor) fileAttrs(fd int, hdr *tar.Header) error {
 			return err
 		}
 	}
-	if err := unix.Fchmod(fd, uint32(hdr.Mode&0o7777)); err != nil {
+	mode := uint32(hdr.Mode & 0o7777)
+	if !x.keepSetuid {
+		mode &^= unix.S_ISUID | unix.S_ISGID
+	}
+	if err := unix.Fchmod(fd, mode); err != nil {
 		return err
 	}
 	ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}

@@ -257,3 +257,30 @@ func FuzzUnpack(f *testing.F) {
 		require.Len(t, names, 1, "only dir in %s", base)
 	})
 }
+
+// A pulled or uploaded setuid binary arrives without its setuid and setgid
+// bits, as a capture would leave it, unless the node keeps them
+// (--allow-setuid): runtimes do not pass a volume's nosuid into the
+// container.
+func TestUnpackClearsSetuid(t *testing.T) {
+	archive := craft(t,
+		entry{hdr: tar.Header{Name: "suid", Typeflag: tar.TypeReg, Mode: 0o4755}, body: "x"},
+		entry{hdr: tar.Header{Name: "sgid", Typeflag: tar.TypeReg, Mode: 0o2711}, body: "x"},
+		entry{hdr: tar.Header{Name: "dir", Typeflag: tar.TypeDir, Mode: 0o2775}})
+	for _, keep := range []bool{false, true} {
+		dst := t.TempDir()
+		lim := DefaultLimits
+		lim.KeepSetuid = keep
+		_, err := Unpack(context.Background(), bytes.NewReader(archive), Raw, dst, lim)
+		require.NoError(t, err)
+		want := map[string]uint32{"suid": 0o755, "sgid": 0o711, "dir": 0o2775}
+		if keep {
+			want["suid"], want["sgid"] = 0o4755, 0o2711
+		}
+		for name, mode := range want {
+			var st unix.Stat_t
+			require.NoError(t, unix.Lstat(filepath.Join(dst, name), &st))
+			require.Equal(t, mode, st.Mode&0o7777, "%s (keep %v)", name, keep)
+		}
+	}
+}
