@@ -228,7 +228,7 @@ func seed(b *testing.B, dir string, n int) {
 			err = os.MkdirAll(s.DataPath(res), 0o755)
 		}
 		if err == nil {
-			_, err = s.CommitCapture(id, false)
+			_, err = s.CommitCapture(id, cache.Captured{})
 		}
 		if err != nil {
 			b.Fatal(err)

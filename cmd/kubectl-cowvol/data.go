@@ -132,7 +132,7 @@ func newVolume(ref volume.Ref, scope, ttl, node string, props []string) (*contro
 		if nv.Properties == nil {
 			nv.Properties = map[string]string{}
 		}
-		if err := volume.ValidateProperty(k, v); err != nil {
+		if err := volume.ValidateUserProperty(k, v); err != nil {
 			return nil, err
 		}
 		nv.Properties[k] = v

@@ -21,6 +21,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -124,6 +125,10 @@ type View struct {
 	Properties map[string]string `json:"properties,omitempty"`
 	ReadOnly   bool              `json:"readOnly,omitempty"`
 	Pod        volume.Pod        `json:"pod"`
+	// UserNamespace says the pod runs in a user namespace of its own: the
+	// runtime idmaps the view's mount, so the view is a plain tree, never
+	// an overlay mount (which cannot be idmapped).
+	UserNamespace bool `json:"userNamespace,omitempty"`
 	// TTL is given to the captured volume.
 	TTL time.Duration `json:"ttl,omitempty"`
 	// SizeLimit caps what the step may write (bytes; 0: none), and
@@ -640,10 +645,20 @@ func (s *Store) CaptureTarget(view View) (Volume, error) {
 	return v, nil
 }
 
+// Captured is what a capture found of the layer it commits.
+type Captured struct {
+	// Diff says the layer is an overlay upper dir over the view's source
+	// (so the source becomes its base).
+	Diff bool
+	// Bytes and Inodes are the layer's usage.
+	Bytes, Inodes int64
+	// Properties are added to the view's (how the step ended).
+	Properties map[string]string
+}
+
 // CommitCapture turns a capturing view's reservation into a ready volume and
-// forgets the view, in one transaction. diff says the layer is an overlay
-// upper dir over the view's source (so the source becomes its base).
-func (s *Store) CommitCapture(volumeID string, diff bool) (Volume, error) {
+// forgets the view, in one transaction.
+func (s *Store) CommitCapture(volumeID string, c Captured) (Volume, error) {
 	var out Volume
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		vols, views := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
@@ -654,30 +669,38 @@ func (s *Store) CommitCapture(volumeID string, diff bool) (Volume, error) {
 		if !ok || view.State != ViewCapturing {
 			return fmt.Errorf("step volume %q is not capturing: %w", volumeID, ErrWrongViewState)
 		}
-		c := view.CaptureRef()
-		vol, ok, err := getJSON[Volume](vols, key(c))
+		ref := view.CaptureRef()
+		vol, ok, err := getJSON[Volume](vols, key(ref))
 		if err != nil {
 			return err
 		}
 		if !ok || vol.State != volume.StateCreating || vol.Lease != viewLease(volumeID) {
 			return fmt.Errorf("capture handle %q is not reserved by %q: %w", view.Capture, volumeID, ErrExists)
 		}
-		if diff {
+		if c.Diff {
 			vol.Base = view.Source
-			if err := tx.Bucket(childrenBucket).Put(indexKey(vol.Base.String(), c.String()), nil); err != nil {
+			if err := tx.Bucket(childrenBucket).Put(indexKey(vol.Base.String(), ref.String()), nil); err != nil {
 				return err
 			}
+		}
+		vol.SizeBytes, vol.Inodes = c.Bytes, c.Inodes
+		if len(c.Properties) > 0 {
+			vol.Properties = maps.Clone(vol.Properties)
+			if vol.Properties == nil {
+				vol.Properties = map[string]string{}
+			}
+			maps.Copy(vol.Properties, c.Properties)
 		}
 		now := time.Now()
 		vol.State, vol.Lease, vol.CreatedAt, vol.LastUsed = volume.StateReady, Lease{}, now, now
 		if vol.DestroyOnCommit {
 			vol.State = volume.StateDestroying
 		}
-		if err := putJSON(vols, key(c), vol); err != nil {
+		if err := putJSON(vols, key(ref), vol); err != nil {
 			return err
 		}
 		out = vol
-		if err := errors.Join(unpin(tx, view), bump(tx), tx.Bucket(failuresBucket).Delete(key(c))); err != nil {
+		if err := errors.Join(unpin(tx, view), bump(tx), tx.Bucket(failuresBucket).Delete(key(ref))); err != nil {
 			return err
 		}
 		return views.Delete([]byte(volumeID))

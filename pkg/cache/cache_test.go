@@ -39,7 +39,7 @@ func ready(t *testing.T, s *Store, ns, handle string, source volume.Ref, scope v
 	res, err := s.CaptureTarget(v)
 	require.NoError(t, err)
 	require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
-	vol, err := s.CommitCapture(id, !source.IsZero())
+	vol, err := s.CommitCapture(id, Captured{Diff: !source.IsZero()})
 	require.NoError(t, err)
 	return vol
 }
@@ -157,7 +157,7 @@ func TestDestroyHidesAtOnceAndReapsWhenFree(t *testing.T) {
 	require.NoError(t, s.Destroy(ref("ci", "wip")))
 	require.NoError(t, s.SetMounted("w", 1, ""))
 	require.NoError(t, s.SetViewState("w", ViewPublished, ViewCapturing))
-	vol, err := s.CommitCapture("w", false)
+	vol, err := s.CommitCapture("w", Captured{})
 	require.NoError(t, err)
 	require.Equal(t, volume.StateDestroying, vol.State)
 }
@@ -203,7 +203,7 @@ func TestTTLExpiry(t *testing.T) {
 	res, err := s.CaptureTarget(v)
 	require.NoError(t, err)
 	require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
-	_, err = s.CommitCapture(v.VolumeID, false)
+	_, err = s.CommitCapture(v.VolumeID, Captured{})
 	require.NoError(t, err)
 	require.Empty(t, s.Expired(time.Now()))
 	require.Equal(t, []volume.Ref{ref("ci", "short")}, s.Expired(time.Now().Add(2*time.Hour)))

@@ -145,6 +145,11 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	if err := layer.Validate(); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
+	for k, v := range layer.Properties { // an uploader is not cowvol
+		if err := volume.ValidateUserProperty(k, v); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
 	enc, err := streamer.ParseDataEncoding(nv.GetEncoding())
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())

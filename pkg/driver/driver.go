@@ -389,6 +389,9 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 		events = sender
 	}
 	cfg := d.opts.engineConfig()
+	if deps.Kube != nil {
+		cfg.Pods = watchPods(kubeCtx, deps.Kube, d.opts.NodeID)
+	}
 	if d.opts.ControllerAddress != "" {
 		dial, err := controllerDialOptions(d.opts)
 		if err != nil {

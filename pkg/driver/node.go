@@ -11,6 +11,7 @@ import (
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/node"
+	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/target"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -130,7 +131,7 @@ func engineError(err error) error {
 	case errors.Is(err, cache.ErrNotFound), errors.Is(err, node.ErrElsewhere):
 		code = codes.NotFound
 	case errors.Is(err, cache.ErrNotReady), errors.Is(err, cache.ErrBackoff), errors.Is(err, node.ErrOutOfService),
-		errors.Is(err, node.ErrPulling), errors.Is(err, node.ErrPullFailed):
+		errors.Is(err, node.ErrPulling), errors.Is(err, node.ErrPullFailed), errors.Is(err, node.ErrPodUnknown):
 		code = codes.Unavailable // retryable: the capture or pull will finish, the backoff end
 	case errors.Is(err, cache.ErrExists), errors.Is(err, node.ErrOtherAttributes):
 		code = codes.AlreadyExists
@@ -141,7 +142,7 @@ func engineError(err error) error {
 	case errors.Is(err, cache.ErrUnusable), errors.Is(err, cache.ErrInUse),
 		errors.Is(err, cache.ErrHasChildren), errors.Is(err, cache.ErrWrongViewState),
 		errors.Is(err, target.ErrUnsafe), errors.Is(err, target.ErrGone),
-		errors.Is(err, node.ErrLimitsOff), errors.Is(err, node.ErrNotCowvols):
+		errors.Is(err, node.ErrLimitsOff), errors.Is(err, node.ErrNotCowvols), errors.Is(err, overlay.ErrNotIdmappable):
 		code = codes.FailedPrecondition
 	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT), errors.Is(err, node.ErrNodeFull):
 		code = codes.ResourceExhausted

@@ -184,7 +184,7 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 			r.SizeLimit = q.Value()
 		case strings.HasPrefix(k, AttrPropertyPrefix):
 			key := strings.TrimPrefix(k, AttrPropertyPrefix)
-			if err := volume.ValidateProperty(key, v); err != nil {
+			if err := volume.ValidateUserProperty(key, v); err != nil {
 				return r, invalid("%v", err)
 			}
 			if r.Properties == nil {

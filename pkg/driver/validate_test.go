@@ -53,6 +53,8 @@ func TestParseVolumeContext(t *testing.T) {
 			volumeRequest{Source: volume.Ref{Namespace: "team-b", Handle: "res"}}},
 		{"capture with limit", kubeletContext("capture", "out", "sizeLimit", "10Mi"), codes.OK, "",
 			volumeRequest{Capture: "out", SizeLimit: 10 << 20}},
+		{"a property of cowvol's own (a forged step result)", kubeletContext("capture", "out", "property."+volume.PropertyStepResult, "succeeded"),
+			codes.InvalidArgument, "reserved", volumeRequest{}},
 		{"no ephemeral key", without(kubeletContext(), ctxEphemeral), codes.FailedPrecondition, "podInfoOnMount: true", volumeRequest{}},
 		{"ephemeral false", kubeletContext(ctxEphemeral, "false"), codes.FailedPrecondition, "Ephemeral", volumeRequest{}},
 		{"no namespace", without(kubeletContext(), ctxPodNamespace), codes.FailedPrecondition, "pod.namespace", volumeRequest{}},

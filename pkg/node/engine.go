@@ -68,6 +68,8 @@ type Config struct {
 	BootIDFile string
 	// Pulls, if set, pulls the sources the node lacks from peers.
 	Pulls *PullConfig
+	// Pods answers what the API server knows of step pods (nil: none).
+	Pods Pods
 }
 
 // defaultPullWait is how long a publish waits for a pull before answering
@@ -84,6 +86,11 @@ type Engine struct {
 	store        *cache.Store
 	mounter      overlay.Mounter
 	backend      overlay.Backend
+	// idmapBackend builds the views of pods with a user namespace of their
+	// own where backend would mount an overlay, which the runtime cannot
+	// idmap: reflink clones where the state dir has them; nil elsewhere.
+	idmapBackend overlay.Backend
+	pods         Pods
 	metrics      *metrics
 	events       PodEvents
 	inflight     inflight
@@ -154,6 +161,10 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	if err != nil {
 		return nil, err
 	}
+	idmapBackend, err := idmapBackendFor(kind, cfg.StateDir, m, limiter)
+	if err != nil {
+		return nil, err
+	}
 	bootFile := cfg.BootIDFile
 	if bootFile == "" {
 		bootFile = bootIDPath
@@ -168,7 +179,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Engine{
 		nodeID: cfg.NodeID, flattenDepth: cfg.FlattenDepth,
-		store: store, mounter: m, backend: backend, events: events,
+		store: store, mounter: m, backend: backend, idmapBackend: idmapBackend, pods: cfg.Pods, events: events,
 		layout: target.Layout{KubeletDir: cfg.KubeletDir}, allowSetuid: cfg.AllowSetuid,
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
@@ -300,9 +311,29 @@ func (e *Engine) backendOf(v cache.View) (overlay.Backend, error) {
 func (e *Engine) spec(v cache.View, mountPath string) overlay.Spec {
 	return overlay.Spec{
 		Dir: e.store.ViewDir(v.VolumeID), Target: mountPath, Lowers: v.Lowers,
-		Attrs: overlay.Attrs{ReadOnly: v.ReadOnly, AllowSetuid: e.allowSetuid},
+		Attrs: overlay.Attrs{ReadOnly: v.ReadOnly, AllowSetuid: e.allowSetuid}, Idmapped: v.UserNamespace,
 		Limit: v.SizeLimit, QuotaID: v.QuotaID,
 	}
+}
+
+// idmapBackendFor picks the backend for the views of pods with a user
+// namespace of their own. Only the overlay backend needs another: its views
+// are overlay mounts, which cannot be idmapped; the others' are binds of
+// plain trees (read-only chains included, see overlay.Spec.Idmapped).
+// Reflink clones cost O(files), not O(bytes); a state dir without them
+// refuses such views of layered volumes (FailedPrecondition).
+func idmapBackendFor(kind overlay.Kind, stateDir string, m overlay.Mounter, lim overlay.Limiter) (overlay.Backend, error) {
+	if kind != overlay.KindOverlay {
+		return nil, nil
+	}
+	if err := overlay.Supports(overlay.KindReflink, stateDir, m); err != nil {
+		klog.InfoS("Pods with a user namespace of their own (hostUsers: false) get no writable view of a cached volume "+
+			"on this node, nor a read-only one of a chain: overlay mounts cannot be idmapped, and the state dir has no reflink clones",
+			"stateDir", stateDir, "reason", err)
+		return nil, nil
+	}
+	klog.InfoS("Pods with a user namespace of their own (hostUsers: false) get reflink clones: overlay mounts cannot be idmapped", "stateDir", stateDir)
+	return overlay.New(overlay.KindReflink, m, lim)
 }
 
 // sizeLimit is the limit a step volume gets: the one asked for, else the

@@ -54,6 +54,10 @@ func (e *Engine) Publish(r PublishRequest) error {
 	if err := e.ensureSource(r); err != nil {
 		return err
 	}
+	userns, err := e.userNamespace(r.Pod)
+	if err != nil {
+		return err
+	}
 	release, err := e.lock(r.VolumeID)
 	if err != nil {
 		return err
@@ -63,7 +67,10 @@ func (e *Engine) Publish(r PublishRequest) error {
 	want := cache.View{
 		VolumeID: r.VolumeID, Target: r.Target.Full, Source: r.Source, Capture: r.Capture,
 		Scope: r.Scope, Properties: r.Properties, ReadOnly: r.ReadOnly, Pod: r.Pod, SizeLimit: limit, TTL: r.TTL,
-		Backend: string(e.backend.Kind()), Boot: e.boot,
+		Backend: string(e.backend.Kind()), Boot: e.boot, UserNamespace: userns,
+	}
+	if userns && e.idmapBackend != nil {
+		want.Backend = string(e.idmapBackend.Kind())
 	}
 	if r.Capture == "" {
 		want.Scope, want.TTL = "", 0
@@ -93,7 +100,7 @@ func (e *Engine) Publish(r PublishRequest) error {
 	klog.V(2).InfoS("Published step volume", "volumeID", view.VolumeID, "target", view.Target,
 		"source", view.Source, "capture", view.Capture, "layers", len(view.Lowers), "readOnly", view.ReadOnly,
 		"sizeLimit", view.SizeLimit, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name), "backend", view.Backend,
-		"duration", time.Since(start))
+		"userNamespace", view.UserNamespace, "duration", time.Since(start))
 	return nil
 }
 
@@ -118,7 +125,11 @@ func (e *Engine) prepare(view cache.View) (mounted bool, err error) {
 		return false, err
 	}
 	cache.CrashPoint("publish-recorded")
-	if err := e.backend.Prepare(e.bgCtx, e.spec(view, d.MountPath())); err != nil {
+	b, err := e.backendOf(view)
+	if err != nil {
+		return false, errors.Join(err, d.Remove())
+	}
+	if err := b.Prepare(e.bgCtx, e.spec(view, d.MountPath())); err != nil {
 		return false, errors.Join(err, d.Remove())
 	}
 	cache.CrashPoint("publish-mounted")
@@ -373,13 +384,22 @@ func capturedMessage(vol cache.Volume, took time.Duration) string {
 	if !vol.Parent.IsZero() {
 		msg += fmt.Sprintf(" (a copy-on-write child of %q)", vol.Parent.Handle)
 	}
-	return msg + fmt.Sprintf(" in %s", took.Round(time.Microsecond))
+	msg += fmt.Sprintf(" in %s", took.Round(time.Microsecond))
+	switch result := volume.StepResult(vol.Properties[volume.PropertyStepResult]); result {
+	case "":
+	case volume.StepNotStarted:
+		msg += "; the step never started, so it holds its source unchanged"
+	default:
+		msg += "; the step " + string(result)
+	}
+	return msg
 }
 
 // capture commits a view into its reserved handle. Each step is idempotent,
 // so a capture cut short (by a crash, or a failure) completes when the
 // kubelet calls again.
 func (e *Engine) capture(view cache.View) (cache.Volume, error) {
+	props := e.stepResult(view.Pod)
 	if err := e.store.SetViewState(view.VolumeID, cache.ViewPublished, cache.ViewCapturing); err != nil {
 		return cache.Volume{}, err
 	}
@@ -396,12 +416,21 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 		return cache.Volume{}, err
 	}
 	spec := e.spec(view, "")
-	diff, err := overlay.Commit(b, spec, e.store.DataPath(reserved))
+	layer := e.store.DataPath(reserved)
+	diff, err := overlay.Commit(b, spec, layer)
 	if err != nil {
 		return cache.Volume{}, err
 	}
 	cache.CrashPoint("capture-renamed")
-	vol, err := e.store.CommitCapture(view.VolumeID, diff)
+	sealed, err := overlay.Seal(layer, e.allowSetuid)
+	if err != nil {
+		return cache.Volume{}, err
+	}
+	if sealed.Cleared > 0 || sealed.Removed > 0 {
+		klog.InfoS("Made a captured layer safe for other steps", "volumeID", view.VolumeID, "capture", view.Capture,
+			"setuidCleared", sealed.Cleared, "deviceNodesRemoved", sealed.Removed)
+	}
+	vol, err := e.store.CommitCapture(view.VolumeID, cache.Captured{Diff: diff, Bytes: sealed.Bytes, Inodes: sealed.Inodes, Properties: props})
 	if err != nil {
 		return cache.Volume{}, err
 	}
@@ -417,15 +446,10 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 	return vol, nil
 }
 
-// afterCapture measures a new volume and flattens its chain if it grew past
-// the limit. Neither blocks a publish: views use the chain as it is until the
-// flat layer replaces it.
+// afterCapture flattens a new volume's chain if it grew past the limit,
+// without blocking a publish: views use the chain as it is until the flat
+// layer replaces it.
 func (e *Engine) afterCapture(vol cache.Volume) {
-	if bytes, inodes, err := overlay.Usage(e.store.DataPath(vol)); err != nil {
-		klog.ErrorS(err, "Measuring a captured volume", "volume", vol.Ref())
-	} else if err := e.store.SetUsage(vol.Ref(), bytes, inodes); err != nil {
-		klog.ErrorS(err, "Recording a captured volume's size", "volume", vol.Ref())
-	}
 	chain, err := e.store.Chain(vol.Ref())
 	if err != nil {
 		klog.ErrorS(err, "Reading a captured volume's chain", "volume", vol.Ref())

@@ -50,11 +50,19 @@ type Spec struct {
 	// Attrs are the target mount's attributes; Attrs.ReadOnly volumes are
 	// never captured.
 	Attrs Attrs
+	// Idmapped says the container runtime will idmap the target's mount
+	// (a pod with a user namespace of its own): it must be a bind of a
+	// plain tree, since an overlay mount cannot be idmapped.
+	Idmapped bool
 	// Limit caps what the step may write (bytes, 0: none), enforced by the
 	// backend's Limiter under quota ID QuotaID.
 	Limit   int64
 	QuotaID uint32
 }
+
+// ErrNotIdmappable: a view whose mount the runtime will idmap would be an
+// overlay mount, which the kernel cannot idmap.
+var ErrNotIdmappable = errors.New("an overlay mount cannot be idmapped")
 
 // Backend builds, mounts and captures step volumes one way.
 type Backend interface {
@@ -200,7 +208,27 @@ func (b overlayBackend) Content(s Spec) (string, bool) {
 	return filepath.Join(s.Dir, "upper"), len(s.Lowers) > 0
 }
 
+// needsOverlay says whether the overlay backend mounts an overlay for s: a
+// writable view of a source, or a read-only one of a chain (one layer is a
+// bind, and an empty volume its upper dir).
+func needsOverlay(s Spec) bool {
+	return len(s.Lowers) > 1 || (len(s.Lowers) == 1 && !s.Attrs.ReadOnly)
+}
+
+// refuseIdmapped refuses a view the runtime will idmap that would be an
+// overlay mount: the pod would fail to start with the runtime's own error.
+func refuseIdmapped(s Spec) error {
+	if s.Idmapped && needsOverlay(s) {
+		return fmt.Errorf("a pod with a user namespace of its own (hostUsers: false) gets its volumes idmapped by its runtime, and %w: "+
+			"for such pods to use a writable or layered source, the node's state dir needs reflink clones (XFS made with reflink=1) or btrfs", ErrNotIdmappable)
+	}
+	return nil
+}
+
 func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
+	if err := refuseIdmapped(s); err != nil {
+		return err
+	}
 	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
 	}
@@ -244,6 +272,9 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 }
 
 func (b overlayBackend) Remount(s Spec) error {
+	if err := refuseIdmapped(s); err != nil {
+		return err
+	}
 	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
 	}
@@ -278,8 +309,13 @@ func (b treeBackend) Content(s Spec) (string, bool) {
 	return filepath.Join(s.Dir, "data"), false
 }
 
+// readOnlyTree says whether a read-only view gets a tree of its own: a
+// chain, which read-only views elsewhere merge with an overlay mount, for a
+// pod whose runtime idmaps its mounts.
+func readOnlyTree(s Spec) bool { return s.Attrs.ReadOnly && s.Idmapped && len(s.Lowers) > 1 }
+
 func (b treeBackend) Prepare(ctx context.Context, s Spec) error {
-	if s.Attrs.ReadOnly {
+	if s.Attrs.ReadOnly && !readOnlyTree(s) {
 		return mountReadOnly(b.m, s)
 	}
 	limit, err := limited(b.lim, s)
@@ -331,7 +367,7 @@ func (b treeBackend) build(ctx context.Context, s Spec, data string, limit bool)
 }
 
 func (b treeBackend) Remount(s Spec) error {
-	if s.Attrs.ReadOnly {
+	if s.Attrs.ReadOnly && !readOnlyTree(s) {
 		return mountReadOnly(b.m, s)
 	}
 	data, _ := b.Content(s)

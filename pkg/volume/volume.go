@@ -27,6 +27,31 @@ const (
 	AttrPropertyPrefix  = "property."
 )
 
+// Properties cowvol sets itself, under a prefix a step may not use: a
+// scheduler can trust them.
+const (
+	// ReservedPropertyPrefix starts every property cowvol sets.
+	ReservedPropertyPrefix = DriverName + "/"
+	// PropertyStepResult says how the step that a volume was captured from
+	// ended: one of the StepResult values. It is missing where that could
+	// not be told (no API server, or the pod was gone).
+	PropertyStepResult = ReservedPropertyPrefix + "step-result"
+)
+
+// StepResult is how a step pod's containers ended.
+type StepResult string
+
+const (
+	// StepSucceeded: every container ran and exited 0.
+	StepSucceeded StepResult = "succeeded"
+	// StepFailed: a container ran and exited otherwise (or was killed).
+	StepFailed StepResult = "failed"
+	// StepNotStarted: no container of the pod ever started (an image that
+	// could not be pulled, a runtime that refused it, a pod deleted first):
+	// the captured volume is its source, unchanged, not an output.
+	StepNotStarted StepResult = "not-started"
+)
+
 // State is the life-cycle state of a cached volume.
 type State string
 
@@ -226,6 +251,15 @@ func ValidateProperty(key, value string) error {
 		return fmt.Errorf("property %s: value must be at most %d bytes of UTF-8 without NUL", Quote(key), MaxPropertyValue)
 	}
 	return nil
+}
+
+// ValidateUserProperty checks a property a step pod or a user sets: one of
+// cowvol's own keys is refused, so that a scheduler can trust them.
+func ValidateUserProperty(key, value string) error {
+	if strings.HasPrefix(key, ReservedPropertyPrefix) {
+		return fmt.Errorf("property key %s is reserved: cowvol sets the keys starting %s itself", Quote(key), Quote(ReservedPropertyPrefix))
+	}
+	return ValidateProperty(key, value)
 }
 
 // ValidateProperties checks a volume's properties.

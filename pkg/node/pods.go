@@ -1,0 +1,63 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Pods is what the engine asks the cluster about a step's pod. Without an
+// API server it is nil: every pod is taken to share the host's users, and
+// no capture says how its step ended.
+type Pods interface {
+	// UserNamespace says whether the pod runs in a user namespace of its
+	// own (spec.hostUsers: false), whose runtime idmaps every volume
+	// mount.
+	UserNamespace(ctx context.Context, pod volume.Pod) (bool, error)
+	// StepResult says how the pod's containers ended; false when that
+	// cannot be told (the pod is gone, or its status never settled).
+	StepResult(ctx context.Context, pod volume.Pod) (volume.StepResult, bool)
+}
+
+// ErrPodUnknown: the API server could not say what the engine needs to
+// know of a step's pod (retryable).
+var ErrPodUnknown = errors.New("the pod could not be read from the API server")
+
+// podTimeout bounds a question to the API server on a publish's path.
+const podTimeout = 10 * time.Second
+
+// userNamespace says whether a step's pod runs in a user namespace of its
+// own.
+func (e *Engine) userNamespace(pod volume.Pod) (bool, error) {
+	if e.pods == nil {
+		return false, nil
+	}
+	ctx, cancel := context.WithTimeout(e.bgCtx, podTimeout)
+	defer cancel()
+	userns, err := e.pods.UserNamespace(ctx, pod)
+	if err != nil {
+		return false, fmt.Errorf("pod %s: %w: %w", klog.KRef(pod.Namespace, pod.Name), ErrPodUnknown, err)
+	}
+	return userns, nil
+}
+
+// stepResult is the property saying how a capture's step ended, if that
+// can be told.
+func (e *Engine) stepResult(pod volume.Pod) map[string]string {
+	if e.pods == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(e.bgCtx, podTimeout)
+	defer cancel()
+	result, ok := e.pods.StepResult(ctx, pod)
+	if !ok {
+		klog.InfoS("Capturing without saying how the step ended: its pod's status did not tell", "pod", klog.KRef(pod.Namespace, pod.Name))
+		return nil
+	}
+	return map[string]string{volume.PropertyStepResult: string(result)}
+}

@@ -1,0 +1,146 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// fakePods answers for pods as the API server would: which run in a user
+// namespace of their own, and how their steps ended.
+type fakePods struct {
+	mu      sync.Mutex
+	userns  map[string]bool
+	results map[string]volume.StepResult
+	fail    error
+}
+
+func (p *fakePods) UserNamespace(_ context.Context, pod volume.Pod) (bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.userns[pod.Name], p.fail
+}
+
+func (p *fakePods) StepResult(_ context.Context, pod volume.Pod) (volume.StepResult, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r, ok := p.results[pod.Name]
+	return r, ok
+}
+
+func (p *fakePods) set(pod string, userns bool, result volume.StepResult) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.userns[pod] = userns
+	if result != "" {
+		p.results[pod] = result
+	}
+}
+
+func newPodsFixture(t *testing.T, stateDir string) (*fixture, *fakePods) {
+	pods := &fakePods{userns: map[string]bool{}, results: map[string]volume.StepResult{}}
+	f := newFixtureWith(t, stateDir, func(c *Config) { c.Pods = pods })
+	return f, pods
+}
+
+// A pod with a user namespace of its own (hostUsers: false) has its
+// volumes idmapped by its runtime, which cannot idmap an overlay mount. On
+// an overlay node whose state dir clones (XFS), its views are reflink
+// clones: get as root, a user-namespace task changing its input and
+// capturing, and a read-only user-namespace view of a chain all work, and
+// what is captured keeps node-side owners with no chown walk.
+func TestUserNamespaceViewsOnOverlay(t *testing.T) {
+	testfs.Need(t, "mkfs.xfs")
+	f, pods := newPodsFixture(t, testfs.Mount(t, testfs.XFS, 1<<30))
+
+	get := f.volume("ci", "", "res")
+	pods.set(get.Pod.Name, false, volume.StepSucceeded)
+	require.NoError(t, f.publish(get))
+	for name, uid := range map[string]int{"root-file": 0, "user-file": 1000} {
+		p := filepath.Join(get.Target.Full, name)
+		require.NoError(t, os.WriteFile(p, []byte(name), 0o644))
+		require.NoError(t, os.Lchown(p, uid, uid))
+	}
+	require.NoError(t, f.unpublish(get))
+
+	task := f.volume("ci", "res", "built")
+	pods.set(task.Pod.Name, true, volume.StepFailed)
+	require.NoError(t, f.publish(task))
+	view, err := f.store.GetView(task.VolumeID)
+	require.NoError(t, err)
+	require.Equal(t, string(overlay.KindReflink), view.Backend)
+	require.True(t, view.UserNamespace)
+	require.NoError(t, testfs.Idmap(t, task.Target.Full), "the runtime can idmap it")
+	require.NoError(t, os.WriteFile(filepath.Join(task.Target.Full, "out"), []byte("built"), 0o644))
+	require.NoError(t, f.unpublish(task))
+	built, err := f.store.Get(ref("ci", "built"))
+	require.NoError(t, err)
+	require.Equal(t, volume.StateReady, built.State)
+	require.Equal(t, ref("ci", "res"), built.Parent)
+	require.Equal(t, string(volume.StepFailed), built.Properties[volume.PropertyStepResult])
+	var st unix.Stat_t
+	require.NoError(t, unix.Lstat(filepath.Join(f.store.DataPath(built), "user-file"), &st))
+	require.Equal(t, uint32(1000), st.Uid, "node-side owners, unchanged")
+
+	// A chain (an overlay capture over res) read by a user-namespace pod.
+	next := f.volume("ci", "res", "next")
+	require.NoError(t, f.publish(next))
+	require.NoError(t, os.WriteFile(filepath.Join(next.Target.Full, "next"), nil, 0o644))
+	require.NoError(t, f.unpublish(next))
+	read := f.volume("ci", "next", "")
+	read.ReadOnly = true
+	pods.set(read.Pod.Name, true, "")
+	require.NoError(t, f.publish(read))
+	require.NoError(t, testfs.Idmap(t, read.Target.Full))
+	for _, name := range []string{"root-file", "user-file", "next"} {
+		_, err := os.Lstat(filepath.Join(read.Target.Full, name))
+		require.NoError(t, err, name)
+	}
+	require.NoError(t, f.unpublish(read))
+
+	// The same read by a pod sharing the host's users is an overlay, as
+	// before, which the runtime could not idmap.
+	plain := f.volume("ci", "next", "")
+	plain.ReadOnly = true
+	require.NoError(t, f.publish(plain))
+	require.ErrorIs(t, testfs.Idmap(t, plain.Target.Full), unix.EINVAL)
+	require.NoError(t, f.unpublish(plain))
+}
+
+// On a state dir without reflink clones, an overlay node refuses a
+// user-namespace pod a writable view of a source, saying what the node
+// needs, instead of leaving the pod to the runtime's StartError; empty
+// volumes still work. An API server that cannot answer is retried.
+func TestUserNamespaceViewsWithoutClones(t *testing.T) {
+	f, pods := newPodsFixture(t, t.TempDir())
+	f.capture("ci", "res")
+
+	task := f.volume("ci", "res", "out")
+	pods.set(task.Pod.Name, true, "")
+	err := f.publish(task)
+	require.ErrorIs(t, err, overlay.ErrNotIdmappable)
+	require.ErrorContains(t, err, "reflink")
+	_, err = f.store.Get(ref("ci", "out"))
+	require.ErrorIs(t, err, cache.ErrNotFound, "nothing left reserved")
+
+	empty := f.volume("ci", "", "empty-out")
+	pods.set(empty.Pod.Name, true, "")
+	require.NoError(t, f.publish(empty))
+	require.NoError(t, testfs.Idmap(t, empty.Target.Full))
+	require.NoError(t, f.unpublish(empty))
+
+	pods.fail = errors.New("connection refused")
+	err = f.publish(f.volume("ci", "res", ""))
+	require.ErrorIs(t, err, ErrPodUnknown)
+}
