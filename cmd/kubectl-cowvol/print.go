@@ -13,6 +13,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // table is what a command prints: rows for -o json and -o yaml (a list
@@ -107,9 +108,12 @@ func (t nodeTable) cells() [][]string {
 
 // Volume is one cached volume, as -o json and -o yaml print it.
 type Volume struct {
-	Namespace  string            `json:"namespace"`
-	Handle     string            `json:"handle"`
-	State      string            `json:"state"`
+	Namespace string `json:"namespace"`
+	Handle    string `json:"handle"`
+	State     string `json:"state"`
+	// StepResult is how the step it was captured from ended (the
+	// property cowvol.concourse-ci.org/step-result), if that is known.
+	StepResult string            `json:"stepResult,omitempty"`
 	SizeBytes  int64             `json:"sizeBytes"`
 	Scope      string            `json:"scope"`
 	Parent     string            `json:"parent,omitempty"`
@@ -126,7 +130,7 @@ func volumeRows(in []*controllerv1.VolumeLocation) volumeTable {
 	for _, l := range in {
 		v := Volume{Namespace: l.GetRef().GetNamespace(), Handle: l.GetRef().GetHandle(), State: l.GetState(),
 			SizeBytes: l.GetSizeBytes(), Scope: l.GetScope(), Properties: l.GetProperties(), Nodes: l.GetNodes(),
-			InUseOn: l.GetPublishedNodes(), Pinned: l.GetPinned()}
+			InUseOn: l.GetPublishedNodes(), Pinned: l.GetPinned(), StepResult: l.GetProperties()[volume.PropertyStepResult]}
 		if p := l.GetParent(); p.GetHandle() != "" {
 			v.Parent = p.GetNamespace() + "/" + p.GetHandle()
 		}
@@ -139,7 +143,7 @@ func volumeRows(in []*controllerv1.VolumeLocation) volumeTable {
 }
 
 func (t volumeTable) header() []string {
-	return []string{"NAMESPACE", "HANDLE", "STATE", "SIZE", "SCOPE", "PARENT", "NODES", "IN USE ON", "PROPERTIES"}
+	return []string{"NAMESPACE", "HANDLE", "STATE", "STEP", "SIZE", "SCOPE", "PARENT", "NODES", "IN USE ON", "PROPERTIES"}
 }
 func (t volumeTable) items() any { return []Volume(t) }
 func (t volumeTable) cells() [][]string {
@@ -147,7 +151,9 @@ func (t volumeTable) cells() [][]string {
 	for _, v := range t {
 		var props []string
 		for k, val := range v.Properties {
-			props = append(props, k+"="+val)
+			if k != volume.PropertyStepResult { // its own column
+				props = append(props, k+"="+val)
+			}
 		}
 		sort.Strings(props)
 		state := v.State
@@ -158,7 +164,11 @@ func (t volumeTable) cells() [][]string {
 		if parent == "" {
 			parent = "<none>"
 		}
-		out = append(out, []string{v.Namespace, v.Handle, state, bytes(v.SizeBytes), v.Scope, parent, list(v.Nodes),
+		step := v.StepResult
+		if step == "" {
+			step = "<unknown>"
+		}
+		out = append(out, []string{v.Namespace, v.Handle, state, step, bytes(v.SizeBytes), v.Scope, parent, list(v.Nodes),
 			list(v.InUseOn), list(props)})
 	}
 	return out
