@@ -53,8 +53,48 @@ func TestBackends(t *testing.T) {
 			t.Run("read-only", e.testReadOnly)
 			t.Run("metadata", e.testMetadata)
 			t.Run("empty-volume", e.testEmptyVolume)
+			t.Run("privileged-files", e.testPrivilegedFiles)
 		})
 	}
+}
+
+// testPrivilegedFiles: runc does not pass a volume's nosuid and nodev into
+// the container, so what a step captures loses its setuid and setgid bits
+// and its device nodes, on every backend, from an empty volume and over a
+// source (where overlay's own whiteouts, devices 0:0, must survive).
+func (e *env) testPrivilegedFiles(t *testing.T) {
+	e = e.sub(t)
+	plant := func(dir, suffix string) {
+		write(t, dir, "suid"+suffix, "#!/bin/sh")
+		require.NoError(t, unix.Chmod(filepath.Join(dir, "suid"+suffix), 0o4755))
+		require.NoError(t, unix.Mknod(filepath.Join(dir, "null"+suffix), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+	}
+	modes := func(dir string, names ...string) []string {
+		var out []string
+		for _, n := range names {
+			var st unix.Stat_t
+			if err := unix.Lstat(filepath.Join(dir, n), &st); err != nil {
+				out = append(out, n+" absent")
+				continue
+			}
+			out = append(out, fmt.Sprintf("%s %o", n, st.Mode))
+		}
+		return out
+	}
+	e.step("", "priv-0", func(dir string) {
+		plant(dir, "-0")
+		write(t, dir, "plain", "x")
+		write(t, dir, "gone", "x")
+	})
+	e.step("priv-0", "priv-1", func(dir string) {
+		plant(dir, "-1")
+		require.NoError(t, unix.Chmod(filepath.Join(dir, "plain"), 0o2755)) // a copy-up gains setgid
+		require.NoError(t, os.Remove(filepath.Join(dir, "gone")))
+	})
+	e.read("priv-1", func(dir string) {
+		require.Equal(t, []string{"suid-0 100755", "suid-1 100755", "plain 100755", "null-0 absent", "null-1 absent", "gone absent"},
+			modes(dir, "suid-0", "suid-1", "plain", "null-0", "null-1", "gone"))
+	})
 }
 
 // sub makes an env for a subtest sharing the plugin.
