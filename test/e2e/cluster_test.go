@@ -214,12 +214,19 @@ func kubeBin(t *testing.T) string {
 // startCluster brings the whole node up, cowvol's plugin and controller
 // running as host processes, and registers teardown.
 func startCluster(t *testing.T) *cluster {
-	c := startNode(t, false)
+	return startClusterWith(t, testfs.Btrfs)
+}
+
+// startClusterWith brings the whole node up with its state dir on a
+// filesystem of kind (btrfs, with quotas, enforces size limits), the plugin
+// run with extra args.
+func startClusterWith(t *testing.T, kind testfs.Kind, pluginArgs ...string) *cluster {
+	c := startNodeOn(t, false, kind)
 	// The plugin refuses to serve until the CSIDriver object makes the
 	// kubelet vouch for pods.
 	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml", "-f", "../../deploy/csi/base/csidriver.yaml")
 	c.startController()
-	c.startPlugin()
+	c.startPlugin(pluginArgs...)
 	// Registered after the plugin's own stop, so it runs before it: pods
 	// are deleted through the API while the plugin can still unpublish.
 	t.Cleanup(c.deletePods)
@@ -235,18 +242,32 @@ func startCluster(t *testing.T) *cluster {
 // the kubelet; with controllers, the controller manager and the scheduler
 // too (Deployments and DaemonSets need them), and ServiceAccounts' tokens.
 func startNode(t *testing.T, controllers bool) *cluster {
+	return startNodeOn(t, controllers, testfs.Btrfs)
+}
+
+// startNodeOn brings the node up with cowvol's state dir on a filesystem of
+// kind.
+func startNodeOn(t *testing.T, controllers bool, kind testfs.Kind) *cluster {
 	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox")
 	bin := kubeBin(t)
 	work, err := os.MkdirTemp("", "cowvol-e2e-")
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Traversable, as /var/lib and /run are: a pod with a user namespace
+	// of its own is another user to the node, and its runtime reaches its
+	// rootfs (in containerd's state dir) as that user.
+	if err := os.Chmod(work, 0o711); err != nil {
+		t.Fatal(err)
+	}
 	c := &cluster{t: t, work: work, bin: bin, procs: map[string]*proc{}, sysctls: map[string]string{}, links: linkNames(t)}
 	// Made before the teardown is registered, so that it is unmounted
 	// after the teardown has stopped everything that uses it. btrfs with
 	// quotas: the state dir enforces step volumes' size limits.
-	c.stateDir = testfs.Mount(t, testfs.Btrfs, 6<<30)
-	testfs.EnableBtrfsQuota(t, c.stateDir)
+	c.stateDir = testfs.Mount(t, kind, 6<<30)
+	if kind == testfs.Btrfs {
+		testfs.EnableBtrfsQuota(t, c.stateDir)
+	}
 	for _, s := range kubeletSysctls {
 		v, err := os.ReadFile("/proc/sys/" + s)
 		if err != nil {
@@ -309,7 +330,10 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 		"--service-account-signing-key-file=" + saKey,
 		"--service-cluster-ip-range=10.0.0.0/24", // never routed: no kube-proxy, hostNetwork pods
 		"--kubelet-preferred-address-types=Hostname",
-		"--allow-privileged=true", "--profiling=false"}
+		"--allow-privileged=true", "--profiling=false",
+		// From 1.37 the kubernetes Service's reconciler refuses a loopback
+		// advertise address; nothing here reaches it through the Service.
+		"--endpoint-reconciler-type=none"}
 	if !serviceAccounts {
 		// No controller manager makes namespaces' default ServiceAccounts.
 		args = append(args, "--disable-admission-plugins=ServiceAccount")
@@ -338,11 +362,13 @@ current-context: e2e
 func (c *cluster) startContainerd() {
 	dir := filepath.Join(c.work, "containerd")
 	c.containerd = filepath.Join(dir, "containerd.sock")
-	cni := filepath.Join(dir, "cni")
+	cni, cniBin := filepath.Join(dir, "cni"), filepath.Join(dir, "cni-bin")
 	// hostNetwork pods need no network, but the CRI reports the network
-	// not ready without a CNI config: loopback alone is enough.
-	writeFile(c.t, filepath.Join(cni, "10-loopback.conflist"),
-		`{"cniVersion": "0.4.0", "name": "loopback", "plugins": [{"type": "loopback"}]}`)
+	// not ready without a CNI config. The others (user-namespace pods may
+	// not share the host's) get a dummy interface from podnet.
+	c.buildStatic("podnet", cniBin)
+	writeFile(c.t, filepath.Join(cni, "10-e2e.conflist"),
+		`{"cniVersion": "0.4.0", "name": "e2e", "plugins": [{"type": "loopback"}, {"type": "podnet"}]}`)
 	config := filepath.Join(dir, "config.toml")
 	// containerd 2's config schema (version 3): the CRI plugin's images and
 	// runtime halves are plugins of their own.
@@ -364,29 +390,37 @@ state = %q
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
   [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ["/usr/lib/cni"]
+    bin_dirs = [%q, "/usr/lib/cni"]
     conf_dir = %q
-`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, pauseImage, cni))
+`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, pauseImage, cniBin, cni))
 	c.start("containerd", nil, "containerd", "--config", config)
 	c.until("containerd", 30*time.Second, func() bool {
 		return exec.Command("ctr", "--address", c.containerd, "version").Run() == nil
 	})
 }
 
-// importImages builds the pause and busybox images here (no registry is
-// reachable) and imports them into the CRI's namespace.
-func (c *cluster) importImages() {
-	dir := filepath.Join(c.work, "images")
-	pause := filepath.Join(dir, "pause")
-	build := exec.Command("go", "build", "-o", pause, "./pause")
+// buildStatic builds one of the harness's commands (./name) statically
+// into dir and returns the binary.
+func (c *cluster) buildStatic(name, dir string) []byte {
+	out := filepath.Join(dir, name)
+	build := exec.Command("go", "build", "-o", out, "./"+name)
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		c.t.Fatalf("building pause: %v: %s", err, out)
+	if b, err := build.CombinedOutput(); err != nil {
+		c.t.Fatalf("building %s: %v: %s", name, err, b)
 	}
-	pauseBin, err := os.ReadFile(pause)
+	bin, err := os.ReadFile(out)
 	if err != nil {
 		c.t.Fatal(err)
 	}
+	return bin
+}
+
+// importImages builds the pause and busybox images here (no registry is
+// reachable) and imports them into the CRI's namespace. The busybox image
+// also holds euid, which prints the effective user ID it runs with.
+func (c *cluster) importImages() {
+	dir := filepath.Join(c.work, "images")
+	pauseBin, euidBin := c.buildStatic("pause", dir), c.buildStatic("euid", dir)
 	busybox, err := os.ReadFile("/bin/busybox")
 	if err != nil {
 		c.t.Fatal(err)
@@ -395,7 +429,8 @@ func (c *cluster) importImages() {
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	bbFiles := []ociimage.File{{Path: "bin/busybox", Mode: 0o755, Data: busybox}, {Path: "tmp", Dir: true, Mode: 0o1777}}
+	bbFiles := []ociimage.File{{Path: "bin/busybox", Mode: 0o755, Data: busybox}, {Path: "tmp", Dir: true, Mode: 0o1777},
+		{Path: "bin/euid", Mode: 0o755, Data: euidBin}}
 	for _, a := range strings.Fields(string(applets)) {
 		if a != "busybox" {
 			bbFiles = append(bbFiles, ociimage.File{Path: "bin/" + a, Link: "busybox"})
@@ -426,7 +461,7 @@ func (c *cluster) startControllers() {
 	c.start("kube-controller-manager", nil, filepath.Join(c.bin, "kube-controller-manager"),
 		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--root-ca-file="+ca,
 		"--use-service-account-credentials=false", "--bind-address=127.0.0.1", "--secure-port=0",
-		"--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach")
+		"--controllers=*,-nodeipam,-nodelifecycle,-persistentvolume-binder,-attachdetach")
 	c.start("kube-scheduler", nil, filepath.Join(c.bin, "kube-scheduler"),
 		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0")
 	c.until("the default ServiceAccount", 60*time.Second, func() bool {
@@ -483,16 +518,16 @@ func (c *cluster) startController() {
 	c.cache = cache
 }
 
-func (c *cluster) startPlugin() {
+func (c *cluster) startPlugin(extraArgs ...string) {
 	c.plugin = plugintest.Start(c.t, plugintest.Config{
 		StateDir:   filepath.Join(c.stateDir, "cowvol"),
 		KubeletDir: c.kubeletDir,
-		Args: []string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
+		Args: append([]string{"--node-id=" + nodeName, "--kubeconfig=" + c.kubeconfig,
 			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
 			"--controller-address=" + c.controllerAddr, "--peer-address=" + plugintest.FreeAddr(c.t),
 			// Low enough for the last scenario to cross without filling
 			// 6 GiB; the build never gets near it.
-			"--high-watermark=50", "--low-watermark=40"},
+			"--high-watermark=50", "--low-watermark=40"}, extraArgs...),
 	})
 }
 
@@ -645,12 +680,22 @@ type volume struct {
 	name, mountPath string
 	attrs           map[string]string // nil: an emptyDir
 	readOnly        bool
+	// recursiveReadOnly asks for recursiveReadOnly: Enabled.
+	recursiveReadOnly bool
 }
 
-func podJSON(ns, name, script string, vols []volume) string {
+// podOpt changes a step pod's spec and its step container's before the
+// pod is created.
+type podOpt func(spec, container map[string]any)
+
+func podJSON(ns, name, script string, vols []volume, opts ...podOpt) string {
 	var mounts, volumes []map[string]any
 	for _, v := range vols {
-		mounts = append(mounts, map[string]any{"name": v.name, "mountPath": v.mountPath, "readOnly": v.readOnly})
+		mount := map[string]any{"name": v.name, "mountPath": v.mountPath, "readOnly": v.readOnly}
+		if v.recursiveReadOnly {
+			mount["recursiveReadOnly"] = "Enabled"
+		}
+		mounts = append(mounts, mount)
 		if v.attrs == nil {
 			volumes = append(volumes, map[string]any{"name": v.name, "emptyDir": map[string]any{}})
 			continue
@@ -658,18 +703,23 @@ func podJSON(ns, name, script string, vols []volume) string {
 		volumes = append(volumes, map[string]any{"name": v.name, "csi": map[string]any{
 			"driver": driverName, "volumeAttributes": v.attrs, "readOnly": v.readOnly}})
 	}
+	container := map[string]any{
+		"name": "step", "image": busyboxImage, "imagePullPolicy": "Never",
+		"command": []string{"/bin/sh", "-c", script}, "volumeMounts": mounts,
+	}
+	spec := map[string]any{
+		"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
+		"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+		"containers": []any{container},
+		"volumes":    volumes,
+	}
+	for _, o := range opts {
+		o(spec, container)
+	}
 	pod := map[string]any{
 		"apiVersion": "v1", "kind": "Pod",
 		"metadata": map[string]any{"name": name, "namespace": ns},
-		"spec": map[string]any{
-			"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
-			"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
-			"containers": []any{map[string]any{
-				"name": "step", "image": busyboxImage, "imagePullPolicy": "Never",
-				"command": []string{"/bin/sh", "-c", script}, "volumeMounts": mounts,
-			}},
-			"volumes": volumes,
-		},
+		"spec":     spec,
 	}
 	b, _ := json.Marshal(pod)
 	return string(b)
@@ -678,6 +728,12 @@ func podJSON(ns, name, script string, vols []volume) string {
 func (c *cluster) createPod(ns, name, script string, vols ...volume) {
 	c.t.Helper()
 	c.mustKubectl(podJSON(ns, name, script, vols), "create", "-f", "-")
+}
+
+// createPodWith creates a step pod changed by opts.
+func (c *cluster) createPodWith(ns, name, script string, opts []podOpt, vols ...volume) {
+	c.t.Helper()
+	c.mustKubectl(podJSON(ns, name, script, vols, opts...), "create", "-f", "-")
 }
 
 func (c *cluster) phase(ns, name string) string {
