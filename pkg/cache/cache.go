@@ -738,14 +738,6 @@ func (s *Store) DropView(volumeID string) (reservedDir string, err error) {
 	return reservedDir, err
 }
 
-// SetUsage records what a volume's layer holds on disk.
-func (s *Store) SetUsage(r volume.Ref, bytes, inodes int64) error {
-	return s.update(r, func(v *Volume) error {
-		v.SizeBytes, v.Inodes = bytes, inodes
-		return nil
-	})
-}
-
 // ReplaceLayer makes layer (already in place under the volume's dir) the
 // volume's data, as a root layer; the old one is kept until unused.
 func (s *Store) ReplaceLayer(r volume.Ref, layer string) error {
