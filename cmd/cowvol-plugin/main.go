@@ -75,7 +75,9 @@ func main() {
 		"cap on what a step may write into a volume that names no sizeLimit, as a quantity such as 10Gi (0: none)")
 	fs.Var(quantityFlag{&opts.MaxSizeLimit}, "max-size-limit",
 		"the largest sizeLimit a step volume may ask for, as a quantity such as 100Gi (0: none)")
-	fs.BoolVar(&opts.AllowSetuid, "allow-setuid", false, "mount step volumes without nosuid (they are always nodev)")
+	fs.BoolVar(&opts.AllowSetuid, "allow-setuid", false,
+		"keep setuid/setgid bits and device nodes in what steps capture and pulls bring, and mount step volumes without nosuid\n"+
+			"(they are always nodev); off, both are dropped, since runtimes do not pass a volume's nosuid and nodev into the container")
 	fs.StringVar(&opts.NodeAPIEndpoint, "node-api-endpoint", "",
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
 	fs.StringVar(&opts.ControllerAddress, "controller-address", "",

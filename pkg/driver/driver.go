@@ -85,7 +85,8 @@ type Options struct {
 	// DefaultSizeLimit caps a writable step volume that names no
 	// sizeLimit, and MaxSizeLimit caps any (bytes; 0: none).
 	DefaultSizeLimit, MaxSizeLimit int64
-	// AllowSetuid mounts step volumes without nosuid.
+	// AllowSetuid keeps setuid/setgid bits and device nodes in captures
+	// and pulls, and mounts step volumes without nosuid.
 	AllowSetuid bool
 	// NodeAPIEndpoint is where the node API is served: a unix socket, by
 	// default node-api.sock beside a unix CSI endpoint.
