@@ -39,10 +39,10 @@ func runDemo(args []string) error {
 	}
 	sock := filepath.Join(work, "csi.sock")
 	kubeletDir := filepath.Join(work, "kubelet")
-	d, err := driver.New(driver.Options{
-		Endpoint: "unix://" + sock, Mode: driver.ModeNode, NodeID: "demo-node", StateDir: *stateDir,
-		Backend: *backend, FlattenDepth: 64, Version: version, KubeletDir: kubeletDir,
-	}, driver.Deps{Mounter: overlay.NewSysMounter()})
+	opts := driver.Defaults()
+	opts.Endpoint, opts.NodeID, opts.StateDir, opts.Backend, opts.Version, opts.KubeletDir =
+		"unix://"+sock, "demo-node", *stateDir, *backend, version, kubeletDir
+	d, err := driver.New(opts, driver.Deps{Mounter: overlay.NewSysMounter()})
 	if err != nil {
 		return err
 	}

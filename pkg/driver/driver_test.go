@@ -1,16 +1,45 @@
 package driver
 
 import (
+	"flag"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 )
 
+// elect turns leader election on, with the Lease's namespace and this
+// replica's identity.
+func elect(o *Options, namespace, identity string) {
+	o.LeaderElection.Enabled, o.LeaderElection.Namespace, o.LeaderElection.Identity = true, namespace, identity
+}
+
+// Each default is written once, in Defaults: the flags show it, and a
+// command line that sets nothing runs with it.
+func TestFlagsDefaultToDefaults(t *testing.T) {
+	o := Defaults()
+	fs := flag.NewFlagSet("test", flag.ContinueOnError)
+	o.AddFlags(fs)
+	require.NoError(t, fs.Parse(nil))
+	require.Equal(t, Defaults(), o)
+	require.Equal(t, "90", fs.Lookup("high-watermark").DefValue)
+	require.Equal(t, "1Ti", fs.Lookup("stream-size-limit").DefValue)
+	require.Equal(t, "20s", fs.Lookup("pull-wait").DefValue)
+	require.NoError(t, fs.Parse([]string{"--mode=all", "--high-watermark=70", "--stream-size-limit=2Gi", "--peers=a=h:1,b=h:2", "--peers=c=h:3"}))
+	require.Equal(t, ModeAll, o.Mode)
+	require.Equal(t, 70, o.HighWatermark)
+	require.Equal(t, int64(2<<30), o.Peers.SizeLimit)
+	require.Equal(t, []string{"a=h:1", "b=h:2", "c=h:3"}, o.Peers.Static)
+	// Options built in code with nothing set are refused, not defaulted
+	// behind the caller's back.
+	require.ErrorContains(t, (&Options{}).Validate(), "driver name is required")
+}
+
 func TestOptionsValidate(t *testing.T) {
 	good := func() Options {
-		return Options{Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: "n", StateDir: "/var/lib/cowvol",
-			Backend: "auto", FlattenDepth: 64, KubeletDir: "/var/lib/kubelet"}
+		o := Defaults()
+		o.NodeID = "n"
+		return o
 	}
 	tests := []struct {
 		name    string
@@ -68,22 +97,17 @@ func TestOptionsValidate(t *testing.T) {
 		}, ""},
 		{"Kubernetes auth and a tokens file", func(o *Options) { o.Mode, o.KubeAuth, o.TokensFile = ModeController, true, "/t" }, "give one"},
 		{"Kubernetes auth in node mode", func(o *Options) { o.KubeAuth = true }, "the controller's"},
-		{"leader election", func(o *Options) {
-			o.Mode, o.LeaderElection = ModeController, LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "ctl-0"}
-		}, ""},
-		{"leader election in node mode", func(o *Options) {
-			o.LeaderElection = LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "n"}
-		}, "the controller's"},
-		{"leader election in all mode", func(o *Options) {
-			o.Mode, o.LeaderElection = ModeAll, LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "n"}
-		}, "every node plugin must serve"},
-		{"leader election without a namespace", func(o *Options) {
-			o.Mode, o.LeaderElection = ModeController, LeaderElection{Enabled: true, Identity: "ctl-0"}
-		}, "POD_NAMESPACE"},
+		{"leader election", func(o *Options) { o.Mode = ModeController; elect(o, "cowvol", "ctl-0") }, ""},
+		{"leader election in node mode", func(o *Options) { elect(o, "cowvol", "n") }, "the controller's"},
+		{"leader election in all mode", func(o *Options) { o.Mode = ModeAll; elect(o, "cowvol", "n") }, "every node plugin must serve"},
+		{"leader election without a namespace", func(o *Options) { o.Mode = ModeController; elect(o, "", "ctl-0") }, "POD_NAMESPACE"},
 		{"leader election timings crossed", func(o *Options) {
-			o.Mode, o.LeaderElection = ModeController, LeaderElection{Enabled: true, Namespace: "cowvol", Identity: "ctl-0",
-				LeaseDuration: time.Second, RenewDeadline: 2 * time.Second}
+			o.Mode = ModeController
+			elect(o, "cowvol", "ctl-0")
+			o.LeaderElection.LeaseDuration, o.LeaderElection.RenewDeadline = time.Second, 2*time.Second
 		}, "renew deadline"},
+		{"no stop timeout", func(o *Options) { o.StopTimeout = 0 }, "--stop-timeout"},
+		{"no pull wait", func(o *Options) { o.Peers.PullWait = 0 }, "--pull-wait"},
 		{"registration needs a unix endpoint", func(o *Options) {
 			o.Endpoint = "tcp://127.0.0.1:1"
 			o.RegistrationSocket = "/r.sock"

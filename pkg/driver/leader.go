@@ -43,22 +43,10 @@ func (le *LeaderElection) validate(mode Mode) []error {
 	if mode == ModeAll {
 		errs = append(errs, errors.New("--leader-election needs --mode=controller: every node plugin must serve, leader or not"))
 	}
-	if le.Name == "" {
-		le.Name = "cowvol-controller"
+	if le.Namespace == "" || le.Name == "" || le.Identity == "" {
+		errs = append(errs, errors.New("--leader-election needs the Lease's namespace and name and this replica's identity (POD_NAMESPACE and POD_NAME in a pod)"))
 	}
-	if le.LeaseDuration == 0 {
-		le.LeaseDuration = 15 * time.Second
-	}
-	if le.RenewDeadline == 0 {
-		le.RenewDeadline = 10 * time.Second
-	}
-	if le.RetryPeriod == 0 {
-		le.RetryPeriod = 2 * time.Second
-	}
-	if le.Namespace == "" || le.Identity == "" {
-		errs = append(errs, errors.New("--leader-election needs the Lease's namespace and this replica's identity (POD_NAMESPACE and POD_NAME in a pod)"))
-	}
-	if !(le.RetryPeriod < le.RenewDeadline && le.RenewDeadline < le.LeaseDuration) {
+	if !(0 < le.RetryPeriod && le.RetryPeriod < le.RenewDeadline && le.RenewDeadline < le.LeaseDuration) {
 		errs = append(errs, fmt.Errorf("leader election: want retry period (%s) < renew deadline (%s) < lease duration (%s)",
 			le.RetryPeriod, le.RenewDeadline, le.LeaseDuration))
 	}

@@ -52,20 +52,17 @@ const DefaultPeerServerName = "cowvol-peer"
 
 func (p *PeerOptions) validate(o *Options) []error {
 	var errs []error
-	if p.Encoding == "" {
-		p.Encoding = string(streamer.S2)
-	}
 	if _, err := streamer.ParseEncoding(p.Encoding); err != nil {
 		errs = append(errs, fmt.Errorf("--stream-encoding: %w", err))
 	}
-	if p.SizeLimit == 0 {
-		p.SizeLimit = streamer.DefaultLimits.Bytes
+	if p.SizeLimit <= 0 {
+		errs = append(errs, errors.New("--stream-size-limit must be positive"))
 	}
-	if p.SizeLimit < 0 {
-		errs = append(errs, errors.New("--stream-size-limit cannot be negative"))
+	if p.PullWait <= 0 {
+		errs = append(errs, errors.New("--pull-wait must be positive"))
 	}
 	if p.ServerName == "" {
-		p.ServerName = DefaultPeerServerName
+		errs = append(errs, errors.New("--peer-tls-server-name is required"))
 	}
 	tlsSet := p.CertFile != "" || p.KeyFile != "" || p.CAFile != ""
 	if tlsSet && (p.CertFile == "" || p.KeyFile == "" || p.CAFile == "") {

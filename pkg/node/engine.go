@@ -74,9 +74,12 @@ type Config struct {
 	Pods Pods
 }
 
-// defaultPullWait is how long a publish waits for a pull before answering
+// DefaultPullWait is how long a publish waits for a pull before answering
 // with its progress: well inside the kubelet's 2-minute call timeout.
-const defaultPullWait = 20 * time.Second
+const DefaultPullWait = 20 * time.Second
+
+// DefaultWatermarks bound a state dir's fill where none are configured.
+var DefaultWatermarks = Watermarks{High: 90, Low: 80}
 
 // bootIDPath names the kernel's boot ID.
 const bootIDPath = "/proc/sys/kernel/random/boot_id"
@@ -146,7 +149,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		return nil, fmt.Errorf("COW backend %s does not work under %s: %w", kind, cfg.StateDir, err)
 	}
 	if cfg.Watermarks.High == 0 {
-		cfg.Watermarks = Watermarks{High: 90, Low: 80}
+		cfg.Watermarks = DefaultWatermarks
 	}
 	klog.InfoS("Opened the node's store", "stateDir", cfg.StateDir, "storeID", store.ID(),
 		"highWatermark", cfg.Watermarks.High, "lowWatermark", cfg.Watermarks.Low)
@@ -192,7 +195,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	if cfg.Pulls != nil {
 		e.pulls = &pulls{cfg: *cfg.Pulls, running: map[pullKey]*pull{}}
 		if e.pulls.cfg.Wait <= 0 {
-			e.pulls.cfg.Wait = defaultPullWait
+			e.pulls.cfg.Wait = DefaultPullWait
 		}
 	}
 	if err := e.recover(); err != nil {
