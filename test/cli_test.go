@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/require"
@@ -79,22 +80,50 @@ func TestNodeGetInfoReportsTheStore(t *testing.T) {
 	require.Equal(t, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS, caps.Capabilities[0].GetRpc().GetType())
 }
 
-// A server that cannot serve stops the whole process with its error, and
-// takes nothing with it: the state dir is released and the socket gone.
+// Any server that cannot start stops the plugin, with a non-zero exit
+// naming it, before anything serves; nothing is left listening and the
+// state dir is released (before, a failure after the node API had started
+// could leave the plugin hanging, healthy to its probe).
 func TestAServerFailingStopsThePlugin(t *testing.T) {
 	testfs.Need(t)
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer busy.Close()
+	garbage := filepath.Join(t.TempDir(), "garbage.pem")
+	require.NoError(t, os.WriteFile(garbage, []byte("not a certificate"), 0o600))
 	dir := t.TempDir()
-	sock := filepath.Join(dir, "csi.sock")
 	state := t.TempDir()
-	out, err := exec.Command(plugintest.Binary(t), "--endpoint=unix://"+sock, "--state-dir="+state, "--kubelet-dir="+dir,
-		"--cow-backend=overlay", "--metrics-address="+busy.Addr().String()).CombinedOutput()
-	require.Error(t, err)
-	require.Contains(t, string(out), "serving metrics")
-	_, err = os.Stat(sock)
-	require.ErrorIs(t, err, os.ErrNotExist, "the CSI socket went with the process")
+	free := func() string { return plugintest.FreeAddr(t) }
+	tests := []struct {
+		name, want string
+		args       []string
+	}{
+		{"metrics port busy", "serving metrics", []string{"--metrics-address=" + busy.Addr().String()}},
+		{"peer port busy", "serving peers", []string{"--metrics-address=" + free(), "--peer-address=" + busy.Addr().String()}},
+		{"bad peer certificate", "serving peers", []string{"--peer-address=" + free(),
+			"--peer-tls-cert-file=" + garbage, "--peer-tls-key-file=" + garbage, "--peer-ca-file=" + garbage}},
+		{"registration socket in no dir", "serving kubelet registration",
+			[]string{"--metrics-address=" + free(), "--kubelet-registration-socket=" + filepath.Join(dir, "missing", "reg.sock")}},
+		{"controller port busy", "serving the controller's APIs", []string{"--mode=all", "--api-address=" + busy.Addr().String()}},
+		{"bad tokens file", "tokens", []string{"--mode=all", "--api-address=" + free(),
+			"--tokens-file=" + filepath.Join(dir, "no-such-tokens")}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			sock := filepath.Join(dir, "csi.sock")
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			args := append([]string{"--endpoint=unix://" + sock, "--state-dir=" + state, "--kubelet-dir=" + dir, "--cow-backend=overlay"}, tc.args...)
+			out, err := exec.CommandContext(ctx, plugintest.Binary(t), args...).CombinedOutput()
+			require.NoError(t, ctx.Err(), "the plugin hung instead of exiting:\n%s", out)
+			var exit *exec.ExitError
+			require.ErrorAs(t, err, &exit)
+			require.Equal(t, 1, exit.ExitCode())
+			require.Contains(t, string(out), tc.want)
+			_, err = os.Stat(sock)
+			require.ErrorIs(t, err, os.ErrNotExist, "the CSI socket went with the process")
+		})
+	}
 	p := plugintest.Start(t, plugintest.Config{StateDir: state, Backend: "overlay", KubeletDir: dir})
 	_, err = p.Identity.Probe(context.Background(), &csi.ProbeRequest{})
 	require.NoError(t, err, "the state dir was released")

@@ -11,10 +11,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
-	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -56,241 +53,6 @@ const StoreTopologyKey = "topology.cowvol.concourse-ci.org/store"
 
 // maxKernelLayers is what overlayfs stacks at most.
 const maxKernelLayers = 500
-
-// Options configure a Driver. Validate is the one place they are checked.
-type Options struct {
-	Endpoint       string
-	Mode           Mode
-	NodeID         string
-	DriverName     string
-	Version        string
-	StateDir       string
-	Backend        string // auto or an overlay.Kind
-	FlattenDepth   int    // chains deeper than this are flattened
-	MetricsAddress string // host:port for /metrics; empty serves none
-	StopTimeout    time.Duration
-	// RegistrationSocket, if set, is where the plugin serves the kubelet's
-	// plugin-registration API itself (no node-driver-registrar sidecar),
-	// typically /var/lib/kubelet/plugins_registry/<driver>-reg.sock.
-	RegistrationSocket string
-	// KubeletEndpoint is the CSI socket path as the kubelet sees it, told
-	// to the kubelet at registration; it defaults to Endpoint's path.
-	KubeletEndpoint string
-	// Kubeconfig reaches the API server (Events, the CSIDriver check);
-	// empty means in-cluster when run in a pod, and none otherwise.
-	Kubeconfig string
-	// KubeletDir is the kubelet's root dir: every target path must lie
-	// below it in the kubelet's inline-volume layout.
-	KubeletDir string
-	// DefaultSizeLimit caps a writable step volume that names no
-	// sizeLimit, and MaxSizeLimit caps any (bytes; 0: none).
-	DefaultSizeLimit, MaxSizeLimit int64
-	// AllowSetuid keeps setuid/setgid bits and device nodes in captures
-	// and pulls, and mounts step volumes without nosuid.
-	AllowSetuid bool
-	// NodeAPIEndpoint is where the node API is served: a unix socket, by
-	// default node-api.sock beside a unix CSI endpoint.
-	NodeAPIEndpoint string
-	// ControllerAddress (node mode) is the controller's host:port that the
-	// node reports its cache to; empty reports to none.
-	ControllerAddress string
-	// APIAddress (controller mode) is the host:port the controller serves
-	// its Registry and Cache APIs on; empty serves none.
-	APIAddress string
-	// StalledAfter is how long a node may go without reporting before it
-	// is left out of lookups and placement; ForgetStalledAfter, before the
-	// controller forgets it.
-	StalledAfter, ForgetStalledAfter time.Duration
-	// TokensFile (controller) lists the callers of the controller's APIs,
-	// "token,user,namespaces" a line; TokenFile (node) holds the token the
-	// node presents. TLSCertFile and TLSKeyFile serve the controller's APIs
-	// over TLS; TLSCAFile verifies the controller.
-	TokensFile, TokenFile              string
-	TLSCertFile, TLSKeyFile, TLSCAFile string
-	// KubeAuth (controller) checks callers' tokens with TokenReviews and
-	// each call with a SubjectAccessReview, instead of a tokens file.
-	KubeAuth bool
-	// HighWatermark and LowWatermark are percent of the state dir's
-	// filesystem (bytes and inodes): over high, the node evicts until
-	// under low, and refuses captures while it cannot.
-	HighWatermark, LowWatermark int
-	// LeaderElection (controller mode) elects one serving replica.
-	LeaderElection LeaderElection
-	// Peers (node mode) streams volumes between nodes.
-	Peers PeerOptions
-
-	// bootIDFile names the kernel's boot ID; tests point it elsewhere to
-	// pretend a reboot.
-	bootIDFile string
-}
-
-// engineConfig is the node engine's part of the options.
-func (o Options) engineConfig() node.Config {
-	return node.Config{
-		NodeID: o.NodeID, StateDir: o.StateDir, Backend: o.Backend, FlattenDepth: o.FlattenDepth,
-		KubeletDir: o.KubeletDir, DefaultSizeLimit: o.DefaultSizeLimit, MaxSizeLimit: o.MaxSizeLimit,
-		AllowSetuid: o.AllowSetuid, BootIDFile: o.bootIDFile,
-		Watermarks: node.Watermarks{High: o.HighWatermark, Low: o.LowWatermark},
-	}
-}
-
-// Validate checks the options and fills in defaults.
-func (o *Options) Validate() error {
-	var errs []error
-	if o.DriverName == "" {
-		o.DriverName = DefaultDriverName
-	}
-	if o.Version == "" {
-		o.Version = "dev"
-	}
-	if o.StopTimeout == 0 {
-		o.StopTimeout = 30 * time.Second
-	}
-	if o.HighWatermark == 0 && o.LowWatermark == 0 {
-		o.HighWatermark, o.LowWatermark = 90, 80
-	}
-	if o.StalledAfter == 0 {
-		o.StalledAfter = 30 * time.Second
-	}
-	if o.ForgetStalledAfter == 0 {
-		o.ForgetStalledAfter = 10 * time.Minute
-	}
-	if o.ForgetStalledAfter < o.StalledAfter {
-		errs = append(errs, fmt.Errorf("--forget-stalled-after (%s) is shorter than --stalled-after (%s)", o.ForgetStalledAfter, o.StalledAfter))
-	}
-	if (o.TLSCertFile == "") != (o.TLSKeyFile == "") {
-		errs = append(errs, errors.New("--tls-cert-file and --tls-key-file go together"))
-	}
-	// Plaintext stays on this machine; on the network, TLS and tokens.
-	if o.TLSCertFile == "" {
-		if err := loopbackOnly(o.APIAddress); err != nil {
-			errs = append(errs, fmt.Errorf("--api-address: %w (or give --tls-cert-file and --tls-key-file)", err))
-		}
-	} else if o.TokensFile == "" && !o.KubeAuth {
-		errs = append(errs, errors.New("serving the controller's APIs over TLS needs --tokens-file or --kube-auth: on the network only authenticated callers are served"))
-	}
-	if o.KubeAuth && o.TokensFile != "" {
-		errs = append(errs, errors.New("--kube-auth and --tokens-file are two ways to authenticate callers: give one"))
-	}
-	if o.KubeAuth && o.Mode == ModeNode {
-		errs = append(errs, errors.New("--kube-auth is the controller's: use --mode=controller or all"))
-	}
-	if o.TLSCAFile == "" {
-		if err := loopbackOnly(o.ControllerAddress); err != nil {
-			errs = append(errs, fmt.Errorf("--controller-address: %w (or give --tls-ca-file)", err))
-		}
-	} else if o.TokenFile == "" && o.ControllerAddress != "" {
-		errs = append(errs, errors.New("reaching the controller over TLS needs --token-file"))
-	}
-	if o.APIAddress != "" && o.Mode == ModeNode {
-		errs = append(errs, errors.New("--api-address is the controller's: use --mode=controller or all"))
-	}
-	if o.ControllerAddress != "" && o.Mode == ModeController {
-		errs = append(errs, errors.New("--controller-address is for node plugins: use --mode=node or all"))
-	}
-	if _, _, err := parseEndpoint(o.Endpoint); err != nil {
-		errs = append(errs, err)
-	}
-	errs = append(errs, o.LeaderElection.validate(o.Mode)...)
-	errs = append(errs, o.Peers.validate(o)...)
-	switch o.Mode {
-	case ModeNode, ModeController, ModeAll:
-	default:
-		errs = append(errs, fmt.Errorf("mode %q is invalid: want node, controller or all", o.Mode))
-	}
-	if o.Mode == ModeController && o.RegistrationSocket != "" {
-		errs = append(errs, errors.New("kubelet registration is for node plugins: use --mode=node or all"))
-	}
-	if o.Mode != ModeController {
-		if o.NodeID == "" {
-			errs = append(errs, errors.New("node ID is required"))
-		}
-		if o.StateDir == "" || !strings.HasPrefix(o.StateDir, "/") {
-			errs = append(errs, fmt.Errorf("state dir %q must be an absolute path", o.StateDir))
-		}
-		if o.Backend != "auto" {
-			if _, err := overlay.ParseKind(o.Backend); err != nil {
-				errs = append(errs, fmt.Errorf("%w (or auto)", err))
-			}
-		}
-		if o.KubeletDir == "" || !strings.HasPrefix(o.KubeletDir, "/") {
-			errs = append(errs, fmt.Errorf("kubelet dir %q must be an absolute path", o.KubeletDir))
-		}
-		if o.DefaultSizeLimit < 0 || o.MaxSizeLimit < 0 {
-			errs = append(errs, errors.New("size limits cannot be negative"))
-		}
-		if o.NodeAPIEndpoint == "" {
-			if network, addr, err := parseEndpoint(o.Endpoint); err == nil && network == "unix" {
-				o.NodeAPIEndpoint = "unix://" + filepath.Join(filepath.Dir(addr), "node-api.sock")
-			}
-		}
-		if o.NodeAPIEndpoint != "" {
-			if network, _, err := parseEndpoint(o.NodeAPIEndpoint); err != nil || network != "unix" {
-				errs = append(errs, fmt.Errorf("node API endpoint %q must be unix:///path: it has no authentication of its own", o.NodeAPIEndpoint))
-			}
-		}
-		if o.LowWatermark < 1 || o.HighWatermark > 100 || o.LowWatermark >= o.HighWatermark {
-			errs = append(errs, fmt.Errorf("watermarks %d%% (low) and %d%% (high) are invalid: want 1 <= low < high <= 100",
-				o.LowWatermark, o.HighWatermark))
-		}
-		if o.MaxSizeLimit > 0 && o.DefaultSizeLimit > o.MaxSizeLimit {
-			errs = append(errs, fmt.Errorf("the default size limit (%d bytes) exceeds the maximum (%d bytes)", o.DefaultSizeLimit, o.MaxSizeLimit))
-		}
-		if o.RegistrationSocket != "" && o.KubeletEndpoint == "" {
-			if network, addr, err := parseEndpoint(o.Endpoint); err == nil && network == "unix" {
-				o.KubeletEndpoint = addr
-			} else {
-				errs = append(errs, errors.New("kubelet registration needs a unix endpoint (or the kubelet's endpoint path)"))
-			}
-		}
-		if o.FlattenDepth < 1 || o.FlattenDepth > maxKernelLayers-1 {
-			errs = append(errs, fmt.Errorf("flatten depth %d is invalid: want 1 to %d (overlayfs stacks at most %d layers)",
-				o.FlattenDepth, maxKernelLayers-1, maxKernelLayers))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// loopbackOnly checks a host:port that is served or dialled in plaintext:
-// until the APIs carry TLS and authentication, they stay on this machine.
-func loopbackOnly(addr string) error {
-	if addr == "" {
-		return nil
-	}
-	host, _, err := net.SplitHostPort(addr)
-	if err != nil {
-		return fmt.Errorf("%q is not host:port: %w", addr, err)
-	}
-	if ip := net.ParseIP(host); host == "localhost" || (ip != nil && ip.IsLoopback()) {
-		return nil
-	}
-	return fmt.Errorf("%q is not a loopback address: without TLS and authentication the APIs are served and reached on loopback only", addr)
-}
-
-// parseEndpoint splits unix:///path or tcp://host:port.
-func parseEndpoint(ep string) (network, addr string, err error) {
-	u, err := url.Parse(ep)
-	if err != nil {
-		return "", "", fmt.Errorf("endpoint %q: %w", ep, err)
-	}
-	switch u.Scheme {
-	case "unix":
-		addr = u.Path
-		if addr == "" {
-			addr = u.Opaque
-		}
-		if addr == "" {
-			return "", "", fmt.Errorf("endpoint %q names no socket path", ep)
-		}
-		return "unix", addr, nil
-	case "tcp":
-		if u.Host == "" {
-			return "", "", fmt.Errorf("endpoint %q names no host:port", ep)
-		}
-		return "tcp", u.Host, nil
-	}
-	return "", "", fmt.Errorf("endpoint %q: want unix:///path or tcp://host:port", ep)
-}
 
 // Driver is one plugin process: the services its mode asks for.
 type Driver struct {
@@ -431,13 +193,132 @@ func (d *Driver) Backend() overlay.Kind {
 
 // Run serves until ctx is done, then stops gracefully: RPCs in flight finish
 // (up to StopTimeout), background work is cancelled and cleans up after
-// itself, and the socket is removed.
+// itself, and the socket is removed. Every server the mode asks for is
+// started first, each binding what it serves: one that cannot start stops
+// the plugin before any serves, and one that stops serving stops the others,
+// so the process exits with its error instead of running half.
 func (d *Driver) Run(ctx context.Context) error {
 	defer d.Close()
-	lis, err := listen(d.opts.Endpoint)
+	runners, err := d.runners()
 	if err != nil {
 		return err
 	}
+	for i, r := range runners {
+		if err := r.start(); err != nil {
+			for _, started := range runners[:i] {
+				started.abort()
+			}
+			return fmt.Errorf("%s: %w", r.name, err)
+		}
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	for _, r := range runners {
+		g.Go(func() error { return r.run(gctx) })
+	}
+	return g.Wait()
+}
+
+// runner is one server or loop of a plugin. start binds what it serves;
+// run serves until ctx ends (nil) or it fails; abort releases what start
+// bound when a later runner cannot start.
+type runner struct {
+	name  string
+	start func() error
+	run   func(ctx context.Context) error
+	abort func()
+}
+
+// logged logs msg with kv once r has started.
+func logged(r runner, msg string, kv ...any) runner {
+	start := r.start
+	r.start = func() error {
+		if err := start(); err != nil {
+			return err
+		}
+		klog.InfoS(msg, kv...)
+		return nil
+	}
+	return r
+}
+
+// loopRunner runs a loop that needs nothing bound.
+func loopRunner(name string, loop func(ctx context.Context) error) runner {
+	return runner{name: name, start: func() error { return nil }, run: loop, abort: func() {}}
+}
+
+// grpcRunner serves srv on the listener listen makes, and once ctx ends
+// stops it with stop. A server that stops by itself is an error, so that
+// the plugin stops with it.
+func grpcRunner(name string, srv *grpc.Server, listen func() (net.Listener, error), stop func(*grpc.Server)) runner {
+	var lis net.Listener
+	return runner{
+		name: name,
+		start: func() (err error) {
+			lis, err = listen()
+			return err
+		},
+		run: func(ctx context.Context) error {
+			served := make(chan error, 1)
+			go func() { served <- srv.Serve(lis) }()
+			select {
+			case err := <-served:
+				return fmt.Errorf("%s stopped: %v", name, err)
+			case <-ctx.Done():
+			}
+			stop(srv)
+			<-served
+			return nil
+		},
+		abort: func() { lis.Close() },
+	}
+}
+
+// stopHard drops connections and calls in flight: for servers whose
+// callers retry (peers, the kubelet's registration watcher).
+func stopHard(srv *grpc.Server) { srv.Stop() }
+
+// stopGracefully lets calls in flight finish, for up to within (0: as
+// long as they take), then stops hard.
+func stopGracefully(within time.Duration) func(*grpc.Server) {
+	return func(srv *grpc.Server) {
+		stopped := make(chan struct{})
+		go func() { srv.GracefulStop(); close(stopped) }()
+		if within <= 0 {
+			<-stopped
+			return
+		}
+		select {
+		case <-stopped:
+		case <-time.After(within):
+			klog.InfoS("In-flight RPCs did not finish in time; stopping hard", "timeout", within)
+			srv.Stop()
+		}
+	}
+}
+
+// unixListener listens on a unix endpoint with the socket made mode.
+func unixListener(endpoint string, mode os.FileMode) func() (net.Listener, error) {
+	return func() (net.Listener, error) {
+		lis, err := listen(endpoint)
+		if err != nil {
+			return nil, err
+		}
+		_, path, _ := parseEndpoint(endpoint)
+		if err := os.Chmod(path, mode); err != nil {
+			lis.Close()
+			return nil, err
+		}
+		return lis, nil
+	}
+}
+
+func tcpListener(addr string) func() (net.Listener, error) {
+	return func() (net.Listener, error) { return net.Listen("tcp", addr) }
+}
+
+// runners are the servers and loops the driver's mode asks for, the CSI
+// server first.
+func (d *Driver) runners() ([]runner, error) {
 	interceptors := []grpc.UnaryServerInterceptor{d.metrics.interceptor}
 	if d.leader != nil {
 		// A follower's view is empty: its CSI controller answers nothing.
@@ -451,146 +332,132 @@ func (d *Driver) Run(ctx context.Context) error {
 	if d.controller != nil {
 		csi.RegisterControllerServer(srv, d.controller)
 	}
+	csiRunner := grpcRunner("serving CSI", srv, func() (net.Listener, error) { return listen(d.opts.Endpoint) },
+		func(srv *grpc.Server) {
+			klog.InfoS("Stopping: letting in-flight RPCs finish", "timeout", d.opts.StopTimeout)
+			stopGracefully(d.opts.StopTimeout)(srv)
+		})
+	runners := []runner{logged(csiRunner, "Serving CSI", "endpoint", d.opts.Endpoint, "mode", d.opts.Mode,
+		"driver", d.opts.DriverName, "version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())}
 	var registration *registrationService
 	if d.opts.RegistrationSocket != "" && d.node != nil {
 		registration = &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint}
 	}
-	// The servers run as a group: one failing stops the others, and the
-	// process exits with its error.
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return srv.Serve(lis) })
 	if d.opts.MetricsAddress != "" {
-		mlis, err := net.Listen("tcp", d.opts.MetricsAddress)
-		if err != nil {
-			srv.Stop()
-			return fmt.Errorf("serving metrics: %w", err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(d.metrics.registry, promhttp.HandlerOpts{}))
-		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-		mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
-			if d.leader != nil {
-				d.leader.ready(w, r)
-				return
-			}
-			if registration != nil {
-				if why := registration.notReady(); why != "" {
-					http.Error(w, why, http.StatusServiceUnavailable)
-					return
-				}
-			}
-			_, _ = w.Write([]byte("ok\n"))
-		})
-		metricsSrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		g.Go(func() error {
-			if err := metricsSrv.Serve(mlis); !errors.Is(err, http.ErrServerClosed) {
-				return fmt.Errorf("serving metrics: %w", err)
-			}
-			return nil
-		})
-		g.Go(func() error { <-gctx.Done(); return metricsSrv.Close() })
+		runners = append(runners, d.metricsRunner(registration))
 	}
-	klog.InfoS("Serving CSI", "endpoint", d.opts.Endpoint, "mode", d.opts.Mode, "driver", d.opts.DriverName,
-		"version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())
 	if d.engine != nil && d.opts.NodeAPIEndpoint != "" {
-		apiLis, err := listen(d.opts.NodeAPIEndpoint)
-		if err == nil {
-			_, path, _ := parseEndpoint(d.opts.NodeAPIEndpoint)
-			err = os.Chmod(path, 0o600) // root's alone: it destroys volumes
-		}
-		if err != nil {
-			srv.Stop()
-			return errors.Join(fmt.Errorf("serving the node API: %w", err), g.Wait())
-		}
 		api := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
 		nodev1.RegisterNodeAPIServer(api, &nodeAPIService{engine: d.engine})
-		g.Go(func() error { return api.Serve(apiLis) })
-		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
-		klog.InfoS("Serving the node API", "endpoint", d.opts.NodeAPIEndpoint)
+		// Root's alone: it destroys volumes, and has no authentication.
+		runners = append(runners, logged(grpcRunner("serving the node API", api, unixListener(d.opts.NodeAPIEndpoint, 0o600),
+			stopGracefully(0)), "Serving the node API", "endpoint", d.opts.NodeAPIEndpoint))
 	}
 	if d.engine != nil && d.opts.Peers.Address != "" {
 		peerSrv, err := d.peerServer(d.peerMetrics)
-		if err == nil {
-			var plis net.Listener
-			if plis, err = net.Listen("tcp", d.opts.Peers.Address); err == nil {
-				g.Go(func() error { return peerSrv.Serve(plis) })
-				g.Go(func() error { <-gctx.Done(); peerSrv.Stop(); return nil })
-				klog.InfoS("Serving volumes to peers", "address", plis.Addr().String(),
-					"advertised", d.opts.Peers.AdvertiseAddress, "mutualTLS", d.opts.Peers.CertFile != "")
-			}
-		}
 		if err != nil {
-			srv.Stop()
-			return errors.Join(fmt.Errorf("serving peers: %w", err), g.Wait())
+			return nil, fmt.Errorf("serving peers: %w", err)
 		}
+		runners = append(runners, logged(grpcRunner("serving peers", peerSrv, tcpListener(d.opts.Peers.Address), stopHard),
+			"Serving volumes to peers", "address", d.opts.Peers.Address, "advertised", d.opts.Peers.AdvertiseAddress,
+			"mutualTLS", d.opts.Peers.CertFile != ""))
 	}
 	if d.engine != nil && d.ctlConn != nil {
 		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
 			peerAddress: d.opts.Peers.AdvertiseAddress}
-		g.Go(func() error { r.run(gctx); return nil })
-		klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
+		runners = append(runners, loopRunner("reporting to the controller", func(ctx context.Context) error {
+			klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
+			r.run(ctx)
+			return nil
+		}))
 	}
 	if d.view != nil && d.opts.APIAddress != "" {
-		serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
+		ctl, err := d.controllerRunners()
 		if err != nil {
-			srv.Stop()
-			return errors.Join(err, g.Wait())
+			return nil, err
 		}
-		apiLis, err := net.Listen("tcp", d.opts.APIAddress)
-		if err != nil {
-			srv.Stop()
-			return errors.Join(fmt.Errorf("serving the controller's APIs: %w", err), g.Wait())
-		}
-		dial, err := d.opts.Peers.dialer()
-		if err != nil {
-			srv.Stop()
-			return errors.Join(err, g.Wait())
-		}
-		api := grpc.NewServer(serve...)
-		controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
-		g.Go(func() error { return api.Serve(apiLis) })
-		g.Go(func() error { <-gctx.Done(); api.GracefulStop(); return nil })
-		if d.opts.LeaderElection.Enabled {
-			g.Go(func() error { return d.leader.elect(gctx, d.kube, d.opts.LeaderElection, d.forgetStalled) })
-		} else {
-			g.Go(func() error { d.forgetStalled(gctx); return nil })
-		}
-		klog.InfoS("Serving the controller's Registry and Cache APIs", "address", apiLis.Addr().String(),
-			"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
-			"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
+		runners = append(runners, ctl...)
 	}
 	if registration != nil {
-		// Registered once the CSI socket listens: the kubelet calls it as
-		// soon as it has the registration.
-		regLis, err := listen("unix://" + d.opts.RegistrationSocket)
-		if err != nil {
-			srv.Stop()
-			return errors.Join(fmt.Errorf("serving kubelet registration: %w", err), g.Wait())
-		}
+		// Last, once the CSI socket listens: the kubelet calls it as soon
+		// as it has the registration.
 		reg := grpc.NewServer()
 		registerapi.RegisterRegistrationServer(reg, registration)
-		g.Go(func() error { return reg.Serve(regLis) })
-		// Stopping the registration first tells the kubelet the plugin is
-		// going away (its watcher sees the socket vanish).
-		g.Go(func() error { <-gctx.Done(); reg.Stop(); return nil })
-		klog.InfoS("Serving kubelet plugin registration", "socket", d.opts.RegistrationSocket, "kubeletEndpoint", d.opts.KubeletEndpoint)
+		runners = append(runners, logged(grpcRunner("serving kubelet registration", reg,
+			func() (net.Listener, error) { return listen("unix://" + d.opts.RegistrationSocket) }, stopHard),
+			"Serving kubelet plugin registration", "socket", d.opts.RegistrationSocket, "kubeletEndpoint", d.opts.KubeletEndpoint))
 	}
-	g.Go(func() error {
-		<-gctx.Done()
-		if ctx.Err() != nil {
-			klog.InfoS("Stopping: letting in-flight RPCs finish", "timeout", d.opts.StopTimeout)
+	return runners, nil
+}
+
+// metricsRunner serves /metrics and the probes. /readyz answers 503 on a
+// controller replica that does not lead, and on a self-registering node
+// plugin until the kubelet has taken its registration.
+func (d *Driver) metricsRunner(registration *registrationService) runner {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(d.metrics.registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		if d.leader != nil {
+			d.leader.ready(w, r)
+			return
 		}
-		stopped := make(chan struct{})
-		go func() { srv.GracefulStop(); close(stopped) }()
-		select {
-		case <-stopped:
-		case <-time.After(d.opts.StopTimeout):
-			klog.InfoS("In-flight RPCs did not finish in time; stopping hard")
-			srv.Stop()
+		if registration != nil {
+			if why := registration.notReady(); why != "" {
+				http.Error(w, why, http.StatusServiceUnavailable)
+				return
+			}
 		}
-		return nil
+		_, _ = w.Write([]byte("ok\n"))
 	})
-	return g.Wait()
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	var lis net.Listener
+	return runner{
+		name: "serving metrics",
+		start: func() (err error) {
+			lis, err = net.Listen("tcp", d.opts.MetricsAddress)
+			return err
+		},
+		run: func(ctx context.Context) error {
+			served := make(chan error, 1)
+			go func() { served <- srv.Serve(lis) }()
+			select {
+			case err := <-served:
+				return fmt.Errorf("serving metrics stopped: %w", err)
+			case <-ctx.Done():
+				srv.Close()
+				<-served
+				return nil
+			}
+		},
+		abort: func() { lis.Close() },
+	}
+}
+
+// controllerRunners serve the controller's Registry and Cache APIs and run
+// its election (or, without one, its forgetting of stalled nodes).
+func (d *Driver) controllerRunners() ([]runner, error) {
+	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
+	if err != nil {
+		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
+	}
+	dial, err := d.opts.Peers.dialer()
+	if err != nil {
+		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
+	}
+	api := grpc.NewServer(serve...)
+	controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
+	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.APIAddress), stopGracefully(0)),
+		"Serving the controller's Registry and Cache APIs", "address", d.opts.APIAddress,
+		"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
+		"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
+	loop := loopRunner("forgetting stalled nodes", func(ctx context.Context) error { d.forgetStalled(ctx); return nil })
+	if d.opts.LeaderElection.Enabled {
+		loop = loopRunner("leader election", func(ctx context.Context) error {
+			return d.leader.elect(ctx, d.kube, d.opts.LeaderElection, d.forgetStalled)
+		})
+	}
+	return []runner{apiRunner, loop}, nil
 }
 
 // forgetStalled drops nodes that stopped reporting long ago.
