@@ -246,10 +246,10 @@ func loopRunner(name string, loop func(ctx context.Context) error) runner {
 	return runner{name: name, start: func() error { return nil }, run: loop, abort: func() {}}
 }
 
-// grpcRunner serves srv on the listener listen makes, and once ctx ends
-// stops it with stop. A server that stops by itself is an error, so that
-// the plugin stops with it.
-func grpcRunner(name string, srv *grpc.Server, listen func() (net.Listener, error), stop func(*grpc.Server)) runner {
+// serverRunner serves on the listener listen makes, and once ctx ends
+// calls stop (after which serve returns). A server that stops by itself is
+// an error, so that the plugin stops with it.
+func serverRunner(name string, listen func() (net.Listener, error), serve func(net.Listener) error, stop func()) runner {
 	var lis net.Listener
 	return runner{
 		name: name,
@@ -259,18 +259,23 @@ func grpcRunner(name string, srv *grpc.Server, listen func() (net.Listener, erro
 		},
 		run: func(ctx context.Context) error {
 			served := make(chan error, 1)
-			go func() { served <- srv.Serve(lis) }()
+			go func() { served <- serve(lis) }()
 			select {
 			case err := <-served:
 				return fmt.Errorf("%s stopped: %v", name, err)
 			case <-ctx.Done():
 			}
-			stop(srv)
+			stop()
 			<-served
 			return nil
 		},
 		abort: func() { lis.Close() },
 	}
+}
+
+// grpcRunner serves srv, stopping it with stop.
+func grpcRunner(name string, srv *grpc.Server, listen func() (net.Listener, error), stop func(*grpc.Server)) runner {
+	return serverRunner(name, listen, srv.Serve, func() { stop(srv) })
 }
 
 // stopHard drops connections and calls in flight: for servers whose
@@ -411,27 +416,7 @@ func (d *Driver) metricsRunner(registration *registrationService) runner {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	var lis net.Listener
-	return runner{
-		name: "serving metrics",
-		start: func() (err error) {
-			lis, err = net.Listen("tcp", d.opts.MetricsAddress)
-			return err
-		},
-		run: func(ctx context.Context) error {
-			served := make(chan error, 1)
-			go func() { served <- srv.Serve(lis) }()
-			select {
-			case err := <-served:
-				return fmt.Errorf("serving metrics stopped: %w", err)
-			case <-ctx.Done():
-				srv.Close()
-				<-served
-				return nil
-			}
-		},
-		abort: func() { lis.Close() },
-	}
+	return serverRunner("serving metrics", tcpListener(d.opts.MetricsAddress), srv.Serve, func() { srv.Close() })
 }
 
 // controllerRunners serve the controller's Registry and Cache APIs and run
