@@ -52,4 +52,3 @@ func newUserNamespace(tb testing.TB) int {
 	}
 	return fd
 }
-

@@ -36,7 +36,9 @@ func fsGroup(gid int) podOpt {
 // namespace's volumes.
 func (c *cluster) stepResults(ns string) map[string]string {
 	c.t.Helper()
-	var list struct{ Items []struct{ Handle, StepResult string } }
+	var list struct {
+		Items []struct{ Handle, StepResult string }
+	}
 	require.NoError(c.t, json.Unmarshal([]byte(c.kubectlCowvol("volumes", "-n", ns, "-o", "json")), &list))
 	out := map[string]string{}
 	for _, v := range list.Items {
@@ -97,7 +99,7 @@ func TestHardenedSteps(t *testing.T) {
 		// the container (an emptyDir here), whatever the mount's flags.
 		c.createPodWith("ci", "setuid-control", `/shared/euid`, []podOpt{runAs(1000), func(spec, _ map[string]any) {
 			spec["initContainers"] = []any{map[string]any{"name": "plant", "image": busyboxImage, "imagePullPolicy": "Never",
-				"command": []string{"/bin/sh", "-c", "cp /bin/euid /shared/euid && chmod 4755 /shared/euid"},
+				"command":      []string{"/bin/sh", "-c", "cp /bin/euid /shared/euid && chmod 4755 /shared/euid"},
 				"volumeMounts": []any{map[string]any{"name": "shared", "mountPath": "/shared"}}}}
 		}}, volume{name: "shared", mountPath: "/shared"})
 		require.Equal(t, "0\n", c.mustSucceed("ci", "setuid-control"), "a setuid-root binary in an emptyDir runs as root")
