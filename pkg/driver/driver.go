@@ -51,9 +51,6 @@ const TopologyKey = "topology.cowvol.concourse-ci.org/node"
 // StoreTopologyKey is the segment that carries the node's store ID.
 const StoreTopologyKey = "topology.cowvol.concourse-ci.org/store"
 
-// maxKernelLayers is what overlayfs stacks at most.
-const maxKernelLayers = 500
-
 // Driver is one plugin process: the services its mode asks for.
 type Driver struct {
 	opts       Options

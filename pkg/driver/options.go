@@ -328,9 +328,9 @@ func (o *Options) Validate() error {
 				errs = append(errs, errors.New("kubelet registration needs a unix endpoint (or the kubelet's endpoint path)"))
 			}
 		}
-		if o.FlattenDepth < 1 || o.FlattenDepth > maxKernelLayers-1 {
+		if o.FlattenDepth < 1 || o.FlattenDepth > overlay.MaxLayers-1 {
 			errs = append(errs, fmt.Errorf("flatten depth %d is invalid: want 1 to %d (overlayfs stacks at most %d layers)",
-				o.FlattenDepth, maxKernelLayers-1, maxKernelLayers))
+				o.FlattenDepth, overlay.MaxLayers-1, overlay.MaxLayers))
 		}
 	}
 	return errors.Join(errs...)

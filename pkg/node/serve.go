@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -97,8 +98,8 @@ func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, err
 	}
 	var out []streamer.Layer
 	for seen := 0; ; seen++ {
-		if seen > maxKernelLayers {
-			return nil, fmt.Errorf("volume %s: a chain deeper than %d layers", r, maxKernelLayers)
+		if seen > overlay.MaxLayers {
+			return nil, fmt.Errorf("volume %s: a chain deeper than %d layers", r, overlay.MaxLayers)
 		}
 		out = append(out, streamer.Layer{Ref: v.Ref(), Parent: v.Parent, Base: v.Base, Scope: v.Scope,
 			Properties: v.Properties, TTL: v.TTL, SizeBytes: v.SizeBytes, Destroyed: v.State == volume.StateDestroying})
@@ -120,9 +121,6 @@ func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
 	refs, _, err := h.e.store.ChainOf(via) // via's own first; ready, or an error
 	return err == nil && slices.Contains(refs[1:], r)
 }
-
-// maxKernelLayers bounds a chain: overlayfs stacks no more.
-const maxKernelLayers = 500
 
 // OpenLayer holds a volume's own layer for a stream: one namespace may
 // read, or one in the chain of via, which it may read. A destroyed volume

@@ -34,6 +34,10 @@ const (
 	KindCopy Kind = "copy"
 )
 
+// MaxLayers is the most layers overlayfs stacks in one mount: no chain may
+// be deeper.
+const MaxLayers = 500
+
 // probeOrder lists the backends in the order auto-probing prefers them.
 var probeOrder = []Kind{KindBtrfs, KindOverlay, KindReflink, KindCopy}
 
