@@ -46,7 +46,7 @@ func TestBackends(t *testing.T) {
 				stateDir = testfs.Mount(t, bc.fs, 1<<30)
 			}
 			e := newEnv(t, plugintest.Config{StateDir: stateDir, Backend: bc.backend, FlattenDepth: suiteFlattenDepth})
-			require.Contains(t, e.p.Log(), `backend="`+bc.backend+`"`)
+			require.Equal(t, bc.backend, e.backend(t))
 			t.Run("isolation", e.testIsolation)
 			t.Run("deletions-and-renames", e.testDeletionsAndRenames)
 			t.Run("chains", func(t *testing.T) { e.testChains(t, bc.backend) })

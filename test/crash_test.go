@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -213,7 +212,6 @@ func TestKillAtRandomInstants(t *testing.T) {
 		})
 	}
 	e.noLeaks(t)
-	require.False(t, strings.Contains(e.p.Log(), "panic"), "no panics")
 }
 
 // TestBackendSwitch: a plugin restarted with another COW backend tears
@@ -232,7 +230,7 @@ func TestBackendSwitch(t *testing.T) {
 
 	e.p.Backend = "copy"
 	e.p.Restart()
-	require.Contains(t, e.p.Log(), `backend="copy"`)
+	require.Equal(t, "copy", e.backend(t))
 	check := func(dir string, want map[string]string) {
 		for name, content := range want {
 			require.Equal(t, content, readFile(t, dir, name))

@@ -4,6 +4,7 @@
 package test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -153,4 +155,13 @@ func mountID(t *testing.T, path string) uint64 {
 		return 0
 	}
 	return id
+}
+
+// backend is the COW backend the plugin says it runs (the node API's
+// GetNode).
+func (e *env) backend(t *testing.T) string {
+	t.Helper()
+	n, err := e.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+	require.NoError(t, err)
+	return n.GetBackend()
 }
