@@ -8,7 +8,8 @@
 // does for the kubelet) and map the errors it returns, which wrap the
 // sentinels of this package and of packages cache and target. It builds on
 // package cache (metadata), package overlay (copy-on-write mechanics) and
-// package target (the kubelet's dirs), and never imports package driver.
+// package target (the kubelet's dirs), asks the cluster about step pods only
+// through the Pods it is given, and never imports package driver.
 package node
 
 import (

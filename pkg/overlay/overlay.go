@@ -1,7 +1,9 @@
 // Package overlay owns cowvol's copy-on-write mechanics: building a step
 // volume's private tree over a chain of cached layers (an overlay mount, a
 // reflink clone, a btrfs snapshot or a plain copy), mounting it at the pod's
-// target, and turning it into a layer on capture with renames only.
+// target (as a plain tree where the runtime will idmap it), and turning it
+// into a layer on capture with a rename and one walk that seals it (no
+// setuid bits, no device nodes) and measures it.
 //
 // It works on the paths it is given. It knows nothing of handles, metadata,
 // namespaces or CSI (package cache and package driver own those), and it never
