@@ -32,11 +32,14 @@ var ErrPodUnknown = errors.New("the pod could not be read from the API server")
 const podTimeout = 10 * time.Second
 
 // userNamespace says whether a step's pod runs in a user namespace of its
-// own.
-func (e *Engine) userNamespace(pod volume.Pod) (bool, error) {
-	if e.pods == nil {
+// own, where that changes its view: an empty volume is a plain bind on
+// every backend, so only a view of a source asks (and an API server that
+// cannot answer never holds up an output volume).
+func (e *Engine) userNamespace(r PublishRequest) (bool, error) {
+	if e.pods == nil || r.Source.IsZero() {
 		return false, nil
 	}
+	pod := r.Pod
 	ctx, cancel := context.WithTimeout(e.bgCtx, podTimeout)
 	defer cancel()
 	userns, err := e.pods.UserNamespace(ctx, pod)

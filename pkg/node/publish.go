@@ -54,7 +54,7 @@ func (e *Engine) Publish(r PublishRequest) error {
 	if err := e.ensureSource(r); err != nil {
 		return err
 	}
-	userns, err := e.userNamespace(r.Pod)
+	userns, err := e.userNamespace(r)
 	if err != nil {
 		return err
 	}
