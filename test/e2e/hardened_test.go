@@ -28,6 +28,20 @@ func runAs(uid int) podOpt {
 	}
 }
 
+// noNewPrivileges sets allowPrivilegeEscalation: false on the step
+// container (after runAs).
+func noNewPrivileges(_, container map[string]any) {
+	container["securityContext"].(map[string]any)["allowPrivilegeEscalation"] = false
+}
+
+// plantSetuid adds an init container, root, that leaves a setuid-root euid
+// in the pod's emptyDir "shared".
+func plantSetuid(spec, _ map[string]any) {
+	spec["initContainers"] = []any{map[string]any{"name": "plant", "image": busyboxImage, "imagePullPolicy": "Never",
+		"command":      []string{"/bin/sh", "-c", "cp /bin/euid /shared/euid && chmod 4755 /shared/euid"},
+		"volumeMounts": []any{map[string]any{"name": "shared", "mountPath": "/shared"}}}}
+}
+
 func fsGroup(gid int) podOpt {
 	return func(spec, _ map[string]any) { spec["securityContext"] = map[string]any{"fsGroup": gid} }
 }
@@ -97,12 +111,14 @@ func TestHardenedSteps(t *testing.T) {
 	c.scenario("setuid binaries and device nodes from a volume give no one root", func() {
 		// The threat is real: runc passes a volume's setuid bits into
 		// the container (an emptyDir here), whatever the mount's flags.
-		c.createPodWith("ci", "setuid-control", `/shared/euid`, []podOpt{runAs(1000), func(spec, _ map[string]any) {
-			spec["initContainers"] = []any{map[string]any{"name": "plant", "image": busyboxImage, "imagePullPolicy": "Never",
-				"command":      []string{"/bin/sh", "-c", "cp /bin/euid /shared/euid && chmod 4755 /shared/euid"},
-				"volumeMounts": []any{map[string]any{"name": "shared", "mountPath": "/shared"}}}}
-		}}, volume{name: "shared", mountPath: "/shared"})
+		c.createPodWith("ci", "setuid-control", `/shared/euid`, []podOpt{runAs(1000), plantSetuid},
+			volume{name: "shared", mountPath: "/shared"})
 		require.Equal(t, "0\n", c.mustSucceed("ci", "setuid-control"), "a setuid-root binary in an emptyDir runs as root")
+		// What the README tells pod authors to add stops it wherever the
+		// binary comes from.
+		c.createPodWith("ci", "setuid-no-new-privs", `/shared/euid`, []podOpt{runAs(1000), noNewPrivileges, plantSetuid},
+			volume{name: "shared", mountPath: "/shared"})
+		require.Equal(t, "1000\n", c.mustSucceed("ci", "setuid-no-new-privs"), "allowPrivilegeEscalation: false")
 
 		c.createPod("ci", "plant", `set -e; cd /out
 			cp /bin/euid euid; chmod 4755 euid; cp /bin/euid sgid; chmod 2755 sgid
