@@ -208,9 +208,10 @@ const schemaVersion = "1"
 // Store is the node's volume store. It is safe for concurrent use; bbolt
 // serialises writers.
 type Store struct {
-	dir string
-	db  *bolt.DB
-	id  string
+	dir  string
+	db   *bolt.DB
+	id   string
+	live liveHolds
 }
 
 // Open opens (creating if needed) the store under dir, migrating metadata
@@ -440,9 +441,9 @@ func (s *Store) BadRecords() []string {
 }
 
 // chain walks from r down its Base links, returning refs and data dirs top
-// first. Every volume on it must be ready. Errors name only the volume asked
-// for: a layer below may belong to another namespace.
-func (s *Store) chain(vols *bolt.Bucket, r volume.Ref) (refs []volume.Ref, dirs []string, err error) {
+// first; usable says which layers may be in it. Errors name only the
+// volume asked for: a layer below may belong to another namespace.
+func (s *Store) chain(vols *bolt.Bucket, r volume.Ref, usable func(v Volume, top bool) bool) (refs []volume.Ref, dirs []string, err error) {
 	for cur := r; !cur.IsZero(); {
 		v, ok, err := getJSON[Volume](vols, key(cur))
 		if err != nil {
@@ -451,9 +452,7 @@ func (s *Store) chain(vols *bolt.Bucket, r volume.Ref) (refs []volume.Ref, dirs 
 		if !ok {
 			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is missing: %w", r.Handle, ErrUnusable)
 		}
-		// A destroyed volume is hidden, but its data stays for the
-		// children built on it.
-		if v.State != volume.StateReady && (cur == r || v.State != volume.StateDestroying) {
+		if !usable(v, cur == r) {
 			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is %s: %w", r.Handle, v.State, ErrUnusable)
 		}
 		refs = append(refs, cur)
@@ -466,17 +465,18 @@ func (s *Store) chain(vols *bolt.Bucket, r volume.Ref) (refs []volume.Ref, dirs 
 	return refs, dirs, nil
 }
 
-// Chain returns a ready volume's data dirs, top first.
+// Chain returns the data dirs, top first, of a volume's chain whose data
+// is all here.
 func (s *Store) Chain(r volume.Ref) ([]string, error) {
 	_, dirs, err := s.ChainOf(r)
 	return dirs, err
 }
 
-// ChainOf returns the volumes of a ready volume's chain and their data
-// dirs, top first.
+// ChainOf returns the volumes of a chain whose data is all here, and their
+// data dirs, top first: what may be copied out.
 func (s *Store) ChainOf(r volume.Ref) (refs []volume.Ref, dirs []string, err error) {
 	err = s.db.View(func(tx *bolt.Tx) error {
-		refs, dirs, err = s.chain(tx.Bucket(volumesBucket), r)
+		refs, dirs, err = s.chain(tx.Bucket(volumesBucket), r, Volume.layerComplete)
 		return err
 	})
 	return refs, dirs, err
@@ -500,7 +500,7 @@ func (v Volume) ReadableBy(namespace string) bool {
 }
 
 // Publish records a new step volume in one transaction: the source must be
-// ready and readable by the pod's namespace (its chain is pinned), and the
+// mountable (ready or filling) and readable by the pod's namespace (its chain is pinned), and the
 // capture handle, if any, must be free in the pod's namespace (it is
 // reserved there). The returned view carries the lowers to mount. A view
 // with a size limit gets a fresh quota ID.
@@ -519,15 +519,13 @@ func (s *Store) Publish(v View) (View, error) {
 			if err != nil {
 				return err
 			}
-			switch {
-			case !ok || !src.ReadableBy(v.Pod.Namespace) || src.State == volume.StateDestroying:
+			if !ok {
 				return NotVisible(v.Source, v.Pod.Namespace)
-			case src.State == volume.StateCreating:
-				return fmt.Errorf("source volume %q is still being captured: %w", v.Source.Handle, ErrNotReady)
-			case src.State != volume.StateReady:
-				return fmt.Errorf("source volume %q is %s: %w", v.Source.Handle, src.State, ErrUnusable)
 			}
-			if v.Pins, v.Lowers, err = s.chain(vols, v.Source); err != nil {
+			if err := src.mountable(v.Pod.Namespace); err != nil {
+				return err
+			}
+			if v.Pins, v.Lowers, err = s.chain(vols, v.Source, Volume.layerMountable); err != nil {
 				return err
 			}
 			for _, p := range v.Pins {
@@ -639,7 +637,7 @@ func (s *Store) CaptureTarget(view View) (Volume, error) {
 	if err != nil {
 		return v, err
 	}
-	if v.State != volume.StateCreating || v.Lease != viewLease(view.VolumeID) {
+	if !v.ReservedBy(viewLease(view.VolumeID)) {
 		return v, fmt.Errorf("capture handle %q is %s and not reserved by %q: %w", view.Capture, v.State, view.VolumeID, ErrExists)
 	}
 	return v, nil
@@ -674,7 +672,7 @@ func (s *Store) CommitCapture(volumeID string, c Captured) (Volume, error) {
 		if err != nil {
 			return err
 		}
-		if !ok || vol.State != volume.StateCreating || vol.Lease != viewLease(volumeID) {
+		if !ok || !vol.ReservedBy(viewLease(volumeID)) {
 			return fmt.Errorf("capture handle %q is not reserved by %q: %w", view.Capture, volumeID, ErrExists)
 		}
 		if c.Diff {
@@ -691,11 +689,11 @@ func (s *Store) CommitCapture(volumeID string, c Captured) (Volume, error) {
 			}
 			maps.Copy(vol.Properties, c.Properties)
 		}
-		now := time.Now()
-		vol.State, vol.Lease, vol.CreatedAt, vol.LastUsed = volume.StateReady, Lease{}, now, now
-		if vol.DestroyOnCommit {
-			vol.State = volume.StateDestroying
+		if err := vol.apply(EventCommit, viewLease(volumeID)); err != nil {
+			return err
 		}
+		now := time.Now()
+		vol.CreatedAt, vol.LastUsed = now, now
 		if err := putJSON(vols, key(ref), vol); err != nil {
 			return err
 		}
@@ -723,7 +721,7 @@ func (s *Store) DropView(volumeID string) (reservedDir string, err error) {
 			if err != nil {
 				return err
 			}
-			if found && vol.State == volume.StateCreating && vol.Lease == viewLease(volumeID) {
+			if found && vol.ReservedBy(viewLease(volumeID)) {
 				reservedDir = s.VolumeDir(c)
 				if err := vols.Delete(key(c)); err != nil {
 					return err
@@ -831,9 +829,9 @@ func (s *Store) MarkSynced(refs []volume.Ref) error {
 }
 
 // PruneLayers removes data dirs that flattening replaced and that no view
-// mounts any longer, leaving the volumes busy says are being read (nil:
-// none is).
-func (s *Store) PruneLayers(remove Remover, busy func(volume.Ref) bool) error {
+// mounts any longer, leaving the volumes this process is streaming or
+// filling.
+func (s *Store) PruneLayers(remove Remover) error {
 	mounted := map[string]bool{}
 	for _, v := range s.ListViews() {
 		for _, l := range v.Lowers {
@@ -842,7 +840,7 @@ func (s *Store) PruneLayers(remove Remover, busy func(volume.Ref) bool) error {
 	}
 	var errs []error
 	for _, v := range s.List() {
-		if len(v.OldLayers) == 0 || (busy != nil && busy(v.Ref())) {
+		if len(v.OldLayers) == 0 || s.live.any(v.Ref()) {
 			continue
 		}
 		var gone []string
@@ -892,11 +890,14 @@ func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
 	var errs []error
 	known := map[volume.Ref]Volume{}
 	for _, v := range s.List() {
-		switch {
-		case v.State == volume.StateCreating && !s.leaseLive(v.Lease, live):
+		switch rec := v.recovered(live); {
+		case rec == recoveryDrop:
 			errs = append(errs, s.remove(v, remove))
 			rep.DroppedReservations++
 			continue
+		case rec == recoveryFail:
+			errs = append(errs, s.MarkFailed(v.Ref()))
+			rep.MarkedFailed++
 		case v.State == volume.StateDestroying:
 			rep.Destroying++ // the reaper frees them once nothing holds them
 		case v.State == volume.StateReady:
@@ -921,7 +922,7 @@ func (s *Store) Recover(remove Remover, rebooted bool) (RecoveryReport, error) {
 		errs = append(errs, remove(filepath.Join(s.StagingDir(), e.Name())))
 		rep.RemovedOrphans++
 	}
-	errs = append(errs, s.PruneLayers(remove, nil))
+	errs = append(errs, s.PruneLayers(remove))
 	return rep, errors.Join(errs...)
 }
 

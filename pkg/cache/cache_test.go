@@ -329,14 +329,14 @@ func TestReplaceAndPruneLayers(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{s.LayerPath(ref("ci", "b"), "flat")}, dirs, "a flattened volume is a root layer")
 
-	require.NoError(t, s.PruneLayers(os.RemoveAll, nil))
+	require.NoError(t, s.PruneLayers(os.RemoveAll))
 	_, err = os.Stat(s.DataPath(b))
 	require.NoError(t, err, "the old layer stays while a view mounts it")
 	require.Contains(t, v.Lowers, s.DataPath(b))
 
 	_, err = s.DropView("reader")
 	require.NoError(t, err)
-	require.NoError(t, s.PruneLayers(os.RemoveAll, nil))
+	require.NoError(t, s.PruneLayers(os.RemoveAll))
 	_, err = os.Stat(s.DataPath(b))
 	require.ErrorIs(t, err, os.ErrNotExist)
 	cur, err := s.Get(ref("ci", "b"))

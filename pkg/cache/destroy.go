@@ -29,19 +29,11 @@ func (s *Store) destroy(r volume.Ref) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		vols := tx.Bucket(volumesBucket)
 		v, ok, err := getJSON[Volume](vols, key(r))
-		if err != nil || !ok {
+		if err != nil || !ok || v.Hidden() {
 			return err
 		}
-		switch v.State {
-		case volume.StateDestroying:
-			return nil
-		case volume.StateCreating:
-			if v.DestroyOnCommit {
-				return nil
-			}
-			v.DestroyOnCommit = true
-		default:
-			v.State = volume.StateDestroying
+		if err := v.apply(EventDestroy, Lease{}); err != nil {
+			return err
 		}
 		if err := bump(tx); err != nil {
 			return err
@@ -50,18 +42,10 @@ func (s *Store) destroy(r volume.Ref) error {
 	})
 }
 
-// Holders are what keep a volume's data: step volumes whose chain it is
-// in, and volumes whose layer is a diff over it.
-type Holders struct {
-	Views    []string     `json:"views,omitempty"`
-	Children []volume.Ref `json:"children,omitempty"`
-}
-
-// Empty says nothing holds the data.
-func (h Holders) Empty() bool { return len(h.Views) == 0 && len(h.Children) == 0 }
-
-func holdersOf(tx *bolt.Tx, r volume.Ref) Holders {
+// holdersOf says what holds r's data, recorded and live.
+func (s *Store) holdersOf(tx *bolt.Tx, r volume.Ref) Holders {
 	h := Holders{Views: indexed(tx.Bucket(pinsBucket), r.String())}
+	s.live.add(r, &h)
 	for _, c := range indexed(tx.Bucket(childrenBucket), r.String()) {
 		if ref, err := volume.ParseRef(c); err == nil {
 			h.Children = append(h.Children, ref)
@@ -76,7 +60,7 @@ func holdersOf(tx *bolt.Tx, r volume.Ref) Holders {
 func (s *Store) Holders(r volume.Ref) Holders {
 	var h Holders
 	_ = s.db.View(func(tx *bolt.Tx) error {
-		h = holdersOf(tx, r)
+		h = s.holdersOf(tx, r)
 		return nil
 	})
 	return h
@@ -88,7 +72,7 @@ func (s *Store) Reapable() []Volume {
 	_ = s.db.View(func(tx *bolt.Tx) error {
 		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
 		for _, v := range vols {
-			if v.State == volume.StateDestroying && holdersOf(tx, v.Ref()).Empty() {
+			if v.reapable(s.holdersOf(tx, v.Ref())) {
 				out = append(out, v)
 			}
 		}
@@ -110,8 +94,9 @@ func (s *Store) Reap(r volume.Ref, remove Remover) error {
 		if v.State != volume.StateDestroying {
 			return fmt.Errorf("volume %s is %s, not destroyed: %w", r, v.State, ErrUnusable)
 		}
-		if h := holdersOf(tx, r); !h.Empty() {
-			return fmt.Errorf("volume %s is held by %d step volumes and %d children: %w", r, len(h.Views), len(h.Children), ErrInUse)
+		if h := s.holdersOf(tx, r); !v.reapable(h) {
+			return fmt.Errorf("volume %s is held by %d step volumes, %d children, %d streams and %d fillers: %w",
+				r, len(h.Views), len(h.Children), h.Streams, h.Fillers, ErrInUse)
 		}
 		return nil
 	})
@@ -141,17 +126,6 @@ func (s *Store) remove(v Volume, remove Remover) error {
 	})
 }
 
-// leaseLive says whether what owns a reservation still exists.
-func (s *Store) leaseLive(l Lease, views map[string]bool) bool {
-	switch l.Kind {
-	case LeaseView:
-		return views[l.ID]
-	case LeasePull:
-		return false // the pull died with the process that ran it
-	}
-	return false // an owner this code does not know cannot finish it
-}
-
 // Candidates are the volumes eviction may take, least recently used first:
 // ready or failed, unpinned, held by nothing (a leaf nobody mounts). Taking
 // one may make its base a candidate.
@@ -160,8 +134,7 @@ func (s *Store) Candidates(now time.Time) []Volume {
 	_ = s.db.View(func(tx *bolt.Tx) error {
 		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
 		for _, v := range vols {
-			if (v.State == volume.StateReady || v.State == volume.StateFailed) && !v.Pin.Active(now) &&
-				holdersOf(tx, v.Ref()).Empty() {
+			if v.evictable(s.holdersOf(tx, v.Ref()), now) {
 				out = append(out, v)
 			}
 		}
@@ -176,7 +149,7 @@ func (s *Store) Candidates(now time.Time) []Volume {
 func (s *Store) Expired(now time.Time) []volume.Ref {
 	var out []volume.Ref
 	for _, v := range s.List() {
-		if v.TTL > 0 && v.State == volume.StateReady && !v.Pin.Active(now) && now.Sub(v.LastUsed) > v.TTL {
+		if v.expired(now) {
 			out = append(out, v.Ref())
 		}
 	}
@@ -225,10 +198,8 @@ func backoff(count int) time.Duration {
 // capture into its handle backs off (10 s, doubling, at most 10 min) while
 // failures repeat. The caller destroys it.
 func (s *Store) MarkFailed(r volume.Ref) error {
-	return s.update(r, func(v *Volume) error {
-		v.State = volume.StateFailed
-		return nil
-	}, func(tx *bolt.Tx, _ *Volume) error { return noteFailure(tx, r) })
+	return s.update(r, func(v *Volume) error { return v.apply(EventFail, Lease{}) },
+		func(tx *bolt.Tx, _ *Volume) error { return noteFailure(tx, r) })
 }
 
 // noteFailure counts a failure of the handle and sets when it may be tried
@@ -318,7 +289,7 @@ func (s *Store) ListPage(prefix, after string, limit int, match func(Volume) boo
 				continue
 			}
 			p.Volumes = append(p.Volumes, v)
-			p.Holders = append(p.Holders, holdersOf(tx, v.Ref()))
+			p.Holders = append(p.Holders, s.holdersOf(tx, v.Ref()))
 		}
 		return nil
 	})
@@ -332,7 +303,7 @@ func (s *Store) HeldForChildren() int64 {
 	_ = s.db.View(func(tx *bolt.Tx) error {
 		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
 		for _, v := range vols {
-			if v.State == volume.StateDestroying && v.SizeBytes > 0 && len(holdersOf(tx, v.Ref()).Children) > 0 {
+			if v.State == volume.StateDestroying && v.SizeBytes > 0 && len(s.holdersOf(tx, v.Ref()).Children) > 0 {
 				sum += v.SizeBytes
 			}
 		}

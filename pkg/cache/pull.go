@@ -15,6 +15,8 @@ import (
 // reservation: a restarted node pulls again when asked.
 const LeasePull LeaseKind = "pull"
 
+func pullLease(pullID string) Lease { return Lease{Kind: LeasePull, ID: pullID} }
+
 // ReservePull records a volume a pull will fill: creating, owned by the
 // pull, with the peer's metadata (lineage, scope, properties, TTL). A base
 // must be ready here already, and is held (as a child's base is) from now
@@ -45,7 +47,7 @@ func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 			}
 		}
 		v.Layer = fmt.Sprintf("p%x", now.UnixNano())
-		v.State, v.Lease = volume.StateCreating, Lease{Kind: LeasePull, ID: pullID}
+		v.State, v.Lease = volume.StateCreating, pullLease(pullID)
 		v.SizeBytes, v.Inodes, v.CreatedAt, v.LastUsed = -1, -1, now, now
 		v.OldLayers, v.Pin, v.Synced = nil, Pin{}, false
 		return errors.Join(bump(tx), putJSON(vols, key(v.Ref()), v))
@@ -58,15 +60,11 @@ func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 func (s *Store) CommitPull(r volume.Ref, pullID string, bytes, inodes int64) (Volume, error) {
 	var out Volume
 	err := s.update(r, func(v *Volume) error {
-		if v.State != volume.StateCreating || v.Lease != (Lease{Kind: LeasePull, ID: pullID}) {
-			return fmt.Errorf("volume %s is not being pulled by %s: %w", r, pullID, ErrExists)
+		if err := v.apply(EventCommit, pullLease(pullID)); err != nil {
+			return err
 		}
-		now := time.Now()
-		v.State, v.Lease, v.Synced, v.LastUsed = volume.StateReady, Lease{}, true, now
+		v.Synced, v.LastUsed = true, time.Now()
 		v.SizeBytes, v.Inodes = bytes, inodes
-		if v.DestroyOnCommit {
-			v.State = volume.StateDestroying
-		}
 		out = *v
 		return nil
 	}, func(tx *bolt.Tx, _ *Volume) error { return tx.Bucket(failuresBucket).Delete(key(r)) })
@@ -83,7 +81,7 @@ func (s *Store) AbortPull(r volume.Ref, pullID string, remove Remover) error {
 	if err != nil {
 		return err
 	}
-	if v.State != volume.StateCreating || v.Lease != (Lease{Kind: LeasePull, ID: pullID}) {
+	if !v.ReservedBy(pullLease(pullID)) {
 		return nil
 	}
 	return s.remove(v, remove)

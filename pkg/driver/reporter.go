@@ -155,7 +155,7 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 		}
 		for _, v := range vols {
 			inv[v.Ref()] = &controllerv1.VolumeSummary{
-				Ref: ctlRef(v.Ref()), State: string(v.State), SizeBytes: v.SizeBytes,
+				Ref: ctlRef(v.Ref()), State: string(v.Advertised()), SizeBytes: v.SizeBytes,
 				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: client.Properties(v.Properties),
 				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned,
 			}

@@ -113,9 +113,8 @@ type Engine struct {
 	watermarks             Watermarks
 	pressure               pressure
 	reaping                sync.Mutex
-	// reads holds the layers streaming to peers; pulls, what this node
-	// pulls from them (nil: it pulls nothing).
-	reads reads
+	// pulls is what this node pulls from its peers (nil: it pulls
+	// nothing).
 	pulls *pulls
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
@@ -298,7 +297,7 @@ func (e *Engine) tidyRound() {
 	if err := e.store.EmptyTrash(overlay.RemoveTree); err != nil {
 		klog.ErrorS(err, "Emptying the trash")
 	}
-	if err := e.store.PruneLayers(overlay.RemoveTree, e.reads.busy); err != nil {
+	if err := e.store.PruneLayers(overlay.RemoveTree); err != nil {
 		klog.ErrorS(err, "Pruning replaced layers")
 	}
 }

@@ -106,7 +106,7 @@ func (c *nodeCollector) Collect(ch chan<- prometheus.Metric) {
 			ready += v.SizeBytes
 		}
 	}
-	for _, st := range []volume.State{volume.StateCreating, volume.StateReady, volume.StateFailed, volume.StateDestroying} {
+	for _, st := range []volume.State{volume.StateCreating, volume.StateFilling, volume.StateReady, volume.StateFailed, volume.StateDestroying} {
 		ch <- prometheus.MustNewConstMetric(c.volumes, prometheus.GaugeValue, float64(byState[st]), string(st))
 	}
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.GaugeValue, float64(ready))

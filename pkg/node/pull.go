@@ -116,7 +116,7 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 		return nil
 	}
 	v, err := e.store.Get(r.Source)
-	pulling := err == nil && v.State == volume.StateCreating && v.Lease.Kind == cache.LeasePull
+	pulling := err == nil && v.BeingPulled()
 	if !pulling && !errors.Is(err, cache.ErrNotFound) {
 		return nil // here, in a state the publish answers for
 	}
@@ -295,7 +295,7 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 			break // the rest of the chain is here
 		}
 		if err == nil {
-			if v.State == volume.StateCreating && v.Lease.Kind == cache.LeasePull {
+			if v.BeingPulled() {
 				return 0, fmt.Errorf("%s is being pulled for another namespace's pod: %w", p.layerName(l), ErrPulling)
 			}
 			return 0, fmt.Errorf("%s, which %s stacks on, is %s here: %w", p.layerName(l), p.key.ref, v.State, cache.ErrUnusable)

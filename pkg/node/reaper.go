@@ -99,9 +99,6 @@ func (e *Engine) freeReapable() {
 		var mu sync.Mutex
 		progress := false
 		for _, v := range doomed {
-			if e.reads.busy(v.Ref()) {
-				continue // streaming to a peer: freed on a later round
-			}
 			g.Go(func() error {
 				err := e.store.Reap(v.Ref(), overlay.RemoveTree)
 				if err != nil {

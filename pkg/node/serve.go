@@ -4,40 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sync"
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
-
-// reads counts the layers being streamed to peers, by volume: a layer being
-// read is neither freed nor pruned. Holds live in memory only; a crash ends
-// every stream with them.
-type reads struct {
-	mu    sync.Mutex
-	count map[volume.Ref]int
-}
-
-func (r *reads) hold(ref volume.Ref) (release func()) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.count == nil {
-		r.count = map[volume.Ref]int{}
-	}
-	r.count[ref]++
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			r.mu.Lock()
-			defer r.mu.Unlock()
-			if r.count[ref]--; r.count[ref] == 0 {
-				delete(r.count, ref)
-			}
-		})
-	}
-}
 
 // holdChain holds every volume of a ready volume's chain, so that none of
 // its layers is pruned or freed, and returns the chain's data dirs, top
@@ -50,7 +22,7 @@ func (e *Engine) holdChain(r volume.Ref) (dirs []string, release func(), err err
 	}
 	releases := make([]func(), 0, len(refs))
 	for _, ref := range refs {
-		releases = append(releases, e.reads.hold(ref))
+		releases = append(releases, e.store.Hold(ref, cache.HoldStream))
 	}
 	release = func() {
 		for _, rel := range releases {
@@ -64,12 +36,6 @@ func (e *Engine) holdChain(r volume.Ref) (dirs []string, release func(), err err
 		return nil, nil, err
 	}
 	return dirs, release, nil
-}
-
-func (r *reads) busy(ref volume.Ref) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.count[ref] > 0
 }
 
 // PeerHolder is what the node serves its peers: its ready volumes, to pulls
@@ -109,6 +75,9 @@ func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, err
 		if v, err = h.e.store.Get(v.Base); err != nil {
 			return nil, fmt.Errorf("volume %s: reading its chain: %w", r, err)
 		}
+		if !v.Servable(h.e.store.Holders(v.Ref())) {
+			return nil, notHeld(r, namespace) // a layer below is not all here
+		}
 	}
 }
 
@@ -129,11 +98,10 @@ func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
 func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func(), error) {
 	// Hold first, then look: the reaper looks at holds after the state,
 	// so a volume seen servable here cannot be freed under the stream.
-	release := h.e.reads.hold(r)
+	release := h.e.store.Hold(r, cache.HoldStream)
 	v, err := h.e.store.Get(r)
 	readable := err == nil && (v.ReadableBy(namespace) || (!via.IsZero() && h.inChainOf(namespace, r, via)))
-	servable := readable && (v.State == volume.StateReady ||
-		(v.State == volume.StateDestroying && len(h.e.store.Holders(r).Children) > 0))
+	servable := readable && v.Servable(h.e.store.Holders(r))
 	if errors.Is(err, cache.ErrNotFound) || (err == nil && !servable) {
 		err = notHeld(r, namespace)
 	}

@@ -61,6 +61,10 @@ const (
 	StateCreating State = "creating"
 	// StateReady marks an immutable cached volume that steps may use.
 	StateReady State = "ready"
+	// StateFilling marks a volume whose tree is here and whose data is
+	// still arriving from a peer: steps on this node may use it (reads wait
+	// for what they touch), peers may not (it is not all here).
+	StateFilling State = "filling"
 	// StateFailed marks a volume whose data was found damaged or missing.
 	StateFailed State = "failed"
 	// StateDestroying marks a volume whose data is being removed.

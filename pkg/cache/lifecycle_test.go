@@ -1,0 +1,220 @@
+package cache
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+var (
+	owner    = viewLease("csi-1")
+	stranger = Lease{Kind: LeasePull, ID: "pull-9"}
+)
+
+// volumeIn is a volume of namespace ci in state st; hidden marks it
+// destroyed while it was being made or filled.
+func volumeIn(st volume.State, hidden bool) Volume {
+	v := Volume{Namespace: "ci", Handle: "h", State: st, Scope: volume.ScopeNamespace, DestroyOnCommit: hidden}
+	if st == volume.StateCreating {
+		v.Lease = owner
+	}
+	return v
+}
+
+// Every event from every state: where it leads, or that it is refused.
+func TestTransitions(t *testing.T) {
+	const (
+		creating   = volume.StateCreating
+		filling    = volume.StateFilling
+		ready      = volume.StateReady
+		failed     = volume.StateFailed
+		destroying = volume.StateDestroying
+	)
+	tests := []struct {
+		name       string
+		from       volume.State
+		hidden     bool
+		ev         Event
+		by         Lease
+		want       volume.State
+		wantHidden bool
+		wantErr    error
+	}{
+		{name: "commit by the owner", from: creating, ev: EventCommit, by: owner, want: ready},
+		{name: "commit of one destroyed meanwhile", from: creating, hidden: true, ev: EventCommit, by: owner, want: destroying, wantHidden: true},
+		{name: "commit by another", from: creating, ev: EventCommit, by: stranger, want: creating, wantErr: ErrExists},
+		{name: "commit of a ready volume", from: ready, ev: EventCommit, by: owner, want: ready, wantErr: ErrExists},
+		{name: "commit of a filling volume", from: filling, ev: EventCommit, by: owner, want: filling, wantErr: ErrExists},
+		{name: "lazy commit by the owner", from: creating, ev: EventCommitFilling, by: owner, want: filling},
+		{name: "lazy commit of one destroyed meanwhile stays hidden while it fills", from: creating, hidden: true,
+			ev: EventCommitFilling, by: owner, want: filling, wantHidden: true},
+		{name: "lazy commit by another", from: creating, ev: EventCommitFilling, by: stranger, want: creating, wantErr: ErrExists},
+		{name: "filled", from: filling, ev: EventFilled, want: ready},
+		{name: "filled after a destroy", from: filling, hidden: true, ev: EventFilled, want: destroying, wantHidden: true},
+		{name: "filled when not filling", from: ready, ev: EventFilled, want: ready, wantErr: ErrUnusable},
+		{name: "filled after failing", from: failed, ev: EventFilled, want: failed, wantErr: ErrUnusable},
+		{name: "filled while being made", from: creating, ev: EventFilled, want: creating, wantErr: ErrUnusable},
+		{name: "fail a ready volume", from: ready, ev: EventFail, want: failed},
+		{name: "fail a filling volume", from: filling, ev: EventFail, want: failed},
+		{name: "fail a failed volume", from: failed, ev: EventFail, want: failed},
+		{name: "fail a destroyed volume", from: destroying, ev: EventFail, want: destroying},
+		{name: "fail a reservation", from: creating, ev: EventFail, want: creating, wantErr: ErrNotReady},
+		{name: "destroy a ready volume", from: ready, ev: EventDestroy, want: destroying},
+		{name: "destroy a failed volume", from: failed, ev: EventDestroy, want: destroying},
+		{name: "destroy a destroyed volume", from: destroying, ev: EventDestroy, want: destroying},
+		{name: "destroy a reservation", from: creating, ev: EventDestroy, want: creating, wantHidden: true},
+		{name: "destroy a filling volume", from: filling, ev: EventDestroy, want: filling, wantHidden: true},
+		{name: "an unknown event", from: ready, ev: "melt", want: ready, wantErr: errUnknownEvent},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			v := volumeIn(tc.from, tc.hidden)
+			err := v.apply(tc.ev, tc.by)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
+			} else {
+				require.NoError(t, err)
+			}
+			require.Equal(t, tc.want, v.State)
+			require.Equal(t, tc.wantHidden || tc.want == destroying, v.Hidden(), "hidden")
+			if err == nil && (tc.ev == EventCommit || tc.ev == EventCommitFilling) {
+				require.Zero(t, v.Lease, "a commit ends the lease")
+			}
+		})
+	}
+}
+
+// What each state, with its holds, allows.
+func TestWhatAStateAllows(t *testing.T) {
+	now := time.Now()
+	viewHold := Holders{Views: []string{"csi-2"}}
+	childHold := Holders{Children: []volume.Ref{ref("ci", "child")}}
+	streamHold := Holders{Streams: 1}
+	fillHold := Holders{Fillers: 1}
+	tests := []struct {
+		name   string
+		v      Volume
+		holds  Holders
+		mount  error // for a pod of the volume's own namespace
+		top    bool  // mountable as the top of a chain
+		below  bool  // mountable as a layer below the top
+		copyOK bool  // copyable out as the top of a chain
+		serve  bool
+		reap   bool
+		evict  bool
+		told   volume.State
+	}{
+		{name: "creating", v: volumeIn(volume.StateCreating, false), mount: ErrNotReady, told: volume.StateCreating},
+		{name: "creating, destroyed meanwhile", v: volumeIn(volume.StateCreating, true), mount: ErrNotFound, told: volume.StateCreating},
+		{name: "filling", v: volumeIn(volume.StateFilling, false), holds: fillHold, top: true, below: true, told: volume.StateCreating},
+		{name: "filling, no filler", v: volumeIn(volume.StateFilling, false), top: true, below: true, told: volume.StateCreating},
+		{name: "filling, destroyed meanwhile", v: volumeIn(volume.StateFilling, true), holds: childHold, mount: ErrNotFound,
+			top: true, below: true, told: volume.StateCreating},
+		{name: "ready", v: volumeIn(volume.StateReady, false), top: true, below: true, copyOK: true, serve: true, evict: true, told: volume.StateReady},
+		{name: "ready, mounted", v: volumeIn(volume.StateReady, false), holds: viewHold, top: true, below: true, copyOK: true, serve: true, told: volume.StateReady},
+		{name: "ready, streaming", v: volumeIn(volume.StateReady, false), holds: streamHold, top: true, below: true, copyOK: true, serve: true, told: volume.StateReady},
+		{name: "ready, pinned", v: func() Volume { v := volumeIn(volume.StateReady, false); v.Pin = Pin{Pinned: true}; return v }(),
+			top: true, below: true, copyOK: true, serve: true, told: volume.StateReady},
+		{name: "failed", v: volumeIn(volume.StateFailed, false), mount: ErrUnusable, evict: true, told: volume.StateFailed},
+		{name: "destroying", v: volumeIn(volume.StateDestroying, false), mount: ErrNotFound, below: true, reap: true, told: volume.StateDestroying},
+		{name: "destroying, a base", v: volumeIn(volume.StateDestroying, false), holds: childHold, mount: ErrNotFound, below: true, serve: true, told: volume.StateDestroying},
+		{name: "destroying, streaming", v: volumeIn(volume.StateDestroying, false), holds: streamHold, mount: ErrNotFound, below: true, told: volume.StateDestroying},
+		{name: "destroying, filled by a filler", v: volumeIn(volume.StateDestroying, false), holds: fillHold, mount: ErrNotFound, below: true, told: volume.StateDestroying},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			v := tc.v
+			if tc.mount == nil {
+				require.NoError(t, v.mountable("ci"))
+			} else {
+				require.ErrorIs(t, v.mountable("ci"), tc.mount)
+			}
+			require.ErrorIs(t, v.mountable("other"), ErrNotFound, "another namespace never sees it")
+			require.Equal(t, tc.top, v.layerMountable(true), "mountable as the top")
+			require.Equal(t, tc.below, v.layerMountable(false), "mountable below the top")
+			require.Equal(t, tc.copyOK, v.layerComplete(true), "copyable as the top")
+			require.Equal(t, tc.serve, v.Servable(tc.holds), "servable")
+			require.Equal(t, tc.reap, v.reapable(tc.holds), "reapable")
+			require.Equal(t, tc.evict, v.evictable(tc.holds, now), "evictable")
+			require.Equal(t, tc.told, v.Advertised())
+		})
+	}
+}
+
+func TestRecovery(t *testing.T) {
+	live := map[string]bool{"csi-1": true}
+	tests := []struct {
+		name string
+		v    Volume
+		want recovery
+	}{
+		{name: "reserved by a live step volume", v: volumeIn(volume.StateCreating, false), want: recoveryKeep},
+		{name: "reserved by a step volume gone", v: Volume{State: volume.StateCreating, Lease: viewLease("csi-gone")}, want: recoveryDrop},
+		{name: "reserved by a pull", v: Volume{State: volume.StateCreating, Lease: stranger}, want: recoveryDrop},
+		{name: "reserved by an owner unknown here", v: Volume{State: volume.StateCreating, Lease: Lease{Kind: "future"}}, want: recoveryDrop},
+		{name: "filling: its filler died", v: volumeIn(volume.StateFilling, false), want: recoveryFail},
+		{name: "ready", v: volumeIn(volume.StateReady, false), want: recoveryKeep},
+		{name: "destroying", v: volumeIn(volume.StateDestroying, false), want: recoveryKeep},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) { require.Equal(t, tc.want, tc.v.recovered(live)) })
+	}
+}
+
+// fill turns a ready volume into one still filling (what a lazy pull
+// leaves), through the store.
+func fill(t *testing.T, s *Store, r volume.Ref) {
+	t.Helper()
+	require.NoError(t, s.update(r, func(v *Volume) error { v.State = volume.StateFilling; return nil }))
+}
+
+// A filling volume is mounted by steps here but never copied out, and a
+// restart fails it: its filler died.
+func TestFillingVolumesInTheStore(t *testing.T) {
+	s := openStore(t)
+	ready(t, s, "ci", "base", volume.Ref{}, volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "top", ref("ci", "base"), volume.ScopeNamespace, nil)
+	fill(t, s, ref("ci", "base"))
+
+	view, err := s.Publish(View{VolumeID: "reader", Source: ref("ci", "top"), Pod: pod("ci")})
+	require.NoError(t, err, "a chain over a filling layer mounts")
+	require.Len(t, view.Lowers, 2)
+	_, _, err = s.ChainOf(ref("ci", "top"))
+	require.ErrorIs(t, err, ErrUnusable, "a chain with a layer not all here is not copied out")
+	require.NotContains(t, refs(s.Candidates(time.Now().Add(time.Hour))), ref("ci", "base"), "never evicted while filling")
+
+	rep, err := s.Recover(os.RemoveAll, false)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.MarkedFailed)
+	v, err := s.Get(ref("ci", "base"))
+	require.NoError(t, err)
+	require.Equal(t, volume.StateFailed, v.State)
+	require.ErrorIs(t, s.CheckBackoff(ref("ci", "base")), ErrBackoff, "a failed fill backs off as a failed volume does")
+}
+
+// Live holds (streams, fillers) keep a destroyed volume's data and its old
+// layers as recorded holds do, until released.
+func TestLiveHoldsKeepData(t *testing.T) {
+	s := openStore(t)
+	ready(t, s, "ci", "v", volume.Ref{}, volume.ScopeNamespace, nil)
+	for _, kind := range []HoldKind{HoldStream, HoldFill} {
+		release := s.Hold(ref("ci", "v"), kind)
+		require.False(t, s.Holders(ref("ci", "v")).Empty(), kind)
+		require.NotContains(t, refs(s.Candidates(time.Now())), ref("ci", "v"), kind)
+		release()
+		release() // a second release is a no-op, not a negative count
+		require.True(t, s.Holders(ref("ci", "v")).Empty(), kind)
+	}
+
+	release := s.Hold(ref("ci", "v"), HoldStream)
+	require.NoError(t, s.Destroy(ref("ci", "v")))
+	require.Empty(t, s.Reapable())
+	require.ErrorIs(t, s.Reap(ref("ci", "v"), os.RemoveAll), ErrInUse)
+	release()
+	require.Equal(t, []volume.Ref{ref("ci", "v")}, refs(s.Reapable()))
+	require.NoError(t, s.Reap(ref("ci", "v"), os.RemoveAll))
+}
