@@ -1,0 +1,572 @@
+// Package fill holds the readers of a lazily pulled layer until the data
+// they open is in place: the layer's regular files are made as stubs (the
+// right size, no data), each stub is marked in one fanotify pre-content
+// group, and an open or a read of a stub that is not filled yet waits while
+// the file's bytes are fetched and written in place, then goes on; if they
+// cannot be fetched it fails with EIO.
+//
+// A file is filled whole before its first open returns. Ranges would let a
+// reader of a few pages of a large file go on sooner, but a mapping made
+// through an overlay mount raises no event (the kernel maps the lower file
+// without asking), so an executable, a shared library or a git pack opened
+// from a step's view and then mapped would read holes as zeros. Opens raise
+// events through overlayfs on every kernel with pre-content events, so
+// filling on open is correct for every way of reading.
+//
+// It owns the fanotify group, the marks and the writes into stubs. It does
+// not know where bytes come from (a FetchFunc brings them), nor the cache's
+// states: the caller makes the stubs, adds them, and records the layer
+// filled or failed.
+package fill
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+)
+
+// marked are the events a stub is marked for: every way a process can
+// reach its data (an exec opens with FAN_OPEN_EXEC_PERM; a read of a file
+// opened before the mark raises FAN_PRE_ACCESS).
+const marked = unix.FAN_OPEN_PERM | unix.FAN_OPEN_EXEC_PERM | unix.FAN_PRE_ACCESS
+
+// denyEIO answers a waiting reader with EIO (pre-content groups may give
+// an errno, kernel 6.14 and later).
+const denyEIO = unix.FAN_DENY | uint32(unix.EIO)<<unix.FAN_ERRNO_SHIFT
+
+// FetchFunc writes the whole data of the layer file rel (size bytes) into
+// w at its offsets. It returns once all of it is written or it cannot be.
+type FetchFunc func(ctx context.Context, rel string, size int64, w io.WriterAt) error
+
+// Supported says whether readers of stubs under dir can be held: the kernel
+// has pre-content events (6.14 or later, CONFIG_FANOTIFY_ACCESS_PERMISSIONS)
+// and dir's filesystem allows them (XFS, ext4, btrfs do; tmpfs and
+// overlayfs do not). The error says why not.
+func Supported(dir string) error {
+	fd, err := unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC, unix.O_RDONLY|unix.O_LARGEFILE)
+	if err != nil {
+		return fmt.Errorf("the kernel has no fanotify pre-content events (6.14 or later, with fanotify access permissions): %w", err)
+	}
+	defer unix.Close(fd)
+	probe, err := os.CreateTemp(dir, ".fill-probe-")
+	if err != nil {
+		return fmt.Errorf("making a probe file: %w", err)
+	}
+	defer os.Remove(probe.Name())
+	defer probe.Close()
+	if err := unix.FanotifyMark(fd, unix.FAN_MARK_ADD, marked, int(probe.Fd()), ""); err != nil {
+		var st unix.Statfs_t
+		_ = unix.Fstatfs(int(probe.Fd()), &st)
+		return fmt.Errorf("the filesystem of %s (magic %#x) allows no pre-content events: %w", dir, st.Type, err)
+	}
+	return nil
+}
+
+// Group is the node's fanotify pre-content group and the stubs it holds
+// readers of.
+type Group struct {
+	events *os.File // the fanotify fd: read events, write responses
+	// clone is a detached clone of the mount holding the stubs, marked
+	// ignored: the fills write through it without raising events of
+	// their own. tree is its root.
+	clone int
+	tree  int
+	root  string
+	stall time.Duration
+
+	mu     sync.Mutex
+	files  map[fileKey]*file
+	closed bool
+	loop   sync.WaitGroup
+}
+
+type fileKey struct{ dev, ino uint64 }
+
+// file is one stub. A fill runs at most once at a time (filling is
+// non-nil, closed when it ends); waiters are the event fds of readers held
+// for it.
+type file struct {
+	layer   *Layer
+	key     fileKey
+	rel     string
+	size    int64
+	done    bool
+	err     error
+	filling chan struct{}
+	waiters []int32
+}
+
+// Open makes the group for stubs on the filesystem mounted at (or holding)
+// root. A fill that writes nothing for stall fails, so a reader waits at
+// most about that long for a holder that stopped sending.
+func Open(root string, stall time.Duration) (*Group, error) {
+	fd, err := unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS,
+		unix.O_RDONLY|unix.O_LARGEFILE)
+	if err != nil {
+		return nil, fmt.Errorf("making a fanotify pre-content group: %w", err)
+	}
+	// The clone is dissolved (and its marks with it) when the fd open_tree
+	// gives is closed, so that one is kept; a mark takes no O_PATH fd, so
+	// the marks and opens use a real fd of the clone's root.
+	clone, err := unix.OpenTree(unix.AT_FDCWD, root, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	tree := -1
+	if err == nil {
+		tree, err = unix.Openat(clone, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	}
+	if err == nil {
+		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked, tree, "")
+	}
+	if err != nil {
+		for _, c := range []int{tree, clone, fd} {
+			if c >= 0 {
+				unix.Close(c)
+			}
+		}
+		return nil, fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
+	}
+	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), clone: clone, tree: tree, root: filepath.Clean(root), stall: stall, files: map[fileKey]*file{}}
+	g.loop.Add(1)
+	go g.run()
+	return g, nil
+}
+
+// Close fails every file not filled yet (its waiters get EIO), removes
+// the marks and closes the group. Readers that reach a stub after Close are
+// no longer held; a caller closes the group only once the layers it held
+// are recorded failed or filled.
+func (g *Group) Close() error {
+	g.mu.Lock()
+	g.closed = true
+	var open []*file
+	for _, f := range g.files {
+		open = append(open, f)
+	}
+	g.mu.Unlock()
+	stopping := errors.New("the plugin is stopping")
+	for _, f := range open {
+		f.layer.cancel(stopping)
+		g.finish(f, stopping)
+	}
+	err := g.events.Close()
+	g.loop.Wait()
+	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
+}
+
+// run reads events until the group is closed, and answers each at once or
+// hands it to the file's fill: it never blocks on a fetch.
+func (g *Group) run() {
+	defer g.loop.Done()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := g.events.Read(buf)
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) {
+				klog.ErrorS(err, "Reading fanotify events; lazy fills stop")
+			}
+			return
+		}
+		for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= n; {
+			md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
+			if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > n {
+				klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
+				break
+			}
+			off += int(md.Event_len)
+			if md.Fd >= 0 {
+				g.dispatch(md.Fd)
+			}
+		}
+	}
+}
+
+// dispatch answers the event whose fd is fd: at once if its file is filled
+// or not one of ours, else when its fill ends.
+func (g *Group) dispatch(fd int32) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(fd), &st); err != nil {
+		g.respond(fd, denyEIO)
+		return
+	}
+	g.mu.Lock()
+	f := g.files[fileKey{dev: st.Dev, ino: st.Ino}]
+	switch {
+	case f == nil:
+		g.mu.Unlock()
+		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
+		return
+	case f.done:
+		g.mu.Unlock()
+		g.respond(fd, denyEIO) // failed: its data will never be here
+		return
+	}
+	f.waiters = append(f.waiters, fd)
+	start := f.filling == nil
+	if start {
+		f.filling = make(chan struct{})
+	}
+	g.mu.Unlock()
+	if start {
+		go g.fill(f)
+	}
+}
+
+func (g *Group) respond(fd int32, answer uint32) {
+	resp := unix.FanotifyResponse{Fd: fd, Response: answer}
+	if _, err := g.events.Write((*[unsafe.Sizeof(resp)]byte)(unsafe.Pointer(&resp))[:]); err != nil && !errors.Is(err, os.ErrClosed) {
+		klog.ErrorS(err, "Answering a held reader")
+	}
+	unix.Close(int(fd))
+}
+
+// ensure fills f unless it is filled, waiting for a fill already running.
+func (g *Group) ensure(f *file) error {
+	g.mu.Lock()
+	if f.done {
+		g.mu.Unlock()
+		return f.err
+	}
+	ch, start := f.filling, f.filling == nil
+	if start {
+		ch = make(chan struct{})
+		f.filling = ch
+	}
+	g.mu.Unlock()
+	if start {
+		g.fill(f)
+	} else {
+		<-ch
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return f.err
+}
+
+// fill fetches f's data into the stub through the exempt mount, then
+// answers its waiters.
+func (g *Group) fill(f *file) {
+	err := g.write(f)
+	if err != nil {
+		err = fmt.Errorf("filling %s: %w", f.rel, err)
+	}
+	g.finish(f, err)
+}
+
+func (g *Group) write(f *file) error {
+	if err := f.layer.ctx.Err(); err != nil {
+		return context.Cause(f.layer.ctx)
+	}
+	fd, err := g.openStub(f, unix.O_WRONLY)
+	if err != nil {
+		return fmt.Errorf("opening the stub: %w", err)
+	}
+	out := os.NewFile(uintptr(fd), f.rel)
+	defer out.Close()
+	ctx, cancel := context.WithCancelCause(f.layer.ctx)
+	defer cancel(nil)
+	w := &progressWriter{w: out, last: time.Now()}
+	go w.watch(ctx, cancel, g.stall)
+	if err := f.layer.fetch(ctx, f.rel, f.size, w); err != nil {
+		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+			return cause
+		}
+		return err
+	}
+	return out.Sync()
+}
+
+// finish records how f's fill ended and answers its waiters. A filled
+// file's mark goes (later opens go straight through); a failed one stays
+// marked and answers EIO until its layer is released.
+func (g *Group) finish(f *file, err error) {
+	g.mu.Lock()
+	if f.done {
+		g.mu.Unlock()
+		return
+	}
+	f.done, f.err = true, err
+	waiters := f.waiters
+	f.waiters = nil
+	if f.filling != nil {
+		close(f.filling)
+	}
+	if err == nil {
+		delete(g.files, f.key)
+	}
+	g.mu.Unlock()
+	answer := uint32(unix.FAN_ALLOW)
+	if err != nil {
+		answer = denyEIO
+	}
+	for _, fd := range waiters {
+		g.respond(fd, answer)
+	}
+	if err == nil {
+		g.unmark(f)
+	}
+	f.layer.settled(err)
+}
+
+// forget drops f, filled or not, and its mark.
+func (g *Group) forget(f *file) {
+	g.mu.Lock()
+	if g.files[f.key] == f {
+		delete(g.files, f.key)
+	}
+	g.mu.Unlock()
+	g.unmark(f)
+}
+
+// openStub opens f's stub through the exempt clone (opens through any
+// other mount would raise events of their own, which this group would
+// hold), following no symlink, and checks it is the file that was marked.
+func (g *Group) openStub(f *file, flags int) (int, error) {
+	p := path.Join(f.layer.dir, f.rel)
+	dir, err := fdtree.OpenBeneath(g.tree, path.Dir(p))
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(dir)
+	fd, err := unix.Openat2(dir, path.Base(p), &unix.OpenHow{Flags: uint64(flags) | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV})
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || (fileKey{dev: st.Dev, ino: st.Ino}) != f.key {
+		unix.Close(fd)
+		return -1, fmt.Errorf("%s is no longer the stub that was marked", f.rel)
+	}
+	return fd, nil
+}
+
+func (g *Group) unmark(f *file) {
+	fd, err := g.openStub(f, unix.O_RDONLY)
+	if err == nil {
+		err = unix.FanotifyMark(int(g.events.Fd()), unix.FAN_MARK_REMOVE, marked, fd, "")
+		unix.Close(fd)
+	}
+	if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESTALE) {
+		klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
+	}
+}
+
+// progressWriter fails a fetch that stops writing: a holder that hangs
+// must not hold a reader for ever.
+type progressWriter struct {
+	w    io.WriterAt
+	mu   sync.Mutex
+	last time.Time
+}
+
+func (p *progressWriter) WriteAt(b []byte, off int64) (int, error) {
+	n, err := p.w.WriteAt(b, off)
+	p.mu.Lock()
+	p.last = time.Now()
+	p.mu.Unlock()
+	return n, err
+}
+
+func (p *progressWriter) watch(ctx context.Context, cancel context.CancelCauseFunc, stall time.Duration) {
+	t := time.NewTicker(max(stall/4, time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			p.mu.Lock()
+			idle := time.Since(p.last)
+			p.mu.Unlock()
+			if idle > stall {
+				cancel(fmt.Errorf("no data for %s from any holder", stall))
+				return
+			}
+		}
+	}
+}
+
+// Layer is the stubs of one layer dir being filled from one source.
+type Layer struct {
+	g *Group
+	// dir is the layer's dir below the group's root, slash-separated.
+	dir    string
+	fetch  FetchFunc
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	mu      sync.Mutex
+	files   []*file
+	byRel   map[string]*file
+	pending int
+	sealed  bool
+	err     error
+	done    chan struct{}
+}
+
+// NewLayer starts a layer of stubs under dir (below the group's root),
+// whose files fetch brings.
+func (g *Group) NewLayer(dir string, fetch FetchFunc) (*Layer, error) {
+	rel, err := filepath.Rel(g.root, filepath.Clean(dir))
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") || filepath.IsAbs(rel) {
+		return nil, fmt.Errorf("layer dir %s is not below %s", dir, g.root)
+	}
+	ctx, cancel := context.WithCancelCause(context.Background())
+	return &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, ctx: ctx, cancel: cancel,
+		byRel: map[string]*file{}, done: make(chan struct{})}, nil
+}
+
+// Add holds readers of the stub at rel below the layer's dir, open as fd
+// (any flags; fd stays the caller's), whose data is rel's in the source,
+// size bytes. An empty file needs nothing and is not held.
+func (l *Layer) Add(fd int, rel string, size int64) error {
+	if size == 0 {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size}
+	l.g.mu.Lock()
+	if l.g.closed {
+		l.g.mu.Unlock()
+		return errors.New("the fill group is closed")
+	}
+	if _, dup := l.g.files[f.key]; dup {
+		l.g.mu.Unlock()
+		return nil // a hard link of a file added already
+	}
+	l.g.files[f.key] = f
+	l.g.mu.Unlock()
+	l.mu.Lock()
+	l.files = append(l.files, f)
+	l.byRel[rel] = f
+	l.pending++
+	l.mu.Unlock()
+	if err := unix.FanotifyMark(int(l.g.events.Fd()), unix.FAN_MARK_ADD, marked, fd, ""); err != nil {
+		l.g.finish(f, err)
+		return fmt.Errorf("marking %s: %w", rel, err)
+	}
+	return nil
+}
+
+// Seal says every stub is added: once they are all filled, the layer is
+// done.
+func (l *Layer) Seal() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.sealed = true
+	l.checkDone()
+}
+
+// settled counts a file's fill that ended (err nil: filled). One file that
+// cannot be filled fails the layer, and the other fills stop.
+func (l *Layer) settled(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.pending--
+	if err != nil && l.err == nil {
+		l.err = err
+		l.cancel(err)
+	}
+	l.checkDone()
+}
+
+func (l *Layer) checkDone() {
+	select {
+	case <-l.done:
+	default:
+		if l.sealed && (l.pending == 0 || l.err != nil) {
+			close(l.done)
+		}
+	}
+}
+
+// Prefetch fills every file not filled yet in the background, those named
+// in order first and the rest as added, workers at a time; readers' files
+// jump the queue as they are opened. It returns at once.
+func (l *Layer) Prefetch(order []string, workers int) {
+	l.mu.Lock()
+	queue := make([]*file, 0, len(l.files))
+	seen := map[*file]bool{}
+	for _, rel := range order {
+		if f := l.byRel[rel]; f != nil && !seen[f] {
+			seen[f] = true
+			queue = append(queue, f)
+		}
+	}
+	for _, f := range l.files {
+		if !seen[f] {
+			queue = append(queue, f)
+		}
+	}
+	l.mu.Unlock()
+	next := make(chan *file)
+	for range max(workers, 1) {
+		go func() {
+			for f := range next {
+				_ = l.g.ensure(f)
+			}
+		}()
+	}
+	go func() {
+		defer close(next)
+		for _, f := range queue {
+			select {
+			case next <- f:
+			case <-l.ctx.Done():
+				return
+			}
+		}
+	}()
+}
+
+// Fail stops the layer: files not filled fail, their waiters get EIO
+// (now, not when a running fetch notices).
+func (l *Layer) Fail(err error) {
+	l.cancel(err)
+	for _, f := range l.snapshot() {
+		l.g.finish(f, err)
+	}
+}
+
+// Release forgets the layer's files and their marks: its data is gone, or
+// it is recorded ready or failed and no longer needs holding (a failed
+// layer is released only once nothing mounts it, so its stubs answer EIO
+// till then).
+func (l *Layer) Release() {
+	l.cancel(errors.New("released"))
+	for _, f := range l.snapshot() {
+		l.g.forget(f)
+	}
+}
+
+func (l *Layer) snapshot() []*file {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]*file(nil), l.files...)
+}
+
+// Done is closed once every file is filled or one failed (then Err says
+// why).
+func (l *Layer) Done() <-chan struct{} { return l.done }
+
+// Err is why the layer failed, or nil.
+func (l *Layer) Err() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.err
+}

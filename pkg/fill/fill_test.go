@@ -1,0 +1,332 @@
+package fill
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+)
+
+// stubbed is a layer of stubs on XFS, the source files they stand for, and
+// an overlay mount over the stubs, as a step's view of a lazy input.
+type stubbed struct {
+	src, layer, merged string
+	files              map[string][]byte
+}
+
+// newStubbed makes files (name → data; mode 0755 where the name starts
+// with "x-") in a source dir, and stubs of them.
+func newStubbed(t *testing.T, files map[string][]byte) *stubbed {
+	t.Helper()
+	testfs.Need(t, "mkfs.xfs")
+	mnt := testfs.Mount(t, testfs.XFS, 512<<20)
+	s := &stubbed{src: filepath.Join(mnt, "src"), layer: filepath.Join(mnt, "layer"), merged: filepath.Join(mnt, "merged"), files: files}
+	for _, d := range []string{s.src, s.layer, s.merged, filepath.Join(mnt, "upper"), filepath.Join(mnt, "work")} {
+		require.NoError(t, os.MkdirAll(d, 0o755))
+	}
+	for name, data := range files {
+		mode := os.FileMode(0o644)
+		if strings.HasPrefix(name, "x-") {
+			mode = 0o755
+		}
+		require.NoError(t, os.WriteFile(filepath.Join(s.src, name), data, mode))
+		f, err := os.OpenFile(filepath.Join(s.layer, name), os.O_CREATE|os.O_WRONLY, mode)
+		require.NoError(t, err)
+		require.NoError(t, f.Truncate(int64(len(data))))
+		require.NoError(t, f.Close())
+	}
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", s.layer, mnt, mnt)
+	require.NoError(t, unix.Mount("overlay", s.merged, "overlay", 0, opts))
+	t.Cleanup(func() { _ = unix.Unmount(s.merged, unix.MNT_DETACH) })
+	return s
+}
+
+// fetcher serves the source files, counting fetches by file; gate, if
+// set, is waited on before each.
+type fetcher struct {
+	src     string
+	mu      sync.Mutex
+	fetched []string
+	gate    chan struct{}
+	fail    error
+}
+
+func (f *fetcher) fetch(ctx context.Context, rel string, size int64, w io.WriterAt) error {
+	f.mu.Lock()
+	f.fetched = append(f.fetched, rel)
+	f.mu.Unlock()
+	if f.gate != nil {
+		select {
+		case <-f.gate:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if f.fail != nil {
+		return f.fail
+	}
+	data, err := os.ReadFile(filepath.Join(f.src, rel))
+	if err != nil {
+		return err
+	}
+	if int64(len(data)) != size {
+		return fmt.Errorf("size %d, want %d", len(data), size)
+	}
+	_, err = w.WriteAt(data, 0)
+	return err
+}
+
+func (f *fetcher) count(rel string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, r := range f.fetched {
+		if r == rel {
+			n++
+		}
+	}
+	return n
+}
+
+// hold opens a group over s's filesystem and adds every stub to a layer.
+func hold(t *testing.T, s *stubbed, fetch FetchFunc, stall time.Duration) (*Group, *Layer) {
+	t.Helper()
+	g, err := Open(filepath.Dir(s.layer), stall)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = g.Close() })
+	l, err := g.NewLayer(s.layer, fetch)
+	require.NoError(t, err)
+	for name, data := range s.files {
+		f, err := os.Open(filepath.Join(s.layer, name))
+		require.NoError(t, err)
+		require.NoError(t, l.Add(int(f.Fd()), name, int64(len(data))))
+		require.NoError(t, f.Close())
+	}
+	l.Seal()
+	return g, l
+}
+
+func random(t *testing.T, n int) []byte {
+	b := make([]byte, n)
+	_, err := rand.Read(b)
+	require.NoError(t, err)
+	return b
+}
+
+func TestSupported(t *testing.T) {
+	testfs.Need(t, "mkfs.xfs")
+	require.NoError(t, Supported(testfs.Mount(t, testfs.XFS, 300<<20)))
+	tmp := t.TempDir()
+	require.NoError(t, unix.Mount("tmpfs", tmp, "tmpfs", 0, ""))
+	t.Cleanup(func() { _ = unix.Unmount(tmp, unix.MNT_DETACH) })
+	err := Supported(tmp)
+	require.Error(t, err, "tmpfs allows no pre-content events")
+	require.Contains(t, err.Error(), "allows no pre-content events")
+}
+
+// Readers through an overlay see the source's bytes, each file fetched
+// once however many read it at once, and a filled file is not fetched again.
+func TestReadersWaitForTheirFile(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"big": random(t, 8<<20), "small": []byte("hello\n"), "untouched": random(t, 1<<20)})
+	src := &fetcher{src: s.src, gate: make(chan struct{})}
+	_, l := hold(t, s, src.fetch, time.Minute)
+
+	var wg sync.WaitGroup
+	got := make([][]byte, 4)
+	for i := range got {
+		wg.Go(func() {
+			var err error
+			got[i], err = os.ReadFile(filepath.Join(s.merged, "big"))
+			require.NoError(t, err)
+		})
+	}
+	require.Eventually(t, func() bool { return src.count("big") == 1 }, 10*time.Second, 5*time.Millisecond)
+	time.Sleep(50 * time.Millisecond) // the readers are held, not reading zeros
+	for i := range got {
+		require.Nil(t, got[i], "a reader went on before its file was filled")
+	}
+	close(src.gate)
+	wg.Wait()
+	for i := range got {
+		require.True(t, bytes.Equal(s.files["big"], got[i]), "reader %d read other bytes", i)
+	}
+	require.Equal(t, 1, src.count("big"), "concurrent readers share one fetch")
+
+	small, err := os.ReadFile(filepath.Join(s.merged, "small"))
+	require.NoError(t, err)
+	require.Equal(t, "hello\n", string(small))
+	_, err = os.ReadFile(filepath.Join(s.merged, "big"))
+	require.NoError(t, err)
+	require.Equal(t, 1, src.count("big"), "a filled file is read straight through")
+	require.Zero(t, src.count("untouched"), "nothing is fetched that no one read")
+	select {
+	case <-l.Done():
+		t.Fatal("the layer is done with a file still a stub")
+	default:
+	}
+}
+
+// A program run from a stub, and a file mapped through the overlay (which
+// raises no event of its own), read the real bytes: files are filled when
+// they are opened.
+func TestExecAndMmapThroughAnOverlay(t *testing.T) {
+	truePath, err := exec.LookPath("true")
+	require.NoError(t, err)
+	prog, err := os.ReadFile(truePath)
+	require.NoError(t, err)
+	s := newStubbed(t, map[string][]byte{"x-true": prog, "mapped": random(t, 3<<20)})
+	src := &fetcher{src: s.src}
+	hold(t, s, src.fetch, time.Minute)
+
+	out, err := exec.Command(filepath.Join(s.merged, "x-true")).CombinedOutput()
+	require.NoError(t, err, "running a program from a lazy input: %s", out)
+	require.Equal(t, 1, src.count("x-true"))
+
+	f, err := os.Open(filepath.Join(s.merged, "mapped"))
+	require.NoError(t, err)
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, 3<<20, unix.PROT_READ, unix.MAP_SHARED)
+	require.NoError(t, err)
+	defer unix.Munmap(m)
+	require.True(t, bytes.Equal(s.files["mapped"], m), "a mapping of a lazy file reads its data")
+}
+
+// A file that cannot be fetched answers EIO, now and on later opens, and
+// fails the layer.
+func TestAFailedFetchAnswersEIO(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"a": random(t, 4096), "b": random(t, 4096)})
+	src := &fetcher{src: s.src, fail: errors.New("no holder has it")}
+	_, l := hold(t, s, src.fetch, time.Minute)
+
+	for range 2 {
+		_, err := os.ReadFile(filepath.Join(s.merged, "a"))
+		require.ErrorIs(t, err, syscall.EIO)
+	}
+	<-l.Done()
+	require.ErrorContains(t, l.Err(), "no holder has it")
+	_, err := os.ReadFile(filepath.Join(s.merged, "b"))
+	require.ErrorIs(t, err, syscall.EIO, "a failed layer never serves holes")
+}
+
+// A holder that stops sending fails the reader after the stall time, and a
+// failed layer answers its held readers at once.
+func TestStalledAndFailedLayersReleaseReaders(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"a": random(t, 4096), "b": random(t, 4096)})
+	src := &fetcher{src: s.src, gate: make(chan struct{})} // never opened
+	_, l := hold(t, s, src.fetch, 300*time.Millisecond)
+	start := time.Now()
+	_, err := os.ReadFile(filepath.Join(s.merged, "a"))
+	require.ErrorIs(t, err, syscall.EIO)
+	require.Less(t, time.Since(start), 10*time.Second)
+	require.ErrorContains(t, l.Err(), "no data for")
+
+	s2 := newStubbed(t, map[string][]byte{"a": random(t, 4096)})
+	src2 := &fetcher{src: s2.src, gate: make(chan struct{})}
+	_, l2 := hold(t, s2, src2.fetch, time.Hour)
+	done := make(chan error, 1)
+	go func() { _, err := os.ReadFile(filepath.Join(s2.merged, "a")); done <- err }()
+	require.Eventually(t, func() bool { return src2.count("a") == 1 }, 10*time.Second, 5*time.Millisecond)
+	l2.Fail(errors.New("the pull was cancelled"))
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, syscall.EIO)
+	case <-time.After(10 * time.Second):
+		t.Fatal("a failed layer left its reader held")
+	}
+}
+
+// Prefetch fills everything, the recorded order first; then the layer is
+// done and its files are read with no fetch.
+func TestPrefetchFillsInOrder(t *testing.T) {
+	files := map[string][]byte{}
+	for i := range 20 {
+		files[fmt.Sprintf("f%02d", i)] = random(t, 64<<10)
+	}
+	s := newStubbed(t, files)
+	src := &fetcher{src: s.src}
+	_, l := hold(t, s, src.fetch, time.Minute)
+	l.Prefetch([]string{"f17", "f03", "f11"}, 1)
+	select {
+	case <-l.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("prefetch did not finish")
+	}
+	require.NoError(t, l.Err())
+	require.Equal(t, []string{"f17", "f03", "f11"}, src.fetched[:3])
+	require.Len(t, src.fetched, 20)
+	for name, data := range files {
+		got, err := os.ReadFile(filepath.Join(s.merged, name))
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(data, got), name)
+	}
+	require.Len(t, src.fetched, 20, "a filled layer is read with no fetch")
+}
+
+// A reader held by a plugin that is SIGKILLed is never held for ever: the
+// kernel lets it go on when the group's process dies. It then reads the
+// stub's holes (this kernel answers FAN_ALLOW for a dead group), which is
+// why a restarted plugin fails every layer that was filling, and a step
+// over one captures nothing ready.
+func TestAKilledHolderReleasesItsReaders(t *testing.T) {
+	if os.Getenv("COWVOL_FILL_CHILD") != "" {
+		g, err := Open(os.Getenv("COWVOL_FILL_ROOT"), time.Hour)
+		if err != nil {
+			os.Exit(3)
+		}
+		l, err := g.NewLayer(filepath.Dir(os.Getenv("COWVOL_FILL_STUB")),
+			func(ctx context.Context, _ string, _ int64, _ io.WriterAt) error { <-ctx.Done(); return ctx.Err() })
+		if err != nil {
+			os.Exit(5)
+		}
+		f, _ := os.Open(os.Getenv("COWVOL_FILL_STUB"))
+		if err := l.Add(int(f.Fd()), "a", 4096); err != nil {
+			os.Exit(4)
+		}
+		fmt.Println("holding")
+		select {}
+	}
+	s := newStubbed(t, map[string][]byte{"a": random(t, 4096)})
+	child := exec.Command(os.Args[0], "-test.run", "^TestAKilledHolderReleasesItsReaders$")
+	child.Env = append(os.Environ(), "COWVOL_FILL_CHILD=1", "COWVOL_FILL_ROOT="+filepath.Dir(s.layer),
+		"COWVOL_FILL_STUB="+filepath.Join(s.layer, "a"))
+	out, err := child.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, child.Start())
+	buf := make([]byte, 7)
+	_, err = io.ReadFull(out, buf)
+	require.NoError(t, err, "the child never held the stub")
+
+	var reads atomic.Int32
+	done := make(chan error, 1)
+	go func() {
+		_, err := os.ReadFile(filepath.Join(s.merged, "a"))
+		reads.Add(1)
+		done <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	require.Zero(t, reads.Load(), "the reader is held")
+	require.NoError(t, child.Process.Kill())
+	_ = child.Wait()
+	select {
+	case err := <-done:
+		t.Logf("after its holder was killed the reader went on (error: %v)", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("a reader stayed held after its holder died")
+	}
+}
