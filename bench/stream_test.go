@@ -142,7 +142,7 @@ func BenchmarkStream(b *testing.B) {
 			start := time.Now()
 			sent := make(chan error, 1)
 			go func() {
-				_, err := streamer.Pack(context.Background(), src, counted, enc, true)
+				_, err := streamer.Pack(context.Background(), src, counted, enc, streamer.SparseTar)
 				out.Close()
 				sent <- err
 			}()

@@ -149,7 +149,7 @@ func TestDataThroughTheController(t *testing.T) {
 		wantUp := testfs.Describe(t, src)
 		upload := func(c *client.Client, ns, handle string, tree string) (*controllerv1.VolumeLocation, error) {
 			var buf bytes.Buffer
-			_, err := streamer.Pack(ctx, tree, &buf, streamer.S2, true)
+			_, err := streamer.Pack(ctx, tree, &buf, streamer.S2, streamer.SparseTar)
 			require.NoError(t, err)
 			return c.Write(ctx, &controllerv1.NewVolume{Ref: client.Ref(volume.Ref{Namespace: ns, Handle: handle}),
 				Encoding: string(streamer.S2), Properties: map[string]string{"kind": "upload"}}, &buf, nil)

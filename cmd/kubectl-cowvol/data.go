@@ -182,7 +182,7 @@ func (o *options) upload(cmd *cobra.Command, src string, nv *controllerv1.NewVol
 		} else {
 			pr, pw := io.Pipe()
 			go func() {
-				_, err := streamer.Pack(ctx, src, pw, streamer.Encoding(nv.Encoding), true)
+				_, err := streamer.Pack(ctx, src, pw, streamer.Encoding(nv.Encoding), streamer.SparseTar)
 				pw.CloseWithError(err)
 				packed <- err
 			}()

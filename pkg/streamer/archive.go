@@ -88,11 +88,25 @@ const paxHoles = "COWVOL.holes"
 // travels with its zeros.
 const maxSegments = 20_000
 
-// Pack writes the tree at root to w as a tar stream, encoded with enc;
-// with holes, sparse files travel as their data segments only (for
-// Unpack; a plain tar reader would misread them). Device nodes other than
-// whiteouts and sockets cannot be moved: Pack refuses them, saying which.
-func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes bool) (Summary, error) {
+// Shape is what a packed tar carries of regular files.
+type Shape int
+
+const (
+	// PlainTar: every byte, holes as zeros; any tar reader reads it.
+	PlainTar Shape = iota
+	// SparseTar: sparse files as their data segments only, for Unpack (a
+	// plain tar reader would misread them).
+	SparseTar
+	// StubTar: no data at all, each file a sparse map with no segment, so
+	// that Unpack makes it the right size with nothing in it: the stubs a
+	// lazy pull fills as they are read.
+	StubTar
+)
+
+// Pack writes the tree at root to w as a tar stream, encoded with enc, its
+// regular files as shape says. Device nodes other than whiteouts and
+// sockets cannot be moved: Pack refuses them, saying which.
+func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
 	bw := bufio.NewWriterSize(w, streamBuffer)
@@ -101,7 +115,7 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, holes boo
 		return Summary{}, err
 	}
 	c := newCounter()
-	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, holes: holes, buf: make([]byte, 256<<10)}
+	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: make([]byte, 256<<10)}
 	// Walked from descriptors: a tree of any depth goes, however long its
 	// paths.
 	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -145,7 +159,7 @@ const streamBuffer = 256 << 10
 type packer struct {
 	tw    *tar.Writer
 	seen  map[[2]uint64]string // first names of files with several links
-	holes bool
+	shape Shape
 	buf   []byte // one copy buffer for every file
 }
 
@@ -191,7 +205,15 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 		file = os.NewFile(uintptr(fd), name)
 		defer file.Close()
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
-		if pk.holes && st.Blocks*512 < st.Size {
+		if pk.shape == StubTar && st.Size > 0 {
+			if hdr.PAXRecords == nil {
+				hdr.PAXRecords = map[string]string{}
+			}
+			hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, nil)
+			segments = [][2]int64{}
+			break
+		}
+		if pk.shape == SparseTar && st.Blocks*512 < st.Size {
 			if segments, err = dataSegments(file, st.Size); err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}

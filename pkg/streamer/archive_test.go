@@ -27,7 +27,7 @@ func TestRoundTripKeepsALayer(t *testing.T) {
 	for _, enc := range []Encoding{Raw, Zstd, S2, Gzip} {
 		t.Run(string(enc), func(t *testing.T) {
 			var wire bytes.Buffer
-			sent, err := Pack(context.Background(), src, &wire, enc, true)
+			sent, err := Pack(context.Background(), src, &wire, enc, SparseTar)
 			require.NoError(t, err)
 			require.Less(t, sent.Bytes, int64(8<<20), "the 256 MiB hole did not cross as zeros")
 			dst := filepath.Join(root, "dst-"+string(enc))
@@ -53,7 +53,7 @@ func TestPackWithoutHolesIsAPlainTar(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
 	var wire bytes.Buffer
-	_, err = Pack(context.Background(), src, &wire, Raw, false)
+	_, err = Pack(context.Background(), src, &wire, Raw, PlainTar)
 	require.NoError(t, err)
 	tr := tar.NewReader(&wire)
 	hdr, err := tr.Next()
@@ -69,7 +69,7 @@ func TestPackWithoutHolesIsAPlainTar(t *testing.T) {
 func TestPackRefusesDeviceNodes(t *testing.T) {
 	src := t.TempDir()
 	require.NoError(t, unix.Mknod(filepath.Join(src, "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
-	_, err := Pack(context.Background(), src, &bytes.Buffer{}, Raw, true)
+	_, err := Pack(context.Background(), src, &bytes.Buffer{}, Raw, SparseTar)
 	require.ErrorContains(t, err, "null is a device node (1:3)")
 }
 
@@ -227,7 +227,7 @@ func TestCorruptionIsDetected(t *testing.T) {
 	for _, enc := range []Encoding{Raw, Zstd, S2, Gzip} {
 		t.Run(string(enc), func(t *testing.T) {
 			var wire bytes.Buffer
-			sent, err := Pack(context.Background(), src, &wire, enc, true)
+			sent, err := Pack(context.Background(), src, &wire, enc, SparseTar)
 			require.NoError(t, err)
 			raw := wire.Bytes()
 			raw[len(raw)/2] ^= 0x40

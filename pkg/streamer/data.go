@@ -59,7 +59,7 @@ func (s *Server) ReadVolume(req *peerv1.ReadVolumeRequest, stream grpc.ServerStr
 			sum = c.summary(1)
 		}
 	} else {
-		sum, err = Pack(stream.Context(), rd.Dir, w, enc, false)
+		sum, err = Pack(stream.Context(), rd.Dir, w, enc, PlainTar)
 	}
 	if err == nil && w.sent == 0 {
 		err = w.send(nil) // an empty file still says its size

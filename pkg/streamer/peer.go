@@ -5,9 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
+	"path"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -16,6 +20,7 @@ import (
 	"k8s.io/klog/v2"
 
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
+	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -198,18 +203,96 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 		return holderError(err)
 	}
 	defer release()
+	shape := SparseTar
+	if req.GetStubs() {
+		shape = StubTar
+	}
 	start := time.Now()
 	w := &chunkWriter{stream: stream}
-	sum, err := Pack(stream.Context(), dir, w, enc, true)
+	sum, err := Pack(stream.Context(), dir, w, enc, shape)
 	s.metrics.served(enc, w.sent, err)
 	if err != nil {
 		klog.ErrorS(err, "Serving a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "sent", w.sent)
 		return holderError(err)
 	}
-	klog.V(2).InfoS("Served a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "encoding", enc,
+	klog.V(2).InfoS("Served a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "encoding", enc, "stubs", req.GetStubs(),
 		"tarBytes", sum.Bytes, "wireBytes", w.sent, "entries", sum.Entries, "duration", time.Since(start))
 	return stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: &peerv1.Trailer{
 		Bytes: sum.Bytes, Entries: sum.Entries, Digest: sum.Digest}}})
+}
+
+// ReadLayerFile streams a range of one regular file of a volume's own
+// layer, then how many bytes it sent.
+func (s *Server) ReadLayerFile(req *peerv1.ReadLayerFileRequest, stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]) error {
+	ref, err := parseRequest(req.GetNamespace(), req.GetVolume())
+	if err != nil {
+		return err
+	}
+	var via volume.Ref
+	if req.GetVia() != nil {
+		if via, err = parseRequest(req.GetNamespace(), req.GetVia()); err != nil {
+			return err
+		}
+	}
+	rel, err := cleanName(req.GetPath())
+	if err != nil || rel == "." || req.GetOffset() < 0 || req.GetLength() < 0 {
+		return status.Errorf(codes.InvalidArgument, "path %q, offset %d, length %d: want a file below the layer's root and a range from 0",
+			req.GetPath(), req.GetOffset(), req.GetLength())
+	}
+	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
+	if err != nil {
+		return holderError(err)
+	}
+	defer release()
+	f, err := openInLayer(dir, rel)
+	if err != nil {
+		return holderError(err)
+	}
+	defer f.Close()
+	length := req.GetLength()
+	if length == 0 {
+		length = math.MaxInt64
+	}
+	w, c := &chunkWriter{stream: stream}, newCounter()
+	n, err := io.CopyBuffer(io.MultiWriter(w, c), io.NewSectionReader(f, req.GetOffset(), length), make([]byte, maxChunkData))
+	s.metrics.served(Raw, w.sent, err)
+	if err != nil {
+		return holderError(err)
+	}
+	sum := c.summary(1)
+	return stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: &peerv1.Trailer{Bytes: n, Entries: 1, Digest: sum.Digest}}})
+}
+
+// openInLayer opens the regular file rel below a layer's dir, following
+// no symlink on the way.
+func openInLayer(dir, rel string) (*os.File, error) {
+	root, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(root)
+	parent, err := fdtree.OpenBeneath(root, path.Dir(rel))
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
+		return nil, fmt.Errorf("%s: %w", rel, ErrNoPath)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(parent)
+	fd, err := unix.Openat2(parent, path.Base(rel), &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_CLOEXEC | unix.O_NOFOLLOW | unix.O_NONBLOCK,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV})
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ELOOP) {
+		return nil, fmt.Errorf("%s: %w", rel, ErrNoPath)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		unix.Close(fd)
+		return nil, fmt.Errorf("%s is not a regular file: %w", rel, ErrWrongKind)
+	}
+	return os.NewFile(uintptr(fd), rel), nil
 }
 
 // chunkWriter sends what Pack writes as data chunks (Pack buffers, so each
@@ -324,13 +407,14 @@ var ErrCorrupt = errors.New("the stream arrived corrupt")
 
 // PullLayer streams a volume's own layer into dir (an empty dir), for a pod
 // of namespace that uses the volume via (the top of the chain r is in),
-// and checks the size and digest the peer sent after it. progress is told
-// of each wire chunk's size.
-func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits, progress func(int64)) (Summary, error) {
+// and checks the size and digest the peer sent after it: its files whole
+// (SparseTar) or as stubs (StubTar). progress is told of each wire chunk's
+// size.
+func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, shape Shape, dir string, lim Limits, progress func(int64)) (Summary, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops the peer sending if extraction fails
 	stream, err := c.api.PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via),
-		Encoding: string(enc)})
+		Encoding: string(enc), Stubs: shape == StubTar})
 	if err != nil {
 		return Summary{}, peerError(err)
 	}
@@ -381,6 +465,45 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.
 			ErrCorrupt, t.GetBytes(), t.GetEntries(), t.GetDigest(), sum.Bytes, sum.Entries, sum.Digest)
 	}
 	return sum, nil
+}
+
+// ReadLayerFile writes length bytes (0: to the end) of the file rel of r's
+// own layer from offset into w at the same offsets, for a pod of namespace
+// that uses r via via, and returns how many arrived.
+func (c *Client) ReadLayerFile(ctx context.Context, namespace string, r, via volume.Ref, rel string, offset, length int64, w io.WriterAt) (int64, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := c.api.ReadLayerFile(ctx, &peerv1.ReadLayerFileRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via),
+		Path: rel, Offset: offset, Length: length})
+	if err != nil {
+		return 0, peerError(err)
+	}
+	var n int64
+	got := newCounter()
+	for {
+		msg, err := stream.Recv()
+		switch {
+		case errors.Is(err, io.EOF):
+			return n, fmt.Errorf("%w: %s ended with no trailer after %d bytes", ErrCorrupt, rel, n)
+		case err != nil:
+			return n, peerError(err)
+		}
+		if t := msg.GetTrailer(); t != nil {
+			if sum := got.summary(1); t.GetBytes() != n || t.GetDigest() != sum.Digest {
+				return 0, fmt.Errorf("%w: the peer sent %d bytes of %s (%s), %d arrived (%s)", ErrCorrupt, t.GetBytes(), rel, t.GetDigest(), n, sum.Digest)
+			}
+			return n, nil
+		}
+		data := msg.GetData()
+		if length > 0 && n+int64(len(data)) > length {
+			return n, fmt.Errorf("%w: more of %s than asked for", ErrCorrupt, rel)
+		}
+		if _, err := w.WriteAt(data, offset+n); err != nil {
+			return n, err
+		}
+		_, _ = got.Write(data)
+		n += int64(len(data))
+	}
 }
 
 // peerError keeps a peer's status, for callers that tell NotFound from a

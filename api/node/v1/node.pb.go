@@ -316,8 +316,12 @@ type Node struct {
 	// Why the node refuses new captures now (over its high watermark, or
 	// taken out of service by the controller); empty while it takes them.
 	CapturesRefused string `protobuf:"bytes,16,opt,name=captures_refused,json=capturesRefused,proto3" json:"captures_refused,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// How the node pulls the sources it lacks from peers (lazy or eager;
+	// empty: it pulls nothing), and why that mode.
+	PullMode       string `protobuf:"bytes,17,opt,name=pull_mode,json=pullMode,proto3" json:"pull_mode,omitempty"`
+	PullModeReason string `protobuf:"bytes,18,opt,name=pull_mode_reason,json=pullModeReason,proto3" json:"pull_mode_reason,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
@@ -458,6 +462,20 @@ func (x *Node) GetVolumes() int32 {
 func (x *Node) GetCapturesRefused() string {
 	if x != nil {
 		return x.CapturesRefused
+	}
+	return ""
+}
+
+func (x *Node) GetPullMode() string {
+	if x != nil {
+		return x.PullMode
+	}
+	return ""
+}
+
+func (x *Node) GetPullModeReason() string {
+	if x != nil {
+		return x.PullModeReason
 	}
 	return ""
 }
@@ -920,7 +938,7 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x10\n" +
-	"\x0eGetNodeRequest\"\xb0\x04\n" +
+	"\x0eGetNodeRequest\"\xf7\x04\n" +
 	"\x04Node\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
 	"\bstore_id\x18\x02 \x01(\tR\astoreId\x12\x18\n" +
@@ -942,7 +960,9 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x17bytes_held_for_children\x18\r \x01(\x03R\x14bytesHeldForChildren\x12\x1a\n" +
 	"\brevision\x18\x0e \x01(\x04R\brevision\x12\x18\n" +
 	"\avolumes\x18\x0f \x01(\x05R\avolumes\x12)\n" +
-	"\x10captures_refused\x18\x10 \x01(\tR\x0fcapturesRefused\"\xa6\x02\n" +
+	"\x10captures_refused\x18\x10 \x01(\tR\x0fcapturesRefused\x12\x1b\n" +
+	"\tpull_mode\x18\x11 \x01(\tR\bpullMode\x12(\n" +
+	"\x10pull_mode_reason\x18\x12 \x01(\tR\x0epullModeReason\"\xa6\x02\n" +
 	"\x12ListVolumesRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12L\n" +
 	"\bselector\x18\x02 \x03(\v20.cowvol.node.v1.ListVolumesRequest.SelectorEntryR\bselector\x12\x1b\n" +

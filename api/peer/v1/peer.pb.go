@@ -463,7 +463,10 @@ type PullLayerRequest struct {
 	// A layer namespace may not read itself (another namespace's private
 	// volume that a shared one stacks on) is served through it: the pod
 	// sees it only merged under that volume, as it would on this node.
-	Via           *VolumeRef `protobuf:"bytes,4,opt,name=via,proto3" json:"via,omitempty"`
+	Via *VolumeRef `protobuf:"bytes,4,opt,name=via,proto3" json:"via,omitempty"`
+	// Regular files as stubs: the tar carries their size and metadata but
+	// no data (a sparse map with no segments), for a lazy pull.
+	Stubs         bool `protobuf:"varint,5,opt,name=stubs,proto3" json:"stubs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -526,6 +529,100 @@ func (x *PullLayerRequest) GetVia() *VolumeRef {
 	return nil
 }
 
+func (x *PullLayerRequest) GetStubs() bool {
+	if x != nil {
+		return x.Stubs
+	}
+	return false
+}
+
+type ReadLayerFileRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Volume    *VolumeRef             `protobuf:"bytes,2,opt,name=volume,proto3" json:"volume,omitempty"`
+	// As PullLayerRequest's.
+	Via *VolumeRef `protobuf:"bytes,3,opt,name=via,proto3" json:"via,omitempty"`
+	// The file, relative to the layer's root, as the layer's tar names it.
+	Path   string `protobuf:"bytes,4,opt,name=path,proto3" json:"path,omitempty"`
+	Offset int64  `protobuf:"varint,5,opt,name=offset,proto3" json:"offset,omitempty"`
+	// Bytes to read from offset; 0: to the end of the file.
+	Length        int64 `protobuf:"varint,6,opt,name=length,proto3" json:"length,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadLayerFileRequest) Reset() {
+	*x = ReadLayerFileRequest{}
+	mi := &file_peer_v1_peer_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadLayerFileRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadLayerFileRequest) ProtoMessage() {}
+
+func (x *ReadLayerFileRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_v1_peer_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadLayerFileRequest.ProtoReflect.Descriptor instead.
+func (*ReadLayerFileRequest) Descriptor() ([]byte, []int) {
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ReadLayerFileRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ReadLayerFileRequest) GetVolume() *VolumeRef {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
+func (x *ReadLayerFileRequest) GetVia() *VolumeRef {
+	if x != nil {
+		return x.Via
+	}
+	return nil
+}
+
+func (x *ReadLayerFileRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ReadLayerFileRequest) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *ReadLayerFileRequest) GetLength() int64 {
+	if x != nil {
+		return x.Length
+	}
+	return 0
+}
+
 type PullLayerChunk struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Part:
@@ -542,7 +639,7 @@ type PullLayerChunk struct {
 
 func (x *PullLayerChunk) Reset() {
 	*x = PullLayerChunk{}
-	mi := &file_peer_v1_peer_proto_msgTypes[7]
+	mi := &file_peer_v1_peer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -554,7 +651,7 @@ func (x *PullLayerChunk) String() string {
 func (*PullLayerChunk) ProtoMessage() {}
 
 func (x *PullLayerChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[7]
+	mi := &file_peer_v1_peer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -567,7 +664,7 @@ func (x *PullLayerChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullLayerChunk.ProtoReflect.Descriptor instead.
 func (*PullLayerChunk) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{7}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PullLayerChunk) GetPart() isPullLayerChunk_Part {
@@ -631,7 +728,7 @@ type Trailer struct {
 
 func (x *Trailer) Reset() {
 	*x = Trailer{}
-	mi := &file_peer_v1_peer_proto_msgTypes[8]
+	mi := &file_peer_v1_peer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -643,7 +740,7 @@ func (x *Trailer) String() string {
 func (*Trailer) ProtoMessage() {}
 
 func (x *Trailer) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[8]
+	mi := &file_peer_v1_peer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -656,7 +753,7 @@ func (x *Trailer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Trailer.ProtoReflect.Descriptor instead.
 func (*Trailer) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{8}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Trailer) GetBytes() int64 {
@@ -718,12 +815,20 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xac\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc2\x01\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
 	"\bencoding\x18\x03 \x01(\tR\bencoding\x12+\n" +
-	"\x03via\x18\x04 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\"\x84\x01\n" +
+	"\x03via\x18\x04 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\x12\x14\n" +
+	"\x05stubs\x18\x05 \x01(\bR\x05stubs\"\xd8\x01\n" +
+	"\x14ReadLayerFileRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
+	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
+	"\x03via\x18\x03 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\x12\x12\n" +
+	"\x04path\x18\x04 \x01(\tR\x04path\x12\x16\n" +
+	"\x06offset\x18\x05 \x01(\x03R\x06offset\x12\x16\n" +
+	"\x06length\x18\x06 \x01(\x03R\x06length\"\x84\x01\n" +
 	"\x0ePullLayerChunk\x12\x14\n" +
 	"\x04data\x18\x01 \x01(\fH\x00R\x04data\x123\n" +
 	"\atrailer\x18\x02 \x01(\v2\x17.cowvol.peer.v1.TrailerH\x00R\atrailer\x12\x1f\n" +
@@ -733,10 +838,11 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\aTrailer\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12\x18\n" +
 	"\aentries\x18\x02 \x01(\x03R\aentries\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest2\xc9\x02\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest2\xa2\x03\n" +
 	"\x04Peer\x12M\n" +
 	"\bGetChain\x12\x1f.cowvol.peer.v1.GetChainRequest\x1a .cowvol.peer.v1.GetChainResponse\x12O\n" +
-	"\tPullLayer\x12 .cowvol.peer.v1.PullLayerRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12Q\n" +
+	"\tPullLayer\x12 .cowvol.peer.v1.PullLayerRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12W\n" +
+	"\rReadLayerFile\x12$.cowvol.peer.v1.ReadLayerFileRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12Q\n" +
 	"\n" +
 	"ReadVolume\x12!.cowvol.peer.v1.ReadVolumeRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12N\n" +
 	"\vWriteVolume\x12 .cowvol.peer.v1.WriteVolumeChunk\x1a\x1b.cowvol.peer.v1.LayerVolume(\x01B0Z.github.com/concourse/cowvol/api/peer/v1;peerv1b\x06proto3"
@@ -753,19 +859,20 @@ func file_peer_v1_peer_proto_rawDescGZIP() []byte {
 	return file_peer_v1_peer_proto_rawDescData
 }
 
-var file_peer_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_peer_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_peer_v1_peer_proto_goTypes = []any{
-	(*ReadVolumeRequest)(nil),   // 0: cowvol.peer.v1.ReadVolumeRequest
-	(*WriteVolumeChunk)(nil),    // 1: cowvol.peer.v1.WriteVolumeChunk
-	(*VolumeRef)(nil),           // 2: cowvol.peer.v1.VolumeRef
-	(*GetChainRequest)(nil),     // 3: cowvol.peer.v1.GetChainRequest
-	(*GetChainResponse)(nil),    // 4: cowvol.peer.v1.GetChainResponse
-	(*LayerVolume)(nil),         // 5: cowvol.peer.v1.LayerVolume
-	(*PullLayerRequest)(nil),    // 6: cowvol.peer.v1.PullLayerRequest
-	(*PullLayerChunk)(nil),      // 7: cowvol.peer.v1.PullLayerChunk
-	(*Trailer)(nil),             // 8: cowvol.peer.v1.Trailer
-	nil,                         // 9: cowvol.peer.v1.LayerVolume.PropertiesEntry
-	(*durationpb.Duration)(nil), // 10: google.protobuf.Duration
+	(*ReadVolumeRequest)(nil),    // 0: cowvol.peer.v1.ReadVolumeRequest
+	(*WriteVolumeChunk)(nil),     // 1: cowvol.peer.v1.WriteVolumeChunk
+	(*VolumeRef)(nil),            // 2: cowvol.peer.v1.VolumeRef
+	(*GetChainRequest)(nil),      // 3: cowvol.peer.v1.GetChainRequest
+	(*GetChainResponse)(nil),     // 4: cowvol.peer.v1.GetChainResponse
+	(*LayerVolume)(nil),          // 5: cowvol.peer.v1.LayerVolume
+	(*PullLayerRequest)(nil),     // 6: cowvol.peer.v1.PullLayerRequest
+	(*ReadLayerFileRequest)(nil), // 7: cowvol.peer.v1.ReadLayerFileRequest
+	(*PullLayerChunk)(nil),       // 8: cowvol.peer.v1.PullLayerChunk
+	(*Trailer)(nil),              // 9: cowvol.peer.v1.Trailer
+	nil,                          // 10: cowvol.peer.v1.LayerVolume.PropertiesEntry
+	(*durationpb.Duration)(nil),  // 11: google.protobuf.Duration
 }
 var file_peer_v1_peer_proto_depIdxs = []int32{
 	2,  // 0: cowvol.peer.v1.ReadVolumeRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
@@ -775,24 +882,28 @@ var file_peer_v1_peer_proto_depIdxs = []int32{
 	2,  // 4: cowvol.peer.v1.LayerVolume.ref:type_name -> cowvol.peer.v1.VolumeRef
 	2,  // 5: cowvol.peer.v1.LayerVolume.parent:type_name -> cowvol.peer.v1.VolumeRef
 	2,  // 6: cowvol.peer.v1.LayerVolume.base:type_name -> cowvol.peer.v1.VolumeRef
-	9,  // 7: cowvol.peer.v1.LayerVolume.properties:type_name -> cowvol.peer.v1.LayerVolume.PropertiesEntry
-	10, // 8: cowvol.peer.v1.LayerVolume.ttl:type_name -> google.protobuf.Duration
+	10, // 7: cowvol.peer.v1.LayerVolume.properties:type_name -> cowvol.peer.v1.LayerVolume.PropertiesEntry
+	11, // 8: cowvol.peer.v1.LayerVolume.ttl:type_name -> google.protobuf.Duration
 	2,  // 9: cowvol.peer.v1.PullLayerRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
 	2,  // 10: cowvol.peer.v1.PullLayerRequest.via:type_name -> cowvol.peer.v1.VolumeRef
-	8,  // 11: cowvol.peer.v1.PullLayerChunk.trailer:type_name -> cowvol.peer.v1.Trailer
-	3,  // 12: cowvol.peer.v1.Peer.GetChain:input_type -> cowvol.peer.v1.GetChainRequest
-	6,  // 13: cowvol.peer.v1.Peer.PullLayer:input_type -> cowvol.peer.v1.PullLayerRequest
-	0,  // 14: cowvol.peer.v1.Peer.ReadVolume:input_type -> cowvol.peer.v1.ReadVolumeRequest
-	1,  // 15: cowvol.peer.v1.Peer.WriteVolume:input_type -> cowvol.peer.v1.WriteVolumeChunk
-	4,  // 16: cowvol.peer.v1.Peer.GetChain:output_type -> cowvol.peer.v1.GetChainResponse
-	7,  // 17: cowvol.peer.v1.Peer.PullLayer:output_type -> cowvol.peer.v1.PullLayerChunk
-	7,  // 18: cowvol.peer.v1.Peer.ReadVolume:output_type -> cowvol.peer.v1.PullLayerChunk
-	5,  // 19: cowvol.peer.v1.Peer.WriteVolume:output_type -> cowvol.peer.v1.LayerVolume
-	16, // [16:20] is the sub-list for method output_type
-	12, // [12:16] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	2,  // 11: cowvol.peer.v1.ReadLayerFileRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	2,  // 12: cowvol.peer.v1.ReadLayerFileRequest.via:type_name -> cowvol.peer.v1.VolumeRef
+	9,  // 13: cowvol.peer.v1.PullLayerChunk.trailer:type_name -> cowvol.peer.v1.Trailer
+	3,  // 14: cowvol.peer.v1.Peer.GetChain:input_type -> cowvol.peer.v1.GetChainRequest
+	6,  // 15: cowvol.peer.v1.Peer.PullLayer:input_type -> cowvol.peer.v1.PullLayerRequest
+	7,  // 16: cowvol.peer.v1.Peer.ReadLayerFile:input_type -> cowvol.peer.v1.ReadLayerFileRequest
+	0,  // 17: cowvol.peer.v1.Peer.ReadVolume:input_type -> cowvol.peer.v1.ReadVolumeRequest
+	1,  // 18: cowvol.peer.v1.Peer.WriteVolume:input_type -> cowvol.peer.v1.WriteVolumeChunk
+	4,  // 19: cowvol.peer.v1.Peer.GetChain:output_type -> cowvol.peer.v1.GetChainResponse
+	8,  // 20: cowvol.peer.v1.Peer.PullLayer:output_type -> cowvol.peer.v1.PullLayerChunk
+	8,  // 21: cowvol.peer.v1.Peer.ReadLayerFile:output_type -> cowvol.peer.v1.PullLayerChunk
+	8,  // 22: cowvol.peer.v1.Peer.ReadVolume:output_type -> cowvol.peer.v1.PullLayerChunk
+	5,  // 23: cowvol.peer.v1.Peer.WriteVolume:output_type -> cowvol.peer.v1.LayerVolume
+	19, // [19:24] is the sub-list for method output_type
+	14, // [14:19] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_peer_v1_peer_proto_init() }
@@ -804,7 +915,7 @@ func file_peer_v1_peer_proto_init() {
 		(*WriteVolumeChunk_Volume)(nil),
 		(*WriteVolumeChunk_Data)(nil),
 	}
-	file_peer_v1_peer_proto_msgTypes[7].OneofWrappers = []any{
+	file_peer_v1_peer_proto_msgTypes[8].OneofWrappers = []any{
 		(*PullLayerChunk_Data)(nil),
 		(*PullLayerChunk_Trailer)(nil),
 	}
@@ -814,7 +925,7 @@ func file_peer_v1_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_v1_peer_proto_rawDesc), len(file_peer_v1_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   10,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

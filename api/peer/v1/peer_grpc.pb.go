@@ -25,10 +25,11 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Peer_GetChain_FullMethodName    = "/cowvol.peer.v1.Peer/GetChain"
-	Peer_PullLayer_FullMethodName   = "/cowvol.peer.v1.Peer/PullLayer"
-	Peer_ReadVolume_FullMethodName  = "/cowvol.peer.v1.Peer/ReadVolume"
-	Peer_WriteVolume_FullMethodName = "/cowvol.peer.v1.Peer/WriteVolume"
+	Peer_GetChain_FullMethodName      = "/cowvol.peer.v1.Peer/GetChain"
+	Peer_PullLayer_FullMethodName     = "/cowvol.peer.v1.Peer/PullLayer"
+	Peer_ReadLayerFile_FullMethodName = "/cowvol.peer.v1.Peer/ReadLayerFile"
+	Peer_ReadVolume_FullMethodName    = "/cowvol.peer.v1.Peer/ReadVolume"
+	Peer_WriteVolume_FullMethodName   = "/cowvol.peer.v1.Peer/WriteVolume"
 )
 
 // PeerClient is the client API for Peer service.
@@ -45,6 +46,11 @@ type PeerClient interface {
 	// bytes in chunks, and a trailer with their size and digest, which the
 	// puller checks before the copy becomes ready.
 	PullLayer(ctx context.Context, in *PullLayerRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error)
+	// ReadLayerFile streams bytes of one regular file of a volume's own
+	// layer (a lazy puller fills its stubs with them as they are read), then
+	// a trailer with their count. Answered as PullLayer is: only for a volume
+	// the namespace may read, or one in the chain of via.
+	ReadLayerFile(ctx context.Context, in *ReadLayerFileRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error)
 	// ReadVolume streams a volume as its pods see it (its chain merged), or
 	// a path inside it: a tar, or a file's bytes; then a trailer.
 	ReadVolume(ctx context.Context, in *ReadVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error)
@@ -91,9 +97,28 @@ func (c *peerClient) PullLayer(ctx context.Context, in *PullLayerRequest, opts .
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_PullLayerClient = grpc.ServerStreamingClient[PullLayerChunk]
 
+func (c *peerClient) ReadLayerFile(ctx context.Context, in *ReadLayerFileRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[1], Peer_ReadLayerFile_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ReadLayerFileRequest, PullLayerChunk]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_ReadLayerFileClient = grpc.ServerStreamingClient[PullLayerChunk]
+
 func (c *peerClient) ReadVolume(ctx context.Context, in *ReadVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PullLayerChunk], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[1], Peer_ReadVolume_FullMethodName, cOpts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[2], Peer_ReadVolume_FullMethodName, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -112,7 +137,7 @@ type Peer_ReadVolumeClient = grpc.ServerStreamingClient[PullLayerChunk]
 
 func (c *peerClient) WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeChunk, LayerVolume], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[2], Peer_WriteVolume_FullMethodName, cOpts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[3], Peer_WriteVolume_FullMethodName, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -137,6 +162,11 @@ type PeerServer interface {
 	// bytes in chunks, and a trailer with their size and digest, which the
 	// puller checks before the copy becomes ready.
 	PullLayer(*PullLayerRequest, grpc.ServerStreamingServer[PullLayerChunk]) error
+	// ReadLayerFile streams bytes of one regular file of a volume's own
+	// layer (a lazy puller fills its stubs with them as they are read), then
+	// a trailer with their count. Answered as PullLayer is: only for a volume
+	// the namespace may read, or one in the chain of via.
+	ReadLayerFile(*ReadLayerFileRequest, grpc.ServerStreamingServer[PullLayerChunk]) error
 	// ReadVolume streams a volume as its pods see it (its chain merged), or
 	// a path inside it: a tar, or a file's bytes; then a trailer.
 	ReadVolume(*ReadVolumeRequest, grpc.ServerStreamingServer[PullLayerChunk]) error
@@ -159,6 +189,9 @@ func (UnimplementedPeerServer) GetChain(context.Context, *GetChainRequest) (*Get
 }
 func (UnimplementedPeerServer) PullLayer(*PullLayerRequest, grpc.ServerStreamingServer[PullLayerChunk]) error {
 	return status.Errorf(codes.Unimplemented, "method PullLayer not implemented")
+}
+func (UnimplementedPeerServer) ReadLayerFile(*ReadLayerFileRequest, grpc.ServerStreamingServer[PullLayerChunk]) error {
+	return status.Errorf(codes.Unimplemented, "method ReadLayerFile not implemented")
 }
 func (UnimplementedPeerServer) ReadVolume(*ReadVolumeRequest, grpc.ServerStreamingServer[PullLayerChunk]) error {
 	return status.Errorf(codes.Unimplemented, "method ReadVolume not implemented")
@@ -216,6 +249,17 @@ func _Peer_PullLayer_Handler(srv interface{}, stream grpc.ServerStream) error {
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_PullLayerServer = grpc.ServerStreamingServer[PullLayerChunk]
 
+func _Peer_ReadLayerFile_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(ReadLayerFileRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(PeerServer).ReadLayerFile(m, &grpc.GenericServerStream[ReadLayerFileRequest, PullLayerChunk]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_ReadLayerFileServer = grpc.ServerStreamingServer[PullLayerChunk]
+
 func _Peer_ReadVolume_Handler(srv interface{}, stream grpc.ServerStream) error {
 	m := new(ReadVolumeRequest)
 	if err := stream.RecvMsg(m); err != nil {
@@ -250,6 +294,11 @@ var Peer_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "PullLayer",
 			Handler:       _Peer_PullLayer_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "ReadLayerFile",
+			Handler:       _Peer_ReadLayerFile_Handler,
 			ServerStreams: true,
 		},
 		{
