@@ -135,7 +135,7 @@ func BenchmarkPull(b *testing.B) {
 			dir := scratch("state-" + enc)
 			bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b", StateDir: dir,
 				Wrap: hostB.Command, Args: append([]string{"--peers=a=" + peerA, "--stream-encoding=" + enc,
-					"--pull-wait=30m"}, tlsArgs...)})}
+					"--pull-wait=30m", "--pull-mode=eager"}, tlsArgs...)})}
 			baseIn, baseOut := vmKiB(b, bn.p.PID(), "VmRSS"), vmKiB(b, a.p.PID(), "VmRSS")
 			resetPeak(b, bn.p.PID())
 			resetPeak(b, a.p.PID())

@@ -93,7 +93,7 @@ func (f *peerFleet) node(name string, kind testfs.Kind, size int64, extra ...str
 	args := append([]string{"--metrics-address=" + metrics, "--controller-address=" + f.ctlAddr,
 		"--tls-ca-file=" + f.pki.CA, "--token-file=" + f.nodeToken, "--peer-address=" + n.peerAddr,
 		"--peer-tls-cert-file=" + f.pki.Cert, "--peer-tls-key-file=" + f.pki.Key, "--peer-ca-file=" + f.pki.CA,
-		"--pull-wait=1s"}, extra...)
+		"--pull-wait=1s", "--pull-mode=eager"}, extra...)
 	n.env = &env{t: f.t, metrics: metrics, p: plugintest.Start(f.t, plugintest.Config{
 		Backend: "overlay", NodeID: name, StateDir: testfs.Mount(f.t, kind, size), KubeletDir: kubeletDir(f.t),
 		Args: args, Wrap: h.Command})}
@@ -458,7 +458,7 @@ func TestCorruptStreamIsDetected(t *testing.T) {
 	})
 	proxy := corruptingProxy(t, peerAddr, marker, 1<<20)
 	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
-		Args: []string{"--peers=node-a=" + proxy, "--stream-encoding=raw", "--pull-wait=1s"}})
+		Args: []string{"--peers=node-a=" + proxy, "--stream-encoding=raw", "--pull-wait=1s", "--pull-mode=eager"}})
 	v := b.volume(map[string]string{driver.AttrSource: "victim"}, true)
 	err := b.publishWaiting(v)
 	require.Equal(t, codes.Unavailable, code(err), "%v", err)

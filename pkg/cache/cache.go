@@ -131,6 +131,10 @@ type View struct {
 	UserNamespace bool `json:"userNamespace,omitempty"`
 	// TTL is given to the captured volume.
 	TTL time.Duration `json:"ttl,omitempty"`
+	// InputIncomplete says a layer the view mounts failed while it was
+	// mounted (its data missing, or never fetched whole): what the step
+	// wrote is not captured.
+	InputIncomplete bool `json:"inputIncomplete,omitempty"`
 	// SizeLimit caps what the step may write (bytes; 0: none), and
 	// QuotaID is the project quota enforcing it where project quotas do.
 	SizeLimit int64  `json:"sizeLimit,omitempty"`
@@ -453,6 +457,9 @@ func (s *Store) chain(vols *bolt.Bucket, r volume.Ref, usable func(v Volume, top
 			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is missing: %w", r.Handle, ErrUnusable)
 		}
 		if !usable(v, cur == r) {
+			if v.State == volume.StateFilling {
+				return nil, nil, fmt.Errorf("volume %q is still arriving from a peer: %w", r.Handle, ErrNotReady)
+			}
 			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is %s: %w", r.Handle, v.State, ErrUnusable)
 		}
 		refs = append(refs, cur)
@@ -525,7 +532,13 @@ func (s *Store) Publish(v View) (View, error) {
 			if err := src.mountable(v.Pod.Namespace); err != nil {
 				return err
 			}
-			if v.Pins, v.Lowers, err = s.chain(vols, v.Source, Volume.layerMountable); err != nil {
+			// A view that is a copy of its chain (a tree for a user
+			// namespace) needs all of its data; an overlay reads through.
+			usable := Volume.layerMountable
+			if v.UserNamespace {
+				usable = Volume.layerComplete
+			}
+			if v.Pins, v.Lowers, err = s.chain(vols, v.Source, usable); err != nil {
 				return err
 			}
 			for _, p := range v.Pins {

@@ -199,7 +199,22 @@ func backoff(count int) time.Duration {
 // failures repeat. The caller destroys it.
 func (s *Store) MarkFailed(r volume.Ref) error {
 	return s.update(r, func(v *Volume) error { return v.apply(EventFail, Lease{}) },
-		func(tx *bolt.Tx, _ *Volume) error { return noteFailure(tx, r) })
+		func(tx *bolt.Tx, _ *Volume) error {
+			// The step volumes mounting it read what is missing: none
+			// of them may capture a ready output.
+			views := tx.Bucket(viewsBucket)
+			for _, id := range indexed(tx.Bucket(pinsBucket), r.String()) {
+				view, ok, err := getJSON[View](views, []byte(id))
+				if err != nil || !ok {
+					continue // a bad record is reported elsewhere, not fixed here
+				}
+				view.InputIncomplete = true
+				if err := putJSON(views, []byte(id), view); err != nil {
+					return err
+				}
+			}
+			return noteFailure(tx, r)
+		})
 }
 
 // noteFailure counts a failure of the handle and sets when it may be tried

@@ -165,32 +165,54 @@ func TestRecovery(t *testing.T) {
 	}
 }
 
-// fill turns a ready volume into one still filling (what a lazy pull
-// leaves), through the store.
-func fill(t *testing.T, s *Store, r volume.Ref) {
+// pullLazily makes a volume as a lazy pull does: reserved, then committed
+// filling.
+func pullLazily(t *testing.T, s *Store, ns, handle string, base volume.Ref) Volume {
 	t.Helper()
-	require.NoError(t, s.update(r, func(v *Volume) error { v.State = volume.StateFilling; return nil }))
+	v, err := s.ReservePull(Volume{Namespace: ns, Handle: handle, Base: base, Scope: volume.ScopeNamespace}, "pull-"+handle)
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(s.DataPath(v), 0o755))
+	_, err = s.CommitPullFilling(v.Ref(), "pull-other", 10)
+	require.ErrorIs(t, err, ErrExists, "only its pull commits it")
+	v, err = s.CommitPullFilling(v.Ref(), "pull-"+handle, 10)
+	require.NoError(t, err)
+	require.Equal(t, volume.StateFilling, v.State)
+	return v
 }
 
-// A filling volume is mounted by steps here but never copied out, and a
-// restart fails it: its filler died.
+// A filling volume is mounted by overlays here but never copied out (not
+// to peers, not into a user namespace's tree), not evicted, and a child
+// pulled over it stacks on it; filled, it is ready; a restart fails it,
+// its filler dead.
 func TestFillingVolumesInTheStore(t *testing.T) {
 	s := openStore(t)
-	ready(t, s, "ci", "base", volume.Ref{}, volume.ScopeNamespace, nil)
-	ready(t, s, "ci", "top", ref("ci", "base"), volume.ScopeNamespace, nil)
-	fill(t, s, ref("ci", "base"))
+	pullLazily(t, s, "ci", "base", volume.Ref{})
+	pullLazily(t, s, "ci", "top", ref("ci", "base"))
 
 	view, err := s.Publish(View{VolumeID: "reader", Source: ref("ci", "top"), Pod: pod("ci")})
-	require.NoError(t, err, "a chain over a filling layer mounts")
+	require.NoError(t, err, "an overlay over filling layers mounts")
 	require.Len(t, view.Lowers, 2)
+	_, err = s.Publish(View{VolumeID: "userns", Source: ref("ci", "top"), Pod: pod("ci"), UserNamespace: true})
+	require.ErrorIs(t, err, ErrNotReady, "a copy of the chain waits for its data")
 	_, _, err = s.ChainOf(ref("ci", "top"))
-	require.ErrorIs(t, err, ErrUnusable, "a chain with a layer not all here is not copied out")
+	require.ErrorIs(t, err, ErrNotReady, "a chain with a layer not all here is not copied out")
 	require.NotContains(t, refs(s.Candidates(time.Now().Add(time.Hour))), ref("ci", "base"), "never evicted while filling")
 
+	v, err := s.Filled(ref("ci", "top"))
+	require.NoError(t, err)
+	require.Equal(t, volume.StateReady, v.State)
+	require.True(t, v.Synced)
+	_, err = s.Filled(ref("ci", "top"))
+	require.ErrorIs(t, err, ErrUnusable, "filled once")
+
+	require.False(t, view.InputIncomplete)
 	rep, err := s.Recover(os.RemoveAll, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, rep.MarkedFailed)
-	v, err := s.Get(ref("ci", "base"))
+	view, err = s.GetView("reader")
+	require.NoError(t, err)
+	require.True(t, view.InputIncomplete, "a step over a layer that failed captures nothing ready")
+	v, err = s.Get(ref("ci", "base"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateFailed, v.State)
 	require.ErrorIs(t, s.CheckBackoff(ref("ci", "base")), ErrBackoff, "a failed fill backs off as a failed volume does")

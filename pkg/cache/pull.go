@@ -39,7 +39,7 @@ func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 			if err != nil {
 				return err
 			}
-			if !ok || base.State != volume.StateReady {
+			if !ok || !base.layerMountable(true) {
 				return fmt.Errorf("base %s of %s is not ready here: %w", v.Base, v.Ref(), ErrNotReady)
 			}
 			if err := tx.Bucket(childrenBucket).Put(indexKey(v.Base.String(), v.Ref().String()), nil); err != nil {
@@ -65,6 +65,37 @@ func (s *Store) CommitPull(r volume.Ref, pullID string, bytes, inodes int64) (Vo
 		}
 		v.Synced, v.LastUsed = true, time.Now()
 		v.SizeBytes, v.Inodes = bytes, inodes
+		out = *v
+		return nil
+	}, func(tx *bolt.Tx, _ *Volume) error { return tx.Bucket(failuresBucket).Delete(key(r)) })
+	return out, err
+}
+
+// CommitPullFilling makes a lazily pulled volume filling: its tree is in
+// place with every file a stub, and a filler brings the data. Steps here
+// may mount it; it is never served or evicted until Filled.
+func (s *Store) CommitPullFilling(r volume.Ref, pullID string, bytes int64) (Volume, error) {
+	var out Volume
+	err := s.update(r, func(v *Volume) error {
+		if err := v.apply(EventCommitFilling, pullLease(pullID)); err != nil {
+			return err
+		}
+		v.LastUsed, v.SizeBytes = time.Now(), bytes
+		out = *v
+		return nil
+	})
+	return out, err
+}
+
+// Filled makes a filling volume ready (destroying if it was destroyed
+// meanwhile), its data synced by the caller.
+func (s *Store) Filled(r volume.Ref) (Volume, error) {
+	var out Volume
+	err := s.update(r, func(v *Volume) error {
+		if err := v.apply(EventFilled, Lease{}); err != nil {
+			return err
+		}
+		v.Synced = true
 		out = *v
 		return nil
 	}, func(tx *bolt.Tx, _ *Volume) error { return tx.Bucket(failuresBucket).Delete(key(r)) })

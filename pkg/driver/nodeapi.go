@@ -74,6 +74,7 @@ func (s *nodeAPIService) GetNode(context.Context, *nodev1.GetNodeRequest) (*node
 		UsedPercent: int32(i.UsedPercent), HighWatermark: int32(i.Watermarks.High), LowWatermark: int32(i.Watermarks.Low),
 		OverHighWatermark: i.OverHighWatermark, BytesHeldForChildren: i.BytesHeldForChildren,
 		Revision: i.Revision, Volumes: int32(i.Volumes), CapturesRefused: i.CapturesRefused,
+		PullMode: string(i.PullMode), PullModeReason: i.PullModeWhy,
 	}, nil
 }
 

@@ -102,7 +102,7 @@ func Defaults() Options {
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
 		},
 		Peers: PeerOptions{ServerName: DefaultPeerServerName, Encoding: string(streamer.S2),
-			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: node.DefaultPullWait},
+			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: node.DefaultPullWait, PullMode: string(node.PullAuto)},
 	}
 }
 
@@ -194,7 +194,12 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.Var(quantityFlag{&p.SizeLimit}, "stream-size-limit",
 		"node mode: the largest layer a pull accepts, as a tar stream (a quantity such as 100Gi)")
 	fs.DurationVar(&p.PullWait, "pull-wait", p.PullWait,
-		"node mode: how long a publish waits for a pull before answering with its progress (the kubelet retries)")
+		"node mode: how long a publish waits for a pull before answering with its progress (the kubelet retries), "+
+			"and how long a reader of a lazily pulled file waits for a holder that stopped sending before it gets EIO")
+	fs.StringVar(&p.PullMode, "pull-mode", p.PullMode,
+		"node mode: how sources this node lacks arrive: lazy (the step starts once the tree is here, each file's data "+
+			"arrives when it is opened, the rest behind it; needs the overlay backend and fanotify pre-content events, kernel 6.14+), "+
+			"eager (all of it before the step starts) or auto (lazy where the node supports it)")
 }
 
 // quantityFlag is a byte count given as a Kubernetes quantity (10Gi).

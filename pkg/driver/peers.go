@@ -44,6 +44,8 @@ type PeerOptions struct {
 	// PullWait is how long a publish waits for a pull before answering
 	// with its progress.
 	PullWait time.Duration
+	// PullMode is auto, lazy or eager.
+	PullMode string
 }
 
 // DefaultPeerServerName is the name in the peer certificate a deployment
@@ -60,6 +62,9 @@ func (p *PeerOptions) validate(o *Options) []error {
 	}
 	if p.PullWait <= 0 {
 		errs = append(errs, errors.New("--pull-wait must be positive"))
+	}
+	if _, err := node.ParsePullMode(p.PullMode); err != nil {
+		errs = append(errs, fmt.Errorf("--pull-mode: %w", err))
 	}
 	if p.ServerName == "" {
 		errs = append(errs, errors.New("--peer-tls-server-name is required"))
@@ -146,7 +151,8 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 		loc = controllerLocator{api: controllerv1.NewCacheClient(ctl), nodeID: o.NodeID}
 	}
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
-	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait,
+	mode, _ := node.ParsePullMode(o.Peers.PullMode)    // validated
+	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode,
 		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.AllowSetuid}}, nil
 }
 

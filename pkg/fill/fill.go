@@ -79,6 +79,9 @@ func Supported(dir string) error {
 // readers of.
 type Group struct {
 	events *os.File // the fanotify fd: read events, write responses
+	// fd is events' descriptor, for marks (File.Fd would make events
+	// blocking, and Close could no longer stop a Read).
+	fd int
 	// clone is a detached clone of the mount holding the stubs, marked
 	// ignored: the fills write through it without raising events of
 	// their own. tree is its root.
@@ -103,6 +106,7 @@ type file struct {
 	key     fileKey
 	rel     string
 	size    int64
+	times   []unix.Timespec // atime, mtime: put back after the writes
 	done    bool
 	err     error
 	filling chan struct{}
@@ -137,7 +141,7 @@ func Open(root string, stall time.Duration) (*Group, error) {
 		}
 		return nil, fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
 	}
-	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), clone: clone, tree: tree, root: filepath.Clean(root), stall: stall, files: map[fileKey]*file{}}
+	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall, files: map[fileKey]*file{}}
 	g.loop.Add(1)
 	go g.run()
 	return g, nil
@@ -264,19 +268,28 @@ func (g *Group) fill(f *file) {
 	g.finish(f, err)
 }
 
+// write fetches f's data into an unlinked file beside the stubs, then
+// clones it into the stub in one call and puts the stub's times back: a
+// stat of the stub meanwhile sees its own mtime, not one that moves with
+// each chunk (a build tool comparing times would think it changed).
+// Where the filesystem cannot clone, the data is copied in (the window is
+// the local copy's, not the fetch's). Runs of zeros stay holes.
 func (g *Group) write(f *file) error {
 	if err := f.layer.ctx.Err(); err != nil {
 		return context.Cause(f.layer.ctx)
 	}
-	fd, err := g.openStub(f, unix.O_WRONLY)
+	tmpFD, err := unix.Openat(g.tree, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
 	if err != nil {
-		return fmt.Errorf("opening the stub: %w", err)
+		return fmt.Errorf("making a file to fetch into: %w", err)
 	}
-	out := os.NewFile(uintptr(fd), f.rel)
-	defer out.Close()
+	tmp := os.NewFile(uintptr(tmpFD), f.rel+" (fetching)")
+	defer tmp.Close()
+	if err := tmp.Truncate(f.size); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithCancelCause(f.layer.ctx)
 	defer cancel(nil)
-	w := &progressWriter{w: out, last: time.Now()}
+	w := &progressWriter{w: tmp, last: time.Now()}
 	go w.watch(ctx, cancel, g.stall)
 	if err := f.layer.fetch(ctx, f.rel, f.size, w); err != nil {
 		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
@@ -284,7 +297,52 @@ func (g *Group) write(f *file) error {
 		}
 		return err
 	}
+	fd, err := g.openStub(f, unix.O_WRONLY)
+	if err != nil {
+		return fmt.Errorf("opening the stub: %w", err)
+	}
+	out := os.NewFile(uintptr(fd), f.rel)
+	defer out.Close()
+	if err := unix.IoctlFileClone(fd, tmpFD); err != nil {
+		if err := copyInto(out, tmp, f.size); err != nil {
+			return err
+		}
+	}
+	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(fd, ""), f.times, 0); err != nil {
+		return fmt.Errorf("putting back the times: %w", err)
+	}
 	return out.Sync()
+}
+
+// copyInto copies size bytes of src into dst, both from offset 0, in the
+// kernel, skipping src's holes.
+func copyInto(dst, src *os.File, size int64) error {
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(int(src.Fd()), off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			return nil // holes to the end; the stub is sized already
+		}
+		if err != nil {
+			return err
+		}
+		hole, err := unix.Seek(int(src.Fd()), data, unix.SEEK_HOLE)
+		if err != nil {
+			return err
+		}
+		for data < hole {
+			in, out := data, data
+			n, err := unix.CopyFileRange(int(src.Fd()), &in, int(dst.Fd()), &out, int(hole-data), 0)
+			if err != nil {
+				return fmt.Errorf("copying into the stub: %w", err)
+			}
+			if n == 0 {
+				return fmt.Errorf("copying into the stub: %w", io.ErrUnexpectedEOF)
+			}
+			data += int64(n)
+		}
+		off = hole
+	}
+	return nil
 }
 
 // finish records how f's fill ended and answers its waiters. A filled
@@ -306,6 +364,8 @@ func (g *Group) finish(f *file, err error) {
 		delete(g.files, f.key)
 	}
 	g.mu.Unlock()
+	// The layer hears first: a reader answered may look at it next.
+	f.layer.settled(err)
 	answer := uint32(unix.FAN_ALLOW)
 	if err != nil {
 		answer = denyEIO
@@ -316,7 +376,6 @@ func (g *Group) finish(f *file, err error) {
 	if err == nil {
 		g.unmark(f)
 	}
-	f.layer.settled(err)
 }
 
 // forget drops f, filled or not, and its mark.
@@ -355,7 +414,7 @@ func (g *Group) openStub(f *file, flags int) (int, error) {
 func (g *Group) unmark(f *file) {
 	fd, err := g.openStub(f, unix.O_RDONLY)
 	if err == nil {
-		err = unix.FanotifyMark(int(g.events.Fd()), unix.FAN_MARK_REMOVE, marked, fd, "")
+		err = unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, "")
 		unix.Close(fd)
 	}
 	if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESTALE) {
@@ -372,11 +431,26 @@ type progressWriter struct {
 }
 
 func (p *progressWriter) WriteAt(b []byte, off int64) (int, error) {
-	n, err := p.w.WriteAt(b, off)
+	n, err := len(b), error(nil)
+	if !allZero(b) { // the file is sized: skipped zeros read as zeros
+		n, err = p.w.WriteAt(b, off)
+	}
 	p.mu.Lock()
 	p.last = time.Now()
 	p.mu.Unlock()
 	return n, err
+}
+
+func allZero(b []byte) bool {
+	if len(b) > 0 && b[0] != 0 {
+		return false // most data: not worth a scan
+	}
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func (p *progressWriter) watch(ctx context.Context, cancel context.CancelCauseFunc, stall time.Duration) {
@@ -439,7 +513,7 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()
@@ -456,7 +530,7 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	l.byRel[rel] = f
 	l.pending++
 	l.mu.Unlock()
-	if err := unix.FanotifyMark(int(l.g.events.Fd()), unix.FAN_MARK_ADD, marked, fd, ""); err != nil {
+	if err := unix.FanotifyMark(l.g.fd, unix.FAN_MARK_ADD, marked, fd, ""); err != nil {
 		l.g.finish(f, err)
 		return fmt.Errorf("marking %s: %w", rel, err)
 	}

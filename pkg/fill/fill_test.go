@@ -146,6 +146,10 @@ func TestReadersWaitForTheirFile(t *testing.T) {
 	s := newStubbed(t, map[string][]byte{"big": random(t, 8<<20), "small": []byte("hello\n"), "untouched": random(t, 1<<20)})
 	src := &fetcher{src: s.src, gate: make(chan struct{})}
 	_, l := hold(t, s, src.fetch, time.Minute)
+	before, err := os.Stat(filepath.Join(s.layer, "big"))
+	require.NoError(t, err)
+	stubTime := before.ModTime()
+	time.Sleep(20 * time.Millisecond) // a fill's writes would show a later time
 
 	var wg sync.WaitGroup
 	got := make([][]byte, 4)
@@ -174,6 +178,9 @@ func TestReadersWaitForTheirFile(t *testing.T) {
 	_, err = os.ReadFile(filepath.Join(s.merged, "big"))
 	require.NoError(t, err)
 	require.Equal(t, 1, src.count("big"), "a filled file is read straight through")
+	stub, err := os.Stat(filepath.Join(s.layer, "big"))
+	require.NoError(t, err)
+	require.Equal(t, stubTime, stub.ModTime(), "filling keeps the stub's mtime, not the time of the fill")
 	require.Zero(t, src.count("untouched"), "nothing is fetched that no one read")
 	select {
 	case <-l.Done():

@@ -91,6 +91,9 @@ type NodeInfo struct {
 	StepVolumes int
 	// CapturesRefused says why new captures are refused ("": they are not).
 	CapturesRefused string
+	// PullMode is how sources are pulled ("": never), and PullModeWhy why.
+	PullMode    PullMode
+	PullModeWhy string
 }
 
 // Info says who the node is and how full its cache is, measured now.
@@ -123,7 +126,7 @@ func (e *Engine) Info() (NodeInfo, error) {
 		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
 		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over,
 		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
-		StepVolumes: len(e.store.ListViews()), CapturesRefused: refused,
+		StepVolumes: len(e.store.ListViews()), CapturesRefused: refused, PullMode: e.pullMode, PullModeWhy: e.pullModeWhy,
 	}, nil
 }
 

@@ -114,8 +114,11 @@ type Engine struct {
 	pressure               pressure
 	reaping                sync.Mutex
 	// pulls is what this node pulls from its peers (nil: it pulls
-	// nothing).
-	pulls *pulls
+	// nothing); lazy, the layers being filled (nil: it pulls eagerly).
+	pulls       *pulls
+	lazy        *lazyPulls
+	pullMode    PullMode
+	pullModeWhy string
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
 
@@ -197,6 +200,10 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		if e.pulls.cfg.Wait <= 0 {
 			e.pulls.cfg.Wait = DefaultPullWait
 		}
+		if e.pullMode, e.pullModeWhy, err = e.choosePullMode(e.pulls.cfg.Mode, cfg.StateDir, e.pulls.cfg.Wait); err != nil {
+			return nil, err
+		}
+		klog.InfoS("Pulls of sources this node lacks", "mode", e.pullMode, "asked", e.pulls.cfg.Mode, "why", e.pullModeWhy)
 	}
 	if err := e.recover(); err != nil {
 		e.Close()
@@ -214,6 +221,13 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 // Close stops background work and waits for it; the store stays open.
 func (e *Engine) Close() {
 	e.bgCancel()
+	if e.lazy != nil {
+		// Readers of what is not filled get EIO now; the volumes stay
+		// filling, and recovery fails them.
+		if err := e.lazy.group.Close(); err != nil {
+			klog.ErrorS(err, "Closing the lazy fills")
+		}
+	}
 	e.bg.Wait()
 }
 

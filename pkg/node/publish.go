@@ -323,6 +323,13 @@ func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
 			"Not captured into %q: the node rebooted while the step ran, so what it wrote may be incomplete", view.Capture))
 		view.Capture = ""
 	}
+	if view.Capture != "" && view.InputIncomplete {
+		klog.InfoS("Not capturing a step volume whose input could not be read whole", "volumeID", view.VolumeID,
+			"capture", view.Capture, "source", view.Source, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name))
+		e.events.Event(view.Pod, EventWarning, "CaptureSkipped", fmt.Sprintf(
+			"Not captured into %q: source volume %q could not be fetched whole, so the step read missing data", view.Capture, view.Source.Handle))
+		view.Capture = ""
+	}
 	if view.Capture == "" || view.State == cache.ViewPublishing {
 		if err := e.discard(view, true); err != nil {
 			return err

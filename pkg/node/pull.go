@@ -31,8 +31,12 @@ type PullConfig struct {
 	Encoding streamer.Encoding
 	Limits   streamer.Limits
 	// Wait is how long a publish waits for a pull before it answers with
-	// the pull's progress (the kubelet retries, and joins the pull).
+	// the pull's progress (the kubelet retries, and joins the pull), and
+	// how long a reader of a lazily pulled file waits for data from a
+	// holder that stopped sending before it gets EIO.
 	Wait time.Duration
+	// Mode says whether sources arrive lazily ("": auto).
+	Mode PullMode
 }
 
 // Locator finds the peers holding a volume ready, best first.
@@ -291,8 +295,8 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 	var missing []streamer.Layer
 	for _, l := range chain {
 		v, err := e.store.Get(l.Ref)
-		if err == nil && v.State == volume.StateReady {
-			break // the rest of the chain is here
+		if err == nil && (v.State == volume.StateReady || v.State == volume.StateFilling) {
+			break // the rest of the chain is here, or arriving
 		}
 		if err == nil {
 			if v.BeingPulled() {
@@ -322,10 +326,14 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 // the peer's digest.
 func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) error {
 	start := time.Now()
+	shape, commit := streamer.SparseTar, e.commitPulled(l)
+	if e.lazy != nil {
+		shape, commit = streamer.StubTar, e.commitStubbed(p, l)
+	}
 	vol, err := e.receiveLayer(l, p.id, func(dir string) (streamer.Summary, error) {
-		return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, dir, e.pulls.cfg.Limits,
+		return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, shape, dir, e.pulls.cfg.Limits,
 			func(n int64) { p.received.Add(n) })
-	})
+	}, commit)
 	if errors.Is(err, cache.ErrExists) {
 		return fmt.Errorf("%s is being made here meanwhile: %w", p.layerName(l), ErrPulling)
 	}
@@ -337,8 +345,45 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 		return fmt.Errorf("pulling %s: %w", l.Ref, err)
 	}
 	e.metrics.pulled.Inc()
-	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "duration", time.Since(start))
+	klog.V(2).InfoS("Pulled a layer", "volume", vol.Ref(), "base", vol.Base, "state", vol.State, "duration", time.Since(start))
 	return nil
+}
+
+// commitFunc commits a received layer, in place at data, under the lease
+// id.
+type commitFunc func(v cache.Volume, id, data string) (cache.Volume, error)
+
+// commitPulled makes a layer that arrived whole ready.
+func (e *Engine) commitPulled(l streamer.Layer) commitFunc {
+	return func(v cache.Volume, id, _ string) (cache.Volume, error) {
+		vol, err := e.store.CommitPull(v.Ref(), id, l.SizeBytes, -1)
+		if err == nil {
+			e.goBackground(func() { e.afterCapture(vol) })
+		}
+		return vol, err
+	}
+}
+
+// commitStubbed makes a layer that arrived as stubs filling: its readers
+// are held from before it is mountable, and its data is fetched behind.
+func (e *Engine) commitStubbed(p *pull, l streamer.Layer) commitFunc {
+	return func(v cache.Volume, id, data string) (cache.Volume, error) {
+		src := &lazySource{e: e, namespace: p.key.namespace, layer: l.Ref, via: p.key.ref}
+		layer, err := e.stubbed(src, data)
+		if err != nil {
+			return cache.Volume{}, err
+		}
+		vol, err := e.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
+		if err != nil {
+			layer.Release()
+			return cache.Volume{}, err
+		}
+		e.pulls.mu.Lock()
+		pods := slices.Clone(p.pods)
+		e.pulls.mu.Unlock()
+		e.fillInBackground(vol.Ref(), layer, src, pods)
+		return vol, nil
+	}
 }
 
 // receiveLayer makes a cached volume of a layer that arrives from
@@ -346,7 +391,7 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 // in staging out of sight, synced, moved into place and committed in one
 // transaction. Anything short of that leaves no trace: the reservation and
 // the staging go (and a crash leaves them to recovery).
-func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string) (streamer.Summary, error)) (vol cache.Volume, err error) {
+func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string) (streamer.Summary, error), commit commitFunc) (vol cache.Volume, err error) {
 	v, err := e.store.ReservePull(cache.Volume{
 		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
 		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
@@ -394,10 +439,9 @@ func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string)
 		return cache.Volume{}, err
 	}
 	cache.CrashPoint("pull-renamed")
-	if vol, err = e.store.CommitPull(v.Ref(), id, l.SizeBytes, -1); err != nil {
+	if vol, err = commit(v, id, data); err != nil {
 		return cache.Volume{}, err
 	}
-	klog.V(2).InfoS("Received a layer", "volume", vol.Ref(), "tarBytes", sum.Bytes, "entries", sum.Entries, "digest", sum.Digest)
-	e.goBackground(func() { e.afterCapture(vol) })
+	klog.V(2).InfoS("Received a layer", "volume", vol.Ref(), "state", vol.State, "tarBytes", sum.Bytes, "entries", sum.Entries, "digest", sum.Digest)
 	return vol, nil
 }

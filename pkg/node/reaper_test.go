@@ -99,7 +99,7 @@ func TestEvictionUnderPressure(t *testing.T) {
 	require.NoError(t, f.publish(reader))
 	// Fill the disk past the high mark from outside the cache.
 	filler := filepath.Join(dir, "filler")
-	fill(t, filler, dir, 75)
+	fillDisk(t, filler, dir, 75)
 	f.engine.reapRound()
 	require.True(t, f.gone("v0"), "the least recently used goes first")
 	require.False(t, f.gone("pinned"), "pinned volumes stay")
@@ -118,7 +118,7 @@ func TestEvictionUnderPressure(t *testing.T) {
 
 	// Nothing left to evict: captures and empty volumes are refused,
 	// views of cached volumes are not.
-	fill(t, filler+"2", dir, 95)
+	fillDisk(t, filler+"2", dir, 95)
 	f.engine.reapRound()
 	require.ErrorIs(t, f.publish(f.volume("ci", "", "refused")), ErrNodeFull)
 	require.ErrorIs(t, f.publish(f.volume("ci", "", "")), ErrNodeFull)
@@ -134,7 +134,7 @@ func TestEvictionUnderPressure(t *testing.T) {
 }
 
 // fill writes into path until the filesystem at dir is pct full.
-func fill(t *testing.T, path, dir string, pct int) {
+func fillDisk(t *testing.T, path, dir string, pct int) {
 	t.Helper()
 	file, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	require.NoError(t, err)
@@ -161,7 +161,7 @@ func TestDestroyOnAFullDisk(t *testing.T) {
 	f := newFixtureWith(t, dir, func(c *Config) { c.Watermarks = Watermarks{High: 100, Low: 99} })
 	f.captureSized("big", "", 8<<20)
 	require.Eventually(t, func() bool { _, err := os.Stat(filepath.Join(dir, "reserve")); return err == nil }, 30*time.Second, 10*time.Millisecond)
-	fill(t, filepath.Join(dir, "filler"), dir, 101)
+	fillDisk(t, filepath.Join(dir, "filler"), dir, 101)
 	var fs unix.Statfs_t
 	require.NoError(t, unix.Statfs(dir, &fs))
 	require.Zero(t, fs.Bavail, "the disk is full")

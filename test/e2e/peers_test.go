@@ -59,6 +59,9 @@ func (c *cluster) pullFromAnotherNode() {
 	})
 	pulled, ok := c.pluginLine(`"Pulled a source volume from a peer"`, `volume="ci/remote-v1"`)
 	require.True(t, ok, "the kubelet's node pulled it")
-	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s)\n",
-		time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(pulled[strings.Index(pulled, "Pulled"):])))
+	mode, ok := c.pluginLine(`"Pulls of sources this node lacks"`)
+	require.True(t, ok, "the plugin says how it pulls")
+	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s; %s)\n",
+		time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(pulled[strings.Index(pulled, "Pulled"):]),
+		strings.TrimSpace(mode[strings.Index(mode, "mode="):])))
 }

@@ -1,0 +1,161 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+// BenchmarkLazyPull: node B lacks a volume node A holds (50,000 files of
+// 100 MiB, then 1 GiB; hosts of their own joined by veths, mutual TLS). It
+// reports how long B's publish takes lazily and eagerly, and how long a
+// step takes to be done that reads 5% of the files or all of them, lazily,
+// eagerly (publish + read) and on A itself; and a step that runs a program
+// from the volume. Each case runs on a fresh B, its page cache dropped.
+func BenchmarkLazyPull(b *testing.B) {
+	lab := netlab.New(b)
+	hostA, hostB := lab.Host("a"), lab.Host("b")
+	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), driver.DefaultPeerServerName)
+	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
+	peerA := net.JoinHostPort(hostA.IP, "7443")
+	prog, err := exec.LookPath("true")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for range b.N {
+		stateA := testfs.Mount(b, testfs.XFS, 4<<30)
+		a := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "a", StateDir: stateA,
+			Wrap: hostA.Command, Args: append([]string{"--peer-address=" + peerA}, tlsArgs...)})}
+		var sb strings.Builder
+		fmt.Fprintf(&sb, "\n%-46s %12s %12s %12s %12s\n", "a step on a node without its input", "publish", "read 5%", "read all", "run a program")
+		for _, size := range []int64{100 << 20, 1 << 30} {
+			handle := fmt.Sprintf("tree-%d", size>>20)
+			a.capture("", handle, func(dir string) {
+				genMixedTree(b, dir, treeFiles, size)
+				copyFile(b, prog, filepath.Join(dir, "bin", "true"))
+			})
+			a.settle()
+			row := func(what string, publish func() (driver.InlineVolume, *node, time.Duration)) {
+				var cols [4]time.Duration
+				for i, read := range []func(dir string){nil, readEvery(b, 20), readEvery(b, 1), runTrue(b)} {
+					dropCaches(b)
+					v, n, took := publish()
+					if read != nil {
+						start := time.Now()
+						read(v.Target)
+						took += time.Since(start)
+					}
+					cols[i] = took
+					n.timed(n.p.Unpublish, v)
+					if n != a {
+						n.p.Stop()
+						discard(b, n.p.StateDir)
+					}
+				}
+				fmt.Fprintf(&sb, "%-46s %12s %12s %12s %12s\n", fmt.Sprintf("%s, %d MiB", what, size>>20), ms(cols[0]), ms(cols[1]), ms(cols[2]), ms(cols[3]))
+				b.ReportMetric(float64(cols[0].Milliseconds()), fmt.Sprintf("%s-%dMiB-publish-ms", strings.Fields(what)[0], size>>20))
+			}
+			pullOn := func(mode string) func() (driver.InlineVolume, *node, time.Duration) {
+				return func() (driver.InlineVolume, *node, time.Duration) {
+					bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b",
+						StateDir: testfs.Mount(b, testfs.XFS, 4<<30), Wrap: hostB.Command,
+						Args: append([]string{"--peers=a=" + peerA, "--pull-mode=" + mode, "--pull-wait=30m"}, tlsArgs...)})}
+					v := bn.volume(map[string]string{driver.AttrSource: handle}, true)
+					return v, bn, bn.timed(bn.p.Publish, v)
+				}
+			}
+			row("lazy pull", pullOn("lazy"))
+			row("eager pull", pullOn("eager"))
+			row("local (on A)", func() (driver.InlineVolume, *node, time.Duration) {
+				v := a.volume(map[string]string{driver.AttrSource: handle}, true)
+				return v, a, a.timed(a.p.Publish, v)
+			})
+		}
+		fmt.Print(sb.String())
+		a.p.Stop()
+	}
+}
+
+// readEvery reads every nth file of a tree whole.
+func readEvery(b *testing.B, nth int) func(dir string) {
+	return func(dir string) {
+		i := 0
+		err := filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+			if err != nil || !d.Type().IsRegular() {
+				return err
+			}
+			if i++; i%nth != 0 {
+				return nil
+			}
+			f, err := os.Open(p)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			_, err = io.Copy(io.Discard, f)
+			return err
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// runTrue runs the program the tree holds at bin/true.
+func runTrue(b *testing.B) func(dir string) {
+	return func(dir string) {
+		if out, err := exec.Command(filepath.Join(dir, "bin", "true")).CombinedOutput(); err != nil {
+			b.Fatal(err, string(out))
+		}
+	}
+}
+
+func copyFile(b *testing.B, from, to string) {
+	data, err := os.ReadFile(from)
+	if err == nil {
+		err = os.MkdirAll(filepath.Dir(to), 0o755)
+	}
+	if err == nil {
+		err = os.WriteFile(to, data, 0o755)
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+}
+
+// discard empties a stopped node's state dir and gives its blocks back to
+// the tmpfs under the loop device.
+func discard(b *testing.B, dir string) {
+	entries, err := os.ReadDir(dir)
+	for _, e := range entries {
+		if err == nil {
+			err = os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+	if out, err := exec.Command("fstrim", dir).CombinedOutput(); err != nil {
+		b.Fatal(err, string(out))
+	}
+}
+
+// dropCaches empties the page cache, so that a read measures the disk (a
+// loop device on tmpfs) and the wire, not memory.
+func dropCaches(b *testing.B) {
+	_ = exec.Command("sync").Run()
+	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0); err != nil {
+		b.Fatal(err)
+	}
+}

@@ -1,0 +1,273 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/fill"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// PullMode is how a node pulls the sources it lacks.
+type PullMode string
+
+const (
+	// PullAuto: lazily where the node supports it, else eagerly.
+	PullAuto PullMode = "auto"
+	// PullLazy: a source's tree arrives first, its files as stubs, and
+	// the step starts; each file's data arrives when it is first opened,
+	// the rest behind it.
+	PullLazy PullMode = "lazy"
+	// PullEager: all of a source's data arrives before the step starts.
+	PullEager PullMode = "eager"
+)
+
+// ParsePullMode checks a --pull-mode value.
+func ParsePullMode(s string) (PullMode, error) {
+	switch m := PullMode(s); m {
+	case PullAuto, PullLazy, PullEager:
+		return m, nil
+	}
+	return "", fmt.Errorf("pull mode %q: want auto, lazy or eager", s)
+}
+
+// prefetchWorkers is how many files a lazy layer's prefetch fetches at
+// once: enough to keep a link busy with small files.
+const prefetchWorkers = 8
+
+// lazyPulls are the layers being filled, and the group holding their
+// readers (nil: the node pulls eagerly).
+type lazyPulls struct {
+	group  *fill.Group
+	mu     sync.Mutex
+	layers map[volume.Ref]*fill.Layer
+}
+
+// choosePullMode decides how this node pulls, and says why: lazily only
+// where views read through to the layers (the overlay backend: a clone or
+// a snapshot of a stub would hold its holes) and the kernel and the state
+// dir's filesystem have fanotify pre-content events.
+func (e *Engine) choosePullMode(asked PullMode, stateDir string, stall time.Duration) (PullMode, string, error) {
+	if asked == PullEager {
+		return PullEager, "--pull-mode=eager", nil
+	}
+	why := ""
+	if k := e.backend.Kind(); k != overlay.KindOverlay {
+		why = fmt.Sprintf("the %s backend's views copy their layers (a clone or a snapshot of a stub holds its holes)", k)
+	} else if err := fill.Supported(stateDir); err != nil {
+		why = err.Error()
+	}
+	if why == "" {
+		g, err := fill.Open(stateDir, stall)
+		if err == nil {
+			e.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*fill.Layer{}}
+			return PullLazy, "fanotify pre-content events hold readers of stub files under " + stateDir, nil
+		}
+		why = err.Error()
+	}
+	if asked == PullLazy {
+		return "", "", fmt.Errorf("--pull-mode=lazy: %s", why)
+	}
+	return PullEager, why, nil
+}
+
+// PullMode says how the node pulls sources it lacks, and why.
+func (e *Engine) PullMode() (PullMode, string) { return e.pullMode, e.pullModeWhy }
+
+// stubbed marks the stubs of a lazily pulled layer under data (its dir in
+// place) so that their readers wait for their data, which src fetches.
+// The layer must not be mountable before the marks are all in place.
+func (e *Engine) stubbed(src *lazySource, data string) (*fill.Layer, error) {
+	layer, err := e.lazy.group.NewLayer(data, src.fetch)
+	if err != nil {
+		return nil, err
+	}
+	root, err := unix.Open(data, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		layer.Release()
+		return nil, err
+	}
+	defer unix.Close(root)
+	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(en *fdtree.Entry) (bool, error) {
+		if en.Stat.Mode&unix.S_IFMT != unix.S_IFREG || en.Stat.Size == 0 {
+			return true, nil
+		}
+		fd, err := unix.Openat(en.Parent, en.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+		if err != nil {
+			return false, err
+		}
+		defer unix.Close(fd)
+		return true, layer.Add(fd, en.Path, en.Stat.Size)
+	}})
+	if err != nil {
+		layer.Release()
+		return nil, fmt.Errorf("marking the stubs of %s: %w", src.layer, err)
+	}
+	layer.Seal()
+	return layer, nil
+}
+
+// fillInBackground fetches a filling volume's data and records how that
+// ended: ready once all of it is here and synced, failed if any of it
+// could not be fetched (its readers got EIO; a step over it captures
+// nothing ready).
+func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, pods []volume.Pod) {
+	release := e.store.Hold(r, cache.HoldFill)
+	e.lazy.mu.Lock()
+	e.lazy.layers[r] = layer
+	e.lazy.mu.Unlock()
+	start := time.Now()
+	layer.Prefetch(nil, prefetchWorkers)
+	e.goBackground(func() {
+		defer release()
+		defer src.close()
+		select {
+		case <-layer.Done():
+		case <-e.bgCtx.Done():
+			return // the group's Close fails what is left; recovery fails the volume
+		}
+		err := layer.Err()
+		if err == nil {
+			if err = overlay.SyncFS(e.store.DataPath(cache.Volume{Namespace: r.Namespace, Handle: r.Handle})); err == nil {
+				_, err = e.store.Filled(r)
+			}
+		}
+		if err == nil {
+			e.releaseFill(r)
+			e.metrics.fills.WithLabelValues("ok").Inc()
+			klog.InfoS("Filled a lazily pulled volume", "volume", r, "duration", time.Since(start))
+			e.kick(e.reaper)
+			return
+		}
+		e.metrics.fills.WithLabelValues("failed").Inc()
+		klog.ErrorS(err, "Filling a lazily pulled volume failed; it is marked failed", "volume", r)
+		if merr := e.store.MarkFailed(r); merr != nil {
+			klog.ErrorS(merr, "Marking a volume that could not be filled failed", "volume", r)
+		}
+		for _, pod := range pods {
+			e.events.Event(pod, EventWarning, "FillFailed", fmt.Sprintf("Source volume %q could not be fetched whole "+
+				"(its readers got EIO and the step captures nothing ready): %v", r.Handle, err))
+		}
+		e.kick(e.reaper)
+	})
+}
+
+// releaseFill forgets a layer's fill: it is ready, or its data is gone.
+func (e *Engine) releaseFill(r volume.Ref) {
+	if e.lazy == nil {
+		return
+	}
+	e.lazy.mu.Lock()
+	layer := e.lazy.layers[r]
+	delete(e.lazy.layers, r)
+	e.lazy.mu.Unlock()
+	if layer != nil {
+		layer.Release()
+	}
+}
+
+// lazySource fetches a lazily pulled layer's files from the peers holding
+// the volume it was pulled for, moving to another when one fails.
+type lazySource struct {
+	e          *Engine
+	namespace  string
+	layer, via volume.Ref
+
+	mu     sync.Mutex
+	client *streamer.Client
+	conn   io.Closer
+	peer   string
+	failed map[string]bool
+}
+
+// current returns the peer to fetch from, dialling the next holder not
+// yet failed if there is none.
+func (s *lazySource) current(ctx context.Context) (*streamer.Client, string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.client != nil {
+		return s.client, s.peer, nil
+	}
+	cfg := s.e.pulls.cfg
+	holders, err := cfg.Locator.Holders(ctx, s.namespace, s.via)
+	if err != nil {
+		return nil, "", fmt.Errorf("finding the nodes that hold %s: %w", s.via, err)
+	}
+	var errs []error
+	for _, h := range holders {
+		if h.NodeID == s.e.nodeID || h.Address == "" || s.failed[h.NodeID] {
+			continue
+		}
+		client, conn, err := cfg.Dial(h.Address)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		s.client, s.conn, s.peer = client, conn, h.NodeID
+		return client, h.NodeID, nil
+	}
+	return nil, "", fmt.Errorf("no peer left that holds %s: %w", s.via, errors.Join(append(errs, ErrPullFailed)...))
+}
+
+// drop moves on from peer, which failed.
+func (s *lazySource) drop(peer string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.failed == nil {
+		s.failed = map[string]bool{}
+	}
+	s.failed[peer] = true
+	if s.peer == peer && s.conn != nil {
+		_ = s.conn.Close()
+		s.client, s.conn, s.peer = nil, nil, ""
+	}
+}
+
+// fetch writes the file rel whole, from the current holder; what a holder
+// that fails mid-way did not send comes from the next one.
+func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.WriterAt) error {
+	var done int64
+	for done < size {
+		client, peer, err := s.current(ctx)
+		if err != nil {
+			return err
+		}
+		n, err := client.ReadLayerFile(ctx, s.namespace, s.layer, s.via, rel, done, size-done, w)
+		done += n
+		s.e.metrics.fillBytes.Add(float64(n))
+		if err == nil && done < size {
+			err = fmt.Errorf("%s ended at %d of %d bytes", rel, done, size)
+		}
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
+			return err
+		}
+		klog.ErrorS(err, "Fetching a lazily pulled file failed; trying another holder", "volume", s.layer, "file", rel, "peer", peer)
+		s.drop(peer)
+	}
+	return nil
+}
+
+// close lets go of the source's connection.
+func (s *lazySource) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conn != nil {
+		_ = s.conn.Close()
+		s.client, s.conn = nil, nil
+	}
+}

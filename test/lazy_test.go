@@ -1,0 +1,192 @@
+package test
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
+)
+
+// cuttableProxy forwards TCP to addr until cut, which drops every
+// connection and every later one: a holder that dies.
+type cuttableProxy struct {
+	lis   net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+	cut   bool
+}
+
+func newCuttableProxy(t *testing.T, addr string) *cuttableProxy {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	p := &cuttableProxy{lis: lis}
+	t.Cleanup(func() { p.Cut() })
+	go func() {
+		for {
+			in, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			out, err := net.Dial("tcp", addr)
+			p.mu.Lock()
+			if err != nil || p.cut {
+				p.mu.Unlock()
+				in.Close()
+				if out != nil {
+					out.Close()
+				}
+				continue
+			}
+			p.conns = append(p.conns, in, out)
+			p.mu.Unlock()
+			go func() { _, _ = io.Copy(out, in); out.Close() }()
+			go func() { _, _ = io.Copy(in, out); in.Close() }()
+		}
+	}()
+	return p
+}
+
+func (p *cuttableProxy) Addr() string { return p.lis.Addr().String() }
+
+// Cut drops every connection, now and to come.
+func (p *cuttableProxy) Cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cut = true
+	for _, c := range p.conns {
+		c.Close()
+	}
+}
+
+// lazyNodes are a holder A and a node B that pulls from it lazily through
+// a proxy that can cut A off.
+func lazyNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
+	t.Helper()
+	testfs.Need(t, "mkfs.xfs")
+	peerAddr := plugintest.FreeAddr(t)
+	a = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+		Args: []string{"--peer-address=" + peerAddr}})
+	proxy = newCuttableProxy(t, peerAddr)
+	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+		Args: []string{"--peers=node-a=" + proxy.Addr(), "--pull-wait=1s", "--pull-mode=lazy"}})
+	return a, b, proxy
+}
+
+func volumeState(t *testing.T, e *env, handle string) string {
+	got, err := e.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", handle)})
+	if code(err) == codes.NotFound {
+		return "gone"
+	}
+	require.NoError(t, err)
+	return got.State
+}
+
+// A source held only on A is published on B at once, over stubs: the step
+// reads A's bytes, runs a program from it, and writes its output; the data
+// arrives behind, and the volume becomes an ordinary ready one.
+func TestLazyPull(t *testing.T) {
+	a, b, _ := lazyNodes(t)
+	node, err := b.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+	require.NoError(t, err)
+	require.Equal(t, "lazy", node.PullMode, node.PullModeReason)
+	require.Contains(t, node.PullModeReason, "fanotify")
+
+	truePath, err := exec.LookPath("true")
+	require.NoError(t, err)
+	prog, err := os.ReadFile(truePath)
+	require.NoError(t, err)
+	var want testfs.Tree
+	a.step("", "src", func(dir string) {
+		testfs.LayerTree(t, dir)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "true"), prog, 0o755))
+		for i := range 8 {
+			randomFile(t, dir, fmt.Sprintf("big-%d", i), 4<<20, uint64(i+1))
+		}
+	})
+	a.read("src", func(dir string) { want = testfs.Describe(t, dir) })
+
+	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
+	require.NoError(t, b.publishWaiting(v))
+	out, err := exec.Command(filepath.Join(v.Target, "true")).CombinedOutput()
+	require.NoError(t, err, "running a program from a lazy input: %s", out)
+	for i := range 8 {
+		name := fmt.Sprintf("big-%d", i)
+		require.Equal(t, fileDigestOf(t, &peerNode{env: a}, "src", name), fileDigest(t, filepath.Join(v.Target, name)), "the step reads A's %s", name)
+	}
+	write(t, v.Target, "result", "built")
+	b.umount(v)
+	require.Equal(t, "ready", volumeState(t, b, "out"), "the step's output is captured")
+
+	eventually(t, "the lazily pulled volume to be ready", func() bool { return volumeState(t, b, "src") == "ready" })
+	got, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "src")})
+	require.NoError(t, err)
+	require.True(t, got.Synced)
+	// Once filled, it is A's tree to the last time stamp (a stat while a
+	// file is being filled shows the fill's mtime).
+	b.read("src", func(dir string) { require.Equal(t, want, testfs.Describe(t, dir)) })
+	require.Positive(t, metricValue(t, b, `cowvol_lazy_fills_total{result="ok"}`))
+	b.noLeaks(t)
+}
+
+// A holder cut off mid-fill, with no other: each file a reader opens is
+// either all there or answers EIO (never holes), the volume fails, and the
+// step over it captures nothing.
+func TestLazyPullWithItsHolderGone(t *testing.T) {
+	a, b, proxy := lazyNodes(t)
+	const files = 48
+	a.step("", "src", func(dir string) {
+		for i := range files {
+			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
+		}
+	})
+	sums := map[string]string{}
+	a.read("src", func(dir string) {
+		for i := range files {
+			name := fmt.Sprintf("f-%02d", i)
+			sums[name] = fileDigest(t, filepath.Join(dir, name))
+		}
+	})
+
+	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
+	require.NoError(t, b.publishWaiting(v))
+	proxy.Cut()
+	start := time.Now()
+	eio := 0
+	for name, sum := range sums {
+		data, err := os.ReadFile(filepath.Join(v.Target, name))
+		if errors.Is(err, syscall.EIO) {
+			eio++
+			continue
+		}
+		require.NoError(t, err)
+		digest := sha256.Sum256(data)
+		require.Equal(t, sum, hex.EncodeToString(digest[:]), "%s was read with missing data", name)
+	}
+	require.Positive(t, eio, "192 MiB crossed a cut link")
+	require.Less(t, time.Since(start), time.Minute, "readers are not held for long")
+	eventually(t, "the volume that cannot be filled to fail", func() bool {
+		s := volumeState(t, b, "src")
+		return s == "failed" || s == "gone"
+	})
+	b.umount(v)
+	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input was incomplete captures nothing")
+}
