@@ -25,10 +25,10 @@ import (
 	"github.com/concourse/cowvol/pkg/driver"
 )
 
-// cuttableProxy forwards TCP to addr until cut, which drops every
+// cuttableProxy forwards TCP to a holder until Cut, which drops every
 // connection and every later one: a holder that dies.
 type cuttableProxy struct {
-	lis   net.Listener
+	addr  string
 	mu    sync.Mutex
 	conns []net.Conn
 	cut   bool
@@ -36,36 +36,24 @@ type cuttableProxy struct {
 
 func newCuttableProxy(t *testing.T, addr string) *cuttableProxy {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &cuttableProxy{lis: lis}
-	t.Cleanup(func() { p.Cut() })
-	go func() {
-		for {
-			in, err := lis.Accept()
-			if err != nil {
-				return
-			}
-			out, err := net.Dial("tcp", addr)
-			p.mu.Lock()
-			if err != nil || p.cut {
-				p.mu.Unlock()
-				in.Close()
-				if out != nil {
-					out.Close()
-				}
-				continue
-			}
-			p.conns = append(p.conns, in, out)
+	p := &cuttableProxy{}
+	t.Cleanup(p.Cut)
+	p.addr = tcpProxy(t, addr, func(in, out net.Conn) {
+		p.mu.Lock()
+		if p.cut {
 			p.mu.Unlock()
-			go func() { _, _ = io.Copy(out, in); out.Close() }()
-			go func() { _, _ = io.Copy(in, out); in.Close() }()
+			in.Close()
+			out.Close()
+			return
 		}
-	}()
+		p.conns = append(p.conns, in, out)
+		p.mu.Unlock()
+		go func() { _, _ = io.Copy(out, in); out.Close() }()
+		_, _ = io.Copy(in, out)
+		in.Close()
+	})
 	return p
 }
-
-func (p *cuttableProxy) Addr() string { return p.lis.Addr().String() }
 
 // Cut drops every connection, now and to come.
 func (p *cuttableProxy) Cut() {
@@ -87,7 +75,7 @@ func lazyNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
 		Args: []string{"--peer-address=" + peerAddr}})
 	proxy = newCuttableProxy(t, peerAddr)
 	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
-		Args: []string{"--peers=node-a=" + proxy.Addr(), "--pull-wait=1s", "--pull-mode=lazy"}})
+		Args: []string{"--peers=node-a=" + proxy.addr, "--pull-wait=1s", "--pull-mode=lazy"}})
 	return a, b, proxy
 }
 

@@ -399,9 +399,9 @@ func fileDigestOf(t *testing.T, n *peerNode, handle, name string) string {
 	return sum
 }
 
-// corruptingProxy forwards TCP to addr, flipping one byte of what comes
-// back after the first occurrence of marker past skip bytes.
-func corruptingProxy(t *testing.T, addr string, marker []byte, skip int) string {
+// tcpProxy accepts TCP connections and hands each, with one dialled to
+// addr, to relay, which copies between them as it likes.
+func tcpProxy(t *testing.T, addr string, relay func(in, out net.Conn)) string {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -417,31 +417,37 @@ func corruptingProxy(t *testing.T, addr string, marker []byte, skip int) string 
 				in.Close()
 				continue
 			}
-			go func() { _, _ = io.Copy(out, in); out.Close() }()
-			go func() {
-				defer in.Close()
-				buf := make([]byte, 64<<10)
-				seen, flipped := 0, false
-				for {
-					n, err := out.Read(buf)
-					if n > 0 {
-						if i := bytes.Index(buf[:n], marker); !flipped && seen+n > skip && i >= 0 {
-							buf[i+len(marker)/2] ^= 0xff
-							flipped = true
-						}
-						seen += n
-						if _, werr := in.Write(buf[:n]); werr != nil {
-							return
-						}
-					}
-					if err != nil {
-						return
-					}
-				}
-			}()
+			go relay(in, out)
 		}
 	}()
 	return lis.Addr().String()
+}
+
+// corruptingProxy forwards TCP to addr, flipping one byte of what comes
+// back after the first occurrence of marker past skip bytes.
+func corruptingProxy(t *testing.T, addr string, marker []byte, skip int) string {
+	return tcpProxy(t, addr, func(in, out net.Conn) {
+		go func() { _, _ = io.Copy(out, in); out.Close() }()
+		defer in.Close()
+		buf := make([]byte, 64<<10)
+		seen, flipped := 0, false
+		for {
+			n, err := out.Read(buf)
+			if n > 0 {
+				if i := bytes.Index(buf[:n], marker); !flipped && seen+n > skip && i >= 0 {
+					buf[i+len(marker)/2] ^= 0xff
+					flipped = true
+				}
+				seen += n
+				if _, werr := in.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	})
 }
 
 // A byte changed in transit is caught by the digest: nothing becomes ready

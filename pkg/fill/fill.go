@@ -223,7 +223,7 @@ func (g *Group) dispatch(fd int32) {
 	}
 	g.mu.Unlock()
 	if start {
-		go g.fill(f)
+		go g.fill(f, f.fetch)
 	}
 }
 
@@ -249,7 +249,7 @@ func (g *Group) ensure(f *file) error {
 	}
 	g.mu.Unlock()
 	if start {
-		g.fill(f)
+		g.fill(f, f.fetch)
 	} else {
 		<-ch
 	}
@@ -258,10 +258,16 @@ func (g *Group) ensure(f *file) error {
 	return f.err
 }
 
-// fill fetches f's data into the stub through the exempt mount, then
-// answers its waiters.
-func (g *Group) fill(f *file) {
-	err := g.write(f)
+// source writes a file's data into w at its offsets.
+type source func(ctx context.Context, w io.WriterAt) error
+
+// fetch is f's data as its layer's FetchFunc brings it.
+func (f *file) fetch(ctx context.Context, w io.WriterAt) error { return f.layer.fetch(ctx, f.rel, f.size, w) }
+
+// fill writes f's data from src into the stub through the exempt mount,
+// then answers its waiters. The caller claimed f (set f.filling).
+func (g *Group) fill(f *file, src source) {
+	err := g.write(f, src)
 	if err != nil {
 		err = fmt.Errorf("filling %s: %w", f.rel, err)
 	}
@@ -274,7 +280,7 @@ func (g *Group) fill(f *file) {
 // each chunk (a build tool comparing times would think it changed).
 // Where the filesystem cannot clone, the data is copied in (the window is
 // the local copy's, not the fetch's). Runs of zeros stay holes.
-func (g *Group) write(f *file) error {
+func (g *Group) write(f *file, src source) error {
 	if err := f.layer.ctx.Err(); err != nil {
 		return context.Cause(f.layer.ctx)
 	}
@@ -291,7 +297,7 @@ func (g *Group) write(f *file) error {
 	defer cancel(nil)
 	w := &progressWriter{w: tmp, last: time.Now()}
 	go w.watch(ctx, cancel, g.stall)
-	if err := f.layer.fetch(ctx, f.rel, f.size, w); err != nil {
+	if err := src(ctx, w); err != nil {
 		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
 			return cause
 		}
@@ -308,10 +314,12 @@ func (g *Group) write(f *file) error {
 			return err
 		}
 	}
+	// No fsync: the caller syncs the whole layer before it is ready, and
+	// a crash before that fails it anyway.
 	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(fd, ""), f.times, 0); err != nil {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
-	return out.Sync()
+	return nil
 }
 
 // copyInto copies size bytes of src into dst, both from offset 0, in the
@@ -606,6 +614,39 @@ func (l *Layer) Prefetch(order []string, workers int) {
 			}
 		}
 	}()
+}
+
+// Offer fills rel from write, which writes its data into w at its
+// offsets, unless rel is filled or being filled already (then write is not
+// called, and Offer returns nil): how a stream of the whole layer fills
+// what readers have not asked for. If write fails, the layer's FetchFunc
+// brings the file instead. It returns once rel is filled, or failed.
+func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
+	l.mu.Lock()
+	f := l.byRel[rel]
+	l.mu.Unlock()
+	if f == nil {
+		return nil // empty, a link to a file offered already, or not a stub
+	}
+	l.g.mu.Lock()
+	if f.done || f.filling != nil {
+		l.g.mu.Unlock()
+		return nil
+	}
+	f.filling = make(chan struct{})
+	l.g.mu.Unlock()
+	l.g.fill(f, func(ctx context.Context, w io.WriterAt) error {
+		if err := write(w); err != nil {
+			// The offer broke off (its stream failed): the file's own
+			// fetch brings it instead, whole.
+			klog.V(2).InfoS("An offered file did not arrive; fetching it alone", "file", rel, "err", err)
+			return f.fetch(ctx, w)
+		}
+		return nil
+	})
+	l.g.mu.Lock()
+	defer l.g.mu.Unlock()
+	return f.err
 }
 
 // Fail stops the layer: files not filled fail, their waiters get EIO

@@ -337,3 +337,40 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 		t.Fatal("a reader stayed held after its holder died")
 	}
 }
+
+// A stream of the layer offers its files: those not filled are filled from
+// it, those filled are skipped, and a file whose offer breaks off is
+// fetched alone.
+func TestOffersFillWhatNoOneAskedFor(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"read": random(t, 8192), "offered": random(t, 8192), "broken": random(t, 8192)})
+	src := &fetcher{src: s.src}
+	_, l := hold(t, s, src.fetch, time.Minute)
+	_, err := os.ReadFile(filepath.Join(s.merged, "read"))
+	require.NoError(t, err)
+
+	offer := func(name string, fail bool) (called bool) {
+		require.NoError(t, l.Offer(name, func(w io.WriterAt) error {
+			called = true
+			if fail {
+				_, _ = w.WriteAt([]byte("partial"), 0)
+				return errors.New("the stream broke")
+			}
+			_, err := w.WriteAt(s.files[name], 0)
+			return err
+		}))
+		return called
+	}
+	require.False(t, offer("read", false), "a filled file is not written again")
+	require.True(t, offer("offered", false))
+	require.Zero(t, src.count("offered"), "an offered file needs no fetch")
+	require.True(t, offer("broken", true))
+	require.Equal(t, 1, src.count("broken"), "a broken offer falls back to a fetch")
+	require.False(t, offer("nope", false), "a name that is no stub is ignored")
+	<-l.Done()
+	require.NoError(t, l.Err())
+	for name, data := range s.files {
+		got, err := os.ReadFile(filepath.Join(s.merged, name))
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(data, got), name)
+	}
+}

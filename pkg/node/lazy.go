@@ -129,7 +129,15 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 	e.lazy.layers[r] = layer
 	e.lazy.mu.Unlock()
 	start := time.Now()
-	layer.Prefetch(nil, prefetchWorkers)
+	e.goBackground(func() {
+		// One stream of the whole layer fills what no reader asked for
+		// at the speed of an eager pull; what it did not fill (a holder
+		// gone mid-way) is fetched file by file, from any holder.
+		if err := src.stream(e.bgCtx, layer); err != nil && e.bgCtx.Err() == nil {
+			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
+		}
+		layer.Prefetch(nil, prefetchWorkers)
+	})
 	e.goBackground(func() {
 		defer release()
 		defer src.close()
@@ -260,6 +268,27 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 		s.drop(peer)
 	}
 	return nil
+}
+
+// stream fills the layer's files from one stream of the whole layer from
+// the current holder; files readers are filling already are skipped.
+func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
+	client, peer, err := s.current(ctx)
+	if err != nil {
+		return err
+	}
+	cfg := s.e.pulls.cfg
+	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits,
+		func(name string, size int64, write func(w io.WriterAt) error) error {
+			return layer.Offer(name, func(w io.WriterAt) error {
+				s.e.metrics.fillBytes.Add(float64(size))
+				return write(w)
+			})
+		})
+	if err != nil && ctx.Err() == nil {
+		s.drop(peer)
+	}
+	return err
 }
 
 // close lets go of the source's connection.

@@ -384,22 +384,67 @@ func refused(format string, args ...any) error {
 // only device node is the whiteout. It reads the stream to its end, so that
 // the summary's digest covers every byte the sender hashed.
 func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits) (Summary, error) {
-	dr, err := enc.reader(bufio.NewReaderSize(r, streamBuffer))
-	if err != nil {
-		return Summary{}, err
-	}
-	defer dr.Close()
 	root, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
 	}
 	defer unix.Close(root)
-	c := newCounter()
-	limited := &limitReader{r: dr, left: lim.Bytes}
-	tr := tar.NewReader(io.TeeReader(limited, c))
 	x := &extractor{root: root, buf: make([]byte, holeBlock), zero: make([]byte, holeBlock), cachedFd: -1, strict: lim.Strict,
 		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0}
 	defer x.close()
+	sum, err := readArchive(ctx, r, enc, lim, x.entry)
+	if err != nil {
+		return Summary{}, err
+	}
+	return sum, x.finish()
+}
+
+// Files reads a tar stream packed by Pack from r and calls file for each
+// regular file with data in it: its name (relative, clean), its size, and
+// write, which writes its data into w at its offsets (holes left alone).
+// A file whose write is not called is skipped. It reads the stream to its
+// end, as Unpack does, for the summary's digest.
+func Files(ctx context.Context, r io.Reader, enc Encoding, lim Limits, file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
+	buf := make([]byte, 256<<10)
+	return readArchive(ctx, r, enc, lim, func(hdr *tar.Header, body io.Reader) error {
+		if hdr.Typeflag != tar.TypeReg {
+			return nil
+		}
+		name, err := cleanName(hdr.Name)
+		if err != nil {
+			return err
+		}
+		segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
+		if rec, ok := hdr.PAXRecords[paxHoles]; ok {
+			if size, segments, err = parseHoles(rec, hdr.Size); err != nil {
+				return err
+			}
+		}
+		if hdr.Size == 0 {
+			return nil
+		}
+		return file(name, size, func(w io.WriterAt) error {
+			for _, seg := range segments {
+				if _, err := io.CopyBuffer(io.NewOffsetWriter(w, seg[0]), io.LimitReader(body, seg[1]), buf); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	})
+}
+
+// readArchive reads a tar stream encoded with enc from r to its end,
+// within lim, handing each entry to entry.
+func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, entry func(hdr *tar.Header, body io.Reader) error) (Summary, error) {
+	dr, err := enc.reader(bufio.NewReaderSize(r, streamBuffer))
+	if err != nil {
+		return Summary{}, err
+	}
+	defer dr.Close()
+	c := newCounter()
+	limited := &limitReader{r: dr, left: lim.Bytes}
+	tr := tar.NewReader(io.TeeReader(limited, c))
 	var entries int64
 	for {
 		if err := ctx.Err(); err != nil {
@@ -415,16 +460,13 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 		if entries++; entries > lim.Entries {
 			return Summary{}, refused("more than %d entries", lim.Entries)
 		}
-		if err := x.entry(hdr, tr); err != nil {
+		if err := entry(hdr, tr); err != nil {
 			return Summary{}, limited.explain(err)
 		}
 	}
 	// The end-of-archive blocks and padding count in the digest too.
 	if _, err := io.Copy(io.Discard, io.TeeReader(limited, c)); err != nil {
 		return Summary{}, limited.explain(err)
-	}
-	if err := x.finish(); err != nil {
-		return Summary{}, err
 	}
 	return c.summary(entries), nil
 }

@@ -411,10 +411,31 @@ var ErrCorrupt = errors.New("the stream arrived corrupt")
 // (SparseTar) or as stubs (StubTar). progress is told of each wire chunk's
 // size.
 func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, shape Shape, dir string, lim Limits, progress func(int64)) (Summary, error) {
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Stubs: shape == StubTar}
+	return c.pullLayer(ctx, req, progress, func(ctx context.Context, in io.Reader) (Summary, error) {
+		return Unpack(ctx, in, enc, dir, lim)
+	})
+}
+
+// PullLayerFiles streams a volume's own layer, its files whole, as
+// PullLayer does, and hands each regular file with data to file (see
+// Files) instead of extracting the tree: how a lazily pulled layer's
+// stubs are filled behind the step, at the speed of a pull.
+func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits,
+	file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc)}
+	return c.pullLayer(ctx, req, nil, func(ctx context.Context, in io.Reader) (Summary, error) {
+		return Files(ctx, in, enc, lim, file)
+	})
+}
+
+// pullLayer streams a layer to consume and checks what consume read
+// against the size and digest the peer sent after it.
+func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, progress func(int64),
+	consume func(ctx context.Context, in io.Reader) (Summary, error)) (Summary, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops the peer sending if extraction fails
-	stream, err := c.api.PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via),
-		Encoding: string(enc), Stubs: shape == StubTar})
+	stream, err := c.api.PullLayer(ctx, req)
 	if err != nil {
 		return Summary{}, peerError(err)
 	}
@@ -439,7 +460,7 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.
 		}
 		return msg.GetData(), nil
 	})
-	sum, err := Unpack(ctx, cr, enc, dir, lim)
+	sum, err := consume(ctx, cr)
 	if err != nil {
 		if rerr := cr.Failed(); rerr != nil {
 			return Summary{}, peerError(rerr)
