@@ -107,6 +107,7 @@ type file struct {
 	rel     string
 	size    int64
 	times   []unix.Timespec // atime, mtime: put back after the writes
+	index   int             // in its dir's files, as added
 	done    bool
 	err     error
 	filling chan struct{}
@@ -217,13 +218,85 @@ func (g *Group) dispatch(fd int32) {
 		return
 	}
 	f.waiters = append(f.waiters, fd)
-	start := f.filling == nil
-	if start {
-		f.filling = make(chan struct{})
+	if f.filling != nil {
+		g.mu.Unlock()
+		return // its fill answers it
 	}
+	f.filling = make(chan struct{})
+	ahead := f.layer.claimAhead(f)
 	g.mu.Unlock()
-	if start {
+	if len(ahead) == 0 {
 		go g.fill(f, f.fetch)
+		return
+	}
+	go g.fillMany(append([]*file{f}, ahead...))
+}
+
+// Read-ahead: a reader of one file of a dir is usually about to read the
+// next ones, and one request for many files costs what one for one does.
+const (
+	readaheadFiles = 256
+	readaheadBytes = 32 << 20
+)
+
+// claimAhead claims, for f's fill, the files after f in its dir that are
+// neither filled nor being filled, within the read-ahead bounds (under
+// g.mu). A layer without FetchMany reads no ahead.
+func (l *Layer) claimAhead(f *file) []*file {
+	if l.fetchMany == nil {
+		return nil
+	}
+	l.mu.Lock()
+	siblings := l.dirs[path.Dir(f.rel)]
+	l.mu.Unlock()
+	var out []*file
+	bytes := f.size
+	for _, s := range siblings[f.index+1:] {
+		if len(out)+1 >= readaheadFiles || bytes+s.size > readaheadBytes {
+			break
+		}
+		if s.done || s.filling != nil {
+			continue
+		}
+		s.filling = make(chan struct{})
+		out = append(out, s)
+		bytes += s.size
+	}
+	return out
+}
+
+// fillMany fills files (claimed) from one request for all of them; what
+// it did not bring is fetched file by file.
+func (g *Group) fillMany(files []*file) {
+	l := files[0].layer
+	byRel := make(map[string]*file, len(files))
+	rels := make([]string, len(files))
+	for i, f := range files {
+		byRel[f.rel], rels[i] = f, f.rel
+	}
+	err := l.fetchMany(l.ctx, rels, func(rel string, write func(w io.WriterAt) error) error {
+		f := byRel[rel]
+		if f == nil {
+			return fmt.Errorf("%s came, not asked for", rel)
+		}
+		delete(byRel, rel)
+		var broke error
+		g.fill(f, func(ctx context.Context, w io.WriterAt) error {
+			if err := write(w); err != nil {
+				broke = err
+				return f.fetch(ctx, w) // the request broke off: this one alone
+			}
+			return nil
+		})
+		return broke
+	})
+	if err != nil && l.ctx.Err() == nil {
+		klog.V(2).InfoS("A read-ahead stopped; fetching the rest file by file", "files", len(byRel), "err", err)
+	}
+	for _, f := range files {
+		if _, left := byRel[f.rel]; left {
+			g.fill(f, f.fetch)
+		}
 	}
 }
 
@@ -262,7 +335,9 @@ func (g *Group) ensure(f *file) error {
 type source func(ctx context.Context, w io.WriterAt) error
 
 // fetch is f's data as its layer's FetchFunc brings it.
-func (f *file) fetch(ctx context.Context, w io.WriterAt) error { return f.layer.fetch(ctx, f.rel, f.size, w) }
+func (f *file) fetch(ctx context.Context, w io.WriterAt) error {
+	return f.layer.fetch(ctx, f.rel, f.size, w)
+}
 
 // fill writes f's data from src into the stub through the exempt mount,
 // then answers its waiters. The caller claimed f (set f.filling).
@@ -484,30 +559,38 @@ func (p *progressWriter) watch(ctx context.Context, cancel context.CancelCauseFu
 type Layer struct {
 	g *Group
 	// dir is the layer's dir below the group's root, slash-separated.
-	dir    string
-	fetch  FetchFunc
-	ctx    context.Context
-	cancel context.CancelCauseFunc
+	dir       string
+	fetch     FetchFunc
+	fetchMany FetchManyFunc
+	ctx       context.Context
+	cancel    context.CancelCauseFunc
 
 	mu      sync.Mutex
 	files   []*file
 	byRel   map[string]*file
+	dirs    map[string][]*file // by dir, as added: what a read-ahead takes
 	pending int
 	sealed  bool
 	err     error
 	done    chan struct{}
 }
 
+// FetchManyFunc brings the data of the layer files rels at once, handing
+// each to each as it arrives (write writes it into w at its offsets), in
+// any order; files it does not bring are fetched one by one.
+type FetchManyFunc func(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error
+
 // NewLayer starts a layer of stubs under dir (below the group's root),
-// whose files fetch brings.
-func (g *Group) NewLayer(dir string, fetch FetchFunc) (*Layer, error) {
+// whose files fetch brings, one at a time, and fetchMany (if not nil) many
+// at a time, for read-ahead.
+func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (*Layer, error) {
 	rel, err := filepath.Rel(g.root, filepath.Clean(dir))
 	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") || filepath.IsAbs(rel) {
 		return nil, fmt.Errorf("layer dir %s is not below %s", dir, g.root)
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
-	return &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, ctx: ctx, cancel: cancel,
-		byRel: map[string]*file{}, done: make(chan struct{})}, nil
+	return &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
+		byRel: map[string]*file{}, dirs: map[string][]*file{}, done: make(chan struct{})}, nil
 }
 
 // Add holds readers of the stub at rel below the layer's dir, open as fd
@@ -536,6 +619,9 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	l.mu.Lock()
 	l.files = append(l.files, f)
 	l.byRel[rel] = f
+	d := path.Dir(rel)
+	f.index = len(l.dirs[d])
+	l.dirs[d] = append(l.dirs[d], f)
 	l.pending++
 	l.mu.Unlock()
 	if err := unix.FanotifyMark(l.g.fd, unix.FAN_MARK_ADD, marked, fd, ""); err != nil {

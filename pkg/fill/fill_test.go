@@ -106,11 +106,16 @@ func (f *fetcher) count(rel string) int {
 
 // hold opens a group over s's filesystem and adds every stub to a layer.
 func hold(t *testing.T, s *stubbed, fetch FetchFunc, stall time.Duration) (*Group, *Layer) {
+	return holdWith(t, s, fetch, nil, stall)
+}
+
+// holdWith is hold with a read-ahead.
+func holdWith(t *testing.T, s *stubbed, fetch FetchFunc, many FetchManyFunc, stall time.Duration) (*Group, *Layer) {
 	t.Helper()
 	g, err := Open(filepath.Dir(s.layer), stall)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = g.Close() })
-	l, err := g.NewLayer(s.layer, fetch)
+	l, err := g.NewLayer(s.layer, fetch, many)
 	require.NoError(t, err)
 	for name, data := range s.files {
 		f, err := os.Open(filepath.Join(s.layer, name))
@@ -297,7 +302,7 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 			os.Exit(3)
 		}
 		l, err := g.NewLayer(filepath.Dir(os.Getenv("COWVOL_FILL_STUB")),
-			func(ctx context.Context, _ string, _ int64, _ io.WriterAt) error { <-ctx.Done(); return ctx.Err() })
+			func(ctx context.Context, _ string, _ int64, _ io.WriterAt) error { <-ctx.Done(); return ctx.Err() }, nil)
 		if err != nil {
 			os.Exit(5)
 		}
@@ -373,4 +378,64 @@ func TestOffersFillWhatNoOneAskedFor(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, bytes.Equal(data, got), name)
 	}
+}
+
+// fetchMany serves the source files asked for, in one call, counting
+// calls; it stops after stopAfter files if that is set.
+func (f *fetcher) fetchMany(calls *atomic.Int32, stopAfter int) FetchManyFunc {
+	return func(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
+		calls.Add(1)
+		for i, rel := range rels {
+			if stopAfter > 0 && i == stopAfter {
+				return errors.New("the holder went away")
+			}
+			data, err := os.ReadFile(filepath.Join(f.src, rel))
+			if err != nil {
+				return err
+			}
+			if err := each(rel, func(w io.WriterAt) error { _, err := w.WriteAt(data, 0); return err }); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+// A reader of one file of a dir brings the next ones with it, in one
+// request, within the read-ahead bounds; a read-ahead cut short leaves the
+// rest to single fetches, and every byte is right.
+func TestReadAhead(t *testing.T) {
+	files := map[string][]byte{}
+	for i := range 40 {
+		files[fmt.Sprintf("f%02d", i)] = random(t, 4096)
+	}
+	s := newStubbed(t, files)
+	src := &fetcher{src: s.src}
+	var calls atomic.Int32
+	_, l := holdWith(t, s, src.fetch, src.fetchMany(&calls, 0), time.Minute)
+	first := l.dirs["."][0].rel
+	_, err := os.ReadFile(filepath.Join(s.merged, first))
+	require.NoError(t, err)
+	require.Equal(t, int32(1), calls.Load())
+	for name, data := range files {
+		got, err := os.ReadFile(filepath.Join(s.merged, name))
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(data, got), name)
+	}
+	require.Equal(t, int32(1), calls.Load(), "one request brought the dir")
+	require.Empty(t, src.fetched, "no file needed a fetch of its own")
+	<-l.Done()
+
+	s2 := newStubbed(t, files)
+	src2 := &fetcher{src: s2.src}
+	var calls2 atomic.Int32
+	_, l2 := holdWith(t, s2, src2.fetch, src2.fetchMany(&calls2, 5), time.Minute)
+	_, err = os.ReadFile(filepath.Join(s2.merged, l2.dirs["."][0].rel))
+	require.NoError(t, err)
+	for name, data := range files {
+		got, err := os.ReadFile(filepath.Join(s2.merged, name))
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(data, got), name)
+	}
+	require.Len(t, src2.fetched, 35, "what the cut read-ahead did not bring came file by file")
 }

@@ -90,7 +90,7 @@ func (e *Engine) PullMode() (PullMode, string) { return e.pullMode, e.pullModeWh
 // place) so that their readers wait for their data, which src fetches.
 // The layer must not be mountable before the marks are all in place.
 func (e *Engine) stubbed(src *lazySource, data string) (*fill.Layer, error) {
-	layer, err := e.lazy.group.NewLayer(data, src.fetch)
+	layer, err := e.lazy.group.NewLayer(data, src.fetch, src.fetchMany)
 	if err != nil {
 		return nil, err
 	}
@@ -278,7 +278,7 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
 		return err
 	}
 	cfg := s.e.pulls.cfg
-	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits,
+	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, nil,
 		func(name string, size int64, write func(w io.WriterAt) error) error {
 			return layer.Offer(name, func(w io.WriterAt) error {
 				s.e.metrics.fillBytes.Add(float64(size))
@@ -288,6 +288,23 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
 	if err != nil && ctx.Err() == nil {
 		s.drop(peer)
 	}
+	return err
+}
+
+// fetchMany brings the files rels in one stream from the current holder
+// (a reader's read-ahead). What it does not bring is fetched file by file,
+// and those fetches move on from a holder that failed.
+func (s *lazySource) fetchMany(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
+	client, _, err := s.current(ctx)
+	if err != nil {
+		return err
+	}
+	cfg := s.e.pulls.cfg
+	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels,
+		func(name string, size int64, write func(w io.WriterAt) error) error {
+			s.e.metrics.fillBytes.Add(float64(size))
+			return each(name, write)
+		})
 	return err
 }
 

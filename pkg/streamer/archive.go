@@ -17,6 +17,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -107,6 +108,71 @@ const (
 // regular files as shape says. Device nodes other than whiteouts and
 // sockets cannot be moved: Pack refuses them, saying which.
 func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
+	return pack(root, w, enc, shape, func(pk *packer, rootFd int) (int64, error) {
+		entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
+		var rootSt unix.Stat_t
+		if err := unix.Fstat(rootFd, &rootSt); err != nil {
+			return 0, err
+		}
+		if err := pk.entry(rootFd, ".", ".", &rootSt); err != nil {
+			return 0, err
+		}
+		// Walked from descriptors: a tree of any depth goes, however
+		// long its paths.
+		err := fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+			if err := ctx.Err(); err != nil {
+				return false, err
+			}
+			entries++
+			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
+		}})
+		return entries, err
+	})
+}
+
+// PackFiles writes the regular files names (relative to root) to w as
+// Pack does with SparseTar, and nothing else: what a lazy puller reads
+// ahead. Each is opened beneath root with no symlink followed; a name that
+// is not a regular file there fails it (ErrNoPath, ErrWrongKind).
+func PackFiles(ctx context.Context, root string, names []string, w io.Writer, enc Encoding) (Summary, error) {
+	return pack(root, w, enc, SparseTar, func(pk *packer, rootFd int) (int64, error) {
+		for _, name := range names {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			if err := pk.file(rootFd, name); err != nil {
+				return 0, err
+			}
+		}
+		return int64(len(names)), nil
+	})
+}
+
+// file writes the entry of the regular file rel below the dir open as
+// root.
+func (pk *packer) file(root int, rel string) error {
+	dir, err := fdtree.OpenBeneath(root, path.Dir(rel))
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
+		return fmt.Errorf("%s: %w", rel, ErrNoPath)
+	}
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dir)
+	var st unix.Stat_t
+	if err := unix.Fstatat(dir, path.Base(rel), &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("%s: %w", rel, ErrNoPath)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return fmt.Errorf("%s is not a regular file: %w", rel, ErrWrongKind)
+	}
+	st.Nlink = 1 // each is sent whole, never as a link to another
+	return pk.entry(dir, path.Base(rel), rel, &st)
+}
+
+// pack writes the entries add writes (it returns how many) as a tar
+// stream encoded with enc, its regular files as shape says.
+func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int) (int64, error)) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
 	bw := bufio.NewWriterSize(w, streamBuffer)
@@ -116,27 +182,12 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Sha
 	}
 	c := newCounter()
 	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: make([]byte, 256<<10)}
-	// Walked from descriptors: a tree of any depth goes, however long its
-	// paths.
 	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
 	}
 	defer unix.Close(rootFd)
-	entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
-	var rootSt unix.Stat_t
-	if err = unix.Fstat(rootFd, &rootSt); err == nil {
-		err = pk.entry(rootFd, ".", ".", &rootSt)
-	}
-	if err == nil {
-		err = fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
-			if err := ctx.Err(); err != nil {
-				return false, err
-			}
-			entries++
-			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
-		}})
-	}
+	entries, err := add(pk, rootFd)
 	if err == nil {
 		err = pk.tw.Close()
 	}

@@ -198,6 +198,15 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 			return err
 		}
 	}
+	files := req.GetFiles()
+	if len(files) > maxReadahead || (len(files) > 0 && req.GetStubs()) {
+		return status.Errorf(codes.InvalidArgument, "%d files (at most %d, and not with stubs)", len(files), maxReadahead)
+	}
+	for i, f := range files {
+		if files[i], err = cleanName(f); err != nil || files[i] == "." {
+			return status.Errorf(codes.InvalidArgument, "file %q: want a path below the layer's root", f)
+		}
+	}
 	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
 	if err != nil {
 		return holderError(err)
@@ -209,7 +218,14 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	}
 	start := time.Now()
 	w := &chunkWriter{stream: stream}
-	sum, err := Pack(stream.Context(), dir, w, enc, shape)
+	var sum Summary
+	if len(files) > 0 {
+		if sum, err = PackFiles(stream.Context(), dir, files, w, enc); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
+			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
+		}
+	} else {
+		sum, err = Pack(stream.Context(), dir, w, enc, shape)
+	}
 	s.metrics.served(enc, w.sent, err)
 	if err != nil {
 		klog.ErrorS(err, "Serving a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "sent", w.sent)
@@ -220,6 +236,9 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	return stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: &peerv1.Trailer{
 		Bytes: sum.Bytes, Entries: sum.Entries, Digest: sum.Digest}}})
 }
+
+// maxReadahead is the most files one PullLayer of named files sends.
+const maxReadahead = 4096
 
 // ReadLayerFile streams a range of one regular file of a volume's own
 // layer, then how many bytes it sent.
@@ -418,12 +437,12 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.
 }
 
 // PullLayerFiles streams a volume's own layer, its files whole, as
-// PullLayer does, and hands each regular file with data to file (see
-// Files) instead of extracting the tree: how a lazily pulled layer's
-// stubs are filled behind the step, at the speed of a pull.
-func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits,
+// PullLayer does (only the files named, if any), and hands each regular
+// file with data to file (see Files) instead of extracting the tree: how a
+// lazily pulled layer's stubs are filled, at the speed of a pull.
+func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits, names []string,
 	file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc)}
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names}
 	return c.pullLayer(ctx, req, nil, func(ctx context.Context, in io.Reader) (Summary, error) {
 		return Files(ctx, in, enc, lim, file)
 	})

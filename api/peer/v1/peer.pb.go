@@ -466,7 +466,10 @@ type PullLayerRequest struct {
 	Via *VolumeRef `protobuf:"bytes,4,opt,name=via,proto3" json:"via,omitempty"`
 	// Regular files as stubs: the tar carries their size and metadata but
 	// no data (a sparse map with no segments), for a lazy pull.
-	Stubs         bool `protobuf:"varint,5,opt,name=stubs,proto3" json:"stubs,omitempty"`
+	Stubs bool `protobuf:"varint,5,opt,name=stubs,proto3" json:"stubs,omitempty"`
+	// Only these regular files of the layer (paths as its tar names them),
+	// whole, and nothing else: what a lazy puller reads ahead. At most 4096.
+	Files         []string `protobuf:"bytes,6,rep,name=files,proto3" json:"files,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -534,6 +537,13 @@ func (x *PullLayerRequest) GetStubs() bool {
 		return x.Stubs
 	}
 	return false
+}
+
+func (x *PullLayerRequest) GetFiles() []string {
+	if x != nil {
+		return x.Files
+	}
+	return nil
 }
 
 type ReadLayerFileRequest struct {
@@ -815,13 +825,14 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc2\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd8\x01\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
 	"\bencoding\x18\x03 \x01(\tR\bencoding\x12+\n" +
 	"\x03via\x18\x04 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\x12\x14\n" +
-	"\x05stubs\x18\x05 \x01(\bR\x05stubs\"\xd8\x01\n" +
+	"\x05stubs\x18\x05 \x01(\bR\x05stubs\x12\x14\n" +
+	"\x05files\x18\x06 \x03(\tR\x05files\"\xd8\x01\n" +
 	"\x14ReadLayerFileRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
