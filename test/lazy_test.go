@@ -178,3 +178,23 @@ func TestLazyPullWithItsHolderGone(t *testing.T) {
 	b.umount(v)
 	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input was incomplete captures nothing")
 }
+
+// A puller SIGKILLed mid-fill comes back with the volume that was filling
+// failed (its readers, let go by the kernel, may have read holes), and the
+// step that mounted it captures nothing.
+func TestLazyPullerKilledMidFill(t *testing.T) {
+	a, b, _ := lazyNodes(t)
+	a.step("", "src", func(dir string) {
+		for i := range 48 {
+			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
+		}
+	})
+	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
+	require.NoError(t, b.publishWaiting(v))
+	write(t, v.Target, "result", "built")
+	b.p.Restart()
+	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
+	b.umount(v)
+	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input may have read holes captures nothing")
+	b.noLeaks(t)
+}

@@ -235,8 +235,8 @@ func (g *Group) dispatch(fd int32) {
 // Read-ahead: a reader of one file of a dir is usually about to read the
 // next ones, and one request for many files costs what one for one does.
 const (
-	readaheadFiles = 256
-	readaheadBytes = 32 << 20
+	readaheadFiles = 32
+	readaheadBytes = 4 << 20
 )
 
 // claimAhead claims, for f's fill, the files after f in its dir that are
@@ -349,34 +349,68 @@ func (g *Group) fill(f *file, src source) {
 	g.finish(f, err)
 }
 
-// write fetches f's data into an unlinked file beside the stubs, then
-// clones it into the stub in one call and puts the stub's times back: a
-// stat of the stub meanwhile sees its own mtime, not one that moves with
-// each chunk (a build tool comparing times would think it changed).
-// Where the filesystem cannot clone, the data is copied in (the window is
-// the local copy's, not the fetch's). Runs of zeros stay holes.
+// directFill is the largest file fetched into memory and written into its
+// stub with one call.
+const directFill = 1 << 20
+
+// write puts f's data from src into its stub, so that a stat of the stub
+// meanwhile sees the stub's own mtime but for an instant (a build tool
+// comparing times would think the file changed): a small file is fetched
+// into memory and written with one call; a larger one into an unlinked
+// file beside the stubs, then cloned into the stub with one call (copied
+// where the filesystem cannot clone). Then the times are put back, and the
+// mark goes: later opens go straight through. Runs of zeros stay holes.
+// No fsync: the caller syncs the whole layer before it is ready, and a
+// crash before that fails it anyway.
 func (g *Group) write(f *file, src source) error {
 	if err := f.layer.ctx.Err(); err != nil {
 		return context.Cause(f.layer.ctx)
 	}
-	tmpFD, err := unix.Openat(g.tree, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
-	if err != nil {
-		return fmt.Errorf("making a file to fetch into: %w", err)
-	}
-	tmp := os.NewFile(uintptr(tmpFD), f.rel+" (fetching)")
-	defer tmp.Close()
-	if err := tmp.Truncate(f.size); err != nil {
-		return err
-	}
 	ctx, cancel := context.WithCancelCause(f.layer.ctx)
 	defer cancel(nil)
-	w := &progressWriter{w: tmp, last: time.Now()}
-	go w.watch(ctx, cancel, g.stall)
-	if err := src(ctx, w); err != nil {
-		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
-			return cause
+	fetch := func(into io.WriterAt) error {
+		w := &progressWriter{w: into, last: time.Now()}
+		go w.watch(ctx, cancel, g.stall)
+		if err := src(ctx, w); err != nil {
+			if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+				return cause
+			}
+			return err
 		}
-		return err
+		return nil
+	}
+	var put func(out *os.File) error
+	if f.size <= directFill {
+		buf := &memFile{b: make([]byte, f.size)}
+		if err := fetch(buf); err != nil {
+			return err
+		}
+		put = func(out *os.File) error {
+			if allZero(buf.b) {
+				return nil
+			}
+			_, err := out.WriteAt(buf.b, 0)
+			return err
+		}
+	} else {
+		tmpFD, err := unix.Openat(g.tree, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+		if err != nil {
+			return fmt.Errorf("making a file to fetch into: %w", err)
+		}
+		tmp := os.NewFile(uintptr(tmpFD), f.rel+" (fetching)")
+		defer tmp.Close()
+		if err := tmp.Truncate(f.size); err != nil {
+			return err
+		}
+		if err := fetch(tmp); err != nil {
+			return err
+		}
+		put = func(out *os.File) error {
+			if unix.IoctlFileClone(int(out.Fd()), tmpFD) == nil {
+				return nil
+			}
+			return copyInto(out, tmp, f.size)
+		}
 	}
 	fd, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
@@ -384,17 +418,26 @@ func (g *Group) write(f *file, src source) error {
 	}
 	out := os.NewFile(uintptr(fd), f.rel)
 	defer out.Close()
-	if err := unix.IoctlFileClone(fd, tmpFD); err != nil {
-		if err := copyInto(out, tmp, f.size); err != nil {
-			return err
-		}
+	if err := put(out); err != nil {
+		return err
 	}
-	// No fsync: the caller syncs the whole layer before it is ready, and
-	// a crash before that fails it anyway.
 	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(fd, ""), f.times, 0); err != nil {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
+	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
+		klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
+	}
 	return nil
+}
+
+// memFile is a file's data fetched into memory.
+type memFile struct{ b []byte }
+
+func (m *memFile) WriteAt(p []byte, off int64) (int, error) {
+	if off < 0 || off > int64(len(m.b)) || int64(len(p)) > int64(len(m.b))-off {
+		return 0, fmt.Errorf("%d bytes at %d: more than the file's %d", len(p), off, len(m.b))
+	}
+	return copy(m.b[off:], p), nil
 }
 
 // copyInto copies size bytes of src into dst, both from offset 0, in the
@@ -454,10 +497,7 @@ func (g *Group) finish(f *file, err error) {
 		answer = denyEIO
 	}
 	for _, fd := range waiters {
-		g.respond(fd, answer)
-	}
-	if err == nil {
-		g.unmark(f)
+		g.respond(fd, answer) // a filled file's mark went with its write
 	}
 }
 

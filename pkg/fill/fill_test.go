@@ -406,7 +406,7 @@ func (f *fetcher) fetchMany(calls *atomic.Int32, stopAfter int) FetchManyFunc {
 // rest to single fetches, and every byte is right.
 func TestReadAhead(t *testing.T) {
 	files := map[string][]byte{}
-	for i := range 40 {
+	for i := range readaheadFiles {
 		files[fmt.Sprintf("f%02d", i)] = random(t, 4096)
 	}
 	s := newStubbed(t, files)
@@ -437,5 +437,5 @@ func TestReadAhead(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, bytes.Equal(data, got), name)
 	}
-	require.Len(t, src2.fetched, 35, "what the cut read-ahead did not bring came file by file")
+	require.Len(t, src2.fetched, readaheadFiles-5, "what the cut read-ahead did not bring came file by file")
 }
