@@ -108,7 +108,7 @@ const (
 // regular files as shape says. Device nodes other than whiteouts and
 // sockets cannot be moved: Pack refuses them, saying which.
 func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
-	return pack(root, w, enc, shape, func(pk *packer, rootFd int) (int64, error) {
+	return pack(root, w, enc, shape, func(pk *packer, rootFd int, _ func() error) (int64, error) {
 		entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
 		var rootSt unix.Stat_t
 		if err := unix.Fstat(rootFd, &rootSt); err != nil {
@@ -135,13 +135,20 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Sha
 // ahead. Each is opened beneath root with no symlink followed; a name that
 // is not a regular file there fails it (ErrNoPath, ErrWrongKind).
 func PackFiles(ctx context.Context, root string, names []string, w io.Writer, enc Encoding) (Summary, error) {
-	return pack(root, w, enc, SparseTar, func(pk *packer, rootFd int) (int64, error) {
-		for _, name := range names {
+	return pack(root, w, enc, SparseTar, func(pk *packer, rootFd int, flush func() error) (int64, error) {
+		for i, name := range names {
 			if err := ctx.Err(); err != nil {
 				return 0, err
 			}
 			if err := pk.file(rootFd, name); err != nil {
 				return 0, err
+			}
+			if i == 0 {
+				// A reader waits for the first: it goes now, not once
+				// the buffers are full.
+				if err := flush(); err != nil {
+					return 0, err
+				}
 			}
 		}
 		return int64(len(names)), nil
@@ -171,8 +178,9 @@ func (pk *packer) file(root int, rel string) error {
 }
 
 // pack writes the entries add writes (it returns how many) as a tar
-// stream encoded with enc, its regular files as shape says.
-func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int) (int64, error)) (Summary, error) {
+// stream encoded with enc, its regular files as shape says; flush sends
+// what add wrote so far.
+func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) (int64, error)) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
 	bw := bufio.NewWriterSize(w, streamBuffer)
@@ -187,7 +195,18 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 		return Summary{}, err
 	}
 	defer unix.Close(rootFd)
-	entries, err := add(pk, rootFd)
+	flush := func() error {
+		if err := pk.tw.Flush(); err != nil {
+			return err
+		}
+		if f, ok := ew.(interface{ Flush() error }); ok {
+			if err := f.Flush(); err != nil {
+				return err
+			}
+		}
+		return bw.Flush()
+	}
+	entries, err := add(pk, rootFd, flush)
 	if err == nil {
 		err = pk.tw.Close()
 	}

@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -284,3 +285,44 @@ func TestUnpackClearsSetuid(t *testing.T) {
 		}
 	}
 }
+
+// PackFiles sends the named regular files whole and nothing else, reached
+// beneath the root with no symlink followed; Files hands them back with
+// their holes.
+func TestPackFilesAndFiles(t *testing.T) {
+	src := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "d"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "d", "a"), []byte("alpha"), 0o644))
+	sparse, err := os.Create(filepath.Join(src, "d", "sparse"))
+	require.NoError(t, err)
+	_, err = sparse.WriteAt([]byte("end"), 1<<20)
+	require.NoError(t, err)
+	require.NoError(t, sparse.Close())
+	require.NoError(t, os.WriteFile(filepath.Join(src, "skipped"), []byte("not asked for"), 0o644))
+	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
+
+	var wire bytes.Buffer
+	sent, err := PackFiles(context.Background(), src, []string{"d/sparse", "d/a"}, &wire, S2)
+	require.NoError(t, err)
+	got := map[string][]byte{}
+	sum, err := Files(context.Background(), &wire, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
+		f := &bufferAt{b: make([]byte, size)}
+		got[name] = f.b
+		return write(f)
+	})
+	require.NoError(t, err)
+	require.Equal(t, sent, sum, "the digest covers what was sent")
+	require.Equal(t, []byte("alpha"), got["d/a"])
+	require.Len(t, got["d/sparse"], 1<<20+3)
+	require.Equal(t, []byte("end"), got["d/sparse"][1<<20:])
+	require.NotContains(t, got, "skipped")
+
+	for name, want := range map[string]error{"link/a": ErrNoPath, "d": ErrWrongKind, "nope": ErrNoPath} {
+		_, err := PackFiles(context.Background(), src, []string{name}, io.Discard, Raw)
+		require.ErrorIs(t, err, want, name)
+	}
+}
+
+type bufferAt struct{ b []byte }
+
+func (b *bufferAt) WriteAt(p []byte, off int64) (int, error) { return copy(b.b[off:], p), nil }
