@@ -189,4 +189,8 @@ func TestHardenedSteps(t *testing.T) {
 			c.pluginDuration(`"Published step volume"`, `pod="ci/with-fsgroup"`),
 			c.pluginDuration(`"Published step volume"`, `pod="ci/no-fsgroup"`)))
 	})
+
+	c.scenario("a step on a node without its input starts over a lazy pull, reads its bytes and runs its program", func() {
+		c.pullFromAnotherNode("lazy") // overlay on XFS: lazy where the kernel has pre-content events
+	})
 }

@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"crypto/md5"
 	"context"
 	"fmt"
 	"os"
@@ -19,9 +20,10 @@ import (
 
 // pullFromAnotherNode runs a second node plugin outside the kubelet (a
 // node of its own as far as the controller knows), captures a volume
-// there, and has a step pod on the kubelet's node use it as its input: the
-// node's plugin pulls it from the other one while the kubelet retries.
-func (c *cluster) pullFromAnotherNode() {
+// there, and has a step pod on the kubelet's node use it as its input, and
+// run a program from it: the node's plugin pulls it from the other one (in
+// mode, lazy or eager) while the kubelet retries.
+func (c *cluster) pullFromAnotherNode(mode string) {
 	t := c.t
 	kubeletDir := t.TempDir()
 	other := plugintest.Start(t, plugintest.Config{
@@ -39,6 +41,8 @@ func (c *cluster) pullFromAnotherNode() {
 		big[i] = byte(i * 7 / 3)
 	}
 	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "blob"), big, 0o644))
+	require.NoError(t, os.MkdirAll(filepath.Join(v.Target, "bin"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "bin", "euid"), c.buildStatic("euid", t.TempDir()), 0o755))
 	require.NoError(t, other.Unpublish(v))
 	ctx := context.Background()
 	c.until("the controller to see remote-v1 on the other node only", 30*time.Second, func() bool {
@@ -46,10 +50,11 @@ func (c *cluster) pullFromAnotherNode() {
 		return err == nil && len(locs[0].Nodes) == 1 && locs[0].Nodes[0] == "other-node"
 	})
 	start := time.Now()
-	c.createPod("ci", "uses-remote", `set -e; cat /in/src/main.go; wc -c < /in/blob`,
+	c.createPod("ci", "uses-remote", `set -e; cat /in/src/main.go; wc -c < /in/blob; /in/bin/euid; md5sum < /in/blob`,
 		volume{name: "in", mountPath: "/in", attrs: attrs("source", "remote-v1"), readOnly: true})
 	out := c.mustSucceed("ci", "uses-remote")
-	require.Equal(t, "package remote\n"+fmt.Sprint(64<<20)+"\n", out)
+	require.Equal(t, fmt.Sprintf("package remote\n%d\n0\n%x  -\n", 64<<20, md5.Sum(big)), out,
+		"the pod reads the other node's bytes and runs its program")
 	c.until("the controller to see remote-v1 on both nodes", 30*time.Second, func() bool {
 		locs, err := c.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
 		return err == nil && len(locs[0].Nodes) == 2
@@ -59,9 +64,10 @@ func (c *cluster) pullFromAnotherNode() {
 	})
 	pulled, ok := c.pluginLine(`"Pulled a source volume from a peer"`, `volume="ci/remote-v1"`)
 	require.True(t, ok, "the kubelet's node pulled it")
-	mode, ok := c.pluginLine(`"Pulls of sources this node lacks"`)
+	modeLine, ok := c.pluginLine(`"Pulls of sources this node lacks"`)
 	require.True(t, ok, "the plugin says how it pulls")
+	require.Contains(t, modeLine, `mode="`+mode+`"`)
 	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s; %s)\n",
 		time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(pulled[strings.Index(pulled, "Pulled"):]),
-		strings.TrimSpace(mode[strings.Index(mode, "mode="):])))
+		strings.TrimSpace(modeLine[strings.Index(modeLine, "mode="):])))
 }
