@@ -3,8 +3,8 @@
 package e2e
 
 import (
-	"crypto/md5"
 	"context"
+	"crypto/md5"
 	"fmt"
 	"os"
 	"path/filepath"
