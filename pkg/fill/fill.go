@@ -102,12 +102,17 @@ type fileKey struct{ dev, ino uint64 }
 // non-nil, closed when it ends); waiters are the event fds of readers held
 // for it.
 type file struct {
-	layer   *Layer
-	key     fileKey
-	rel     string
-	size    int64
-	times   []unix.Timespec // atime, mtime: put back after the writes
-	index   int             // in its dir's files, as added
+	layer *Layer
+	key   fileKey
+	rel   string
+	size  int64
+	times []unix.Timespec // atime, mtime: put back after the writes
+	index int             // in its dir's files, as added
+	// ahead says a read-ahead claimed it: it stays marked once filled,
+	// so that a reader's first open says the read-ahead was worth it.
+	ahead bool
+	// marked says its fanotify mark is still there.
+	marked  bool
 	done    bool
 	err     error
 	filling chan struct{}
@@ -212,10 +217,21 @@ func (g *Group) dispatch(fd int32) {
 		g.mu.Unlock()
 		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
 		return
+	case f.done && f.err == nil: // read ahead, and now read
+		f.layer.readAheadHit(f)
+		delete(g.files, f.key)
+		f.marked = false
+		g.mu.Unlock()
+		g.respond(fd, unix.FAN_ALLOW)
+		g.unmark(f)
+		return
 	case f.done:
 		g.mu.Unlock()
 		g.respond(fd, denyEIO) // failed: its data will never be here
 		return
+	}
+	if f.ahead {
+		f.layer.readAheadHit(f) // claimed ahead, reached before its data
 	}
 	f.waiters = append(f.waiters, fd)
 	if f.filling != nil {
@@ -232,37 +248,69 @@ func (g *Group) dispatch(fd int32) {
 	go g.fillMany(append([]*file{f}, ahead...))
 }
 
-// Read-ahead: a reader of one file of a dir is usually about to read the
+// Read-ahead: a reader of one file of a dir is often about to read the
 // next ones, and one request for many files costs what one for one does.
+// Each dir's window adapts, as the kernel's page read-ahead does: it
+// doubles when what it brought is read, and halves when a reader misses
+// while what it brought lies unread (a reader picking a few files here and
+// there, for whom fetching the others is waste).
 const (
-	readaheadFiles = 32
-	readaheadBytes = 4 << 20
+	readaheadStart = 4
+	readaheadFiles = 256
+	readaheadBytes = 32 << 20
 )
 
+// readAhead is one dir's read-ahead window and what it brought unread.
+type readAhead struct{ window, unread int }
+
 // claimAhead claims, for f's fill, the files after f in its dir that are
-// neither filled nor being filled, within the read-ahead bounds (under
-// g.mu). A layer without FetchMany reads no ahead.
+// neither filled nor being filled, within the dir's window (under g.mu).
+// A layer without FetchMany reads no ahead.
 func (l *Layer) claimAhead(f *file) []*file {
 	if l.fetchMany == nil {
 		return nil
 	}
 	l.mu.Lock()
-	siblings := l.dirs[path.Dir(f.rel)]
+	dir := path.Dir(f.rel)
+	siblings := l.dirs[dir]
+	ra := l.ahead[dir]
+	if ra == nil {
+		ra = &readAhead{window: readaheadStart}
+		l.ahead[dir] = ra
+	} else if ra.unread >= ra.window {
+		ra.window = max(1, ra.window/2)
+	}
+	window := ra.window
 	l.mu.Unlock()
 	var out []*file
 	bytes := f.size
 	for _, s := range siblings[f.index+1:] {
-		if len(out)+1 >= readaheadFiles || bytes+s.size > readaheadBytes {
+		if len(out) >= window || bytes+s.size > readaheadBytes {
 			break
 		}
 		if s.done || s.filling != nil {
 			continue
 		}
-		s.filling = make(chan struct{})
+		s.filling, s.ahead = make(chan struct{}), true
 		out = append(out, s)
 		bytes += s.size
 	}
+	l.mu.Lock()
+	ra.unread += len(out)
+	l.mu.Unlock()
 	return out
+}
+
+// readAheadHit counts a reader reaching a file the read-ahead claimed
+// (under g.mu): the window grows.
+func (l *Layer) readAheadHit(f *file) {
+	f.ahead = false
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if ra := l.ahead[path.Dir(f.rel)]; ra != nil {
+		ra.unread = max(0, ra.unread-1)
+		ra.window = min(readaheadFiles, ra.window*2)
+	}
 }
 
 // fillMany fills files (claimed) from one request for all of them; what
@@ -424,8 +472,16 @@ func (g *Group) write(f *file, src source) error {
 	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(fd, ""), f.times, 0); err != nil {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
-	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
-		klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
+	g.mu.Lock()
+	keep := f.ahead // marked until a reader comes: see claimAhead
+	if !keep {
+		f.marked = false
+	}
+	g.mu.Unlock()
+	if !keep {
+		if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
+			klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
+		}
 	}
 	return nil
 }
@@ -486,8 +542,8 @@ func (g *Group) finish(f *file, err error) {
 	if f.filling != nil {
 		close(f.filling)
 	}
-	if err == nil {
-		delete(g.files, f.key)
+	if err == nil && !f.ahead {
+		delete(g.files, f.key) // a read-ahead's stays, to count its reader
 	}
 	g.mu.Unlock()
 	// The layer hears first: a reader answered may look at it next.
@@ -501,14 +557,18 @@ func (g *Group) finish(f *file, err error) {
 	}
 }
 
-// forget drops f, filled or not, and its mark.
+// forget drops f, filled or not, and its mark if it still has one.
 func (g *Group) forget(f *file) {
 	g.mu.Lock()
 	if g.files[f.key] == f {
 		delete(g.files, f.key)
 	}
+	was := f.marked
+	f.marked = false
 	g.mu.Unlock()
-	g.unmark(f)
+	if was {
+		g.unmark(f)
+	}
 }
 
 // openStub opens f's stub through the exempt clone (opens through any
@@ -609,6 +669,7 @@ type Layer struct {
 	files   []*file
 	byRel   map[string]*file
 	dirs    map[string][]*file // by dir, as added: what a read-ahead takes
+	ahead   map[string]*readAhead
 	pending int
 	sealed  bool
 	err     error
@@ -629,8 +690,9 @@ func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (
 		return nil, fmt.Errorf("layer dir %s is not below %s", dir, g.root)
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
-	return &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
-		byRel: map[string]*file{}, dirs: map[string][]*file{}, done: make(chan struct{})}, nil
+	l := &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
+		byRel: map[string]*file{}, dirs: map[string][]*file{}, ahead: map[string]*readAhead{}, done: make(chan struct{})}
+	return l, nil
 }
 
 // Add holds readers of the stub at rel below the layer's dir, open as fd
@@ -644,7 +706,7 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, marked: true}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()

@@ -401,41 +401,59 @@ func (f *fetcher) fetchMany(calls *atomic.Int32, stopAfter int) FetchManyFunc {
 	}
 }
 
-// A reader of one file of a dir brings the next ones with it, in one
-// request, within the read-ahead bounds; a read-ahead cut short leaves the
-// rest to single fetches, and every byte is right.
+// A reader of one file of a dir brings the next ones with it in one
+// request. Read in order, the read-ahead's window grows and a few requests
+// bring the dir; read here and there, it shrinks and fetches little more
+// than what is read; cut short, what it did not bring comes file by file.
+// Every byte is right.
 func TestReadAhead(t *testing.T) {
 	files := map[string][]byte{}
-	for i := range readaheadFiles {
+	for i := range 64 {
 		files[fmt.Sprintf("f%02d", i)] = random(t, 4096)
 	}
-	s := newStubbed(t, files)
-	src := &fetcher{src: s.src}
-	var calls atomic.Int32
-	_, l := holdWith(t, s, src.fetch, src.fetchMany(&calls, 0), time.Minute)
-	first := l.dirs["."][0].rel
-	_, err := os.ReadFile(filepath.Join(s.merged, first))
-	require.NoError(t, err)
-	require.Equal(t, int32(1), calls.Load())
-	for name, data := range files {
-		got, err := os.ReadFile(filepath.Join(s.merged, name))
-		require.NoError(t, err)
-		require.True(t, bytes.Equal(data, got), name)
+	readAll := func(t *testing.T, s *stubbed, order []*file, every int) {
+		for i, f := range order {
+			if i%every != 0 {
+				continue
+			}
+			got, err := os.ReadFile(filepath.Join(s.merged, f.rel))
+			require.NoError(t, err)
+			require.True(t, bytes.Equal(files[f.rel], got), f.rel)
+		}
 	}
-	require.Equal(t, int32(1), calls.Load(), "one request brought the dir")
-	require.Empty(t, src.fetched, "no file needed a fetch of its own")
-	<-l.Done()
 
-	s2 := newStubbed(t, files)
-	src2 := &fetcher{src: s2.src}
-	var calls2 atomic.Int32
-	_, l2 := holdWith(t, s2, src2.fetch, src2.fetchMany(&calls2, 5), time.Minute)
-	_, err = os.ReadFile(filepath.Join(s2.merged, l2.dirs["."][0].rel))
-	require.NoError(t, err)
-	for name, data := range files {
-		got, err := os.ReadFile(filepath.Join(s2.merged, name))
-		require.NoError(t, err)
-		require.True(t, bytes.Equal(data, got), name)
-	}
-	require.Len(t, src2.fetched, readaheadFiles-5, "what the cut read-ahead did not bring came file by file")
+	t.Run("in order", func(t *testing.T) {
+		s := newStubbed(t, files)
+		src := &fetcher{src: s.src}
+		var calls atomic.Int32
+		_, l := holdWith(t, s, src.fetch, src.fetchMany(&calls, 0), time.Minute)
+		readAll(t, s, l.dirs["."], 1)
+		require.LessOrEqual(t, calls.Load(), int32(5), "the window grew: a few requests brought 64 files")
+		require.Empty(t, src.fetched, "no file needed a fetch of its own")
+		<-l.Done()
+	})
+	t.Run("here and there", func(t *testing.T) {
+		s := newStubbed(t, files)
+		src := &fetcher{src: s.src}
+		var calls atomic.Int32
+		var brought atomic.Int32
+		many := src.fetchMany(&calls, 0)
+		_, l := holdWith(t, s, src.fetch, func(ctx context.Context, rels []string, each func(string, func(io.WriterAt) error) error) error {
+			brought.Add(int32(len(rels)))
+			return many(ctx, rels, each)
+		}, time.Minute)
+		readAll(t, s, l.dirs["."], 8)
+		require.Equal(t, int32(8), calls.Load(), "each of the 8 reads missed")
+		require.Less(t, brought.Load(), int32(24), "the window shrank: %d files brought for 8 read", brought.Load())
+	})
+	t.Run("cut short", func(t *testing.T) {
+		s := newStubbed(t, files)
+		src := &fetcher{src: s.src}
+		var calls atomic.Int32
+		_, l := holdWith(t, s, src.fetch, src.fetchMany(&calls, 2), time.Minute)
+		readAll(t, s, l.dirs["."], 1)
+		require.NotEmpty(t, src.fetched, "what the cut read-aheads did not bring came file by file")
+		<-l.Done()
+		require.NoError(t, l.Err())
+	})
 }
