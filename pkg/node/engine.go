@@ -1,15 +1,19 @@
 // Package node is cowvol's node engine: everything a node does with volumes,
 // whether a pod asked or not. It publishes step volumes at the kubelet's
 // targets and captures or discards them on teardown, flattens deep chains,
-// makes captures durable, measures what step volumes hold, and recovers
-// (quarantining what it cannot settle) after a restart.
+// makes captures durable, measures what step volumes hold, pulls the
+// sources it lacks from peers (eagerly, or lazily: the tree first, each
+// file's data when it is opened), and recovers (quarantining what it
+// cannot settle) after a restart.
 //
 // It speaks no gRPC and no CSI: callers validate requests (package driver
 // does for the kubelet) and map the errors it returns, which wrap the
 // sentinels of this package and of packages cache and target. It builds on
-// package cache (metadata), package overlay (copy-on-write mechanics) and
-// package target (the kubelet's dirs), asks the cluster about step pods only
-// through the Pods it is given, and never imports package driver.
+// package cache (metadata and the lifecycle of cached volumes), package
+// overlay (copy-on-write mechanics), package fill (holding readers of lazy
+// layers), package streamer (the peer wire) and package target (the
+// kubelet's dirs), asks the cluster about step pods only through the Pods
+// it is given, and never imports package driver.
 package node
 
 import (
