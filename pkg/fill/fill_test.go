@@ -457,3 +457,24 @@ func TestReadAhead(t *testing.T) {
 		require.NoError(t, l.Err())
 	})
 }
+
+// A disk that fills up while a file is being filled answers its reader
+// EIO and fails the layer; the stub never serves part of its data.
+func TestDiskFullWhileFilling(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"big": random(t, 64<<20)})
+	src := &fetcher{src: s.src}
+	_, l := hold(t, s, src.fetch, time.Minute)
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(s.layer, &st))
+	filler, err := os.Create(filepath.Join(filepath.Dir(s.layer), "filler"))
+	require.NoError(t, err)
+	defer filler.Close()
+	require.NoError(t, unix.Fallocate(int(filler.Fd()), 0, 0, int64(st.Bavail)*st.Bsize-(8<<20)))
+
+	for range 2 {
+		_, err = os.ReadFile(filepath.Join(s.merged, "big"))
+		require.ErrorIs(t, err, syscall.EIO)
+	}
+	<-l.Done()
+	require.ErrorIs(t, l.Err(), syscall.ENOSPC)
+}
