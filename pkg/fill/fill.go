@@ -110,9 +110,9 @@ type file struct {
 	index int             // in its dir's files, as added
 	// ahead says a read-ahead claimed it: it stays marked once filled,
 	// so that a reader's first open says the read-ahead was worth it.
-	ahead bool
-	// marked says its fanotify mark is still there.
-	marked  bool
+	// (A file keeps its mark while it is in Group.files: its fill
+	// removes the mark just before finish drops it from there.)
+	ahead   bool
 	done    bool
 	err     error
 	filling chan struct{}
@@ -220,7 +220,6 @@ func (g *Group) dispatch(fd int32) {
 	case f.done && f.err == nil: // read ahead, and now read
 		f.layer.readAheadHit(f)
 		delete(g.files, f.key)
-		f.marked = false
 		g.mu.Unlock()
 		g.respond(fd, unix.FAN_ALLOW)
 		g.unmark(f)
@@ -234,11 +233,10 @@ func (g *Group) dispatch(fd int32) {
 		f.layer.readAheadHit(f) // claimed ahead, reached before its data
 	}
 	f.waiters = append(f.waiters, fd)
-	if f.filling != nil {
+	if !claim(f) {
 		g.mu.Unlock()
 		return // its fill answers it
 	}
-	f.filling = make(chan struct{})
 	ahead := f.layer.claimAhead(f)
 	g.mu.Unlock()
 	if len(ahead) == 0 {
@@ -288,10 +286,10 @@ func (l *Layer) claimAhead(f *file) []*file {
 		if len(out) >= window || bytes+s.size > readaheadBytes {
 			break
 		}
-		if s.done || s.filling != nil {
+		if !claim(s) {
 			continue
 		}
-		s.filling, s.ahead = make(chan struct{}), true
+		s.ahead = true
 		out = append(out, s)
 		bytes += s.size
 	}
@@ -329,13 +327,7 @@ func (g *Group) fillMany(files []*file) {
 		}
 		delete(byRel, rel)
 		var broke error
-		g.fill(f, func(ctx context.Context, w io.WriterAt) error {
-			if err := write(w); err != nil {
-				broke = err
-				return f.fetch(ctx, w) // the request broke off: this one alone
-			}
-			return nil
-		})
+		g.fill(f, f.orFetch(write, &broke))
 		return broke
 	})
 	if err != nil && l.ctx.Err() == nil {
@@ -356,23 +348,25 @@ func (g *Group) respond(fd int32, answer uint32) {
 	unix.Close(int(fd))
 }
 
+// claim makes the caller f's filler (under g.mu), unless f is filled or
+// a fill of it is running.
+func claim(f *file) bool {
+	if f.done || f.filling != nil {
+		return false
+	}
+	f.filling = make(chan struct{})
+	return true
+}
+
 // ensure fills f unless it is filled, waiting for a fill already running.
 func (g *Group) ensure(f *file) error {
 	g.mu.Lock()
-	if f.done {
-		g.mu.Unlock()
-		return f.err
-	}
-	ch, start := f.filling, f.filling == nil
-	if start {
-		ch = make(chan struct{})
-		f.filling = ch
-	}
+	mine, running := claim(f), f.filling
 	g.mu.Unlock()
-	if start {
+	if mine {
 		g.fill(f, f.fetch)
-	} else {
-		<-ch
+	} else if running != nil {
+		<-running
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -385,6 +379,23 @@ type source func(ctx context.Context, w io.WriterAt) error
 // fetch is f's data as its layer's FetchFunc brings it.
 func (f *file) fetch(ctx context.Context, w io.WriterAt) error {
 	return f.layer.fetch(ctx, f.rel, f.size, w)
+}
+
+// orFetch is f's data as write (part of a stream of many files) brings
+// it, or, if write breaks off, as f's own fetch does; broke, if not nil,
+// is told why write broke off (the stream is done for).
+func (f *file) orFetch(write func(w io.WriterAt) error, broke *error) source {
+	return func(ctx context.Context, w io.WriterAt) error {
+		err := write(w)
+		if err == nil {
+			return nil
+		}
+		if broke != nil {
+			*broke = err
+		}
+		klog.V(2).InfoS("A file of a stream did not arrive; fetching it alone", "file", f.rel, "err", err)
+		return f.fetch(ctx, w)
+	}
 }
 
 // fill writes f's data from src into the stub through the exempt mount,
@@ -474,14 +485,9 @@ func (g *Group) write(f *file, src source) error {
 	}
 	g.mu.Lock()
 	keep := f.ahead // marked until a reader comes: see claimAhead
-	if !keep {
-		f.marked = false
-	}
 	g.mu.Unlock()
 	if !keep {
-		if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
-			klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
-		}
+		g.removeMark(fd, f)
 	}
 	return nil
 }
@@ -560,13 +566,12 @@ func (g *Group) finish(f *file, err error) {
 // forget drops f, filled or not, and its mark if it still has one.
 func (g *Group) forget(f *file) {
 	g.mu.Lock()
-	if g.files[f.key] == f {
+	held := g.files[f.key] == f
+	if held {
 		delete(g.files, f.key)
 	}
-	was := f.marked
-	f.marked = false
 	g.mu.Unlock()
-	if was {
+	if held {
 		g.unmark(f)
 	}
 }
@@ -594,13 +599,22 @@ func (g *Group) openStub(f *file, flags int) (int, error) {
 	return fd, nil
 }
 
+// unmark removes f's mark, its stub opened again (gone: nothing to do).
 func (g *Group) unmark(f *file) {
 	fd, err := g.openStub(f, unix.O_RDONLY)
-	if err == nil {
-		err = unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, "")
-		unix.Close(fd)
+	if err != nil {
+		if !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESTALE) {
+			klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
+		}
+		return
 	}
-	if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESTALE) {
+	defer unix.Close(fd)
+	g.removeMark(fd, f)
+}
+
+// removeMark removes the mark of f's stub, open as fd.
+func (g *Group) removeMark(fd int, f *file) {
+	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
 		klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
 	}
 }
@@ -706,7 +720,7 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, marked: true}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()
@@ -817,21 +831,12 @@ func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
 		return nil // empty, a link to a file offered already, or not a stub
 	}
 	l.g.mu.Lock()
-	if f.done || f.filling != nil {
-		l.g.mu.Unlock()
+	mine := claim(f)
+	l.g.mu.Unlock()
+	if !mine {
 		return nil
 	}
-	f.filling = make(chan struct{})
-	l.g.mu.Unlock()
-	l.g.fill(f, func(ctx context.Context, w io.WriterAt) error {
-		if err := write(w); err != nil {
-			// The offer broke off (its stream failed): the file's own
-			// fetch brings it instead, whole.
-			klog.V(2).InfoS("An offered file did not arrive; fetching it alone", "file", rel, "err", err)
-			return f.fetch(ctx, w)
-		}
-		return nil
-	})
+	l.g.fill(f, f.orFetch(write, nil))
 	l.g.mu.Lock()
 	defer l.g.mu.Unlock()
 	return f.err
