@@ -148,7 +148,7 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 		}
 		err := layer.Err()
 		if err == nil {
-			if err = overlay.SyncFS(e.store.DataPath(cache.Volume{Namespace: r.Namespace, Handle: r.Handle})); err == nil {
+			if err = overlay.SyncFS(e.store.VolumeDir(r)); err == nil {
 				_, err = e.store.Filled(r)
 			}
 		}
@@ -271,21 +271,11 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 }
 
 // stream fills the layer's files from one stream of the whole layer from
-// the current holder; files readers are filling already are skipped.
+// the current holder; files readers are filling already are skipped. A
+// stream that breaks off moves on from its holder.
 func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
-	client, peer, err := s.current(ctx)
-	if err != nil {
-		return err
-	}
-	cfg := s.e.pulls.cfg
-	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, nil,
-		func(name string, size int64, write func(w io.WriterAt) error) error {
-			return layer.Offer(name, func(w io.WriterAt) error {
-				s.e.metrics.fillBytes.Add(float64(size))
-				return write(w)
-			})
-		})
-	if err != nil && ctx.Err() == nil {
+	peer, err := s.pullFiles(ctx, nil, layer.Offer)
+	if err != nil && peer != "" && ctx.Err() == nil {
 		s.drop(peer)
 	}
 	return err
@@ -295,17 +285,27 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
 // (a reader's read-ahead). What it does not bring is fetched file by file,
 // and those fetches move on from a holder that failed.
 func (s *lazySource) fetchMany(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
-	client, _, err := s.current(ctx)
+	_, err := s.pullFiles(ctx, rels, each)
+	return err
+}
+
+// pullFiles streams the files rels of the layer (nil: all of them) from
+// the current holder, which it names, handing each to each; the data
+// written is counted.
+func (s *lazySource) pullFiles(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
+	client, peer, err := s.current(ctx)
 	if err != nil {
-		return err
+		return "", err
 	}
 	cfg := s.e.pulls.cfg
 	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels,
 		func(name string, size int64, write func(w io.WriterAt) error) error {
-			s.e.metrics.fillBytes.Add(float64(size))
-			return each(name, write)
+			return each(name, func(w io.WriterAt) error {
+				s.e.metrics.fillBytes.Add(float64(size))
+				return write(w)
+			})
 		})
-	return err
+	return peer, err
 }
 
 // close lets go of the source's connection.
