@@ -158,23 +158,36 @@ func PackFiles(ctx context.Context, root string, names []string, w io.Writer, en
 // file writes the entry of the regular file rel below the dir open as
 // root.
 func (pk *packer) file(root int, rel string) error {
-	dir, err := fdtree.OpenBeneath(root, path.Dir(rel))
-	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
-		return fmt.Errorf("%s: %w", rel, ErrNoPath)
-	}
+	dir, st, err := regularBeneath(root, rel)
 	if err != nil {
 		return err
 	}
 	defer unix.Close(dir)
-	var st unix.Stat_t
-	if err := unix.Fstatat(dir, path.Base(rel), &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return fmt.Errorf("%s: %w", rel, ErrNoPath)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return fmt.Errorf("%s is not a regular file: %w", rel, ErrWrongKind)
-	}
 	st.Nlink = 1 // each is sent whole, never as a link to another
 	return pk.entry(dir, path.Base(rel), rel, &st)
+}
+
+// regularBeneath finds the regular file rel below the dir open as root,
+// following no symlink on the way, and returns its dir, open (the caller
+// closes it), and its stat. Nothing there is ErrNoPath; anything but a
+// regular file, ErrWrongKind.
+func regularBeneath(root int, rel string) (dir int, st unix.Stat_t, err error) {
+	dir, err = fdtree.OpenBeneath(root, path.Dir(rel))
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
+		return -1, st, fmt.Errorf("%s: %w", rel, ErrNoPath)
+	}
+	if err != nil {
+		return -1, st, err
+	}
+	if err := unix.Fstatat(dir, path.Base(rel), &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		unix.Close(dir)
+		return -1, st, fmt.Errorf("%s: %w", rel, ErrNoPath)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		unix.Close(dir)
+		return -1, st, fmt.Errorf("%s is not a regular file: %w", rel, ErrWrongKind)
+	}
+	return dir, st, nil
 }
 
 // pack writes the entries add writes (it returns how many) as a tar

@@ -317,10 +317,15 @@ func TestPackFilesAndFiles(t *testing.T) {
 	require.Equal(t, []byte("end"), got["d/sparse"][1<<20:])
 	require.NotContains(t, got, "skipped")
 
-	for name, want := range map[string]error{"link/a": ErrNoPath, "d": ErrWrongKind, "nope": ErrNoPath} {
+	for name, want := range map[string]error{"link/a": ErrNoPath, "d": ErrWrongKind, "nope": ErrNoPath, "link": ErrWrongKind} {
 		_, err := PackFiles(context.Background(), src, []string{name}, io.Discard, Raw)
 		require.ErrorIs(t, err, want, name)
+		_, err = openInLayer(src, name) // ReadLayerFile's: the same answers
+		require.ErrorIs(t, err, want, name)
 	}
+	f, err := openInLayer(src, "d/a")
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
 }
 
 type bufferAt struct{ b []byte }

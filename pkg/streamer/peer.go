@@ -20,7 +20,6 @@ import (
 	"k8s.io/klog/v2"
 
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
-	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -290,24 +289,17 @@ func openInLayer(dir, rel string) (*os.File, error) {
 		return nil, err
 	}
 	defer unix.Close(root)
-	parent, err := fdtree.OpenBeneath(root, path.Dir(rel))
-	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
-		return nil, fmt.Errorf("%s: %w", rel, ErrNoPath)
-	}
+	parent, st, err := regularBeneath(root, rel)
 	if err != nil {
 		return nil, err
 	}
 	defer unix.Close(parent)
-	fd, err := unix.Openat2(parent, path.Base(rel), &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_CLOEXEC | unix.O_NOFOLLOW | unix.O_NONBLOCK,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV})
-	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ELOOP) {
+	fd, err := unix.Openat(parent, path.Base(rel), unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if err != nil {
 		return nil, fmt.Errorf("%s: %w", rel, ErrNoPath)
 	}
-	if err != nil {
-		return nil, err
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+	var got unix.Stat_t
+	if err := unix.Fstat(fd, &got); err != nil || got.Dev != st.Dev || got.Ino != st.Ino {
 		unix.Close(fd)
 		return nil, fmt.Errorf("%s is not a regular file: %w", rel, ErrWrongKind)
 	}
