@@ -294,6 +294,34 @@ func TestPullsBetweenNodes(t *testing.T) {
 			"another namespace's volume and a missing one look alike")
 		require.NoError(t, ask(tlsWith(peerCert), "other", "other", "private"), "its own namespace may")
 
+		// A lazy puller's requests are answered as the pull's are: ci may
+		// not read other's private volume's files, alone, nor through a
+		// volume of its own.
+		read := func(ns string, vol, via *peerv1.VolumeRef, path string) error {
+			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(tlsWith(peerCert)))
+			require.NoError(t, err)
+			defer conn.Close()
+			api := peerv1.NewPeerClient(conn)
+			file, err := api.ReadLayerFile(ctx, &peerv1.ReadLayerFileRequest{Namespace: ns, Volume: vol, Via: via, Path: path, Length: 10})
+			if err == nil {
+				_, err = file.Recv()
+			}
+			if err != nil {
+				return err
+			}
+			files, err := api.PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: ns, Volume: vol, Via: via, Files: []string{path}, Encoding: "raw"})
+			if err == nil {
+				_, err = files.Recv()
+			}
+			return err
+		}
+		ciBase := &peerv1.VolumeRef{Namespace: "ci", Handle: "base"}
+		otherPrivate := &peerv1.VolumeRef{Namespace: "other", Handle: "private"}
+		require.NoError(t, read("ci", ciBase, nil, "random"), "a file of its own namespace's volume")
+		require.Equal(t, codes.NotFound, code(read("ci", otherPrivate, nil, "random")))
+		require.Equal(t, codes.NotFound, code(read("ci", otherPrivate, ciBase, "random")), "via a volume it does not stack on")
+		require.Equal(t, codes.InvalidArgument, code(read("ci", ciBase, nil, "../private/random")), "a path out of the layer")
+
 		// Through a publish: B asks A for ci's pod, A refuses, B says not found.
 		v := b.volumeIn("ci", map[string]string{driver.AttrSource: "private", driver.AttrSourceNamespace: "other"}, true)
 		err = b.publishWaiting(v)
