@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
@@ -26,17 +27,20 @@ import (
 )
 
 // cuttableProxy forwards TCP to a holder until Cut, which drops every
-// connection and every later one: a holder that dies.
+// connection and every later one: a holder that dies. With a rate, what
+// the holder sends comes at about that many bytes a second, each
+// connection alone: a slow link.
 type cuttableProxy struct {
 	addr  string
+	rate  int
 	mu    sync.Mutex
 	conns []net.Conn
 	cut   bool
 }
 
-func newCuttableProxy(t *testing.T, addr string) *cuttableProxy {
+func newCuttableProxy(t *testing.T, addr string, rate int) *cuttableProxy {
 	t.Helper()
-	p := &cuttableProxy{}
+	p := &cuttableProxy{rate: rate}
 	t.Cleanup(p.Cut)
 	p.addr = tcpProxy(t, addr, func(in, out net.Conn) {
 		p.mu.Lock()
@@ -49,10 +53,35 @@ func newCuttableProxy(t *testing.T, addr string) *cuttableProxy {
 		p.conns = append(p.conns, in, out)
 		p.mu.Unlock()
 		go func() { _, _ = io.Copy(out, in); out.Close() }()
-		_, _ = io.Copy(in, out)
+		p.copyBack(in, out)
 		in.Close()
 	})
 	return p
+}
+
+// copyBack copies what the holder sends back to the puller, at the rate.
+func (p *cuttableProxy) copyBack(in, out net.Conn) {
+	if p.rate == 0 {
+		_, _ = io.Copy(in, out)
+		return
+	}
+	buf := make([]byte, 16<<10)
+	start, sent := time.Now(), 0
+	for {
+		n, err := out.Read(buf)
+		if n > 0 {
+			if _, werr := in.Write(buf[:n]); werr != nil {
+				return
+			}
+			sent += n
+			if ahead := time.Duration(sent)*time.Second/time.Duration(p.rate) - time.Since(start); ahead > 0 {
+				time.Sleep(ahead)
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
 }
 
 // Cut drops every connection, now and to come.
@@ -68,12 +97,18 @@ func (p *cuttableProxy) Cut() {
 // lazyNodes are a holder A and a node B that pulls from it lazily through
 // a proxy that can cut A off.
 func lazyNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
+	return lazyNodesAt(t, 0)
+}
+
+// lazyNodesAt are lazyNodes over a link of rate bytes a second (0: as
+// fast as it goes).
+func lazyNodesAt(t *testing.T, rate int) (a, b *env, proxy *cuttableProxy) {
 	t.Helper()
 	testfs.Need(t, "mkfs.xfs")
 	peerAddr := plugintest.FreeAddr(t)
 	a = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
 		Args: []string{"--peer-address=" + peerAddr}})
-	proxy = newCuttableProxy(t, peerAddr)
+	proxy = newCuttableProxy(t, peerAddr, rate)
 	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
 		Args: []string{"--peers=node-a=" + proxy.addr, "--pull-wait=1s", "--pull-mode=lazy"}})
 	return a, b, proxy
@@ -196,5 +231,73 @@ func TestLazyPullerKilledMidFill(t *testing.T) {
 	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
 	b.umount(v)
 	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input may have read holes captures nothing")
+	b.noLeaks(t)
+}
+
+// A lazy pull records the order its step opens files in under the step's
+// read profile, and the next lazy pull under that name (the next build's
+// new version of the input) fetches those files first: over a slow link,
+// they are here while most of the rest is still on its way.
+func TestLazyPullReadsInTheRecordedOrder(t *testing.T) {
+	const files, size = 24, 1 << 20
+	a, b, _ := lazyNodesAt(t, 6<<20)
+	for _, version := range []string{"v1", "v2"} {
+		a.step("", version, func(dir string) {
+			for i := range files {
+				randomFile(t, dir, fmt.Sprintf("f-%02d", i), size, uint64(len(version)*100+i))
+			}
+		})
+	}
+	// The step reads, in reverse, the files a walk of the layer meets
+	// last: a stream in walk order would bring them last.
+	var walked []string
+	a.read("v1", func(dir string) {
+		d, err := os.Open(dir)
+		require.NoError(t, err)
+		walked, err = d.Readdirnames(-1)
+		require.NoError(t, err)
+		require.NoError(t, d.Close())
+	})
+	require.Len(t, walked, files)
+	read := []string{walked[files-1], walked[files-2], walked[files-3]}
+
+	profile := map[string]string{driver.AttrSource: "v1", driver.AttrReadProfile: "main/unit/repo"}
+	v := b.volume(profile, true)
+	require.NoError(t, b.publishWaiting(v))
+	for _, name := range read {
+		_, err := os.ReadFile(filepath.Join(v.Target, name))
+		require.NoError(t, err)
+	}
+	eventually(t, "v1 to be filled", func() bool { return volumeState(t, b, "v1") == "ready" })
+	b.umount(v)
+
+	profile[driver.AttrSource] = "v2"
+	v = b.volume(profile, true)
+	require.NoError(t, b.publishWaiting(v))
+	filled := func(name string) bool {
+		stubs, err := filepath.Glob(filepath.Join(b.p.StateDir, "volumes", "ci", "v2", "*", name))
+		require.NoError(t, err)
+		require.Len(t, stubs, 1, name)
+		var st unix.Stat_t
+		require.NoError(t, unix.Stat(stubs[0], &st)) // a stat is not held: it reads no data
+		return st.Blocks*512 >= size
+	}
+	eventually(t, "the files the profile names to arrive", func() bool {
+		for _, name := range read {
+			if !filled(name) {
+				return false
+			}
+		}
+		return true
+	})
+	others := 0
+	for _, name := range walked[:files-3] {
+		if filled(name) {
+			others++
+		}
+	}
+	require.Less(t, others, (files-3)/2, "the files read first last time come before most others")
+	eventually(t, "v2 to be filled", func() bool { return volumeState(t, b, "v2") == "ready" })
+	b.umount(v)
 	b.noLeaks(t)
 }

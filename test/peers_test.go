@@ -322,6 +322,29 @@ func TestPullsBetweenNodes(t *testing.T) {
 		require.Equal(t, codes.NotFound, code(read("ci", otherPrivate, ciBase, "random")), "via a volume it does not stack on")
 		require.Equal(t, codes.InvalidArgument, code(read("ci", ciBase, nil, "../private/random")), "a path out of the layer")
 
+		// A read order only orders a stream of the whole layer's data,
+		// bounded; names that are not its files are skipped.
+		ordered := func(req *peerv1.PullLayerRequest) error {
+			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(tlsWith(peerCert)))
+			require.NoError(t, err)
+			defer conn.Close()
+			req.Namespace, req.Volume, req.Encoding = "ci", ciBase, "raw"
+			stream, err := peerv1.NewPeerClient(conn).PullLayer(ctx, req)
+			for err == nil {
+				_, err = stream.Recv()
+			}
+			return err
+		}
+		require.ErrorIs(t, ordered(&peerv1.PullLayerRequest{First: []string{"nope", "random", "random"}}), io.EOF)
+		for name, req := range map[string]*peerv1.PullLayerRequest{
+			"with stubs":       {First: []string{"random"}, Stubs: true},
+			"with files":       {First: []string{"random"}, Files: []string{"random"}},
+			"out of the layer": {First: []string{"../private/random"}},
+			"too many":         {First: make([]string, 50_001)},
+		} {
+			require.Equal(t, codes.InvalidArgument, code(ordered(req)), name)
+		}
+
 		// Through a publish: B asks A for ci's pod, A refuses, B says not found.
 		v := b.volumeIn("ci", map[string]string{driver.AttrSource: "private", driver.AttrSourceNamespace: "other"}, true)
 		err = b.publishWaiting(v)

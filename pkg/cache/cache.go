@@ -201,7 +201,7 @@ var (
 	revisionKey    = []byte("revision")
 )
 
-var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket}
+var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket}
 
 // schemaVersion is the metadata layout this code writes: 1 keys volumes by
 // namespace/handle, keeps their data under volumes/<namespace>/<handle>,

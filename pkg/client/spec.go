@@ -34,6 +34,18 @@ func Input(name string, src volume.Ref, podNamespace string) corev1.Volume {
 	return inline(name, sourceAttrs(src, podNamespace), true)
 }
 
+// WithReadProfile names the order in which the step reads v's source,
+// under name (volume.AttrReadProfile): a node that pulls the source lazily
+// records it, and the next lazy pull under that name, in the same
+// namespace and on the same node, fetches in that order. Name it after
+// what stays the same from build to build (pipeline, job, step, input),
+// not after the volume.
+func WithReadProfile(v corev1.Volume, name string) corev1.Volume {
+	v.CSI.VolumeAttributes = maps.Clone(v.CSI.VolumeAttributes)
+	v.CSI.VolumeAttributes[volume.AttrReadProfile] = name
+	return v
+}
+
 // Output describes a volume a step leaves behind.
 type Output struct {
 	// Capture is the handle it is captured as, in the pod's namespace.

@@ -25,6 +25,10 @@ func TestStepVolumes(t *testing.T) {
 			v := Input("repo", res, "ci")
 			return v.CSI.VolumeAttributes, *v.CSI.ReadOnly
 		}, map[string]string{"source": "res-7f3a"}, true},
+		{"input read in a recorded order", func() (map[string]string, bool) {
+			v := WithReadProfile(Input("repo", res, "ci"), "main/unit/repo")
+			return v.CSI.VolumeAttributes, *v.CSI.ReadOnly
+		}, map[string]string{"source": "res-7f3a", "readProfile": "main/unit/repo"}, true},
 		{"another namespace's shared input", func() (map[string]string, bool) {
 			v := Input("tools", shared, "ci")
 			return v.CSI.VolumeAttributes, *v.CSI.ReadOnly

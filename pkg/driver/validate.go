@@ -24,6 +24,7 @@ const (
 	AttrSizeLimit       = volume.AttrSizeLimit
 	AttrTTL             = volume.AttrTTL
 	AttrPropertyPrefix  = volume.AttrPropertyPrefix
+	AttrReadProfile     = volume.AttrReadProfile
 )
 
 // Keys the kubelet adds to an inline volume's context (podInfoOnMount).
@@ -41,7 +42,7 @@ var kubeletKeys = map[string]bool{
 	ctxServiceAccount: true, ctxSATokens: true,
 }
 
-const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, property.<key>"
+const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, readProfile, property.<key>"
 
 // Limits on caller-chosen strings.
 const (
@@ -59,6 +60,8 @@ type volumeRequest struct {
 	Properties map[string]string
 	Pod        volume.Pod
 	ReadOnly   bool
+	// ReadProfile names the order the step reads its source in.
+	ReadProfile string
 }
 
 func invalid(format string, args ...any) error {
@@ -176,6 +179,11 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 				return r, invalid("attribute ttl %s is invalid: want a positive duration such as 72h", volume.Quote(v))
 			}
 			r.TTL = d
+		case k == AttrReadProfile:
+			if err := volume.ValidateReadProfile(v); err != nil {
+				return r, invalid("attribute readProfile: %v", err)
+			}
+			r.ReadProfile = v
 		case k == AttrSizeLimit:
 			q, err := resource.ParseQuantity(v)
 			if err != nil || q.Sign() <= 0 {
@@ -200,6 +208,9 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	}
 	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0) {
 		return r, invalid("attributes scope, ttl and property.* describe a captured volume: they need capture")
+	}
+	if r.ReadProfile != "" && r.Source.IsZero() {
+		return r, invalid("attribute readProfile names the order the step reads its source in: it needs source")
 	}
 	if sourceNS != "" && r.Source.IsZero() {
 		return r, invalid("attribute sourceNamespace names the namespace of source: it needs source")

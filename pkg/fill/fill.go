@@ -27,6 +27,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -94,6 +95,9 @@ type Group struct {
 	files  map[fileKey]*file
 	closed bool
 	loop   sync.WaitGroup
+	// unmarking are the mark removals under way off the loop (the loop
+	// adds them: none is added once Close has waited for the loop).
+	unmarking sync.WaitGroup
 }
 
 type fileKey struct{ dev, ino uint64 }
@@ -108,10 +112,14 @@ type file struct {
 	size  int64
 	times []unix.Timespec // atime, mtime: put back after the writes
 	index int             // in its dir's files, as added
-	// ahead says a read-ahead claimed it: it stays marked once filled,
-	// so that a reader's first open says the read-ahead was worth it.
-	// (A file keeps its mark while it is in Group.files: its fill
-	// removes the mark just before finish drops it from there.)
+	// reached says a reader opened (or read) it. A file no reader reached
+	// stays marked once filled, so that its first reader is seen: the
+	// order readers reach files in is recorded, and a read-ahead's hits
+	// are counted. (A file keeps its mark while it is in Group.files: a
+	// reached file's fill removes the mark just before finish drops it
+	// from there.)
+	reached bool
+	// ahead says a read-ahead claimed it and no reader has reached it yet.
 	ahead   bool
 	done    bool
 	err     error
@@ -172,6 +180,7 @@ func (g *Group) Close() error {
 	}
 	err := g.events.Close()
 	g.loop.Wait()
+	g.unmarking.Wait()
 	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
 }
 
@@ -212,25 +221,27 @@ func (g *Group) dispatch(fd int32) {
 	}
 	g.mu.Lock()
 	f := g.files[fileKey{dev: st.Dev, ino: st.Ino}]
-	switch {
-	case f == nil:
+	if f == nil {
 		g.mu.Unlock()
 		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
 		return
-	case f.done && f.err == nil: // read ahead, and now read
-		f.layer.readAheadHit(f)
+	}
+	f.layer.reach(f)
+	switch {
+	case f.done && f.err == nil: // filled before a reader came
 		delete(g.files, f.key)
+		g.unmarking.Add(1)
 		g.mu.Unlock()
 		g.respond(fd, unix.FAN_ALLOW)
-		g.unmark(f)
+		go func() { // off the loop: the next reader's event waits for it
+			defer g.unmarking.Done()
+			g.unmark(f)
+		}()
 		return
 	case f.done:
 		g.mu.Unlock()
 		g.respond(fd, denyEIO) // failed: its data will never be here
 		return
-	}
-	if f.ahead {
-		f.layer.readAheadHit(f) // claimed ahead, reached before its data
 	}
 	f.waiters = append(f.waiters, fd)
 	if !claim(f) {
@@ -299,12 +310,21 @@ func (l *Layer) claimAhead(f *file) []*file {
 	return out
 }
 
-// readAheadHit counts a reader reaching a file the read-ahead claimed
-// (under g.mu): the window grows.
-func (l *Layer) readAheadHit(f *file) {
-	f.ahead = false
+// reach records a reader's first open (or read) of f (under g.mu): f
+// joins the order readers reach files in, and if a read-ahead claimed
+// it, that dir's window grows.
+func (l *Layer) reach(f *file) {
+	if f.reached {
+		return
+	}
+	f.reached = true
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.reached = append(l.reached, f.rel)
+	if !f.ahead {
+		return
+	}
+	f.ahead = false
 	if ra := l.ahead[path.Dir(f.rel)]; ra != nil {
 		ra.unread = max(0, ra.unread-1)
 		ra.window = min(readaheadFiles, ra.window*2)
@@ -484,9 +504,9 @@ func (g *Group) write(f *file, src source) error {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
 	g.mu.Lock()
-	keep := f.ahead // marked until a reader comes: see claimAhead
+	reached := f.reached // else marked until a reader comes: see file.reached
 	g.mu.Unlock()
-	if !keep {
+	if reached {
 		g.removeMark(fd, f)
 	}
 	return nil
@@ -548,8 +568,8 @@ func (g *Group) finish(f *file, err error) {
 	if f.filling != nil {
 		close(f.filling)
 	}
-	if err == nil && !f.ahead {
-		delete(g.files, f.key) // a read-ahead's stays, to count its reader
+	if err == nil && f.reached {
+		delete(g.files, f.key) // one no reader reached stays, to see its first
 	}
 	g.mu.Unlock()
 	// The layer hears first: a reader answered may look at it next.
@@ -684,6 +704,7 @@ type Layer struct {
 	byRel   map[string]*file
 	dirs    map[string][]*file // by dir, as added: what a read-ahead takes
 	ahead   map[string]*readAhead
+	reached []string // what readers reached, in order
 	pending int
 	sealed  bool
 	err     error
@@ -866,6 +887,28 @@ func (l *Layer) snapshot() []*file {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]*file(nil), l.files...)
+}
+
+// Reached is the layer's files readers opened while it was being filled,
+// in the order of their first opens (what its fills brought unasked is
+// there once a reader reached it).
+func (l *Layer) Reached() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.reached)
+}
+
+// Has is those of rels that are the layer's stubs (to fill), in order.
+func (l *Layer) Has(rels []string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, rel := range rels {
+		if l.byRel[rel] != nil {
+			out = append(out, rel)
+		}
+	}
+	return out
 }
 
 // Done is closed once every file is filled or one failed (then Err says

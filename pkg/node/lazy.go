@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -52,7 +54,16 @@ const prefetchWorkers = 8
 type lazyPulls struct {
 	group  *fill.Group
 	mu     sync.Mutex
-	layers map[volume.Ref]*fill.Layer
+	layers map[volume.Ref]*lazyFill
+}
+
+// lazyFill is a layer being filled, and who mounts it meanwhile (under
+// lazyPulls.mu): the namespaces of their pods, and the read profiles they
+// named, under which the order its readers reach its files is recorded.
+type lazyFill struct {
+	layer      *fill.Layer
+	namespaces map[string]bool
+	profiles   map[string]bool
 }
 
 // choosePullMode decides how this node pulls, and says why: lazily only
@@ -72,7 +83,7 @@ func (e *Engine) choosePullMode(asked PullMode, stateDir string, stall time.Dura
 	if why == "" {
 		g, err := fill.Open(stateDir, stall)
 		if err == nil {
-			e.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*fill.Layer{}}
+			e.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
 			return PullLazy, "fanotify pre-content events hold readers of stub files under " + stateDir, nil
 		}
 		why = err.Error()
@@ -119,24 +130,26 @@ func (e *Engine) stubbed(src *lazySource, data string) (*fill.Layer, error) {
 	return layer, nil
 }
 
-// fillInBackground fetches a filling volume's data and records how that
-// ended: ready once all of it is here and synced, failed if any of it
-// could not be fetched (its readers got EIO; a step over it captures
-// nothing ready).
-func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, pods []volume.Pod) {
+// fillInBackground fetches a filling volume's data, the files order names
+// first (how steps read it before), and records how that ended: ready once
+// all of it is here and synced, failed if any of it could not be fetched
+// (its readers got EIO; a step over it captures nothing ready).
+func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, pods []volume.Pod, order []string) {
 	release := e.store.Hold(r, cache.HoldFill)
+	fl := &lazyFill{layer: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
 	e.lazy.mu.Lock()
-	e.lazy.layers[r] = layer
+	e.lazy.layers[r] = fl
 	e.lazy.mu.Unlock()
 	start := time.Now()
+	first := layer.Has(order)
 	e.goBackground(func() {
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
 		// gone mid-way) is fetched file by file, from any holder.
-		if err := src.stream(e.bgCtx, layer); err != nil && e.bgCtx.Err() == nil {
+		if err := src.stream(e.bgCtx, layer, first); err != nil && e.bgCtx.Err() == nil {
 			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
 		}
-		layer.Prefetch(nil, prefetchWorkers)
+		layer.Prefetch(first, prefetchWorkers)
 	})
 	e.goBackground(func() {
 		defer release()
@@ -146,6 +159,9 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 		case <-e.bgCtx.Done():
 			return // the group's Close fails what is left; recovery fails the volume
 		}
+		// Before it is served: a peer's pull of it must not count as
+		// its readers'.
+		e.recordReadOrder(r, fl)
 		err := layer.Err()
 		if err == nil {
 			if err = overlay.SyncFS(e.store.VolumeDir(r)); err == nil {
@@ -178,12 +194,70 @@ func (e *Engine) releaseFill(r volume.Ref) {
 		return
 	}
 	e.lazy.mu.Lock()
-	layer := e.lazy.layers[r]
+	fl := e.lazy.layers[r]
 	delete(e.lazy.layers, r)
 	e.lazy.mu.Unlock()
-	if layer != nil {
-		layer.Release()
+	if fl != nil {
+		fl.layer.Release()
 	}
+}
+
+// noteLazyReader notes, on each layer of view's source that is being
+// filled, the namespace of the pod that mounts it and the read profile it
+// named (if any).
+func (e *Engine) noteLazyReader(view cache.View, profile string) {
+	if e.lazy == nil {
+		return
+	}
+	e.lazy.mu.Lock()
+	defer e.lazy.mu.Unlock()
+	for _, r := range view.Pins {
+		if fl := e.lazy.layers[r]; fl != nil {
+			fl.namespaces[view.Pod.Namespace] = true
+			if profile != "" {
+				fl.profiles[profile] = true
+			}
+		}
+	}
+}
+
+// recordReadOrder records the order fl's readers reached its files in,
+// under each profile its readers named. Only where the readers were all of
+// one namespace: a record under one namespace's name must tell nothing of
+// what another's steps read.
+func (e *Engine) recordReadOrder(r volume.Ref, fl *lazyFill) {
+	reached := fl.layer.Reached()
+	e.lazy.mu.Lock()
+	var namespace string
+	for ns := range fl.namespaces {
+		namespace = ns
+	}
+	mixed, profiles := len(fl.namespaces) > 1, slices.Sorted(maps.Keys(fl.profiles))
+	e.lazy.mu.Unlock()
+	if len(reached) == 0 || len(profiles) == 0 {
+		return
+	}
+	if mixed {
+		klog.V(2).InfoS("Not recording the read order of a layer pods of several namespaces read", "volume", r)
+		return
+	}
+	for _, name := range profiles {
+		if err := e.store.RecordReadOrder(namespace, name, reached); err != nil {
+			klog.ErrorS(err, "Recording a read order", "volume", r, "namespace", namespace, "readProfile", name)
+			continue
+		}
+		klog.V(2).InfoS("Recorded a read order", "volume", r, "namespace", namespace, "readProfile", name, "files", len(reached))
+	}
+}
+
+// readOrder is the order recorded under the read profiles of namespace, one
+// after the other.
+func (e *Engine) readOrder(namespace string, profiles []string) []string {
+	var order []string
+	for _, name := range profiles {
+		order = append(order, e.store.ReadOrder(namespace, name)...)
+	}
+	return order
 }
 
 // lazySource fetches a lazily pulled layer's files from the peers holding
@@ -271,10 +345,11 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 }
 
 // stream fills the layer's files from one stream of the whole layer from
-// the current holder; files readers are filling already are skipped. A
-// stream that breaks off moves on from its holder.
-func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
-	peer, err := s.pullFiles(ctx, nil, layer.Offer)
+// the current holder, first those first names in that order; files readers
+// are filling already are skipped. A stream that breaks off moves on from
+// its holder.
+func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []string) error {
+	peer, err := s.pullFiles(ctx, nil, first, layer.Offer)
 	if err != nil && peer != "" && ctx.Err() == nil {
 		s.drop(peer)
 	}
@@ -285,20 +360,20 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer) error {
 // (a reader's read-ahead). What it does not bring is fetched file by file,
 // and those fetches move on from a holder that failed.
 func (s *lazySource) fetchMany(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
-	_, err := s.pullFiles(ctx, rels, each)
+	_, err := s.pullFiles(ctx, rels, nil, each)
 	return err
 }
 
-// pullFiles streams the files rels of the layer (nil: all of them) from
-// the current holder, which it names, handing each to each; the data
-// written is counted.
-func (s *lazySource) pullFiles(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
+// pullFiles streams the files rels of the layer (nil: all of them, first
+// those first) from the current holder, which it names, handing each to
+// each; the data written is counted.
+func (s *lazySource) pullFiles(ctx context.Context, rels, first []string, each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
 	client, peer, err := s.current(ctx)
 	if err != nil {
 		return "", err
 	}
 	cfg := s.e.pulls.cfg
-	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels,
+	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels, first,
 		func(name string, size int64, write func(w io.WriterAt) error) error {
 			return each(name, func(w io.WriterAt) error {
 				s.e.metrics.fillBytes.Add(float64(size))

@@ -33,6 +33,10 @@ type PublishRequest struct {
 	SizeLimit int64
 	// TTL destroys the captured volume that long after its last use.
 	TTL time.Duration
+	// ReadProfile names, in the pod's namespace, the order the step reads
+	// its source in: recorded where the source is pulled lazily, and the
+	// order the next lazy pull under that name fetches in.
+	ReadProfile string
 }
 
 // Publish makes a step volume and mounts it at its target: a new one, the
@@ -97,6 +101,7 @@ func (e *Engine) Publish(r PublishRequest) error {
 		}
 		return err
 	}
+	e.noteLazyReader(view, r.ReadProfile)
 	klog.V(2).InfoS("Published step volume", "volumeID", view.VolumeID, "target", view.Target,
 		"source", view.Source, "capture", view.Capture, "layers", len(view.Lowers), "readOnly", view.ReadOnly,
 		"sizeLimit", view.SizeLimit, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name), "backend", view.Backend,

@@ -78,8 +78,10 @@ type pull struct {
 	// received counts wire bytes, expected the layers' size on the peer.
 	received, expected atomic.Int64
 	from               atomic.Pointer[string]
-	// pods are the pods that asked for it (under pulls.mu).
-	pods []volume.Pod
+	// pods are the pods that asked for it, and profiles the read profiles
+	// they named (under pulls.mu).
+	pods     []volume.Pod
+	profiles []string
 }
 
 // source says where the pull is coming from.
@@ -127,7 +129,7 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	if _, err := e.store.GetView(r.VolumeID); err == nil {
 		return nil // published already: a repeat needs no source
 	}
-	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source}, r.Pod)
+	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source}, r.Pod, r.ReadProfile)
 	wait := time.NewTimer(e.pulls.cfg.Wait)
 	defer wait.Stop()
 	select {
@@ -139,17 +141,24 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 }
 
 // join returns the running pull of key, starting one if none is; pod is
-// told how it ends.
-func (ps *pulls) join(e *Engine, key pullKey, pod volume.Pod) *pull {
+// told how it ends, and a lazy pull fetches first what the read profile
+// (if any) says steps read first.
+func (ps *pulls) join(e *Engine, key pullKey, pod volume.Pod, profile string) *pull {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
-	if p, ok := ps.running[key]; ok {
-		if !slices.Contains(p.pods, pod) {
-			p.pods = append(p.pods, pod)
-		}
+	p, ok := ps.running[key]
+	if !ok {
+		p = &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{})}
+	}
+	if !slices.Contains(p.pods, pod) {
+		p.pods = append(p.pods, pod)
+	}
+	if profile != "" && !slices.Contains(p.profiles, profile) {
+		p.profiles = append(p.profiles, profile)
+	}
+	if ok {
 		return p
 	}
-	p := &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{}), pods: []volume.Pod{pod}}
 	ps.running[key] = p
 	e.goBackground(func() {
 		err := e.runPull(p)
@@ -379,9 +388,9 @@ func (e *Engine) commitStubbed(p *pull, l streamer.Layer) commitFunc {
 			return cache.Volume{}, err
 		}
 		e.pulls.mu.Lock()
-		pods := slices.Clone(p.pods)
+		pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
 		e.pulls.mu.Unlock()
-		e.fillInBackground(vol.Ref(), layer, src, pods)
+		e.fillInBackground(vol.Ref(), layer, src, pods, e.readOrder(p.key.namespace, profiles))
 		return vol, nil
 	}
 }

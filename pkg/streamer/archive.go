@@ -108,6 +108,15 @@ const (
 // regular files as shape says. Device nodes other than whiteouts and
 // sockets cannot be moved: Pack refuses them, saying which.
 func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
+	return PackFirst(ctx, root, nil, w, enc, shape)
+}
+
+// PackFirst is Pack with the regular files first (relative to root) at the
+// start, in that order, and not again where the walk finds them: how a
+// lazy puller gets first what steps read first. A name that is not a
+// regular file below root is skipped: the order is a hint. Its files may
+// come before their dirs: it is for Files, not Unpack.
+func PackFirst(ctx context.Context, root string, first []string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
 	return pack(root, w, enc, shape, func(pk *packer, rootFd int, _ func() error) (int64, error) {
 		entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
 		var rootSt unix.Stat_t
@@ -117,11 +126,33 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Sha
 		if err := pk.entry(rootFd, ".", ".", &rootSt); err != nil {
 			return 0, err
 		}
+		sent := make(map[string]bool, len(first))
+		for _, name := range first {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			if sent[name] {
+				continue
+			}
+			// Its other names, if it has any, follow as links to it.
+			err := pk.file(rootFd, name, false)
+			if errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
+				continue
+			}
+			if err != nil {
+				return 0, err
+			}
+			sent[name] = true
+			entries++
+		}
 		// Walked from descriptors: a tree of any depth goes, however
 		// long its paths.
 		err := fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 			if err := ctx.Err(); err != nil {
 				return false, err
+			}
+			if sent[e.Path] && e.Stat.Mode&unix.S_IFMT == unix.S_IFREG {
+				return true, nil
 			}
 			entries++
 			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
@@ -140,7 +171,7 @@ func PackFiles(ctx context.Context, root string, names []string, w io.Writer, en
 			if err := ctx.Err(); err != nil {
 				return 0, err
 			}
-			if err := pk.file(rootFd, name); err != nil {
+			if err := pk.file(rootFd, name, true); err != nil {
 				return 0, err
 			}
 			if i == 0 {
@@ -156,14 +187,16 @@ func PackFiles(ctx context.Context, root string, names []string, w io.Writer, en
 }
 
 // file writes the entry of the regular file rel below the dir open as
-// root.
-func (pk *packer) file(root int, rel string) error {
+// root: whole, never as a link to a name sent before, if whole is set.
+func (pk *packer) file(root int, rel string, whole bool) error {
 	dir, st, err := regularBeneath(root, rel)
 	if err != nil {
 		return err
 	}
 	defer unix.Close(dir)
-	st.Nlink = 1 // each is sent whole, never as a link to another
+	if whole {
+		st.Nlink = 1
+	}
 	return pk.entry(dir, path.Base(rel), rel, &st)
 }
 

@@ -328,6 +328,54 @@ func TestPackFilesAndFiles(t *testing.T) {
 	require.NoError(t, f.Close())
 }
 
+// PackFirst sends the files first at the start, in that order, then the
+// rest of the tree without them; a name that is not a regular file is
+// skipped, and another name of a file sent first follows as a link to it.
+// Files reads it back.
+func TestPackFirst(t *testing.T) {
+	src := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "d"), 0o755))
+	for _, name := range []string{"a", "b", "d/c"} {
+		require.NoError(t, os.WriteFile(filepath.Join(src, name), []byte(name), 0o644))
+	}
+	require.NoError(t, os.Link(filepath.Join(src, "a"), filepath.Join(src, "d", "a-too")))
+	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
+
+	var wire bytes.Buffer
+	_, err := PackFirst(context.Background(), src, []string{"d/c", "nope", "link/c", "d", "a", "d/c"}, &wire, Raw, SparseTar)
+	require.NoError(t, err)
+	var names []string
+	links := map[string]string{}
+	tr := tar.NewReader(&wire)
+	for {
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		names = append(names, hdr.Name)
+		if hdr.Typeflag == tar.TypeLink {
+			links[hdr.Name] = hdr.Linkname
+		}
+	}
+	require.Equal(t, []string{"./", "d/c", "a"}, names[:3])
+	require.ElementsMatch(t, []string{"d/", "b", "d/a-too", "link"}, names[3:], "the rest, each once")
+	require.Equal(t, map[string]string{"d/a-too": "a"}, links)
+
+	var again bytes.Buffer
+	sent, err := PackFirst(context.Background(), src, []string{"a", "d/c"}, &again, S2, SparseTar)
+	require.NoError(t, err)
+	got := map[string]string{}
+	sum, err := Files(context.Background(), &again, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
+		f := &bufferAt{b: make([]byte, size)}
+		defer func() { got[name] = string(f.b) }()
+		return write(f)
+	})
+	require.NoError(t, err)
+	require.Equal(t, sent, sum)
+	require.Equal(t, map[string]string{"a": "a", "d/c": "d/c", "b": "b"}, got, "each file's data once, its other name a link")
+}
+
 type bufferAt struct{ b []byte }
 
 func (b *bufferAt) WriteAt(p []byte, off int64) (int, error) { return copy(b.b[off:], p), nil }

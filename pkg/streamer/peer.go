@@ -201,9 +201,15 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	if len(files) > maxReadahead || (len(files) > 0 && req.GetStubs()) {
 		return status.Errorf(codes.InvalidArgument, "%d files (at most %d, and not with stubs)", len(files), maxReadahead)
 	}
-	for i, f := range files {
-		if files[i], err = cleanName(f); err != nil || files[i] == "." {
-			return status.Errorf(codes.InvalidArgument, "file %q: want a path below the layer's root", f)
+	first := req.GetFirst()
+	if err := checkFirst(first, len(files) > 0 || req.GetStubs()); err != nil {
+		return err
+	}
+	for _, names := range [][]string{files, first} {
+		for i, f := range names {
+			if names[i], err = cleanName(f); err != nil || names[i] == "." {
+				return status.Errorf(codes.InvalidArgument, "file %s: want a path below the layer's root", volume.Quote(f))
+			}
 		}
 	}
 	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
@@ -223,7 +229,7 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
 		}
 	} else {
-		sum, err = Pack(stream.Context(), dir, w, enc, shape)
+		sum, err = PackFirst(stream.Context(), dir, first, w, enc, shape)
 	}
 	s.metrics.served(enc, w.sent, err)
 	if err != nil {
@@ -238,6 +244,30 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 
 // maxReadahead is the most files one PullLayer of named files sends.
 const maxReadahead = 4096
+
+// The most names a PullLayer's first may hold, and their bytes: a read
+// order as a node records it (cache.MaxReadOrderFiles and Bytes), with
+// room for the names' framing.
+const (
+	maxFirst      = 50_000
+	maxFirstBytes = 1<<20 + maxFirst
+)
+
+// checkFirst bounds a PullLayer's first, which only a stream of the whole
+// layer's data takes.
+func checkFirst(first []string, notWhole bool) error {
+	size := 0
+	for _, f := range first {
+		size += len(f)
+	}
+	switch {
+	case len(first) > 0 && notWhole:
+		return status.Error(codes.InvalidArgument, "first orders a stream of the whole layer's data: not with stubs or files")
+	case len(first) > maxFirst || size > maxFirstBytes:
+		return status.Errorf(codes.InvalidArgument, "first names %d files (%d bytes): at most %d (%d bytes)", len(first), size, maxFirst, maxFirstBytes)
+	}
+	return nil
+}
 
 // ReadLayerFile streams a range of one regular file of a volume's own
 // layer, then how many bytes it sent.
@@ -432,9 +462,12 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.
 // PullLayer does (only the files named, if any), and hands each regular
 // file with data to file (see Files) instead of extracting the tree: how a
 // lazily pulled layer's stubs are filled, at the speed of a pull.
-func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits, names []string,
+//
+// With no names, the files first come first, in that order (see
+// PackFirst).
+func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits, names, first []string,
 	file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names}
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names, First: first}
 	return c.pullLayer(ctx, req, nil, func(ctx context.Context, in io.Reader) (Summary, error) {
 		return Files(ctx, in, enc, lim, file)
 	})

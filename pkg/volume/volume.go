@@ -25,6 +25,12 @@ const (
 	AttrSizeLimit       = "sizeLimit"
 	AttrTTL             = "ttl"
 	AttrPropertyPrefix  = "property."
+	// AttrReadProfile names the order in which the step reads its source,
+	// recorded by a node that pulls the source lazily and used, by the
+	// next lazy pull under the same name in the pod's namespace, to fetch
+	// the files in that order: a scheduler names it after the job, the
+	// step and the input ("pipeline/job/step/input").
+	AttrReadProfile = "readProfile"
 )
 
 // Properties cowvol sets itself, under a prefix a step may not use: a
@@ -184,6 +190,27 @@ var dns1123Subdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z
 
 // uidRE is a pod UID: a UUID, or the 32 hex digits of a static pod's hash.
 var uidRE = regexp.MustCompile(`^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32})$`)
+
+// MaxReadProfile is the longest read profile name.
+const MaxReadProfile = 253
+
+// ValidateReadProfile checks a read profile's name: 1 to MaxReadProfile of
+// A-Z a-z 0-9 . _ - / :, starting with a letter or a digit.
+func ValidateReadProfile(name string) error {
+	ok := len(name) > 0 && len(name) <= MaxReadProfile
+	for i := 0; ok && i < len(name); i++ {
+		switch c := name[i]; {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+		case i > 0 && strings.IndexByte("._-/:", c) >= 0:
+		default:
+			ok = false
+		}
+	}
+	if !ok {
+		return fmt.Errorf("read profile %s is invalid: want 1-%d of A-Z a-z 0-9 . _ - / :, starting with a letter or a digit", Quote(name), MaxReadProfile)
+	}
+	return nil
+}
 
 // ValidateNamespace checks a Kubernetes namespace name (a DNS-1123 label).
 func ValidateNamespace(ns string) error {

@@ -469,7 +469,13 @@ type PullLayerRequest struct {
 	Stubs bool `protobuf:"varint,5,opt,name=stubs,proto3" json:"stubs,omitempty"`
 	// Only these regular files of the layer (paths as its tar names them),
 	// whole, and nothing else: what a lazy puller reads ahead. At most 4096.
-	Files         []string `protobuf:"bytes,6,rep,name=files,proto3" json:"files,omitempty"`
+	Files []string `protobuf:"bytes,6,rep,name=files,proto3" json:"files,omitempty"`
+	// With neither stubs nor files: these regular files of the layer first,
+	// in this order, then the rest of the layer as a walk finds it, without
+	// them. A name that is no regular file of the layer is skipped (the order
+	// is a hint: how steps read another version of it). At most 50000, of
+	// at most 1 MiB of names.
+	First         []string `protobuf:"bytes,7,rep,name=first,proto3" json:"first,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -542,6 +548,13 @@ func (x *PullLayerRequest) GetStubs() bool {
 func (x *PullLayerRequest) GetFiles() []string {
 	if x != nil {
 		return x.Files
+	}
+	return nil
+}
+
+func (x *PullLayerRequest) GetFirst() []string {
+	if x != nil {
+		return x.First
 	}
 	return nil
 }
@@ -825,14 +838,15 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd8\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xee\x01\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
 	"\bencoding\x18\x03 \x01(\tR\bencoding\x12+\n" +
 	"\x03via\x18\x04 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\x12\x14\n" +
 	"\x05stubs\x18\x05 \x01(\bR\x05stubs\x12\x14\n" +
-	"\x05files\x18\x06 \x03(\tR\x05files\"\xd8\x01\n" +
+	"\x05files\x18\x06 \x03(\tR\x05files\x12\x14\n" +
+	"\x05first\x18\a \x03(\tR\x05first\"\xd8\x01\n" +
 	"\x14ReadLayerFileRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
