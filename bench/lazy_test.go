@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -22,7 +24,9 @@ import (
 // reports how long B's publish takes lazily and eagerly, and how long a
 // step takes to be done that reads 5% of the files or all of them, lazily,
 // eagerly (publish + read) and on A itself; and a step that runs a program
-// from the volume. Each case runs on a fresh B, its page cache dropped.
+// from the volume. Lazily twice: as a first pull, and with B having
+// recorded the step's read order before. Each case runs on a fresh B, its
+// page cache dropped.
 func BenchmarkLazyPull(b *testing.B) {
 	lab := netlab.New(b)
 	hostA, hostB := lab.Host("a"), lab.Host("b")
@@ -46,11 +50,11 @@ func BenchmarkLazyPull(b *testing.B) {
 				copyFile(b, prog, filepath.Join(dir, "bin", "true"))
 			})
 			a.settle()
-			row := func(what string, publish func() (driver.InlineVolume, *node, time.Duration)) {
+			row := func(what string, publish func(read func(dir string)) (driver.InlineVolume, *node, time.Duration)) {
 				var cols [4]time.Duration
 				for i, read := range []func(dir string){nil, readEvery(b, 20), readEvery(b, 1), runTrue(b)} {
 					dropCaches(b)
-					v, n, took := publish()
+					v, n, took := publish(read)
 					if read != nil {
 						start := time.Now()
 						read(v.Target)
@@ -64,20 +68,34 @@ func BenchmarkLazyPull(b *testing.B) {
 					}
 				}
 				fmt.Fprintf(&sb, "%-46s %12s %12s %12s %12s\n", fmt.Sprintf("%s, %d MiB", what, size>>20), ms(cols[0]), ms(cols[1]), ms(cols[2]), ms(cols[3]))
-				b.ReportMetric(float64(cols[0].Milliseconds()), fmt.Sprintf("%s-%dMiB-publish-ms", strings.Fields(what)[0], size>>20))
+				key := strings.Join(strings.Fields(strings.Split(what, " (")[0]), "-")
+				for i, col := range []string{"publish", "read-5pct", "read-all", "run"} {
+					b.ReportMetric(float64(cols[i].Milliseconds()), fmt.Sprintf("%s-%dMiB-%s-ms", strings.ReplaceAll(key, ",", ""), size>>20, col))
+				}
 			}
-			pullOn := func(mode string) func() (driver.InlineVolume, *node, time.Duration) {
-				return func() (driver.InlineVolume, *node, time.Duration) {
+			// pullOn pulls on a fresh B; profiled, B has recorded the
+			// step's read order under its read profile first (a pull as
+			// lazy as the timed one, read as it is, then destroyed).
+			pullOn := func(mode string, profiled bool) func(read func(dir string)) (driver.InlineVolume, *node, time.Duration) {
+				return func(read func(dir string)) (driver.InlineVolume, *node, time.Duration) {
 					bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b",
 						StateDir: testfs.Mount(b, testfs.XFS, 4<<30), Wrap: hostB.Command,
 						Args: append([]string{"--peers=a=" + peerA, "--pull-mode=" + mode, "--pull-wait=30m"}, tlsArgs...)})}
-					v := bn.volume(map[string]string{driver.AttrSource: handle}, true)
+					attrs := map[string]string{driver.AttrSource: handle}
+					if profiled {
+						attrs[driver.AttrReadProfile] = "bench/" + handle
+						if read != nil {
+							bn.recordReadOrder(attrs, read)
+						}
+					}
+					v := bn.volume(attrs, true)
 					return v, bn, bn.timed(bn.p.Publish, v)
 				}
 			}
-			row("lazy pull", pullOn("lazy"))
-			row("eager pull", pullOn("eager"))
-			row("local (on A)", func() (driver.InlineVolume, *node, time.Duration) {
+			row("lazy pull", pullOn("lazy", false))
+			row("lazy pull, read order recorded", pullOn("lazy", true))
+			row("eager pull", pullOn("eager", false))
+			row("local (on A)", func(func(string)) (driver.InlineVolume, *node, time.Duration) {
 				v := a.volume(map[string]string{driver.AttrSource: handle}, true)
 				return v, a, a.timed(a.p.Publish, v)
 			})
@@ -85,6 +103,40 @@ func BenchmarkLazyPull(b *testing.B) {
 		fmt.Print(sb.String())
 		a.p.Stop()
 	}
+}
+
+// recordReadOrder has a step read the source attrs name, lazily pulled,
+// as read does, so that the node records its read order; then the volume
+// is destroyed, to be pulled again.
+func (n *node) recordReadOrder(attrs map[string]string, read func(dir string)) {
+	v := n.volume(attrs, true)
+	if err := n.p.Publish(v); err != nil {
+		n.b.Fatal(err)
+	}
+	read(v.Target)
+	if err := n.p.Unpublish(v); err != nil {
+		n.b.Fatal(err)
+	}
+	ref := &nodev1.VolumeRef{Namespace: "ci", Handle: attrs[driver.AttrSource]}
+	ctx := context.Background()
+	for state := ""; state != "gone"; time.Sleep(100 * time.Millisecond) {
+		list, err := n.p.NodeAPI.ListVolumes(ctx, &nodev1.ListVolumesRequest{Namespace: "ci", IncludeDestroyed: true})
+		if err != nil {
+			n.b.Fatal(err)
+		}
+		state = "gone" // its record too, not only its data: a pull makes it anew
+		for _, v := range list.Volumes {
+			if v.GetRef().GetHandle() == ref.Handle {
+				state = v.State
+			}
+		}
+		if state == "ready" {
+			if _, err := n.p.NodeAPI.DestroyVolumes(ctx, &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{ref}}); err != nil {
+				n.b.Fatal(err)
+			}
+		}
+	}
+	dropCaches(n.b)
 }
 
 // readEvery reads every nth file of a tree whole.
