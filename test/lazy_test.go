@@ -101,7 +101,8 @@ func lazyNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
 }
 
 // lazyNodesAt are lazyNodes over a link of rate bytes a second (0: as
-// fast as it goes).
+// fast as it goes). Over a slow link, a reader's file queues behind the
+// stream's data on the one connection: B waits 30 s for data, not 1 s.
 func lazyNodesAt(t *testing.T, rate int) (a, b *env, proxy *cuttableProxy) {
 	t.Helper()
 	testfs.Need(t, "mkfs.xfs")
@@ -109,8 +110,12 @@ func lazyNodesAt(t *testing.T, rate int) (a, b *env, proxy *cuttableProxy) {
 	a = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
 		Args: []string{"--peer-address=" + peerAddr}})
 	proxy = newCuttableProxy(t, peerAddr, rate)
+	wait := "1s"
+	if rate > 0 {
+		wait = "30s"
+	}
 	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
-		Args: []string{"--peers=node-a=" + proxy.addr, "--pull-wait=1s", "--pull-mode=lazy"}})
+		Args: []string{"--peers=node-a=" + proxy.addr, "--pull-wait=" + wait, "--pull-mode=lazy"}})
 	return a, b, proxy
 }
 
