@@ -19,8 +19,11 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -505,14 +508,18 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 		return Summary{}, err
 	}
 	defer unix.Close(root)
-	x := &extractor{root: root, buf: make([]byte, holeBlock), zero: make([]byte, holeBlock), cachedFd: -1, strict: lim.Strict,
+	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict,
 		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0}
+	x.startMakers(makersPerExtraction())
 	defer x.close()
 	sum, err := readArchive(ctx, r, enc, lim, x.entry)
+	if err == nil {
+		err = x.finish()
+	}
 	if err != nil {
 		return Summary{}, err
 	}
-	return sum, x.finish()
+	return sum, nil
 }
 
 // Files reads a tar stream packed by Pack from r and calls file for each
@@ -624,12 +631,11 @@ type extractor struct {
 	root int
 	// dirs get their times once everything in them is made.
 	dirs []*tar.Header
-	// buf and zero are every file's copy buffer and the hole to compare
-	// with.
-	buf, zero []byte
+	// copier copies the files the extractor makes itself.
+	copier copier
 	// The parent of the last entry stays open: entries come dir by dir.
 	cachedDir string
-	cachedFd  int
+	cached    *openDir
 	// rootHdr is the root entry, if the archive had one; made says an
 	// entry other than the root was, after which none may come.
 	rootHdr    *tar.Header
@@ -639,12 +645,136 @@ type extractor struct {
 	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
 	// the files and sets only user.* xattrs.
 	unprivileged bool
+	// makers make small files in parallel (nil: the extractor makes
+	// every file itself).
+	makers *fileMakers
 }
 
+// close stops the makers and lets go of the cached parent.
 func (x *extractor) close() {
-	if x.cachedFd >= 0 {
-		unix.Close(x.cachedFd)
+	x.makers.stop()
+	if x.cached != nil {
+		x.cached.release()
+		x.cached = nil
 	}
+}
+
+// openDir is a dir entries are made in, open; it is closed when the
+// extractor's cache and the files being made in it have all let go.
+type openDir struct {
+	fd   int
+	refs atomic.Int32
+}
+
+func newOpenDir(fd int) *openDir {
+	d := &openDir{fd: fd}
+	d.refs.Store(1)
+	return d
+}
+
+func (d *openDir) hold() *openDir { d.refs.Add(1); return d }
+
+func (d *openDir) release() {
+	if d.refs.Add(-1) == 0 {
+		unix.Close(d.fd)
+	}
+}
+
+// copier is one file-maker's copy buffer and the hole to compare with.
+type copier struct{ buf, zero []byte }
+
+func newCopier() copier { return copier{buf: make([]byte, holeBlock), zero: make([]byte, holeBlock)} }
+
+// Parallel extraction: the archive is read in order, but making a file
+// (create, size, owner, mode, times: a journal transaction each) costs
+// more than reading its entry, and files in different dirs (and much of
+// the work on files in one dir) go in parallel. Dirs, links and the rest
+// are made in order by the reader; regular files whose data is small
+// enough to hold are made by makers, the data read into memory first.
+const (
+	// parallelFileMax is the most data a file made by a maker holds.
+	parallelFileMax = 128 << 10
+	// maxFileMakers bounds the makers.
+	maxFileMakers = 8
+)
+
+// makersPerExtraction is how many makers an extraction starts: one per
+// CPU.
+func makersPerExtraction() int { return min(runtime.GOMAXPROCS(0), maxFileMakers) }
+
+// fileJob is a regular file for a maker to make in dir: its header and
+// the data of its segments, in order.
+type fileJob struct {
+	dir        *openDir
+	base, name string
+	hdr        *tar.Header
+	data       []byte
+}
+
+type fileMakers struct {
+	jobs    chan fileJob
+	running sync.WaitGroup // makers
+	pending sync.WaitGroup // jobs sent, not made yet
+	mu      sync.Mutex
+	err     error // the first failure
+}
+
+// startMakers starts n makers (none for fewer than two: the extractor
+// makes files itself).
+func (x *extractor) startMakers(n int) {
+	if n < 2 {
+		return
+	}
+	m := &fileMakers{jobs: make(chan fileJob, 4*n)}
+	for range n {
+		m.running.Add(1)
+		go func() {
+			defer m.running.Done()
+			c := newCopier()
+			for j := range m.jobs {
+				if m.failed() == nil {
+					if err := x.makeFile(j.dir.fd, j.base, j.hdr, bytes.NewReader(j.data), c); err != nil {
+						m.fail(fmt.Errorf("%s: %w", j.name, err))
+					}
+				}
+				j.dir.release()
+				m.pending.Done()
+			}
+		}()
+	}
+	x.makers = m
+}
+
+func (m *fileMakers) fail(err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.err == nil {
+		m.err = err
+	}
+}
+
+func (m *fileMakers) failed() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.err
+}
+
+// wait returns once every file sent is made, with the first failure.
+func (m *fileMakers) wait() error {
+	if m == nil {
+		return nil
+	}
+	m.pending.Wait()
+	return m.failed()
+}
+
+// stop ends the makers once the files sent are made.
+func (m *fileMakers) stop() {
+	if m == nil {
+		return
+	}
+	close(m.jobs)
+	m.running.Wait()
 }
 
 // maxNameLen bounds an entry's name. Names may run past PATH_MAX (a deep
@@ -666,20 +796,22 @@ func cleanName(name string) (string, error) {
 }
 
 // parent is the directory holding name, opened beneath root as
-// openParent does, and the last component; it stays the extractor's to
-// close.
-func (x *extractor) parent(name string) (int, string, error) {
+// openParent does, and the last component; it stays the extractor's (a
+// maker holds it for the file it makes).
+func (x *extractor) parent(name string) (*openDir, string, error) {
 	dir, base := filepath.Split(name)
-	if x.cachedFd >= 0 && dir == x.cachedDir {
-		return x.cachedFd, base, nil
+	if x.cached != nil && dir == x.cachedDir {
+		return x.cached, base, nil
 	}
 	fd, base, err := x.openParent(name)
 	if err != nil {
-		return -1, "", err
+		return nil, "", err
 	}
-	x.close()
-	x.cachedDir, x.cachedFd = dir, fd
-	return fd, base, nil
+	if x.cached != nil {
+		x.cached.release()
+	}
+	x.cachedDir, x.cached = dir, newOpenDir(fd)
+	return x.cached, base, nil
 }
 
 // openParent opens the directory holding name, beneath root, following no
@@ -712,10 +844,14 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	if x.strict && hdr.Typeflag == tar.TypeChar {
 		return refused("%s: a whiteout (an upload is a whole tree, with nothing to white out)", name)
 	}
-	dirfd, base, err := x.parent(name)
+	if err := x.makers.failed(); err != nil {
+		return err // a maker's failure ends the extraction
+	}
+	dir, base, err := x.parent(name)
 	if err != nil {
 		return err
 	}
+	dirfd := dir.fd
 	switch hdr.Typeflag {
 	case tar.TypeDir:
 		if err := unix.Mkdirat(dirfd, base, 0o700); err != nil {
@@ -727,19 +863,16 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		if hdr.Size < 0 {
 			return refused("%s: size %d", name, hdr.Size)
 		}
-		fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
-		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+		if x.makers != nil && hdr.Size <= parallelFileMax {
+			data := make([]byte, hdr.Size) // its segments' data: what the body holds
+			if _, err := io.ReadFull(body, data); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			x.makers.pending.Add(1)
+			x.makers.jobs <- fileJob{dir: dir.hold(), base: base, name: name, hdr: hdr, data: data}
+			return nil
 		}
-		f := os.NewFile(uintptr(fd), name)
-		err = x.writeFile(f, body, hdr)
-		if err == nil {
-			err = x.fileAttrs(fd, hdr) // through the descriptor: no path lookups
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
+		if err := x.makeFile(dirfd, base, hdr, body, x.copier); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 		return nil
@@ -748,6 +881,9 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 	case tar.TypeLink:
+		if err := x.makers.wait(); err != nil {
+			return err // its target may be being made
+		}
 		target, err := cleanName(hdr.Linkname)
 		if err != nil {
 			return refused("%s: hardlink to %q", name, hdr.Linkname)
@@ -851,17 +987,20 @@ func setTimes(dirfd int, base string, hdr *tar.Header) error {
 	return nil
 }
 
-// finish sets the directories' times, deepest first, now that nothing more
+// finish sets the directories' times, deepest first, once nothing more
 // is made in them.
 func (x *extractor) finish() error {
+	if err := x.makers.wait(); err != nil {
+		return err
+	}
 	for i := len(x.dirs) - 1; i >= 0; i-- {
 		hdr := x.dirs[i]
 		name, _ := cleanName(hdr.Name)
-		dirfd, base, err := x.parent(name)
+		dir, base, err := x.parent(name)
 		if err != nil {
 			return err
 		}
-		err = setTimes(dirfd, base, hdr)
+		err = setTimes(dir.fd, base, hdr)
 		if err != nil {
 			return err
 		}
@@ -872,9 +1011,27 @@ func (x *extractor) finish() error {
 	return nil
 }
 
+// makeFile makes the regular file base in the dir open as dirfd, with its
+// data from body, copied with c, and its attributes.
+func (x *extractor) makeFile(dirfd int, base string, hdr *tar.Header, body io.Reader, c copier) error {
+	fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	f := os.NewFile(uintptr(fd), base)
+	err = writeFile(f, body, hdr, c)
+	if err == nil {
+		err = x.fileAttrs(fd, hdr) // through the descriptor: no path lookups
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
 // writeFile writes a file's body: its data segments where the sender sent
 // only those, each with runs of zeros left as holes.
-func (x *extractor) writeFile(f *os.File, body io.Reader, hdr *tar.Header) error {
+func writeFile(f *os.File, body io.Reader, hdr *tar.Header, c copier) error {
 	segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
 	if rec, ok := hdr.PAXRecords[paxHoles]; ok {
 		var err error
@@ -884,7 +1041,7 @@ func (x *extractor) writeFile(f *os.File, body io.Reader, hdr *tar.Header) error
 	}
 	var end int64 // past the last byte written
 	for _, s := range segments {
-		written, err := x.writeSparse(f, body, s[0], s[1])
+		written, err := c.writeSparse(f, body, s[0], s[1])
 		if err != nil {
 			return err
 		}
@@ -932,8 +1089,8 @@ const holeBlock = 64 << 10
 // writeSparse copies n bytes of r into f at off, leaving runs of zeros as
 // holes: a sparse file stays sparse, whatever the sender's filesystem. It
 // says where the last byte it wrote ends.
-func (x *extractor) writeSparse(f *os.File, r io.Reader, off, n int64) (int64, error) {
-	buf, zero := x.buf, x.zero
+func (c copier) writeSparse(f *os.File, r io.Reader, off, n int64) (int64, error) {
+	buf, zero := c.buf, c.zero
 	var written int64
 	for end := off + n; off < end; {
 		got, err := io.ReadFull(r, buf[:min(int64(len(buf)), end-off)])
