@@ -103,7 +103,7 @@ func lazyNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
 // lazyNodesAt are lazyNodes over a link of rate bytes a second (0: as
 // fast as it goes). Over a slow link, a reader's file queues behind the
 // stream's data on the one connection: B waits 30 s for data, not 1 s.
-func lazyNodesAt(t *testing.T, rate int) (a, b *env, proxy *cuttableProxy) {
+func lazyNodesAt(t *testing.T, rate int, bArgs ...string) (a, b *env, proxy *cuttableProxy) {
 	t.Helper()
 	testfs.Need(t, "mkfs.xfs")
 	peerAddr := plugintest.FreeAddr(t)
@@ -115,7 +115,7 @@ func lazyNodesAt(t *testing.T, rate int) (a, b *env, proxy *cuttableProxy) {
 		wait = "30s"
 	}
 	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
-		Args: []string{"--peers=node-a=" + proxy.addr, "--pull-wait=" + wait, "--pull-mode=lazy"}})
+		Args: append([]string{"--peers=node-a=" + proxy.addr, "--pull-wait=" + wait, "--pull-mode=lazy"}, bArgs...)})
 	return a, b, proxy
 }
 
@@ -304,5 +304,28 @@ func TestLazyPullReadsInTheRecordedOrder(t *testing.T) {
 	require.Less(t, others, (files-3)/2, "the files read first last time come before most others")
 	eventually(t, "v2 to be filled", func() bool { return volumeState(t, b, "v2") == "ready" })
 	b.umount(v)
+	b.noLeaks(t)
+}
+
+// The data a lazy pull will fetch is bounded as an eager pull's stream is
+// (--stream-size-limit), by the sizes the holder gave the stubs: a layer
+// over the limit is refused before it is mountable, and leaves nothing.
+func TestLazyPullWithinTheStreamLimit(t *testing.T) {
+	a, b, _ := lazyNodesAt(t, 0, "--stream-size-limit=6Mi")
+	a.step("", "small", func(dir string) { randomFile(t, dir, "f", 4<<20, 1) })
+	a.step("", "big", func(dir string) {
+		for i := range 2 {
+			randomFile(t, dir, fmt.Sprintf("f-%d", i), 4<<20, uint64(i+1))
+		}
+	})
+	v := b.volume(map[string]string{driver.AttrSource: "small"}, true)
+	require.NoError(t, b.publishWaiting(v))
+	b.umount(v)
+
+	v = b.volume(map[string]string{driver.AttrSource: "big"}, true)
+	err := b.publishWaiting(v)
+	require.Equal(t, codes.Unavailable, code(err), "as an eager pull past the limit: retried, with a backoff: %v", err)
+	require.Contains(t, err.Error(), "stream size limit")
+	require.Equal(t, "gone", volumeState(t, b, "big"), "no stubs are left")
 	b.noLeaks(t)
 }

@@ -111,9 +111,16 @@ func (e *Engine) stubbed(src *lazySource, data string) (*fill.Layer, error) {
 		return nil, err
 	}
 	defer unix.Close(root)
+	// The data to come is bounded as an eager pull's stream is: by the
+	// sizes the holder gave the stubs.
+	var total int64
+	limit := e.pulls.cfg.Limits.Bytes
 	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(en *fdtree.Entry) (bool, error) {
 		if en.Stat.Mode&unix.S_IFMT != unix.S_IFREG || en.Stat.Size == 0 {
 			return true, nil
+		}
+		if total += en.Stat.Size; total > limit {
+			return false, fmt.Errorf("its files hold more than the stream size limit (%d bytes): %w", limit, streamer.ErrRefused)
 		}
 		fd, err := unix.Openat(en.Parent, en.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 		if err != nil {

@@ -317,21 +317,22 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 		if st.Nlink > 1 {
 			pk.seen[key] = name
 		}
+		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
+		if pk.shape == StubTar {
+			if st.Size > 0 {
+				if hdr.PAXRecords == nil {
+					hdr.PAXRecords = map[string]string{}
+				}
+				hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, nil)
+			}
+			break // no data: the file is not even opened
+		}
 		fd, err := unix.Openat(dir, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 		file = os.NewFile(uintptr(fd), name)
 		defer file.Close()
-		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
-		if pk.shape == StubTar && st.Size > 0 {
-			if hdr.PAXRecords == nil {
-				hdr.PAXRecords = map[string]string{}
-			}
-			hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, nil)
-			segments = [][2]int64{}
-			break
-		}
 		if pk.shape == SparseTar && st.Blocks*512 < st.Size {
 			if segments, err = dataSegments(file, st.Size); err != nil {
 				return fmt.Errorf("%s: %w", name, err)
