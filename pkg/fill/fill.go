@@ -27,6 +27,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -98,7 +99,13 @@ type Group struct {
 	// unmarking are the mark removals under way off the loop (the loop
 	// adds them: none is added once Close has waited for the loop).
 	unmarking sync.WaitGroup
+	// putSlots bounds the files a stream's fills put in place behind it,
+	// and putting are those under way (added under mu, unless closed).
+	putSlots chan struct{}
+	putting  sync.WaitGroup
 }
+
+var errStopping = errors.New("the plugin is stopping")
 
 type fileKey struct{ dev, ino uint64 }
 
@@ -155,7 +162,8 @@ func Open(root string, stall time.Duration) (*Group, error) {
 		}
 		return nil, fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
 	}
-	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall, files: map[fileKey]*file{}}
+	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
+		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0))}
 	g.loop.Add(1)
 	go g.run()
 	return g, nil
@@ -173,14 +181,14 @@ func (g *Group) Close() error {
 		open = append(open, f)
 	}
 	g.mu.Unlock()
-	stopping := errors.New("the plugin is stopping")
 	for _, f := range open {
-		f.layer.cancel(stopping)
-		g.finish(f, stopping)
+		f.layer.cancel(errStopping)
+		g.finish(f, errStopping)
 	}
 	err := g.events.Close()
 	g.loop.Wait()
 	g.unmarking.Wait()
+	g.putting.Wait()
 	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
 }
 
@@ -347,7 +355,7 @@ func (g *Group) fillMany(files []*file) {
 		}
 		delete(byRel, rel)
 		var broke error
-		g.fill(f, f.orFetch(write, &broke))
+		g.fillBehind(f, f.orFetch(write, &broke))
 		return broke
 	})
 	if err != nil && l.ctx.Err() == nil {
@@ -421,7 +429,48 @@ func (f *file) orFetch(write func(w io.WriterAt) error, broke *error) source {
 // fill writes f's data from src into the stub through the exempt mount,
 // then answers its waiters. The caller claimed f (set f.filling).
 func (g *Group) fill(f *file, src source) {
-	err := g.write(f, src)
+	put, done, err := g.fetch(f, src)
+	if err == nil {
+		err = g.store(f, put)
+		done()
+	}
+	g.filled(f, err)
+}
+
+// fillBehind is fill for a file of a stream, which goes on to the next
+// file once this one's data is read: a small file is then put in place by
+// another goroutine (one per CPU at most), as the stream reads on.
+func (g *Group) fillBehind(f *file, src source) {
+	if f.size > directFill {
+		g.fill(f, src)
+		return
+	}
+	put, _, err := g.fetch(f, src) // in memory: nothing to let go of
+	if err != nil {
+		g.filled(f, err)
+		return
+	}
+	g.putSlots <- struct{}{}
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		<-g.putSlots
+		g.filled(f, errStopping)
+		return
+	}
+	g.putting.Add(1)
+	g.mu.Unlock()
+	go func() {
+		defer func() {
+			<-g.putSlots
+			g.putting.Done()
+		}()
+		g.filled(f, g.store(f, put))
+	}()
+}
+
+// filled records how f's fill ended.
+func (g *Group) filled(f *file, err error) {
 	if err != nil {
 		err = fmt.Errorf("filling %s: %w", f.rel, err)
 	}
@@ -432,18 +481,21 @@ func (g *Group) fill(f *file, src source) {
 // stub with one call.
 const directFill = 1 << 20
 
-// write puts f's data from src into its stub, so that a stat of the stub
+// A fill puts f's data from src into its stub so that a stat of the stub
 // meanwhile sees the stub's own mtime but for an instant (a build tool
-// comparing times would think the file changed): a small file is fetched
-// into memory and written with one call; a larger one into an unlinked
-// file beside the stubs, then cloned into the stub with one call (copied
-// where the filesystem cannot clone). Then the times are put back, and the
-// mark goes: later opens go straight through. Runs of zeros stay holes.
-// No fsync: the caller syncs the whole layer before it is ready, and a
-// crash before that fails it anyway.
-func (g *Group) write(f *file, src source) error {
+// comparing times would think the file changed): fetch brings a small
+// file into memory, a larger one into an unlinked file beside the stubs;
+// store then writes it into the stub with one call, or clones it there
+// (copied where the filesystem cannot clone), puts the times back, and
+// removes the mark if a reader reached the file: later opens go straight
+// through. Runs of zeros stay holes. No fsync: the caller syncs the whole
+// layer before it is ready, and a crash before that fails it anyway.
+
+// fetch brings f's data from src and returns how to put it into the
+// stub, and done, to call once it is put.
+func (g *Group) fetch(f *file, src source) (put func(out *os.File) error, done func(), err error) {
 	if err := f.layer.ctx.Err(); err != nil {
-		return context.Cause(f.layer.ctx)
+		return nil, nil, context.Cause(f.layer.ctx)
 	}
 	ctx, cancel := context.WithCancelCause(f.layer.ctx)
 	defer cancel(nil)
@@ -458,39 +510,43 @@ func (g *Group) write(f *file, src source) error {
 		}
 		return nil
 	}
-	var put func(out *os.File) error
 	if f.size <= directFill {
 		buf := &memFile{b: make([]byte, f.size)}
 		if err := fetch(buf); err != nil {
-			return err
+			return nil, nil, err
 		}
-		put = func(out *os.File) error {
+		return func(out *os.File) error {
 			if allZero(buf.b) {
 				return nil
 			}
 			_, err := out.WriteAt(buf.b, 0)
 			return err
-		}
-	} else {
-		tmpFD, err := unix.Openat(g.tree, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
-		if err != nil {
-			return fmt.Errorf("making a file to fetch into: %w", err)
-		}
-		tmp := os.NewFile(uintptr(tmpFD), f.rel+" (fetching)")
-		defer tmp.Close()
-		if err := tmp.Truncate(f.size); err != nil {
-			return err
-		}
-		if err := fetch(tmp); err != nil {
-			return err
-		}
-		put = func(out *os.File) error {
-			if unix.IoctlFileClone(int(out.Fd()), tmpFD) == nil {
-				return nil
-			}
-			return copyInto(out, tmp, f.size)
-		}
+		}, func() {}, nil
 	}
+	tmpFD, err := unix.Openat(g.tree, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, nil, fmt.Errorf("making a file to fetch into: %w", err)
+	}
+	tmp := os.NewFile(uintptr(tmpFD), f.rel+" (fetching)")
+	err = tmp.Truncate(f.size)
+	if err == nil {
+		err = fetch(tmp)
+	}
+	if err != nil {
+		tmp.Close()
+		return nil, nil, err
+	}
+	return func(out *os.File) error {
+		if unix.IoctlFileClone(int(out.Fd()), tmpFD) == nil {
+			return nil
+		}
+		return copyInto(out, tmp, f.size)
+	}, func() { tmp.Close() }, nil
+}
+
+// store puts f's data into its stub with put, then its times, and removes
+// its mark if a reader reached it.
+func (g *Group) store(f *file, put func(out *os.File) error) error {
 	fd, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
 		return fmt.Errorf("opening the stub: %w", err)
@@ -843,7 +899,8 @@ func (l *Layer) Prefetch(order []string, workers int) {
 // offsets, unless rel is filled or being filled already (then write is not
 // called, and Offer returns nil): how a stream of the whole layer fills
 // what readers have not asked for. If write fails, the layer's FetchFunc
-// brings the file instead. It returns once rel is filled, or failed.
+// brings the file instead. It returns once rel's data is read (a small
+// file is put in place behind it), with an error once the layer failed.
 func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
 	l.mu.Lock()
 	f := l.byRel[rel]
@@ -857,10 +914,11 @@ func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
 	if !mine {
 		return nil
 	}
-	l.g.fill(f, f.orFetch(write, nil))
-	l.g.mu.Lock()
-	defer l.g.mu.Unlock()
-	return f.err
+	l.g.fillBehind(f, f.orFetch(write, nil))
+	if l.ctx.Err() != nil {
+		return context.Cause(l.ctx) // a fill failed: the layer is done for
+	}
+	return nil
 }
 
 // Fail stops the layer: files not filled fail, their waiters get EIO
