@@ -75,7 +75,8 @@ func vethStream(b *testing.B, host *netlab.Host, send, receive string) time.Dura
 // plugin to another, each a host of its own joined by veth pairs, over
 // mutual TLS, in each encoding; against, in the same run and over the same
 // veths, Concourse's default pipeline (tar | gzip | tar over a socket), a
-// tar | zstd | tar socket pipe and a local tar | tar pipe. It reports the
+// tar | zstd | tar socket pipe, the tar bytes alone over a socket (the
+// wire's ceiling) and a local tar | tar pipe. It reports the
 // extra memory each end needed, and what crosses the wire for a child whose
 // parent the puller holds.
 func BenchmarkPull(b *testing.B) {
@@ -122,6 +123,10 @@ func BenchmarkPull(b *testing.B) {
 		results = append(results, result{what: "tar | zstd | tar over the veths",
 			took: vethStream(b, hostB, "tar -C "+src+" -cf - . | zstd -q -T1", "zstd -q -d | tar -C "+zs+" -xf -")})
 		drop(zs)
+		// The wire's own ceiling: the same tar bytes over the veths,
+		// received and dropped.
+		results = append(results, result{what: "tar -c over the veths, dropped (raw TCP)",
+			took: vethStream(b, hostB, "tar -C "+src+" -cf - .", "cat > /dev/null")})
 		local := scratch("local")
 		start := time.Now()
 		if out, err := exec.Command("sh", "-c", "tar -C "+src+" -cf - . | tar -C "+local+" -xf -").CombinedOutput(); err != nil {
@@ -168,17 +173,17 @@ func BenchmarkPull(b *testing.B) {
 			b.Fatalf("the child pulled does not stack on the local tree: %v %v", got, err)
 		}
 
-		gzip, zstd, localPipe := results[0].took, results[1].took, results[2].took
+		gzip, zstd, rawTCP, localPipe := results[0].took, results[1].took, results[2].took, results[3].took
 		var sb strings.Builder
 		fmt.Fprintf(&sb, "\n%-55s %11s %8s %14s  %s\n", "pulling a 50,000-file / 1 GiB volume between two hosts", "time", "MB/s",
-			"extra RSS in/out", "vs gzip / zstd pipe / local pipe")
+			"extra RSS in/out", "vs gzip / zstd pipe / local pipe / raw TCP")
 		for _, r := range results {
 			mem := "-"
 			if r.measuredMemory {
 				mem = fmt.Sprintf("%d / %d MiB", r.rssIn, r.rssOut)
 			}
-			fmt.Fprintf(&sb, "%-55s %11s %8.0f %14s  %s / %s / %s\n", r.what, ms(r.took), mbps(r.took), mem,
-				ratio(gzip, r.took), ratio(zstd, r.took), ratio(localPipe, r.took))
+			fmt.Fprintf(&sb, "%-55s %11s %8.0f %14s  %s / %s / %s / %s\n", r.what, ms(r.took), mbps(r.took), mem,
+				ratio(gzip, r.took), ratio(zstd, r.took), ratio(localPipe, r.took), ratio(rawTCP, r.took))
 		}
 		fmt.Fprintf(&sb, "a child (100 files, 1 MiB) of a tree the puller holds: %s, %d KiB on the wire\n", ms(childTook), childWire>>10)
 		fmt.Print(sb.String())
