@@ -56,7 +56,7 @@ func (c *cluster) pluginImageRuns() {
 // the image built by make image, and patches for what only this harness
 // lacks (no CNI: host networking; no kube-proxy: the API server and the
 // controller on loopback).
-func (c *cluster) installOverlay(tag string) string {
+func (c *cluster) installOverlay(tag string, reg registration) string {
 	dir := filepath.Join(c.work, "overlay")
 	writeOverlay(c.t, dir, func(s string) string {
 		for key, value := range installSettings(c) {
@@ -70,8 +70,7 @@ resources:
   - %[1]s
   - settings.yaml
 components:
-  - %[2]s
-  - %[3]s
+  - %[2]s%[3]s
 images:
   - name: cowvol-plugin
     newName: cowvol.test/cowvol-plugin
@@ -94,9 +93,50 @@ patches:
       - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}
-`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), rel("deploy/csi/components/registrar-less"), c.apiPort, tag)
+`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.apiPort, tag)
 	})
 	return dir
+}
+
+// registration is how an install registers the plugin with the kubelet.
+type registration int
+
+const (
+	// bySidecar: the base as it comes, with the upstream
+	// node-driver-registrar sidecar.
+	bySidecar registration = iota
+	// byPlugin: components/registrar-less, cowvol registering itself.
+	byPlugin
+)
+
+func (r registration) String() string {
+	return map[registration]string{bySidecar: "the node-driver-registrar sidecar", byPlugin: "the plugin itself (components/registrar-less)"}[r]
+}
+
+// component is the kustomization's components line the registration adds.
+func (r registration) component(rel func(string) string) string {
+	if r == byPlugin {
+		return "\n  - " + rel("deploy/csi/components/registrar-less")
+	}
+	return ""
+}
+
+// registrarImage is the upstream sidecar's image, as the base names it.
+const registrarImage = "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.17.0"
+
+// importRegistrar imports the upstream node-driver-registrar, built from
+// its source by make e2e, under registrarImage, and says whether it could.
+func (c *cluster) importRegistrar() bool {
+	c.t.Helper()
+	path := os.Getenv("COWVOL_E2E_REGISTRAR_BINARY")
+	if path == "" {
+		return false
+	}
+	bin, err := os.ReadFile(path)
+	require.NoError(c.t, err)
+	c.importImage(ociimage.Image{Name: registrarImage, Files: []ociimage.File{{Path: "csi-node-driver-registrar", Mode: 0o755, Data: bin}},
+		Entrypoint: []string{"/csi-node-driver-registrar"}})
+	return true
 }
 
 // installSettings are the settings the e2e changes, as a user would in
@@ -171,6 +211,13 @@ func TestInstall(t *testing.T) {
 	certsPEM, err := os.ReadFile("/etc/ssl/certs/ca-certificates.crt")
 	require.NoError(t, err)
 	c.importImage(ociimage.Plugin("cowvol.test/cowvol-plugin:previous", "previous", c.previousPlugin(), certsPEM))
+	// The earlier image registers itself; the roll moves to the base as it
+	// comes, with the upstream sidecar (built by make e2e).
+	rolled := bySidecar
+	if !c.importRegistrar() {
+		rolled = byPlugin
+		t.Log("COWVOL_E2E_REGISTRAR_BINARY is not set (make e2e builds the upstream node-driver-registrar): the roll keeps the plugin registering itself")
+	}
 	// A real node's kubelet dir is a shared mount: the plugin's mounts
 	// (Bidirectional) must reach the pods.
 	require.NoError(t, unix.Mount(c.kubeletDir, c.kubeletDir, "", unix.MS_BIND, ""))
@@ -205,10 +252,10 @@ func TestInstall(t *testing.T) {
 		}
 	})
 	start := time.Now()
-	c.mustKubectl("", "apply", "-k", c.installOverlay("previous"))
-	c.waitInstalled("previous")
-	report(t, fmt.Sprintf("kubectl apply -k of an overlay (commit %.7s's image): the plugin registered through the DaemonSet's pod and the controller led in %s\n",
-		upgradeFrom, time.Since(start).Round(100*time.Millisecond)))
+	c.mustKubectl("", "apply", "-k", c.installOverlay("previous", byPlugin))
+	c.waitInstalled("previous", byPlugin)
+	report(t, fmt.Sprintf("kubectl apply -k of an overlay (commit %.7s's image): the plugin registered through %s and the controller led in %s\n",
+		upgradeFrom, byPlugin, time.Since(start).Round(100*time.Millisecond)))
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
 	}
@@ -235,9 +282,10 @@ func TestInstall(t *testing.T) {
 
 	// The roll: this commit's image.
 	start = time.Now()
-	c.mustKubectl("", "apply", "-k", c.installOverlay("e2e"))
-	c.waitInstalled("e2e")
-	report(t, fmt.Sprintf("rolled to this commit's image in %s, a step running on a cowvol volume\n", time.Since(start).Round(100*time.Millisecond)))
+	c.mustKubectl("", "apply", "-k", c.installOverlay("e2e", rolled))
+	c.waitInstalled("e2e", rolled)
+	report(t, fmt.Sprintf("rolled to this commit's image, registered through %s, in %s, a step running on a cowvol volume\n",
+		rolled, time.Since(start).Round(100*time.Millisecond)))
 	// The controller runs as the manifests say: nobody, no capabilities.
 	ctlPIDs := pidsWhere(func(cmdline string) bool {
 		return strings.HasPrefix(cmdline, "/cowvol-plugin\x00") && strings.Contains(cmdline, "--mode=controller")
@@ -314,17 +362,30 @@ func TestInstall(t *testing.T) {
 // waitInstalled waits until the DaemonSet's pod runs the image of tag and
 // has registered the plugin with the kubelet, and the controller's
 // Deployment is available on that image.
-func (c *cluster) waitInstalled(tag string) {
+func (c *cluster) waitInstalled(tag string, reg registration) {
 	c.t.Helper()
 	image := "cowvol.test/cowvol-plugin:" + tag
-	c.until("the DaemonSet's pod on "+tag+" to register the plugin with the kubelet", 120*time.Second, func() bool {
+	want := image + " true" // the plugin, ready
+	if reg == bySidecar {
+		want = image + " " + registrarImage + " true true" // and the sidecar
+	}
+	c.until("the DaemonSet's pod on "+tag+" to register the plugin with the kubelet through "+reg.String(), 120*time.Second, func() bool {
 		pods, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
-			"-o", "jsonpath={range .items[*]}{.spec.containers[0].image} {.status.containerStatuses[0].ready}{\"\\n\"}{end}")
-		if err != nil || strings.TrimSpace(pods) != image+" true" {
+			"-o", "jsonpath={range .items[*]}{.spec.containers[*].image} {.status.containerStatuses[*].ready}{\"\\n\"}{end}")
+		if err != nil || strings.TrimSpace(pods) != want {
 			return false
 		}
 		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
-		return err == nil && strings.Contains(out, driverName)
+		if err != nil || !strings.Contains(out, driverName) {
+			return false
+		}
+		if reg == byPlugin {
+			return true
+		}
+		// The kubelet told the sidecar, not a plugin of the last pod,
+		// how its registration went (the sidecar exits if it failed).
+		logs, err := c.kubectl("", "logs", "-n", "cowvol", "-l", "app=cowvol-node", "-c", "node-driver-registrar", "--tail=-1")
+		return err == nil && strings.Contains(logs, "Received NotifyRegistrationStatus call")
 	})
 	c.until("the controller's Deployment on "+tag+" to be available", 120*time.Second, func() bool {
 		out, err := c.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol",
