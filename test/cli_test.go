@@ -192,6 +192,32 @@ func TestMetrics(t *testing.T) {
 	}
 }
 
+// Profiles are served beside the metrics only when asked for
+// (--profiling): they show what the plugin is doing to whoever reaches
+// the port.
+func TestProfilingIsOptIn(t *testing.T) {
+	testfs.Need(t)
+	get := func(e *env, path string) (int, []byte) {
+		resp, err := http.Get("http://" + e.metrics + path)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, body
+	}
+	off := newEnv(t, plugintest.Config{Backend: "overlay"})
+	code, _ := get(off, "/debug/pprof/")
+	require.Equal(t, http.StatusNotFound, code, "no profiles unless asked for")
+
+	on := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--profiling"}})
+	code, body := get(on, "/debug/pprof/goroutine?debug=1")
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, string(body), "goroutine profile:")
+	code, body = get(on, "/debug/pprof/profile?seconds=1")
+	require.Equal(t, http.StatusOK, code)
+	require.NotEmpty(t, body, "a CPU profile")
+}
+
 // SIGTERM lets an RPC in flight finish, then the plugin exits cleanly; the
 // restarted plugin adopts what it published.
 func TestGracefulStop(t *testing.T) {

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"time"
 
@@ -392,7 +393,7 @@ func (d *Driver) runners() ([]runner, error) {
 	return runners, nil
 }
 
-// metricsRunner serves /metrics and the probes. /readyz answers 503 on a
+// metricsRunner serves /metrics, the probes and, if asked, profiles. /readyz answers 503 on a
 // controller replica that does not lead, and on a self-registering node
 // plugin until the kubelet has taken its registration.
 func (d *Driver) metricsRunner(registration *registrationService) runner {
@@ -412,6 +413,13 @@ func (d *Driver) metricsRunner(registration *registrationService) runner {
 		}
 		_, _ = w.Write([]byte("ok\n"))
 	})
+	if d.opts.Profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	return serverRunner("serving metrics", tcpListener(d.opts.MetricsAddress), srv.Serve, func() { srv.Close() })
 }

@@ -89,6 +89,8 @@ func TestOptionsValidate(t *testing.T) {
 		{"advertised without an address", func(o *Options) { o.Peers.AdvertiseAddress = "10.0.0.5:7443" }, "needs --peer-address"},
 		{"static peer without a node", func(o *Options) { o.Peers.Static = []string{"127.0.0.1:7443"} }, "want node=host:port"},
 		{"bad stream encoding", func(o *Options) { o.Peers.Encoding = "lz4" }, "--stream-encoding"},
+		{"profiling with nowhere to serve it", func(o *Options) { o.Profiling, o.MetricsAddress = true, "" }, "--metrics-address"},
+		{"profiling beside the metrics", func(o *Options) { o.Profiling, o.MetricsAddress = true, "127.0.0.1:9090" }, ""},
 		{"negative stream limit", func(o *Options) { o.Peers.SizeLimit = -1 }, "--stream-size-limit"},
 		{"peers in controller mode", func(o *Options) { o.Mode, o.Peers.Address = ModeController, "127.0.0.1:7443" }, "node plugins"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},

@@ -29,7 +29,11 @@ type Options struct {
 	Backend        string // auto or an overlay.Kind
 	FlattenDepth   int    // chains deeper than this are flattened
 	MetricsAddress string // host:port for /metrics; empty serves none
-	StopTimeout    time.Duration
+	// Profiling serves Go's /debug/pprof/ beside /metrics: off by
+	// default, as what the plugin does is shown to whoever reaches the
+	// port.
+	Profiling   bool
+	StopTimeout time.Duration
 	// RegistrationSocket, if set, is where the plugin serves the kubelet's
 	// plugin-registration API itself (no node-driver-registrar sidecar),
 	// typically /var/lib/kubelet/plugins_registry/<driver>-reg.sock.
@@ -126,6 +130,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Backend, "cow-backend", o.Backend, "copy-on-write backend: auto, overlay, reflink, btrfs or copy")
 	fs.IntVar(&o.FlattenDepth, "flatten-depth", o.FlattenDepth, "layer chains deeper than this are flattened in the background")
 	fs.StringVar(&o.MetricsAddress, "metrics-address", o.MetricsAddress, "host:port to serve Prometheus /metrics on (empty: none)")
+	fs.BoolVar(&o.Profiling, "profiling", o.Profiling, "also serve Go's /debug/pprof/ on --metrics-address")
 	fs.DurationVar(&o.StopTimeout, "stop-timeout", o.StopTimeout, "how long in-flight RPCs may run after SIGTERM")
 	fs.StringVar(&o.RegistrationSocket, "kubelet-registration-socket", o.RegistrationSocket,
 		"serve the kubelet's plugin registration on this socket, without the node-driver-registrar sidecar\n"+
@@ -241,6 +246,9 @@ func (o *Options) Validate() error {
 	}
 	if o.StopTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("--stop-timeout %s must be positive", o.StopTimeout))
+	}
+	if o.Profiling && o.MetricsAddress == "" {
+		errs = append(errs, errors.New("--profiling serves on --metrics-address: give one"))
 	}
 	if o.StalledAfter <= 0 {
 		errs = append(errs, fmt.Errorf("--stalled-after %s must be positive", o.StalledAfter))
