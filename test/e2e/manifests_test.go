@@ -167,6 +167,22 @@ func TestManifests(t *testing.T) {
 		require.False(t, settingsApplied, "the settings are local-config: read, never applied")
 	})
 
+	t.Run("the admission policy adds itself, cluster-scoped, and changes nothing else", func(t *testing.T) {
+		dir := t.TempDir()
+		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
+			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/admission-policy") + "]\n"
+		})
+		got, err := renderKustomization(t, dir)
+		require.NoError(t, err)
+		for _, kind := range []string{"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} {
+			obj := got[kind+"/cowvol-volumes"]
+			require.NotNil(t, obj, kind)
+			require.NotContains(t, obj["metadata"], "namespace", "%s is cluster-scoped", kind)
+			delete(got, kind+"/cowvol-volumes")
+		}
+		require.Equal(t, base, got)
+	})
+
 	t.Run("a settings file missing a key is refused", func(t *testing.T) {
 		_, err := renderKustomization(t, settingsOverlay(t, func(s string) string {
 			return strings.Replace(s, "  state-dir: /var/lib/cowvol\n", "", 1)

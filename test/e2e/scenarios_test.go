@@ -342,6 +342,10 @@ func TestE2E(t *testing.T) {
 		report(t, "the Node's events: "+strings.ReplaceAll(strings.TrimSpace(nodeEvents()), "\n", " | ")+"\n")
 	})
 
+	c.scenario("the admission policy refuses what a namespace may not do, naming the rule", func() {
+		c.admissionPolicy()
+	})
+
 	// Every pod gone, nothing of cowvol's may stay mounted.
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
@@ -372,4 +376,67 @@ func report(t *testing.T, line string) {
 		defer f.Close()
 		_, _ = f.WriteString(line)
 	}
+}
+
+// admissionPolicy installs components/admission-policy and has the API
+// server judge step pods (server-side dry runs: admission runs, nothing is
+// made) in namespaces labelled for each rule, then removes it.
+func (c *cluster) admissionPolicy() {
+	t := c.t
+	dir := filepath.Join(c.work, "admission")
+	repo, err := filepath.Abs("../..")
+	require.NoError(t, err)
+	component, err := filepath.Rel(dir, filepath.Join(repo, "deploy/csi/components/admission-policy"))
+	require.NoError(t, err)
+	writeFile(t, filepath.Join(dir, "kustomization.yaml"), "components: ["+component+"]\n")
+	c.mustKubectl("", "apply", "-k", dir)
+	defer c.mustKubectl("", "delete", "-k", dir)
+	for ns, labels := range map[string][]string{
+		"adm-none":   nil,
+		"adm-ci":     {"cowvol.concourse-ci.org/volumes=allowed", "cowvol.concourse-ci.org/max-size-limit=10Mi"},
+		"adm-shared": {"cowvol.concourse-ci.org/volumes=allowed", "cowvol.concourse-ci.org/share=cluster"},
+		"adm-bad":    {"cowvol.concourse-ci.org/volumes=allowed", "cowvol.concourse-ci.org/max-size-limit=lots"},
+	} {
+		c.mustKubectl("", "create", "namespace", ns)
+		defer c.mustKubectl("", "delete", "namespace", ns, "--wait=false")
+		if labels != nil {
+			c.mustKubectl("", append([]string{"label", "namespace", ns}, labels...)...)
+		}
+	}
+	judge := func(ns string, vols ...volume) error {
+		_, err := c.kubectl(podJSON(ns, "judged", "true", vols), "create", "--dry-run=server", "-f", "-")
+		return err
+	}
+	out := func(a map[string]string) volume { return volume{name: "out", mountPath: "/out", attrs: a} }
+	// The policy takes a moment to be in force.
+	c.until("the policy to be in force", 60*time.Second, func() bool {
+		err := judge("adm-none", out(attrs("capture", "x")))
+		return err != nil && strings.Contains(err.Error(), "cowvol rule")
+	})
+	for _, tc := range []struct {
+		name, ns string
+		vols     []volume
+		rule     string // "": admitted
+	}{
+		{"cowvol volumes where they are not allowed", "adm-none", []volume{out(attrs("capture", "x"))}, `rule "volumes"`},
+		{"other volumes there", "adm-none", []volume{{name: "scratch", mountPath: "/s"}}, ""},
+		{"a capture within the limit", "adm-ci", []volume{out(attrs("capture", "x", "sizeLimit", "5Mi"))}, ""},
+		{"a capture past the limit", "adm-ci", []volume{out(attrs("capture", "x", "sizeLimit", "20Mi"))}, `rule "max-size-limit"`},
+		{"a writable volume naming no limit", "adm-ci", []volume{out(attrs("capture", "x"))}, `at most 10Mi`},
+		{"a read-only input naming no limit", "adm-ci", []volume{{name: "in", mountPath: "/in", attrs: attrs("source", "res"), readOnly: true}}, ""},
+		{"a shared capture where sharing is not allowed", "adm-ci", []volume{out(attrs("capture", "x", "scope", "cluster", "sizeLimit", "1Mi"))}, `rule "share"`},
+		{"a shared capture where it is", "adm-shared", []volume{out(attrs("capture", "x", "scope", "cluster"))}, ""},
+		{"a malformed limit label", "adm-bad", []volume{out(attrs("capture", "x", "sizeLimit", "1Mi"))}, "is not a quantity"},
+	} {
+		err := judge(tc.ns, tc.vols...)
+		if tc.rule == "" {
+			require.NoError(t, err, tc.name)
+			continue
+		}
+		require.Error(t, err, tc.name)
+		require.Contains(t, err.Error(), tc.rule, tc.name)
+		require.Contains(t, err.Error(), "namespace "+tc.ns, "%s: the message names the namespace", tc.name)
+	}
+	report(t, "the admission policy refused cowvol volumes in an unlabelled namespace, a shared capture without the share label, "+
+		"and sizeLimits past (or missing under) a namespace's max-size-limit, each naming its rule\n")
 }
