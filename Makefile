@@ -39,6 +39,11 @@ THIRD_PARTY       ?= $(CURDIR)/../shared/third_party
 REGISTRAR_ARCHIVE := $(THIRD_PARTY)/node-driver-registrar/node-driver-registrar-$(REGISTRAR_VERSION).tar.zst
 REGISTRAR_BIN     := $(E2E_BIN)/registrar-$(REGISTRAR_VERSION)/csi-node-driver-registrar
 
+# helm, for the chart's render test and its install in the e2e, built
+# from its Go module in a tools module of its own.
+HELM_TOOLS := test/e2e/tools/helm
+HELM_BIN   := $(E2E_BIN)/helm/helm
+
 # Code generated from api/*.proto, with pinned generators (and protoc from
 # Debian's protobuf-compiler).
 PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
@@ -68,14 +73,14 @@ test: build
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 # The cluster runs the image make image builds (under the e2e's name).
-e2e: build $(K8S_BIN)/kubelet $(RUNTIME_BIN)/runc $(REGISTRAR_BIN)
+e2e: build $(K8S_BIN)/kubelet $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
 	test/e2e/install-deps.sh
 	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(E2E_BIN)/plugin-image.tar
 	rm -f $(E2E_BIN)/report.txt
 	cd test/e2e && PATH=$(CURDIR)/$(RUNTIME_BIN):$$PATH \
 		COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/report.txt \
 		COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(E2E_BIN)/plugin-image.tar COWVOL_E2E_KUBE_BIN=$(CURDIR)/$(K8S_BIN) \
-		COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) \
+		COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) COWVOL_E2E_HELM_BINARY=$(CURDIR)/$(HELM_BIN) \
 		$(GO) test -tags e2e -count=1 -timeout 40m -v .
 	@cat $(E2E_BIN)/report.txt 2>/dev/null || true
 
@@ -85,6 +90,9 @@ $(K8S_BIN)/kubelet: $(K8S_TOOLS)/go.mod
 	cd $(K8S_TOOLS) && $(GO) build -trimpath -ldflags '$(K8S_LDFLAGS)' -o $(CURDIR)/$(K8S_BIN)/ \
 		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl \
 		k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+
+$(HELM_BIN): $(HELM_TOOLS)/go.mod
+	cd $(HELM_TOOLS) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o $(CURDIR)/$@ helm.sh/helm/v3/cmd/helm
 
 $(REGISTRAR_BIN):
 	@test -f $(REGISTRAR_ARCHIVE) || { echo "no node-driver-registrar source at $(REGISTRAR_ARCHIVE): set THIRD_PARTY to the dir that holds node-driver-registrar/"; exit 1; }

@@ -226,11 +226,7 @@ func TestInstall(t *testing.T) {
 	certs := filepath.Join(c.work, "certs")
 	ctl := netlab.NewPKI(t, filepath.Join(certs, "controller"), "cowvol-controller.cowvol.svc", "127.0.0.1")
 	peer := netlab.NewPKI(t, filepath.Join(certs, "peer"), driver.DefaultPeerServerName)
-	settings := installSettings(c)
-	for name, p := range map[string]netlab.PKI{settings["controller-tls-secret"]: ctl, settings["peer-tls-secret"]: peer} {
-		c.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
-			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
-	}
+	c.createInstallSecrets(ctl, peer)
 	// This node has no CNI (its pods use the host's network), so it never
 	// turns Ready and keeps the not-ready taint the kubelet registers it
 	// with, which would keep the scheduler and the DaemonSet controller
@@ -357,6 +353,115 @@ func TestInstall(t *testing.T) {
 		require.Equal(t, "built\n", c.mustSucceed("ci", name))
 	}
 	report(t, "the installed plugin SIGKILLed, then SIGSTOPped: the kubelet restarted it (the second time when its liveness probe failed) and the next steps used the cached volumes\n")
+
+	c.helmLifecycle(rolled, ctl, peer)
+}
+
+// createInstallSecrets makes the TLS Secrets the install names, in the
+// namespace cowvol.
+func (c *cluster) createInstallSecrets(ctl, peer netlab.PKI) {
+	settings := installSettings(c)
+	for name, p := range map[string]netlab.PKI{settings["controller-tls-secret"]: ctl, settings["peer-tls-secret"]: peer} {
+		c.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
+			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
+	}
+}
+
+// helmLifecycle moves the install to Helm, as a user would: the steps
+// done, the kustomize install is deleted (namespace and Secrets too); the
+// chart is installed with the e2e's settings and a step reads a volume
+// cached before (the state dir stays); an upgrade that changes a setting
+// rolls the node's pod and a step runs again; the uninstall leaves no
+// mount and no plugin.
+func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
+	t := c.t
+	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
+	if helm == "" {
+		t.Log("COWVOL_E2E_HELM_BINARY is not set (make e2e builds helm): the chart is not installed")
+		return
+	}
+	noStepVolumes := func() bool {
+		mounts, err := overlay.MountsUnder(c.kubeletDir)
+		if err != nil {
+			return false
+		}
+		for _, mp := range mounts {
+			if strings.Contains(mp, "kubernetes.io~csi") {
+				return false
+			}
+		}
+		return true
+	}
+	for _, ns := range []string{"ci", "other"} {
+		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
+	}
+	c.until("the steps' volumes to be torn down", 2*time.Minute, noStepVolumes)
+	c.mustKubectl("", "delete", "-k", c.installOverlay("e2e", reg), "--timeout=180s")
+	c.until("the kustomize install to be gone", 3*time.Minute, func() bool {
+		_, err := c.kubectl("", "get", "namespace", "cowvol")
+		return err != nil && len(c.pluginContainerPIDs()) == 0
+	})
+
+	c.mustKubectl("", "create", "namespace", "cowvol")
+	c.createInstallSecrets(ctl, peer)
+	settings := installSettings(c)
+	values := map[string]any{
+		"kubeletDir": settings["kubelet-dir"], "stateDir": settings["state-dir"], "defaultSizeLimit": settings["default-size-limit"],
+		"controllerTLSSecret": settings["controller-tls-secret"], "peerTLSSecret": settings["peer-tls-secret"],
+		"image":     map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
+		"registrar": map[string]any{"enabled": reg == bySidecar},
+		// As the kustomize overlay's patches: this node's pods are on the
+		// host's network, with no Service routing.
+		"controller": map[string]any{"replicas": 1, "hostNetwork": true, "strategy": map[string]any{"type": "Recreate"},
+			"extraEnv": c.apiServerEnv()},
+		"node": map[string]any{"hostNetwork": true, "extraArgs": []string{"--controller-address=127.0.0.1:7070"},
+			"extraEnv": c.apiServerEnv()},
+	}
+	valuesFile := filepath.Join(c.work, "helm-values.json")
+	raw, err := json.Marshal(values)
+	require.NoError(t, err)
+	writeFile(t, valuesFile, string(raw))
+	runHelm := func(args ...string) {
+		out, err := exec.Command(helm, append(args, "--kubeconfig", c.kubeconfig)...).CombinedOutput()
+		require.NoError(t, err, "helm %s: %s", strings.Join(args, " "), out)
+	}
+	chart := "../../deploy/helm/cowvol"
+	start := time.Now()
+	runHelm("install", "cowvol", chart, "--namespace", "cowvol", "-f", valuesFile)
+	c.waitInstalled("e2e", reg)
+	installed := time.Since(start)
+	c.createPod("ci", "helm-installed", `set -e; cat /in/out.bin`,
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "task-1"), readOnly: true})
+	require.Equal(t, "built\n", c.mustSucceed("ci", "helm-installed"), "a volume cached before the move to Helm")
+
+	start = time.Now()
+	runHelm("upgrade", "cowvol", chart, "--namespace", "cowvol", "-f", valuesFile, "--set", "highWatermark=85")
+	c.until("the node's pod to roll onto the upgrade", 2*time.Minute, func() bool {
+		out, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node", "-o",
+			`jsonpath={range .items[*]}{.spec.containers[0].env[?(@.name=="HIGH_WATERMARK")].value} {.status.containerStatuses[0].ready}{"\n"}{end}`)
+		return err == nil && strings.TrimSpace(out) == "85 true"
+	})
+	c.waitInstalled("e2e", reg)
+	upgraded := time.Since(start)
+	c.createPod("ci", "helm-upgraded", `set -e; cd /w; cat out.bin; echo again > again`,
+		volume{name: "w", mountPath: "/w", attrs: attrs("source", "task-1", "capture", "helm-upgraded", "sizeLimit", "1Mi")})
+	require.Equal(t, "built\n", c.mustSucceed("ci", "helm-upgraded"))
+	c.waitCapturedInstalled("ci", "helm-upgraded")
+
+	c.mustKubectl("", "delete", "pods", "--all", "-n", "ci", "--grace-period=1", "--timeout=120s")
+	c.until("the steps' volumes to be torn down", 2*time.Minute, noStepVolumes)
+	start = time.Now()
+	runHelm("uninstall", "cowvol", "--namespace", "cowvol", "--wait", "--timeout", "3m")
+	c.until("the plugin to be gone", 2*time.Minute, func() bool { return len(c.pluginContainerPIDs()) == 0 })
+	require.True(t, noStepVolumes(), "no step volume stays mounted")
+	report(t, fmt.Sprintf("helm install (registered through %s) %s, upgrade rolling the node %s, uninstall %s: a volume cached before the move read, a step captured, no mount left\n",
+		reg, installed.Round(100*time.Millisecond), upgraded.Round(100*time.Millisecond), time.Since(start).Round(100*time.Millisecond)))
+}
+
+// apiServerEnv is the environment that points in-cluster clients at this
+// node's API server, where no Service routes to it.
+func (c *cluster) apiServerEnv() []map[string]string {
+	return []map[string]string{{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"}, {"name": "KUBERNETES_SERVICE_PORT", "value": strconv.Itoa(c.apiPort)}}
 }
 
 // waitInstalled waits until the DaemonSet's pod runs the image of tag and

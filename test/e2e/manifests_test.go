@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,6 +33,30 @@ func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, e
 		objects[obj["kind"].(string)+"/"+meta["name"].(string)] = obj
 	}
 	return objects, nil
+}
+
+// renderChart renders deploy/helm/cowvol into namespace cowvol with
+// helm template, its values changed by args; it skips where make e2e did
+// not build helm.
+func renderChart(t *testing.T, args ...string) map[string]map[string]any {
+	t.Helper()
+	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
+	if helm == "" {
+		t.Skip("COWVOL_E2E_HELM_BINARY is not set: make e2e builds helm (test/e2e/tools/helm)")
+	}
+	out, err := exec.Command(helm, append([]string{"template", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol"}, args...)...).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	objects := map[string]map[string]any{}
+	for _, doc := range strings.Split(string(out), "\n---\n") {
+		var obj map[string]any
+		require.NoError(t, yaml.Unmarshal([]byte(doc), &obj))
+		if obj == nil {
+			continue // only comments
+		}
+		meta := obj["metadata"].(map[string]any)
+		objects[obj["kind"].(string)+"/"+meta["name"].(string)] = obj
+	}
+	return objects
 }
 
 type renderError struct{ out string }
@@ -181,6 +206,30 @@ func TestManifests(t *testing.T) {
 			delete(got, kind+"/cowvol-volumes")
 		}
 		require.Equal(t, base, got)
+	})
+
+	t.Run("the Helm chart with its defaults renders the base", func(t *testing.T) {
+		got := renderChart(t)
+		want := maps.Clone(base)
+		delete(want, "Namespace/cowvol") // helm install --create-namespace makes it
+		require.Equal(t, want, got)
+	})
+
+	t.Run("the Helm chart's values reach every place", func(t *testing.T) {
+		got := renderChart(t, "--set", "kubeletDir=/srv/k8s/kubelet", "--set", "stateDir=/mnt/cowvol",
+			"--set", "peerTLSSecret=my-peer-tls", "--set", "controllerTLSSecret=my-controller-tls",
+			"--set", "registrar.enabled=false", "--set", "image.repository=registry.example/cowvol-plugin", "--set", "image.tag=v1",
+			"--set", "controller.replicas=1", "--set", "node.tolerations[0].operator=Exists")
+		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
+		controller, _ := yaml.Marshal(got["Deployment/cowvol-controller"])
+		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-tls", "node-driver-registrar", "cowvol-plugin:latest"} {
+			require.NotContains(t, string(node), old, "the node DaemonSet still names the default")
+			require.NotContains(t, string(controller), old, "the controller Deployment still names the default")
+		}
+		require.Contains(t, string(node), "--kubelet-registration-socket=/registration/cowvol.concourse-ci.org-reg.sock", "registering itself")
+		require.Contains(t, string(node), "operator: Exists")
+		require.Contains(t, string(controller), "replicas: 1")
+		require.Contains(t, string(controller), "image: registry.example/cowvol-plugin:v1")
 	})
 
 	t.Run("a settings file missing a key is refused", func(t *testing.T) {
