@@ -736,6 +736,30 @@ func (c *cluster) createPodWith(ns, name, script string, opts []podOpt, vols ...
 	c.mustKubectl(podJSON(ns, name, script, vols, opts...), "create", "-f", "-")
 }
 
+// deleteSteps deletes the pods of namespaces and waits until no step
+// volume is mounted.
+func (c *cluster) deleteSteps(namespaces ...string) {
+	c.t.Helper()
+	for _, ns := range namespaces {
+		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
+	}
+	c.until("every step volume to be torn down", 2*time.Minute, c.noStepVolumes)
+}
+
+// noStepVolumes says no pod's cowvol volume is mounted.
+func (c *cluster) noStepVolumes() bool {
+	mounts, err := overlay.MountsUnder(c.kubeletDir)
+	if err != nil {
+		return false
+	}
+	for _, mp := range mounts {
+		if strings.Contains(mp, "kubernetes.io~csi") {
+			return false
+		}
+	}
+	return true
+}
+
 func (c *cluster) phase(ns, name string) string {
 	out, _ := c.kubectl("", "get", "pod", "-n", ns, name, "-o", "jsonpath={.status.phase}")
 	return out

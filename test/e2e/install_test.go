@@ -380,22 +380,7 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 		t.Log("COWVOL_E2E_HELM_BINARY is not set (make e2e builds helm): the chart is not installed")
 		return
 	}
-	noStepVolumes := func() bool {
-		mounts, err := overlay.MountsUnder(c.kubeletDir)
-		if err != nil {
-			return false
-		}
-		for _, mp := range mounts {
-			if strings.Contains(mp, "kubernetes.io~csi") {
-				return false
-			}
-		}
-		return true
-	}
-	for _, ns := range []string{"ci", "other"} {
-		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
-	}
-	c.until("the steps' volumes to be torn down", 2*time.Minute, noStepVolumes)
+	c.deleteSteps("ci", "other")
 	c.mustKubectl("", "delete", "-k", c.installOverlay("e2e", reg), "--timeout=180s")
 	c.until("the kustomize install to be gone", 3*time.Minute, func() bool {
 		_, err := c.kubectl("", "get", "namespace", "cowvol")
@@ -448,12 +433,11 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 	require.Equal(t, "built\n", c.mustSucceed("ci", "helm-upgraded"))
 	c.waitCapturedInstalled("ci", "helm-upgraded")
 
-	c.mustKubectl("", "delete", "pods", "--all", "-n", "ci", "--grace-period=1", "--timeout=120s")
-	c.until("the steps' volumes to be torn down", 2*time.Minute, noStepVolumes)
+	c.deleteSteps("ci")
 	start = time.Now()
 	runHelm("uninstall", "cowvol", "--namespace", "cowvol", "--wait", "--timeout", "3m")
 	c.until("the plugin to be gone", 2*time.Minute, func() bool { return len(c.pluginContainerPIDs()) == 0 })
-	require.True(t, noStepVolumes(), "no step volume stays mounted")
+	require.True(t, c.noStepVolumes(), "no step volume stays mounted")
 	report(t, fmt.Sprintf("helm install (registered through %s) %s, upgrade rolling the node %s, uninstall %s: a volume cached before the move read, a step captured, no mount left\n",
 		reg, installed.Round(100*time.Millisecond), upgraded.Round(100*time.Millisecond), time.Since(start).Round(100*time.Millisecond)))
 }

@@ -20,7 +20,6 @@ import (
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/client"
-	"github.com/concourse/cowvol/pkg/overlay"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -347,21 +346,7 @@ func TestE2E(t *testing.T) {
 	})
 
 	// Every pod gone, nothing of cowvol's may stay mounted.
-	for _, ns := range []string{"ci", "other"} {
-		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
-	}
-	c.until("every step volume to be torn down", 2*time.Minute, func() bool {
-		mounts, err := overlay.MountsUnder(c.kubeletDir)
-		if err != nil {
-			return false
-		}
-		for _, mp := range mounts {
-			if strings.Contains(mp, "kubernetes.io~csi") {
-				return false
-			}
-		}
-		return true
-	})
+	c.deleteSteps("ci", "other")
 }
 
 // report logs a finding and leaves it where make e2e prints it.
