@@ -2,7 +2,9 @@
 // cached volume (namespace and handle, lineage, state, properties, size, pin,
 // TTL) and of every step volume ("view") published from one, kept in a
 // single bbolt file so that each change is one fsynced transaction, with
-// indexes of what holds each volume's data, plus the layout of the state dir.
+// indexes of what holds each volume's data, plus the layout of the state dir
+// and, per namespace, the order steps read lazily pulled inputs in (a hint
+// for the next lazy pull, readorder.go).
 //
 // It decides what may happen (find-or-create, who may read what, what is in
 // use, what may be evicted, what is an orphan) but never mounts anything and
