@@ -32,6 +32,9 @@ func kubectlCowvol(t *testing.T) string {
 	}
 	kubectlCowvolOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "kubectl-cowvol-")
+		if err == nil {
+			err = os.Chmod(dir, 0o755) // tests run it as other users too
+		}
 		if err != nil {
 			kubectlCowvolErr = err
 			return
