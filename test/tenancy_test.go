@@ -264,36 +264,37 @@ func scrape(t *testing.T, e *env) string {
 	return string(body)
 }
 
-// A view that cannot be settled at start-up (its target is held busy) is
-// quarantined: the plugin starts and serves everything else, and settles the
-// view once it can.
+// A view that cannot be settled at start-up (its mount went away while the
+// plugin was down, and something else now sits in its target dir) is
+// quarantined: the plugin starts and serves everything else, and settles
+// the view once it can.
 func TestPoisonedViewDoesNotBrickTheNode(t *testing.T) {
 	testfs.Need(t)
 	e := newEnv(t, plugintest.Config{Backend: "overlay"})
 	e.step("", "p-src", func(dir string) { write(t, dir, "f", "x") })
 	v := e.volume(map[string]string{"source": "p-src", "capture": "p-out"}, false)
-	e.p.Restart("COWVOL_CRASH_AT=publish-mounted")
-	require.Error(t, e.publish(v), "the plugin dies between mounting and recording")
-	require.NoError(t, e.p.Wait(10e9))
-	// Something in the pod keeps the half-published mount busy.
-	holder := exec.Command("sleep", "600")
-	holder.Dir = v.Target
-	require.NoError(t, holder.Start())
-	defer holder.Process.Kill()
+	require.NoError(t, e.publish(v))
+	write(t, v.Target, "g", "the step's")
+	e.p.Kill()
+	require.NoError(t, overlay.NewSysMounter().Unmount(v.Target))
+	write(t, v.Target, "stray", "not cowvol's") // cowvol never mounts over it
 
 	e.p.Restart()
 	require.Contains(t, scrape(t, e), "cowvol_quarantined_step_volumes 1")
 	e.step("p-src", "p-other", func(dir string) { require.Equal(t, "x", readFile(t, dir, "f")) })
 
-	require.NoError(t, holder.Process.Kill())
-	_ = holder.Wait()
+	require.NoError(t, os.Remove(filepath.Join(v.Target, "stray")))
 	eventually(t, "the quarantined view to be settled", func() bool {
 		return strings.Contains(scrape(t, e), "cowvol_quarantined_step_volumes 0")
 	})
 	require.False(t, strings.Contains(e.p.Log(), "panic"))
+	require.Equal(t, "the step's", readFile(t, v.Target, "g"), "mounted again as the step left it")
 	retry(t, "publish", func() error { return e.publish(v) })
 	e.umount(v)
-	e.read("p-out", func(dir string) { require.Equal(t, "x", readFile(t, dir, "f")) })
+	e.read("p-out", func(dir string) {
+		require.Equal(t, "x", readFile(t, dir, "f"))
+		require.Equal(t, "the step's", readFile(t, dir, "g"))
+	})
 	e.noLeaks(t)
 }
 

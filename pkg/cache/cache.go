@@ -106,9 +106,15 @@ func (p Pin) Active(now time.Time) bool { return p.Pinned && (p.Until.IsZero() |
 type ViewState string
 
 const (
-	// ViewPublishing: recorded, not yet (fully) mounted.
+	// ViewPublishing: recorded, not yet (fully) mounted, by a plugin from
+	// before publishes were recorded as published at once. Recovery drops
+	// such a view; the kubelet publishes it again.
 	ViewPublishing ViewState = "publishing"
-	// ViewPublished: mounted at its target.
+	// ViewPublished: published to the kubelet, recorded before its tree is
+	// built and mounted (one transaction a publish). Its tree may not be
+	// built yet, or its mount may be missing (a crash cut its publish
+	// short, or a reboot took the mount): the kubelet's retry, or
+	// recovery, makes them.
 	ViewPublished ViewState = "published"
 	// ViewCapturing: being torn down into its capture handle.
 	ViewCapturing ViewState = "capturing"
@@ -229,7 +235,12 @@ func Open(dir string) (*Store, error) {
 			return nil, fmt.Errorf("creating state dir: %w", err)
 		}
 	}
-	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, &bolt.Options{Timeout: 5 * time.Second})
+	// The free list is not written at each commit but rebuilt from the
+	// pages at open (as etcd does): a commit writes one page fewer, about
+	// a fifth of a publish's transaction, and the store is small.
+	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, &bolt.Options{
+		NoFreelistSync: true, FreelistType: bolt.FreelistMapType, Timeout: 5 * time.Second,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("opening metadata (is another plugin using %s?): %w", dir, err)
 	}
@@ -511,7 +522,8 @@ func (v Volume) ReadableBy(namespace string) bool {
 // Publish records a new step volume in one transaction: the source must be
 // mountable (ready or filling) and readable by the pod's namespace (its chain is pinned), and the
 // capture handle, if any, must be free in the pod's namespace (it is
-// reserved there). The returned view carries the lowers to mount. A view
+// reserved there). The view is recorded as published: the caller builds and
+// mounts it next. The returned view carries the lowers to mount. A view
 // with a size limit gets a fresh quota ID.
 func (s *Store) Publish(v View) (View, error) {
 	now := time.Now()
@@ -578,7 +590,7 @@ func (s *Store) Publish(v View) (View, error) {
 			}
 			v.QuotaID = quotaIDBase + uint32(seq%quotaIDSpan)
 		}
-		v.State = ViewPublishing
+		v.State = ViewPublished
 		v.CreatedAt = now
 		if err := bump(tx); err != nil {
 			return err
@@ -642,6 +654,40 @@ func (s *Store) SetMounted(volumeID string, mountID uint64, root string) error {
 			return fmt.Errorf("step volume %q is capturing: %w", volumeID, ErrWrongViewState)
 		}
 		v.MountID, v.MountRoot, v.State = mountID, root, ViewPublished
+		return nil
+	})
+}
+
+// MadeMount is a mount a publish made at a view's target, to be recorded
+// after the publish returned. Published names the view it was made for (its
+// CreatedAt): a view published again under the same ID is another one.
+type MadeMount struct {
+	VolumeID  string
+	Published time.Time
+	MountID   uint64
+	Root      string
+}
+
+// RecordMounts records, in one transaction, the mounts publishes made, each
+// only on the view it was made for while that view is published and has
+// none recorded: a view since taken down, published again or mounted again
+// (whose mount ensureMounted recorded) keeps what it has.
+func (s *Store) RecordMounts(made []MadeMount) error {
+	return s.db.Update(func(tx *bolt.Tx) error {
+		views := tx.Bucket(viewsBucket)
+		for _, m := range made {
+			v, ok, err := getJSON[View](views, []byte(m.VolumeID))
+			if err != nil {
+				return err
+			}
+			if !ok || v.State != ViewPublished || !v.CreatedAt.Equal(m.Published) || v.MountID != 0 || v.MountRoot != "" {
+				continue
+			}
+			v.MountID, v.MountRoot = m.MountID, m.Root
+			if err := putJSON(views, []byte(m.VolumeID), v); err != nil {
+				return err
+			}
+		}
 		return nil
 	})
 }

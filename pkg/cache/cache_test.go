@@ -379,3 +379,40 @@ func TestRebootFailsUnsyncedVolumes(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, v.State)
 }
+
+// RecordMounts writes a mount only on the view it was made for, while that
+// view is published with no mount recorded.
+func TestRecordMounts(t *testing.T) {
+	tests := []struct {
+		name   string
+		change func(t *testing.T, s *Store, v View) // after the mount was made
+		want   uint64                               // the mount ID recorded after
+	}{
+		{"the view as it was", func(*testing.T, *Store, View) {}, 7},
+		{"the view was mounted again and recorded then", func(t *testing.T, s *Store, v View) {
+			require.NoError(t, s.SetMounted(v.VolumeID, 9, "1:9"))
+		}, 9},
+		{"the view is capturing", func(t *testing.T, s *Store, v View) {
+			require.NoError(t, s.SetViewState(v.VolumeID, ViewPublished, ViewCapturing))
+		}, 0},
+		{"the view was published again under the same ID", func(t *testing.T, s *Store, v View) {
+			_, err := s.DropView(v.VolumeID)
+			require.NoError(t, err)
+			_, err = s.Publish(View{VolumeID: v.VolumeID, Target: v.Target, Pod: v.Pod})
+			require.NoError(t, err)
+		}, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := openStore(t)
+			v, err := s.Publish(View{VolumeID: "v", Target: "/t/v", Pod: pod("ci")})
+			require.NoError(t, err)
+			tc.change(t, s, v)
+			made := []MadeMount{{VolumeID: "v", Published: v.CreatedAt, MountID: 7, Root: "1:7"}, {VolumeID: "gone", MountID: 8}}
+			require.NoError(t, s.RecordMounts(made))
+			got, err := s.GetView("v")
+			require.NoError(t, err)
+			require.Equal(t, tc.want, got.MountID)
+		})
+	}
+}

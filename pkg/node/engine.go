@@ -135,6 +135,10 @@ type Engine struct {
 	janitor  chan struct{}
 	syncer   chan struct{}
 	reaper   chan struct{}
+	// madeMounts are the mounts publishes made, which the recorder loop
+	// writes to the store after the publishes returned.
+	madeMounts madeMounts
+	recorder   chan struct{}
 
 	// boot is this kernel boot's ID: what survives a reboot is only what
 	// was synced before it.
@@ -196,7 +200,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
-		reaper: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
+		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
 	}
 	e.metrics = newMetrics(e, string(kind))
 	if cfg.Pulls != nil {
@@ -215,6 +219,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	}
 	e.onKick(e.janitor, e.tidyRound)
 	e.onKick(e.syncer, e.syncRound)
+	e.onKick(e.recorder, e.recordMountsRound)
 	e.goBackground(e.retryQuarantined)
 	e.Go(e.reapLoop)
 	e.tidy()

@@ -16,6 +16,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/target"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -346,4 +347,30 @@ func TestRebootDiscardsOldStepVolumes(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, vol.State)
 	require.NoError(t, f.publish(f.volume("ci", "durable", "")))
+}
+
+// A publish records its view in one transaction and mounts it; the mount's
+// ID is recorded after the publish returned, and from then on only that
+// mount is ever unmounted at the target.
+func TestPublishRecordsItsMountAfterwards(t *testing.T) {
+	f := newFixture(t)
+	f.capture("ci", "src")
+	v := f.volume("ci", "src", "out")
+	require.NoError(t, f.publish(v))
+	id, root, err := overlay.MountOf(v.Target.Full)
+	require.NoError(t, err)
+	require.True(t, root)
+	require.Eventually(t, func() bool {
+		view, err := f.store.GetView(v.VolumeID)
+		return err == nil && view.MountID == id && view.MountRoot != ""
+	}, 10*time.Second, 10*time.Millisecond, "the mount is recorded in the background")
+
+	// Something mounted over the step volume is not cowvol's: refused,
+	// and left mounted, until it goes.
+	require.NoError(t, unix.Mount("tmpfs", v.Target.Full, "tmpfs", 0, "size=1m"))
+	require.ErrorIs(t, f.unpublish(v), target.ErrUnsafe)
+	require.NoError(t, unix.Unmount(v.Target.Full, 0))
+	require.NoError(t, f.unpublish(v))
+	_, err = f.store.Get(ref("ci", "out"))
+	require.NoError(t, err, "captured once cowvol's own mount was on top again")
 }

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -119,7 +120,12 @@ func (e *Engine) openTarget(v cache.View) (*target.Dir, error) {
 }
 
 // prepare makes the view's tree and mounts it at the target, saying whether
-// anything may be mounted there when it fails.
+// anything may be mounted there when it fails. The view is recorded as
+// published before: a crash from here on leaves a view that recovery and the
+// kubelet's retries finish (its tree appears whole or not at all), and
+// nothing is written to the store after the mount on the publish's path,
+// which keeps a publish at one transaction: the mount's ID is recorded
+// later, in the background (noteMount).
 func (e *Engine) prepare(view cache.View) (mounted bool, err error) {
 	d, err := e.openTarget(view)
 	if err != nil {
@@ -138,7 +144,51 @@ func (e *Engine) prepare(view cache.View) (mounted bool, err error) {
 		return false, errors.Join(err, d.Remove())
 	}
 	cache.CrashPoint("publish-mounted")
-	return true, e.recordMount(view, d)
+	e.noteMount(view, d)
+	return true, nil
+}
+
+// madeMounts holds the mounts publishes made until the recorder loop
+// writes them, many in one transaction, off the publish's path.
+type madeMounts struct {
+	mu      sync.Mutex
+	pending []cache.MadeMount
+}
+
+// noteMount queues the mount a publish just made at a view's target for
+// recording. Until it is recorded (or if it never is: a crash), ownsMount
+// recognises it by what it holds, which costs a read of the mount table.
+func (e *Engine) noteMount(view cache.View, d *target.Dir) {
+	st, err := d.Stat()
+	if err != nil || !st.Mounted {
+		return
+	}
+	e.madeMounts.mu.Lock()
+	e.madeMounts.pending = append(e.madeMounts.pending, cache.MadeMount{
+		VolumeID: view.VolumeID, Published: view.CreatedAt, MountID: st.MountID, Root: st.Root})
+	e.madeMounts.mu.Unlock()
+	e.kick(e.recorder)
+}
+
+// recordMountsRound records the mounts publishes made since the last round.
+func (e *Engine) recordMountsRound() {
+	e.madeMounts.mu.Lock()
+	made := e.madeMounts.pending
+	e.madeMounts.pending = nil
+	e.madeMounts.mu.Unlock()
+	if len(made) == 0 {
+		return
+	}
+	if err := e.store.RecordMounts(made); err != nil {
+		klog.ErrorS(err, "Recording the mounts of published step volumes; they are recognised by what they hold", "volumes", len(made))
+	}
+}
+
+// built says whether a view's tree was ever built: one that was not (its
+// publish failed or was cut short before) holds nothing a step wrote.
+func (e *Engine) built(v cache.View) bool {
+	b, err := e.backendOf(v)
+	return err != nil || overlay.Built(b, e.spec(v, "")) // an unknown backend: let the caller fail with why
 }
 
 // recordMount records the mount cowvol just made at the target: only that
@@ -157,15 +207,14 @@ func (e *Engine) recordMount(view cache.View, d *target.Dir) error {
 // ownsMount says whether the mount at a view's target is the one cowvol
 // made for it: the same mount, or its copy in this mount namespace (the
 // plugin's container restarted; mounts it made propagated here with new
-// IDs) by its root. A record from a plugin that kept no root is checked
+// IDs) by its root. A view whose mount is not recorded (yet: a publish
+// records it in the background; or an older plugin kept no root) is checked
 // against what the mount holds: the view's own tree.
 func (e *Engine) ownsMount(v cache.View, st target.State) bool {
 	switch {
 	case !st.Mounted:
 		return false
-	case v.MountID == 0 && v.MountRoot == "": // recorded by a plugin that kept neither
-		return true
-	case st.MountID == v.MountID:
+	case v.MountID != 0 && st.MountID == v.MountID:
 		return true
 	case v.MountRoot != "":
 		return st.Root == v.MountRoot
@@ -190,8 +239,9 @@ func (e *Engine) republish(old, want cache.View) error {
 	return e.ensureMounted(old)
 }
 
-// ensureMounted mounts a published view again if its mount went away. A
-// mount at its target that cowvol did not make is refused, never used.
+// ensureMounted mounts a published view if its mount went away or was never
+// made (a crash cut its publish short; its tree is built then). A mount at
+// its target that cowvol did not make is refused, never used.
 func (e *Engine) ensureMounted(v cache.View) error {
 	d, err := e.openTarget(v)
 	if err != nil {
@@ -217,8 +267,8 @@ func (e *Engine) ensureMounted(v cache.View) error {
 	if err := d.Make(); err != nil {
 		return err
 	}
-	if err := b.Remount(e.spec(v, d.MountPath())); err != nil {
-		return err
+	if err := b.Prepare(e.bgCtx, e.spec(v, d.MountPath())); err != nil {
+		return errors.Join(err, d.Remove())
 	}
 	return e.recordMount(v, d)
 }
@@ -335,7 +385,9 @@ func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
 			"Not captured into %q: source volume %q could not be fetched whole, so the step read missing data", view.Capture, view.Source.Handle))
 		view.Capture = ""
 	}
-	if view.Capture == "" || view.State == cache.ViewPublishing {
+	// A view whose tree was never built ran no step: there is nothing to
+	// capture (a capturing view's tree may be gone into its layer).
+	if view.Capture == "" || view.State == cache.ViewPublishing || (view.State == cache.ViewPublished && !e.built(view)) {
 		if err := e.discard(view, true); err != nil {
 			return err
 		}

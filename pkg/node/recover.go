@@ -15,11 +15,13 @@ import (
 )
 
 // recover reconciles what a previous process left, before any RPC is served:
-//   - a half-published view is taken down and forgotten (the kubelet will
-//     publish it again);
+//   - a half-published view an older plugin recorded as publishing is taken
+//     down and forgotten (the kubelet will publish it again);
 //   - a published view whose target is still mounted is adopted as is, one
-//     whose mount went away in this boot is mounted again, one from an
-//     earlier boot is left for the kubelet to unpublish (uncaptured);
+//     whose mount went away in this boot is mounted again, one whose tree
+//     a crash kept from being built is left for the kubelet's retried
+//     publish (or its unpublish, which discards it), one from an earlier
+//     boot is left for the kubelet to unpublish (uncaptured);
 //   - a capturing view is left for the kubelet's retried unpublish, which
 //     completes the capture step by step;
 //   - mounts and dirs under the state dir that no view accounts for are
@@ -61,7 +63,7 @@ func (e *Engine) recover() error {
 	klog.InfoS("Recovered the state dir", "stateDir", e.store.Dir(), "rebooted", rebooted,
 		"viewsFromLastBoot", counts["fromLastBoot"],
 		"viewsAdopted", counts["adopted"], "viewsRemounted", counts["remounted"],
-		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"],
+		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"], "viewsUnbuilt", counts["unbuilt"],
 		"viewsQuarantined", counts["quarantined"],
 		"volumesReady", rep.Ready, "reservationsDropped", rep.DroppedReservations,
 		"volumesDestroying", rep.Destroying, "markedFailed", rep.MarkedFailed, "orphansRemoved", rep.RemovedOrphans,
@@ -95,11 +97,14 @@ func (e *Engine) settle(v cache.View) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if e.ownsMount(v, st) {
+	switch {
+	case e.ownsMount(v, st):
 		if st.MountID != v.MountID || st.Root != v.MountRoot {
 			return "adopted", e.ensureMounted(v) // records the mount as this namespace names it
 		}
 		return "adopted", nil
+	case !st.Mounted && !e.built(v):
+		return "unbuilt", nil
 	}
 	return "remounted", e.ensureMounted(v)
 }

@@ -88,7 +88,7 @@ func TestIdmappedViews(t *testing.T) {
 				require.ErrorIs(t, err, unix.EINVAL)
 			}
 			require.NoError(t, Unmount(m, s))
-			require.NoError(t, b.Remount(s), "a restarted plugin mounts it the same way")
+			require.NoError(t, b.Prepare(context.Background(), s), "a restarted plugin mounts it the same way")
 			require.Equal(t, tc.wantIdmap, testfs.Idmap(t, target) == nil)
 		})
 	}

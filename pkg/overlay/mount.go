@@ -253,14 +253,15 @@ func MountOf(path string) (id uint64, root bool, err error) {
 func RootID(st *unix.Stat_t) string { return fmt.Sprintf("%d:%d", st.Dev, st.Ino) }
 
 // Holds says whether the mount on top at path, whose root is root, is
-// what backend b mounts for s: how a plugin whose records predate mount
-// roots recognises, from another mount namespace, the mounts it made.
+// what backend b mounts for s: how the plugin recognises a mount it made
+// but did not record (a publish records none; older plugins kept no mount
+// root), from this mount namespace or another.
 func Holds(b Backend, s Spec, path, root string) bool {
 	sameRoot := func(dir string) bool {
 		var st unix.Stat_t
 		return unix.Stat(dir, &st) == nil && RootID(&st) == root
 	}
-	if s.Attrs.ReadOnly {
+	if mountsLowers(b, s) {
 		switch len(s.Lowers) {
 		case 0:
 			return sameRoot(emptyDir(s))

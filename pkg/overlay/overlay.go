@@ -73,11 +73,12 @@ var ErrNotIdmappable = errors.New("an overlay mount cannot be idmapped")
 // Backend builds, mounts and captures step volumes one way.
 type Backend interface {
 	Kind() Kind
-	// Prepare builds the volume's tree and mounts it at the target.
+	// Prepare builds the volume's tree, unless an earlier Prepare built
+	// it, and mounts it at the target. It may be called again after it
+	// failed or was cut short at any point (a crash): a tree whose build
+	// did not finish is built again, a finished one is mounted as the
+	// step left it. The tree appears under its name only once whole.
 	Prepare(ctx context.Context, s Spec) error
-	// Remount mounts an already prepared volume again (after a restart
-	// found its target unmounted).
-	Remount(s Spec) error
 	// Content is the tree holding what the step sees and wrote, and
 	// whether it is a diff over the lowers (an overlay upper dir) rather
 	// than a whole tree.
@@ -238,6 +239,18 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 	if s.Attrs.ReadOnly {
 		return mountReadOnly(b.m, s)
 	}
+	if !Built(b, s) {
+		if err := b.build(s); err != nil {
+			return err
+		}
+	}
+	return b.mount(s)
+}
+
+// build makes the upper and work dirs. The upper dir is made under another
+// name and renamed into place once its quota and root attributes are set,
+// so that one that exists is whole.
+func (b overlayBackend) build(s Spec) error {
 	limit, err := limited(b.lim, s)
 	if err != nil {
 		return err
@@ -246,8 +259,22 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 		return err
 	}
 	upper, _ := b.Content(s)
-	work := filepath.Join(s.Dir, "work")
-	if err := mkdirMode(upper, emptyRootMode); err != nil {
+	staged, work := upper+stagedSuffix, filepath.Join(s.Dir, "work")
+	if err := RemoveTree(staged); err != nil { // a build a crash cut short
+		return err
+	}
+	// The root's owner and mode: an empty volume's, or, since the merged
+	// root takes the upper root's attributes, the source's, so the
+	// view's root looks like the source's.
+	uid, gid, mode := -1, -1, uint32(emptyRootMode)
+	if len(s.Lowers) > 0 {
+		var st unix.Stat_t
+		if err := unix.Stat(s.Lowers[0], &st); err != nil {
+			return err
+		}
+		uid, gid, mode = int(st.Uid), int(st.Gid), st.Mode&0o7777
+	}
+	if err := os.Mkdir(staged, 0o700); err != nil {
 		return err
 	}
 	if err := mkdirMode(work, 0o700); err != nil {
@@ -256,34 +283,23 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 	// Copy-ups are made in work and renamed into upper: both carry the
 	// quota, so that what the step writes is counted wherever it lands.
 	if limit {
-		if err := b.lim.Limit(s.QuotaID, s.Limit, upper, work); err != nil {
+		if err := b.lim.Limit(s.QuotaID, s.Limit, staged, work); err != nil {
 			return err
 		}
 	}
-	if len(s.Lowers) > 0 {
-		// The merged root takes the upper root's attributes: make them
-		// the source's, so the view's root looks like the source's.
-		var st unix.Stat_t
-		if err := unix.Stat(s.Lowers[0], &st); err != nil {
-			return err
-		}
-		if err := os.Lchown(upper, int(st.Uid), int(st.Gid)); err != nil {
-			return err
-		}
-		if err := unix.Chmod(upper, st.Mode&0o7777); err != nil {
+	if uid >= 0 {
+		if err := os.Lchown(staged, uid, gid); err != nil {
 			return err
 		}
 	}
-	return b.Remount(s)
-}
-
-func (b overlayBackend) Remount(s Spec) error {
-	if err := refuseIdmapped(s); err != nil {
+	if err := unix.Chmod(staged, mode); err != nil {
 		return err
 	}
-	if s.Attrs.ReadOnly {
-		return mountReadOnly(b.m, s)
-	}
+	return os.Rename(staged, upper)
+}
+
+// mount mounts a built volume at the target.
+func (b overlayBackend) mount(s Spec) error {
 	upper, _ := b.Content(s)
 	if len(s.Lowers) == 0 {
 		// Nothing to stack on: the upper dir alone is the volume, and
@@ -299,6 +315,36 @@ func (b overlayBackend) Remount(s Spec) error {
 		return err
 	}
 	return b.m.Overlay(s.Target, s.Lowers, upper, work, s.Attrs)
+}
+
+// Built says whether a step volume's tree has been built (by a Prepare that
+// finished building it): a volume mounted straight from its lowers has none
+// to build.
+func Built(b Backend, s Spec) bool {
+	if mountsLowers(b, s) {
+		return true
+	}
+	content, _ := b.Content(s)
+	return exists(content)
+}
+
+// mountsLowers says whether a backend mounts a volume straight from its
+// lowers (see mountReadOnly) rather than a tree of its own.
+func mountsLowers(b Backend, s Spec) bool {
+	if _, tree := b.(treeBackend); tree {
+		return s.Attrs.ReadOnly && !readOnlyTree(s)
+	}
+	return s.Attrs.ReadOnly
+}
+
+// stagedSuffix names a volume's tree while it is being built.
+const stagedSuffix = ".new"
+
+// exists says whether path exists (a broken state dir reads as not built:
+// building again fails with the reason).
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
 }
 
 // treeBackend gives each step volume a whole tree of its own (a btrfs
@@ -324,24 +370,33 @@ func (b treeBackend) Prepare(ctx context.Context, s Spec) error {
 	if s.Attrs.ReadOnly && !readOnlyTree(s) {
 		return mountReadOnly(b.m, s)
 	}
-	limit, err := limited(b.lim, s)
-	if err != nil {
-		return err
-	}
-	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
-		return err
-	}
 	data, _ := b.Content(s)
-	if err := b.build(ctx, s, data, limit); err != nil {
-		return errors.Join(err, RemoveTree(data))
+	if !Built(b, s) {
+		if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+			return err
+		}
+		staged := data + stagedSuffix
+		if err := RemoveTree(staged); err != nil { // a build a crash cut short
+			return err
+		}
+		if err := b.build(ctx, s, staged); err != nil {
+			return errors.Join(err, RemoveTree(staged))
+		}
+		if err := os.Rename(staged, data); err != nil {
+			return err
+		}
 	}
-	return b.Remount(s)
+	return b.m.Bind(data, s.Target, s.Attrs)
 }
 
 // build makes the step's own tree. A limited tree is the limiter's before
 // anything is copied in, so that the limit counts what the step writes on
 // top of what it started with.
-func (b treeBackend) build(ctx context.Context, s Spec, data string, limit bool) error {
+func (b treeBackend) build(ctx context.Context, s Spec, data string) error {
+	limit, err := limited(b.lim, s)
+	if err != nil {
+		return err
+	}
 	if b.kind == KindBtrfs && len(s.Lowers) == 1 && isSubvolume(s.Lowers[0]) {
 		if err := snapshot(s.Lowers[0], data); err != nil {
 			return err
@@ -370,14 +425,6 @@ func (b treeBackend) build(ctx context.Context, s Spec, data string, limit bool)
 		return b.lim.Limit(s.QuotaID, s.Limit, data)
 	}
 	return nil
-}
-
-func (b treeBackend) Remount(s Spec) error {
-	if s.Attrs.ReadOnly && !readOnlyTree(s) {
-		return mountReadOnly(b.m, s)
-	}
-	data, _ := b.Content(s)
-	return b.m.Bind(data, s.Target, s.Attrs)
 }
 
 func mergedDir(s Spec) string { return filepath.Join(s.Dir, "merged") }

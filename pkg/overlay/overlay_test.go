@@ -332,12 +332,14 @@ func TestHoldsRecognisesItsMounts(t *testing.T) {
 		kind   Kind
 		lowers []string
 		ro     bool
+		idmap  bool
 	}{
-		{"a writable overlay", KindOverlay, []string{l1, l2}, false},
-		{"a writable tree", KindCopy, []string{l1}, false},
-		{"a read-only chain", KindOverlay, []string{l1, l2}, true},
-		{"a read-only layer", KindReflink, []string{l1}, true},
-		{"a read-only empty volume", KindOverlay, nil, true},
+		{"a writable overlay", KindOverlay, []string{l1, l2}, false, false},
+		{"a writable tree", KindCopy, []string{l1}, false, false},
+		{"a read-only chain", KindOverlay, []string{l1, l2}, true, false},
+		{"a read-only chain as a tree of its own", KindReflink, []string{l1, l2}, true, true},
+		{"a read-only layer", KindReflink, []string{l1}, true, false},
+		{"a read-only empty volume", KindOverlay, nil, true, false},
 	}
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -345,7 +347,7 @@ func TestHoldsRecognisesItsMounts(t *testing.T) {
 			require.NoError(t, err)
 			target := filepath.Join(root, fmt.Sprintf("target-%d", i))
 			require.NoError(t, os.Mkdir(target, 0o755))
-			s := Spec{Dir: filepath.Join(root, fmt.Sprintf("view-%d", i)), Target: target, Lowers: tc.lowers, Attrs: Attrs{ReadOnly: tc.ro}}
+			s := Spec{Dir: filepath.Join(root, fmt.Sprintf("view-%d", i)), Target: target, Lowers: tc.lowers, Attrs: Attrs{ReadOnly: tc.ro}, Idmapped: tc.idmap}
 			require.NoError(t, b.Prepare(context.Background(), s))
 			defer func() { require.NoError(t, Unmount(m, s)) }()
 			var st unix.Stat_t
@@ -359,6 +361,56 @@ func TestHoldsRecognisesItsMounts(t *testing.T) {
 				other.Lowers = []string{l2}
 			}
 			require.False(t, Holds(b, other, target, RootID(&st)), "another volume's spec")
+		})
+	}
+}
+
+// Prepare may be called again after it was cut short at any point: a build
+// that did not finish (its tree still under the staged name) is made again,
+// and a built tree is mounted again as the step left it, its root included.
+func TestPrepareIsRestartable(t *testing.T) {
+	testfs.Need(t)
+	root := testfs.Mount(t, testfs.XFS, 1<<30)
+	m := NewSysMounter()
+	lower := filepath.Join(root, "lower")
+	require.NoError(t, os.MkdirAll(lower, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(lower, "f"), []byte("lower"), 0o644))
+	for i, kind := range []Kind{KindOverlay, KindReflink, KindCopy} {
+		t.Run(string(kind), func(t *testing.T) {
+			b, err := New(kind, m, nil)
+			require.NoError(t, err)
+			target := filepath.Join(root, fmt.Sprintf("target-%d", i))
+			require.NoError(t, os.Mkdir(target, 0o755))
+			s := Spec{Dir: filepath.Join(root, fmt.Sprintf("view-%d", i)), Target: target, Lowers: []string{lower}}
+			require.False(t, Built(b, s))
+
+			// A build cut short: the staged tree, with a stray file and
+			// the wrong root mode.
+			content, _ := b.Content(s)
+			require.NoError(t, os.MkdirAll(content+stagedSuffix, 0o700))
+			require.NoError(t, os.WriteFile(filepath.Join(content+stagedSuffix, "stray"), nil, 0o644))
+			require.NoError(t, b.Prepare(context.Background(), s))
+			t.Cleanup(func() { require.NoError(t, Unmount(m, s)) })
+			require.True(t, Built(b, s))
+			require.NoFileExists(t, filepath.Join(target, "stray"), "the cut-short build is not what is mounted")
+			require.NoDirExists(t, content+stagedSuffix)
+			got, err := os.ReadFile(filepath.Join(target, "f"))
+			require.NoError(t, err)
+			require.Equal(t, "lower", string(got))
+			var st unix.Stat_t
+			require.NoError(t, unix.Stat(target, &st))
+			require.Equal(t, uint32(0o755), st.Mode&0o7777, "the view's root is its source's")
+
+			// The step writes and changes its root; the mount goes.
+			require.NoError(t, os.WriteFile(filepath.Join(target, "new"), []byte("step"), 0o644))
+			require.NoError(t, os.Chmod(target, 0o700))
+			require.NoError(t, Unmount(m, s))
+			require.NoError(t, b.Prepare(context.Background(), s))
+			got, err = os.ReadFile(filepath.Join(target, "new"))
+			require.NoError(t, err)
+			require.Equal(t, "step", string(got), "mounted again as the step left it")
+			require.NoError(t, unix.Stat(target, &st))
+			require.Equal(t, uint32(0o700), st.Mode&0o7777, "the root as the step left it")
 		})
 	}
 }
