@@ -6,6 +6,7 @@
 package bench
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -128,6 +131,21 @@ func (n *node) publishTimes(source string, k int) (pub, unpub []time.Duration) {
 	return pub, unpub
 }
 
+// noopTimes makes k CSI calls that do nothing (NodeGetCapabilities), each
+// from a settled state as publishTimes' are: the floor under any call.
+func (n *node) noopTimes(k int) []time.Duration {
+	var out []time.Duration
+	for range k {
+		n.settle()
+		start := time.Now()
+		if _, err := n.p.Node.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{}); err != nil {
+			n.b.Fatal(err)
+		}
+		out = append(out, time.Since(start))
+	}
+	return out
+}
+
 func p50(ds []time.Duration) time.Duration {
 	s := slices.Clone(ds)
 	slices.Sort(s)
@@ -188,6 +206,7 @@ func BenchmarkCowvol(b *testing.B) {
 		}
 		cp := p50(cps)
 		pub1, unpub1 := ov.publishTimes("src", samples)
+		noop := p50(ov.noopTimes(samples))
 		prev := "src"
 		for i := 2; i <= 10; i++ {
 			h := fmt.Sprintf("link-%d", i)
@@ -211,11 +230,13 @@ func BenchmarkCowvol(b *testing.B) {
 		report("cp-a", cp)
 		report("overlay-publish-p50", p50(pub1))
 		report("overlay-unpublish-p50", p50(unpub1))
+		report("noop-call-p50", noop)
 		report("overlay-depth10-publish-p50", p50(pub10))
 		report("capture-1GiB", capture)
 		rows = append(rows,
 			row{"cp -a of the cached volume (XFS)", ms(cp), "1x"},
 			row{"overlay publish p50, depth 1", ms(p50(pub1)), "cp -a / this = " + ratio(cp, p50(pub1))},
+			row{"a CSI call that does nothing, p50", ms(noop), "publish / this = " + ratio(p50(pub1), noop)},
 			row{"overlay unpublish p50, unmodified", ms(p50(unpub1)), ""},
 			row{"overlay publish p50, depth 10", ms(p50(pub10)), "this / depth 1 = " + ratio(p50(pub10), p50(pub1))},
 			row{"capture of 1 GiB / 50,000 new files", ms(capture), ""},
