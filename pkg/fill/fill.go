@@ -103,6 +103,10 @@ type Group struct {
 	// and putting are those under way (added under mu, unless closed).
 	putSlots chan struct{}
 	putting  sync.WaitGroup
+	// answering is held (shared) by each answer from its write to the
+	// close of the event's descriptor, which pins the mount the reader
+	// opened the file through (a step volume's): see Settle.
+	answering sync.RWMutex
 }
 
 var errStopping = errors.New("the plugin is stopping")
@@ -369,11 +373,23 @@ func (g *Group) fillMany(files []*file) {
 }
 
 func (g *Group) respond(fd int32, answer uint32) {
+	g.answering.RLock()
+	defer g.answering.RUnlock()
 	resp := unix.FanotifyResponse{Fd: fd, Response: answer}
 	if _, err := g.events.Write((*[unsafe.Sizeof(resp)]byte)(unsafe.Pointer(&resp))[:]); err != nil && !errors.Is(err, os.ErrClosed) {
 		klog.ErrorS(err, "Answering a held reader")
 	}
 	unix.Close(int(fd))
+}
+
+// Settle waits until every answer given so far is complete. A reader goes
+// on the moment its answer is written, and the event's descriptor (opened
+// on the path the reader used: through a step volume's mount) is closed
+// just after: a step that read its last file and ended may have its volume
+// unmounted before that, which would find the mount busy.
+func (g *Group) Settle() {
+	g.answering.Lock()
+	g.answering.Unlock() // empty: waiting for the answers under way is the point
 }
 
 // claim makes the caller f's filler (under g.mu), unless f is filled or

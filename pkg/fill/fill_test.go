@@ -510,3 +510,34 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 	require.Equal(t, []string{"f5", "f2", "f0"}, l.Reached())
 	require.Len(t, src.fetched, 6, "offered files need no fetch")
 }
+
+// Settle returns once every answer under way is complete, its event's
+// descriptor (opened on the reader's path: through the overlay) closed.
+func TestSettleWaitsForAnswersUnderWay(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"a": random(t, 64<<10), "b": random(t, 64<<10)})
+	src := &fetcher{src: s.src}
+	g, _ := hold(t, s, src.fetch, time.Minute)
+	for _, name := range []string{"a", "b"} {
+		data, err := os.ReadFile(filepath.Join(s.merged, name))
+		require.NoError(t, err)
+		require.Equal(t, s.files[name], data)
+	}
+	g.Settle()
+	fds, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	for _, fd := range fds {
+		p, _ := os.Readlink(filepath.Join("/proc/self/fd", fd.Name()))
+		require.False(t, strings.HasPrefix(p, s.merged+"/"), "fd %s still holds %s", fd.Name(), p)
+	}
+
+	g.answering.RLock() // an answer under way
+	settled := make(chan struct{})
+	go func() { g.Settle(); close(settled) }()
+	select {
+	case <-settled:
+		t.Fatal("Settle returned while an answer was under way")
+	case <-time.After(50 * time.Millisecond):
+	}
+	g.answering.RUnlock()
+	<-settled
+}

@@ -303,6 +303,9 @@ func (e *Engine) takeDown(v cache.View) error {
 	if st.Mounted {
 		spec.Target = d.MountPath()
 	}
+	if e.lazy != nil {
+		e.lazy.group.Settle() // the answers to its readers let go of the mount
+	}
 	if err := overlay.Unmount(e.mounter, spec); err != nil {
 		return err
 	}
