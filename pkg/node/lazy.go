@@ -8,13 +8,12 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
-	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -97,44 +96,24 @@ func (e *Engine) choosePullMode(asked PullMode, stateDir string, stall time.Dura
 // PullMode says how the node pulls sources it lacks, and why.
 func (e *Engine) PullMode() (PullMode, string) { return e.pullMode, e.pullModeWhy }
 
-// stubbed marks the stubs of a lazily pulled layer under data (its dir in
-// place) so that their readers wait for their data, which src fetches.
-// The layer must not be mountable before the marks are all in place.
-func (e *Engine) stubbed(src *lazySource, data string) (*fill.Layer, error) {
+// stubMarker starts the layer of stubs a lazy pull makes at data (its dir
+// in place) and returns the func that marks each stub as the extraction
+// makes it, so that its readers wait for its data, which src fetches. The
+// data to come is bounded as an eager pull's stream is: by the sizes the
+// holder gave the stubs.
+func (e *Engine) stubMarker(src *lazySource, data string) (*fill.Layer, streamer.StubFunc, error) {
 	layer, err := e.lazy.group.NewLayer(data, src.fetch, src.fetchMany)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	root, err := unix.Open(data, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		layer.Release()
-		return nil, err
-	}
-	defer unix.Close(root)
-	// The data to come is bounded as an eager pull's stream is: by the
-	// sizes the holder gave the stubs.
-	var total int64
+	var total atomic.Int64
 	limit := e.pulls.cfg.Limits.Bytes
-	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(en *fdtree.Entry) (bool, error) {
-		if en.Stat.Mode&unix.S_IFMT != unix.S_IFREG || en.Stat.Size == 0 {
-			return true, nil
+	return layer, func(fd int, name string, size int64) error {
+		if total.Add(size) > limit {
+			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer, limit, streamer.ErrRefused)
 		}
-		if total += en.Stat.Size; total > limit {
-			return false, fmt.Errorf("its files hold more than the stream size limit (%d bytes): %w", limit, streamer.ErrRefused)
-		}
-		fd, err := unix.Openat(en.Parent, en.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
-		if err != nil {
-			return false, err
-		}
-		defer unix.Close(fd)
-		return true, layer.Add(fd, en.Path, en.Stat.Size)
-	}})
-	if err != nil {
-		layer.Release()
-		return nil, fmt.Errorf("marking the stubs of %s: %w", src.layer, err)
-	}
-	layer.Seal()
-	return layer, nil
+		return layer.Add(fd, name, size)
+	}, nil
 }
 
 // fillInBackground fetches a filling volume's data, the files order names

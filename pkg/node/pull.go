@@ -16,6 +16,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -332,17 +333,19 @@ func (e *Engine) pullFrom(p *pull, h Peer) (int, error) {
 }
 
 // pullLayer pulls one volume's own layer into the cache, checked against
-// the peer's digest.
+// the peer's digest: whole, or as stubs filled behind.
 func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) error {
 	start := time.Now()
-	shape, commit := streamer.SparseTar, e.commitPulled(l)
+	progress := func(n int64) { p.received.Add(n) }
+	var vol cache.Volume
+	var err error
 	if e.lazy != nil {
-		shape, commit = streamer.StubTar, e.commitStubbed(p, l)
+		vol, err = e.pullStubs(p, client, l, progress)
+	} else {
+		vol, err = e.receiveLayer(l, p.id, func(tree, _ string) (streamer.Summary, error) {
+			return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits, progress)
+		}, e.commitPulled(l))
 	}
-	vol, err := e.receiveLayer(l, p.id, func(dir string) (streamer.Summary, error) {
-		return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, shape, dir, e.pulls.cfg.Limits,
-			func(n int64) { p.received.Add(n) })
-	}, commit)
 	if errors.Is(err, cache.ErrExists) {
 		return fmt.Errorf("%s is being made here meanwhile: %w", p.layerName(l), ErrPulling)
 	}
@@ -373,34 +376,44 @@ func (e *Engine) commitPulled(l streamer.Layer) commitFunc {
 	}
 }
 
-// commitStubbed makes a layer that arrived as stubs filling: its readers
-// are held from before it is mountable, and its data is fetched behind.
-func (e *Engine) commitStubbed(p *pull, l streamer.Layer) commitFunc {
-	return func(v cache.Volume, id, data string) (cache.Volume, error) {
-		src := &lazySource{e: e, namespace: p.key.namespace, layer: l.Ref, via: p.key.ref}
-		layer, err := e.stubbed(src, data)
-		if err != nil {
-			return cache.Volume{}, err
+// pullStubs pulls a layer's tree with its files as stubs, each marked as it
+// is made so that its readers wait for its data, and makes it a filling
+// volume whose data is fetched behind. The layer is mountable only once
+// every mark is in place.
+func (e *Engine) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
+	src := &lazySource{e: e, namespace: p.key.namespace, layer: l.Ref, via: p.key.ref}
+	var layer *fill.Layer
+	vol, err := e.receiveLayer(l, p.id, func(tree, data string) (streamer.Summary, error) {
+		var mark streamer.StubFunc
+		var err error
+		if layer, mark, err = e.stubMarker(src, data); err != nil {
+			return streamer.Summary{}, err
 		}
-		vol, err := e.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
-		if err != nil {
+		return client.PullLayerStubs(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits, progress, mark)
+	}, func(v cache.Volume, id, _ string) (cache.Volume, error) {
+		layer.Seal()
+		return e.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
+	})
+	if err != nil {
+		if layer != nil {
 			layer.Release()
-			return cache.Volume{}, err
 		}
-		e.pulls.mu.Lock()
-		pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
-		e.pulls.mu.Unlock()
-		e.fillInBackground(vol.Ref(), layer, src, pods, e.readOrder(p.key.namespace, profiles))
-		return vol, nil
+		return cache.Volume{}, err
 	}
+	e.pulls.mu.Lock()
+	pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
+	e.pulls.mu.Unlock()
+	e.fillInBackground(vol.Ref(), layer, src, pods, e.readOrder(p.key.namespace, profiles))
+	return vol, nil
 }
 
 // receiveLayer makes a cached volume of a layer that arrives from
 // elsewhere (a pull, an upload): reserved under the lease id, filled by fill
-// in staging out of sight, synced, moved into place and committed in one
-// transaction. Anything short of that leaves no trace: the reservation and
-// the staging go (and a crash leaves them to recovery).
-func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string) (streamer.Summary, error), commit commitFunc) (vol cache.Volume, err error) {
+// in staging out of sight (tree; data is where it will live), synced, moved
+// into place and committed in one transaction. Anything short of that
+// leaves no trace: the reservation and the staging go (and a crash leaves
+// them to recovery).
+func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(tree, data string) (streamer.Summary, error), commit commitFunc) (vol cache.Volume, err error) {
 	v, err := e.store.ReservePull(cache.Volume{
 		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
 		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
@@ -428,7 +441,8 @@ func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string)
 	if err := overlay.NewLayerDir(e.backend.Kind(), tree); err != nil {
 		return cache.Volume{}, err
 	}
-	sum, err := fill(tree)
+	data := e.store.DataPath(v)
+	sum, err := fill(tree, data)
 	if err != nil {
 		return cache.Volume{}, err
 	}
@@ -437,7 +451,6 @@ func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(dir string)
 	if err := overlay.SyncFS(tree); err != nil {
 		return cache.Volume{}, err
 	}
-	data := e.store.DataPath(v)
 	if err := os.MkdirAll(filepath.Dir(data), 0o700); err != nil {
 		return cache.Volume{}, err
 	}

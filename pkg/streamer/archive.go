@@ -504,13 +504,30 @@ func refused(format string, args ...any) error {
 // only device node is the whiteout. It reads the stream to its end, so that
 // the summary's digest covers every byte the sender hashed.
 func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits) (Summary, error) {
+	return unpack(ctx, r, enc, dir, lim, nil)
+}
+
+// StubFunc is told of each regular file with a size an extraction of a
+// StubTar stream makes (a stub: no data yet), once its attributes are set:
+// its descriptor (open while the call lasts), its name and its size. It may
+// be called from several goroutines at once; an error ends the extraction.
+type StubFunc func(fd int, name string, size int64) error
+
+// UnpackStubs extracts a StubTar stream as Unpack does, and hands each stub
+// to stub as it is made: whoever fills the stubs takes them without a walk
+// of the tree and a second open of each.
+func UnpackStubs(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits, stub StubFunc) (Summary, error) {
+	return unpack(ctx, r, enc, dir, lim, stub)
+}
+
+func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits, stub StubFunc) (Summary, error) {
 	root, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
 	}
 	defer unix.Close(root)
 	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict,
-		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0}
+		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0, stub: stub}
 	x.startMakers(makersPerExtraction())
 	defer x.close()
 	sum, err := readArchive(ctx, r, enc, lim, x.entry)
@@ -649,6 +666,8 @@ type extractor struct {
 	// makers make small files in parallel (nil: the extractor makes
 	// every file itself).
 	makers *fileMakers
+	// stub, if not nil, is handed each regular file with a size.
+	stub StubFunc
 }
 
 // close stops the makers and lets go of the cached parent.
@@ -734,7 +753,7 @@ func (x *extractor) startMakers(n int) {
 			c := newCopier()
 			for j := range m.jobs {
 				if m.failed() == nil {
-					if err := x.makeFile(j.dir.fd, j.base, j.hdr, bytes.NewReader(j.data), c); err != nil {
+					if err := x.makeFile(j.dir.fd, j.base, j.name, j.hdr, bytes.NewReader(j.data), c); err != nil {
 						m.fail(fmt.Errorf("%s: %w", j.name, err))
 					}
 				}
@@ -873,7 +892,7 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			x.makers.jobs <- fileJob{dir: dir.hold(), base: base, name: name, hdr: hdr, data: data}
 			return nil
 		}
-		if err := x.makeFile(dirfd, base, hdr, body, x.copier); err != nil {
+		if err := x.makeFile(dirfd, base, name, hdr, body, x.copier); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 		return nil
@@ -1012,17 +1031,21 @@ func (x *extractor) finish() error {
 	return nil
 }
 
-// makeFile makes the regular file base in the dir open as dirfd, with its
-// data from body, copied with c, and its attributes.
-func (x *extractor) makeFile(dirfd int, base string, hdr *tar.Header, body io.Reader, c copier) error {
+// makeFile makes the regular file base (name in the archive) in the dir
+// open as dirfd, with its data from body, copied with c, and its
+// attributes, and hands it to the stub func if there is one.
+func (x *extractor) makeFile(dirfd int, base, name string, hdr *tar.Header, body io.Reader, c copier) error {
 	fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return err
 	}
 	f := os.NewFile(uintptr(fd), base)
-	err = writeFile(f, body, hdr, c)
+	size, err := writeFile(f, body, hdr, c)
 	if err == nil {
 		err = x.fileAttrs(fd, hdr) // through the descriptor: no path lookups
+	}
+	if err == nil && x.stub != nil && size > 0 {
+		err = x.stub(fd, name, size)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -1031,27 +1054,28 @@ func (x *extractor) makeFile(dirfd int, base string, hdr *tar.Header, body io.Re
 }
 
 // writeFile writes a file's body: its data segments where the sender sent
-// only those, each with runs of zeros left as holes.
-func writeFile(f *os.File, body io.Reader, hdr *tar.Header, c copier) error {
+// only those, each with runs of zeros left as holes. It returns the file's
+// size.
+func writeFile(f *os.File, body io.Reader, hdr *tar.Header, c copier) (int64, error) {
 	segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
 	if rec, ok := hdr.PAXRecords[paxHoles]; ok {
 		var err error
 		if size, segments, err = parseHoles(rec, hdr.Size); err != nil {
-			return err
+			return 0, err
 		}
 	}
 	var end int64 // past the last byte written
 	for _, s := range segments {
 		written, err := c.writeSparse(f, body, s[0], s[1])
 		if err != nil {
-			return err
+			return 0, err
 		}
 		end = max(end, written)
 	}
 	if end == size {
-		return nil // a truncate costs a journal transaction per file
+		return size, nil // a truncate costs a journal transaction per file
 	}
-	return f.Truncate(size)
+	return size, f.Truncate(size)
 }
 
 // fileAttrs gives a regular file its xattrs, owner, mode and times

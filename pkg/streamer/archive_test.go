@@ -4,10 +4,13 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -379,3 +382,51 @@ func TestPackFirst(t *testing.T) {
 type bufferAt struct{ b []byte }
 
 func (b *bufferAt) WriteAt(p []byte, off int64) (int, error) { return copy(b.b[off:], p), nil }
+
+// UnpackStubs hands each stub with a size to its func as it is made, once,
+// open, with its attributes already set: not a hardlink's second name, not
+// an empty file. An error from the func ends the extraction with it.
+func TestUnpackStubsHandsOverEachStub(t *testing.T) {
+	root := testfs.Mount(t, testfs.XFS, 1<<30)
+	src := filepath.Join(root, "src")
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "d"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "d", "a"), []byte("aaaa"), 0o640))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "b"), make([]byte, 1<<20), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "empty"), nil, 0o644))
+	require.NoError(t, os.Link(filepath.Join(src, "d", "a"), filepath.Join(src, "a-too")))
+	mtime := time.Date(2020, 1, 2, 3, 4, 5, 6, time.UTC)
+	require.NoError(t, os.Chtimes(filepath.Join(src, "d", "a"), mtime, mtime))
+	var wire bytes.Buffer
+	_, err := Pack(context.Background(), src, &wire, Raw, StubTar)
+	require.NoError(t, err)
+
+	dst := filepath.Join(root, "dst")
+	require.NoError(t, os.Mkdir(dst, 0o755))
+	var mu sync.Mutex
+	got := map[string]int64{}
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, func(fd int, name string, size int64) error {
+		var st unix.Stat_t
+		require.NoError(t, unix.Fstat(fd, &st))
+		require.Equal(t, size, st.Size, name)
+		if name == "d/a" || name == "a-too" {
+			require.Equal(t, mtime.UnixNano(), st.Mtim.Nano(), "its times are set before")
+			require.Equal(t, uint32(0o640), st.Mode&0o7777)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		_, again := got[name]
+		require.False(t, again, name)
+		got[name] = size
+		return nil
+	})
+	require.NoError(t, err)
+	require.Len(t, got, 2, "a, once under one of its names, and b: %v", got)
+	require.Equal(t, int64(1<<20), got["b"])
+
+	boom := errors.New("boom")
+	dst2 := filepath.Join(root, "dst2")
+	require.NoError(t, os.Mkdir(dst2, 0o755))
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits,
+		func(int, string, int64) error { return boom })
+	require.ErrorIs(t, err, boom)
+}

@@ -446,15 +446,24 @@ func (l Layer) ReadableBy(namespace string) bool { return volume.Readable(l.Ref,
 // ErrCorrupt: what arrived is not what the peer sent.
 var ErrCorrupt = errors.New("the stream arrived corrupt")
 
-// PullLayer streams a volume's own layer into dir (an empty dir), for a pod
-// of namespace that uses the volume via (the top of the chain r is in),
-// and checks the size and digest the peer sent after it: its files whole
-// (SparseTar) or as stubs (StubTar). progress is told of each wire chunk's
-// size.
-func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, shape Shape, dir string, lim Limits, progress func(int64)) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Stubs: shape == StubTar}
+// PullLayer streams a volume's own layer, its files whole, into dir (an
+// empty dir), for a pod of namespace that uses the volume via (the top of
+// the chain r is in), and checks the size and digest the peer sent after
+// it. progress is told of each wire chunk's size.
+func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits, progress func(int64)) (Summary, error) {
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc)}
 	return c.pullLayer(ctx, req, progress, func(ctx context.Context, in io.Reader) (Summary, error) {
 		return Unpack(ctx, in, enc, dir, lim)
+	})
+}
+
+// PullLayerStubs pulls a layer as PullLayer does, its files as stubs
+// (StubTar), each handed to stub as it is made (see UnpackStubs).
+func (c *Client) PullLayerStubs(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits,
+	progress func(int64), stub StubFunc) (Summary, error) {
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Stubs: true}
+	return c.pullLayer(ctx, req, progress, func(ctx context.Context, in io.Reader) (Summary, error) {
+		return UnpackStubs(ctx, in, enc, dir, lim, stub)
 	})
 }
 
