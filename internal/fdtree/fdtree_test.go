@@ -1,6 +1,7 @@
 package fdtree
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -133,4 +134,40 @@ func TestNamesReadlinkProcPath(t *testing.T) {
 	st, err := os.Stat(ProcPath(fd, ""))
 	require.NoError(t, err)
 	require.True(t, st.IsDir())
+}
+
+// ListXattrs and GetXattr read an entry's xattrs beneath a descriptor,
+// a symlink's own (never its target's), with either kernel call.
+func TestXattrsBeneathADescriptor(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "f")
+	require.NoError(t, os.WriteFile(file, nil, 0o644))
+	if err := unix.Lsetxattr(file, "user.a", []byte("value"), 0); errors.Is(err, unix.ENOTSUP) {
+		t.Skipf("the temp dir's filesystem has no user xattrs: %v", err)
+	}
+	require.NoError(t, os.Symlink("f", filepath.Join(dir, "link")))
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	for _, atCalls := range []bool{true, false} {
+		noXattrAt.Store(!atCalls)
+		size, err := ListXattrs(fd, "f", nil)
+		require.NoError(t, err)
+		buf := make([]byte, size)
+		n, err := ListXattrs(fd, "f", buf)
+		require.NoError(t, err)
+		require.Equal(t, "user.a\x00", string(buf[:n]))
+		size, err = GetXattr(fd, "f", "user.a", nil)
+		require.NoError(t, err)
+		val := make([]byte, size)
+		n, err = GetXattr(fd, "f", "user.a", val)
+		require.NoError(t, err)
+		require.Equal(t, "value", string(val[:n]))
+		_, err = GetXattr(fd, "f", "user.a", make([]byte, 2))
+		require.ErrorIs(t, err, unix.ERANGE)
+		n, err = ListXattrs(fd, "link", nil)
+		require.NoError(t, err)
+		require.Zero(t, n, "the symlink's own, not its target's")
+	}
+	noXattrAt.Store(false)
 }

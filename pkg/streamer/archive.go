@@ -287,7 +287,7 @@ type packer struct {
 func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 	hdr := &tar.Header{Name: name, Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
 		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
-	xattrs, err := readXattrs(fdtree.ProcPath(dir, base))
+	xattrs, err := readXattrs(dir, base)
 	if err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
@@ -439,9 +439,9 @@ func parseHoles(rec string, body int64) (int64, [][2]int64, error) {
 	return size, segments, nil
 }
 
-// readXattrs are the xattrs of p that travel.
-func readXattrs(p string) (map[string]string, error) {
-	size, err := unix.Llistxattr(p, nil)
+// readXattrs are the xattrs that travel of base, in the dir open as dir.
+func readXattrs(dir int, base string) (map[string]string, error) {
+	size, err := fdtree.ListXattrs(dir, base, nil)
 	if err != nil || size == 0 {
 		if errors.Is(err, unix.ENOTSUP) {
 			err = nil
@@ -449,7 +449,7 @@ func readXattrs(p string) (map[string]string, error) {
 		return nil, err
 	}
 	buf := make([]byte, size)
-	if size, err = unix.Llistxattr(p, buf); err != nil {
+	if size, err = fdtree.ListXattrs(dir, base, buf); err != nil {
 		return nil, err
 	}
 	out := map[string]string{}
@@ -457,12 +457,12 @@ func readXattrs(p string) (map[string]string, error) {
 		if !xattrTravels(name) {
 			continue
 		}
-		vsize, err := unix.Lgetxattr(p, name, nil)
+		vsize, err := fdtree.GetXattr(dir, base, name, nil)
 		if err != nil {
 			return nil, err
 		}
 		val := make([]byte, vsize)
-		if vsize, err = unix.Lgetxattr(p, name, val); err != nil {
+		if vsize, err = fdtree.GetXattr(dir, base, name, val); err != nil {
 			return nil, err
 		}
 		out[name] = string(val[:vsize])
