@@ -236,7 +236,7 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 	if err := refuseIdmapped(s); err != nil {
 		return err
 	}
-	if s.Attrs.ReadOnly {
+	if mountsLowers(b, s) {
 		return mountReadOnly(b.m, s)
 	}
 	if !Built(b, s) {
@@ -325,7 +325,10 @@ func Built(b Backend, s Spec) bool {
 		return true
 	}
 	content, _ := b.Content(s)
-	return exists(content)
+	_, err := os.Lstat(content)
+	// Only a tree known to be missing is unbuilt: a state dir that cannot
+	// say fails the capture or the mount with why, and loses nothing.
+	return !errors.Is(err, os.ErrNotExist)
 }
 
 // mountsLowers says whether a backend mounts a volume straight from its
@@ -339,13 +342,6 @@ func mountsLowers(b Backend, s Spec) bool {
 
 // stagedSuffix names a volume's tree while it is being built.
 const stagedSuffix = ".new"
-
-// exists says whether path exists (a broken state dir reads as not built:
-// building again fails with the reason).
-func exists(path string) bool {
-	_, err := os.Lstat(path)
-	return err == nil
-}
 
 // treeBackend gives each step volume a whole tree of its own (a btrfs
 // snapshot, a reflink clone or a copy) bind-mounted at the target.
@@ -367,7 +363,7 @@ func (b treeBackend) Content(s Spec) (string, bool) {
 func readOnlyTree(s Spec) bool { return s.Attrs.ReadOnly && s.Idmapped && len(s.Lowers) > 1 }
 
 func (b treeBackend) Prepare(ctx context.Context, s Spec) error {
-	if s.Attrs.ReadOnly && !readOnlyTree(s) {
+	if mountsLowers(b, s) {
 		return mountReadOnly(b.m, s)
 	}
 	data, _ := b.Content(s)
