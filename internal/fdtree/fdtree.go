@@ -5,13 +5,19 @@
 // dir into itself), and the copies, archives and descriptions of volumes
 // must not fail on it.
 //
-// It owns only the walking; what is done with each entry is its callers'.
+// It owns only the walking and the calls made on descriptors it hands out
+// (opening beneath a dir, reading, writing, setting times); what is done
+// with each entry is its callers'.
 package fdtree
 
 import (
+	"errors"
 	"fmt"
+	"io"
+	"path"
 	"slices"
 	"strings"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -116,6 +122,9 @@ func Names(fd int) ([]string, error) {
 // the directory open as root, following no symlink on the way, however
 // long rel is: a long one is opened a stretch of names at a time.
 func OpenBeneath(root int, rel string) (int, error) {
+	if rel != "" && len(rel) < maxStretch {
+		return openat2Beneath(root, rel, unix.O_DIRECTORY|unix.O_RDONLY) // one call: most paths
+	}
 	fd, err := unix.Dup(root)
 	if err != nil {
 		return -1, err
@@ -131,10 +140,7 @@ func OpenBeneath(root int, rel string) (int, error) {
 			stretch = rel[:cut]
 		}
 		rel = strings.TrimPrefix(rel[len(stretch):], "/")
-		next, err := unix.Openat2(fd, stretch, &unix.OpenHow{
-			Flags:   unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC,
-			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV,
-		})
+		next, err := openat2Beneath(fd, stretch, unix.O_DIRECTORY|unix.O_RDONLY)
 		unix.Close(fd)
 		if err != nil {
 			return -1, err
@@ -142,6 +148,82 @@ func OpenBeneath(root int, rel string) (int, error) {
 		fd = next
 	}
 	return fd, nil
+}
+
+// OpenFileBeneath opens the file at rel below the directory open as root
+// with flags, following no symlink on the way nor at its end: in one call
+// unless rel is longer than a path may be.
+func OpenFileBeneath(root int, rel string, flags int) (int, error) {
+	if len(rel) < maxStretch {
+		return openat2Beneath(root, rel, flags)
+	}
+	dir, err := OpenBeneath(root, path.Dir(rel))
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(dir)
+	return openat2Beneath(dir, path.Base(rel), flags)
+}
+
+func openat2Beneath(dir int, rel string, flags int) (int, error) {
+	return unix.Openat2(dir, rel, &unix.OpenHow{
+		Flags:   uint64(flags) | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV,
+	})
+}
+
+// File reads and writes a file through its descriptor: an os.File
+// would cost a system call to make (it asks whether the descriptor is
+// non-blocking) and a finalizer, per file of a tree.
+type File int
+
+func (f File) ReadAt(p []byte, off int64) (int, error) {
+	n := 0
+	for n < len(p) {
+		m, err := unix.Pread(int(f), p[n:], off+int64(n))
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if m == 0 {
+			return n, io.EOF
+		}
+		n += m
+	}
+	return n, nil
+}
+
+func (f File) WriteAt(p []byte, off int64) (int, error) {
+	n := 0
+	for n < len(p) {
+		m, err := unix.Pwrite(int(f), p[n:], off+int64(n))
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if m == 0 {
+			return n, io.ErrShortWrite
+		}
+		n += m
+	}
+	return n, nil
+}
+
+// Futimens sets the times (atime, mtime) of what fd is open as: through
+// the descriptor itself, with no path to look up.
+func Futimens(fd int, ts []unix.Timespec) error {
+	if len(ts) != 2 {
+		return unix.EINVAL
+	}
+	_, _, errno := unix.Syscall6(unix.SYS_UTIMENSAT, uintptr(fd), 0, uintptr(unsafe.Pointer(&ts[0])), 0, 0, 0)
+	if errno != 0 {
+		return errno
+	}
+	return nil
 }
 
 // maxStretch is the longest stretch of a path opened in one call: under

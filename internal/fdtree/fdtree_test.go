@@ -2,6 +2,7 @@ package fdtree
 
 import (
 	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -87,6 +88,7 @@ func TestOpenBeneath(t *testing.T) {
 		wantErr   error
 	}{
 		{"the root itself", "", nil},
+		{"a short path, in one call", strings.Repeat("d", 200) + "/" + strings.Repeat("d", 200), nil},
 		{"past twice PATH_MAX", deep, nil},
 		{"a name too long to stretch over", strings.Repeat("x", unix.PathMax+1), unix.ENAMETOOLONG},
 		{"through a symlink", "loop/" + deep, unix.ELOOP},
@@ -110,6 +112,94 @@ func TestOpenBeneath(t *testing.T) {
 			}
 		})
 	}
+}
+
+// OpenFileBeneath opens a file in one call or, past PATH_MAX, from its
+// dir, and follows no symlink, not even its last name.
+func TestOpenFileBeneath(t *testing.T) {
+	dir := t.TempDir()
+	deep := deepChain(t, dir, 45)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "f"), []byte("near"), 0o644))
+	root := open(t, dir)
+	deepDir, err := OpenBeneath(root, deep)
+	require.NoError(t, err)
+	fd, err := unix.Openat(deepDir, "f", unix.O_CREAT|unix.O_WRONLY, 0o644)
+	require.NoError(t, err)
+	_, err = unix.Write(fd, []byte("far"))
+	require.NoError(t, err)
+	unix.Close(fd)
+	unix.Close(deepDir)
+	require.NoError(t, os.Symlink("f", filepath.Join(dir, "link")))
+	require.NoError(t, os.Symlink(".", filepath.Join(dir, "loop")))
+	tests := []struct {
+		name, rel, want string
+		wantErr         error
+	}{
+		{"a file near the root", "f", "near", nil},
+		{"a file past PATH_MAX", deep + "/f", "far", nil},
+		{"a symlink to a file", "link", "", unix.ELOOP},
+		{"through a symlink", "loop/f", "", unix.ELOOP},
+		{"climbing out", "../f", "", unix.EXDEV},
+		{"missing", "nope", "", unix.ENOENT},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			fd, err := OpenFileBeneath(root, tc.rel, unix.O_RDONLY)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			defer unix.Close(fd)
+			buf := make([]byte, 16)
+			n, err := unix.Read(fd, buf)
+			require.NoError(t, err)
+			require.Equal(t, tc.want, string(buf[:n]))
+		})
+	}
+}
+
+// File reads and writes at offsets through a bare descriptor, and says
+// where a file ends.
+func TestFile(t *testing.T) {
+	fd, err := unix.Open(filepath.Join(t.TempDir(), "f"), unix.O_CREAT|unix.O_RDWR, 0o644)
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	f := File(fd)
+	n, err := f.WriteAt([]byte("world"), 6)
+	require.NoError(t, err)
+	require.Equal(t, 5, n)
+	_, err = f.WriteAt([]byte("hello "), 0)
+	require.NoError(t, err)
+	buf := make([]byte, 11)
+	n, err = f.ReadAt(buf, 0)
+	require.NoError(t, err)
+	require.Equal(t, "hello world", string(buf[:n]))
+	n, err = f.ReadAt(buf, 6)
+	require.ErrorIs(t, err, io.EOF)
+	require.Equal(t, "world", string(buf[:n]))
+	_, err = File(-1).WriteAt(buf, 0)
+	require.ErrorIs(t, err, unix.EBADF)
+}
+
+// Futimens sets the times of what a descriptor is open as, a dir's too.
+func TestFutimens(t *testing.T) {
+	dir := t.TempDir()
+	f := filepath.Join(dir, "f")
+	require.NoError(t, os.WriteFile(f, nil, 0o644))
+	ts := []unix.Timespec{{Sec: 1000, Nsec: 7}, {Sec: 2000, Nsec: 9}}
+	for _, p := range []string{f, dir} {
+		fd, err := unix.Open(p, unix.O_RDONLY, 0)
+		require.NoError(t, err)
+		require.NoError(t, Futimens(fd, ts))
+		unix.Close(fd)
+		var st unix.Stat_t
+		require.NoError(t, unix.Stat(p, &st))
+		require.Equal(t, ts[0], st.Atim, p)
+		require.Equal(t, ts[1], st.Mtim, p)
+	}
+	require.ErrorIs(t, Futimens(-1, ts), unix.EBADF)
+	require.ErrorIs(t, Futimens(0, ts[:1]), unix.EINVAL)
 }
 
 func TestNamesReadlinkProcPath(t *testing.T) {

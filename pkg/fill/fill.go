@@ -37,6 +37,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/concourse/cowvol/internal/bufpool"
 	"github.com/concourse/cowvol/internal/fdtree"
 )
 
@@ -461,7 +462,7 @@ func (g *Group) fillBehind(f *file, src source) {
 		g.fill(f, src)
 		return
 	}
-	put, _, err := g.fetch(f, src) // in memory: nothing to let go of
+	put, done, err := g.fetch(f, src) // in memory
 	if err != nil {
 		g.filled(f, err)
 		return
@@ -471,6 +472,7 @@ func (g *Group) fillBehind(f *file, src source) {
 	if g.closed {
 		g.mu.Unlock()
 		<-g.putSlots
+		done()
 		g.filled(f, errStopping)
 		return
 	}
@@ -481,7 +483,9 @@ func (g *Group) fillBehind(f *file, src source) {
 			<-g.putSlots
 			g.putting.Done()
 		}()
-		g.filled(f, g.store(f, put))
+		err := g.store(f, put)
+		done()
+		g.filled(f, err)
 	}()
 }
 
@@ -509,7 +513,7 @@ const directFill = 1 << 20
 
 // fetch brings f's data from src and returns how to put it into the
 // stub, and done, to call once it is put.
-func (g *Group) fetch(f *file, src source) (put func(out *os.File) error, done func(), err error) {
+func (g *Group) fetch(f *file, src source) (put func(out int) error, done func(), err error) {
 	if err := f.layer.ctx.Err(); err != nil {
 		return nil, nil, context.Cause(f.layer.ctx)
 	}
@@ -517,7 +521,7 @@ func (g *Group) fetch(f *file, src source) (put func(out *os.File) error, done f
 	defer cancel(nil)
 	fetch := func(into io.WriterAt) error {
 		w := &progressWriter{w: into, last: time.Now()}
-		go w.watch(ctx, cancel, g.stall)
+		defer w.watch(cancel, g.stall)()
 		if err := src(ctx, w); err != nil {
 			if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
 				return cause
@@ -527,17 +531,19 @@ func (g *Group) fetch(f *file, src source) (put func(out *os.File) error, done f
 		return nil
 	}
 	if f.size <= directFill {
-		buf := &memFile{b: make([]byte, f.size)}
+		buf := &memFile{b: bufpool.Get(int(f.size))}
+		clear(buf.b) // what the fetch skips (runs of zeros) reads as zeros
 		if err := fetch(buf); err != nil {
+			bufpool.Put(buf.b)
 			return nil, nil, err
 		}
-		return func(out *os.File) error {
+		return func(out int) error {
 			if allZero(buf.b) {
 				return nil
 			}
-			_, err := out.WriteAt(buf.b, 0)
+			_, err := fdtree.File(out).WriteAt(buf.b, 0)
 			return err
-		}, func() {}, nil
+		}, func() { bufpool.Put(buf.b) }, nil
 	}
 	tmpFD, err := unix.Openat(g.tree, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
 	if err != nil {
@@ -552,27 +558,26 @@ func (g *Group) fetch(f *file, src source) (put func(out *os.File) error, done f
 		tmp.Close()
 		return nil, nil, err
 	}
-	return func(out *os.File) error {
-		if unix.IoctlFileClone(int(out.Fd()), tmpFD) == nil {
+	return func(out int) error {
+		if unix.IoctlFileClone(out, tmpFD) == nil {
 			return nil
 		}
-		return copyInto(out, tmp, f.size)
+		return copyInto(out, tmpFD, f.size)
 	}, func() { tmp.Close() }, nil
 }
 
 // store puts f's data into its stub with put, then its times, and removes
 // its mark if a reader reached it.
-func (g *Group) store(f *file, put func(out *os.File) error) error {
+func (g *Group) store(f *file, put func(out int) error) error {
 	fd, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
 		return fmt.Errorf("opening the stub: %w", err)
 	}
-	out := os.NewFile(uintptr(fd), f.rel)
-	defer out.Close()
-	if err := put(out); err != nil {
+	defer unix.Close(fd)
+	if err := put(fd); err != nil {
 		return err
 	}
-	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(fd, ""), f.times, 0); err != nil {
+	if err := fdtree.Futimens(fd, f.times); err != nil {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
 	g.mu.Lock()
@@ -596,22 +601,22 @@ func (m *memFile) WriteAt(p []byte, off int64) (int, error) {
 
 // copyInto copies size bytes of src into dst, both from offset 0, in the
 // kernel, skipping src's holes.
-func copyInto(dst, src *os.File, size int64) error {
+func copyInto(dst, src int, size int64) error {
 	for off := int64(0); off < size; {
-		data, err := unix.Seek(int(src.Fd()), off, unix.SEEK_DATA)
+		data, err := unix.Seek(src, off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
 			return nil // holes to the end; the stub is sized already
 		}
 		if err != nil {
 			return err
 		}
-		hole, err := unix.Seek(int(src.Fd()), data, unix.SEEK_HOLE)
+		hole, err := unix.Seek(src, data, unix.SEEK_HOLE)
 		if err != nil {
 			return err
 		}
 		for data < hole {
 			in, out := data, data
-			n, err := unix.CopyFileRange(int(src.Fd()), &in, int(dst.Fd()), &out, int(hole-data), 0)
+			n, err := unix.CopyFileRange(src, &in, dst, &out, int(hole-data), 0)
 			if err != nil {
 				return fmt.Errorf("copying into the stub: %w", err)
 			}
@@ -672,14 +677,7 @@ func (g *Group) forget(f *file) {
 // other mount would raise events of their own, which this group would
 // hold), following no symlink, and checks it is the file that was marked.
 func (g *Group) openStub(f *file, flags int) (int, error) {
-	p := path.Join(f.layer.dir, f.rel)
-	dir, err := fdtree.OpenBeneath(g.tree, path.Dir(p))
-	if err != nil {
-		return -1, err
-	}
-	defer unix.Close(dir)
-	fd, err := unix.Openat2(dir, path.Base(p), &unix.OpenHow{Flags: uint64(flags) | unix.O_CLOEXEC | unix.O_NOFOLLOW,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV})
+	fd, err := fdtree.OpenFileBeneath(g.tree, path.Join(f.layer.dir, f.rel), flags)
 	if err != nil {
 		return -1, err
 	}
@@ -714,9 +712,11 @@ func (g *Group) removeMark(fd int, f *file) {
 // progressWriter fails a fetch that stops writing: a holder that hangs
 // must not hold a reader for ever.
 type progressWriter struct {
-	w    io.WriterAt
-	mu   sync.Mutex
-	last time.Time
+	w     io.WriterAt
+	mu    sync.Mutex
+	last  time.Time
+	timer *time.Timer
+	done  bool // the fetch ended: the timer is not armed again
 }
 
 func (p *progressWriter) WriteAt(b []byte, off int64) (int, error) {
@@ -742,22 +742,29 @@ func allZero(b []byte) bool {
 	return true
 }
 
-func (p *progressWriter) watch(ctx context.Context, cancel context.CancelCauseFunc, stall time.Duration) {
-	t := time.NewTicker(max(stall/4, time.Millisecond))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
+// watch cancels the fetch once nothing was written for stall, and
+// returns the func that stops watching. A timer, not a goroutine: most
+// fetches are of small files, done long before it fires.
+func (p *progressWriter) watch(cancel context.CancelCauseFunc, stall time.Duration) (stop func()) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.timer = time.AfterFunc(stall, func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.done {
 			return
-		case <-t.C:
-			p.mu.Lock()
-			idle := time.Since(p.last)
-			p.mu.Unlock()
-			if idle > stall {
-				cancel(fmt.Errorf("no data for %s from any holder", stall))
-				return
-			}
 		}
+		if idle := time.Since(p.last); idle < stall {
+			p.timer.Reset(stall - idle)
+			return
+		}
+		cancel(fmt.Errorf("no data for %s from any holder", stall))
+	})
+	return func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.done = true
+		p.timer.Stop()
 	}
 }
 

@@ -313,7 +313,7 @@ func linkBeneath(root int, l deferredLink) error {
 	if err := unix.Linkat(from, firstBase, to, base, 0); err != nil {
 		return err
 	}
-	return unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(to, ""), l.dirTimes[:], 0)
+	return fdtree.Futimens(to, l.dirTimes[:])
 }
 
 // fdAttrs gives the file or dir open as dst the owner, mode, xattrs and
@@ -330,7 +330,7 @@ func fdAttrs(src, dst int, st *unix.Stat_t) error {
 		return err
 	}
 	ts := []unix.Timespec{st.Atim, st.Mtim}
-	if err := unix.UtimesNanoAt(unix.AT_FDCWD, fdtree.ProcPath(dst, ""), ts, 0); err != nil {
+	if err := fdtree.Futimens(dst, ts); err != nil {
 		return fmt.Errorf("setting times: %w", err)
 	}
 	return nil

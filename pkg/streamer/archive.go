@@ -30,6 +30,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/bufpool"
 	"github.com/concourse/cowvol/internal/fdtree"
 )
 
@@ -297,7 +298,7 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 			hdr.PAXRecords[paxXattr+k] = v
 		}
 	}
-	var file *os.File
+	file := fdtree.File(-1)
 	var segments [][2]int64 // of a sparse file: offset, length
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFDIR:
@@ -331,8 +332,8 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
-		file = os.NewFile(uintptr(fd), name)
-		defer file.Close()
+		file = fdtree.File(fd)
+		defer unix.Close(fd)
 		if pk.shape == SparseTar && st.Blocks*512 < st.Size {
 			if segments, err = dataSegments(file, st.Size); err != nil {
 				return fmt.Errorf("%s: %w", name, err)
@@ -357,7 +358,7 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 	if err := pk.tw.WriteHeader(hdr); err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
-	if file == nil {
+	if file < 0 {
 		return nil
 	}
 	if segments == nil {
@@ -375,8 +376,8 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 
 // dataSegments are where a sparse file holds data (SEEK_DATA, SEEK_HOLE),
 // or nil to send it whole: too fragmented, or the filesystem cannot say.
-func dataSegments(f *os.File, size int64) ([][2]int64, error) {
-	fd := int(f.Fd())
+func dataSegments(f fdtree.File, size int64) ([][2]int64, error) {
+	fd := int(f)
 	var out [][2]int64
 	for off := int64(0); off < size; {
 		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
@@ -758,6 +759,7 @@ func (x *extractor) startMakers(n int) {
 					}
 				}
 				j.dir.release()
+				bufpool.Put(j.data)
 				m.pending.Done()
 			}
 		}()
@@ -884,8 +886,9 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			return refused("%s: size %d", name, hdr.Size)
 		}
 		if x.makers != nil && hdr.Size <= parallelFileMax {
-			data := make([]byte, hdr.Size) // its segments' data: what the body holds
+			data := bufpool.Get(int(hdr.Size)) // its segments' data: what the body holds
 			if _, err := io.ReadFull(body, data); err != nil {
+				bufpool.Put(data)
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			x.makers.pending.Add(1)
@@ -1039,15 +1042,14 @@ func (x *extractor) makeFile(dirfd int, base, name string, hdr *tar.Header, body
 	if err != nil {
 		return err
 	}
-	f := os.NewFile(uintptr(fd), base)
-	size, err := writeFile(f, body, hdr, c)
+	size, err := writeFile(fdtree.File(fd), body, hdr, c)
 	if err == nil {
 		err = x.fileAttrs(fd, hdr) // through the descriptor: no path lookups
 	}
 	if err == nil && x.stub != nil && size > 0 {
 		err = x.stub(fd, name, size)
 	}
-	if cerr := f.Close(); err == nil {
+	if cerr := unix.Close(fd); err == nil {
 		err = cerr
 	}
 	return err
@@ -1056,7 +1058,7 @@ func (x *extractor) makeFile(dirfd int, base, name string, hdr *tar.Header, body
 // writeFile writes a file's body: its data segments where the sender sent
 // only those, each with runs of zeros left as holes. It returns the file's
 // size.
-func writeFile(f *os.File, body io.Reader, hdr *tar.Header, c copier) (int64, error) {
+func writeFile(f fdtree.File, body io.Reader, hdr *tar.Header, c copier) (int64, error) {
 	segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
 	if rec, ok := hdr.PAXRecords[paxHoles]; ok {
 		var err error
@@ -1075,7 +1077,7 @@ func writeFile(f *os.File, body io.Reader, hdr *tar.Header, c copier) (int64, er
 	if end == size {
 		return size, nil // a truncate costs a journal transaction per file
 	}
-	return size, f.Truncate(size)
+	return size, unix.Ftruncate(int(f), size)
 }
 
 // fileAttrs gives a regular file its xattrs, owner, mode and times
@@ -1114,7 +1116,7 @@ const holeBlock = 64 << 10
 // writeSparse copies n bytes of r into f at off, leaving runs of zeros as
 // holes: a sparse file stays sparse, whatever the sender's filesystem. It
 // says where the last byte it wrote ends.
-func (c copier) writeSparse(f *os.File, r io.Reader, off, n int64) (int64, error) {
+func (c copier) writeSparse(f fdtree.File, r io.Reader, off, n int64) (int64, error) {
 	buf, zero := c.buf, c.zero
 	var written int64
 	for end := off + n; off < end; {
