@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -27,20 +26,23 @@ import (
 )
 
 // cuttableProxy forwards TCP to a holder until Cut, which drops every
-// connection and every later one: a holder that dies. With a rate, what
-// the holder sends comes at about that many bytes a second, each
-// connection alone: a slow link.
+// connection and every later one: a holder that dies; or until Freeze,
+// which forwards nothing more either way and closes nothing: a holder
+// that hangs, or a link that drops every packet. With a rate, what the
+// holder sends comes at about that many bytes a second, each connection
+// alone: a slow link.
 type cuttableProxy struct {
-	addr  string
-	rate  int
-	mu    sync.Mutex
-	conns []net.Conn
-	cut   bool
+	addr   string
+	rate   int
+	mu     sync.Mutex
+	conns  []net.Conn
+	cut    bool
+	frozen chan struct{}
 }
 
 func newCuttableProxy(t *testing.T, addr string, rate int) *cuttableProxy {
 	t.Helper()
-	p := &cuttableProxy{rate: rate}
+	p := &cuttableProxy{rate: rate, frozen: make(chan struct{})}
 	t.Cleanup(p.Cut)
 	p.addr = tcpProxy(t, addr, func(in, out net.Conn) {
 		p.mu.Lock()
@@ -52,35 +54,51 @@ func newCuttableProxy(t *testing.T, addr string, rate int) *cuttableProxy {
 		}
 		p.conns = append(p.conns, in, out)
 		p.mu.Unlock()
-		go func() { _, _ = io.Copy(out, in); out.Close() }()
-		p.copyBack(in, out)
+		go func() { p.copy(out, in, 0); out.Close() }()
+		p.copy(in, out, p.rate)
 		in.Close()
 	})
 	return p
 }
 
-// copyBack copies what the holder sends back to the puller, at the rate.
-func (p *cuttableProxy) copyBack(in, out net.Conn) {
-	if p.rate == 0 {
-		_, _ = io.Copy(in, out)
-		return
-	}
+// copy copies from to to, at rate bytes a second (0: as fast as it goes),
+// until either end closes; once frozen, what it reads goes nowhere.
+func (p *cuttableProxy) copy(to, from net.Conn, rate int) {
 	buf := make([]byte, 16<<10)
 	start, sent := time.Now(), 0
 	for {
-		n, err := out.Read(buf)
+		n, err := from.Read(buf)
+		select {
+		case <-p.frozen:
+			n = 0
+		default:
+		}
 		if n > 0 {
-			if _, werr := in.Write(buf[:n]); werr != nil {
+			if _, werr := to.Write(buf[:n]); werr != nil {
 				return
 			}
 			sent += n
-			if ahead := time.Duration(sent)*time.Second/time.Duration(p.rate) - time.Since(start); ahead > 0 {
+			if rate == 0 {
+				continue
+			}
+			if ahead := time.Duration(sent)*time.Second/time.Duration(rate) - time.Since(start); ahead > 0 {
 				time.Sleep(ahead)
 			}
 		}
 		if err != nil {
 			return
 		}
+	}
+}
+
+// Freeze stops every connection, now and to come, without closing it.
+func (p *cuttableProxy) Freeze() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	select {
+	case <-p.frozen:
+	default:
+		close(p.frozen)
 	}
 }
 
@@ -211,6 +229,54 @@ func TestLazyPullWithItsHolderGone(t *testing.T) {
 	}
 	require.Positive(t, eio, "192 MiB crossed a cut link")
 	require.Less(t, time.Since(start), time.Minute, "readers are not held for long")
+	eventually(t, "the volume that cannot be filled to fail", func() bool {
+		s := volumeState(t, b, "src")
+		return s == "failed" || s == "gone"
+	})
+	b.umount(v)
+	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input was incomplete captures nothing")
+}
+
+// A holder that hangs mid-fill (alive, its connections open, sending
+// nothing) holds no reader for long: each file a reader opens is either
+// all there or answers EIO within about --pull-wait, whether the
+// background stream, a read-ahead or a reader's own fetch was bringing it.
+func TestLazyPullWithItsHolderHung(t *testing.T) {
+	// Slow enough to freeze mid-stream; a shorter wait than a slow link's.
+	a, b, proxy := lazyNodesAt(t, 8<<20, "--pull-wait=5s")
+	const files = 24
+	a.step("", "src", func(dir string) {
+		for i := range files {
+			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 2<<20, uint64(i+1))
+		}
+	})
+	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
+	require.NoError(t, b.publishWaiting(v))
+	time.Sleep(500 * time.Millisecond) // the stream is under way
+	proxy.Freeze()
+	type result struct {
+		eio  int
+		errs []error
+	}
+	done := make(chan result, 1)
+	go func() { // not t's: it may outlive a test that gave up on it
+		var r result
+		for i := range files {
+			if _, err := os.ReadFile(filepath.Join(v.Target, fmt.Sprintf("f-%02d", i))); errors.Is(err, syscall.EIO) {
+				r.eio++
+			} else if err != nil {
+				r.errs = append(r.errs, err)
+			}
+		}
+		done <- r
+	}()
+	select {
+	case r := <-done:
+		require.Empty(t, r.errs)
+		require.Positive(t, r.eio, "48 MiB crossed a frozen link")
+	case <-time.After(time.Minute): // --pull-wait is 5 s
+		t.Fatal("a reader is held by a holder that hangs")
+	}
 	eventually(t, "the volume that cannot be filled to fail", func() bool {
 		s := volumeState(t, b, "src")
 		return s == "failed" || s == "gone"

@@ -181,7 +181,7 @@ func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer
 		if err != nil {
 			return nil, nil, err
 		}
-		return streamer.NewClient(conn), conn, nil
+		return streamer.NewClient(conn, p.PullWait), conn, nil
 	}, nil
 }
 

@@ -124,8 +124,8 @@ func layerOf(l *peerv1.LayerVolume) Layer {
 // trailer against what arrived.
 func (c *Client) ReadVolume(ctx context.Context, namespace string, r volume.Ref, path string, format Format, enc Encoding,
 	chunk func(data []byte, total int64) error) (Summary, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	stream, err := c.api.ReadVolume(ctx, &peerv1.ReadVolumeRequest{Namespace: namespace, Volume: toPeerRef(r),
 		Path: path, Format: string(format), Encoding: string(enc)})
 	if err != nil {
@@ -133,12 +133,12 @@ func (c *Client) ReadVolume(ctx context.Context, namespace string, r volume.Ref,
 	}
 	var n int64
 	for {
-		msg, err := stream.Recv()
+		msg, err := recvWithin(c, stream.Recv, cancel)
 		if err != nil {
 			if errors.Is(err, io.EOF) {
 				err = fmt.Errorf("%w: the peer sent no trailer", ErrCorrupt)
 			}
-			return Summary{}, err
+			return Summary{}, stalled(ctx, err)
 		}
 		if t := msg.GetTrailer(); t != nil {
 			if format == FormatFile && t.GetBytes() != n {

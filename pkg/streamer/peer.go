@@ -381,12 +381,39 @@ const (
 
 // Client pulls layers from one peer.
 type Client struct {
-	api peerv1.PeerClient
+	api   peerv1.PeerClient
+	stall time.Duration
 }
 
 // NewClient pulls through conn, a connection to a peer's --peer-address.
-func NewClient(conn grpc.ClientConnInterface) *Client {
-	return &Client{api: peerv1.NewPeerClient(conn)}
+// A stream that brings nothing for stall (0: no bound) is broken off with
+// ErrStalled: a peer that hangs, or a link that drops every packet, would
+// otherwise hold a pull, and the readers waiting for it, until TCP gives
+// up (a quarter of an hour).
+func NewClient(conn grpc.ClientConnInterface, stall time.Duration) *Client {
+	return &Client{api: peerv1.NewPeerClient(conn), stall: stall}
+}
+
+// ErrStalled: the peer sent nothing for the client's stall.
+var ErrStalled = errors.New("the peer sent nothing")
+
+// recvWithin is recv, which breaks the stream off (through cancel, the
+// cancel of its context) if nothing comes within the client's stall.
+func recvWithin[M any](c *Client, recv func() (M, error), cancel context.CancelCauseFunc) (M, error) {
+	if c.stall <= 0 {
+		return recv()
+	}
+	t := time.AfterFunc(c.stall, func() { cancel(fmt.Errorf("%w for %s", ErrStalled, c.stall)) })
+	defer t.Stop()
+	return recv()
+}
+
+// stalled is err, or the stall that caused it.
+func stalled(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrStalled) {
+		return cause
+	}
+	return err
 }
 
 // Chain asks the peer for a volume's chain, for a pod of namespace.
@@ -486,8 +513,8 @@ func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via vo
 // against the size and digest the peer sent after it.
 func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, progress func(int64),
 	consume func(ctx context.Context, in io.Reader) (Summary, error)) (Summary, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel() // stops the peer sending if extraction fails
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil) // stops the peer sending if extraction fails
 	stream, err := c.api.PullLayer(ctx, req)
 	if err != nil {
 		return Summary{}, peerError(err)
@@ -497,7 +524,7 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 		if trailer != nil {
 			return nil, io.EOF
 		}
-		msg, err := stream.Recv()
+		msg, err := recvWithin(c, stream.Recv, cancel)
 		switch {
 		case errors.Is(err, io.EOF):
 			return nil, io.ErrUnexpectedEOF // no trailer: cut short
@@ -516,7 +543,7 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 	sum, err := consume(ctx, cr)
 	if err != nil {
 		if rerr := cr.Failed(); rerr != nil {
-			return Summary{}, peerError(rerr)
+			return Summary{}, stalled(ctx, peerError(rerr))
 		}
 		var errno syscall.Errno
 		if errors.Is(err, ErrRefused) || errors.As(err, &errno) || ctx.Err() != nil {
@@ -545,8 +572,8 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 // own layer from offset into w at the same offsets, for a pod of namespace
 // that uses r via via, and returns how many arrived.
 func (c *Client) ReadLayerFile(ctx context.Context, namespace string, r, via volume.Ref, rel string, offset, length int64, w io.WriterAt) (int64, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	stream, err := c.api.ReadLayerFile(ctx, &peerv1.ReadLayerFileRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via),
 		Path: rel, Offset: offset, Length: length})
 	if err != nil {
@@ -555,12 +582,12 @@ func (c *Client) ReadLayerFile(ctx context.Context, namespace string, r, via vol
 	var n int64
 	got := newCounter()
 	for {
-		msg, err := stream.Recv()
+		msg, err := recvWithin(c, stream.Recv, cancel)
 		switch {
 		case errors.Is(err, io.EOF):
 			return n, fmt.Errorf("%w: %s ended with no trailer after %d bytes", ErrCorrupt, rel, n)
 		case err != nil:
-			return n, peerError(err)
+			return n, stalled(ctx, peerError(err))
 		}
 		if t := msg.GetTrailer(); t != nil {
 			if sum := got.summary(1); t.GetBytes() != n || t.GetDigest() != sum.Digest {
