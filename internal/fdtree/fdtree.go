@@ -177,28 +177,21 @@ func openat2Beneath(dir int, rel string, flags int) (int, error) {
 // non-blocking) and a finalizer, per file of a tree.
 type File int
 
-func (f File) ReadAt(p []byte, off int64) (int, error) {
-	n := 0
-	for n < len(p) {
-		m, err := unix.Pread(int(f), p[n:], off+int64(n))
-		if errors.Is(err, unix.EINTR) {
-			continue
-		}
-		if err != nil {
-			return n, err
-		}
-		if m == 0 {
-			return n, io.EOF
-		}
-		n += m
-	}
-	return n, nil
+// ReadAt reads len(p) bytes at off, or what there is up to the file's end
+// (then io.EOF).
+func (f File) ReadAt(p []byte, off int64) (int, error) { return f.whole(unix.Pread, p, off, io.EOF) }
+
+// WriteAt writes p at off.
+func (f File) WriteAt(p []byte, off int64) (int, error) {
+	return f.whole(unix.Pwrite, p, off, io.ErrShortWrite)
 }
 
-func (f File) WriteAt(p []byte, off int64) (int, error) {
+// whole calls op (pread or pwrite) until all of p is done, from off; a
+// call that does nothing ends it with none.
+func (f File) whole(op func(int, []byte, int64) (int, error), p []byte, off int64, none error) (int, error) {
 	n := 0
 	for n < len(p) {
-		m, err := unix.Pwrite(int(f), p[n:], off+int64(n))
+		m, err := op(int(f), p[n:], off+int64(n))
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
@@ -206,7 +199,7 @@ func (f File) WriteAt(p []byte, off int64) (int, error) {
 			return n, err
 		}
 		if m == 0 {
-			return n, io.ErrShortWrite
+			return n, none
 		}
 		n += m
 	}
