@@ -14,7 +14,7 @@ import (
 // others are made and dropped as usual.
 const (
 	minShift = 12 // 4 KiB
-	maxShift = 20 // 1 MiB
+	maxShift = 21 // 2 MiB: a stream chunk of 1 MiB and its framing
 )
 
 var pools [maxShift - minShift + 1]sync.Pool

@@ -16,8 +16,10 @@ func TestClasses(t *testing.T) {
 		{"one byte", 1, 4 << 10, true},
 		{"a page", 4 << 10, 4 << 10, true},
 		{"a page and a byte", 4<<10 + 1, 8 << 10, true},
-		{"the largest pooled", 1 << 20, 1 << 20, true},
-		{"past it", 1<<20 + 1, 1<<20 + 1, false},
+		{"a MiB", 1 << 20, 1 << 20, true},
+		{"a MiB and a byte", 1<<20 + 1, 2 << 20, true},
+		{"the largest pooled", 2 << 20, 2 << 20, true},
+		{"past it", 2<<20 + 1, 2<<20 + 1, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -515,12 +515,22 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 	consume func(ctx context.Context, in io.Reader) (Summary, error)) (Summary, error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil) // stops the peer sending if extraction fails
-	stream, err := c.api.PullLayer(ctx, req)
+	stream, err := c.api.PullLayer(ctx, req, chunkCall)
 	if err != nil {
 		return Summary{}, peerError(err)
 	}
 	var trailer *peerv1.Trailer
+	var held *peerv1.PullLayerChunk // the chunk being read: its data is lent
+	defer func() {
+		if held != nil {
+			releaseChunk(held)
+		}
+	}()
 	cr := NewMessageReader(func() ([]byte, error) {
+		if held != nil { // read to its end: the reader asks for the next
+			releaseChunk(held)
+			held = nil
+		}
 		if trailer != nil {
 			return nil, io.EOF
 		}
@@ -538,6 +548,7 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 		if progress != nil {
 			progress(int64(len(msg.GetData())))
 		}
+		held = msg
 		return msg.GetData(), nil
 	})
 	sum, err := consume(ctx, cr)
@@ -575,7 +586,7 @@ func (c *Client) ReadLayerFile(ctx context.Context, namespace string, r, via vol
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	stream, err := c.api.ReadLayerFile(ctx, &peerv1.ReadLayerFileRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via),
-		Path: rel, Offset: offset, Length: length})
+		Path: rel, Offset: offset, Length: length}, chunkCall)
 	if err != nil {
 		return 0, peerError(err)
 	}
@@ -604,6 +615,7 @@ func (c *Client) ReadLayerFile(ctx context.Context, namespace string, r, via vol
 		}
 		_, _ = got.Write(data)
 		n += int64(len(data))
+		releaseChunk(msg) // w and got keep none of it
 	}
 }
 
