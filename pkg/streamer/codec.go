@@ -1,6 +1,9 @@
 package streamer
 
 import (
+	"encoding/binary"
+	"io"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
@@ -34,52 +37,61 @@ func (chunkCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return protoCodec.Unmarshal(data, v)
 	}
-	buf := bufpool.Get(data.Len())
-	data.CopyTo(buf)
-	if decodeDataChunk(buf, m) {
+	if decodeDataChunk(data, m) {
 		return nil
 	}
+	buf := bufpool.Get(data.Len())
 	defer bufpool.Put(buf)
+	data.CopyTo(buf)
 	return proto.Unmarshal(buf, m)
 }
 
-// decodeDataChunk decodes b, a PullLayerChunk that holds data and perhaps
-// a total and nothing else, into m, its data moved to the start of b (m's
-// data is then b's, to give back with releaseChunk); anything else is
-// left to protobuf (false).
-func decodeDataChunk(b []byte, m *peerv1.PullLayerChunk) bool {
-	var data []byte
-	var total int64
-	seenData, seenTotal := false, false
-	for rest := b; len(rest) > 0; {
-		num, typ, n := protowire.ConsumeTag(rest)
-		if n < 0 {
+// decodeDataChunk decodes data, a PullLayerChunk that holds data and
+// perhaps a total and nothing else, into m, its data copied once, from
+// gRPC's buffers into a lent slice (m's data is then that slice, to give
+// back with releaseChunk); anything else is left to protobuf (false, m
+// untouched).
+func decodeDataChunk(data mem.BufferSlice, m *peerv1.PullLayerChunk) (ok bool) {
+	r := data.Reader()
+	defer r.Close()
+	var lent []byte
+	defer func() {
+		if !ok && lent != nil {
+			bufpool.Put(lent)
+		}
+	}()
+	var total uint64
+	seenTotal := false
+	for r.Remaining() > 0 {
+		tag, err := binary.ReadUvarint(r)
+		if err != nil {
 			return false
 		}
-		rest = rest[n:]
+		num, typ := protowire.DecodeTag(tag)
 		switch {
-		case num == 1 && typ == protowire.BytesType && !seenData:
-			v, n := protowire.ConsumeBytes(rest)
-			if n < 0 {
+		case num == 1 && typ == protowire.BytesType && lent == nil:
+			n, err := binary.ReadUvarint(r)
+			if err != nil || n > uint64(r.Remaining()) {
 				return false
 			}
-			data, seenData, rest = v, true, rest[n:]
+			lent = bufpool.Get(int(n))
+			if _, err := io.ReadFull(r, lent); err != nil {
+				return false
+			}
 		case num == 3 && typ == protowire.VarintType && !seenTotal:
-			v, n := protowire.ConsumeVarint(rest)
-			if n < 0 {
+			if total, err = binary.ReadUvarint(r); err != nil {
 				return false
 			}
-			total, seenTotal, rest = int64(v), true, rest[n:]
+			seenTotal = true
 		default:
 			return false
 		}
 	}
-	if !seenData {
+	if lent == nil {
 		return false
 	}
-	moved := b[:copy(b, data)]
 	m.Reset()
-	m.Part, m.TotalBytes = &peerv1.PullLayerChunk_Data{Data: moved}, total
+	m.Part, m.TotalBytes = &peerv1.PullLayerChunk_Data{Data: lent}, int64(total)
 	return true
 }
 

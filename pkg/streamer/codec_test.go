@@ -46,23 +46,36 @@ func TestChunkCodec(t *testing.T) {
 		{"nothing", nil, false, false},
 		{"cut short", data([]byte("abcdef"), 0)[:4], false, true},
 	}
+	// gRPC hands a message over in the pieces its frames brought it in.
+	split := func(b []byte, n int) mem.BufferSlice {
+		var out mem.BufferSlice
+		for len(b) > n {
+			out, b = append(out, mem.SliceBuffer(b[:n])), b[n:]
+		}
+		return append(out, mem.SliceBuffer(b))
+	}
 	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			var got peerv1.PullLayerChunk
-			err := chunkCodec{}.Unmarshal(mem.BufferSlice{mem.SliceBuffer(tc.wire)}, &got)
-			var want peerv1.PullLayerChunk
-			wantErr := proto.Unmarshal(tc.wire, &want)
-			if tc.wantErr {
-				require.Error(t, err)
-				require.Error(t, wantErr)
-				return
-			}
-			require.NoError(t, err)
-			require.True(t, proto.Equal(&want, &got), "got %v, want %v", &got, &want)
-			var m peerv1.PullLayerChunk
-			require.Equal(t, tc.wantLent, decodeDataChunk(append([]byte(nil), tc.wire...), &m))
-			releaseChunk(&got)
-		})
+		for _, pieces := range []struct {
+			name string
+			size int
+		}{{"whole", len(tc.wire) + 1}, {"in 3-byte pieces", 3}, {"in 16 KiB pieces", 16 << 10}} {
+			t.Run(tc.name+", "+pieces.name, func(t *testing.T) {
+				var got peerv1.PullLayerChunk
+				err := chunkCodec{}.Unmarshal(split(tc.wire, pieces.size), &got)
+				var want peerv1.PullLayerChunk
+				wantErr := proto.Unmarshal(tc.wire, &want)
+				if tc.wantErr {
+					require.Error(t, err)
+					require.Error(t, wantErr)
+					return
+				}
+				require.NoError(t, err)
+				require.True(t, proto.Equal(&want, &got), "got %v, want %v", &got, &want)
+				var m peerv1.PullLayerChunk
+				require.Equal(t, tc.wantLent, decodeDataChunk(split(tc.wire, pieces.size), &m))
+				releaseChunk(&got)
+			})
+		}
 	}
 }
 
