@@ -233,13 +233,21 @@ func regularBeneath(root int, rel string) (dir int, st unix.Stat_t, err error) {
 func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) (int64, error)) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
-	bw := bufio.NewWriterSize(w, streamBuffer)
-	ew, err := enc.writer(bw)
+	bw := bufWriters.Get().(*bufio.Writer)
+	bw.Reset(w)
+	defer func() {
+		bw.Reset(nil)
+		bufWriters.Put(bw)
+	}()
+	ew, release, err := enc.writer(bw)
 	if err != nil {
 		return Summary{}, err
 	}
+	defer release() // before bw goes back: a stopping encoder may still write to it
+	buf := bufpool.Get(streamBuffer)
+	defer bufpool.Put(buf)
 	c := newCounter()
-	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: make([]byte, 256<<10)}
+	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf}
 	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
@@ -547,7 +555,8 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 // A file whose write is not called is skipped. It reads the stream to its
 // end, as Unpack does, for the summary's digest.
 func Files(ctx context.Context, r io.Reader, enc Encoding, lim Limits, file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
-	buf := make([]byte, 256<<10)
+	buf := bufpool.Get(streamBuffer)
+	defer bufpool.Put(buf)
 	return readArchive(ctx, r, enc, lim, func(hdr *tar.Header, body io.Reader) error {
 		if hdr.Typeflag != tar.TypeReg {
 			return nil
@@ -579,11 +588,17 @@ func Files(ctx context.Context, r io.Reader, enc Encoding, lim Limits, file func
 // readArchive reads a tar stream encoded with enc from r to its end,
 // within lim, handing each entry to entry.
 func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, entry func(hdr *tar.Header, body io.Reader) error) (Summary, error) {
-	dr, err := enc.reader(bufio.NewReaderSize(r, streamBuffer))
+	br := bufReaders.Get().(*bufio.Reader)
+	br.Reset(r)
+	defer func() {
+		br.Reset(nil)
+		bufReaders.Put(br)
+	}()
+	dr, release, err := enc.reader(br)
 	if err != nil {
 		return Summary{}, err
 	}
-	defer dr.Close()
+	defer release() // before br goes back
 	c := newCounter()
 	limited := &limitReader{r: dr, left: lim.Bytes}
 	tr := tar.NewReader(io.TeeReader(limited, c))

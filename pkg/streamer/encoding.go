@@ -1,9 +1,11 @@
 package streamer
 
 import (
+	"bufio"
 	"compress/gzip"
 	"fmt"
 	"io"
+	"sync"
 
 	"github.com/klauspost/compress/s2"
 	"github.com/klauspost/compress/zstd"
@@ -46,34 +48,69 @@ type nopWriteCloser struct{ io.Writer }
 
 func (nopWriteCloser) Close() error { return nil }
 
-func (e Encoding) writer(w io.Writer) (io.WriteCloser, error) {
+// An s2 writer or reader holds buffers of a MiB or more, and a lazy pull's
+// read-ahead asks a holder for a few files at a time, thousands of times:
+// making new ones for each request cost the holder more CPU than reading
+// the files did. They are pooled, as are the streams' bufio buffers. Reset
+// drops a stream's state; none of them ever hands on more than it was
+// given in its current stream, so what an earlier stream left in their
+// buffers stays there.
+var (
+	s2Writers  = sync.Pool{New: func() any { return s2.NewWriter(nil) }}
+	s2Readers  = sync.Pool{New: func() any { return s2.NewReader(nil) }}
+	bufWriters = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, streamBuffer) }}
+	bufReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, streamBuffer) }}
+)
+
+// writer is e's encoder writing to w, and release, which stops it and
+// gives back what it holds. Call release once the stream is done with,
+// closed or not: an s2 writer runs a goroutine until it is stopped.
+func (e Encoding) writer(w io.Writer) (io.WriteCloser, func(), error) {
 	switch e {
 	case Raw:
-		return nopWriteCloser{w}, nil
+		return nopWriteCloser{w}, func() {}, nil
 	case Zstd:
-		return zstd.NewWriter(w, zstd.WithEncoderLevel(zstd.SpeedFastest))
+		zw, err := zstd.NewWriter(w, zstd.WithEncoderLevel(zstd.SpeedFastest))
+		return zw, func() {}, err
 	case S2:
-		return s2.NewWriter(w), nil
+		sw := s2Writers.Get().(*s2.Writer)
+		sw.Reset(w)
+		return sw, func() {
+			sw.Reset(nil)
+			s2Writers.Put(sw)
+		}, nil
 	case Gzip:
-		return gzip.NewWriterLevel(w, gzip.DefaultCompression)
+		gw, err := gzip.NewWriterLevel(w, gzip.DefaultCompression)
+		return gw, func() {}, err
 	}
-	return nil, fmt.Errorf("encoding %q: want raw, zstd, s2 or gzip", string(e))
+	return nil, nil, fmt.Errorf("encoding %q: want raw, zstd, s2 or gzip", string(e))
 }
 
-func (e Encoding) reader(r io.Reader) (io.ReadCloser, error) {
+// reader is e's decoder reading from r, and release, which gives back
+// what it holds once the stream is done with.
+func (e Encoding) reader(r io.Reader) (io.Reader, func(), error) {
 	switch e {
 	case Raw:
-		return io.NopCloser(r), nil
+		return r, func() {}, nil
 	case Zstd:
 		d, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(64<<20))
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		return d.IOReadCloser(), nil
+		return d, d.Close, nil
 	case S2:
-		return io.NopCloser(s2.NewReader(r)), nil
+		sr := s2Readers.Get().(*s2.Reader)
+		sr.Reset(r)
+		return sr, func() {
+			sr.Reset(nil)
+			s2Readers.Put(sr)
+		}, nil
 	case Gzip:
-		return gzip.NewReader(r)
+		gr, err := gzip.NewReader(r)
+		if err != nil {
+			return nil, nil, err
+		}
+		return gr, func() { _ = gr.Close() }, nil
 	}
-	return nil, fmt.Errorf("encoding %q: want raw, zstd, s2 or gzip", string(e))
+	return nil, nil, fmt.Errorf("encoding %q: want raw, zstd, s2 or gzip", string(e))
 }
