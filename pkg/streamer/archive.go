@@ -233,12 +233,8 @@ func regularBeneath(root int, rel string) (dir int, st unix.Stat_t, err error) {
 func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) (int64, error)) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
-	bw := bufWriters.Get().(*bufio.Writer)
-	bw.Reset(w)
-	defer func() {
-		bw.Reset(nil)
-		bufWriters.Put(bw)
-	}()
+	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, w)
+	defer releaseBuffer()
 	ew, release, err := enc.writer(bw)
 	if err != nil {
 		return Summary{}, err
@@ -588,12 +584,8 @@ func Files(ctx context.Context, r io.Reader, enc Encoding, lim Limits, file func
 // readArchive reads a tar stream encoded with enc from r to its end,
 // within lim, handing each entry to entry.
 func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, entry func(hdr *tar.Header, body io.Reader) error) (Summary, error) {
-	br := bufReaders.Get().(*bufio.Reader)
-	br.Reset(r)
-	defer func() {
-		br.Reset(nil)
-		bufReaders.Put(br)
-	}()
+	br, releaseBuffer := fromPool[*bufio.Reader](&bufReaders, r)
+	defer releaseBuffer()
 	dr, release, err := enc.reader(br)
 	if err != nil {
 		return Summary{}, err

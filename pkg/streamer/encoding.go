@@ -62,6 +62,19 @@ var (
 	bufReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, streamBuffer) }}
 )
 
+// fromPool takes a coder or buffer from p and points it at target, and
+// returns it with its release, which points it at nothing (it keeps no
+// stream alive) and gives it back.
+func fromPool[T interface{ Reset(A) }, A any](p *sync.Pool, target A) (T, func()) {
+	v := p.Get().(T)
+	v.Reset(target)
+	return v, func() {
+		var none A
+		v.Reset(none)
+		p.Put(v)
+	}
+}
+
 // writer is e's encoder writing to w, and release, which stops it and
 // gives back what it holds. Call release once the stream is done with,
 // closed or not: an s2 writer runs a goroutine until it is stopped.
@@ -73,12 +86,8 @@ func (e Encoding) writer(w io.Writer) (io.WriteCloser, func(), error) {
 		zw, err := zstd.NewWriter(w, zstd.WithEncoderLevel(zstd.SpeedFastest))
 		return zw, func() {}, err
 	case S2:
-		sw := s2Writers.Get().(*s2.Writer)
-		sw.Reset(w)
-		return sw, func() {
-			sw.Reset(nil)
-			s2Writers.Put(sw)
-		}, nil
+		sw, release := fromPool[*s2.Writer](&s2Writers, w)
+		return sw, release, nil
 	case Gzip:
 		gw, err := gzip.NewWriterLevel(w, gzip.DefaultCompression)
 		return gw, func() {}, err
@@ -99,12 +108,8 @@ func (e Encoding) reader(r io.Reader) (io.Reader, func(), error) {
 		}
 		return d, d.Close, nil
 	case S2:
-		sr := s2Readers.Get().(*s2.Reader)
-		sr.Reset(r)
-		return sr, func() {
-			sr.Reset(nil)
-			s2Readers.Put(sr)
-		}, nil
+		sr, release := fromPool[*s2.Reader](&s2Readers, r)
+		return sr, release, nil
 	case Gzip:
 		gr, err := gzip.NewReader(r)
 		if err != nil {
