@@ -30,6 +30,7 @@ import (
 	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/registry"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -71,7 +72,9 @@ type Driver struct {
 	ctlConn *grpc.ClientConn
 	// peerMetrics count what the node streams to its peers.
 	peerMetrics *streamer.Metrics
-	kube        kubernetes.Interface
+	// imageMetrics count what the node's image registry serves.
+	imageMetrics *registry.Metrics
+	kube         kubernetes.Interface
 	// stopKube ends the API server watches and the event sender.
 	stopKube context.CancelFunc
 }
@@ -177,6 +180,8 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 	d.peerMetrics = streamer.NewMetrics()
 	d.metrics.registry.MustRegister(d.peerMetrics.Collectors()...)
 	d.metrics.registry.MustRegister(d.engine.Collectors()...)
+	d.imageMetrics = registry.NewMetrics()
+	d.metrics.registry.MustRegister(d.imageMetrics.Collectors()...)
 	d.node = &nodeService{nodeID: d.opts.NodeID, engine: d.engine, csiDriver: guard}
 	return nil
 }
@@ -365,6 +370,12 @@ func (d *Driver) runners() ([]runner, error) {
 			"Serving volumes to peers", "address", d.opts.Peers.Address, "advertised", d.opts.Peers.AdvertiseAddress,
 			"mutualTLS", d.opts.Peers.CertFile != ""))
 	}
+	if d.engine != nil && d.opts.ImageRegistryAddress != "" {
+		srv := &http.Server{Handler: registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics),
+			ReadHeaderTimeout: 10 * time.Second}
+		runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
+			func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
+	}
 	if d.engine != nil && d.ctlConn != nil {
 		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
 			peerAddress: d.opts.Peers.AdvertiseAddress}
@@ -508,4 +519,14 @@ func listen(endpoint string) (net.Listener, error) {
 		}
 	}
 	return net.Listen(network, addr)
+}
+
+// imageVolumes are the node's volumes as its image registry reads them.
+type imageVolumes struct {
+	streamer.Holder
+	engine *node.Engine
+}
+
+func (v imageVolumes) Version(namespace string, r volume.Ref) (string, error) {
+	return v.engine.VolumeVersion(namespace, r)
 }

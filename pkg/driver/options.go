@@ -56,6 +56,10 @@ type Options struct {
 	// NodeAPIEndpoint is where the node API is served: a unix socket, by
 	// default node-api.sock beside a unix CSI endpoint.
 	NodeAPIEndpoint string
+	// ImageRegistryAddress (node mode) is the loopback host:port where the
+	// node serves the images its cached volumes hold to its container
+	// runtime (package registry); empty serves none.
+	ImageRegistryAddress string
 	// ControllerAddress (node mode) is the controller's host:port that the
 	// node reports its cache to; empty reports to none.
 	ControllerAddress string
@@ -151,6 +155,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 			"(they are always nodev); off, both are dropped, since runtimes do not pass a volume's nosuid and nodev into the container")
 	fs.StringVar(&o.NodeAPIEndpoint, "node-api-endpoint", o.NodeAPIEndpoint,
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
+	fs.StringVar(&o.ImageRegistryAddress, "image-registry-address", o.ImageRegistryAddress,
+		"loopback host:port to serve the images cached volumes hold on, for the kubelet to pull as <host:port>/<namespace>/<handle> (empty: none)")
 	fs.StringVar(&o.ControllerAddress, "controller-address", o.ControllerAddress,
 		"node mode: the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&o.APIAddress, "api-address", o.APIAddress,
@@ -279,6 +285,14 @@ func (o *Options) Validate() error {
 		}
 	} else if o.TokenFile == "" && o.ControllerAddress != "" {
 		errs = append(errs, errors.New("reaching the controller over TLS needs --token-file"))
+	}
+	// Its repositories name namespaces nobody authenticated: the node's
+	// runtime alone may reach it.
+	if err := loopbackOnly(o.ImageRegistryAddress); err != nil {
+		errs = append(errs, fmt.Errorf("--image-registry-address: %w", err))
+	}
+	if o.ImageRegistryAddress != "" && o.Mode == ModeController {
+		errs = append(errs, errors.New("--image-registry-address is for node plugins: use --mode=node or all"))
 	}
 	if o.APIAddress != "" && o.Mode == ModeNode {
 		errs = append(errs, errors.New("--api-address is the controller's: use --mode=controller or all"))

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -32,11 +33,7 @@ func newLeaseID() string {
 // until the read is closed.
 func (h peerHolder) OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error) {
 	e := h.e
-	v, err := e.store.Get(r)
-	if errors.Is(err, cache.ErrNotFound) || (err == nil && (v.State != volume.StateReady || !v.ReadableBy(namespace))) {
-		return streamer.Reading{}, notHeld(r, namespace)
-	}
-	if err != nil {
+	if _, err := e.readable(namespace, r); err != nil {
 		return streamer.Reading{}, err
 	}
 	dirs, release, err := e.holdChain(r)
@@ -91,6 +88,27 @@ func (h peerHolder) OpenVolume(namespace string, r volume.Ref, path string, form
 		closeAll()
 	}
 	return rd, nil
+}
+
+// readable is a ready volume namespace may read; any other fails as one
+// the node does not hold.
+func (e *Engine) readable(namespace string, r volume.Ref) (cache.Volume, error) {
+	v, err := e.store.Get(r)
+	if errors.Is(err, cache.ErrNotFound) || (err == nil && (v.State != volume.StateReady || !v.ReadableBy(namespace))) {
+		return cache.Volume{}, notHeld(r, namespace)
+	}
+	return v, err
+}
+
+// VolumeVersion names the content of a ready volume namespace may read:
+// the same for as long as it is the same volume (a ready volume never
+// changes; one destroyed and made again under its handle is another).
+func (e *Engine) VolumeVersion(namespace string, r volume.Ref) (string, error) {
+	v, err := e.readable(namespace, r)
+	if err != nil {
+		return "", err
+	}
+	return r.String() + "@" + strconv.FormatInt(v.CreatedAt.UnixNano(), 10), nil
 }
 
 // chainSize is what a volume's chain holds on disk, as measured (-1 if a

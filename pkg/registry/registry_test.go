@@ -1,0 +1,118 @@
+package registry
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"testing"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+func TestParseRepository(t *testing.T) {
+	tests := []struct {
+		name, repo string
+		want       repository
+		wantErr    bool
+	}{
+		{name: "own", repo: "ci/img-1", want: repository{reader: "ci", ref: volume.Ref{Namespace: "ci", Handle: "img-1"}}},
+		{name: "shared", repo: "ci/team-a/img.2", want: repository{reader: "ci", ref: volume.Ref{Namespace: "team-a", Handle: "img.2"}}},
+		{name: "upper case", repo: "ci/Img", wantErr: true},
+		{name: "one part", repo: "img", wantErr: true},
+		{name: "four parts", repo: "a/b/c/d", wantErr: true},
+		{name: "dot dot", repo: "ci/..", wantErr: true},
+		{name: "empty part", repo: "ci//img", wantErr: true},
+		{name: "namespace too long", repo: fmt.Sprintf("%064d/img", 0), wantErr: true},
+		{name: "handle starting with a separator", repo: "ci/-img", wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := parseRepository(tt.repo)
+			if tt.wantErr {
+				assert.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, got)
+		})
+	}
+}
+
+// dirVolumes holds one volume, ci/img, in a dir.
+type dirVolumes struct{ dir string }
+
+func (v dirVolumes) Version(ns string, r volume.Ref) (string, error) {
+	if ns != "ci" || r != (volume.Ref{Namespace: "ci", Handle: "img"}) {
+		return "", streamer.ErrNotHeld
+	}
+	return "v1", nil
+}
+
+func (v dirVolumes) OpenVolume(ns string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error) {
+	if _, err := v.Version(ns, r); err != nil {
+		return streamer.Reading{}, err
+	}
+	p := filepath.Join(v.dir, path)
+	st, err := os.Stat(p)
+	if errors.Is(err, os.ErrNotExist) {
+		return streamer.Reading{}, streamer.ErrNoPath
+	}
+	if err != nil {
+		return streamer.Reading{}, err
+	}
+	if format == streamer.FormatTar {
+		return streamer.Reading{Dir: p, Size: -1, Close: func() {}}, nil
+	}
+	if !st.Mode().IsRegular() {
+		return streamer.Reading{}, streamer.ErrWrongKind
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		return streamer.Reading{}, err
+	}
+	return streamer.Reading{File: f, Size: st.Size(), Close: func() { f.Close() }}, nil
+}
+
+// TestABlobThatChangedIsCutShort: a layer made from a tree that is no
+// longer what its digest says must never reach the runtime whole.
+func TestABlobThatChangedIsCutShort(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("one"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{}`), 0o644))
+	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics()))
+	defer srv.Close()
+
+	resp, err := http.Get(srv.URL + "/v2/ci/img/manifests/latest")
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	var m ocispec.Manifest
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&m))
+	resp.Body.Close()
+	require.Len(t, m.Layers, 1)
+	layer := m.Layers[0].Digest.String()
+
+	get := func() ([]byte, error) {
+		resp, err := http.Get(srv.URL + "/v2/ci/img/blobs/" + layer)
+		if err != nil {
+			return nil, err
+		}
+		defer resp.Body.Close()
+		return io.ReadAll(resp.Body)
+	}
+	_, err = get()
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("two"), 0o644))
+	_, err = get()
+	assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
+}
