@@ -211,15 +211,10 @@ func kubeBin(t *testing.T) string {
 	return bin
 }
 
-// startCluster brings the whole node up, cowvol's plugin and controller
-// running as host processes, and registers teardown.
-func startCluster(t *testing.T) *cluster {
-	return startClusterWith(t, testfs.Btrfs)
-}
-
-// startClusterWith brings the whole node up with its state dir on a
-// filesystem of kind (btrfs, with quotas, enforces size limits), the plugin
-// run with extra args.
+// startClusterWith brings the whole node up, cowvol's plugin and
+// controller running as host processes, with the state dir on a
+// filesystem of kind (btrfs, with quotas, enforces size limits) and the
+// plugin run with extra args, and registers teardown.
 func startClusterWith(t *testing.T, kind testfs.Kind, pluginArgs ...string) *cluster {
 	c := startNodeOn(t, false, kind)
 	// The plugin refuses to serve until the CSIDriver object makes the
@@ -421,21 +416,7 @@ func (c *cluster) buildStatic(name, dir string) []byte {
 func (c *cluster) importImages() {
 	dir := filepath.Join(c.work, "images")
 	pauseBin, euidBin := c.buildStatic("pause", dir), c.buildStatic("euid", dir)
-	busybox, err := os.ReadFile("/bin/busybox")
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	applets, err := exec.Command("busybox", "--list").Output()
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	bbFiles := []ociimage.File{{Path: "bin/busybox", Mode: 0o755, Data: busybox}, {Path: "tmp", Dir: true, Mode: 0o1777},
-		{Path: "bin/euid", Mode: 0o755, Data: euidBin}}
-	for _, a := range strings.Fields(string(applets)) {
-		if a != "busybox" {
-			bbFiles = append(bbFiles, ociimage.File{Path: "bin/" + a, Link: "busybox"})
-		}
-	}
+	bbFiles := append(busyboxFiles(c.t), ociimage.File{Path: "bin/euid", Mode: 0o755, Data: euidBin})
 	plugin := os.Getenv("COWVOL_PLUGIN_IMAGE_TAR")
 	if plugin == "" {
 		c.t.Fatal("COWVOL_PLUGIN_IMAGE_TAR is not set: run make e2e (it builds the plugin's image with make image)")
@@ -452,6 +433,26 @@ func (c *cluster) importImages() {
 			c.t.Fatalf("importing %s: %v: %s", archive, err, b)
 		}
 	}
+}
+
+// busyboxFiles are a busybox image's files: the binary, a link for each
+// applet, and /tmp.
+func busyboxFiles(t *testing.T) []ociimage.File {
+	busybox, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	applets, err := exec.Command("busybox", "--list").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := []ociimage.File{{Path: "bin/busybox", Mode: 0o755, Data: busybox}, {Path: "tmp", Dir: true, Mode: 0o1777}}
+	for _, a := range strings.Fields(string(applets)) {
+		if a != "busybox" {
+			files = append(files, ociimage.File{Path: "bin/" + a, Link: "busybox"})
+		}
+	}
+	return files
 }
 
 // startControllers runs the controller manager (Deployments, DaemonSets,

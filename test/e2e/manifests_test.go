@@ -208,6 +208,41 @@ func TestManifests(t *testing.T) {
 		require.Equal(t, base, got)
 	})
 
+	t.Run("the image registry puts the node on the host's network, with a policy on the same port", func(t *testing.T) {
+		dir := t.TempDir()
+		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
+			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + "]\n"
+		})
+		got, err := renderKustomization(t, dir)
+		require.NoError(t, err)
+		spec := got["DaemonSet/cowvol-node"]["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)
+		require.Equal(t, true, spec["hostNetwork"], "the registry must be on the host's loopback")
+		require.Equal(t, "ClusterFirstWithHostNet", spec["dnsPolicy"], "the controller's Service must still resolve")
+		var address string
+		for _, arg := range spec["containers"].([]any)[0].(map[string]any)["args"].([]any) {
+			if a, ok := strings.CutPrefix(arg.(string), "--image-registry-address="); ok {
+				address = a
+			}
+		}
+		require.Equal(t, "127.0.0.1:7444", address)
+		variables := map[string]string{}
+		for _, v := range got["ValidatingAdmissionPolicy/cowvol-images"]["spec"].(map[string]any)["variables"].([]any) {
+			variables[v.(map[string]any)["name"].(string)] = v.(map[string]any)["expression"].(string)
+		}
+		require.Contains(t, variables["own"], "'"+address+"/' + namespaceObject.metadata.name", "the policy admits another address than the registry's")
+		require.Contains(t, variables["foreign"], ":"+strings.Split(address, ":")[1]+"/')", "the policy guards another port than the registry's")
+		for _, kind := range []string{"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} {
+			obj := got[kind+"/cowvol-images"]
+			require.NotNil(t, obj, kind)
+			require.NotContains(t, obj["metadata"], "namespace", "%s is cluster-scoped", kind)
+			delete(got, kind+"/cowvol-images")
+		}
+		delete(got, "DaemonSet/cowvol-node")
+		want := maps.Clone(base)
+		delete(want, "DaemonSet/cowvol-node")
+		require.Equal(t, want, got, "only the node DaemonSet changes")
+	})
+
 	t.Run("the Helm chart with its defaults renders the base", func(t *testing.T) {
 		got := renderChart(t)
 		want := maps.Clone(base)
@@ -219,7 +254,8 @@ func TestManifests(t *testing.T) {
 		got := renderChart(t, "--set", "kubeletDir=/srv/k8s/kubelet", "--set", "stateDir=/mnt/cowvol",
 			"--set", "peerTLSSecret=my-peer-tls", "--set", "controllerTLSSecret=my-controller-tls",
 			"--set", "registrar.enabled=false", "--set", "image.repository=registry.example/cowvol-plugin", "--set", "image.tag=v1",
-			"--set", "controller.replicas=1", "--set", "node.tolerations[0].operator=Exists")
+			"--set", "controller.replicas=1", "--set", "node.tolerations[0].operator=Exists",
+			"--set", "node.hostNetwork=true", "--set", "node.extraArgs={--image-registry-address=127.0.0.1:7444}")
 		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
 		controller, _ := yaml.Marshal(got["Deployment/cowvol-controller"])
 		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-tls", "node-driver-registrar", "cowvol-plugin:latest"} {
@@ -228,6 +264,9 @@ func TestManifests(t *testing.T) {
 		}
 		require.Contains(t, string(node), "--kubelet-registration-socket=/registration/cowvol.concourse-ci.org-reg.sock", "registering itself")
 		require.Contains(t, string(node), "operator: Exists")
+		require.Contains(t, string(node), "hostNetwork: true")
+		require.Contains(t, string(node), "dnsPolicy: ClusterFirstWithHostNet", "on the host's network, the controller's Service must still resolve")
+		require.Contains(t, string(node), "- --image-registry-address=127.0.0.1:7444")
 		require.Contains(t, string(controller), "replicas: 1")
 		require.Contains(t, string(controller), "image: registry.example/cowvol-plugin:v1")
 	})

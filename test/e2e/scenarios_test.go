@@ -19,6 +19,7 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
@@ -39,7 +40,7 @@ func attrs(kv ...string) map[string]string {
 
 // TestE2E brings up one node and plays a CI build's steps on it.
 func TestE2E(t *testing.T) {
-	c := startCluster(t)
+	c := startClusterWith(t, testfs.Btrfs, "--image-registry-address="+imageRegistry)
 
 	// get: a pod writes a repository into a captured output.
 	c.createPod("ci", "get", `set -e; cd /out
@@ -339,6 +340,10 @@ func TestE2E(t *testing.T) {
 			return strings.Contains(nodeEvents(), "CacheRecovered")
 		})
 		report(t, "the Node's events: "+strings.ReplaceAll(strings.TrimSpace(nodeEvents()), "\n", " | ")+"\n")
+	})
+
+	c.scenario("a step runs on an image a step left in a volume, with no registry", func() {
+		c.stepImages()
 	})
 
 	c.scenario("the admission policy refuses what a namespace may not do, naming the rule", func() {
