@@ -1,0 +1,184 @@
+package bench
+
+import (
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+)
+
+// runtimeBin is where make e2e builds containerd, ctr and runc.
+func runtimeBin(b *testing.B) string {
+	dir := os.Getenv("COWVOL_RUNTIME_BIN")
+	if dir == "" {
+		dir, _ = filepath.Abs("../test/e2e/bin/runtime")
+	}
+	for _, bin := range []string{"containerd", "containerd-shim-runc-v2", "ctr", "runc"} {
+		if _, err := os.Stat(filepath.Join(dir, bin)); err != nil {
+			b.Skipf("no %s in %s: make e2e builds containerd and runc there (or set COWVOL_RUNTIME_BIN)", bin, dir)
+		}
+	}
+	return dir
+}
+
+// containerd runs a containerd of its own, its root on a filesystem of
+// its own, and returns a ctr for it.
+func containerd(b *testing.B, bin string) func(args ...string) {
+	dir := b.TempDir()
+	root := testfs.Mount(b, testfs.XFS, 8<<30)
+	// A loop filesystem's first writes also allocate its tmpfs backing
+	// (a first pull onto a fresh one took twice as long): written through
+	// once, so that no path pays for it.
+	if out, err := exec.Command("sh", "-c", "dd if=/dev/zero of="+root+"/warm bs=1M count=7000 status=none && rm "+root+"/warm").CombinedOutput(); err != nil {
+		b.Fatalf("warming %s: %v: %s", root, err, out)
+	}
+	sock := filepath.Join(dir, "containerd.sock")
+	config := filepath.Join(dir, "config.toml")
+	// As the e2e's: restrict_oom_score_adj, since root here lacks
+	// CAP_SYS_RESOURCE.
+	if err := os.WriteFile(config, fmt.Appendf(nil, `version = 3
+root = %q
+state = %q
+[grpc]
+  address = %q
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = true
+`, root, filepath.Join(dir, "state"), sock), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	path := bin + ":" + os.Getenv("PATH")
+	cmd := exec.Command(filepath.Join(bin, "containerd"), "--config", config)
+	cmd.Env = append(os.Environ(), "PATH="+path)
+	log, err := os.Create(filepath.Join(dir, "containerd.log"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		// What its shims and snapshots left mounted under its root.
+		_ = exec.Command("sh", "-c", "grep -o ' "+root+"/[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l").Run()
+	})
+	ctr := func(args ...string) {
+		c := exec.Command(filepath.Join(bin, "ctr"), append([]string{"--address", sock}, args...)...)
+		c.Env = append(os.Environ(), "PATH="+path)
+		if out, err := c.CombinedOutput(); err != nil {
+			raw, _ := os.ReadFile(log.Name())
+			b.Fatalf("ctr %s: %v: %s\ncontainerd's log:\n%s", strings.Join(args, " "), err, out, tail(string(raw), 4000))
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for exec.Command(filepath.Join(bin, "ctr"), "--address", sock, "version").Run() != nil {
+		if time.Now().After(deadline) {
+			raw, _ := os.ReadFile(log.Name())
+			b.Fatalf("containerd did not start:\n%s", tail(string(raw), 4000))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return ctr
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+// BenchmarkStepImage: a step's container from an image a cowvol volume
+// holds (rootfs format: busybox and a tree of files), pulled from the
+// node plugin's loopback registry, unpacked and run (ctr images pull; ctr
+// run), against `ctr images import` of the same image as an archive, and
+// run, in the same run. Finding the image, once per volume, hashes its
+// tree (the layer's digest): measured apart, before the pulls.
+func BenchmarkStepImage(b *testing.B) {
+	testfs.Need(b)
+	ctr := containerd(b, runtimeBin(b))
+	busybox, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		b.Skip("no /bin/busybox to make the image from (apt-get install busybox-static)")
+	}
+	registry := plugintest.FreeAddr(b)
+	n := &node{b: b, p: plugintest.Start(b, plugintest.Config{StateDir: testfs.Mount(b, testfs.XFS, 6<<30), Backend: "overlay",
+		Args: []string{"--image-registry-address=" + registry}})}
+	work := testfs.Mount(b, testfs.XFS, 6<<30)
+	var rows []string
+	for _, size := range []int64{100 << 20, 2 << 30} {
+		handle := fmt.Sprintf("img-%dm", size>>20)
+		n.capture("", handle, func(dir string) {
+			rootfs := filepath.Join(dir, "rootfs")
+			genTree(b, filepath.Join(rootfs, "data"), int(size/(64<<10)), size)
+			for _, f := range []struct{ name, link string }{{"bin/busybox", ""}, {"bin/true", "busybox"}, {"bin/sh", "busybox"}} {
+				p := filepath.Join(rootfs, f.name)
+				if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+					b.Fatal(err)
+				}
+				if f.link != "" {
+					err = os.Symlink(f.link, p)
+				} else {
+					err = os.WriteFile(p, busybox, 0o755)
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+			if err := os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{"env":["PATH=/bin"],"cmd":["/bin/true"]}`), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		})
+		n.settle()
+		ref := registry + "/ci/" + handle + ":latest"
+		run := func(id string) { ctr("run", "--rm", ref, id, "/bin/true") }
+		timed := func(fn func()) time.Duration {
+			start := time.Now()
+			fn()
+			return time.Since(start)
+		}
+		// What the first pull of a rootfs volume costs beyond the others:
+		// finding the image hashes the tree for the layer's digest.
+		find := timed(func() {
+			resp, err := http.Get("http://" + registry + "/v2/ci/" + handle + "/manifests/latest")
+			if err != nil {
+				b.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				b.Fatalf("the image's manifest: %s", resp.Status)
+			}
+		})
+		first := timed(func() { ctr("images", "pull", "--plain-http", ref); run(handle + "-first") })
+		archive := filepath.Join(work, handle+".tar")
+		ctr("images", "export", archive, ref)
+		ctr("images", "rm", "--sync", ref)
+		// The first pull into this containerd's root ran slower however
+		// its filesystem was warmed: both paths go twice, alternating, and
+		// the second of each counts.
+		var imported, again time.Duration
+		for i := range 2 {
+			imported = timed(func() { ctr("images", "import", archive); run(fmt.Sprintf("%s-import-%d", handle, i)) })
+			ctr("images", "rm", "--sync", ref)
+			again = timed(func() { ctr("images", "pull", "--plain-http", ref); run(fmt.Sprintf("%s-pull-%d", handle, i)) })
+			ctr("images", "rm", "--sync", ref)
+		}
+		b.ReportMetric(again.Seconds(), fmt.Sprintf("registry-%dMiB-s", size>>20))
+		b.ReportMetric(imported.Seconds(), fmt.Sprintf("import-%dMiB-s", size>>20))
+		rows = append(rows, fmt.Sprintf("| %d MiB | %.2f s | %.2f s | %.2f s (%s) | %.2f s |", size>>20, find.Seconds(), first.Seconds(),
+			again.Seconds(), ratio(imported, again), imported.Seconds()))
+	}
+	fmt.Println("\n| image volume | finding the image (once per volume) | first pull and run from the loopback registry | pull and run | ctr images import and run |")
+	fmt.Println("|---|---|---|---|---|")
+	for _, r := range rows {
+		fmt.Println(r)
+	}
+}
