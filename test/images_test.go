@@ -251,3 +251,45 @@ func tarFiles(t *testing.T, r io.Reader) map[string]string {
 		}
 	}
 }
+
+// TestImageFromAPeer: a step's image volume held only by another node is
+// pulled from it, whole, when the runtime asks this node's registry for
+// it, as any input is; another namespace's private volume is never pulled.
+func TestImageFromAPeer(t *testing.T) {
+	f := startPeerFleet(t)
+	a := f.node("node-a", testfs.XFS, 1<<30)
+	b := f.node("node-b", testfs.XFS, 1<<30, "--image-registry-address=127.0.0.1:7444", "--pull-mode=auto")
+	a.step("", "img", func(dir string) { writeRootfsImage(t, dir, "from node-a") })
+	a.captureIn("other", "private-img", nil)
+	f.holders("ci", "img", "node-a")
+	f.holders("other", "private-img", "node-a")
+
+	// The runtime on B reaches B's loopback.
+	transport := &http.Transport{DialContext: b.host.DialContext}
+	pullOnB := func(ref string) (v1.Image, error) {
+		r, err := name.ParseReference(ref, name.Insecure)
+		require.NoError(t, err)
+		return remote.Image(r, remote.WithTransport(transport))
+	}
+	var img v1.Image
+	eventually(t, "the image pulled through node-b", func() bool {
+		var err error
+		img, err = pullOnB("127.0.0.1:7444/ci/img:latest")
+		if err != nil {
+			require.NotContains(t, err.Error(), "NAME_UNKNOWN", "node-b did not find the volume on node-a")
+		}
+		return err == nil
+	})
+	files := layerFiles(t, img)
+	assert.Equal(t, "from node-a", files["bin/greet"])
+	f.holders("ci", "img", "node-a", "node-b")
+	layers := metricValue(t, b.env, "cowvol_pulled_layers_total")
+	require.Equal(t, 1.0, layers)
+
+	_, err := pullOnB("127.0.0.1:7444/ci/other/private-img:latest")
+	assert.ErrorContains(t, err, "NAME_UNKNOWN")
+	assert.Equal(t, layers, metricValue(t, b.env, "cowvol_pulled_layers_total"), "another namespace's private volume was pulled")
+	_, err = pullOnB("127.0.0.1:7444/other/private-img:latest")
+	assert.ErrorContains(t, err, "MANIFEST_UNKNOWN", "its own namespace brings it (it holds no image)")
+	f.holders("other", "private-img", "node-a", "node-b")
+}

@@ -8,6 +8,7 @@
 package netlab
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -104,15 +105,31 @@ func (h *Host) Command(name string, args ...string) (string, []string) {
 	return "nsenter", append([]string{"--net=/run/netns/" + h.Netns, "--", name}, args...)
 }
 
-// Listen opens a TCP listener in the host's namespace, from this process:
-// the socket is made on a thread moved into the namespace, and belongs to
-// the namespace from then on, whichever thread uses it.
+// Listen opens a TCP listener in the host's namespace, from this process.
 func (h *Host) Listen(port int) (net.Listener, error) {
-	type result struct {
-		l   net.Listener
-		err error
-	}
-	done := make(chan result, 1)
+	var l net.Listener
+	err := h.inNetns(func() (err error) {
+		l, err = net.Listen("tcp", net.JoinHostPort(h.IP, fmt.Sprint(port)))
+		return err
+	})
+	return l, err
+}
+
+// DialContext connects from the host's namespace, from this process: to
+// reach what a plugin of the host serves on its loopback.
+func (h *Host) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	var c net.Conn
+	err := h.inNetns(func() (err error) {
+		c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+		return err
+	})
+	return c, err
+}
+
+// inNetns runs fn on a thread moved into the host's namespace: a socket
+// it makes belongs to the namespace from then on, whichever thread uses it.
+func (h *Host) inNetns(fn func() error) error {
+	done := make(chan error, 1)
 	go func() {
 		// A goroutine of its own, locked to its thread: if the thread
 		// cannot be moved back, it exits locked and Go ends the thread.
@@ -120,30 +137,29 @@ func (h *Host) Listen(port int) (net.Listener, error) {
 		self, err := os.Open("/proc/thread-self/ns/net")
 		if err != nil {
 			runtime.UnlockOSThread()
-			done <- result{err: err}
+			done <- err
 			return
 		}
 		defer self.Close()
 		target, err := os.Open("/run/netns/" + h.Netns)
 		if err != nil {
 			runtime.UnlockOSThread()
-			done <- result{err: err}
+			done <- err
 			return
 		}
 		defer target.Close()
 		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
 			runtime.UnlockOSThread()
-			done <- result{err: err}
+			done <- err
 			return
 		}
-		l, err := net.Listen("tcp", net.JoinHostPort(h.IP, fmt.Sprint(port)))
+		err = fn()
 		if serr := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); serr == nil {
 			runtime.UnlockOSThread()
 		}
-		done <- result{l, err}
+		done <- err
 	}()
-	r := <-done
-	return r.l, r.err
+	return <-done
 }
 
 // Throttle limits what the switch sends the host to rate (tc's units, such

@@ -530,3 +530,11 @@ type imageVolumes struct {
 func (v imageVolumes) Version(namespace string, r volume.Ref) (string, error) {
 	return v.engine.VolumeVersion(namespace, r)
 }
+
+func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
+	err := v.engine.Fetch(ctx, namespace, r)
+	if errors.Is(err, cache.ErrNotFound) {
+		return fmt.Errorf("%w: %w", streamer.ErrNotHeld, err)
+	}
+	return err
+}

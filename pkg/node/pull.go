@@ -83,6 +83,9 @@ type pull struct {
 	// they named (under pulls.mu).
 	pods     []volume.Pod
 	profiles []string
+	// whole brings every layer whole even where pulls are lazy: for a
+	// reader that needs the volume ready, not a view of it.
+	whole bool
 }
 
 // source says where the pull is coming from.
@@ -130,28 +133,59 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	if _, err := e.store.GetView(r.VolumeID); err == nil {
 		return nil // published already: a repeat needs no source
 	}
-	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source}, r.Pod, r.ReadProfile)
-	wait := time.NewTimer(e.pulls.cfg.Wait)
+	p := e.pulls.join(e, pullKey{namespace: r.Pod.Namespace, ref: r.Source}, r.Pod, r.ReadProfile, false)
+	return e.pulls.wait(context.Background(), p)
+}
+
+// Fetch brings a ready volume namespace may read here, pulled whole from a
+// peer if the node lacks it, for readers that need the volume itself (the
+// image registry) rather than a step's view of it. It returns once the
+// volume is here, or with ErrPulling and the pull's progress after the
+// configured wait or when ctx ends (the pull goes on; asking again joins
+// it). A volume no peer holds for namespace fails wrapping
+// cache.ErrNotFound.
+func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
+	if e.pulls == nil {
+		return cache.NotVisible(r, namespace)
+	}
+	v, err := e.store.Get(r)
+	switch {
+	case err == nil && v.State == volume.StateFilling:
+		return fmt.Errorf("%s is arriving lazily from a peer; retry: %w", r, ErrPulling)
+	case err == nil && !v.BeingPulled():
+		return nil // here, in a state the reader answers for
+	case err != nil && !errors.Is(err, cache.ErrNotFound):
+		return err
+	}
+	return e.pulls.wait(ctx, e.pulls.join(e, pullKey{namespace: namespace, ref: r}, volume.Pod{}, "", true))
+}
+
+// wait waits for a pull to end, at most the configured wait or until ctx
+// ends, and then says how far it got.
+func (ps *pulls) wait(ctx context.Context, p *pull) error {
+	wait := time.NewTimer(ps.cfg.Wait)
 	defer wait.Stop()
 	select {
 	case <-p.done:
 		return p.err
 	case <-wait.C:
-		return p.progress()
+	case <-ctx.Done():
 	}
+	return p.progress()
 }
 
-// join returns the running pull of key, starting one if none is; pod is
-// told how it ends, and a lazy pull fetches first what the read profile
-// (if any) says steps read first.
-func (ps *pulls) join(e *Engine, key pullKey, pod volume.Pod, profile string) *pull {
+// join returns the running pull of key, starting one if none is (whole:
+// every layer whole, even where pulls are lazy); pod, if any, is told how
+// it ends, and a lazy pull fetches first what the read profile (if any)
+// says steps read first.
+func (ps *pulls) join(e *Engine, key pullKey, pod volume.Pod, profile string, whole bool) *pull {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	p, ok := ps.running[key]
 	if !ok {
-		p = &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{})}
+		p = &pull{id: newLeaseID(), key: key, started: time.Now(), done: make(chan struct{}), whole: whole}
 	}
-	if !slices.Contains(p.pods, pod) {
+	if pod != (volume.Pod{}) && !slices.Contains(p.pods, pod) {
 		p.pods = append(p.pods, pod)
 	}
 	if profile != "" && !slices.Contains(p.profiles, profile) {
@@ -339,7 +373,7 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 	progress := func(n int64) { p.received.Add(n) }
 	var vol cache.Volume
 	var err error
-	if e.lazy != nil {
+	if e.lazy != nil && !p.whole {
 		vol, err = e.pullStubs(p, client, l, progress)
 	} else {
 		vol, err = e.receiveLayer(l, p.id, func(tree, _ string) (streamer.Summary, error) {

@@ -47,6 +47,10 @@ type Volumes interface {
 	Version(namespace string, r volume.Ref) (string, error)
 	// OpenVolume opens a path inside such a volume.
 	OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error)
+	// Fetch brings such a volume here from the node's peers if it lacks
+	// it, until ctx ends; one no node holds for namespace fails as not
+	// held, and one on its way with what the pull has done so far.
+	Fetch(ctx context.Context, namespace string, r volume.Ref) error
 }
 
 // Server is the registry's HTTP handler.
@@ -226,6 +230,15 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 // volume's version.
 func (s *Server) image(ctx context.Context, repo repository, name string) (*image.Image, image.Files, error) {
 	version, err := s.vols.Version(repo.reader, repo.ref)
+	if errors.Is(err, streamer.ErrNotHeld) {
+		// Held elsewhere, perhaps: a step's image is an input like any
+		// other, brought from a peer before the container starts. The
+		// runtime retries a pull that is still on its way.
+		if err := s.vols.Fetch(ctx, repo.reader, repo.ref); err != nil && !errors.Is(err, streamer.ErrNotHeld) {
+			return nil, nil, apiError{http.StatusServiceUnavailable, "UNAVAILABLE", fmt.Sprintf("%s: %v", name, err)}
+		}
+		version, err = s.vols.Version(repo.reader, repo.ref)
+	}
 	if errors.Is(err, streamer.ErrNotHeld) {
 		return nil, nil, nameUnknown(name)
 	}

@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -57,6 +58,8 @@ func (v dirVolumes) Version(ns string, r volume.Ref) (string, error) {
 	}
 	return "v1", nil
 }
+
+func (v dirVolumes) Fetch(context.Context, string, volume.Ref) error { return streamer.ErrNotHeld }
 
 func (v dirVolumes) OpenVolume(ns string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error) {
 	if _, err := v.Version(ns, r); err != nil {
