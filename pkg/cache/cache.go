@@ -203,13 +203,16 @@ var (
 	pinsBucket     = []byte("pins")
 	// failuresBucket counts a handle's failed volumes, for backoff.
 	failuresBucket = []byte("failures")
-	bootKey        = []byte("boot")
-	schemaKey      = []byte("schema")
-	storeIDKey     = []byte("storeID")
-	revisionKey    = []byte("revision")
+	// imagesBucket indexes held volume → the container runtime's snapshot
+	// that runs on it ("volume\x00snapshot"), as pinsBucket does views.
+	imagesBucket = []byte("images")
+	bootKey      = []byte("boot")
+	schemaKey    = []byte("schema")
+	storeIDKey   = []byte("storeID")
+	revisionKey  = []byte("revision")
 )
 
-var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket}
+var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket, imagesBucket}
 
 // schemaVersion is the metadata layout this code writes: 1 keys volumes by
 // namespace/handle, keeps their data under volumes/<namespace>/<handle>,

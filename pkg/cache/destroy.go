@@ -44,7 +44,7 @@ func (s *Store) destroy(r volume.Ref) error {
 
 // holdersOf says what holds r's data, recorded and live.
 func (s *Store) holdersOf(tx *bolt.Tx, r volume.Ref) Holders {
-	h := Holders{Views: indexed(tx.Bucket(pinsBucket), r.String())}
+	h := Holders{Views: indexed(tx.Bucket(pinsBucket), r.String()), Images: indexed(tx.Bucket(imagesBucket), r.String())}
 	s.live.add(r, &h)
 	for _, c := range indexed(tx.Bucket(childrenBucket), r.String()) {
 		if ref, err := volume.ParseRef(c); err == nil {
@@ -95,8 +95,8 @@ func (s *Store) Reap(r volume.Ref, remove Remover) error {
 			return fmt.Errorf("volume %s is %s, not destroyed: %w", r, v.State, ErrUnusable)
 		}
 		if h := s.holdersOf(tx, r); !v.reapable(h) {
-			return fmt.Errorf("volume %s is held by %d step volumes, %d children, %d streams and %d fillers: %w",
-				r, len(h.Views), len(h.Children), h.Streams, h.Fillers, ErrInUse)
+			return fmt.Errorf("volume %s is held by %d step volumes, %d images, %d children, %d streams and %d fillers: %w",
+				r, len(h.Views), len(h.Images), len(h.Children), h.Streams, h.Fillers, ErrInUse)
 		}
 		return nil
 	})

@@ -208,11 +208,13 @@ const (
 	HoldFill HoldKind = "fill"
 )
 
-// Holders are what keep a volume's data: step volumes whose chain it is in
-// and volumes whose layer is a diff over it (recorded), and the running
+// Holders are what keep a volume's data: step volumes whose chain it is in,
+// the container runtime's snapshots that run a step image on it, and
+// volumes whose layer is a diff over it (recorded), and the running
 // plugin's streams and fillers (live).
 type Holders struct {
 	Views    []string     `json:"views,omitempty"`
+	Images   []string     `json:"images,omitempty"`
 	Children []volume.Ref `json:"children,omitempty"`
 	Streams  int          `json:"streams,omitempty"`
 	Fillers  int          `json:"fillers,omitempty"`
@@ -220,7 +222,7 @@ type Holders struct {
 
 // Empty says nothing holds the data.
 func (h Holders) Empty() bool {
-	return len(h.Views) == 0 && len(h.Children) == 0 && h.Streams == 0 && h.Fillers == 0
+	return len(h.Views) == 0 && len(h.Images) == 0 && len(h.Children) == 0 && h.Streams == 0 && h.Fillers == 0
 }
 
 // liveHolds counts the live holds by volume and kind.

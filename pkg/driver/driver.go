@@ -9,10 +9,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
+	"github.com/containerd/containerd/v2/contrib/snapshotservice"
 	"net"
 	"net/http"
 	"net/http/pprof"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -28,9 +31,11 @@ import (
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/snapshotter"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -371,10 +376,11 @@ func (d *Driver) runners() ([]runner, error) {
 			"mutualTLS", d.opts.Peers.CertFile != ""))
 	}
 	if d.engine != nil && d.opts.ImageRegistryAddress != "" {
-		srv := &http.Server{Handler: registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics),
-			ReadHeaderTimeout: 10 * time.Second}
-		runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
-			func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
+		images, err := d.imageRunners()
+		if err != nil {
+			return nil, err
+		}
+		runners = append(runners, images...)
 	}
 	if d.engine != nil && d.ctlConn != nil {
 		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
@@ -537,4 +543,35 @@ func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref)
 		return fmt.Errorf("%w: %w", streamer.ErrNotHeld, err)
 	}
 	return err
+}
+
+// imageRunners serve the images cached volumes hold to the node's runtime:
+// the registry, and the snapshotter that runs them on the volumes' layers.
+func (d *Driver) imageRunners() ([]runner, error) {
+	var runners []runner
+	var key *image.LayerKey
+	if d.opts.ImageSnapshotterEndpoint != "" {
+		k, err := image.LoadLayerKey(filepath.Join(d.opts.StateDir, "image-layer.key"))
+		if err != nil {
+			return nil, fmt.Errorf("the image snapshotter's key: %w", err)
+		}
+		key = &k
+		root := filepath.Join(d.opts.StateDir, "snapshotter")
+		sn, err := snapshotter.New(context.Background(), root, k, d.engine)
+		if err != nil {
+			return nil, fmt.Errorf("the image snapshotter at %s: %w", root, err)
+		}
+		srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+		snapshotsapi.RegisterSnapshotsServer(srv, snapshotservice.FromSnapshotter(sn))
+		// containerd's alone: it hands out the node's volumes as root
+		// filesystems.
+		runners = append(runners, logged(grpcRunner("serving the image snapshotter", srv,
+			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), stopHard),
+			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.ImageSnapshotterEndpoint, "root", root))
+	}
+	srv := &http.Server{Handler: registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, key),
+		ReadHeaderTimeout: 10 * time.Second}
+	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
+		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
+	return runners, nil
 }

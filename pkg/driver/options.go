@@ -15,6 +15,7 @@ import (
 
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/registry"
 	"github.com/concourse/cowvol/pkg/streamer"
 )
 
@@ -60,6 +61,11 @@ type Options struct {
 	// node serves the images its cached volumes hold to its container
 	// runtime (package registry); empty serves none.
 	ImageRegistryAddress string
+	// ImageSnapshotterEndpoint (node mode) is the unix socket where the
+	// node serves containerd its cowvol snapshotter (package
+	// snapshotter), which runs step images on cached volumes' layers;
+	// empty serves none. Its root is snapshotter/ in the state dir.
+	ImageSnapshotterEndpoint string
 	// ControllerAddress (node mode) is the controller's host:port that the
 	// node reports its cache to; empty reports to none.
 	ControllerAddress string
@@ -157,6 +163,9 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
 	fs.StringVar(&o.ImageRegistryAddress, "image-registry-address", o.ImageRegistryAddress,
 		"loopback host:port to serve the images cached volumes hold on, for the kubelet to pull as <host:port>/<namespace>/<handle> (empty: none)")
+	fs.StringVar(&o.ImageSnapshotterEndpoint, "image-snapshotter-endpoint", o.ImageSnapshotterEndpoint,
+		"unix:///path to serve containerd the cowvol snapshotter on (proxy_plugins), which runs images named <registry>/<namespace>/<handle>:"+registry.RemoteTag+
+			" on the volume's own layers; needs --image-registry-address (empty: none)")
 	fs.StringVar(&o.ControllerAddress, "controller-address", o.ControllerAddress,
 		"node mode: the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&o.APIAddress, "api-address", o.APIAddress,
@@ -293,6 +302,15 @@ func (o *Options) Validate() error {
 	}
 	if o.ImageRegistryAddress != "" && o.Mode == ModeController {
 		errs = append(errs, errors.New("--image-registry-address is for node plugins: use --mode=node or all"))
+	}
+	if o.ImageSnapshotterEndpoint != "" {
+		// The runtime pulls what the snapshotter runs from the registry.
+		if o.ImageRegistryAddress == "" {
+			errs = append(errs, errors.New("--image-snapshotter-endpoint needs --image-registry-address"))
+		}
+		if network, _, err := parseEndpoint(o.ImageSnapshotterEndpoint); err != nil || network != "unix" {
+			errs = append(errs, fmt.Errorf("--image-snapshotter-endpoint %q: want unix:///path", o.ImageSnapshotterEndpoint))
+		}
 	}
 	if o.APIAddress != "" && o.Mode == ModeNode {
 		errs = append(errs, errors.New("--api-address is the controller's: use --mode=controller or all"))

@@ -24,6 +24,8 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -32,6 +34,7 @@ import (
 	"hash"
 	"io"
 	"io/fs"
+	"os"
 	"path"
 	"runtime"
 	"strings"
@@ -91,8 +94,11 @@ var ErrNoImage = errors.New("the volume holds no image: want rootfs/ and metadat
 type Image struct {
 	Format string
 	// Root is what any tag of the image names: a manifest or an index.
-	Root  ocispec.Descriptor
-	blobs map[digest.Digest]blob
+	Root ocispec.Descriptor
+	// Remote is the digest of the layer only the snapshotter provides
+	// (LoadRemote), if any.
+	Remote digest.Digest
+	blobs  map[digest.Digest]blob
 }
 
 // blob is where a blob's bytes are: in memory, in a section of a file of
@@ -229,19 +235,32 @@ type metadata struct {
 }
 
 func loadRootfs(ctx context.Context, files Files) (*Image, error) {
-	raw, err := readDocument(files, "metadata.json", 0, -1)
+	meta, err := readMetadata(files)
 	if err != nil {
 		return nil, err
-	}
-	var meta metadata
-	if err := json.Unmarshal(raw, &meta); err != nil {
-		return nil, fmt.Errorf("metadata.json: %w", err)
 	}
 	v := newVerifier(io.Discard)
 	if err := files.Tree(ctx, "rootfs", v); err != nil {
 		return nil, fmt.Errorf("rootfs: %w", err)
 	}
-	layer := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: v.digest(), Size: v.n}
+	return rootfsImage(meta, ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: v.digest(), Size: v.n}, "rootfs")
+}
+
+func readMetadata(files Files) (metadata, error) {
+	var meta metadata
+	raw, err := readDocument(files, "metadata.json", 0, -1)
+	if err != nil {
+		return meta, err
+	}
+	if err := json.Unmarshal(raw, &meta); err != nil {
+		return meta, fmt.Errorf("metadata.json: %w", err)
+	}
+	return meta, nil
+}
+
+// rootfsImage describes a rootfs-format image whose one layer is layer,
+// served as the tar of the dir tree ("": a layer never served).
+func rootfsImage(meta metadata, layer ocispec.Descriptor, tree string) (*Image, error) {
 	config, err := json.Marshal(ocispec.Image{
 		Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
 		Config: ocispec.ImageConfig{Env: meta.Env, User: meta.User, Entrypoint: meta.Entrypoint, Cmd: meta.Cmd,
@@ -253,7 +272,9 @@ func loadRootfs(ctx context.Context, files Files) (*Image, error) {
 	}
 	img := &Image{Format: FormatRootfs, blobs: map[digest.Digest]blob{}}
 	cfg := img.addData(ocispec.MediaTypeImageConfig, config)
-	img.blobs[layer.Digest] = blob{desc: layer, tree: "rootfs"}
+	if tree != "" {
+		img.blobs[layer.Digest] = blob{desc: layer, tree: tree}
+	}
 	manifest, err := json.Marshal(ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2},
 		MediaType: ocispec.MediaTypeImageManifest, Config: cfg, Layers: []ocispec.Descriptor{layer}})
 	if err != nil {
@@ -600,4 +621,105 @@ func (v *verifier) check(d ocispec.Descriptor) error {
 		return fmt.Errorf("blob %s changed: %d bytes of %s read", d.Digest, v.n, v.digest())
 	}
 	return nil
+}
+
+// RemoteLayerAnnotation marks, in a manifest the node's registry serves, a
+// layer that the runtime never fetches: containerd passes annotations
+// under containerd.io/snapshot/ to its snapshotter as labels, and cowvol's
+// snapshotter (package snapshotter) mounts the volume's rootfs/ in the
+// layer's place. Its value is a RemoteLayer.
+const RemoteLayerAnnotation = "containerd.io/snapshot/cowvol.concourse-ci.org/layer"
+
+// RemoteLayer names the root filesystem of a rootfs-format image volume,
+// as the namespace Reader reads it: Version is the engine's name for the
+// volume's content (<namespace>/<handle>@<when it was made>).
+type RemoteLayer struct {
+	Reader  string
+	Version string
+}
+
+func (l RemoteLayer) String() string { return l.Reader + " " + l.Version }
+
+// ParseRemoteLayer reads a RemoteLayer annotation.
+func ParseRemoteLayer(s string) (RemoteLayer, volume.Ref, error) {
+	reader, version, ok := strings.Cut(s, " ")
+	i := strings.LastIndexByte(version, '@')
+	if !ok || i < 0 {
+		return RemoteLayer{}, volume.Ref{}, fmt.Errorf("remote layer %s: want <namespace> <volume>@<version>", volume.Quote(s))
+	}
+	ref, err := volume.ParseRef(version[:i])
+	if err == nil {
+		err = volume.ValidateNamespace(reader)
+	}
+	if err != nil {
+		return RemoteLayer{}, volume.Ref{}, fmt.Errorf("remote layer %s: %w", volume.Quote(s), err)
+	}
+	return RemoteLayer{Reader: reader, Version: version}, ref, nil
+}
+
+// LayerKey makes and checks remote layers' digests. A remote layer's
+// digest is a MAC of the layer under the node's key, not a hash of its
+// bytes (which would cost a pass over the image): anyone may put the
+// annotation in a manifest, but only the node's registry can give it the
+// digest the snapshotter accepts, so no image from elsewhere can name a
+// volume.
+type LayerKey [32]byte
+
+// LoadLayerKey reads the node's key from path, making it the first time.
+func LoadLayerKey(path string) (LayerKey, error) {
+	var k LayerKey
+	raw, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		if _, err := rand.Read(k[:]); err != nil {
+			return k, err
+		}
+		tmp := path + ".new"
+		if err := os.WriteFile(tmp, k[:], 0o600); err != nil {
+			return k, err
+		}
+		return k, os.Rename(tmp, path)
+	}
+	if err != nil {
+		return k, err
+	}
+	if len(raw) != len(k) {
+		return k, fmt.Errorf("%s: %d bytes, want %d", path, len(raw), len(k))
+	}
+	copy(k[:], raw)
+	return k, nil
+}
+
+// Digest is the layer's digest under the key.
+func (k LayerKey) Digest(l RemoteLayer) digest.Digest {
+	m := hmac.New(sha256.New, k[:])
+	m.Write([]byte("cowvol remote layer\x00" + l.Reader + "\x00" + l.Version))
+	return digest.NewDigestFromEncoded(digest.SHA256, hex.EncodeToString(m.Sum(nil)))
+}
+
+// Valid says whether d is the layer's digest under the key.
+func (k LayerKey) Valid(l RemoteLayer, d digest.Digest) bool {
+	want := k.Digest(l)
+	return hmac.Equal([]byte(want), []byte(d))
+}
+
+// LoadRemote finds the image in a volume as the snapshotter runs it:
+// a rootfs-format image is served with one remote layer (no pass over its
+// bytes: its digest is key's MAC of layer), which only the snapshotter can
+// provide; any other format as Load finds it.
+func LoadRemote(ctx context.Context, files Files, key LayerKey, layer RemoteLayer) (*Image, error) {
+	meta, err := readMetadata(files)
+	if errors.Is(err, fs.ErrNotExist) {
+		return Load(ctx, files)
+	}
+	if err != nil {
+		return nil, err
+	}
+	d := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: key.Digest(layer), Size: 0,
+		Annotations: map[string]string{RemoteLayerAnnotation: layer.String()}}
+	img, err := rootfsImage(meta, d, "")
+	if err != nil {
+		return nil, err
+	}
+	img.Remote = d.Digest
+	return img, nil
 }

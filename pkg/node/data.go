@@ -108,7 +108,11 @@ func (e *Engine) VolumeVersion(namespace string, r volume.Ref) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return r.String() + "@" + strconv.FormatInt(v.CreatedAt.UnixNano(), 10), nil
+	return versionOf(r, v), nil
+}
+
+func versionOf(r volume.Ref, v cache.Volume) string {
+	return r.String() + "@" + strconv.FormatInt(v.CreatedAt.UnixNano(), 10)
 }
 
 // chainSize is what a volume's chain holds on disk, as measured (-1 if a

@@ -53,9 +53,16 @@ type Volumes interface {
 	Fetch(ctx context.Context, namespace string, r volume.Ref) error
 }
 
+// RemoteTag names, in a repository of a rootfs-format image, the image
+// as the node's cowvol snapshotter runs it: its layer is the volume's
+// rootfs/ itself, never sent (package image's LoadRemote). Every other tag
+// names the image as any runtime pulls it.
+const RemoteTag = "cowvol"
+
 // Server is the registry's HTTP handler.
 type Server struct {
 	vols    Volumes
+	key     *image.LayerKey // nil: no snapshotter, RemoteTag is a tag like any other
 	metrics *Metrics
 	loads   singleflight.Group
 	mu      sync.Mutex
@@ -66,9 +73,10 @@ type Server struct {
 // remembered is how many images the server keeps found.
 const remembered = 64
 
-// New serves the images of vols.
-func New(vols Volumes, m *Metrics) *Server {
-	return &Server{vols: vols, metrics: m, images: map[string]*image.Image{}}
+// New serves the images of vols; with key, also as RemoteTag for the
+// node's snapshotter.
+func New(vols Volumes, m *Metrics, key *image.LayerKey) *Server {
+	return &Server{vols: vols, key: key, metrics: m, images: map[string]*image.Image{}}
 }
 
 // Metrics count the registry's answers.
@@ -184,13 +192,14 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 	if err != nil {
 		return kind, apiError{http.StatusNotFound, "NAME_INVALID", err.Error()}
 	}
-	img, files, err := s.image(r.Context(), repo, name)
-	if err != nil {
-		return kind, err
-	}
 	var desc ocispec.Descriptor
+	var img *image.Image
+	var files image.Files
 	switch {
 	case kind == "manifest" && tagRE.MatchString(ref):
+		if img, files, err = s.image(r.Context(), repo, name, ref == RemoteTag); err != nil {
+			return kind, err
+		}
 		desc = img.Root
 	default:
 		d, err := digest.Parse(ref)
@@ -198,7 +207,25 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 			return kind, apiError{http.StatusBadRequest, "DIGEST_INVALID", fmt.Sprintf("%s is neither a tag nor a digest", volume.Quote(ref))}
 		}
 		var found bool
-		if desc, found = img.Blob(d); !found || (kind == "manifest" && !image.IsManifest(desc.MediaType)) {
+		// The snapshotter's manifest and config first: finding them
+		// costs no pass over the image, and they are all it asks for.
+		if s.key != nil {
+			if img, files, err = s.image(r.Context(), repo, name, true); err != nil {
+				return kind, err
+			}
+			desc, found = img.Blob(d)
+			if img.Remote == d {
+				return kind, apiError{http.StatusNotFound, "BLOB_UNKNOWN", fmt.Sprintf("%s: layer %s is the volume's rootfs/ itself, "+
+					"which only the node's cowvol snapshotter mounts: run the pod with the cowvol runtime class, or name any tag but %q", name, d, RemoteTag)}
+			}
+		}
+		if !found {
+			if img, files, err = s.image(r.Context(), repo, name, false); err != nil {
+				return kind, err
+			}
+			desc, found = img.Blob(d)
+		}
+		if !found || (kind == "manifest" && !image.IsManifest(desc.MediaType)) {
 			if kind == "manifest" {
 				return kind, apiError{http.StatusNotFound, "MANIFEST_UNKNOWN", fmt.Sprintf("%s has no manifest %s", name, d)}
 			}
@@ -226,9 +253,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 	return kind, nil
 }
 
-// image finds the image of a repository's volume, remembered by the
-// volume's version.
-func (s *Server) image(ctx context.Context, repo repository, name string) (*image.Image, image.Files, error) {
+// image finds the image of a repository's volume (as the snapshotter runs
+// it, if remote and the node has one), remembered by the volume's version.
+func (s *Server) image(ctx context.Context, repo repository, name string, remote bool) (*image.Image, image.Files, error) {
+	remote = remote && s.key != nil
 	version, err := s.vols.Version(repo.reader, repo.ref)
 	if errors.Is(err, streamer.ErrNotHeld) {
 		// Held elsewhere, perhaps: a step's image is an input like any
@@ -246,20 +274,33 @@ func (s *Server) image(ctx context.Context, repo repository, name string) (*imag
 		return nil, nil, err
 	}
 	files := volumeFiles{vols: s.vols, repo: repo}
+	// As the snapshotter runs it, the same volume is another image for
+	// each reader (its remote layer names who reads).
+	found := version
+	if remote {
+		found = repo.reader + " " + version + " " + RemoteTag
+	}
 	s.mu.Lock()
-	img, ok := s.images[version]
+	img, ok := s.images[found]
 	s.mu.Unlock()
 	if ok {
 		return img, files, nil
 	}
-	v, err, _ := s.loads.Do(version, func() (any, error) {
+	v, err, _ := s.loads.Do(found, func() (any, error) {
 		// Found once for every pull that asks meanwhile, on behalf of
 		// none of them: a pull that gives up must not fail the others.
-		img, err := image.Load(context.WithoutCancel(ctx), files)
+		load := image.Load
+		if remote {
+			layer := image.RemoteLayer{Reader: repo.reader, Version: version}
+			load = func(ctx context.Context, files image.Files) (*image.Image, error) {
+				return image.LoadRemote(ctx, files, *s.key, layer)
+			}
+		}
+		img, err := load(context.WithoutCancel(ctx), files)
 		if err != nil {
 			return nil, err
 		}
-		s.remember(version, img)
+		s.remember(found, img)
 		klog.InfoS("Found an image in a volume", "volume", repo.ref, "format", img.Format, "root", img.Root.Digest)
 		return img, nil
 	})

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -93,7 +94,7 @@ func TestABlobThatChangedIsCutShort(t *testing.T) {
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("one"), 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{}`), 0o644))
-	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics()))
+	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), nil))
 	defer srv.Close()
 
 	resp, err := http.Get(srv.URL + "/v2/ci/img/manifests/latest")
@@ -118,4 +119,66 @@ func TestABlobThatChangedIsCutShort(t *testing.T) {
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("two"), 0o644))
 	_, err = get()
 	assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
+}
+
+// TestRemoteTag: with a snapshotter, the tag cowvol names the image with a
+// remote layer (no pass over the rootfs: its digest is the node key's MAC,
+// which no other reader, version or key gives), whose blob is refused
+// saying why; every other tag names the image any runtime pulls.
+func TestRemoteTag(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("one"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{"env":["A=1"]}`), 0o644))
+	key, err := image.LoadLayerKey(filepath.Join(t.TempDir(), "key"))
+	require.NoError(t, err)
+	manifest := func(srv *httptest.Server, tag string) ocispec.Manifest {
+		resp, err := http.Get(srv.URL + "/v2/ci/img/manifests/" + tag)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		var m ocispec.Manifest
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&m))
+		require.Len(t, m.Layers, 1)
+		return m
+	}
+	blob := func(srv *httptest.Server, d string) (int, string) {
+		resp, err := http.Get(srv.URL + "/v2/ci/img/blobs/" + d)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+
+	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), &key))
+	defer srv.Close()
+	remote := manifest(srv, RemoteTag)
+	layer := image.RemoteLayer{Reader: "ci", Version: "v1"}
+	assert.Equal(t, key.Digest(layer), remote.Layers[0].Digest)
+	assert.Equal(t, layer.String(), remote.Layers[0].Annotations[image.RemoteLayerAnnotation])
+	assert.False(t, key.Valid(image.RemoteLayer{Reader: "other", Version: "v1"}, remote.Layers[0].Digest))
+	assert.False(t, key.Valid(image.RemoteLayer{Reader: "ci", Version: "v2"}, remote.Layers[0].Digest))
+	other, err := image.LoadLayerKey(filepath.Join(t.TempDir(), "key"))
+	require.NoError(t, err)
+	assert.False(t, other.Valid(layer, remote.Layers[0].Digest))
+	code, body := blob(srv, remote.Layers[0].Digest.String())
+	assert.Equal(t, http.StatusNotFound, code)
+	assert.Contains(t, body, "only the node's cowvol snapshotter mounts")
+	code, body = blob(srv, remote.Config.Digest.String())
+	require.Equal(t, http.StatusOK, code)
+	var cfg ocispec.Image
+	require.NoError(t, json.Unmarshal([]byte(body), &cfg))
+	assert.Equal(t, []string{"A=1"}, cfg.Config.Env)
+	assert.Equal(t, remote.Layers[0].Digest, cfg.RootFS.DiffIDs[0])
+
+	plain := manifest(srv, "latest")
+	assert.NotEqual(t, remote.Layers[0].Digest, plain.Layers[0].Digest)
+	assert.Empty(t, plain.Layers[0].Annotations)
+	code, _ = blob(srv, plain.Layers[0].Digest.String())
+	assert.Equal(t, http.StatusOK, code)
+
+	// No snapshotter: cowvol is a tag like any other.
+	noKey := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), nil))
+	defer noKey.Close()
+	assert.Equal(t, plain.Layers[0].Digest, manifest(noKey, RemoteTag).Layers[0].Digest)
 }

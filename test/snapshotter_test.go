@@ -1,0 +1,179 @@
+package test
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"os"
+	"path/filepath"
+	"testing"
+
+	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/core/snapshots/proxy"
+	"github.com/containerd/errdefs"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/image"
+)
+
+// remoteManifest is the manifest of an image as the snapshotter runs it.
+func remoteManifest(t *testing.T, addr, repo string) ocispec.Manifest {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/v2/" + repo + "/manifests/cowvol")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	var m ocispec.Manifest
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&m))
+	require.Len(t, m.Layers, 1)
+	return m
+}
+
+// unpackRemote prepares a layer as containerd's unpacker does: labelled
+// with what the manifest annotates and with the chain ID it wants.
+func unpackRemote(ctx context.Context, sn snapshots.Snapshotter, key string, layer ocispec.Descriptor) error {
+	labels := snapshots.FilterInheritedLabels(layer.Annotations)
+	if labels == nil {
+		labels = map[string]string{}
+	}
+	labels[snapshots.LabelSnapshotRef] = layer.Digest.String()
+	_, err := sn.Prepare(ctx, key, "", snapshots.WithLabels(labels))
+	return err
+}
+
+// committedAs finds the committed snapshot of a chain ID, as containerd's
+// metadata finds a remote snapshotter's.
+func committedAs(t *testing.T, ctx context.Context, sn snapshots.Snapshotter, chainID string) string {
+	t.Helper()
+	var names []string
+	require.NoError(t, sn.Walk(ctx, func(_ context.Context, i snapshots.Info) error {
+		if i.Kind == snapshots.KindCommitted && i.Labels[snapshots.LabelSnapshotRef] == chainID {
+			names = append(names, i.Name)
+		}
+		return nil
+	}, `labels."`+snapshots.LabelSnapshotRef+`"==`+chainID))
+	require.Len(t, names, 1)
+	return names[0]
+}
+
+// TestImageSnapshotter drives the plugin's containerd snapshotter over its
+// socket as containerd does: a rootfs-format image volume (a chain of two
+// captures) is never fetched, a container runs on the volume's own layers,
+// the volume is held while a snapshot runs on it (through a destroy and a
+// SIGKILL), and no image from elsewhere can name a volume.
+func TestImageSnapshotter(t *testing.T) {
+	testfs.Need(t)
+	addr := plugintest.FreeAddr(t)
+	sock := filepath.Join(t.TempDir(), "sn.sock")
+	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{
+		"--image-registry-address=" + addr, "--image-snapshotter-endpoint=unix://" + sock}})
+	e.step("", "img", func(dir string) { writeRootfsImage(t, dir, "hello") })
+	e.step("img", "img2", func(dir string) {
+		write(t, dir, "rootfs/bin/greet", "bonjour")
+		require.NoError(t, os.Remove(filepath.Join(dir, "rootfs/etc/passwd")))
+	})
+	e.captureIn("ci", "bystander", nil)
+
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	sn := proxy.NewSnapshotter(snapshotsapi.NewSnapshotsClient(conn), "cowvol")
+	ctx := context.Background()
+
+	m := remoteManifest(t, addr, "ci/img2")
+	layer := m.Layers[0]
+	chainID := layer.Digest.String()
+	err = unpackRemote(ctx, sn, "extract-1 "+chainID, layer)
+	require.True(t, errdefs.IsAlreadyExists(err), "a remote layer exists at once: %v", err)
+	remote := committedAs(t, ctx, sn, chainID)
+	// Again, as a second pull would: the same snapshot.
+	require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-2 "+chainID, layer)))
+	assert.Equal(t, remote, committedAs(t, ctx, sn, chainID))
+	_, err = sn.Stat(ctx, "extract-1 "+chainID)
+	assert.True(t, errdefs.IsNotFound(err), "the extraction snapshot is gone: %v", err)
+
+	// A container on it: the volume's layers, merged, under its own
+	// upper dir.
+	mounts, err := sn.Prepare(ctx, "container-1", remote)
+	require.NoError(t, err)
+	root := t.TempDir()
+	require.NoError(t, mount.All(mounts, root))
+	t.Cleanup(func() { _ = mount.UnmountAll(root, 0) })
+	assert.Equal(t, "bonjour", readFile(t, root, "bin/greet"))
+	absent(t, root, "etc/passwd")
+	write(t, root, "bin/greet", "changed by the container")
+	e.read("img2", func(dir string) { assert.Equal(t, "bonjour", readFile(t, dir, "rootfs/bin/greet")) })
+
+	dataDir := filepath.Join(e.p.StateDir, "volumes", "ci", "img2")
+	destroy := func(handles ...string) {
+		var refs []*nodev1.VolumeRef
+		for _, h := range handles {
+			refs = append(refs, vref("ci", h))
+		}
+		_, err := e.p.NodeAPI.DestroyVolumes(ctx, &nodev1.DestroyVolumesRequest{Refs: refs})
+		require.NoError(t, err)
+	}
+	t.Run("a volume a container runs on is held", func(t *testing.T) {
+		destroy("img2", "bystander")
+		// The reaper freed what nothing holds, and not the image.
+		eventually(t, "the bystander freed", func() bool {
+			_, err := os.Stat(filepath.Join(e.p.StateDir, "volumes", "ci", "bystander"))
+			return os.IsNotExist(err)
+		})
+		assert.DirExists(t, dataDir)
+		assert.Equal(t, "changed by the container", readFile(t, root, "bin/greet"))
+		// Destroyed: no new image names it.
+		_, err := http.Get("http://" + addr + "/v2/ci/img2/manifests/cowvol")
+		require.NoError(t, err)
+		err = unpackRemote(ctx, sn, "extract-3 "+chainID, layer)
+		assert.False(t, errdefs.IsAlreadyExists(err), "a destroyed volume is no remote layer: %v", err)
+	})
+	t.Run("holds outlive the plugin", func(t *testing.T) {
+		e.p.Kill()
+		e.p.Restart()
+		got, err := sn.Mounts(ctx, "container-1")
+		require.NoError(t, err)
+		assert.Equal(t, mounts, got)
+		assert.DirExists(t, dataDir)
+	})
+	t.Run("removing the container frees the volume", func(t *testing.T) {
+		require.NoError(t, mount.UnmountAll(root, 0))
+		require.NoError(t, sn.Remove(ctx, "container-1"))
+		eventually(t, "the destroyed image volume freed", func() bool {
+			_, err := os.Stat(dataDir)
+			return os.IsNotExist(err)
+		})
+	})
+	t.Run("no image from elsewhere names a volume", func(t *testing.T) {
+		m := remoteManifest(t, addr, "ci/img")
+		good := m.Layers[0]
+		l, _, err := image.ParseRemoteLayer(good.Annotations[image.RemoteLayerAnnotation])
+		require.NoError(t, err)
+		e.captureIn("other", "private", nil)
+		for _, tt := range []struct {
+			name  string
+			layer image.RemoteLayer
+		}{
+			{"another reader", image.RemoteLayer{Reader: "other", Version: l.Version}},
+			{"another volume", image.RemoteLayer{Reader: "ci", Version: "other/private@1"}},
+			{"a malformed annotation", image.RemoteLayer{Reader: "ci", Version: "no version"}},
+		} {
+			t.Run(tt.name, func(t *testing.T) {
+				forged := good
+				forged.Annotations = map[string]string{image.RemoteLayerAnnotation: tt.layer.String()}
+				err := unpackRemote(ctx, sn, "extract-forged "+tt.name, forged)
+				assert.True(t, errdefs.IsPermissionDenied(err) || errdefs.IsInvalidArgument(err), "%v", err)
+			})
+		}
+		require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-good", good)))
+	})
+}
