@@ -123,6 +123,11 @@ func TestImageSnapshotter(t *testing.T) {
 		require.NoError(t, err)
 	}
 	t.Run("a volume a container runs on is held", func(t *testing.T) {
+		for _, h := range []string{"img2", "img"} {
+			v, err := e.p.NodeAPI.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", h)})
+			require.NoError(t, err)
+			assert.Equal(t, []string{"container-1"}, v.HoldingImages, "the whole chain is held")
+		}
 		destroy("img2", "bystander")
 		// The reaper freed what nothing holds, and not the image.
 		eventually(t, "the bystander freed", func() bool {

@@ -92,6 +92,14 @@ func TestOptionsValidate(t *testing.T) {
 		{"profiling with nowhere to serve it", func(o *Options) { o.Profiling, o.MetricsAddress = true, "" }, "--metrics-address"},
 		{"profiling beside the metrics", func(o *Options) { o.Profiling, o.MetricsAddress = true, "127.0.0.1:9090" }, ""},
 		{"negative stream limit", func(o *Options) { o.Peers.SizeLimit = -1 }, "--stream-size-limit"},
+		{"image registry off loopback", func(o *Options) { o.ImageRegistryAddress = "0.0.0.0:7444" }, "not a loopback address"},
+		{"image snapshotter beside the registry", func(o *Options) {
+			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
+		}, ""},
+		{"image snapshotter without the registry", func(o *Options) { o.ImageSnapshotterEndpoint = "unix:///run/sn.sock" }, "needs --image-registry-address"},
+		{"image snapshotter on TCP", func(o *Options) {
+			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "tcp://127.0.0.1:7445"
+		}, "want unix:///path"},
 		{"peers in controller mode", func(o *Options) { o.Mode, o.Peers.Address = ModeController, "127.0.0.1:7443" }, "node plugins"},
 		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
 		{"API off loopback over TLS with Kubernetes auth", func(o *Options) {

@@ -49,7 +49,7 @@ func toVolume(v node.VolumeInfo) *nodev1.Volume {
 		Ref: toRef(v.Ref()), State: string(v.State), SizeBytes: v.SizeBytes, Inodes: v.Inodes,
 		Parent: toRef(v.Parent), Base: toRef(v.Base), Scope: string(v.Scope), Properties: v.Properties,
 		CreatedAt: timestamppb.New(v.CreatedAt), LastUsed: timestamppb.New(v.LastUsed),
-		Pinned: v.Pin.Pinned, HoldingStepVolumes: v.Holders.Views, Synced: v.Synced,
+		Pinned: v.Pin.Pinned, HoldingStepVolumes: v.Holders.Views, HoldingImages: v.Holders.Images, Synced: v.Synced,
 	}
 	if !v.Pin.Until.IsZero() {
 		out.PinnedUntil = timestamppb.New(v.Pin.Until)

@@ -96,8 +96,11 @@ type cluster struct {
 	containerd string // its socket
 	kubeletDir string
 	stateDir   string
-	procs      map[string]*proc
-	plugin     *plugintest.Plugin
+	// snapshotter is the socket containerd expects the cowvol
+	// snapshotter on.
+	snapshotter string
+	procs       map[string]*proc
+	plugin      *plugintest.Plugin
 	// controller runs beside the node plugin, which reports to it; cache
 	// is a scheduler's client of its Cache API.
 	controller     *plugintest.Plugin
@@ -366,12 +369,16 @@ func (c *cluster) startContainerd() {
 		`{"cniVersion": "0.4.0", "name": "e2e", "plugins": [{"type": "loopback"}, {"type": "podnet"}]}`)
 	config := filepath.Join(dir, "config.toml")
 	// containerd 2's config schema (version 3): the CRI plugin's images and
-	// runtime halves are plugins of their own.
+	// runtime halves are plugins of their own. The cowvol snapshotter and
+	// its runtime handler are as the README has a node configure them
+	// (the plugin serves the socket only where a test asks for it).
+	c.snapshotter = filepath.Join(c.work, "cowvol-snapshotter.sock")
 	writeFile(c.t, config, fmt.Sprintf(`version = 3
 root = %q
 state = %q
 [grpc]
   address = %q
+`+snapshotterConfig(c.snapshotter)+`
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
@@ -384,6 +391,9 @@ state = %q
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.cowvol]
+      runtime_type = "io.containerd.runc.v2"
+      snapshotter = "cowvol"
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = [%q, "/usr/lib/cni"]
     conf_dir = %q
@@ -490,6 +500,9 @@ authorization: {mode: AlwaysAllow}
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", imagefs.available: "1%%"}
 imageGCHighThresholdPercent: 100
 serializeImagePulls: false
+# Pulls for a runtime class's handler, so that an image pulled for the
+# cowvol handler is unpacked by its snapshotter.
+featureGates: {RuntimeClassInImageCriApi: true}
 resolvConf: ""
 syncFrequency: 2s
 fileCheckFrequency: 2s
@@ -520,6 +533,14 @@ func (c *cluster) startController() {
 }
 
 func (c *cluster) startPlugin(extraArgs ...string) {
+	// A node that serves its volumes' images runs them on its snapshotter
+	// too, where containerd looks for it.
+	for _, a := range extraArgs {
+		if strings.HasPrefix(a, "--image-registry-address=") {
+			extraArgs = append(extraArgs, "--image-snapshotter-endpoint=unix://"+c.snapshotter)
+			break
+		}
+	}
 	c.plugin = plugintest.Start(c.t, plugintest.Config{
 		StateDir:   filepath.Join(c.stateDir, "cowvol"),
 		KubeletDir: c.kubeletDir,

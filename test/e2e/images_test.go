@@ -3,15 +3,21 @@
 package e2e
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/ociimage"
+	"github.com/concourse/cowvol/pkg/registry"
 )
 
 // imageRegistry is where the node plugin serves its volumes' images: the
@@ -99,4 +105,81 @@ func (c *cluster) stepImages() {
 	c.deletePod("other", "steal")
 	report(t, "a pod of another namespace naming ci's image volume was refused by the images policy (under five spellings of the loopback address), "+
 		"and its pull by the registry where it named ci as the owner of a volume ci never shared\n")
+}
+
+// snapshotterConfig is what the README has a node add to containerd's
+// config for the cowvol snapshotter: the proxy plugin, and the transfer
+// service unpacking into it as well as into overlayfs (the CRI pulls for
+// a runtime class's handler into that handler's snapshotter).
+func snapshotterConfig(socket string) string {
+	return fmt.Sprintf(`[proxy_plugins.cowvol]
+  type = "snapshot"
+  address = %q
+[plugins.'io.containerd.transfer.v1.local']
+  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+    platform = "linux/amd64"
+    snapshotter = "overlayfs"
+    differ = "walking"
+  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+    platform = "linux/amd64"
+    snapshotter = "cowvol"
+    differ = "walking"
+`, socket)
+}
+
+// stepImagesOnSnapshotter: the rootfs-format image the get step left
+// (stepImages) runs under the cowvol runtime class as its :cowvol tag: the
+// kubelet pulls it for the class's handler, containerd unpacks it into the
+// cowvol snapshotter, and its layer (the volume's rootfs/) is never
+// fetched. A container running on it keeps the volume through a destroy
+// (the reaper frees a volume destroyed beside it); once the pods are gone,
+// the volume is freed.
+func (c *cluster) stepImagesOnSnapshotter() {
+	t := c.t
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/components/image-snapshotter/runtimeclass.yaml")
+	image := imageRegistry + "/ci/img-rootfs:" + registry.RemoteTag
+	opts := []podOpt{withImage(image), func(spec, _ map[string]any) { spec["runtimeClassName"] = "cowvol" }}
+	started := time.Now()
+	c.createPodWith("ci", "on-snapshotter", `echo "$GREETING"; cat /etc/made-by`, opts)
+	require.Equal(t, "hello from a volume\nrootfs\n", c.mustSucceed("ci", "on-snapshotter"))
+	took := time.Since(started)
+
+	resp, err := http.Get("http://" + imageRegistry + "/v2/ci/img-rootfs/manifests/" + registry.RemoteTag)
+	require.NoError(t, err)
+	var m struct{ Layers []struct{ Digest string } }
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&m))
+	resp.Body.Close()
+	require.Len(t, m.Layers, 1)
+	content, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "content", "ls", "-q").CombinedOutput()
+	require.NoError(t, err, "%s", content)
+	require.NotContains(t, string(content), m.Layers[0].Digest, "the remote layer was fetched")
+
+	// Held while a container runs on it.
+	c.createPodWith("ci", "runs-on-image", "sleep 3600", opts)
+	c.until("the pod on the image volume to run", 2*time.Minute, func() bool { return c.phase("ci", "runs-on-image") == "Running" })
+	c.createPod("ci", "bystander", "echo x > /out/f", volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-bystander")})
+	c.mustSucceed("ci", "bystander")
+	c.waitCaptured("img-bystander")
+	volumes := filepath.Join(c.stateDir, "cowvol", "volumes", "ci")
+	_, err = c.plugin.NodeAPI.DestroyVolumes(context.Background(), &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{
+		{Namespace: "ci", Handle: "img-rootfs"}, {Namespace: "ci", Handle: "img-bystander"}}})
+	require.NoError(t, err)
+	c.until("the destroyed volume beside it to be freed", time.Minute, func() bool {
+		_, err := os.Stat(filepath.Join(volumes, "img-bystander"))
+		return os.IsNotExist(err)
+	})
+	require.DirExists(t, filepath.Join(volumes, "img-rootfs"), "the image volume a container runs on was freed")
+	madeBy := c.mustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by")
+	require.Equal(t, "rootfs\n", madeBy)
+
+	c.deletePod("ci", "runs-on-image")
+	c.deletePod("ci", "on-snapshotter")
+	freed := time.Now()
+	c.until("the image volume to be freed once no container runs on it", 3*time.Minute, func() bool {
+		_, err := os.Stat(filepath.Join(volumes, "img-rootfs"))
+		return os.IsNotExist(err)
+	})
+	report(t, fmt.Sprintf("a task ran on the rootfs-format image volume's own layers through the cowvol snapshotter (its layer never fetched): "+
+		"done %s after it was created; a running container kept the volume through a destroy, freed %s after its pod was deleted\n",
+		took.Round(100*time.Millisecond), time.Since(freed).Round(time.Second)))
 }

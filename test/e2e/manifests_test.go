@@ -243,6 +243,27 @@ func TestManifests(t *testing.T) {
 		require.Equal(t, want, got, "only the node DaemonSet changes")
 	})
 
+	t.Run("the image snapshotter adds its runtime class and socket to the image registry's node", func(t *testing.T) {
+		dir := t.TempDir()
+		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
+			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + ", " +
+				rel("deploy/csi/components/image-snapshotter") + "]\n"
+		})
+		got, err := renderKustomization(t, dir)
+		require.NoError(t, err)
+		rc := got["RuntimeClass/cowvol"]
+		require.NotNil(t, rc)
+		require.Equal(t, "cowvol", rc["handler"], "the handler containerd's config names")
+		spec := got["DaemonSet/cowvol-node"]["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)
+		node, _ := yaml.Marshal(spec)
+		require.Contains(t, string(node), "- --image-registry-address=127.0.0.1:7444")
+		require.Contains(t, string(node), "- --image-snapshotter-endpoint=unix:///run/cowvol/snapshotter.sock")
+		require.Contains(t, string(node), "mountPath: /run/cowvol")
+		require.Contains(t, string(node), "path: /run/cowvol", "the socket where containerd's proxy_plugins.cowvol looks")
+		require.Contains(t, string(node), "mountPath: /var/lib/cowvol", "the state dir at its host path: the snapshotter names its dirs to containerd")
+		require.Contains(t, string(node), "path: /var/lib/cowvol")
+	})
+
 	t.Run("the Helm chart with its defaults renders the base", func(t *testing.T) {
 		got := renderChart(t)
 		want := maps.Clone(base)

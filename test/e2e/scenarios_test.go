@@ -346,6 +346,10 @@ func TestE2E(t *testing.T) {
 		c.stepImages()
 	})
 
+	c.scenario("a step runs on an image volume's own layers through the cowvol snapshotter, which holds the volume", func() {
+		c.stepImagesOnSnapshotter()
+	})
+
 	c.scenario("the admission policy refuses what a namespace may not do, naming the rule", func() {
 		c.admissionPolicy()
 	})

@@ -106,7 +106,10 @@ type Volume struct {
 	HoldingStepVolumes []string     `protobuf:"bytes,14,rep,name=holding_step_volumes,json=holdingStepVolumes,proto3" json:"holding_step_volumes,omitempty"`
 	HoldingChildren    []*VolumeRef `protobuf:"bytes,15,rep,name=holding_children,json=holdingChildren,proto3" json:"holding_children,omitempty"`
 	// The data has reached the disk.
-	Synced        bool `protobuf:"varint,16,opt,name=synced,proto3" json:"synced,omitempty"`
+	Synced bool `protobuf:"varint,16,opt,name=synced,proto3" json:"synced,omitempty"`
+	// The container runtime's snapshots that run a step image on it (by
+	// snapshot key: containers' root filesystems), which hold it too.
+	HoldingImages []string `protobuf:"bytes,17,rep,name=holding_images,json=holdingImages,proto3" json:"holding_images,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -251,6 +254,13 @@ func (x *Volume) GetSynced() bool {
 		return x.Synced
 	}
 	return false
+}
+
+func (x *Volume) GetHoldingImages() []string {
+	if x != nil {
+		return x.HoldingImages
+	}
+	return nil
 }
 
 type GetNodeRequest struct {
@@ -912,7 +922,7 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x12node/v1/node.proto\x12\x0ecowvol.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
-	"\x06handle\x18\x02 \x01(\tR\x06handle\"\x89\x06\n" +
+	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xb0\x06\n" +
 	"\x06Volume\x12+\n" +
 	"\x03ref\x18\x01 \x01(\v2\x19.cowvol.node.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1d\n" +
@@ -934,7 +944,8 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x03ttl\x18\r \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x120\n" +
 	"\x14holding_step_volumes\x18\x0e \x03(\tR\x12holdingStepVolumes\x12D\n" +
 	"\x10holding_children\x18\x0f \x03(\v2\x19.cowvol.node.v1.VolumeRefR\x0fholdingChildren\x12\x16\n" +
-	"\x06synced\x18\x10 \x01(\bR\x06synced\x1a=\n" +
+	"\x06synced\x18\x10 \x01(\bR\x06synced\x12%\n" +
+	"\x0eholding_images\x18\x11 \x03(\tR\rholdingImages\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x10\n" +
