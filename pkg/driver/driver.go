@@ -16,6 +16,7 @@ import (
 	"net/http/pprof"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -77,6 +78,8 @@ type Driver struct {
 	ctlConn *grpc.ClientConn
 	// peerMetrics count what the node streams to its peers.
 	peerMetrics *streamer.Metrics
+	// podEvents (node mode) go on step pods and this node's Node object.
+	podEvents node.PodEvents
 	// imageMetrics count what the node's image registry serves.
 	imageMetrics *registry.Metrics
 	kube         kubernetes.Interface
@@ -179,6 +182,7 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 			return err
 		}
 	}
+	d.podEvents = events
 	if d.engine, err = node.New(cfg, store, deps.Mounter, events); err != nil {
 		return err
 	}
@@ -568,10 +572,52 @@ func (d *Driver) imageRunners() ([]runner, error) {
 		runners = append(runners, logged(grpcRunner("serving the image snapshotter", srv,
 			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), stopHard),
 			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.ImageSnapshotterEndpoint, "root", root))
+		if d.opts.ContainerdAddress != "" {
+			runners = append(runners, loopRunner("checking containerd's config", d.checkContainerd))
+		} else {
+			klog.InfoS("Not checking that containerd runs step images on the cowvol snapshotter: no --containerd-address")
+		}
 	}
 	srv := &http.Server{Handler: registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, key),
 		ReadHeaderTimeout: 10 * time.Second}
 	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
 		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
 	return runners, nil
+}
+
+// checkContainerd says, in the log and in an Event on the Node, what the
+// node's containerd lacks to run step images on the snapshotter, until it
+// has it all (a containerd restarted with a new config is seen within a
+// minute).
+func (d *Driver) checkContainerd(ctx context.Context) error {
+	_, socket, _ := parseEndpoint(d.opts.ImageSnapshotterEndpoint)
+	said := ""
+	for {
+		askCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		missing, err := snapshotter.Check(askCtx, d.opts.ContainerdAddress, socket)
+		cancel()
+		switch {
+		case err != nil:
+			if say := err.Error(); say != said {
+				klog.ErrorS(err, "Could not check that containerd runs step images on the cowvol snapshotter; checking again every minute")
+				said = say
+			}
+		case len(missing) > 0:
+			if say := strings.Join(missing, "; "); say != said {
+				klog.ErrorS(nil, "containerd cannot run step images on the cowvol snapshotter: pods of the RuntimeClass cowvol will not start",
+					"containerd", d.opts.ContainerdAddress, "missing", missing)
+				d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImageSnapshotterNotConfigured",
+					"containerd cannot run step images on the cowvol snapshotter: "+say)
+				said = say
+			}
+		default:
+			klog.InfoS("containerd runs step images on the cowvol snapshotter", "containerd", d.opts.ContainerdAddress)
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(time.Minute):
+		}
+	}
 }

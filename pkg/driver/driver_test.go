@@ -96,6 +96,15 @@ func TestOptionsValidate(t *testing.T) {
 		{"image snapshotter beside the registry", func(o *Options) {
 			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
 		}, ""},
+		{"containerd checked for the snapshotter", func(o *Options) {
+			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
+			o.ContainerdAddress = "/run/containerd/containerd.sock"
+		}, ""},
+		{"containerd without the snapshotter", func(o *Options) { o.ContainerdAddress = "/run/containerd/containerd.sock" }, "needs --image-snapshotter-endpoint"},
+		{"containerd at a relative path", func(o *Options) {
+			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
+			o.ContainerdAddress = "containerd.sock"
+		}, "absolute path"},
 		{"image snapshotter without the registry", func(o *Options) { o.ImageSnapshotterEndpoint = "unix:///run/sn.sock" }, "needs --image-registry-address"},
 		{"image snapshotter on TCP", func(o *Options) {
 			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "tcp://127.0.0.1:7445"

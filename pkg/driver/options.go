@@ -66,6 +66,10 @@ type Options struct {
 	// snapshotter), which runs step images on cached volumes' layers;
 	// empty serves none. Its root is snapshotter/ in the state dir.
 	ImageSnapshotterEndpoint string
+	// ContainerdAddress (with the snapshotter) is containerd's socket,
+	// asked whether it is configured to use the snapshotter; empty asks
+	// nothing.
+	ContainerdAddress string
 	// ControllerAddress (node mode) is the controller's host:port that the
 	// node reports its cache to; empty reports to none.
 	ControllerAddress string
@@ -166,6 +170,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.ImageSnapshotterEndpoint, "image-snapshotter-endpoint", o.ImageSnapshotterEndpoint,
 		"unix:///path to serve containerd the cowvol snapshotter on (proxy_plugins), which runs images named <registry>/<namespace>/<handle>:"+registry.RemoteTag+
 			" on the volume's own layers; needs --image-registry-address (empty: none)")
+	fs.StringVar(&o.ContainerdAddress, "containerd-address", o.ContainerdAddress,
+		"with --image-snapshotter-endpoint: containerd's socket path, to check (and say on the Node) that its config uses the snapshotter (empty: no check)")
 	fs.StringVar(&o.ControllerAddress, "controller-address", o.ControllerAddress,
 		"node mode: the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&o.APIAddress, "api-address", o.APIAddress,
@@ -311,6 +317,11 @@ func (o *Options) Validate() error {
 		if network, _, err := parseEndpoint(o.ImageSnapshotterEndpoint); err != nil || network != "unix" {
 			errs = append(errs, fmt.Errorf("--image-snapshotter-endpoint %q: want unix:///path", o.ImageSnapshotterEndpoint))
 		}
+	} else if o.ContainerdAddress != "" {
+		errs = append(errs, errors.New("--containerd-address is checked for the snapshotter: it needs --image-snapshotter-endpoint"))
+	}
+	if o.ContainerdAddress != "" && !filepath.IsAbs(o.ContainerdAddress) {
+		errs = append(errs, fmt.Errorf("--containerd-address %q: want the socket's absolute path", o.ContainerdAddress))
 	}
 	if o.APIAddress != "" && o.Mode == ModeNode {
 		errs = append(errs, errors.New("--api-address is the controller's: use --mode=controller or all"))

@@ -537,7 +537,7 @@ func (c *cluster) startPlugin(extraArgs ...string) {
 	// too, where containerd looks for it.
 	for _, a := range extraArgs {
 		if strings.HasPrefix(a, "--image-registry-address=") {
-			extraArgs = append(extraArgs, "--image-snapshotter-endpoint=unix://"+c.snapshotter)
+			extraArgs = append(extraArgs, "--image-snapshotter-endpoint=unix://"+c.snapshotter, "--containerd-address="+c.containerd)
 			break
 		}
 	}

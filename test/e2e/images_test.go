@@ -18,6 +18,7 @@ import (
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/snapshotter"
 )
 
 // imageRegistry is where the node plugin serves its volumes' images: the
@@ -136,6 +137,15 @@ func snapshotterConfig(socket string) string {
 // the volume is freed.
 func (c *cluster) stepImagesOnSnapshotter() {
 	t := c.t
+	// The node's containerd is configured as the README says, and the
+	// check the plugin runs at start says so; it would say what is wrong.
+	missing, err := snapshotter.Check(context.Background(), c.containerd, c.snapshotter)
+	require.NoError(t, err)
+	require.Empty(t, missing)
+	missing, err = snapshotter.Check(context.Background(), c.containerd, "/run/elsewhere.sock")
+	require.NoError(t, err)
+	require.Len(t, missing, 1)
+	require.Contains(t, missing[0], `not at "/run/elsewhere.sock"`)
 	c.mustKubectl("", "apply", "-f", "../../deploy/csi/components/image-snapshotter/runtimeclass.yaml")
 	image := imageRegistry + "/ci/img-rootfs:" + registry.RemoteTag
 	opts := []podOpt{withImage(image), func(spec, _ map[string]any) { spec["runtimeClassName"] = "cowvol" }}

@@ -260,6 +260,8 @@ func TestManifests(t *testing.T) {
 		require.Contains(t, string(node), "- --image-snapshotter-endpoint=unix:///run/cowvol/snapshotter.sock")
 		require.Contains(t, string(node), "mountPath: /run/cowvol")
 		require.Contains(t, string(node), "path: /run/cowvol", "the socket where containerd's proxy_plugins.cowvol looks")
+		require.Contains(t, string(node), "- --containerd-address=/run/containerd/containerd.sock")
+		require.Contains(t, string(node), "mountPath: /run/containerd/containerd.sock")
 		require.Contains(t, string(node), "mountPath: /var/lib/cowvol", "the state dir at its host path: the snapshotter names its dirs to containerd")
 		require.Contains(t, string(node), "path: /var/lib/cowvol")
 	})
