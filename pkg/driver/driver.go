@@ -9,14 +9,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
-	"github.com/containerd/containerd/v2/contrib/snapshotservice"
 	"net"
 	"net/http"
 	"net/http/pprof"
 	"os"
-	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -32,11 +28,9 @@ import (
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/controller"
-	"github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/registry"
-	"github.com/concourse/cowvol/pkg/snapshotter"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -529,95 +523,4 @@ func listen(endpoint string) (net.Listener, error) {
 		}
 	}
 	return net.Listen(network, addr)
-}
-
-// imageVolumes are the node's volumes as its image registry reads them.
-type imageVolumes struct {
-	streamer.Holder
-	engine *node.Engine
-}
-
-func (v imageVolumes) Version(namespace string, r volume.Ref) (string, error) {
-	return v.engine.VolumeVersion(namespace, r)
-}
-
-func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
-	err := v.engine.Fetch(ctx, namespace, r)
-	if errors.Is(err, cache.ErrNotFound) {
-		return fmt.Errorf("%w: %w", streamer.ErrNotHeld, err)
-	}
-	return err
-}
-
-// imageRunners serve the images cached volumes hold to the node's runtime:
-// the registry, and the snapshotter that runs them on the volumes' layers.
-func (d *Driver) imageRunners() ([]runner, error) {
-	var runners []runner
-	var key *image.LayerKey
-	if d.opts.ImageSnapshotterEndpoint != "" {
-		k, err := image.LoadLayerKey(filepath.Join(d.opts.StateDir, "image-layer.key"))
-		if err != nil {
-			return nil, fmt.Errorf("the image snapshotter's key: %w", err)
-		}
-		key = &k
-		root := filepath.Join(d.opts.StateDir, "snapshotter")
-		sn, err := snapshotter.New(context.Background(), root, k, d.engine)
-		if err != nil {
-			return nil, fmt.Errorf("the image snapshotter at %s: %w", root, err)
-		}
-		srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
-		snapshotsapi.RegisterSnapshotsServer(srv, snapshotservice.FromSnapshotter(sn))
-		// containerd's alone: it hands out the node's volumes as root
-		// filesystems.
-		runners = append(runners, logged(grpcRunner("serving the image snapshotter", srv,
-			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), stopHard),
-			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.ImageSnapshotterEndpoint, "root", root))
-		if d.opts.ContainerdAddress != "" {
-			runners = append(runners, loopRunner("checking containerd's config", d.checkContainerd))
-		} else {
-			klog.InfoS("Not checking that containerd runs step images on the cowvol snapshotter: no --containerd-address")
-		}
-	}
-	srv := &http.Server{Handler: registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, key),
-		ReadHeaderTimeout: 10 * time.Second}
-	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
-		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
-	return runners, nil
-}
-
-// checkContainerd says, in the log and in an Event on the Node, what the
-// node's containerd lacks to run step images on the snapshotter, until it
-// has it all (a containerd restarted with a new config is seen within a
-// minute).
-func (d *Driver) checkContainerd(ctx context.Context) error {
-	_, socket, _ := parseEndpoint(d.opts.ImageSnapshotterEndpoint)
-	said := ""
-	for {
-		askCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		missing, err := snapshotter.Check(askCtx, d.opts.ContainerdAddress, socket)
-		cancel()
-		switch {
-		case err != nil:
-			if say := err.Error(); say != said {
-				klog.ErrorS(err, "Could not check that containerd runs step images on the cowvol snapshotter; checking again every minute")
-				said = say
-			}
-		case len(missing) > 0:
-			if say := strings.Join(missing, "; "); say != said {
-				klog.ErrorS(nil, "containerd cannot run step images on the cowvol snapshotter: pods of the RuntimeClass cowvol will not start",
-					"containerd", d.opts.ContainerdAddress, "missing", missing)
-				d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImageSnapshotterNotConfigured",
-					"containerd cannot run step images on the cowvol snapshotter: "+say)
-				said = say
-			}
-		default:
-			klog.InfoS("containerd runs step images on the cowvol snapshotter", "containerd", d.opts.ContainerdAddress)
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(time.Minute):
-		}
-	}
 }

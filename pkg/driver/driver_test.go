@@ -100,7 +100,10 @@ func TestOptionsValidate(t *testing.T) {
 			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
 			o.ContainerdAddress = "/run/containerd/containerd.sock"
 		}, ""},
-		{"containerd without the snapshotter", func(o *Options) { o.ContainerdAddress = "/run/containerd/containerd.sock" }, "needs --image-snapshotter-endpoint"},
+		{"containerd without the registry", func(o *Options) { o.ContainerdAddress = "/run/containerd/containerd.sock" }, "needs --image-registry-address"},
+		{"containerd beside the registry alone", func(o *Options) {
+			o.ImageRegistryAddress, o.ContainerdAddress = "127.0.0.1:7444", "/run/containerd/containerd.sock"
+		}, ""},
 		{"containerd at a relative path", func(o *Options) {
 			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
 			o.ContainerdAddress = "containerd.sock"

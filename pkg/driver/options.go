@@ -66,9 +66,10 @@ type Options struct {
 	// snapshotter), which runs step images on cached volumes' layers;
 	// empty serves none. Its root is snapshotter/ in the state dir.
 	ImageSnapshotterEndpoint string
-	// ContainerdAddress (with the snapshotter) is containerd's socket,
-	// asked whether it is configured to use the snapshotter; empty asks
-	// nothing.
+	// ContainerdAddress (with the registry) is containerd's socket: the
+	// images it keeps of volumes the node no longer serves are deleted,
+	// and with the snapshotter, it is asked whether its config uses it;
+	// empty asks nothing.
 	ContainerdAddress string
 	// ControllerAddress (node mode) is the controller's host:port that the
 	// node reports its cache to; empty reports to none.
@@ -171,7 +172,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		"unix:///path to serve containerd the cowvol snapshotter on (proxy_plugins), which runs images named <registry>/<namespace>/<handle>:"+registry.RemoteTag+
 			" on the volume's own layers; needs --image-registry-address (empty: none)")
 	fs.StringVar(&o.ContainerdAddress, "containerd-address", o.ContainerdAddress,
-		"with --image-snapshotter-endpoint: containerd's socket path, to check (and say on the Node) that its config uses the snapshotter (empty: no check)")
+		"with --image-registry-address: containerd's socket path, to delete the images it keeps of volumes the node no longer serves and, with --image-snapshotter-endpoint, to check (and say on the Node) that its config uses the snapshotter (empty: neither)")
 	fs.StringVar(&o.ControllerAddress, "controller-address", o.ControllerAddress,
 		"node mode: the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&o.APIAddress, "api-address", o.APIAddress,
@@ -317,8 +318,9 @@ func (o *Options) Validate() error {
 		if network, _, err := parseEndpoint(o.ImageSnapshotterEndpoint); err != nil || network != "unix" {
 			errs = append(errs, fmt.Errorf("--image-snapshotter-endpoint %q: want unix:///path", o.ImageSnapshotterEndpoint))
 		}
-	} else if o.ContainerdAddress != "" {
-		errs = append(errs, errors.New("--containerd-address is checked for the snapshotter: it needs --image-snapshotter-endpoint"))
+	}
+	if o.ContainerdAddress != "" && o.ImageRegistryAddress == "" {
+		errs = append(errs, errors.New("--containerd-address is asked about the images the node serves: it needs --image-registry-address"))
 	}
 	if o.ContainerdAddress != "" && !filepath.IsAbs(o.ContainerdAddress) {
 		errs = append(errs, fmt.Errorf("--containerd-address %q: want the socket's absolute path", o.ContainerdAddress))

@@ -369,3 +369,42 @@ func (v volumeFiles) Tree(ctx context.Context, path string, w io.Writer) error {
 	_, err = streamer.Pack(ctx, rd.Dir, w, streamer.Raw, streamer.PlainTar)
 	return err
 }
+
+// Stale says whether an image the runtime keeps under this registry, as
+// repository (with a :tag or @digest, the address before it cut off) and
+// with its root at target, no longer names what the node serves: its
+// volume is gone for the namespace reading it, or, as RemoteTag, is
+// another version of it (a remote layer names the version it mounts). The
+// runtime can then no longer run it, or would run what was destroyed, so
+// the caller deletes it. A repository that is not this registry's form is
+// not stale.
+func (s *Server) Stale(ctx context.Context, reference string, target digest.Digest) (bool, error) {
+	name, tag := reference, ""
+	if i := strings.IndexByte(name, '@'); i >= 0 {
+		name = name[:i]
+	}
+	if i := strings.LastIndexByte(name, ':'); i > strings.LastIndexByte(name, '/') {
+		name, tag = name[:i], name[i+1:]
+	}
+	repo, err := parseRepository(name)
+	if err != nil {
+		return false, nil
+	}
+	if _, err := s.vols.Version(repo.reader, repo.ref); errors.Is(err, streamer.ErrNotHeld) {
+		return true, nil
+	} else if err != nil {
+		return false, err
+	}
+	if tag != RemoteTag || s.key == nil {
+		return false, nil
+	}
+	img, _, err := s.image(ctx, repo, name, true)
+	var ae apiError
+	if errors.As(err, &ae) && ae.status == http.StatusNotFound {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return img.Root.Digest != target, nil
+}

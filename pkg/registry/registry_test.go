@@ -10,8 +10,10 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -181,4 +183,38 @@ func TestRemoteTag(t *testing.T) {
 	noKey := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), nil))
 	defer noKey.Close()
 	assert.Equal(t, plain.Layers[0].Digest, manifest(noKey, RemoteTag).Layers[0].Digest)
+}
+
+// TestStale: an image the runtime keeps is stale once its volume is gone
+// for its reader, or, as the snapshotter runs it, is another version;
+// references not of this registry's form are left alone.
+func TestStale(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{}`), 0o644))
+	key, err := image.LoadLayerKey(filepath.Join(t.TempDir(), "key"))
+	require.NoError(t, err)
+	s := New(dirVolumes{dir}, NewMetrics(), &key)
+	remote, _, err := s.image(context.Background(), repository{reader: "ci", ref: volume.Ref{Namespace: "ci", Handle: "img"}}, "ci/img", true)
+	require.NoError(t, err)
+	tests := []struct {
+		ref    string
+		target string
+		want   bool
+	}{
+		{"ci/img:latest", "sha256:" + strings.Repeat("1", 64), false},
+		{"ci/img@sha256:" + strings.Repeat("2", 64), "sha256:" + strings.Repeat("2", 64), false},
+		{"ci/gone:latest", "sha256:" + strings.Repeat("1", 64), true},
+		{"other/ci/img:latest", "sha256:" + strings.Repeat("1", 64), true},
+		{"ci/img:" + RemoteTag, remote.Root.Digest.String(), false},
+		{"ci/img:" + RemoteTag, "sha256:" + strings.Repeat("3", 64), true},
+		{"Not/Ours:latest", "sha256:" + strings.Repeat("1", 64), false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.ref+" "+tt.target[:12], func(t *testing.T) {
+			got, err := s.Stale(context.Background(), tt.ref, digest.Digest(tt.target))
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, got)
+		})
+	}
 }

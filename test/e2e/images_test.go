@@ -133,8 +133,9 @@ func snapshotterConfig(socket string) string {
 // kubelet pulls it for the class's handler, containerd unpacks it into the
 // cowvol snapshotter, and its layer (the volume's rootfs/) is never
 // fetched. A container running on it keeps the volume through a destroy
-// (the reaper frees a volume destroyed beside it); once the pods are gone,
-// the volume is freed.
+// (the reaper frees a volume destroyed beside it) while the volume's
+// images leave the runtime's list; once the pods are gone, the volume is
+// freed and no snapshot is left.
 func (c *cluster) stepImagesOnSnapshotter() {
 	t := c.t
 	// The node's containerd is configured as the README says, and the
@@ -182,12 +183,28 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	madeBy := c.mustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by")
 	require.Equal(t, "rootfs\n", madeBy)
 
+	// Destroyed, the volume's images leave the runtime (the pulled copy
+	// of stepImages too), even while a container runs on one.
+	ctr := func(args ...string) string {
+		out, err := exec.Command("ctr", append([]string{"--address", c.containerd, "-n", "k8s.io"}, args...)...).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+		return string(out)
+	}
+	c.until("the runtime to forget the destroyed volume's images", 2*time.Minute, func() bool {
+		return !strings.Contains(ctr("images", "ls", "-q"), imageRegistry+"/ci/img-rootfs")
+	})
+	require.Equal(t, "rootfs\n", c.mustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by"))
+
 	c.deletePod("ci", "runs-on-image")
 	c.deletePod("ci", "on-snapshotter")
 	freed := time.Now()
 	c.until("the image volume to be freed once no container runs on it", 3*time.Minute, func() bool {
 		_, err := os.Stat(filepath.Join(volumes, "img-rootfs"))
 		return os.IsNotExist(err)
+	})
+	// Nothing of the image is left on the snapshotter.
+	c.until("containerd to remove its snapshots on the cowvol snapshotter", time.Minute, func() bool {
+		return len(strings.Split(strings.TrimSpace(ctr("snapshots", "--snapshotter", "cowvol", "ls")), "\n")) == 1
 	})
 	report(t, fmt.Sprintf("a task ran on the rootfs-format image volume's own layers through the cowvol snapshotter (its layer never fetched): "+
 		"done %s after it was created; a running container kept the volume through a destroy, freed %s after its pod was deleted\n",

@@ -225,6 +225,9 @@ func TestManifests(t *testing.T) {
 			}
 		}
 		require.Equal(t, "127.0.0.1:7444", address)
+		node, _ := yaml.Marshal(spec)
+		require.Contains(t, string(node), "- --containerd-address=/run/containerd/containerd.sock")
+		require.Contains(t, string(node), "mountPath: /run/containerd/containerd.sock", "the images of volumes gone are deleted from containerd")
 		variables := map[string]string{}
 		for _, v := range got["ValidatingAdmissionPolicy/cowvol-images"]["spec"].(map[string]any)["variables"].([]any) {
 			variables[v.(map[string]any)["name"].(string)] = v.(map[string]any)["expression"].(string)

@@ -1,0 +1,189 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"time"
+
+	imagesapi "github.com/containerd/containerd/api/services/images/v1"
+	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
+	"github.com/containerd/containerd/v2/contrib/snapshotservice"
+	"github.com/opencontainers/go-digest"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/image"
+	"github.com/concourse/cowvol/pkg/node"
+	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/snapshotter"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// This file composes step images: the registry that serves the images
+// cached volumes hold, the snapshotter that runs them on the volumes'
+// layers, and what the plugin asks of and tidies in the node's containerd.
+
+// imageVolumes are the node's volumes as its image registry reads them.
+type imageVolumes struct {
+	streamer.Holder
+	engine *node.Engine
+}
+
+func (v imageVolumes) Version(namespace string, r volume.Ref) (string, error) {
+	return v.engine.VolumeVersion(namespace, r)
+}
+
+func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
+	err := v.engine.Fetch(ctx, namespace, r)
+	if errors.Is(err, cache.ErrNotFound) {
+		return fmt.Errorf("%w: %w", streamer.ErrNotHeld, err)
+	}
+	return err
+}
+
+// imageRunners serve the images cached volumes hold to the node's runtime:
+// the registry, and the snapshotter that runs them on the volumes' layers.
+func (d *Driver) imageRunners() ([]runner, error) {
+	var runners []runner
+	var key *image.LayerKey
+	if d.opts.ImageSnapshotterEndpoint != "" {
+		k, err := image.LoadLayerKey(filepath.Join(d.opts.StateDir, "image-layer.key"))
+		if err != nil {
+			return nil, fmt.Errorf("the image snapshotter's key: %w", err)
+		}
+		key = &k
+		root := filepath.Join(d.opts.StateDir, "snapshotter")
+		sn, err := snapshotter.New(context.Background(), root, k, d.engine)
+		if err != nil {
+			return nil, fmt.Errorf("the image snapshotter at %s: %w", root, err)
+		}
+		srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+		snapshotsapi.RegisterSnapshotsServer(srv, snapshotservice.FromSnapshotter(sn))
+		// containerd's alone: it hands out the node's volumes as root
+		// filesystems.
+		runners = append(runners, logged(grpcRunner("serving the image snapshotter", srv,
+			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), stopHard),
+			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.ImageSnapshotterEndpoint, "root", root))
+		if d.opts.ContainerdAddress != "" {
+			runners = append(runners, loopRunner("checking containerd's config", d.checkContainerd))
+		} else {
+			klog.InfoS("Not checking that containerd runs step images on the cowvol snapshotter: no --containerd-address")
+		}
+	}
+	reg := registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, key)
+	if d.opts.ContainerdAddress != "" {
+		runners = append(runners, loopRunner("deleting the runtime's images of volumes gone", func(ctx context.Context) error {
+			d.forgetImages(ctx, reg)
+			return nil
+		}))
+	}
+	srv := &http.Server{Handler: reg, ReadHeaderTimeout: 10 * time.Second}
+	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
+		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
+	return runners, nil
+}
+
+// checkContainerd says, in the log and in an Event on the Node, what the
+// node's containerd lacks to run step images on the snapshotter, until it
+// has it all (a containerd restarted with a new config is seen within a
+// minute).
+func (d *Driver) checkContainerd(ctx context.Context) error {
+	_, socket, _ := parseEndpoint(d.opts.ImageSnapshotterEndpoint)
+	said := ""
+	for {
+		askCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		missing, err := snapshotter.Check(askCtx, d.opts.ContainerdAddress, socket)
+		cancel()
+		switch {
+		case err != nil:
+			if say := err.Error(); say != said {
+				klog.ErrorS(err, "Could not check that containerd runs step images on the cowvol snapshotter; checking again every minute")
+				said = say
+			}
+		case len(missing) > 0:
+			if say := strings.Join(missing, "; "); say != said {
+				klog.ErrorS(nil, "containerd cannot run step images on the cowvol snapshotter: pods of the RuntimeClass cowvol will not start",
+					"containerd", d.opts.ContainerdAddress, "missing", missing)
+				d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImageSnapshotterNotConfigured",
+					"containerd cannot run step images on the cowvol snapshotter: "+say)
+				said = say
+			}
+		default:
+			klog.InfoS("containerd runs step images on the cowvol snapshotter", "containerd", d.opts.ContainerdAddress)
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(time.Minute):
+		}
+	}
+}
+
+// criNamespace is the containerd namespace the CRI keeps pods' images in.
+const criNamespace = "k8s.io"
+
+// forgetImages deletes from containerd, every half minute, the images it
+// keeps of this node's registry that no longer name what the node serves
+// (registry.Stale): the kubelet would otherwise start pods on an image
+// whose volume was destroyed, or fail to start them on one whose layers
+// are gone. Each delete waits for containerd to collect what only the
+// image held (its content, and snapshots no container runs on).
+func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
+	prefix := d.opts.ImageRegistryAddress + "/"
+	ctx = metadata.AppendToOutgoingContext(ctx, "containerd-namespace", criNamespace)
+	said := ""
+	for {
+		err := func() error {
+			conn, err := grpc.NewClient("unix://"+d.opts.ContainerdAddress, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			imgs := imagesapi.NewImagesClient(conn)
+			list, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{`name~="^` + regexp.QuoteMeta(prefix) + `"`}})
+			if err != nil {
+				return err
+			}
+			for _, img := range list.Images {
+				ref, ok := strings.CutPrefix(img.Name, prefix)
+				if !ok || img.Target == nil {
+					continue
+				}
+				stale, err := reg.Stale(ctx, ref, digest.Digest(img.Target.Digest))
+				if err != nil || !stale {
+					continue
+				}
+				if _, err := imgs.Delete(ctx, &imagesapi.DeleteImageRequest{Name: img.Name, Sync: true}); err != nil && status.Code(err) != codes.NotFound {
+					return err
+				}
+				klog.InfoS("Deleted from the runtime an image whose volume the node no longer serves", "image", img.Name)
+			}
+			return nil
+		}()
+		if err != nil && err.Error() != said {
+			klog.ErrorS(err, "Could not delete the runtime's images of volumes gone; trying again every half minute", "containerd", d.opts.ContainerdAddress)
+		}
+		said = ""
+		if err != nil {
+			said = err.Error()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(30 * time.Second):
+		}
+	}
+}
