@@ -19,12 +19,14 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/validate"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/image"
 )
 
 // writeRootfsImage leaves an image in dir as registry-image's rootfs
@@ -258,8 +260,10 @@ func tarFiles(t *testing.T, r io.Reader) map[string]string {
 func TestImageFromAPeer(t *testing.T) {
 	f := startPeerFleet(t)
 	a := f.node("node-a", testfs.XFS, 1<<30)
-	b := f.node("node-b", testfs.XFS, 1<<30, "--image-registry-address=127.0.0.1:7444", "--pull-mode=auto")
+	b := f.node("node-b", testfs.XFS, 1<<30, "--image-registry-address=127.0.0.1:7444", "--pull-mode=auto",
+		"--image-snapshotter-endpoint=unix://"+filepath.Join(t.TempDir(), "sn.sock"))
 	a.step("", "img", func(dir string) { writeRootfsImage(t, dir, "from node-a") })
+	a.step("", "img-on-layers", func(dir string) { writeRootfsImage(t, dir, "on its layers") })
 	a.captureIn("other", "private-img", nil)
 	f.holders("ci", "img", "node-a")
 	f.holders("other", "private-img", "node-a")
@@ -292,4 +296,24 @@ func TestImageFromAPeer(t *testing.T) {
 	_, err = pullOnB("127.0.0.1:7444/other/private-img:latest")
 	assert.ErrorContains(t, err, "MANIFEST_UNKNOWN", "its own namespace brings it (it holds no image)")
 	f.holders("other", "private-img", "node-a", "node-b")
+
+	// As the snapshotter runs it: the volume is brought whole, and the
+	// manifest names its remote layer.
+	var remoteLayer ocispec.Descriptor
+	eventually(t, "the :cowvol manifest served through node-b", func() bool {
+		r, err := name.ParseReference("127.0.0.1:7444/ci/img-on-layers:cowvol", name.Insecure)
+		require.NoError(t, err)
+		desc, err := remote.Get(r, remote.WithTransport(transport))
+		if err != nil {
+			require.NotContains(t, err.Error(), "NAME_UNKNOWN", "node-b did not find the volume on node-a")
+			return false
+		}
+		var m ocispec.Manifest
+		require.NoError(t, json.Unmarshal(desc.Manifest, &m))
+		require.Len(t, m.Layers, 1)
+		remoteLayer = m.Layers[0]
+		return true
+	})
+	assert.Contains(t, remoteLayer.Annotations[image.RemoteLayerAnnotation], "ci/img-on-layers@")
+	f.holders("ci", "img-on-layers", "node-a", "node-b")
 }
