@@ -6,12 +6,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/snapshotter"
 )
 
 // runtimeBin is where make e2e builds containerd, ctr and runc.
@@ -107,20 +109,8 @@ func tail(s string, n int) string {
 func BenchmarkStepImage(b *testing.B) {
 	testfs.Need(b)
 	socket := filepath.Join(b.TempDir(), "sn.sock")
-	// As the README has a node configure it (the e2e's snapshotterConfig).
-	ctr := containerd(b, runtimeBin(b), fmt.Sprintf(`[proxy_plugins.cowvol]
-  type = "snapshot"
-  address = %q
-[plugins.'io.containerd.transfer.v1.local']
-  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
-    platform = "linux/amd64"
-    snapshotter = "overlayfs"
-    differ = "walking"
-  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
-    platform = "linux/amd64"
-    snapshotter = "cowvol"
-    differ = "walking"
-`, socket))
+	// As the README has a node configure it.
+	ctr := containerd(b, runtimeBin(b), snapshotter.ContainerdConfig(socket, "linux/"+runtime.GOARCH))
 	busybox, err := os.ReadFile("/bin/busybox")
 	if err != nil {
 		b.Skip("no /bin/busybox to make the image from (apt-get install busybox-static)")

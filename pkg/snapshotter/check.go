@@ -61,3 +61,27 @@ func Check(ctx context.Context, address, socket string) ([]string, error) {
 	}
 	return missing, nil
 }
+
+// ContainerdConfig is what a node adds to containerd's config (version 3)
+// for the snapshotter served at socket, on platform (linux/amd64): the
+// proxy plugin, the transfer service unpacking into it as well as into
+// overlayfs (listing unpack_config replaces the defaults), and the CRI
+// runtime handler whose snapshotter it is.
+func ContainerdConfig(socket, platform string) string {
+	return fmt.Sprintf(`[proxy_plugins.%[1]s]
+  type = "snapshot"
+  address = %[2]q
+[plugins.'io.containerd.transfer.v1.local']
+  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+    platform = %[3]q
+    snapshotter = "overlayfs"
+    differ = "walking"
+  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+    platform = %[3]q
+    snapshotter = %[1]q
+    differ = "walking"
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.%[1]s]
+  runtime_type = "io.containerd.runc.v2"
+  snapshotter = %[1]q
+`, Name, socket, platform)
+}

@@ -1,10 +1,12 @@
 package snapshotter
 
 import (
+	"os"
 	"testing"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // TestStack: a remote layer's empty dir is replaced by the volume's dirs
@@ -57,4 +59,12 @@ func TestStack(t *testing.T) {
 		})
 	}
 	assert.Equal(t, []mount.Mount{{Type: "bind", Source: "/x"}}, stack([]mount.Mount{{Type: "bind", Source: "/x"}}, nil))
+}
+
+// TestREADMEConfig: the containerd config the README shows is the one the
+// e2e and the bench run.
+func TestREADMEConfig(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	assert.Contains(t, string(readme), "```toml\n"+ContainerdConfig("/run/cowvol/snapshotter.sock", "linux/amd64")+"```\n")
 }

@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -33,6 +34,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/snapshotter"
 )
 
 const (
@@ -378,7 +380,7 @@ root = %q
 state = %q
 [grpc]
   address = %q
-`+snapshotterConfig(c.snapshotter)+`
+`+snapshotter.ContainerdConfig(c.snapshotter, "linux/"+runtime.GOARCH)+`
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
@@ -391,9 +393,6 @@ state = %q
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.cowvol]
-      runtime_type = "io.containerd.runc.v2"
-      snapshotter = "cowvol"
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = [%q, "/usr/lib/cni"]
     conf_dir = %q

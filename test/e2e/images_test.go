@@ -108,26 +108,6 @@ func (c *cluster) stepImages() {
 		"and its pull by the registry where it named ci as the owner of a volume ci never shared\n")
 }
 
-// snapshotterConfig is what the README has a node add to containerd's
-// config for the cowvol snapshotter: the proxy plugin, and the transfer
-// service unpacking into it as well as into overlayfs (the CRI pulls for
-// a runtime class's handler into that handler's snapshotter).
-func snapshotterConfig(socket string) string {
-	return fmt.Sprintf(`[proxy_plugins.cowvol]
-  type = "snapshot"
-  address = %q
-[plugins.'io.containerd.transfer.v1.local']
-  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
-    platform = "linux/amd64"
-    snapshotter = "overlayfs"
-    differ = "walking"
-  [[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
-    platform = "linux/amd64"
-    snapshotter = "cowvol"
-    differ = "walking"
-`, socket)
-}
-
 // stepImagesOnSnapshotter: the rootfs-format image the get step left
 // (stepImages) runs under the cowvol runtime class as its :cowvol tag: the
 // kubelet pulls it for the class's handler, containerd unpacks it into the
