@@ -5,12 +5,14 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/stretchr/testify/require"
@@ -88,7 +90,7 @@ func (c *cluster) stepImages() {
 		return err != nil && strings.Contains(err.Error(), `cowvol rule "images"`)
 	})
 	for _, image := range []string{imageRegistry + "/ci/img-rootfs:latest", "localhost:7444/ci/img-rootfs", "127.0.0.2:7444/ci/img-rootfs",
-		"[::1]:7444/ci/img-rootfs", "LOCALHOST:7444/ci/img-oci", imageRegistry + "/ci/other/img-rootfs"} {
+		"[::1]:7444/ci/img-rootfs", "LOCALHOST:7444/ci/img-oci", imageRegistry + "/ci/other/img-rootfs", imageRegistry + "/ci/img-rootfs:cowvol"} {
 		err := judge("other", image)
 		require.Error(t, err, image)
 		require.Contains(t, err.Error(), "may only run images of the node registry under "+imageRegistry+"/other/", image)
@@ -112,10 +114,10 @@ func (c *cluster) stepImages() {
 // (stepImages) runs under the cowvol runtime class as its :cowvol tag: the
 // kubelet pulls it for the class's handler, containerd unpacks it into the
 // cowvol snapshotter, and its layer (the volume's rootfs/) is never
-// fetched. A container running on it keeps the volume through a destroy
-// (the reaper frees a volume destroyed beside it) while the volume's
-// images leave the runtime's list; once the pods are gone, the volume is
-// freed and no snapshot is left.
+// fetched. A container running on it keeps the volume through eviction
+// (the reaper evicts a volume beside it) and a destroy, while the
+// volume's images leave the runtime's list; once the pods are gone, the
+// volume is freed and no snapshot is left.
 func (c *cluster) stepImagesOnSnapshotter() {
 	t := c.t
 	// The node's containerd is configured as the README says, and the
@@ -152,11 +154,46 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	c.mustSucceed("ci", "bystander")
 	c.waitCaptured("img-bystander")
 	volumes := filepath.Join(c.stateDir, "cowvol", "volumes", "ci")
-	_, err = c.plugin.NodeAPI.DestroyVolumes(context.Background(), &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{
-		{Namespace: "ci", Handle: "img-rootfs"}, {Namespace: "ci", Handle: "img-bystander"}}})
+	// Eviction: the disk filled past the high watermark, the reaper takes
+	// what nothing holds (the bystander), not the volume a container
+	// runs on.
+	filler, err := os.Create(filepath.Join(c.stateDir, "filler"))
 	require.NoError(t, err)
-	c.until("the destroyed volume beside it to be freed", time.Minute, func() bool {
+	for {
+		n, err := c.plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+		require.NoError(t, err)
+		if n.UsedPercent > 55 {
+			break
+		}
+		if _, err = filler.Write(make([]byte, 64<<20)); err == nil {
+			err = filler.Sync() // btrfs counts space late
+		}
+		if errors.Is(err, syscall.ENOSPC) {
+			break
+		}
+		require.NoError(t, err)
+	}
+	c.until("the reaper to evict the volume beside it", 2*time.Minute, func() bool {
 		_, err := os.Stat(filepath.Join(volumes, "img-bystander"))
+		return os.IsNotExist(err)
+	})
+	filler.Close()
+	require.NoError(t, os.Remove(filler.Name()))
+	v, err := c.plugin.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "img-rootfs"}})
+	require.NoError(t, err, "the image volume a container runs on was evicted")
+	require.Equal(t, "ready", v.State)
+	require.NotEmpty(t, v.HoldingImages)
+
+	// Destroyed, it is hidden at once, and kept while the container runs
+	// (the reaper frees a volume destroyed with it).
+	c.createPod("ci", "bystander-2", "echo x > /out/f", volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-bystander-2")})
+	c.mustSucceed("ci", "bystander-2")
+	c.waitCaptured("img-bystander-2")
+	_, err = c.plugin.NodeAPI.DestroyVolumes(context.Background(), &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{
+		{Namespace: "ci", Handle: "img-rootfs"}, {Namespace: "ci", Handle: "img-bystander-2"}}})
+	require.NoError(t, err)
+	c.until("the volume destroyed with it to be freed", time.Minute, func() bool {
+		_, err := os.Stat(filepath.Join(volumes, "img-bystander-2"))
 		return os.IsNotExist(err)
 	})
 	require.DirExists(t, filepath.Join(volumes, "img-rootfs"), "the image volume a container runs on was freed")
@@ -187,6 +224,6 @@ func (c *cluster) stepImagesOnSnapshotter() {
 		return len(strings.Split(strings.TrimSpace(ctr("snapshots", "--snapshotter", "cowvol", "ls")), "\n")) == 1
 	})
 	report(t, fmt.Sprintf("a task ran on the rootfs-format image volume's own layers through the cowvol snapshotter (its layer never fetched): "+
-		"done %s after it was created; a running container kept the volume through a destroy, freed %s after its pod was deleted\n",
+		"done %s after it was created; a running container kept the volume through eviction and a destroy, freed %s after its pod was deleted\n",
 		took.Round(100*time.Millisecond), time.Since(freed).Round(time.Second)))
 }
