@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -153,7 +154,7 @@ func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
 			}
 			defer conn.Close()
 			imgs := imagesapi.NewImagesClient(conn)
-			list, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{`name~="^` + regexp.QuoteMeta(prefix) + `"`}})
+			list, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{imagesUnder(prefix)}})
 			if err != nil {
 				return err
 			}
@@ -186,4 +187,10 @@ func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
 		case <-time.After(30 * time.Second):
 		}
 	}
+}
+
+// imagesUnder is containerd's filter for the images whose name starts
+// with prefix (its quoted strings take Go's escapes).
+func imagesUnder(prefix string) string {
+	return "name~=" + strconv.Quote("^"+regexp.QuoteMeta(prefix))
 }
