@@ -153,6 +153,7 @@ func TestImageSnapshotter(t *testing.T) {
 	t.Run("removing the container frees the volume", func(t *testing.T) {
 		require.NoError(t, mount.UnmountAll(root, 0))
 		require.NoError(t, sn.Remove(ctx, "container-1"))
+		require.NoError(t, sn.(snapshots.Cleaner).Cleanup(ctx))
 		eventually(t, "the destroyed image volume freed", func() bool {
 			_, err := os.Stat(dataDir)
 			return os.IsNotExist(err)

@@ -57,20 +57,32 @@ const (
 
 // Snapshotter is containerd's overlay snapshotter with remote layers.
 type Snapshotter struct {
-	snapshots.Snapshotter
+	cleaner
 	key  image.LayerKey
 	vols Volumes
+}
+
+// cleaner is a snapshotter that frees removed snapshots' dirs on demand,
+// as containerd's overlay snapshotter does.
+type cleaner interface {
+	snapshots.Snapshotter
+	snapshots.Cleaner
 }
 
 // New opens the snapshotter rooted at root (made if missing). Volumes
 // held for snapshots the runtime removed while no snapshotter ran are
 // released.
 func New(ctx context.Context, root string, key image.LayerKey, vols Volumes) (*Snapshotter, error) {
-	inner, err := overlay.NewSnapshotter(root)
+	sn, err := overlay.NewSnapshotter(root)
 	if err != nil {
 		return nil, err
 	}
-	s := &Snapshotter{Snapshotter: inner, key: key, vols: vols}
+	inner, ok := sn.(cleaner)
+	if !ok {
+		sn.Close()
+		return nil, errors.New("containerd's overlay snapshotter has no Cleanup")
+	}
+	s := &Snapshotter{cleaner: inner, key: key, vols: vols}
 	for _, holder := range vols.ImageHolders() {
 		if _, err := inner.Stat(ctx, holder); !errdefs.IsNotFound(err) {
 			continue
@@ -96,12 +108,12 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 	if value, ok := info.Labels[image.RemoteLayerAnnotation]; ok {
 		return nil, s.prepareRemote(ctx, key, parent, value, info.Labels)
 	}
-	return s.create(ctx, key, parent, s.Snapshotter.Prepare, opts)
+	return s.create(ctx, key, parent, s.cleaner.Prepare, opts)
 }
 
 // View makes a read-only snapshot.
 func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
-	return s.create(ctx, key, parent, s.Snapshotter.View, opts)
+	return s.create(ctx, key, parent, s.cleaner.View, opts)
 }
 
 // create makes a snapshot over parent; over a remote layer, it holds the
@@ -129,7 +141,7 @@ func (s *Snapshotter) create(ctx context.Context, key, parent string,
 
 // Mounts says how to mount a snapshot.
 func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
-	info, err := s.Snapshotter.Stat(ctx, key)
+	info, err := s.cleaner.Stat(ctx, key)
 	if err != nil {
 		return nil, err
 	}
@@ -142,7 +154,7 @@ func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, er
 	if err != nil {
 		return nil, err
 	}
-	mounts, err := s.Snapshotter.Mounts(ctx, key)
+	mounts, err := s.cleaner.Mounts(ctx, key)
 	if err != nil {
 		return nil, err
 	}
@@ -152,7 +164,7 @@ func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, er
 // Commit turns an active snapshot into a committed one, which keeps its
 // holds under its new name.
 func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snapshots.Opt) error {
-	info, err := s.Snapshotter.Stat(ctx, key)
+	info, err := s.cleaner.Stat(ctx, key)
 	if err != nil {
 		return err
 	}
@@ -163,7 +175,7 @@ func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snap
 	if _, err := s.hold(name, remotes); err != nil {
 		return errors.Join(err, s.vols.ReleaseImage(name))
 	}
-	if err := s.Snapshotter.Commit(ctx, name, key, opts...); err != nil {
+	if err := s.cleaner.Commit(ctx, name, key, opts...); err != nil {
 		if len(remotes) > 0 {
 			err = errors.Join(err, s.vols.ReleaseImage(name))
 		}
@@ -174,7 +186,7 @@ func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snap
 
 // Remove removes a snapshot and ends its holds.
 func (s *Snapshotter) Remove(ctx context.Context, key string) error {
-	if err := s.Snapshotter.Remove(ctx, key); err != nil {
+	if err := s.cleaner.Remove(ctx, key); err != nil {
 		return err
 	}
 	return s.vols.ReleaseImage(key)
@@ -203,19 +215,19 @@ func (s *Snapshotter) prepareRemote(ctx context.Context, key, parent, value stri
 		return err
 	}
 	kept := map[string]string{snapshots.LabelSnapshotRef: target, labelRemote: value}
-	mounts, err := s.Snapshotter.Prepare(ctx, key, "", snapshots.WithLabels(kept))
+	mounts, err := s.cleaner.Prepare(ctx, key, "", snapshots.WithLabels(kept))
 	if err != nil {
 		return err
 	}
 	if len(mounts) != 1 || mounts[0].Type != "bind" {
-		return errors.Join(fmt.Errorf("an empty snapshot mounts as %v, not one bind mount", mounts), s.Snapshotter.Remove(ctx, key))
+		return errors.Join(fmt.Errorf("an empty snapshot mounts as %v, not one bind mount", mounts), s.cleaner.Remove(ctx, key))
 	}
 	kept[labelDir] = mounts[0].Source
 	name := "cowvol-remote-layer " + target
-	err = s.Snapshotter.Commit(ctx, name, key, snapshots.WithLabels(kept))
+	err = s.cleaner.Commit(ctx, name, key, snapshots.WithLabels(kept))
 	if errdefs.IsAlreadyExists(err) {
 		// Another namespace's pull of the same image made it.
-		err = s.Snapshotter.Remove(ctx, key)
+		err = s.cleaner.Remove(ctx, key)
 	}
 	if err != nil {
 		return err
@@ -235,7 +247,7 @@ type remote struct {
 func (s *Snapshotter) remoteAncestors(ctx context.Context, parent string) ([]remote, error) {
 	var out []remote
 	for p := parent; p != ""; {
-		info, err := s.Snapshotter.Stat(ctx, p)
+		info, err := s.cleaner.Stat(ctx, p)
 		if err != nil {
 			return nil, err
 		}
