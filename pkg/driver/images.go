@@ -143,7 +143,6 @@ const criNamespace = "k8s.io"
 // are gone. Each delete waits for containerd to collect what only the
 // image held (its content, and snapshots no container runs on).
 func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
-	prefix := d.opts.ImageRegistryAddress + "/"
 	ctx = metadata.AppendToOutgoingContext(ctx, "containerd-namespace", criNamespace)
 	said := ""
 	for {
@@ -153,26 +152,7 @@ func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
 				return err
 			}
 			defer conn.Close()
-			imgs := imagesapi.NewImagesClient(conn)
-			list, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{imagesUnder(prefix)}})
-			if err != nil {
-				return err
-			}
-			for _, img := range list.Images {
-				ref, ok := strings.CutPrefix(img.Name, prefix)
-				if !ok || img.Target == nil {
-					continue
-				}
-				stale, err := reg.Stale(ctx, ref, digest.Digest(img.Target.Digest))
-				if err != nil || !stale {
-					continue
-				}
-				if _, err := imgs.Delete(ctx, &imagesapi.DeleteImageRequest{Name: img.Name, Sync: true}); err != nil && status.Code(err) != codes.NotFound {
-					return err
-				}
-				klog.InfoS("Deleted from the runtime an image whose volume the node no longer serves", "image", img.Name)
-			}
-			return nil
+			return forgetStale(ctx, imagesapi.NewImagesClient(conn), reg, d.opts.ImageRegistryAddress+"/")
 		}()
 		if err != nil && err.Error() != said {
 			klog.ErrorS(err, "Could not delete the runtime's images of volumes gone; trying again every half minute", "containerd", d.opts.ContainerdAddress)
@@ -187,6 +167,65 @@ func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
 		case <-time.After(30 * time.Second):
 		}
 	}
+}
+
+// imageID is the name the CRI also keeps each image under: its config's
+// digest.
+var imageID = regexp.MustCompile(`^sha256:[0-9a-f]{64}$`)
+
+// forgetStale deletes the images under prefix that are stale, and then
+// the CRI's image ID records left naming nothing else: while one is left,
+// containerd keeps everything the image held.
+func forgetStale(ctx context.Context, imgs imagesapi.ImagesClient, reg *registry.Server, prefix string) error {
+	list, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{imagesUnder(prefix)}})
+	if err != nil {
+		return err
+	}
+	targets := map[string]bool{}
+	for _, img := range list.Images {
+		ref, ok := strings.CutPrefix(img.Name, prefix)
+		if !ok || img.Target == nil {
+			continue
+		}
+		if stale, err := reg.Stale(ctx, ref, digest.Digest(img.Target.Digest)); err != nil || !stale {
+			continue
+		}
+		if err := deleteImage(ctx, imgs, img.Name); err != nil {
+			return err
+		}
+		targets[img.Target.Digest] = true
+		klog.InfoS("Deleted from the runtime an image whose volume the node no longer serves", "image", img.Name)
+	}
+	for target := range targets {
+		same, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{"target.digest==" + strconv.Quote(target)}})
+		if err != nil {
+			return err
+		}
+		var ids []string
+		for _, img := range same.Images {
+			if !imageID.MatchString(img.Name) {
+				ids = nil // another name still runs it: the runtime keeps it
+				break
+			}
+			ids = append(ids, img.Name)
+		}
+		for _, id := range ids {
+			if err := deleteImage(ctx, imgs, id); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// deleteImage deletes an image, waiting for containerd to collect what
+// only it held.
+func deleteImage(ctx context.Context, imgs imagesapi.ImagesClient, name string) error {
+	_, err := imgs.Delete(ctx, &imagesapi.DeleteImageRequest{Name: name, Sync: true})
+	if status.Code(err) == codes.NotFound {
+		return nil
+	}
+	return err
 }
 
 // imagesUnder is containerd's filter for the images whose name starts

@@ -256,6 +256,9 @@ func (s *Snapshotter) remoteAncestors(ctx context.Context, parent string) ([]rem
 			if err != nil {
 				return nil, err
 			}
+			if info.Labels[labelDir] == "" {
+				return nil, fmt.Errorf("remote layer %s has no %s label", p, labelDir)
+			}
 			out = append(out, remote{layer: layer, ref: ref, dir: info.Labels[labelDir]})
 		}
 		p = info.Parent
