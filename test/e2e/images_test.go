@@ -5,14 +5,12 @@ package e2e
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/stretchr/testify/require"
@@ -160,28 +158,12 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	// Eviction: the disk filled past the high watermark, the reaper takes
 	// what nothing holds (the bystander), not the volume a container
 	// runs on.
-	filler, err := os.Create(filepath.Join(c.stateDir, "filler"))
-	require.NoError(t, err)
-	for {
-		n, err := c.plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
-		require.NoError(t, err)
-		if n.UsedPercent > 55 {
-			break
-		}
-		if _, err = filler.Write(make([]byte, 64<<20)); err == nil {
-			err = filler.Sync() // btrfs counts space late
-		}
-		if errors.Is(err, syscall.ENOSPC) {
-			break
-		}
-		require.NoError(t, err)
-	}
+	unfill := c.fillStateDir()
 	c.until("the reaper to evict the volume beside it", 2*time.Minute, func() bool {
 		_, err := os.Stat(filepath.Join(volumes, "img-bystander"))
 		return os.IsNotExist(err)
 	})
-	filler.Close()
-	require.NoError(t, os.Remove(filler.Name()))
+	unfill()
 	v, err := c.plugin.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "img-rootfs"}})
 	require.NoError(t, err, "the image volume a container runs on was evicted")
 	require.Equal(t, "ready", v.State)

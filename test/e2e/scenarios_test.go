@@ -313,29 +313,11 @@ func TestE2E(t *testing.T) {
 				"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
 			return out
 		}
-		filler, err := os.Create(filepath.Join(c.stateDir, "filler"))
-		require.NoError(t, err)
-		defer filler.Close()
-		for {
-			n, err := c.plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
-			require.NoError(t, err)
-			if n.UsedPercent > 55 {
-				break
-			}
-			// Synced, so that the filesystem counts it (btrfs reports
-			// space late); a full disk is past the mark too.
-			if _, err = filler.Write(make([]byte, 64<<20)); err == nil {
-				err = filler.Sync()
-			}
-			if errors.Is(err, syscall.ENOSPC) {
-				break
-			}
-			require.NoError(t, err)
-		}
+		unfill := c.fillStateDir()
 		c.until("the CacheFull event on the Node", 60*time.Second, func() bool {
 			return strings.Contains(nodeEvents(), "CacheFull: cowvol refuses new captures")
 		})
-		require.NoError(t, os.Remove(filler.Name()))
+		unfill()
 		c.until("the CacheRecovered event on the Node", 60*time.Second, func() bool {
 			return strings.Contains(nodeEvents(), "CacheRecovered")
 		})
@@ -433,4 +415,32 @@ func (c *cluster) admissionPolicy() {
 	}
 	report(t, "the admission policy refused cowvol volumes in an unlabelled namespace, a shared capture without the share label, "+
 		"and sizeLimits past (or missing under) a namespace's max-size-limit, each naming its rule\n")
+}
+
+// fillStateDir fills the state dir's filesystem past the plugin's high
+// watermark (50%) with a file of its own, and returns what removes it.
+func (c *cluster) fillStateDir() (unfill func()) {
+	t := c.t
+	filler, err := os.Create(filepath.Join(c.stateDir, "filler"))
+	require.NoError(t, err)
+	for {
+		n, err := c.plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+		require.NoError(t, err)
+		if n.UsedPercent > 55 {
+			break
+		}
+		// Synced, so that the filesystem counts it (btrfs reports space
+		// late); a full disk is past the mark too.
+		if _, err = filler.Write(make([]byte, 64<<20)); err == nil {
+			err = filler.Sync()
+		}
+		if errors.Is(err, syscall.ENOSPC) {
+			break
+		}
+		require.NoError(t, err)
+	}
+	return func() {
+		filler.Close()
+		require.NoError(t, os.Remove(filler.Name()))
+	}
 }
