@@ -111,6 +111,8 @@ func TestImageSnapshotter(t *testing.T) {
 	assert.Equal(t, "bonjour", readFile(t, root, "bin/greet"))
 	absent(t, root, "etc/passwd")
 	write(t, root, "bin/greet", "changed by the container")
+	_, err = sn.Prepare(ctx, "container-1", remote)
+	require.True(t, errdefs.IsAlreadyExists(err), "a key in use: %v", err)
 	e.read("img2", func(dir string) { assert.Equal(t, "bonjour", readFile(t, dir, "rootfs/bin/greet")) })
 
 	dataDir := filepath.Join(e.p.StateDir, "volumes", "ci", "img2")

@@ -120,7 +120,11 @@ func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snap
 // volume first (recorded before containerd's record, so that a crash
 // between leaves a hold New drops, never a snapshot without one).
 func (s *Snapshotter) create(ctx context.Context, key, parent string,
-	make func(context.Context, string, string, ...snapshots.Opt) ([]mount.Mount, error), opts []snapshots.Opt) ([]mount.Mount, error) {
+	makeSnapshot func(context.Context, string, string, ...snapshots.Opt) ([]mount.Mount, error), opts []snapshots.Opt) ([]mount.Mount, error) {
+	// A key in use keeps its holds: this call must not touch them.
+	if err := s.unused(ctx, key); err != nil {
+		return nil, err
+	}
 	remotes, err := s.remoteAncestors(ctx, parent)
 	if err != nil {
 		return nil, err
@@ -129,7 +133,7 @@ func (s *Snapshotter) create(ctx context.Context, key, parent string,
 	if err != nil {
 		return nil, errors.Join(err, s.vols.ReleaseImage(key))
 	}
-	mounts, err := make(ctx, key, parent, opts...)
+	mounts, err := makeSnapshot(ctx, key, parent, opts...)
 	if err != nil {
 		if len(remotes) > 0 {
 			err = errors.Join(err, s.vols.ReleaseImage(key))
@@ -168,6 +172,9 @@ func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snap
 	if err != nil {
 		return err
 	}
+	if err := s.unused(ctx, name); err != nil {
+		return err
+	}
 	remotes, err := s.remoteAncestors(ctx, info.Parent)
 	if err != nil {
 		return err
@@ -182,6 +189,18 @@ func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snap
 		return err
 	}
 	return s.vols.ReleaseImage(key)
+}
+
+// unused fails with AlreadyExists if a snapshot has the key.
+func (s *Snapshotter) unused(ctx context.Context, key string) error {
+	_, err := s.cleaner.Stat(ctx, key)
+	switch {
+	case err == nil:
+		return fmt.Errorf("snapshot %s: %w", key, errdefs.ErrAlreadyExists)
+	case errdefs.IsNotFound(err):
+		return nil
+	}
+	return err
 }
 
 // Remove removes a snapshot and ends its holds.
