@@ -75,7 +75,7 @@ func (d *Driver) imageRunners() ([]runner, error) {
 		// containerd's alone: it hands out the node's volumes as root
 		// filesystems.
 		runners = append(runners, logged(grpcRunner("serving the image snapshotter", srv,
-			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), stopHard),
+			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), func(srv *grpc.Server) { srv.Stop(); sn.Close() }),
 			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.ImageSnapshotterEndpoint, "root", root))
 		if d.opts.ContainerdAddress != "" {
 			runners = append(runners, loopRunner("checking containerd's config", d.checkContainerd))
