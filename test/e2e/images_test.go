@@ -134,6 +134,11 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	c.createPodWith("ci", "on-snapshotter", `echo "$GREETING"; cat /etc/made-by`, opts)
 	require.Equal(t, "hello from a volume\nrootfs\n", c.mustSucceed("ci", "on-snapshotter"))
 	took := time.Since(started)
+	// An OCI layout has no remote layer: under the class, containerd
+	// unpacks it into the snapshotter (once per node), and it runs there.
+	c.createPodWith("ci", "oci-on-snapshotter", `cat /etc/made-by`,
+		[]podOpt{withImage(imageRegistry + "/ci/img-oci:" + registry.RemoteTag), opts[1]})
+	require.Equal(t, "oci-build\n", c.mustSucceed("ci", "oci-on-snapshotter"))
 
 	resp, err := http.Get("http://" + imageRegistry + "/v2/ci/img-rootfs/manifests/" + registry.RemoteTag)
 	require.NoError(t, err)
