@@ -25,12 +25,24 @@ func (s *Store) HoldImage(holder string, r volume.Ref, check func(Volume) error)
 	if holder == "" || strings.ContainsRune(holder, 0) {
 		return nil, fmt.Errorf("image holder %s: want a name without NUL", volume.Quote(holder))
 	}
+	// Held already (a snapshot's mounts asked for again): a read, with no
+	// commit to sync.
+	held := false
+	err = s.db.View(func(tx *bolt.Tx) error {
+		if held = tx.Bucket(imagesBucket).Get(indexKey(r.String(), holder)) != nil; held {
+			_, dirs, err = s.chain(tx.Bucket(volumesBucket), r, heldLayer)
+		}
+		return err
+	})
+	if held || err != nil {
+		return dirs, err
+	}
 	err = s.withRoom(func() error {
 		return s.db.Update(func(tx *bolt.Tx) error {
 			vols, images := tx.Bucket(volumesBucket), tx.Bucket(imagesBucket)
 			usable := Volume.layerComplete
 			if images.Get(indexKey(r.String(), holder)) != nil {
-				usable = func(v Volume, _ bool) bool { return v.layerComplete(false) }
+				usable = heldLayer
 			} else {
 				top, ok, err := getJSON[Volume](vols, key(r))
 				if err != nil {
@@ -97,3 +109,7 @@ func (s *Store) ImageHolders() []string {
 	})
 	return out
 }
+
+// heldLayer says whether a layer of a held chain is still there: a
+// destroyed volume's data stays while it is held.
+func heldLayer(v Volume, _ bool) bool { return v.layerComplete(false) }
