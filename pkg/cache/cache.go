@@ -361,6 +361,10 @@ func (s *Store) ViewsDir() string { return filepath.Join(s.dir, "views") }
 // StagingDir holds half-made trees (flattening); it is emptied at start-up.
 func (s *Store) StagingDir() string { return filepath.Join(s.dir, "staging") }
 
+// TreesDir holds empty step volume trees made ahead for publishes; it is
+// emptied at start-up.
+func (s *Store) TreesDir() string { return filepath.Join(s.dir, "trees") }
+
 // TrashDir holds trees renamed away for deletion in the background.
 func (s *Store) TrashDir() string { return filepath.Join(s.dir, "trash") }
 
@@ -539,25 +543,11 @@ func (s *Store) Publish(v View) (View, error) {
 		}
 		v.Lowers, v.Pins = nil, nil
 		if !v.Source.IsZero() {
-			src, ok, err := getJSON[Volume](vols, key(v.Source))
+			src, pins, lowers, err := s.sourceOf(vols, v)
 			if err != nil {
 				return err
 			}
-			if !ok {
-				return NotVisible(v.Source, v.Pod.Namespace)
-			}
-			if err := src.mountable(v.Pod.Namespace); err != nil {
-				return err
-			}
-			// A view that is a copy of its chain (a tree for a user
-			// namespace) needs all of its data; an overlay reads through.
-			usable := Volume.layerMountable
-			if v.UserNamespace {
-				usable = Volume.layerComplete
-			}
-			if v.Pins, v.Lowers, err = s.chain(vols, v.Source, usable); err != nil {
-				return err
-			}
+			v.Pins, v.Lowers = pins, lowers
 			for _, p := range v.Pins {
 				if err := tx.Bucket(pinsBucket).Put(indexKey(p.String(), v.VolumeID), nil); err != nil {
 					return err
@@ -601,6 +591,46 @@ func (s *Store) Publish(v View) (View, error) {
 		return putJSON(views, []byte(v.VolumeID), v)
 	})
 	return v, err
+}
+
+// sourceOf checks that a view's source may be mounted by its pod's
+// namespace and returns it with its chain: the volumes the view pins and
+// the layer dirs it mounts, top first.
+func (s *Store) sourceOf(vols *bolt.Bucket, v View) (src Volume, pins []volume.Ref, lowers []string, err error) {
+	src, ok, err := getJSON[Volume](vols, key(v.Source))
+	if err != nil {
+		return src, nil, nil, err
+	}
+	if !ok {
+		return src, nil, nil, NotVisible(v.Source, v.Pod.Namespace)
+	}
+	if err := src.mountable(v.Pod.Namespace); err != nil {
+		return src, nil, nil, err
+	}
+	// A view that is a copy of its chain (a tree for a user namespace)
+	// needs all of its data; an overlay reads through.
+	usable := Volume.layerMountable
+	if v.UserNamespace {
+		usable = Volume.layerComplete
+	}
+	pins, lowers, err = s.chain(vols, v.Source, usable)
+	return src, pins, lowers, err
+}
+
+// Lowers answers, without writing, what Publish would mount for v now (its
+// source's layer dirs, top first; none without a source), refusing a source
+// as Publish would. A publish stages its mount from it while its
+// transaction commits; the transaction checks again, and its Lowers are the
+// ones that count.
+func (s *Store) Lowers(v View) (lowers []string, err error) {
+	if v.Source.IsZero() {
+		return nil, nil
+	}
+	err = s.db.View(func(tx *bolt.Tx) error {
+		_, _, lowers, err = s.sourceOf(tx.Bucket(volumesBucket), v)
+		return err
+	})
+	return lowers, err
 }
 
 // unpin drops a step volume's pins from the index.

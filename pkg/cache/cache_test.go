@@ -2,6 +2,7 @@ package cache
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -413,6 +414,50 @@ func TestRecordMounts(t *testing.T) {
 			got, err := s.GetView("v")
 			require.NoError(t, err)
 			require.Equal(t, tc.want, got.MountID)
+		})
+	}
+}
+
+// Lowers answers what Publish would mount, and refuses every source Publish
+// refuses with the same error, writing nothing.
+func TestLowersAnswersAsPublish(t *testing.T) {
+	s := openStore(t)
+	ready(t, s, "ci", "a", volume.Ref{}, volume.ScopeCluster, nil)
+	ready(t, s, "ci", "b", ref("ci", "a"), volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "bad", volume.Ref{}, volume.ScopeNamespace, nil)
+	require.NoError(t, s.update(ref("ci", "bad"), func(v *Volume) error { v.State = volume.StateFailed; return nil }))
+	_, err := s.Publish(View{VolumeID: "w", Capture: "creating", Pod: pod("ci")})
+	require.NoError(t, err)
+
+	tests := []struct {
+		name    string
+		view    View
+		wantErr error
+	}{
+		{"a chain", View{Source: ref("ci", "b"), Pod: pod("ci")}, nil},
+		{"a shared layer from another namespace", View{Source: ref("ci", "a"), Pod: pod("other")}, nil},
+		{"no source", View{Pod: pod("ci")}, nil},
+		{"a copy for a user namespace", View{Source: ref("ci", "b"), Pod: pod("ci"), UserNamespace: true}, nil},
+		{"another namespace's private volume", View{Source: ref("ci", "b"), Pod: pod("other")}, ErrNotFound},
+		{"a missing volume", View{Source: ref("ci", "nope"), Pod: pod("ci")}, ErrNotFound},
+		{"a failed volume", View{Source: ref("ci", "bad"), Pod: pod("ci")}, ErrUnusable},
+		{"a volume being made", View{Source: ref("ci", "creating"), Pod: pod("ci")}, ErrNotReady},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.view.VolumeID = fmt.Sprint("lowers-", i)
+			before := s.ListViews()
+			lowers, lerr := s.Lowers(tc.view)
+			require.Equal(t, before, s.ListViews(), "Lowers writes nothing")
+			published, perr := s.Publish(tc.view)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, lerr, tc.wantErr)
+				require.Equal(t, perr.Error(), lerr.Error(), "refused as Publish refuses")
+				return
+			}
+			require.NoError(t, lerr)
+			require.NoError(t, perr)
+			require.Equal(t, published.Lowers, lowers)
 		})
 	}
 }

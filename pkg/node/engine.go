@@ -139,6 +139,10 @@ type Engine struct {
 	// writes to the store after the publishes returned.
 	madeMounts madeMounts
 	recorder   chan struct{}
+	// trees are empty view trees made ahead, for backends that stage
+	// views (nil: none); planter makes more after publishes take them.
+	trees   *overlay.Trees
+	planter chan struct{}
 
 	// boot is this kernel boot's ID: what survives a reboot is only what
 	// was synced before it.
@@ -192,6 +196,12 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	if events == nil {
 		events = NoEvents{}
 	}
+	var trees *overlay.Trees
+	if _, ok := backend.(overlay.Stager); ok {
+		if trees, err = overlay.OpenTrees(store.TreesDir(), treesAhead); err != nil {
+			return nil, err
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Engine{
 		nodeID: cfg.NodeID, flattenDepth: cfg.FlattenDepth,
@@ -200,7 +210,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
-		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
+		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
 	}
 	e.metrics = newMetrics(e, string(kind))
 	if cfg.Pulls != nil {
@@ -220,6 +230,10 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	e.onKick(e.janitor, e.tidyRound)
 	e.onKick(e.syncer, e.syncRound)
 	e.onKick(e.recorder, e.recordMountsRound)
+	if e.trees != nil {
+		e.onKickAfter(e.planter, afterPublish, e.plantTrees)
+		e.kick(e.planter)
+	}
 	e.goBackground(e.retryQuarantined)
 	e.Go(e.reapLoop)
 	e.tidy()
@@ -278,13 +292,29 @@ func (e *Engine) tidy() { e.kick(e.janitor) }
 
 // onKick runs round in the background each time ch is kicked, until the
 // engine stops.
-func (e *Engine) onKick(ch chan struct{}, round func()) {
+func (e *Engine) onKick(ch chan struct{}, round func()) { e.onKickAfter(ch, 0, round) }
+
+// onKickAfter is onKick for work that waits a while after its kick, so as
+// not to compete for the CPU with the call that kicked it (a publish still
+// answering the kubelet), and so that a burst of kicks is one round.
+func (e *Engine) onKickAfter(ch chan struct{}, delay time.Duration, round func()) {
 	e.goBackground(func() {
 		for {
 			select {
 			case <-e.bgCtx.Done():
 				return
 			case <-ch:
+			}
+			if delay > 0 {
+				select {
+				case <-e.bgCtx.Done():
+					return
+				case <-time.After(delay):
+				}
+				select { // kicks meanwhile are this round's
+				case <-ch:
+				default:
+				}
 			}
 			round()
 		}

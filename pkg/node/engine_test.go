@@ -39,6 +39,7 @@ type faultyMounter struct {
 	mu          sync.Mutex
 	failMount   error
 	failUnmount error
+	detached    int // overlays made attached nowhere (staged)
 }
 
 func (f *faultyMounter) fault(which *error) error {
@@ -52,6 +53,16 @@ func (f *faultyMounter) Overlay(target string, lowers []string, upper, work stri
 		return err
 	}
 	return f.Mounter.Overlay(target, lowers, upper, work, a)
+}
+
+func (f *faultyMounter) OverlayDetached(lowers []string, upper, work string, a overlay.Attrs) (overlay.Detached, error) {
+	f.mu.Lock()
+	f.detached++
+	f.mu.Unlock()
+	if err := f.fault(&f.failMount); err != nil {
+		return nil, err
+	}
+	return f.Mounter.OverlayDetached(lowers, upper, work, a)
 }
 
 func (f *faultyMounter) Bind(source, target string, a overlay.Attrs) error {
@@ -186,6 +197,53 @@ func TestFailedPublishLeavesNothing(t *testing.T) {
 	vol, err := f.store.Get(ref("ci", "out-1"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, vol.State)
+}
+
+// A view of a source is made while its record commits (its target, tree
+// and mount); a publish that then fails or is refused leaves nothing of it.
+func TestStagedPublishLeavesNothing(t *testing.T) {
+	tests := []struct {
+		name    string
+		capture string
+		fail    error // the mount fails so
+		wantErr error
+	}{
+		{name: "the mount fails", capture: "out", fail: errors.New("injected mount failure")},
+		{name: "the record refuses it", capture: "taken", wantErr: cache.ErrExists},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.capture("ci", "src")
+			f.capture("ci", "taken")
+			v := f.volume("ci", "src", tc.capture)
+			f.mounter.set(&f.mounter.failMount, tc.fail)
+			err := f.publish(v)
+			f.mounter.set(&f.mounter.failMount, nil)
+			f.mounter.mu.Lock()
+			require.Equal(t, 1, f.mounter.detached, "the mount was made before the record")
+			f.mounter.mu.Unlock()
+			if tc.fail != nil {
+				require.ErrorIs(t, err, tc.fail)
+			} else {
+				require.ErrorIs(t, err, tc.wantErr)
+			}
+			_, err = f.store.GetView(v.VolumeID)
+			require.ErrorIs(t, err, cache.ErrNotFound)
+			_, err = os.Lstat(v.Target.Full)
+			require.ErrorIs(t, err, os.ErrNotExist, "the target dir made for it is gone")
+			entries, err := os.ReadDir(f.store.ViewsDir())
+			require.NoError(t, err)
+			require.Empty(t, entries, "no tree is left")
+			if tc.fail != nil {
+				require.NoError(t, f.publish(v), "the retry succeeds")
+				got, err := os.ReadFile(filepath.Join(v.Target.Full, "file"))
+				require.NoError(t, err)
+				require.Equal(t, "src", string(got))
+				require.NoError(t, f.unpublish(v))
+			}
+		})
+	}
 }
 
 func ref(ns, h string) volume.Ref { return volume.Ref{Namespace: ns, Handle: h} }

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -92,11 +93,11 @@ func (e *Engine) Publish(r PublishRequest) error {
 		return err
 	}
 	start := time.Now()
-	view, err := e.store.Publish(want)
+	view, staged, err := e.record(want)
 	if err != nil {
 		return err
 	}
-	if mounted, err := e.prepare(view); err != nil {
+	if mounted, err := e.prepare(view, staged); err != nil {
 		if rerr := e.discard(view, mounted); rerr != nil {
 			klog.ErrorS(rerr, "Cleaning up a failed publish", "volumeID", view.VolumeID)
 		}
@@ -119,33 +120,157 @@ func (e *Engine) openTarget(v cache.View) (*target.Dir, error) {
 	return e.layout.Open(tp)
 }
 
-// prepare makes the view's tree and mounts it at the target, saying whether
-// anything may be mounted there when it fails. The view is recorded as
-// published before: a crash from here on leaves a view that recovery and the
+// record records a new view as published. Where the view's backend can
+// stage it, the view's target is made and its tree and mount (attached
+// nowhere) too meanwhile, from the lowers a read of the store gives: the
+// transaction's commit waits on the disk while these work the CPU. The
+// staged mount is kept only if the record confirms its lowers; otherwise
+// prepare builds and mounts the view after its record, as it does for every
+// view of other backends (whose staged is nil).
+func (e *Engine) record(want cache.View) (cache.View, *staged, error) {
+	b, err := e.backendOf(want)
+	stager, ok := b.(overlay.Stager)
+	if err != nil || !ok {
+		view, err := e.store.Publish(want)
+		return view, nil, err
+	}
+	planned := want
+	if planned.Lowers, err = e.store.Lowers(want); err != nil {
+		return want, nil, err // refused as the transaction would refuse it
+	}
+	done := make(chan *staged, 1)
+	go func() { done <- e.stage(stager, planned) }()
+	view, err := e.store.Publish(want)
+	st := <-done
+	if err != nil {
+		// Refused after all (its source went meanwhile, say): nothing
+		// has seen the mount, the tree or the target.
+		st.undo(e.store.ViewDir(want.VolumeID))
+		return view, nil, err
+	}
+	if st.mount != nil && !slices.Equal(view.Lowers, planned.Lowers) {
+		st.mount.Close() // the chain changed (flattened): mount the recorded one
+		st.mount = nil
+	}
+	return view, st, nil
+}
+
+// staged is what a publish makes before its record is committed.
+type staged struct {
+	// target is the view's target, made; nil with targetErr.
+	target    *target.Dir
+	targetErr error
+	// mount is the view's mount, attached nowhere; nil: made after the
+	// record.
+	mount overlay.Detached
+}
+
+// stage makes a view's target, and its tree and mount where the backend
+// stages them.
+func (e *Engine) stage(stager overlay.Stager, v cache.View) *staged {
+	st := &staged{}
+	mount, err := stager.Stage(e.spec(v, ""), e.trees)
+	e.kick(e.planter)
+	if err != nil && !errors.Is(err, overlay.ErrNotStaged) {
+		klog.V(2).InfoS("Making a step volume's mount before its record failed; it is made after", "volumeID", v.VolumeID, "err", err)
+	}
+	st.mount = mount
+	st.target, st.targetErr = e.makeTarget(v)
+	return st
+}
+
+// close lets go of what was staged; an attached mount stays.
+func (st *staged) close() {
+	if st.mount != nil {
+		st.mount.Close()
+	}
+	if st.target != nil {
+		st.target.Close()
+	}
+}
+
+// undo takes back what was staged for a view that was not recorded.
+func (st *staged) undo(viewDir string) {
+	if st.mount != nil {
+		if err := overlay.RemoveTree(viewDir); err != nil {
+			klog.ErrorS(err, "Removing the tree of a refused publish; recovery removes it as a stray", "dir", viewDir)
+		}
+	}
+	if st.target != nil {
+		if err := st.target.Remove(); err != nil {
+			klog.ErrorS(err, "Removing the target of a refused publish")
+		}
+	}
+	st.close()
+}
+
+// afterPublish is how long making the next tree waits after a publish took
+// one: not to compete for the CPU with the publish still answering.
+const afterPublish = 20 * time.Millisecond
+
+// treesAhead is how many empty view trees are kept made ahead: enough for a
+// pod's volumes, which the kubelet publishes at once.
+const treesAhead = 8
+
+// plantTrees makes view trees ahead until treesAhead are ready.
+func (e *Engine) plantTrees() {
+	if err := e.trees.Fill(); err != nil {
+		klog.ErrorS(err, "Making step volume trees ahead; publishes make their own meanwhile")
+	}
+}
+
+// makeTarget opens a view's target and makes its dir.
+func (e *Engine) makeTarget(v cache.View) (*target.Dir, error) {
+	d, err := e.openTarget(v)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.Make(); err != nil {
+		d.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// prepare mounts a recorded view at its target, attaching what was staged
+// or building the view's tree and mounting it, and says whether anything
+// may be mounted there when it fails. The view is recorded as published
+// before: a crash from here on leaves a view that recovery and the
 // kubelet's retries finish (its tree appears whole or not at all), and
 // nothing is written to the store after the mount on the publish's path,
 // which keeps a publish at one transaction: the mount's ID is recorded
 // later, in the background (noteMount).
-func (e *Engine) prepare(view cache.View) (mounted bool, err error) {
-	d, err := e.openTarget(view)
-	if err != nil {
-		return false, err
+func (e *Engine) prepare(view cache.View, st *staged) (mounted bool, err error) {
+	if st == nil {
+		st = &staged{}
+		st.target, st.targetErr = e.makeTarget(view)
 	}
-	defer d.Close()
-	if err := d.Make(); err != nil {
-		return false, err
+	defer st.close()
+	if st.targetErr != nil {
+		return false, st.targetErr
 	}
+	d := st.target
 	cache.CrashPoint("publish-recorded")
-	b, err := e.backendOf(view)
-	if err != nil {
-		return false, errors.Join(err, d.Remove())
+	if st.mount != nil {
+		err = st.mount.Attach(d.MountPath())
+	} else {
+		err = e.build(view, d.MountPath())
 	}
-	if err := b.Prepare(e.bgCtx, e.spec(view, d.MountPath())); err != nil {
+	if err != nil {
 		return false, errors.Join(err, d.Remove())
 	}
 	cache.CrashPoint("publish-mounted")
 	e.noteMount(view, d)
 	return true, nil
+}
+
+// build builds a recorded view's tree and mounts it at mountPath.
+func (e *Engine) build(view cache.View, mountPath string) error {
+	b, err := e.backendOf(view)
+	if err != nil {
+		return err
+	}
+	return b.Prepare(e.bgCtx, e.spec(view, mountPath))
 }
 
 // madeMounts holds the mounts publishes made until the recorder loop
@@ -260,14 +385,10 @@ func (e *Engine) ensureMounted(v cache.View) error {
 	case st.Mounted:
 		return fmt.Errorf("%s is a mount cowvol did not make: %w", v.Target, target.ErrUnsafe)
 	}
-	b, err := e.backendOf(v)
-	if err != nil {
-		return err
-	}
 	if err := d.Make(); err != nil {
 		return err
 	}
-	if err := b.Prepare(e.bgCtx, e.spec(v, d.MountPath())); err != nil {
+	if err := e.build(v, d.MountPath()); err != nil {
 		return errors.Join(err, d.Remove())
 	}
 	return e.recordMount(v, d)

@@ -39,6 +39,10 @@ type Mounter interface {
 	// Overlay mounts an overlay of lowers (top first) at target. An empty
 	// upper makes it read-only.
 	Overlay(target string, lowers []string, upper, work string, a Attrs) error
+	// OverlayDetached makes the overlay Overlay would mount at a target,
+	// attached nowhere: ErrNotDetachable where the kernel cannot (it
+	// lacks the new mount API or lowerdir+).
+	OverlayDetached(lowers []string, upper, work string, a Attrs) (Detached, error)
 	// Bind bind-mounts source at target.
 	Bind(source, target string, a Attrs) error
 	// Unmount unmounts target; a path that is not mounted is done.
@@ -75,63 +79,97 @@ func NewSysMounter() *SysMounter { return &SysMounter{} }
 
 // Overlay implements Mounter.
 func (m *SysMounter) Overlay(target string, lowers []string, upper, work string, a Attrs) error {
+	d, err := m.OverlayDetached(lowers, upper, work, a)
+	switch {
+	case errors.Is(err, ErrNotDetachable):
+		if err := overlayLegacy(target, lowers, upper, work, a); err != nil {
+			return fmt.Errorf("mounting overlay of %d layers at %s: %w", len(lowers), target, err)
+		}
+		return nil
+	case err != nil:
+		return fmt.Errorf("for %s: %w", target, err)
+	}
+	defer d.Close()
+	return d.Attach(target)
+}
+
+// Detached is a mount made but attached nowhere: nothing can reach it until
+// Attach puts it at a target, and it goes with Close (or with the process
+// that made it, whatever kills it).
+type Detached interface {
+	Attach(target string) error
+	Close() error
+}
+
+// ErrNotDetachable: the kernel cannot make an overlay mount attached nowhere.
+var ErrNotDetachable = errors.New("the kernel cannot make an overlay mount without attaching it (it lacks fsopen or lowerdir+)")
+
+// detachedMount is a mount's file descriptor from fsmount.
+type detachedMount struct{ fd int }
+
+func (d *detachedMount) Attach(target string) error { return moveMount(d.fd, target) }
+func (d *detachedMount) Close() error               { return unix.Close(d.fd) }
+
+// OverlayDetached implements Mounter.
+func (m *SysMounter) OverlayDetached(lowers []string, upper, work string, a Attrs) (Detached, error) {
 	if len(lowers) == 0 {
-		return errors.New("overlay needs at least one lower dir")
+		return nil, errors.New("overlay needs at least one lower dir")
 	}
 	if upper == "" {
 		a.ReadOnly = true
 	}
-	err := overlayNewAPI(target, lowers, upper, work, a)
+	mfd, err := overlayFD(lowers, upper, work, a)
 	if errors.Is(err, unix.ENOSYS) || errors.Is(err, errNoLowerdirPlus) {
-		err = overlayLegacy(target, lowers, upper, work, a)
+		return nil, ErrNotDetachable
 	}
 	if err != nil {
-		return fmt.Errorf("mounting overlay of %d layers at %s: %w", len(lowers), target, err)
+		return nil, fmt.Errorf("making an overlay of %d layers: %w", len(lowers), err)
 	}
-	return nil
+	return &detachedMount{fd: mfd}, nil
 }
 
 var errNoLowerdirPlus = errors.New("kernel lacks lowerdir+")
 
-func overlayNewAPI(target string, lowers []string, upper, work string, a Attrs) error {
+// overlayFD makes an overlay with the new mount API and returns the
+// detached mount's file descriptor.
+func overlayFD(lowers []string, upper, work string, a Attrs) (int, error) {
 	fd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
 	if err != nil {
-		return err
+		return -1, err
 	}
 	defer unix.Close(fd)
 	for i, l := range lowers {
 		if err := unix.FsconfigSetString(fd, "lowerdir+", l); err != nil {
 			if i == 0 && errors.Is(err, unix.EINVAL) {
-				return errNoLowerdirPlus
+				return -1, errNoLowerdirPlus
 			}
-			return fsError(fd, "lowerdir+ "+l, err)
+			return -1, fsError(fd, "lowerdir+ "+l, err)
 		}
 	}
 	if upper != "" {
 		if err := unix.FsconfigSetString(fd, "upperdir", upper); err != nil {
-			return fsError(fd, "upperdir", err)
+			return -1, fsError(fd, "upperdir", err)
 		}
 		if err := unix.FsconfigSetString(fd, "workdir", work); err != nil {
-			return fsError(fd, "workdir", err)
+			return -1, fsError(fd, "workdir", err)
 		}
 		if err := unix.FsconfigSetFlag(fd, volatileOption); err != nil {
-			return fsError(fd, volatileOption, err)
+			return -1, fsError(fd, volatileOption, err)
 		}
 	}
 	for _, o := range overlayOptions {
 		if err := unix.FsconfigSetString(fd, o[0], o[1]); err != nil {
-			return fsError(fd, o[0], err)
+			return -1, fsError(fd, o[0], err)
 		}
 	}
 	if err := unix.FsconfigCreate(fd); err != nil {
-		return fsError(fd, "create", err)
+		return -1, fsError(fd, "create", err)
 	}
 	mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, int(a.mountAttr()))
 	if err != nil {
-		return fsError(fd, "fsmount", err)
+		return -1, fsError(fd, "fsmount", err)
 	}
-	defer unix.Close(mfd)
-	return moveMount(mfd, target)
+	return mfd, nil
 }
 
 // moveMount attaches a detached mount at target. Without

@@ -247,6 +247,95 @@ func (b overlayBackend) Prepare(_ context.Context, s Spec) error {
 	return b.mount(s)
 }
 
+// Stager is a Backend that can make a new view before the view is recorded.
+type Stager interface {
+	// Stage builds a new view's tree (from one of trees, made ahead,
+	// where one is ready) and makes its mount, attached nowhere: a publish
+	// does both while its record commits, and attaches the mount once it
+	// has. Until then nothing reaches the mount, which goes with the
+	// process if it dies; a tree no record owns is a stray that recovery
+	// removes. ErrNotStaged: this view is built and mounted by Prepare,
+	// after its record.
+	Stage(s Spec, trees *Trees) (Detached, error)
+}
+
+// ErrNotStaged: a view that Stage does not make.
+var ErrNotStaged = errors.New("this view is made after it is recorded")
+
+// Stage implements Stager for writable views of a source that have no size
+// limit (a limit's quota ID comes with the record) and no tree yet. It
+// leaves nothing behind when it fails.
+func (b overlayBackend) Stage(s Spec, trees *Trees) (Detached, error) {
+	if s.Attrs.ReadOnly || len(s.Lowers) == 0 || s.Idmapped || s.Limit > 0 {
+		return nil, ErrNotStaged
+	}
+	if _, err := os.Lstat(s.Dir); !errors.Is(err, os.ErrNotExist) {
+		return nil, ErrNotStaged // a tree an earlier call left: Prepare decides
+	}
+	upper, _ := b.Content(s)
+	var err error
+	if tree := trees.take(); tree != "" {
+		err = adopt(s, tree)
+	} else {
+		err = b.build(s)
+	}
+	var d Detached
+	if err == nil {
+		d, err = b.m.OverlayDetached(s.Lowers, upper, filepath.Join(s.Dir, "work"), s.Attrs)
+	}
+	if err != nil {
+		// Leave nothing: Prepare builds the tree again after the record.
+		err = errors.Join(err, RemoveTree(s.Dir))
+		if errors.Is(err, ErrNotDetachable) {
+			return nil, ErrNotStaged
+		}
+		return nil, err
+	}
+	return d, nil
+}
+
+// adopt makes a tree made ahead a view's: its upper dir gets the root's
+// attributes, then the tree the view's name, so that the view's tree
+// appears whole. A tree it cannot adopt is removed.
+func adopt(s Spec, tree string) error {
+	uid, gid, mode, err := rootOf(s)
+	if err == nil {
+		err = setRoot(filepath.Join(tree, "upper"), uid, gid, mode)
+	}
+	if err == nil {
+		err = unix.Renameat2(unix.AT_FDCWD, tree, unix.AT_FDCWD, s.Dir, unix.RENAME_NOREPLACE)
+	}
+	if err != nil {
+		return errors.Join(fmt.Errorf("adopting a tree made ahead: %w", err), RemoveTree(tree))
+	}
+	return nil
+}
+
+// rootOf is the owner and mode of a view's upper root: an empty volume's,
+// or, since the merged root takes the upper root's attributes, the
+// source's, so that the view's root looks like the source's (-1 IDs: the
+// owner stays).
+func rootOf(s Spec) (uid, gid int, mode uint32, err error) {
+	if len(s.Lowers) == 0 {
+		return -1, -1, emptyRootMode, nil
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(s.Lowers[0], &st); err != nil {
+		return 0, 0, 0, err
+	}
+	return int(st.Uid), int(st.Gid), st.Mode & 0o7777, nil
+}
+
+// setRoot gives an upper dir its root's owner and mode.
+func setRoot(dir string, uid, gid int, mode uint32) error {
+	if uid >= 0 {
+		if err := os.Lchown(dir, uid, gid); err != nil {
+			return err
+		}
+	}
+	return unix.Chmod(dir, mode)
+}
+
 // build makes the upper and work dirs. The upper dir is made under another
 // name and renamed into place once its quota and root attributes are set,
 // so that one that exists is whole.
@@ -263,16 +352,9 @@ func (b overlayBackend) build(s Spec) error {
 	if err := RemoveTree(staged); err != nil { // a build a crash cut short
 		return err
 	}
-	// The root's owner and mode: an empty volume's, or, since the merged
-	// root takes the upper root's attributes, the source's, so the
-	// view's root looks like the source's.
-	uid, gid, mode := -1, -1, uint32(emptyRootMode)
-	if len(s.Lowers) > 0 {
-		var st unix.Stat_t
-		if err := unix.Stat(s.Lowers[0], &st); err != nil {
-			return err
-		}
-		uid, gid, mode = int(st.Uid), int(st.Gid), st.Mode&0o7777
+	uid, gid, mode, err := rootOf(s)
+	if err != nil {
+		return err
 	}
 	if err := os.Mkdir(staged, 0o700); err != nil {
 		return err
@@ -287,12 +369,7 @@ func (b overlayBackend) build(s Spec) error {
 			return err
 		}
 	}
-	if uid >= 0 {
-		if err := os.Lchown(staged, uid, gid); err != nil {
-			return err
-		}
-	}
-	if err := unix.Chmod(staged, mode); err != nil {
+	if err := setRoot(staged, uid, gid, mode); err != nil {
 		return err
 	}
 	return os.Rename(staged, upper)
