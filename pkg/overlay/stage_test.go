@@ -50,7 +50,7 @@ func TestStage(t *testing.T) {
 		{name: "read-only", spec: func(s *Spec) { s.Attrs.ReadOnly = true }, wantErr: ErrNotStaged},
 		{name: "an empty volume", spec: func(s *Spec) { s.Lowers = nil }, wantErr: ErrNotStaged},
 		{name: "idmapped", spec: func(s *Spec) { s.Idmapped = true }, wantErr: ErrNotStaged},
-		{name: "size-limited", spec: func(s *Spec) { s.Limit, s.QuotaID = 1 << 20, 7 }, wantErr: ErrNotStaged},
+		{name: "size-limited", spec: func(s *Spec) { s.Limit, s.QuotaID = 1<<20, 7 }, wantErr: ErrNotStaged},
 		{name: "a tree already there", exists: true, wantErr: ErrNotStaged},
 		{name: "the kernel lacks detached mounts", fill: true, mounter: ErrNotDetachable, wantErr: ErrNotStaged},
 		{name: "the mount fails", fill: true, mounter: unix.EINVAL, wantErr: unix.EINVAL},
