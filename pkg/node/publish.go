@@ -107,7 +107,7 @@ func (e *Engine) Publish(r PublishRequest) error {
 	klog.V(2).InfoS("Published step volume", "volumeID", view.VolumeID, "target", view.Target,
 		"source", view.Source, "capture", view.Capture, "layers", len(view.Lowers), "readOnly", view.ReadOnly,
 		"sizeLimit", view.SizeLimit, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name), "backend", view.Backend,
-		"userNamespace", view.UserNamespace, "duration", time.Since(start))
+		"userNamespace", view.UserNamespace, "madeWhileRecording", staged != nil && staged.mount != nil, "duration", time.Since(start))
 	return nil
 }
 
