@@ -123,7 +123,8 @@ func (e *Engine) openTarget(v cache.View) (*target.Dir, error) {
 // record records a new view as published. Where the view's backend can
 // stage it, the view's target is made and its tree and mount (attached
 // nowhere) too meanwhile, from the lowers a read of the store gives: the
-// transaction's commit waits on the disk while these work the CPU. The
+// transaction commits in a goroutine of its own, waiting on the disk, while
+// this one, already running, works the CPU. The
 // staged mount is kept only if the record confirms its lowers; otherwise
 // prepare builds and mounts the view after its record, as it does for every
 // view of other backends (whose staged is nil).
@@ -138,10 +139,18 @@ func (e *Engine) record(want cache.View) (cache.View, *staged, error) {
 	if planned.Lowers, err = e.store.Lowers(want); err != nil {
 		return want, nil, err // refused as the transaction would refuse it
 	}
-	done := make(chan *staged, 1)
-	go func() { done <- e.stage(stager, planned) }()
-	view, err := e.store.Publish(want)
-	st := <-done
+	type recorded struct {
+		view cache.View
+		err  error
+	}
+	done := make(chan recorded, 1)
+	go func() {
+		view, err := e.store.Publish(want)
+		done <- recorded{view, err}
+	}()
+	st := e.stage(stager, planned)
+	r := <-done
+	view, err := r.view, r.err
 	if err != nil {
 		// Refused after all (its source went meanwhile, say): nothing
 		// has seen the mount, the tree or the target.
