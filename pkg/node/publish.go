@@ -124,10 +124,10 @@ func (e *Engine) openTarget(v cache.View) (*target.Dir, error) {
 // stage it, the view's target is made and its tree and mount (attached
 // nowhere) too meanwhile, from the lowers a read of the store gives: the
 // transaction commits in a goroutine of its own, waiting on the disk, while
-// this one, already running, works the CPU. The
-// staged mount is kept only if the record confirms its lowers; otherwise
-// prepare builds and mounts the view after its record, as it does for every
-// view of other backends (whose staged is nil).
+// this one, already running, works the CPU. The staged mount is kept only if
+// the record confirms its lowers; otherwise prepare builds and mounts the
+// view after its record, as it does for every view of other backends (whose
+// staged is nil).
 func (e *Engine) record(want cache.View) (cache.View, *staged, error) {
 	b, err := e.backendOf(want)
 	stager, ok := b.(overlay.Stager)

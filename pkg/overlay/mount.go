@@ -87,7 +87,7 @@ func (m *SysMounter) Overlay(target string, lowers []string, upper, work string,
 		}
 		return nil
 	case err != nil:
-		return fmt.Errorf("for %s: %w", target, err)
+		return fmt.Errorf("mounting at %s: %w", target, err)
 	}
 	defer d.Close()
 	return d.Attach(target)
