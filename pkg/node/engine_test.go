@@ -39,7 +39,7 @@ type faultyMounter struct {
 	mu          sync.Mutex
 	failMount   error
 	failUnmount error
-	detached    int // overlays made attached nowhere (staged)
+	detached    int // mounts made attached nowhere (staged)
 }
 
 func (f *faultyMounter) fault(which *error) error {
@@ -63,6 +63,16 @@ func (f *faultyMounter) OverlayDetached(lowers []string, upper, work string, a o
 		return nil, err
 	}
 	return f.Mounter.OverlayDetached(lowers, upper, work, a)
+}
+
+func (f *faultyMounter) BindDetached(source string, a overlay.Attrs) (overlay.Detached, error) {
+	f.mu.Lock()
+	f.detached++
+	f.mu.Unlock()
+	if err := f.fault(&f.failMount); err != nil {
+		return nil, err
+	}
+	return f.Mounter.BindDetached(source, a)
 }
 
 func (f *faultyMounter) Bind(source, target string, a overlay.Attrs) error {
@@ -199,24 +209,29 @@ func TestFailedPublishLeavesNothing(t *testing.T) {
 	require.Equal(t, volume.StateReady, vol.State)
 }
 
-// A view of a source is made while its record commits (its target, tree
-// and mount); a publish that then fails or is refused leaves nothing of it.
+// A writable view is made while its record commits (its target, tree and
+// mount); a publish that then fails or is refused leaves nothing of it.
 func TestStagedPublishLeavesNothing(t *testing.T) {
 	tests := []struct {
 		name    string
+		source  string
 		capture string
 		fail    error // the mount fails so
 		wantErr error
 	}{
-		{name: "the mount fails", capture: "out", fail: errors.New("injected mount failure")},
-		{name: "the record refuses it", capture: "taken", wantErr: cache.ErrExists},
+		{name: "the mount fails", source: "src", capture: "out", fail: errors.New("injected mount failure")},
+		{name: "the record refuses it", source: "src", capture: "taken", wantErr: cache.ErrExists},
+		{name: "the record refuses an empty volume", capture: "taken", wantErr: cache.ErrExists},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t)
 			f.capture("ci", "src")
 			f.capture("ci", "taken")
-			v := f.volume("ci", "src", tc.capture)
+			v := f.volume("ci", tc.source, tc.capture)
+			f.mounter.mu.Lock()
+			f.mounter.detached = 0
+			f.mounter.mu.Unlock()
 			f.mounter.set(&f.mounter.failMount, tc.fail)
 			err := f.publish(v)
 			f.mounter.set(&f.mounter.failMount, nil)

@@ -45,6 +45,8 @@ type Mounter interface {
 	OverlayDetached(lowers []string, upper, work string, a Attrs) (Detached, error)
 	// Bind bind-mounts source at target.
 	Bind(source, target string, a Attrs) error
+	// BindDetached makes the mount Bind would, attached nowhere.
+	BindDetached(source string, a Attrs) (Detached, error)
 	// Unmount unmounts target; a path that is not mounted is done.
 	Unmount(target string) error
 	// IsMountPoint says whether path is a mount point.
@@ -233,16 +235,26 @@ func overlayLegacy(target string, lowers []string, upper, work string, a Attrs) 
 // Bind implements Mounter: a clone of source's mount tree node, given its
 // attributes before anyone can see it, then attached at target.
 func (m *SysMounter) Bind(source, target string, a Attrs) error {
+	d, err := m.BindDetached(source, a)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Attach(target)
+}
+
+// BindDetached implements Mounter.
+func (m *SysMounter) BindDetached(source string, a Attrs) (Detached, error) {
 	fd, err := unix.OpenTree(unix.AT_FDCWD, source, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_SYMLINK_NOFOLLOW)
 	if err != nil {
-		return fmt.Errorf("bind-mounting %s: %w", source, err)
+		return nil, fmt.Errorf("bind-mounting %s: %w", source, err)
 	}
-	defer unix.Close(fd)
 	attr := &unix.MountAttr{Attr_set: a.mountAttr()}
 	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, attr); err != nil {
-		return fmt.Errorf("setting mount attributes of %s: %w", source, err)
+		unix.Close(fd)
+		return nil, fmt.Errorf("setting mount attributes of %s: %w", source, err)
 	}
-	return moveMount(fd, target)
+	return &detachedMount{fd: fd}, nil
 }
 
 // Unmount implements Mounter. It never follows a symlink at target.

@@ -262,11 +262,12 @@ type Stager interface {
 // ErrNotStaged: a view that Stage does not make.
 var ErrNotStaged = errors.New("this view is made after it is recorded")
 
-// Stage implements Stager for writable views of a source that have no size
-// limit (a limit's quota ID comes with the record) and no tree yet. It
-// leaves nothing behind when it fails.
+// Stage implements Stager for writable views (of a source: an overlay; of
+// nothing: a bind of the upper dir) that have no size limit (a limit's
+// quota ID comes with the record) and no tree yet. It leaves nothing
+// behind when it fails.
 func (b overlayBackend) Stage(s Spec, trees *Trees) (Detached, error) {
-	if s.Attrs.ReadOnly || len(s.Lowers) == 0 || s.Idmapped || s.Limit > 0 {
+	if s.Attrs.ReadOnly || s.Idmapped || s.Limit > 0 {
 		return nil, ErrNotStaged
 	}
 	if _, err := os.Lstat(s.Dir); !errors.Is(err, os.ErrNotExist) {
@@ -280,7 +281,11 @@ func (b overlayBackend) Stage(s Spec, trees *Trees) (Detached, error) {
 		err = b.build(s)
 	}
 	var d Detached
-	if err == nil {
+	switch {
+	case err != nil:
+	case len(s.Lowers) == 0: // as mount does
+		d, err = b.m.BindDetached(upper, s.Attrs)
+	default:
 		d, err = b.m.OverlayDetached(s.Lowers, upper, filepath.Join(s.Dir, "work"), s.Attrs)
 	}
 	if err != nil {
