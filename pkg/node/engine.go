@@ -198,8 +198,9 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	}
 	var trees *overlay.Trees
 	if _, ok := backend.(overlay.Stager); ok {
+		// Leftovers it cannot remove never keep the node from starting.
 		if trees, err = overlay.OpenTrees(store.TreesDir(), treesAhead); err != nil {
-			return nil, err
+			klog.ErrorS(err, "Making step volume trees ahead; publishes make their own where none is ready")
 		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())

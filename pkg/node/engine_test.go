@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -259,6 +260,30 @@ func TestStagedPublishLeavesNothing(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A tree made ahead that a dead process left and that cannot be removed
+// (an immutable file in it) never keeps the node from starting, nor from
+// staging views.
+func TestStuckTreeDoesNotStopTheNode(t *testing.T) {
+	testfs.Need(t, "chattr")
+	stateDir := t.TempDir()
+	stuck := filepath.Join(stateDir, "trees", "t1", "upper", "stuck")
+	require.NoError(t, os.MkdirAll(filepath.Dir(stuck), 0o700))
+	require.NoError(t, os.WriteFile(stuck, nil, 0o644))
+	if out, err := exec.Command("chattr", "+i", stuck).CombinedOutput(); err != nil {
+		t.Skipf("chattr +i on %s: %v: %s (the temp dir's filesystem has no immutable flag)", stuck, err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("chattr", "-i", stuck).Run() })
+	f := newFixtureAt(t, stateDir, "")
+	f.capture("ci", "src")
+	v := f.volume("ci", "src", "out")
+	require.NoError(t, f.publish(v))
+	got, err := os.ReadFile(filepath.Join(v.Target.Full, "file"))
+	require.NoError(t, err)
+	require.Equal(t, "src", string(got))
+	require.NoFileExists(t, filepath.Join(v.Target.Full, "upper"))
+	require.NoError(t, f.unpublish(v))
 }
 
 func ref(ns, h string) volume.Ref { return volume.Ref{Namespace: ns, Handle: h} }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -165,4 +166,32 @@ func TestTrees(t *testing.T) {
 	require.NoError(t, again.Fill())
 	tree := again.take()
 	require.NoFileExists(t, filepath.Join(tree, "upper", "stray"), "nor hands out what the dead process left")
+}
+
+// A leftover that cannot be removed (an immutable file in it) is said, and
+// the pool works around it: the leftover, under the very name the pool
+// would give its first tree, is never handed out.
+func TestTreesAroundALeftover(t *testing.T) {
+	testfs.Need(t, "chattr")
+	dir := filepath.Join(t.TempDir(), "trees")
+	stuck := filepath.Join(dir, "t1", "upper", "stuck")
+	require.NoError(t, os.MkdirAll(filepath.Dir(stuck), 0o700))
+	require.NoError(t, os.WriteFile(stuck, []byte("left"), 0o644))
+	if out, err := exec.Command("chattr", "+i", stuck).CombinedOutput(); err != nil {
+		t.Skipf("chattr +i on %s: %v: %s (the temp dir's filesystem has no immutable flag)", stuck, err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("chattr", "-i", stuck).Run() })
+
+	trees, err := OpenTrees(dir, 2)
+	require.Error(t, err, "what could not be removed is said")
+	require.NotNil(t, trees)
+	require.ErrorIs(t, trees.Fill(), os.ErrExist, "the leftover's name is not made over")
+	require.FileExists(t, stuck, "nor removed")
+	require.NoError(t, trees.Fill())
+	require.Equal(t, 2, trees.Ready())
+	for range 2 {
+		tree := trees.take()
+		require.NotEqual(t, filepath.Join(dir, "t1"), tree, "the leftover is never handed out")
+		require.NoFileExists(t, filepath.Join(tree, "upper", "stuck"))
+	}
 }

@@ -20,23 +20,27 @@ type Trees struct {
 	made int
 }
 
-// OpenTrees empties dir (making it if needed) for a pool of up to want trees.
+// OpenTrees empties dir (making it if needed) for a pool of up to want
+// trees. What it cannot remove is said in the error, with a pool that works
+// anyway: a tree is only ever handed out by the process that made it, so
+// a leftover is never one.
 func OpenTrees(dir string, want int) (*Trees, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
+	t := &Trees{dir: dir, want: want}
 	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, err
+		return t, err
 	}
 	var errs []error
 	for _, e := range entries {
 		errs = append(errs, RemoveTree(filepath.Join(dir, e.Name())))
 	}
 	if err := errors.Join(errs...); err != nil {
-		return nil, fmt.Errorf("emptying the trees made ahead in %s: %w", dir, err)
+		return t, fmt.Errorf("emptying the trees made ahead in %s: %w", dir, err)
 	}
-	return &Trees{dir: dir, want: want}, nil
+	return t, nil
 }
 
 // take hands over a tree, which the caller renames away; "" when none is
@@ -67,7 +71,10 @@ func (t *Trees) Fill() error {
 			return nil
 		}
 		if err := makeTree(tree); err != nil {
-			return errors.Join(err, RemoveTree(tree))
+			if !errors.Is(err, os.ErrExist) { // a leftover under that name is not ours to remove
+				err = errors.Join(err, RemoveTree(tree))
+			}
+			return err
 		}
 		t.mu.Lock()
 		t.free = append(t.free, tree)
@@ -82,9 +89,10 @@ func (t *Trees) Ready() int {
 	return len(t.free)
 }
 
-// makeTree makes an overlay view's empty upper and work dirs under dir.
+// makeTree makes an overlay view's empty upper and work dirs under dir,
+// which must not exist: a leftover under its name is never handed out.
 func makeTree(dir string) error {
-	if err := mkdirMode(dir, 0o700); err != nil {
+	if err := os.Mkdir(dir, 0o700); err != nil {
 		return err
 	}
 	if err := mkdirMode(filepath.Join(dir, "upper"), 0o700); err != nil {
