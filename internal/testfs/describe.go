@@ -103,7 +103,8 @@ func xattrs(path string) string {
 	}
 	var parts []string
 	for _, name := range bytes.Split(buf[:n-1], []byte{0}) {
-		if !bytes.HasPrefix(name, []byte("user.")) && !bytes.HasPrefix(name, []byte("trusted.overlay.")) {
+		if !bytes.HasPrefix(name, []byte("user.")) && !bytes.HasPrefix(name, []byte("trusted.overlay.")) &&
+			string(name) != "security.capability" {
 			continue
 		}
 		val := make([]byte, 1024)

@@ -35,6 +35,12 @@ func LayerTree(t testing.TB, dir string) {
 	must(t, unix.Mknod(p("whiteout"), unix.S_IFCHR|0o000, 0))
 	must(t, unix.Mkfifo(p("fifo"), 0o644))
 	must(t, os.Symlink("sub/file", p("link")))
+	// A binary with file capabilities (cap_net_bind_service+ep), owned by
+	// someone else than the extractor: a chown or a write after the xattr
+	// would drop it.
+	must(t, os.WriteFile(p("cap"), []byte("#!/bin/true\n"), 0o755))
+	must(t, os.Chown(p("cap"), 1000, 1000))
+	must(t, unix.Setxattr(p("cap"), "security.capability", netBindService, 0))
 	must(t, os.WriteFile(p("hard1"), []byte("linked"), 0o644))
 	must(t, os.Link(p("hard1"), p("hard2")))
 	big := make([]byte, 3<<20)
@@ -52,3 +58,7 @@ func LayerTree(t testing.TB, dir string) {
 	must(t, os.Mkdir(p("deep"), 0o755))
 	DeepTree(t, p("deep"))
 }
+
+// netBindService is a security.capability xattr (VFS_CAP_REVISION_2,
+// effective) that grants CAP_NET_BIND_SERVICE.
+var netBindService = []byte{0x01, 0, 0, 0x02, 0x00, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}

@@ -20,6 +20,7 @@
 package fill
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -123,7 +124,10 @@ type file struct {
 	rel   string
 	size  int64
 	times []unix.Timespec // atime, mtime: put back after the writes
-	index int             // in its dir's files, as added
+	// caps is the stub's security.capability, if any: a write into a
+	// file drops it, so it is put back after the writes too.
+	caps  []byte
+	index int // in its dir's files, as added
 	// reached says a reader opened (or read) it. A file no reader reached
 	// stays marked once filled, so that its first reader is seen: the
 	// order readers reach files in is recorded, and a read-ahead's hits
@@ -577,6 +581,11 @@ func (g *Group) store(f *file, put func(out int) error) error {
 	if err := put(fd); err != nil {
 		return err
 	}
+	if f.caps != nil {
+		if err := unix.Fsetxattr(fd, capsXattr, f.caps, 0); err != nil {
+			return fmt.Errorf("putting back the file capabilities: %w", err)
+		}
+	}
 	if err := fdtree.Futimens(fd, f.times); err != nil {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
@@ -587,6 +596,21 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		g.removeMark(fd, f)
 	}
 	return nil
+}
+
+const capsXattr = "security.capability"
+
+// stubCaps reads a stub's file capabilities (nil: none).
+func stubCaps(fd int) ([]byte, error) {
+	var buf [64]byte // a v3 capability is 24 bytes
+	n, err := unix.Fgetxattr(fd, capsXattr, buf[:])
+	switch {
+	case errors.Is(err, unix.ENODATA), errors.Is(err, unix.EOPNOTSUPP):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("reading the stub's file capabilities: %w", err)
+	}
+	return bytes.Clone(buf[:n]), nil
 }
 
 // memFile is a file's data fetched into memory.
@@ -820,7 +844,11 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}}
+	caps, err := stubCaps(fd)
+	if err != nil {
+		return err
+	}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, caps: caps}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()

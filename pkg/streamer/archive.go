@@ -1087,16 +1087,10 @@ func writeFile(f fdtree.File, body io.Reader, hdr *tar.Header, c copier) (int64,
 	return size, unix.Ftruncate(int(f), size)
 }
 
-// fileAttrs gives a regular file its xattrs, owner, mode and times
-// through its descriptor.
+// fileAttrs gives a regular file its owner, mode, xattrs and times
+// through its descriptor. The xattrs come after the owner: a chown drops a
+// file's capabilities (security.capability), as a write does.
 func (x *extractor) fileAttrs(fd int, hdr *tar.Header) error {
-	for k, v := range hdr.PAXRecords {
-		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && x.setsXattr(xattr) {
-			if err := unix.Fsetxattr(fd, xattr, []byte(v), 0); err != nil {
-				return fmt.Errorf("xattr %s: %w", xattr, err)
-			}
-		}
-	}
 	if !x.unprivileged {
 		if err := unix.Fchown(fd, hdr.Uid, hdr.Gid); err != nil {
 			return err
@@ -1108,6 +1102,13 @@ func (x *extractor) fileAttrs(fd int, hdr *tar.Header) error {
 	}
 	if err := unix.Fchmod(fd, mode); err != nil {
 		return err
+	}
+	for k, v := range hdr.PAXRecords {
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && x.setsXattr(xattr) {
+			if err := unix.Fsetxattr(fd, xattr, []byte(v), 0); err != nil {
+				return fmt.Errorf("xattr %s: %w", xattr, err)
+			}
+		}
 	}
 	ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
 	// utimensat(fd, NULL, ...) is futimens: x/sys names no path-less form.
