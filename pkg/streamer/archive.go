@@ -1045,13 +1045,22 @@ func (x *extractor) finish() error {
 // open as dirfd, with its data from body, copied with c, and its
 // attributes, and hands it to the stub func if there is one.
 func (x *extractor) makeFile(dirfd int, base, name string, hdr *tar.Header, body io.Reader, c copier) error {
-	fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	// Made with its permission bits (not its set-ID bits, which a write
+	// clears), so that most files need no chmod after: each attribute
+	// changed is a journal transaction, and a pull makes tens of
+	// thousands of files. The descriptor writes whatever the mode.
+	fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, uint32(hdr.Mode&0o777))
 	if err != nil {
 		return err
 	}
-	size, err := writeFile(fdtree.File(fd), body, hdr, c)
+	var made unix.Stat_t // the owner and mode the making gave (umask, a set-group-ID dir)
+	err = unix.Fstat(fd, &made)
+	var size int64
 	if err == nil {
-		err = x.fileAttrs(fd, hdr) // through the descriptor: no path lookups
+		size, err = writeFile(fdtree.File(fd), body, hdr, c)
+	}
+	if err == nil {
+		err = x.fileAttrs(fd, hdr, &made) // through the descriptor: no path lookups
 	}
 	if err == nil && x.stub != nil && size > 0 {
 		err = x.stub(fd, name, size)
@@ -1088,10 +1097,11 @@ func writeFile(f fdtree.File, body io.Reader, hdr *tar.Header, c copier) (int64,
 }
 
 // fileAttrs gives a regular file its owner, mode, xattrs and times
-// through its descriptor. The xattrs come after the owner: a chown drops a
-// file's capabilities (security.capability), as a write does.
-func (x *extractor) fileAttrs(fd int, hdr *tar.Header) error {
-	if !x.unprivileged {
+// through its descriptor, changing the owner and mode only where made (the
+// file as it was made) differs. The xattrs come after the owner: a chown
+// drops a file's capabilities (security.capability), as a write does.
+func (x *extractor) fileAttrs(fd int, hdr *tar.Header, made *unix.Stat_t) error {
+	if !x.unprivileged && (made.Uid != uint32(hdr.Uid) || made.Gid != uint32(hdr.Gid)) {
 		if err := unix.Fchown(fd, hdr.Uid, hdr.Gid); err != nil {
 			return err
 		}
@@ -1100,8 +1110,10 @@ func (x *extractor) fileAttrs(fd int, hdr *tar.Header) error {
 	if !x.keepSetuid {
 		mode &^= unix.S_ISUID | unix.S_ISGID
 	}
-	if err := unix.Fchmod(fd, mode); err != nil {
-		return err
+	if made.Mode&0o7777 != mode {
+		if err := unix.Fchmod(fd, mode); err != nil {
+			return err
+		}
 	}
 	for k, v := range hdr.PAXRecords {
 		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && x.setsXattr(xattr) {

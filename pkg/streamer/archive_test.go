@@ -289,6 +289,32 @@ func TestUnpackClearsSetuid(t *testing.T) {
 	}
 }
 
+// A file is made with its permission bits, so that most need no chmod
+// after; what the making gave it instead (a umask's cut, the group of a
+// set-group-ID dir) is still changed to what the archive says.
+func TestUnpackGivesFilesTheirOwnersAndModes(t *testing.T) {
+	archive := craft(t,
+		entry{hdr: tar.Header{Name: "sgid", Typeflag: tar.TypeDir, Mode: 0o2775, Gid: 50}},
+		entry{hdr: tar.Header{Name: "sgid/root", Typeflag: tar.TypeReg, Mode: 0o644}, body: "x"},
+		entry{hdr: tar.Header{Name: "sgid/group", Typeflag: tar.TypeReg, Mode: 0o664, Gid: 50}, body: "x"},
+		entry{hdr: tar.Header{Name: "open", Typeflag: tar.TypeReg, Mode: 0o666, Uid: 1000, Gid: 1000}, body: "x"},
+		entry{hdr: tar.Header{Name: "private", Typeflag: tar.TypeReg, Mode: 0o400}, body: "x"})
+	defer unix.Umask(unix.Umask(0o077)) // no test here runs in parallel
+	dst := t.TempDir()
+	_, err := Unpack(context.Background(), bytes.NewReader(archive), Raw, dst, DefaultLimits)
+	require.NoError(t, err)
+	for name, want := range map[string]struct{ uid, gid, mode uint32 }{
+		"sgid/root":  {0, 0, 0o644},
+		"sgid/group": {0, 50, 0o664},
+		"open":       {1000, 1000, 0o666},
+		"private":    {0, 0, 0o400},
+	} {
+		var st unix.Stat_t
+		require.NoError(t, unix.Lstat(filepath.Join(dst, name), &st))
+		require.Equal(t, want, struct{ uid, gid, mode uint32 }{st.Uid, st.Gid, st.Mode & 0o7777}, name)
+	}
+}
+
 // PackFiles sends the named regular files whole and nothing else, reached
 // beneath the root with no symlink followed; Files hands them back with
 // their holes.
