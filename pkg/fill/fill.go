@@ -124,10 +124,7 @@ type file struct {
 	rel   string
 	size  int64
 	times []unix.Timespec // atime, mtime: put back after the writes
-	// caps is the stub's security.capability, if any: a write into a
-	// file drops it, so it is put back after the writes too.
-	caps  []byte
-	index int // in its dir's files, as added
+	index int             // in its dir's files, as added
 	// reached says a reader opened (or read) it. A file no reader reached
 	// stays marked once filled, so that its first reader is seen: the
 	// order readers reach files in is recorded, and a read-ahead's hits
@@ -570,19 +567,24 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 	}, func() { tmp.Close() }, nil
 }
 
-// store puts f's data into its stub with put, then its times, and removes
-// its mark if a reader reached it.
+// store puts f's data into its stub with put, then its times and its file
+// capabilities (a write into a file drops them), and removes its mark if a
+// reader reached it.
 func (g *Group) store(f *file, put func(out int) error) error {
 	fd, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
 		return fmt.Errorf("opening the stub: %w", err)
 	}
 	defer unix.Close(fd)
+	caps, err := stubCaps(fd) // read here, not when the stub is added: off the publish's path
+	if err != nil {
+		return err
+	}
 	if err := put(fd); err != nil {
 		return err
 	}
-	if f.caps != nil {
-		if err := unix.Fsetxattr(fd, capsXattr, f.caps, 0); err != nil {
+	if caps != nil {
+		if err := unix.Fsetxattr(fd, capsXattr, caps, 0); err != nil {
 			return fmt.Errorf("putting back the file capabilities: %w", err)
 		}
 	}
@@ -844,11 +846,7 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	caps, err := stubCaps(fd)
-	if err != nil {
-		return err
-	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, caps: caps}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()
