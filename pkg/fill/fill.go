@@ -32,6 +32,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -126,12 +127,16 @@ type file struct {
 	times []unix.Timespec // atime, mtime: put back after the writes
 	index int             // in its dir's files, as added
 	// reached says a reader opened (or read) it. A file no reader reached
-	// stays marked once filled, so that its first reader is seen: the
-	// order readers reach files in is recorded, and a read-ahead's hits
-	// are counted. (A file keeps its mark while it is in Group.files: a
-	// reached file's fill removes the mark just before finish drops it
-	// from there.)
+	// stays marked once filled if its first reader must be seen: where
+	// the layer records the order readers reach files in, and where a
+	// read-ahead brought it (its hit grows the window). Elsewhere its mark
+	// goes with its fill: a step that opens every file of a layer would
+	// otherwise raise an event, and an unmark, for each. (A file keeps
+	// its mark while it is in Group.files: a fill that removes the mark
+	// does so just before finish drops the file from there.)
 	reached bool
+	// unmarked says its fill removed its mark.
+	unmarked bool
 	// ahead says a read-ahead claimed it and no reader has reached it yet.
 	ahead   bool
 	done    bool
@@ -592,9 +597,11 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
 	g.mu.Lock()
-	reached := f.reached // else marked until a reader comes: see file.reached
+	// Else marked until a reader comes: see file.reached.
+	unmark := f.reached || (!f.ahead && !f.layer.recording.Load())
+	f.unmarked = unmark
 	g.mu.Unlock()
-	if reached {
+	if unmark {
 		g.removeMark(fd, f)
 	}
 	return nil
@@ -671,8 +678,8 @@ func (g *Group) finish(f *file, err error) {
 	if f.filling != nil {
 		close(f.filling)
 	}
-	if err == nil && f.reached {
-		delete(g.files, f.key) // one no reader reached stays, to see its first
+	if err == nil && f.unmarked {
+		delete(g.files, f.key) // one still marked stays, to see its first reader
 	}
 	g.mu.Unlock()
 	// The layer hears first: a reader answered may look at it next.
@@ -810,10 +817,13 @@ type Layer struct {
 	dirs    map[string][]*file // by dir, as added: what a read-ahead takes
 	ahead   map[string]*readAhead
 	reached []string // what readers reached, in order
-	pending int
-	sealed  bool
-	err     error
-	done    chan struct{}
+	// recording: a step over the layer names a read profile, so a filled
+	// file stays marked until a reader reaches it (see RecordReaches).
+	recording atomic.Bool
+	pending   int
+	sealed    bool
+	err       error
+	done      chan struct{}
 }
 
 // FetchManyFunc brings the data of the layer files rels at once, handing
@@ -872,6 +882,13 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 	}
 	return nil
 }
+
+// RecordReaches says a step over the layer names a read profile: from
+// now on a filled file stays marked until its first reader, so that
+// Reached sees every file readers open. Without it a filled file's mark
+// goes with its fill (but where a read-ahead brought it), and its readers
+// raise no event at all.
+func (l *Layer) RecordReaches() { l.recording.Store(true) }
 
 // Seal says every stub is added: once they are all filled, the layer is
 // done.
@@ -998,7 +1015,8 @@ func (l *Layer) snapshot() []*file {
 
 // Reached is the layer's files readers opened while it was being filled,
 // in the order of their first opens (what its fills brought unasked is
-// there once a reader reached it).
+// there once a reader reached it, if the layer records reaches: see
+// RecordReaches).
 func (l *Layer) Reached() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

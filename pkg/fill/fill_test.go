@@ -479,36 +479,52 @@ func TestDiskFullWhileFilling(t *testing.T) {
 	require.ErrorIs(t, l.Err(), syscall.ENOSPC)
 }
 
-// The order readers reach files in is recorded whatever filled them: a
-// reader's own fill, or a prefetch or an offer before it came. Reaching a
-// file again, or a fill no reader asked for, records nothing.
+// Reached is the order readers first opened files in, where the layer
+// records it: a file filled before its first reader counts once that
+// reader comes, and one never read does not count. Where the layer does
+// not record, a filled file's mark goes with its fill, so its readers go
+// straight through, unseen.
 func TestReachedIsTheReadersOrder(t *testing.T) {
-	files := map[string][]byte{}
-	for i := range 8 {
-		files[fmt.Sprintf("f%d", i)] = random(t, 4096)
-	}
-	s := newStubbed(t, files)
-	src := &fetcher{src: s.src}
-	_, l := hold(t, s, src.fetch, time.Minute)
-	read := func(name string) {
-		got, err := os.ReadFile(filepath.Join(s.merged, name))
-		require.NoError(t, err)
-		require.True(t, bytes.Equal(files[name], got), name)
-	}
-	read("f5") // its own fill
-	require.NoError(t, l.Offer("f2", func(w io.WriterAt) error { _, err := w.WriteAt(files["f2"], 0); return err }))
-	require.NoError(t, l.Offer("f7", func(w io.WriterAt) error { _, err := w.WriteAt(files["f7"], 0); return err }))
-	read("f2") // filled before it came
-	read("f5") // again
-	require.Equal(t, []string{"f5", "f2"}, l.Reached(), "f7 was filled, never read")
-	require.Equal(t, []string{"f7", "f2"}, l.Has([]string{"nope", "f7", "f2"}))
+	for _, tc := range []struct {
+		name                 string
+		recording            bool
+		wantBefore, wantLast []string
+	}{
+		{"recording", true, []string{"f5", "f2"}, []string{"f5", "f2", "f0"}},
+		{"not recording", false, []string{"f5"}, []string{"f5"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			files := map[string][]byte{}
+			for i := range 8 {
+				files[fmt.Sprintf("f%d", i)] = random(t, 4096)
+			}
+			s := newStubbed(t, files)
+			src := &fetcher{src: s.src}
+			_, l := hold(t, s, src.fetch, time.Minute)
+			if tc.recording {
+				l.RecordReaches()
+			}
+			read := func(name string) {
+				got, err := os.ReadFile(filepath.Join(s.merged, name))
+				require.NoError(t, err)
+				require.True(t, bytes.Equal(files[name], got), name)
+			}
+			read("f5") // its own fill
+			require.NoError(t, l.Offer("f2", func(w io.WriterAt) error { _, err := w.WriteAt(files["f2"], 0); return err }))
+			require.NoError(t, l.Offer("f7", func(w io.WriterAt) error { _, err := w.WriteAt(files["f7"], 0); return err }))
+			read("f2") // filled before it came
+			read("f5") // again
+			require.Equal(t, tc.wantBefore, l.Reached(), "f7 was filled, never read")
+			require.Equal(t, []string{"f7", "f2"}, l.Has([]string{"nope", "f7", "f2"}))
 
-	l.Prefetch(nil, 2)
-	<-l.Done()
-	require.NoError(t, l.Err())
-	read("f0")
-	require.Equal(t, []string{"f5", "f2", "f0"}, l.Reached())
-	require.Len(t, src.fetched, 6, "offered files need no fetch")
+			l.Prefetch(nil, 2)
+			<-l.Done()
+			require.NoError(t, l.Err())
+			read("f0")
+			require.Equal(t, tc.wantLast, l.Reached())
+			require.Len(t, src.fetched, 6, "offered files need no fetch")
+		})
+	}
 }
 
 // Settle returns once every answer under way is complete, its event's

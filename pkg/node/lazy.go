@@ -119,10 +119,15 @@ func (e *Engine) stubMarker(src *lazySource, data string) (*fill.Layer, streamer
 // fillInBackground fetches a filling volume's data, the files order names
 // first (how steps read it before), and records how that ended: ready once
 // all of it is here and synced, failed if any of it could not be fetched
-// (its readers got EIO; a step over it captures nothing ready).
-func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, pods []volume.Pod, order []string) {
+// (its readers got EIO; a step over it captures nothing ready). If the pods
+// that asked for it name read profiles, the order their readers reach
+// files in is recorded from the first fill.
+func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, pods []volume.Pod, profiles, order []string) {
 	release := e.store.Hold(r, cache.HoldFill)
 	fl := &lazyFill{layer: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
+	if len(profiles) > 0 {
+		layer.RecordReaches() // before the first fill: the pods that asked read from the start
+	}
 	e.lazy.mu.Lock()
 	e.lazy.layers[r] = fl
 	e.lazy.mu.Unlock()
@@ -202,6 +207,7 @@ func (e *Engine) noteLazyReader(view cache.View, profile string) {
 			fl.namespaces[view.Pod.Namespace] = true
 			if profile != "" {
 				fl.profiles[profile] = true
+				fl.layer.RecordReaches()
 			}
 		}
 	}
