@@ -573,8 +573,8 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 }
 
 // store puts f's data into its stub with put, then its times and its file
-// capabilities (a write into a file drops them), and removes its mark if a
-// reader reached it.
+// capabilities (a write into a file drops them), and removes its mark
+// unless its first reader must still be seen (see file.reached).
 func (g *Group) store(f *file, put func(out int) error) error {
 	fd, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
