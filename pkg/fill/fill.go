@@ -48,6 +48,12 @@ import (
 // opened before the mark raises FAN_PRE_ACCESS).
 const marked = unix.FAN_OPEN_PERM | unix.FAN_OPEN_EXEC_PERM | unix.FAN_PRE_ACCESS
 
+// watched is the mark a filled stub keeps while its first reader must still
+// be seen (see file.reached): an open raises a notification, which holds no
+// reader. Events come in the order they were raised, permission events and
+// notifications alike, so the order readers reach files in is kept.
+const watched = unix.FAN_OPEN
+
 // denyEIO answers a waiting reader with EIO (pre-content groups may give
 // an errno, kernel 6.14 and later).
 const denyEIO = unix.FAN_DENY | uint32(unix.EIO)<<unix.FAN_ERRNO_SHIFT
@@ -127,15 +133,16 @@ type file struct {
 	times []unix.Timespec // atime, mtime: put back after the writes
 	index int             // in its dir's files, as added
 	// reached says a reader opened (or read) it. A file no reader reached
-	// stays marked once filled if its first reader must be seen: where
-	// the layer records the order readers reach files in, and where a
-	// read-ahead brought it (its hit grows the window). Elsewhere its mark
+	// is watched once filled if its first reader must be seen: where the
+	// layer records the order readers reach files in, and where a
+	// read-ahead brought it (its hit grows the window). Its reader is
+	// not held, only noted, and the mark goes then. Elsewhere its mark
 	// goes with its fill: a step that opens every file of a layer would
 	// otherwise raise an event, and an unmark, for each. (A file keeps
 	// its mark while it is in Group.files: a fill that removes the mark
 	// does so just before finish drops the file from there.)
 	reached bool
-	// unmarked says its fill removed its mark.
+	// unmarked says its fill removed its mark (else it is watched).
 	unmarked bool
 	// ahead says a read-ahead claimed it and no reader has reached it yet.
 	ahead   bool
@@ -163,7 +170,7 @@ func Open(root string, stall time.Duration) (*Group, error) {
 		tree, err = unix.Openat(clone, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	}
 	if err == nil {
-		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked, tree, "")
+		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked|watched, tree, "")
 	}
 	if err != nil {
 		for _, c := range []int{tree, clone, fd} {
@@ -223,8 +230,12 @@ func (g *Group) run() {
 				break
 			}
 			off += int(md.Event_len)
-			if md.Fd >= 0 {
+			switch {
+			case md.Fd < 0:
+			case md.Mask&marked != 0:
 				g.dispatch(md.Fd)
+			default:
+				g.seen(md.Fd)
 			}
 		}
 	}
@@ -274,6 +285,32 @@ func (g *Group) dispatch(fd int32) {
 		return
 	}
 	go g.fillMany(append([]*file{f}, ahead...))
+}
+
+// seen notes the reader a watched file's notification reports (it was
+// not held: the file is filled) and removes the file's mark, through the
+// event's fd, which is open on the stub.
+func (g *Group) seen(fd int32) {
+	defer unix.Close(int(fd))
+	var st unix.Stat_t
+	if err := unix.Fstat(int(fd), &st); err != nil {
+		return
+	}
+	g.mu.Lock()
+	f := g.files[fileKey{dev: st.Dev, ino: st.Ino}]
+	if f == nil {
+		g.mu.Unlock()
+		return // its mark went meanwhile
+	}
+	f.layer.reach(f)
+	filled := f.done && f.err == nil // else watched a moment before its fill ended: the next open tells
+	if filled {
+		delete(g.files, f.key)
+	}
+	g.mu.Unlock()
+	if filled {
+		g.removeMark(int(fd), f)
+	}
 }
 
 // Read-ahead: a reader of one file of a dir is often about to read the
@@ -513,9 +550,10 @@ const directFill = 1 << 20
 // file into memory, a larger one into an unlinked file beside the stubs;
 // store then writes it into the stub with one call, or clones it there
 // (copied where the filesystem cannot clone), puts the times back, and
-// removes the mark if a reader reached the file: later opens go straight
-// through. Runs of zeros stay holes. No fsync: the caller syncs the whole
-// layer before it is ready, and a crash before that fails it anyway.
+// removes the mark, or leaves one that only notes the first reader (see
+// file.reached): later opens go straight through. Runs of zeros stay
+// holes. No fsync: the caller syncs the whole layer before it is ready,
+// and a crash before that fails it anyway.
 
 // fetch brings f's data from src and returns how to put it into the
 // stub, and done, to call once it is put.
@@ -597,12 +635,14 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
 	g.mu.Lock()
-	// Else marked until a reader comes: see file.reached.
+	// Else watched until a reader comes: see file.reached.
 	unmark := f.reached || (!f.ahead && !f.layer.recording.Load())
 	f.unmarked = unmark
 	g.mu.Unlock()
 	if unmark {
 		g.removeMark(fd, f)
+	} else {
+		g.watch(fd, f)
 	}
 	return nil
 }
@@ -737,8 +777,22 @@ func (g *Group) unmark(f *file) {
 
 // removeMark removes the mark of f's stub, open as fd.
 func (g *Group) removeMark(fd int, f *file) {
-	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
+	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked|watched, fd, ""); err != nil {
 		klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
+	}
+}
+
+// watch makes the mark of f's stub (filled, open as fd) one that holds no
+// reader: watched is added before marked goes, so an open between the two
+// raises both events, and is seen either way. If that fails, the file
+// stays marked: its readers are then held, and answered at once.
+func (g *Group) watch(fd int, f *file) {
+	err := unix.FanotifyMark(g.fd, unix.FAN_MARK_ADD, watched, fd, "")
+	if err == nil {
+		err = unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, "")
+	}
+	if err != nil {
+		klog.V(2).InfoS("Watching a filled file", "file", f.rel, "err", err)
 	}
 }
 
@@ -1016,7 +1070,8 @@ func (l *Layer) snapshot() []*file {
 // Reached is the layer's files readers opened while it was being filled,
 // in the order of their first opens (what its fills brought unasked is
 // there once a reader reached it, if the layer records reaches: see
-// RecordReaches).
+// RecordReaches). A reader of a filled file is noted as its event is read,
+// a moment after its open.
 func (l *Layer) Reached() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -90,6 +91,13 @@ func (f *fetcher) fetch(ctx context.Context, rel string, size int64, w io.Writer
 	}
 	_, err = w.WriteAt(data, 0)
 	return err
+}
+
+// all is every fetch so far, in order.
+func (f *fetcher) all() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.fetched)
 }
 
 func (f *fetcher) count(rel string) int {
@@ -280,14 +288,14 @@ func TestPrefetchFillsInOrder(t *testing.T) {
 		t.Fatal("prefetch did not finish")
 	}
 	require.NoError(t, l.Err())
-	require.Equal(t, []string{"f17", "f03", "f11"}, src.fetched[:3])
-	require.Len(t, src.fetched, 20)
+	require.Equal(t, []string{"f17", "f03", "f11"}, src.all()[:3])
+	require.Len(t, src.all(), 20)
 	for name, data := range files {
 		got, err := os.ReadFile(filepath.Join(s.merged, name))
 		require.NoError(t, err)
 		require.True(t, bytes.Equal(data, got), name)
 	}
-	require.Len(t, src.fetched, 20, "a filled layer is read with no fetch")
+	require.Len(t, src.all(), 20, "a filled layer is read with no fetch")
 }
 
 // A reader held by a plugin that is SIGKILLed is never held for ever: the
@@ -429,7 +437,7 @@ func TestReadAhead(t *testing.T) {
 		_, l := holdWith(t, s, src.fetch, src.fetchMany(&calls, 0), time.Minute)
 		readAll(t, s, l.dirs["."], 1)
 		require.LessOrEqual(t, calls.Load(), int32(5), "the window grew: a few requests brought 64 files")
-		require.Empty(t, src.fetched, "no file needed a fetch of its own")
+		require.Empty(t, src.all(), "no file needed a fetch of its own")
 		<-l.Done()
 	})
 	t.Run("here and there", func(t *testing.T) {
@@ -452,9 +460,9 @@ func TestReadAhead(t *testing.T) {
 		var calls atomic.Int32
 		_, l := holdWith(t, s, src.fetch, src.fetchMany(&calls, 2), time.Minute)
 		readAll(t, s, l.dirs["."], 1)
-		require.NotEmpty(t, src.fetched, "what the cut read-aheads did not bring came file by file")
 		<-l.Done()
 		require.NoError(t, l.Err())
+		require.NotEmpty(t, src.all(), "what the cut read-aheads did not bring came file by file")
 	})
 }
 
@@ -481,17 +489,19 @@ func TestDiskFullWhileFilling(t *testing.T) {
 
 // Reached is the order readers first opened files in, where the layer
 // records it: a file filled before its first reader counts once that
-// reader comes, and one never read does not count. Where the layer does
-// not record, a filled file's mark goes with its fill, so its readers go
+// reader comes (who is not held: the filled file's mark only notes it, and
+// goes then), and one never read does not count. Where the layer does not
+// record, a filled file's mark goes with its fill, so its readers go
 // straight through, unseen.
 func TestReachedIsTheReadersOrder(t *testing.T) {
 	for _, tc := range []struct {
 		name                 string
 		recording            bool
 		wantBefore, wantLast []string
+		filledMark           uint64 // the mark f2 has once filled, before its reader
 	}{
-		{"recording", true, []string{"f5", "f2"}, []string{"f5", "f2", "f0"}},
-		{"not recording", false, []string{"f5"}, []string{"f5"}},
+		{"recording", true, []string{"f5", "f2"}, []string{"f5", "f2", "f0"}, watched},
+		{"not recording", false, []string{"f5"}, []string{"f5"}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			files := map[string][]byte{}
@@ -500,7 +510,7 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 			}
 			s := newStubbed(t, files)
 			src := &fetcher{src: s.src}
-			_, l := hold(t, s, src.fetch, time.Minute)
+			g, l := hold(t, s, src.fetch, time.Minute)
 			if tc.recording {
 				l.RecordReaches()
 			}
@@ -512,20 +522,42 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 			read("f5") // its own fill
 			require.NoError(t, l.Offer("f2", func(w io.WriterAt) error { _, err := w.WriteAt(files["f2"], 0); return err }))
 			require.NoError(t, l.Offer("f7", func(w io.WriterAt) error { _, err := w.WriteAt(files["f7"], 0); return err }))
-			l.g.putting.Wait() // an offer's write runs behind it: f2 is filled before its reader comes
+			g.putting.Wait() // an offer's write runs behind it: f2 is filled before its reader comes
+			require.Equal(t, tc.filledMark, markOf(t, g, filepath.Join(s.layer, "f2")))
 			read("f2")
 			read("f5") // again
+			require.Eventually(t, func() bool { return markOf(t, g, filepath.Join(s.layer, "f2")) == 0 }, 10*time.Second, 10*time.Millisecond,
+				"f2's mark goes once its reader is seen")
 			require.Equal(t, tc.wantBefore, l.Reached(), "f7 was filled, never read")
+			require.Equal(t, tc.filledMark, markOf(t, g, filepath.Join(s.layer, "f7")))
 			require.Equal(t, []string{"f7", "f2"}, l.Has([]string{"nope", "f7", "f2"}))
 
 			l.Prefetch(nil, 2)
 			<-l.Done()
 			require.NoError(t, l.Err())
 			read("f0")
-			require.Equal(t, tc.wantLast, l.Reached())
-			require.Len(t, src.fetched, 6, "offered files need no fetch")
+			require.Eventually(t, func() bool { return slices.Equal(tc.wantLast, l.Reached()) }, 10*time.Second, 10*time.Millisecond,
+				"reached %v", l.Reached())
+			require.Len(t, src.all(), 6, "offered files need no fetch")
 		})
 	}
+}
+
+// markOf is the event mask g's mark on the file at path has (0: none), as
+// the kernel lists the group's marks. A stat raises no event.
+func markOf(t *testing.T, g *Group, path string) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	require.NoError(t, unix.Stat(path, &st))
+	info, err := os.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", g.fd))
+	require.NoError(t, err)
+	for _, line := range strings.Split(string(info), "\n") {
+		var ino, sdev, mflags, mask uint64
+		if n, _ := fmt.Sscanf(line, "fanotify ino:%x sdev:%x mflags:%x mask:%x", &ino, &sdev, &mflags, &mask); n == 4 && ino == st.Ino {
+			return mask
+		}
+	}
+	return 0
 }
 
 // Settle returns once every answer under way is complete, its event's
