@@ -116,6 +116,16 @@ type Group struct {
 	// close of the event's descriptor, which pins the mount the reader
 	// opened the file through (a step volume's): see Settle.
 	answering sync.RWMutex
+	// beacon is a file of the group's own (a memfd) whose writes raise a
+	// notification, queued behind every event raised before: once the
+	// loop reads it, those are handled (see Settle). beaconKey is its
+	// inode; settled, if not nil, is closed when the loop reads its event
+	// (under mu). One Settle at a time, so that two beacons' events, the
+	// second queued while the first is, never merge into the first's place.
+	beacon    int
+	beaconKey fileKey
+	settled   chan struct{}
+	settling  sync.Mutex
 }
 
 var errStopping = errors.New("the plugin is stopping")
@@ -173,15 +183,22 @@ func Open(root string, stall time.Duration) (*Group, error) {
 		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked|watched, tree, "")
 	}
 	if err != nil {
-		for _, c := range []int{tree, clone, fd} {
+		err = fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
+	}
+	beacon, beaconKey := -1, fileKey{}
+	if err == nil {
+		beacon, beaconKey, err = newBeacon(fd)
+	}
+	if err != nil {
+		for _, c := range []int{beacon, tree, clone, fd} {
 			if c >= 0 {
 				unix.Close(c)
 			}
 		}
-		return nil, fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
+		return nil, err
 	}
 	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
-		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0))}
+		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), beacon: beacon, beaconKey: beaconKey}
 	g.loop.Add(1)
 	go g.run()
 	return g, nil
@@ -207,13 +224,40 @@ func (g *Group) Close() error {
 	g.loop.Wait()
 	g.unmarking.Wait()
 	g.putting.Wait()
-	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
+	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone), unix.Close(g.beacon))
+}
+
+// newBeacon makes the group's beacon (see Group.beacon), marked for
+// modifications in the group fd.
+func newBeacon(fd int) (int, fileKey, error) {
+	memfd, err := unix.MemfdCreate("cowvol-fill-beacon", unix.MFD_CLOEXEC)
+	if err != nil {
+		return -1, fileKey{}, fmt.Errorf("making the fill group's beacon: %w", err)
+	}
+	// memfd_create's file raises no events (a pseudo file's never do);
+	// one opened again through /proc does.
+	beacon, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", memfd), unix.O_WRONLY|unix.O_CLOEXEC, 0)
+	unix.Close(memfd)
+	if err != nil {
+		return -1, fileKey{}, fmt.Errorf("opening the fill group's beacon: %w", err)
+	}
+	var st unix.Stat_t
+	err = unix.Fstat(beacon, &st)
+	if err == nil {
+		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD, unix.FAN_MODIFY, beacon, "")
+	}
+	if err != nil {
+		unix.Close(beacon)
+		return -1, fileKey{}, fmt.Errorf("marking the fill group's beacon: %w", err)
+	}
+	return beacon, fileKey{dev: st.Dev, ino: st.Ino}, nil
 }
 
 // run reads events until the group is closed, and answers each at once or
 // hands it to the file's fill: it never blocks on a fetch.
 func (g *Group) run() {
 	defer g.loop.Done()
+	defer g.beaconRead() // a Settle waiting is let go: no event is read any more
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := g.events.Read(buf)
@@ -296,8 +340,13 @@ func (g *Group) seen(fd int32) {
 	if err := unix.Fstat(int(fd), &st); err != nil {
 		return
 	}
+	key := fileKey{dev: st.Dev, ino: st.Ino}
+	if key == g.beaconKey {
+		g.beaconRead()
+		return
+	}
 	g.mu.Lock()
-	f := g.files[fileKey{dev: st.Dev, ino: st.Ino}]
+	f := g.files[key]
 	if f == nil {
 		g.mu.Unlock()
 		return // its mark went meanwhile
@@ -426,14 +475,49 @@ func (g *Group) respond(fd int32, answer uint32) {
 	unix.Close(int(fd))
 }
 
-// Settle waits until every answer given so far is complete. A reader goes
-// on the moment its answer is written, and the event's descriptor (opened
-// on the path the reader used: through a step volume's mount) is closed
-// just after: a step that read its last file and ended may have its volume
-// unmounted before that, which would find the mount busy.
+// Settle waits until every event raised so far is handled and every
+// answer given so far is complete. An event's descriptor is open on the
+// path the reader used (through a step volume's mount) from the loop's read
+// of the batch that holds it until it is handled: a held reader goes on
+// the moment its answer is written, just before that close, and a reader
+// of a watched file does not wait at all. A step that read its last file
+// and ended may have its volume unmounted before either, which would find
+// the mount busy.
 func (g *Group) Settle() {
+	g.settling.Lock()
+	defer g.settling.Unlock()
+	read := make(chan struct{})
+	g.mu.Lock()
+	closed := g.closed
+	g.settled = read
+	g.mu.Unlock()
+	if !closed {
+		if _, err := unix.Pwrite(g.beacon, []byte{0}, 0); err != nil {
+			klog.ErrorS(err, "Writing the fill group's beacon: not waiting for the events before it")
+		} else {
+			select {
+			case <-read:
+			case <-time.After(settleWait):
+				klog.ErrorS(nil, "The fill group's events were not read in time; going on", "waited", settleWait)
+			}
+		}
+	}
 	g.answering.Lock()
 	g.answering.Unlock() // empty: waiting for the answers under way is the point
+}
+
+// settleWait bounds Settle's wait for the loop, which never blocks for
+// long: only a bug or a machine at a standstill would reach it.
+const settleWait = 10 * time.Second
+
+// beaconRead lets a Settle waiting for its beacon go.
+func (g *Group) beaconRead() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.settled != nil {
+		close(g.settled)
+		g.settled = nil
+	}
 }
 
 // claim makes the caller f's filler (under g.mu), unless f is filled or

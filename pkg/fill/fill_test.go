@@ -543,6 +543,20 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 	}
 }
 
+// opensOf is how many of this process's descriptors are open beneath dir.
+func opensOf(t *testing.T, dir string) int {
+	t.Helper()
+	fds, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	n := 0
+	for _, fd := range fds {
+		if p, _ := os.Readlink(filepath.Join("/proc/self/fd", fd.Name())); strings.HasPrefix(p, dir+"/") {
+			n++
+		}
+	}
+	return n
+}
+
 // markOf is the event mask g's mark on the file at path has (0: none), as
 // the kernel lists the group's marks. A stat raises no event.
 func markOf(t *testing.T, g *Group, path string) uint64 {
@@ -558,6 +572,43 @@ func markOf(t *testing.T, g *Group, path string) uint64 {
 		}
 	}
 	return 0
+}
+
+// Settle returns once the events of readers who were not held are handled
+// too: a watched file's reader goes on at once, and the loop reads its
+// event later, in a batch whose descriptors (open on the paths the readers
+// used) pin those mounts until each is handled. A read-only step volume of
+// one layer is a bind of the layer, so the path is the step's own mount.
+func TestSettleWaitsForEventsQueued(t *testing.T) {
+	files := map[string][]byte{}
+	for i := range 50 {
+		files[fmt.Sprintf("f%02d", i)] = random(t, 512)
+	}
+	s := newStubbed(t, files)
+	g, l := hold(t, s, (&fetcher{src: s.src}).fetch, time.Minute)
+	l.RecordReaches()
+	for name, data := range files {
+		require.NoError(t, l.Offer(name, func(w io.WriterAt) error { _, err := w.WriteAt(data, 0); return err }))
+	}
+	g.putting.Wait() // all filled and watched
+	bind := filepath.Join(filepath.Dir(s.layer), "bind")
+	require.NoError(t, os.MkdirAll(bind, 0o755))
+	require.NoError(t, unix.Mount(s.layer, bind, "", unix.MS_BIND, ""))
+	t.Cleanup(func() { _ = unix.Unmount(bind, unix.MNT_DETACH) })
+
+	g.mu.Lock() // the loop stops at the first event it reads, its descriptor open
+	for name := range files {
+		_, err := os.ReadFile(filepath.Join(bind, name))
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return opensOf(t, bind) > 0 }, 10*time.Second, time.Millisecond)
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		g.mu.Unlock()
+	}()
+	g.Settle()
+	require.NoError(t, unix.Unmount(bind, 0), "an event read but not handled still holds the mount")
+	require.Len(t, l.Reached(), len(files))
 }
 
 // Settle returns once every answer under way is complete, its event's
