@@ -253,29 +253,53 @@ func (e *Engine) readOrder(namespace string, profiles []string) []string {
 }
 
 // lazySource fetches a lazily pulled layer's files from the peers holding
-// the volume it was pulled for, moving to another when one fails.
+// the volume it was pulled for, moving to another when one fails. It
+// reaches the holder over two connections: the stream of the whole layer
+// fills one's socket buffers and flow-control window, and what a reader
+// waits for must not queue behind megabytes of that.
 type lazySource struct {
 	e          *Engine
 	namespace  string
 	layer, via volume.Ref
 
-	mu     sync.Mutex
-	client *streamer.Client
-	conn   io.Closer
-	peer   string
-	failed map[string]bool
+	mu      sync.Mutex
+	peer    string // the holder fetched from ("": none yet)
+	address string
+	lanes   [2]lane
+	failed  map[string]bool
 }
 
-// current returns the peer to fetch from, dialling the next holder not
-// yet failed if there is none.
-func (s *lazySource) current(ctx context.Context) (*streamer.Client, string, error) {
+// A lane is one connection to the holder.
+type lane struct {
+	client *streamer.Client
+	conn   io.Closer
+}
+
+const (
+	bulkLane   = 0 // the stream of the whole layer
+	urgentLane = 1 // fetches and read-aheads readers wait for
+)
+
+// current returns the holder to fetch from and a client on its lane,
+// dialling the next holder not yet failed if there is none.
+func (s *lazySource) current(ctx context.Context, which int) (*streamer.Client, string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.client != nil {
-		return s.client, s.peer, nil
+	ln := &s.lanes[which]
+	if ln.client != nil {
+		return ln.client, s.peer, nil
 	}
-	cfg := s.e.pulls.cfg
-	holders, err := cfg.Locator.Holders(ctx, s.namespace, s.via)
+	dial := s.e.pulls.cfg.Dial
+	if s.peer != "" {
+		client, conn, err := dial(s.address)
+		if err == nil {
+			ln.client, ln.conn = client, conn
+			return client, s.peer, nil
+		}
+		klog.ErrorS(err, "Dialling the holder of a lazily pulled layer again failed; trying another holder", "volume", s.layer, "peer", s.peer)
+		s.dropLocked(s.peer)
+	}
+	holders, err := s.e.pulls.cfg.Locator.Holders(ctx, s.namespace, s.via)
 	if err != nil {
 		return nil, "", fmt.Errorf("finding the nodes that hold %s: %w", s.via, err)
 	}
@@ -284,12 +308,13 @@ func (s *lazySource) current(ctx context.Context) (*streamer.Client, string, err
 		if h.NodeID == s.e.nodeID || h.Address == "" || s.failed[h.NodeID] {
 			continue
 		}
-		client, conn, err := cfg.Dial(h.Address)
+		client, conn, err := dial(h.Address)
 		if err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		s.client, s.conn, s.peer = client, conn, h.NodeID
+		ln.client, ln.conn = client, conn
+		s.peer, s.address = h.NodeID, h.Address
 		return client, h.NodeID, nil
 	}
 	return nil, "", fmt.Errorf("no peer left that holds %s: %w", s.via, errors.Join(append(errs, ErrPullFailed)...))
@@ -299,13 +324,27 @@ func (s *lazySource) current(ctx context.Context) (*streamer.Client, string, err
 func (s *lazySource) drop(peer string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.dropLocked(peer)
+}
+
+func (s *lazySource) dropLocked(peer string) {
 	if s.failed == nil {
 		s.failed = map[string]bool{}
 	}
 	s.failed[peer] = true
-	if s.peer == peer && s.conn != nil {
-		_ = s.conn.Close()
-		s.client, s.conn, s.peer = nil, nil, ""
+	if s.peer == peer {
+		s.closeLanes()
+		s.peer, s.address = "", ""
+	}
+}
+
+// closeLanes lets go of the connections (under mu).
+func (s *lazySource) closeLanes() {
+	for i := range s.lanes {
+		if ln := &s.lanes[i]; ln.conn != nil {
+			_ = ln.conn.Close()
+			*ln = lane{}
+		}
 	}
 }
 
@@ -314,7 +353,7 @@ func (s *lazySource) drop(peer string) {
 func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.WriterAt) error {
 	var done int64
 	for done < size {
-		client, peer, err := s.current(ctx)
+		client, peer, err := s.current(ctx, urgentLane)
 		if err != nil {
 			return err
 		}
@@ -341,7 +380,7 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 // are filling already are skipped. A stream that breaks off moves on from
 // its holder.
 func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []string) error {
-	peer, err := s.pullFiles(ctx, nil, first, layer.Offer)
+	peer, err := s.pullFiles(ctx, bulkLane, nil, first, layer.Offer)
 	if err != nil && peer != "" && ctx.Err() == nil {
 		s.drop(peer)
 	}
@@ -352,15 +391,15 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []stri
 // (a reader's read-ahead). What it does not bring is fetched file by file,
 // and those fetches move on from a holder that failed.
 func (s *lazySource) fetchMany(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
-	_, err := s.pullFiles(ctx, rels, nil, each)
+	_, err := s.pullFiles(ctx, urgentLane, rels, nil, each)
 	return err
 }
 
 // pullFiles streams the files rels of the layer (nil: all of them, first
 // those first) from the current holder, which it names, handing each to
 // each; the data written is counted.
-func (s *lazySource) pullFiles(ctx context.Context, rels, first []string, each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
-	client, peer, err := s.current(ctx)
+func (s *lazySource) pullFiles(ctx context.Context, which int, rels, first []string, each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
+	client, peer, err := s.current(ctx, which)
 	if err != nil {
 		return "", err
 	}
@@ -375,12 +414,9 @@ func (s *lazySource) pullFiles(ctx context.Context, rels, first []string, each f
 	return peer, err
 }
 
-// close lets go of the source's connection.
+// close lets go of the source's connections.
 func (s *lazySource) close() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.conn != nil {
-		_ = s.conn.Close()
-		s.client, s.conn = nil, nil
-	}
+	s.closeLanes()
 }
