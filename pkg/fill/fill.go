@@ -126,6 +126,11 @@ type Group struct {
 	beaconKey fileKey
 	settled   chan struct{}
 	settling  sync.Mutex
+	// urgent counts the fetches readers are held for (under mu);
+	// background fills wait while there are any (see readersFirst), and
+	// urgentDone is closed when the count drops to zero.
+	urgent     int
+	urgentDone chan struct{}
 }
 
 var errStopping = errors.New("the plugin is stopping")
@@ -323,12 +328,51 @@ func (g *Group) dispatch(fd int32) {
 		return // its fill answers it
 	}
 	ahead := f.layer.claimAhead(f)
+	g.urgent++
 	g.mu.Unlock()
-	if len(ahead) == 0 {
-		go g.fill(f, f.fetch)
-		return
+	go func() {
+		defer g.urgentEnded()
+		if len(ahead) == 0 {
+			g.fill(f, f.fetch)
+			return
+		}
+		g.fillMany(append([]*file{f}, ahead...))
+	}()
+}
+
+// urgentEnded counts out a fetch a reader was held for.
+func (g *Group) urgentEnded() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.urgent--; g.urgent == 0 && g.urgentDone != nil {
+		close(g.urgentDone)
+		g.urgentDone = nil
 	}
-	go g.fillMany(append([]*file{f}, ahead...))
+}
+
+// readersFirst waits while readers are held for fetches of their own (or
+// until ctx is done): the background fills of whole layers then stop
+// taking the link and the CPUs from them. A step that reads a few files
+// of a large input, none of them next in the stream, would otherwise wait
+// for each behind the stream's megabytes.
+func (g *Group) readersFirst(ctx context.Context) {
+	for {
+		g.mu.Lock()
+		if g.urgent == 0 {
+			g.mu.Unlock()
+			return
+		}
+		if g.urgentDone == nil {
+			g.urgentDone = make(chan struct{})
+		}
+		done := g.urgentDone
+		g.mu.Unlock()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // seen notes the reader a watched file's notification reports (it was
@@ -1083,6 +1127,7 @@ func (l *Layer) Prefetch(order []string, workers int) {
 	for range max(workers, 1) {
 		go func() {
 			for f := range next {
+				l.g.readersFirst(l.ctx)
 				_ = l.g.ensure(f)
 			}
 		}()
@@ -1112,6 +1157,7 @@ func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
 	if f == nil {
 		return nil // empty, a link to a file offered already, or not a stub
 	}
+	l.g.readersFirst(l.ctx)
 	l.g.mu.Lock()
 	mine := claim(f)
 	l.g.mu.Unlock()

@@ -351,6 +351,40 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 	}
 }
 
+// While a reader is held for a fetch of its own, the stream of the layer
+// waits: it would take the link and the CPUs from the fetch the step is
+// waiting for. Once the fetch is done, the stream goes on.
+func TestReadersGoFirst(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"wanted": random(t, 8192), "streamed": random(t, 8192)})
+	src := &fetcher{src: s.src, gate: make(chan struct{})}
+	_, l := hold(t, s, src.fetch, time.Minute)
+	read := make(chan error, 1)
+	go func() {
+		_, err := os.ReadFile(filepath.Join(s.merged, "wanted"))
+		read <- err
+	}()
+	require.Eventually(t, func() bool { return src.count("wanted") == 1 }, 10*time.Second, time.Millisecond, "the reader's fetch started")
+
+	var written atomic.Bool
+	offered := make(chan error, 1)
+	go func() {
+		offered <- l.Offer("streamed", func(w io.WriterAt) error {
+			written.Store(true)
+			_, err := w.WriteAt(s.files["streamed"], 0)
+			return err
+		})
+	}()
+	time.Sleep(200 * time.Millisecond)
+	require.False(t, written.Load(), "the stream went on while a reader waited for its own fetch")
+
+	close(src.gate)
+	require.NoError(t, <-read)
+	require.NoError(t, <-offered)
+	require.True(t, written.Load(), "the stream goes on once the reader's fetch is done")
+	<-l.Done()
+	require.NoError(t, l.Err())
+}
+
 // A stream of the layer offers its files: those not filled are filled from
 // it, those filled are skipped, and a file whose offer breaks off is
 // fetched alone.
