@@ -106,7 +106,8 @@ type Group struct {
 	closed bool
 	loop   sync.WaitGroup
 	// unmarking are the mark removals under way off the loop (the loop
-	// adds them: none is added once Close has waited for the loop).
+	// adds them, and forget under mu while the group is not closed: none
+	// is added once Close has waited for the loop).
 	unmarking sync.WaitGroup
 	// putSlots bounds the files a stream's fills put in place behind it,
 	// and putting are those under way (added under mu, unless closed).
@@ -868,8 +869,13 @@ func (g *Group) forget(f *file) {
 	if held {
 		delete(g.files, f.key)
 	}
+	unmark := held && !g.closed // a closed group's marks went with it
+	if unmark {
+		g.unmarking.Add(1) // Close waits for it before the fd goes
+	}
 	g.mu.Unlock()
-	if held {
+	if unmark {
+		defer g.unmarking.Done()
 		g.unmark(f)
 	}
 }
