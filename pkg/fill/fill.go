@@ -127,11 +127,6 @@ type Group struct {
 	beaconKey fileKey
 	settled   chan struct{}
 	settling  sync.Mutex
-	// urgent counts the fetches readers are held for (under mu);
-	// background fills wait while there are any (see readersFirst), and
-	// urgentDone is closed when the count drops to zero.
-	urgent     int
-	urgentDone chan struct{}
 }
 
 var errStopping = errors.New("the plugin is stopping")
@@ -329,10 +324,10 @@ func (g *Group) dispatch(fd int32) {
 		return // its fill answers it
 	}
 	ahead := f.layer.claimAhead(f)
-	g.urgent++
+	f.layer.urgent++
 	g.mu.Unlock()
 	go func() {
-		defer g.urgentEnded()
+		defer f.layer.urgentEnded()
 		if len(ahead) == 0 {
 			g.fill(f, f.fetch)
 			return
@@ -341,36 +336,38 @@ func (g *Group) dispatch(fd int32) {
 	}()
 }
 
-// urgentEnded counts out a fetch a reader was held for.
-func (g *Group) urgentEnded() {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.urgent--; g.urgent == 0 && g.urgentDone != nil {
-		close(g.urgentDone)
-		g.urgentDone = nil
+// urgentEnded counts out a fetch a reader of the layer was held for.
+func (l *Layer) urgentEnded() {
+	l.g.mu.Lock()
+	defer l.g.mu.Unlock()
+	if l.urgent--; l.urgent == 0 && l.urgentDone != nil {
+		close(l.urgentDone)
+		l.urgentDone = nil
 	}
 }
 
-// readersFirst waits while readers are held for fetches of their own (or
-// until ctx is done): the background fills of whole layers then stop
-// taking the link and the CPUs from them. A step that reads a few files
-// of a large input, none of them next in the stream, would otherwise wait
-// for each behind the stream's megabytes.
-func (g *Group) readersFirst(ctx context.Context) {
+// readersFirst waits while readers of the layer are held for fetches of
+// their own (or until the layer is done for): its background fills then
+// stop taking the link and the CPUs from them. A step that reads a few
+// files of a large input, none of them next in the stream, would otherwise
+// wait for each behind the stream's megabytes. Only the layer's own
+// background waits: a reader of one namespace's input must not be able to
+// stall the fills of another's.
+func (l *Layer) readersFirst() {
 	for {
-		g.mu.Lock()
-		if g.urgent == 0 {
-			g.mu.Unlock()
+		l.g.mu.Lock()
+		if l.urgent == 0 {
+			l.g.mu.Unlock()
 			return
 		}
-		if g.urgentDone == nil {
-			g.urgentDone = make(chan struct{})
+		if l.urgentDone == nil {
+			l.urgentDone = make(chan struct{})
 		}
-		done := g.urgentDone
-		g.mu.Unlock()
+		done := l.urgentDone
+		l.g.mu.Unlock()
 		select {
 		case <-done:
-		case <-ctx.Done():
+		case <-l.ctx.Done():
 			return
 		}
 	}
@@ -1006,12 +1003,17 @@ type Layer struct {
 	ahead   map[string]*readAhead
 	reached []string // what readers reached, in order
 	// recording: a step over the layer names a read profile, so a filled
-	// file stays marked until a reader reaches it (see RecordReaches).
+	// file is watched until a reader reaches it (see RecordReaches).
 	recording atomic.Bool
 	pending   int
 	sealed    bool
 	err       error
 	done      chan struct{}
+	// urgent counts the fetches its readers are held for, and urgentDone
+	// is closed when that drops to zero (both under the group's mu): its
+	// background fills wait while there are any (see readersFirst).
+	urgent     int
+	urgentDone chan struct{}
 }
 
 // FetchManyFunc brings the data of the layer files rels at once, handing
@@ -1072,8 +1074,8 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 }
 
 // RecordReaches says a step over the layer names a read profile: from
-// now on a filled file stays marked until its first reader, so that
-// Reached sees every file readers open. Without it a filled file's mark
+// now on a filled file is watched until its first reader (noted, not
+// held), so that Reached sees every file readers open. Without it a filled file's mark
 // goes with its fill (but where a read-ahead brought it), and its readers
 // raise no event at all.
 func (l *Layer) RecordReaches() { l.recording.Store(true) }
@@ -1133,7 +1135,7 @@ func (l *Layer) Prefetch(order []string, workers int) {
 	for range max(workers, 1) {
 		go func() {
 			for f := range next {
-				l.g.readersFirst(l.ctx)
+				l.readersFirst()
 				_ = l.g.ensure(f)
 			}
 		}()
@@ -1163,7 +1165,7 @@ func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
 	if f == nil {
 		return nil // empty, a link to a file offered already, or not a stub
 	}
-	l.g.readersFirst(l.ctx)
+	l.readersFirst()
 	l.g.mu.Lock()
 	mine := claim(f)
 	l.g.mu.Unlock()

@@ -351,13 +351,18 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 	}
 }
 
-// While a reader is held for a fetch of its own, the stream of the layer
+// While a reader is held for a fetch of its own, the stream of its layer
 // waits: it would take the link and the CPUs from the fetch the step is
-// waiting for. Once the fetch is done, the stream goes on.
+// waiting for. Once the fetch is done, the stream goes on. Another layer's
+// stream (another namespace's input, say) does not wait: a reader must not
+// be able to stall fills that are not its own.
 func TestReadersGoFirst(t *testing.T) {
 	s := newStubbed(t, map[string][]byte{"wanted": random(t, 8192), "streamed": random(t, 8192)})
 	src := &fetcher{src: s.src, gate: make(chan struct{})}
-	_, l := hold(t, s, src.fetch, time.Minute)
+	g, l := hold(t, s, src.fetch, time.Minute)
+	otherData := random(t, 8192)
+	other := otherLayer(t, g, filepath.Join(filepath.Dir(s.layer), "other"), "x", int64(len(otherData)))
+
 	read := make(chan error, 1)
 	go func() {
 		_, err := os.ReadFile(filepath.Join(s.merged, "wanted"))
@@ -365,6 +370,16 @@ func TestReadersGoFirst(t *testing.T) {
 	}()
 	require.Eventually(t, func() bool { return src.count("wanted") == 1 }, 10*time.Second, time.Millisecond, "the reader's fetch started")
 
+	otherOffered := make(chan error, 1)
+	go func() {
+		otherOffered <- other.Offer("x", func(w io.WriterAt) error { _, err := w.WriteAt(otherData, 0); return err })
+	}()
+	select {
+	case err := <-otherOffered:
+		require.NoError(t, err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("another layer's stream waited for this layer's reader")
+	}
 	var written atomic.Bool
 	offered := make(chan error, 1)
 	go func() {
@@ -383,6 +398,26 @@ func TestReadersGoFirst(t *testing.T) {
 	require.True(t, written.Load(), "the stream goes on once the reader's fetch is done")
 	<-l.Done()
 	require.NoError(t, l.Err())
+	<-other.Done()
+	require.NoError(t, other.Err())
+}
+
+// otherLayer adds a second layer to g: one stub, rel, of size bytes, in
+// dir (on g's filesystem), which nothing fetches.
+func otherLayer(t *testing.T, g *Group, dir, rel string, size int64) *Layer {
+	t.Helper()
+	require.NoError(t, os.MkdirAll(dir, 0o755))
+	f, err := os.Create(filepath.Join(dir, rel))
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(size))
+	l, err := g.NewLayer(dir, func(context.Context, string, int64, io.WriterAt) error {
+		return errors.New("not fetched: offered")
+	}, nil)
+	require.NoError(t, err)
+	require.NoError(t, l.Add(int(f.Fd()), rel, size))
+	l.Seal()
+	return l
 }
 
 // A stream of the layer offers its files: those not filled are filled from
