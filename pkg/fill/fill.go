@@ -133,6 +133,13 @@ var errStopping = errors.New("the plugin is stopping")
 
 type fileKey struct{ dev, ino uint64 }
 
+// keyOf is the key of the file open as fd.
+func keyOf(fd int) (fileKey, error) {
+	var st unix.Stat_t
+	err := unix.Fstat(fd, &st)
+	return fileKey{dev: st.Dev, ino: st.Ino}, err
+}
+
 // file is one stub. A fill runs at most once at a time (filling is
 // non-nil, closed when it ends); waiters are the event fds of readers held
 // for it.
@@ -242,8 +249,7 @@ func newBeacon(fd int) (int, fileKey, error) {
 	if err != nil {
 		return -1, fileKey{}, fmt.Errorf("opening the fill group's beacon: %w", err)
 	}
-	var st unix.Stat_t
-	err = unix.Fstat(beacon, &st)
+	key, err := keyOf(beacon)
 	if err == nil {
 		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD, unix.FAN_MODIFY, beacon, "")
 	}
@@ -251,7 +257,7 @@ func newBeacon(fd int) (int, fileKey, error) {
 		unix.Close(beacon)
 		return -1, fileKey{}, fmt.Errorf("marking the fill group's beacon: %w", err)
 	}
-	return beacon, fileKey{dev: st.Dev, ino: st.Ino}, nil
+	return beacon, key, nil
 }
 
 // run reads events until the group is closed, and answers each at once or
@@ -289,13 +295,13 @@ func (g *Group) run() {
 // dispatch answers the event whose fd is fd: at once if its file is filled
 // or not one of ours, else when its fill ends.
 func (g *Group) dispatch(fd int32) {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(fd), &st); err != nil {
+	key, err := keyOf(int(fd))
+	if err != nil {
 		g.respond(fd, denyEIO)
 		return
 	}
 	g.mu.Lock()
-	f := g.files[fileKey{dev: st.Dev, ino: st.Ino}]
+	f := g.files[key]
 	if f == nil {
 		g.mu.Unlock()
 		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
@@ -378,11 +384,10 @@ func (l *Layer) readersFirst() {
 // event's fd, which is open on the stub.
 func (g *Group) seen(fd int32) {
 	defer unix.Close(int(fd))
-	var st unix.Stat_t
-	if err := unix.Fstat(int(fd), &st); err != nil {
+	key, err := keyOf(int(fd))
+	if err != nil {
 		return
 	}
-	key := fileKey{dev: st.Dev, ino: st.Ino}
 	if key == g.beaconKey {
 		g.beaconRead()
 		return
@@ -845,7 +850,7 @@ func (g *Group) finish(f *file, err error) {
 		close(f.filling)
 	}
 	if err == nil && f.unmarked {
-		delete(g.files, f.key) // one still marked stays, to see its first reader
+		delete(g.files, f.key) // one watched stays, to see its first reader
 	}
 	g.mu.Unlock()
 	// The layer hears first: a reader answered may look at it next.
@@ -885,8 +890,7 @@ func (g *Group) openStub(f *file, flags int) (int, error) {
 	if err != nil {
 		return -1, err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || (fileKey{dev: st.Dev, ino: st.Ino}) != f.key {
+	if key, err := keyOf(fd); err != nil || key != f.key {
 		unix.Close(fd)
 		return -1, fmt.Errorf("%s is no longer the stub that was marked", f.rel)
 	}
@@ -1075,9 +1079,9 @@ func (l *Layer) Add(fd int, rel string, size int64) error {
 
 // RecordReaches says a step over the layer names a read profile: from
 // now on a filled file is watched until its first reader (noted, not
-// held), so that Reached sees every file readers open. Without it a filled file's mark
-// goes with its fill (but where a read-ahead brought it), and its readers
-// raise no event at all.
+// held), so that Reached sees every file readers open. Without it a
+// filled file's mark goes with its fill (but where a read-ahead brought
+// it), and its readers raise no event at all.
 func (l *Layer) RecordReaches() { l.recording.Store(true) }
 
 // Seal says every stub is added: once they are all filled, the layer is
