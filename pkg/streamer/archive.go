@@ -829,7 +829,11 @@ func (m *fileMakers) fail(err error) {
 	}
 }
 
+// failed is the first maker's failure (none where no makers run).
 func (m *fileMakers) failed() error {
+	if m == nil {
+		return nil
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.err

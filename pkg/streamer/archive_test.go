@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -45,6 +46,21 @@ func TestRoundTripKeepsALayer(t *testing.T) {
 			require.Less(t, st.Blocks*512, int64(1<<20), "the sparse file's holes stay holes")
 		})
 	}
+	// A plugin limited to one CPU (Go sizes GOMAXPROCS by the cgroup's
+	// CPU limit) extracts with no makers: the extractor makes each file
+	// itself. This once dereferenced the makers it had not started.
+	t.Run("one CPU", func(t *testing.T) {
+		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+		var wire bytes.Buffer
+		sent, err := Pack(context.Background(), src, &wire, S2, SparseTar)
+		require.NoError(t, err)
+		dst := filepath.Join(root, "dst-one-cpu")
+		require.NoError(t, os.Mkdir(dst, 0o755))
+		got, err := Unpack(context.Background(), &wire, S2, dst, DefaultLimits)
+		require.NoError(t, err)
+		require.Equal(t, sent, got)
+		require.Equal(t, want, testfs.Describe(t, dst))
+	})
 }
 
 // Without holes the stream is a plain tar any reader takes: the sparse
