@@ -286,7 +286,7 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 	buf := bufpool.Get(streamBuffer)
 	defer bufpool.Put(buf)
 	c := newCounter()
-	pk := &packer{tw: tar.NewWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1}
+	pk := &packer{tw: newTarWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1}
 	defer pk.closeDir()
 	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -325,7 +325,7 @@ const streamBuffer = 256 << 10
 
 // packer writes a tree's entries.
 type packer struct {
-	tw    *tar.Writer
+	tw    *tarWriter
 	seen  map[[2]uint64]string // first names of files with several links
 	shape Shape
 	buf   []byte // one copy buffer for every file
