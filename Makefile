@@ -70,8 +70,9 @@ test: build
 	# The archive extractor against mutated archives, bounded by count (a
 	# time bound stalls Go's fuzzer on this machine).
 	$(GO) test -run '^$$' -fuzz FuzzUnpack -fuzztime 20000x -parallel 2 ./pkg/streamer
-	# The stream's tar writer against archive/tar's, on random headers.
+	# The stream's tar writer and reader against archive/tar's.
 	$(GO) test -run '^$$' -fuzz FuzzTarWriter -fuzztime 20000x -parallel 2 ./pkg/streamer
+	$(GO) test -run '^$$' -fuzz FuzzTarReader -fuzztime 50000x -parallel 2 ./pkg/streamer
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 # The cluster runs the image make image builds (under the e2e's name).

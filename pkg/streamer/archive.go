@@ -528,7 +528,9 @@ type Limits struct {
 	Bytes, Entries int64
 	// Strict refuses what only cowvol's own layers carry, whiteouts and
 	// trusted.* xattrs: an archive from outside the cluster (an upload)
-	// must not steer the overlay the volume is mounted with.
+	// must not steer the overlay the volume is mounted with. It takes
+	// any tar a tool writes; a stream that is not Strict, only what a
+	// packer writes (see tarReader).
 	Strict bool
 	// KeepSetuid keeps regular files' setuid and setgid bits
 	// (--allow-setuid). Otherwise they are cleared, as a capture clears
@@ -640,7 +642,7 @@ func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, ent
 	defer release() // before br goes back
 	c := newCounter()
 	limited := &limitReader{r: dr, left: lim.Bytes}
-	tr := tar.NewReader(io.TeeReader(limited, c))
+	tr := tarStream(io.TeeReader(limited, c), lim)
 	var entries int64
 	for {
 		if err := ctx.Err(); err != nil {
@@ -665,6 +667,19 @@ func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, ent
 		return Summary{}, limited.explain(err)
 	}
 	return c.summary(entries), nil
+}
+
+// tarStream reads the entries of a tar stream: an upload's, which any tar
+// tool may have written, with archive/tar; a peer's, which a packer wrote,
+// with tarReader.
+func tarStream(r io.Reader, lim Limits) interface {
+	Next() (*tar.Header, error)
+	io.Reader
+} {
+	if lim.Strict {
+		return tar.NewReader(r)
+	}
+	return newTarReader(r)
 }
 
 // limitReader fails a stream longer than its limit.
