@@ -205,7 +205,12 @@ func TestPullsBetweenNodes(t *testing.T) {
 		got, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "base")})
 		require.NoError(t, err)
 		require.Equal(t, "ready", got.State)
-		require.True(t, got.Synced, "a pulled volume is on disk before it is ready")
+		// Ready before its data is written back (a reboot until then
+		// fails it, to be pulled again); the sync round writes it.
+		eventually(t, "the pulled volume synced", func() bool {
+			got, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "base")})
+			return err == nil && got.Synced
+		})
 		require.Equal(t, "namespace", got.Scope)
 		f.holders("ci", "base", "node-a", "node-b")
 		require.Equal(t, 1.0, metricValue(t, a.env, servedOK))

@@ -70,8 +70,8 @@ type Volume struct {
 	// Pin protects the volume from TTL expiry and eviction.
 	Pin Pin `json:"pin,omitzero"`
 	// Synced says the volume's data has reached the disk (a syncfs after
-	// its capture). A ready volume that a reboot caught unsynced may be
-	// torn, and is marked failed.
+	// its capture or its pull). A ready volume that a reboot caught
+	// unsynced may be torn, and is marked failed.
 	Synced bool `json:"synced,omitempty"`
 }
 

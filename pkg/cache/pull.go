@@ -55,15 +55,17 @@ func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 	return v, err
 }
 
-// CommitPull makes a pulled volume ready, its layer in place and synced.
-// A volume destroyed while it was pulled commits straight to destroying.
-func (s *Store) CommitPull(r volume.Ref, pullID string, bytes, inodes int64) (Volume, error) {
+// CommitPull makes a pulled volume ready, its layer in place; synced says
+// whether its data is on disk yet (if not, a sync round marks it so, as it
+// does a capture). A volume destroyed while it was pulled commits straight
+// to destroying.
+func (s *Store) CommitPull(r volume.Ref, pullID string, bytes, inodes int64, synced bool) (Volume, error) {
 	var out Volume
 	err := s.update(r, func(v *Volume) error {
 		if err := v.apply(EventCommit, pullLease(pullID)); err != nil {
 			return err
 		}
-		v.Synced, v.LastUsed = true, time.Now()
+		v.Synced, v.LastUsed = synced, time.Now()
 		v.SizeBytes, v.Inodes = bytes, inodes
 		out = *v
 		return nil

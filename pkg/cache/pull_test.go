@@ -10,7 +10,7 @@ import (
 )
 
 // A pull reserves a creating volume that holds its base, commits it ready
-// and synced, or aborts it leaving nothing; a restart drops a reservation
+// (synced or not, as the caller says), or aborts it leaving nothing; a restart drops a reservation
 // whose pull died with the process.
 func TestPullReservations(t *testing.T) {
 	s := openStore(t)
@@ -30,13 +30,14 @@ func TestPullReservations(t *testing.T) {
 	_, err = s.Publish(View{VolumeID: "v", Source: ref("ci", "child"), Pod: pod("ci")})
 	require.ErrorIs(t, err, ErrNotReady, "nothing is published from a half-pulled volume")
 
-	_, err = s.CommitPull(ref("ci", "child"), "p2", 10, 1)
+	_, err = s.CommitPull(ref("ci", "child"), "p2", 10, 1, true)
 	require.ErrorIs(t, err, ErrExists, "only the owning pull commits")
 	require.NoError(t, os.MkdirAll(s.DataPath(v), 0o755))
-	got, err := s.CommitPull(ref("ci", "child"), "p1", 10, 1)
+	got, err := s.CommitPull(ref("ci", "child"), "p1", 10, 1, false)
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, got.State)
-	require.True(t, got.Synced)
+	require.False(t, got.Synced, "committed before its data was synced")
+	require.Contains(t, s.Unsynced(), ref("ci", "child"), "the next sync round covers it")
 	require.Equal(t, map[string]string{"k": "v"}, got.Properties)
 	require.Equal(t, volume.ScopeCluster, got.Scope)
 

@@ -174,7 +174,7 @@ func openInside(root, path string, format streamer.Format) (streamer.Reading, er
 
 // Receive makes an uploaded tree a cached volume of this node.
 func (h peerHolder) Receive(l streamer.Layer, fill func(dir string) (streamer.Summary, error)) error {
-	_, err := h.e.receiveLayer(l, newLeaseID(), func(tree, _ string) (streamer.Summary, error) { return fill(tree) }, h.e.commitPulled(l))
+	_, err := h.e.receiveLayer(l, newLeaseID(), func(tree, _ string) (streamer.Summary, error) { return fill(tree) }, h.e.commitPulled(l), syncBefore)
 	switch {
 	case errors.Is(err, cache.ErrExists):
 		return fmt.Errorf("%w: %w", streamer.ErrExists, err)

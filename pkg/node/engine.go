@@ -322,9 +322,9 @@ func (e *Engine) onKickAfter(ch chan struct{}, delay time.Duration, round func()
 	})
 }
 
-// syncRound makes captured volumes durable: one syncfs of the state dir's
-// filesystem covers every capture since the last round, off the capture's
-// path.
+// syncRound makes captured and pulled volumes durable: one syncfs of the
+// state dir's filesystem covers every one since the last round, off the
+// capture's or the pull's path.
 func (e *Engine) syncRound() {
 	refs := e.store.Unsynced()
 	if len(refs) == 0 {
@@ -339,7 +339,7 @@ func (e *Engine) syncRound() {
 		klog.ErrorS(err, "Recording synced volumes")
 		return
 	}
-	klog.V(4).InfoS("Synced captured volumes", "count", len(refs), "duration", time.Since(start))
+	klog.V(4).InfoS("Synced volumes", "count", len(refs), "duration", time.Since(start))
 }
 
 // tidyRound empties the trash, prunes layers flattening replaced, and sets

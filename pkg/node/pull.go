@@ -378,7 +378,7 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 	} else {
 		vol, err = e.receiveLayer(l, p.id, func(tree, _ string) (streamer.Summary, error) {
 			return client.PullLayer(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits, progress)
-		}, e.commitPulled(l))
+		}, e.commitPulled(l), syncBehind)
 	}
 	if errors.Is(err, cache.ErrExists) {
 		return fmt.Errorf("%s is being made here meanwhile: %w", p.layerName(l), ErrPulling)
@@ -396,19 +396,36 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 }
 
 // commitFunc commits a received layer, in place at data, under the lease
-// id.
-type commitFunc func(v cache.Volume, id, data string) (cache.Volume, error)
+// id; synced says whether its data is on disk yet.
+type commitFunc func(v cache.Volume, id, data string, synced bool) (cache.Volume, error)
 
 // commitPulled makes a layer that arrived whole ready.
 func (e *Engine) commitPulled(l streamer.Layer) commitFunc {
-	return func(v cache.Volume, id, _ string) (cache.Volume, error) {
-		vol, err := e.store.CommitPull(v.Ref(), id, l.SizeBytes, -1)
+	return func(v cache.Volume, id, _ string, synced bool) (cache.Volume, error) {
+		vol, err := e.store.CommitPull(v.Ref(), id, l.SizeBytes, -1, synced)
 		if err == nil {
 			e.goBackground(func() { e.afterCapture(vol) })
 		}
 		return vol, err
 	}
 }
+
+// durability says when a received layer's data must reach the disk.
+type durability bool
+
+const (
+	// syncBefore: before it is committed. An upload is the only copy,
+	// and its sender is told it is made.
+	syncBefore durability = false
+	// syncBehind: later, off the step's path. A pulled layer is a copy
+	// of a peer's: the next sync round writes it back, as it does a
+	// capture, and a reboot that comes first marks it failed, to be
+	// pulled again; its step does not wait for the node to write a
+	// gigabyte back, which took a fifth of a pull's time. A stub tree is
+	// synced with its data once filled (a restart fails a volume still
+	// filling, synced or not).
+	syncBehind durability = true
+)
 
 // pullStubs pulls a layer's tree with its files as stubs, each marked as it
 // is made so that its readers wait for its data, and makes it a filling
@@ -424,10 +441,10 @@ func (e *Engine) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, p
 			return streamer.Summary{}, err
 		}
 		return client.PullLayerStubs(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits, progress, mark)
-	}, func(v cache.Volume, id, _ string) (cache.Volume, error) {
+	}, func(v cache.Volume, id, _ string, _ bool) (cache.Volume, error) {
 		layer.Seal()
 		return e.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
-	})
+	}, syncBehind)
 	if err != nil {
 		if layer != nil {
 			layer.Release()
@@ -443,11 +460,12 @@ func (e *Engine) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, p
 
 // receiveLayer makes a cached volume of a layer that arrives from
 // elsewhere (a pull, an upload): reserved under the lease id, filled by fill
-// in staging out of sight (tree; data is where it will live), synced, moved
-// into place and committed in one transaction. Anything short of that
-// leaves no trace: the reservation and the staging go (and a crash leaves
-// them to recovery).
-func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(tree, data string) (streamer.Summary, error), commit commitFunc) (vol cache.Volume, err error) {
+// in staging out of sight (tree; data is where it will live), synced as
+// when says, moved into place and committed in one transaction. Anything
+// short of that leaves no trace: the reservation and the staging go (and a
+// crash leaves them to recovery).
+func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(tree, data string) (streamer.Summary, error), commit commitFunc,
+	when durability) (vol cache.Volume, err error) {
 	v, err := e.store.ReservePull(cache.Volume{
 		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
 		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
@@ -481,9 +499,13 @@ func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(tree, data 
 		return cache.Volume{}, err
 	}
 	cache.CrashPoint("pull-extracted")
-	// Ready means on disk: a reboot must not find a torn volume.
-	if err := overlay.SyncFS(tree); err != nil {
-		return cache.Volume{}, err
+	// A reboot must not find a torn volume ready: it is on disk before
+	// it is committed, or committed unsynced (and failed by a reboot
+	// that comes before the sync round).
+	if when == syncBefore {
+		if err := overlay.SyncFS(tree); err != nil {
+			return cache.Volume{}, err
+		}
 	}
 	if err := os.MkdirAll(filepath.Dir(data), 0o700); err != nil {
 		return cache.Volume{}, err
@@ -491,12 +513,17 @@ func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(tree, data 
 	if err := os.Rename(tree, data); err != nil {
 		return cache.Volume{}, err
 	}
-	if err := overlay.SyncDir(filepath.Dir(data)); err != nil {
-		return cache.Volume{}, err
+	if when == syncBefore {
+		if err := overlay.SyncDir(filepath.Dir(data)); err != nil {
+			return cache.Volume{}, err
+		}
 	}
 	cache.CrashPoint("pull-renamed")
-	if vol, err = commit(v, id, data); err != nil {
+	if vol, err = commit(v, id, data, when == syncBefore); err != nil {
 		return cache.Volume{}, err
+	}
+	if when == syncBehind {
+		e.kick(e.syncer)
 	}
 	klog.V(2).InfoS("Received a layer", "volume", vol.Ref(), "state", vol.State, "tarBytes", sum.Bytes, "entries", sum.Entries, "digest", sum.Digest)
 	return vol, nil
