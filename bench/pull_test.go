@@ -179,12 +179,7 @@ func BenchmarkPull(b *testing.B) {
 			defaultEnc = "s2"
 		)
 
-		// Untimed: B's filesystem makes its inodes once, and its disk
-		// has written enough for the kernel to let it hold its share of
-		// dirty pages (on a new device, writers are throttled early).
-		for range 2 {
-			localPipe()
-		}
+		warmDisk(b, src, stateB)
 
 		for round := range pullRounds {
 			// The bytes alone: the wire's own ceiling.
@@ -269,6 +264,27 @@ func BenchmarkPull(b *testing.B) {
 		}
 		fmt.Fprintf(&sb, "a child (100 files, 1 MiB) of a tree the puller holds: %s, %d KiB on the wire\n", ms(childTook), childWire>>10)
 		fmt.Print(sb.String())
+	}
+}
+
+// warmDisk copies the tree at src onto the filesystem at fs twice, untimed,
+// and removes the copies: the filesystem makes its inodes once, and its
+// disk writes enough for the kernel to let it hold its share of dirty pages
+// (on a new device, writers are throttled early, waiting with idle CPU).
+func warmDisk(b *testing.B, src, fs string) {
+	b.Helper()
+	dir := filepath.Join(fs, "warm")
+	for range 2 {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			b.Fatal(err)
+		}
+		if out, err := exec.Command("sh", "-c", "tar -C "+src+" -cf - . | tar -C "+dir+" -xf -").CombinedOutput(); err != nil {
+			b.Fatal(err, string(out))
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			b.Fatal(err)
+		}
+		_ = exec.Command("sync").Run()
 	}
 }
 

@@ -57,11 +57,7 @@ func Need(tb testing.TB, tools ...string) {
 // is mounted; everything is undone when tb ends.
 func Mount(tb testing.TB, kind Kind, size int64) string {
 	tb.Helper()
-	mnt, err := mount(tb, kind, size, nil, "", false)
-	if err != nil {
-		tb.Fatalf("mounting %s: %v", kind, err)
-	}
-	return mnt
+	return mustMount(tb, kind, size, false)
 }
 
 // MountAllocated is Mount on an image whose memory is all allocated
@@ -73,7 +69,12 @@ func Mount(tb testing.TB, kind Kind, size int64) string {
 // others not.
 func MountAllocated(tb testing.TB, kind Kind, size int64) string {
 	tb.Helper()
-	mnt, err := mount(tb, kind, size, nil, "", true)
+	return mustMount(tb, kind, size, true)
+}
+
+func mustMount(tb testing.TB, kind Kind, size int64, allocate bool) string {
+	tb.Helper()
+	mnt, err := mount(tb, kind, size, nil, "", allocate)
 	if err != nil {
 		tb.Fatalf("mounting %s: %v", kind, err)
 	}
