@@ -66,4 +66,16 @@ func TestPullReservations(t *testing.T) {
 	require.ErrorIs(t, err, ErrNotFound)
 	require.NoDirExists(t, s.VolumeDir(ref("ci", "dead")))
 	require.Equal(t, []volume.Ref{ref("ci", "child")}, s.Holders(ref("ci", "base")).Children, "the dead pull let go of the base")
+
+	// The pulled child, still unsynced, survives a restart of the plugin
+	// (its data is in the page cache), and a reboot fails it: it may be
+	// torn, and is pulled again.
+	got, err = s.Get(ref("ci", "child"))
+	require.NoError(t, err)
+	require.Equal(t, volume.StateReady, got.State)
+	_, err = s.Recover(os.RemoveAll, true)
+	require.NoError(t, err)
+	got, err = s.Get(ref("ci", "child"))
+	require.NoError(t, err)
+	require.Equal(t, volume.StateFailed, got.State)
 }
