@@ -402,59 +402,6 @@ func TestReadersGoFirst(t *testing.T) {
 	require.NoError(t, other.Err())
 }
 
-// While a stream of the layer runs, a reader of a file the stream is about
-// to bring waits for it, with no fetch of its own; a file far ahead of the
-// stream is fetched; and a reader still waiting when the stream ends is
-// fetched for then.
-func TestReadersWaitForTheStream(t *testing.T) {
-	s := newStubbed(t, map[string][]byte{"next": random(t, 8192), "soon": random(t, 8192),
-		"big": random(t, streamNext+(1<<20)), "far": random(t, 8192)})
-	src := &fetcher{src: s.src}
-	_, l := hold(t, s, src.fetch, time.Minute)
-	l.Streaming([]string{"next", "soon", "big", "far"}) // the order the stream brings them in
-
-	read := func(name string) chan error {
-		done := make(chan error, 1)
-		go func() {
-			got, err := os.ReadFile(filepath.Join(s.merged, name))
-			if err == nil && !bytes.Equal(got, s.files[name]) {
-				err = fmt.Errorf("%s read other bytes than its source's", name)
-			}
-			done <- err
-		}()
-		return done
-	}
-	offer := func(name string) {
-		require.NoError(t, l.Offer(name, func(w io.WriterAt) error { _, err := w.WriteAt(s.files[name], 0); return err }))
-	}
-
-	next := read("next")
-	select {
-	case err := <-next:
-		t.Fatalf("the reader of the stream's next file went on before the stream brought it: %v", err)
-	case <-time.After(300 * time.Millisecond):
-	}
-	require.Zero(t, src.count("next"), "the stream's next file is not fetched on its own")
-	offer("next")
-	require.NoError(t, <-next)
-
-	require.NoError(t, <-read("far"), "a file far ahead of the stream is fetched")
-	require.Equal(t, 1, src.count("far"))
-
-	soon := read("soon")
-	time.Sleep(100 * time.Millisecond)
-	require.Zero(t, src.count("soon"))
-	l.StreamEnded() // broke off before it brought soon
-	require.NoError(t, <-soon)
-	require.Equal(t, 1, src.count("soon"), "a reader stranded by the stream's end is fetched for")
-
-	require.NoError(t, <-read("big"), "with no stream, a reader fetches")
-	require.Equal(t, 1, src.count("big"))
-	require.Zero(t, src.count("next"))
-	<-l.Done()
-	require.NoError(t, l.Err())
-}
-
 // otherLayer adds a second layer to g: one stub, rel, of size bytes, in
 // dir (on g's filesystem), which nothing fetches.
 func otherLayer(t *testing.T, g *Group, dir, rel string, size int64) *Layer {

@@ -137,10 +137,7 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
 		// gone mid-way) is fetched file by file, from any holder.
-		layer.Streaming(first)
-		err := src.stream(e.bgCtx, layer, first)
-		layer.StreamEnded()
-		if err != nil && e.bgCtx.Err() == nil {
+		if err := src.stream(e.bgCtx, layer, first); err != nil && e.bgCtx.Err() == nil {
 			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
 		}
 		layer.Prefetch(first, prefetchWorkers)
