@@ -399,14 +399,19 @@ func (e *Engine) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) e
 // id; synced says whether its data is on disk yet.
 type commitFunc func(v cache.Volume, id, data string, synced bool) (cache.Volume, error)
 
-// commitPulled makes a layer that arrived whole ready.
+// commitPulled makes a layer that arrived whole ready, and wakes the sync
+// round if its data is not on disk yet.
 func (e *Engine) commitPulled(l streamer.Layer) commitFunc {
 	return func(v cache.Volume, id, _ string, synced bool) (cache.Volume, error) {
 		vol, err := e.store.CommitPull(v.Ref(), id, l.SizeBytes, -1, synced)
-		if err == nil {
-			e.goBackground(func() { e.afterCapture(vol) })
+		if err != nil {
+			return vol, err
 		}
-		return vol, err
+		if !synced {
+			e.kick(e.syncer)
+		}
+		e.goBackground(func() { e.afterCapture(vol) })
+		return vol, nil
 	}
 }
 
@@ -521,9 +526,6 @@ func (e *Engine) receiveLayer(l streamer.Layer, id string, fill func(tree, data 
 	cache.CrashPoint("pull-renamed")
 	if vol, err = commit(v, id, data, when == syncBefore); err != nil {
 		return cache.Volume{}, err
-	}
-	if when == syncBehind {
-		e.kick(e.syncer)
 	}
 	klog.V(2).InfoS("Received a layer", "volume", vol.Ref(), "state", vol.State, "tarBytes", sum.Bytes, "entries", sum.Entries, "digest", sum.Digest)
 	return vol, nil
