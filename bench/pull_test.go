@@ -112,20 +112,10 @@ func BenchmarkPull(b *testing.B) {
 			}
 			return d
 		}
-		drop := func(d string) {
-			if err := os.RemoveAll(d); err != nil {
-				b.Fatal(err)
-			}
-			_ = exec.Command("sync").Run()
-		}
 		localPipe := func() time.Duration {
 			local := scratch("local")
-			defer drop(local)
-			start := time.Now()
-			if out, err := exec.Command("sh", "-c", "tar -C "+src+" -cf - . | tar -C "+local+" -xf -").CombinedOutput(); err != nil {
-				b.Fatal(err, string(out))
-			}
-			return time.Since(start)
+			defer dropTree(b, local)
+			return tarCopy(b, src, local)
 		}
 		// pull pulls the tree onto a new node B with enc, and says how
 		// long and the extra RSS (MiB) each end needed; keep leaves B
@@ -145,7 +135,7 @@ func BenchmarkPull(b *testing.B) {
 			bn.timed(bn.p.Unpublish, v)
 			if !keep {
 				bn.p.Stop()
-				drop(dir)
+				dropTree(b, dir)
 			}
 			return took, rssIn, rssOut, bn
 		}
@@ -190,7 +180,7 @@ func BenchmarkPull(b *testing.B) {
 			// 50,000 files, without TLS, framing or a digest.
 			overTCP := scratch("tcp")
 			add(tcpCopy, vethStream(b, hostB, "tar -C "+src+" -cf - .", "tar -C "+overTCP+" -xf -"))
-			drop(overTCP)
+			dropTree(b, overTCP)
 			took, in, out, _ := pull(defaultEnc, false)
 			r := add(pullPrefix+defaultEnc, took)
 			r.measuredMemory, r.rssIn, r.rssOut = true, max(r.rssIn, in), max(r.rssOut, out)
@@ -201,15 +191,15 @@ func BenchmarkPull(b *testing.B) {
 			// Once: the other encodings and pipelines, for the table.
 			gz := scratch("gzip")
 			add(gzipPipe, vethStream(b, hostB, "tar -C "+src+" -cf - . | gzip", "gzip -d | tar -C "+gz+" -xf -"))
-			drop(gz)
+			dropTree(b, gz)
 			zs := scratch("zstd")
 			add(zstdPipe, vethStream(b, hostB, "tar -C "+src+" -cf - . | zstd -q -T1", "zstd -q -d | tar -C "+zs+" -xf -"))
-			drop(zs)
+			dropTree(b, zs)
 			// The same tar bytes written to one file on B's state dir:
 			// the wire and the disk, without making 50,000 files.
 			tarFile := filepath.Join(scratch("file"), "tree.tar")
 			add(toDisk, vethStream(b, hostB, "tar -C "+src+" -cf - .", "cat > "+tarFile))
-			drop(filepath.Dir(tarFile))
+			dropTree(b, filepath.Dir(tarFile))
 			for _, enc := range []string{"raw", "zstd"} {
 				took, in, out, _ := pull(enc, false)
 				r := add(pullPrefix+enc, took)
@@ -273,19 +263,35 @@ func BenchmarkPull(b *testing.B) {
 // (on a new device, writers are throttled early, waiting with idle CPU).
 func warmDisk(b *testing.B, src, fs string) {
 	b.Helper()
-	dir := filepath.Join(fs, "warm")
 	for range 2 {
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			b.Fatal(err)
-		}
-		if out, err := exec.Command("sh", "-c", "tar -C "+src+" -cf - . | tar -C "+dir+" -xf -").CombinedOutput(); err != nil {
-			b.Fatal(err, string(out))
-		}
-		if err := os.RemoveAll(dir); err != nil {
-			b.Fatal(err)
-		}
-		_ = exec.Command("sync").Run()
+		dir := filepath.Join(fs, "warm")
+		tarCopy(b, src, dir)
+		dropTree(b, dir)
 	}
+}
+
+// tarCopy copies the tree at src into dst (made if missing) with a local
+// tar | tar pipe, and says how long the pipe took.
+func tarCopy(b *testing.B, src, dst string) time.Duration {
+	b.Helper()
+	if err := os.MkdirAll(dst, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	start := time.Now()
+	if out, err := exec.Command("sh", "-c", "tar -C "+src+" -cf - . | tar -C "+dst+" -xf -").CombinedOutput(); err != nil {
+		b.Fatal(err, string(out))
+	}
+	return time.Since(start)
+}
+
+// dropTree removes dir and syncs, so that the next writer does not pay for
+// its write-back.
+func dropTree(b *testing.B, dir string) {
+	b.Helper()
+	if err := os.RemoveAll(dir); err != nil {
+		b.Fatal(err)
+	}
+	_ = exec.Command("sync").Run()
 }
 
 // pullRounds is how many times BenchmarkPull takes the figures its targets
