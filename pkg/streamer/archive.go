@@ -181,6 +181,9 @@ func PackFiles(ctx context.Context, root string, names []string, w io.Writer, en
 			if i == 0 {
 				// A reader waits for the first: it goes now, not once
 				// the buffers are full.
+				if err := pk.drain(0); err != nil {
+					return 0, err
+				}
 				if err := flush(); err != nil {
 					return 0, err
 				}
@@ -288,6 +291,7 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 	c := newCounter()
 	pk := &packer{tw: newTarWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1}
 	defer pk.closeDir()
+	defer pk.discard()
 	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
@@ -305,6 +309,9 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 		return bw.Flush()
 	}
 	entries, err := add(pk, rootFd, flush)
+	if err == nil {
+		err = pk.drain(0)
+	}
 	if err == nil {
 		err = pk.tw.Close()
 	}
@@ -332,16 +339,95 @@ type packer struct {
 	// dir is the dir of the last file named (-1: none), at dirPath.
 	dir     int
 	dirPath string
+	// ahead are the entries made and not written yet, in order, whose
+	// files' data the kernel reads meanwhile; aheadBytes is their data.
+	ahead      []aheadEntry
+	aheadBytes int64
 }
 
+// An aheadEntry is an entry made, its file (if it has data) open and asked
+// to be read into the page cache, and not written yet.
+type aheadEntry struct {
+	hdr      *tar.Header
+	name     string
+	file     fdtree.File // -1: no data
+	segments [][2]int64  // where its data is (nil: all of it)
+}
+
+// The entries a packer keeps ahead of the one it writes: a tree's files
+// read one after the other wait for the disk once each (a small file is
+// one request), and with their reads asked for in advance they are in
+// memory by the time they are written. Bounded in files (descriptors held)
+// and bytes (page cache taken ahead of the wire).
+const (
+	aheadFiles = 64
+	aheadBytes = 8 << 20
+)
+
 // entry writes the entry base of the directory open as dir, named name in
-// the archive, whose stat is st.
+// the archive, whose stat is st: it is made now, its data read ahead, and
+// written once the entries ahead of it exceed their bounds (or at drain).
 func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
+	e, err := pk.make(dir, base, name, st)
+	if err != nil {
+		return err
+	}
+	if e.file >= 0 {
+		// A hint: where the kernel cannot, the reads wait as they would.
+		_ = unix.Fadvise(int(e.file), 0, st.Size, unix.FADV_WILLNEED)
+		pk.aheadBytes += e.hdr.Size
+	}
+	pk.ahead = append(pk.ahead, e)
+	for len(pk.ahead) > aheadFiles || pk.aheadBytes > aheadBytes {
+		if err := pk.writeFirst(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// drain writes the entries made until at most n are left.
+func (pk *packer) drain(n int) error {
+	for len(pk.ahead) > n {
+		if err := pk.writeFirst(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// discard lets go of the entries made and not written (the stream failed).
+func (pk *packer) discard() {
+	for _, e := range pk.ahead {
+		if e.file >= 0 {
+			unix.Close(int(e.file))
+		}
+	}
+	pk.ahead, pk.aheadBytes = nil, 0
+}
+
+// writeFirst writes the first entry made and not written.
+func (pk *packer) writeFirst() error {
+	e := pk.ahead[0]
+	pk.ahead[0] = aheadEntry{}
+	pk.ahead = pk.ahead[1:]
+	if e.file >= 0 {
+		defer unix.Close(int(e.file))
+		pk.aheadBytes -= e.hdr.Size
+	}
+	return pk.write(e)
+}
+
+// make makes the entry base of the directory open as dir, named name in
+// the archive, whose stat is st: its header, and its file opened if its
+// data goes.
+func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry, error) {
 	hdr := &tar.Header{Name: name, Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
 		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
+	e := aheadEntry{hdr: hdr, name: name, file: -1}
 	xattrs, err := readXattrs(dir, base)
 	if err != nil {
-		return fmt.Errorf("%s: %w", name, err)
+		return e, fmt.Errorf("%s: %w", name, err)
 	}
 	if len(xattrs) > 0 {
 		hdr.PAXRecords = map[string]string{}
@@ -349,15 +435,13 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 			hdr.PAXRecords[paxXattr+k] = v
 		}
 	}
-	file := fdtree.File(-1)
-	var segments [][2]int64 // of a sparse file: offset, length
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFDIR:
 		hdr.Typeflag, hdr.Name = tar.TypeDir, name+"/"
 	case unix.S_IFLNK:
 		target, err := fdtree.Readlink(dir, base)
 		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+			return e, fmt.Errorf("%s: %w", name, err)
 		}
 		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
 	case unix.S_IFREG:
@@ -381,45 +465,52 @@ func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
 		}
 		fd, err := unix.Openat(dir, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+			return e, fmt.Errorf("%s: %w", name, err)
 		}
-		file = fdtree.File(fd)
-		defer unix.Close(fd)
+		file := fdtree.File(fd)
 		if pk.shape == SparseTar && st.Blocks*512 < st.Size {
-			if segments, err = dataSegments(file, st.Size); err != nil {
-				return fmt.Errorf("%s: %w", name, err)
+			if e.segments, err = dataSegments(file, st.Size); err != nil {
+				unix.Close(fd)
+				return e, fmt.Errorf("%s: %w", name, err)
 			}
-			if segments != nil {
+			if e.segments != nil {
 				if hdr.PAXRecords == nil {
 					hdr.PAXRecords = map[string]string{}
 				}
-				hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, segments)
+				hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, e.segments)
 			}
 		}
+		e.file = file
 	case unix.S_IFCHR:
 		if st.Rdev != 0 {
-			return fmt.Errorf("%s is a device node (%d:%d): only whiteouts (0:0) can be moved", name, unix.Major(st.Rdev), unix.Minor(st.Rdev))
+			return e, fmt.Errorf("%s is a device node (%d:%d): only whiteouts (0:0) can be moved", name, unix.Major(st.Rdev), unix.Minor(st.Rdev))
 		}
 		hdr.Typeflag = tar.TypeChar
 	case unix.S_IFIFO:
 		hdr.Typeflag = tar.TypeFifo
 	default:
-		return fmt.Errorf("%s is a %s: it cannot be moved", name, fs.FileMode(st.Mode).Type())
+		return e, fmt.Errorf("%s is a %s: it cannot be moved", name, fs.FileMode(st.Mode).Type())
 	}
-	if err := pk.tw.WriteHeader(hdr); err != nil {
-		return fmt.Errorf("%s: %w", name, err)
+	return e, nil
+}
+
+// write writes e's header, and its data if it has any.
+func (pk *packer) write(e aheadEntry) error {
+	if err := pk.tw.WriteHeader(e.hdr); err != nil {
+		return fmt.Errorf("%s: %w", e.name, err)
 	}
-	if file < 0 {
+	if e.file < 0 {
 		return nil
 	}
+	segments := e.segments
 	if segments == nil {
-		segments = [][2]int64{{0, hdr.Size}}
+		segments = [][2]int64{{0, e.hdr.Size}}
 	}
 	for _, s := range segments {
-		if n, err := io.CopyBuffer(pk.tw, io.NewSectionReader(file, s[0], s[1]), pk.buf); err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+		if n, err := io.CopyBuffer(pk.tw, io.NewSectionReader(e.file, s[0], s[1]), pk.buf); err != nil {
+			return fmt.Errorf("%s: %w", e.name, err)
 		} else if n != s[1] {
-			return fmt.Errorf("%s changed while it was read", name)
+			return fmt.Errorf("%s changed while it was read", e.name)
 		}
 	}
 	return nil

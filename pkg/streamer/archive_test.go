@@ -5,10 +5,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -471,4 +473,77 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits,
 		func(int, string, int64) error { return boom })
 	require.ErrorIs(t, err, boom)
+}
+
+// fdsBelow counts this process's descriptors open on files below dir.
+func fdsBelow(t *testing.T, dir string) int {
+	entries, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	n := 0
+	for _, e := range entries {
+		if p, _ := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); strings.HasPrefix(p, dir+"/") {
+			n++
+		}
+	}
+	return n
+}
+
+// fdWatcher is a stream's destination that notes the most files below dir
+// the packer held open at any write, and fails from the failAt'th write on
+// (0: never).
+type fdWatcher struct {
+	t       *testing.T
+	dir     string
+	most    int
+	writes  int
+	failAt  int
+	written int64
+}
+
+func (w *fdWatcher) Write(p []byte) (int, error) {
+	w.writes++
+	if w.failAt > 0 && w.writes >= w.failAt {
+		return 0, errors.New("the peer went away")
+	}
+	w.most = max(w.most, fdsBelow(w.t, w.dir))
+	w.written += int64(len(p))
+	return len(p), nil
+}
+
+// The packer asks for the data of the files it is about to send while it
+// sends those before (a tree read file after file would wait for the disk
+// once each), holding at most aheadFiles of them open and aheadBytes of
+// their data; a stream that fails lets go of all of them.
+func TestPackReadsAhead(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		files       int
+		size        int
+		failAt      int
+		wantMost    int
+		wantAtLeast int
+	}{
+		{name: "many small files: bounded by files", files: 400, size: 4 << 10, wantAtLeast: aheadFiles / 2, wantMost: aheadFiles + 1},
+		{name: "large files: bounded by bytes", files: 24, size: 1 << 20, wantAtLeast: 2, wantMost: aheadBytes/(1<<20) + 1},
+		{name: "the stream fails", files: 400, size: 4 << 10, failAt: 3, wantAtLeast: 2, wantMost: aheadFiles + 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := t.TempDir()
+			data := bytes.Repeat([]byte{'x'}, tc.size)
+			for i := range tc.files {
+				require.NoError(t, os.WriteFile(filepath.Join(src, fmt.Sprintf("f%04d", i)), data, 0o644))
+			}
+			w := &fdWatcher{t: t, dir: src, failAt: tc.failAt}
+			_, err := Pack(context.Background(), src, w, Raw, SparseTar)
+			if tc.failAt > 0 {
+				require.Error(t, err)
+			} else {
+				require.NoError(t, err)
+				require.Greater(t, w.written, int64(tc.files*tc.size))
+			}
+			require.GreaterOrEqual(t, w.most, tc.wantAtLeast, "files open ahead of the one being sent")
+			require.LessOrEqual(t, w.most, tc.wantMost)
+			require.Zero(t, fdsBelow(t, src), "descriptors left open")
+		})
+	}
 }
