@@ -1,6 +1,7 @@
 package node
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // captureSized captures handle in ci over source (may be empty) with a file
@@ -59,6 +61,55 @@ func TestDestroyHoldsDataForChildrenAndReaders(t *testing.T) {
 	require.Eventually(t, func() bool { return f.gone("parent") && f.gone("child") }, 30*time.Second, 10*time.Millisecond)
 	_, err = os.Stat(f.store.VolumeDir(ref("ci", "parent")))
 	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+// A volume destroyed while a peer streams it is held until the stream
+// ends, and its data goes as the stream lets go: not at the reaper's next
+// round, up to reapInterval later.
+func TestDestroyWaitsForAStreamAndNoLonger(t *testing.T) {
+	f := newFixture(t)
+	vol := f.captureSized("streamed", "", 1<<10)
+	dir, release, err := f.engine.PeerHolder().OpenLayer("ci", ref("ci", "streamed"), volume.Ref{})
+	require.NoError(t, err)
+	require.Equal(t, f.store.DataPath(vol), dir)
+
+	require.NoError(t, f.engine.Destroy(ref("ci", "streamed")))
+	f.engine.kick(f.engine.reaper)
+	time.Sleep(100 * time.Millisecond)
+	_, err = os.Stat(dir)
+	require.NoError(t, err, "held while streamed")
+
+	release()
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(dir)
+		return errors.Is(err, os.ErrNotExist)
+	}, reapInterval/4, 10*time.Millisecond, "freed as the stream ended")
+}
+
+// What the end of a stream wakes: the reaper only where the stream's hold
+// may have kept it from something, the janitor only where there are
+// replaced layers to prune.
+func TestWakeAfterStream(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		v              cache.Volume
+		err            error
+		overHigh       bool
+		wantReap, tidy bool
+	}{
+		{name: "ready: nothing waited", v: cache.Volume{State: volume.StateReady}},
+		{name: "destroyed meanwhile", v: cache.Volume{State: volume.StateDestroying}, wantReap: true},
+		{name: "failed meanwhile", v: cache.Volume{State: volume.StateFailed}, wantReap: true},
+		{name: "over the high watermark", v: cache.Volume{State: volume.StateReady}, overHigh: true, wantReap: true},
+		{name: "replaced layers to prune", v: cache.Volume{State: volume.StateReady, OldLayers: []string{"old"}}, tidy: true},
+		{name: "gone", err: cache.ErrNotFound, wantReap: true, tidy: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reap, tidy := wakeAfterStream(tc.v, tc.err, tc.overHigh)
+			require.Equal(t, tc.wantReap, reap, "reaper")
+			require.Equal(t, tc.tidy, tidy, "janitor")
+		})
+	}
 }
 
 // A volume with a TTL is destroyed that long after its last use, unless

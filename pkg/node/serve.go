@@ -28,8 +28,7 @@ func (e *Engine) holdChain(r volume.Ref) (dirs []string, release func(), err err
 		for _, rel := range releases {
 			rel()
 		}
-		e.kick(e.reaper) // a destroy or a prune may have waited
-		e.tidy()
+		e.streamEnded(refs...)
 	}
 	if _, dirs, err = e.store.ChainOf(r); err != nil {
 		release()
@@ -111,7 +110,40 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func
 	}
 	return h.e.store.DataPath(v), func() {
 		release()
-		h.e.kick(h.e.reaper) // a destroy may have waited for the stream
-		h.e.tidy()
+		h.e.streamEnded(r)
 	}, nil
+}
+
+// streamEnded wakes what a stream's hold of refs may have kept waiting,
+// and only that: a lazy puller's reads come as thousands of requests, and
+// each round woken scans the whole store.
+func (e *Engine) streamEnded(refs ...volume.Ref) {
+	e.pressure.mu.Lock()
+	over := e.pressure.over
+	e.pressure.mu.Unlock()
+	var reap, tidy bool
+	for _, r := range refs {
+		v, err := e.store.Get(r)
+		vReap, vTidy := wakeAfterStream(v, err, over)
+		reap, tidy = reap || vReap, tidy || vTidy
+	}
+	if reap {
+		e.kick(e.reaper)
+	}
+	if tidy {
+		e.tidy()
+	}
+}
+
+// wakeAfterStream says whether the end of a stream's hold of v (as read
+// after it, err the read's error) wakes the reaper (v was destroyed or
+// failed meanwhile, and its data goes once nothing holds it; the node is
+// over its high watermark, and a held volume was not evicted) and the
+// janitor (v has layers a flatten replaced, which go once nothing reads
+// them). The reaper's own round catches anything else within reapInterval.
+func wakeAfterStream(v cache.Volume, err error, overHigh bool) (reap, tidy bool) {
+	if err != nil {
+		return true, true // unsure: a round too many costs a scan
+	}
+	return v.State != volume.StateReady || overHigh, len(v.OldLayers) > 0
 }
