@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -125,10 +126,10 @@ func holdWith(t *testing.T, s *stubbed, fetch FetchFunc, many FetchManyFunc, sta
 	t.Cleanup(func() { _ = g.Close() })
 	l, err := g.NewLayer(s.layer, fetch, many)
 	require.NoError(t, err)
-	for name, data := range s.files {
+	for place, name := range slices.Sorted(maps.Keys(s.files)) {
 		f, err := os.Open(filepath.Join(s.layer, name))
 		require.NoError(t, err)
-		require.NoError(t, l.Add(int(f.Fd()), name, int64(len(data))))
+		require.NoError(t, l.Add(int(f.Fd()), name, int64(len(s.files[name])), place))
 		require.NoError(t, f.Close())
 	}
 	l.Seal()
@@ -315,7 +316,7 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 			os.Exit(5)
 		}
 		f, _ := os.Open(os.Getenv("COWVOL_FILL_STUB"))
-		if err := l.Add(int(f.Fd()), "a", 4096); err != nil {
+		if err := l.Add(int(f.Fd()), "a", 4096, 0); err != nil {
 			os.Exit(4)
 		}
 		fmt.Println("holding")
@@ -402,6 +403,68 @@ func TestReadersGoFirst(t *testing.T) {
 	require.NoError(t, other.Err())
 }
 
+// While a stream of the layer runs, a reader of a file the stream is about
+// to bring waits for it, with no fetch of its own; a file far ahead of the
+// stream is fetched; a file the stream does not bring in streamWaitMax
+// (a stalled stream) is fetched; and a reader still waiting when the
+// stream ends is fetched for then.
+func TestReadersWaitForTheStream(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"next": random(t, 8192), "soon": random(t, 8192), "stalled": random(t, 8192),
+		"big": random(t, streamNext+(1<<20)), "far": random(t, 8192)})
+	src := &fetcher{src: s.src}
+	_, l := hold(t, s, src.fetch, time.Minute)
+	l.Streaming([]string{"next", "soon", "stalled", "big", "far"}) // the order the stream brings them in
+
+	read := func(name string) chan error {
+		done := make(chan error, 1)
+		go func() {
+			got, err := os.ReadFile(filepath.Join(s.merged, name))
+			if err == nil && !bytes.Equal(got, s.files[name]) {
+				err = fmt.Errorf("%s read other bytes than its source's", name)
+			}
+			done <- err
+		}()
+		return done
+	}
+	offer := func(name string) {
+		require.NoError(t, l.Offer(name, func(w io.WriterAt) error { _, err := w.WriteAt(s.files[name], 0); return err }))
+	}
+	waits := func(name string, done chan error, d time.Duration) {
+		t.Helper()
+		select {
+		case err := <-done:
+			t.Fatalf("the reader of %s, which the stream brings next, went on before it did: %v", name, err)
+		case <-time.After(d):
+		}
+		require.Zero(t, src.count(name), "%s, which the stream brings next, is not fetched on its own", name)
+	}
+
+	next := read("next")
+	waits("next", next, streamWaitMax/2)
+	offer("next")
+	require.NoError(t, <-next)
+
+	require.NoError(t, <-read("far"), "a file far ahead of the stream is fetched")
+	require.Equal(t, 1, src.count("far"))
+
+	stalled := read("stalled")
+	waits("stalled", stalled, streamWaitMax/2)
+	require.NoError(t, <-stalled, "fetched once the stream did not bring it in time")
+	require.Equal(t, 1, src.count("stalled"))
+
+	soon := read("soon")
+	waits("soon", soon, streamWaitMax/4)
+	l.StreamEnded() // broke off before it brought soon
+	require.NoError(t, <-soon)
+	require.Equal(t, 1, src.count("soon"), "a reader stranded by the stream's end is fetched for")
+
+	require.NoError(t, <-read("big"), "with no stream, a reader fetches")
+	require.Equal(t, 1, src.count("big"))
+	require.Zero(t, src.count("next"))
+	<-l.Done()
+	require.NoError(t, l.Err())
+}
+
 // otherLayer adds a second layer to g: one stub, rel, of size bytes, in
 // dir (on g's filesystem), which nothing fetches.
 func otherLayer(t *testing.T, g *Group, dir, rel string, size int64) *Layer {
@@ -415,7 +478,7 @@ func otherLayer(t *testing.T, g *Group, dir, rel string, size int64) *Layer {
 		return errors.New("not fetched: offered")
 	}, nil)
 	require.NoError(t, err)
-	require.NoError(t, l.Add(int(f.Fd()), rel, size))
+	require.NoError(t, l.Add(int(f.Fd()), rel, size, 0))
 	l.Seal()
 	return l
 }

@@ -108,11 +108,11 @@ func (e *Engine) stubMarker(src *lazySource, data string) (*fill.Layer, streamer
 	}
 	var total atomic.Int64
 	limit := e.pulls.cfg.Limits.Bytes
-	return layer, func(fd int, name string, size int64) error {
+	return layer, func(fd int, name string, size int64, place int) error {
 		if total.Add(size) > limit {
 			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer, limit, streamer.ErrRefused)
 		}
-		return layer.Add(fd, name, size)
+		return layer.Add(fd, name, size, place)
 	}, nil
 }
 
@@ -137,7 +137,10 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
 		// gone mid-way) is fetched file by file, from any holder.
-		if err := src.stream(e.bgCtx, layer, first); err != nil && e.bgCtx.Err() == nil {
+		layer.Streaming(first)
+		err := src.stream(e.bgCtx, layer, first)
+		layer.StreamEnded()
+		if err != nil && e.bgCtx.Err() == nil {
 			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
 		}
 		layer.Prefetch(first, prefetchWorkers)

@@ -654,9 +654,12 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 
 // StubFunc is told of each regular file with a size an extraction of a
 // StubTar stream makes (a stub: no data yet), once its attributes are set:
-// its descriptor (open while the call lasts), its name and its size. It may
-// be called from several goroutines at once; an error ends the extraction.
-type StubFunc func(fd int, name string, size int64) error
+// its descriptor (open while the call lasts), its name, its size, and its
+// place among the stream's regular files (0 first), which is its place in
+// a stream of the tree's data from the same holder (Pack walks a tree in
+// one order). It may be called from several goroutines at once, in any
+// order; an error ends the extraction.
+type StubFunc func(fd int, name string, size int64, place int) error
 
 // UnpackStubs extracts a StubTar stream as Unpack does, and hands each stub
 // to stub as it is made: whoever fills the stubs takes them without a walk
@@ -827,8 +830,10 @@ type extractor struct {
 	// makers make small files in parallel (nil: the extractor makes
 	// every file itself).
 	makers *fileMakers
-	// stub, if not nil, is handed each regular file with a size.
-	stub StubFunc
+	// stub, if not nil, is handed each regular file with a size, and
+	// regulars counts the regular files read so far (see StubFunc).
+	stub     StubFunc
+	regulars int
 }
 
 // close stops the makers and lets go of the cached parent.
@@ -888,6 +893,7 @@ func makersPerExtraction() int { return min(runtime.GOMAXPROCS(0), maxFileMakers
 type fileJob struct {
 	dir        *openDir
 	base, name string
+	place      int // among the stream's regular files
 	hdr        *tar.Header
 	data       []byte
 }
@@ -914,7 +920,7 @@ func (x *extractor) startMakers(n int) {
 			c := newCopier()
 			for j := range m.jobs {
 				if m.failed() == nil {
-					if err := x.makeFile(j.dir.fd, j.base, j.name, j.hdr, bytes.NewReader(j.data), c); err != nil {
+					if err := x.makeFile(j.dir.fd, j.base, j.name, j.place, j.hdr, bytes.NewReader(j.data), c); err != nil {
 						m.fail(fmt.Errorf("%s: %w", j.name, err))
 					}
 				}
@@ -1049,6 +1055,8 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		if hdr.Size < 0 {
 			return refused("%s: size %d", name, hdr.Size)
 		}
+		place := x.regulars
+		x.regulars++
 		if x.makers != nil && hdr.Size <= parallelFileMax {
 			data := bufpool.Get(int(hdr.Size)) // its segments' data: what the body holds
 			if _, err := io.ReadFull(body, data); err != nil {
@@ -1056,10 +1064,10 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			x.makers.pending.Add(1)
-			x.makers.jobs <- fileJob{dir: dir.hold(), base: base, name: name, hdr: hdr, data: data}
+			x.makers.jobs <- fileJob{dir: dir.hold(), base: base, name: name, place: place, hdr: hdr, data: data}
 			return nil
 		}
-		if err := x.makeFile(dirfd, base, name, hdr, body, x.copier); err != nil {
+		if err := x.makeFile(dirfd, base, name, place, hdr, body, x.copier); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 		return nil
@@ -1198,10 +1206,11 @@ func (x *extractor) finish() error {
 	return nil
 }
 
-// makeFile makes the regular file base (name in the archive) in the dir
-// open as dirfd, with its data from body, copied with c, and its
-// attributes, and hands it to the stub func if there is one.
-func (x *extractor) makeFile(dirfd int, base, name string, hdr *tar.Header, body io.Reader, c copier) error {
+// makeFile makes the regular file base (name in the archive, place among
+// its regular files) in the dir open as dirfd, with its data from body,
+// copied with c, and its attributes, and hands it to the stub func if
+// there is one.
+func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.Header, body io.Reader, c copier) error {
 	// Made with its permission bits (not its set-ID bits, which a write
 	// clears), so that most files need no chmod after: each attribute
 	// changed is a journal transaction, and a pull makes tens of
@@ -1220,7 +1229,7 @@ func (x *extractor) makeFile(dirfd int, base, name string, hdr *tar.Header, body
 		err = x.fileAttrs(fd, hdr, &made) // through the descriptor: no path lookups
 	}
 	if err == nil && x.stub != nil && size > 0 {
-		err = x.stub(fd, name, size)
+		err = x.stub(fd, name, size, place)
 	}
 	if cerr := unix.Close(fd); err == nil {
 		err = cerr

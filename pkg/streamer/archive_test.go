@@ -429,7 +429,9 @@ func (b *bufferAt) WriteAt(p []byte, off int64) (int, error) { return copy(b.b[o
 
 // UnpackStubs hands each stub with a size to its func as it is made, once,
 // open, with its attributes already set: not a hardlink's second name, not
-// an empty file. An error from the func ends the extraction with it.
+// an empty file; with its place among the regular files of the stream,
+// which is the order a stream of the tree's data brings them in. An error
+// from the func ends the extraction with it.
 func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	root := testfs.Mount(t, testfs.XFS, 1<<30)
 	src := filepath.Join(root, "src")
@@ -447,8 +449,8 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	dst := filepath.Join(root, "dst")
 	require.NoError(t, os.Mkdir(dst, 0o755))
 	var mu sync.Mutex
-	got := map[string]int64{}
-	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, func(fd int, name string, size int64) error {
+	got, places := map[string]int64{}, map[string]int{}
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, func(fd int, name string, size int64, place int) error {
 		var st unix.Stat_t
 		require.NoError(t, unix.Fstat(fd, &st))
 		require.Equal(t, size, st.Size, name)
@@ -460,18 +462,32 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 		defer mu.Unlock()
 		_, again := got[name]
 		require.False(t, again, name)
-		got[name] = size
+		got[name], places[name] = size, place
 		return nil
 	})
 	require.NoError(t, err)
 	require.Len(t, got, 2, "a, once under one of its names, and b: %v", got)
 	require.Equal(t, int64(1<<20), got["b"])
+	require.Equal(t, map[string]int{"a-too": 0, "b": 1}, places, "a-too, b, then empty and d/a's link, in the walk's order")
+
+	var data bytes.Buffer
+	_, err = Pack(context.Background(), src, &data, Raw, SparseTar)
+	require.NoError(t, err)
+	var brought []string
+	_, err = Files(context.Background(), &data, Raw, DefaultLimits, func(name string, _ int64, _ func(io.WriterAt) error) error {
+		if _, ok := places[name]; ok {
+			brought = append(brought, name)
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, []string{"a-too", "b"}, brought, "the data stream brings them in their places' order")
 
 	boom := errors.New("boom")
 	dst2 := filepath.Join(root, "dst2")
 	require.NoError(t, os.Mkdir(dst2, 0o755))
 	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits,
-		func(int, string, int64) error { return boom })
+		func(int, string, int64, int) error { return boom })
 	require.ErrorIs(t, err, boom)
 }
 
