@@ -170,7 +170,7 @@ type file struct {
 	place int
 	// streamAt is its place in the order the layer's stream brings files
 	// in (-1: none, or no stream), and streamBytes what the stream brings
-	// before it (see Layer.Streaming).
+	// before it (both under the group's mu; see Layer.Streaming).
 	streamAt    int
 	streamBytes int64
 	done        bool
@@ -1070,36 +1070,37 @@ const streamNext = 4 << 20
 const streamWaitMax = 250 * time.Millisecond
 
 // Streaming says a stream of the whole layer is about to offer its files
-// (Offer), those in first and then the rest as added: the order a holder
-// packs them in (the stubs came in a walk of the same tree). Until
+// (Offer), those in first and then the rest by their places: the order a
+// holder packs them in (the stubs came in a walk of the same tree). Until
 // StreamEnded, a reader of a file the stream brings next waits for it: a
 // step that reads the layer in the order the stream brings it (a walk, or
 // a recorded read order) would otherwise fetch each file on its own, and
 // each fetch holds the stream back (see readersFirst).
 func (l *Layer) Streaming(first []string) {
 	l.mu.Lock()
+	order := make([]*file, 0, len(l.files))
+	for _, rel := range first {
+		if f := l.byRel[rel]; f != nil {
+			order = append(order, f)
+		}
+	}
+	// The stubs were added as their makers finished them, not in the
+	// stream's order.
+	rest := slices.Clone(l.files)
+	l.mu.Unlock()
+	slices.SortFunc(rest, func(a, b *file) int { return cmp.Compare(a.place, b.place) })
+	order = append(order, rest...)
+	l.g.mu.Lock() // readers' events look at the places
+	defer l.g.mu.Unlock()
 	at, bytes := 0, int64(0)
-	next := func(f *file) {
-		if f != nil && f.streamAt < 0 {
+	for _, f := range order {
+		if f.streamAt < 0 {
 			f.streamAt, f.streamBytes = at, bytes
 			at++
 			bytes += f.size
 		}
 	}
-	for _, rel := range first {
-		next(l.byRel[rel])
-	}
-	// The stubs were added as their makers finished them, not in the
-	// stream's order.
-	rest := slices.Clone(l.files)
-	slices.SortFunc(rest, func(a, b *file) int { return cmp.Compare(a.place, b.place) })
-	for _, f := range rest {
-		next(f)
-	}
-	l.mu.Unlock()
-	l.g.mu.Lock()
 	l.streaming, l.streamAt, l.streamBytes = true, 0, 0
-	l.g.mu.Unlock()
 }
 
 // StreamEnded says the stream offers no more files (it ended, or broke
