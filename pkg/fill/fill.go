@@ -168,6 +168,8 @@ type file struct {
 	// place is its place among the regular files of the stub tree's
 	// stream, the order a stream of the layer's data brings them in.
 	place int
+	// caps says it may carry file capabilities (see Stub).
+	caps bool
 	// streamAt is its place in the order the layer's stream brings files
 	// in (-1: none, or no stream), and streamBytes what the stream brings
 	// before it (both under the group's mu; see Layer.Streaming).
@@ -781,9 +783,11 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		return fmt.Errorf("opening the stub: %w", err)
 	}
 	defer unix.Close(fd)
-	caps, err := stubCaps(fd) // read here, not when the stub is added: off the publish's path
-	if err != nil {
-		return err
+	var caps []byte
+	if f.caps { // read here, not when the stub is added: off the publish's path
+		if caps, err = stubCaps(fd); err != nil {
+			return err
+		}
 	}
 	if err := put(fd); err != nil {
 		return err
@@ -1156,12 +1160,22 @@ func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (
 	return l, nil
 }
 
-// Add holds readers of the stub at rel below the layer's dir, open as fd
-// (any flags; fd stays the caller's), whose data is rel's in the source,
-// size bytes, place among the regular files of the stream that made the
-// stubs (see streamer.StubFunc). An empty file needs nothing and is not
-// held.
-func (l *Layer) Add(fd int, rel string, size int64, place int) error {
+// A Stub is a file of the layer whose data is to come.
+type Stub struct {
+	Rel  string // below the layer's dir, slash-separated; its data is Rel's in the source
+	Size int64
+	// Place is its place among the regular files of the stream that
+	// made the stubs (see streamer.Stub).
+	Place int
+	// Caps says it may carry file capabilities, which its fill puts back
+	// (a write drops them); without, none are looked for.
+	Caps bool
+}
+
+// Add holds readers of the stub s, open as fd (any flags; fd stays the
+// caller's). An empty file needs nothing and is not held.
+func (l *Layer) Add(fd int, s Stub) error {
+	rel, size := s.Rel, s.Size
 	if size == 0 {
 		return nil
 	}
@@ -1169,7 +1183,7 @@ func (l *Layer) Add(fd int, rel string, size int64, place int) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, place: place, streamAt: -1}
+	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, place: s.Place, caps: s.Caps, streamAt: -1}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()

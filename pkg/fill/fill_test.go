@@ -129,7 +129,7 @@ func holdWith(t *testing.T, s *stubbed, fetch FetchFunc, many FetchManyFunc, sta
 	for place, name := range slices.Sorted(maps.Keys(s.files)) {
 		f, err := os.Open(filepath.Join(s.layer, name))
 		require.NoError(t, err)
-		require.NoError(t, l.Add(int(f.Fd()), name, int64(len(s.files[name])), place))
+		require.NoError(t, l.Add(int(f.Fd()), Stub{Rel: name, Size: int64(len(s.files[name])), Place: place}))
 		require.NoError(t, f.Close())
 	}
 	l.Seal()
@@ -200,6 +200,51 @@ func TestReadersWaitForTheirFile(t *testing.T) {
 	case <-l.Done():
 		t.Fatal("the layer is done with a file still a stub")
 	default:
+	}
+}
+
+// A fill puts back the file capabilities of a stub that may carry them,
+// which the write of its data drops; a stub said to carry none is not
+// looked at (the kernel drops what it had, as for any write).
+func TestFillPutsCapabilitiesBack(t *testing.T) {
+	// VFS_CAP_REVISION_2, effective, CAP_NET_BIND_SERVICE.
+	netBindService := []byte{0x01, 0, 0, 0x02, 0x00, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+	for _, tc := range []struct {
+		name     string
+		caps     bool
+		wantCaps []byte
+	}{
+		{name: "may carry capabilities", caps: true, wantCaps: netBindService},
+		{name: "said to carry none", caps: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStubbed(t, map[string][]byte{"x-bind": random(t, 4096)})
+			stub := filepath.Join(s.layer, "x-bind")
+			require.NoError(t, unix.Setxattr(stub, "security.capability", netBindService, 0))
+			src := &fetcher{src: s.src}
+			g, err := Open(filepath.Dir(s.layer), time.Minute)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = g.Close() })
+			l, err := g.NewLayer(s.layer, src.fetch, nil)
+			require.NoError(t, err)
+			f, err := os.Open(stub)
+			require.NoError(t, err)
+			require.NoError(t, l.Add(int(f.Fd()), Stub{Rel: "x-bind", Size: 4096, Caps: tc.caps}))
+			require.NoError(t, f.Close())
+			l.Seal()
+
+			got, err := os.ReadFile(filepath.Join(s.merged, "x-bind"))
+			require.NoError(t, err)
+			require.Equal(t, s.files["x-bind"], got)
+			buf := make([]byte, 64)
+			n, err := unix.Getxattr(stub, "security.capability", buf)
+			if tc.wantCaps == nil {
+				require.ErrorIs(t, err, unix.ENODATA)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.wantCaps, buf[:n])
+		})
 	}
 }
 
@@ -316,7 +361,7 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 			os.Exit(5)
 		}
 		f, _ := os.Open(os.Getenv("COWVOL_FILL_STUB"))
-		if err := l.Add(int(f.Fd()), "a", 4096, 0); err != nil {
+		if err := l.Add(int(f.Fd()), Stub{Rel: "a", Size: 4096}); err != nil {
 			os.Exit(4)
 		}
 		fmt.Println("holding")
@@ -478,7 +523,7 @@ func otherLayer(t *testing.T, g *Group, dir, rel string, size int64) *Layer {
 		return errors.New("not fetched: offered")
 	}, nil)
 	require.NoError(t, err)
-	require.NoError(t, l.Add(int(f.Fd()), rel, size, 0))
+	require.NoError(t, l.Add(int(f.Fd()), Stub{Rel: rel, Size: size}))
 	l.Seal()
 	return l
 }

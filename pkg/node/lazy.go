@@ -108,11 +108,11 @@ func (e *Engine) stubMarker(src *lazySource, data string) (*fill.Layer, streamer
 	}
 	var total atomic.Int64
 	limit := e.pulls.cfg.Limits.Bytes
-	return layer, func(fd int, name string, size int64, place int) error {
-		if total.Add(size) > limit {
+	return layer, func(s streamer.Stub) error {
+		if total.Add(s.Size) > limit {
 			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer, limit, streamer.ErrRefused)
 		}
-		return layer.Add(fd, name, size, place)
+		return layer.Add(s.FD, fill.Stub{Rel: s.Name, Size: s.Size, Place: s.Place, Caps: s.Caps})
 	}, nil
 }
 

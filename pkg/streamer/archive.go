@@ -38,7 +38,10 @@ import (
 // (whiteouts, opaque dirs, redirects), users', and file capabilities (which
 // a nosuid mount disarms). Others (SELinux labels, ACLs) belong to the
 // node, not the volume.
-var xattrPrefixes = []string{"trusted.overlay.", "user.", "security.capability"}
+var xattrPrefixes = []string{"trusted.overlay.", "user.", capsXattr}
+
+// capsXattr holds a file's capabilities.
+const capsXattr = "security.capability"
 
 func xattrTravels(name string) bool {
 	for _, p := range xattrPrefixes {
@@ -652,14 +655,24 @@ func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	return unpack(ctx, r, enc, dir, lim, nil)
 }
 
-// StubFunc is told of each regular file with a size an extraction of a
-// StubTar stream makes (a stub: no data yet), once its attributes are set:
-// its descriptor (open while the call lasts), its name, its size, and its
-// place among the stream's regular files (0 first), which is its place in
-// a stream of the tree's data from the same holder (Pack walks a tree in
-// one order). It may be called from several goroutines at once, in any
-// order; an error ends the extraction.
-type StubFunc func(fd int, name string, size int64, place int) error
+// A Stub is a regular file with a size that an extraction of a StubTar
+// stream made (no data yet), its attributes set.
+type Stub struct {
+	FD   int // open while the StubFunc call lasts
+	Name string
+	Size int64
+	// Place is its place among the stream's regular files (0 first),
+	// which is its place in a stream of the tree's data from the same
+	// holder (Pack walks a tree in one order).
+	Place int
+	// Caps says its entry carried file capabilities (security.capability),
+	// which a write into the file drops: without, it has none.
+	Caps bool
+}
+
+// StubFunc is told of each Stub as it is made. It may be called from
+// several goroutines at once, in any order; an error ends the extraction.
+type StubFunc func(Stub) error
 
 // UnpackStubs extracts a StubTar stream as Unpack does, and hands each stub
 // to stub as it is made: whoever fills the stubs takes them without a walk
@@ -1229,7 +1242,8 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 		err = x.fileAttrs(fd, hdr, &made) // through the descriptor: no path lookups
 	}
 	if err == nil && x.stub != nil && size > 0 {
-		err = x.stub(fd, name, size, place)
+		_, caps := hdr.PAXRecords[paxXattr+capsXattr]
+		err = x.stub(Stub{FD: fd, Name: name, Size: size, Place: place, Caps: caps})
 	}
 	if cerr := unix.Close(fd); err == nil {
 		err = cerr

@@ -438,6 +438,8 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	require.NoError(t, os.MkdirAll(filepath.Join(src, "d"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(src, "d", "a"), []byte("aaaa"), 0o640))
 	require.NoError(t, os.WriteFile(filepath.Join(src, "b"), make([]byte, 1<<20), 0o644))
+	// VFS_CAP_REVISION_2, effective, CAP_NET_BIND_SERVICE.
+	require.NoError(t, unix.Setxattr(filepath.Join(src, "b"), capsXattr, []byte{0x01, 0, 0, 0x02, 0x00, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, 0))
 	require.NoError(t, os.WriteFile(filepath.Join(src, "empty"), nil, 0o644))
 	require.NoError(t, os.Link(filepath.Join(src, "d", "a"), filepath.Join(src, "a-too")))
 	mtime := time.Date(2020, 1, 2, 3, 4, 5, 6, time.UTC)
@@ -449,8 +451,9 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	dst := filepath.Join(root, "dst")
 	require.NoError(t, os.Mkdir(dst, 0o755))
 	var mu sync.Mutex
-	got, places := map[string]int64{}, map[string]int{}
-	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, func(fd int, name string, size int64, place int) error {
+	got, places, caps := map[string]int64{}, map[string]int{}, map[string]bool{}
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, func(s Stub) error {
+		fd, name, size := s.FD, s.Name, s.Size
 		var st unix.Stat_t
 		require.NoError(t, unix.Fstat(fd, &st))
 		require.Equal(t, size, st.Size, name)
@@ -462,13 +465,14 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 		defer mu.Unlock()
 		_, again := got[name]
 		require.False(t, again, name)
-		got[name], places[name] = size, place
+		got[name], places[name], caps[name] = size, s.Place, s.Caps
 		return nil
 	})
 	require.NoError(t, err)
 	require.Len(t, got, 2, "a, once under one of its names, and b: %v", got)
 	require.Equal(t, int64(1<<20), got["b"])
 	require.Equal(t, map[string]int{"a-too": 0, "b": 1}, places, "a-too, b, then empty and d/a's link, in the walk's order")
+	require.Equal(t, map[string]bool{"a-too": false, "b": true}, caps, "which carry file capabilities")
 
 	var data bytes.Buffer
 	_, err = Pack(context.Background(), src, &data, Raw, SparseTar)
@@ -487,7 +491,7 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	dst2 := filepath.Join(root, "dst2")
 	require.NoError(t, os.Mkdir(dst2, 0o755))
 	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits,
-		func(int, string, int64, int) error { return boom })
+		func(Stub) error { return boom })
 	require.ErrorIs(t, err, boom)
 }
 
