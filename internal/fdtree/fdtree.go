@@ -40,10 +40,13 @@ func (e *Entry) IsDir() bool { return e.Stat.Mode&unix.S_IFMT == unix.S_IFDIR }
 // Visitor is called with each entry, parents before children and each
 // directory's entries in name order. For a directory, descend says whether
 // to walk it; leave, if not nil, is then called with it open, once its
-// entries are done.
+// entries are done. Omit, if not nil, is asked of each entry's path before
+// the entry is looked at: true leaves it out, not stat'ed and not visited
+// (for a caller that has it already).
 type Visitor struct {
 	Visit func(e *Entry) (descend bool, err error)
 	Leave func(e *Entry, dir int) error
+	Omit  func(path string) bool
 }
 
 // Walk walks the tree below the directory open as root. It holds one
@@ -59,6 +62,9 @@ func walk(dir int, prefix string, depth int, v Visitor) error {
 	}
 	for _, name := range names {
 		e := &Entry{Parent: dir, Name: name, Path: prefix + name, Depth: depth + 1}
+		if v.Omit != nil && v.Omit(e.Path) {
+			continue
+		}
 		if err := unix.Fstatat(dir, name, &e.Stat, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return fmt.Errorf("%s: %w", e.Path, err)
 		}

@@ -42,7 +42,8 @@ func open(t *testing.T, dir string) int {
 }
 
 // Walk visits parents before children, names in order, leaves each dir it
-// entered after its entries, and goes past PATH_MAX.
+// entered after its entries, leaves out what it is told to omit, and goes
+// past PATH_MAX.
 func TestWalk(t *testing.T) {
 	dir := t.TempDir()
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "b", "c"), 0o755))
@@ -50,6 +51,7 @@ func TestWalk(t *testing.T) {
 	require.NoError(t, os.Symlink("/etc", filepath.Join(dir, "b", "link")))
 	require.NoError(t, os.Mkdir(filepath.Join(dir, "skipped"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "skipped", "unseen"), nil, 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "b", "omitted"), nil, 0o644))
 	deep := deepChain(t, filepath.Join(dir, "b", "c"), 45)
 	var events []string
 	err := Walk(open(t, dir), Visitor{
@@ -59,6 +61,7 @@ func TestWalk(t *testing.T) {
 			return e.Name != "skipped", nil
 		},
 		Leave: func(e *Entry, _ int) error { events = append(events, "leave "+e.Path); return nil },
+		Omit:  func(path string) bool { return path == "b/omitted" },
 	})
 	require.NoError(t, err)
 	require.Greater(t, len("b/c/"+deep), 2*unix.PathMax)

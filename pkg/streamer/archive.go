@@ -153,17 +153,15 @@ func PackFirst(ctx context.Context, root string, first []string, w io.Writer, en
 			entries++
 		}
 		// Walked from descriptors: a tree of any depth goes, however
-		// long its paths.
+		// long its paths. What was sent first (regular files only) is
+		// not even stat'ed again.
 		err := fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 			if err := ctx.Err(); err != nil {
 				return false, err
 			}
-			if sent[e.Path] && e.Stat.Mode&unix.S_IFMT == unix.S_IFREG {
-				return true, nil
-			}
 			entries++
 			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
-		}})
+		}, Omit: func(path string) bool { return sent[path] }})
 		return entries, err
 	})
 }
