@@ -208,3 +208,20 @@ func DeepTree(tb testing.TB, root string) int {
 
 // DeepInodes counts what DeepTree puts at the bottom of its chain.
 const DeepInodes = 3
+
+// OpenBelow is how many of this process's descriptors are open on files
+// below dir.
+func OpenBelow(tb testing.TB, dir string) int {
+	tb.Helper()
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	n := 0
+	for _, fd := range fds {
+		if p, _ := os.Readlink(filepath.Join("/proc/self/fd", fd.Name())); strings.HasPrefix(p, dir+"/") {
+			n++
+		}
+	}
+	return n
+}

@@ -720,20 +720,6 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 	}
 }
 
-// opensOf is how many of this process's descriptors are open beneath dir.
-func opensOf(t *testing.T, dir string) int {
-	t.Helper()
-	fds, err := os.ReadDir("/proc/self/fd")
-	require.NoError(t, err)
-	n := 0
-	for _, fd := range fds {
-		if p, _ := os.Readlink(filepath.Join("/proc/self/fd", fd.Name())); strings.HasPrefix(p, dir+"/") {
-			n++
-		}
-	}
-	return n
-}
-
 // markOf is the event mask g's mark on the file at path has (0: none), as
 // the kernel lists the group's marks. A stat raises no event.
 func markOf(t *testing.T, g *Group, path string) uint64 {
@@ -778,7 +764,7 @@ func TestSettleWaitsForEventsQueued(t *testing.T) {
 		_, err := os.ReadFile(filepath.Join(bind, name))
 		require.NoError(t, err)
 	}
-	require.Eventually(t, func() bool { return opensOf(t, bind) > 0 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return testfs.OpenBelow(t, bind) > 0 }, 10*time.Second, time.Millisecond)
 	go func() {
 		time.Sleep(100 * time.Millisecond)
 		g.mu.Unlock()
@@ -800,7 +786,7 @@ func TestSettleWaitsForAnswersUnderWay(t *testing.T) {
 		require.Equal(t, s.files[name], data)
 	}
 	g.Settle()
-	require.Zero(t, opensOf(t, s.merged), "a descriptor still holds the step's mount")
+	require.Zero(t, testfs.OpenBelow(t, s.merged), "a descriptor still holds the step's mount")
 
 	g.answering.RLock() // an answer under way
 	settled := make(chan struct{})

@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -495,19 +494,6 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	require.ErrorIs(t, err, boom)
 }
 
-// fdsBelow counts this process's descriptors open on files below dir.
-func fdsBelow(t *testing.T, dir string) int {
-	entries, err := os.ReadDir("/proc/self/fd")
-	require.NoError(t, err)
-	n := 0
-	for _, e := range entries {
-		if p, _ := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); strings.HasPrefix(p, dir+"/") {
-			n++
-		}
-	}
-	return n
-}
-
 // fdWatcher is a stream's destination that notes the most files below dir
 // the packer held open at any write, and fails from the failAt'th write on
 // (0: never).
@@ -525,7 +511,7 @@ func (w *fdWatcher) Write(p []byte) (int, error) {
 	if w.failAt > 0 && w.writes >= w.failAt {
 		return 0, errors.New("the peer went away")
 	}
-	w.most = max(w.most, fdsBelow(w.t, w.dir))
+	w.most = max(w.most, testfs.OpenBelow(w.t, w.dir))
 	w.written += int64(len(p))
 	return len(p), nil
 }
@@ -563,7 +549,7 @@ func TestPackReadsAhead(t *testing.T) {
 			}
 			require.GreaterOrEqual(t, w.most, tc.wantAtLeast, "files open ahead of the one being sent")
 			require.LessOrEqual(t, w.most, tc.wantMost)
-			require.Zero(t, fdsBelow(t, src), "descriptors left open")
+			require.Zero(t, testfs.OpenBelow(t, src), "descriptors left open")
 		})
 	}
 }
