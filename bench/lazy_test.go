@@ -89,11 +89,11 @@ func BenchmarkLazyPull(b *testing.B) {
 				}
 				cols := []string{"-", "-", "-", "-"}
 				key := strings.Join(strings.Fields(strings.Split(what, " (")[0]), "-")
+				metrics := []string{"publish", "read-5pct", "read-all", "run"}
 				for i, read := range reads {
 					took := step(publish, read)
 					cols[i] = ms(took)
-					col := []string{"publish", "read-5pct", "read-all", "run"}[i]
-					b.ReportMetric(float64(took.Milliseconds()), fmt.Sprintf("%s-%dMiB-%s-ms", strings.ReplaceAll(key, ",", ""), size>>20, col))
+					b.ReportMetric(float64(took.Milliseconds()), fmt.Sprintf("%s-%dMiB-%s-ms", strings.ReplaceAll(key, ",", ""), size>>20, metrics[i]))
 				}
 				fmt.Fprintf(&sb, "%-46s %12s %12s %12s %12s\n", fmt.Sprintf("%s, %d MiB", what, size>>20), cols[0], cols[1], cols[2], cols[3])
 			}
