@@ -13,7 +13,12 @@
 // events through overlayfs on every kernel with pre-content events, so
 // filling on open is correct for every way of reading.
 //
-// It owns the fanotify group, the marks and the writes into stubs. It does
+// Where the order readers reach files in is recorded (or a read-ahead's
+// hits are counted), a file filled before its first reader came is watched
+// by its layer's notification group (watch.go), which notes that reader
+// without holding it.
+//
+// It owns the fanotify groups, the marks and the writes into stubs. It does
 // not know where bytes come from (a FetchFunc brings them), nor the cache's
 // states: the caller makes the stubs, adds them, and records the layer
 // filled or failed.
@@ -48,12 +53,6 @@ import (
 // reach its data (an exec opens with FAN_OPEN_EXEC_PERM; a read of a file
 // opened before the mark raises FAN_PRE_ACCESS).
 const marked = unix.FAN_OPEN_PERM | unix.FAN_OPEN_EXEC_PERM | unix.FAN_PRE_ACCESS
-
-// watched is the mark a filled stub keeps while its first reader must still
-// be seen (see file.reached): an open raises a notification, which holds no
-// reader. Events come in the order they were raised, permission events and
-// notifications alike, so the order readers reach files in is kept.
-const watched = unix.FAN_OPEN
 
 // denyEIO answers a waiting reader with EIO (pre-content groups may give
 // an errno, kernel 6.14 and later).
@@ -118,16 +117,8 @@ type Group struct {
 	// close of the event's descriptor, which pins the mount the reader
 	// opened the file through (a step volume's): see Settle.
 	answering sync.RWMutex
-	// beacon is a file of the group's own (a memfd) whose writes raise a
-	// notification, queued behind every event raised before: once the
-	// loop reads it, those are handled (see Settle). beaconKey is its
-	// inode; settled, if not nil, is closed when the loop reads its event
-	// (under mu). One Settle at a time, so that two beacons' events, the
-	// second queued while the first is, never merge into the first's place.
-	beacon    int
-	beaconKey fileKey
-	settled   chan struct{}
-	settling  sync.Mutex
+	// layers are those not released, whose watchers Close closes.
+	layers map[*Layer]bool
 }
 
 var errStopping = errors.New("the plugin is stopping")
@@ -154,14 +145,17 @@ type file struct {
 	// reached says a reader opened (or read) it. A file no reader reached
 	// is watched once filled if its first reader must be seen: where the
 	// layer records the order readers reach files in, and where a
-	// read-ahead brought it (its hit grows the window). Its reader is
-	// not held, only noted, and the mark goes then. Elsewhere its mark
-	// goes with its fill: a step that opens every file of a layer would
-	// otherwise raise an event, and an unmark, for each. (A file keeps
-	// its mark while it is in Group.files: a fill that removes the mark
-	// does so just before finish drops the file from there.)
+	// read-ahead brought it (its hit grows the window). Its pre-content
+	// mark goes all the same, and its reader is not held, only noted by
+	// the layer's watcher. Elsewhere nothing sees its readers: a step that
+	// opens every file of a layer would otherwise raise an event for
+	// each. (A file keeps its pre-content mark while it is in
+	// Group.files: a fill that removes the mark does so just before
+	// finish drops the file from there.)
 	reached bool
-	// unmarked says its fill removed its mark (else it is watched).
+	// unmarked says its fill removed its pre-content mark (else it is
+	// kept: a file that must be watched and could not be stays held,
+	// and its readers are answered at once).
 	unmarked bool
 	// ahead says a read-ahead claimed it and no reader has reached it yet.
 	ahead bool
@@ -199,17 +193,13 @@ func Open(root string, stall time.Duration) (*Group, error) {
 		tree, err = unix.Openat(clone, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	}
 	if err == nil {
-		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked|watched, tree, "")
+		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked, tree, "")
 	}
 	if err != nil {
 		err = fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
 	}
-	beacon, beaconKey := -1, fileKey{}
-	if err == nil {
-		beacon, beaconKey, err = newBeacon(fd)
-	}
 	if err != nil {
-		for _, c := range []int{beacon, tree, clone, fd} {
+		for _, c := range []int{tree, clone, fd} {
 			if c >= 0 {
 				unix.Close(c)
 			}
@@ -217,7 +207,7 @@ func Open(root string, stall time.Duration) (*Group, error) {
 		return nil, err
 	}
 	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
-		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), beacon: beacon, beaconKey: beaconKey}
+		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{}}
 	g.loop.Add(1)
 	go g.run()
 	return g, nil
@@ -234,48 +224,27 @@ func (g *Group) Close() error {
 	for _, f := range g.files {
 		open = append(open, f)
 	}
+	layers := g.layers
+	g.layers = nil
 	g.mu.Unlock()
 	for _, f := range open {
 		f.layer.cancel(errStopping)
 		g.finish(f, errStopping)
 	}
+	for l := range layers {
+		l.closeWatcher()
+	}
 	err := g.events.Close()
 	g.loop.Wait()
 	g.unmarking.Wait()
 	g.putting.Wait()
-	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone), unix.Close(g.beacon))
-}
-
-// newBeacon makes the group's beacon (see Group.beacon), marked for
-// modifications in the group fd.
-func newBeacon(fd int) (int, fileKey, error) {
-	memfd, err := unix.MemfdCreate("cowvol-fill-beacon", unix.MFD_CLOEXEC)
-	if err != nil {
-		return -1, fileKey{}, fmt.Errorf("making the fill group's beacon: %w", err)
-	}
-	// memfd_create's file raises no events (a pseudo file's never do);
-	// one opened again through /proc does.
-	beacon, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", memfd), unix.O_WRONLY|unix.O_CLOEXEC, 0)
-	unix.Close(memfd)
-	if err != nil {
-		return -1, fileKey{}, fmt.Errorf("opening the fill group's beacon: %w", err)
-	}
-	key, err := keyOf(beacon)
-	if err == nil {
-		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD, unix.FAN_MODIFY, beacon, "")
-	}
-	if err != nil {
-		unix.Close(beacon)
-		return -1, fileKey{}, fmt.Errorf("marking the fill group's beacon: %w", err)
-	}
-	return beacon, key, nil
+	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
 }
 
 // run reads events until the group is closed, and answers each at once or
 // hands it to the file's fill: it never blocks on a fetch.
 func (g *Group) run() {
 	defer g.loop.Done()
-	defer g.beaconRead() // a Settle waiting is let go: no event is read any more
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := g.events.Read(buf)
@@ -292,12 +261,8 @@ func (g *Group) run() {
 				break
 			}
 			off += int(md.Event_len)
-			switch {
-			case md.Fd < 0:
-			case md.Mask&marked != 0:
+			if md.Fd >= 0 {
 				g.dispatch(md.Fd)
-			default:
-				g.seen(md.Fd)
 			}
 		}
 	}
@@ -313,6 +278,14 @@ func (g *Group) dispatch(fd int32) {
 	}
 	g.mu.Lock()
 	f := g.files[key]
+	if f != nil && f.layer.watch != nil {
+		// Readers seen by the layer's watcher whose opens came first
+		// reach their files first.
+		g.mu.Unlock()
+		f.layer.watch.drain()
+		g.mu.Lock()
+		f = g.files[key]
+	}
 	if f == nil {
 		g.mu.Unlock()
 		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
@@ -409,36 +382,6 @@ func (l *Layer) readersFirst() {
 		case <-l.ctx.Done():
 			return
 		}
-	}
-}
-
-// seen notes the reader a watched file's notification reports (it was
-// not held: the file is filled) and removes the file's mark, through the
-// event's fd, which is open on the stub.
-func (g *Group) seen(fd int32) {
-	defer unix.Close(int(fd))
-	key, err := keyOf(int(fd))
-	if err != nil {
-		return
-	}
-	if key == g.beaconKey {
-		g.beaconRead()
-		return
-	}
-	g.mu.Lock()
-	f := g.files[key]
-	if f == nil {
-		g.mu.Unlock()
-		return // its mark went meanwhile
-	}
-	f.layer.reach(f)
-	filled := f.done && f.err == nil // else watched a moment before its fill ended: the next open tells
-	if filled {
-		delete(g.files, f.key)
-	}
-	g.mu.Unlock()
-	if filled {
-		g.removeMark(int(fd), f)
 	}
 }
 
@@ -555,49 +498,16 @@ func (g *Group) respond(fd int32, answer uint32) {
 	unix.Close(int(fd))
 }
 
-// Settle waits until every event raised so far is handled and every
-// answer given so far is complete. An event's descriptor is open on the
-// path the reader used (through a step volume's mount) from the loop's read
-// of the batch that holds it until it is handled: a held reader goes on
-// the moment its answer is written, just before that close, and a reader
-// of a watched file does not wait at all. A step that read its last file
-// and ended may have its volume unmounted before either, which would find
-// the mount busy.
+// Settle waits until every answer given so far is complete. An event
+// holds the path its reader used (through a step volume's mount) until the
+// loop closes its descriptor, just after its answer: the reader goes on the
+// moment the answer is written. A step that read its last file and ended
+// may have its volume unmounted before the close, which would find the
+// mount busy. An event not answered yet holds a reader still waiting, so
+// the step is not done; the events of a layer's watcher hold no path.
 func (g *Group) Settle() {
-	g.settling.Lock()
-	defer g.settling.Unlock()
-	read := make(chan struct{})
-	g.mu.Lock()
-	closed := g.closed
-	g.settled = read
-	g.mu.Unlock()
-	if !closed {
-		if _, err := unix.Pwrite(g.beacon, []byte{0}, 0); err != nil {
-			klog.ErrorS(err, "Writing the fill group's beacon: not waiting for the events before it")
-		} else {
-			select {
-			case <-read:
-			case <-time.After(settleWait):
-				klog.ErrorS(nil, "The fill group's events were not read in time; going on", "waited", settleWait)
-			}
-		}
-	}
 	g.answering.Lock()
 	g.answering.Unlock() // empty: waiting for the answers under way is the point
-}
-
-// settleWait bounds Settle's wait for the loop, which never blocks for
-// long: only a bug or a machine at a standstill would reach it.
-const settleWait = 10 * time.Second
-
-// beaconRead lets a Settle waiting for its beacon go.
-func (g *Group) beaconRead() {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.settled != nil {
-		close(g.settled)
-		g.settled = nil
-	}
 }
 
 // claim makes the caller f's filler (under g.mu), unless f is filled or
@@ -801,15 +711,18 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		return fmt.Errorf("putting back the times: %w", err)
 	}
 	g.mu.Lock()
-	// Else watched until a reader comes: see file.reached.
-	unmark := f.reached || (!f.ahead && !f.layer.recording.Load())
-	f.unmarked = unmark
+	watch := !f.reached && (f.ahead || f.layer.recording.Load()) // see file.reached
 	g.mu.Unlock()
-	if unmark {
-		g.removeMark(fd, f)
-	} else {
-		g.watch(fd, f)
+	if watch {
+		if err := f.layer.watchFilled(f, fd); err != nil {
+			klog.V(2).InfoS("Watching a filled file; its readers are held instead", "file", f.rel, "err", err)
+			return nil
+		}
 	}
+	g.mu.Lock()
+	f.unmarked = true
+	g.mu.Unlock()
+	g.removeMark(fd, f)
 	return nil
 }
 
@@ -885,7 +798,7 @@ func (g *Group) finish(f *file, err error) {
 		close(f.filling)
 	}
 	if err == nil && f.unmarked {
-		delete(g.files, f.key) // one watched stays, to see its first reader
+		delete(g.files, f.key) // one still marked stays: see file.unmarked
 	}
 	g.mu.Unlock()
 	// The layer hears first: a reader answered may look at it next.
@@ -947,22 +860,8 @@ func (g *Group) unmark(f *file) {
 
 // removeMark removes the mark of f's stub, open as fd.
 func (g *Group) removeMark(fd int, f *file) {
-	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked|watched, fd, ""); err != nil {
+	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, ""); err != nil {
 		klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
-	}
-}
-
-// watch makes the mark of f's stub (filled, open as fd) one that holds no
-// reader: watched is added before marked goes, so an open between the two
-// raises both events, and is seen either way. If that fails, the file
-// stays marked: its readers are then held, and answered at once.
-func (g *Group) watch(fd int, f *file) {
-	err := unix.FanotifyMark(g.fd, unix.FAN_MARK_ADD, watched, fd, "")
-	if err == nil {
-		err = unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, fd, "")
-	}
-	if err != nil {
-		klog.V(2).InfoS("Watching a filled file", "file", f.rel, "err", err)
 	}
 }
 
@@ -1044,10 +943,14 @@ type Layer struct {
 	// recording: a step over the layer names a read profile, so a filled
 	// file is watched until a reader reaches it (see RecordReaches).
 	recording atomic.Bool
-	pending   int
-	sealed    bool
-	err       error
-	done      chan struct{}
+	// watch sees the first readers of filled files (nil: it could not be
+	// made, and such files stay held instead); closeWatch closes it once.
+	watch      *watcher
+	closeWatch sync.Once
+	pending    int
+	sealed     bool
+	err        error
+	done       chan struct{}
 	// urgent counts the fetches its readers are held for, and urgentDone
 	// is closed when that drops to zero; lastUrgent is when the last one
 	// ended (all under the group's mu): its background fills wait while
@@ -1157,7 +1060,36 @@ func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (
 	ctx, cancel := context.WithCancelCause(context.Background())
 	l := &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
 		byRel: map[string]*file{}, dirs: map[string][]*file{}, ahead: map[string]*readAhead{}, done: make(chan struct{})}
+	if l.watch, err = g.newWatcher(); err != nil {
+		klog.ErrorS(err, "Readers of a lazy layer's filled files are held, not watched", "layer", dir)
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		l.closeWatcher()
+		cancel(errStopping)
+		return nil, errors.New("the fill group is closed")
+	}
+	g.layers[l] = true
 	return l, nil
+}
+
+// watchFilled watches f (filled, its stub open as fd): see file.reached.
+func (l *Layer) watchFilled(f *file, fd int) error {
+	if l.watch == nil {
+		return errors.New("the layer has no watcher")
+	}
+	return l.watch.watch(f, fd)
+}
+
+// closeWatcher closes the layer's watcher, if it has one, and drops its
+// marks.
+func (l *Layer) closeWatcher() {
+	l.closeWatch.Do(func() {
+		if l.watch != nil {
+			l.watch.close()
+		}
+	})
 }
 
 // A Stub is a file of the layer whose data is to come.
@@ -1339,6 +1271,10 @@ func (l *Layer) Release() {
 	for _, f := range l.snapshot() {
 		l.g.forget(f)
 	}
+	l.g.mu.Lock()
+	delete(l.g.layers, l)
+	l.g.mu.Unlock()
+	l.closeWatcher()
 }
 
 func (l *Layer) snapshot() []*file {
@@ -1350,9 +1286,11 @@ func (l *Layer) snapshot() []*file {
 // Reached is the layer's files readers opened while it was being filled,
 // in the order of their first opens (what its fills brought unasked is
 // there once a reader reached it, if the layer records reaches: see
-// RecordReaches). A reader of a filled file is noted as its event is read,
-// a moment after its open.
+// RecordReaches), up to the opens that returned before the call.
 func (l *Layer) Reached() []string {
+	if l.watch != nil {
+		l.watch.drain()
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return slices.Clone(l.reached)

@@ -36,8 +36,14 @@ type stubbed struct {
 // with "x-") in a source dir, and stubs of them.
 func newStubbed(t *testing.T, files map[string][]byte) *stubbed {
 	t.Helper()
-	testfs.Need(t, "mkfs.xfs")
-	mnt := testfs.Mount(t, testfs.XFS, 512<<20)
+	return newStubbedOn(t, testfs.XFS, files)
+}
+
+// newStubbedOn is newStubbed on a filesystem of kind.
+func newStubbedOn(t *testing.T, kind testfs.Kind, files map[string][]byte) *stubbed {
+	t.Helper()
+	testfs.Need(t, "mkfs."+string(kind))
+	mnt := testfs.Mount(t, kind, 512<<20)
 	s := &stubbed{src: filepath.Join(mnt, "src"), layer: filepath.Join(mnt, "layer"), merged: filepath.Join(mnt, "merged"), files: files}
 	for _, d := range []string{s.src, s.layer, s.merged, filepath.Join(mnt, "upper"), filepath.Join(mnt, "work")} {
 		require.NoError(t, os.MkdirAll(d, 0o755))
@@ -666,67 +672,102 @@ func TestDiskFullWhileFilling(t *testing.T) {
 
 // Reached is the order readers first opened files in, where the layer
 // records it: a file filled before its first reader counts once that
-// reader comes (who is not held: the filled file's mark only notes it, and
-// goes then), and one never read does not count. Where the layer does not
-// record, a filled file's mark goes with its fill, so its readers go
-// straight through, unseen.
+// reader comes (who is not held: the filled file's pre-content mark went,
+// and the layer's watcher notes the open), and one never read does not
+// count. Where the layer does not record, nothing watches a filled file,
+// so its readers go straight through, unseen. On each filesystem that
+// allows pre-content events: the watcher knows files by the handles its
+// events carry.
 func TestReachedIsTheReadersOrder(t *testing.T) {
-	for _, tc := range []struct {
-		name                 string
-		recording            bool
-		wantBefore, wantLast []string
-		filledMark           uint64 // the mark f2 has once filled, before its reader
-	}{
-		{"recording", true, []string{"f5", "f2"}, []string{"f5", "f2", "f0"}, watched},
-		{"not recording", false, []string{"f5"}, []string{"f5"}, 0},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			files := map[string][]byte{}
-			for i := range 8 {
-				files[fmt.Sprintf("f%d", i)] = random(t, 4096)
-			}
-			s := newStubbed(t, files)
-			src := &fetcher{src: s.src}
-			g, l := hold(t, s, src.fetch, time.Minute)
-			if tc.recording {
-				l.RecordReaches()
-			}
-			read := func(name string) {
-				got, err := os.ReadFile(filepath.Join(s.merged, name))
-				require.NoError(t, err)
-				require.True(t, bytes.Equal(files[name], got), name)
-			}
-			read("f5") // its own fill
-			require.NoError(t, l.Offer("f2", func(w io.WriterAt) error { _, err := w.WriteAt(files["f2"], 0); return err }))
-			require.NoError(t, l.Offer("f7", func(w io.WriterAt) error { _, err := w.WriteAt(files["f7"], 0); return err }))
-			g.putting.Wait() // an offer's write runs behind it: f2 is filled before its reader comes
-			require.Equal(t, tc.filledMark, markOf(t, g, filepath.Join(s.layer, "f2")))
-			read("f2")
-			read("f5") // again
-			require.Eventually(t, func() bool { return markOf(t, g, filepath.Join(s.layer, "f2")) == 0 }, 10*time.Second, 10*time.Millisecond,
-				"f2's mark goes once its reader is seen")
-			require.Equal(t, tc.wantBefore, l.Reached(), "f7 was filled, never read")
-			require.Equal(t, tc.filledMark, markOf(t, g, filepath.Join(s.layer, "f7")))
-			require.Equal(t, []string{"f7", "f2"}, l.Has([]string{"nope", "f7", "f2"}))
+	for _, kind := range []testfs.Kind{testfs.XFS, testfs.Ext4, testfs.Btrfs} {
+		for _, tc := range []struct {
+			name                 string
+			recording            bool
+			wantBefore, wantLast []string
+			watchMark            uint64 // the watcher's mark on a file filled before its reader
+		}{
+			{"recording", true, []string{"f5", "f2"}, []string{"f5", "f2", "f0"}, unix.FAN_OPEN},
+			{"not recording", false, []string{"f5"}, []string{"f5"}, 0},
+		} {
+			t.Run(string(kind)+"/"+tc.name, func(t *testing.T) {
+				files := map[string][]byte{}
+				for i := range 8 {
+					files[fmt.Sprintf("f%d", i)] = random(t, 4096)
+				}
+				s := newStubbedOn(t, kind, files)
+				src := &fetcher{src: s.src}
+				g, l := hold(t, s, src.fetch, time.Minute)
+				if tc.recording {
+					l.RecordReaches()
+				}
+				read := func(name string) {
+					got, err := os.ReadFile(filepath.Join(s.merged, name))
+					require.NoError(t, err)
+					require.True(t, bytes.Equal(files[name], got), name)
+				}
+				offer := func(name string) {
+					require.NoError(t, l.Offer(name, func(w io.WriterAt) error { _, err := w.WriteAt(files[name], 0); return err }))
+				}
+				read("f5") // its own fill
+				offer("f2")
+				offer("f7")
+				g.putting.Wait() // an offer's write runs behind it: f2 is filled before its reader comes
+				for _, name := range []string{"f2", "f7"} {
+					require.Zero(t, markOf(t, g.fd, filepath.Join(s.layer, name)), "%s's pre-content mark went with its fill", name)
+					require.Equal(t, tc.watchMark, markOf(t, watcherFD(t, l), filepath.Join(s.layer, name)), name)
+				}
+				read("f2")
+				read("f5") // again
+				require.Equal(t, tc.wantBefore, l.Reached(), "f7 was filled, never read")
+				require.Equal(t, []string{"f7", "f2"}, l.Has([]string{"nope", "f7", "f2"}))
 
-			l.Prefetch(nil, 2)
-			<-l.Done()
-			require.NoError(t, l.Err())
-			read("f0")
-			require.Eventually(t, func() bool { return slices.Equal(tc.wantLast, l.Reached()) }, 10*time.Second, 10*time.Millisecond,
-				"reached %v", l.Reached())
-			require.Len(t, src.all(), 6, "offered files need no fetch")
-		})
+				l.Prefetch(nil, 2)
+				<-l.Done()
+				require.NoError(t, l.Err())
+				read("f0")
+				require.Equal(t, tc.wantLast, l.Reached())
+				require.Len(t, src.all(), 6, "offered files need no fetch")
+
+				l.Release()
+				<-l.watch.done // its group closed, and its marks with it
+			})
+		}
 	}
 }
 
-// markOf is the event mask g's mark on the file at path has (0: none), as
-// the kernel lists the group's marks. A stat raises no event.
-func markOf(t *testing.T, g *Group, path string) uint64 {
+// A reader held for its file after another's open of a watched file
+// returned reaches its file second, though the two are seen by two groups:
+// the held one's event waits for the watcher's queue to be read.
+func TestReachedKeepsOrderAcrossWatchedAndHeld(t *testing.T) {
+	files := map[string][]byte{"a": random(t, 4096), "b": random(t, 4096)}
+	s := newStubbed(t, files)
+	g, l := hold(t, s, (&fetcher{src: s.src}).fetch, time.Minute)
+	l.RecordReaches()
+	require.NoError(t, l.Offer("a", func(w io.WriterAt) error { _, err := w.WriteAt(files["a"], 0); return err }))
+	g.putting.Wait()
+
+	l.watch.mu.Lock() // the watcher reads no event
+	_, err := os.ReadFile(filepath.Join(s.merged, "a"))
+	require.NoError(t, err)
+	readB := make(chan error, 1)
+	go func() {
+		_, err := os.ReadFile(filepath.Join(s.merged, "b"))
+		readB <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // b's event is read, and waits
+	l.watch.mu.Unlock()
+	require.NoError(t, <-readB)
+	require.Equal(t, []string{"a", "b"}, l.Reached())
+}
+
+// markOf is the event mask the mark of the fanotify group fd on the file
+// at path has (0: none), as the kernel lists the group's marks. A stat
+// raises no event.
+func markOf(t *testing.T, fd int, path string) uint64 {
 	t.Helper()
 	var st unix.Stat_t
 	require.NoError(t, unix.Stat(path, &st))
-	info, err := os.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", g.fd))
+	info, err := os.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", fd))
 	require.NoError(t, err)
 	for _, line := range strings.Split(string(info), "\n") {
 		var ino, sdev, mflags, mask uint64
@@ -737,12 +778,20 @@ func markOf(t *testing.T, g *Group, path string) uint64 {
 	return 0
 }
 
-// Settle returns once the events of readers who were not held are handled
-// too: a watched file's reader goes on at once, and the loop reads its
-// event later, in a batch whose descriptors (open on the paths the readers
-// used) pin those mounts until each is handled. A read-only step volume of
-// one layer is a bind of the layer, so the path is the step's own mount.
-func TestSettleWaitsForEventsQueued(t *testing.T) {
+// watcherFD is the descriptor of l's watcher.
+func watcherFD(t *testing.T, l *Layer) int {
+	t.Helper()
+	l.watch.mu.Lock()
+	defer l.watch.mu.Unlock()
+	require.GreaterOrEqual(t, l.watch.fd, 0)
+	return l.watch.fd
+}
+
+// A watched file's reader pins no mount: its event carries a handle, not
+// a descriptor open on the path the reader used, so the step's volume
+// unmounts while the event is still queued. (A read-only step volume of one
+// layer is a bind of the layer, so that path is the step's own mount.)
+func TestWatchedReadersPinNoMount(t *testing.T) {
 	files := map[string][]byte{}
 	for i := range 50 {
 		files[fmt.Sprintf("f%02d", i)] = random(t, 512)
@@ -759,18 +808,13 @@ func TestSettleWaitsForEventsQueued(t *testing.T) {
 	require.NoError(t, unix.Mount(s.layer, bind, "", unix.MS_BIND, ""))
 	t.Cleanup(func() { _ = unix.Unmount(bind, unix.MNT_DETACH) })
 
-	g.mu.Lock() // the loop stops at the first event it reads, its descriptor open
+	l.watch.mu.Lock() // the watcher reads no event
 	for name := range files {
 		_, err := os.ReadFile(filepath.Join(bind, name))
 		require.NoError(t, err)
 	}
-	require.Eventually(t, func() bool { return testfs.OpenBelow(t, bind) > 0 }, 10*time.Second, time.Millisecond)
-	go func() {
-		time.Sleep(100 * time.Millisecond)
-		g.mu.Unlock()
-	}()
-	g.Settle()
-	require.NoError(t, unix.Unmount(bind, 0), "an event read but not handled still holds the mount")
+	require.NoError(t, unix.Unmount(bind, 0), "a queued event holds the mount")
+	l.watch.mu.Unlock()
 	require.Len(t, l.Reached(), len(files))
 }
 
