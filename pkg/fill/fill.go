@@ -155,8 +155,9 @@ type file struct {
 	reached bool
 	// unmarked says its fill removed its pre-content mark (else it is
 	// kept: a file that must be watched and could not be stays held,
-	// and its readers are answered at once).
-	unmarked bool
+	// and its readers are answered at once); watched, that the layer's
+	// watcher sees its readers instead.
+	unmarked, watched bool
 	// ahead says a read-ahead claimed it and no reader has reached it yet.
 	ahead bool
 	// place is its place among the regular files of the stub tree's
@@ -446,6 +447,9 @@ func (l *Layer) reach(f *file) {
 		return
 	}
 	f.reached = true
+	if f.watched {
+		l.watch.unseen.Add(-1)
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.reached = append(l.reached, f.rel)
@@ -714,13 +718,17 @@ func (g *Group) store(f *file, put func(out int) error) error {
 	watch := !f.reached && (f.ahead || f.layer.recording.Load()) // see file.reached
 	g.mu.Unlock()
 	if watch {
-		if err := f.layer.watchFilled(f, fd); err != nil {
+		if err := f.layer.watchFilled(f); err != nil {
 			klog.V(2).InfoS("Watching a filled file; its readers are held instead", "file", f.rel, "err", err)
 			return nil
 		}
 	}
 	g.mu.Lock()
 	f.unmarked = true
+	if watch && !f.reached {
+		f.watched = true
+		f.layer.watch.unseen.Add(1)
+	}
 	g.mu.Unlock()
 	g.removeMark(fd, f)
 	return nil
@@ -1060,7 +1068,7 @@ func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (
 	ctx, cancel := context.WithCancelCause(context.Background())
 	l := &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
 		byRel: map[string]*file{}, dirs: map[string][]*file{}, ahead: map[string]*readAhead{}, done: make(chan struct{})}
-	if l.watch, err = g.newWatcher(); err != nil {
+	if l.watch, err = newWatcher(l); err != nil {
 		klog.ErrorS(err, "Readers of a lazy layer's filled files are held, not watched", "layer", dir)
 	}
 	g.mu.Lock()
@@ -1074,12 +1082,13 @@ func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (
 	return l, nil
 }
 
-// watchFilled watches f (filled, its stub open as fd): see file.reached.
-func (l *Layer) watchFilled(f *file, fd int) error {
+// watchFilled has f's readers seen by the layer's watcher: see
+// file.reached.
+func (l *Layer) watchFilled(f *file) error {
 	if l.watch == nil {
 		return errors.New("the layer has no watcher")
 	}
-	return l.watch.watch(f, fd)
+	return l.watch.watch(f)
 }
 
 // closeWatcher closes the layer's watcher, if it has one, and drops its

@@ -1,15 +1,20 @@
 package fill
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"path"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/internal/fdtree"
 )
 
 // atHandleFID asks name_to_handle_at for the handle fanotify reports a
@@ -18,13 +23,16 @@ const atHandleFID = 0x200
 
 // watcher is a layer's notification group, which sees the first reader of
 // a file filled before any reader came, where that reader must be seen
-// (see file.reached): the file is marked in it for FAN_OPEN as its
-// pre-content mark goes. Its events report files by handle
-// (FAN_REPORT_FID), not by a descriptor, so a reader's open costs no open
-// of the file in the plugin, nor an fstat, a close or a mark removal
-// there; and an event pins no mount, so a step's volume unmounts whether
-// its readers' events are read yet or not. A watched file keeps its mark
-// until the layer is released: closing the group drops them all at once.
+// (see file.reached). It marks the file's dir, once, for the opens of the
+// files in it (FAN_EVENT_ON_CHILD), as the file's pre-content mark goes:
+// a mark a file would cost each file two calls more to fill. Its events
+// report the dir's handle and the name opened (FAN_REPORT_DFID_NAME), not
+// a descriptor, so a reader's open costs no open of the file in the
+// plugin, nor an fstat, a close or a mark removal there; and an event pins
+// no mount, so a step's volume unmounts whether its readers' events are
+// read yet or not. The marks stay until the layer is released: closing
+// the group drops them all at once. A file opened by another name (a
+// hard link's) is not seen there.
 //
 // Nothing waits on the group's descriptor: its events are read every
 // watchEvery, and where they must be read at once (see drain). A waiter
@@ -37,28 +45,41 @@ const atHandleFID = 0x200
 // after the watcher's queue is read (see drain), which holds the events
 // of every open that returned before the held one began.
 type watcher struct {
-	g    *Group
+	l    *Layer
 	stop chan struct{} // closed when close begins
 	done chan struct{} // closed when run returns
-	// mu is held while events are read and handled, and over fd and
-	// files.
-	mu    sync.Mutex
-	fd    int              // -1 once closed
-	files map[string]*file // the watched files no reader reached yet, by handleKey
-	buf   []byte
+	// mu is held while events are read and handled, and over the rest.
+	mu sync.Mutex
+	fd int // -1 once closed
+	// dirs are the marked dirs (below the layer's dir) by handleKey, and
+	// marked the same by name.
+	dirs   map[string]string
+	marked map[string]bool
+	buf    []byte
+	// unseen counts the watched files no reader reached yet (none: no
+	// event queued would count). It changes under the group's mu.
+	unseen atomic.Int64
 }
 
 // watchEvery is how often a watcher reads the events it gathered: often
 // enough that they never take much memory.
 const watchEvery = 50 * time.Millisecond
 
-// newWatcher makes a layer's watcher and starts reading its events.
-func (g *Group) newWatcher() (*watcher, error) {
-	fd, err := unix.FanotifyInit(unix.FAN_CLASS_NOTIF|unix.FAN_REPORT_FID|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS, unix.O_RDONLY)
+// newWatcher makes l's watcher and starts reading its events. The opens
+// the fills make, through the group's clone, are no reader's: they raise
+// no event.
+func newWatcher(l *Layer) (*watcher, error) {
+	fd, err := unix.FanotifyInit(unix.FAN_CLASS_NOTIF|unix.FAN_REPORT_DFID_NAME|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS, unix.O_RDONLY)
 	if err != nil {
 		return nil, fmt.Errorf("making a fanotify group reporting file handles: %w", err)
 	}
-	w := &watcher{g: g, stop: make(chan struct{}), done: make(chan struct{}), fd: fd, files: map[string]*file{}, buf: make([]byte, 64<<10)}
+	err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, unix.FAN_OPEN, l.g.tree, "")
+	if err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("exempting the fills' mount from a lazy layer's open notifications: %w", err)
+	}
+	w := &watcher{l: l, stop: make(chan struct{}), done: make(chan struct{}), fd: fd,
+		dirs: map[string]string{}, marked: map[string]bool{}, buf: make([]byte, 64<<10)}
 	go w.run()
 	return w, nil
 }
@@ -80,44 +101,58 @@ func (w *watcher) run() {
 	}
 }
 
-// watch marks f (filled, its stub open as fd) so that its first reader is
-// seen.
-func (w *watcher) watch(f *file, fd int) error {
-	h, _, err := unix.NameToHandleAt(fd, "", unix.AT_EMPTY_PATH|atHandleFID)
-	if err != nil {
-		return fmt.Errorf("the stub's file handle: %w", err)
-	}
-	key := handleKey(h.Type(), h.Bytes())
+// watch has the opens of f (filled) seen: its dir is marked, unless it is
+// already.
+func (w *watcher) watch(f *file) error {
+	dir := path.Dir(f.rel)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.fd < 0 {
 		return errors.New("the layer's watcher is closed")
 	}
-	if err := unix.FanotifyMark(w.fd, unix.FAN_MARK_ADD, unix.FAN_OPEN, fd, ""); err != nil {
+	if w.marked[dir] {
+		return nil
+	}
+	return w.markDir(dir)
+}
+
+// markDir marks the layer's dir dir for its files' opens (under mu).
+func (w *watcher) markDir(dir string) error {
+	fd, err := fdtree.OpenBeneath(w.l.g.tree, path.Join(w.l.dir, dir))
+	if err != nil {
+		return fmt.Errorf("opening the stub's dir: %w", err)
+	}
+	defer unix.Close(fd)
+	h, _, err := unix.NameToHandleAt(fd, "", unix.AT_EMPTY_PATH|atHandleFID)
+	if err != nil {
+		return fmt.Errorf("the stub dir's handle: %w", err)
+	}
+	if err := unix.FanotifyMark(w.fd, unix.FAN_MARK_ADD, unix.FAN_OPEN|unix.FAN_EVENT_ON_CHILD, fd, ""); err != nil {
 		return err
 	}
-	w.files[key] = f // its first event is read under mu, after this
+	w.dirs[handleKey(h.Type(), h.Bytes())], w.marked[dir] = dir, true
 	return nil
 }
 
-// drain handles the events queued so far (none if no file is watched
-// unreached: nothing queued would count).
+// drain handles the events queued so far (none if every watched file was
+// reached: nothing queued would count).
 func (w *watcher) drain() {
+	if w.unseen.Load() == 0 {
+		return
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if len(w.files) > 0 {
-		w.readLocked()
-	}
+	w.readLocked()
 }
 
 // readLocked reads and handles events until none is queued (under w.mu):
-// a watched file's first reader reaches it, and it is watched no more (its
-// mark stays, its later events find nothing).
+// each names a file of the layer a reader opened, which that reaches (a
+// file not filled yet was reached when its reader was held).
 func (w *watcher) readLocked() {
 	if w.fd < 0 {
 		return
 	}
-	var reached []*file
+	var opened []string
 	for {
 		n, err := unix.Read(w.fd, w.buf)
 		if errors.Is(err, unix.EINTR) {
@@ -139,22 +174,29 @@ func (w *watcher) readLocked() {
 			if md.Mask&unix.FAN_Q_OVERFLOW != 0 {
 				klog.ErrorS(nil, "A lazy layer's open notifications overflowed; some readers were not seen")
 			}
-			if key, ok := eventHandle(w.buf[off+int(md.Metadata_len) : off+int(md.Event_len)]); ok {
-				if f := w.files[string(key)]; f != nil {
-					delete(w.files, string(key))
-					reached = append(reached, f)
+			if dirKey, name, ok := eventDirName(w.buf[off+int(md.Metadata_len) : off+int(md.Event_len)]); ok {
+				if dir, ok := w.dirs[string(dirKey)]; ok {
+					opened = append(opened, path.Join(dir, name))
 				}
 			}
 			off += int(md.Event_len)
 		}
 	}
-	if len(reached) == 0 {
+	if len(opened) == 0 {
 		return
 	}
-	w.g.mu.Lock()
-	defer w.g.mu.Unlock()
-	for _, f := range reached {
-		f.layer.reach(f)
+	files := make([]*file, 0, len(opened))
+	w.l.mu.Lock()
+	for _, rel := range opened {
+		if f := w.l.byRel[rel]; f != nil {
+			files = append(files, f)
+		}
+	}
+	w.l.mu.Unlock()
+	w.l.g.mu.Lock()
+	defer w.l.g.mu.Unlock()
+	for _, f := range files {
+		w.l.reach(f)
 	}
 }
 
@@ -170,9 +212,10 @@ func (w *watcher) close() {
 	w.fd = -1
 }
 
-// Layout of a FAN_REPORT_FID event's info record (linux/fanotify.h): a
-// header (type, pad, length), the fsid, then a struct file_handle (bytes,
-// type, the handle).
+// Layout of a FAN_REPORT_DFID_NAME event's info record
+// (linux/fanotify.h): a header (type, pad, length), the fsid, a struct
+// file_handle (bytes, type, the handle) of the dir, then the name,
+// NUL-terminated.
 const (
 	fidHeaderLen  = 4
 	fidFsidLen    = 8
@@ -180,27 +223,33 @@ const (
 	fidHandleHead = 8 // handle_bytes, handle_type
 )
 
-// eventHandle is the handleKey of the file an event's info records
-// report, found in a FAN_EVENT_INFO_TYPE_FID record, and it aliases info.
-func eventHandle(info []byte) ([]byte, bool) {
+// eventDirName is the handleKey of the dir and the name an event's info
+// records report, found in a FAN_EVENT_INFO_TYPE_DFID_NAME record (the key
+// aliases info).
+func eventDirName(info []byte) (dirKey []byte, name string, ok bool) {
 	for len(info) >= fidHeaderLen {
 		typ, length := info[0], int(binary.NativeEndian.Uint16(info[2:4]))
 		if length < fidHeaderLen || length > len(info) {
-			return nil, false
+			return nil, "", false
 		}
 		rec := info[:length]
 		info = info[length:]
-		if typ != unix.FAN_EVENT_INFO_TYPE_FID || len(rec) < fidHandleAt+fidHandleHead {
+		if typ != unix.FAN_EVENT_INFO_TYPE_DFID_NAME || len(rec) < fidHandleAt+fidHandleHead {
 			continue
 		}
 		size := int(binary.NativeEndian.Uint32(rec[fidHandleAt:]))
 		if size > len(rec)-fidHandleAt-fidHandleHead {
-			return nil, false
+			return nil, "", false
+		}
+		end := fidHandleAt + fidHandleHead + size
+		name, _, terminated := bytes.Cut(rec[end:], []byte{0})
+		if !terminated || len(name) == 0 || bytes.IndexByte(name, '/') >= 0 || string(name) == "." || string(name) == ".." {
+			return nil, "", false
 		}
 		// handle_type then the handle: handleKey's layout.
-		return rec[fidHandleAt+4 : fidHandleAt+fidHandleHead+size], true
+		return rec[fidHandleAt+4 : end], string(name), true
 	}
-	return nil, false
+	return nil, "", false
 }
 
 // handleKey is a file handle's type and bytes, as one map key.
