@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -255,10 +256,50 @@ func copyFile(b *testing.B, from, to string) {
 }
 
 // dropCaches empties the page cache, so that a read measures the disk (a
-// loop device on tmpfs) and the wire, not memory.
+// loop device on tmpfs) and the wire, not memory; then it waits for the
+// machine to be idle: XFS inactivates the inodes of files deleted just
+// before (the last step's 50,000, or a recording step's) in background
+// workers, whose CPU the next step would otherwise share.
 func dropCaches(b *testing.B) {
 	_ = exec.Command("sync").Run()
 	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0); err != nil {
 		b.Fatal(err)
 	}
+	waitIdle(b)
+}
+
+// waitIdle waits until the CPUs were at least 95% idle over 200 ms (for
+// at most 20 s: a machine never idle is measured as it is).
+func waitIdle(b *testing.B) {
+	const window, idle = 200 * time.Millisecond, 0.95
+	busy, total := cpuTicks(b)
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
+		time.Sleep(window)
+		busy2, total2 := cpuTicks(b)
+		if total2 > total && float64(busy2-busy) <= (1-idle)*float64(total2-total) {
+			return
+		}
+		busy, total = busy2, total2
+	}
+}
+
+// cpuTicks is the ticks the machine's CPUs spent busy (not idle nor
+// waiting for I/O) and in all, from /proc/stat.
+func cpuTicks(b *testing.B) (busy, total int64) {
+	data, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		b.Fatal(err)
+	}
+	fields := strings.Fields(strings.SplitN(string(data), "\n", 2)[0]) // cpu user nice system idle iowait ...
+	for i, f := range fields[1:] {
+		v, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			b.Fatal(err)
+		}
+		total += v
+		if i != 3 && i != 4 {
+			busy += v
+		}
+	}
+	return busy, total
 }
