@@ -1305,17 +1305,31 @@ func (l *Layer) Reached() []string {
 	return slices.Clone(l.reached)
 }
 
-// Has is those of rels that are the layer's stubs (to fill), in order.
-func (l *Layer) Has(rels []string) []string {
+// StreamFirst is those of order (a recorded read order) that are the
+// layer's stubs, in order: what a stream of the layer is to bring first.
+// None if the stream brings them first anyway, being the layer's first
+// stubs by place (a step that walks the tree in name order): a stream asked
+// for files first costs the holder a lookup of each by name and a set of
+// them to leave out of its walk, 0.1 s of its CPU for 50,000 files.
+func (l *Layer) StreamFirst(order []string) []string {
 	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []string
-	for _, rel := range rels {
-		if l.byRel[rel] != nil {
-			out = append(out, rel)
+	var first []*file
+	for _, rel := range order {
+		if f := l.byRel[rel]; f != nil {
+			first = append(first, f)
 		}
 	}
-	return out
+	byPlace := slices.Clone(l.files)
+	l.mu.Unlock()
+	slices.SortFunc(byPlace, func(a, b *file) int { return cmp.Compare(a.place, b.place) })
+	if len(first) <= len(byPlace) && slices.Equal(first, byPlace[:len(first)]) {
+		return nil
+	}
+	rels := make([]string, len(first))
+	for i, f := range first {
+		rels[i] = f.rel
+	}
+	return rels
 }
 
 // Done is closed once every file is filled or one failed (then Err says

@@ -719,7 +719,6 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 				read("f2")
 				read("f5") // again
 				require.Equal(t, tc.wantBefore, l.Reached(), "f7 was filled, never read")
-				require.Equal(t, []string{"f7", "f2"}, l.Has([]string{"nope", "f7", "f2"}))
 
 				l.Prefetch(nil, 2)
 				<-l.Done()
@@ -732,6 +731,36 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 				<-l.watch.done // its group closed, and its marks with it
 			})
 		}
+	}
+}
+
+// StreamFirst names what the stream is to bring first: the recorded
+// order's stubs, unless they are the first stubs by place already (the
+// stream brings them first anyway).
+func TestStreamFirst(t *testing.T) {
+	files := map[string][]byte{}
+	for i := range 8 {
+		files[fmt.Sprintf("f%d", i)] = random(t, 512)
+	}
+	files["empty"] = nil // no stub: nothing to fill
+	s := newStubbed(t, files)
+	_, l := hold(t, s, (&fetcher{src: s.src}).fetch, time.Minute)
+	for _, tc := range []struct {
+		name  string
+		order []string
+		want  []string
+	}{
+		{"none", nil, nil},
+		{"the first by place", []string{"f0", "f1", "f2"}, nil},
+		{"all by place", []string{"f0", "f1", "f2", "f3", "f4", "f5", "f6", "f7"}, nil},
+		{"names not stubs left out", []string{"nope", "f0", "empty", "f1"}, nil},
+		{"another order", []string{"f1", "f0"}, []string{"f1", "f0"}},
+		{"a gap", []string{"f0", "f2"}, []string{"f0", "f2"}},
+		{"from the middle", []string{"f5", "f6", "f7"}, []string{"f5", "f6", "f7"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, tc.want, l.StreamFirst(tc.order))
+		})
 	}
 }
 

@@ -132,7 +132,7 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 	e.lazy.layers[r] = fl
 	e.lazy.mu.Unlock()
 	start := time.Now()
-	first := layer.Has(order)
+	first := layer.StreamFirst(order)
 	e.goBackground(func() {
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
@@ -143,7 +143,7 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 		if err != nil && e.bgCtx.Err() == nil {
 			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
 		}
-		layer.Prefetch(first, prefetchWorkers)
+		layer.Prefetch(order, prefetchWorkers)
 	})
 	e.goBackground(func() {
 		defer release()
