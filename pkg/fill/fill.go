@@ -1111,6 +1111,11 @@ type Stub struct {
 	// Caps says it may carry file capabilities, which its fill puts back
 	// (a write drops them); without, none are looked for.
 	Caps bool
+	// Dev and Ino are the stub's, and Times its access and modification
+	// times (its fill puts them back): its maker has them, and a stat of
+	// each stub would lengthen the publish.
+	Dev, Ino uint64
+	Times    [2]unix.Timespec
 }
 
 // Add holds readers of the stub s, open as fd (any flags; fd stays the
@@ -1120,11 +1125,7 @@ func (l *Layer) Add(fd int, s Stub) error {
 	if size == 0 {
 		return nil
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return err
-	}
-	f := &file{layer: l, key: fileKey{dev: st.Dev, ino: st.Ino}, rel: rel, size: size, times: []unix.Timespec{st.Atim, st.Mtim}, place: s.Place, caps: s.Caps, streamAt: -1}
+	f := &file{layer: l, key: fileKey{dev: s.Dev, ino: s.Ino}, rel: rel, size: size, times: s.Times[:], place: s.Place, caps: s.Caps, streamAt: -1}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()

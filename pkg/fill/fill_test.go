@@ -135,11 +135,21 @@ func holdWith(t *testing.T, s *stubbed, fetch FetchFunc, many FetchManyFunc, sta
 	for place, name := range slices.Sorted(maps.Keys(s.files)) {
 		f, err := os.Open(filepath.Join(s.layer, name))
 		require.NoError(t, err)
-		require.NoError(t, l.Add(int(f.Fd()), Stub{Rel: name, Size: int64(len(s.files[name])), Place: place}))
+		require.NoError(t, l.Add(int(f.Fd()), stubOf(t, f, Stub{Rel: name, Size: int64(len(s.files[name])), Place: place})))
 		require.NoError(t, f.Close())
 	}
 	l.Seal()
 	return g, l
+}
+
+// stubOf is s with the identity and times of the stub open as f, as its
+// maker would give them.
+func stubOf(t *testing.T, f *os.File, s Stub) Stub {
+	t.Helper()
+	var st unix.Stat_t
+	require.NoError(t, unix.Fstat(int(f.Fd()), &st))
+	s.Dev, s.Ino, s.Times = st.Dev, st.Ino, [2]unix.Timespec{st.Atim, st.Mtim}
+	return s
 }
 
 func random(t *testing.T, n int) []byte {
@@ -235,7 +245,7 @@ func TestFillPutsCapabilitiesBack(t *testing.T) {
 			require.NoError(t, err)
 			f, err := os.Open(stub)
 			require.NoError(t, err)
-			require.NoError(t, l.Add(int(f.Fd()), Stub{Rel: "x-bind", Size: 4096, Caps: tc.caps}))
+			require.NoError(t, l.Add(int(f.Fd()), stubOf(t, f, Stub{Rel: "x-bind", Size: 4096, Caps: tc.caps})))
 			require.NoError(t, f.Close())
 			l.Seal()
 
@@ -367,7 +377,7 @@ func TestAKilledHolderReleasesItsReaders(t *testing.T) {
 			os.Exit(5)
 		}
 		f, _ := os.Open(os.Getenv("COWVOL_FILL_STUB"))
-		if err := l.Add(int(f.Fd()), Stub{Rel: "a", Size: 4096}); err != nil {
+		if err := l.Add(int(f.Fd()), stubOf(t, f, Stub{Rel: "a", Size: 4096})); err != nil {
 			os.Exit(4)
 		}
 		fmt.Println("holding")
@@ -529,7 +539,7 @@ func otherLayer(t *testing.T, g *Group, dir, rel string, size int64) *Layer {
 		return errors.New("not fetched: offered")
 	}, nil)
 	require.NoError(t, err)
-	require.NoError(t, l.Add(int(f.Fd()), Stub{Rel: rel, Size: size}))
+	require.NoError(t, l.Add(int(f.Fd()), stubOf(t, f, Stub{Rel: rel, Size: size})))
 	l.Seal()
 	return l
 }

@@ -666,6 +666,11 @@ type Stub struct {
 	// Caps says its entry carried file capabilities (security.capability),
 	// which a write into the file drops: without, it has none.
 	Caps bool
+	// Dev and Ino are the file's, and Mtime what its access and
+	// modification times were set to: what a stub's filler needs of it,
+	// with no stat of its own.
+	Dev, Ino uint64
+	Mtime    unix.Timespec
 }
 
 // StubFunc is told of each Stub as it is made. It may be called from
@@ -1186,12 +1191,16 @@ func (x *extractor) attrs(dirfd int, base string, hdr *tar.Header, symlink bool)
 }
 
 func setTimes(dirfd int, base string, hdr *tar.Header) error {
-	ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
+	ts := []unix.Timespec{fileTime(hdr), fileTime(hdr)}
 	if err := unix.UtimesNanoAt(dirfd, base, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return fmt.Errorf("%s: %w", hdr.Name, err)
 	}
 	return nil
 }
+
+// fileTime is the access and modification time an entry is given: its
+// mtime (the stream carries no atime).
+func fileTime(hdr *tar.Header) unix.Timespec { return unix.NsecToTimespec(hdr.ModTime.UnixNano()) }
 
 // finish sets the directories' times, deepest first, once nothing more
 // is made in them.
@@ -1241,7 +1250,8 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 	}
 	if err == nil && x.stub != nil && size > 0 {
 		_, caps := hdr.PAXRecords[paxXattr+capsXattr]
-		err = x.stub(Stub{FD: fd, Name: name, Size: size, Place: place, Caps: caps})
+		err = x.stub(Stub{FD: fd, Name: name, Size: size, Place: place, Caps: caps,
+			Dev: uint64(made.Dev), Ino: made.Ino, Mtime: fileTime(hdr)})
 	}
 	if cerr := unix.Close(fd); err == nil {
 		err = cerr
@@ -1300,7 +1310,7 @@ func (x *extractor) fileAttrs(fd int, hdr *tar.Header, made *unix.Stat_t) error 
 			}
 		}
 	}
-	ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
+	ts := []unix.Timespec{fileTime(hdr), fileTime(hdr)}
 	// utimensat(fd, NULL, ...) is futimens: x/sys names no path-less form.
 	if _, _, errno := unix.Syscall6(unix.SYS_UTIMENSAT, uintptr(fd), 0, uintptr(unsafe.Pointer(&ts[0])), 0, 0, 0); errno != 0 {
 		return errno

@@ -456,6 +456,9 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 		var st unix.Stat_t
 		require.NoError(t, unix.Fstat(fd, &st))
 		require.Equal(t, size, st.Size, name)
+		require.Equal(t, [2]uint64{uint64(st.Dev), st.Ino}, [2]uint64{s.Dev, s.Ino}, "the stub's identity, %s", name)
+		require.Equal(t, st.Mtim, s.Mtime, "its times as set, %s", name)
+		require.Equal(t, st.Atim, s.Mtime, "its times as set, %s", name)
 		if name == "d/a" || name == "a-too" {
 			require.Equal(t, mtime.UnixNano(), st.Mtim.Nano(), "its times are set before")
 			require.Equal(t, uint32(0o640), st.Mode&0o7777)
