@@ -1131,9 +1131,16 @@ func (l *Layer) Add(fd int, s Stub) error {
 		l.g.mu.Unlock()
 		return errors.New("the fill group is closed")
 	}
-	if _, dup := l.g.files[f.key]; dup {
+	if linked, dup := l.g.files[f.key]; dup {
 		l.g.mu.Unlock()
-		return nil // a hard link of a file added already
+		// A hard link of a file added already: its readers by this name
+		// are seen too (a watcher's events name what was opened).
+		if linked.layer == l {
+			l.mu.Lock()
+			l.byRel[rel] = linked
+			l.mu.Unlock()
+		}
+		return nil
 	}
 	l.g.files[f.key] = f
 	l.g.mu.Unlock()

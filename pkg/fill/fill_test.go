@@ -774,6 +774,31 @@ func TestStreamFirst(t *testing.T) {
 	}
 }
 
+// A filled file's first reader is seen by whichever of its names (hard
+// links) it opens, and recorded by the name it was added under.
+func TestReachedThroughAHardLink(t *testing.T) {
+	files := map[string][]byte{"a": random(t, 4096), "b": random(t, 4096)}
+	s := newStubbed(t, files)
+	require.NoError(t, unix.Unmount(s.merged, 0)) // the overlay sees the link once it is made
+	require.NoError(t, os.Link(filepath.Join(s.layer, "a"), filepath.Join(s.layer, "z-link")))
+	mnt := filepath.Dir(s.layer)
+	require.NoError(t, unix.Mount("overlay", s.merged, "overlay", 0,
+		fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", s.layer, mnt, mnt)))
+	link, err := os.Open(filepath.Join(s.layer, "z-link")) // before it is marked: an open after would fill it
+	require.NoError(t, err)
+	defer link.Close()
+	g, l := hold(t, s, (&fetcher{src: s.src}).fetch, time.Minute)
+	require.NoError(t, l.Add(int(link.Fd()), stubOf(t, link, Stub{Rel: "z-link", Size: 4096, Place: 2})))
+	l.RecordReaches()
+	require.NoError(t, l.Offer("a", func(w io.WriterAt) error { _, err := w.WriteAt(files["a"], 0); return err }))
+	g.putting.Wait()
+
+	got, err := os.ReadFile(filepath.Join(s.merged, "z-link"))
+	require.NoError(t, err)
+	require.Equal(t, files["a"], got)
+	require.Equal(t, []string{"a"}, l.Reached())
+}
+
 // A reader held for its file after another's open of a watched file
 // returned reaches its file second, though the two are seen by two groups:
 // the held one's event waits for the watcher's queue to be read.

@@ -31,8 +31,7 @@ const atHandleFID = 0x200
 // plugin, nor an fstat, a close or a mark removal there; and an event pins
 // no mount, so a step's volume unmounts whether its readers' events are
 // read yet or not. The marks stay until the layer is released: closing
-// the group drops them all at once. A file opened by another name (a
-// hard link's) is not seen there.
+// the group drops them all at once.
 //
 // Nothing waits on the group's descriptor: its events are read every
 // watchEvery, and where they must be read at once (see drain). A waiter
