@@ -738,7 +738,9 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 				require.Len(t, src.all(), 6, "offered files need no fetch")
 
 				l.Release()
-				<-l.watch.done // its group closed, and its marks with it
+				l.watch.mu.Lock()
+				require.Equal(t, -1, l.watch.fd, "its group closed, and its marks with it")
+				l.watch.mu.Unlock()
 			})
 		}
 	}

@@ -79,11 +79,12 @@ func newWatcher(l *Layer) (*watcher, error) {
 	}
 	w := &watcher{l: l, stop: make(chan struct{}), done: make(chan struct{}), fd: fd,
 		dirs: map[string]string{}, marked: map[string]bool{}, buf: make([]byte, 64<<10)}
-	go w.run()
 	return w, nil
 }
 
-// run reads events every watchEvery until the watcher is closed.
+// run reads events every watchEvery until the watcher is closed. It
+// starts with the first mark: a layer whose readers need not be seen
+// costs no wake-ups.
 func (w *watcher) run() {
 	defer close(w.done)
 	tick := time.NewTicker(watchEvery)
@@ -106,8 +107,10 @@ func (w *watcher) watch(f *file) error {
 	dir := path.Dir(f.rel)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.fd < 0 {
+	select {
+	case <-w.stop:
 		return errors.New("the layer's watcher is closed")
+	default:
 	}
 	if w.marked[dir] {
 		return nil
@@ -128,6 +131,9 @@ func (w *watcher) markDir(dir string) error {
 	}
 	if err := unix.FanotifyMark(w.fd, unix.FAN_MARK_ADD, unix.FAN_OPEN|unix.FAN_EVENT_ON_CHILD, fd, ""); err != nil {
 		return err
+	}
+	if len(w.marked) == 0 {
+		go w.run()
 	}
 	w.dirs[handleKey(h.Type(), h.Bytes())], w.marked[dir] = dir, true
 	return nil
@@ -202,7 +208,12 @@ func (w *watcher) readLocked() {
 // close closes the group, which drops its marks, and waits for run.
 func (w *watcher) close() {
 	close(w.stop)
-	<-w.done
+	w.mu.Lock()
+	running := len(w.marked) > 0 // no mark is made once stop is closed
+	w.mu.Unlock()
+	if running {
+		<-w.done
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if err := unix.Close(w.fd); err != nil {
