@@ -25,7 +25,7 @@ const atHandleFID = 0x200
 // a file filled before any reader came, where that reader must be seen
 // (see file.reached). It marks the file's dir, once, for the opens of the
 // files in it (FAN_EVENT_ON_CHILD), as the file's pre-content mark goes:
-// a mark a file would cost each file two calls more to fill. Its events
+// a mark per file cost each fill two calls more. Its events
 // report the dir's handle and the name opened (FAN_REPORT_DFID_NAME), not
 // a descriptor, so a reader's open costs no open of the file in the
 // plugin, nor an fstat, a close or a mark removal there; and an event pins
@@ -64,9 +64,9 @@ type watcher struct {
 // enough that they never take much memory.
 const watchEvery = 50 * time.Millisecond
 
-// newWatcher makes l's watcher and starts reading its events. The opens
-// the fills make, through the group's clone, are no reader's: they raise
-// no event.
+// newWatcher makes l's watcher (it reads events from its first mark on).
+// The opens the fills make, through the group's clone, are no reader's:
+// they raise no event.
 func newWatcher(l *Layer) (*watcher, error) {
 	fd, err := unix.FanotifyInit(unix.FAN_CLASS_NOTIF|unix.FAN_REPORT_DFID_NAME|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS, unix.O_RDONLY)
 	if err != nil {
