@@ -985,30 +985,39 @@ const streamNext = 4 << 20
 const streamWaitMax = 250 * time.Millisecond
 
 // Streaming says a stream of the whole layer is about to offer its files
-// (Offer), those in first and then the rest by their places: the order a
-// holder packs them in (the stubs came in a walk of the same tree). Until
-// StreamEnded, a reader of a file the stream brings next waits for it: a
-// step that reads the layer in the order the stream brings it (a walk, or
-// a recorded read order) would otherwise fetch each file on its own, and
-// each fetch holds the stream back (see readersFirst).
-func (l *Layer) Streaming(first []string) {
+// (Offer), those of order (a recorded read order) that are its stubs first
+// and then the rest by their places: the order a holder packs them in (the
+// stubs came in a walk of the same tree). It returns the names to ask the
+// holder for first: none if the order's stubs are the layer's first by
+// place (a step that walks the tree in name order), which the stream brings
+// first anyway; asking costs the holder a lookup of each by name and a set
+// of them to leave out of its walk, 0.1 s of its CPU for 50,000 files.
+// Until StreamEnded, a reader of a file the stream brings next waits for
+// it: a step that reads the layer in the order the stream brings it (a
+// walk, or a recorded read order) would otherwise fetch each file on its
+// own, and each fetch holds the stream back (see readersFirst).
+func (l *Layer) Streaming(order []string) (first []string) {
 	l.mu.Lock()
-	order := make([]*file, 0, len(l.files))
-	for _, rel := range first {
+	var named []*file
+	for _, rel := range order {
 		if f := l.byRel[rel]; f != nil {
-			order = append(order, f)
+			named = append(named, f)
 		}
 	}
 	// The stubs were added as their makers finished them, not in the
 	// stream's order.
-	rest := slices.Clone(l.files)
+	byPlace := slices.Clone(l.files)
 	l.mu.Unlock()
-	slices.SortFunc(rest, func(a, b *file) int { return cmp.Compare(a.place, b.place) })
-	order = append(order, rest...)
+	slices.SortFunc(byPlace, func(a, b *file) int { return cmp.Compare(a.place, b.place) })
+	if len(named) > len(byPlace) || !slices.Equal(named, byPlace[:len(named)]) {
+		for _, f := range named {
+			first = append(first, f.rel)
+		}
+	}
 	l.g.mu.Lock() // readers' events look at the places
 	defer l.g.mu.Unlock()
 	at, bytes := 0, int64(0)
-	for _, f := range order {
+	for _, f := range append(named, byPlace...) {
 		if f.streamAt < 0 {
 			f.streamAt, f.streamBytes = at, bytes
 			at++
@@ -1016,6 +1025,7 @@ func (l *Layer) Streaming(first []string) {
 		}
 	}
 	l.streaming, l.streamAt, l.streamBytes = true, 0, 0
+	return first
 }
 
 // StreamEnded says the stream offers no more files (it ended, or broke
@@ -1311,33 +1321,6 @@ func (l *Layer) Reached() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return slices.Clone(l.reached)
-}
-
-// StreamFirst is those of order (a recorded read order) that are the
-// layer's stubs, in order: what a stream of the layer is to bring first.
-// None if the stream brings them first anyway, being the layer's first
-// stubs by place (a step that walks the tree in name order): a stream asked
-// for files first costs the holder a lookup of each by name and a set of
-// them to leave out of its walk, 0.1 s of its CPU for 50,000 files.
-func (l *Layer) StreamFirst(order []string) []string {
-	l.mu.Lock()
-	var first []*file
-	for _, rel := range order {
-		if f := l.byRel[rel]; f != nil {
-			first = append(first, f)
-		}
-	}
-	byPlace := slices.Clone(l.files)
-	l.mu.Unlock()
-	slices.SortFunc(byPlace, func(a, b *file) int { return cmp.Compare(a.place, b.place) })
-	if len(first) <= len(byPlace) && slices.Equal(first, byPlace[:len(first)]) {
-		return nil
-	}
-	rels := make([]string, len(first))
-	for i, f := range first {
-		rels[i] = f.rel
-	}
-	return rels
 }
 
 // Done is closed once every file is filled or one failed (then Err says

@@ -746,10 +746,10 @@ func TestReachedIsTheReadersOrder(t *testing.T) {
 	}
 }
 
-// StreamFirst names what the stream is to bring first: the recorded
+// Streaming names what the holder is to stream first: the recorded
 // order's stubs, unless they are the first stubs by place already (the
 // stream brings them first anyway).
-func TestStreamFirst(t *testing.T) {
+func TestStreamingAsksForTheOrderFirst(t *testing.T) {
 	files := map[string][]byte{}
 	for i := range 8 {
 		files[fmt.Sprintf("f%d", i)] = random(t, 512)
@@ -771,7 +771,7 @@ func TestStreamFirst(t *testing.T) {
 		{"from the middle", []string{"f5", "f6", "f7"}, []string{"f5", "f6", "f7"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			require.Equal(t, tc.want, l.StreamFirst(tc.order))
+			require.Equal(t, tc.want, l.Streaming(tc.order)) // what it asks for depends on the order alone
 		})
 	}
 }

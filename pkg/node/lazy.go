@@ -134,12 +134,11 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 	e.lazy.layers[r] = fl
 	e.lazy.mu.Unlock()
 	start := time.Now()
-	first := layer.StreamFirst(order)
 	e.goBackground(func() {
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
 		// gone mid-way) is fetched file by file, from any holder.
-		layer.Streaming(first)
+		first := layer.Streaming(order)
 		err := src.stream(e.bgCtx, layer, first)
 		layer.StreamEnded()
 		if err != nil && e.bgCtx.Err() == nil {
