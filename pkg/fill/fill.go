@@ -18,6 +18,10 @@
 // by its layer's notification group (watch.go), which notes that reader
 // without holding it.
 //
+// A fill writes through a clone of the stubs' mount that the group ignores,
+// opening the stub by its XFS handle where it can (handle.go: its writes
+// leave the stub's times alone), else by name, checked to be the stub.
+//
 // It owns the fanotify groups, the marks and the writes into stubs. It does
 // not know where bytes come from (a FetchFunc brings them), nor the cache's
 // states: the caller makes the stubs, adds them, and records the layer
@@ -100,6 +104,9 @@ type Group struct {
 	tree  int
 	root  string
 	stall time.Duration
+	// byHandle says fills open stubs by their XFS handle (handle.go): the
+	// stubs are on XFS, and the process may (until an open is refused).
+	byHandle atomic.Bool
 
 	mu     sync.Mutex
 	files  map[fileKey]*file
@@ -165,6 +172,9 @@ type file struct {
 	place int
 	// caps says it may carry file capabilities (see Stub).
 	caps bool
+	// handle names its stub where fills open stubs by handle (byHandle).
+	handle   xfsHandle
+	byHandle bool
 	// streamAt is its place in the order the layer's stream brings files
 	// in (-1: none, or no stream), and streamBytes what the stream brings
 	// before it (both under the group's mu; see Layer.Streaming).
@@ -209,6 +219,8 @@ func Open(root string, stall time.Duration) (*Group, error) {
 	}
 	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
 		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{}}
+	var fs unix.Statfs_t
+	g.byHandle.Store(unix.Fstatfs(tree, &fs) == nil && fs.Type == unix.XFS_SUPER_MAGIC)
 	g.loop.Add(1)
 	go g.run()
 	return g, nil
@@ -692,7 +704,7 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 // capabilities (a write into a file drops them), and removes its mark
 // unless its first reader must still be seen (see file.reached).
 func (g *Group) store(f *file, put func(out int) error) error {
-	fd, err := g.openStub(f, unix.O_WRONLY)
+	fd, timesKept, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
 		return fmt.Errorf("opening the stub: %w", err)
 	}
@@ -711,8 +723,10 @@ func (g *Group) store(f *file, put func(out int) error) error {
 			return fmt.Errorf("putting back the file capabilities: %w", err)
 		}
 	}
-	if err := fdtree.Futimens(fd, f.times); err != nil {
-		return fmt.Errorf("putting back the times: %w", err)
+	if !timesKept {
+		if err := fdtree.Futimens(fd, f.times); err != nil {
+			return fmt.Errorf("putting back the times: %w", err)
+		}
 	}
 	g.mu.Lock()
 	watch := !f.reached && (f.ahead || f.layer.recording.Load()) // see file.reached
@@ -840,22 +854,38 @@ func (g *Group) forget(f *file) {
 
 // openStub opens f's stub through the exempt clone (opens through any
 // other mount would raise events of their own, which this group would
-// hold), following no symlink, and checks it is the file that was marked.
-func (g *Group) openStub(f *file, flags int) (int, error) {
-	fd, err := fdtree.OpenFileBeneath(g.tree, path.Join(f.layer.dir, f.rel), flags)
+// hold): by its handle, or by its name following no symlink, checked to be
+// the file that was marked. timesKept says writes through the descriptor
+// leave the stub's times as they are.
+func (g *Group) openStub(f *file, flags int) (fd int, timesKept bool, err error) {
+	if f.byHandle && g.byHandle.Load() {
+		fd, err := openXFSHandle(g.tree, &f.handle, flags)
+		switch {
+		case err == nil:
+			return fd, true, nil
+		case errors.Is(err, errForking): // by name, this once
+		case errors.Is(err, unix.EPERM): // no CAP_SYS_ADMIN: by name from now on
+			if g.byHandle.Swap(false) {
+				klog.InfoS("Fills open stubs by name: opening by handle is refused", "err", err)
+			}
+		default: // ESTALE: that inode is no longer the stub
+			return -1, false, fmt.Errorf("%s is no longer the stub that was marked: %w", f.rel, err)
+		}
+	}
+	fd, err = fdtree.OpenFileBeneath(g.tree, path.Join(f.layer.dir, f.rel), flags)
 	if err != nil {
-		return -1, err
+		return -1, false, err
 	}
 	if key, err := keyOf(fd); err != nil || key != f.key {
 		unix.Close(fd)
-		return -1, fmt.Errorf("%s is no longer the stub that was marked", f.rel)
+		return -1, false, fmt.Errorf("%s is no longer the stub that was marked", f.rel)
 	}
-	return fd, nil
+	return fd, false, nil
 }
 
 // unmark removes f's mark, its stub opened again (gone: nothing to do).
 func (g *Group) unmark(f *file) {
-	fd, err := g.openStub(f, unix.O_RDONLY)
+	fd, _, err := g.openStub(f, unix.O_RDONLY)
 	if err != nil {
 		if !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESTALE) {
 			klog.V(2).InfoS("Removing the mark of a filled file", "file", f.rel, "err", err)
@@ -1136,6 +1166,11 @@ func (l *Layer) Add(fd int, s Stub) error {
 		return nil
 	}
 	f := &file{layer: l, key: fileKey{dev: s.Dev, ino: s.Ino}, rel: rel, size: size, times: s.Times[:], place: s.Place, caps: s.Caps, streamAt: -1}
+	if l.g.byHandle.Load() {
+		var err error
+		f.handle, err = xfsHandleOf(fd)
+		f.byHandle = err == nil
+	}
 	l.g.mu.Lock()
 	if l.g.closed {
 		l.g.mu.Unlock()

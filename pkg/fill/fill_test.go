@@ -219,6 +219,59 @@ func TestReadersWaitForTheirFile(t *testing.T) {
 	}
 }
 
+// A fill on XFS opens the stub by its handle, whose writes change none of
+// its times: the mtime stands without being put back, and the ctime is
+// the stub's (a tool that caches stats, as git's index does, sees no
+// change). Elsewhere a fill puts the times back after its writes.
+func TestAFillOnXFSKeepsTheStubsTimes(t *testing.T) {
+	s := newStubbed(t, map[string][]byte{"small": []byte("hello\n"), "big": random(t, 4<<20)})
+	g, l := hold(t, s, (&fetcher{src: s.src}).fetch, time.Minute)
+	require.True(t, g.byHandle.Load(), "fills of stubs on XFS open them by handle")
+	stat := func(name string) unix.Stat_t {
+		var st unix.Stat_t
+		require.NoError(t, unix.Stat(filepath.Join(s.layer, name), &st))
+		return st
+	}
+	before := map[string]unix.Stat_t{"small": stat("small"), "big": stat("big")}
+	time.Sleep(20 * time.Millisecond) // a write's times would be later
+	for _, name := range []string{"small", "big"} {
+		require.NoError(t, l.Offer(name, func(w io.WriterAt) error { _, err := w.WriteAt(s.files[name], 0); return err }))
+	}
+	g.putting.Wait()
+	for _, name := range []string{"small", "big"} {
+		got, err := os.ReadFile(filepath.Join(s.merged, name))
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(s.files[name], got), "%s is filled", name)
+		after := stat(name)
+		require.Equal(t, before[name].Mtim, after.Mtim, "%s's mtime", name)
+		require.Equal(t, before[name].Ctim, after.Ctim, "%s's ctime", name)
+	}
+}
+
+// A fill writes into the stub it marked and nothing else: a file put in a
+// stub's place keeps its bytes, whether fills open stubs by handle or by
+// name.
+func TestAFillWritesOnlyIntoItsStub(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		byHandle bool
+	}{{"by handle", true}, {"by name", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStubbed(t, map[string][]byte{"a": random(t, 4096)})
+			g, l := hold(t, s, (&fetcher{src: s.src}).fetch, time.Minute)
+			g.byHandle.Store(tc.byHandle)
+			stub := filepath.Join(s.layer, "a")
+			require.NoError(t, os.Remove(stub))
+			require.NoError(t, os.WriteFile(stub, []byte("not the stub"), 0o644))
+			_ = l.Offer("a", func(w io.WriterAt) error { _, err := w.WriteAt(s.files["a"], 0); return err })
+			g.putting.Wait()
+			got, err := os.ReadFile(stub)
+			require.NoError(t, err)
+			require.Equal(t, "not the stub", string(got))
+		})
+	}
+}
+
 // A fill puts back the file capabilities of a stub that may carry them,
 // which the write of its data drops; a stub said to carry none is not
 // looked at (the kernel drops what it had, as for any write).
