@@ -554,9 +554,22 @@ func (g *Group) ensure(f *file) error {
 // source writes a file's data into w at its offsets.
 type source func(ctx context.Context, w io.WriterAt) error
 
-// fetch is f's data as its layer's FetchFunc brings it.
+// fetch is f's data as its layer's FetchFunc brings it, failed once it
+// writes nothing for the group's stall: a holder that hangs must not hold
+// a reader for ever. (A stream's writes are not watched here: the stream
+// is its caller's, which breaks it off, and then the file is fetched.)
 func (f *file) fetch(ctx context.Context, w io.WriterAt) error {
-	return f.layer.fetch(ctx, f.rel, f.size, w)
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	pw := &progressWriter{w: w, last: time.Now()}
+	defer pw.watch(cancel, f.layer.g.stall)()
+	if err := f.layer.fetch(ctx, f.rel, f.size, pw); err != nil {
+		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+			return cause
+		}
+		return err
+	}
+	return nil
 }
 
 // orFetch is f's data as write (part of a stream of many files) brings
@@ -648,26 +661,14 @@ const directFill = 1 << 20
 // fetch brings f's data from src and returns how to put it into the
 // stub, and done, to call once it is put.
 func (g *Group) fetch(f *file, src source) (put func(out int) error, done func(), err error) {
-	if err := f.layer.ctx.Err(); err != nil {
-		return nil, nil, context.Cause(f.layer.ctx)
-	}
-	ctx, cancel := context.WithCancelCause(f.layer.ctx)
-	defer cancel(nil)
-	fetch := func(into io.WriterAt) error {
-		w := &progressWriter{w: into, last: time.Now()}
-		defer w.watch(cancel, g.stall)()
-		if err := src(ctx, w); err != nil {
-			if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
-				return cause
-			}
-			return err
-		}
-		return nil
+	ctx := f.layer.ctx
+	if err := ctx.Err(); err != nil {
+		return nil, nil, context.Cause(ctx)
 	}
 	if f.size <= directFill {
 		buf := &memFile{b: bufpool.Get(int(f.size))}
 		clear(buf.b) // what the fetch skips (runs of zeros) reads as zeros
-		if err := fetch(buf); err != nil {
+		if err := src(ctx, buf); err != nil {
 			bufpool.Put(buf.b)
 			return nil, nil, err
 		}
@@ -686,7 +687,7 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 	tmp := os.NewFile(uintptr(tmpFD), f.rel+" (fetching)")
 	err = tmp.Truncate(f.size)
 	if err == nil {
-		err = fetch(tmp)
+		err = src(ctx, holeWriter{tmp})
 	}
 	if err != nil {
 		tmp.Close()
@@ -914,14 +915,22 @@ type progressWriter struct {
 }
 
 func (p *progressWriter) WriteAt(b []byte, off int64) (int, error) {
-	n, err := len(b), error(nil)
-	if !allZero(b) { // the file is sized: skipped zeros read as zeros
-		n, err = p.w.WriteAt(b, off)
-	}
+	n, err := p.w.WriteAt(b, off)
 	p.mu.Lock()
 	p.last = time.Now()
 	p.mu.Unlock()
 	return n, err
+}
+
+// holeWriter leaves runs of zeros out of a sized file: they stay holes
+// (a memFile's are zeros already).
+type holeWriter struct{ w io.WriterAt }
+
+func (h holeWriter) WriteAt(b []byte, off int64) (int, error) {
+	if allZero(b) {
+		return len(b), nil
+	}
+	return h.w.WriteAt(b, off)
 }
 
 func allZero(b []byte) bool {
