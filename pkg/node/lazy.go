@@ -118,13 +118,14 @@ func (e *Engine) stubMarker(src *lazySource, data string) (*fill.Layer, streamer
 	}, nil
 }
 
-// fillInBackground fetches a filling volume's data, the files order names
-// first (how steps read it before), and records how that ended: ready once
+// fillInBackground fetches a filling volume's data, first the files read
+// in the order recorded under the pods' read profiles in namespace (how
+// steps read it before), and records how that ended: ready once
 // all of it is here and synced, failed if any of it could not be fetched
 // (its readers got EIO; a step over it captures nothing ready). If the pods
 // that asked for it name read profiles, the order their readers reach
 // files in is recorded from the first fill.
-func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, pods []volume.Pod, profiles, order []string) {
+func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, namespace string, pods []volume.Pod, profiles []string) {
 	release := e.store.Hold(r, cache.HoldFill)
 	fl := &lazyFill{layer: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
 	if len(profiles) > 0 {
@@ -137,7 +138,10 @@ func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySour
 	e.goBackground(func() {
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
-		// gone mid-way) is fetched file by file, from any holder.
+		// gone mid-way) is fetched file by file, from any holder. The
+		// recorded order is read here, off the publish's path: up to
+		// 50,000 names to decode.
+		order := e.readOrder(namespace, profiles)
 		first := layer.Streaming(order)
 		err := src.stream(e.bgCtx, layer, first)
 		layer.StreamEnded()

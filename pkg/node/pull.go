@@ -459,7 +459,7 @@ func (e *Engine) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, p
 	e.pulls.mu.Lock()
 	pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
 	e.pulls.mu.Unlock()
-	e.fillInBackground(vol.Ref(), layer, src, pods, profiles, e.readOrder(p.key.namespace, profiles))
+	e.fillInBackground(vol.Ref(), layer, src, p.key.namespace, pods, profiles)
 	return vol, nil
 }
 
