@@ -395,3 +395,38 @@ func TestLazyPullWithinTheStreamLimit(t *testing.T) {
 	require.Equal(t, "gone", volumeState(t, b, "big"), "no stubs are left")
 	b.noLeaks(t)
 }
+
+// The small files of a lazily pulled tree come with it whole: a step has
+// them before it starts, even with the holder gone right after the
+// publish, while a large file is a stub that its holder's loss fails.
+func TestLazyPullCarriesSmallFilesWithTheTree(t *testing.T) {
+	a, b, proxy := lazyNodesAt(t, 1<<20) // a large file takes seconds: the cut comes first
+	a.step("", "src", func(dir string) {
+		for i := range 20 {
+			randomFile(t, dir, fmt.Sprintf("small-%02d", i), 1000+i*300, uint64(i+1))
+		}
+		randomFile(t, dir, "large", 8<<20, 99)
+	})
+	sums := map[string]string{}
+	a.read("src", func(dir string) {
+		entries, err := os.ReadDir(dir)
+		require.NoError(t, err)
+		for _, e := range entries {
+			sums[e.Name()] = fileDigest(t, filepath.Join(dir, e.Name()))
+		}
+	})
+	require.Len(t, sums, 21)
+
+	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+	require.NoError(t, b.publishWaiting(v))
+	proxy.Cut()
+	for name, sum := range sums {
+		if name == "large" {
+			continue
+		}
+		require.Equal(t, sum, fileDigest(t, filepath.Join(v.Target, name)), "%s came with the tree", name)
+	}
+	_, err := os.ReadFile(filepath.Join(v.Target, "large"))
+	require.ErrorIs(t, err, syscall.EIO, "a large file is a stub, which the cut fails")
+	b.umount(v)
+}

@@ -49,6 +49,14 @@ func ParsePullMode(s string) (PullMode, error) {
 // once: enough to keep a link busy with small files.
 const prefetchWorkers = 8
 
+// stubInline is which small files a lazy pull's stub tree carries whole:
+// those of at most 8 KiB, in the walk's order, 16 MiB of them at most. A
+// file that small costs a node less CPU to receive whole than to make as a
+// stub, mark, and fill later (about 20 us a file here, the time 8 KiB take
+// on the wire), and it is there before the step starts; the budget keeps
+// the publish flat in the size (16 MiB is some 40 ms of a publish here).
+var stubInline = streamer.Inline{Max: 8 << 10, Budget: 16 << 20}
+
 // lazyPulls are the layers being filled, and the group holding their
 // readers (nil: the node pulls eagerly).
 type lazyPulls struct {
@@ -269,6 +277,9 @@ type lazySource struct {
 	e          *Engine
 	namespace  string
 	layer, via volume.Ref
+	// inlined is what the stub tree carried whole (Through: the last),
+	// which the stream of the rest leaves out.
+	inlined streamer.Inline
 
 	mu      sync.Mutex
 	peer    string // the holder fetched from ("": none yet)
@@ -388,7 +399,7 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 // are filling already are skipped. A stream that breaks off moves on from
 // its holder.
 func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []string) error {
-	peer, err := s.pullFiles(ctx, bulkLane, nil, first, layer.Offer)
+	peer, err := s.pullFiles(ctx, bulkLane, nil, first, s.inlined, layer.Offer)
 	if err != nil && peer != "" && ctx.Err() == nil {
 		s.drop(peer)
 	}
@@ -399,20 +410,22 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []stri
 // (a reader's read-ahead). What it does not bring is fetched file by file,
 // and those fetches move on from a holder that failed.
 func (s *lazySource) fetchMany(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
-	_, err := s.pullFiles(ctx, urgentLane, rels, nil, each)
+	_, err := s.pullFiles(ctx, urgentLane, rels, nil, streamer.Inline{}, each)
 	return err
 }
 
 // pullFiles streams the files rels of the layer (nil: all of them, first
-// those first) from the current holder, which it names, handing each to
-// each; the data written is counted.
-func (s *lazySource) pullFiles(ctx context.Context, which int, rels, first []string, each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
+// those first, but those the stub tree carried, inlined) from the current
+// holder, which it names, handing each to each; the data written is
+// counted.
+func (s *lazySource) pullFiles(ctx context.Context, which int, rels, first []string, inlined streamer.Inline,
+	each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
 	client, peer, err := s.current(ctx, which)
 	if err != nil {
 		return "", err
 	}
 	cfg := s.e.pulls.cfg
-	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels, first,
+	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels, first, inlined,
 		func(name string, size int64, write func(w io.WriterAt) error) error {
 			return each(name, func(w io.WriterAt) error {
 				s.e.metrics.fillBytes.Add(float64(size))

@@ -432,8 +432,9 @@ const (
 	syncBehind durability = true
 )
 
-// pullStubs pulls a layer's tree with its files as stubs, each marked as it
-// is made so that its readers wait for its data, and makes it a filling
+// pullStubs pulls a layer's tree with its files as stubs (but the small
+// ones it carries whole: stubInline), each marked as it is made so that
+// its readers wait for its data, and makes it a filling
 // volume whose data is fetched behind. The layer is mountable only once
 // every mark is in place.
 func (e *Engine) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
@@ -445,7 +446,11 @@ func (e *Engine) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, p
 		if layer, mark, err = e.stubMarker(src, data); err != nil {
 			return streamer.Summary{}, err
 		}
-		return client.PullLayerStubs(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits, progress, mark)
+		sum, err := client.PullLayerStubs(e.bgCtx, p.key.namespace, l.Ref, p.key.ref, e.pulls.cfg.Encoding, tree, e.pulls.cfg.Limits, stubInline, progress, mark)
+		if sum.Inlined != "" {
+			src.inlined = streamer.Inline{Max: stubInline.Max, Through: sum.Inlined}
+		}
+		return sum, err
 	}, func(v cache.Volume, id, _ string, _ bool) (cache.Volume, error) {
 		layer.Seal()
 		return e.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)

@@ -11,6 +11,7 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -60,6 +61,9 @@ type Summary struct {
 	Bytes   int64
 	Entries int64
 	Digest  string // "xxh64:<hex>"
+	// Inlined is, for UnpackStubs, the last file the stub tree carried
+	// whole (see Inline.Through); empty: none.
+	Inlined string
 }
 
 // counter hashes and counts the tar bytes as they pass. The digest guards
@@ -111,20 +115,51 @@ const (
 	StubTar
 )
 
+// Inline is which small regular files travel whole. In a StubTar: those
+// of at most Max bytes, in the walk's order, until one would take their
+// data over Budget bytes; from that file on, none (so that they are all
+// the small files up to the last one carried). Their puller has them
+// complete at once, and a file that small costs less to send than to
+// stub and fill. In a stream of the rest of the layer's data: Through is
+// the last file the stub tree carried, and the files it carried (those of
+// at most Max bytes the walk meets up to Through) are left out.
+type Inline struct {
+	Max, Budget int64
+	Through     string
+}
+
+// The bounds of Inline a holder takes: the data a stub tree carries stays
+// a small part of it, so that a lazy publish stays flat in the size.
+const (
+	MaxInlineFile   = 64 << 10
+	MaxInlineBudget = 64 << 20
+)
+
+// Check says whether a puller's Inline is within bounds.
+func (in Inline) Check() error {
+	if in.Max < 0 || in.Max > MaxInlineFile || in.Budget < 0 || in.Budget > MaxInlineBudget {
+		return fmt.Errorf("inlining files of at most %d bytes, %d in all: want at most %d and %d", in.Max, in.Budget, MaxInlineFile, MaxInlineBudget)
+	}
+	return nil
+}
+
 // Pack writes the tree at root to w as a tar stream, encoded with enc, its
 // regular files as shape says. Device nodes other than whiteouts and
 // sockets cannot be moved: Pack refuses them, saying which.
 func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
-	return PackFirst(ctx, root, nil, w, enc, shape)
+	return PackFirst(ctx, root, nil, w, enc, shape, Inline{})
 }
 
 // PackFirst is Pack with the regular files first (relative to root) at the
 // start, in that order, and not again where the walk finds them: how a
 // lazy puller gets first what steps read first. A name that is not a
 // regular file below root is skipped: the order is a hint. Its files may
-// come before their dirs: it is for Files, not Unpack.
-func PackFirst(ctx context.Context, root string, first []string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
+// come before their dirs: it is for Files, not Unpack. A StubTar carries
+// the small files inline says whole; another shape leaves out those a stub
+// tree carried (inline.Through).
+func PackFirst(ctx context.Context, root string, first []string, w io.Writer, enc Encoding, shape Shape, inline Inline) (Summary, error) {
 	return pack(root, w, enc, shape, func(pk *packer, rootFd int, _ func() error) (int64, error) {
+		pk.inline, pk.inlineLeft = inline, inline.Budget
 		entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
 		var rootSt unix.Stat_t
 		if err := unix.Fstat(rootFd, &rootSt); err != nil {
@@ -158,6 +193,9 @@ func PackFirst(ctx context.Context, root string, first []string, w io.Writer, en
 		err := fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 			if err := ctx.Err(); err != nil {
 				return false, err
+			}
+			if pk.carriedInline(e) {
+				return false, nil
 			}
 			entries++
 			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
@@ -344,6 +382,49 @@ type packer struct {
 	// files' data the kernel reads meanwhile; aheadBytes is their data.
 	ahead      []aheadEntry
 	aheadBytes int64
+	// inline is which small files a StubTar carries whole (inlineLeft:
+	// what its budget has left, -1 once a file did not fit), or, in
+	// another shape, which ones a stub tree carried.
+	inline     Inline
+	inlineLeft int64
+}
+
+// inlines says whether a StubTar carries the regular file of size bytes
+// the walk is at whole, and takes it from the budget.
+func (pk *packer) inlines(size int64) bool {
+	if size <= 0 || size > pk.inline.Max || pk.inlineLeft < 0 {
+		return false
+	}
+	if size > pk.inlineLeft {
+		pk.inlineLeft = -1 // none after it: see Inline
+		return false
+	}
+	pk.inlineLeft -= size
+	return true
+}
+
+// carriedInline says whether e is a regular file a stub tree carried whole
+// (see Inline), which a stream of the rest of the layer's data leaves out.
+func (pk *packer) carriedInline(e *fdtree.Entry) bool {
+	in := pk.inline
+	return pk.shape != StubTar && in.Through != "" && e.Stat.Mode&unix.S_IFMT == unix.S_IFREG &&
+		e.Stat.Size > 0 && e.Stat.Size <= in.Max && walkCompare(e.Path, in.Through) <= 0
+}
+
+// walkCompare orders paths as fdtree.Walk meets them: component by
+// component, each dir's names in byte order, a dir before what is in it.
+func walkCompare(a, b string) int {
+	for {
+		ha, ra, moreA := strings.Cut(a, "/")
+		hb, rb, moreB := strings.Cut(b, "/")
+		if c := strings.Compare(ha, hb); c != 0 {
+			return c
+		}
+		if !moreA || !moreB {
+			return cmp.Compare(len(ra), len(rb))
+		}
+		a, b = ra, rb
+	}
 }
 
 // An aheadEntry is an entry made, its file (if it has data) open and asked
@@ -455,7 +536,7 @@ func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry,
 			pk.seen[key] = name
 		}
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
-		if pk.shape == StubTar {
+		if pk.shape == StubTar && !pk.inlines(st.Size) {
 			if st.Size > 0 {
 				if hdr.PAXRecords == nil {
 					hdr.PAXRecords = map[string]string{}
@@ -650,7 +731,7 @@ func refused(format string, args ...any) error {
 // only device node is the whiteout. It reads the stream to its end, so that
 // the summary's digest covers every byte the sender hashed.
 func Unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits) (Summary, error) {
-	return unpack(ctx, r, enc, dir, lim, nil)
+	return unpack(ctx, r, enc, dir, lim, Inline{}, nil)
 }
 
 // A Stub is a regular file with a size that an extraction of a StubTar
@@ -679,25 +760,28 @@ type StubFunc func(Stub) error
 
 // UnpackStubs extracts a StubTar stream as Unpack does, and hands each stub
 // to stub as it is made: whoever fills the stubs takes them without a walk
-// of the tree and a second open of each.
-func UnpackStubs(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits, stub StubFunc) (Summary, error) {
-	return unpack(ctx, r, enc, dir, lim, stub)
+// of the tree and a second open of each. The small files inline asked for
+// come whole, and are not stubs; more data than it asked for is refused.
+// The summary names the last of them.
+func UnpackStubs(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits, inline Inline, stub StubFunc) (Summary, error) {
+	return unpack(ctx, r, enc, dir, lim, inline, stub)
 }
 
-func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits, stub StubFunc) (Summary, error) {
+func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limits, inline Inline, stub StubFunc) (Summary, error) {
 	root, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
 	}
 	defer unix.Close(root)
 	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict,
-		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0, stub: stub}
+		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0, stub: stub, inline: inline}
 	x.startMakers(makersPerExtraction())
 	defer x.close()
 	sum, err := readArchive(ctx, r, enc, lim, x.entry)
 	if err == nil {
 		err = x.finish()
 	}
+	sum.Inlined = x.inlined
 	if err != nil {
 		return Summary{}, err
 	}
@@ -850,6 +934,25 @@ type extractor struct {
 	// regulars counts the regular files read so far (see StubFunc).
 	stub     StubFunc
 	regulars int
+	// inlined is the last regular file of a stub tree that came whole,
+	// and inline what it asked for (see Inline).
+	inlined string
+	inline  Inline
+}
+
+// isStub says a regular file of a StubTar came with no data: a stub, not
+// a small file carried whole (see Inline).
+func isStub(hdr *tar.Header) bool { return hdr.Size == 0 }
+
+// takeInline notes the regular file name of a stub tree that came whole
+// with size bytes, within what was asked for.
+func (x *extractor) takeInline(name string, size int64) error {
+	if size > x.inline.Max || size > x.inline.Budget {
+		return refused("%s: %d bytes of data in a stub tree, which asked for files of at most %d, %d in all", name, size, x.inline.Max, x.inline.Budget)
+	}
+	x.inline.Budget -= size
+	x.inlined = name
+	return nil
 }
 
 // close stops the makers and lets go of the cached parent.
@@ -1073,6 +1176,11 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		}
 		place := x.regulars
 		x.regulars++
+		if x.stub != nil && !isStub(hdr) {
+			if err := x.takeInline(name, hdr.Size); err != nil {
+				return err
+			}
+		}
 		if x.makers != nil && hdr.Size <= parallelFileMax {
 			data := bufpool.Get(int(hdr.Size)) // its segments' data: what the body holds
 			if _, err := io.ReadFull(body, data); err != nil {
@@ -1248,7 +1356,7 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 	if err == nil {
 		err = x.fileAttrs(fd, hdr, &made) // through the descriptor: no path lookups
 	}
-	if err == nil && x.stub != nil && size > 0 {
+	if err == nil && x.stub != nil && size > 0 && isStub(hdr) {
 		_, caps := hdr.PAXRecords[paxXattr+capsXattr]
 		err = x.stub(Stub{FD: fd, Name: name, Size: size, Place: place, Caps: caps,
 			Dev: uint64(made.Dev), Ino: made.Ino, Mtime: fileTime(hdr)})

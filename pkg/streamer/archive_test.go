@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -388,7 +389,7 @@ func TestPackFirst(t *testing.T) {
 	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
 
 	var wire bytes.Buffer
-	_, err := PackFirst(context.Background(), src, []string{"d/c", "nope", "link/c", "d", "a", "d/c"}, &wire, Raw, SparseTar)
+	_, err := PackFirst(context.Background(), src, []string{"d/c", "nope", "link/c", "d", "a", "d/c"}, &wire, Raw, SparseTar, Inline{})
 	require.NoError(t, err)
 	var names []string
 	links := map[string]string{}
@@ -409,7 +410,7 @@ func TestPackFirst(t *testing.T) {
 	require.Equal(t, map[string]string{"d/a-too": "a"}, links)
 
 	var again bytes.Buffer
-	sent, err := PackFirst(context.Background(), src, []string{"a", "d/c"}, &again, S2, SparseTar)
+	sent, err := PackFirst(context.Background(), src, []string{"a", "d/c"}, &again, S2, SparseTar, Inline{})
 	require.NoError(t, err)
 	got := map[string]string{}
 	sum, err := Files(context.Background(), &again, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
@@ -451,7 +452,7 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	require.NoError(t, os.Mkdir(dst, 0o755))
 	var mu sync.Mutex
 	got, places, caps := map[string]int64{}, map[string]int{}, map[string]bool{}
-	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, func(s Stub) error {
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, Inline{}, func(s Stub) error {
 		fd, name, size := s.FD, s.Name, s.Size
 		var st unix.Stat_t
 		require.NoError(t, unix.Fstat(fd, &st))
@@ -492,9 +493,100 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	boom := errors.New("boom")
 	dst2 := filepath.Join(root, "dst2")
 	require.NoError(t, os.Mkdir(dst2, 0o755))
-	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits,
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits, Inline{},
 		func(Stub) error { return boom })
 	require.ErrorIs(t, err, boom)
+}
+
+// A stub tree carries the small files Inline asks for whole, in the walk's
+// order, until one would take it over its budget: none after that one, so
+// that they are all the small files up to the last one carried. Those are
+// made complete and are not stubs, and the summary names the last; a
+// stream of the rest of the data leaves them out and brings every other
+// file. A stub tree that carries more than was asked for is refused.
+func TestStubTreeCarriesSmallFilesWhole(t *testing.T) {
+	root := testfs.Mount(t, testfs.XFS, 1<<30)
+	src := filepath.Join(root, "src")
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "b"), 0o755))
+	sizes := map[string]int{
+		"a":   10,   // carried: 3,190 left
+		"b/c": 3000, // carried: 190 left
+		"b/d": 9000, // over Max: a stub, and the next may still be carried
+		"b/e": 200,  // over what is left: a stub, and none after it is carried
+		"f":   5000, // over Max: a stub
+		"g":   20,   // would fit, but comes after b/e: a stub
+	}
+	data := map[string][]byte{}
+	for name, size := range sizes {
+		data[name] = bytes.Repeat([]byte(name[len(name)-1:]), size)
+		require.NoError(t, os.WriteFile(filepath.Join(src, name), data[name], 0o644))
+	}
+	inline := Inline{Max: 4096, Budget: 3200}
+	var wire bytes.Buffer
+	_, err := PackFirst(context.Background(), src, nil, &wire, Raw, StubTar, inline)
+	require.NoError(t, err)
+
+	dst := filepath.Join(root, "dst")
+	require.NoError(t, os.Mkdir(dst, 0o755))
+	var mu sync.Mutex
+	var stubs []string
+	sum, err := UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, inline, func(s Stub) error {
+		mu.Lock()
+		defer mu.Unlock()
+		stubs = append(stubs, s.Name)
+		return nil
+	})
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"b/d", "b/e", "f", "g"}, stubs)
+	require.Equal(t, "b/c", sum.Inlined)
+	for name := range sizes {
+		got, err := os.ReadFile(filepath.Join(dst, name))
+		require.NoError(t, err)
+		require.Len(t, got, sizes[name], name)
+		if slices.Contains(stubs, name) {
+			require.Equal(t, make([]byte, sizes[name]), got, "%s is a stub: holes", name)
+		} else {
+			require.Equal(t, data[name], got, "%s came whole", name)
+		}
+	}
+
+	var rest bytes.Buffer
+	_, err = PackFirst(context.Background(), src, nil, &rest, Raw, SparseTar, Inline{Max: inline.Max, Through: sum.Inlined})
+	require.NoError(t, err)
+	var brought []string
+	_, err = Files(context.Background(), &rest, Raw, DefaultLimits, func(name string, _ int64, _ func(io.WriterAt) error) error {
+		brought = append(brought, name)
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, []string{"b/d", "b/e", "f", "g"}, brought, "the rest of the data, in the walk's order")
+
+	dst2 := filepath.Join(root, "dst2")
+	require.NoError(t, os.Mkdir(dst2, 0o755))
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst2, DefaultLimits, Inline{Max: 4096, Budget: 100},
+		func(Stub) error { return nil })
+	require.ErrorIs(t, err, ErrRefused, "more data inline than asked for")
+}
+
+// walkCompare orders paths as a walk meets them: by component, a dir
+// before its contents, whatever the bytes after a shared prefix.
+func TestWalkCompare(t *testing.T) {
+	for _, tc := range []struct {
+		a, b string
+		want int
+	}{
+		{"a", "a", 0},
+		{"a", "b", -1},
+		{"a/z", "b", -1},
+		{"a", "a/b", -1},
+		{"a/b", "a", 1},
+		{"a/b", "a.b", -1}, // byte order would put "a.b" first ('.' < '/')
+		{"a.b", "a/b", 1},
+		{"d1/f9", "d1/g", -1},
+		{"d10/a", "d9/a", -1},
+	} {
+		require.Equal(t, tc.want, walkCompare(tc.a, tc.b), "%s vs %s", tc.a, tc.b)
+	}
 }
 
 // fdWatcher is a stream's destination that notes the most files below dir

@@ -205,6 +205,18 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	if err := checkFirst(first, len(files) > 0 || req.GetStubs()); err != nil {
 		return err
 	}
+	inline := Inline{Max: req.GetInlineMax(), Budget: req.GetInlineBudget()}
+	if err := inline.Check(); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	if through := req.GetInlinedThrough(); through != "" {
+		if req.GetStubs() || len(files) > 0 {
+			return status.Error(codes.InvalidArgument, "inlined_through leaves files out of a stream of the whole layer's data: not with stubs or files")
+		}
+		if inline.Through, err = cleanName(through); err != nil || inline.Through == "." {
+			return status.Errorf(codes.InvalidArgument, "inlined_through %s: want a path below the layer's root", volume.Quote(through))
+		}
+	}
 	for _, names := range [][]string{files, first} {
 		for i, f := range names {
 			if names[i], err = cleanName(f); err != nil || names[i] == "." {
@@ -229,7 +241,7 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
 		}
 	} else {
-		sum, err = PackFirst(stream.Context(), dir, first, w, enc, shape)
+		sum, err = PackFirst(stream.Context(), dir, first, w, enc, shape, inline)
 	}
 	s.metrics.served(enc, w.sent, err)
 	if err != nil {
@@ -485,12 +497,14 @@ func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.
 }
 
 // PullLayerStubs pulls a layer as PullLayer does, its files as stubs
-// (StubTar), each handed to stub as it is made (see UnpackStubs).
+// (StubTar) but the small ones inline asks for, each stub handed to stub as
+// it is made (see UnpackStubs).
 func (c *Client) PullLayerStubs(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits,
-	progress func(int64), stub StubFunc) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Stubs: true}
+	inline Inline, progress func(int64), stub StubFunc) (Summary, error) {
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Stubs: true,
+		InlineMax: inline.Max, InlineBudget: inline.Budget}
 	return c.pullLayer(ctx, req, progress, func(ctx context.Context, in io.Reader) (Summary, error) {
-		return UnpackStubs(ctx, in, enc, dir, lim, stub)
+		return UnpackStubs(ctx, in, enc, dir, lim, inline, stub)
 	})
 }
 
@@ -500,10 +514,13 @@ func (c *Client) PullLayerStubs(ctx context.Context, namespace string, r, via vo
 // lazily pulled layer's stubs are filled, at the speed of a pull.
 //
 // With no names, the files first come first, in that order (see
-// PackFirst).
+// PackFirst), and those a stub tree carried (inlined) are left out.
 func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits, names, first []string,
-	file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
+	inlined Inline, file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
 	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names, First: first}
+	if inlined.Through != "" {
+		req.InlineMax, req.InlinedThrough = inlined.Max, inlined.Through
+	}
 	return c.pullLayer(ctx, req, nil, func(ctx context.Context, in io.Reader) (Summary, error) {
 		return Files(ctx, in, enc, lim, file)
 	})

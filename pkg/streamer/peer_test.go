@@ -104,7 +104,7 @@ func TestStalledPeer(t *testing.T) {
 		read func(c *Client) error
 	}{
 		{"a layer's stream", func(c *Client) error {
-			_, err := c.PullLayerFiles(context.Background(), "ci", ref, ref, Raw, DefaultLimits, nil, nil,
+			_, err := c.PullLayerFiles(context.Background(), "ci", ref, ref, Raw, DefaultLimits, nil, nil, Inline{},
 				func(string, int64, func(io.WriterAt) error) error { return nil })
 			return err
 		}},

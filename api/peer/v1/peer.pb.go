@@ -475,9 +475,18 @@ type PullLayerRequest struct {
 	// them. A name that is no regular file of the layer is skipped (the order
 	// is a hint: how steps read another version of it). At most 50000, of
 	// at most 1 MiB of names.
-	First         []string `protobuf:"bytes,7,rep,name=first,proto3" json:"first,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	First []string `protobuf:"bytes,7,rep,name=first,proto3" json:"first,omitempty"`
+	// With stubs: regular files of at most inline_max bytes come whole, in
+	// the walk's order, until one would take their data over inline_budget
+	// bytes; from that file on, none. At most 64 KiB and 64 MiB.
+	InlineMax    int64 `protobuf:"varint,8,opt,name=inline_max,json=inlineMax,proto3" json:"inline_max,omitempty"`
+	InlineBudget int64 `protobuf:"varint,9,opt,name=inline_budget,json=inlineBudget,proto3" json:"inline_budget,omitempty"`
+	// With neither stubs nor files: leave out the regular files of at most
+	// inline_max bytes that the walk meets up to this path (the last one a
+	// stub tree carried whole, asked with the same inline_max).
+	InlinedThrough string `protobuf:"bytes,10,opt,name=inlined_through,json=inlinedThrough,proto3" json:"inlined_through,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PullLayerRequest) Reset() {
@@ -557,6 +566,27 @@ func (x *PullLayerRequest) GetFirst() []string {
 		return x.First
 	}
 	return nil
+}
+
+func (x *PullLayerRequest) GetInlineMax() int64 {
+	if x != nil {
+		return x.InlineMax
+	}
+	return 0
+}
+
+func (x *PullLayerRequest) GetInlineBudget() int64 {
+	if x != nil {
+		return x.InlineBudget
+	}
+	return 0
+}
+
+func (x *PullLayerRequest) GetInlinedThrough() string {
+	if x != nil {
+		return x.InlinedThrough
+	}
+	return ""
 }
 
 type ReadLayerFileRequest struct {
@@ -838,7 +868,7 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xee\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdb\x02\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
@@ -846,7 +876,12 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\x03via\x18\x04 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\x12\x14\n" +
 	"\x05stubs\x18\x05 \x01(\bR\x05stubs\x12\x14\n" +
 	"\x05files\x18\x06 \x03(\tR\x05files\x12\x14\n" +
-	"\x05first\x18\a \x03(\tR\x05first\"\xd8\x01\n" +
+	"\x05first\x18\a \x03(\tR\x05first\x12\x1d\n" +
+	"\n" +
+	"inline_max\x18\b \x01(\x03R\tinlineMax\x12#\n" +
+	"\rinline_budget\x18\t \x01(\x03R\finlineBudget\x12'\n" +
+	"\x0finlined_through\x18\n" +
+	" \x01(\tR\x0einlinedThrough\"\xd8\x01\n" +
 	"\x14ReadLayerFileRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
