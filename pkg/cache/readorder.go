@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -44,6 +45,40 @@ func (s *Store) ReadOrder(namespace, name string) []string {
 		return nil
 	})
 	return rec.Files
+}
+
+// ReadOrderRecorded says when the order for namespace under name was last
+// recorded (false: none, or a record that does not decode). It decodes the
+// record's time only, not its up to 50,000 paths.
+func (s *Store) ReadOrderRecorded(namespace, name string) (time.Time, bool) {
+	var at time.Time
+	var ok bool
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		raw := tx.Bucket(readOrdersBucket).Get(readOrderKey(namespace, name))
+		if raw == nil {
+			return nil
+		}
+		d := json.NewDecoder(bytes.NewReader(raw))
+		if tok, err := d.Token(); err != nil || tok != json.Delim('{') {
+			return nil
+		}
+		for d.More() {
+			key, err := d.Token()
+			if err != nil {
+				return nil
+			}
+			if key == "recorded" {
+				ok = d.Decode(&at) == nil
+				return nil
+			}
+			var skip json.RawMessage
+			if d.Decode(&skip) != nil {
+				return nil
+			}
+		}
+		return nil
+	})
+	return at, ok
 }
 
 // RecordReadOrder records that steps of namespace opened files in this

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	bolt "go.etcd.io/bbolt"
@@ -68,6 +69,42 @@ func TestReadOrderUndecodable(t *testing.T) {
 	require.Nil(t, s.ReadOrder("ci", "j"))
 	require.NoError(t, s.RecordReadOrder("ci", "j", []string{"a"}))
 	require.Equal(t, []string{"a"}, s.ReadOrder("ci", "j"))
+}
+
+// ReadOrderRecorded says when a record was made, without decoding its
+// paths, wherever its time is among its fields; no record, or one that
+// does not decode, has none.
+func TestReadOrderRecorded(t *testing.T) {
+	s := openStore(t)
+	before := time.Now()
+	require.NoError(t, s.RecordReadOrder("ci", "j", names("f", 1000)))
+	at, ok := s.ReadOrderRecorded("ci", "j")
+	require.True(t, ok)
+	require.False(t, at.Before(before.Truncate(time.Second)), "recorded at %v, after %v", at, before)
+	require.WithinDuration(t, time.Now(), at, time.Minute)
+
+	for _, tc := range []struct {
+		name, raw string
+		ok        bool
+	}{
+		{"its time after its paths", `{"files":["a","b"],"recorded":"2026-01-02T03:04:05Z"}`, true},
+		{"garbage", "{garbage", false},
+		{"no time", `{"files":["a"]}`, false},
+		{"a time that is no time", `{"recorded":7}`, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.NoError(t, s.db.Update(func(tx *bolt.Tx) error {
+				return tx.Bucket(readOrdersBucket).Put(readOrderKey("ci", tc.name), []byte(tc.raw))
+			}))
+			at, ok := s.ReadOrderRecorded("ci", tc.name)
+			require.Equal(t, tc.ok, ok)
+			if ok {
+				require.Equal(t, time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), at.UTC())
+			}
+		})
+	}
+	_, ok = s.ReadOrderRecorded("ci", "none")
+	require.False(t, ok, "no record")
 }
 
 func names(prefix string, n int) []string {

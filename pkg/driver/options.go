@@ -121,7 +121,8 @@ func Defaults() Options {
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
 		},
 		Peers: PeerOptions{ServerName: DefaultPeerServerName, Encoding: string(streamer.S2),
-			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: node.DefaultPullWait, PullMode: string(node.PullAuto)},
+			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: node.DefaultPullWait, PullMode: string(node.PullAuto),
+			ReadOrderRefresh: node.DefaultReadOrderRefresh},
 	}
 }
 
@@ -227,6 +228,9 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		"node mode: how sources this node lacks arrive: lazy (the step starts once the tree is here, each file's data "+
 			"arrives when it is opened, the rest behind it; needs the overlay backend and fanotify pre-content events, kernel 6.14+), "+
 			"eager (all of it before the step starts) or auto (lazy where the node supports it)")
+	fs.DurationVar(&p.ReadOrderRefresh, "read-order-refresh", p.ReadOrderRefresh,
+		"node mode: how old a read profile's record must be before a lazy pull under it records the step's read order again "+
+			"(recording costs each of the step's opens a notification); 0: every time")
 }
 
 // quantityFlag is a byte count given as a Kubernetes quantity (10Gi).

@@ -46,6 +46,9 @@ type PeerOptions struct {
 	PullWait time.Duration
 	// PullMode is auto, lazy or eager.
 	PullMode string
+	// ReadOrderRefresh is how old a read profile's record must be before a
+	// lazy pull records it again (0: every time).
+	ReadOrderRefresh time.Duration
 }
 
 // DefaultPeerServerName is the name in the peer certificate a deployment
@@ -62,6 +65,9 @@ func (p *PeerOptions) validate(o *Options) []error {
 	}
 	if p.PullWait <= 0 {
 		errs = append(errs, errors.New("--pull-wait must be positive"))
+	}
+	if p.ReadOrderRefresh < 0 {
+		errs = append(errs, errors.New("--read-order-refresh must not be negative"))
 	}
 	if _, err := node.ParsePullMode(p.PullMode); err != nil {
 		errs = append(errs, fmt.Errorf("--pull-mode: %w", err))
@@ -152,7 +158,7 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 	}
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
 	mode, _ := node.ParsePullMode(o.Peers.PullMode)    // validated
-	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode,
+	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
 		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.AllowSetuid}}, nil
 }
 

@@ -1220,6 +1220,9 @@ func (l *Layer) Add(fd int, s Stub) error {
 // it), and its readers raise no event at all.
 func (l *Layer) RecordReaches() { l.recording.Store(true) }
 
+// Recording says RecordReaches was called.
+func (l *Layer) Recording() bool { return l.recording.Load() }
+
 // Seal says every stub is added: once they are all filled, the layer is
 // done.
 func (l *Layer) Seal() {

@@ -83,6 +83,10 @@ type Config struct {
 // with its progress: well inside the kubelet's 2-minute call timeout.
 const DefaultPullWait = 20 * time.Second
 
+// DefaultReadOrderRefresh is how old a read profile's record must be
+// before a lazy pull records it again.
+const DefaultReadOrderRefresh = 10 * time.Minute
+
 // DefaultWatermarks bound a state dir's fill where none are configured.
 var DefaultWatermarks = Watermarks{High: 90, Low: 80}
 

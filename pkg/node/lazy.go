@@ -136,7 +136,7 @@ func (e *Engine) stubMarker(src *lazySource, data string) (*fill.Layer, streamer
 func (e *Engine) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, namespace string, pods []volume.Pod, profiles []string) {
 	release := e.store.Hold(r, cache.HoldFill)
 	fl := &lazyFill{layer: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
-	if len(profiles) > 0 {
+	if e.recordsReadOrder(namespace, profiles...) {
 		layer.RecordReaches() // before the first fill: the pods that asked read from the start
 	}
 	e.lazy.mu.Lock()
@@ -223,10 +223,25 @@ func (e *Engine) noteLazyReader(view cache.View, profile string) {
 			fl.namespaces[view.Pod.Namespace] = true
 			if profile != "" {
 				fl.profiles[profile] = true
-				fl.layer.RecordReaches()
+				if e.recordsReadOrder(view.Pod.Namespace, profile) {
+					fl.layer.RecordReaches()
+				}
 			}
 		}
 	}
+}
+
+// recordsReadOrder says whether a lazy pull read under profiles records
+// the order its readers reach files in: where one of them has no record,
+// or one older than ReadOrderRefresh.
+func (e *Engine) recordsReadOrder(namespace string, profiles ...string) bool {
+	for _, name := range profiles {
+		at, ok := e.store.ReadOrderRecorded(namespace, name)
+		if !ok || time.Since(at) >= e.pulls.cfg.ReadOrderRefresh {
+			return true
+		}
+	}
+	return false
 }
 
 // recordReadOrder records the order fl's readers reached its files in,
@@ -234,6 +249,9 @@ func (e *Engine) noteLazyReader(view cache.View, profile string) {
 // one namespace: a record under one namespace's name must tell nothing of
 // what another's steps read.
 func (e *Engine) recordReadOrder(r volume.Ref, fl *lazyFill) {
+	if !fl.layer.Recording() {
+		return // every record is fresh: what was reached is only what readers waited for
+	}
 	reached := fl.layer.Reached()
 	e.lazy.mu.Lock()
 	var namespace string

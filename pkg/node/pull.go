@@ -38,6 +38,11 @@ type PullConfig struct {
 	Wait time.Duration
 	// Mode says whether sources arrive lazily ("": auto).
 	Mode PullMode
+	// ReadOrderRefresh is how old a read profile's record must be before
+	// a lazy pull under it records it again (0: every time). Recording
+	// costs each of a step's opens a notification; a job's steps read
+	// much the same way from one build to the next.
+	ReadOrderRefresh time.Duration
 }
 
 // Locator finds the peers holding a volume ready, best first.
