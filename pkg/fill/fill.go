@@ -701,9 +701,10 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 	}, func() { tmp.Close() }, nil
 }
 
-// store puts f's data into its stub with put, then its times and its file
-// capabilities (a write into a file drops them), and removes its mark
-// unless its first reader must still be seen (see file.reached).
+// store puts f's data into its stub with put, then its file capabilities
+// (a write into a file drops them) and, where the write moved them, its
+// times, and removes its mark unless its first reader must still be seen
+// (see file.reached).
 func (g *Group) store(f *file, put func(out int) error) error {
 	fd, timesKept, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
