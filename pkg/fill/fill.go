@@ -865,13 +865,14 @@ func (g *Group) openStub(f *file, flags int) (fd int, timesKept bool, err error)
 		switch {
 		case err == nil:
 			return fd, true, nil
-		case errors.Is(err, errForking): // by name, this once
+		case errors.Is(err, unix.ESTALE), errors.Is(err, unix.ENOENT): // that inode is no longer the stub
+			return -1, false, fmt.Errorf("%s is no longer the stub that was marked: %w", f.rel, err)
 		case errors.Is(err, unix.EPERM): // no CAP_SYS_ADMIN: by name from now on
 			if g.byHandle.Swap(false) {
 				klog.InfoS("Fills open stubs by name: opening by handle is refused", "err", err)
 			}
-		default: // ESTALE: that inode is no longer the stub
-			return -1, false, fmt.Errorf("%s is no longer the stub that was marked: %w", f.rel, err)
+		case !errors.Is(err, errForking): // by name, this once, checked as such
+			klog.V(2).InfoS("Opening a stub by its handle; opening it by name", "file", f.rel, "err", err)
 		}
 	}
 	fd, err = fdtree.OpenFileBeneath(g.tree, path.Join(f.layer.dir, f.rel), flags)
