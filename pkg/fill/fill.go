@@ -667,7 +667,7 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 	}
 	if f.size <= directFill {
 		buf := &memFile{b: bufpool.Get(int(f.size))}
-		clear(buf.b) // what the fetch skips (runs of zeros) reads as zeros
+		clear(buf.b) // what the fetch leaves out (a sparse file's holes) reads as zeros
 		if err := src(ctx, buf); err != nil {
 			bufpool.Put(buf.b)
 			return nil, nil, err
@@ -703,8 +703,9 @@ func (g *Group) fetch(f *file, src source) (put func(out int) error, done func()
 
 // store puts f's data into its stub with put, then its file capabilities
 // (a write into a file drops them) and, where the write moved them, its
-// times, and removes its mark unless its first reader must still be seen
-// (see file.reached).
+// times, and removes its mark; where its first reader must still be seen
+// (see file.reached), the layer's watcher sees it instead, and a file it
+// cannot watch keeps its mark.
 func (g *Group) store(f *file, put func(out int) error) error {
 	fd, timesKept, err := g.openStub(f, unix.O_WRONLY)
 	if err != nil {
