@@ -341,11 +341,13 @@ func TestPullsBetweenNodes(t *testing.T) {
 			return err
 		}
 		require.ErrorIs(t, ordered(&peerv1.PullLayerRequest{First: []string{"nope", "random", "random"}}), io.EOF)
+		require.ErrorIs(t, ordered(&peerv1.PullLayerRequest{First: []string{"random"}, DataOnly: true}), io.EOF)
 		for name, req := range map[string]*peerv1.PullLayerRequest{
 			"with stubs":       {First: []string{"random"}, Stubs: true},
 			"with files":       {First: []string{"random"}, Files: []string{"random"}},
 			"out of the layer": {First: []string{"../private/random"}},
 			"too many":         {First: make([]string, 50_001)},
+			"data of stubs":    {Stubs: true, DataOnly: true},
 		} {
 			require.Equal(t, codes.InvalidArgument, code(ordered(req)), name)
 		}

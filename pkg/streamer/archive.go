@@ -113,6 +113,12 @@ const (
 	// that Unpack makes it the right size with nothing in it: the stubs a
 	// lazy pull fills as they are read.
 	StubTar
+	// DataTar: only the regular files with data, each once (a file's
+	// other names are left out), as SparseTar carries them but with their
+	// names and sizes alone: no dirs, links or empty files, no owners,
+	// modes, times or xattrs. What fills a lazy pull's stubs (Files), which
+	// have all that already; the holder reads and sends no more.
+	DataTar
 )
 
 // Inline is which small regular files travel whole. In a StubTar: those
@@ -158,20 +164,19 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Sha
 // the small files inline says whole; another shape leaves out those a stub
 // tree carried (inline.Through).
 func PackFirst(ctx context.Context, root string, first []string, w io.Writer, enc Encoding, shape Shape, inline Inline) (Summary, error) {
-	return pack(root, w, enc, shape, func(pk *packer, rootFd int, _ func() error) (int64, error) {
+	return pack(root, w, enc, shape, func(pk *packer, rootFd int, _ func() error) error {
 		pk.inline, pk.inlineLeft = inline, inline.Budget
-		entries := int64(1) // the root too: its owner, mode and xattrs are the volume's
-		var rootSt unix.Stat_t
+		var rootSt unix.Stat_t // the root too: its owner, mode and xattrs are the volume's
 		if err := unix.Fstat(rootFd, &rootSt); err != nil {
-			return 0, err
+			return err
 		}
 		if err := pk.entry(rootFd, ".", ".", &rootSt); err != nil {
-			return 0, err
+			return err
 		}
 		sent := make(map[string]bool, len(first))
 		for _, name := range first {
 			if err := ctx.Err(); err != nil {
-				return 0, err
+				return err
 			}
 			if sent[name] {
 				continue
@@ -182,53 +187,51 @@ func PackFirst(ctx context.Context, root string, first []string, w io.Writer, en
 				continue
 			}
 			if err != nil {
-				return 0, err
+				return err
 			}
 			sent[name] = true
-			entries++
 		}
 		// Walked from descriptors: a tree of any depth goes, however
 		// long its paths. What was sent first (regular files only) is
 		// not even stat'ed again.
-		err := fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+		return fdtree.Walk(rootFd, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 			if err := ctx.Err(); err != nil {
 				return false, err
 			}
 			if pk.carriedInline(e) {
 				return false, nil
 			}
-			entries++
 			return true, pk.entry(e.Parent, e.Name, e.Path, &e.Stat)
 		}, Omit: func(path string) bool { return sent[path] }})
-		return entries, err
 	})
 }
 
 // PackFiles writes the regular files names (relative to root) to w as
-// Pack does with SparseTar, and nothing else: what a lazy puller reads
-// ahead. Each is opened beneath root with no symlink followed; a name that
-// is not a regular file there fails it (ErrNoPath, ErrWrongKind).
-func PackFiles(ctx context.Context, root string, names []string, w io.Writer, enc Encoding) (Summary, error) {
-	return pack(root, w, enc, SparseTar, func(pk *packer, rootFd int, flush func() error) (int64, error) {
+// Pack does with shape (SparseTar or DataTar), and nothing else: what a
+// lazy puller reads ahead. Each is opened beneath root with no symlink
+// followed; a name that is not a regular file there fails it (ErrNoPath,
+// ErrWrongKind).
+func PackFiles(ctx context.Context, root string, names []string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
+	return pack(root, w, enc, shape, func(pk *packer, rootFd int, flush func() error) error {
 		for i, name := range names {
 			if err := ctx.Err(); err != nil {
-				return 0, err
+				return err
 			}
 			if err := pk.file(rootFd, name, true); err != nil {
-				return 0, err
+				return err
 			}
 			if i == 0 {
 				// A reader waits for the first: it goes now, not once
 				// the buffers are full.
 				if err := pk.drain(0); err != nil {
-					return 0, err
+					return err
 				}
 				if err := flush(); err != nil {
-					return 0, err
+					return err
 				}
 			}
 		}
-		return int64(len(names)), nil
+		return nil
 	})
 }
 
@@ -312,10 +315,9 @@ func regularIn(dir int, rel string) (unix.Stat_t, error) {
 	return st, nil
 }
 
-// pack writes the entries add writes (it returns how many) as a tar
-// stream encoded with enc, its regular files as shape says; flush sends
-// what add wrote so far.
-func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) (int64, error)) (Summary, error) {
+// pack writes the entries add writes as a tar stream encoded with enc,
+// its regular files as shape says; flush sends what add wrote so far.
+func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) error) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
 	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, w)
@@ -347,7 +349,7 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 		}
 		return bw.Flush()
 	}
-	entries, err := add(pk, rootFd, flush)
+	err = add(pk, rootFd, flush)
 	if err == nil {
 		err = pk.drain(0)
 	}
@@ -363,7 +365,7 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 	if err != nil {
 		return Summary{}, err
 	}
-	return c.summary(entries), nil
+	return c.summary(pk.entries), nil
 }
 
 // streamBuffer is what each end buffers of a stream.
@@ -387,6 +389,7 @@ type packer struct {
 	// another shape, which ones a stub tree carried.
 	inline     Inline
 	inlineLeft int64
+	entries    int64 // made so far
 }
 
 // inlines says whether a StubTar carries the regular file of size bytes
@@ -450,10 +453,14 @@ const (
 // the archive, whose stat is st: it is made now, its data read ahead, and
 // written once the entries ahead of it exceed their bounds (or at drain).
 func (pk *packer) entry(dir int, base, name string, st *unix.Stat_t) error {
+	if pk.shape == DataTar && !pk.carriesData(st) {
+		return nil
+	}
 	e, err := pk.make(dir, base, name, st)
 	if err != nil {
 		return err
 	}
+	pk.entries++
 	if e.file >= 0 {
 		// A hint: where the kernel cannot, the reads wait as they would.
 		_ = unix.Fadvise(int(e.file), 0, st.Size, unix.FADV_WILLNEED)
@@ -500,16 +507,31 @@ func (pk *packer) writeFirst() error {
 	return pk.write(e)
 }
 
+// carriesData says whether a DataTar has an entry for the file whose stat
+// is st: a regular file with data, met under none of its names before.
+func (pk *packer) carriesData(st *unix.Stat_t) bool {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size == 0 {
+		return false
+	}
+	_, seen := pk.seen[[2]uint64{st.Dev, st.Ino}]
+	return !seen || st.Nlink <= 1 // as make tells a link from a file
+}
+
 // make makes the entry base of the directory open as dir, named name in
 // the archive, whose stat is st: its header, and its file opened if its
 // data goes.
 func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry, error) {
-	hdr := &tar.Header{Name: name, Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
-		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
+	hdr := &tar.Header{Name: name, Format: tar.FormatPAX}
+	if pk.shape != DataTar {
+		hdr.Mode, hdr.Uid, hdr.Gid, hdr.ModTime = int64(st.Mode&0o7777), int(st.Uid), int(st.Gid), time.Unix(st.Mtim.Unix())
+	}
 	e := aheadEntry{hdr: hdr, name: name, file: -1}
-	xattrs, err := readXattrs(dir, base)
-	if err != nil {
-		return e, fmt.Errorf("%s: %w", name, err)
+	var xattrs map[string]string
+	var err error
+	if pk.shape != DataTar {
+		if xattrs, err = readXattrs(dir, base); err != nil {
+			return e, fmt.Errorf("%s: %w", name, err)
+		}
 	}
 	if len(xattrs) > 0 {
 		hdr.PAXRecords = map[string]string{}
@@ -550,7 +572,7 @@ func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry,
 			return e, fmt.Errorf("%s: %w", name, err)
 		}
 		file := fdtree.File(fd)
-		if pk.shape == SparseTar && st.Blocks*512 < st.Size {
+		if pk.shape != PlainTar && st.Blocks*512 < st.Size {
 			if e.segments, err = dataSegments(file, st.Size); err != nil {
 				unix.Close(fd)
 				return e, fmt.Errorf("%s: %w", name, err)

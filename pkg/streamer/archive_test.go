@@ -349,7 +349,7 @@ func TestPackFilesAndFiles(t *testing.T) {
 	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
 
 	var wire bytes.Buffer
-	sent, err := PackFiles(context.Background(), src, []string{"d/sparse", "d/a"}, &wire, S2)
+	sent, err := PackFiles(context.Background(), src, []string{"d/sparse", "d/a"}, &wire, S2, SparseTar)
 	require.NoError(t, err)
 	got := map[string][]byte{}
 	sum, err := Files(context.Background(), &wire, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
@@ -365,7 +365,7 @@ func TestPackFilesAndFiles(t *testing.T) {
 	require.NotContains(t, got, "skipped")
 
 	for name, want := range map[string]error{"link/a": ErrNoPath, "d": ErrWrongKind, "nope": ErrNoPath, "link": ErrWrongKind} {
-		_, err := PackFiles(context.Background(), src, []string{name}, io.Discard, Raw)
+		_, err := PackFiles(context.Background(), src, []string{name}, io.Discard, Raw, SparseTar)
 		require.ErrorIs(t, err, want, name)
 		_, err = openInLayer(src, name) // ReadLayerFile's: the same answers
 		require.ErrorIs(t, err, want, name)
@@ -421,6 +421,82 @@ func TestPackFirst(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, sent, sum)
 	require.Equal(t, map[string]string{"a": "a", "d/c": "d/c", "b": "b"}, got, "each file's data once, its other name a link")
+}
+
+// A DataTar carries the regular files with data and nothing else of the
+// tree, each under the first name the stream meets, with its name, size
+// and holes alone: no dirs, links, empty files, owners, modes, times or
+// xattrs. Files reads the same data from it as from a SparseTar, and the
+// digest and entry count agree with what was sent.
+func TestDataTarCarriesOnlyTheFilesData(t *testing.T) {
+	src := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "d"), 0o755))
+	for _, name := range []string{"a", "d/c"} {
+		require.NoError(t, os.WriteFile(filepath.Join(src, name), []byte(name), 0o640))
+	}
+	require.NoError(t, unix.Setxattr(filepath.Join(src, "a"), "user.note", []byte("x"), 0))
+	require.NoError(t, os.Chtimes(filepath.Join(src, "a"), time.Now(), time.Date(2020, 1, 2, 3, 4, 5, 6, time.UTC)))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "empty"), nil, 0o644))
+	require.NoError(t, os.Link(filepath.Join(src, "a"), filepath.Join(src, "d", "a-too")))
+	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
+	require.NoError(t, unix.Mkfifo(filepath.Join(src, "fifo"), 0o644))
+	sparse, err := os.Create(filepath.Join(src, "d", "sparse"))
+	require.NoError(t, err)
+	_, err = sparse.WriteAt([]byte("end"), 1<<20)
+	require.NoError(t, err)
+	require.NoError(t, sparse.Close())
+
+	files := func(wire io.Reader) (Summary, map[string]string) {
+		got := map[string]string{}
+		sum, err := Files(context.Background(), wire, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
+			f := &bufferAt{b: make([]byte, size)}
+			defer func() { got[name] = string(f.b) }()
+			return write(f)
+		})
+		require.NoError(t, err)
+		return sum, got
+	}
+	var sparseTar, dataTar bytes.Buffer
+	_, err = PackFirst(context.Background(), src, []string{"d/c"}, &sparseTar, S2, SparseTar, Inline{})
+	require.NoError(t, err)
+	_, want := files(&sparseTar)
+	sent, err := PackFirst(context.Background(), src, []string{"d/c"}, &dataTar, S2, DataTar, Inline{})
+	require.NoError(t, err)
+	raw := bytes.Clone(dataTar.Bytes())
+	sum, got := files(&dataTar)
+	require.Equal(t, sent, sum)
+	require.Equal(t, want, got)
+	require.Len(t, got, 3)
+
+	dr, release, err := S2.reader(bytes.NewReader(raw))
+	require.NoError(t, err)
+	defer release()
+	tr := tar.NewReader(dr)
+	var names []string
+	for {
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		names = append(names, hdr.Name)
+		require.Equal(t, byte(tar.TypeReg), hdr.Typeflag, hdr.Name)
+		require.Zero(t, hdr.Mode, hdr.Name)
+		require.Zero(t, hdr.ModTime.Unix(), hdr.Name)
+		for k := range hdr.PAXRecords {
+			require.Equal(t, paxHoles, k, hdr.Name)
+		}
+	}
+	require.Equal(t, []string{"d/c", "a", "d/sparse"}, names, "the files with data, each once, the first first")
+	require.EqualValues(t, len(names), sent.Entries)
+
+	var named bytes.Buffer
+	sent, err = PackFiles(context.Background(), src, []string{"empty", "d/a-too"}, &named, S2, DataTar)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, sent.Entries, "the empty file has no entry")
+	sum, got = files(&named)
+	require.Equal(t, sent, sum)
+	require.Equal(t, map[string]string{"d/a-too": "a"}, got)
 }
 
 type bufferAt struct{ b []byte }

@@ -230,14 +230,19 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	}
 	defer release()
 	shape := SparseTar
-	if req.GetStubs() {
+	switch {
+	case req.GetStubs() && req.GetDataOnly():
+		return status.Error(codes.InvalidArgument, "data_only fills stubs: not with stubs")
+	case req.GetStubs():
 		shape = StubTar
+	case req.GetDataOnly():
+		shape = DataTar
 	}
 	start := time.Now()
 	w := &chunkWriter{stream: stream}
 	var sum Summary
 	if len(files) > 0 {
-		if sum, err = PackFiles(stream.Context(), dir, files, w, enc); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
+		if sum, err = PackFiles(stream.Context(), dir, files, w, enc, shape); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
 			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
 		}
 	} else {
@@ -511,13 +516,16 @@ func (c *Client) PullLayerStubs(ctx context.Context, namespace string, r, via vo
 // PullLayerFiles streams a volume's own layer, its files whole, as
 // PullLayer does (only the files named, if any), and hands each regular
 // file with data to file (see Files) instead of extracting the tree: how a
-// lazily pulled layer's stubs are filled, at the speed of a pull.
+// lazily pulled layer's stubs are filled, at the speed of a pull. It asks
+// for the files' data only (DataTar): a holder that knows nothing of it
+// sends their metadata and the rest of the tree too, which Files skips.
 //
 // With no names, the files first come first, in that order (see
 // PackFirst), and those a stub tree carried (inlined) are left out.
 func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits, names, first []string,
 	inlined Inline, file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names, First: first}
+	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names, First: first,
+		DataOnly: true}
 	if inlined.Through != "" {
 		req.InlineMax, req.InlinedThrough = inlined.Max, inlined.Through
 	}

@@ -485,8 +485,13 @@ type PullLayerRequest struct {
 	// inline_max bytes that the walk meets up to this path (the last one a
 	// stub tree carried whole, asked with the same inline_max).
 	InlinedThrough string `protobuf:"bytes,10,opt,name=inlined_through,json=inlinedThrough,proto3" json:"inlined_through,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// With no stubs: only the regular files with data, each once, their
+	// names, sizes and data (holes as a sparse map) and nothing else: no
+	// dirs, links, empty files, owners, modes, times or xattrs. What fills
+	// the stubs of a stub tree, which carried all that.
+	DataOnly      bool `protobuf:"varint,11,opt,name=data_only,json=dataOnly,proto3" json:"data_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PullLayerRequest) Reset() {
@@ -587,6 +592,13 @@ func (x *PullLayerRequest) GetInlinedThrough() string {
 		return x.InlinedThrough
 	}
 	return ""
+}
+
+func (x *PullLayerRequest) GetDataOnly() bool {
+	if x != nil {
+		return x.DataOnly
+	}
+	return false
 }
 
 type ReadLayerFileRequest struct {
@@ -868,7 +880,7 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdb\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xf8\x02\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
@@ -881,7 +893,8 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"inline_max\x18\b \x01(\x03R\tinlineMax\x12#\n" +
 	"\rinline_budget\x18\t \x01(\x03R\finlineBudget\x12'\n" +
 	"\x0finlined_through\x18\n" +
-	" \x01(\tR\x0einlinedThrough\"\xd8\x01\n" +
+	" \x01(\tR\x0einlinedThrough\x12\x1b\n" +
+	"\tdata_only\x18\v \x01(\bR\bdataOnly\"\xd8\x01\n" +
 	"\x14ReadLayerFileRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
