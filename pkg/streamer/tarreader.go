@@ -29,7 +29,8 @@ type tarReader struct {
 	// left is what the current entry's body holds still; pad, the zeros
 	// after it.
 	left, pad int64
-	err       error // sticky: the stream is unusable after it
+	err       error  // sticky: the stream is unusable after it
+	pax       []byte // an extended header's records, read into it
 }
 
 func newTarReader(r io.Reader) *tarReader { return &tarReader{r: r} }
@@ -57,8 +58,10 @@ func (t *tarReader) Next() (*tar.Header, error) {
 }
 
 func (t *tarReader) next() (*tar.Header, error) {
-	if _, err := io.CopyN(io.Discard, t.r, t.left+t.pad); err != nil {
-		return nil, unexpected(err)
+	if skip := t.left + t.pad; skip > 0 {
+		if _, err := io.CopyN(io.Discard, t.r, skip); err != nil {
+			return nil, unexpected(err)
+		}
 	}
 	t.left, t.pad = 0, 0
 	var records map[string]string
@@ -81,11 +84,14 @@ func (t *tarReader) next() (*tar.Header, error) {
 			}
 			return nil, io.EOF
 		}
-		hdr, err := t.header()
-		if err != nil {
+		var block tar.Header
+		if err := t.header(&block); err != nil {
 			return nil, err
 		}
-		if hdr.Typeflag != tar.TypeXHeader {
+		if block.Typeflag != tar.TypeXHeader {
+			hdr := new(tar.Header)
+			*hdr = block
+			t.names(hdr)
 			if err := mergeRecords(hdr, records); err != nil {
 				return nil, err
 			}
@@ -100,25 +106,31 @@ func (t *tarReader) next() (*tar.Header, error) {
 		if extended {
 			return nil, fmt.Errorf("%w: two extended headers in a row", errTarHeader)
 		}
-		if hdr.Size < 0 || hdr.Size > maxPAXHeader {
-			return nil, fmt.Errorf("%w: an extended header of %d bytes", errTarHeader, hdr.Size)
+		size := block.Size
+		if size < 0 || size > maxPAXHeader {
+			return nil, fmt.Errorf("%w: an extended header of %d bytes", errTarHeader, size)
 		}
-		data := make([]byte, hdr.Size+(-hdr.Size&(tarBlock-1)))
+		if n := int(size + (-size & (tarBlock - 1))); cap(t.pax) < n {
+			t.pax = make([]byte, n)
+		}
+		data := t.pax[:size+(-size&(tarBlock-1))]
 		if _, err := io.ReadFull(t.r, data); err != nil {
 			return nil, unexpected(err)
 		}
-		if records, err = parseRecords(string(data[:hdr.Size])); err != nil {
+		var err error
+		if records, err = parseRecords(string(data[:size])); err != nil {
 			return nil, err
 		}
 	}
 }
 
-// header parses the block read: a ustar header, its checksum the sum of
-// its bytes.
-func (t *tarReader) header() (*tar.Header, error) {
+// header parses the block read into hdr: a ustar header, its checksum the
+// sum of its bytes. Its strings are left to names: an extended header's
+// are not used, and a stream has one before most entries.
+func (t *tarReader) header(hdr *tar.Header) error {
 	b := &t.blk
 	if string(b[tarMagic[0]:][:tarMagic[1]]) != "ustar\x0000" || [4]byte(b[508:]) != [4]byte{} { // "tar\x00" there is star's
-		return nil, fmt.Errorf("%w: not ustar", errTarHeader)
+		return fmt.Errorf("%w: not ustar", errTarHeader)
 	}
 	var p octalParser
 	sum := p.octal(b[tarChksum[0]:][:tarChksum[1]])
@@ -127,34 +139,39 @@ func (t *tarReader) header() (*tar.Header, error) {
 	unsigned := blockSum(b)
 	copy(b[tarChksum[0]:][:tarChksum[1]], saved[:])
 	if p.err != nil || sum != unsigned {
-		return nil, fmt.Errorf("%w: bad checksum", errTarHeader)
+		return fmt.Errorf("%w: bad checksum", errTarHeader)
 	}
-	hdr := &tar.Header{
+	*hdr = tar.Header{
 		Typeflag: b[tarTypeflag],
-		Name:     cString(b[tarName[0]:][:tarName[1]]),
-		Linkname: cString(b[tarLinkname[0]:][:tarLinkname[1]]),
 		Size:     p.octal(b[tarSize[0]:][:tarSize[1]]),
 		Mode:     p.octal(b[tarMode[0]:][:tarMode[1]]),
 		Uid:      int(p.octal(b[tarUID[0]:][:tarUID[1]])),
 		Gid:      int(p.octal(b[tarGID[0]:][:tarGID[1]])),
 		ModTime:  time.Unix(p.octal(b[tarMtime[0]:][:tarMtime[1]]), 0),
-		Uname:    cString(b[265:][:32]),
-		Gname:    cString(b[297:][:32]),
 		Devmajor: p.octal(b[tarDevmajor[0]:][:tarDevmajor[1]]),
 		Devminor: p.octal(b[tarDevminor[0]:][:tarDevminor[1]]),
 		Format:   tar.FormatUSTAR,
 	}
-	if prefix := cString(b[tarPrefix[0]:][:tarPrefix[1]]); prefix != "" {
-		hdr.Name = prefix + "/" + hdr.Name
-	}
 	if p.err != nil {
-		return nil, p.err
+		return p.err
 	}
 	switch hdr.Typeflag {
 	case tar.TypeReg, tar.TypeLink, tar.TypeSymlink, tar.TypeChar, tar.TypeBlock, tar.TypeDir, tar.TypeFifo, tar.TypeXHeader:
-		return hdr, nil
+		return nil
 	}
-	return nil, fmt.Errorf("%w: type %q", errTarHeader, hdr.Typeflag)
+	return fmt.Errorf("%w: type %q", errTarHeader, hdr.Typeflag)
+}
+
+// names sets hdr's strings from the block header parsed.
+func (t *tarReader) names(hdr *tar.Header) {
+	b := &t.blk
+	hdr.Name = cString(b[tarName[0]:][:tarName[1]])
+	hdr.Linkname = cString(b[tarLinkname[0]:][:tarLinkname[1]])
+	hdr.Uname = cString(b[265:][:32])
+	hdr.Gname = cString(b[297:][:32])
+	if prefix := cString(b[tarPrefix[0]:][:tarPrefix[1]]); prefix != "" {
+		hdr.Name = prefix + "/" + hdr.Name
+	}
 }
 
 // parseRecords parses an extended header's records, as archive/tar does,
