@@ -6,6 +6,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -151,7 +152,7 @@ func (n *node) noopTimes(k int) []time.Duration {
 	return out
 }
 
-func p50(ds []time.Duration) time.Duration {
+func p50[T cmp.Ordered](ds []T) T {
 	s := slices.Clone(ds)
 	slices.Sort(s)
 	return s[len(s)/2]
