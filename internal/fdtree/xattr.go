@@ -15,6 +15,10 @@ import (
 // know them) get the l*xattr calls on ProcPath, which pays a lookup through
 // procfs per call: about half of a packer's xattr time.
 
+// CapsXattr holds a file's capabilities, which the kernel drops on a write
+// or a chown.
+const CapsXattr = "security.capability"
+
 // noXattrAt is set once the *xattrat calls are found missing or blocked.
 var noXattrAt atomic.Bool
 

@@ -51,8 +51,8 @@ type Options struct {
 	// DefaultSizeLimit caps a writable step volume that names no
 	// sizeLimit, and MaxSizeLimit caps any (bytes; 0: none).
 	DefaultSizeLimit, MaxSizeLimit int64
-	// AllowSetuid keeps setuid/setgid bits and device nodes in captures
-	// and pulls, and mounts step volumes without nosuid.
+	// AllowSetuid keeps setuid/setgid bits, file capabilities and device
+	// nodes in captures and pulls, and mounts step volumes without nosuid.
 	AllowSetuid bool
 	// NodeAPIEndpoint is where the node API is served: a unix socket, by
 	// default node-api.sock beside a unix CSI endpoint.
@@ -163,8 +163,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.Var(quantityFlag{&o.MaxSizeLimit}, "max-size-limit",
 		"the largest sizeLimit a step volume may ask for, as a quantity such as 100Gi (0: none)")
 	fs.BoolVar(&o.AllowSetuid, "allow-setuid", o.AllowSetuid,
-		"keep setuid/setgid bits and device nodes in what steps capture and pulls bring, and mount step volumes without nosuid\n"+
-			"(they are always nodev); off, both are dropped, since runtimes do not pass a volume's nosuid and nodev into the container")
+		"keep setuid/setgid bits, file capabilities and device nodes in what steps capture and pulls bring, and mount step volumes\n"+
+			"without nosuid (they are always nodev); off, all are dropped, since runtimes do not pass a volume's nosuid and nodev into the container")
 	fs.StringVar(&o.NodeAPIEndpoint, "node-api-endpoint", o.NodeAPIEndpoint,
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
 	fs.StringVar(&o.ImageRegistryAddress, "image-registry-address", o.ImageRegistryAddress,

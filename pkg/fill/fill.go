@@ -722,7 +722,7 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		return err
 	}
 	if caps != nil {
-		if err := unix.Fsetxattr(fd, capsXattr, caps, 0); err != nil {
+		if err := unix.Fsetxattr(fd, fdtree.CapsXattr, caps, 0); err != nil {
 			return fmt.Errorf("putting back the file capabilities: %w", err)
 		}
 	}
@@ -751,12 +751,10 @@ func (g *Group) store(f *file, put func(out int) error) error {
 	return nil
 }
 
-const capsXattr = "security.capability"
-
 // stubCaps reads a stub's file capabilities (nil: none).
 func stubCaps(fd int) ([]byte, error) {
 	var buf [64]byte // a v3 capability is 24 bytes
-	n, err := unix.Fgetxattr(fd, capsXattr, buf[:])
+	n, err := unix.Fgetxattr(fd, fdtree.CapsXattr, buf[:])
 	switch {
 	case errors.Is(err, unix.ENODATA), errors.Is(err, unix.EOPNOTSUPP):
 		return nil, nil

@@ -65,8 +65,8 @@ type Config struct {
 	// DefaultSizeLimit caps a writable step volume that names no limit,
 	// MaxSizeLimit any (bytes; 0: none).
 	DefaultSizeLimit, MaxSizeLimit int64
-	// AllowSetuid keeps setuid/setgid bits and device nodes in captures
-	// (Seal), and mounts without nosuid.
+	// AllowSetuid keeps setuid/setgid bits, file capabilities and device
+	// nodes in captures (Seal), and mounts without nosuid.
 	AllowSetuid bool
 	// Watermarks bound the state dir's filesystem's fill (percent).
 	Watermarks Watermarks

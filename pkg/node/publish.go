@@ -625,7 +625,7 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 	}
 	if sealed.Cleared > 0 || sealed.Removed > 0 {
 		klog.InfoS("Made a captured layer safe for other steps", "volumeID", view.VolumeID, "capture", view.Capture,
-			"setuidCleared", sealed.Cleared, "deviceNodesRemoved", sealed.Removed)
+			"setuidOrCapsCleared", sealed.Cleared, "deviceNodesRemoved", sealed.Removed)
 	}
 	vol, err := e.store.CommitCapture(view.VolumeID, cache.Captured{Diff: diff, Bytes: sealed.Bytes, Inodes: sealed.Inodes, Properties: props})
 	if err != nil {

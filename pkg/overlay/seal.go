@@ -13,8 +13,8 @@ import (
 type SealStats struct {
 	// Bytes and Inodes are the layer's usage, as Usage measures it.
 	Bytes, Inodes int64
-	// Cleared counts regular files whose setuid or setgid bit was
-	// cleared; Removed, device nodes removed.
+	// Cleared counts regular files whose setuid or setgid bit or file
+	// capabilities were cleared; Removed, device nodes removed.
 	Cleared, Removed int64
 }
 
@@ -24,11 +24,13 @@ type SealStats struct {
 // Container runtimes from runc 1.2 on remount each volume with only the
 // flags the CRI asks for (rw or ro), so the nosuid and nodev of cowvol's own
 // mount do not reach the container: a setuid-root binary left in a volume
-// would run as root for a non-root step, and a device node would open. So,
-// unless keepPrivileged is set (--allow-setuid), regular files lose their
-// setuid and setgid bits (directories keep setgid, which only sets the group
-// of new entries) and device nodes are removed, but overlay whiteouts
-// (character devices 0:0, which open nothing).
+// would run as root for a non-root step, a binary with file capabilities
+// (cap_setuid, say) would give them to it, and a device node would open.
+// So, unless keepPrivileged is set (--allow-setuid), regular files lose
+// their setuid and setgid bits (directories keep setgid, which only sets
+// the group of new entries) and their file capabilities, and device nodes
+// are removed, but overlay whiteouts (character devices 0:0, which open
+// nothing).
 //
 // root must be out of every step's reach (unmounted): entries are changed
 // through descriptors opened beneath it without following symlinks, and
@@ -72,11 +74,18 @@ func (s *sealer) visit(e *fdtree.Entry) (bool, error) {
 		s.removed++
 		return false, nil
 	case unix.S_IFREG:
-		if s.keep || e.Stat.Mode&privilegedBits == 0 {
+		if s.keep {
 			break
 		}
-		if err := clearPrivileged(e); err != nil {
-			return false, fmt.Errorf("clearing setuid/setgid on %s: %w", e.Path, err)
+		capped, err := hasCaps(e)
+		if err != nil {
+			return false, fmt.Errorf("reading the file capabilities of %s: %w", e.Path, err)
+		}
+		if e.Stat.Mode&privilegedBits == 0 && !capped {
+			break
+		}
+		if err := clearPrivileged(e, capped); err != nil {
+			return false, fmt.Errorf("clearing setuid/setgid and file capabilities on %s: %w", e.Path, err)
 		}
 		s.cleared++
 		e.Stat.Mode &^= privilegedBits
@@ -85,10 +94,28 @@ func (s *sealer) visit(e *fdtree.Entry) (bool, error) {
 	return true, nil
 }
 
-// clearPrivileged clears a regular file's setuid and setgid bits through a
-// descriptor: a path would follow a symlink swapped in, and fchmodat cannot
-// refuse to.
-func clearPrivileged(e *fdtree.Entry) error {
+// hasCaps says whether a regular file has file capabilities. Most files
+// have no xattr at all, which a listxattr says for half what a getxattr
+// costs (a capture of 50,000 files: 234 ms against 275 ms; 185 ms with
+// neither).
+func hasCaps(e *fdtree.Entry) (bool, error) {
+	if n, err := fdtree.ListXattrs(e.Parent, e.Name, nil); err == nil && n == 0 {
+		return false, nil
+	}
+	_, err := fdtree.GetXattr(e.Parent, e.Name, fdtree.CapsXattr, nil)
+	switch {
+	case errors.Is(err, unix.ENODATA), errors.Is(err, unix.EOPNOTSUPP):
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	return true, nil
+}
+
+// clearPrivileged clears a regular file's setuid and setgid bits, and its
+// file capabilities if caps, through a descriptor: a path would follow a
+// symlink swapped in, and fchmodat cannot refuse to.
+func clearPrivileged(e *fdtree.Entry, caps bool) error {
 	fd, err := unix.Openat(e.Parent, e.Name, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
@@ -101,9 +128,20 @@ func clearPrivileged(e *fdtree.Entry) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return errors.New("no longer a regular file")
 	}
-	// fchmod does not take an O_PATH descriptor; its /proc/self/fd link
-	// names exactly the file it holds.
-	return unix.Chmod(fmt.Sprintf("/proc/self/fd/%d", fd), st.Mode&0o7777&^privilegedBits)
+	// fchmod and fremovexattr do not take an O_PATH descriptor; its
+	// /proc/self/fd link names exactly the file it holds.
+	self := fmt.Sprintf("/proc/self/fd/%d", fd)
+	if st.Mode&privilegedBits != 0 {
+		if err := unix.Chmod(self, st.Mode&0o7777&^privilegedBits); err != nil {
+			return err
+		}
+	}
+	if caps {
+		if err := unix.Removexattr(self, fdtree.CapsXattr); err != nil && !errors.Is(err, unix.ENODATA) {
+			return err
+		}
+	}
+	return nil
 }
 
 // isWhiteout says whether an entry is an overlay whiteout: a character

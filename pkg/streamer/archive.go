@@ -39,10 +39,7 @@ import (
 // (whiteouts, opaque dirs, redirects), users', and file capabilities (which
 // a nosuid mount disarms). Others (SELinux labels, ACLs) belong to the
 // node, not the volume.
-var xattrPrefixes = []string{"trusted.overlay.", "user.", capsXattr}
-
-// capsXattr holds a file's capabilities.
-const capsXattr = "security.capability"
+var xattrPrefixes = []string{"trusted.overlay.", "user.", fdtree.CapsXattr}
 
 func xattrTravels(name string) bool {
 	for _, p := range xattrPrefixes {
@@ -727,9 +724,10 @@ type Limits struct {
 	// any tar a tool writes; a stream that is not Strict, only what a
 	// packer writes (see tarReader).
 	Strict bool
-	// KeepSetuid keeps regular files' setuid and setgid bits
-	// (--allow-setuid). Otherwise they are cleared, as a capture clears
-	// them: runtimes do not pass a volume's nosuid into the container.
+	// KeepSetuid keeps regular files' setuid and setgid bits and file
+	// capabilities (--allow-setuid). Otherwise the bits are cleared and
+	// the capabilities not set, as a capture clears both: runtimes do not
+	// pass a volume's nosuid into the container.
 	KeepSetuid bool
 }
 
@@ -1261,8 +1259,12 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 
 // setsXattr says whether the extractor sets an xattr: a user sets only
 // user.* ones (the others are root's to set, as only root gives files
-// away).
+// away), and file capabilities are set only where setuid bits are kept:
+// they would give a step's non-root user what a setuid-root binary does.
 func (x *extractor) setsXattr(name string) bool {
+	if name == fdtree.CapsXattr && !x.keepSetuid {
+		return false
+	}
 	return !x.unprivileged || strings.HasPrefix(name, "user.")
 }
 
@@ -1379,7 +1381,8 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 		err = x.fileAttrs(fd, hdr, &made) // through the descriptor: no path lookups
 	}
 	if err == nil && x.stub != nil && size > 0 && isStub(hdr) {
-		_, caps := hdr.PAXRecords[paxXattr+capsXattr]
+		_, caps := hdr.PAXRecords[paxXattr+fdtree.CapsXattr]
+		caps = caps && x.setsXattr(fdtree.CapsXattr)
 		err = x.stub(Stub{FD: fd, Name: name, Size: size, Place: place, Caps: caps,
 			Dev: uint64(made.Dev), Ino: made.Ino, Mtime: fileTime(hdr)})
 	}

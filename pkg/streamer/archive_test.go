@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/internal/testfs"
 )
 
@@ -31,6 +32,8 @@ func TestRoundTripKeepsALayer(t *testing.T) {
 	require.NoError(t, os.Mkdir(src, 0o755))
 	testfs.LayerTree(t, src)
 	want := testfs.Describe(t, src)
+	keepAll := DefaultLimits // --allow-setuid's: the tree's file capabilities too (see TestUnpackClearsSetuid)
+	keepAll.KeepSetuid = true
 	for _, enc := range []Encoding{Raw, Zstd, S2, Gzip} {
 		t.Run(string(enc), func(t *testing.T) {
 			var wire bytes.Buffer
@@ -39,7 +42,7 @@ func TestRoundTripKeepsALayer(t *testing.T) {
 			require.Less(t, sent.Bytes, int64(8<<20), "the 256 MiB hole did not cross as zeros")
 			dst := filepath.Join(root, "dst-"+string(enc))
 			require.NoError(t, os.Mkdir(dst, 0o755))
-			got, err := Unpack(context.Background(), &wire, enc, dst, DefaultLimits)
+			got, err := Unpack(context.Background(), &wire, enc, dst, keepAll)
 			require.NoError(t, err)
 			require.Equal(t, sent, got)
 			require.Equal(t, want, testfs.Describe(t, dst))
@@ -58,7 +61,7 @@ func TestRoundTripKeepsALayer(t *testing.T) {
 		require.NoError(t, err)
 		dst := filepath.Join(root, "dst-one-cpu")
 		require.NoError(t, os.Mkdir(dst, 0o755))
-		got, err := Unpack(context.Background(), &wire, S2, dst, DefaultLimits)
+		got, err := Unpack(context.Background(), &wire, S2, dst, keepAll)
 		require.NoError(t, err)
 		require.Equal(t, sent, got)
 		require.Equal(t, want, testfs.Describe(t, dst))
@@ -281,13 +284,16 @@ func FuzzUnpack(f *testing.F) {
 }
 
 // A pulled or uploaded setuid binary arrives without its setuid and setgid
-// bits, as a capture would leave it, unless the node keeps them
-// (--allow-setuid): runtimes do not pass a volume's nosuid into the
-// container.
+// bits, and a binary with file capabilities without them, as a capture
+// would leave them, unless the node keeps them (--allow-setuid): runtimes
+// do not pass a volume's nosuid into the container.
 func TestUnpackClearsSetuid(t *testing.T) {
+	capSetuid := "\x01\x00\x00\x02\x80\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00" // v2, effective, CAP_SETUID
 	archive := craft(t,
 		entry{hdr: tar.Header{Name: "suid", Typeflag: tar.TypeReg, Mode: 0o4755}, body: "x"},
 		entry{hdr: tar.Header{Name: "sgid", Typeflag: tar.TypeReg, Mode: 0o2711}, body: "x"},
+		entry{hdr: tar.Header{Name: "capped", Typeflag: tar.TypeReg, Mode: 0o755, Format: tar.FormatPAX,
+			PAXRecords: map[string]string{paxXattr + fdtree.CapsXattr: capSetuid}}, body: "x"},
 		entry{hdr: tar.Header{Name: "dir", Typeflag: tar.TypeDir, Mode: 0o2775}})
 	for _, keep := range []bool{false, true} {
 		dst := t.TempDir()
@@ -295,7 +301,7 @@ func TestUnpackClearsSetuid(t *testing.T) {
 		lim.KeepSetuid = keep
 		_, err := Unpack(context.Background(), bytes.NewReader(archive), Raw, dst, lim)
 		require.NoError(t, err)
-		want := map[string]uint32{"suid": 0o755, "sgid": 0o711, "dir": 0o2775}
+		want := map[string]uint32{"suid": 0o755, "sgid": 0o711, "capped": 0o755, "dir": 0o2775}
 		if keep {
 			want["suid"], want["sgid"] = 0o4755, 0o2711
 		}
@@ -303,6 +309,14 @@ func TestUnpackClearsSetuid(t *testing.T) {
 			var st unix.Stat_t
 			require.NoError(t, unix.Lstat(filepath.Join(dst, name), &st))
 			require.Equal(t, mode, st.Mode&0o7777, "%s (keep %v)", name, keep)
+		}
+		buf := make([]byte, 64)
+		n, err := unix.Lgetxattr(filepath.Join(dst, "capped"), fdtree.CapsXattr, buf)
+		if keep {
+			require.NoError(t, err)
+			require.Equal(t, capSetuid, string(buf[:n]))
+		} else {
+			require.ErrorIs(t, err, unix.ENODATA, "no file capabilities unless kept")
 		}
 	}
 }
@@ -515,7 +529,7 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	require.NoError(t, os.WriteFile(filepath.Join(src, "d", "a"), []byte("aaaa"), 0o640))
 	require.NoError(t, os.WriteFile(filepath.Join(src, "b"), make([]byte, 1<<20), 0o644))
 	// VFS_CAP_REVISION_2, effective, CAP_NET_BIND_SERVICE.
-	require.NoError(t, unix.Setxattr(filepath.Join(src, "b"), capsXattr, []byte{0x01, 0, 0, 0x02, 0x00, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, 0))
+	require.NoError(t, unix.Setxattr(filepath.Join(src, "b"), fdtree.CapsXattr, []byte{0x01, 0, 0, 0x02, 0x00, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, 0))
 	require.NoError(t, os.WriteFile(filepath.Join(src, "empty"), nil, 0o644))
 	require.NoError(t, os.Link(filepath.Join(src, "d", "a"), filepath.Join(src, "a-too")))
 	mtime := time.Date(2020, 1, 2, 3, 4, 5, 6, time.UTC)
@@ -528,7 +542,9 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	require.NoError(t, os.Mkdir(dst, 0o755))
 	var mu sync.Mutex
 	got, places, caps := map[string]int64{}, map[string]int{}, map[string]bool{}
-	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, DefaultLimits, Inline{}, func(s Stub) error {
+	keepCaps := DefaultLimits // --allow-setuid's: file capabilities are set, and their fills put them back
+	keepCaps.KeepSetuid = true
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, dst, keepCaps, Inline{}, func(s Stub) error {
 		fd, name, size := s.FD, s.Name, s.Size
 		var st unix.Stat_t
 		require.NoError(t, unix.Fstat(fd, &st))
@@ -565,6 +581,18 @@ func TestUnpackStubsHandsOverEachStub(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.Equal(t, []string{"a-too", "b"}, brought, "the data stream brings them in their places' order")
+
+	// Without --allow-setuid no stub has file capabilities, nor any to
+	// put back.
+	noCaps := filepath.Join(root, "dst-no-caps")
+	require.NoError(t, os.Mkdir(noCaps, 0o755))
+	_, err = UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), Raw, noCaps, DefaultLimits, Inline{}, func(s Stub) error {
+		require.False(t, s.Caps, s.Name)
+		return nil
+	})
+	require.NoError(t, err)
+	_, err = unix.Lgetxattr(filepath.Join(noCaps, "b"), fdtree.CapsXattr, nil)
+	require.ErrorIs(t, err, unix.ENODATA)
 
 	boom := errors.New("boom")
 	dst2 := filepath.Join(root, "dst2")

@@ -35,10 +35,12 @@ func noNewPrivileges(_, container map[string]any) {
 }
 
 // plantSetuid adds an init container, root, that leaves a setuid-root euid
-// in the pod's emptyDir "shared".
+// in the pod's emptyDir "shared", and capuid, a euid with the file
+// capability cap_setuid.
 func plantSetuid(spec, _ map[string]any) {
 	spec["initContainers"] = []any{map[string]any{"name": "plant", "image": busyboxImage, "imagePullPolicy": "Never",
-		"command":      []string{"/bin/sh", "-c", "cp /bin/euid /shared/euid && chmod 4755 /shared/euid"},
+		"command": []string{"/bin/sh", "-c", "set -e; cp /bin/euid /shared/euid; chmod 4755 /shared/euid; " +
+			"cp /bin/euid /shared/capuid; /bin/euid -setcap /shared/capuid"},
 		"volumeMounts": []any{map[string]any{"name": "shared", "mountPath": "/shared"}}}}
 }
 
@@ -108,30 +110,33 @@ func TestHardenedSteps(t *testing.T) {
 		report(t, fmt.Sprintf("user-namespace task (overlay on XFS, a reflink clone of a 3-file input): publish %s\n", publish))
 	})
 
-	c.scenario("setuid binaries and device nodes from a volume give no one root", func() {
-		// The threat is real: runc passes a volume's setuid bits into
-		// the container (an emptyDir here), whatever the mount's flags.
-		c.createPodWith("ci", "setuid-control", `/shared/euid`, []podOpt{runAs(1000), plantSetuid},
+	c.scenario("setuid binaries, file capabilities and device nodes from a volume give no one root", func() {
+		// The threat is real: runc passes a volume's setuid bits and file
+		// capabilities into the container (an emptyDir here), whatever
+		// the mount's flags.
+		c.createPodWith("ci", "setuid-control", `/shared/euid; /shared/capuid -setuid`, []podOpt{runAs(1000), plantSetuid},
 			volume{name: "shared", mountPath: "/shared"})
-		require.Equal(t, "0\n", c.mustSucceed("ci", "setuid-control"), "a setuid-root binary in an emptyDir runs as root")
-		// What the README tells pod authors to add stops it wherever the
-		// binary comes from.
-		c.createPodWith("ci", "setuid-no-new-privs", `/shared/euid`, []podOpt{runAs(1000), noNewPrivileges, plantSetuid},
+		require.Equal(t, "0\n0\n", c.mustSucceed("ci", "setuid-control"),
+			"a setuid-root binary in an emptyDir runs as root, and one with cap_setuid becomes root")
+		// What the README tells pod authors to add stops both wherever
+		// the binary comes from.
+		c.createPodWith("ci", "setuid-no-new-privs", `/shared/euid; /shared/capuid -setuid`, []podOpt{runAs(1000), noNewPrivileges, plantSetuid},
 			volume{name: "shared", mountPath: "/shared"})
-		require.Equal(t, "1000\n", c.mustSucceed("ci", "setuid-no-new-privs"), "allowPrivilegeEscalation: false")
+		require.Equal(t, "1000\n1000\n", c.mustSucceed("ci", "setuid-no-new-privs"), "allowPrivilegeEscalation: false")
 
 		c.createPod("ci", "plant", `set -e; cd /out
 			cp /bin/euid euid; chmod 4755 euid; cp /bin/euid sgid; chmod 2755 sgid
+			cp /bin/euid capuid; /bin/euid -setcap capuid
 			mknod null c 1 3; mknod zero c 1 5; test -c null`,
 			volume{name: "out", mountPath: "/out", attrs: attrs("capture", "tools", "scope", "cluster")})
 		c.mustSucceed("ci", "plant")
 		c.waitCaptured("tools")
 		c.createPodWith("other", "victim", `set -e; cd /in
-			stat -c '%n %a' euid sgid; ./euid
+			stat -c '%n %a' euid sgid; ./euid; ./capuid -setuid
 			for d in null zero; do if echo x > $d; then echo "$d opened"; exit 1; fi; done 2>/dev/null; echo no devices`,
 			[]podOpt{runAs(1000)},
 			volume{name: "in", mountPath: "/in", attrs: attrs("source", "tools", "sourceNamespace", "ci"), readOnly: true})
-		require.Equal(t, "euid 755\nsgid 755\n1000\nno devices\n", c.mustSucceed("other", "victim"))
+		require.Equal(t, "euid 755\nsgid 755\n1000\n1000\nno devices\n", c.mustSucceed("other", "victim"))
 	})
 
 	c.scenario("every capture says how its step ended", func() {
