@@ -110,10 +110,11 @@ func (t *tarReader) next() (*tar.Header, error) {
 		if size < 0 || size > maxPAXHeader {
 			return nil, fmt.Errorf("%w: an extended header of %d bytes", errTarHeader, size)
 		}
-		if n := int(size + (-size & (tarBlock - 1))); cap(t.pax) < n {
+		n := int(size + (-size & (tarBlock - 1))) // padded to its blocks
+		if cap(t.pax) < n {
 			t.pax = make([]byte, n)
 		}
-		data := t.pax[:size+(-size&(tarBlock-1))]
+		data := t.pax[:n]
 		if _, err := io.ReadFull(t.r, data); err != nil {
 			return nil, unexpected(err)
 		}
