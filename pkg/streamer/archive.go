@@ -519,21 +519,18 @@ func (pk *packer) carriesData(st *unix.Stat_t) bool {
 // data goes.
 func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry, error) {
 	hdr := &tar.Header{Name: name, Format: tar.FormatPAX}
-	if pk.shape != DataTar {
-		hdr.Mode, hdr.Uid, hdr.Gid, hdr.ModTime = int64(st.Mode&0o7777), int(st.Uid), int(st.Gid), time.Unix(st.Mtim.Unix())
-	}
 	e := aheadEntry{hdr: hdr, name: name, file: -1}
-	var xattrs map[string]string
-	var err error
-	if pk.shape != DataTar {
-		if xattrs, err = readXattrs(dir, base); err != nil {
+	if pk.shape != DataTar { // a DataTar's entries are names and data: the stub tree carried the rest
+		hdr.Mode, hdr.Uid, hdr.Gid, hdr.ModTime = int64(st.Mode&0o7777), int(st.Uid), int(st.Gid), time.Unix(st.Mtim.Unix())
+		xattrs, err := readXattrs(dir, base)
+		if err != nil {
 			return e, fmt.Errorf("%s: %w", name, err)
 		}
-	}
-	if len(xattrs) > 0 {
-		hdr.PAXRecords = map[string]string{}
-		for k, v := range xattrs {
-			hdr.PAXRecords[paxXattr+k] = v
+		if len(xattrs) > 0 {
+			hdr.PAXRecords = map[string]string{}
+			for k, v := range xattrs {
+				hdr.PAXRecords[paxXattr+k] = v
+			}
 		}
 	}
 	switch st.Mode & unix.S_IFMT {
