@@ -407,13 +407,7 @@ func TestPackFirst(t *testing.T) {
 	require.NoError(t, err)
 	var names []string
 	links := map[string]string{}
-	tr := tar.NewReader(&wire)
-	for {
-		hdr, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		require.NoError(t, err)
+	for _, hdr := range tarHeaders(t, &wire) {
 		names = append(names, hdr.Name)
 		if hdr.Typeflag == tar.TypeLink {
 			links[hdr.Name] = hdr.Linkname
@@ -485,14 +479,8 @@ func TestDataTarCarriesOnlyTheFilesData(t *testing.T) {
 	dr, release, err := S2.reader(bytes.NewReader(raw))
 	require.NoError(t, err)
 	defer release()
-	tr := tar.NewReader(dr)
 	var names []string
-	for {
-		hdr, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		require.NoError(t, err)
+	for _, hdr := range tarHeaders(t, dr) {
 		names = append(names, hdr.Name)
 		require.Equal(t, byte(tar.TypeReg), hdr.Typeflag, hdr.Name)
 		require.Zero(t, hdr.Mode, hdr.Name)
@@ -511,6 +499,22 @@ func TestDataTarCarriesOnlyTheFilesData(t *testing.T) {
 	sum, got = files(&named)
 	require.Equal(t, sent, sum)
 	require.Equal(t, map[string]string{"d/a-too": "a"}, got)
+}
+
+// tarHeaders reads a plain tar stream to its end with archive/tar and
+// returns its headers, in order.
+func tarHeaders(t *testing.T, r io.Reader) []*tar.Header {
+	t.Helper()
+	var hdrs []*tar.Header
+	tr := tar.NewReader(r)
+	for {
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			return hdrs
+		}
+		require.NoError(t, err)
+		hdrs = append(hdrs, hdr)
+	}
 }
 
 type bufferAt struct{ b []byte }
