@@ -117,7 +117,7 @@ func BenchmarkStepImage(b *testing.B) {
 	}
 	registry := plugintest.FreeAddr(b)
 	n := &node{b: b, p: plugintest.Start(b, plugintest.Config{StateDir: testfs.Mount(b, testfs.XFS, 6<<30), Backend: "overlay",
-		Args: []string{"--image-registry-address=" + registry, "--image-snapshotter-endpoint=unix://" + socket}})}
+		Args: []string{"--image-registry-address=" + registry, "--image-registry-auth=grace", "--image-snapshotter-endpoint=unix://" + socket}})}
 	work := testfs.Mount(b, testfs.XFS, 6<<30)
 	var rows []string
 	for _, size := range []int64{100 << 20, 2 << 30} {

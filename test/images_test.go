@@ -101,7 +101,7 @@ func registryAnswer(t *testing.T, method, url string) (int, string) {
 func TestImageRegistry(t *testing.T) {
 	testfs.Need(t)
 	addr := plugintest.FreeAddr(t)
-	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--image-registry-address=" + addr}})
+	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--image-registry-address=" + addr, "--image-registry-auth=grace"}})
 	e.step("", "rootfs-img", func(dir string) { writeRootfsImage(t, dir, "hello") })
 	// A step that changes the image: its volume is a chain of two layers,
 	// read merged.
@@ -260,7 +260,7 @@ func tarFiles(t *testing.T, r io.Reader) map[string]string {
 func TestImageFromAPeer(t *testing.T) {
 	f := startPeerFleet(t)
 	a := f.node("node-a", testfs.XFS, 1<<30)
-	b := f.node("node-b", testfs.XFS, 1<<30, "--image-registry-address=127.0.0.1:7444", "--pull-mode=auto",
+	b := f.node("node-b", testfs.XFS, 1<<30, "--image-registry-address=127.0.0.1:7444", "--image-registry-auth=grace", "--pull-mode=auto",
 		"--image-snapshotter-endpoint=unix://"+filepath.Join(t.TempDir(), "sn.sock"))
 	a.step("", "img", func(dir string) { writeRootfsImage(t, dir, "from node-a") })
 	a.step("", "img-on-layers", func(dir string) { writeRootfsImage(t, dir, "on its layers") })

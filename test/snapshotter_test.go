@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -13,6 +14,8 @@ import (
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/core/snapshots/proxy"
 	"github.com/containerd/errdefs"
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -50,6 +53,12 @@ func unpackRemote(ctx context.Context, sn snapshots.Snapshotter, key string, lay
 	return err
 }
 
+// withLayer is a layer descriptor annotated as the remote layer l.
+func withLayer(d ocispec.Descriptor, l image.RemoteLayer) ocispec.Descriptor {
+	d.Annotations = map[string]string{image.RemoteLayerAnnotation: l.String()}
+	return d
+}
+
 // committedAs finds the committed snapshot of a chain ID, as containerd's
 // metadata finds a remote snapshotter's.
 func committedAs(t *testing.T, ctx context.Context, sn snapshots.Snapshotter, chainID string) string {
@@ -75,7 +84,7 @@ func TestImageSnapshotter(t *testing.T) {
 	addr := plugintest.FreeAddr(t)
 	sock := filepath.Join(t.TempDir(), "sn.sock")
 	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{
-		"--image-registry-address=" + addr, "--image-snapshotter-endpoint=unix://" + sock}})
+		"--image-registry-address=" + addr, "--image-registry-auth=grace", "--image-snapshotter-endpoint=unix://" + sock}})
 	e.step("", "img", func(dir string) { writeRootfsImage(t, dir, "hello") })
 	e.step("img", "img2", func(dir string) {
 		write(t, dir, "rootfs/bin/greet", "bonjour")
@@ -95,9 +104,14 @@ func TestImageSnapshotter(t *testing.T) {
 	err = unpackRemote(ctx, sn, "extract-1 "+chainID, layer)
 	require.True(t, errdefs.IsAlreadyExists(err), "a remote layer exists at once: %v", err)
 	remote := committedAs(t, ctx, sn, chainID)
-	// Again, as a second pull would: the same snapshot.
-	require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-2 "+chainID, layer)))
-	assert.Equal(t, remote, committedAs(t, ctx, sn, chainID))
+	// The same layer again, as a replay of the pull would: refused. A
+	// second pull is handed a layer of its own.
+	err = unpackRemote(ctx, sn, "extract-2 "+chainID, layer)
+	require.True(t, errdefs.IsPermissionDenied(err), "a replayed remote layer: %v", err)
+	second := remoteManifest(t, addr, "ci/img2").Layers[0]
+	require.NotEqual(t, layer.Digest, second.Digest)
+	require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-2 "+second.Digest.String(), second)))
+	assert.NotEqual(t, remote, committedAs(t, ctx, sn, second.Digest.String()))
 	_, err = sn.Stat(ctx, "extract-1 "+chainID)
 	assert.True(t, errdefs.IsNotFound(err), "the extraction snapshot is gone: %v", err)
 
@@ -130,6 +144,7 @@ func TestImageSnapshotter(t *testing.T) {
 			require.NoError(t, err)
 			assert.Equal(t, []string{"container-1"}, v.HoldingImages, "the whole chain is held")
 		}
+		handedBefore := remoteManifest(t, addr, "ci/img2").Layers[0]
 		destroy("img2", "bystander")
 		// The reaper freed what nothing holds, and not the image.
 		eventually(t, "the bystander freed", func() bool {
@@ -138,10 +153,13 @@ func TestImageSnapshotter(t *testing.T) {
 		})
 		assert.DirExists(t, dataDir)
 		assert.Equal(t, "changed by the container", readFile(t, root, "bin/greet"))
-		// Destroyed: no new image names it.
-		_, err := http.Get("http://" + addr + "/v2/ci/img2/manifests/cowvol")
+		// Destroyed: no new image names it, and a layer handed to a pull
+		// before is no remote layer.
+		resp, err := http.Get("http://" + addr + "/v2/ci/img2/manifests/cowvol")
 		require.NoError(t, err)
-		err = unpackRemote(ctx, sn, "extract-3 "+chainID, layer)
+		resp.Body.Close()
+		assert.Equal(t, http.StatusNotFound, resp.StatusCode)
+		err = unpackRemote(ctx, sn, "extract-3 "+handedBefore.Digest.String(), handedBefore)
 		assert.False(t, errdefs.IsAlreadyExists(err), "a destroyed volume is no remote layer: %v", err)
 	})
 	t.Run("holds outlive the plugin", func(t *testing.T) {
@@ -167,21 +185,74 @@ func TestImageSnapshotter(t *testing.T) {
 		l, _, err := image.ParseRemoteLayer(good.Annotations[image.RemoteLayerAnnotation])
 		require.NoError(t, err)
 		e.captureIn("other", "private", nil)
+		taken := remoteManifest(t, addr, "ci/img").Layers[0]
+		require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-taken", taken)))
 		for _, tt := range []struct {
 			name  string
-			layer image.RemoteLayer
+			layer ocispec.Descriptor
 		}{
-			{"another reader", image.RemoteLayer{Reader: "other", Version: l.Version}},
-			{"another volume", image.RemoteLayer{Reader: "ci", Version: "other/private@1"}},
-			{"a malformed annotation", image.RemoteLayer{Reader: "ci", Version: "no version"}},
+			{"another reader", withLayer(good, image.RemoteLayer{Reader: "other", Version: l.Version, Pull: l.Pull})},
+			{"another volume", withLayer(good, image.RemoteLayer{Reader: "ci", Version: "other/private@1", Pull: l.Pull})},
+			{"a malformed annotation", withLayer(good, image.RemoteLayer{Reader: "ci", Version: "no version"})},
+			{"bound to no pull", withLayer(good, image.RemoteLayer{Reader: l.Reader, Version: l.Version})},
+			{"another pull's digest", func() ocispec.Descriptor { d := good; d.Digest = taken.Digest; return d }()},
+			{"a layer taken already", taken},
 		} {
 			t.Run(tt.name, func(t *testing.T) {
-				forged := good
-				forged.Annotations = map[string]string{image.RemoteLayerAnnotation: tt.layer.String()}
-				err := unpackRemote(ctx, sn, "extract-forged "+tt.name, forged)
+				err := unpackRemote(ctx, sn, "extract-forged "+tt.name, tt.layer)
 				assert.True(t, errdefs.IsPermissionDenied(err) || errdefs.IsInvalidArgument(err), "%v", err)
 			})
 		}
 		require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-good", good)))
+
+		// An image a step wrote that names the live remote layer (the
+		// runtime would find its snapshot by that diff ID alone), or
+		// carries the annotation: the registry serves neither.
+		e.step("", "names-remote", func(dir string) { writeLayout(t, dir, taken.Digest, nil) })
+		e.step("", "annotated", func(dir string) { writeLayout(t, dir, "", good.Annotations) })
+		e.step("", "plain-layout", func(dir string) { writeLayout(t, dir, "", nil) })
+		for _, repo := range []string{"ci/names-remote", "ci/annotated"} {
+			for _, tag := range []string{"latest", "cowvol"} {
+				resp, err := http.Get("http://" + addr + "/v2/" + repo + "/manifests/" + tag)
+				require.NoError(t, err)
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				assert.Equal(t, http.StatusNotFound, resp.StatusCode, repo)
+				assert.Contains(t, string(body), "claims a remote layer", repo)
+			}
+		}
+		resp, err := http.Get("http://" + addr + "/v2/ci/plain-layout/manifests/latest")
+		require.NoError(t, err)
+		resp.Body.Close()
+		assert.Equal(t, http.StatusOK, resp.StatusCode)
 	})
+}
+
+// writeLayout writes an OCI image layout of one image whose first diff
+// ID is diffID (empty: its layer's own), its layer annotated with
+// annotations.
+func writeLayout(t *testing.T, dir string, diffID digest.Digest, annotations map[string]string) {
+	t.Helper()
+	blob := func(data []byte) digest.Digest {
+		d := digest.FromBytes(data)
+		write(t, dir, "blobs/sha256/"+d.Encoded(), string(data))
+		return d
+	}
+	layer := []byte("not really a tar")
+	layerDigest := blob(layer)
+	if diffID == "" {
+		diffID = layerDigest
+	}
+	config, err := json.Marshal(ocispec.Image{RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{diffID}}})
+	require.NoError(t, err)
+	configDigest := blob(config)
+	manifest, err := json.Marshal(ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest,
+		Config: ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: configDigest, Size: int64(len(config))},
+		Layers: []ocispec.Descriptor{{MediaType: ocispec.MediaTypeImageLayer, Digest: layerDigest, Size: int64(len(layer)), Annotations: annotations}}})
+	require.NoError(t, err)
+	index, err := json.Marshal(ocispec.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageIndex,
+		Manifests: []ocispec.Descriptor{{MediaType: ocispec.MediaTypeImageManifest, Digest: blob(manifest), Size: int64(len(manifest))}}})
+	require.NoError(t, err)
+	write(t, dir, "index.json", string(index))
+	write(t, dir, "oci-layout", `{"imageLayoutVersion":"1.0.0"}`)
 }

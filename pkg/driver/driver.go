@@ -99,6 +99,10 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	if deps.Kube == nil && (opts.LeaderElection.Enabled || opts.KubeAuth) {
 		return nil, errors.New("--leader-election and --kube-auth need an API server (--kubeconfig, or run in a pod)")
 	}
+	if deps.Kube == nil && opts.ImageRegistryAddress != "" && opts.ImageRegistryAuth == registry.AuthRequired {
+		return nil, fmt.Errorf("--image-registry-auth=%s needs an API server to review pulls' tokens (--kubeconfig, or run in a pod); "+
+			"--image-registry-auth=%s serves pulls without credentials", registry.AuthRequired, registry.AuthGrace)
+	}
 	d.identity = &identityService{name: opts.DriverName, version: opts.Version, controller: opts.Mode != ModeNode}
 	// One event sender and one context for every API server watch.
 	var events *kubeEvents

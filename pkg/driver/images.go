@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"path/filepath"
 	"regexp"
@@ -11,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	contentapi "github.com/containerd/containerd/api/services/content/v1"
 	imagesapi "github.com/containerd/containerd/api/services/images/v1"
 	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
 	"github.com/containerd/containerd/v2/contrib/snapshotservice"
@@ -58,18 +60,22 @@ func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref)
 // the registry, and the snapshotter that runs them on the volumes' layers.
 func (d *Driver) imageRunners() ([]runner, error) {
 	var runners []runner
-	var key *image.LayerKey
+	opts := registry.Options{Mode: d.opts.ImageRegistryAuth}
+	if d.kube != nil {
+		opts.Auth = registry.NewTokenReviews(d.kube, d.opts.NodeID, pullReviewTTL)
+	}
 	if d.opts.ImageSnapshotterEndpoint != "" {
 		k, err := image.LoadLayerKey(filepath.Join(d.opts.StateDir, "image-layer.key"))
 		if err != nil {
 			return nil, fmt.Errorf("the image snapshotter's key: %w", err)
 		}
-		key = &k
+		opts.Grants = image.NewPullGrants(k, registry.GrantTTL)
 		root := filepath.Join(d.opts.StateDir, "snapshotter")
-		sn, err := snapshotter.New(context.Background(), root, k, d.engine)
+		sn, err := snapshotter.New(context.Background(), root, opts.Grants, d.engine)
 		if err != nil {
 			return nil, fmt.Errorf("the image snapshotter at %s: %w", root, err)
 		}
+		opts.RemoteLayers = sn
 		srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
 		snapshotsapi.RegisterSnapshotsServer(srv, snapshotservice.FromSnapshotter(sn))
 		// containerd's alone: it hands out the node's volumes as root
@@ -83,17 +89,62 @@ func (d *Driver) imageRunners() ([]runner, error) {
 			klog.InfoS("Not checking that containerd runs step images on the cowvol snapshotter: no --containerd-address")
 		}
 	}
-	reg := registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, key)
+	reg := registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, opts)
 	if d.opts.ContainerdAddress != "" {
 		runners = append(runners, loopRunner("deleting the runtime's images of volumes gone", func(ctx context.Context) error {
 			d.forgetImages(ctx, reg)
 			return nil
 		}))
 	}
+	runners = append(runners, loopRunner("checking that pulls carry credentials", func(ctx context.Context) error {
+		d.checkPullCredentials(ctx, reg, time.Minute)
+		return nil
+	}))
 	srv := &http.Server{Handler: reg, ReadHeaderTimeout: 10 * time.Second}
 	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
-		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress))
+		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress,
+		"auth", d.opts.ImageRegistryAuth))
 	return runners, nil
+}
+
+// pullReviewTTL is how long the registry trusts an API server's review of
+// a pull's token: a pull's few requests cost one review.
+const pullReviewTTL = 30 * time.Second
+
+// checkPullCredentials says, in the log and in an Event on the Node, when
+// the runtime pulls from the node's registry without credentials: in
+// every period in which manifests were asked for without one and none was
+// asked for with one, the kubelet's cowvol credential provider is missing
+// or not configured for the registry's address (a runtime first asks
+// without, and again with the credential it was given once challenged).
+func (d *Driver) checkPullCredentials(ctx context.Context, reg *registry.Server, period time.Duration) {
+	var lastAnon, lastAuth uint64
+	warned := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(period):
+		}
+		anon, auth := reg.Credentials()
+		switch {
+		case anon > lastAnon && auth == lastAuth:
+			how := "refused"
+			if d.opts.ImageRegistryAuth == registry.AuthGrace {
+				how = "served as their path says (--image-registry-auth=grace)"
+			}
+			msg := fmt.Sprintf("the runtime pulled %d image manifests from the node's image registry without credentials, %s: "+
+				"install cowvol-credential-provider in the kubelet's --image-credential-provider-bin-dir and name it for %s in its --image-credential-provider-config "+
+				"(tokenAttributes.serviceAccountTokenAudience: %s)", anon-lastAnon, how, d.opts.ImageRegistryAddress, registry.Audience)
+			klog.ErrorS(nil, "Image pulls arrive without credentials", "pulls", anon-lastAnon, "auth", d.opts.ImageRegistryAuth)
+			d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImagePullsWithoutCredentials", msg)
+			warned = true
+		case auth > lastAuth && warned:
+			klog.InfoS("Image pulls arrive with their pods' credentials again")
+			warned = false
+		}
+		lastAnon, lastAuth = anon, auth
+	}
 }
 
 // checkContainerd says, in the log and in an Event on the Node, what the
@@ -152,7 +203,7 @@ func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
 				return err
 			}
 			defer conn.Close()
-			return forgetStale(ctx, imagesapi.NewImagesClient(conn), reg, d.opts.ImageRegistryAddress+"/")
+			return forgetStale(ctx, imagesapi.NewImagesClient(conn), contentapi.NewContentClient(conn), reg, d.opts.ImageRegistryAddress+"/")
 		}()
 		if err != nil && err.Error() != said {
 			klog.ErrorS(err, "Could not delete the runtime's images of volumes gone; trying again every half minute", "containerd", d.opts.ContainerdAddress)
@@ -176,7 +227,7 @@ var imageID = regexp.MustCompile(`^sha256:[0-9a-f]{64}$`)
 // forgetStale deletes the images under prefix that are stale, and then
 // the CRI's image ID records left naming nothing else: while one is left,
 // containerd keeps everything the image held.
-func forgetStale(ctx context.Context, imgs imagesapi.ImagesClient, reg *registry.Server, prefix string) error {
+func forgetStale(ctx context.Context, imgs imagesapi.ImagesClient, blobs contentapi.ContentClient, reg *registry.Server, prefix string) error {
 	list, err := imgs.List(ctx, &imagesapi.ListImagesRequest{Filters: []string{imagesUnder(prefix)}})
 	if err != nil {
 		return err
@@ -187,7 +238,8 @@ func forgetStale(ctx context.Context, imgs imagesapi.ImagesClient, reg *registry
 		if !ok || img.Target == nil {
 			continue
 		}
-		if stale, err := reg.Stale(ctx, ref, digest.Digest(img.Target.Digest)); err != nil || !stale {
+		manifest := func() ([]byte, error) { return readBlob(ctx, blobs, img.Target.Digest, img.Target.Size) }
+		if stale, err := reg.Stale(ctx, ref, digest.Digest(img.Target.Digest), manifest); err != nil || !stale {
 			continue
 		}
 		if err := deleteImage(ctx, imgs, img.Name); err != nil {
@@ -216,6 +268,34 @@ func forgetStale(ctx context.Context, imgs imagesapi.ImagesClient, reg *registry
 		}
 	}
 	return nil
+}
+
+// maxManifest bounds a manifest read from the runtime's content store.
+const maxManifest = 4 << 20
+
+// readBlob reads a small blob from containerd's content store.
+func readBlob(ctx context.Context, blobs contentapi.ContentClient, d string, size int64) ([]byte, error) {
+	if size < 0 || size > maxManifest {
+		return nil, fmt.Errorf("blob %s: %d bytes, more than a manifest", d, size)
+	}
+	stream, err := blobs.Read(ctx, &contentapi.ReadContentRequest{Digest: d})
+	if err != nil {
+		return nil, err
+	}
+	var data []byte
+	for {
+		resp, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		if data = append(data, resp.Data...); int64(len(data)) > size {
+			return nil, fmt.Errorf("blob %s: more than its %d bytes", d, size)
+		}
+	}
+	return data, nil
 }
 
 // deleteImage deletes an image, waiting for containerd to collect what

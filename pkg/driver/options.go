@@ -61,6 +61,12 @@ type Options struct {
 	// node serves the images its cached volumes hold to its container
 	// runtime (package registry); empty serves none.
 	ImageRegistryAddress string
+	// ImageRegistryAuth is registry.AuthRequired (every pull proves its
+	// pod's namespace with the token the kubelet's cowvol credential
+	// provider hands the runtime) or registry.AuthGrace (a pull without
+	// one is served as its path says, logged and counted: for the roll of
+	// the credential provider onto existing nodes).
+	ImageRegistryAuth string
 	// ImageSnapshotterEndpoint (node mode) is the unix socket where the
 	// node serves containerd its cowvol snapshotter (package
 	// snapshotter), which runs step images on cached volumes' layers;
@@ -113,7 +119,7 @@ func Defaults() Options {
 	return Options{
 		Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: host, DriverName: DefaultDriverName, Version: "dev",
 		StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64, StopTimeout: 30 * time.Second,
-		KubeletDir:   "/var/lib/kubelet",
+		KubeletDir: "/var/lib/kubelet", ImageRegistryAuth: registry.AuthRequired,
 		StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute,
 		HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low,
 		LeaderElection: LeaderElection{
@@ -169,6 +175,9 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		"unix:///path to serve the node API on (default: node-api.sock beside a unix --endpoint)")
 	fs.StringVar(&o.ImageRegistryAddress, "image-registry-address", o.ImageRegistryAddress,
 		"loopback host:port to serve the images cached volumes hold on, for the kubelet to pull as <host:port>/<namespace>/<handle> (empty: none)")
+	fs.StringVar(&o.ImageRegistryAuth, "image-registry-auth", o.ImageRegistryAuth,
+		"with --image-registry-address: "+registry.AuthRequired+" (a pull must carry its pod's ServiceAccount token, which the kubelet's cowvol-credential-provider gives; "+
+			"needs an API server to review it) or "+registry.AuthGrace+" (a pull without one is served as its path says, logged and counted: for the roll onto nodes whose kubelet lacks the provider)")
 	fs.StringVar(&o.ImageSnapshotterEndpoint, "image-snapshotter-endpoint", o.ImageSnapshotterEndpoint,
 		"unix:///path to serve containerd the cowvol snapshotter on (proxy_plugins), which runs images named <registry>/<namespace>/<handle>:"+registry.RemoteTag+
 			" on the volume's own layers; needs --image-registry-address (empty: none)")
@@ -313,6 +322,9 @@ func (o *Options) Validate() error {
 	}
 	if o.ImageRegistryAddress != "" && o.Mode == ModeController {
 		errs = append(errs, errors.New("--image-registry-address is for node plugins: use --mode=node or all"))
+	}
+	if o.ImageRegistryAuth != registry.AuthRequired && o.ImageRegistryAuth != registry.AuthGrace {
+		errs = append(errs, fmt.Errorf("--image-registry-auth %q: want %s or %s", o.ImageRegistryAuth, registry.AuthRequired, registry.AuthGrace))
 	}
 	if o.ImageSnapshotterEndpoint != "" {
 		// The runtime pulls what the snapshotter runs from the registry.

@@ -36,7 +36,9 @@ import (
 	"io/fs"
 	"os"
 	"path"
+	"regexp"
 	"runtime"
+	"slices"
 	"strings"
 
 	"github.com/opencontainers/go-digest"
@@ -99,7 +101,15 @@ type Image struct {
 	// (LoadRemote), if any.
 	Remote digest.Digest
 	blobs  map[digest.Digest]blob
+	// layerIDs are the digests and diff IDs of every layer its
+	// manifests and configs name (Load).
+	layerIDs []digest.Digest
 }
+
+// LayerIDs are the digests and diff IDs of the layers the image names, as
+// the runtime will look its snapshots up by them (a layer's chain ID is
+// its diff ID when it is an image's first).
+func (img *Image) LayerIDs() []digest.Digest { return img.layerIDs }
 
 // blob is where a blob's bytes are: in memory, in a section of a file of
 // the volume, or the tar of a dir of the volume.
@@ -115,6 +125,15 @@ type blob struct {
 func (img *Image) Blob(d digest.Digest) (ocispec.Descriptor, bool) {
 	b, ok := img.blobs[d]
 	return b.desc, ok
+}
+
+// BlobDigests are the digests of every blob the image reaches.
+func (img *Image) BlobDigests() []digest.Digest {
+	ds := make([]digest.Digest, 0, len(img.blobs))
+	for d := range img.blobs {
+		ds = append(ds, d)
+	}
+	return ds
 }
 
 // IsManifest says whether a media type is a manifest or an index (served
@@ -196,7 +215,22 @@ func (h *holdLast) flush() error {
 // Load finds the image in a volume. Reading a rootfs or an archive costs
 // a pass over their bytes (their layers' digests); a layout costs its
 // manifests only.
+//
+// An image that carries cowvol's remote-layer annotation is refused
+// (ErrRemoteLayerClaimed): only the node's registry hands remote layers
+// out, each to one pull (LoadRemote).
 func Load(ctx context.Context, files Files) (*Image, error) {
+	img, err := load(ctx, files)
+	if err != nil {
+		return nil, err
+	}
+	if err := img.readLayerIDs(files); err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+func load(ctx context.Context, files Files) (*Image, error) {
 	if f, err := files.Open("metadata.json"); err == nil {
 		f.Close()
 		return loadRootfs(ctx, files)
@@ -630,32 +664,64 @@ func (v *verifier) check(d ocispec.Descriptor) error {
 // layer's place. Its value is a RemoteLayer.
 const RemoteLayerAnnotation = "containerd.io/snapshot/cowvol.concourse-ci.org/layer"
 
+// annotationPrefix is what every annotation cowvol's snapshotter reads
+// starts with: an image found in a volume carrying one is refused.
+const annotationPrefix = "containerd.io/snapshot/cowvol."
+
+// ErrRemoteLayerClaimed says an image found in a volume names a layer as
+// only the node's registry may: with cowvol's remote-layer annotation, or
+// by the digest of a remote layer handed to a pull.
+var ErrRemoteLayerClaimed = errors.New("the image claims a remote layer, which only the node's registry hands out")
+
 // RemoteLayer names the root filesystem of a rootfs-format image volume,
-// as the namespace Reader reads it: Version is the engine's name for the
-// volume's content (<namespace>/<handle>@<when it was made>).
+// as the namespace Reader reads it, for one pull: Version is the engine's
+// name for the volume's content (<namespace>/<handle>@<when it was made>),
+// Pull the nonce of the pull it was handed to (empty in the labels of
+// snapshots made before remote layers were bound to pulls).
 type RemoteLayer struct {
 	Reader  string
 	Version string
+	Pull    string
 }
 
-func (l RemoteLayer) String() string { return l.Reader + " " + l.Version }
+func (l RemoteLayer) String() string {
+	if l.Pull == "" {
+		return l.Reader + " " + l.Version
+	}
+	return l.Reader + " " + l.Version + " " + l.Pull
+}
 
 // ParseRemoteLayer reads a RemoteLayer annotation.
 func ParseRemoteLayer(s string) (RemoteLayer, volume.Ref, error) {
-	reader, version, ok := strings.Cut(s, " ")
-	i := strings.LastIndexByte(version, '@')
-	if !ok || i < 0 {
-		return RemoteLayer{}, volume.Ref{}, fmt.Errorf("remote layer %s: want <namespace> <volume>@<version>", volume.Quote(s))
-	}
-	ref, err := volume.ParseRef(version[:i])
-	if err == nil {
-		err = volume.ValidateNamespace(reader)
-	}
-	if err != nil {
+	fields := strings.Split(s, " ")
+	bad := func(err error) (RemoteLayer, volume.Ref, error) {
 		return RemoteLayer{}, volume.Ref{}, fmt.Errorf("remote layer %s: %w", volume.Quote(s), err)
 	}
-	return RemoteLayer{Reader: reader, Version: version}, ref, nil
+	if len(fields) != 2 && len(fields) != 3 {
+		return bad(errors.New("want <namespace> <volume>@<version> <pull>"))
+	}
+	l := RemoteLayer{Reader: fields[0], Version: fields[1]}
+	if len(fields) == 3 {
+		if l.Pull = fields[2]; !pullNonce.MatchString(l.Pull) {
+			return bad(errors.New("the pull is not a nonce of the registry's"))
+		}
+	}
+	i := strings.LastIndexByte(l.Version, '@')
+	if i < 0 {
+		return bad(errors.New("want <namespace> <volume>@<version> <pull>"))
+	}
+	ref, err := volume.ParseRef(l.Version[:i])
+	if err == nil {
+		err = volume.ValidateNamespace(l.Reader)
+	}
+	if err != nil {
+		return bad(err)
+	}
+	return l, ref, nil
 }
+
+// pullNonce is the form of the nonces PullGrants mint.
+var pullNonce = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
 // LayerKey makes and checks remote layers' digests. A remote layer's
 // digest is a MAC of the layer under the node's key, not a hash of its
@@ -693,6 +759,9 @@ func LoadLayerKey(path string) (LayerKey, error) {
 func (k LayerKey) Digest(l RemoteLayer) digest.Digest {
 	m := hmac.New(sha256.New, k[:])
 	m.Write([]byte("cowvol remote layer\x00" + l.Reader + "\x00" + l.Version))
+	if l.Pull != "" {
+		m.Write([]byte("\x00" + l.Pull))
+	}
 	return digest.NewDigestFromEncoded(digest.SHA256, hex.EncodeToString(m.Sum(nil)))
 }
 
@@ -702,24 +771,99 @@ func (k LayerKey) Valid(l RemoteLayer, d digest.Digest) bool {
 	return hmac.Equal([]byte(want), []byte(d))
 }
 
-// LoadRemote finds the image in a volume as the snapshotter runs it:
-// a rootfs-format image is served with one remote layer (no pass over its
-// bytes: its digest is key's MAC of layer), which only the snapshotter can
-// provide; any other format as Load finds it.
-func LoadRemote(ctx context.Context, files Files, key LayerKey, layer RemoteLayer) (*Image, error) {
-	meta, err := readMetadata(files)
+// HasRootfs says whether a volume holds a rootfs-format image.
+func HasRootfs(files Files) (bool, error) {
+	f, err := files.Open("metadata.json")
 	if errors.Is(err, fs.ErrNotExist) {
-		return Load(ctx, files)
+		return false, nil
 	}
+	if err != nil {
+		return false, err
+	}
+	f.Close()
+	return true, nil
+}
+
+// LoadRemote describes the rootfs-format image in a volume as the
+// snapshotter runs it, for one pull of reader's: its one layer is remote
+// (never sent, no pass over its bytes), its digest and annotation minted
+// by grants for this pull alone.
+func LoadRemote(files Files, grants *PullGrants, reader, version string) (*Image, error) {
+	meta, err := readMetadata(files)
 	if err != nil {
 		return nil, err
 	}
-	d := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: key.Digest(layer), Size: 0,
+	layer, d, err := grants.Issue(reader, version)
+	if err != nil {
+		return nil, err
+	}
+	desc := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: d, Size: 0,
 		Annotations: map[string]string{RemoteLayerAnnotation: layer.String()}}
-	img, err := rootfsImage(meta, d, "")
+	img, err := rootfsImage(meta, desc, "")
 	if err != nil {
 		return nil, err
 	}
-	img.Remote = d.Digest
+	img.Remote = d
 	return img, nil
+}
+
+// readLayerIDs notes the layers the image's manifests and configs name,
+// refusing one that carries cowvol's annotations.
+func (img *Image) readLayerIDs(files Files) error {
+	seen := map[digest.Digest]bool{}
+	note := func(d digest.Digest) {
+		if !seen[d] {
+			seen[d] = true
+			img.layerIDs = append(img.layerIDs, d)
+		}
+	}
+	for _, b := range img.blobs {
+		switch {
+		case IsManifest(b.desc.MediaType) && b.data != nil:
+			var doc struct {
+				Annotations map[string]string    `json:"annotations"`
+				Config      *ocispec.Descriptor  `json:"config"`
+				Layers      []ocispec.Descriptor `json:"layers"`
+				Manifests   []ocispec.Descriptor `json:"manifests"`
+			}
+			if err := json.Unmarshal(b.data, &doc); err != nil {
+				return fmt.Errorf("%s: %w", b.desc.Digest, err)
+			}
+			descs := append(append([]ocispec.Descriptor{b.desc}, doc.Layers...), doc.Manifests...)
+			if doc.Config != nil {
+				descs = append(descs, *doc.Config)
+			}
+			for _, d := range append(descs, ocispec.Descriptor{Annotations: doc.Annotations}) {
+				for name := range d.Annotations {
+					if strings.HasPrefix(name, annotationPrefix) {
+						return fmt.Errorf("%w: it carries the annotation %s", ErrRemoteLayerClaimed, name)
+					}
+				}
+			}
+			for _, l := range doc.Layers {
+				note(l.Digest)
+			}
+		case b.desc.MediaType == ocispec.MediaTypeImageConfig || b.desc.MediaType == dockerConfig:
+			raw := b.data
+			if raw == nil {
+				var err error
+				if raw, err = readDocument(files, b.file, b.off, b.desc.Size); err != nil {
+					return err
+				}
+			}
+			var config struct {
+				RootFS struct {
+					DiffIDs []digest.Digest `json:"diff_ids"`
+				} `json:"rootfs"`
+			}
+			if err := json.Unmarshal(raw, &config); err != nil {
+				return fmt.Errorf("config %s: %w", b.desc.Digest, err)
+			}
+			for _, d := range config.RootFS.DiffIDs {
+				note(d)
+			}
+		}
+	}
+	slices.Sort(img.layerIDs)
+	return nil
 }

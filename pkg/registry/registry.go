@@ -1,22 +1,28 @@
 // Package registry serves the images that a node's cached volumes hold to
 // the node's container runtime, as a read-only OCI distribution registry
 // on loopback: the kubelet pulls `<address>/<namespace>/<handle>` without
-// any registry outside the node, without a push and without credentials.
+// any registry outside the node and without a push.
 //
 // A repository names who reads and what: `<namespace>/<handle>` is that
 // namespace's own volume; `<namespace>/<owner>/<handle>` is a volume of
-// owner's that it shared with scope cluster, read by namespace. Nothing
-// here can tell which pod asked (the runtime pulls for every pod of the
-// node), so the namespace a pod may name is enforced at admission; this
-// package answers for any other volume exactly as for one that does not
-// exist, and must only ever listen on loopback.
+// owner's that it shared with scope cluster, read by namespace. Every
+// request proves its pod's namespace before anything is looked up: the
+// kubelet's credential provider (cmd/cowvol-credential-provider) hands the
+// runtime the pod's ServiceAccount token, bound to the pod and to
+// Audience, and a repository is served only to its reader's namespace.
+// Anything else is answered exactly as a repository that does not exist
+// is, whatever the other namespace holds, so that nothing reaching the
+// node's loopback (a hostNetwork pod, any process) learns or reads
+// another namespace's images.
 //
-// It owns the HTTP API and a small memory of images found; volumes are
-// read through Volumes (the node engine), never from disk directly.
+// It owns the HTTP API, the images it found and the remote layers it
+// minted; volumes are read through Volumes (the node engine), never from
+// disk directly. It must only ever listen on loopback.
 package registry
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -27,6 +33,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -59,30 +67,61 @@ type Volumes interface {
 // names the image as any runtime pulls it.
 const RemoteTag = "cowvol"
 
+// RemoteLayers says which digests name a remote layer the node's
+// snapshotter mounts (its chain ID): the runtime finds such a snapshot by
+// that digest alone, so no image found in a volume may name one.
+type RemoteLayers interface {
+	IsRemoteLayer(ctx context.Context, d digest.Digest) (bool, error)
+}
+
+// Options are what the server serves with besides the volumes.
+type Options struct {
+	// Grants mint remote layers for pulls of RemoteTag (nil: no
+	// snapshotter, RemoteTag is a tag like any other); RemoteLayers are
+	// the snapshotter's.
+	Grants       *image.PullGrants
+	RemoteLayers RemoteLayers
+	// Auth proves a pull's namespace; Mode is AuthRequired or AuthGrace.
+	// Without Auth, only AuthGrace serves anything.
+	Auth Authenticator
+	Mode string
+}
+
 // Server is the registry's HTTP handler.
 type Server struct {
 	vols    Volumes
-	key     *image.LayerKey // nil: no snapshotter, RemoteTag is a tag like any other
+	opts    Options
 	metrics *Metrics
 	loads   singleflight.Group
 	mu      sync.Mutex
 	images  map[string]*image.Image // by volume version
 	order   []string                // versions, oldest first
+	minted  map[digest.Digest]minted
+	// Requests for manifests with and without a credential, for
+	// Credentials.
+	anonymous, authenticated atomic.Uint64
+}
+
+// minted is an image with a remote layer, handed to one pull.
+type minted struct {
+	img     *image.Image
+	repo    string
+	expires time.Time
 }
 
 // remembered is how many images the server keeps found.
 const remembered = 64
 
-// New serves the images of vols; with key, also as RemoteTag for the
-// node's snapshotter.
-func New(vols Volumes, m *Metrics, key *image.LayerKey) *Server {
-	return &Server{vols: vols, key: key, metrics: m, images: map[string]*image.Image{}}
+// New serves the images of vols.
+func New(vols Volumes, m *Metrics, opts Options) *Server {
+	return &Server{vols: vols, opts: opts, metrics: m, images: map[string]*image.Image{}, minted: map[digest.Digest]minted{}}
 }
 
 // Metrics count the registry's answers.
 type Metrics struct {
-	requests *prometheus.CounterVec
-	bytes    prometheus.Counter
+	requests  *prometheus.CounterVec
+	bytes     prometheus.Counter
+	anonymous *prometheus.CounterVec
 }
 
 // NewMetrics makes the registry's collectors.
@@ -93,12 +132,15 @@ func NewMetrics() *Metrics {
 			[]string{"kind", "code"}),
 		bytes: prometheus.NewCounter(prometheus.CounterOpts{Name: "cowvol_image_registry_sent_bytes_total",
 			Help: "Bytes of blobs and manifests the node's image registry sent."}),
+		anonymous: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cowvol_image_registry_anonymous_requests_total",
+			Help: "Requests to the node's image registry that carried no credential, by what was done: challenged (refused, asking for one) or served (--image-registry-auth=grace)."},
+			[]string{"answer"}),
 	}
 }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.requests, m.bytes}
+	return []prometheus.Collector{m.requests, m.bytes, m.anonymous}
 }
 
 // Repository name components, as the distribution spec allows them.
@@ -158,6 +200,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			ae = apiError{http.StatusInternalServerError, "UNKNOWN", "the node could not read the image; its log says why"}
 		}
 		code = ae.status
+		if code == http.StatusUnauthorized {
+			w.Header().Set("WWW-Authenticate", `Basic realm="cowvol image registry"`)
+		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(code)
 		if r.Method != http.MethodHead {
@@ -165,6 +210,47 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.metrics.requests.WithLabelValues(kind, strconv.Itoa(code)).Inc()
+}
+
+// unauthorized is the answer to a request whose credential proves no
+// namespace, whatever it asked for.
+var unauthorized = apiError{http.StatusUnauthorized, "UNAUTHORIZED",
+	"a pull from the node's image registry must carry its pod's credential: the kubelet's cowvol credential provider gives it"}
+
+// caller is the namespace a request proves ("": none, served as its path
+// says in grace mode), or the answer to give it instead.
+func (s *Server) caller(r *http.Request, kind string) (string, error) {
+	user, password, ok := r.BasicAuth()
+	if !ok || s.opts.Auth == nil {
+		if kind == "manifest" {
+			s.anonymous.Add(1)
+		}
+		if s.opts.Mode == AuthGrace {
+			s.metrics.anonymous.WithLabelValues("served").Inc()
+			return "", nil
+		}
+		s.metrics.anonymous.WithLabelValues("challenged").Inc()
+		return "", unauthorized
+	}
+	ns, err := s.opts.Auth.Namespace(r.Context(), user, password)
+	switch {
+	case errors.Is(err, ErrUnauthenticated):
+		return "", unauthorized
+	case err != nil:
+		return "", apiError{http.StatusServiceUnavailable, "UNAVAILABLE", "the node cannot check the pull's credential now; the runtime retries"}
+	}
+	if kind == "manifest" {
+		s.authenticated.Add(1)
+	}
+	return ns, nil
+}
+
+// Credentials counts the requests for manifests that came without a
+// credential and with one that proved a namespace, since the start: a node
+// whose runtime pulls without credentials (no credential provider in the
+// kubelet's config) shows only the first growing.
+func (s *Server) Credentials() (anonymous, authenticated uint64) {
+	return s.anonymous.Load(), s.authenticated.Load()
 }
 
 // serve answers a request, or says what to answer instead.
@@ -177,20 +263,31 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 	if !ok {
 		return "other", apiError{http.StatusNotFound, "NOT_FOUND", "not a registry API path"}
 	}
-	if p == "" {
-		return "base", nil
-	}
 	var name, ref string
-	if i := strings.LastIndex(p, "/manifests/"); i > 0 {
+	switch {
+	case p == "":
+		kind = "base"
+	case strings.LastIndex(p, "/manifests/") > 0:
+		i := strings.LastIndex(p, "/manifests/")
 		kind, name, ref = "manifest", p[:i], p[i+len("/manifests/"):]
-	} else if i := strings.LastIndex(p, "/blobs/"); i > 0 {
+	case strings.LastIndex(p, "/blobs/") > 0:
+		i := strings.LastIndex(p, "/blobs/")
 		kind, name, ref = "blob", p[:i], p[i+len("/blobs/"):]
-	} else {
+	default:
 		return "other", apiError{http.StatusNotFound, "NOT_FOUND", "not a registry API path"}
+	}
+	// Who asks comes first: nothing is looked up for a request that
+	// proves no namespace, or another one than the repository's reader.
+	caller, err := s.caller(r, kind)
+	if err != nil || kind == "base" {
+		return kind, err
 	}
 	repo, err := parseRepository(name)
 	if err != nil {
 		return kind, apiError{http.StatusNotFound, "NAME_INVALID", err.Error()}
+	}
+	if caller != "" && caller != repo.reader {
+		return kind, nameUnknown(name)
 	}
 	var desc ocispec.Descriptor
 	var img *image.Image
@@ -206,20 +303,17 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 		if err != nil {
 			return kind, apiError{http.StatusBadRequest, "DIGEST_INVALID", fmt.Sprintf("%s is neither a tag nor a digest", volume.Quote(ref))}
 		}
+		// What a pull of RemoteTag was handed first: its manifest and
+		// config are all the runtime asks for.
 		var found bool
-		// The snapshotter's manifest and config first: finding them
-		// costs no pass over the image, and they are all it asks for.
-		if s.key != nil {
-			if img, files, err = s.image(r.Context(), repo, name, true); err != nil {
-				return kind, err
-			}
-			desc, found = img.Blob(d)
+		if img, found = s.mintedBlob(name, d); found {
+			files = volumeFiles{vols: s.vols, repo: repo}
+			desc, _ = img.Blob(d)
 			if img.Remote == d {
 				return kind, apiError{http.StatusNotFound, "BLOB_UNKNOWN", fmt.Sprintf("%s: layer %s is the volume's rootfs/ itself, "+
 					"which only the node's cowvol snapshotter mounts: run the pod with the cowvol runtime class, or name any tag but %q", name, d, RemoteTag)}
 			}
-		}
-		if !found {
+		} else {
 			if img, files, err = s.image(r.Context(), repo, name, false); err != nil {
 				return kind, err
 			}
@@ -253,10 +347,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 	return kind, nil
 }
 
-// image finds the image of a repository's volume (as the snapshotter runs
-// it, if remote and the node has one), remembered by the volume's version.
+// image finds the image of a repository's volume, remembered by the
+// volume's version; as the snapshotter runs it (remote, with a
+// snapshotter), a rootfs-format image is minted for this pull alone.
 func (s *Server) image(ctx context.Context, repo repository, name string, remote bool) (*image.Image, image.Files, error) {
-	remote = remote && s.key != nil
 	version, err := s.vols.Version(repo.reader, repo.ref)
 	if errors.Is(err, streamer.ErrNotHeld) {
 		// Held elsewhere, perhaps: a step's image is an input like any
@@ -274,45 +368,128 @@ func (s *Server) image(ctx context.Context, repo repository, name string, remote
 		return nil, nil, err
 	}
 	files := volumeFiles{vols: s.vols, repo: repo}
-	// As the snapshotter runs it, the same volume is another image for
-	// each reader (its remote layer names who reads).
-	found := version
-	if remote {
-		found = repo.reader + " " + version + " " + RemoteTag
+	if remote && s.opts.Grants != nil {
+		img, err := s.mint(files, repo, name, version)
+		if err != nil || img != nil {
+			return img, files, err
+		}
 	}
 	s.mu.Lock()
-	img, ok := s.images[found]
+	img, ok := s.images[version]
 	s.mu.Unlock()
-	if ok {
-		return img, files, nil
-	}
-	v, err, _ := s.loads.Do(found, func() (any, error) {
-		// Found once for every pull that asks meanwhile, on behalf of
-		// none of them: a pull that gives up must not fail the others.
-		load := image.Load
-		if remote {
-			layer := image.RemoteLayer{Reader: repo.reader, Version: version}
-			load = func(ctx context.Context, files image.Files) (*image.Image, error) {
-				return image.LoadRemote(ctx, files, *s.key, layer)
+	if !ok {
+		v, err, _ := s.loads.Do(version, func() (any, error) {
+			// Found once for every pull that asks meanwhile, on behalf
+			// of none of them: a pull that gives up must not fail the
+			// others.
+			img, err := image.Load(context.WithoutCancel(ctx), files)
+			if err != nil {
+				return nil, err
 			}
-		}
-		img, err := load(context.WithoutCancel(ctx), files)
+			s.remember(version, img)
+			klog.InfoS("Found an image in a volume", "volume", repo.ref, "format", img.Format, "root", img.Root.Digest)
+			return img, nil
+		})
 		if err != nil {
-			return nil, err
+			return nil, nil, loadError(name, err)
 		}
-		s.remember(found, img)
-		klog.InfoS("Found an image in a volume", "volume", repo.ref, "format", img.Format, "root", img.Root.Digest)
-		return img, nil
-	})
+		img = v.(*image.Image)
+	}
+	if err := s.refuseRemoteLayers(ctx, img, name); err != nil {
+		return nil, nil, err
+	}
+	return img, files, nil
+}
+
+// loadError is the answer for an image that could not be found.
+func loadError(name string, err error) error {
 	switch {
 	case errors.Is(err, streamer.ErrNotHeld):
-		return nil, nil, nameUnknown(name)
+		return nameUnknown(name)
 	case errors.Is(err, image.ErrNoImage):
-		return nil, nil, apiError{http.StatusNotFound, "MANIFEST_UNKNOWN", fmt.Sprintf("%s: %v", name, err)}
-	case err != nil:
-		return nil, nil, apiError{http.StatusNotFound, "MANIFEST_INVALID", fmt.Sprintf("%s: the volume's image cannot be served: %v", name, err)}
+		return apiError{http.StatusNotFound, "MANIFEST_UNKNOWN", fmt.Sprintf("%s: %v", name, err)}
 	}
-	return v.(*image.Image), files, nil
+	var ae apiError
+	if errors.As(err, &ae) {
+		return err
+	}
+	return apiError{http.StatusNotFound, "MANIFEST_INVALID", fmt.Sprintf("%s: the volume's image cannot be served: %v", name, err)}
+}
+
+// refuseRemoteLayers refuses an image found in a volume that names, as a
+// layer, a remote layer handed to a pull or mounted by the snapshotter:
+// the runtime would find that layer's snapshot by its digest and run the
+// image on another volume.
+func (s *Server) refuseRemoteLayers(ctx context.Context, img *image.Image, name string) error {
+	if s.opts.Grants == nil {
+		return nil
+	}
+	for _, d := range img.LayerIDs() {
+		claimed := s.opts.Grants.Pending(d)
+		if !claimed && s.opts.RemoteLayers != nil {
+			var err error
+			if claimed, err = s.opts.RemoteLayers.IsRemoteLayer(ctx, d); err != nil {
+				return err
+			}
+		}
+		if claimed {
+			klog.InfoS("Refused an image that names a remote layer", "repository", name, "layer", d)
+			return loadError(name, image.ErrRemoteLayerClaimed)
+		}
+	}
+	return nil
+}
+
+// mint makes the image a rootfs-format volume is as the snapshotter runs
+// it, for one pull, and keeps it for as long as the pull's grant lasts so
+// that the pull can fetch it by digest; nil if the volume is of another
+// format.
+func (s *Server) mint(files volumeFiles, repo repository, name, version string) (*image.Image, error) {
+	rootfs, err := image.HasRootfs(files)
+	if err != nil {
+		return nil, loadError(name, err)
+	}
+	if !rootfs {
+		return nil, nil
+	}
+	img, err := image.LoadRemote(files, s.opts.Grants, repo.reader, version)
+	if err != nil {
+		return nil, loadError(name, err)
+	}
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for d, m := range s.minted {
+		if now.After(m.expires) {
+			delete(s.minted, d)
+		}
+	}
+	if len(s.minted) < maxMinted {
+		m := minted{img: img, repo: name, expires: now.Add(GrantTTL)}
+		for _, d := range append(img.BlobDigests(), img.Remote) {
+			s.minted[d] = m
+		}
+	}
+	klog.V(2).InfoS("Handed a pull a step image's remote layer", "volume", repo.ref, "reader", repo.reader, "layer", img.Remote)
+	return img, nil
+}
+
+// GrantTTL is how long a pull has to take the remote layer it was handed.
+const GrantTTL = 2 * time.Minute
+
+// maxMinted bounds the blobs of minted images kept.
+const maxMinted = 8192
+
+// mintedBlob finds a blob of an image minted for a pull of repository
+// name.
+func (s *Server) mintedBlob(name string, d digest.Digest) (*image.Image, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m, ok := s.minted[d]
+	if !ok || m.repo != name || time.Now().After(m.expires) {
+		return nil, false
+	}
+	return m.img, true
 }
 
 func (s *Server) remember(version string, img *image.Image) {
@@ -373,12 +550,12 @@ func (v volumeFiles) Tree(ctx context.Context, path string, w io.Writer) error {
 // Stale says whether an image the runtime keeps under this registry, as
 // repository (with a :tag or @digest, the address before it cut off) and
 // with its root at target, no longer names what the node serves: its
-// volume is gone for the namespace reading it, or, as RemoteTag, is
-// another version of it (a remote layer names the version it mounts). The
-// runtime can then no longer run it, or would run what was destroyed, so
-// the caller deletes it. A repository that is not this registry's form is
-// not stale.
-func (s *Server) Stale(ctx context.Context, reference string, target digest.Digest) (bool, error) {
+// volume is gone for the namespace reading it, or, as RemoteTag, its
+// remote layer names another version of it (manifest reads the image's
+// root from the runtime). The runtime can then no longer run it, or would
+// run what was destroyed, so the caller deletes it. A repository that is
+// not this registry's form is not stale.
+func (s *Server) Stale(ctx context.Context, reference string, target digest.Digest, manifest func() ([]byte, error)) (bool, error) {
 	name, tag := reference, ""
 	if i := strings.IndexByte(name, '@'); i >= 0 {
 		name = name[:i]
@@ -390,15 +567,31 @@ func (s *Server) Stale(ctx context.Context, reference string, target digest.Dige
 	if err != nil {
 		return false, nil
 	}
-	if _, err := s.vols.Version(repo.reader, repo.ref); errors.Is(err, streamer.ErrNotHeld) {
+	version, err := s.vols.Version(repo.reader, repo.ref)
+	if errors.Is(err, streamer.ErrNotHeld) {
 		return true, nil
 	} else if err != nil {
 		return false, err
 	}
-	if tag != RemoteTag || s.key == nil {
+	if tag != RemoteTag || s.opts.Grants == nil {
 		return false, nil
 	}
-	img, _, err := s.image(ctx, repo, name, true)
+	raw, err := manifest()
+	if err != nil {
+		return false, err
+	}
+	var m ocispec.Manifest
+	if err := json.Unmarshal(raw, &m); err != nil {
+		return false, fmt.Errorf("%s: its manifest %s: %w", reference, target, err)
+	}
+	for _, l := range m.Layers {
+		if value, ok := l.Annotations[image.RemoteLayerAnnotation]; ok {
+			layer, _, err := image.ParseRemoteLayer(value)
+			return err != nil || layer.Reader != repo.reader || layer.Version != version, nil
+		}
+	}
+	// An image of another format is the same as any tag's.
+	img, _, err := s.image(ctx, repo, name, false)
 	var ae apiError
 	if errors.As(err, &ae) && ae.status == http.StatusNotFound {
 		return true, nil

@@ -59,7 +59,7 @@ func (v dirVolumes) Version(ns string, r volume.Ref) (string, error) {
 	if ns != "ci" || r != (volume.Ref{Namespace: "ci", Handle: "img"}) {
 		return "", streamer.ErrNotHeld
 	}
-	return "v1", nil
+	return "ci/img@1", nil
 }
 
 func (v dirVolumes) Fetch(context.Context, string, volume.Ref) error { return streamer.ErrNotHeld }
@@ -96,7 +96,7 @@ func TestABlobThatChangedIsCutShort(t *testing.T) {
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("one"), 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{}`), 0o644))
-	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), nil))
+	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace}))
 	defer srv.Close()
 
 	resp, err := http.Get(srv.URL + "/v2/ci/img/manifests/latest")
@@ -123,96 +123,130 @@ func TestABlobThatChangedIsCutShort(t *testing.T) {
 	assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
 }
 
-// TestRemoteTag: with a snapshotter, the tag cowvol names the image with a
-// remote layer (no pass over the rootfs: its digest is the node key's MAC,
-// which no other reader, version or key gives), whose blob is refused
-// saying why; every other tag names the image any runtime pulls.
-func TestRemoteTag(t *testing.T) {
+// rootfsDir is a volume dir holding a rootfs-format image.
+func rootfsDir(t *testing.T) string {
 	dir := t.TempDir()
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("one"), 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{"env":["A=1"]}`), 0o644))
+	return dir
+}
+
+func newGrants(t *testing.T) *image.PullGrants {
 	key, err := image.LoadLayerKey(filepath.Join(t.TempDir(), "key"))
 	require.NoError(t, err)
-	manifest := func(srv *httptest.Server, tag string) ocispec.Manifest {
-		resp, err := http.Get(srv.URL + "/v2/ci/img/manifests/" + tag)
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		require.Equal(t, http.StatusOK, resp.StatusCode)
-		var m ocispec.Manifest
-		require.NoError(t, json.NewDecoder(resp.Body).Decode(&m))
-		require.Len(t, m.Layers, 1)
-		return m
-	}
-	blob := func(srv *httptest.Server, d string) (int, string) {
-		resp, err := http.Get(srv.URL + "/v2/ci/img/blobs/" + d)
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		body, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(body)
-	}
+	return image.NewPullGrants(key, GrantTTL)
+}
 
-	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), &key))
-	defer srv.Close()
-	remote := manifest(srv, RemoteTag)
-	layer := image.RemoteLayer{Reader: "ci", Version: "v1"}
-	assert.Equal(t, key.Digest(layer), remote.Layers[0].Digest)
-	assert.Equal(t, layer.String(), remote.Layers[0].Annotations[image.RemoteLayerAnnotation])
-	assert.False(t, key.Valid(image.RemoteLayer{Reader: "other", Version: "v1"}, remote.Layers[0].Digest))
-	assert.False(t, key.Valid(image.RemoteLayer{Reader: "ci", Version: "v2"}, remote.Layers[0].Digest))
-	other, err := image.LoadLayerKey(filepath.Join(t.TempDir(), "key"))
+// get fetches a registry path, as the namespace ns proves it ("": no
+// credential), answering the status and body.
+func get(t *testing.T, srv *httptest.Server, path, ns string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
 	require.NoError(t, err)
-	assert.False(t, other.Valid(layer, remote.Layers[0].Digest))
-	code, body := blob(srv, remote.Layers[0].Digest.String())
+	if ns != "" {
+		req.SetBasicAuth(CredentialUser, "token-of-"+ns)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+func manifestOf(t *testing.T, srv *httptest.Server, repo, tag string) ocispec.Manifest {
+	t.Helper()
+	code, body := get(t, srv, "/v2/"+repo+"/manifests/"+tag, "")
+	require.Equal(t, http.StatusOK, code, body)
+	var m ocispec.Manifest
+	require.NoError(t, json.Unmarshal([]byte(body), &m))
+	require.Len(t, m.Layers, 1)
+	return m
+}
+
+// TestRemoteTag: with a snapshotter, each pull of the tag cowvol is handed
+// an image of its own whose one layer is remote (no pass over the rootfs:
+// its digest is the node key's MAC of reader, version and pull), which the
+// pull may fetch by digest and the snapshotter take once; the remote
+// layer's blob is refused saying why; every other tag names the image any
+// runtime pulls.
+func TestRemoteTag(t *testing.T) {
+	dir := rootfsDir(t)
+	grants := newGrants(t)
+	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace, Grants: grants}))
+	defer srv.Close()
+
+	remote := manifestOf(t, srv, "ci/img", RemoteTag)
+	l, ref, err := image.ParseRemoteLayer(remote.Layers[0].Annotations[image.RemoteLayerAnnotation])
+	require.NoError(t, err)
+	assert.Equal(t, volume.Ref{Namespace: "ci", Handle: "img"}, ref)
+	assert.Equal(t, "ci", l.Reader)
+	assert.Equal(t, "ci/img@1", l.Version)
+	assert.NotEmpty(t, l.Pull)
+	again := manifestOf(t, srv, "ci/img", RemoteTag)
+	assert.NotEqual(t, remote.Layers[0].Digest, again.Layers[0].Digest, "each pull is handed a layer of its own")
+
+	code, body := get(t, srv, "/v2/ci/img/blobs/"+remote.Layers[0].Digest.String(), "")
 	assert.Equal(t, http.StatusNotFound, code)
 	assert.Contains(t, body, "only the node's cowvol snapshotter mounts")
-	code, body = blob(srv, remote.Config.Digest.String())
+	code, body = get(t, srv, "/v2/ci/img/blobs/"+remote.Config.Digest.String(), "")
 	require.Equal(t, http.StatusOK, code)
 	var cfg ocispec.Image
 	require.NoError(t, json.Unmarshal([]byte(body), &cfg))
 	assert.Equal(t, []string{"A=1"}, cfg.Config.Env)
 	assert.Equal(t, remote.Layers[0].Digest, cfg.RootFS.DiffIDs[0])
 
-	plain := manifest(srv, "latest")
+	// The grant: taken once, for that layer alone.
+	forged := l
+	forged.Reader = "other"
+	assert.ErrorIs(t, grants.Redeem(forged, remote.Layers[0].Digest), image.ErrNoGrant)
+	require.NoError(t, grants.Redeem(l, remote.Layers[0].Digest))
+	assert.ErrorIs(t, grants.Redeem(l, remote.Layers[0].Digest), image.ErrNoGrant, "a replay")
+
+	plain := manifestOf(t, srv, "ci/img", "latest")
 	assert.NotEqual(t, remote.Layers[0].Digest, plain.Layers[0].Digest)
 	assert.Empty(t, plain.Layers[0].Annotations)
-	code, _ = blob(srv, plain.Layers[0].Digest.String())
+	code, _ = get(t, srv, "/v2/ci/img/blobs/"+plain.Layers[0].Digest.String(), "")
 	assert.Equal(t, http.StatusOK, code)
 
 	// No snapshotter: cowvol is a tag like any other.
-	noKey := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), nil))
-	defer noKey.Close()
-	assert.Equal(t, plain.Layers[0].Digest, manifest(noKey, RemoteTag).Layers[0].Digest)
+	noSnapshotter := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace}))
+	defer noSnapshotter.Close()
+	assert.Equal(t, plain.Layers[0].Digest, manifestOf(t, noSnapshotter, "ci/img", RemoteTag).Layers[0].Digest)
 }
 
 // TestStale: an image the runtime keeps is stale once its volume is gone
-// for its reader, or, as the snapshotter runs it, is another version;
-// references not of this registry's form are left alone.
+// for its reader, or, as the snapshotter runs it, its remote layer names
+// another version or reader; references not of this registry's form are
+// left alone.
 func TestStale(t *testing.T) {
-	dir := t.TempDir()
-	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{}`), 0o644))
-	key, err := image.LoadLayerKey(filepath.Join(t.TempDir(), "key"))
-	require.NoError(t, err)
-	s := New(dirVolumes{dir}, NewMetrics(), &key)
-	remote, _, err := s.image(context.Background(), repository{reader: "ci", ref: volume.Ref{Namespace: "ci", Handle: "img"}}, "ci/img", true)
-	require.NoError(t, err)
+	dir := rootfsDir(t)
+	s := New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)})
+	remote := func(reader, version string) func() ([]byte, error) {
+		return func() ([]byte, error) {
+			return json.Marshal(ocispec.Manifest{Layers: []ocispec.Descriptor{{Annotations: map[string]string{
+				image.RemoteLayerAnnotation: image.RemoteLayer{Reader: reader, Version: version, Pull: strings.Repeat("a", 32)}.String()}}}})
+		}
+	}
+	none := func() ([]byte, error) { return nil, errors.New("not asked") }
 	tests := []struct {
-		ref    string
-		target string
-		want   bool
+		ref      string
+		manifest func() ([]byte, error)
+		want     bool
 	}{
-		{"ci/img:latest", "sha256:" + strings.Repeat("1", 64), false},
-		{"ci/img@sha256:" + strings.Repeat("2", 64), "sha256:" + strings.Repeat("2", 64), false},
-		{"ci/gone:latest", "sha256:" + strings.Repeat("1", 64), true},
-		{"other/ci/img:latest", "sha256:" + strings.Repeat("1", 64), true},
-		{"ci/img:" + RemoteTag, remote.Root.Digest.String(), false},
-		{"ci/img:" + RemoteTag, "sha256:" + strings.Repeat("3", 64), true},
-		{"Not/Ours:latest", "sha256:" + strings.Repeat("1", 64), false},
+		{"ci/img:latest", none, false},
+		{"ci/img@sha256:" + strings.Repeat("2", 64), none, false},
+		{"ci/gone:latest", none, true},
+		{"other/ci/img:latest", none, true},
+		{"ci/img:" + RemoteTag, remote("ci", "ci/img@1"), false},
+		{"ci/img:" + RemoteTag, remote("ci", "ci/img@0"), true},
+		{"ci/img:" + RemoteTag, remote("other", "ci/img@1"), true},
+		{"Not/Ours:latest", none, false},
 	}
 	for _, tt := range tests {
-		t.Run(tt.ref+" "+tt.target[:12], func(t *testing.T) {
-			got, err := s.Stale(context.Background(), tt.ref, digest.Digest(tt.target))
+		t.Run(tt.ref, func(t *testing.T) {
+			got, err := s.Stale(context.Background(), tt.ref, digest.Digest("sha256:"+strings.Repeat("1", 64)), tt.manifest)
 			require.NoError(t, err)
 			assert.Equal(t, tt.want, got)
 		})

@@ -4,11 +4,13 @@
 // from a 10 GiB image volume costs what one from 10 MiB does.
 //
 // It is containerd's own overlay snapshotter for every snapshot, but one:
-// when the unpacker prepares a layer that the node's registry marked as a
-// remote layer (package image: the rootfs/ of a rootfs-format image
-// volume, its digest the node key's MAC of who reads which volume), it
-// commits an empty snapshot in its place and answers that it exists, so
-// the layer is never fetched. The mounts of every snapshot built on it then
+// when the unpacker prepares a layer that the node's registry handed to a
+// pull just now as a remote layer (package image: the rootfs/ of a
+// rootfs-format image volume, its digest the node key's MAC of who reads
+// which volume for which pull), it takes the pull's grant, commits an
+// empty snapshot in its place and answers that it exists, so the layer is
+// never fetched. A remote layer's annotation or digest found anywhere else
+// (another image, a replay of the same pull) mounts nothing. The mounts of every snapshot built on it then
 // stack the volume's own layer dirs (their rootfs/) where that empty dir
 // would be. Each such snapshot holds the volume through Volumes (the node
 // engine, recorded in its metadata) until the runtime removes it: a
@@ -58,8 +60,8 @@ const (
 // Snapshotter is containerd's overlay snapshotter with remote layers.
 type Snapshotter struct {
 	cleaner
-	key  image.LayerKey
-	vols Volumes
+	grants *image.PullGrants
+	vols   Volumes
 }
 
 // cleaner is a snapshotter that frees removed snapshots' dirs on demand,
@@ -69,10 +71,10 @@ type cleaner interface {
 	snapshots.Cleaner
 }
 
-// New opens the snapshotter rooted at root (made if missing). Volumes
-// held for snapshots the runtime removed while no snapshotter ran are
-// released.
-func New(ctx context.Context, root string, key image.LayerKey, vols Volumes) (*Snapshotter, error) {
+// New opens the snapshotter rooted at root (made if missing), mounting the
+// remote layers grants hand out. Volumes held for snapshots the runtime
+// removed while no snapshotter ran are released.
+func New(ctx context.Context, root string, grants *image.PullGrants, vols Volumes) (*Snapshotter, error) {
 	sn, err := overlay.NewSnapshotter(root)
 	if err != nil {
 		return nil, err
@@ -82,7 +84,7 @@ func New(ctx context.Context, root string, key image.LayerKey, vols Volumes) (*S
 		sn.Close()
 		return nil, errors.New("containerd's overlay snapshotter has no Cleanup")
 	}
-	s := &Snapshotter{cleaner: inner, key: key, vols: vols}
+	s := &Snapshotter{cleaner: inner, grants: grants, vols: vols}
 	for _, holder := range vols.ImageHolders() {
 		if _, err := inner.Stat(ctx, holder); !errdefs.IsNotFound(err) {
 			continue
@@ -211,19 +213,19 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 	return s.vols.ReleaseImage(key)
 }
 
-// prepareRemote commits the snapshot standing in for a remote layer, or
-// finds it committed already, and answers AlreadyExists; anything it
-// cannot vouch for fails, so that the unpacker never fetches (a remote
-// layer's blob does not exist).
+// prepareRemote commits the snapshot standing in for a remote layer and
+// answers AlreadyExists; anything it cannot vouch for fails, so that the
+// unpacker never fetches (a remote layer's blob does not exist).
 func (s *Snapshotter) prepareRemote(ctx context.Context, key, parent, value string, labels map[string]string) error {
 	target := labels[snapshots.LabelSnapshotRef]
 	layer, ref, err := image.ParseRemoteLayer(value)
 	if err != nil {
 		return fmt.Errorf("%w: %v", errdefs.ErrInvalidArgument, err)
 	}
-	// A remote layer is an image's only layer: its chain ID is its digest.
-	if parent != "" || !s.key.Valid(layer, digest.Digest(target)) {
-		return fmt.Errorf("layer %s for %s was not made by this node's image registry: %w", target, ref, errdefs.ErrPermissionDenied)
+	// A remote layer is an image's only layer: its chain ID is its
+	// digest. It is the grant of one pull, taken once.
+	if parent != "" || s.grants.Redeem(layer, digest.Digest(target)) != nil {
+		return fmt.Errorf("layer %s for %s was not handed to this pull by this node's image registry: %w", target, ref, errdefs.ErrPermissionDenied)
 	}
 	// The volume must still be there for its reader; nothing holds it
 	// until a container's snapshot does.
@@ -242,17 +244,24 @@ func (s *Snapshotter) prepareRemote(ctx context.Context, key, parent, value stri
 		return errors.Join(fmt.Errorf("an empty snapshot mounts as %v, not one bind mount", mounts), s.cleaner.Remove(ctx, key))
 	}
 	kept[labelDir] = mounts[0].Source
-	name := "cowvol-remote-layer " + target
-	err = s.cleaner.Commit(ctx, name, key, snapshots.WithLabels(kept))
-	if errdefs.IsAlreadyExists(err) {
-		// Another namespace's pull of the same image made it.
-		err = s.cleaner.Remove(ctx, key)
-	}
-	if err != nil {
+	if err := s.cleaner.Commit(ctx, remoteName(digest.Digest(target)), key, snapshots.WithLabels(kept)); err != nil {
 		return err
 	}
 	klog.V(2).InfoS("A step image's layer is a volume's rootfs", "volume", ref, "reader", layer.Reader, "chainID", target)
 	return fmt.Errorf("remote layer %s: %w", target, errdefs.ErrAlreadyExists)
+}
+
+// remoteName is the name of the snapshot standing in for a remote layer.
+func remoteName(d digest.Digest) string { return "cowvol-remote-layer " + d.String() }
+
+// IsRemoteLayer says whether d is the chain ID of a remote layer's
+// snapshot: the runtime finds it by that digest, whatever image names it.
+func (s *Snapshotter) IsRemoteLayer(ctx context.Context, d digest.Digest) (bool, error) {
+	_, err := s.cleaner.Stat(ctx, remoteName(d))
+	if errdefs.IsNotFound(err) {
+		return false, nil
+	}
+	return err == nil, err
 }
 
 // remote is a remote layer a snapshot is built on.

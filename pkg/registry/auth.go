@@ -1,0 +1,135 @@
+package registry
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+)
+
+// Audience is the audience of the ServiceAccount tokens a pull's
+// credential carries: the kubelet asks for it for cowvol's credential
+// provider (tokenAttributes.serviceAccountTokenAudience), and a token of
+// any other audience is refused. It is a plain word, since RBAC names it
+// as a resource where nodes are granted it (request-serviceaccounts-token-audience).
+const Audience = "cowvol-image-registry"
+
+// CredentialUser is the user name cowvol's credential provider gives
+// with a pod's token as the password.
+const CredentialUser = "serviceaccount-token"
+
+// Authenticator says which namespace a pull's credential speaks for.
+type Authenticator interface {
+	// Namespace answers the namespace of the pod whose credential user
+	// and password are, ErrUnauthenticated if they prove none, or
+	// another error if that cannot be told now.
+	Namespace(ctx context.Context, user, password string) (string, error)
+}
+
+// ErrUnauthenticated says a credential proves no namespace.
+var ErrUnauthenticated = errors.New("the credential proves no pod's namespace")
+
+// Auth modes: required refuses a pull without a credential; grace serves
+// it as its path says (as before pulls carried credentials), logging and
+// counting it, so that nodes keep pulling while the kubelets' credential
+// provider is rolled out. A credential given is checked in either.
+const (
+	AuthRequired = "required"
+	AuthGrace    = "grace"
+)
+
+// TokenReviews authenticates pulls by their pod's ServiceAccount token,
+// reviewed by the API server for Audience: the token must be bound to a
+// pod on this node (the kubelet asks for such a token for each pod's
+// pull), and its namespace is the pod's. Answers are kept for a short
+// while by the token's hash, so a burst of a pull's requests costs one
+// review.
+type TokenReviews struct {
+	kube kubernetes.Interface
+	node string
+	ttl  time.Duration
+
+	mu      sync.Mutex
+	reviews map[[sha256.Size]byte]review
+}
+
+type review struct {
+	namespace string // "": unauthenticated
+	expires   time.Time
+}
+
+// maxReviews bounds the answers kept: past it, they start over.
+const maxReviews = 10_000
+
+// NewTokenReviews reviews tokens with the API server kube reaches, for
+// pods on node, keeping answers for ttl.
+func NewTokenReviews(kube kubernetes.Interface, node string, ttl time.Duration) *TokenReviews {
+	return &TokenReviews{kube: kube, node: node, ttl: ttl, reviews: map[[sha256.Size]byte]review{}}
+}
+
+// Extra keys of a reviewed token bound to a pod.
+const (
+	extraPodName  = "authentication.kubernetes.io/pod-name"
+	extraNodeName = "authentication.kubernetes.io/node-name"
+)
+
+// Namespace reviews the password as a ServiceAccount token.
+func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (string, error) {
+	if user != CredentialUser || password == "" {
+		return "", ErrUnauthenticated
+	}
+	key := sha256.Sum256([]byte(password))
+	now := time.Now()
+	a.mu.Lock()
+	r, hit := a.reviews[key]
+	a.mu.Unlock()
+	if !hit || now.After(r.expires) {
+		tr, err := a.kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
+			Spec: authnv1.TokenReviewSpec{Token: password, Audiences: []string{Audience}}}, metav1.CreateOptions{})
+		if err != nil {
+			klog.ErrorS(err, "A TokenReview for an image pull failed: refusing the pull")
+			return "", err
+		}
+		r = review{namespace: a.podNamespace(tr.Status), expires: now.Add(a.ttl)}
+		a.mu.Lock()
+		if len(a.reviews) >= maxReviews {
+			clear(a.reviews)
+		}
+		a.reviews[key] = r
+		a.mu.Unlock()
+	}
+	if r.namespace == "" {
+		return "", ErrUnauthenticated
+	}
+	return r.namespace, nil
+}
+
+// podNamespace is the namespace a review proves: a ServiceAccount's
+// token for Audience, bound to a pod on this node.
+func (a *TokenReviews) podNamespace(st authnv1.TokenReviewStatus) string {
+	if !st.Authenticated || !slices.Contains(st.Audiences, Audience) {
+		return ""
+	}
+	rest, ok := strings.CutPrefix(st.User.Username, "system:serviceaccount:")
+	ns, _, ok2 := strings.Cut(rest, ":")
+	if !ok || !ok2 || ns == "" {
+		return ""
+	}
+	if len(st.User.Extra[extraPodName]) != 1 {
+		klog.V(2).InfoS("Refusing an image pull's token that is bound to no pod", "user", st.User.Username)
+		return ""
+	}
+	if nodes := st.User.Extra[extraNodeName]; len(nodes) != 1 || nodes[0] != a.node {
+		klog.V(2).InfoS("Refusing an image pull's token bound to a pod of another node", "user", st.User.Username, "node", nodes)
+		return ""
+	}
+	return ns
+}

@@ -1,0 +1,167 @@
+package registry
+
+import (
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	authnv1 "k8s.io/api/authentication/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// countedVolumes counts the look-ups a request makes: one refused for
+// who asks must make none, so that its answer and its time are those of
+// a volume that is not there.
+type countedVolumes struct {
+	dirVolumes
+	lookups *atomic.Int64
+}
+
+func (v countedVolumes) Version(ns string, r volume.Ref) (string, error) {
+	v.lookups.Add(1)
+	return v.dirVolumes.Version(ns, r)
+}
+
+// reviewingAPI is an API server's TokenReviews as the kubelet's tokens
+// meet them: "token-of-<ns>" is a token of namespace ns's pod on node-a
+// for Audience; a few others are what the registry must refuse; and the
+// API server can be down, which only a fake can be on cue.
+func reviewingAPI(down *atomic.Bool) *fake.Clientset {
+	kube := fake.NewSimpleClientset()
+	kube.PrependReactor("create", "tokenreviews", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if down.Load() {
+			return true, nil, errors.New("connection refused")
+		}
+		tr := a.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
+		bound := map[string]authnv1.ExtraValue{extraPodName: {"step"}, extraNodeName: {"node-a"}}
+		ns, ok := strings.CutPrefix(tr.Spec.Token, "token-of-")
+		audiences := tr.Spec.Audiences
+		switch tr.Spec.Token {
+		case "token-of-another-node":
+			ns, ok, bound[extraNodeName] = "ci", true, authnv1.ExtraValue{"node-b"}
+		case "token-bound-to-no-pod":
+			ns, ok, bound = "ci", true, nil
+		case "token-for-the-api-server":
+			ns, ok, audiences = "ci", true, []string{"https://kubernetes.default.svc"}
+		}
+		tr.Status = authnv1.TokenReviewStatus{Authenticated: ok, Audiences: audiences,
+			User: authnv1.UserInfo{Username: "system:serviceaccount:" + ns + ":default", Extra: bound}}
+		return true, tr, nil
+	})
+	return kube
+}
+
+// TestPullsProveTheirNamespace: every request proves its pod's namespace
+// before anything is looked up; a repository is served to its reader's
+// namespace alone, and to any other exactly as one that does not exist.
+func TestPullsProveTheirNamespace(t *testing.T) {
+	dir := rootfsDir(t)
+	var down atomic.Bool
+	var lookups atomic.Int64
+	auth := NewTokenReviews(reviewingAPI(&down), "node-a", time.Minute)
+	required := httptest.NewServer(New(countedVolumes{dirVolumes{dir}, &lookups}, NewMetrics(), Options{Mode: AuthRequired, Auth: auth}))
+	defer required.Close()
+	grace := httptest.NewServer(New(countedVolumes{dirVolumes{dir}, &lookups}, NewMetrics(), Options{Mode: AuthGrace, Auth: auth}))
+	defer grace.Close()
+	as := func(token string) func(*http.Request) {
+		return func(r *http.Request) {
+			if token != "" {
+				r.SetBasicAuth(CredentialUser, token)
+			}
+		}
+	}
+
+	tests := []struct {
+		name       string
+		srv        *httptest.Server
+		path       string
+		auth       func(*http.Request)
+		wantCode   int
+		wantLookup bool
+		// sameAs is a path whose answer this one's must equal, with the
+		// repository's name in it replaced.
+		sameAs string
+	}{
+		{name: "the base, no credential", srv: required, path: "/v2/", auth: as(""), wantCode: 401},
+		{name: "the base, a credential", srv: required, path: "/v2/", auth: as("token-of-other"), wantCode: 200},
+		{name: "own image", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-of-ci"), wantCode: 200, wantLookup: true},
+		{name: "no credential", srv: required, path: "/v2/ci/img/manifests/latest", auth: as(""), wantCode: 401, sameAs: "/v2/ci/nothing/manifests/latest"},
+		{name: "no credential, a blob", srv: required, path: "/v2/ci/img/blobs/sha256:" + strings.Repeat("0", 64), auth: as(""), wantCode: 401},
+		{name: "a credential of no pod", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("not-a-token"), wantCode: 401},
+		{name: "another user name", srv: required, path: "/v2/ci/img/manifests/latest",
+			auth: func(r *http.Request) { r.SetBasicAuth("admin", "token-of-ci") }, wantCode: 401},
+		{name: "a token of a pod on another node", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-of-another-node"), wantCode: 401},
+		{name: "a token bound to no pod", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-bound-to-no-pod"), wantCode: 401},
+		{name: "a token for another audience", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-for-the-api-server"), wantCode: 401},
+		{name: "another namespace", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-of-other"), wantCode: 404,
+			sameAs: "/v2/ci/nothing/manifests/latest"},
+		{name: "another namespace, by digest", srv: required, path: "/v2/ci/img/manifests/sha256:" + strings.Repeat("1", 64),
+			auth: as("token-of-other"), wantCode: 404, sameAs: "/v2/ci/nothing/manifests/sha256:" + strings.Repeat("1", 64)},
+		{name: "another namespace, a blob", srv: required, path: "/v2/ci/img/blobs/sha256:" + strings.Repeat("1", 64),
+			auth: as("token-of-other"), wantCode: 404, sameAs: "/v2/ci/nothing/blobs/sha256:" + strings.Repeat("1", 64)},
+		{name: "another namespace, as reader of an unshared volume", srv: required, path: "/v2/other/ci/img/manifests/latest",
+			auth: as("token-of-other"), wantCode: 404, wantLookup: true, sameAs: "/v2/other/ci/nothing/manifests/latest"},
+		{name: "grace, no credential", srv: grace, path: "/v2/ci/img/manifests/latest", auth: as(""), wantCode: 200, wantLookup: true},
+		{name: "grace, another namespace's credential", srv: grace, path: "/v2/ci/img/manifests/latest", auth: as("token-of-other"), wantCode: 404},
+	}
+	answer := func(srv *httptest.Server, path string, auth func(*http.Request)) (int, string, http.Header) {
+		req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
+		require.NoError(t, err)
+		auth(req)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(body), resp.Header
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			before := lookups.Load()
+			code, body, h := answer(tt.srv, tt.path, tt.auth)
+			assert.Equal(t, tt.wantCode, code, body)
+			assert.Equal(t, tt.wantLookup, lookups.Load() > before, "looked a volume up")
+			if code == 401 {
+				assert.Equal(t, `Basic realm="cowvol image registry"`, h.Get("WWW-Authenticate"))
+			}
+			if tt.sameAs != "" {
+				code2, body2, _ := answer(tt.srv, tt.sameAs, tt.auth)
+				assert.Equal(t, code, code2)
+				assert.Equal(t, body, strings.ReplaceAll(body2, "nothing", "img"))
+			}
+		})
+	}
+
+	// An API server that cannot review refuses, and says to retry.
+	down.Store(true)
+	code, _, _ := answer(required, "/v2/ci/img/manifests/latest", as("token-of-ci-unseen"))
+	assert.Equal(t, http.StatusServiceUnavailable, code)
+	down.Store(false)
+}
+
+// TestCredentialsCounted: the counts the node's check reads tell pulls
+// with credentials from pulls without.
+func TestCredentialsCounted(t *testing.T) {
+	var down atomic.Bool
+	s := New(dirVolumes{rootfsDir(t)}, NewMetrics(), Options{Mode: AuthRequired, Auth: NewTokenReviews(reviewingAPI(&down), "node-a", time.Minute)})
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	get(t, srv, "/v2/ci/img/manifests/latest", "")
+	get(t, srv, "/v2/ci/img/manifests/latest", "ci")
+	get(t, srv, "/v2/ci/img/manifests/latest", "ci")
+	get(t, srv, "/v2/", "")
+	anon, authed := s.Credentials()
+	assert.Equal(t, uint64(1), anon)
+	assert.Equal(t, uint64(2), authed)
+}
