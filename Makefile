@@ -4,6 +4,7 @@ VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo de
 LDFLAGS   := -s -w -X main.version=$(VERSION)
 BIN       := bin/cowvol-plugin
 CLI       := bin/kubectl-cowvol
+PROVIDER  := bin/cowvol-credential-provider
 IMAGE     ?= cowvol-plugin:$(VERSION)
 # The architectures make image builds one multi-platform image for.
 IMAGE_ARCHS ?= amd64 arm64
@@ -55,6 +56,7 @@ TOOLS              := $(CURDIR)/bin/tools
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(CLI) ./cmd/kubectl-cowvol
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(PROVIDER) ./cmd/cowvol-credential-provider
 
 # The whole suite: unit tests, the behavioural suite on every backend, the
 # CSI contract and crash tests against the real binary, and csi-sanity.
@@ -82,6 +84,7 @@ e2e: build $(K8S_BIN)/kubelet $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
 	rm -f $(E2E_BIN)/report.txt
 	cd test/e2e && PATH=$(CURDIR)/$(RUNTIME_BIN):$$PATH \
 		COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/report.txt \
+		COWVOL_CREDENTIAL_PROVIDER_BINARY=$(CURDIR)/$(PROVIDER) \
 		COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(E2E_BIN)/plugin-image.tar COWVOL_E2E_KUBE_BIN=$(CURDIR)/$(K8S_BIN) \
 		COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) COWVOL_E2E_HELM_BINARY=$(CURDIR)/$(HELM_BIN) \
 		$(GO) test -tags e2e -count=1 -timeout 40m -v .
@@ -134,9 +137,10 @@ lint:
 # The plugin image as an OCI layout tar, without a Docker daemon: load it
 # with `ctr images import`, or push it with `skopeo copy oci-archive:...`.
 image:
-	$(foreach a,$(IMAGE_ARCHS),CGO_ENABLED=0 GOARCH=$(a) $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/linux-$(a)/cowvol-plugin ./cmd/cowvol-plugin &&) true
+	$(foreach a,$(IMAGE_ARCHS),CGO_ENABLED=0 GOARCH=$(a) $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/linux-$(a)/ ./cmd/cowvol-plugin ./cmd/cowvol-credential-provider &&) true
 	$(GO) run ./hack/build-image -name $(IMAGE) -version $(VERSION) -out $(IMAGE_TAR) \
-		-binary $(subst $(space),$(comma),$(foreach a,$(IMAGE_ARCHS),$(a)=bin/linux-$(a)/cowvol-plugin))
+		-binary $(subst $(space),$(comma),$(foreach a,$(IMAGE_ARCHS),$(a)=bin/linux-$(a)/cowvol-plugin)) \
+		-credential-provider $(subst $(space),$(comma),$(foreach a,$(IMAGE_ARCHS),$(a)=bin/linux-$(a)/cowvol-credential-provider))
 
 # The same content through Docker, for those who have it.
 docker-image:

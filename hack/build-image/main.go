@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sort"
 	"strings"
 
 	"github.com/concourse/cowvol/internal/ociimage"
@@ -19,37 +20,40 @@ import (
 func main() {
 	binaries := flag.String("binary", "bin/cowvol-plugin",
 		"the static plugin binary, or ARCH=PATH,... one per architecture (GOARCH names)")
+	providers := flag.String("credential-provider", "bin/cowvol-credential-provider",
+		"the static cowvol-credential-provider binary, or ARCH=PATH,... one per architecture, as -binary")
 	name := flag.String("name", "cowvol-plugin:dev", "the image reference")
 	version := flag.String("version", "dev", "the version the image is labelled with")
 	ca := flag.String("ca-certificates", "/etc/ssl/certs/ca-certificates.crt", "the CA bundle to carry")
 	out := flag.String("out", "bin/cowvol-plugin-image.tar", "the OCI layout tar to write")
 	flag.Parse()
-	if err := run(*binaries, *ca, *name, *version, *out); err != nil {
+	if err := run(*binaries, *providers, *ca, *name, *version, *out); err != nil {
 		fmt.Fprintln(os.Stderr, "build-image:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binaries, ca, name, version, out string) error {
+func run(binaries, providers, ca, name, version, out string) error {
 	certs, err := os.ReadFile(ca)
 	if err != nil {
 		return fmt.Errorf("%w (install ca-certificates)", err)
 	}
+	plugins, err := byArch(binaries)
+	if err != nil {
+		return err
+	}
+	credentialProviders, err := byArch(providers)
+	if err != nil {
+		return err
+	}
 	var images []ociimage.Image
 	var archs []string
-	for _, b := range strings.Split(binaries, ",") {
-		arch, path, ok := strings.Cut(b, "=")
+	for _, arch := range sortedKeys(plugins) {
+		provider, ok := credentialProviders[arch]
 		if !ok {
-			arch, path = runtime.GOARCH, b
+			return fmt.Errorf("no -credential-provider for %s", arch)
 		}
-		bin, err := os.ReadFile(path)
-		if err != nil {
-			return err
-		}
-		if err := checkBinary(path, arch); err != nil {
-			return err
-		}
-		img := ociimage.Plugin(name, version, bin, certs)
+		img := ociimage.Plugin(name, version, plugins[arch], provider, certs)
 		img.Arch = arch
 		images = append(images, img)
 		archs = append(archs, arch)
@@ -59,6 +63,36 @@ func run(binaries, ca, name, version, out string) error {
 	}
 	fmt.Printf("wrote %s (%s, linux/%s)\n", out, name, strings.Join(archs, ", linux/"))
 	return nil
+}
+
+// byArch reads ARCH=PATH,... (or one PATH, for this machine's
+// architecture) into the checked binaries by architecture.
+func byArch(list string) (map[string][]byte, error) {
+	bins := map[string][]byte{}
+	for _, b := range strings.Split(list, ",") {
+		arch, path, ok := strings.Cut(b, "=")
+		if !ok {
+			arch, path = runtime.GOARCH, b
+		}
+		if err := checkBinary(path, arch); err != nil {
+			return nil, err
+		}
+		bin, err := os.ReadFile(path)
+		if err != nil {
+			return nil, err
+		}
+		bins[arch] = bin
+	}
+	return bins, nil
+}
+
+func sortedKeys(m map[string][]byte) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }
 
 // machines are the ELF machines of the architectures cowvol is built for.

@@ -256,17 +256,23 @@ func tarDir(dir, out string) error {
 }
 
 // Plugin is cowvol's plugin image (what the Dockerfile builds too): the
-// static binary, the CA certificates (the controller and the nodes reach
-// the API server over TLS) and a /tmp. The plugin mounts with syscalls and
-// runs no other program, so the image holds nothing else.
-func Plugin(name, version string, binary, caCertificates []byte) Image {
+// static binary, the kubelet's credential provider (nil: none), which the
+// node DaemonSet installs on the host, the CA certificates (the controller
+// and the nodes reach the API server over TLS) and a /tmp. The plugin
+// mounts with syscalls and runs no other program, so the image holds
+// nothing else.
+func Plugin(name, version string, binary, credentialProvider, caCertificates []byte) Image {
+	files := []File{
+		{Path: "cowvol-plugin", Mode: 0o755, Data: binary},
+		{Path: "etc/ssl/certs/ca-certificates.crt", Mode: 0o644, Data: caCertificates},
+		{Path: "tmp", Dir: true, Mode: 0o1777},
+	}
+	if credentialProvider != nil {
+		files = append(files, File{Path: "cowvol-credential-provider", Mode: 0o755, Data: credentialProvider})
+	}
 	return Image{
-		Name: name,
-		Files: []File{
-			{Path: "cowvol-plugin", Mode: 0o755, Data: binary},
-			{Path: "etc/ssl/certs/ca-certificates.crt", Mode: 0o644, Data: caCertificates},
-			{Path: "tmp", Dir: true, Mode: 0o1777},
-		},
+		Name:  name,
+		Files: files,
 		Entrypoint: []string{"/cowvol-plugin"},
 		Env:        []string{"PATH=/", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"},
 		Labels: map[string]string{

@@ -29,6 +29,7 @@ import (
 	"github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/registry/credential"
 	"github.com/concourse/cowvol/pkg/snapshotter"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -135,7 +136,7 @@ func (d *Driver) checkPullCredentials(ctx context.Context, reg *registry.Server,
 			}
 			msg := fmt.Sprintf("the runtime pulled %d image manifests from the node's image registry without credentials, %s: "+
 				"install cowvol-credential-provider in the kubelet's --image-credential-provider-bin-dir and name it for %s in its --image-credential-provider-config "+
-				"(tokenAttributes.serviceAccountTokenAudience: %s)", anon-lastAnon, how, d.opts.ImageRegistryAddress, registry.Audience)
+				"(tokenAttributes.serviceAccountTokenAudience: %s)", anon-lastAnon, how, d.opts.ImageRegistryAddress, credential.Audience)
 			klog.ErrorS(nil, "Image pulls arrive without credentials", "pulls", anon-lastAnon, "auth", d.opts.ImageRegistryAuth)
 			d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImagePullsWithoutCredentials", msg)
 			warned = true

@@ -13,18 +13,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/registry/credential"
 )
-
-// Audience is the audience of the ServiceAccount tokens a pull's
-// credential carries: the kubelet asks for it for cowvol's credential
-// provider (tokenAttributes.serviceAccountTokenAudience), and a token of
-// any other audience is refused. It is a plain word, since RBAC names it
-// as a resource where nodes are granted it (request-serviceaccounts-token-audience).
-const Audience = "cowvol-image-registry"
-
-// CredentialUser is the user name cowvol's credential provider gives
-// with a pod's token as the password.
-const CredentialUser = "serviceaccount-token"
 
 // Authenticator says which namespace a pull's credential speaks for.
 type Authenticator interface {
@@ -47,7 +38,7 @@ const (
 )
 
 // TokenReviews authenticates pulls by their pod's ServiceAccount token,
-// reviewed by the API server for Audience: the token must be bound to a
+// reviewed by the API server for credential.Audience: the token must be bound to a
 // pod on this node (the kubelet asks for such a token for each pod's
 // pull), and its namespace is the pod's. Answers are kept for a short
 // while by the token's hash, so a burst of a pull's requests costs one
@@ -83,7 +74,7 @@ const (
 
 // Namespace reviews the password as a ServiceAccount token.
 func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (string, error) {
-	if user != CredentialUser || password == "" {
+	if user != credential.User || password == "" {
 		return "", ErrUnauthenticated
 	}
 	key := sha256.Sum256([]byte(password))
@@ -93,7 +84,7 @@ func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (st
 	a.mu.Unlock()
 	if !hit || now.After(r.expires) {
 		tr, err := a.kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
-			Spec: authnv1.TokenReviewSpec{Token: password, Audiences: []string{Audience}}}, metav1.CreateOptions{})
+			Spec: authnv1.TokenReviewSpec{Token: password, Audiences: []string{credential.Audience}}}, metav1.CreateOptions{})
 		if err != nil {
 			klog.ErrorS(err, "A TokenReview for an image pull failed: refusing the pull")
 			return "", err
@@ -115,7 +106,7 @@ func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (st
 // podNamespace is the namespace a review proves: a ServiceAccount's
 // token for Audience, bound to a pod on this node.
 func (a *TokenReviews) podNamespace(st authnv1.TokenReviewStatus) string {
-	if !st.Authenticated || !slices.Contains(st.Audiences, Audience) {
+	if !st.Authenticated || !slices.Contains(st.Audiences, credential.Audience) {
 		return ""
 	}
 	rest, ok := strings.CutPrefix(st.User.Username, "system:serviceaccount:")

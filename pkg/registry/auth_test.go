@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
+	"github.com/concourse/cowvol/pkg/registry/credential"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -35,7 +36,7 @@ func (v countedVolumes) Version(ns string, r volume.Ref) (string, error) {
 
 // reviewingAPI is an API server's TokenReviews as the kubelet's tokens
 // meet them: "token-of-<ns>" is a token of namespace ns's pod on node-a
-// for Audience; a few others are what the registry must refuse; and the
+// for credential.Audience; a few others are what the registry must refuse; and the
 // API server can be down, which only a fake can be on cue.
 func reviewingAPI(down *atomic.Bool) *fake.Clientset {
 	kube := fake.NewSimpleClientset()
@@ -77,7 +78,7 @@ func TestPullsProveTheirNamespace(t *testing.T) {
 	as := func(token string) func(*http.Request) {
 		return func(r *http.Request) {
 			if token != "" {
-				r.SetBasicAuth(CredentialUser, token)
+				r.SetBasicAuth(credential.User, token)
 			}
 		}
 	}

@@ -9,7 +9,7 @@
 // request proves its pod's namespace before anything is looked up: the
 // kubelet's credential provider (cmd/cowvol-credential-provider) hands the
 // runtime the pod's ServiceAccount token, bound to the pod and to
-// Audience, and a repository is served only to its reader's namespace.
+// credential.Audience, and a repository is served only to its reader's namespace.
 // Anything else is answered exactly as a repository that does not exist
 // is, whatever the other namespace holds, so that nothing reaching the
 // node's loopback (a hostNetwork pod, any process) learns or reads

@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/concourse/cowvol/pkg/image"
+	"github.com/concourse/cowvol/pkg/registry/credential"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -145,7 +146,7 @@ func get(t *testing.T, srv *httptest.Server, path, ns string) (int, string) {
 	req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
 	require.NoError(t, err)
 	if ns != "" {
-		req.SetBasicAuth(CredentialUser, "token-of-"+ns)
+		req.SetBasicAuth(credential.User, "token-of-"+ns)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)

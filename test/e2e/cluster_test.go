@@ -383,6 +383,10 @@ state = %q
 `+snapshotter.ContainerdConfig(c.snapshotter, "linux/"+runtime.GOARCH)+`
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
+  # Any pull of docker.io (an image named by a bare ID or short name)
+  # goes to a closed loopback port: no test reaches outside.
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = %q
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = %q
 [plugins.'io.containerd.cri.v1.runtime']
@@ -396,7 +400,11 @@ state = %q
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = [%q, "/usr/lib/cni"]
     conf_dir = %q
-`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, pauseImage, cniBin, cni))
+`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, filepath.Join(dir, "certs.d"), pauseImage, cniBin, cni))
+	writeFile(c.t, filepath.Join(dir, "certs.d", "docker.io", "hosts.toml"), `server = "http://127.0.0.1:9"
+[host."http://127.0.0.1:9"]
+  capabilities = ["pull", "resolve"]
+`)
 	c.start("containerd", nil, "containerd", "--config", config)
 	c.until("containerd", 30*time.Second, func() bool {
 		return exec.Command("ctr", "--address", c.containerd, "version").Run() == nil
@@ -480,8 +488,40 @@ func (c *cluster) startControllers() {
 	})
 }
 
+// credentialProviderBinary is the kubelet's credential provider that make
+// e2e built.
+func credentialProviderBinary(t *testing.T) string {
+	bin := os.Getenv("COWVOL_CREDENTIAL_PROVIDER_BINARY")
+	if bin == "" {
+		t.Fatal("COWVOL_CREDENTIAL_PROVIDER_BINARY is not set: run make e2e (make build builds it)")
+	}
+	return bin
+}
+
+// installCredentialProvider installs cowvol's credential provider as the
+// node DaemonSet's init container does, and writes the kubelet's
+// CredentialProviderConfig as components/image-registry gives it (but for
+// its bin dir); it returns the kubelet's flags for them.
+func (c *cluster) installCredentialProvider() []string {
+	binDir := filepath.Join(c.work, "credential-providers")
+	if err := os.MkdirAll(binDir, 0o755); err != nil {
+		c.t.Fatal(err)
+	}
+	if out, err := exec.Command(credentialProviderBinary(c.t), "install", binDir).CombinedOutput(); err != nil {
+		c.t.Fatalf("installing the credential provider: %v: %s", err, out)
+	}
+	config, err := os.ReadFile("../../deploy/csi/components/image-registry/credential-provider-config.yaml")
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	path := filepath.Join(c.work, "credential-provider-config.yaml")
+	writeFile(c.t, path, string(config))
+	return []string{"--image-credential-provider-config=" + path, "--image-credential-provider-bin-dir=" + binDir}
+}
+
 func (c *cluster) startKubelet() {
 	c.kubeletDir = filepath.Join(c.work, "kubelet")
+	providerFlags := c.installCredentialProvider()
 	config := filepath.Join(c.work, "kubelet.yaml")
 	writeFile(c.t, config, fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -506,8 +546,8 @@ resolvConf: ""
 syncFrequency: 2s
 fileCheckFrequency: 2s
 `, plugintest.FreePort(c.t), c.containerd))
-	c.start("kubelet", nil, filepath.Join(c.bin, "kubelet"), "--config="+config, "--kubeconfig="+c.kubeconfig,
-		"--root-dir="+c.kubeletDir, "--hostname-override="+nodeName, "--v=2")
+	c.start("kubelet", nil, append([]string{filepath.Join(c.bin, "kubelet"), "--config=" + config, "--kubeconfig=" + c.kubeconfig,
+		"--root-dir=" + c.kubeletDir, "--hostname-override=" + nodeName, "--v=2"}, providerFlags...)...)
 	c.until("the node to register", 90*time.Second, func() bool {
 		_, err := c.kubectl("", "get", "node", nodeName)
 		return err == nil
@@ -555,6 +595,9 @@ func (c *cluster) startPlugin(extraArgs ...string) {
 func (c *cluster) applyManifests() {
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
+		// What step pods that run images from the node's registry run as:
+		// the kubelet pulls with a token of theirs.
+		c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", ns)
 	}
 	// What a user applies must be valid against this apiserver: the
 	// default install and the example overlay (with the registrar-less

@@ -6,18 +6,26 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
+	"testing"
 	"time"
 
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/require"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/ociimage"
+	imagepkg "github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/registry/credential"
 	"github.com/concourse/cowvol/pkg/snapshotter"
 )
 
@@ -25,11 +33,79 @@ import (
 // address components/image-registry gives it and its policy guards.
 const imageRegistry = "127.0.0.1:7444"
 
-// withImage runs the step container on image, pulled if the node lacks it.
+// stepsServiceAccount is the ServiceAccount step pods that run images
+// from the node's registry run as: the kubelet hands its credential
+// provider a token of the pod's ServiceAccount, and a pod without one pulls
+// nothing from the registry.
+const stepsServiceAccount = "steps"
+
+// withImage runs the step container on image, pulled if the node lacks it,
+// as the pod's ServiceAccount.
 func withImage(image string) podOpt {
-	return func(_, container map[string]any) {
-		container["image"], container["imagePullPolicy"] = image, "IfNotPresent"
+	return withImagePolicy(image, "IfNotPresent")
+}
+
+func withImagePolicy(image, policy string) podOpt {
+	return func(spec, container map[string]any) {
+		container["image"], container["imagePullPolicy"] = image, policy
+		spec["serviceAccountName"] = stepsServiceAccount
 	}
+}
+
+// withRegistryToken mounts, at /var/run/cowvol/token, a token of the pod's
+// ServiceAccount for the registry's audience: what a pod that wants to
+// read the registry itself can have.
+func withRegistryToken() podOpt {
+	return func(spec, container map[string]any) {
+		spec["serviceAccountName"] = stepsServiceAccount
+		spec["volumes"] = append(spec["volumes"].([]map[string]any), map[string]any{"name": "registry-token", "projected": map[string]any{
+			"sources": []any{map[string]any{"serviceAccountToken": map[string]any{"audience": credential.Audience, "expirationSeconds": 600, "path": "token"}}}}})
+		container["volumeMounts"] = append(container["volumeMounts"].([]map[string]any),
+			map[string]any{"name": "registry-token", "mountPath": "/var/run/cowvol", "readOnly": true})
+	}
+}
+
+// runtimeManifest reads from the node's containerd the manifest of the
+// image it keeps as name, and its digest.
+func (c *cluster) runtimeManifest(name string) (string, ocispec.Manifest) {
+	c.t.Helper()
+	ctr := func(args ...string) string {
+		out, err := exec.Command("ctr", append([]string{"--address", c.containerd, "-n", "k8s.io"}, args...)...).CombinedOutput()
+		require.NoError(c.t, err, "%s", out)
+		return string(out)
+	}
+	lines := strings.Split(strings.TrimSpace(ctr("images", "ls", "name=="+name)), "\n")
+	require.Len(c.t, lines, 2, "the runtime keeps %s", name)
+	target := strings.Fields(lines[1])[2]
+	var m ocispec.Manifest
+	require.NoError(c.t, json.Unmarshal([]byte(ctr("content", "get", target)), &m))
+	return target, m
+}
+
+// registryGet asks the node's registry for path as a process on the node,
+// with token (empty: none), and answers the status and body.
+func registryGet(t *testing.T, path, token string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://"+imageRegistry+path, nil)
+	require.NoError(t, err)
+	if token != "" {
+		req.SetBasicAuth(credential.User, token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+// registryToken is a token of ns's steps ServiceAccount for the registry,
+// bound to the pod ns/pod on this node: what the kubelet hands the
+// credential provider for that pod.
+func (c *cluster) registryToken(ns, pod string) string {
+	c.t.Helper()
+	return strings.TrimSpace(c.mustKubectl("", "create", "token", stepsServiceAccount, "-n", ns, "--audience="+credential.Audience,
+		"--bound-object-kind=Pod", "--bound-object-name="+pod, "--duration=10m"))
 }
 
 // withHostDir mounts a dir of the host read-only at path.
@@ -75,6 +151,8 @@ func (c *cluster) stepImages() {
 	c.createPodWith("ci", "on-oci", `cat /etc/made-by`, []podOpt{withImage(imageRegistry + "/ci/img-oci:latest")})
 	require.Equal(t, "oci-build\n", c.mustSucceed("ci", "on-oci"))
 
+	c.imagesTenancy()
+
 	// Another namespace: the policy refuses ci's images however they are
 	// named; the registry refuses what the policy lets by.
 	c.mustKubectl("", "apply", "-f", "../../deploy/csi/components/image-registry/policy.yaml")
@@ -106,6 +184,175 @@ func (c *cluster) stepImages() {
 	c.deletePod("other", "steal")
 	report(t, "a pod of another namespace naming ci's image volume was refused by the images policy (under five spellings of the loopback address), "+
 		"and its pull by the registry where it named ci as the owner of a volume ci never shared\n")
+}
+
+// imagesTenancy: with no admission policy in the way, another namespace
+// reads none of ci's images from the node: not from a hostNetwork pod
+// under any loopback spelling, with no credential or its own; not as a
+// process on the node; not by naming the image the kubelet already
+// pulled for ci, by digest or by image ID. A volume shared with scope
+// cluster is still run by the namespace it was shared with.
+func (c *cluster) imagesTenancy() {
+	t := c.t
+	_, latest := c.runtimeManifest(imageRegistry + "/ci/img-rootfs:latest")
+	layer := latest.Layers[0].Digest.String()
+
+	// A hostNetwork pod of another namespace, as an attacker would ask:
+	// every answer for ci's image is the one for an image that is not
+	// there.
+	script := `T=$(cat /var/run/cowvol/token)
+		AUTH="Authorization: Basic $(printf 'serviceaccount-token:%s' "$T" | base64 | tr -d '\n')"
+		ask() {
+			if [ -n "$4" ]; then printf 'GET %s HTTP/1.0\r\nHost: %s\r\n%s\r\n\r\n' "$3" "$1" "$4"
+			else printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$3" "$1"; fi | nc -w 5 "$1" "$2" 2>&1 | tr -d '\r' | grep -v '^Date: '
+		}
+		for host in 127.0.0.1 localhost 127.0.0.2 ::1; do for cred in none own; do
+			h=""; [ $cred = own ] && h="$AUTH"
+			for what in img-rootfs img-absent; do
+				echo "== $host $cred manifest $what"; ask $host 7444 /v2/ci/$what/manifests/latest "$h"
+				echo "== $host $cred blob $what"; ask $host 7444 /v2/ci/$what/blobs/` + layer + ` "$h"
+			done
+		done; done`
+	c.createPodWith("other", "attacker", script, []podOpt{withRegistryToken()})
+	answers := map[string]string{}
+	var key string
+	for _, line := range strings.Split(c.mustSucceed("other", "attacker"), "\n") {
+		if k, ok := strings.CutPrefix(line, "== "); ok {
+			key = k
+			continue
+		}
+		answers[key] += line + "\n"
+	}
+	for _, host := range []string{"127.0.0.1", "localhost", "127.0.0.2", "::1"} {
+		for _, cred := range []string{"none", "own"} {
+			for _, kind := range []string{"manifest", "blob"} {
+				img, nothing := answers[host+" "+cred+" "+kind+" img-rootfs"], answers[host+" "+cred+" "+kind+" img-absent"]
+				require.NotContains(t, img, "200 OK", "%s %s %s", host, cred, kind)
+				require.NotContains(t, img, "sha256:", "%s %s %s", host, cred, kind)
+				// Names of one length: the answers' lengths are compared too.
+				require.Equal(t, strings.ReplaceAll(nothing, "ci/img-absent", "ci/img-rootfs"), img, "%s %s %s: ci's image is told from nothing", host, cred, kind)
+			}
+		}
+	}
+	require.Contains(t, answers["127.0.0.1 none manifest img-rootfs"], "401 Unauthorized")
+	require.Contains(t, answers["localhost none blob img-rootfs"], "401 Unauthorized")
+	require.Contains(t, answers["127.0.0.1 own manifest img-rootfs"], "404 Not Found")
+	require.Contains(t, answers["127.0.0.1 own blob img-rootfs"], "404 Not Found")
+
+	// A process on the node with no credential: the same.
+	for _, path := range []string{"/v2/ci/%s/manifests/latest", "/v2/ci/%s/blobs/" + layer} {
+		code, body := registryGet(t, fmt.Sprintf(path, "img-rootfs"), "")
+		code2, body2 := registryGet(t, fmt.Sprintf(path, "img-absent"), "")
+		require.Equal(t, http.StatusUnauthorized, code)
+		require.Equal(t, code2, code)
+		require.Equal(t, strings.ReplaceAll(body2, "ci/img-absent", "ci/img-rootfs"), body)
+	}
+
+	// The image the kubelet pulled for ci, named by another namespace's
+	// pods by digest and by image ID: the kubelet makes each pull again
+	// with the pod's own credential (KubeletEnsureSecretPulledImages),
+	// which the registry refuses, or, told never to pull, runs nothing.
+	repoDigest := c.mustKubectl("", "get", "pod", "-n", "ci", "on-rootfs", "-o", "jsonpath={.status.containerStatuses[0].imageID}")
+	require.Contains(t, repoDigest, imageRegistry+"/ci/img-rootfs@sha256:")
+	imageID := latest.Config.Digest.String()
+	named := map[string]string{"by-digest-never": repoDigest, "by-digest-present": repoDigest, "by-id-never": imageID, "by-id-present": imageID}
+	for pod, image := range named {
+		policy := "IfNotPresent"
+		if strings.HasSuffix(pod, "-never") {
+			policy = "Never"
+		}
+		c.createPodWith("other", pod, "cat /etc/made-by", []podOpt{withImagePolicy(image, policy)})
+	}
+	for pod := range named {
+		c.until("the kubelet to refuse "+pod, 2*time.Minute, func() bool {
+			reason, _ := c.kubectl("", "get", "pod", "-n", "other", pod, "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
+			return reason == "ErrImageNeverPull" || reason == "ErrImagePull" || reason == "ImagePullBackOff"
+		})
+		require.Equal(t, "Pending", c.phase("other", pod), pod)
+		c.deletePod("other", pod)
+	}
+	// The namespace that pulled it runs it by digest without a pull.
+	c.createPodWith("ci", "by-digest", "cat /etc/made-by", []podOpt{withImagePolicy(repoDigest, "Never")})
+	require.Equal(t, "rootfs\n", c.mustSucceed("ci", "by-digest"))
+
+	// Shared with scope cluster: ci runs other's image, as
+	// <reader>/<owner>/<handle>.
+	c.createPod("other", "get-shared-image", `set -e; cd /out; mkdir -p rootfs/bin rootfs/etc
+		cp /bin/busybox rootfs/bin/; ln -s busybox rootfs/bin/sh; ln -s busybox rootfs/bin/cat; echo shared > rootfs/etc/made-by
+		echo '{"env":["PATH=/bin"],"cmd":["/bin/sh"]}' > metadata.json`,
+		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-shared", "scope", "cluster")})
+	c.mustSucceed("other", "get-shared-image")
+	c.waitCapturedIn("other", "img-shared")
+	c.createPodWith("ci", "on-shared", "cat /etc/made-by", []podOpt{withImage(imageRegistry + "/ci/other/img-shared:latest")})
+	require.Equal(t, "shared\n", c.mustSucceed("ci", "on-shared"))
+	report(t, "another namespace's hostNetwork pod asked the node's registry for ci's image and blob under 4 loopback spellings, with no credential "+
+		"and with its own token: every answer was the one for an image that is not there (401 without, 404 with); its pods naming the image "+
+		"the kubelet pulled for ci, by digest and by image ID, with Never and IfNotPresent, never ran; ci ran it by digest, and another "+
+		"namespace's image shared with scope cluster\n")
+}
+
+// replayRemoteLayer: another namespace writes, into a volume of its own,
+// OCI layouts whose layer carries the remote layer ci's pull was handed
+// (its annotation and its digest as diff ID), and whose layer is only
+// named by that digest; pulled as any tag and as :cowvol under the
+// runtime class, the registry serves neither, and nothing runs.
+func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
+	t := c.t
+	remote := taken.Layers[0]
+	for _, tt := range []struct {
+		handle string
+		layer  ocispec.Descriptor
+	}{
+		{"replay-annotated", remote},
+		{"replay-digest", ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: remote.Digest, Size: 0}},
+	} {
+		src := filepath.Join(c.work, tt.handle)
+		writeReplayLayout(t, src, tt.layer)
+		c.createPodWith("other", "write-"+tt.handle, `set -e; cp -r /src/. /out/`, []podOpt{withHostDir(src, "/src")},
+			volume{name: "out", mountPath: "/out", attrs: attrs("capture", tt.handle)})
+		c.mustSucceed("other", "write-"+tt.handle)
+		c.waitCapturedIn("other", tt.handle)
+		for _, tag := range []string{"latest", registry.RemoteTag} {
+			pod := tt.handle + "-" + tag
+			opts := []podOpt{withImage(imageRegistry + "/other/" + tt.handle + ":" + tag)}
+			if tag == registry.RemoteTag {
+				opts = append(opts, func(spec, _ map[string]any) { spec["runtimeClassName"] = "cowvol" })
+			}
+			c.createPodWith("other", pod, "cat /etc/made-by", opts)
+			c.until("the pull of "+pod+" to fail", 2*time.Minute, func() bool {
+				reason, _ := c.kubectl("", "get", "pod", "-n", "other", pod, "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
+				return reason == "ErrImagePull" || reason == "ImagePullBackOff"
+			})
+			require.Equal(t, "Pending", c.phase("other", pod))
+			c.deletePod("other", pod)
+		}
+	}
+	require.Contains(t, c.plugin.Log(), "Refused an image that names a remote layer")
+	report(t, "another namespace's images carrying the remote layer ci's pull was handed (its annotation, or its digest as diff ID) were refused by the registry, as any tag and as :cowvol under the runtime class\n")
+}
+
+// writeReplayLayout writes an OCI layout whose one layer is layer (its
+// blob an empty file), named as its config's diff ID.
+func writeReplayLayout(t *testing.T, dir string, layer ocispec.Descriptor) {
+	t.Helper()
+	blob := func(data []byte) digest.Digest {
+		d := digest.FromBytes(data)
+		writeFile(t, filepath.Join(dir, "blobs/sha256", d.Encoded()), string(data))
+		return d
+	}
+	writeFile(t, filepath.Join(dir, "blobs/sha256", layer.Digest.Encoded()), "")
+	config, err := json.Marshal(ocispec.Image{Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
+		RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{layer.Digest}}})
+	require.NoError(t, err)
+	manifest, err := json.Marshal(ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest,
+		Config: ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: blob(config), Size: int64(len(config))},
+		Layers: []ocispec.Descriptor{layer}})
+	require.NoError(t, err)
+	index, err := json.Marshal(ocispec.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageIndex,
+		Manifests: []ocispec.Descriptor{{MediaType: ocispec.MediaTypeImageManifest, Digest: blob(manifest), Size: int64(len(manifest))}}})
+	require.NoError(t, err)
+	writeFile(t, filepath.Join(dir, "index.json"), string(index))
+	writeFile(t, filepath.Join(dir, "oci-layout"), `{"imageLayoutVersion":"1.0.0"}`)
 }
 
 // stepImagesOnSnapshotter: the rootfs-format image the get step left
@@ -140,18 +387,15 @@ func (c *cluster) stepImagesOnSnapshotter() {
 		[]podOpt{withImage(imageRegistry + "/ci/img-oci:" + registry.RemoteTag), opts[1]})
 	require.Equal(t, "oci-build\n", c.mustSucceed("ci", "oci-on-snapshotter"))
 
-	resp, err := http.Get("http://" + imageRegistry + "/v2/ci/img-rootfs/manifests/" + registry.RemoteTag)
-	require.NoError(t, err)
-	var m struct {
-		Config struct{ Digest string }
-		Layers []struct{ Digest string }
-	}
-	require.NoError(t, json.NewDecoder(resp.Body).Decode(&m))
-	resp.Body.Close()
+	// What the runtime pulled: a manifest minted for its pull, whose one
+	// layer it never fetched.
+	_, m := c.runtimeManifest(image)
 	require.Len(t, m.Layers, 1)
+	require.Contains(t, m.Layers[0].Annotations, imagepkg.RemoteLayerAnnotation)
 	content, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "content", "ls", "-q").CombinedOutput()
 	require.NoError(t, err, "%s", content)
-	require.NotContains(t, string(content), m.Layers[0].Digest, "the remote layer was fetched")
+	require.NotContains(t, string(content), m.Layers[0].Digest.String(), "the remote layer was fetched")
+	c.replayRemoteLayer(m)
 
 	// Held while a container runs on it.
 	c.createPodWith("ci", "runs-on-image", "sleep 3600", opts)
@@ -200,7 +444,7 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	c.until("the runtime to forget the destroyed volume's images", 2*time.Minute, func() bool {
 		images := ctr("images", "ls", "-q")
 		// The CRI's record by image ID too, or containerd keeps it all.
-		return !strings.Contains(images, imageRegistry+"/ci/img-rootfs") && !strings.Contains(images, m.Config.Digest)
+		return !strings.Contains(images, imageRegistry+"/ci/img-rootfs") && !strings.Contains(images, m.Config.Digest.String())
 	})
 	require.Equal(t, "rootfs\n", c.mustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by"))
 
@@ -218,7 +462,7 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	c.until("containerd to collect the image's snapshots on the cowvol snapshotter", time.Minute, func() bool {
 		ctr("leases", "create", "--id", "cowvol-e2e-collect")
 		ctr("leases", "delete", "--sync", "cowvol-e2e-collect")
-		return !strings.Contains(ctr("snapshots", "--snapshotter", "cowvol", "ls"), m.Layers[0].Digest)
+		return !strings.Contains(ctr("snapshots", "--snapshotter", "cowvol", "ls"), m.Layers[0].Digest.String())
 	})
 	report(t, fmt.Sprintf("a task ran on the rootfs-format image volume's own layers through the cowvol snapshotter (its layer never fetched): "+
 		"done %s after it was created; a running container kept the volume through eviction and a destroy, freed %s after its pod was deleted\n",

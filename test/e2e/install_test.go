@@ -210,7 +210,7 @@ func TestInstall(t *testing.T) {
 	c := startNode(t, true)
 	certsPEM, err := os.ReadFile("/etc/ssl/certs/ca-certificates.crt")
 	require.NoError(t, err)
-	c.importImage(ociimage.Plugin("cowvol.test/cowvol-plugin:previous", "previous", c.previousPlugin(), certsPEM))
+	c.importImage(ociimage.Plugin("cowvol.test/cowvol-plugin:previous", "previous", c.previousPlugin(), nil, certsPEM))
 	// The earlier image registers itself; the roll moves to the base as it
 	// comes, with the upstream sidecar (built by make e2e).
 	rolled := bySidecar

@@ -234,12 +234,20 @@ func TestManifests(t *testing.T) {
 		}
 		require.Contains(t, variables["own"], "'"+address+"/' + namespaceObject.metadata.name", "the policy admits another address than the registry's")
 		require.Contains(t, variables["foreign"], ":"+strings.Split(address, ":")[1]+"/')", "the policy guards another port than the registry's")
-		for _, kind := range []string{"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} {
-			obj := got[kind+"/cowvol-images"]
-			require.NotNil(t, obj, kind)
-			require.NotContains(t, obj["metadata"], "namespace", "%s is cluster-scoped", kind)
-			delete(got, kind+"/cowvol-images")
+		for _, name := range []string{"ValidatingAdmissionPolicy/cowvol-images", "ValidatingAdmissionPolicyBinding/cowvol-images",
+			"ClusterRole/cowvol-node-image-registry", "ClusterRoleBinding/cowvol-node-image-registry",
+			"ClusterRole/cowvol-image-registry-audience", "ClusterRoleBinding/cowvol-image-registry-audience"} {
+			obj := got[name]
+			require.NotNil(t, obj, name)
+			require.NotContains(t, obj["metadata"], "namespace", "%s is cluster-scoped", name)
+			delete(got, name)
 		}
+		// The kubelet's credential provider, from the plugin's image, into
+		// the kubelet's bin dir.
+		init := spec["initContainers"].([]any)[0].(map[string]any)
+		require.Equal(t, []any{"/cowvol-credential-provider", "install", "/credential-provider-bin"}, init["command"])
+		require.Equal(t, "cowvol-plugin:latest", init["image"], "the image an overlay's images: sets")
+		require.Contains(t, string(node), "path: /usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec")
 		delete(got, "DaemonSet/cowvol-node")
 		want := maps.Clone(base)
 		delete(want, "DaemonSet/cowvol-node")
@@ -295,6 +303,36 @@ func TestManifests(t *testing.T) {
 		require.Contains(t, string(node), "- --image-registry-address=127.0.0.1:7444")
 		require.Contains(t, string(controller), "replicas: 1")
 		require.Contains(t, string(controller), "image: registry.example/cowvol-plugin:v1")
+	})
+
+	t.Run("the Helm chart's image registry is the component's", func(t *testing.T) {
+		got := renderChart(t, "--set", "images.registry.enabled=true", "--set", "images.registry.address=127.0.0.1:7555",
+			"--set", "images.registry.auth=grace", "--set", "images.registry.credentialProviderBinDir=/opt/kubelet/providers")
+		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
+		for _, want := range []string{"hostNetwork: true", "dnsPolicy: ClusterFirstWithHostNet", "- --image-registry-address=127.0.0.1:7555",
+			"- --image-registry-auth=grace", "- --containerd-address=/run/containerd/containerd.sock", "mountPath: /run/containerd/containerd.sock",
+			"name: install-credential-provider", "path: /opt/kubelet/providers"} {
+			require.Contains(t, string(node), want)
+		}
+		variables := map[string]string{}
+		for _, v := range got["ValidatingAdmissionPolicy/cowvol-images"]["spec"].(map[string]any)["variables"].([]any) {
+			variables[v.(map[string]any)["name"].(string)] = v.(map[string]any)["expression"].(string)
+		}
+		require.Contains(t, variables["own"], "'127.0.0.1:7555/' + namespaceObject.metadata.name")
+		require.Contains(t, variables["foreign"], "):7555/')")
+		binding := got["ClusterRoleBinding/cowvol-node-image-registry"]["subjects"].([]any)[0].(map[string]any)
+		require.Equal(t, "cowvol", binding["namespace"])
+		dir := t.TempDir()
+		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
+			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + "]\n"
+		})
+		component, err := renderKustomization(t, dir)
+		require.NoError(t, err)
+		for _, name := range []string{"ClusterRole/cowvol-node-image-registry", "ClusterRole/cowvol-image-registry-audience",
+			"ClusterRoleBinding/cowvol-image-registry-audience"} {
+			require.Equal(t, component[name], got[name], name)
+		}
+		require.Equal(t, component["ValidatingAdmissionPolicyBinding/cowvol-images"], got["ValidatingAdmissionPolicyBinding/cowvol-images"])
 	})
 
 	t.Run("a settings file missing a key is refused", func(t *testing.T) {
