@@ -271,8 +271,8 @@ func Plugin(name, version string, binary, credentialProvider, caCertificates []b
 		files = append(files, File{Path: "cowvol-credential-provider", Mode: 0o755, Data: credentialProvider})
 	}
 	return Image{
-		Name:  name,
-		Files: files,
+		Name:       name,
+		Files:      files,
 		Entrypoint: []string{"/cowvol-plugin"},
 		Env:        []string{"PATH=/", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"},
 		Labels: map[string]string{
