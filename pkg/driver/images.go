@@ -113,11 +113,12 @@ func (d *Driver) imageRunners() ([]runner, error) {
 const pullReviewTTL = 30 * time.Second
 
 // checkPullCredentials says, in the log and in an Event on the Node, when
-// the runtime pulls from the node's registry without credentials: in
-// every period in which manifests were asked for without one and none was
-// asked for with one, the kubelet's cowvol credential provider is missing
-// or not configured for the registry's address (a runtime first asks
-// without, and again with the credential it was given once challenged).
+// the runtime pulls from the node's registry without credentials: a period
+// in which manifests were asked for without one and none with one means
+// the kubelet's cowvol credential provider is missing or not configured
+// for the registry's address (a runtime first asks without, and again
+// with the credential it was given once challenged). It is said once, and
+// again only after pulls carried credentials in between.
 func (d *Driver) checkPullCredentials(ctx context.Context, reg *registry.Server, period time.Duration) {
 	var lastAnon, lastAuth uint64
 	warned := false
@@ -129,7 +130,7 @@ func (d *Driver) checkPullCredentials(ctx context.Context, reg *registry.Server,
 		}
 		anon, auth := reg.Credentials()
 		switch {
-		case anon > lastAnon && auth == lastAuth:
+		case anon > lastAnon && auth == lastAuth && !warned:
 			how := "refused"
 			if d.opts.ImageRegistryAuth == registry.AuthGrace {
 				how = "served as their path says (--image-registry-auth=grace)"
