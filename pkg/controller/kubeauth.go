@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"strings"
-	"sync"
 	"time"
 
 	authnv1 "k8s.io/api/authentication/v1"
@@ -15,6 +14,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/concourse/cowvol/internal/ttlcache"
 )
 
 // KubeAuth authenticates callers with the API server (a TokenReview of
@@ -26,23 +27,14 @@ import (
 // lookups do not each cost two API calls; a revoked grant takes effect
 // within the cache's TTL.
 type KubeAuth struct {
-	kube kubernetes.Interface
-	ttl  time.Duration
-
-	mu      sync.Mutex
-	tokens  map[[sha256.Size]byte]cachedReview
-	reviews map[string]cachedAccess
+	kube    kubernetes.Interface
+	tokens  *ttlcache.Cache[[sha256.Size]byte, cachedReview]
+	reviews *ttlcache.Cache[string, bool]
 }
 
 type cachedReview struct {
-	user    authnv1.UserInfo
-	ok      bool
-	expires time.Time
-}
-
-type cachedAccess struct {
-	allowed bool
-	expires time.Time
+	user authnv1.UserInfo
+	ok   bool
 }
 
 // maxCached bounds each cache: past it, the cache starts over.
@@ -51,29 +43,23 @@ const maxCached = 10_000
 // NewKubeAuth checks callers against the API server kube reaches,
 // caching answers for ttl.
 func NewKubeAuth(kube kubernetes.Interface, ttl time.Duration) *KubeAuth {
-	return &KubeAuth{kube: kube, ttl: ttl, tokens: map[[sha256.Size]byte]cachedReview{}, reviews: map[string]cachedAccess{}}
+	return &KubeAuth{kube: kube, tokens: ttlcache.New[[sha256.Size]byte, cachedReview](ttl, maxCached),
+		reviews: ttlcache.New[string, bool](ttl, maxCached)}
 }
 
 // Authenticate reviews the token with the API server.
 func (k *KubeAuth) Authenticate(ctx context.Context, token string) (Caller, error) {
 	key := sha256.Sum256([]byte(token))
 	now := time.Now()
-	k.mu.Lock()
-	r, hit := k.tokens[key]
-	k.mu.Unlock()
-	if !hit || now.After(r.expires) {
+	r, hit := k.tokens.Get(key, now)
+	if !hit {
 		review, err := k.kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: token}}, metav1.CreateOptions{})
 		if err != nil {
 			klog.ErrorS(err, "A TokenReview failed: refusing the call")
 			return Caller{}, status.Error(codes.Unavailable, "cannot check the token with the API server now; retry")
 		}
-		r = cachedReview{user: review.Status.User, ok: review.Status.Authenticated, expires: now.Add(k.ttl)}
-		k.mu.Lock()
-		if len(k.tokens) >= maxCached {
-			clear(k.tokens)
-		}
-		k.tokens[key] = r
-		k.mu.Unlock()
+		r = cachedReview{user: review.Status.User, ok: review.Status.Authenticated}
+		k.tokens.Put(key, r, now)
 	}
 	if !r.ok {
 		return Caller{}, status.Error(codes.Unauthenticated, "the API server does not accept the bearer token")
@@ -89,11 +75,8 @@ func (k *KubeAuth) Authenticate(ctx context.Context, token string) (Caller, erro
 func (k *KubeAuth) allowed(ctx context.Context, user authnv1.UserInfo, verb, resource, namespace string) bool {
 	key := strings.Join([]string{user.UID, user.Username, strings.Join(user.Groups, ","), verb, resource, namespace}, "\x00")
 	now := time.Now()
-	k.mu.Lock()
-	a, hit := k.reviews[key]
-	k.mu.Unlock()
-	if hit && now.Before(a.expires) {
-		return a.allowed
+	if allowed, hit := k.reviews.Get(key, now); hit {
+		return allowed
 	}
 	extra := map[string]authzv1.ExtraValue{}
 	for name, v := range user.Extra {
@@ -107,11 +90,6 @@ func (k *KubeAuth) allowed(ctx context.Context, user authnv1.UserInfo, verb, res
 		klog.ErrorS(err, "A SubjectAccessReview failed: refusing", "user", user.Username, "verb", verb, "resource", resource, "namespace", namespace)
 		return false
 	}
-	k.mu.Lock()
-	if len(k.reviews) >= maxCached {
-		clear(k.reviews)
-	}
-	k.reviews[key] = cachedAccess{allowed: sar.Status.Allowed, expires: now.Add(k.ttl)}
-	k.mu.Unlock()
+	k.reviews.Put(key, sar.Status.Allowed, now)
 	return sar.Status.Allowed
 }

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	authnv1 "k8s.io/api/authentication/v1"
@@ -14,6 +13,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
+	"github.com/concourse/cowvol/internal/ttlcache"
 	"github.com/concourse/cowvol/pkg/registry/credential"
 )
 
@@ -46,15 +46,8 @@ const (
 type TokenReviews struct {
 	kube kubernetes.Interface
 	node string
-	ttl  time.Duration
-
-	mu      sync.Mutex
-	reviews map[[sha256.Size]byte]review
-}
-
-type review struct {
-	namespace string // "": unauthenticated
-	expires   time.Time
+	// The namespace each token proved ("": none), by its hash.
+	reviews *ttlcache.Cache[[sha256.Size]byte, string]
 }
 
 // maxReviews bounds the answers kept: past it, they start over.
@@ -63,7 +56,7 @@ const maxReviews = 10_000
 // NewTokenReviews reviews tokens with the API server kube reaches, for
 // pods on node, keeping answers for ttl.
 func NewTokenReviews(kube kubernetes.Interface, node string, ttl time.Duration) *TokenReviews {
-	return &TokenReviews{kube: kube, node: node, ttl: ttl, reviews: map[[sha256.Size]byte]review{}}
+	return &TokenReviews{kube: kube, node: node, reviews: ttlcache.New[[sha256.Size]byte, string](ttl, maxReviews)}
 }
 
 // Extra keys of a reviewed token bound to a pod.
@@ -79,28 +72,21 @@ func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (st
 	}
 	key := sha256.Sum256([]byte(password))
 	now := time.Now()
-	a.mu.Lock()
-	r, hit := a.reviews[key]
-	a.mu.Unlock()
-	if !hit || now.After(r.expires) {
+	ns, hit := a.reviews.Get(key, now)
+	if !hit {
 		tr, err := a.kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
 			Spec: authnv1.TokenReviewSpec{Token: password, Audiences: []string{credential.Audience}}}, metav1.CreateOptions{})
 		if err != nil {
 			klog.ErrorS(err, "A TokenReview for an image pull failed: refusing the pull")
 			return "", err
 		}
-		r = review{namespace: a.podNamespace(tr.Status), expires: now.Add(a.ttl)}
-		a.mu.Lock()
-		if len(a.reviews) >= maxReviews {
-			clear(a.reviews)
-		}
-		a.reviews[key] = r
-		a.mu.Unlock()
+		ns = a.podNamespace(tr.Status)
+		a.reviews.Put(key, ns, now)
 	}
-	if r.namespace == "" {
+	if ns == "" {
 		return "", ErrUnauthenticated
 	}
-	return r.namespace, nil
+	return ns, nil
 }
 
 // podNamespace is the namespace a review proves: a ServiceAccount's
