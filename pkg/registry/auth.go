@@ -50,6 +50,9 @@ type TokenReviews struct {
 	reviews *ttlcache.Cache[[sha256.Size]byte, string]
 }
 
+// reviewTimeout bounds a TokenReview.
+const reviewTimeout = 10 * time.Second
+
 // maxReviews bounds the answers kept: past it, they start over.
 const maxReviews = 10_000
 
@@ -74,6 +77,11 @@ func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (st
 	now := time.Now()
 	ns, hit := a.reviews.Get(key, now)
 	if !hit {
+		// The review is kept for the pull's next requests: one whose
+		// client hangs up (a runtime that gave up, a client that closed
+		// its side) still finishes it.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), reviewTimeout)
+		defer cancel()
 		tr, err := a.kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
 			Spec: authnv1.TokenReviewSpec{Token: password, Audiences: []string{credential.Audience}}}, metav1.CreateOptions{})
 		if err != nil {

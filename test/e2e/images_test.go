@@ -5,6 +5,7 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -70,9 +71,14 @@ func withRegistryToken() podOpt {
 // image it keeps as name, and its digest.
 func (c *cluster) runtimeManifest(name string) (string, ocispec.Manifest) {
 	c.t.Helper()
+	// Standard output alone: ctr warns on standard error.
 	ctr := func(args ...string) string {
-		out, err := exec.Command("ctr", append([]string{"--address", c.containerd, "-n", "k8s.io"}, args...)...).CombinedOutput()
-		require.NoError(c.t, err, "%s", out)
+		out, err := exec.Command("ctr", append([]string{"--address", c.containerd, "-n", "k8s.io"}, args...)...).Output()
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			err = fmt.Errorf("%w: %s", err, exit.Stderr)
+		}
+		require.NoError(c.t, err)
 		return string(out)
 	}
 	lines := strings.Split(strings.TrimSpace(ctr("images", "ls", "name=="+name)), "\n")
