@@ -223,7 +223,7 @@ func (c *cluster) imagesTenancy() {
 	c.createPodWith("other", "attacker", script, []podOpt{withRegistryToken()})
 	answers := map[string]string{}
 	var key string
-	for _, line := range strings.Split(c.mustSucceed("other", "attacker"), "\n") {
+	for _, line := range strings.Split(strings.TrimSpace(c.mustSucceed("other", "attacker")), "\n") {
 		if k, ok := strings.CutPrefix(line, "== "); ok {
 			key = k
 			continue
