@@ -9,6 +9,7 @@ package e2e
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
@@ -29,6 +30,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -110,6 +112,12 @@ type cluster struct {
 	cache          *client.Client
 	sysctls        map[string]string
 	links          []string // network devices before the cluster
+	// lab is the network of nodes in namespaces of their own (a fleet's);
+	// nil for the one node on loopback.
+	lab *netlab.Lab
+	// runtimes are the sockets of every node's containerd; cgroupRoots
+	// the cgroups their pods go under, besides the root.
+	runtimes, cgroupRoots []string
 }
 
 func linkNames(t *testing.T) []string {
@@ -126,6 +134,18 @@ func linkNames(t *testing.T) []string {
 
 func (c *cluster) start(name string, env []string, args ...string) *proc {
 	c.t.Helper()
+	return c.startIn("", name, env, args...)
+}
+
+// startIn starts a process in the network namespace netns (empty: this
+// process's).
+func (c *cluster) startIn(netns, name string, env []string, args ...string) *proc {
+	c.t.Helper()
+	if netns != "" {
+		// nsenter execs the program once in the namespace: the
+		// process is the program itself.
+		args = append([]string{"nsenter", "--net=/run/netns/" + netns, "--"}, args...)
+	}
 	p := &proc{name: name, log: filepath.Join(c.work, "logs", name+".log"), done: make(chan error, 1)}
 	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -308,6 +328,24 @@ func (c *cluster) startEtcd() {
 	c.procs["etcd"].cmd.Args = append(c.procs["etcd"].cmd.Args, cu) // remembered for the apiserver
 }
 
+// apiHost is the API server's address: loopback, or with nodes in network
+// namespaces of their own, the test's own address on their network.
+func (c *cluster) apiHost() string {
+	if c.lab != nil {
+		return c.lab.Self
+	}
+	return "127.0.0.1"
+}
+
+// kubeletAddressTypes are how the API server reaches a kubelet: the one
+// node is "localhost" on loopback; nodes of their own network by address.
+func (c *cluster) kubeletAddressTypes() string {
+	if c.lab != nil {
+		return "InternalIP"
+	}
+	return "Hostname"
+}
+
 func (c *cluster) startAPIServer(serviceAccounts bool) {
 	dir := filepath.Join(c.work, "apiserver")
 	key, err := rsa.GenerateKey(rand.Reader, 2048)
@@ -323,13 +361,13 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 	c.apiPort = port
 	args := []string{filepath.Join(c.bin, "kube-apiserver"),
 		"--etcd-servers=" + etcdArgs[len(etcdArgs)-1],
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port=" + strconv.Itoa(port),
+		"--bind-address=" + c.apiHost(), "--advertise-address=" + c.apiHost(), "--secure-port=" + strconv.Itoa(port),
 		"--cert-dir=" + filepath.Join(dir, "certs"),
 		"--token-auth-file=" + tokens, "--authorization-mode=RBAC", // cowvol --kube-auth asks it
 		"--service-account-issuer=https://localhost", "--service-account-key-file=" + saKey,
 		"--service-account-signing-key-file=" + saKey,
 		"--service-cluster-ip-range=10.0.0.0/24", // never routed: no kube-proxy, hostNetwork pods
-		"--kubelet-preferred-address-types=Hostname",
+		"--kubelet-preferred-address-types=" + c.kubeletAddressTypes(),
 		"--allow-privileged=true", "--profiling=false",
 		// From 1.37 the kubernetes Service's reconciler refuses a loopback
 		// advertise address; nothing here reaches it through the Service.
@@ -344,7 +382,7 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 kind: Config
 clusters:
 - name: e2e
-  cluster: {server: "https://127.0.0.1:%d", insecure-skip-tls-verify: true}
+  cluster: {server: "https://%s:%d", insecure-skip-tls-verify: true}
 users:
 - name: admin
   user: {token: %s}
@@ -352,7 +390,7 @@ contexts:
 - name: e2e
   context: {cluster: e2e, user: admin}
 current-context: e2e
-`, port, adminToken))
+`, c.apiHost(), port, adminToken))
 	c.until("the apiserver to be ready", 90*time.Second, func() bool {
 		out, err := c.kubectl("", "get", "--raw", "/readyz")
 		return err == nil && strings.TrimSpace(out) == "ok"
@@ -360,8 +398,32 @@ current-context: e2e
 }
 
 func (c *cluster) startContainerd() {
-	dir := filepath.Join(c.work, "containerd")
-	c.containerd = filepath.Join(dir, "containerd.sock")
+	c.snapshotter = filepath.Join(c.work, "cowvol-snapshotter.sock")
+	c.containerd = c.startRuntime(nodeHost{name: nodeName, dir: c.work}, c.snapshotter)
+}
+
+// nodeHost is where a node's runtime and kubelet run: the node's name,
+// the address its kubelet serves on and reports (empty: loopback, as
+// nodeName), the network namespace they run in (empty: the test's own),
+// the dir below which they keep their state, and the cgroup their pods go
+// under (empty: the root).
+type nodeHost struct {
+	name, address, netns, dir, cgroupRoot string
+}
+
+// proc names a process of the node's.
+func (n nodeHost) proc(name string) string {
+	if n.name == nodeName {
+		return name
+	}
+	return name + "-" + n.name
+}
+
+// startRuntime starts the node's containerd, its cowvol snapshotter
+// expected at snapshotterSocket, and returns its socket.
+func (c *cluster) startRuntime(n nodeHost, snapshotterSocket string) string {
+	dir := filepath.Join(n.dir, "containerd")
+	socket := filepath.Join(dir, "containerd.sock")
 	cni, cniBin := filepath.Join(dir, "cni"), filepath.Join(dir, "cni-bin")
 	// hostNetwork pods need no network, but the CRI reports the network
 	// not ready without a CNI config. The others (user-namespace pods may
@@ -374,13 +436,12 @@ func (c *cluster) startContainerd() {
 	// runtime halves are plugins of their own. The cowvol snapshotter and
 	// its runtime handler are as the README has a node configure them
 	// (the plugin serves the socket only where a test asks for it).
-	c.snapshotter = filepath.Join(c.work, "cowvol-snapshotter.sock")
 	writeFile(c.t, config, fmt.Sprintf(`version = 3
 root = %q
 state = %q
 [grpc]
   address = %q
-`+snapshotter.ContainerdConfig(c.snapshotter, "linux/"+runtime.GOARCH)+`
+`+snapshotter.ContainerdConfig(snapshotterSocket, "linux/"+runtime.GOARCH)+`
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
   # Any pull of docker.io (an image named by a bare ID or short name)
@@ -400,15 +461,16 @@ state = %q
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = [%q, "/usr/lib/cni"]
     conf_dir = %q
-`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.containerd, filepath.Join(dir, "certs.d"), pauseImage, cniBin, cni))
+`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), socket, filepath.Join(dir, "certs.d"), pauseImage, cniBin, cni))
 	writeFile(c.t, filepath.Join(dir, "certs.d", "docker.io", "hosts.toml"), `server = "http://127.0.0.1:9"
 [host."http://127.0.0.1:9"]
   capabilities = ["pull", "resolve"]
 `)
-	c.start("containerd", nil, "containerd", "--config", config)
-	c.until("containerd", 30*time.Second, func() bool {
-		return exec.Command("ctr", "--address", c.containerd, "version").Run() == nil
+	c.startIn(n.netns, n.proc("containerd"), nil, "containerd", "--config", config)
+	c.until(n.proc("containerd"), 30*time.Second, func() bool {
+		return exec.Command("ctr", "--address", socket, "version").Run() == nil
 	})
+	return socket
 }
 
 // buildStatic builds one of the harness's commands (./name) statically
@@ -430,25 +492,35 @@ func (c *cluster) buildStatic(name, dir string) []byte {
 // importImages builds the pause and busybox images here (no registry is
 // reachable) and imports them into the CRI's namespace. The busybox image
 // also holds euid, which prints the effective user ID it runs with.
-func (c *cluster) importImages() {
+func (c *cluster) importImages() { c.importImagesInto(c.containerd) }
+
+// importImagesInto imports the harness's images into the runtime at
+// socket, building them the first time.
+func (c *cluster) importImagesInto(socket string) {
 	dir := filepath.Join(c.work, "images")
+	out := filepath.Join(dir, "images.tar")
+	if _, err := os.Stat(out); err != nil {
+		c.buildImages(dir, out)
+	}
+	for _, archive := range []string{out, os.Getenv("COWVOL_PLUGIN_IMAGE_TAR")} {
+		if b, err := exec.Command("ctr", "--address", socket, "-n", "k8s.io", "images", "import", archive).CombinedOutput(); err != nil {
+			c.t.Fatalf("importing %s: %v: %s", archive, err, b)
+		}
+	}
+}
+
+// buildImages writes the pause and busybox images to out.
+func (c *cluster) buildImages(dir, out string) {
 	pauseBin, euidBin := c.buildStatic("pause", dir), c.buildStatic("euid", dir)
 	bbFiles := append(busyboxFiles(c.t), ociimage.File{Path: "bin/euid", Mode: 0o755, Data: euidBin})
-	plugin := os.Getenv("COWVOL_PLUGIN_IMAGE_TAR")
-	if plugin == "" {
+	if os.Getenv("COWVOL_PLUGIN_IMAGE_TAR") == "" {
 		c.t.Fatal("COWVOL_PLUGIN_IMAGE_TAR is not set: run make e2e (it builds the plugin's image with make image)")
 	}
-	out := filepath.Join(dir, "images.tar")
 	if err := ociimage.Write(out,
 		ociimage.Image{Name: pauseImage, Files: []ociimage.File{{Path: "pause", Mode: 0o755, Data: pauseBin}}, Cmd: []string{"/pause"}},
 		ociimage.Image{Name: busyboxImage, Files: bbFiles, Cmd: []string{"/bin/sh"}, Env: []string{"PATH=/bin"}},
 	); err != nil {
 		c.t.Fatal(err)
-	}
-	for _, archive := range []string{out, plugin} {
-		if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", archive).CombinedOutput(); err != nil {
-			c.t.Fatalf("importing %s: %v: %s", archive, err, b)
-		}
 	}
 }
 
@@ -502,8 +574,8 @@ func credentialProviderBinary(t *testing.T) string {
 // node DaemonSet's init container does, and writes the kubelet's
 // CredentialProviderConfig as components/image-registry gives it (but for
 // its bin dir); it returns the kubelet's flags for them.
-func (c *cluster) installCredentialProvider() []string {
-	binDir := filepath.Join(c.work, "credential-providers")
+func (c *cluster) installCredentialProvider(dir string) []string {
+	binDir := filepath.Join(dir, "credential-providers")
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
 		c.t.Fatal(err)
 	}
@@ -514,26 +586,38 @@ func (c *cluster) installCredentialProvider() []string {
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	path := filepath.Join(c.work, "credential-provider-config.yaml")
+	path := filepath.Join(dir, "credential-provider-config.yaml")
 	writeFile(c.t, path, string(config))
 	return []string{"--image-credential-provider-config=" + path, "--image-credential-provider-bin-dir=" + binDir}
 }
 
 func (c *cluster) startKubelet() {
-	c.kubeletDir = filepath.Join(c.work, "kubelet")
-	providerFlags := c.installCredentialProvider()
-	config := filepath.Join(c.work, "kubelet.yaml")
+	c.kubeletDir = c.startKubeletOn(nodeHost{name: nodeName, dir: c.work}, c.containerd)
+}
+
+// startKubeletOn starts the node's kubelet on its runtime's socket, waits
+// for the node to register, and returns the kubelet's root dir.
+func (c *cluster) startKubeletOn(n nodeHost, containerd string) string {
+	kubeletDir := filepath.Join(n.dir, "kubelet")
+	providerFlags := c.installCredentialProvider(n.dir)
+	config := filepath.Join(n.dir, "kubelet.yaml")
+	address, port, nodeIP := "127.0.0.1", plugintest.FreePort(c.t), ""
+	if n.address != "" {
+		address, port, nodeIP = n.address, 10250, "--node-ip="+n.address
+	}
 	writeFile(c.t, config, fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+address: %s
 port: %d
 readOnlyPort: 0
 healthzPort: 0
 cgroupDriver: cgroupfs
+cgroupRoot: %q
 # cgroup v1 here, and no swap to speak of.
 failCgroupV1: false
 failSwapOn: false
 containerRuntimeEndpoint: unix://%s
+podLogsDir: %q
 authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
 authorization: {mode: AlwaysAllow}
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", imagefs.available: "1%%"}
@@ -545,13 +629,18 @@ featureGates: {RuntimeClassInImageCriApi: true}
 resolvConf: ""
 syncFrequency: 2s
 fileCheckFrequency: 2s
-`, plugintest.FreePort(c.t), c.containerd))
-	c.start("kubelet", nil, append([]string{filepath.Join(c.bin, "kubelet"), "--config=" + config, "--kubeconfig=" + c.kubeconfig,
-		"--root-dir=" + c.kubeletDir, "--hostname-override=" + nodeName, "--v=2"}, providerFlags...)...)
-	c.until("the node to register", 90*time.Second, func() bool {
-		_, err := c.kubectl("", "get", "node", nodeName)
+`, address, port, cmp.Or(n.cgroupRoot, "/"), containerd, filepath.Join(n.dir, "pod-logs")))
+	args := append([]string{filepath.Join(c.bin, "kubelet"), "--config=" + config, "--kubeconfig=" + c.kubeconfig,
+		"--root-dir=" + kubeletDir, "--hostname-override=" + n.name, "--v=2"}, providerFlags...)
+	if nodeIP != "" {
+		args = append(args, nodeIP)
+	}
+	c.startIn(n.netns, n.proc("kubelet"), nil, args...)
+	c.until("node "+n.name+" to register", 90*time.Second, func() bool {
+		_, err := c.kubectl("", "get", "node", n.name)
 		return err == nil
 	})
+	return kubeletDir
 }
 
 // startPlugin runs cowvol's node plugin on the host, registered with the
@@ -620,14 +709,12 @@ func (c *cluster) teardown() {
 	if t.Failed() {
 		c.dumpLogs()
 	}
-	if p := c.procs["kubelet"]; p != nil {
-		p.stop(syscall.SIGTERM, 30*time.Second)
+	c.stopAll("kubelet")
+	for _, socket := range append([]string{c.containerd}, c.runtimes...) {
+		c.killShims(socket)
 	}
-	c.killShims()
 	for _, name := range []string{"kube-scheduler", "kube-controller-manager", "containerd", "kube-apiserver", "etcd"} {
-		if p := c.procs[name]; p != nil {
-			p.stop(syscall.SIGTERM, 30*time.Second)
-		}
+		c.stopAll(name)
 	}
 	// Rounds: a shared kubelet dir (TestInstall's) holds each pod mount
 	// twice, one copy hidden under the other until that goes.
@@ -649,7 +736,7 @@ func (c *cluster) teardown() {
 			}
 		}
 	}
-	removeKubeCgroups(t)
+	removeKubeCgroups(t, c.cgroupRoots...)
 	for s, v := range c.sysctls {
 		if err := os.WriteFile("/proc/sys/"+s, []byte(v), 0o644); err != nil {
 			t.Errorf("restoring %s: %v", s, err)
@@ -691,13 +778,23 @@ func pidsWhere(match func(cmdline string) bool) []int {
 	return pids
 }
 
-// killShims kills the containerd shims of this cluster's containerd (they
+// stopAll stops the process name and every node's process of that name
+// (name-<node>).
+func (c *cluster) stopAll(name string) {
+	for n, p := range c.procs {
+		if n == name || strings.HasPrefix(n, name+"-") {
+			p.stop(syscall.SIGTERM, 30*time.Second)
+		}
+	}
+}
+
+// killShims kills the containerd shims of the containerd at socket (they
 // outlive it by design) by PID: they name its socket.
-func (c *cluster) killShims() {
-	if c.containerd == "" {
+func (c *cluster) killShims(socket string) {
+	if socket == "" {
 		return
 	}
-	for _, pid := range c.pidsMentioning(c.containerd) {
+	for _, pid := range c.pidsMentioning(socket) {
 		if exe, _ := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); strings.Contains(filepath.Base(exe), "containerd-shim") {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
@@ -705,12 +802,17 @@ func (c *cluster) killShims() {
 	time.Sleep(200 * time.Millisecond)
 }
 
-// removeKubeCgroups removes the kubelet's cgroups (v1 and v2), deepest first.
-func removeKubeCgroups(t *testing.T) {
+// removeKubeCgroups removes the kubelet's cgroups (v1 and v2), and the
+// cgroup roots of nodes (their kubepods below), deepest first.
+func removeKubeCgroups(t *testing.T, cgroupRoots ...string) {
 	var dirs []string
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods*")
 	if v2, _ := filepath.Glob("/sys/fs/cgroup/kubepods*"); len(v2) > 0 {
 		roots = append(roots, v2...)
+	}
+	for _, r := range cgroupRoots {
+		more, _ := filepath.Glob("/sys/fs/cgroup/*" + r)
+		roots = append(roots, more...)
 	}
 	for _, root := range roots {
 		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
