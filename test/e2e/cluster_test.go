@@ -548,10 +548,16 @@ func busyboxFiles(t *testing.T) []ociimage.File {
 // ServiceAccounts, the root CA's ConfigMap) and the scheduler.
 func (c *cluster) startControllers() {
 	ca := filepath.Join(c.work, "apiserver", "certs", "apiserver.crt")
+	// A fleet's nodes are watched (their not-ready taints lifted and set,
+	// as kube-scheduler needs); the one node's pods name their node.
+	controllers := "*,-nodeipam,-persistentvolume-binder,-attachdetach"
+	if c.lab == nil {
+		controllers += ",-nodelifecycle"
+	}
 	c.start("kube-controller-manager", nil, filepath.Join(c.bin, "kube-controller-manager"),
 		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--root-ca-file="+ca,
 		"--use-service-account-credentials=false", "--bind-address=127.0.0.1", "--secure-port=0",
-		"--controllers=*,-nodeipam,-nodelifecycle,-persistentvolume-binder,-attachdetach")
+		"--controllers="+controllers)
 	c.start("kube-scheduler", nil, filepath.Join(c.bin, "kube-scheduler"),
 		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0")
 	c.until("the default ServiceAccount", 60*time.Second, func() bool {
