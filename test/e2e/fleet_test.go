@@ -3,9 +3,12 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -13,7 +16,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/client"
+	"github.com/concourse/cowvol/pkg/driver"
+	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
 
 // fleet is several real nodes on one machine. Each node is a network
@@ -32,8 +39,10 @@ type fleet struct {
 // fleetNode is one of a fleet's nodes.
 type fleetNode struct {
 	nodeHost
+	host       *netlab.Host
 	containerd string // its runtime's socket
 	kubeletDir string
+	plugin     *plugintest.Plugin // cowvol's node plugin, once installed
 }
 
 // startFleet brings up the control plane and n nodes, node-1 to node-<n>,
@@ -65,7 +74,7 @@ func startFleet(t *testing.T, n int) *fleet {
 		name := fmt.Sprintf("node-%d", i)
 		host := lab.Host(name)
 		node := fleetNode{nodeHost: nodeHost{name: name, address: host.IP, netns: host.Netns,
-			dir: filepath.Join(work, name), cgroupRoot: "/cowvol-e2e-" + name}}
+			dir: filepath.Join(work, name), cgroupRoot: "/cowvol-e2e-" + name}, host: host}
 		f.makeCgroupRoot(node.cgroupRoot)
 		node.containerd = c.startRuntime(node.nodeHost, filepath.Join(node.dir, "cowvol-snapshotter.sock"))
 		c.runtimes = append(c.runtimes, node.containerd)
@@ -173,7 +182,138 @@ func TestFleet(t *testing.T) {
 		nc -w 2 127.0.0.1 8081 2>/dev/null || echo "no loopback of node-1's here"`, []podOpt{onNode("node-2")})
 	require.Equal(t, "over-the-bridge\nno loopback of node-1's here\n", f.mustSucceed("ci", "client"))
 	require.Equal(t, "node-2", f.podOn("ci", "client"))
+	f.installCowvol()
+	f.fleetBuild()
 	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
 		"and a pod on node-2 reached node-1's address over the bridge but not its loopback\n", len(f.nodes)))
 	f.deleteSteps("ci")
+}
+
+// installCowvol runs cowvol on the fleet: the controller in the test's
+// namespace, serving TLS on the lab, and a node plugin in each node's
+// namespace, registered with that node's kubelet, its state dir a
+// filesystem of its own (XFS with reflink; the last node's btrfs),
+// reporting to the controller and pulling from its peers over mutual TLS
+// across the bridge. The scheduler's client of the Cache API is f.cache.
+func (f *fleet) installCowvol() {
+	t := f.t
+	f.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml", "-f", "../../deploy/csi/base/csidriver.yaml")
+	dir := filepath.Join(f.work, "cowvol")
+	pki := netlab.NewPKI(t, filepath.Join(dir, "pki"), driver.DefaultPeerServerName, f.lab.Self)
+	tokens, nodeToken := filepath.Join(dir, "tokens"), filepath.Join(dir, "node-token")
+	writeFile(t, tokens, "fleet-node-token-0123456789,system:cowvol-node,*\nfleet-scheduler-token-0123,ci-scheduler,*\n")
+	writeFile(t, nodeToken, "fleet-node-token-0123456789\n")
+	f.controllerAddr = net.JoinHostPort(f.lab.Self, strconv.Itoa(plugintest.FreePort(t)))
+	f.controller = plugintest.Start(t, plugintest.Config{Mode: "controller", NodeID: "cowvol-controller", Args: []string{
+		"--api-address=" + f.controllerAddr, "--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens,
+		"--kubeconfig=" + f.kubeconfig}})
+	cache, err := client.Dial(client.Options{Address: f.controllerAddr, CAFile: pki.CA, Token: "fleet-scheduler-token-0123"})
+	require.NoError(t, err)
+	t.Cleanup(func() { cache.Close() })
+	f.cache = cache
+	for i := range f.nodes {
+		n := &f.nodes[i]
+		kind := testfs.XFS
+		if i == len(f.nodes)-1 {
+			kind = testfs.Btrfs
+		}
+		n.plugin = plugintest.Start(t, plugintest.Config{NodeID: n.name, StateDir: testfs.Mount(t, kind, 3<<30), KubeletDir: n.kubeletDir,
+			Wrap: n.host.Command, Args: []string{"--kubeconfig=" + f.kubeconfig,
+				"--kubelet-registration-socket=" + filepath.Join(n.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
+				"--controller-address=" + f.controllerAddr, "--tls-ca-file=" + pki.CA, "--token-file=" + nodeToken,
+				"--peer-address=" + net.JoinHostPort(n.address, "7443"),
+				"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}})
+	}
+	// Pods are deleted while the plugins can still unpublish.
+	t.Cleanup(func() { f.deletePods() })
+	for _, n := range f.nodes {
+		f.until("cowvol to register with "+n.name+"'s kubelet", time.Minute, func() bool {
+			out, err := f.kubectl("", "get", "csinode", n.name, "-o", "jsonpath={.spec.drivers[*].name}")
+			return err == nil && strings.Contains(out, driverName)
+		})
+	}
+}
+
+// node is the fleet's node of that name.
+func (f *fleet) node(name string) *fleetNode {
+	for i := range f.nodes {
+		if f.nodes[i].name == name {
+			return &f.nodes[i]
+		}
+	}
+	f.t.Fatalf("no node %s", name)
+	return nil
+}
+
+// waitCapturedOn waits until node's plugin has captured ns/handle.
+func (f *fleet) waitCapturedOn(node, ns, handle string) {
+	f.t.Helper()
+	p := f.node(node).plugin
+	f.until("capture of "+ns+"/"+handle+" on "+node, 3*time.Minute, func() bool {
+		for _, line := range strings.Split(p.Log(), "\n") {
+			if strings.Contains(line, `"Captured step volume"`) && strings.Contains(line, `volume="`+ns+"/"+handle+`"`) {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// startedAfterBound is how long a pod's container took to start once
+// kube-scheduler bound it (whole seconds: what pod status tells).
+func (f *fleet) startedAfterBound(ns, name string) time.Duration {
+	f.t.Helper()
+	out := f.mustKubectl("", "get", "pod", "-n", ns, name, "-o",
+		`jsonpath={.status.conditions[?(@.type=="PodScheduled")].lastTransitionTime} {.status.containerStatuses[0].state.terminated.startedAt}`)
+	fields := strings.Fields(out)
+	require.Len(f.t, fields, 2, "%q", out)
+	bound, err := time.Parse(time.RFC3339, fields[0])
+	require.NoError(f.t, err)
+	started, err := time.Parse(time.RFC3339, fields[1])
+	require.NoError(f.t, err)
+	return started.Sub(bound)
+}
+
+// fleetBuild: a get step on node-1 captures an input (files and a
+// program); the Cache API places the next step on node-1, and
+// kube-scheduler binds it there; a step pinned to node-3 gets the input
+// from node-1 across the bridge, reads the same bytes and runs the
+// program from it. Each step's time from bound to started is reported.
+func (f *fleet) fleetBuild() {
+	t := f.t
+	const files = 2000 // of 100 KiB: 200 MiB
+	f.createPodWith("ci", "get", fmt.Sprintf(`set -e; cd /out; mkdir -p bin data
+		cp /bin/busybox bin/echo; yes cowvol | head -c 102400 > /tmp/block
+		for i in $(seq %d); do { echo $i; cat /tmp/block; } > data/f$i; done`, files),
+		[]podOpt{onNode("node-1")}, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "res-1")})
+	f.mustSucceed("ci", "get")
+	f.waitCapturedOn("node-1", "ci", "res-1")
+	ctx := context.Background()
+	ref := cowvolume.Ref{Namespace: "ci", Handle: "res-1"}
+	var first string
+	f.until("the controller to place a step on res-1", 30*time.Second, func() bool {
+		nodes, err := f.cache.Place(ctx, ref)
+		if err != nil || len(nodes) == 0 {
+			return false
+		}
+		first = nodes[0].NodeId
+		return first == "node-1"
+	})
+	read := `set -e; cd /in; find data -type f | sort | xargs md5sum | md5sum; ls data | wc -l; ./bin/echo ran-from-the-input`
+	input := volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-1"), readOnly: true}
+	f.createPodWith("ci", "near", read, []podOpt{preferring(first)}, input)
+	near := f.mustSucceed("ci", "near")
+	require.Equal(t, "node-1", f.podOn("ci", "near"), "kube-scheduler bound the step where Place ranked first")
+	f.createPodWith("ci", "far", read, []podOpt{onNode("node-3")}, input)
+	far := f.mustSucceed("ci", "far")
+	require.Equal(t, "node-3", f.podOn("ci", "far"))
+	require.Equal(t, near, far, "the step on node-3 read node-1's bytes")
+	require.Contains(t, far, fmt.Sprintf("\n%d\nran-from-the-input\n", files))
+	f.until("the controller to see res-1 on node-3 too", 30*time.Second, func() bool {
+		locs, err := f.cache.Lookup(ctx, ref)
+		return err == nil && len(locs) == 1 && len(locs[0].Nodes) == 2
+	})
+	report(t, fmt.Sprintf("fleet: a step placed by the Cache API next to its %d-file, 200 MiB input started %s after kube-scheduler bound it; "+
+		"one pinned to another node got the input from node-1 across the bridge and started %s after it was bound (whole seconds)\n",
+		files, f.startedAfterBound("ci", "near"), f.startedAfterBound("ci", "far")))
 }
