@@ -14,7 +14,10 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/concourse/cowvol/examples/scheduler"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -184,6 +187,7 @@ func TestFleet(t *testing.T) {
 	require.Equal(t, "node-2", f.podOn("ci", "client"))
 	f.installCowvol()
 	f.fleetBuild()
+	f.schedulerBuild()
 	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
 		"and a pod on node-2 reached node-1's address over the bridge but not its loopback\n", len(f.nodes)))
 	f.deleteSteps("ci")
@@ -316,4 +320,83 @@ func (f *fleet) fleetBuild() {
 	report(t, fmt.Sprintf("fleet: a step placed by the Cache API next to its %d-file, 200 MiB input started %s after kube-scheduler bound it; "+
 		"one pinned to another node got the input from node-1 across the bridge and started %s after it was bound (whole seconds)\n",
 		files, f.startedAfterBound("ci", "near"), f.startedAfterBound("ci", "far")))
+}
+
+// schedulerBuild runs a build of seven steps over the fleet with the
+// example scheduler (examples/scheduler), as a CI would: three gets pinned
+// to the three nodes, a compile placed next to its input, a test whose
+// three inputs live on three nodes, a step that fails on its first node
+// and is run again on another, and a package; then a CI's GC pins the
+// package and destroys the rest.
+func (f *fleet) schedulerBuild() {
+	t := f.t
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
+	require.NoError(t, err)
+	kube, err := kubernetes.NewForConfig(cfg)
+	require.NoError(t, err)
+	r := &scheduler.Runner{Kube: kube, Cache: f.cache, Namespace: "ci", Image: busyboxImage, ServiceAccount: stepsServiceAccount,
+		Timeout: 3 * time.Minute, Logf: t.Logf}
+	steps := []scheduler.Step{
+		{Name: "get-a", Output: "src-a", Node: "node-1", Script: "echo alpha > /out/a"},
+		{Name: "get-b", Output: "src-b", Node: "node-2", Script: "echo beta > /out/b"},
+		{Name: "get-c", Output: "src-c", Node: "node-3", Script: "echo gamma > /out/c"},
+		{Name: "compile", Inputs: []string{"src-a"}, Output: "bin", Script: "tr a-z A-Z < /in/src-a/a > /out/a.bin"},
+		{Name: "test", Inputs: []string{"bin", "src-b", "src-c"}, Output: "report",
+			Script: "cat /in/bin/a.bin /in/src-b/b /in/src-c/c > /out/report"},
+		// Fails on its first attempt (the pod's name ends in -1).
+		{Name: "flaky", Inputs: []string{"report"}, Output: "checked",
+			Script: `case $(hostname) in *-1) exit 1;; esac; wc -l < /in/report/report > /out/lines`},
+		{Name: "package", Inputs: []string{"report", "checked"}, Output: "pkg",
+			Script: "cat /in/report/report /in/checked/lines | tee /out/pkg"},
+	}
+	ctx := context.Background()
+	started := time.Now()
+	results, err := r.Run(ctx, "b1", steps)
+	require.NoError(t, err)
+	took := time.Since(started)
+	byStep := map[string]scheduler.Result{}
+	for _, res := range results {
+		byStep[res.Step] = res
+	}
+	require.Equal(t, "ALPHA\nbeta\ngamma\n3\n", byStep["package"].Log)
+	for _, s := range steps {
+		res := byStep[s.Name]
+		switch {
+		case s.Node != "":
+			require.Equal(t, s.Node, res.Node, "pinned step %s", s.Name)
+		case s.Name != "flaky":
+			require.NotEmpty(t, res.Ranked, s.Name)
+			require.Equal(t, res.Ranked[0], res.Node, "kube-scheduler bound %s where Place ranked first", s.Name)
+		}
+	}
+	require.Equal(t, "node-1", byStep["compile"].Node, "compile runs next to its input")
+	require.Equal(t, 2, byStep["flaky"].Attempts, "the failed step ran again")
+	require.NotEqual(t, "", byStep["flaky"].Handle)
+	handles := func(names ...string) []string {
+		var hs []string
+		for _, n := range names {
+			hs = append(hs, byStep[n].Handle)
+		}
+		return hs
+	}
+	require.NoError(t, r.Pin(ctx, time.Now().Add(time.Hour), handles("package")...))
+	gone := handles("get-a", "get-b", "get-c", "compile", "test", "flaky")
+	// The failed attempt's output was destroyed already.
+	gone = append(gone, strings.TrimSuffix(byStep["flaky"].Handle, "-2")+"-1")
+	require.NoError(t, r.Destroy(ctx, gone...))
+	f.until("the destroyed outputs to be gone from every node", time.Minute, func() bool {
+		for _, h := range gone {
+			locs, err := f.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: h})
+			if err != nil || (len(locs) == 1 && len(locs[0].Nodes) != 0) {
+				return false
+			}
+		}
+		return true
+	})
+	locs, err := f.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: byStep["package"].Handle})
+	require.NoError(t, err)
+	require.NotEmpty(t, locs[0].Nodes, "the pinned package stays")
+	report(t, fmt.Sprintf("fleet: the example scheduler ran a 7-step build over 3 nodes in %s: each unpinned step bound where Place ranked it first, "+
+		"a test read three inputs held on three nodes, a step that failed ran again on another node, and the CI's GC pinned the package and destroyed the rest\n",
+		took.Round(100*time.Millisecond)))
 }

@@ -1,0 +1,307 @@
+// Package scheduler is a CI scheduler's loop as a user of cowvol writes
+// one: it runs a build's steps the way Concourse's ATC runs a plan, through
+// the Cache API (pkg/client) and the Kubernetes API alone. Each step is
+// placed (Place ranks the nodes by the bytes of its inputs they hold), run
+// as a pod whose inputs and output are cowvol inline volumes and which
+// prefers the ranked nodes in order (kube-scheduler binds it), waited for,
+// and run again on another node if it fails; its output is captured by
+// the node it ran on, and the next step finds it by handle wherever it
+// is. Each attempt captures its output under a handle of its own (a failed
+// attempt's is destroyed), and later steps name the one that succeeded, as
+// the ATC records the volume of the attempt that won. Pin and Destroy are
+// what a CI's garbage collection calls.
+//
+// It is an example: it owns the pods it makes (labelled with the build)
+// and nothing of cowvol's.
+package scheduler
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/concourse/cowvol/pkg/client"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Driver is cowvol's CSI driver name, which step pods' volumes name.
+const Driver = "cowvol.concourse-ci.org"
+
+// Step is one step of a build: a script that reads its inputs (earlier
+// steps' outputs by name, or any volume of the namespace by handle,
+// read-only at /in/<name>) and leaves its output in /out, captured as
+// Output.
+type Step struct {
+	Name   string   `json:"name"`
+	Inputs []string `json:"inputs,omitempty"`
+	Output string   `json:"output,omitempty"`
+	Script string   `json:"script"`
+	// Node pins the step to a node (a nodeSelector), whatever Place says.
+	Node string `json:"node,omitempty"`
+}
+
+// Runner runs builds' steps as pods of Namespace.
+type Runner struct {
+	Kube  kubernetes.Interface
+	Cache *client.Client
+	// Namespace the step pods run in; Image they run; ServiceAccount
+	// they run as ("": the namespace's default).
+	Namespace, Image, ServiceAccount string
+	// Attempts is how many times a step runs before the build fails
+	// (0: 3), each on a node none of the failed ones ran on; Timeout
+	// bounds each attempt (0: 10 minutes).
+	Attempts int
+	Timeout  time.Duration
+	// Logf, if set, is told what happens.
+	Logf func(format string, args ...any)
+}
+
+// Result is what became of a step.
+type Result struct {
+	Step string
+	// Node ran the step's last attempt; Ranked is what Place said for it.
+	Node     string
+	Ranked   []string
+	Attempts int
+	// Handle is the volume its output was captured as.
+	Handle string
+	// Log is the step's output.
+	Log string
+}
+
+// Run runs the steps of build in order, each once its inputs exist.
+func (r *Runner) Run(ctx context.Context, build string, steps []Step) ([]Result, error) {
+	var results []Result
+	made := map[string]string{} // outputs' handles, by name
+	for _, s := range steps {
+		inputs := make([]string, len(s.Inputs))
+		for i, in := range s.Inputs {
+			inputs[i] = cmp.Or(made[in], in)
+		}
+		res, err := r.RunStep(ctx, build, s, inputs)
+		results = append(results, res)
+		if err != nil {
+			return results, fmt.Errorf("build %s: step %s: %w", build, s.Name, err)
+		}
+		if s.Output != "" {
+			made[s.Output] = res.Handle
+		}
+	}
+	return results, nil
+}
+
+// RunStep places and runs one step on the volumes inputs (its Inputs'
+// handles), retrying it on other nodes.
+func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []string) (Result, error) {
+	res := Result{Step: s.Name}
+	attempts := r.Attempts
+	if attempts <= 0 {
+		attempts = 3
+	}
+	var failed []string
+	var errs []error
+	for res.Attempts < attempts {
+		res.Attempts++
+		ranked, err := r.place(ctx, inputs)
+		if err != nil {
+			return res, err
+		}
+		res.Ranked = ranked
+		res.Handle = ""
+		if s.Output != "" {
+			res.Handle = fmt.Sprintf("%s-%s-%s-%d", build, s.Name, s.Output, res.Attempts)
+		}
+		pod := r.pod(build, s, inputs, res.Handle, res.Attempts, ranked, failed)
+		node, log, err := r.attempt(ctx, pod)
+		res.Node, res.Log = node, log
+		if err == nil && res.Handle != "" {
+			err = r.waitHeld(ctx, res.Handle)
+		}
+		if err == nil {
+			return res, nil
+		}
+		r.logf("Step %s of build %s failed on node %q (attempt %d): %v", s.Name, build, node, res.Attempts, err)
+		errs = append(errs, fmt.Errorf("attempt %d on %q: %w", res.Attempts, node, err))
+		if node != "" {
+			failed = append(failed, node)
+		}
+		if res.Handle != "" {
+			// What the failed attempt left is nobody's input.
+			if err := r.Destroy(ctx, res.Handle); err != nil {
+				r.logf("Destroying the output of a failed attempt, %s: %v", res.Handle, err)
+			}
+		}
+	}
+	return res, errors.Join(errs...)
+}
+
+// place ranks the nodes for a step's inputs.
+func (r *Runner) place(ctx context.Context, inputs []string) ([]string, error) {
+	nodes, err := r.Cache.Place(ctx, r.refs(inputs)...)
+	if err != nil {
+		return nil, fmt.Errorf("placing: %w", err)
+	}
+	ranked := make([]string, len(nodes))
+	for i, n := range nodes {
+		ranked[i] = n.NodeId
+	}
+	return ranked, nil
+}
+
+// pod is a step's pod for one attempt: it prefers the ranked nodes in
+// order and may not run on a node an attempt failed on.
+func (r *Runner) pod(build string, s Step, inputs []string, output string, attempt int, ranked, failed []string) *corev1.Pod {
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%s-%d", build, s.Name, attempt), Namespace: r.Namespace,
+			Labels: map[string]string{"cowvol.concourse-ci.org/build": build, "cowvol.concourse-ci.org/step": s.Name}},
+		Spec: corev1.PodSpec{
+			RestartPolicy: corev1.RestartPolicyNever, ServiceAccountName: r.ServiceAccount,
+			AutomountServiceAccountToken: new(false), TerminationGracePeriodSeconds: new(int64(1)),
+			Containers: []corev1.Container{{Name: "step", Image: r.Image, ImagePullPolicy: corev1.PullIfNotPresent,
+				Command: []string{"/bin/sh", "-c", s.Script}}},
+		},
+	}
+	c := &pod.Spec.Containers[0]
+	for i, h := range inputs {
+		name := fmt.Sprintf("in-%d", i)
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{
+			Driver: Driver, ReadOnly: new(true), VolumeAttributes: map[string]string{"source": h}}}})
+		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: name, MountPath: "/in/" + s.Inputs[i], ReadOnly: true})
+	}
+	if output != "" {
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "out", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{
+			Driver: Driver, VolumeAttributes: map[string]string{"capture": output}}}})
+		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: "out", MountPath: "/out"})
+	}
+	if s.Node != "" {
+		pod.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": s.Node}
+	}
+	affinity := &corev1.NodeAffinity{}
+	for i, n := range ranked {
+		// Most preferred first, the weights halving: kube-scheduler's
+		// other scores only break ties among equally ranked nodes.
+		affinity.PreferredDuringSchedulingIgnoredDuringExecution = append(affinity.PreferredDuringSchedulingIgnoredDuringExecution,
+			corev1.PreferredSchedulingTerm{Weight: max(int32(100>>i), 1), Preference: hostIn(corev1.NodeSelectorOpIn, n)})
+	}
+	if len(failed) > 0 {
+		affinity.RequiredDuringSchedulingIgnoredDuringExecution = &corev1.NodeSelector{
+			NodeSelectorTerms: []corev1.NodeSelectorTerm{hostIn(corev1.NodeSelectorOpNotIn, failed...)}}
+	}
+	pod.Spec.Affinity = &corev1.Affinity{NodeAffinity: affinity}
+	return pod
+}
+
+func hostIn(op corev1.NodeSelectorOperator, nodes ...string) corev1.NodeSelectorTerm {
+	return corev1.NodeSelectorTerm{MatchExpressions: []corev1.NodeSelectorRequirement{
+		{Key: "kubernetes.io/hostname", Operator: op, Values: nodes}}}
+}
+
+// attempt runs a pod to its end, answering the node it ran on and its
+// log; it fails if the pod fails, or does not end within the timeout (the
+// pod is then deleted). A finished pod is deleted, so that its output is
+// captured at once.
+func (r *Runner) attempt(ctx context.Context, pod *corev1.Pod) (node, log string, err error) {
+	timeout := r.Timeout
+	if timeout <= 0 {
+		timeout = 10 * time.Minute
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	pods := r.Kube.CoreV1().Pods(r.Namespace)
+	if _, err := pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		return "", "", fmt.Errorf("creating pod %s: %w", pod.Name, err)
+	}
+	defer func() {
+		// The pod goes either way: its volumes are unpublished and the
+		// output captured. Not the attempt's context: it may have ended.
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		if err := pods.Delete(dctx, pod.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			r.logf("Deleting pod %s: %v", pod.Name, err)
+		}
+	}()
+	r.logf("Step pod %s created", pod.Name)
+	for {
+		p, err := pods.Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			return node, "", fmt.Errorf("pod %s: %w", pod.Name, err)
+		}
+		node = p.Spec.NodeName
+		switch p.Status.Phase {
+		case corev1.PodSucceeded, corev1.PodFailed:
+			log, lerr := r.podLog(ctx, pod.Name)
+			if p.Status.Phase == corev1.PodFailed {
+				return node, log, fmt.Errorf("pod %s failed: %s", pod.Name, p.Status.Message)
+			}
+			return node, log, lerr
+		}
+		select {
+		case <-ctx.Done():
+			return node, "", fmt.Errorf("pod %s did not end: %w", pod.Name, ctx.Err())
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+func (r *Runner) podLog(ctx context.Context, name string) (string, error) {
+	rc, err := r.Kube.CoreV1().Pods(r.Namespace).GetLogs(name, &corev1.PodLogOptions{}).Stream(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer rc.Close()
+	b, err := io.ReadAll(io.LimitReader(rc, 1<<20))
+	return string(b), err
+}
+
+// waitHeld waits until the controller lists a node holding handle (the
+// node reports its capture within its heartbeat).
+func (r *Runner) waitHeld(ctx context.Context, handle string) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	for {
+		locs, err := r.Cache.Lookup(ctx, volume.Ref{Namespace: r.Namespace, Handle: handle})
+		if err == nil && len(locs) == 1 && len(locs[0].Nodes) > 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("output %s was not captured: %w", handle, ctx.Err())
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+// Pin keeps outputs (a CI's resource caches) until then on every node
+// holding them; Destroy ends them everywhere.
+func (r *Runner) Pin(ctx context.Context, until time.Time, handles ...string) error {
+	_, err := r.Cache.Pin(ctx, until, r.refs(handles)...)
+	return err
+}
+
+// Destroy destroys outputs on every node holding them.
+func (r *Runner) Destroy(ctx context.Context, handles ...string) error {
+	_, err := r.Cache.Destroy(ctx, r.refs(handles)...)
+	return err
+}
+
+func (r *Runner) refs(handles []string) []volume.Ref {
+	refs := make([]volume.Ref, len(handles))
+	for i, h := range handles {
+		refs[i] = volume.Ref{Namespace: r.Namespace, Handle: h}
+	}
+	return refs
+}
+
+func (r *Runner) logf(format string, args ...any) {
+	if r.Logf != nil {
+		r.Logf(format, args...)
+	}
+}

@@ -1,0 +1,77 @@
+package scheduler
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+)
+
+// TestPod: a step's pod prefers the ranked nodes in order, avoids the
+// nodes its attempts failed on, mounts its inputs' volumes by name and
+// captures its output under the attempt's handle.
+func TestPod(t *testing.T) {
+	r := &Runner{Namespace: "ci", Image: "busybox", ServiceAccount: "steps"}
+	s := Step{Name: "test", Inputs: []string{"bin", "src"}, Output: "report", Script: "true"}
+	tests := []struct {
+		name         string
+		step         Step
+		ranked       []string
+		failed       []string
+		wantWeights  []int32
+		wantRequired []string
+		wantSelector map[string]string
+	}{
+		{name: "ranked", step: s, ranked: []string{"node-2", "node-1", "node-3"}, wantWeights: []int32{100, 50, 25}},
+		{name: "many ranked never weigh nothing", step: s, ranked: make([]string, 9), wantWeights: []int32{100, 50, 25, 12, 6, 3, 1, 1, 1}},
+		{name: "after failures", step: s, ranked: []string{"node-3"}, failed: []string{"node-1", "node-2"}, wantWeights: []int32{100},
+			wantRequired: []string{"node-1", "node-2"}},
+		{name: "pinned", step: Step{Name: "get", Node: "node-1", Script: "true"}, wantSelector: map[string]string{"kubernetes.io/hostname": "node-1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			inputs := []string{"b1-compile-bin-1", "resource-cache-7"}[:len(tt.step.Inputs)]
+			output := ""
+			if tt.step.Output != "" {
+				output = "b1-test-report-2"
+			}
+			pod := r.pod("b1", tt.step, inputs, output, 2, tt.ranked, tt.failed)
+			assert.Equal(t, "b1-"+tt.step.Name+"-2", pod.Name)
+			assert.Equal(t, "ci", pod.Namespace)
+			assert.Equal(t, corev1.RestartPolicyNever, pod.Spec.RestartPolicy)
+			assert.Equal(t, tt.wantSelector, pod.Spec.NodeSelector)
+			var weights []int32
+			for i, p := range pod.Spec.Affinity.NodeAffinity.PreferredDuringSchedulingIgnoredDuringExecution {
+				weights = append(weights, p.Weight)
+				assert.Equal(t, []string{tt.ranked[i]}, p.Preference.MatchExpressions[0].Values)
+			}
+			assert.Equal(t, tt.wantWeights, weights)
+			required := pod.Spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+			if tt.wantRequired == nil {
+				assert.Nil(t, required)
+			} else {
+				require.NotNil(t, required)
+				e := required.NodeSelectorTerms[0].MatchExpressions[0]
+				assert.Equal(t, corev1.NodeSelectorOpNotIn, e.Operator)
+				assert.Equal(t, tt.wantRequired, e.Values)
+			}
+			mounts := map[string]string{}
+			for _, m := range pod.Spec.Containers[0].VolumeMounts {
+				mounts[m.MountPath] = m.Name
+			}
+			attrs := map[string]map[string]string{}
+			for _, v := range pod.Spec.Volumes {
+				require.NotNil(t, v.CSI)
+				assert.Equal(t, Driver, v.CSI.Driver)
+				attrs[v.Name] = v.CSI.VolumeAttributes
+			}
+			for i, in := range tt.step.Inputs {
+				assert.Equal(t, map[string]string{"source": inputs[i]}, attrs[mounts["/in/"+in]], in)
+			}
+			if output != "" {
+				assert.Equal(t, map[string]string{"capture": output}, attrs[mounts["/out"]])
+			}
+		})
+	}
+}
