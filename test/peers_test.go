@@ -299,6 +299,18 @@ func TestPullsBetweenNodes(t *testing.T) {
 			"another namespace's volume and a missing one look alike")
 		require.NoError(t, ask(tlsWith(peerCert), "other", "other", "private"), "its own namespace may")
 
+		// The node that holds it answers a publish naming it, by a pod of
+		// another namespace, as it does one naming nothing: both ask the
+		// peers, and both are refused alike.
+		publishAs := func(handle string) error {
+			return a.publish(a.volumeIn("ci", map[string]string{driver.AttrSource: handle, driver.AttrSourceNamespace: "other"}, true))
+		}
+		privateHere, missingHere := publishAs("private"), publishAs("no-such-volume")
+		require.Equal(t, codes.NotFound, code(privateHere))
+		require.Equal(t, status.Convert(missingHere).Message(),
+			strings.ReplaceAll(status.Convert(privateHere).Message(), "private", "no-such-volume"),
+			"the holder tells another namespace's volume from a missing one")
+
 		// A lazy puller's requests are answered as the pull's are: ci may
 		// not read other's private volume's files, alone, nor through a
 		// volume of its own.

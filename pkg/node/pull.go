@@ -131,6 +131,9 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 		return nil
 	}
 	v, err := e.store.Get(r.Source)
+	if err == nil && !v.ReadableBy(r.Pod.Namespace) {
+		err = hiddenHere(r.Source, r.Pod.Namespace)
+	}
 	pulling := err == nil && v.BeingPulled()
 	if !pulling && !errors.Is(err, cache.ErrNotFound) {
 		return nil // here, in a state the publish answers for
@@ -154,6 +157,9 @@ func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) erro
 		return cache.NotVisible(r, namespace)
 	}
 	v, err := e.store.Get(r)
+	if err == nil && !v.ReadableBy(namespace) {
+		err = hiddenHere(r, namespace)
+	}
 	switch {
 	case err == nil && v.State == volume.StateFilling:
 		return fmt.Errorf("%s is arriving lazily from a peer; retry: %w", r, ErrPulling)
@@ -163,6 +169,15 @@ func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) erro
 		return err
 	}
 	return e.pulls.wait(ctx, e.pulls.join(e, pullKey{namespace: namespace, ref: r}, volume.Pod{}, "", true))
+}
+
+// hiddenHere is what a volume held here that namespace may not read is to
+// it: one that is not here. It goes the way a missing one does, asking the
+// peers (who hold it for namespace no more than this node does), so that
+// neither the answer nor its time tells another namespace's volumes from
+// none.
+func hiddenHere(r volume.Ref, namespace string) error {
+	return cache.NotVisible(r, namespace)
 }
 
 // wait waits for a pull to end, at most the configured wait or until ctx
