@@ -302,14 +302,18 @@ func TestPullsBetweenNodes(t *testing.T) {
 		// The node that holds it answers a publish naming it, by a pod of
 		// another namespace, as it does one naming nothing: both ask the
 		// peers, and both are refused alike.
-		publishAs := func(handle string) error {
-			return a.publish(a.volumeIn("ci", map[string]string{driver.AttrSource: handle, driver.AttrSourceNamespace: "other"}, true))
+		// So does a node that lacks it: it asks no holder that would not
+		// serve it to that namespace.
+		for _, n := range []*peerNode{a, b} {
+			publishAs := func(handle string) error {
+				return n.publish(n.volumeIn("ci", map[string]string{driver.AttrSource: handle, driver.AttrSourceNamespace: "other"}, true))
+			}
+			private, missing := publishAs("private"), publishAs("no-such-volume")
+			require.Equal(t, codes.NotFound, code(private))
+			require.Equal(t, status.Convert(missing).Message(),
+				strings.ReplaceAll(status.Convert(private).Message(), "private", "no-such-volume"),
+				"%s tells another namespace's volume from a missing one", n.p.NodeID)
 		}
-		privateHere, missingHere := publishAs("private"), publishAs("no-such-volume")
-		require.Equal(t, codes.NotFound, code(privateHere))
-		require.Equal(t, status.Convert(missingHere).Message(),
-			strings.ReplaceAll(status.Convert(privateHere).Message(), "private", "no-such-volume"),
-			"the holder tells another namespace's volume from a missing one")
 
 		// A lazy puller's requests are answered as the pull's are: ci may
 		// not read other's private volume's files, alone, nor through a

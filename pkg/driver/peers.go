@@ -239,7 +239,7 @@ type controllerLocator struct {
 // lookupTimeout bounds a lookup at the controller.
 const lookupTimeout = 10 * time.Second
 
-func (c controllerLocator) Holders(ctx context.Context, _ string, r volume.Ref) ([]node.Peer, error) {
+func (c controllerLocator) Holders(ctx context.Context, namespace string, r volume.Ref) ([]node.Peer, error) {
 	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
 	defer cancel()
 	resp, err := c.api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{
@@ -249,6 +249,12 @@ func (c controllerLocator) Holders(ctx context.Context, _ string, r volume.Ref) 
 	}
 	var out []node.Peer
 	for _, loc := range resp.GetVolumes() {
+		// Only the holders of a volume namespace may read: the others
+		// would not serve it to this pull, and asking them would tell the
+		// pod that another namespace has it.
+		if !volume.Readable(r, volume.Scope(loc.GetScope()), namespace) {
+			continue
+		}
 		for i, id := range loc.GetNodes() {
 			if i < len(loc.GetPeerAddresses()) {
 				out = append(out, node.Peer{NodeID: id, Address: loc.GetPeerAddresses()[i]})
