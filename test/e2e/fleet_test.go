@@ -188,6 +188,8 @@ func TestFleet(t *testing.T) {
 	f.installCowvol()
 	f.fleetBuild()
 	f.schedulerBuild()
+	f.fleetDrain()
+	f.fleetTenancy()
 	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
 		"and a pod on node-2 reached node-1's address over the bridge but not its loopback\n", len(f.nodes)))
 	f.deleteSteps("ci")
@@ -399,4 +401,85 @@ func (f *fleet) schedulerBuild() {
 	report(t, fmt.Sprintf("fleet: the example scheduler ran a 7-step build over 3 nodes in %s: each unpinned step bound where Place ranked it first, "+
 		"a test read three inputs held on three nodes, a step that failed ran again on another node, and the CI's GC pinned the package and destroyed the rest\n",
 		took.Round(100*time.Millisecond)))
+}
+
+// fleetDrain: a node drained during a build takes no new step, and a
+// volume only it holds stays pullable while it lands; uncordoned, it is
+// back in service.
+func (f *fleet) fleetDrain() {
+	t := f.t
+	ctx := context.Background()
+	f.createPodWith("ci", "before-drain", "echo held-by-node-1 > /out/f", []podOpt{onNode("node-1")},
+		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "drain-src")})
+	f.mustSucceed("ci", "before-drain")
+	f.waitCapturedOn("node-1", "ci", "drain-src")
+	state := func(node string) string {
+		nodes, err := f.cache.Nodes(ctx)
+		require.NoError(t, err)
+		for _, n := range nodes {
+			if n.NodeId == node {
+				return n.State
+			}
+		}
+		return ""
+	}
+	f.mustKubectl("", "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=90s")
+	f.until("the controller to take node-1 out of service", 30*time.Second, func() bool {
+		s := state("node-1")
+		return s == "landing" || s == "landed"
+	})
+	ref := cowvolume.Ref{Namespace: "ci", Handle: "drain-src"}
+	placed, err := f.cache.Place(ctx, ref)
+	require.NoError(t, err)
+	for _, p := range placed {
+		require.NotEqual(t, "node-1", p.NodeId, "a step placed on a drained node")
+	}
+	read := volume{name: "in", mountPath: "/in", attrs: attrs("source", "drain-src"), readOnly: true}
+	f.createPodWith("ci", "during-drain", "cat /in/f", []podOpt{preferring("node-1")}, read)
+	require.Equal(t, "held-by-node-1\n", f.mustSucceed("ci", "during-drain"), "the draining node's volume is pulled")
+	require.NotEqual(t, "node-1", f.podOn("ci", "during-drain"))
+	f.mustKubectl("", "uncordon", "node-1")
+	f.until("the controller to put node-1 back in service", 30*time.Second, func() bool { return state("node-1") == "running" })
+	f.createPodWith("ci", "after-drain", "cat /in/f", []podOpt{preferring("node-1")}, read)
+	require.Equal(t, "held-by-node-1\n", f.mustSucceed("ci", "after-drain"))
+	require.Equal(t, "node-1", f.podOn("ci", "after-drain"))
+	report(t, "fleet: a node drained during a build took no step, its volume was pulled from it while it landed, and uncordoned it was placed on again\n")
+}
+
+// fleetTenancy: another namespace's pod on any node, naming ci's private
+// volume (as its own, or as ci's with sourceNamespace), is answered as it
+// is for a volume that does not exist, and never reads it.
+func (f *fleet) fleetTenancy() {
+	t := f.t
+	for _, node := range []string{"node-1", "node-2", "node-3"} {
+		for name, a := range map[string]map[string]string{
+			"own":     attrs("source", "drain-src"),
+			"as-ci":   attrs("source", "drain-src", "sourceNamespace", "ci"),
+			"missing": attrs("source", "no-such-volume", "sourceNamespace", "ci"),
+		} {
+			pod := "steal-" + name + "-" + node
+			f.createPodWith("other", pod, "cat /in/f", []podOpt{onNode(node)}, volume{name: "in", mountPath: "/in", attrs: a, readOnly: true})
+		}
+	}
+	for _, node := range []string{"node-1", "node-2", "node-3"} {
+		var said []string
+		for _, name := range []string{"own", "as-ci", "missing"} {
+			pod := "steal-" + name + "-" + node
+			var msg string
+			f.until("the publish of "+pod+" to be refused", time.Minute, func() bool {
+				for _, line := range strings.Split(f.events("other", pod), "\n") {
+					if strings.HasPrefix(line, "FailedMount: ") {
+						msg = line
+						return true
+					}
+				}
+				return false
+			})
+			require.Equal(t, "Pending", f.phase("other", pod), pod)
+			said = append(said, strings.ReplaceAll(strings.ReplaceAll(msg, "no-such-volume", "drain-src"), pod, "POD"))
+		}
+		require.Contains(t, said[0], "not found", node)
+		require.Equal(t, said[2], said[1], "on %s, ci's volume is told from a missing one", node)
+	}
+	report(t, "fleet: another namespace's pods on every node naming ci's private volume, as their own or as ci's, were answered as for a volume that does not exist\n")
 }
