@@ -1,6 +1,7 @@
 package test
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"io"
@@ -15,7 +16,6 @@ import (
 	"github.com/containerd/containerd/v2/core/snapshots/proxy"
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
-	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/image"
@@ -233,26 +234,7 @@ func TestImageSnapshotter(t *testing.T) {
 // annotations.
 func writeLayout(t *testing.T, dir string, diffID digest.Digest, annotations map[string]string) {
 	t.Helper()
-	blob := func(data []byte) digest.Digest {
-		d := digest.FromBytes(data)
-		write(t, dir, "blobs/sha256/"+d.Encoded(), string(data))
-		return d
-	}
-	layer := []byte("not really a tar")
-	layerDigest := blob(layer)
-	if diffID == "" {
-		diffID = layerDigest
-	}
-	config, err := json.Marshal(ocispec.Image{RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{diffID}}})
-	require.NoError(t, err)
-	configDigest := blob(config)
-	manifest, err := json.Marshal(ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest,
-		Config: ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: configDigest, Size: int64(len(config))},
-		Layers: []ocispec.Descriptor{{MediaType: ocispec.MediaTypeImageLayer, Digest: layerDigest, Size: int64(len(layer)), Annotations: annotations}}})
-	require.NoError(t, err)
-	index, err := json.Marshal(ocispec.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageIndex,
-		Manifests: []ocispec.Descriptor{{MediaType: ocispec.MediaTypeImageManifest, Digest: blob(manifest), Size: int64(len(manifest))}}})
-	require.NoError(t, err)
-	write(t, dir, "index.json", string(index))
-	write(t, dir, "oci-layout", `{"imageLayoutVersion":"1.0.0"}`)
+	data := []byte("not really a tar")
+	layer := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: digest.FromBytes(data), Size: int64(len(data)), Annotations: annotations}
+	require.NoError(t, ociimage.WriteLayout(dir, layer, data, cmp.Or(diffID, layer.Digest)))
 }

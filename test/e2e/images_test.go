@@ -12,14 +12,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/opencontainers/go-digest"
-	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/require"
 
@@ -342,7 +339,8 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 		{"replay-digest", ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: remote.Digest, Size: 0}},
 	} {
 		src := filepath.Join(c.work, tt.handle)
-		writeReplayLayout(t, src, tt.layer)
+		// The layer's blob an empty file, its digest the config's diff ID.
+		require.NoError(t, ociimage.WriteLayout(src, tt.layer, nil, tt.layer.Digest))
 		c.createPodWith("other", "write-"+tt.handle, `set -e; cp -r /src/. /out/`, []podOpt{withHostDir(src, "/src")},
 			volume{name: "out", mountPath: "/out", attrs: attrs("capture", tt.handle)})
 		c.mustSucceed("other", "write-"+tt.handle)
@@ -364,30 +362,6 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 	}
 	require.Contains(t, c.plugin.Log(), "Refused an image that names a remote layer")
 	report(t, "another namespace's images carrying the remote layer ci's pull was handed (its annotation, or its digest as diff ID) were refused by the registry, as any tag and as :cowvol under the runtime class\n")
-}
-
-// writeReplayLayout writes an OCI layout whose one layer is layer (its
-// blob an empty file), named as its config's diff ID.
-func writeReplayLayout(t *testing.T, dir string, layer ocispec.Descriptor) {
-	t.Helper()
-	blob := func(data []byte) digest.Digest {
-		d := digest.FromBytes(data)
-		writeFile(t, filepath.Join(dir, "blobs/sha256", d.Encoded()), string(data))
-		return d
-	}
-	writeFile(t, filepath.Join(dir, "blobs/sha256", layer.Digest.Encoded()), "")
-	config, err := json.Marshal(ocispec.Image{Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
-		RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{layer.Digest}}})
-	require.NoError(t, err)
-	manifest, err := json.Marshal(ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest,
-		Config: ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: blob(config), Size: int64(len(config))},
-		Layers: []ocispec.Descriptor{layer}})
-	require.NoError(t, err)
-	index, err := json.Marshal(ocispec.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageIndex,
-		Manifests: []ocispec.Descriptor{{MediaType: ocispec.MediaTypeImageManifest, Digest: blob(manifest), Size: int64(len(manifest))}}})
-	require.NoError(t, err)
-	writeFile(t, filepath.Join(dir, "index.json"), string(index))
-	writeFile(t, filepath.Join(dir, "oci-layout"), `{"imageLayoutVersion":"1.0.0"}`)
 }
 
 // stepImagesOnSnapshotter: the rootfs-format image the get step left
