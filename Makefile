@@ -78,7 +78,7 @@ test: build
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 # The cluster runs the image make image builds (under the e2e's name).
-e2e: build $(K8S_BIN)/kubelet $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
+e2e: build $(K8S_BIN)/kube-proxy $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
 	test/e2e/install-deps.sh
 	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(E2E_BIN)/plugin-image.tar
 	rm -f $(E2E_BIN)/report.txt
@@ -90,12 +90,14 @@ e2e: build $(K8S_BIN)/kubelet $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
 		$(GO) test -tags e2e -count=1 -timeout 40m -v .
 	@cat $(E2E_BIN)/report.txt 2>/dev/null || true
 
-$(K8S_BIN)/kubelet: $(K8S_TOOLS)/go.mod
+# kube-proxy routes the fleet's Services (TestFleet's nodes have their own
+# network namespaces); the one-node cluster runs without it.
+$(K8S_BIN)/kube-proxy: $(K8S_TOOLS)/go.mod
 	@test -f $(K8S_TOOLS)/go.mod || { echo "no e2e tools for Kubernetes $(K8S_VERSION) (test/e2e/tools has: $$(ls test/e2e/tools))"; exit 1; }
 	@grep -q "k8s.io/kubernetes $(K8S_VERSION)\b" $(K8S_TOOLS)/go.mod || { echo "$(K8S_TOOLS) pins another release than $(K8S_VERSION)"; exit 1; }
 	cd $(K8S_TOOLS) && $(GO) build -trimpath -ldflags '$(K8S_LDFLAGS)' -o $(CURDIR)/$(K8S_BIN)/ \
 		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl \
-		k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+		k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-proxy
 
 $(HELM_BIN): $(HELM_TOOLS)/go.mod
 	cd $(HELM_TOOLS) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o $(CURDIR)/$@ helm.sh/helm/v3/cmd/helm

@@ -48,6 +48,8 @@ const (
 	// pluginImage is the plugin's image: make e2e builds it with make
 	// image, under this name, into $COWVOL_PLUGIN_IMAGE_TAR.
 	pluginImage = "cowvol.test/cowvol-plugin:e2e"
+	// serviceCIDR holds the Services' cluster IPs.
+	serviceCIDR = "10.0.0.0/24"
 )
 
 // sysctls the kubelet rewrites; the harness puts them back.
@@ -134,17 +136,17 @@ func linkNames(t *testing.T) []string {
 
 func (c *cluster) start(name string, env []string, args ...string) *proc {
 	c.t.Helper()
-	return c.startIn("", name, env, args...)
+	return c.startOn(nodeHost{}, name, env, args...)
 }
 
-// startIn starts a process in the network namespace netns (empty: this
+// startOn starts a process in the node's namespaces (none: this
 // process's).
-func (c *cluster) startIn(netns, name string, env []string, args ...string) *proc {
+func (c *cluster) startOn(n nodeHost, name string, env []string, args ...string) *proc {
 	c.t.Helper()
-	if netns != "" {
-		// nsenter execs the program once in the namespace: the
+	if enter := n.enter(); enter != nil {
+		// nsenter execs the program once in the namespaces: the
 		// process is the program itself.
-		args = append([]string{"nsenter", "--net=/run/netns/" + netns, "--"}, args...)
+		args = append(enter, args...)
 	}
 	p := &proc{name: name, log: filepath.Join(c.work, "logs", name+".log"), done: make(chan error, 1)}
 	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
@@ -228,7 +230,7 @@ func kubeBin(t *testing.T) string {
 	if bin == "" {
 		t.Fatal("COWVOL_E2E_KUBE_BIN is not set: run make e2e (it builds Kubernetes from test/e2e/tools)")
 	}
-	for _, b := range []string{"kube-apiserver", "kubelet", "kubectl", "kube-controller-manager", "kube-scheduler"} {
+	for _, b := range []string{"kube-apiserver", "kubelet", "kubectl", "kube-controller-manager", "kube-scheduler", "kube-proxy"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
 			t.Fatalf("%s is not built in %s: run make e2e", b, bin)
 		}
@@ -366,12 +368,16 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 		"--token-auth-file=" + tokens, "--authorization-mode=RBAC", // cowvol --kube-auth asks it
 		"--service-account-issuer=https://localhost", "--service-account-key-file=" + saKey,
 		"--service-account-signing-key-file=" + saKey,
-		"--service-cluster-ip-range=10.0.0.0/24", // never routed: no kube-proxy, hostNetwork pods
+		// Routed by kube-proxy on a fleet's nodes; never on the one node.
+		"--service-cluster-ip-range=" + serviceCIDR,
 		"--kubelet-preferred-address-types=" + c.kubeletAddressTypes(),
-		"--allow-privileged=true", "--profiling=false",
+		"--allow-privileged=true", "--profiling=false"}
+	if c.lab == nil {
 		// From 1.37 the kubernetes Service's reconciler refuses a loopback
-		// advertise address; nothing here reaches it through the Service.
-		"--endpoint-reconciler-type=none"}
+		// advertise address; nothing on the one node reaches it through
+		// the Service.
+		args = append(args, "--endpoint-reconciler-type=none")
+	}
 	if !serviceAccounts {
 		// No controller manager makes namespaces' default ServiceAccounts.
 		args = append(args, "--disable-admission-plugins=ServiceAccount")
@@ -409,6 +415,32 @@ func (c *cluster) startContainerd() {
 // under (empty: the root).
 type nodeHost struct {
 	name, address, netns, dir, cgroupRoot string
+	// mountns is the node's mount namespace (empty: the test's), where
+	// its processes see dir at view: so every node's kubelet root dir and
+	// cowvol state dir are at the same paths, as a DaemonSet's hostPaths
+	// need, and what is mounted there on one node is on no other.
+	mountns, view string
+}
+
+// enter is the nsenter command line that runs a program in the node's
+// namespaces, or nil where it has none of its own.
+func (n nodeHost) enter() []string {
+	var args []string
+	if n.netns != "" {
+		args = append(args, "--net=/run/netns/"+n.netns)
+	}
+	if n.mountns != "" {
+		args = append(args, "--mount="+n.mountns)
+	}
+	if args == nil {
+		return nil
+	}
+	return append(append([]string{"nsenter"}, args...), "--")
+}
+
+// seen is where the node's own processes find path below its dir.
+func (n nodeHost) seen(path ...string) string {
+	return filepath.Join(append([]string{cmp.Or(n.view, n.dir)}, path...)...)
 }
 
 // proc names a process of the node's.
@@ -466,7 +498,7 @@ state = %q
 [host."http://127.0.0.1:9"]
   capabilities = ["pull", "resolve"]
 `)
-	c.startIn(n.netns, n.proc("containerd"), nil, "containerd", "--config", config)
+	c.startOn(n, n.proc("containerd"), nil, "containerd", "--config", config)
 	c.until(n.proc("containerd"), 30*time.Second, func() bool {
 		return exec.Command("ctr", "--address", socket, "version").Run() == nil
 	})
@@ -604,7 +636,7 @@ func (c *cluster) startKubelet() {
 // startKubeletOn starts the node's kubelet on its runtime's socket, waits
 // for the node to register, and returns the kubelet's root dir.
 func (c *cluster) startKubeletOn(n nodeHost, containerd string) string {
-	kubeletDir := filepath.Join(n.dir, "kubelet")
+	kubeletDir := n.seen("kubelet")
 	providerFlags := c.installCredentialProvider(n.dir)
 	config := filepath.Join(n.dir, "kubelet.yaml")
 	address, port, nodeIP := "127.0.0.1", plugintest.FreePort(c.t), ""
@@ -641,7 +673,7 @@ fileCheckFrequency: 2s
 	if nodeIP != "" {
 		args = append(args, nodeIP)
 	}
-	c.startIn(n.netns, n.proc("kubelet"), nil, args...)
+	c.startOn(n, n.proc("kubelet"), nil, args...)
 	c.until("node "+n.name+" to register", 90*time.Second, func() bool {
 		_, err := c.kubectl("", "get", "node", n.name)
 		return err == nil
@@ -716,12 +748,17 @@ func (c *cluster) teardown() {
 		c.dumpLogs()
 	}
 	c.stopAll("kubelet")
+	c.stopAll("kube-proxy")
 	for _, socket := range append([]string{c.containerd}, c.runtimes...) {
 		c.killShims(socket)
 	}
 	for _, name := range []string{"kube-scheduler", "kube-controller-manager", "containerd", "kube-apiserver", "etcd"} {
 		c.stopAll(name)
 	}
+	// What runs in pods outlives its shim: the DaemonSet's plugin, say.
+	killCgroupProcs(c.cgroupRoots...)
+	// The nodes' mount namespaces go with their last process.
+	c.stopAll("mountns")
 	// Rounds: a shared kubelet dir (TestInstall's) holds each pod mount
 	// twice, one copy hidden under the other until that goes.
 	for round := 0; ; round++ {
@@ -806,6 +843,37 @@ func (c *cluster) killShims(socket string) {
 		}
 	}
 	time.Sleep(200 * time.Millisecond)
+}
+
+// killCgroupProcs kills every process in the cgroups of nodes' pods
+// (under cgroupRoots) and waits until they are gone.
+func killCgroupProcs(cgroupRoots ...string) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var left []int
+		for _, r := range cgroupRoots {
+			dirs, _ := filepath.Glob("/sys/fs/cgroup/*" + r)
+			for _, dir := range dirs {
+				_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+					if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+						return nil
+					}
+					b, _ := os.ReadFile(p)
+					for _, f := range strings.Fields(string(b)) {
+						if pid, err := strconv.Atoi(f); err == nil {
+							left = append(left, pid)
+							_ = syscall.Kill(pid, syscall.SIGKILL)
+						}
+					}
+					return nil
+				})
+			}
+		}
+		if len(left) == 0 || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // removeKubeCgroups removes the kubelet's cgroups (v1 and v2), and the

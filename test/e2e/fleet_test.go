@@ -4,11 +4,11 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
-	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -19,7 +19,6 @@ import (
 
 	"github.com/concourse/cowvol/examples/scheduler"
 	"github.com/concourse/cowvol/internal/netlab"
-	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -28,15 +27,22 @@ import (
 
 // fleet is several real nodes on one machine. Each node is a network
 // namespace of its own with an address on the lab's bridge (internal/netlab),
-// where its containerd and kubelet run, with its own kubelet root dir,
-// containerd root, cgroup root and pod logs; one etcd, API server,
+// and a mount namespace of its own, where its containerd, kubelet and
+// kube-proxy run, with its own kubelet root dir, containerd root, cgroup
+// root, pod logs and cowvol state filesystem; one etcd, API server,
 // controller manager and kube-scheduler serve them all from the test's own
 // namespace, the API server on the test's address on the lab, which is how
-// the nodes reach it. Pods on different nodes reach each other only over
-// the bridge, as over a real network.
+// the nodes reach it. Pods use their node's network (there is no CNI):
+// pods on different nodes reach each other only over the bridge, as over a
+// real network, and Services through each node's kube-proxy.
 type fleet struct {
 	*cluster
 	nodes []fleetNode
+	// hosts is every node's /etc/hosts: where a cluster's DNS would
+	// answer, it names the Services cowvol's pods dial.
+	hosts string
+	// helmValues are cowvol's install's.
+	helmValues map[string]any
 }
 
 // fleetNode is one of a fleet's nodes.
@@ -44,19 +50,33 @@ type fleetNode struct {
 	nodeHost
 	host       *netlab.Host
 	containerd string // its runtime's socket
-	kubeletDir string
-	plugin     *plugintest.Plugin // cowvol's node plugin, once installed
+	kubeletDir string // as its processes see it
+	state      string // its cowvol state filesystem, as the test sees it
 }
+
+// fleetView is where every node's processes find their node's dir (the
+// node's kubelet root dir and cowvol state dir are below it), in the
+// node's mount namespace.
+func fleetView(work string) string { return filepath.Join(work, "node") }
 
 // startFleet brings up the control plane and n nodes, node-1 to node-<n>,
 // each Ready with the harness's images in its runtime, and registers
-// their teardown: nothing of them is left.
+// their teardown: nothing of them is left. Each node's state filesystem
+// is XFS with reflink, the last one's btrfs.
 func startFleet(t *testing.T, n int) *fleet {
-	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox", "ip", "nsenter")
+	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox", "ip", "nsenter", "unshare", "iptables")
 	bin := kubeBin(t)
-	// Made first, so that it goes last: the nodes' namespaces outlive
-	// their processes.
+	// Made first, so that they go last: the nodes' namespaces and
+	// filesystems outlive their processes.
 	lab := netlab.New(t)
+	states := make([]string, n)
+	for i := range states {
+		kind := testfs.XFS
+		if i == n-1 {
+			kind = testfs.Btrfs
+		}
+		states[i] = testfs.Mount(t, kind, 3<<30)
+	}
 	work, err := os.MkdirTemp("", "cowvol-fleet-")
 	require.NoError(t, err)
 	// Traversable, as /var/lib and /run are (see startNodeOn).
@@ -72,17 +92,24 @@ func startFleet(t *testing.T, n int) *fleet {
 	c.startEtcd()
 	c.startAPIServer(true)
 	c.startControllers()
-	f := &fleet{cluster: c}
+	f := &fleet{cluster: c, hosts: filepath.Join(work, "hosts")}
+	writeFile(t, f.hosts, "127.0.0.1 localhost\n")
+	require.NoError(t, os.MkdirAll(fleetView(work), 0o755))
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("node-%d", i)
 		host := lab.Host(name)
 		node := fleetNode{nodeHost: nodeHost{name: name, address: host.IP, netns: host.Netns,
-			dir: filepath.Join(work, name), cgroupRoot: "/cowvol-e2e-" + name}, host: host}
+			dir: filepath.Join(work, name), cgroupRoot: "/cowvol-e2e-" + name, view: fleetView(work)}, host: host, state: states[i-1]}
 		f.makeCgroupRoot(node.cgroupRoot)
+		f.makeMountns(&node)
+		// Services' cluster IPs are reached through eth0, where
+		// kube-proxy's rules send them on to their pods.
+		run(t, "ip", "-n", host.Netns, "route", "add", serviceCIDR, "dev", "eth0")
 		node.containerd = c.startRuntime(node.nodeHost, filepath.Join(node.dir, "cowvol-snapshotter.sock"))
 		c.runtimes = append(c.runtimes, node.containerd)
 		c.importImagesInto(node.containerd)
 		node.kubeletDir = c.startKubeletOn(node.nodeHost, node.containerd)
+		f.startKubeProxy(node.nodeHost)
 		f.nodes = append(f.nodes, node)
 	}
 	c.until("every node to be Ready", 2*time.Minute, func() bool {
@@ -98,6 +125,55 @@ func startFleet(t *testing.T, n int) *fleet {
 		return err == nil
 	})
 	return f
+}
+
+// run runs a command the harness needs to succeed.
+func run(t *testing.T, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
+	}
+}
+
+// makeMountns gives the node a mount namespace of its own, held by a
+// process that only sleeps (as a machine's disks outlive its processes):
+// there its dir is at its view, a shared mount (the plugin's Bidirectional
+// mounts reach the kubelet and the pods through it), its state filesystem
+// at view/cowvol and the fleet's hosts file at /etc/hosts.
+func (f *fleet) makeMountns(n *fleetNode) {
+	require.NoError(f.t, os.MkdirAll(filepath.Join(n.dir, "cowvol"), 0o755))
+	script := fmt.Sprintf(`set -e
+mount --rbind %[1]s %[2]s
+mount --bind %[3]s %[2]s/cowvol
+mount --make-rshared %[2]s
+mount --bind %[4]s /etc/hosts
+exec sleep infinity`, n.dir, n.view, n.state, f.hosts)
+	p := f.startOn(nodeHost{name: n.name, netns: n.netns}, n.proc("mountns"), nil, "unshare", "--mount", "--propagation", "private", "sh", "-c", script)
+	mountinfo := fmt.Sprintf("/proc/%d/mountinfo", p.cmd.Process.Pid)
+	f.until(n.name+"'s mount namespace", 10*time.Second, func() bool {
+		b, err := os.ReadFile(mountinfo)
+		return err == nil && strings.Contains(string(b), " /etc/hosts ")
+	})
+	n.mountns = fmt.Sprintf("/proc/%d/ns/mnt", p.cmd.Process.Pid)
+}
+
+// startKubeProxy runs kube-proxy on the node, in iptables mode in the
+// node's own network namespace; it leaves the machine-wide conntrack
+// settings alone.
+func (f *fleet) startKubeProxy(n nodeHost) {
+	config := filepath.Join(n.dir, "kube-proxy.yaml")
+	writeFile(f.t, config, fmt.Sprintf(`apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: %q}
+hostnameOverride: %s
+mode: iptables
+bindAddress: %s
+healthzBindAddress: 127.0.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+nodePortAddresses: [primary]
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+`, f.kubeconfig, n.name, n.address))
+	f.startOn(n, n.proc("kube-proxy"), nil, filepath.Join(f.bin, "kube-proxy"), "--config="+config, "--v=2")
 }
 
 // makeCgroupRoot makes the cgroup a node's pods go under, in every
@@ -195,49 +271,103 @@ func TestFleet(t *testing.T) {
 	f.deleteSteps("ci")
 }
 
-// installCowvol runs cowvol on the fleet: the controller in the test's
-// namespace, serving TLS on the lab, and a node plugin in each node's
-// namespace, registered with that node's kubelet, its state dir a
-// filesystem of its own (XFS with reflink; the last node's btrfs),
-// reporting to the controller and pulling from its peers over mutual TLS
-// across the bridge. The scheduler's client of the Cache API is f.cache.
+// installCowvol installs cowvol on the fleet with its Helm chart, as a
+// user does: the TLS Secrets made as the README says, the chart's
+// DaemonSet (with the upstream registrar) on every node and its
+// controller's two replicas electing a leader, the plugin's image (make
+// image's) in every node's runtime. What a cluster without a CNI needs
+// is set as values: cowvol's pods on their nodes' network; the nodes find
+// the controller's Service by its name in their hosts file, where a
+// cluster's DNS would answer. The scheduler's client of the Cache API is
+// f.cache, through DialKube.
 func (f *fleet) installCowvol() {
 	t := f.t
-	f.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml", "-f", "../../deploy/csi/base/csidriver.yaml")
-	dir := filepath.Join(f.work, "cowvol")
-	pki := netlab.NewPKI(t, filepath.Join(dir, "pki"), driver.DefaultPeerServerName, f.lab.Self)
-	tokens, nodeToken := filepath.Join(dir, "tokens"), filepath.Join(dir, "node-token")
-	writeFile(t, tokens, "fleet-node-token-0123456789,system:cowvol-node,*\nfleet-scheduler-token-0123,ci-scheduler,*\n")
-	writeFile(t, nodeToken, "fleet-node-token-0123456789\n")
-	f.controllerAddr = net.JoinHostPort(f.lab.Self, strconv.Itoa(plugintest.FreePort(t)))
-	f.controller = plugintest.Start(t, plugintest.Config{Mode: "controller", NodeID: "cowvol-controller", Args: []string{
-		"--api-address=" + f.controllerAddr, "--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens,
-		"--kubeconfig=" + f.kubeconfig}})
-	cache, err := client.Dial(client.Options{Address: f.controllerAddr, CAFile: pki.CA, Token: "fleet-scheduler-token-0123"})
+	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
+	if helm == "" {
+		t.Fatal("COWVOL_E2E_HELM_BINARY is not set: run make e2e (it builds helm)")
+	}
+	for _, n := range f.nodes {
+		f.importRegistrarInto(n.containerd)
+	}
+	pki := filepath.Join(f.work, "cowvol-pki")
+	ctl := netlab.NewPKI(t, filepath.Join(pki, "controller"), "cowvol-controller.cowvol.svc")
+	peer := netlab.NewPKI(t, filepath.Join(pki, "peer"), driver.DefaultPeerServerName)
+	f.mustKubectl("", "create", "namespace", "cowvol")
+	for name, p := range map[string]netlab.PKI{"cowvol-controller-tls": ctl, "cowvol-peer-tls": peer} {
+		f.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
+			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
+	}
+	view := fleetView(f.work)
+	f.helmValues = map[string]any{
+		"kubeletDir": filepath.Join(view, "kubelet"), "stateDir": filepath.Join(view, "cowvol"),
+		"image":      map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
+		"controller": map[string]any{"hostNetwork": true},
+		"node":       map[string]any{"hostNetwork": true},
+	}
+	f.helm(helm, "install", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
+	// Pods are deleted while the plugins can still unpublish.
+	t.Cleanup(func() { f.deletePods() })
+	ip := strings.TrimSpace(f.mustKubectl("", "get", "service", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.spec.clusterIP}"))
+	writeFile(t, f.hosts, fmt.Sprintf("127.0.0.1 localhost\n%s cowvol-controller.cowvol.svc cowvol-controller.cowvol.svc.cluster.local\n", ip))
+	f.waitFleetInstalled("e2e")
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
+	require.NoError(t, err)
+	cache, err := client.DialKube(context.Background(), cfg, client.KubeOptions{})
 	require.NoError(t, err)
 	t.Cleanup(func() { cache.Close() })
 	f.cache = cache
-	for i := range f.nodes {
-		n := &f.nodes[i]
-		kind := testfs.XFS
-		if i == len(f.nodes)-1 {
-			kind = testfs.Btrfs
+	f.until("every node to report to the controller", time.Minute, func() bool {
+		nodes, err := cache.Nodes(context.Background())
+		if err != nil || len(nodes) != len(f.nodes) {
+			return false
 		}
-		n.plugin = plugintest.Start(t, plugintest.Config{NodeID: n.name, StateDir: testfs.Mount(t, kind, 3<<30), KubeletDir: n.kubeletDir,
-			Wrap: n.host.Command, Args: []string{"--kubeconfig=" + f.kubeconfig,
-				"--kubelet-registration-socket=" + filepath.Join(n.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
-				"--controller-address=" + f.controllerAddr, "--tls-ca-file=" + pki.CA, "--token-file=" + nodeToken,
-				"--peer-address=" + net.JoinHostPort(n.address, "7443"),
-				"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}})
-	}
-	// Pods are deleted while the plugins can still unpublish.
-	t.Cleanup(func() { f.deletePods() })
-	for _, n := range f.nodes {
-		f.until("cowvol to register with "+n.name+"'s kubelet", time.Minute, func() bool {
+		for _, n := range nodes {
+			if n.State != "running" {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// helm runs helm with the fleet's values.
+func (f *fleet) helm(helm string, args ...string) {
+	f.t.Helper()
+	raw, err := json.Marshal(f.helmValues)
+	require.NoError(f.t, err)
+	values := filepath.Join(f.work, "helm-values.json")
+	writeFile(f.t, values, string(raw))
+	out, err := exec.Command(helm, append(args, "-f", values, "--kubeconfig", f.kubeconfig)...).CombinedOutput()
+	require.NoError(f.t, err, "helm %s: %s", strings.Join(args, " "), out)
+}
+
+// waitFleetInstalled waits until every node's DaemonSet pod runs the
+// image of tag, ready, and has registered the plugin with its kubelet,
+// and the controller's Deployment has its replicas on that image, one
+// of them leading.
+func (f *fleet) waitFleetInstalled(tag string) {
+	f.t.Helper()
+	image := "cowvol.test/cowvol-plugin:" + tag
+	f.until("the DaemonSet's pods on "+tag+" to register the plugin with every kubelet", 3*time.Minute, func() bool {
+		pods, err := f.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
+			"-o", "jsonpath={range .items[*]}{.spec.containers[0].image} {.status.containerStatuses[*].ready}{\"\\n\"}{end}")
+		if err != nil || strings.Count(pods, image+" true true\n") != len(f.nodes) || strings.Count(pods, "\n") != len(f.nodes) {
+			return false
+		}
+		for _, n := range f.nodes {
 			out, err := f.kubectl("", "get", "csinode", n.name, "-o", "jsonpath={.spec.drivers[*].name}")
-			return err == nil && strings.Contains(out, driverName)
-		})
-	}
+			if err != nil || !strings.Contains(out, driverName) {
+				return false
+			}
+		}
+		return true
+	})
+	f.until("the controller's Deployment on "+tag+" to lead", 2*time.Minute, func() bool {
+		out, err := f.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol",
+			"-o", "jsonpath={.status.updatedReplicas} {.status.replicas} {.status.readyReplicas} {.spec.template.spec.containers[0].image}")
+		// Ready is leading: one of the two.
+		return err == nil && out == "2 2 1 "+image
+	})
 }
 
 // node is the fleet's node of that name.
@@ -251,13 +381,18 @@ func (f *fleet) node(name string) *fleetNode {
 	return nil
 }
 
-// waitCapturedOn waits until node's plugin has captured ns/handle.
+// waitCapturedOn waits until the controller lists node as a holder of
+// ns/handle: the step's output was captured there and reported.
 func (f *fleet) waitCapturedOn(node, ns, handle string) {
 	f.t.Helper()
-	p := f.node(node).plugin
+	ref := cowvolume.Ref{Namespace: ns, Handle: handle}
 	f.until("capture of "+ns+"/"+handle+" on "+node, 3*time.Minute, func() bool {
-		for _, line := range strings.Split(p.Log(), "\n") {
-			if strings.Contains(line, `"Captured step volume"`) && strings.Contains(line, `volume="`+ns+"/"+handle+`"`) {
+		locs, err := f.cache.Lookup(context.Background(), ref)
+		if err != nil || len(locs) != 1 {
+			return false
+		}
+		for _, n := range locs[0].Nodes {
+			if n == node {
 				return true
 			}
 		}

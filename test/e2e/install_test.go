@@ -125,8 +125,15 @@ func (r registration) component(rel func(string) string) string {
 const registrarImage = "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.17.0"
 
 // importRegistrar imports the upstream node-driver-registrar, built from
-// its source by make e2e, under registrarImage, and says whether it could.
+// its source by make e2e, under registrarImage into the node's runtime,
+// and says whether it could.
 func (c *cluster) importRegistrar() bool {
+	c.t.Helper()
+	return c.importRegistrarInto(c.containerd)
+}
+
+// importRegistrarInto is importRegistrar into the runtime at socket.
+func (c *cluster) importRegistrarInto(socket string) bool {
 	c.t.Helper()
 	path := os.Getenv("COWVOL_E2E_REGISTRAR_BINARY")
 	if path == "" {
@@ -134,7 +141,7 @@ func (c *cluster) importRegistrar() bool {
 	}
 	bin, err := os.ReadFile(path)
 	require.NoError(c.t, err)
-	c.importImage(ociimage.Image{Name: registrarImage, Files: []ociimage.File{{Path: "csi-node-driver-registrar", Mode: 0o755, Data: bin}},
+	c.importImageInto(socket, ociimage.Image{Name: registrarImage, Files: []ociimage.File{{Path: "csi-node-driver-registrar", Mode: 0o755, Data: bin}},
 		Entrypoint: []string{"/csi-node-driver-registrar"}})
 	return true
 }
@@ -189,9 +196,15 @@ func (c *cluster) previousPlugin() []byte {
 // importImage builds img and imports it into the node's containerd.
 func (c *cluster) importImage(img ociimage.Image) {
 	c.t.Helper()
+	c.importImageInto(c.containerd, img)
+}
+
+// importImageInto builds img and imports it into the containerd at socket.
+func (c *cluster) importImageInto(socket string, img ociimage.Image) {
+	c.t.Helper()
 	out := filepath.Join(c.work, "images", "extra.tar")
 	require.NoError(c.t, ociimage.Write(out, img))
-	if b, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
+	if b, err := exec.Command("ctr", "--address", socket, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
 		c.t.Fatalf("importing %s: %v: %s", img.Name, err, b)
 	}
 }
