@@ -118,7 +118,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	}
 	if opts.Mode != ModeNode {
 		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
-		d.leader = &leadership{self: opts.LeaderElection.Identity}
+		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod}
 		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = &controllerService{view: d.view}
 		d.ctlMetrics = controller.NewMetrics(d.view)
@@ -413,7 +413,8 @@ func (d *Driver) runners() ([]runner, error) {
 }
 
 // metricsRunner serves /metrics, the probes and, if asked, profiles. /readyz answers 503 on a
-// controller replica that does not lead, and on a self-registering node
+// controller replica that does not lead (unless followers are ready too:
+// --leader-election-label-pod), and on a self-registering node
 // plugin until the kubelet has taken its registration.
 func (d *Driver) metricsRunner(registration *registrationService) runner {
 	mux := http.NewServeMux()

@@ -122,6 +122,7 @@ func TestOptionsValidate(t *testing.T) {
 		{"leader election", func(o *Options) { o.Mode = ModeController; elect(o, "cowvol", "ctl-0") }, ""},
 		{"leader election in node mode", func(o *Options) { elect(o, "cowvol", "n") }, "the controller's"},
 		{"leader election in all mode", func(o *Options) { o.Mode = ModeAll; elect(o, "cowvol", "n") }, "every node plugin must serve"},
+		{"leader's pod labelled without an election", func(o *Options) { o.Mode = ModeController; o.LeaderElection.LabelPod = true }, "needs --leader-election"},
 		{"leader election without a namespace", func(o *Options) { o.Mode = ModeController; elect(o, "", "ctl-0") }, "POD_NAMESPACE"},
 		{"leader election timings crossed", func(o *Options) {
 			o.Mode = ModeController

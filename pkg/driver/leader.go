@@ -12,7 +12,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
@@ -21,19 +23,36 @@ import (
 
 // LeaderElection configures the controller replicas' election through a
 // coordination.k8s.io Lease: one replica leads and serves the APIs, the
-// others answer Unavailable naming the leader (and say they are not ready,
-// so a Service sends callers to the leader only).
+// others answer Unavailable naming the leader.
+//
+// A Service sends callers to the leader one of two ways. With LabelPod,
+// the leader labels its pod LeaderLabel=true and the Service selects that
+// label; every serving replica is ready, so a Deployment's rolling update
+// and a drain's PodDisruptionBudget count the followers (were readiness
+// leading, neither could ever take the leader's pod: the new pods cannot
+// lead, so never turn ready, while it lives). Without LabelPod, only the
+// leader is ready, for a Service that selects by readiness alone.
 type LeaderElection struct {
 	Enabled bool
 	// Namespace and Name of the Lease; Identity is this replica's (its
 	// pod's name).
 	Namespace, Name, Identity string
+	// LabelPod: Identity is this replica's pod in Namespace, which it
+	// labels while it leads.
+	LabelPod bool
 	// LeaseDuration, RenewDeadline and RetryPeriod are client-go's.
 	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
 }
 
+// LeaderLabel is the label the leading replica's pod carries (with
+// LabelPod): the controller's Service selects it.
+const LeaderLabel = "cowvol.concourse-ci.org/leader"
+
 func (le *LeaderElection) validate(mode Mode) []error {
 	if !le.Enabled {
+		if le.LabelPod {
+			return []error{errors.New("--leader-election-label-pod labels the leader's pod: it needs --leader-election")}
+		}
 		return nil
 	}
 	var errs []error
@@ -60,6 +79,8 @@ type leadership struct {
 	// leader is the identity the Lease names ("" until known).
 	leader atomic.Value
 	self   string
+	// followersReady: a follower is ready too (LabelPod).
+	followersReady bool
 }
 
 func (l *leadership) current() string {
@@ -104,9 +125,10 @@ func (l *leadership) refuse() error {
 	return nil
 }
 
-// ready answers a readiness probe: ready while this replica leads.
+// ready answers a readiness probe: ready while this replica leads, or
+// while it serves where followers are ready too.
 func (l *leadership) ready(w http.ResponseWriter, _ *http.Request) {
-	if !l.leading.Load() {
+	if !l.leading.Load() && !l.followersReady {
 		http.Error(w, "not the leader: "+l.current(), http.StatusServiceUnavailable)
 		return
 	}
@@ -122,6 +144,16 @@ func (l *leadership) elect(ctx context.Context, kube kubernetes.Interface, le Le
 		Client:     kube.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: le.Identity},
 	}
+	label := func(context.Context, bool) {}
+	if le.LabelPod {
+		label = podLabeller(kube, le.Namespace, le.Identity)
+		// A pod restarted after leading still says so: not any more
+		// (tried for a while, not forever: a replica that cannot label
+		// its pod still serves when it leads).
+		unlabelCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		label(unlabelCtx, false)
+		cancel()
+	}
 	lost := make(chan struct{})
 	elector, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 		Lock: lock, LeaseDuration: le.LeaseDuration, RenewDeadline: le.RenewDeadline, RetryPeriod: le.RetryPeriod,
@@ -130,6 +162,7 @@ func (l *leadership) elect(ctx context.Context, kube kubernetes.Interface, le Le
 			OnStartedLeading: func(ctx context.Context) {
 				klog.InfoS("Leading: serving the controller's APIs", "lease", le.Namespace+"/"+le.Name, "identity", le.Identity)
 				l.leading.Store(true)
+				go label(ctx, true)
 				lead(ctx)
 			},
 			OnStoppedLeading: func() {
@@ -157,5 +190,35 @@ func (l *leadership) elect(ctx context.Context, kube kubernetes.Interface, le Le
 	case <-ctx.Done():
 		<-lost // the elector releases the Lease on its way out
 		return nil
+	}
+}
+
+// podLabeller sets or removes LeaderLabel on the replica's pod, retrying
+// until it is done or ctx ends. A pod that does not exist (the identity
+// names none) is said once and left.
+func podLabeller(kube kubernetes.Interface, namespace, pod string) func(ctx context.Context, leading bool) {
+	return func(ctx context.Context, leading bool) {
+		value := "null"
+		if leading {
+			value = `"true"`
+		}
+		patch := []byte(fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, LeaderLabel, value))
+		for {
+			_, err := kube.CoreV1().Pods(namespace).Patch(ctx, pod, types.MergePatchType, patch, metav1.PatchOptions{})
+			switch {
+			case err == nil:
+				klog.InfoS("Labelled this replica's pod", "pod", namespace+"/"+pod, "label", LeaderLabel, "leading", leading)
+				return
+			case apierrors.IsNotFound(err):
+				klog.ErrorS(err, "This replica's identity names no pod: the Service cannot select it as the leader", "pod", namespace+"/"+pod)
+				return
+			}
+			klog.ErrorS(err, "Labelling this replica's pod; retrying", "pod", namespace+"/"+pod, "leading", leading)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(2 * time.Second):
+			}
+		}
 	}
 }
