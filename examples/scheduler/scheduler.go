@@ -28,6 +28,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -143,17 +146,33 @@ func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []str
 	return res, errors.Join(errs...)
 }
 
+// unavailableFor is how long a step waits out a controller that answers
+// Unavailable (its leader moving: a new one leads within the Lease's
+// duration) before the build fails.
+const unavailableFor = time.Minute
+
 // place ranks the nodes for a step's inputs.
 func (r *Runner) place(ctx context.Context, inputs []string) ([]string, error) {
-	nodes, err := r.Cache.Place(ctx, r.refs(inputs)...)
-	if err != nil {
-		return nil, fmt.Errorf("placing: %w", err)
+	deadline := time.Now().Add(unavailableFor)
+	for {
+		nodes, err := r.Cache.Place(ctx, r.refs(inputs)...)
+		if err == nil {
+			ranked := make([]string, len(nodes))
+			for i, n := range nodes {
+				ranked[i] = n.NodeId
+			}
+			return ranked, nil
+		}
+		if status.Code(err) != codes.Unavailable || time.Now().After(deadline) {
+			return nil, fmt.Errorf("placing: %w", err)
+		}
+		r.logf("Placing a step: the controller is unavailable, retrying: %v", err)
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("placing: %w", ctx.Err())
+		case <-time.After(500 * time.Millisecond):
+		}
 	}
-	ranked := make([]string, len(nodes))
-	for i, n := range nodes {
-		ranked[i] = n.NodeId
-	}
-	return ranked, nil
 }
 
 // pod is a step's pod for one attempt: it prefers the ranked nodes in

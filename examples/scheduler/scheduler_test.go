@@ -1,11 +1,21 @@
 package scheduler
 
 import (
+	"context"
+	"errors"
+	"net"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/client"
 )
 
 // TestPod: a step's pod prefers the ranked nodes in order, avoids the
@@ -72,6 +82,61 @@ func TestPod(t *testing.T) {
 			if output != "" {
 				assert.Equal(t, map[string]string{"capture": output}, attrs[mounts["/out"]])
 			}
+		})
+	}
+}
+
+// leaderMoving answers Place as a controller whose leader is moving does
+// (Unavailable, from the replica that no longer leads) a number of times,
+// then as the new leader, or with another code throughout: a real
+// controller cannot be made to answer so on cue.
+type leaderMoving struct {
+	controllerv1.UnimplementedCacheServer
+	unavailable int
+	code        codes.Code
+	calls       atomic.Int32
+}
+
+func (l *leaderMoving) Place(context.Context, *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+	n := int(l.calls.Add(1))
+	switch {
+	case l.code != codes.OK:
+		return nil, status.Error(l.code, "refused")
+	case n <= l.unavailable:
+		return nil, status.Error(codes.Unavailable, "this controller replica does not lead: the leader is none yet; retry")
+	}
+	return &controllerv1.PlaceResponse{Nodes: []*controllerv1.NodePlacement{{NodeId: "node-2"}, {NodeId: "node-1"}}}, nil
+}
+
+// TestPlaceWaitsOutAMovingLeader: a step is placed once the controller
+// answers again; an answer other than Unavailable fails it at once.
+func TestPlaceWaitsOutAMovingLeader(t *testing.T) {
+	tests := []struct {
+		name      string
+		server    *leaderMoving
+		want      []string
+		wantCode  codes.Code
+		wantCalls int32
+	}{
+		{name: "leader moving", server: &leaderMoving{unavailable: 3}, want: []string{"node-2", "node-1"}, wantCalls: 4},
+		{name: "denied", server: &leaderMoving{code: codes.PermissionDenied}, wantCode: codes.PermissionDenied, wantCalls: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			lis, err := net.Listen("tcp", "127.0.0.1:0")
+			require.NoError(t, err)
+			srv := grpc.NewServer()
+			controllerv1.RegisterCacheServer(srv, tt.server)
+			go func() { _ = srv.Serve(lis) }()
+			t.Cleanup(srv.Stop)
+			cache, err := client.Dial(client.Options{Address: lis.Addr().String()})
+			require.NoError(t, err)
+			t.Cleanup(func() { cache.Close() })
+			r := &Runner{Cache: cache, Namespace: "ci"}
+			got, err := r.place(context.Background(), []string{"src"})
+			assert.Equal(t, tt.wantCode, status.Code(errors.Unwrap(err)))
+			assert.Equal(t, tt.want, got)
+			assert.Equal(t, tt.wantCalls, tt.server.calls.Load())
 		})
 	}
 }
