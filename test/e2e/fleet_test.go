@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -264,6 +265,8 @@ func TestFleet(t *testing.T) {
 	f.installCowvol()
 	f.fleetBuild()
 	f.schedulerBuild()
+	f.fleetFailover()
+	f.fleetUpgrade()
 	f.fleetDrain()
 	f.fleetTenancy()
 	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
@@ -365,8 +368,14 @@ func (f *fleet) waitFleetInstalled(tag string) {
 	f.until("the controller's Deployment on "+tag+" to lead", 2*time.Minute, func() bool {
 		out, err := f.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol",
 			"-o", "jsonpath={.status.updatedReplicas} {.status.replicas} {.status.readyReplicas} {.spec.template.spec.containers[0].image}")
-		// Ready is leading: one of the two.
-		return err == nil && out == "2 2 1 "+image
+		if err != nil || out != "2 2 2 "+image {
+			return false
+		}
+		// The Service's one endpoint is the leader's pod, which the
+		// Lease names.
+		leader := f.leader()
+		out, err = f.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-controller,"+driver.LeaderLabel+"=true", "-o", "jsonpath={.items[*].metadata.name}")
+		return err == nil && leader != "" && out == leader
 	})
 }
 
@@ -467,12 +476,7 @@ func (f *fleet) fleetBuild() {
 // package and destroys the rest.
 func (f *fleet) schedulerBuild() {
 	t := f.t
-	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
-	require.NoError(t, err)
-	kube, err := kubernetes.NewForConfig(cfg)
-	require.NoError(t, err)
-	r := &scheduler.Runner{Kube: kube, Cache: f.cache, Namespace: "ci", Image: busyboxImage, ServiceAccount: stepsServiceAccount,
-		Timeout: 3 * time.Minute, Logf: t.Logf}
+	r := f.runner()
 	steps := []scheduler.Step{
 		{Name: "get-a", Output: "src-a", Node: "node-1", Script: "echo alpha > /out/a"},
 		{Name: "get-b", Output: "src-b", Node: "node-2", Script: "echo beta > /out/b"},
@@ -536,6 +540,168 @@ func (f *fleet) schedulerBuild() {
 	report(t, fmt.Sprintf("fleet: the example scheduler ran a 7-step build over 3 nodes in %s: each unpinned step bound where Place ranked it first, "+
 		"a test read three inputs held on three nodes, a step that failed ran again on another node, and the CI's GC pinned the package and destroyed the rest\n",
 		took.Round(100*time.Millisecond)))
+}
+
+// runner is the example scheduler, running steps in ci through the
+// fleet's API server and the scheduler's client of the Cache API.
+func (f *fleet) runner() *scheduler.Runner {
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
+	require.NoError(f.t, err)
+	kube, err := kubernetes.NewForConfig(cfg)
+	require.NoError(f.t, err)
+	return &scheduler.Runner{Kube: kube, Cache: f.cache, Namespace: "ci", Image: busyboxImage, ServiceAccount: stepsServiceAccount,
+		Timeout: 3 * time.Minute, Logf: f.t.Logf}
+}
+
+// chainBuild is a build of a get pinned to node and steps each reading
+// the last one's output and adding a line to it, slowly enough that
+// something can happen to the cluster meanwhile; the last step prints
+// what the chain made.
+func chainBuild(node string, steps int) ([]scheduler.Step, string) {
+	build := []scheduler.Step{{Name: "get", Output: "s0", Node: node, Script: "echo 0 > /out/lines"}}
+	want := "0\n"
+	for i := 1; i <= steps; i++ {
+		build = append(build, scheduler.Step{Name: fmt.Sprintf("s%d", i), Inputs: []string{fmt.Sprintf("s%d", i-1)},
+			Output: fmt.Sprintf("s%d", i), Script: fmt.Sprintf("sleep 3; cat /in/s%d/lines > /out/lines; echo %d >> /out/lines", i-1, i)})
+		want += fmt.Sprintf("%d\n", i)
+	}
+	build = append(build, scheduler.Step{Name: "show", Inputs: []string{fmt.Sprintf("s%d", steps)}, Script: fmt.Sprintf("cat /in/s%d/lines", steps)})
+	return build, want
+}
+
+// buildInBackground runs a build with the example scheduler while the
+// caller does something to the cluster; wait returns how it ended.
+func (f *fleet) buildInBackground(name string, steps []scheduler.Step) (wait func() ([]scheduler.Result, error)) {
+	r := f.runner()
+	type ended struct {
+		results []scheduler.Result
+		err     error
+	}
+	done := make(chan ended, 1)
+	go func() {
+		res, err := r.Run(context.Background(), name, steps)
+		done <- ended{res, err}
+	}()
+	return func() ([]scheduler.Result, error) {
+		select {
+		case e := <-done:
+			return e.results, e.err
+		case <-time.After(10 * time.Minute):
+			f.t.Fatalf("build %s did not end in 10 minutes", name)
+			return nil, nil
+		}
+	}
+}
+
+// leader is the controller replica the Lease names.
+func (f *fleet) leader() string {
+	out, _ := f.kubectl("", "get", "lease", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.spec.holderIdentity}")
+	return strings.TrimSpace(out)
+}
+
+// viewComplete says whether the controller the scheduler reaches knows
+// every node running and each of want's volumes on the nodes given.
+func (f *fleet) viewComplete(want map[cowvolume.Ref][]string) bool {
+	ctx := context.Background()
+	nodes, err := f.cache.Nodes(ctx)
+	if err != nil || len(nodes) != len(f.nodes) {
+		return false
+	}
+	for _, n := range nodes {
+		if n.State != "running" {
+			return false
+		}
+	}
+	for ref, holders := range want {
+		locs, err := f.cache.Lookup(ctx, ref)
+		if err != nil || len(locs) != 1 {
+			return false
+		}
+		got := append([]string(nil), locs[0].Nodes...)
+		slices.Sort(got)
+		if !slices.Equal(got, holders) {
+			return false
+		}
+	}
+	return true
+}
+
+// heldNow is where the controller says each of refs is held now.
+func (f *fleet) heldNow(refs ...cowvolume.Ref) map[cowvolume.Ref][]string {
+	held := map[cowvolume.Ref][]string{}
+	for _, ref := range refs {
+		locs, err := f.cache.Lookup(context.Background(), ref)
+		require.NoError(f.t, err)
+		require.Len(f.t, locs, 1)
+		nodes := append([]string(nil), locs[0].Nodes...)
+		require.NotEmpty(f.t, nodes, "%s is held somewhere", ref)
+		slices.Sort(nodes)
+		held[ref] = nodes
+	}
+	return held
+}
+
+// fleetFailover: the controller's leading replica's pod is deleted while
+// a build runs. The other replica leads; its view (every node running,
+// the volumes where they are) is complete within seconds; the
+// scheduler's client, through DialKube, follows it; the build ends with
+// the right outputs.
+func (f *fleet) fleetFailover() {
+	t := f.t
+	steps, want := chainBuild("node-2", 4)
+	wait := f.buildInBackground("fo", steps)
+	f.waitCapturedOn("node-2", "ci", "fo-get-s0-1")
+	known := f.heldNow(cowvolume.Ref{Namespace: "ci", Handle: "res-1"}, cowvolume.Ref{Namespace: "ci", Handle: "fo-get-s0-1"})
+	old := f.leader()
+	require.NotEmpty(t, old)
+	deleted := time.Now()
+	f.mustKubectl("", "delete", "pod", "-n", "cowvol", old, "--wait=false")
+	var led time.Duration
+	f.until("another replica to lead", time.Minute, func() bool {
+		now := f.leader()
+		led = time.Since(deleted)
+		return now != "" && now != old
+	})
+	f.until("the new leader's view to be complete", time.Minute, func() bool { return f.viewComplete(known) })
+	complete := time.Since(deleted)
+	results, err := wait()
+	require.NoError(t, err, "no step is lost to the leader's move")
+	last := results[len(results)-1]
+	require.Equal(t, want, last.Log)
+	for _, r := range results {
+		require.Equal(t, 1, r.Attempts, "step %s ran once", r.Step)
+	}
+	report(t, fmt.Sprintf("fleet: the controller's leader deleted mid-build: another replica led after %s and its view was complete (3 nodes running, the volumes where they were) %s after the delete; "+
+		"the scheduler's client followed it and the %d-step build ended right, each step run once\n",
+		led.Round(100*time.Millisecond), complete.Round(100*time.Millisecond), len(steps)))
+}
+
+// fleetUpgrade: helm upgrade to a new image while a build runs: the
+// DaemonSet rolls node by node and the controller's replicas roll (its
+// leader moves), and no step fails.
+func (f *fleet) fleetUpgrade() {
+	t := f.t
+	// The new image: this one under another tag, in every node's runtime.
+	for _, n := range f.nodes {
+		run(t, "ctr", "--address", n.containerd, "-n", "k8s.io", "images", "tag", "--force", pluginImage, "cowvol.test/cowvol-plugin:e2e-next")
+	}
+	steps, want := chainBuild("node-3", 6)
+	wait := f.buildInBackground("up", steps)
+	f.waitCapturedOn("node-3", "ci", "up-get-s0-1")
+	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
+	f.helmValues["image"] = map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e-next"}
+	start := time.Now()
+	f.helm(helm, "upgrade", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
+	f.waitFleetInstalled("e2e-next")
+	rolled := time.Since(start)
+	results, err := wait()
+	require.NoError(t, err, "no step fails while cowvol rolls")
+	require.Equal(t, want, results[len(results)-1].Log)
+	for _, r := range results {
+		require.Equal(t, 1, r.Attempts, "step %s ran once", r.Step)
+	}
+	report(t, fmt.Sprintf("fleet: helm upgrade to a new image rolled 3 nodes' plugins and the controller's 2 replicas in %s during a %d-step build; no step failed or ran twice\n",
+		rolled.Round(100*time.Millisecond), len(steps)))
 }
 
 // fleetDrain: a node drained during a build takes no new step, and a
