@@ -51,7 +51,7 @@ PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 TOOLS              := $(CURDIR)/bin/tools
 
-.PHONY: build test bench demo lint image docker-image clean e2e generate
+.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps cluster cluster-down generate
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -78,17 +78,30 @@ test: build
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 # The cluster runs the image make image builds (under the e2e's name).
-e2e: build $(K8S_BIN)/kube-proxy $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
+E2E_ENV = PATH=$(CURDIR)/$(RUNTIME_BIN):$$PATH \
+	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/report.txt \
+	COWVOL_CREDENTIAL_PROVIDER_BINARY=$(CURDIR)/$(PROVIDER) \
+	COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(E2E_BIN)/plugin-image.tar COWVOL_E2E_KUBE_BIN=$(CURDIR)/$(K8S_BIN) \
+	COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) COWVOL_E2E_HELM_BINARY=$(CURDIR)/$(HELM_BIN)
+
+e2e-deps: build $(K8S_BIN)/kube-proxy $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
 	test/e2e/install-deps.sh
 	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(E2E_BIN)/plugin-image.tar
+
+e2e: e2e-deps
 	rm -f $(E2E_BIN)/report.txt
-	cd test/e2e && PATH=$(CURDIR)/$(RUNTIME_BIN):$$PATH \
-		COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/report.txt \
-		COWVOL_CREDENTIAL_PROVIDER_BINARY=$(CURDIR)/$(PROVIDER) \
-		COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(E2E_BIN)/plugin-image.tar COWVOL_E2E_KUBE_BIN=$(CURDIR)/$(K8S_BIN) \
-		COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) COWVOL_E2E_HELM_BINARY=$(CURDIR)/$(HELM_BIN) \
-		$(GO) test -tags e2e -count=1 -timeout 40m -v .
+	cd test/e2e && $(E2E_ENV) $(GO) test -tags e2e -count=1 -timeout 40m -v .
 	@cat $(E2E_BIN)/report.txt 2>/dev/null || true
+
+# A local cluster of real nodes (NODES, default 3) with cowvol installed
+# from its chart, to try it on: it stays up, in the background, until make
+# cluster-down. The last line make cluster prints is "kubeconfig: PATH".
+CLUSTER_DIR ?= $(CURDIR)/.cluster
+cluster: e2e-deps
+	$(E2E_ENV) hack/cluster up $(CLUSTER_DIR)
+
+cluster-down:
+	hack/cluster down $(CLUSTER_DIR)
 
 # kube-proxy routes the fleet's Services (TestFleet's nodes have their own
 # network namespaces); the one-node cluster runs without it.
