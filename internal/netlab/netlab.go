@@ -171,6 +171,12 @@ func (h *Host) Throttle(rate string) {
 		"tbf", "rate", rate, "burst", "256kb", "latency", "400ms")
 }
 
+// Unthrottle undoes Throttle.
+func (h *Host) Unthrottle() {
+	h.lab.tb.Helper()
+	run(h.lab.tb, "ip", "netns", "exec", h.lab.ns("sw"), "tc", "qdisc", "del", "dev", h.veth, "root")
+}
+
 // PKI is a CA and a certificate it signed, for mutual TLS between a lab's
 // hosts and the test: the certificate names DNSName and IPs.
 type PKI struct {

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/node"
@@ -181,6 +182,7 @@ func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer
 			}
 		}
 		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds),
+			grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: peerKeepalive, Timeout: peerKeepaliveTimeout}),
 			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(streamer.MaxChunk)),
 			grpc.WithInitialWindowSize(streamWindow), grpc.WithInitialConnWindowSize(streamWindow),
 			grpc.WithReadBufferSize(streamBuffer), grpc.WithWriteBufferSize(streamBuffer))
@@ -190,6 +192,17 @@ func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer
 		return streamer.NewClient(conn, p.PullWait), conn, nil
 	}, nil
 }
+
+// A holder that goes silent mid-pull (a machine gone, its link down: no
+// reset ever comes) is given up after peerKeepalive without a byte from it
+// and peerKeepaliveTimeout more without an answer to a ping; its streams
+// fail, and the pull moves to another holder, or its readers get EIO.
+// Without these a lazily read file waited on a dead holder for TCP's own
+// timeout, a quarter of an hour. The server lets pings come that often.
+const (
+	peerKeepalive        = 10 * time.Second
+	peerKeepaliveTimeout = 5 * time.Second
+)
 
 // A stream's flow-control window and socket buffers: gRPC's defaults (a
 // 64 KiB window grown by estimate, 32 KiB buffers) are sized for RPCs, not
@@ -207,7 +220,8 @@ func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
 		return nil, err
 	}
 	opts := []grpc.ServerOption{grpc.InitialWindowSize(streamWindow), grpc.InitialConnWindowSize(streamWindow),
-		grpc.ReadBufferSize(streamBuffer), grpc.WriteBufferSize(streamBuffer)}
+		grpc.ReadBufferSize(streamBuffer), grpc.WriteBufferSize(streamBuffer),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: peerKeepalive / 2})}
 	if serverTLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(serverTLS)))
 	}

@@ -543,8 +543,9 @@ func (c *cluster) importImagesInto(socket string) {
 
 // buildImages writes the pause and busybox images to out.
 func (c *cluster) buildImages(dir, out string) {
-	pauseBin, euidBin := c.buildStatic("pause", dir), c.buildStatic("euid", dir)
-	bbFiles := append(busyboxFiles(c.t), ociimage.File{Path: "bin/euid", Mode: 0o755, Data: euidBin})
+	pauseBin, euidBin, mktreeBin := c.buildStatic("pause", dir), c.buildStatic("euid", dir), c.buildStatic("mktree", dir)
+	bbFiles := append(busyboxFiles(c.t), ociimage.File{Path: "bin/euid", Mode: 0o755, Data: euidBin},
+		ociimage.File{Path: "bin/mktree", Mode: 0o755, Data: mktreeBin})
 	if os.Getenv("COWVOL_PLUGIN_IMAGE_TAR") == "" {
 		c.t.Fatal("COWVOL_PLUGIN_IMAGE_TAR is not set: run make e2e (it builds the plugin's image with make image)")
 	}
@@ -583,13 +584,17 @@ func (c *cluster) startControllers() {
 	// A fleet's nodes are watched (their not-ready taints lifted and set,
 	// as kube-scheduler needs); the one node's pods name their node.
 	controllers := "*,-nodeipam,-persistentvolume-binder,-attachdetach"
+	args := []string{filepath.Join(c.bin, "kube-controller-manager"),
+		"--kubeconfig=" + c.kubeconfig, "--leader-elect=false", "--root-ca-file=" + ca,
+		"--use-service-account-credentials=false", "--bind-address=127.0.0.1", "--secure-port=0"}
 	if c.lab == nil {
 		controllers += ",-nodelifecycle"
+	} else {
+		// A dead node is found unready in 20 s, not 50: the fleet's
+		// node deaths are waited for.
+		args = append(args, "--node-monitor-grace-period=20s")
 	}
-	c.start("kube-controller-manager", nil, filepath.Join(c.bin, "kube-controller-manager"),
-		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--root-ca-file="+ca,
-		"--use-service-account-credentials=false", "--bind-address=127.0.0.1", "--secure-port=0",
-		"--controllers="+controllers)
+	c.start("kube-controller-manager", nil, append(args, "--controllers="+controllers)...)
 	c.start("kube-scheduler", nil, filepath.Join(c.bin, "kube-scheduler"),
 		"--kubeconfig="+c.kubeconfig, "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0")
 	c.until("the default ServiceAccount", 60*time.Second, func() bool {

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -100,17 +101,10 @@ func startFleet(t *testing.T, n int) *fleet {
 		name := fmt.Sprintf("node-%d", i)
 		host := lab.Host(name)
 		node := fleetNode{nodeHost: nodeHost{name: name, address: host.IP, netns: host.Netns,
-			dir: filepath.Join(work, name), cgroupRoot: "/cowvol-e2e-" + name, view: fleetView(work)}, host: host, state: states[i-1]}
+			dir: filepath.Join(work, name), cgroupRoot: "/" + filepath.Base(work) + "-" + name, view: fleetView(work)}, host: host, state: states[i-1]}
 		f.makeCgroupRoot(node.cgroupRoot)
-		f.makeMountns(&node)
-		// Services' cluster IPs are reached through eth0, where
-		// kube-proxy's rules send them on to their pods.
-		run(t, "ip", "-n", host.Netns, "route", "add", serviceCIDR, "dev", "eth0")
-		node.containerd = c.startRuntime(node.nodeHost, filepath.Join(node.dir, "cowvol-snapshotter.sock"))
+		f.boot(&node)
 		c.runtimes = append(c.runtimes, node.containerd)
-		c.importImagesInto(node.containerd)
-		node.kubeletDir = c.startKubeletOn(node.nodeHost, node.containerd)
-		f.startKubeProxy(node.nodeHost)
 		f.nodes = append(f.nodes, node)
 	}
 	c.until("every node to be Ready", 2*time.Minute, func() bool {
@@ -126,6 +120,52 @@ func startFleet(t *testing.T, n int) *fleet {
 		return err == nil
 	})
 	return f
+}
+
+// boot starts a node from its disks: its mount namespace, runtime (the
+// harness's images imported the first time), kubelet and kube-proxy.
+func (f *fleet) boot(n *fleetNode) {
+	f.makeMountns(n)
+	// Services' cluster IPs are reached through eth0, where kube-proxy's
+	// rules send them on to their pods.
+	run(f.t, "ip", "-n", n.netns, "route", "replace", serviceCIDR, "dev", "eth0")
+	first := n.containerd == ""
+	n.containerd = f.startRuntime(n.nodeHost, filepath.Join(n.dir, "cowvol-snapshotter.sock"))
+	if first {
+		f.importImagesInto(n.containerd)
+	}
+	n.kubeletDir = f.startKubeletOn(n.nodeHost, n.containerd)
+	f.startKubeProxy(n.nodeHost)
+}
+
+// kill kills a node as a power cut does: every process of it at once
+// (its kubelet, kube-proxy, runtime, shims and whatever runs in its pods,
+// cowvol's plugin among them), its mounts gone with its mount namespace,
+// and its network link down, so that its peers' connections to it hear
+// nothing back, as from a machine that is gone. Its disks stay.
+func (f *fleet) kill(n *fleetNode) {
+	run(f.t, "ip", "-n", n.netns, "link", "set", "eth0", "down")
+	for _, name := range []string{"kubelet", "kube-proxy", "containerd"} {
+		f.procs[n.proc(name)].stop(syscall.SIGKILL, 10*time.Second)
+	}
+	f.killShims(n.containerd)
+	killCgroupProcs(n.cgroupRoot)
+	f.procs[n.proc("mountns")].stop(syscall.SIGKILL, 10*time.Second)
+}
+
+// revive brings a killed node back: its link up, and it boots from its
+// disks, its cowvol store wiped first if asked (a node replaced, or its
+// disk lost).
+func (f *fleet) revive(n *fleetNode, wipe bool) {
+	if wipe {
+		entries, err := os.ReadDir(n.state)
+		require.NoError(f.t, err)
+		for _, e := range entries {
+			require.NoError(f.t, os.RemoveAll(filepath.Join(n.state, e.Name())))
+		}
+	}
+	run(f.t, "ip", "-n", n.netns, "link", "set", "eth0", "up")
+	f.boot(n)
 }
 
 // run runs a command the harness needs to succeed.
@@ -264,9 +304,12 @@ func TestFleet(t *testing.T) {
 	require.Equal(t, "node-2", f.podOn("ci", "client"))
 	f.installCowvol()
 	f.fleetBuild()
+	f.fleetLargeInput()
+	f.fleetStepImage()
 	f.schedulerBuild()
 	f.fleetFailover()
 	f.fleetUpgrade()
+	f.fleetNodeDeath()
 	f.fleetDrain()
 	f.fleetTenancy()
 	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
@@ -306,6 +349,11 @@ func (f *fleet) installCowvol() {
 		"image":      map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
 		"controller": map[string]any{"hostNetwork": true},
 		"node":       map[string]any{"hostNetwork": true},
+		// Step images from volumes, served on each node's loopback; the
+		// kubelets have the credential provider (startKubeletOn).
+		"images": map[string]any{"registry": map[string]any{"enabled": true,
+			"credentialProviderBinDir": filepath.Join(view, "credential-providers"),
+			"containerdSocket":         filepath.Join(view, "containerd", "containerd.sock")}},
 	}
 	f.helm(helm, "install", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
 	// Pods are deleted while the plugins can still unpublish.
@@ -466,6 +514,60 @@ func (f *fleet) fleetBuild() {
 	report(t, fmt.Sprintf("fleet: a step placed by the Cache API next to its %d-file, 200 MiB input started %s after kube-scheduler bound it; "+
 		"one pinned to another node got the input from node-1 across the bridge and started %s after it was bound (whole seconds)\n",
 		files, f.startedAfterBound("ci", "near"), f.startedAfterBound("ci", "far")))
+}
+
+// fleetLargeInput: a get on node-1 captures 1 GiB in 50,000 files and a
+// program; a step next to it (placed by the Cache API) and a step pinned
+// to node-2, which gets the input lazily from node-1, read every byte of
+// it alike and run the program from it. Their times from bound to
+// started are reported side by side.
+func (f *fleet) fleetLargeInput() {
+	t := f.t
+	const files, size = 50000, 21475 // 1.0 GiB
+	f.createPodWith("ci", "big-get", fmt.Sprintf("mktree /out %d %d", files, size),
+		[]podOpt{onNode("node-1")}, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "big")})
+	f.mustSucceed("ci", "big-get")
+	f.waitCapturedOn("node-1", "ci", "big")
+	ranked, err := f.cache.Place(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
+	require.NoError(t, err)
+	require.NotEmpty(t, ranked)
+	require.Equal(t, "node-1", ranked[0].NodeId, "Place ranks the holder first")
+	read := `set -e; cd /in; ./bin/hello; find data -type f | sort | xargs md5sum | md5sum; find data -type f | wc -l`
+	input := volume{name: "in", mountPath: "/in", attrs: attrs("source", "big"), readOnly: true}
+	f.createPodWith("ci", "big-near", read, []podOpt{preferring(ranked[0].NodeId)}, input)
+	near := f.mustSucceed("ci", "big-near")
+	require.Equal(t, "node-1", f.podOn("ci", "big-near"))
+	f.createPodWith("ci", "big-far", read, []podOpt{onNode("node-2")}, input)
+	far := f.mustSucceed("ci", "big-far")
+	require.Equal(t, near, far, "the step on node-2 read node-1's bytes")
+	require.True(t, strings.HasPrefix(far, "hello\n") && strings.HasSuffix(far, fmt.Sprintf("\n%d\n", files)), "%q", far)
+	report(t, fmt.Sprintf("fleet, 1 GiB in %d files: the step next to its input started %s after it was bound; one on another node, "+
+		"getting it lazily across the bridge, %s (whole seconds); both read every byte alike and ran a program from it\n",
+		files, f.startedAfterBound("ci", "big-near"), f.startedAfterBound("ci", "big-far")))
+	f.deletePod("ci", "big-near")
+	f.deletePod("ci", "big-far")
+	// Room for the scenarios that follow.
+	_, err = f.cache.Destroy(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
+	require.NoError(t, err)
+}
+
+// fleetStepImage: a get on node-1 leaves a rootfs-format image in a
+// volume; a task on node-3 runs on it, the kubelet pulling it from
+// node-3's loopback registry, which brings the volume from node-1.
+func (f *fleet) fleetStepImage() {
+	t := f.t
+	f.createPodWith("ci", "img-get", rootfsImageScript, []podOpt{onNode("node-1")},
+		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "fleet-img")})
+	f.mustSucceed("ci", "img-get")
+	f.waitCapturedOn("node-1", "ci", "fleet-img")
+	start := time.Now()
+	f.createPodWith("ci", "img-far", rootfsImageTask, []podOpt{onNode("node-3"), withImage(imageRegistry + "/ci/fleet-img:latest")})
+	require.Equal(t, rootfsImageSays, f.mustSucceed("ci", "img-far"))
+	took := time.Since(start)
+	require.Equal(t, "node-3", f.podOn("ci", "img-far"))
+	require.Contains(t, f.holders("ci", "fleet-img"), "node-3", "node-3's registry brought the image's volume")
+	report(t, fmt.Sprintf("fleet: a task on node-3 ran on a step image whose volume was on node-1 (node-3's loopback registry brought it): done %s after it was created\n",
+		took.Round(100*time.Millisecond)))
 }
 
 // schedulerBuild runs a build of seven steps over the fleet with the
@@ -704,6 +806,119 @@ func (f *fleet) fleetUpgrade() {
 		rolled.Round(100*time.Millisecond), len(steps)))
 }
 
+// nodeState is the state the controller gives node ("" if it knows no
+// such node, or cannot be asked).
+func (f *fleet) nodeState(node string) string {
+	st, _ := f.nodeStatus(node)
+	return st
+}
+
+// nodeStatus is the state the controller gives node and the store it
+// reports.
+func (f *fleet) nodeStatus(node string) (state, store string) {
+	nodes, err := f.cache.Nodes(context.Background())
+	if err != nil {
+		return "", ""
+	}
+	for _, n := range nodes {
+		if n.NodeId == node {
+			return n.State, n.StoreId
+		}
+	}
+	return "", ""
+}
+
+// holders lists the nodes the controller says hold ns/handle ready.
+func (f *fleet) holders(ns, handle string) []string {
+	locs, err := f.cache.Lookup(context.Background(), cowvolume.Ref{Namespace: ns, Handle: handle})
+	if err != nil || len(locs) != 1 {
+		return nil
+	}
+	nodes := append([]string(nil), locs[0].Nodes...)
+	slices.Sort(nodes)
+	return nodes
+}
+
+// fleetNodeDeath: a node dies (every process of it at once, its link
+// down) while a step on another node lazily reads an input only it
+// holds. The read fails with EIO and the step fails, without hanging;
+// the controller marks the node stalled; the scheduler's loop runs the
+// step again on another node, which gets the input once the node is back
+// with its store, and the build ends with the right output. Killed again
+// and back with its store wiped, the node's old volumes are forgotten.
+func (f *fleet) fleetNodeDeath() {
+	t := f.t
+	const files = 2000 // of 20 KiB: 40 MiB
+	sum := "find . -type f | sort | xargs md5sum | md5sum"
+	f.createPodWith("ci", "nd-src", fmt.Sprintf(`set -e; cd /out; yes cowvol | head -c 20480 > /tmp/block
+		for i in $(seq %d); do { echo $i; cat /tmp/block; } > f$i; done; %s`, files, sum),
+		[]podOpt{onNode("node-2")}, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "nd-src")})
+	srcSum := f.mustSucceed("ci", "nd-src")
+	// More input bytes on node-3 than anywhere: Place ranks it first for
+	// a step reading both.
+	f.createPodWith("ci", "nd-local", "head -c 67108864 /dev/urandom > /out/blob; md5sum < /out/blob",
+		[]podOpt{onNode("node-3")}, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "nd-local")})
+	blobSum := f.mustSucceed("ci", "nd-local")
+	f.waitCapturedOn("node-2", "ci", "nd-src")
+	f.waitCapturedOn("node-3", "ci", "nd-local")
+	n2, n3 := f.node("node-2"), f.node("node-3")
+	// node-3's link slow: the lazy pull of 40 MiB takes about 40 s there,
+	// and node-2 dies mid-way.
+	n3.host.Throttle("8mbit")
+	defer n3.host.Unthrottle()
+	_, store := f.nodeStatus("node-2")
+	wait := f.buildInBackground("nd", []scheduler.Step{{Name: "read", Inputs: []string{"nd-src", "nd-local"},
+		Script: "set -e; cd /in/nd-src; " + sum + "; md5sum < /in/nd-local/blob"}})
+	f.until("the step to read its input lazily on node-3", 2*time.Minute, func() bool {
+		return f.phase("ci", "nd-read-1") == "Running" && f.podOn("ci", "nd-read-1") == "node-3"
+	})
+	time.Sleep(3 * time.Second) // a few files in
+	killed := time.Now()
+	f.kill(n2)
+	var failedAfter, stalledAfter time.Duration
+	f.until("the step reading from the dead node to fail", 3*time.Minute, func() bool {
+		failedAfter = time.Since(killed)
+		return f.phase("ci", "nd-read-1") == "Failed"
+	})
+	log, _ := f.kubectl("", "logs", "-n", "ci", "nd-read-1")
+	require.Contains(t, log, "I/O error", "the read of what the dead node did not send fails with EIO")
+	f.until("the controller to mark node-2 stalled", 2*time.Minute, func() bool {
+		stalledAfter = time.Since(killed)
+		return f.nodeState("node-2") == "stalled"
+	})
+	require.Equal(t, []string{"node-3"}, f.holders("ci", "nd-local"))
+	require.Empty(t, f.holders("ci", "nd-src"), "a stalled node's volumes are not offered")
+
+	// Back with its store: it serves its volumes again, and the step's
+	// second attempt, away from node-3, gets its input from it.
+	f.revive(n2, false)
+	f.until("node-2 back, serving its volumes", 2*time.Minute, func() bool {
+		st, s := f.nodeStatus("node-2")
+		return st == "running" && s == store && slices.Contains(f.holders("ci", "nd-src"), "node-2")
+	})
+	results, err := wait()
+	require.NoError(t, err, "the build ends")
+	res := results[0]
+	require.Equal(t, 2, res.Attempts, "the step ran again")
+	require.NotEqual(t, "node-3", res.Node, "the step ran again on another node")
+	require.Equal(t, srcSum+blobSum, res.Log, "the step read the right bytes")
+
+	// Back with its store wiped: its old volumes are forgotten.
+	f.kill(n2)
+	f.revive(n2, true)
+	f.until("node-2 back with a new store, its old volumes forgotten", 2*time.Minute, func() bool {
+		st, s := f.nodeStatus("node-2")
+		return st == "running" && s != store && !slices.Contains(f.holders("ci", "nd-src"), "node-2")
+	})
+	if res.Node != "node-2" {
+		require.Contains(t, f.holders("ci", "nd-src"), res.Node, "the copy the second attempt pulled stays")
+	}
+	report(t, fmt.Sprintf("fleet: node-2 killed (every process, link down) while a step on node-3 lazily read a 40 MiB input only it held: "+
+		"the step failed with EIO %s after the kill, the controller marked node-2 stalled after %s; back with its store it served again and the step's "+
+		"second attempt (on %s) read the right bytes; back with a wiped store its old volumes were forgotten\n",
+		failedAfter.Round(time.Second), stalledAfter.Round(time.Second), res.Node))
+}
+
 // fleetDrain: a node drained during a build takes no new step, and a
 // volume only it holds stays pullable while it lands; uncordoned, it is
 // back in service.
@@ -714,19 +929,9 @@ func (f *fleet) fleetDrain() {
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "drain-src")})
 	f.mustSucceed("ci", "before-drain")
 	f.waitCapturedOn("node-1", "ci", "drain-src")
-	state := func(node string) string {
-		nodes, err := f.cache.Nodes(ctx)
-		require.NoError(t, err)
-		for _, n := range nodes {
-			if n.NodeId == node {
-				return n.State
-			}
-		}
-		return ""
-	}
 	f.mustKubectl("", "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=90s")
 	f.until("the controller to take node-1 out of service", 30*time.Second, func() bool {
-		s := state("node-1")
+		s := f.nodeState("node-1")
 		return s == "landing" || s == "landed"
 	})
 	ref := cowvolume.Ref{Namespace: "ci", Handle: "drain-src"}
@@ -740,7 +945,7 @@ func (f *fleet) fleetDrain() {
 	require.Equal(t, "held-by-node-1\n", f.mustSucceed("ci", "during-drain"), "the draining node's volume is pulled")
 	require.NotEqual(t, "node-1", f.podOn("ci", "during-drain"))
 	f.mustKubectl("", "uncordon", "node-1")
-	f.until("the controller to put node-1 back in service", 30*time.Second, func() bool { return state("node-1") == "running" })
+	f.until("the controller to put node-1 back in service", 30*time.Second, func() bool { return f.nodeState("node-1") == "running" })
 	f.createPodWith("ci", "after-drain", "cat /in/f", []podOpt{preferring("node-1")}, read)
 	require.Equal(t, "held-by-node-1\n", f.mustSucceed("ci", "after-drain"))
 	require.Equal(t, "node-1", f.podOn("ci", "after-drain"))

@@ -122,6 +122,17 @@ func withHostDir(dir, path string) podOpt {
 	}
 }
 
+// rootfsImageScript is a get step that leaves a rootfs-format image
+// (busybox's) in /out; a task on it prints rootfsImageSays.
+const (
+	rootfsImageScript = `set -e; cd /out; mkdir -p rootfs/bin rootfs/etc rootfs/tmp
+		cp /bin/busybox rootfs/bin/; for a in sh cat echo; do ln -s busybox rootfs/bin/$a; done
+		echo rootfs > rootfs/etc/made-by
+		echo '{"env":["PATH=/bin","GREETING=hello from a volume"],"user":"0","cmd":["/bin/sh"]}' > metadata.json`
+	rootfsImageTask = `echo "$GREETING"; cat /etc/made-by`
+	rootfsImageSays = "hello from a volume\nrootfs\n"
+)
+
 // stepImages: a get step leaves a rootfs-format image (busybox's) in a
 // capture and a task runs on it; an oci-build-like step leaves an OCI
 // image.tar and another task runs on that; the kubelet pulls both from
@@ -129,16 +140,12 @@ func withHostDir(dir, path string) podOpt {
 // is refused at admission, and by the registry when the policy lets it by.
 func (c *cluster) stepImages() {
 	t := c.t
-	c.createPod("ci", "get-image", `set -e; cd /out; mkdir -p rootfs/bin rootfs/etc rootfs/tmp
-		cp /bin/busybox rootfs/bin/; for a in sh cat echo; do ln -s busybox rootfs/bin/$a; done
-		echo rootfs > rootfs/etc/made-by
-		echo '{"env":["PATH=/bin","GREETING=hello from a volume"],"user":"0","cmd":["/bin/sh"]}' > metadata.json`,
-		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-rootfs")})
+	c.createPod("ci", "get-image", rootfsImageScript, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-rootfs")})
 	c.mustSucceed("ci", "get-image")
 	c.waitCaptured("img-rootfs")
 	started := time.Now()
-	c.createPodWith("ci", "on-rootfs", `echo "$GREETING"; cat /etc/made-by`, []podOpt{withImage(imageRegistry + "/ci/img-rootfs:latest")})
-	require.Equal(t, "hello from a volume\nrootfs\n", c.mustSucceed("ci", "on-rootfs"))
+	c.createPodWith("ci", "on-rootfs", rootfsImageTask, []podOpt{withImage(imageRegistry + "/ci/img-rootfs:latest")})
+	require.Equal(t, rootfsImageSays, c.mustSucceed("ci", "on-rootfs"))
 	report(t, fmt.Sprintf("a task ran on the rootfs-format image a get step left in a volume, pulled from the node's loopback registry: done %s after it was created\n",
 		time.Since(started).Round(100*time.Millisecond)))
 

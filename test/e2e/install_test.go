@@ -92,10 +92,23 @@ patches:
       - {op: add, path: /spec/template/spec/hostNetwork, value: true}
       - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
-      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}
-`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.apiPort, tag)
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}%[6]s
+`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.apiPort, tag, previousControllerPatch(tag))
 	})
 	return dir
+}
+
+// previousControllerPatch takes out of the controller's command line, for
+// the previous image, the flags the base has gained since (that release's
+// manifests never passed them). The test op fails the render if the base
+// moves them.
+func previousControllerPatch(tag string) string {
+	if tag != "previous" {
+		return ""
+	}
+	return `
+      - {op: test, path: /spec/template/spec/containers/0/args/7, value: --leader-election-label-pod}
+      - {op: remove, path: /spec/template/spec/containers/0/args/7}`
 }
 
 // registration is how an install registers the plugin with the kubelet.

@@ -307,11 +307,12 @@ func TestManifests(t *testing.T) {
 
 	t.Run("the Helm chart's image registry is the component's", func(t *testing.T) {
 		got := renderChart(t, "--set", "images.registry.enabled=true", "--set", "images.registry.address=127.0.0.1:7555",
-			"--set", "images.registry.auth=grace", "--set", "images.registry.credentialProviderBinDir=/opt/kubelet/providers")
+			"--set", "images.registry.auth=grace", "--set", "images.registry.credentialProviderBinDir=/opt/kubelet/providers",
+			"--set", "images.registry.containerdSocket=/run/k3s/containerd/containerd.sock")
 		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
 		for _, want := range []string{"hostNetwork: true", "dnsPolicy: ClusterFirstWithHostNet", "- --image-registry-address=127.0.0.1:7555",
 			"- --image-registry-auth=grace", "- --containerd-address=/run/containerd/containerd.sock", "mountPath: /run/containerd/containerd.sock",
-			"name: install-credential-provider", "path: /opt/kubelet/providers"} {
+			"path: /run/k3s/containerd/containerd.sock", "name: install-credential-provider", "path: /opt/kubelet/providers"} {
 			require.Contains(t, string(node), want)
 		}
 		variables := map[string]string{}
