@@ -78,6 +78,16 @@ type Result struct {
 	Handle string
 	// Log is the step's output.
 	Log string
+	// Failures are the attempts that failed, in order.
+	Failures []Failure
+}
+
+// Failure is an attempt of a step that failed: on which node, why, and
+// what it printed (as far as its pod's log could be read).
+type Failure struct {
+	Node string
+	Err  error
+	Log  string
 }
 
 // Run runs the steps of build in order, each once its inputs exist.
@@ -132,6 +142,7 @@ func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []str
 			return res, nil
 		}
 		r.logf("Step %s of build %s failed on node %q (attempt %d): %v", s.Name, build, node, res.Attempts, err)
+		res.Failures = append(res.Failures, Failure{Node: node, Err: err, Log: log})
 		errs = append(errs, fmt.Errorf("attempt %d on %q: %w", res.Attempts, node, err))
 		if node != "" {
 			failed = append(failed, node)
