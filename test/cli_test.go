@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -53,27 +54,31 @@ func TestBadOptionsExit(t *testing.T) {
 	}
 }
 
-// NodeGetInfo names the node and its store: the store's ID stays with the
-// state dir across restarts, and a wiped state dir has a new one.
+// NodeGetInfo names the node, and reports as its topology only what
+// never changes (the kubelet never relabels a Node); the node API names
+// the store, whose ID stays with the state dir across restarts, and a
+// wiped state dir has a new one.
 func TestNodeGetInfoReportsTheStore(t *testing.T) {
 	testfs.Need(t)
 	p := plugintest.Start(t, plugintest.Config{StateDir: t.TempDir(), Backend: "overlay"})
-	info := func() map[string]string {
+	store := func() string {
 		resp, err := p.Node.NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
 		require.NoError(t, err)
 		require.Equal(t, "test-node", resp.NodeId)
-		return resp.AccessibleTopology.Segments
+		require.Equal(t, map[string]string{driver.TopologyKey: "test-node"}, resp.AccessibleTopology.Segments)
+		n, err := p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+		require.NoError(t, err)
+		return n.StoreId
 	}
-	first := info()
-	require.Equal(t, "test-node", first[driver.TopologyKey])
-	require.Len(t, first[driver.StoreTopologyKey], 32)
+	first := store()
+	require.Len(t, first, 32)
 	p.Restart()
-	require.Equal(t, first, info(), "a restart keeps the store")
+	require.Equal(t, first, store(), "a restart keeps the store")
 	p.Kill()
 	require.NoError(t, os.RemoveAll(p.StateDir))
 	require.NoError(t, os.Mkdir(p.StateDir, 0o700))
 	p.Restart()
-	require.NotEqual(t, first[driver.StoreTopologyKey], info()[driver.StoreTopologyKey], "a wiped state dir is a new store")
+	require.NotEqual(t, first, store(), "a wiped state dir is a new store")
 	caps, err := p.Node.NodeGetCapabilities(context.Background(), &csi.NodeGetCapabilitiesRequest{})
 	require.NoError(t, err)
 	require.Len(t, caps.Capabilities, 1)

@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -147,9 +146,7 @@ func TestNodeAPIContract(t *testing.T) {
 	t.Run("node", func(t *testing.T) {
 		n, err := api.GetNode(ctx, &nodev1.GetNodeRequest{})
 		require.NoError(t, err)
-		info, err := e.p.Node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
-		require.NoError(t, err)
-		require.Equal(t, info.AccessibleTopology.Segments[driver.StoreTopologyKey], n.StoreId)
+		require.Len(t, n.StoreId, 32)
 		require.Equal(t, int32(8), n.Volumes)
 		require.Equal(t, "overlay", n.Backend)
 		require.Equal(t, int32(90), n.HighWatermark)

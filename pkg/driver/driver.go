@@ -50,9 +50,6 @@ const DefaultDriverName = volume.DriverName
 // TopologyKey is the topology segment NodeGetInfo reports.
 const TopologyKey = "topology.cowvol.concourse-ci.org/node"
 
-// StoreTopologyKey is the segment that carries the node's store ID.
-const StoreTopologyKey = "topology.cowvol.concourse-ci.org/store"
-
 // Driver is one plugin process: the services its mode asks for.
 type Driver struct {
 	opts       Options

@@ -26,12 +26,15 @@ type nodeService struct {
 }
 
 func (n *nodeService) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
-	// The store's ID rides along as a topology segment (the kubelet
-	// labels the Node with it): a node whose state dir was wiped shows a
-	// new one.
+	// Only the node: the kubelet makes each segment a Node label it will
+	// never change, and refuses the registration of a driver that reports
+	// another value. The store's ID changes with a wiped state dir (the
+	// node API, the controller and the start-up log tell it): as a
+	// segment it kept a node that came back with a new store from ever
+	// registering again.
 	return &csi.NodeGetInfoResponse{
 		NodeId:             n.nodeID,
-		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: n.nodeID, StoreTopologyKey: n.engine.StoreID()}},
+		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: n.nodeID}},
 	}, nil
 }
 
