@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
@@ -409,6 +410,14 @@ func (d *Driver) runners() ([]runner, error) {
 	return runners, nil
 }
 
+// apiConnectionAge is how long a caller keeps one connection to the
+// controller before it is asked (GOAWAY) to open another: a node reaches
+// the leader through its Service, whose choice holds for a connection's
+// life, so a connection that ended up on a follower (TestFleet saw one,
+// after a rolling update, answered Unavailable every second for minutes)
+// moves to the leader within this. Calls in flight may run on for an hour.
+const apiConnectionAge = time.Minute
+
 // metricsRunner serves /metrics, the probes and, if asked, profiles. /readyz answers 503 on a
 // controller replica that does not lead (unless followers are ready too:
 // --leader-election-label-pod), and on a self-registering node
@@ -452,7 +461,8 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 	if err != nil {
 		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
 	}
-	api := grpc.NewServer(serve...)
+	api := grpc.NewServer(append(serve, grpc.KeepaliveParams(keepalive.ServerParameters{
+		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
 	controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
 	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.APIAddress), stopGracefully(0)),
 		"Serving the controller's Registry and Cache APIs", "address", d.opts.APIAddress,
