@@ -459,18 +459,8 @@ func (f *fleet) node(name string) *fleetNode {
 // ns/handle: the step's output was captured there and reported.
 func (f *fleet) waitCapturedOn(node, ns, handle string) {
 	f.t.Helper()
-	ref := cowvolume.Ref{Namespace: ns, Handle: handle}
 	f.until("capture of "+ns+"/"+handle+" on "+node, 3*time.Minute, func() bool {
-		locs, err := f.cache.Lookup(context.Background(), ref)
-		if err != nil || len(locs) != 1 {
-			return false
-		}
-		for _, n := range locs[0].Nodes {
-			if n == node {
-				return true
-			}
-		}
-		return false
+		return slices.Contains(f.holders(ns, handle), node)
 	})
 }
 
@@ -721,8 +711,7 @@ func (f *fleet) leader() string {
 // viewComplete says whether the controller the scheduler reaches knows
 // every node running and each of want's volumes on the nodes given.
 func (f *fleet) viewComplete(want map[cowvolume.Ref][]string) bool {
-	ctx := context.Background()
-	nodes, err := f.cache.Nodes(ctx)
+	nodes, err := f.cache.Nodes(context.Background())
 	if err != nil || len(nodes) != len(f.nodes) {
 		return false
 	}
@@ -732,13 +721,7 @@ func (f *fleet) viewComplete(want map[cowvolume.Ref][]string) bool {
 		}
 	}
 	for ref, holders := range want {
-		locs, err := f.cache.Lookup(ctx, ref)
-		if err != nil || len(locs) != 1 {
-			return false
-		}
-		got := append([]string(nil), locs[0].Nodes...)
-		slices.Sort(got)
-		if !slices.Equal(got, holders) {
+		if !slices.Equal(f.holders(ref.Namespace, ref.Handle), holders) {
 			return false
 		}
 	}
@@ -749,12 +732,8 @@ func (f *fleet) viewComplete(want map[cowvolume.Ref][]string) bool {
 func (f *fleet) heldNow(refs ...cowvolume.Ref) map[cowvolume.Ref][]string {
 	held := map[cowvolume.Ref][]string{}
 	for _, ref := range refs {
-		locs, err := f.cache.Lookup(context.Background(), ref)
-		require.NoError(f.t, err)
-		require.Len(f.t, locs, 1)
-		nodes := append([]string(nil), locs[0].Nodes...)
+		nodes := f.holders(ref.Namespace, ref.Handle)
 		require.NotEmpty(f.t, nodes, "%s is held somewhere", ref)
-		slices.Sort(nodes)
 		held[ref] = nodes
 	}
 	return held
