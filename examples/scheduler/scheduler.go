@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -59,10 +60,15 @@ type Runner struct {
 	// they run as ("": the namespace's default).
 	Namespace, Image, ServiceAccount string
 	// Attempts is how many times a step runs before the build fails
-	// (0: 3), each on a node none of the failed ones ran on; Timeout
-	// bounds each attempt (0: 10 minutes).
+	// (0: 3), each away from the nodes earlier attempts failed on (see
+	// avoiding); Timeout bounds each attempt (0: 10 minutes).
 	Attempts int
 	Timeout  time.Duration
+	// KeepFor pins each step's output that long once it is captured (0:
+	// not pinned), as an ATC keeps a running build's volumes: disk
+	// pressure on its node does not evict what later steps read. A CI's
+	// GC destroys or unpins them when the build is done.
+	KeepFor time.Duration
 	// Logf, if set, is told what happens.
 	Logf func(format string, args ...any)
 }
@@ -138,6 +144,9 @@ func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []str
 		if err == nil && res.Handle != "" {
 			err = r.waitHeld(ctx, res.Handle)
 		}
+		if err == nil && res.Handle != "" && r.KeepFor > 0 {
+			err = r.keep(ctx, res.Handle)
+		}
 		if err == nil {
 			return res, nil
 		}
@@ -164,30 +173,51 @@ const unavailableFor = time.Minute
 
 // place ranks the nodes for a step's inputs.
 func (r *Runner) place(ctx context.Context, inputs []string) ([]string, error) {
+	var ranked []string
+	err := r.waitingOutUnavailable(ctx, "placing", func() error {
+		nodes, err := r.Cache.Place(ctx, r.refs(inputs)...)
+		ranked = make([]string, len(nodes))
+		for i, n := range nodes {
+			ranked[i] = n.NodeId
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return ranked, nil
+}
+
+// keep pins a step's output for KeepFor.
+func (r *Runner) keep(ctx context.Context, handle string) error {
+	return r.waitingOutUnavailable(ctx, "pinning "+handle, func() error {
+		return r.Pin(ctx, time.Now().Add(r.KeepFor), handle)
+	})
+}
+
+// waitingOutUnavailable calls the Cache API until it answers other than
+// Unavailable, for up to unavailableFor.
+func (r *Runner) waitingOutUnavailable(ctx context.Context, what string, call func() error) error {
 	deadline := time.Now().Add(unavailableFor)
 	for {
-		nodes, err := r.Cache.Place(ctx, r.refs(inputs)...)
+		err := call()
 		if err == nil {
-			ranked := make([]string, len(nodes))
-			for i, n := range nodes {
-				ranked[i] = n.NodeId
-			}
-			return ranked, nil
+			return nil
 		}
 		if status.Code(err) != codes.Unavailable || time.Now().After(deadline) {
-			return nil, fmt.Errorf("placing: %w", err)
+			return fmt.Errorf("%s: %w", what, err)
 		}
-		r.logf("Placing a step: the controller is unavailable, retrying: %v", err)
+		r.logf("%s: the controller is unavailable, retrying: %v", what, err)
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("placing: %w", ctx.Err())
+			return fmt.Errorf("%s: %w", what, ctx.Err())
 		case <-time.After(500 * time.Millisecond):
 		}
 	}
 }
 
 // pod is a step's pod for one attempt: it prefers the ranked nodes in
-// order and may not run on a node an attempt failed on.
+// order and may not run on the nodes avoiding names.
 func (r *Runner) pod(build string, s Step, inputs []string, output string, attempt int, ranked, failed []string) *corev1.Pod {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%s-%d", build, s.Name, attempt), Namespace: r.Namespace,
@@ -221,12 +251,29 @@ func (r *Runner) pod(build string, s Step, inputs []string, output string, attem
 		affinity.PreferredDuringSchedulingIgnoredDuringExecution = append(affinity.PreferredDuringSchedulingIgnoredDuringExecution,
 			corev1.PreferredSchedulingTerm{Weight: max(int32(100>>i), 1), Preference: hostIn(corev1.NodeSelectorOpIn, n)})
 	}
-	if len(failed) > 0 {
+	if avoid := avoiding(s, ranked, failed); len(avoid) > 0 {
 		affinity.RequiredDuringSchedulingIgnoredDuringExecution = &corev1.NodeSelector{
-			NodeSelectorTerms: []corev1.NodeSelectorTerm{hostIn(corev1.NodeSelectorOpNotIn, failed...)}}
+			NodeSelectorTerms: []corev1.NodeSelectorTerm{hostIn(corev1.NodeSelectorOpNotIn, avoid...)}}
 	}
 	pod.Spec.Affinity = &corev1.Affinity{NodeAffinity: affinity}
 	return pod
+}
+
+// avoiding is where an attempt may not run: the nodes earlier attempts
+// failed on, or, once they are all the ranked nodes, the last of them (a
+// step that failed everywhere runs again rather than wait for a node that
+// is not there); nowhere for a pinned step, which runs on its node or not
+// at all.
+func avoiding(s Step, ranked, failed []string) []string {
+	if s.Node != "" || len(failed) == 0 {
+		return nil
+	}
+	for _, n := range ranked {
+		if !slices.Contains(failed, n) {
+			return failed
+		}
+	}
+	return failed[len(failed)-1:]
 }
 
 func hostIn(op corev1.NodeSelectorOperator, nodes ...string) corev1.NodeSelectorTerm {

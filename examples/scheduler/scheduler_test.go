@@ -6,6 +6,7 @@ import (
 	"net"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -19,7 +20,8 @@ import (
 )
 
 // TestPod: a step's pod prefers the ranked nodes in order, avoids the
-// nodes its attempts failed on, mounts its inputs' volumes by name and
+// nodes its attempts failed on while another is ranked (a pinned one runs
+// on its node again), mounts its inputs' volumes by name and
 // captures its output under the attempt's handle.
 func TestPod(t *testing.T) {
 	r := &Runner{Namespace: "ci", Image: "busybox", ServiceAccount: "steps"}
@@ -37,7 +39,11 @@ func TestPod(t *testing.T) {
 		{name: "many ranked never weigh nothing", step: s, ranked: make([]string, 9), wantWeights: []int32{100, 50, 25, 12, 6, 3, 1, 1, 1}},
 		{name: "after failures", step: s, ranked: []string{"node-3"}, failed: []string{"node-1", "node-2"}, wantWeights: []int32{100},
 			wantRequired: []string{"node-1", "node-2"}},
+		{name: "every ranked node failed: only the last avoided", step: s, ranked: []string{"node-1", "node-2"},
+			failed: []string{"node-2", "node-1"}, wantWeights: []int32{100, 50}, wantRequired: []string{"node-1"}},
 		{name: "pinned", step: Step{Name: "get", Node: "node-1", Script: "true"}, wantSelector: map[string]string{"kubernetes.io/hostname": "node-1"}},
+		{name: "pinned, failed on its node: runs there again", step: Step{Name: "get", Node: "node-1", Script: "true"},
+			ranked: []string{"node-2"}, failed: []string{"node-1"}, wantWeights: []int32{100}, wantSelector: map[string]string{"kubernetes.io/hostname": "node-1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -97,19 +103,34 @@ type leaderMoving struct {
 	calls       atomic.Int32
 }
 
-func (l *leaderMoving) Place(context.Context, *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+func (l *leaderMoving) answer() error {
 	n := int(l.calls.Add(1))
 	switch {
 	case l.code != codes.OK:
-		return nil, status.Error(l.code, "refused")
+		return status.Error(l.code, "refused")
 	case n <= l.unavailable:
-		return nil, status.Error(codes.Unavailable, "this controller replica does not lead: the leader is none yet; retry")
+		return status.Error(codes.Unavailable, "this controller replica does not lead: the leader is none yet; retry")
+	}
+	return nil
+}
+
+func (l *leaderMoving) Place(context.Context, *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+	if err := l.answer(); err != nil {
+		return nil, err
 	}
 	return &controllerv1.PlaceResponse{Nodes: []*controllerv1.NodePlacement{{NodeId: "node-2"}, {NodeId: "node-1"}}}, nil
 }
 
-// TestPlaceWaitsOutAMovingLeader: a step is placed once the controller
-// answers again; an answer other than Unavailable fails it at once.
+func (l *leaderMoving) PinVolumes(context.Context, *controllerv1.PinVolumesRequest) (*controllerv1.PinVolumesResponse, error) {
+	if err := l.answer(); err != nil {
+		return nil, err
+	}
+	return &controllerv1.PinVolumesResponse{}, nil
+}
+
+// TestPlaceWaitsOutAMovingLeader: a step is placed, and its output kept,
+// once the controller answers again; an answer other than Unavailable
+// fails it at once.
 func TestPlaceWaitsOutAMovingLeader(t *testing.T) {
 	tests := []struct {
 		name      string
@@ -132,10 +153,14 @@ func TestPlaceWaitsOutAMovingLeader(t *testing.T) {
 			cache, err := client.Dial(client.Options{Address: lis.Addr().String()})
 			require.NoError(t, err)
 			t.Cleanup(func() { cache.Close() })
-			r := &Runner{Cache: cache, Namespace: "ci"}
+			r := &Runner{Cache: cache, Namespace: "ci", KeepFor: time.Hour}
 			got, err := r.place(context.Background(), []string{"src"})
 			assert.Equal(t, tt.wantCode, status.Code(errors.Unwrap(err)))
 			assert.Equal(t, tt.want, got)
+			assert.Equal(t, tt.wantCalls, tt.server.calls.Load())
+			tt.server.calls.Store(0)
+			err = r.keep(context.Background(), "b1-get-src-1")
+			assert.Equal(t, tt.wantCode, status.Code(errors.Unwrap(err)))
 			assert.Equal(t, tt.wantCalls, tt.server.calls.Load())
 		})
 	}
