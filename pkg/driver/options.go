@@ -100,6 +100,8 @@ type Options struct {
 	// filesystem (bytes and inodes): over high, the node evicts until
 	// under low, and refuses captures while it cannot.
 	HighWatermark, LowWatermark int
+	// EvictionGrace spares from eviction a volume used more recently.
+	EvictionGrace time.Duration
 	// LeaderElection (controller mode) elects one serving replica.
 	LeaderElection LeaderElection
 	// Peers (node mode) streams volumes between nodes.
@@ -121,7 +123,7 @@ func Defaults() Options {
 		StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64, StopTimeout: 30 * time.Second,
 		KubeletDir: "/var/lib/kubelet", ImageRegistryAuth: registry.AuthRequired,
 		StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute,
-		HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low,
+		HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace,
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
@@ -204,6 +206,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.HighWatermark, "high-watermark", o.HighWatermark,
 		"percent of the state dir's filesystem (bytes or inodes) above which cached volumes are evicted and captures refused")
 	fs.IntVar(&o.LowWatermark, "low-watermark", o.LowWatermark, "percent of the state dir's filesystem that eviction brings it under")
+	fs.DurationVar(&o.EvictionGrace, "eviction-grace", o.EvictionGrace,
+		"a cached volume used (captured, pulled, mounted) more recently is not evicted, however full the disk: a step's output waits for the next step or its scheduler's pin, and captures are refused meanwhile")
 	le := &o.LeaderElection
 	fs.BoolVar(&le.Enabled, "leader-election", le.Enabled,
 		"controller mode: elect one serving replica through a Lease; the others answer Unavailable naming the leader, and are not ready (but see --leader-election-label-pod)")
@@ -269,7 +273,7 @@ func (o Options) engineConfig() node.Config {
 		NodeID: o.NodeID, StateDir: o.StateDir, Backend: o.Backend, FlattenDepth: o.FlattenDepth,
 		KubeletDir: o.KubeletDir, DefaultSizeLimit: o.DefaultSizeLimit, MaxSizeLimit: o.MaxSizeLimit,
 		AllowSetuid: o.AllowSetuid, BootIDFile: o.bootIDFile,
-		Watermarks: node.Watermarks{High: o.HighWatermark, Low: o.LowWatermark},
+		Watermarks: node.Watermarks{High: o.HighWatermark, Low: o.LowWatermark, Grace: o.EvictionGrace},
 	}
 }
 
@@ -389,6 +393,9 @@ func (o *Options) Validate() error {
 			if network, _, err := parseEndpoint(o.NodeAPIEndpoint); err != nil || network != "unix" {
 				errs = append(errs, fmt.Errorf("node API endpoint %q must be unix:///path: it has no authentication of its own", o.NodeAPIEndpoint))
 			}
+		}
+		if o.EvictionGrace < 0 {
+			errs = append(errs, fmt.Errorf("--eviction-grace %s is negative", o.EvictionGrace))
 		}
 		if o.LowWatermark < 1 || o.HighWatermark > 100 || o.LowWatermark >= o.HighWatermark {
 			errs = append(errs, fmt.Errorf("watermarks %d%% (low) and %d%% (high) are invalid: want 1 <= low < high <= 100",

@@ -88,7 +88,7 @@ const DefaultPullWait = 20 * time.Second
 const DefaultReadOrderRefresh = 10 * time.Minute
 
 // DefaultWatermarks bound a state dir's fill where none are configured.
-var DefaultWatermarks = Watermarks{High: 90, Low: 80}
+var DefaultWatermarks = Watermarks{High: 90, Low: 80, Grace: 5 * time.Minute}
 
 // bootIDPath names the kernel's boot ID.
 const bootIDPath = "/proc/sys/kernel/random/boot_id"
@@ -171,7 +171,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		cfg.Watermarks = DefaultWatermarks
 	}
 	klog.InfoS("Opened the node's store", "stateDir", cfg.StateDir, "storeID", store.ID(),
-		"highWatermark", cfg.Watermarks.High, "lowWatermark", cfg.Watermarks.Low)
+		"highWatermark", cfg.Watermarks.High, "lowWatermark", cfg.Watermarks.Low, "evictionGrace", cfg.Watermarks.Grace)
 	limiter, limitsOff := overlay.ProbeLimits(cfg.StateDir, kind)
 	if limitsOff != nil {
 		klog.InfoS("Size limits are off: sizeLimit attributes are refused", "stateDir", cfg.StateDir, "backend", kind, "reason", limitsOff)

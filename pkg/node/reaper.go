@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -125,8 +127,15 @@ func (e *Engine) freeReapable() {
 }
 
 // Watermarks are the disk pressure policy, in percent of the state dir's
-// filesystem bytes and inodes, whichever is fuller.
-type Watermarks struct{ High, Low int }
+// filesystem bytes and inodes, whichever is fuller. Grace spares a volume
+// used (captured, pulled, mounted) more recently than that: a step's
+// output is there for the next step of its build, or for its scheduler to
+// pin, however full the disk, and the node refuses captures meanwhile
+// rather than destroy what was just made.
+type Watermarks struct {
+	High, Low int
+	Grace     time.Duration
+}
 
 // pressure is the state dir's filesystem's fill, and whether the node is
 // refusing new data because it is over its high watermark.
@@ -189,7 +198,9 @@ func (e *Engine) relievePressure(now time.Time) {
 		// Candidates are listed once per batch (a scan of the store), not
 		// once per eviction; a batch done, the bases it freed are next.
 		for needBytes > 0 || needInodes > 0 {
-			cands := e.store.Candidates(now)
+			cands := slices.DeleteFunc(e.store.Candidates(now), func(v cache.Volume) bool {
+				return now.Sub(v.LastUsed) < e.watermarks.Grace
+			})
 			if len(cands) == 0 {
 				break
 			}
@@ -224,7 +235,7 @@ func (e *Engine) setPressure(d diskFill) {
 	e.pressure.over = d.pct >= e.watermarks.High
 	e.pressure.usedPct = d.pct
 	e.pressure.cause = fmt.Sprintf("the state dir's filesystem is %d%% full (bytes or inodes; high watermark %d%%) "+
-		"and nothing more can be evicted: every cached volume left is pinned or in use", d.pct, e.watermarks.High)
+		"and nothing more can be evicted: every cached volume left is pinned, in use, or used in the last %s", d.pct, e.watermarks.High, e.watermarks.Grace)
 	e.pressure.lastCheck = time.Now()
 	now := e.pressure.over
 	e.pressure.mu.Unlock()

@@ -193,6 +193,32 @@ func TestEvictionUnderPressure(t *testing.T) {
 	require.NoError(t, f.unpublish(reader))
 }
 
+// A volume used within the eviction grace stays however full the disk is
+// (a step's output waits for the next step, or its scheduler's pin): the
+// node refuses captures instead, saying why, and evicts it once the grace
+// has passed.
+func TestEvictionGrace(t *testing.T) {
+	dir := testfs.Mount(t, testfs.Ext4, 96<<20)
+	f := newFixtureWith(t, dir, func(c *Config) { c.Watermarks = Watermarks{High: 70, Low: 50, Grace: time.Hour} })
+	for i := range 4 {
+		f.captureSized(fmt.Sprintf("v%d", i), "", 8<<20)
+	}
+	fillDisk(t, filepath.Join(dir, "filler"), dir, 75)
+	f.engine.reapRound()
+	for i := range 4 {
+		require.False(t, f.gone(fmt.Sprintf("v%d", i)), "a volume made within the grace stays")
+	}
+	err := f.publish(f.volume("ci", "", "refused"))
+	require.ErrorIs(t, err, ErrNodeFull)
+	require.ErrorContains(t, err, "used in the last 1h0m0s")
+
+	f.engine.relievePressure(time.Now().Add(2 * time.Hour))
+	require.True(t, f.gone("v0"), "once the grace has passed, the least recently used goes")
+	d, err := measureDisk(dir)
+	require.NoError(t, err)
+	require.Less(t, d.pct, 70, "under the high mark")
+}
+
 // fill writes into path until the filesystem at dir is pct full.
 func fillDisk(t *testing.T, path, dir string, pct int) {
 	t.Helper()
