@@ -305,6 +305,40 @@ func TestLazyPullerKilledMidFill(t *testing.T) {
 	b.noLeaks(t)
 }
 
+// The same with the step's output in a volume of its own, as a scheduler's
+// steps have it (inputs and outputs are separate volumes of one pod): the
+// output is not captured either, though it never mounted the input, and
+// another pod's output is.
+func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
+	a, b, _ := lazyNodes(t)
+	a.step("", "src", func(dir string) {
+		for i := range 48 {
+			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
+		}
+	})
+	pod := driver.NewPod("ci", "reader")
+	in := driver.NewInlineVolume(b.p.KubeletDir, pod, "in", map[string]string{driver.AttrSource: "src"})
+	in.ReadOnly = true
+	out := driver.NewInlineVolume(b.p.KubeletDir, pod, "out", map[string]string{driver.AttrCapture: "out"})
+	bystander := b.volume(map[string]string{driver.AttrCapture: "bystander"}, false)
+	for _, v := range []driver.InlineVolume{in, out} {
+		require.NoError(t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
+	}
+	require.NoError(t, b.publishWaiting(in))
+	require.NoError(t, b.publish(out))
+	require.NoError(t, b.publish(bystander))
+	write(t, out.Target, "result", "built from what may be holes")
+	write(t, bystander.Target, "result", "built from nothing lazy")
+	b.p.Restart()
+	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
+	for _, v := range []driver.InlineVolume{in, out, bystander} {
+		b.umount(v)
+	}
+	require.Equal(t, "gone", volumeState(t, b, "out"), "the output of a step whose input may have read holes is not captured")
+	require.Equal(t, "ready", volumeState(t, b, "bystander"), "another pod's output is captured")
+	b.noLeaks(t)
+}
+
 // A lazy pull records the order its step opens files in under the step's
 // read profile, and the next lazy pull under that name (the next build's
 // new version of the input) fetches those files first: over a slow link,

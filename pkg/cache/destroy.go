@@ -200,21 +200,46 @@ func backoff(count int) time.Duration {
 func (s *Store) MarkFailed(r volume.Ref) error {
 	return s.update(r, func(v *Volume) error { return v.apply(EventFail, Lease{}) },
 		func(tx *bolt.Tx, _ *Volume) error {
-			// The step volumes mounting it read what is missing: none
-			// of them may capture a ready output.
-			views := tx.Bucket(viewsBucket)
-			for _, id := range indexed(tx.Bucket(pinsBucket), r.String()) {
-				view, ok, err := getJSON[View](views, []byte(id))
-				if err != nil || !ok {
-					continue // a bad record is reported elsewhere, not fixed here
-				}
-				view.InputIncomplete = true
-				if err := putJSON(views, []byte(id), view); err != nil {
-					return err
-				}
+			if err := markReadersIncomplete(tx, r); err != nil {
+				return err
 			}
 			return noteFailure(tx, r)
 		})
+}
+
+// markReadersIncomplete marks the step volumes of every pod that mounts r
+// incomplete: the pod may have read what is missing (a lazy pull's holes,
+// where the plugin died under its reader), so none of its volumes may
+// capture a ready output, its outputs least of all (a step reads its
+// inputs and writes its outputs, each a volume of its own).
+func markReadersIncomplete(tx *bolt.Tx, r volume.Ref) error {
+	views := tx.Bucket(viewsBucket)
+	readers := map[string]bool{} // view IDs
+	podUIDs := map[string]bool{}
+	for _, id := range indexed(tx.Bucket(pinsBucket), r.String()) {
+		view, ok, err := getJSON[View](views, []byte(id))
+		if err != nil || !ok {
+			continue // a bad record is reported elsewhere, not fixed here
+		}
+		readers[id] = true
+		if view.Pod.UID != "" {
+			podUIDs[view.Pod.UID] = true
+		}
+	}
+	if len(readers) == 0 {
+		return nil
+	}
+	all, _ := listJSON[View](views) // bad records are reported elsewhere
+	for _, view := range all {
+		if view.InputIncomplete || (!readers[view.VolumeID] && !podUIDs[view.Pod.UID]) {
+			continue
+		}
+		view.InputIncomplete = true
+		if err := putJSON(views, []byte(view.VolumeID), view); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // noteFailure counts a failure of the handle and sets when it may be tried

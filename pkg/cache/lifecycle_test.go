@@ -183,7 +183,7 @@ func pullLazily(t *testing.T, s *Store, ns, handle string, base volume.Ref) Volu
 // A filling volume is mounted by overlays here but never copied out (not
 // to peers, not into a user namespace's tree), not evicted, and a child
 // pulled over it stacks on it; filled, it is ready; a restart fails it,
-// its filler dead.
+// its filler dead, and no volume of a pod that mounted it captures.
 func TestFillingVolumesInTheStore(t *testing.T) {
 	s := openStore(t)
 	pullLazily(t, s, "ci", "base", volume.Ref{})
@@ -205,6 +205,13 @@ func TestFillingVolumesInTheStore(t *testing.T) {
 	_, err = s.Filled(ref("ci", "top"))
 	require.ErrorIs(t, err, ErrUnusable, "filled once")
 
+	// The reader's pod writes its output to a volume of its own; another
+	// pod's output never read the layer.
+	_, err = s.Publish(View{VolumeID: "reader-out", Capture: "out", Pod: pod("ci")})
+	require.NoError(t, err)
+	_, err = s.Publish(View{VolumeID: "other-out", Capture: "other", Pod: volume.Pod{Namespace: "ci", Name: "q", UID: "u2"}})
+	require.NoError(t, err)
+
 	require.False(t, view.InputIncomplete)
 	rep, err := s.Recover(os.RemoveAll, false)
 	require.NoError(t, err)
@@ -212,6 +219,12 @@ func TestFillingVolumesInTheStore(t *testing.T) {
 	view, err = s.GetView("reader")
 	require.NoError(t, err)
 	require.True(t, view.InputIncomplete, "a step over a layer that failed captures nothing ready")
+	view, err = s.GetView("reader-out")
+	require.NoError(t, err)
+	require.True(t, view.InputIncomplete, "nor does its pod's output: the step may have read holes (a plugin that died under its reader)")
+	view, err = s.GetView("other-out")
+	require.NoError(t, err)
+	require.False(t, view.InputIncomplete, "another pod's output is captured")
 	v, err = s.Get(ref("ci", "base"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateFailed, v.State)

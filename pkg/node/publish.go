@@ -514,8 +514,13 @@ func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
 	if view.Capture != "" && view.InputIncomplete {
 		klog.InfoS("Not capturing a step volume whose input could not be read whole", "volumeID", view.VolumeID,
 			"capture", view.Capture, "source", view.Source, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name))
+		what := fmt.Sprintf("source volume %q", view.Source.Handle)
+		if view.Source.IsZero() {
+			what = "an input volume of the step" // this view is its output
+		}
 		e.events.Event(view.Pod, EventWarning, "CaptureSkipped", fmt.Sprintf(
-			"Not captured into %q: source volume %q could not be fetched whole, so the step read missing data", view.Capture, view.Source.Handle))
+			"Not captured into %q: %s could not be fetched whole (its pull failed, or the plugin restarted while it was pulled), so the step may have read missing data",
+			view.Capture, what))
 		view.Capture = ""
 	}
 	// A view whose tree was never built ran no step: there is nothing to
