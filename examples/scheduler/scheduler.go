@@ -142,7 +142,7 @@ func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []str
 		node, log, err := r.attempt(ctx, pod)
 		res.Node, res.Log = node, log
 		if err == nil && res.Handle != "" {
-			err = r.waitHeld(ctx, res.Handle)
+			err = r.waitHeld(ctx, pod.Name, res.Handle)
 		}
 		if err == nil && res.Handle != "" && r.KeepFor > 0 {
 			err = r.keep(ctx, res.Handle)
@@ -190,9 +190,7 @@ func (r *Runner) place(ctx context.Context, inputs []string) ([]string, error) {
 
 // keep pins a step's output for KeepFor.
 func (r *Runner) keep(ctx context.Context, handle string) error {
-	return r.waitingOutUnavailable(ctx, "pinning "+handle, func() error {
-		return r.Pin(ctx, time.Now().Add(r.KeepFor), handle)
-	})
+	return r.Pin(ctx, time.Now().Add(r.KeepFor), handle)
 }
 
 // waitingOutUnavailable calls the Cache API until it answers other than
@@ -316,7 +314,7 @@ func (r *Runner) attempt(ctx context.Context, pod *corev1.Pod) (node, log string
 		case corev1.PodSucceeded, corev1.PodFailed:
 			log, lerr := r.podLog(ctx, pod.Name)
 			if p.Status.Phase == corev1.PodFailed {
-				return node, log, fmt.Errorf("pod %s failed: %s", pod.Name, p.Status.Message)
+				return node, log, fmt.Errorf("pod %s failed: %s", pod.Name, failure(p))
 			}
 			return node, log, lerr
 		}
@@ -326,6 +324,24 @@ func (r *Runner) attempt(ctx context.Context, pod *corev1.Pod) (node, log string
 		case <-time.After(500 * time.Millisecond):
 		}
 	}
+}
+
+// failure says why a failed pod failed: its status's message, or how its
+// step container ended.
+func failure(p *corev1.Pod) string {
+	if p.Status.Message != "" {
+		return p.Status.Message
+	}
+	for _, c := range p.Status.ContainerStatuses {
+		if t := c.State.Terminated; t != nil {
+			why := fmt.Sprintf("container %s exited %d (%s)", c.Name, t.ExitCode, t.Reason)
+			if t.Message != "" {
+				why += ": " + t.Message
+			}
+			return why
+		}
+	}
+	return "no container status"
 }
 
 func (r *Runner) podLog(ctx context.Context, name string) (string, error) {
@@ -339,14 +355,19 @@ func (r *Runner) podLog(ctx context.Context, name string) (string, error) {
 }
 
 // waitHeld waits until the controller lists a node holding handle (the
-// node reports its capture within its heartbeat).
-func (r *Runner) waitHeld(ctx context.Context, handle string) error {
+// node reports its capture within its heartbeat), or the node says it did
+// not capture it (an Event on the step's pod: say, an input could not be
+// read whole).
+func (r *Runner) waitHeld(ctx context.Context, pod, handle string) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	for {
 		locs, err := r.Cache.Lookup(ctx, volume.Ref{Namespace: r.Namespace, Handle: handle})
 		if err == nil && len(locs) == 1 && len(locs[0].Nodes) > 0 {
 			return nil
+		}
+		if why := r.notCaptured(ctx, pod); why != "" {
+			return fmt.Errorf("output %s was not captured: %s", handle, why)
 		}
 		select {
 		case <-ctx.Done():
@@ -356,17 +377,77 @@ func (r *Runner) waitHeld(ctx context.Context, handle string) error {
 	}
 }
 
-// Pin keeps outputs (a CI's resource caches) until then on every node
-// holding them; Destroy ends them everywhere.
-func (r *Runner) Pin(ctx context.Context, until time.Time, handles ...string) error {
-	_, err := r.Cache.Pin(ctx, until, r.refs(handles)...)
-	return err
+// notCaptured is why the node said it did not capture a pod's output (""
+// if it said nothing).
+func (r *Runner) notCaptured(ctx context.Context, pod string) string {
+	events, err := r.Kube.CoreV1().Events(r.Namespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=Pod,involvedObject.name=" + pod + ",reason=CaptureSkipped"})
+	if err != nil || len(events.Items) == 0 {
+		return ""
+	}
+	return events.Items[0].Message
 }
 
-// Destroy destroys outputs on every node holding them.
+// Pin keeps outputs (a CI's resource caches) until then on every node
+// holding them; Destroy ends them everywhere. Both wait out a moving
+// leader, as Place does.
+func (r *Runner) Pin(ctx context.Context, until time.Time, handles ...string) error {
+	return r.waitingOutUnavailable(ctx, "pinning", func() error {
+		_, err := r.Cache.Pin(ctx, until, r.refs(handles)...)
+		return err
+	})
+}
+
+// Destroy destroys outputs on every node holding them, and waits until
+// none does. The controller tells the nodes it knows to hold them, in
+// answer to their next reports: a leader that took over a moment ago may
+// not know every node's volumes yet, and a request the nodes had not yet
+// carried out when the leader moved is lost with it, so the request is
+// made again every destroyRecheck until the outputs are gone (for up to
+// two minutes).
 func (r *Runner) Destroy(ctx context.Context, handles ...string) error {
-	_, err := r.Cache.Destroy(ctx, r.refs(handles)...)
-	return err
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		err := r.waitingOutUnavailable(ctx, "destroying", func() error {
+			_, err := r.Cache.Destroy(ctx, r.refs(handles)...)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		for again := time.Now().Add(destroyRecheck); time.Now().Before(again); {
+			if r.gone(ctx, handles) {
+				return nil
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("destroying: %w", ctx.Err())
+			case <-time.After(250 * time.Millisecond):
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("destroying %v: still held after two minutes", handles)
+		}
+		r.logf("Destroying %v: still held; asking again", handles)
+	}
+}
+
+// destroyRecheck is how long a destroy waits for its outputs to go
+// before it is asked again (a node reports every few seconds).
+var destroyRecheck = 10 * time.Second
+
+// gone says whether no live node holds any of handles.
+func (r *Runner) gone(ctx context.Context, handles []string) bool {
+	locs, err := r.Cache.Lookup(ctx, r.refs(handles)...)
+	if err != nil {
+		return false
+	}
+	for _, l := range locs {
+		if len(l.Nodes) > 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func (r *Runner) refs(handles []string) []volume.Ref {

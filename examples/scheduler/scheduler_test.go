@@ -92,6 +92,20 @@ func TestPod(t *testing.T) {
 	}
 }
 
+// serveCache serves server as the Cache API on loopback and dials it.
+func serveCache(t *testing.T, server controllerv1.CacheServer) *client.Client {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer()
+	controllerv1.RegisterCacheServer(srv, server)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	cache, err := client.Dial(client.Options{Address: lis.Addr().String()})
+	require.NoError(t, err)
+	t.Cleanup(func() { cache.Close() })
+	return cache
+}
+
 // leaderMoving answers Place as a controller whose leader is moving does
 // (Unavailable, from the replica that no longer leads) a number of times,
 // then as the new leader, or with another code throughout: a real
@@ -144,16 +158,7 @@ func TestPlaceWaitsOutAMovingLeader(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			lis, err := net.Listen("tcp", "127.0.0.1:0")
-			require.NoError(t, err)
-			srv := grpc.NewServer()
-			controllerv1.RegisterCacheServer(srv, tt.server)
-			go func() { _ = srv.Serve(lis) }()
-			t.Cleanup(srv.Stop)
-			cache, err := client.Dial(client.Options{Address: lis.Addr().String()})
-			require.NoError(t, err)
-			t.Cleanup(func() { cache.Close() })
-			r := &Runner{Cache: cache, Namespace: "ci", KeepFor: time.Hour}
+			r := &Runner{Cache: serveCache(t, tt.server), Namespace: "ci", KeepFor: time.Hour}
 			got, err := r.place(context.Background(), []string{"src"})
 			assert.Equal(t, tt.wantCode, status.Code(errors.Unwrap(err)))
 			assert.Equal(t, tt.want, got)
@@ -164,4 +169,66 @@ func TestPlaceWaitsOutAMovingLeader(t *testing.T) {
 			assert.Equal(t, tt.wantCalls, tt.server.calls.Load())
 		})
 	}
+}
+
+// TestFailure: a failed step says why, from the pod's message or how its
+// container ended.
+func TestFailure(t *testing.T) {
+	exited := func(code int32, reason, msg string) []corev1.ContainerStatus {
+		return []corev1.ContainerStatus{{Name: "step", State: corev1.ContainerState{
+			Terminated: &corev1.ContainerStateTerminated{ExitCode: code, Reason: reason, Message: msg}}}}
+	}
+	tests := []struct {
+		name   string
+		status corev1.PodStatus
+		want   string
+	}{
+		{name: "evicted", status: corev1.PodStatus{Message: "The node was low on resource: ephemeral-storage."},
+			want: "The node was low on resource: ephemeral-storage."},
+		{name: "exited", status: corev1.PodStatus{ContainerStatuses: exited(1, "Error", "")}, want: "container step exited 1 (Error)"},
+		{name: "killed, with a message", status: corev1.PodStatus{ContainerStatuses: exited(137, "OOMKilled", "out of memory")},
+			want: "container step exited 137 (OOMKilled): out of memory"},
+		{name: "no status", want: "no container status"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			assert.Equal(t, tt.want, failure(&corev1.Pod{Status: tt.status}))
+		})
+	}
+}
+
+// forgetful answers Destroy as a controller whose leader moved before its
+// nodes carried the first request out: the volume stays held until it is
+// asked again. A real controller cannot be made to lose a request on cue.
+type forgetful struct {
+	controllerv1.UnimplementedCacheServer
+	destroys atomic.Int32
+}
+
+func (f *forgetful) DestroyVolumes(context.Context, *controllerv1.DestroyVolumesRequest) (*controllerv1.DestroyVolumesResponse, error) {
+	f.destroys.Add(1)
+	return &controllerv1.DestroyVolumesResponse{}, nil
+}
+
+func (f *forgetful) LookupVolumes(_ context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
+	resp := &controllerv1.LookupVolumesResponse{}
+	for _, r := range req.GetRefs() {
+		loc := &controllerv1.VolumeLocation{Ref: r}
+		if f.destroys.Load() < 2 {
+			loc.Nodes = []string{"node-1"}
+		}
+		resp.Volumes = append(resp.Volumes, loc)
+	}
+	return resp, nil
+}
+
+// TestDestroyAsksAgainUntilGone: a destroy the controller lost is made
+// again, and Destroy returns once no node holds the outputs.
+func TestDestroyAsksAgainUntilGone(t *testing.T) {
+	defer func(was time.Duration) { destroyRecheck = was }(destroyRecheck)
+	destroyRecheck = 300 * time.Millisecond
+	server := &forgetful{}
+	r := &Runner{Cache: serveCache(t, server), Namespace: "ci"}
+	require.NoError(t, r.Destroy(context.Background(), "b1-get-src-1", "b1-test-report-1"))
+	assert.Equal(t, int32(2), server.destroys.Load())
 }
