@@ -336,6 +336,52 @@ func TestManifests(t *testing.T) {
 		require.Equal(t, component["ValidatingAdmissionPolicyBinding/cowvol-images"], got["ValidatingAdmissionPolicyBinding/cowvol-images"])
 	})
 
+	t.Run("the Helm chart's snapshotter is the component's", func(t *testing.T) {
+		got := renderChart(t, "--set", "images.registry.enabled=true", "--set", "images.snapshotter.enabled=true")
+		dir := t.TempDir()
+		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
+			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + ", " +
+				rel("deploy/csi/components/image-snapshotter") + "]\n"
+		})
+		component, err := renderKustomization(t, dir)
+		require.NoError(t, err)
+		require.Equal(t, component["RuntimeClass/cowvol"], got["RuntimeClass/cowvol"])
+		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
+		for _, want := range []string{"- --image-snapshotter-endpoint=unix:///run/cowvol/snapshotter.sock", "mountPath: /run/cowvol",
+			"path: /run/cowvol", "- --state-dir=/var/lib/cowvol", "mountPath: /var/lib/cowvol"} {
+			require.Contains(t, string(node), want)
+		}
+
+		// Elsewhere on the host: the plugin sees the socket and its state
+		// dir where containerd does.
+		got = renderChart(t, "--set", "images.registry.enabled=true", "--set", "images.snapshotter.enabled=true",
+			"--set", "images.snapshotter.socketDir=/run/k3s/cowvol", "--set", "stateDir=/mnt/cowvol")
+		node, _ = yaml.Marshal(got["DaemonSet/cowvol-node"])
+		for _, want := range []string{"- --image-snapshotter-endpoint=unix:///run/k3s/cowvol/snapshotter.sock", "mountPath: /run/k3s/cowvol",
+			"path: /run/k3s/cowvol", "- --state-dir=/mnt/cowvol", "mountPath: /mnt/cowvol", "path: /mnt/cowvol"} {
+			require.Contains(t, string(node), want)
+		}
+		require.NotContains(t, string(node), "/var/lib/cowvol")
+
+		// Without the snapshotter, the plugin's own path, whatever the
+		// host's.
+		got = renderChart(t, "--set", "stateDir=/mnt/cowvol")
+		node, _ = yaml.Marshal(got["DaemonSet/cowvol-node"])
+		require.Contains(t, string(node), "mountPath: /var/lib/cowvol")
+		require.NotContains(t, string(node), "snapshotter")
+		require.Nil(t, got["RuntimeClass/cowvol"])
+	})
+
+	t.Run("the Helm chart's snapshotter needs its registry", func(t *testing.T) {
+		helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
+		if helm == "" {
+			t.Skip("COWVOL_E2E_HELM_BINARY is not set: make e2e builds helm (test/e2e/tools/helm)")
+		}
+		out, err := exec.Command(helm, "template", "cowvol", "../../deploy/helm/cowvol", "--set", "images.snapshotter.enabled=true").CombinedOutput()
+		require.Error(t, err)
+		require.Contains(t, string(out), "images.snapshotter.enabled needs images.registry.enabled")
+	})
+
 	t.Run("a settings file missing a key is refused", func(t *testing.T) {
 		_, err := renderKustomization(t, settingsOverlay(t, func(s string) string {
 			return strings.Replace(s, "  state-dir: /var/lib/cowvol\n", "", 1)
