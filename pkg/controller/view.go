@@ -67,6 +67,11 @@ type View struct {
 	// names interns the namespaces a million entries repeat, so that they
 	// do not hold a million copies.
 	names interner
+	// awaiting are the nodes a controller that just began to lead has
+	// not had a whole inventory from yet, waited for until awaitUntil:
+	// until then its view lacks their volumes, and it says so.
+	awaiting   map[string]bool
+	awaitUntil time.Time
 }
 
 // entry is one volume across the nodes that report it, with what is the
@@ -253,6 +258,39 @@ func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
 		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess), shared: btree.NewG(32, entryLess)}
 }
 
+// AwaitReports makes the view incomplete (Unsettled says so) until each of
+// nodes has reported its whole inventory, or until until: a controller
+// that begins to lead knows nothing of the nodes' volumes, which their
+// first reports to it bring within seconds, and a scheduler told then that
+// a volume is held nowhere, or that a destroy reached no node, would be
+// told wrong. A node that does not report by until is stalled anyway.
+func (v *View) AwaitReports(nodes []string, until time.Time) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.awaiting, v.awaitUntil = map[string]bool{}, until
+	for _, id := range nodes {
+		if n := v.nodes[id]; n == nil || n.syncs == 0 {
+			v.awaiting[id] = true
+		}
+	}
+}
+
+// Unsettled lists the nodes the view still awaits a whole inventory from
+// (nil once they all reported, or the wait is over).
+func (v *View) Unsettled(now time.Time) []string {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	if len(v.awaiting) == 0 || now.After(v.awaitUntil) {
+		return nil
+	}
+	out := make([]string, 0, len(v.awaiting))
+	for id := range v.awaiting {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return out
+}
+
 // entryLess orders entries by namespace, then handle: volume ID order.
 func entryLess(a, b *entry) bool {
 	if a.ref.Namespace != b.ref.Namespace {
@@ -355,6 +393,7 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 	switch {
 	case req.GetFull():
 		v.replace(n, upserts)
+		delete(v.awaiting, n.id)
 	case n.revision == 0 || req.GetBaseRevision() != n.revision:
 		return &controllerv1.ReportResponse{Resync: true, Revision: n.revision}, nil
 	default:

@@ -61,6 +61,34 @@ func TestReportsAndResyncs(t *testing.T) {
 	}
 }
 
+// A controller that begins to lead is unsettled until each node it awaits
+// has reported its whole inventory (changes, answered with a resync, do
+// not count), or until the wait is over; a node that reported in full
+// before is not awaited.
+func TestAwaitReports(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	full := func(node string) *controllerv1.ReportRequest {
+		return &controllerv1.ReportRequest{NodeId: node, StoreId: "s-" + node, Revision: 3, Full: true,
+			Upserts: []*controllerv1.VolumeSummary{vol(node+"-out", "ready", 10)}}
+	}
+	_, err := v.Report(full("early"), now)
+	require.NoError(t, err)
+	v.AwaitReports([]string{"early", "n1", "n2"}, now.Add(30*time.Second))
+	require.Equal(t, []string{"n1", "n2"}, v.Unsettled(now))
+
+	_, err = v.Report(full("n1"), now)
+	require.NoError(t, err)
+	resp, err := v.Report(&controllerv1.ReportRequest{NodeId: "n2", StoreId: "s-n2", Revision: 4, BaseRevision: 3}, now)
+	require.NoError(t, err)
+	require.True(t, resp.Resync)
+	require.Equal(t, []string{"n2"}, v.Unsettled(now), "changes are not an inventory")
+	require.Empty(t, v.Unsettled(now.Add(31*time.Second)), "the wait is over: a node silent so long is stalled")
+	_, err = v.Report(full("n2"), now)
+	require.NoError(t, err)
+	require.Empty(t, v.Unsettled(now))
+}
+
 func TestLookupPlaceAndStalls(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()

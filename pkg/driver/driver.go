@@ -124,6 +124,8 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
+			d.leader.unsettled = func() []string { return d.view.Unsettled(time.Now()) }
+			d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.StalledAfter) }
 			if err := followNodes(kubeCtx, deps.Kube, d.view); err != nil {
 				d.Close()
 				return nil, err
@@ -468,6 +470,10 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 		"Serving the controller's Registry and Cache APIs", "address", d.opts.APIAddress,
 		"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
 		"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
+	if !d.opts.LeaderElection.Enabled && d.leader.awaitNodes != nil {
+		// A restarted controller knows no more than a new leader does.
+		d.leader.awaitNodes(context.Background())
+	}
 	loop := loopRunner("forgetting stalled nodes", func(ctx context.Context) error { d.forgetStalled(ctx); return nil })
 	if d.opts.LeaderElection.Enabled {
 		loop = loopRunner("leader election", func(ctx context.Context) error {

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	toolscache "k8s.io/client-go/tools/cache"
@@ -42,4 +43,29 @@ func followNodes(ctx context.Context, kube kubernetes.Interface, view *controlle
 	}
 	factory.Start(ctx.Done())
 	return nil
+}
+
+// awaitNodes has the view wait, for up to stalledAfter, for a whole
+// inventory from every node the plugin is registered on (its CSINode names
+// the driver): the view of a controller that begins to lead, or restarts,
+// has none of their volumes until they report. If the nodes cannot be
+// listed, nothing is waited for.
+func awaitNodes(ctx context.Context, kube kubernetes.Interface, view *controller.View, driverName string, stalledAfter time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	csiNodes, err := kube.StorageV1().CSINodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		klog.ErrorS(err, "Listing the nodes cowvol runs on, to wait for their reports: answering with what reaches the view")
+		return
+	}
+	var nodes []string
+	for _, n := range csiNodes.Items {
+		for _, d := range n.Spec.Drivers {
+			if d.Name == driverName {
+				nodes = append(nodes, n.Name)
+			}
+		}
+	}
+	view.AwaitReports(nodes, time.Now().Add(stalledAfter))
+	klog.InfoS("Waiting for the nodes' inventories before answering schedulers", "nodes", len(nodes), "atMost", stalledAfter)
 }

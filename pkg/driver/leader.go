@@ -12,6 +12,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -81,7 +83,19 @@ type leadership struct {
 	self   string
 	// followersReady: a follower is ready too (LabelPod).
 	followersReady bool
+	// unsettled, if set, names the nodes whose whole inventory the view
+	// of a replica that began to lead a moment ago still lacks: the Cache
+	// API waits for them (see View.AwaitReports), but for ListNodes, which
+	// says where each node stands.
+	unsettled func() []string
+	// awaitNodes, if set, tells the view which nodes to wait for before
+	// this replica serves as the leader.
+	awaitNodes func(context.Context)
 }
+
+// cacheMethods are the Cache API's; its ListNodes answers while the view
+// settles.
+var cacheMethods = "/" + controllerv1.Cache_ServiceDesc.ServiceName + "/"
 
 func (l *leadership) current() string {
 	s, _ := l.leader.Load().(string)
@@ -94,7 +108,7 @@ func (l *leadership) current() string {
 func (l *leadership) interceptor(prefix string) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if strings.HasPrefix(info.FullMethod, prefix) {
-			if err := l.refuse(); err != nil {
+			if err := l.refuse(info.FullMethod); err != nil {
 				return nil, err
 			}
 		}
@@ -106,7 +120,7 @@ func (l *leadership) interceptor(prefix string) grpc.UnaryServerInterceptor {
 func (l *leadership) streamInterceptor(prefix string) grpc.StreamServerInterceptor {
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		if strings.HasPrefix(info.FullMethod, prefix) {
-			if err := l.refuse(); err != nil {
+			if err := l.refuse(info.FullMethod); err != nil {
 				return err
 			}
 		}
@@ -114,13 +128,22 @@ func (l *leadership) streamInterceptor(prefix string) grpc.StreamServerIntercept
 	}
 }
 
-func (l *leadership) refuse() error {
+// refuse answers Unavailable to a call of method while this replica does
+// not lead, or while its view still settles.
+func (l *leadership) refuse(method string) error {
 	if !l.leading.Load() {
 		leader := l.current()
 		if leader == "" {
 			leader = "none yet"
 		}
 		return status.Errorf(codes.Unavailable, "this controller replica (%s) does not lead: the leader is %s; retry", l.self, leader)
+	}
+	if l.unsettled == nil || !strings.HasPrefix(method, cacheMethods) || method == controllerv1.Cache_ListNodes_FullMethodName {
+		return nil
+	}
+	if nodes := l.unsettled(); len(nodes) > 0 {
+		return status.Errorf(codes.Unavailable, "this controller replica (%s) began to lead a moment ago and has not yet had the whole inventory of %d node(s) (%s): "+
+			"until it has, its view lacks their volumes; retry", l.self, len(nodes), strings.Join(nodes[:min(3, len(nodes))], ", "))
 	}
 	return nil
 }
@@ -161,6 +184,9 @@ func (l *leadership) elect(ctx context.Context, kube kubernetes.Interface, le Le
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(ctx context.Context) {
 				klog.InfoS("Leading: serving the controller's APIs", "lease", le.Namespace+"/"+le.Name, "identity", le.Identity)
+				if l.awaitNodes != nil {
+					l.awaitNodes(ctx)
+				}
 				l.leading.Store(true)
 				go label(ctx, true)
 				lead(ctx)
