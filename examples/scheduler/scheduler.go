@@ -344,7 +344,27 @@ func failure(p *corev1.Pod) string {
 	return "no container status"
 }
 
+// podLog reads a pod's log (its first MiB) through its node's kubelet,
+// trying for up to logFor: a kubelet restarting answers nothing for a few
+// seconds, and the step's work is not lost for it.
 func (r *Runner) podLog(ctx context.Context, name string) (string, error) {
+	deadline := time.Now().Add(logFor)
+	for {
+		log, err := r.readLog(ctx, name)
+		if err == nil || time.Now().After(deadline) || ctx.Err() != nil {
+			return log, err
+		}
+		r.logf("Reading pod %s's log, retrying: %v", name, err)
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+const logFor = 30 * time.Second
+
+func (r *Runner) readLog(ctx context.Context, name string) (string, error) {
 	rc, err := r.Kube.CoreV1().Pods(r.Namespace).GetLogs(name, &corev1.PodLogOptions{}).Stream(ctx)
 	if err != nil {
 		return "", err
