@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"slices"
 	"time"
 
@@ -32,6 +33,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -450,6 +452,49 @@ func (r *Runner) Destroy(ctx context.Context, handles ...string) error {
 		}
 		r.logf("Destroying %v: still held; asking again", handles)
 	}
+}
+
+// Reconcile is a pass of a CI's garbage collection over what the nodes
+// hold, as Concourse's GC compares its workers' volumes with its database:
+// every volume of the runner's namespace that a node holds, in any state,
+// stalled nodes included, and that keep does not claim is destroyed. A
+// destroy lost when the controller's leader moved, or a node back after a
+// long silence with volumes destroyed meanwhile, leaves volumes that no
+// build owns; a pass finds them. It answers the handles it destroyed.
+func (r *Runner) Reconcile(ctx context.Context, keep func(handle string) bool) ([]string, error) {
+	var nodes []*controllerv1.NodeStatus
+	err := r.waitingOutUnavailable(ctx, "listing the nodes", func() (err error) {
+		nodes, err = r.Cache.Nodes(ctx)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	doomed := map[string]bool{}
+	for _, n := range nodes {
+		var vols []*controllerv1.VolumeLocation
+		err := r.waitingOutUnavailable(ctx, "listing node "+n.GetNodeId()+"'s volumes", func() (err error) {
+			vols, err = r.Cache.List(ctx, &controllerv1.ListVolumesRequest{Namespace: r.Namespace, NodeId: n.GetNodeId()})
+			return err
+		})
+		if err != nil {
+			return nil, err
+		}
+		for _, v := range vols {
+			if h := v.GetRef().GetHandle(); !keep(h) {
+				doomed[h] = true
+			}
+		}
+	}
+	if len(doomed) == 0 {
+		return nil, nil
+	}
+	handles := slices.Sorted(maps.Keys(doomed))
+	r.logf("Garbage collection: destroying %d volumes no build owns: %v", len(handles), handles)
+	return handles, r.waitingOutUnavailable(ctx, "destroying", func() error {
+		_, err := r.Cache.Destroy(ctx, r.refs(handles)...)
+		return err
+	})
 }
 
 // destroyRecheck is how long a destroy waits for its outputs to go

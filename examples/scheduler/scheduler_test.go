@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -231,4 +232,46 @@ func TestDestroyAsksAgainUntilGone(t *testing.T) {
 	r := &Runner{Cache: serveCache(t, server), Namespace: "ci"}
 	require.NoError(t, r.Destroy(context.Background(), "b1-get-src-1", "b1-test-report-1"))
 	assert.Equal(t, int32(2), server.destroys.Load())
+}
+
+// twoNodes answers as a controller whose node-1 runs and node-2 is
+// stalled, each holding volumes of ci, and records what it is asked to
+// destroy.
+type twoNodes struct {
+	controllerv1.UnimplementedCacheServer
+	destroyed []string
+}
+
+func (s *twoNodes) ListNodes(context.Context, *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
+	return &controllerv1.ListNodesResponse{Nodes: []*controllerv1.NodeStatus{
+		{NodeId: "node-1", State: "running"}, {NodeId: "node-2", State: "stalled"}}}, nil
+}
+
+func (s *twoNodes) ListVolumes(_ context.Context, req *controllerv1.ListVolumesRequest) (*controllerv1.ListVolumesResponse, error) {
+	held := map[string][]string{"node-1": {"b1-get-src-1", "b2-get-src-1"}, "node-2": {"b1-get-src-1", "b1-test-report-2"}}
+	resp := &controllerv1.ListVolumesResponse{}
+	for _, h := range held[req.GetNodeId()] {
+		resp.Volumes = append(resp.Volumes, &controllerv1.VolumeLocation{Ref: &controllerv1.VolumeRef{Namespace: req.GetNamespace(), Handle: h}})
+	}
+	return resp, nil
+}
+
+func (s *twoNodes) DestroyVolumes(_ context.Context, req *controllerv1.DestroyVolumesRequest) (*controllerv1.DestroyVolumesResponse, error) {
+	for _, r := range req.GetRefs() {
+		s.destroyed = append(s.destroyed, r.GetHandle())
+	}
+	return &controllerv1.DestroyVolumesResponse{}, nil
+}
+
+// TestReconcile: a GC pass destroys, once each, what no running build
+// claims on every node, a stalled one's too.
+func TestReconcile(t *testing.T) {
+	server := &twoNodes{}
+	r := &Runner{Cache: serveCache(t, server), Namespace: "ci"}
+	running := func(h string) bool { return strings.HasPrefix(h, "b2-") }
+	got, err := r.Reconcile(context.Background(), running)
+	require.NoError(t, err)
+	want := []string{"b1-get-src-1", "b1-test-report-2"}
+	assert.Equal(t, want, got)
+	assert.Equal(t, want, server.destroyed)
 }
