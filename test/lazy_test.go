@@ -307,8 +307,8 @@ func TestLazyPullerKilledMidFill(t *testing.T) {
 
 // The same with the step's output in a volume of its own, as a scheduler's
 // steps have it (inputs and outputs are separate volumes of one pod): the
-// output is not captured either, though it never mounted the input, and
-// another pod's output is.
+// output is not captured either, though it never mounted the input, nor
+// is one published after the plugin came back; another pod's output is.
 func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
 	a, b, _ := lazyNodes(t)
 	a.step("", "src", func(dir string) {
@@ -331,10 +331,17 @@ func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
 	write(t, bystander.Target, "result", "built from nothing lazy")
 	b.p.Restart()
 	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
-	for _, v := range []driver.InlineVolume{in, out, bystander} {
+	// A volume of the pod published only now (the kubelet retried it
+	// while the plugin was down): the step starts after it, over holes.
+	late := driver.NewInlineVolume(b.p.KubeletDir, pod, "late", map[string]string{driver.AttrCapture: "late"})
+	require.NoError(t, os.MkdirAll(filepath.Dir(late.Target), 0o750))
+	require.NoError(t, b.publish(late))
+	write(t, late.Target, "result", "built after the plugin came back, from holes")
+	for _, v := range []driver.InlineVolume{in, out, late, bystander} {
 		b.umount(v)
 	}
 	require.Equal(t, "gone", volumeState(t, b, "out"), "the output of a step whose input may have read holes is not captured")
+	require.Equal(t, "gone", volumeState(t, b, "late"), "nor one its pod mounted after the plugin came back")
 	require.Equal(t, "ready", volumeState(t, b, "bystander"), "another pod's output is captured")
 	b.noLeaks(t)
 }

@@ -583,6 +583,12 @@ func (s *Store) Publish(v View) (View, error) {
 			}
 			v.QuotaID = quotaIDBase + uint32(seq%quotaIDSpan)
 		}
+		// A view joining a pod whose other views read a layer that failed
+		// is incomplete from the start: the step, which starts once all
+		// its volumes are there, may read that layer's holes.
+		if v.Pod.UID != "" && !v.InputIncomplete {
+			v.InputIncomplete = podReadIncomplete(views, v.Pod.UID)
+		}
 		v.State = ViewPublished
 		v.CreatedAt = now
 		if err := bump(tx); err != nil {

@@ -242,6 +242,17 @@ func markReadersIncomplete(tx *bolt.Tx, r volume.Ref) error {
 	return nil
 }
 
+// podReadIncomplete says whether a view of the pod is marked incomplete.
+func podReadIncomplete(views *bolt.Bucket, podUID string) bool {
+	all, _ := listJSON[View](views) // bad records are reported elsewhere
+	for _, view := range all {
+		if view.Pod.UID == podUID && view.InputIncomplete {
+			return true
+		}
+	}
+	return false
+}
+
 // noteFailure counts a failure of the handle and sets when it may be tried
 // again.
 func noteFailure(tx *bolt.Tx, r volume.Ref) error {

@@ -225,6 +225,15 @@ func TestFillingVolumesInTheStore(t *testing.T) {
 	view, err = s.GetView("other-out")
 	require.NoError(t, err)
 	require.False(t, view.InputIncomplete, "another pod's output is captured")
+	// The pod's output published after the failure (its publish retried
+	// while the plugin was down) is incomplete from the start; another
+	// pod's is not.
+	late, err := s.Publish(View{VolumeID: "reader-late-out", Capture: "late", Pod: pod("ci")})
+	require.NoError(t, err)
+	require.True(t, late.InputIncomplete, "a volume joining a pod that may have read holes")
+	other, err := s.Publish(View{VolumeID: "other-late-out", Capture: "other-late", Pod: volume.Pod{Namespace: "ci", Name: "q", UID: "u2"}})
+	require.NoError(t, err)
+	require.False(t, other.InputIncomplete)
 	v, err = s.Get(ref("ci", "base"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateFailed, v.State)
