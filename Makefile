@@ -51,7 +51,7 @@ PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 TOOLS              := $(CURDIR)/bin/tools
 
-.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps cluster cluster-down generate
+.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -97,6 +97,15 @@ e2e: e2e-deps
 # from its chart, to try it on: it stays up, in the background, until make
 # cluster-down. The last line make cluster prints is "kubeconfig: PATH".
 CLUSTER_DIR ?= $(CURDIR)/.cluster
+# The soak: builds without pause on a 3-node fleet while faults are
+# injected at random, for SOAK minutes (CI runs 5).
+SOAK ?= 30
+soak: e2e-deps
+	rm -f $(E2E_BIN)/soak-report.txt
+	cd test/e2e && $(E2E_ENV) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/soak-report.txt COWVOL_SOAK_MINUTES=$(SOAK) \
+		$(GO) test -tags e2e -count=1 -timeout $$(( $(SOAK) + 40 ))m -run '^TestSoak$$' -v .
+	@cat $(E2E_BIN)/soak-report.txt
+
 cluster: e2e-deps
 	$(E2E_ENV) hack/cluster up $(CLUSTER_DIR)
 

@@ -672,6 +672,11 @@ featureGates: {RuntimeClassInImageCriApi: true}
 resolvConf: ""
 syncFrequency: 2s
 fileCheckFrequency: 2s
+# A container killed again and again (the soak SIGKILLs cowvol's plugin
+# every minute or so) restarts within 10 s instead of backing off to 5
+# minutes, during which its node could mount no step's volume
+# (KubeletCrashLoopBackOffMax, beta and on since 1.35).
+crashLoopBackOff: {maxContainerRestartPeriod: 10s}
 `, address, port, cmp.Or(n.cgroupRoot, "/"), containerd, filepath.Join(n.dir, "pod-logs")))
 	args := append([]string{filepath.Join(c.bin, "kubelet"), "--config=" + config, "--kubeconfig=" + c.kubeconfig,
 		"--root-dir=" + kubeletDir, "--hostname-override=" + n.name, "--v=2"}, providerFlags...)
@@ -859,19 +864,10 @@ func killCgroupProcs(cgroupRoots ...string) {
 		for _, r := range cgroupRoots {
 			dirs, _ := filepath.Glob("/sys/fs/cgroup/*" + r)
 			for _, dir := range dirs {
-				_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
-					if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
-						return nil
-					}
-					b, _ := os.ReadFile(p)
-					for _, f := range strings.Fields(string(b)) {
-						if pid, err := strconv.Atoi(f); err == nil {
-							left = append(left, pid)
-							_ = syscall.Kill(pid, syscall.SIGKILL)
-						}
-					}
-					return nil
-				})
+				for _, pid := range cgroupPids(dir) {
+					left = append(left, pid)
+					_ = syscall.Kill(pid, syscall.SIGKILL)
+				}
 			}
 		}
 		if len(left) == 0 || time.Now().After(deadline) {
@@ -879,6 +875,24 @@ func killCgroupProcs(cgroupRoots ...string) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// cgroupPids lists the processes in a cgroup and the cgroups below it.
+func cgroupPids(dir string) []int {
+	var pids []int
+	_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+			return nil
+		}
+		b, _ := os.ReadFile(p)
+		for _, f := range strings.Fields(string(b)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+		return nil
+	})
+	return pids
 }
 
 // removeKubeCgroups removes the kubelet's cgroups (v1 and v2), and the

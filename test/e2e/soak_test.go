@@ -1,0 +1,709 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"crypto/md5"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/examples/scheduler"
+	cowvolume "github.com/concourse/cowvol/pkg/volume"
+)
+
+// The soak's builds: a get writes soakFiles files of soakFileBytes (64
+// MiB) on one node; a step pinned to the next node reads them one by one
+// (its input pulled across the bridge), a step placed by the Cache API
+// sums them, and a last step, placed next to its three inputs, prints
+// what the build made. Every node's link carries soakLink, so that a pull
+// lasts a few seconds and a fault can land in one.
+const (
+	soakFiles, soakFileBytes = 1000, 65536
+	soakLink                 = "100mbit"
+	// soakBuilds run side by side, without pause.
+	soakBuilds = 2
+	// soakDeadline bounds a step's attempt: one that runs longer hung.
+	soakDeadline = 5 * time.Minute
+	// soakAttempts is how many times a step runs before its build fails.
+	soakAttempts = 4
+)
+
+// TestSoak (make soak): builds without pause on a fleet of three real
+// kubelets with cowvol installed by its chart, and a fault every few
+// seconds, at random: a plugin SIGKILLed, a kubelet restarted, the holder
+// of an input being pulled SIGKILLed, a node's disk filled past its high
+// watermark, the controller's leader deleted, a node cordoned. At the end
+// every finished build's outputs equal the reference, every failed
+// attempt failed with a reason and was retried, no attempt hung past its
+// deadline, and, once the CI's GC (each build destroying its outputs, and a
+// pass of examples/scheduler's Reconcile every 20 s) has run, no node is
+// left with a step's mount, process, view or volume.
+func TestSoak(t *testing.T) {
+	minutes, _ := strconv.Atoi(os.Getenv("COWVOL_SOAK_MINUTES"))
+	if minutes <= 0 {
+		t.Skip("the soak runs under make soak (COWVOL_SOAK_MINUTES: how many minutes)")
+	}
+	f := startFleet(t, 3)
+	f.installCowvol()
+	s := &soak{f: f, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)), faults: map[string]int{},
+		cordoned: map[string]bool{}, full: map[string]bool{}, sent: map[string]float64{}, killed: map[string]time.Time{}, pulls: map[string]bool{}, collected: map[string]bool{}}
+	s.sum = s.referenceSum()
+	t.Cleanup(func() { keepLogs(t, f) })
+	for _, n := range f.nodes {
+		n.host.Throttle(soakLink)
+	}
+	log, err := os.Create(filepath.Join(f.work, "logs", "soak.log"))
+	require.NoError(t, err)
+	defer log.Close()
+	s.log = log
+
+	ctx, stop := context.WithTimeout(context.Background(), time.Duration(minutes)*time.Minute)
+	defer stop()
+	started := time.Now()
+	builds := s.runBuilds(ctx)
+	s.injectFaults(ctx)
+	s.undoAll()
+	outcomes := builds()
+	took := time.Since(started)
+	s.scrapeSent()
+	s.check(outcomes)
+	s.report(outcomes, took)
+}
+
+// soak is a soak's state: what it did, and what it must undo.
+type soak struct {
+	f   *fleet
+	rng *rand.Rand
+	// sum is md5sum's line for the get's files' sums: what every build's
+	// sums come to; sums are those lines.
+	sum  string
+	sums []string
+	log *os.File
+	// faults counts what was injected, by kind.
+	faults map[string]int
+	// undos are what injected faults leave to be put back, and when.
+	undos []soakUndo
+	// cordoned and full are the nodes cordoned and filled now.
+	cordoned, full map[string]bool
+	// killed is when each node's plugin was last SIGKILLed, and pulls the
+	// step pods whose pull had its holder killed.
+	killed map[string]time.Time
+	pulls  map[string]bool
+	// collected are the volumes the CI's GC found that no build owned (a
+	// destroy lost when the leader moved, or not yet carried out).
+	collected map[string]bool
+	// sent is each node's peers' sent-bytes counter last read, moved the
+	// bytes they sent in all.
+	sent  map[string]float64
+	moved float64
+}
+
+type soakUndo struct {
+	due  time.Time
+	undo func()
+}
+
+// soakOutcome is how a build ended.
+type soakOutcome struct {
+	build   string
+	results []scheduler.Result
+	err     error
+	// wrong says how the build's sums differ from the reference's,
+	// where its report was not what was wanted.
+	wrong string
+}
+
+// soakBuild is build number i's steps: its get pinned to one node, its
+// reader to the next.
+func soakBuild(i int, nodes []fleetNode) []scheduler.Step {
+	get, far := nodes[i%len(nodes)].name, nodes[(i+1)%len(nodes)].name
+	return []scheduler.Step{
+		{Name: "get", Output: "src", Node: get,
+			Script: fmt.Sprintf("set -e; mktree /out %d %d; echo $(hostname) > /out/build", soakFiles, soakFileBytes)},
+		{Name: "read", Inputs: []string{"src"}, Output: "sums", Node: far,
+			Script: `set -eo pipefail; cd /in/src; find data -type f | sort | while read f; do md5sum "$f"; usleep 2000; done > /out/sums; cp build /out/build`},
+		{Name: "sum", Inputs: []string{"src"}, Output: "sum",
+			Script: "set -eo pipefail; cd /in/src; find data -type f | sort | xargs md5sum | md5sum > /out/sum; ./bin/hello >> /out/sum"},
+		// Its report is an output too: cowvol vouches for what a step read
+		// by capturing its outputs (a step that may have read holes, its
+		// node's plugin dead under a lazy pull, captures nothing and is
+		// run again), so the log compared is that of an attempt whose
+		// output was captured.
+		{Name: "check", Inputs: []string{"sums", "sum", "src"}, Output: "report",
+			Script: "set -eo pipefail; { md5sum < /in/sums/sums; cat /in/sum/sum /in/src/build /in/sums/build; } | tee /out/report"},
+	}
+}
+
+// referenceSum writes the get's files here, with the same program, and
+// sums them as the steps do.
+func (s *soak) referenceSum() string {
+	t := s.f.t
+	dir := t.TempDir()
+	run(t, filepath.Join(s.f.work, "images", "mktree"), dir, strconv.Itoa(soakFiles), strconv.Itoa(soakFileBytes))
+	var files []string
+	require.NoError(t, filepath.WalkDir(filepath.Join(dir, "data"), func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			rel, _ := filepath.Rel(dir, p)
+			files = append(files, rel)
+		}
+		return err
+	}))
+	sort.Strings(files)
+	var lines strings.Builder
+	for _, rel := range files {
+		b, err := os.ReadFile(filepath.Join(dir, rel))
+		require.NoError(t, err)
+		fmt.Fprintf(&lines, "%x  %s\n", md5.Sum(b), rel)
+	}
+	s.sums = strings.SplitAfter(lines.String(), "\n")
+	sum := md5.Sum([]byte(lines.String()))
+	return hex.EncodeToString(sum[:]) + "  -\n"
+}
+
+// diagnose says how a build's sums volume differs from the reference:
+// which files' sums are wrong, and whether they are the sums of holes
+// (zeros: a lazily pulled file read while nothing held its reader).
+func (s *soak) diagnose(handle string) string {
+	var got strings.Builder
+	if _, err := s.f.cache.Read(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: handle}, "sums", "file", "", &got, nil); err != nil {
+		return fmt.Sprintf("reading %s's sums: %v", handle, err)
+	}
+	holes := md5.Sum(make([]byte, soakFileBytes))
+	lines := strings.SplitAfter(got.String(), "\n")
+	var wrong []string
+	zeros := 0
+	for i, line := range lines {
+		if i < len(s.sums) && line == s.sums[i] {
+			continue
+		}
+		if strings.HasPrefix(line, hex.EncodeToString(holes[:])) {
+			zeros++
+		}
+		wrong = append(wrong, strings.TrimSpace(line))
+	}
+	return fmt.Sprintf("%d of %d lines wrong (%d the sums of holes), the first: %q", len(wrong), len(lines), zeros, wrong[:min(3, len(wrong))])
+}
+
+// want is what a build's last step prints: the sums alike both ways, and
+// the build's own get's pod named by both steps that read it.
+func (s *soak) want(build string, results []scheduler.Result) string {
+	get := fmt.Sprintf("%s-get-%d", build, results[0].Attempts)
+	return s.sum + s.sum + "hello\n" + get + "\n" + get + "\n"
+}
+
+// runBuilds runs soakBuilds builds at a time until ctx ends (a build
+// begun runs to its end), each destroyed when done, as a CI's GC does;
+// wait returns how they ended.
+func (s *soak) runBuilds(ctx context.Context) (wait func() []soakOutcome) {
+	f := s.f
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
+	require.NoError(f.t, err)
+	kube, err := kubernetes.NewForConfig(cfg)
+	require.NoError(f.t, err)
+	runner := func() *scheduler.Runner {
+		return &scheduler.Runner{Kube: kube, Cache: f.cache, Namespace: "ci", Image: busyboxImage,
+			Attempts: soakAttempts, Timeout: soakDeadline, KeepFor: time.Hour, Logf: s.logf}
+	}
+	var mu sync.Mutex
+	var outcomes []soakOutcome
+	running := map[string]bool{} // builds, until their outputs are destroyed
+	var wg sync.WaitGroup
+	for loop := range soakBuilds {
+		wg.Go(func() {
+			r := runner()
+			for i := loop; ctx.Err() == nil; i += soakBuilds {
+				build := fmt.Sprintf("soak-%d", i)
+				mu.Lock()
+				running[build] = true
+				mu.Unlock()
+				results, err := r.Run(context.Background(), build, soakBuild(i, f.nodes))
+				var wrong string
+				if err == nil && results[len(results)-1].Log != s.want(build, results) {
+					wrong = s.diagnose(results[1].Handle)
+				}
+				var made []string
+				for _, res := range results {
+					if res.Handle != "" {
+						made = append(made, res.Handle)
+					}
+				}
+				if len(made) > 0 {
+					if derr := r.Destroy(context.Background(), made...); derr != nil {
+						s.logf("Destroying build %s's outputs: %v", build, derr)
+					}
+				}
+				s.logf("Build %s ended: %v", build, err)
+				mu.Lock()
+				delete(running, build)
+				outcomes = append(outcomes, soakOutcome{build: build, results: results, err: err, wrong: wrong})
+				mu.Unlock()
+			}
+		})
+	}
+	// The CI's GC: a pass every 20 s over what the nodes hold destroys
+	// what no running build owns.
+	owned := func(handle string) bool {
+		parts := strings.SplitN(handle, "-", 3)
+		mu.Lock()
+		defer mu.Unlock()
+		return len(parts) == 3 && running[parts[0]+"-"+parts[1]]
+	}
+	gc := runner()
+	collect := func() int {
+		found, err := gc.Reconcile(context.Background(), owned)
+		if err != nil {
+			s.logf("Garbage collection: %v", err)
+		}
+		for _, h := range found {
+			s.collected[h] = true
+		}
+		return len(found)
+	}
+	stopGC := make(chan struct{})
+	gcDone := make(chan struct{})
+	go func() {
+		defer close(gcDone)
+		for {
+			select {
+			case <-stopGC:
+				return
+			case <-time.After(20 * time.Second):
+				collect()
+			}
+		}
+	}()
+	return func() []soakOutcome {
+		wg.Wait()
+		close(stopGC)
+		<-gcDone
+		// The builds done, passes until one finds nothing.
+		for deadline := time.Now().Add(2 * time.Minute); collect() > 0 && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Second)
+		}
+		return outcomes
+	}
+}
+
+func (s *soak) logf(format string, args ...any) {
+	fmt.Fprintf(s.log, time.Now().Format("15:04:05.000 ")+format+"\n", args...)
+}
+
+// injectFaults injects a fault every 3 to 7 seconds until ctx ends,
+// putting back what earlier ones left when it is due.
+func (s *soak) injectFaults(ctx context.Context) {
+	kinds := []struct {
+		name   string
+		inject func() bool
+	}{
+		{"plugin SIGKILLed", s.killPlugin},
+		{"kubelet restarted", s.restartKubelet},
+		{"holder SIGKILLed mid-pull", s.killHolderMidPull},
+		{"disk filled past its high watermark", s.fillDisk},
+		{"controller's leader deleted", s.deleteLeader},
+		{"node cordoned", s.cordon},
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(3*time.Second + time.Duration(s.rng.Int64N(int64(4*time.Second)))):
+		}
+		s.undoDue(time.Now())
+		s.scrapeSent()
+		// A kind that cannot be injected now (no pull under way, say)
+		// gives way to another.
+		for _, i := range s.rng.Perm(len(kinds)) {
+			if kinds[i].inject() {
+				s.faults[kinds[i].name]++
+				s.logf("Fault: %s", kinds[i].name)
+				break
+			}
+		}
+	}
+}
+
+func (s *soak) later(after time.Duration, undo func()) {
+	s.undos = append(s.undos, soakUndo{due: time.Now().Add(after), undo: undo})
+}
+
+func (s *soak) undoDue(now time.Time) {
+	var left []soakUndo
+	for _, u := range s.undos {
+		if now.After(u.due) {
+			u.undo()
+		} else {
+			left = append(left, u)
+		}
+	}
+	s.undos = left
+}
+
+func (s *soak) undoAll() { s.undoDue(time.Now().Add(time.Hour)) }
+
+func (s *soak) anyNode() *fleetNode { return &s.f.nodes[s.rng.IntN(len(s.f.nodes))] }
+
+// killPlugin SIGKILLs cowvol's plugin on a node; its kubelet restarts it.
+func (s *soak) killPlugin() bool { return s.killPluginOn(s.anyNode()) }
+
+// killPluginOn SIGKILLs a node's plugin, unless it was killed in the last
+// pluginKillEvery: a plugin that dies every few seconds is an outage,
+// not a fault, and a pull from it would never finish.
+func (s *soak) killPluginOn(n *fleetNode) bool {
+	pid := nodePluginPid(n.cgroupRoot)
+	if pid == 0 || time.Since(s.killed[n.name]) < pluginKillEvery {
+		return false // restarting, or killed a moment ago
+	}
+	s.killed[n.name] = time.Now()
+	return syscall.Kill(pid, syscall.SIGKILL) == nil
+}
+
+const pluginKillEvery = 45 * time.Second
+
+// nodePluginPid is the pid of cowvol's node plugin among the processes of
+// a node's pods (0: none runs).
+func nodePluginPid(cgroupRoot string) int {
+	for _, pid := range cgroupPids("/sys/fs/cgroup/pids" + cgroupRoot) {
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if strings.TrimSpace(string(comm)) == "cowvol-plugin" && strings.Contains(string(cmdline), "--mode=node\x00") {
+			return pid
+		}
+	}
+	return 0
+}
+
+// restartKubelet stops a node's kubelet and starts it again, its pods
+// running on meanwhile.
+func (s *soak) restartKubelet() bool {
+	n := s.anyNode()
+	s.f.procs[n.proc("kubelet")].stop(syscall.SIGTERM, 10*time.Second)
+	s.f.startKubeletOn(n.nodeHost, n.containerd)
+	return true
+}
+
+// killHolderMidPull SIGKILLs the plugin of a node that holds an input a
+// step's node is pulling now: a step bound to a node the controller does
+// not list among its input's holders. Each step's pull is cut once: one
+// cut every time it is tried again would keep it from ever finishing.
+func (s *soak) killHolderMidPull() bool {
+	out, err := s.f.kubectl("", "get", "pods", "-n", "ci", "-o", "json")
+	if err != nil {
+		return false
+	}
+	var pods struct {
+		Items []struct {
+			Metadata struct {
+				Name string `json:"name"`
+			} `json:"metadata"`
+			Spec struct {
+				NodeName string `json:"nodeName"`
+				Volumes  []struct {
+					CSI *struct {
+						VolumeAttributes map[string]string `json:"volumeAttributes"`
+					} `json:"csi"`
+				} `json:"volumes"`
+			} `json:"spec"`
+			Status struct {
+				Phase string `json:"phase"`
+			} `json:"status"`
+		} `json:"items"`
+	}
+	if json.Unmarshal([]byte(out), &pods) != nil {
+		return false
+	}
+	for _, p := range pods.Items {
+		if p.Spec.NodeName == "" || (p.Status.Phase != "Pending" && p.Status.Phase != "Running") || s.pulls[p.Metadata.Name] {
+			continue
+		}
+		for _, v := range p.Spec.Volumes {
+			if v.CSI == nil || v.CSI.VolumeAttributes["source"] == "" {
+				continue
+			}
+			holders := s.f.holders("ci", v.CSI.VolumeAttributes["source"])
+			if len(holders) == 0 || slices.Contains(holders, p.Spec.NodeName) {
+				continue
+			}
+			if !s.killPluginOn(s.f.node(holders[s.rng.IntN(len(holders))])) {
+				return false
+			}
+			s.pulls[p.Metadata.Name] = true
+			return true
+		}
+	}
+	return false
+}
+
+// fillDisk fills a node's cowvol filesystem to 93% with a file the plugin
+// did not make (its high watermark is 90%) for 15 to 30 seconds.
+func (s *soak) fillDisk() bool {
+	n := s.anyNode()
+	if s.full[n.name] {
+		return false
+	}
+	var st unix.Statfs_t
+	if unix.Statfs(n.state, &st) != nil {
+		return false
+	}
+	total, free := int64(st.Blocks)*st.Bsize, int64(st.Bavail)*st.Bsize
+	size := total*93/100 - (total - free)
+	if size <= 0 {
+		return false
+	}
+	path := filepath.Join(n.state, "soak-ballast")
+	file, err := os.Create(path)
+	if err != nil {
+		return false
+	}
+	err = unix.Fallocate(int(file.Fd()), 0, 0, size)
+	file.Close()
+	if err != nil {
+		s.logf("Filling %s: %v", n.name, err)
+		_ = os.Remove(path)
+		return false
+	}
+	s.full[n.name] = true
+	s.later(15*time.Second+time.Duration(s.rng.Int64N(int64(15*time.Second))), func() {
+		// Not the plugin's to remove: it must leave what it did not make.
+		require.NoError(s.f.t, os.Remove(path), "the ballast on %s", n.name)
+		delete(s.full, n.name)
+	})
+	return true
+}
+
+// deleteLeader deletes the controller's leading replica's pod while the
+// other runs ready.
+func (s *soak) deleteLeader() bool {
+	ready, err := s.f.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.status.readyReplicas}")
+	leader := s.f.leader()
+	if err != nil || ready != "2" || leader == "" {
+		return false
+	}
+	_, err = s.f.kubectl("", "delete", "pod", "-n", "cowvol", leader, "--wait=false")
+	return err == nil
+}
+
+// cordon cordons a node for 15 to 30 seconds, one at a time.
+func (s *soak) cordon() bool {
+	if len(s.cordoned) > 0 {
+		return false
+	}
+	n := s.anyNode()
+	if _, err := s.f.kubectl("", "cordon", n.name); err != nil {
+		return false
+	}
+	s.cordoned[n.name] = true
+	s.later(15*time.Second+time.Duration(s.rng.Int64N(int64(15*time.Second))), func() {
+		s.f.mustKubectl("", "uncordon", n.name)
+		delete(s.cordoned, n.name)
+	})
+	return true
+}
+
+// scrapeSent adds what each node's peer server sent since it was last
+// read (a restarted plugin's counter starts again from 0).
+func (s *soak) scrapeSent() {
+	for _, n := range s.f.nodes {
+		now, ok := peerSentBytes(n.address)
+		if !ok {
+			continue
+		}
+		last := s.sent[n.name]
+		if now < last {
+			last = 0
+		}
+		s.moved += now - last
+		s.sent[n.name] = now
+	}
+}
+
+// peerSentBytes reads cowvol_peer_sent_bytes_total from a node's plugin's
+// metrics, summed over its labels.
+func peerSentBytes(address string) (float64, bool) {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + address + ":9808/metrics")
+	if err != nil {
+		return 0, false
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "cowvol_peer_sent_bytes_total") {
+			continue
+		}
+		fields := strings.Fields(line)
+		if v, err := strconv.ParseFloat(fields[len(fields)-1], 64); err == nil {
+			sum += v
+		}
+	}
+	return sum, sc.Err() == nil
+}
+
+// check asserts on how the builds ended, then that nothing of them is
+// left on any node.
+func (s *soak) check(outcomes []soakOutcome) {
+	t := s.f.t
+	require.NotEmpty(t, outcomes)
+	for _, o := range outcomes {
+		for _, r := range o.results {
+			for _, fl := range r.Failures {
+				require.Error(t, fl.Err, "build %s step %s failed without a reason", o.build, r.Step)
+				require.NotContains(t, fl.Err.Error(), "did not end", "build %s step %s hung past its %s deadline on %s", o.build, r.Step, soakDeadline, fl.Node)
+			}
+		}
+		if o.err != nil {
+			last := o.results[len(o.results)-1]
+			require.Equal(t, soakAttempts, last.Attempts, "build %s failed without retrying its step %s: %v", o.build, last.Step, o.err)
+			continue
+		}
+		last := o.results[len(o.results)-1]
+		require.Equal(t, s.want(o.build, o.results), last.Log, "build %s's outputs: %s", o.build, o.wrong)
+	}
+	s.checkNothingLeft()
+}
+
+// checkNothingLeft: once the builds are destroyed, no node holds a soak
+// volume, a step's view or mount, or a process of a pod that is gone.
+func (s *soak) checkNothingLeft() {
+	f := s.f
+	f.until("the step pods to be gone", 2*time.Minute, func() bool {
+		out, err := f.kubectl("", "get", "pods", "-n", "ci", "-o", "name")
+		return err == nil && strings.TrimSpace(out) == ""
+	})
+	for _, n := range f.nodes {
+		var left []string
+		for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(time.Second) {
+			if left = soakLeft(f, n); len(left) == 0 || time.Now().After(deadline) {
+				break
+			}
+		}
+		require.Empty(f.t, left, "left on %s 3 minutes after the builds ended", n.name)
+		out := f.mustKubectl("", "get", "pods", "-A", "--field-selector", "spec.nodeName="+n.name, "-o", "jsonpath={.items[*].metadata.uid}")
+		live := strings.Fields(out)
+		// Pod cgroups are kubepods/pod<uid> (guaranteed) and
+		// kubepods/<class>/pod<uid>.
+		pods, _ := filepath.Glob("/sys/fs/cgroup/pids" + n.cgroupRoot + "/kubepods*/pod*")
+		classed, _ := filepath.Glob("/sys/fs/cgroup/pids" + n.cgroupRoot + "/kubepods*/*/pod*")
+		for _, dir := range append(pods, classed...) {
+			uid := strings.TrimPrefix(filepath.Base(dir), "pod")
+			if slices.Contains(live, uid) {
+				continue
+			}
+			require.Empty(f.t, cgroupPids(dir), "processes of pod %s, gone, still run on %s", uid, n.name)
+		}
+	}
+}
+
+// keepLogs copies a failed soak's logs (the harness's and every pod's)
+// where the fleet's teardown leaves them.
+func keepLogs(t *testing.T, f *fleet) {
+	if !t.Failed() {
+		return
+	}
+	dir, err := os.MkdirTemp("", "cowvol-soak-logs-")
+	if err != nil {
+		return
+	}
+	_ = os.CopyFS(filepath.Join(dir, "logs"), os.DirFS(filepath.Join(f.work, "logs")))
+	for _, n := range f.nodes {
+		_ = os.CopyFS(filepath.Join(dir, n.name), os.DirFS(filepath.Join(n.dir, "pod-logs")))
+	}
+	t.Logf("the soak's logs are kept in %s", dir)
+}
+
+// soakLeft is what the soak left on a node: the soak volumes the
+// controller lists there (in any state), the volume dirs and step views
+// in its state dir, and the CSI mounts in its mount namespace.
+func soakLeft(f *fleet, n fleetNode) []string {
+	var left []string
+	vols, err := f.cache.List(context.Background(), &controllerv1.ListVolumesRequest{Namespace: "ci", NodeId: n.name})
+	if err != nil {
+		return []string{"listing its volumes: " + err.Error()}
+	}
+	for _, v := range vols {
+		if strings.HasPrefix(v.GetRef().GetHandle(), "soak-") {
+			left = append(left, "volume "+v.GetRef().GetHandle()+" "+v.GetState())
+		}
+	}
+	for _, dir := range []string{"volumes/ci", "views"} {
+		entries, _ := os.ReadDir(filepath.Join(n.state, dir))
+		for _, e := range entries {
+			left = append(left, dir+"/"+e.Name())
+		}
+	}
+	mountinfo, err := os.ReadFile(strings.TrimSuffix(n.mountns, "ns/mnt") + "mountinfo")
+	if err != nil {
+		return append(left, "reading its mounts: "+err.Error())
+	}
+	for _, line := range strings.Split(string(mountinfo), "\n") {
+		if strings.Contains(line, "kubernetes.io~csi") || strings.Contains(line, "/cowvol/views/") {
+			left = append(left, "mount "+strings.Fields(line)[4])
+		}
+	}
+	return left
+}
+
+// report prints the soak's counts.
+func (s *soak) report(outcomes []soakOutcome, took time.Duration) {
+	var ok, failed, steps, attempts, retried int
+	for _, o := range outcomes {
+		if o.err == nil {
+			ok++
+		} else {
+			failed++
+		}
+		for _, r := range o.results {
+			steps++
+			attempts += r.Attempts
+			retried += r.Attempts - 1
+		}
+	}
+	var kinds []string
+	for k := range s.faults {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	var b strings.Builder
+	fmt.Fprintf(&b, "soak, %s on 3 real kubelets: 0 outputs lost or wrong, 0 attempts hung, nothing left on any node\n", took.Round(time.Second))
+	row := func(what string, n any) { fmt.Fprintf(&b, "  %-40s %v\n", what, n) }
+	row("builds", len(outcomes))
+	row("  ended right", ok)
+	row(fmt.Sprintf("  failed (a step failed %d times)", soakAttempts), failed)
+	row("steps", steps)
+	row("attempts", attempts)
+	row("  retries", retried)
+	total := 0
+	for _, k := range kinds {
+		total += s.faults[k]
+	}
+	row("faults", total)
+	for _, k := range kinds {
+		row("  "+k, s.faults[k])
+	}
+	row("volumes the GC found no build owned", len(s.collected))
+	row("GiB peers sent", fmt.Sprintf("%.1f", s.moved/(1<<30)))
+	report(s.f.t, b.String())
+}
