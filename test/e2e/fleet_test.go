@@ -24,6 +24,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/registry"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -45,6 +46,28 @@ type fleet struct {
 	hosts string
 	// helmValues are cowvol's install's.
 	helmValues map[string]any
+	// figures are what the scenarios measured, for the table TestFleet
+	// prints at its end.
+	figures [][2]string
+}
+
+// figure records a measurement for the fleet's table.
+func (f *fleet) figure(what string, value time.Duration) {
+	f.figures = append(f.figures, [2]string{what, value.Round(100 * time.Millisecond).String()})
+}
+
+// figureTable is the fleet's measurements as a table.
+func (f *fleet) figureTable() string {
+	width := 0
+	for _, r := range f.figures {
+		width = max(width, len(r[0]))
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "fleet figures (%d real kubelets, one run):\n", len(f.nodes))
+	for _, r := range f.figures {
+		fmt.Fprintf(&b, "  %-*s  %s\n", width, r[0], r[1])
+	}
+	return b.String()
 }
 
 // fleetNode is one of a fleet's nodes.
@@ -130,7 +153,9 @@ func (f *fleet) boot(n *fleetNode) {
 	// rules send them on to their pods.
 	run(f.t, "ip", "-n", n.netns, "route", "replace", serviceCIDR, "dev", "eth0")
 	first := n.containerd == ""
-	n.containerd = f.startRuntime(n.nodeHost, filepath.Join(n.dir, "cowvol-snapshotter.sock"))
+	// containerd finds the cowvol snapshotter where the chart's
+	// images.snapshotter.socketDir puts it (installCowvol).
+	n.containerd = f.startRuntime(n.nodeHost, filepath.Join(n.view, "snapshotter", "snapshotter.sock"))
 	if first {
 		f.importImagesInto(n.containerd)
 	}
@@ -314,6 +339,7 @@ func TestFleet(t *testing.T) {
 	// Last: the dead node's second return (its store wiped) leaves its
 	// registrar sidecar in crash-loop back-off for a minute or two.
 	f.fleetNodeDeath()
+	report(t, f.figureTable())
 	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
 		"and a pod on node-2 reached node-1's address over the bridge but not its loopback\n", len(f.nodes)))
 	f.deleteSteps("ci")
@@ -355,7 +381,10 @@ func (f *fleet) installCowvol() {
 		// kubelets have the credential provider (startKubeletOn).
 		"images": map[string]any{"registry": map[string]any{"enabled": true,
 			"credentialProviderBinDir": filepath.Join(view, "credential-providers"),
-			"containerdSocket":         filepath.Join(view, "containerd", "containerd.sock")}},
+			"containerdSocket":         filepath.Join(view, "containerd", "containerd.sock")},
+			// And on their volumes' own layers, through the snapshotter the
+			// nodes' containerd is configured for (boot).
+			"snapshotter": map[string]any{"enabled": true, "socketDir": filepath.Join(view, "snapshotter")}},
 	}
 	f.helm(helm, "install", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
 	// Pods are deleted while the plugins can still unpublish; before
@@ -518,9 +547,12 @@ func (f *fleet) fleetBuild() {
 		locs, err := f.cache.Lookup(ctx, ref)
 		return err == nil && len(locs) == 1 && len(locs[0].Nodes) == 2
 	})
+	nearStart, farStart := f.startedAfterBound("ci", "near"), f.startedAfterBound("ci", "far")
+	f.figure("200 MiB input: step placed next to it, bound to started", nearStart)
+	f.figure("200 MiB input: step on another node (lazy), bound to started", farStart)
 	report(t, fmt.Sprintf("fleet: a step placed by the Cache API next to its %d-file, 200 MiB input started %s after kube-scheduler bound it; "+
 		"one pinned to another node got the input from node-1 across the bridge and started %s after it was bound (whole seconds)\n",
-		files, f.startedAfterBound("ci", "near"), f.startedAfterBound("ci", "far")))
+		files, nearStart, farStart))
 }
 
 // fleetLargeInput: a get on node-1 captures 1 GiB in 50,000 files and a
@@ -548,11 +580,21 @@ func (f *fleet) fleetLargeInput() {
 	far := f.mustSucceed("ci", "big-far")
 	require.Equal(t, near, far, "the step on node-2 read node-1's bytes")
 	require.True(t, strings.HasPrefix(far, "hello\n") && strings.HasSuffix(far, fmt.Sprintf("\n%d\n", files)), "%q", far)
-	report(t, fmt.Sprintf("fleet, 1 GiB in %d files: the step next to its input started %s after it was bound; one on another node, "+
-		"getting it lazily across the bridge, %s (whole seconds); both read every byte alike and ran a program from it\n",
-		files, f.startedAfterBound("ci", "big-near"), f.startedAfterBound("ci", "big-far")))
-	f.deletePod("ci", "big-near")
-	f.deletePod("ci", "big-far")
+	// node-3's state dir is btrfs, whose views copy their layers: it
+	// pulls eagerly (--pull-mode auto), all of the input before the step
+	// starts.
+	f.createPodWith("ci", "big-eager", read, []podOpt{onNode("node-3")}, input)
+	require.Equal(t, near, f.mustSucceed("ci", "big-eager"), "the step on node-3 read node-1's bytes")
+	nearStart, lazyStart, eagerStart := f.startedAfterBound("ci", "big-near"), f.startedAfterBound("ci", "big-far"), f.startedAfterBound("ci", "big-eager")
+	report(t, fmt.Sprintf("fleet, 1 GiB in %d files: the step next to its input started %s after it was bound; one on another node "+
+		"getting it lazily across the bridge %s, and one getting it eagerly %s (whole seconds); each read every byte alike and ran a program from it\n",
+		files, nearStart, lazyStart, eagerStart))
+	f.figure("1 GiB input: step on its node, bound to started", nearStart)
+	f.figure("1 GiB input: step on another node, lazy pull (XFS), bound to started", lazyStart)
+	f.figure("1 GiB input: step on another node, eager pull (btrfs), bound to started", eagerStart)
+	for _, pod := range []string{"big-near", "big-far", "big-eager"} {
+		f.deletePod("ci", pod)
+	}
 	// Room for the scenarios that follow.
 	_, err = f.cache.Destroy(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
 	require.NoError(t, err)
@@ -560,7 +602,10 @@ func (f *fleet) fleetLargeInput() {
 
 // fleetStepImage: a get on node-1 leaves a rootfs-format image in a
 // volume; a task on node-3 runs on it, the kubelet pulling it from
-// node-3's loopback registry, which brings the volume from node-1.
+// node-3's loopback registry, which brings the volume from node-1. A task
+// on node-2 runs on it through the snapshotter (the RuntimeClass cowvol,
+// the image's :cowvol tag): node-2's plugin brings the volume from node-1,
+// and the container's layer is the volume, its blob never fetched.
 func (f *fleet) fleetStepImage() {
 	t := f.t
 	f.createPodWith("ci", "img-get", rootfsImageScript, []podOpt{onNode("node-1")},
@@ -573,8 +618,22 @@ func (f *fleet) fleetStepImage() {
 	took := time.Since(start)
 	require.Equal(t, "node-3", f.podOn("ci", "img-far"))
 	require.Contains(t, f.holders("ci", "fleet-img"), "node-3", "node-3's registry brought the image's volume")
-	report(t, fmt.Sprintf("fleet: a task on node-3 ran on a step image whose volume was on node-1 (node-3's loopback registry brought it): done %s after it was created\n",
-		took.Round(100*time.Millisecond)))
+
+	start = time.Now()
+	f.createPodWith("ci", "img-snap", rootfsImageTask, []podOpt{onNode("node-2"),
+		withImage(imageRegistry + "/ci/fleet-img:" + registry.RemoteTag), func(spec, _ map[string]any) { spec["runtimeClassName"] = "cowvol" }})
+	require.Equal(t, rootfsImageSays, f.mustSucceed("ci", "img-snap"))
+	snapTook := time.Since(start)
+	require.Contains(t, f.holders("ci", "fleet-img"), "node-2", "node-2's plugin brought the image's volume")
+	n2 := f.node("node-2")
+	out, err := exec.Command("ctr", "--address", n2.containerd, "-n", "k8s.io", "snapshots", "--snapshotter", "cowvol", "ls").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Greater(t, strings.Count(strings.TrimSpace(string(out)), "\n"), 0, "the container runs on the cowvol snapshotter: %s", out)
+	f.figure("step image from another node, loopback registry: created to done", took)
+	f.figure("step image from another node, snapshotter: created to done", snapTook)
+	report(t, fmt.Sprintf("fleet: tasks ran on a step image whose volume was on node-1: on node-3 through its loopback registry, done %s after it was created; "+
+		"on node-2 through the snapshotter (the volume is the container's layer), done %s after it was created\n",
+		took.Round(100*time.Millisecond), snapTook.Round(100*time.Millisecond)))
 }
 
 // schedulerBuild runs a build of seven steps over the fleet with the
@@ -769,6 +828,8 @@ func (f *fleet) fleetFailover() {
 	for _, r := range results {
 		require.Equal(t, 1, r.Attempts, "step %s ran once", r.Step)
 	}
+	f.figure("controller failover: leader pod deleted to another replica leading", led)
+	f.figure("controller failover: leader pod deleted to a complete view", complete)
 	report(t, fmt.Sprintf("fleet: the controller's leader deleted mid-build: another replica led after %s and its view was complete (3 nodes running, the volumes where they were) %s after the delete; "+
 		"the scheduler's client followed it and the %d-step build ended right, each step run once\n",
 		led.Round(100*time.Millisecond), complete.Round(100*time.Millisecond), len(steps)))
@@ -798,6 +859,7 @@ func (f *fleet) fleetUpgrade() {
 	for _, r := range results {
 		require.Equal(t, 1, r.Attempts, "step %s ran once", r.Step)
 	}
+	f.figure("helm upgrade: 3 nodes' plugins and 2 controller replicas rolled", rolled)
 	report(t, fmt.Sprintf("fleet: helm upgrade to a new image rolled 3 nodes' plugins and the controller's 2 replicas in %s during a %d-step build; no step failed or ran twice\n",
 		rolled.Round(100*time.Millisecond), len(steps)))
 }
@@ -920,6 +982,8 @@ func (f *fleet) fleetNodeDeath() {
 		return err == nil && strings.Contains(ready, driverName)
 	})
 	t.Logf("%s's plugin was registered again %s after it came back with a wiped store", victim.name, time.Since(rebooted).Round(time.Second))
+	f.figure("node killed: to the step reading from it failing", endedAfter)
+	f.figure("node killed: to the controller marking it stalled", stalledAfter)
 	report(t, fmt.Sprintf("fleet: %s killed (every process, link down) while a step on %s lazily read a 40 MiB input only it held: "+
 		"the step failed with EIO %s after the kill, the controller marked %s stalled after %s; back with its store it served again and the step's "+
 		"second attempt (on %s) read the right bytes; back with a wiped store its old volumes were forgotten\n",

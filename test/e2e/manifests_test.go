@@ -35,6 +35,20 @@ func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, e
 	return objects, nil
 }
 
+// renderSnapshotterComponent renders the base with the image registry's
+// and the image snapshotter's components.
+func renderSnapshotterComponent(t *testing.T) map[string]map[string]any {
+	t.Helper()
+	dir := t.TempDir()
+	writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
+		return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + ", " +
+			rel("deploy/csi/components/image-snapshotter") + "]\n"
+	})
+	got, err := renderKustomization(t, dir)
+	require.NoError(t, err)
+	return got
+}
+
 // renderChart renders deploy/helm/cowvol into namespace cowvol with
 // helm template, its values changed by args; it skips where make e2e did
 // not build helm.
@@ -255,13 +269,7 @@ func TestManifests(t *testing.T) {
 	})
 
 	t.Run("the image snapshotter adds its runtime class and socket to the image registry's node", func(t *testing.T) {
-		dir := t.TempDir()
-		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
-			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + ", " +
-				rel("deploy/csi/components/image-snapshotter") + "]\n"
-		})
-		got, err := renderKustomization(t, dir)
-		require.NoError(t, err)
+		got := renderSnapshotterComponent(t)
 		rc := got["RuntimeClass/cowvol"]
 		require.NotNil(t, rc)
 		require.Equal(t, "cowvol", rc["handler"], "the handler containerd's config names")
@@ -338,14 +346,7 @@ func TestManifests(t *testing.T) {
 
 	t.Run("the Helm chart's snapshotter is the component's", func(t *testing.T) {
 		got := renderChart(t, "--set", "images.registry.enabled=true", "--set", "images.snapshotter.enabled=true")
-		dir := t.TempDir()
-		writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
-			return "resources: [" + rel("deploy/csi") + "]\ncomponents: [" + rel("deploy/csi/components/image-registry") + ", " +
-				rel("deploy/csi/components/image-snapshotter") + "]\n"
-		})
-		component, err := renderKustomization(t, dir)
-		require.NoError(t, err)
-		require.Equal(t, component["RuntimeClass/cowvol"], got["RuntimeClass/cowvol"])
+		require.Equal(t, renderSnapshotterComponent(t)["RuntimeClass/cowvol"], got["RuntimeClass/cowvol"])
 		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
 		for _, want := range []string{"- --image-snapshotter-endpoint=unix:///run/cowvol/snapshotter.sock", "mountPath: /run/cowvol",
 			"path: /run/cowvol", "- --state-dir=/var/lib/cowvol", "mountPath: /var/lib/cowvol"} {
