@@ -100,7 +100,7 @@ type soak struct {
 	// sums come to; sums are those lines.
 	sum  string
 	sums []string
-	log *os.File
+	log  *os.File
 	// faults counts what was injected, by kind.
 	faults map[string]int
 	// undos are what injected faults leave to be put back, and when.
