@@ -55,7 +55,7 @@ func BenchmarkNodeCache(b *testing.B) {
 func benchEviction(b *testing.B) []row {
 	fs := testfs.Mount(b, testfs.XFS, 1<<30)
 	n := &node{b: b, p: plugintest.Start(b, plugintest.Config{StateDir: filepath.Join(fs, "state"), Backend: "overlay",
-		Args: []string{"--high-watermark=60", "--low-watermark=5"}})}
+		Args: []string{"--high-watermark=60", "--low-watermark=5", "--eviction-grace=0s"}})}
 	n.capture("", "hot", func(dir string) {
 		if err := os.WriteFile(filepath.Join(dir, "f"), []byte("hot"), 0o644); err != nil {
 			b.Fatal(err)

@@ -215,7 +215,9 @@ func stripRefs(refs []*nodev1.VolumeRef) []*nodev1.VolumeRef {
 // mark, and takes them again once space frees.
 func TestWatermarksThroughTheBinary(t *testing.T) {
 	state := testfs.Mount(t, testfs.Ext4, 96<<20)
-	e := newEnv(t, plugintest.Config{StateDir: state, Backend: "overlay", Args: []string{"--high-watermark=70", "--low-watermark=50"}})
+	// No eviction grace: the volumes are made a moment before the disk
+	// fills (TestEvictionGrace covers the grace).
+	e := newEnv(t, plugintest.Config{StateDir: state, Backend: "overlay", Args: []string{"--high-watermark=70", "--low-watermark=50", "--eviction-grace=0s"}})
 	api, ctx := e.p.NodeAPI, context.Background()
 	for i := range 4 {
 		e.step("", fmt.Sprintf("v%d", i), func(dir string) { write(t, dir, "blob", string(make([]byte, 8<<20))) })

@@ -724,8 +724,9 @@ func (c *cluster) startPlugin(extraArgs ...string) {
 			"--kubelet-registration-socket=" + filepath.Join(c.kubeletDir, "plugins_registry", driverName+"-reg.sock"),
 			"--controller-address=" + c.controllerAddr, "--peer-address=" + plugintest.FreeAddr(c.t),
 			// Low enough for the last scenario to cross without filling
-			// 6 GiB; the build never gets near it.
-			"--high-watermark=50", "--low-watermark=40"}, extraArgs...),
+			// 6 GiB; the build never gets near it. No eviction grace:
+			// that scenario evicts a volume made a moment before.
+			"--high-watermark=50", "--low-watermark=40", "--eviction-grace=0s"}, extraArgs...),
 	})
 }
 
