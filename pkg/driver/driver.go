@@ -125,7 +125,9 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		if events != nil {
 			d.nodeEvents = events
 			d.leader.unsettled = func() []string { return d.view.Unsettled(time.Now()) }
-			d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.StalledAfter) }
+			if opts.AwaitReportsFor > 0 {
+				d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.AwaitReportsFor) }
+			}
 			if err := followNodes(kubeCtx, deps.Kube, d.view); err != nil {
 				d.Close()
 				return nil, err

@@ -76,6 +76,7 @@ func TestOptionsValidate(t *testing.T) {
 		{"forget before stalled", func(o *Options) { o.StalledAfter, o.ForgetStalledAfter = time.Minute, time.Second }, "shorter"},
 		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
 		{"negative eviction grace", func(o *Options) { o.EvictionGrace = -time.Second }, "--eviction-grace"},
+		{"negative await for reports", func(o *Options) { o.AwaitReportsFor = -time.Second }, "--await-reports-for"},
 		{"peers on loopback", func(o *Options) { o.Peers.Address, o.Peers.Static = "127.0.0.1:7443", []string{"b=127.0.0.1:7444"} }, ""},
 		{"peer address off loopback without TLS", func(o *Options) { o.Peers.Address = "10.0.0.5:7443" }, "not a loopback address"},
 		{"static peer off loopback without TLS", func(o *Options) { o.Peers.Static = []string{"b=10.0.0.6:7443"} }, "not a loopback address"},

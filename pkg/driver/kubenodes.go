@@ -45,12 +45,12 @@ func followNodes(ctx context.Context, kube kubernetes.Interface, view *controlle
 	return nil
 }
 
-// awaitNodes has the view wait, for up to stalledAfter, for a whole
+// awaitNodes has the view wait, for up to awaitFor, for a whole
 // inventory from every node the plugin is registered on (its CSINode names
 // the driver): the view of a controller that begins to lead, or restarts,
 // has none of their volumes until they report. If the nodes cannot be
 // listed, nothing is waited for.
-func awaitNodes(ctx context.Context, kube kubernetes.Interface, view *controller.View, driverName string, stalledAfter time.Duration) {
+func awaitNodes(ctx context.Context, kube kubernetes.Interface, view *controller.View, driverName string, awaitFor time.Duration) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	csiNodes, err := kube.StorageV1().CSINodes().List(ctx, metav1.ListOptions{})
@@ -66,6 +66,6 @@ func awaitNodes(ctx context.Context, kube kubernetes.Interface, view *controller
 			}
 		}
 	}
-	view.AwaitReports(nodes, time.Now().Add(stalledAfter))
-	klog.InfoS("Waiting for the nodes' inventories before answering schedulers", "nodes", len(nodes), "atMost", stalledAfter)
+	view.AwaitReports(nodes, time.Now().Add(awaitFor))
+	klog.InfoS("Waiting for the nodes' inventories before answering schedulers", "nodes", len(nodes), "atMost", awaitFor)
 }

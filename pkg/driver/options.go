@@ -87,6 +87,10 @@ type Options struct {
 	// is left out of lookups and placement; ForgetStalledAfter, before the
 	// controller forgets it.
 	StalledAfter, ForgetStalledAfter time.Duration
+	// AwaitReportsFor bounds how long a controller that begins to lead (or
+	// starts) waits for the registered nodes' inventories before it
+	// answers the Cache API (0: it answers at once, from what reached it).
+	AwaitReportsFor time.Duration
 	// TokensFile (controller) lists the callers of the controller's APIs,
 	// "token,user,namespaces" a line; TokenFile (node) holds the token the
 	// node presents. TLSCertFile and TLSKeyFile serve the controller's APIs
@@ -122,7 +126,7 @@ func Defaults() Options {
 		Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: host, DriverName: DefaultDriverName, Version: "dev",
 		StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64, StopTimeout: 30 * time.Second,
 		KubeletDir: "/var/lib/kubelet", ImageRegistryAuth: registry.AuthRequired,
-		StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute,
+		StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, AwaitReportsFor: 30 * time.Second,
 		HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace,
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
@@ -191,6 +195,9 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		"controller mode: host:port to serve the Registry and Cache APIs on (plaintext on loopback only; else --tls-cert-file)")
 	fs.DurationVar(&o.StalledAfter, "stalled-after", o.StalledAfter,
 		"controller mode: a node silent this long is stalled: left out of lookups and placement")
+	fs.DurationVar(&o.AwaitReportsFor, "await-reports-for", o.AwaitReportsFor,
+		"controller mode: how long a replica that begins to lead (or a controller that starts) answers the Cache API Unavailable while "+
+			"the nodes the plugin is registered on have not all sent it their inventories (0: answer at once from what reached it)")
 	fs.DurationVar(&o.ForgetStalledAfter, "forget-stalled-after", o.ForgetStalledAfter,
 		"controller mode: a node silent this long is forgotten")
 	fs.StringVar(&o.TokensFile, "tokens-file", o.TokensFile,
@@ -393,6 +400,9 @@ func (o *Options) Validate() error {
 			if network, _, err := parseEndpoint(o.NodeAPIEndpoint); err != nil || network != "unix" {
 				errs = append(errs, fmt.Errorf("node API endpoint %q must be unix:///path: it has no authentication of its own", o.NodeAPIEndpoint))
 			}
+		}
+		if o.AwaitReportsFor < 0 {
+			errs = append(errs, fmt.Errorf("--await-reports-for %s is negative", o.AwaitReportsFor))
 		}
 		if o.EvictionGrace < 0 {
 			errs = append(errs, fmt.Errorf("--eviction-grace %s is negative", o.EvictionGrace))

@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/examples/scheduler"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -1006,8 +1007,14 @@ func (f *fleet) fleetDrain() {
 		return s == "landing" || s == "landed"
 	})
 	ref := cowvolume.Ref{Namespace: "ci", Handle: "drain-src"}
-	placed, err := f.cache.Place(ctx, ref)
-	require.NoError(t, err)
+	// The drain may have taken the controller's leader with it: a new
+	// one answers once the nodes have reported to it.
+	var placed []*controllerv1.NodePlacement
+	f.until("the controller to place a step", time.Minute, func() bool {
+		var err error
+		placed, err = f.cache.Place(ctx, ref)
+		return err == nil
+	})
 	for _, p := range placed {
 		require.NotEqual(t, "node-1", p.NodeId, "a step placed on a drained node")
 	}

@@ -68,7 +68,10 @@ func (c *cluster) kubeAuth() {
 	c.mustKubectl(kubeAuthRBAC, "apply", "-f", "-")
 	addr := fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(t))
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{
-		"--api-address=" + addr, "--kubeconfig=" + c.kubeconfig, "--node-id=ctl-kube-auth", "--kube-auth"}})
+		"--api-address=" + addr, "--kubeconfig=" + c.kubeconfig, "--node-id=ctl-kube-auth", "--kube-auth",
+		// The node's plugin reports to the cluster's controller, never to
+		// this one: it answers from the test's own reports at once.
+		"--await-reports-for=0s"}})
 	dial := func(token string) *client.Client {
 		cl, err := client.Dial(client.Options{Address: addr, Token: token})
 		require.NoError(t, err)

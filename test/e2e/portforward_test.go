@@ -38,7 +38,10 @@ func (c *cluster) controllerPod(name, lease string, port int) {
 				"command": []string{"/cowvol/bin/" + filepath.Base(bin), "--mode=controller", "--endpoint=unix:///tmp/csi.sock",
 					fmt.Sprintf("--api-address=127.0.0.1:%d", port), "--kubeconfig=/cowvol/kubeconfig/" + filepath.Base(c.kubeconfig),
 					"--leader-election", "--leader-election-namespace=cowvol", "--leader-election-lease=" + lease,
-					"--leader-election-identity=" + name},
+					"--leader-election-identity=" + name,
+					// The node's plugin reports elsewhere: answer from the
+					// test's own report at once.
+					"--await-reports-for=0s"},
 				"volumeMounts": []any{
 					map[string]any{"name": "bin", "mountPath": "/cowvol/bin", "readOnly": true},
 					map[string]any{"name": "kubeconfig", "mountPath": "/cowvol/kubeconfig", "readOnly": true},
