@@ -51,7 +51,7 @@ PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 TOOLS              := $(CURDIR)/bin/tools
 
-.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate
+.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate docs
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -146,6 +146,11 @@ bench: build
 
 demo: build
 	$(BIN) demo
+
+# docs/options.md and docs/metrics.md from the code (make test fails while
+# either is stale).
+docs:
+	$(GO) run ./hack/gendocs
 
 generate:
 	@command -v protoc >/dev/null || { echo "protoc is missing: apt-get install protobuf-compiler"; exit 1; }

@@ -61,10 +61,10 @@ func TestStack(t *testing.T) {
 	assert.Equal(t, []mount.Mount{{Type: "bind", Source: "/x"}}, stack([]mount.Mount{{Type: "bind", Source: "/x"}}, nil))
 }
 
-// TestREADMEConfig: the containerd config the README shows is the one the
-// e2e and the bench run.
-func TestREADMEConfig(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
+// TestDocumentedConfig: the containerd config docs/step-images.md shows is
+// the one the e2e and the bench run.
+func TestDocumentedConfig(t *testing.T) {
+	readme, err := os.ReadFile("../../docs/step-images.md")
 	require.NoError(t, err)
 	assert.Contains(t, string(readme), "```toml\n"+ContainerdConfig("/run/cowvol/snapshotter.sock", "linux/amd64")+"```\n")
 }

@@ -466,7 +466,7 @@ func (c *cluster) startRuntime(n nodeHost, snapshotterSocket string) string {
 	config := filepath.Join(dir, "config.toml")
 	// containerd 2's config schema (version 3): the CRI plugin's images and
 	// runtime halves are plugins of their own. The cowvol snapshotter and
-	// its runtime handler are as the README has a node configure them
+	// its runtime handler are as docs/step-images.md has a node configure them
 	// (the plugin serves the socket only where a test asks for it).
 	writeFile(c.t, config, fmt.Sprintf(`version = 3
 root = %q

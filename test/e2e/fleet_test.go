@@ -347,7 +347,7 @@ func TestFleet(t *testing.T) {
 }
 
 // installCowvol installs cowvol on the fleet with its Helm chart, as a
-// user does: the TLS Secrets made as the README says, the chart's
+// user does: the TLS Secrets made as docs/install.md says, the chart's
 // DaemonSet (with the upstream registrar) on every node and its
 // controller's two replicas electing a leader, the plugin's image (make
 // image's) in every node's runtime. What a cluster without a CNI needs

@@ -381,7 +381,7 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 // volume is freed and no snapshot is left.
 func (c *cluster) stepImagesOnSnapshotter() {
 	t := c.t
-	// The node's containerd is configured as the README says, and the
+	// The node's containerd is configured as docs/step-images.md says, and the
 	// check the plugin runs at start says so; it would say what is wrong.
 	missing, err := snapshotter.Check(context.Background(), c.containerd, c.snapshotter)
 	require.NoError(t, err)
