@@ -195,6 +195,15 @@ func TestMetrics(t *testing.T) {
 	} {
 		require.Contains(t, body, want)
 	}
+	// Every metric a plugin serves is in the generated reference.
+	docs, err := os.ReadFile("../docs/metrics.md")
+	require.NoError(t, err)
+	for _, line := range strings.Split(body, "\n") {
+		if name, ok := strings.CutPrefix(line, "# TYPE cowvol_"); ok {
+			name = "cowvol_" + strings.Fields(name)[0]
+			require.Contains(t, string(docs), "| `"+name+"` |", "docs/metrics.md lists %s", name)
+		}
+	}
 }
 
 // Profiles are served beside the metrics only when asked for
