@@ -214,11 +214,6 @@ var (
 
 var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket, imagesBucket}
 
-// schemaVersion is the metadata layout this code writes: 1 keys volumes by
-// namespace/handle, keeps their data under volumes/<namespace>/<handle>,
-// and indexes children and pins. Version 0 (no key) keyed them by handle
-// alone, under layers/<handle>.
-const schemaVersion = "1"
 
 // Store is the node's volume store. It is safe for concurrent use; bbolt
 // serialises writers.

@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	bolt "go.etcd.io/bbolt"
+	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -28,16 +30,47 @@ type v0Volume struct {
 	Owner  string `json:"owner,omitempty"`
 }
 
+// v1Volume is a schema 1 record: a creating volume named the step volume
+// that would be captured into it as its owner, before leases.
+type v1Volume struct {
+	Volume
+	Owner string `json:"owner,omitempty"`
+}
+
 type v0View struct {
 	View
 	Source string   `json:"source,omitempty"`
 	Pins   []string `json:"pins,omitempty"`
 }
 
+// migration brings a store at the schema before it up to schema. Each
+// commits its metadata changes and its schema in one transaction, after
+// any data it moves (each move a rename, redone or skipped on the next
+// run), so a migration cut short at any instant runs again from where the
+// store was.
+type migration struct {
+	schema  string
+	what    string
+	migrate func(*Store) error
+}
+
+// migrations are every schema the metadata has had, oldest first; the last
+// is what this code writes. Schema 0 is a store without a schema key. A
+// change to what a record or bucket means (a state an older plugin does not
+// know, a field read another way, a bucket an older plugin would not keep)
+// adds one here, so that an older plugin refuses the store instead of
+// misreading it.
+var migrations = []migration{
+	{schema: "1", what: "volumes keyed by namespace/handle, their data under volumes/<namespace>/<handle>", migrate: (*Store).migrateTo1},
+	{schema: "2", what: "leases own creating volumes; children and pins indexed; the destroying and filling states; " +
+		"failures, readOrders and images buckets", migrate: (*Store).migrateTo2},
+}
+
+// schemaVersion is the metadata layout this code writes.
+var schemaVersion = migrations[len(migrations)-1].schema
+
 // migrate brings metadata and data written by an older schema up to this
-// one. It is safe to cut short at any instant: the data dirs move first
-// (each move a rename, redone or skipped on the next run), and the metadata
-// changes in one transaction that also records the new schema.
+// one, one migration at a time.
 func (s *Store) migrate() error {
 	var version string
 	if err := s.db.View(func(tx *bolt.Tx) error {
@@ -46,16 +79,31 @@ func (s *Store) migrate() error {
 	}); err != nil {
 		return err
 	}
-	switch version {
-	case schemaVersion:
-		return nil
-	case "":
-		return s.migrateFrom0()
+	next := 0 // schema 0: every migration
+	if version != "" {
+		next = slices.IndexFunc(migrations, func(m migration) bool { return m.schema == version }) + 1
+		if next == 0 {
+			return fmt.Errorf("metadata schema %q is newer than this plugin understands (it knows up to %s): "+
+				"run the cowvol that wrote it, or a newer one", version, schemaVersion)
+		}
 	}
-	return fmt.Errorf("metadata schema %q is newer than this plugin understands (%s): run a newer cowvol", version, schemaVersion)
+	for _, m := range migrations[next:] {
+		if err := m.migrate(s); err != nil {
+			return fmt.Errorf("migrating metadata to schema %s (%s): %w", m.schema, m.what, err)
+		}
+		klog.InfoS("Migrated metadata", "dir", s.dir, "schema", m.schema, "change", m.what)
+	}
+	return nil
 }
 
-func (s *Store) migrateFrom0() error {
+// putSchema records the schema a migration's transaction brings the store to.
+func putSchema(tx *bolt.Tx, schema string) error {
+	return tx.Bucket(metaBucket).Put(schemaKey, []byte(schema))
+}
+
+// migrateTo1 moves schema 0's volumes, keyed by handle alone, under their
+// namespaces.
+func (s *Store) migrateTo1() error {
 	namespaces := map[string]string{} // handle → namespace
 	var vols []v0Volume
 	var views []v0View
@@ -140,7 +188,7 @@ func (s *Store) migrateFrom0() error {
 				}
 			}
 		}
-		return tx.Bucket(metaBucket).Put(schemaKey, []byte(schemaVersion))
+		return putSchema(tx, "1")
 	})
 	if err != nil {
 		return err
@@ -163,4 +211,58 @@ func moveDir(from, to string) error {
 		return nil
 	}
 	return err
+}
+
+// migrateTo2 gives creating volumes that schema 1 recorded with an owner a
+// lease, and rebuilds the children and pins indexes from the records: the
+// first schema 1 stores had neither index, and a reaper reading an empty
+// index would free a base under a child or a source under a step.
+func (s *Store) migrateTo2() error {
+	return s.db.Update(func(tx *bolt.Tx) error {
+		vb, wb := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
+		children, pins := tx.Bucket(childrenBucket), tx.Bucket(pinsBucket)
+		var leased []Volume
+		err := vb.ForEach(func(k, raw []byte) error {
+			var v v1Volume
+			if err := json.Unmarshal(raw, &v); err != nil {
+				// A record that does not decode is never served (see
+				// Recover); the migration leaves it as it is.
+				return nil
+			}
+			if !v.Base.IsZero() {
+				if err := children.Put(indexKey(v.Base.String(), v.Ref().String()), nil); err != nil {
+					return err
+				}
+			}
+			if v.Owner != "" && v.Lease.Kind == "" {
+				v.Volume.Lease = viewLease(v.Owner)
+				leased = append(leased, v.Volume)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		for _, v := range leased {
+			if err := putJSON(vb, key(v.Ref()), v); err != nil {
+				return err
+			}
+		}
+		err = wb.ForEach(func(k, raw []byte) error {
+			var v View
+			if err := json.Unmarshal(raw, &v); err != nil {
+				return nil
+			}
+			for _, p := range v.Pins {
+				if err := pins.Put(indexKey(p.String(), v.VolumeID), nil); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		return putSchema(tx, "2")
+	})
 }

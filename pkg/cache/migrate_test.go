@@ -2,8 +2,10 @@ package cache
 
 import (
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -98,6 +100,8 @@ func TestMigrationCutShortCompletes(t *testing.T) {
 	checkMigrated(t, s)
 }
 
+// A plugin older than its store refuses it, saying why, and leaves it as
+// it is for the plugin that wrote it.
 func TestNewerSchemaIsRefused(t *testing.T) {
 	dir := t.TempDir()
 	s, err := Open(dir)
@@ -105,5 +109,101 @@ func TestNewerSchemaIsRefused(t *testing.T) {
 	require.NoError(t, s.db.Update(func(tx *bolt.Tx) error { return tx.Bucket(metaBucket).Put(schemaKey, []byte("99")) }))
 	require.NoError(t, s.Close())
 	_, err = Open(dir)
-	require.ErrorContains(t, err, "newer")
+	require.ErrorContains(t, err, `metadata schema "99" is newer than this plugin understands (it knows up to `+schemaVersion+")")
+	require.Equal(t, "99", schemaOf(t, dir), "the refused store is untouched")
+}
+
+func schemaOf(t *testing.T, dir string) string {
+	t.Helper()
+	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, nil)
+	require.NoError(t, err)
+	defer db.Close()
+	var v string
+	require.NoError(t, db.View(func(tx *bolt.Tx) error { v = string(tx.Bucket(metaBucket).Get(schemaKey)); return nil }))
+	return v
+}
+
+// The migrations are ordered, one per schema, and a fresh store is written
+// at the last one's.
+func TestMigrationsAreOrdered(t *testing.T) {
+	for i, m := range migrations {
+		require.Equal(t, strconv.Itoa(i+1), m.schema, "migration %d", i)
+		require.NotEmpty(t, m.what)
+	}
+	dir := t.TempDir()
+	s, err := Open(dir)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	require.Equal(t, schemaVersion, schemaOf(t, dir))
+}
+
+// schema1 writes a state dir as the first schema 1 plugin left it: volumes
+// keyed by namespace/handle, a creating one naming its step volume as its
+// owner (before leases), and no children or pins index.
+func schema1(t *testing.T, dir string) {
+	t.Helper()
+	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, nil)
+	require.NoError(t, err)
+	defer db.Close()
+	put := func(b *bolt.Bucket, k string, v any) {
+		raw, err := json.Marshal(v)
+		require.NoError(t, err)
+		require.NoError(t, b.Put([]byte(k), raw))
+	}
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		vols, _ := tx.CreateBucket(volumesBucket)
+		views, _ := tx.CreateBucket(viewsBucket)
+		meta, _ := tx.CreateBucket(metaBucket)
+		put(vols, "ci/res", map[string]any{"namespace": "ci", "handle": "res", "layer": "l1", "state": "ready", "scope": "namespace", "synced": true})
+		put(vols, "ci/out", map[string]any{"namespace": "ci", "handle": "out", "parent": map[string]string{"namespace": "ci", "handle": "res"},
+			"base": map[string]string{"namespace": "ci", "handle": "res"}, "layer": "l2", "state": "ready", "scope": "namespace", "synced": true})
+		put(vols, "ci/next", map[string]any{"namespace": "ci", "handle": "next", "layer": "l3", "state": "creating", "scope": "namespace", "owner": "csi-2"})
+		put(views, "csi-1", map[string]any{"volumeID": "csi-1", "target": "/t1", "source": map[string]string{"namespace": "ci", "handle": "out"},
+			"pins": []map[string]string{{"namespace": "ci", "handle": "out"}, {"namespace": "ci", "handle": "res"}}, "state": "published",
+			"pod": map[string]string{"namespace": "ci"}})
+		put(views, "csi-2", map[string]any{"volumeID": "csi-2", "target": "/t2", "capture": "next", "state": "published",
+			"pod": map[string]string{"namespace": "ci"}})
+		return meta.Put(schemaKey, []byte("1"))
+	}))
+	for _, d := range []string{"volumes/ci/res/l1", "volumes/ci/out/l2"} {
+		require.NoError(t, os.MkdirAll(filepath.Join(dir, d), 0o755))
+	}
+}
+
+func TestMigrateFromSchema1(t *testing.T) {
+	dir := t.TempDir()
+	schema1(t, dir)
+	for range 2 { // and a migrated store opens as it is
+		s, err := Open(dir)
+		require.NoError(t, err)
+		next, err := s.Get(ref("ci", "next"))
+		require.NoError(t, err)
+		require.Equal(t, viewLease("csi-2"), next.Lease, "the owner became the lease that recovery keeps while its step volume lives")
+		require.Equal(t, Holders{Views: []string{"csi-1"}, Children: []volume.Ref{ref("ci", "out")}}, s.Holders(ref("ci", "res")),
+			"the indexes are built: the base under a child and the source under a step are held")
+		require.NoError(t, s.Close())
+		require.Equal(t, schemaVersion, schemaOf(t, dir))
+	}
+}
+
+// Each migration commits its own schema: a store stopped between two
+// migrations goes on from the one it reached.
+func TestMigrationStoppedBetweenSchemas(t *testing.T) {
+	dir := t.TempDir()
+	schema0(t, dir)
+	s, err := Open(dir)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	// Back to schema 1, as if the plugin had stopped after migrateTo1.
+	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		return errors.Join(tx.DeleteBucket(childrenBucket), tx.DeleteBucket(pinsBucket), putSchema(tx, "1"))
+	}))
+	require.NoError(t, db.Close())
+	s, err = Open(dir)
+	require.NoError(t, err)
+	checkMigrated(t, s)
+	require.NoError(t, s.Close())
+	require.Equal(t, schemaVersion, schemaOf(t, dir))
 }
