@@ -214,7 +214,6 @@ var (
 
 var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket, imagesBucket}
 
-
 // Store is the node's volume store. It is safe for concurrent use; bbolt
 // serialises writers.
 type Store struct {
