@@ -19,6 +19,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -79,14 +80,14 @@ func newNode(b *testing.B, stateDir, backend string) *node {
 		KubeletDir: stateDir + "-kubelet"})}
 }
 
-func (n *node) volume(attrs map[string]string, readOnly bool) driver.InlineVolume {
+func (n *node) volume(attrs map[string]string, readOnly bool) kubeletsim.InlineVolume {
 	n.n++
 	v := n.p.Volume("ci", fmt.Sprintf("pod-%d", n.n), "vol", attrs)
 	v.ReadOnly = readOnly
 	return v
 }
 
-func (n *node) timed(call func(driver.InlineVolume) error, v driver.InlineVolume) time.Duration {
+func (n *node) timed(call func(kubeletsim.InlineVolume) error, v kubeletsim.InlineVolume) time.Duration {
 	start := time.Now()
 	if err := call(v); err != nil {
 		n.b.Fatal(err)

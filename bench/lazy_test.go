@@ -14,6 +14,7 @@ import (
 	"time"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -103,7 +104,7 @@ func BenchmarkLazyPull(b *testing.B) {
 			// step's read order under its read profile first (a pull as
 			// lazy as the timed one, read as it is, then destroyed).
 			pullOn := func(mode string, profiled bool) publishFunc {
-				return func(read func(dir string)) (driver.InlineVolume, *node, time.Duration) {
+				return func(read func(dir string)) (kubeletsim.InlineVolume, *node, time.Duration) {
 					bns++
 					bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b",
 						StateDir: filepath.Join(diskB, fmt.Sprintf("b%d", bns)), Wrap: hostB.Command,
@@ -125,7 +126,7 @@ func BenchmarkLazyPull(b *testing.B) {
 			}
 			row("eager pull", pullOn("eager", false))
 			if !publishOnly {
-				row("local (on A)", func(func(string)) (driver.InlineVolume, *node, time.Duration) {
+				row("local (on A)", func(func(string)) (kubeletsim.InlineVolume, *node, time.Duration) {
 					v := a.volume(map[string]string{driver.AttrSource: handle}, true)
 					return v, a, a.timed(a.p.Publish, v)
 				})
@@ -183,7 +184,7 @@ const lazyRounds = 5
 // publishFunc publishes a step's volume of the input (having recorded
 // read's order first, where it records one) on a node, and says how long
 // the publish took.
-type publishFunc func(read func(dir string)) (driver.InlineVolume, *node, time.Duration)
+type publishFunc func(read func(dir string)) (kubeletsim.InlineVolume, *node, time.Duration)
 
 // recordReadOrder has a step read the source attrs name, lazily pulled,
 // as read does, so that the node records its read order; then the volume

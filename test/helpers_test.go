@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -59,30 +60,30 @@ func kubeletDir(t *testing.T) string {
 }
 
 // volume makes a new inline volume for a pretend pod in namespace "ci".
-func (e *env) volume(attrs map[string]string, readOnly bool) driver.InlineVolume {
+func (e *env) volume(attrs map[string]string, readOnly bool) kubeletsim.InlineVolume {
 	return e.volumeIn("ci", attrs, readOnly)
 }
 
 // volumeIn makes a new inline volume for a pretend pod in namespace ns.
-func (e *env) volumeIn(ns string, attrs map[string]string, readOnly bool) driver.InlineVolume {
+func (e *env) volumeIn(ns string, attrs map[string]string, readOnly bool) kubeletsim.InlineVolume {
 	e.n++
 	v := e.p.Volume(ns, fmt.Sprintf("pod-%d", e.n), "vol", attrs)
 	v.ReadOnly = readOnly
 	return v
 }
 
-func (e *env) publish(v driver.InlineVolume) error   { return e.p.Publish(v) }
-func (e *env) unpublish(v driver.InlineVolume) error { return e.p.Unpublish(v) }
+func (e *env) publish(v kubeletsim.InlineVolume) error   { return e.p.Publish(v) }
+func (e *env) unpublish(v kubeletsim.InlineVolume) error { return e.p.Unpublish(v) }
 
 // mount publishes a new volume and fails the test if that fails.
-func (e *env) mount(attrs map[string]string, readOnly bool) driver.InlineVolume {
+func (e *env) mount(attrs map[string]string, readOnly bool) kubeletsim.InlineVolume {
 	e.t.Helper()
 	v := e.volume(attrs, readOnly)
 	require.NoError(e.t, e.publish(v), "publishing %v", attrs)
 	return v
 }
 
-func (e *env) umount(v driver.InlineVolume) {
+func (e *env) umount(v kubeletsim.InlineVolume) {
 	e.t.Helper()
 	require.NoError(e.t, e.unpublish(v), "unpublishing %s", v.VolumeID)
 	_, err := os.Lstat(v.Target)

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -316,12 +317,12 @@ func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
 			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
 		}
 	})
-	pod := driver.NewPod("ci", "reader")
-	in := driver.NewInlineVolume(b.p.KubeletDir, pod, "in", map[string]string{driver.AttrSource: "src"})
+	pod := kubeletsim.NewPod("ci", "reader")
+	in := kubeletsim.NewInlineVolume(b.p.KubeletDir, pod, "in", map[string]string{driver.AttrSource: "src"})
 	in.ReadOnly = true
-	out := driver.NewInlineVolume(b.p.KubeletDir, pod, "out", map[string]string{driver.AttrCapture: "out"})
+	out := kubeletsim.NewInlineVolume(b.p.KubeletDir, pod, "out", map[string]string{driver.AttrCapture: "out"})
 	bystander := b.volume(map[string]string{driver.AttrCapture: "bystander"}, false)
-	for _, v := range []driver.InlineVolume{in, out} {
+	for _, v := range []kubeletsim.InlineVolume{in, out} {
 		require.NoError(t, os.MkdirAll(filepath.Dir(v.Target), 0o750))
 	}
 	require.NoError(t, b.publishWaiting(in))
@@ -333,11 +334,11 @@ func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
 	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
 	// A volume of the pod published only now (the kubelet retried it
 	// while the plugin was down): the step starts after it, over holes.
-	late := driver.NewInlineVolume(b.p.KubeletDir, pod, "late", map[string]string{driver.AttrCapture: "late"})
+	late := kubeletsim.NewInlineVolume(b.p.KubeletDir, pod, "late", map[string]string{driver.AttrCapture: "late"})
 	require.NoError(t, os.MkdirAll(filepath.Dir(late.Target), 0o750))
 	require.NoError(t, b.publish(late))
 	write(t, late.Target, "result", "built after the plugin came back, from holes")
-	for _, v := range []driver.InlineVolume{in, out, late, bystander} {
+	for _, v := range []kubeletsim.InlineVolume{in, out, late, bystander} {
 		b.umount(v)
 	}
 	require.Equal(t, "gone", volumeState(t, b, "out"), "the output of a step whose input may have read holes is not captured")

@@ -31,6 +31,7 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
@@ -125,7 +126,7 @@ func (f *peerFleet) holders(ns, handle string, want ...string) []string {
 // publishWaiting publishes v as the kubelet does, retrying while a pull is
 // under way (the answer is Unavailable with the pull's progress), and
 // returns the first other answer.
-func (e *env) publishWaiting(v driver.InlineVolume) error {
+func (e *env) publishWaiting(v kubeletsim.InlineVolume) error {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		err := e.publish(v)
@@ -225,7 +226,7 @@ func TestPullsBetweenNodes(t *testing.T) {
 		before := metricValue(t, a.env, servedOK)
 		var wg sync.WaitGroup
 		errs := make([]error, 4)
-		vols := make([]driver.InlineVolume, 4)
+		vols := make([]kubeletsim.InlineVolume, 4)
 		for i := range vols {
 			vols[i] = b.volume(map[string]string{driver.AttrSource: "popular"}, true)
 		}

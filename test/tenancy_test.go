@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -73,34 +74,34 @@ func TestTargetPaths(t *testing.T) {
 	mounted := func(p string) bool { return mountID(t, p) != 0 }
 	tests := []struct {
 		name     string
-		setup    func(t *testing.T, v driver.InlineVolume)
+		setup    func(t *testing.T, v kubeletsim.InlineVolume)
 		wantCode codes.Code
 	}{
-		{"the volume dir is a symlink", func(t *testing.T, v driver.InlineVolume) {
+		{"the volume dir is a symlink", func(t *testing.T, v kubeletsim.InlineVolume) {
 			dir := filepath.Dir(v.Target)
 			require.NoError(t, os.Remove(dir))
 			require.NoError(t, os.Symlink(victim, dir))
 		}, codes.FailedPrecondition},
-		{"the pod dir is a symlink", func(t *testing.T, v driver.InlineVolume) {
+		{"the pod dir is a symlink", func(t *testing.T, v kubeletsim.InlineVolume) {
 			pod := filepath.Dir(filepath.Dir(filepath.Dir(filepath.Dir(v.Target))))
 			require.NoError(t, os.RemoveAll(pod))
 			require.NoError(t, os.Symlink(victim, pod))
 		}, codes.FailedPrecondition},
-		{"the target is a symlink", func(t *testing.T, v driver.InlineVolume) {
+		{"the target is a symlink", func(t *testing.T, v kubeletsim.InlineVolume) {
 			require.NoError(t, os.Symlink(victim, v.Target))
 		}, codes.FailedPrecondition},
-		{"the target is not empty", func(t *testing.T, v driver.InlineVolume) {
+		{"the target is not empty", func(t *testing.T, v kubeletsim.InlineVolume) {
 			write(t, v.Target, "data", "someone's")
 		}, codes.FailedPrecondition},
-		{"the target is a file", func(t *testing.T, v driver.InlineVolume) {
+		{"the target is a file", func(t *testing.T, v kubeletsim.InlineVolume) {
 			require.NoError(t, os.WriteFile(v.Target, []byte("x"), 0o644))
 		}, codes.FailedPrecondition},
-		{"the target is someone's mount", func(t *testing.T, v driver.InlineVolume) {
+		{"the target is someone's mount", func(t *testing.T, v kubeletsim.InlineVolume) {
 			require.NoError(t, os.Mkdir(v.Target, 0o755))
 			require.NoError(t, unix.Mount("tmpfs", v.Target, "tmpfs", 0, "size=1m"))
 			t.Cleanup(func() { _ = unix.Unmount(v.Target, unix.MNT_DETACH) })
 		}, codes.FailedPrecondition},
-		{"the volume's dir is missing", func(t *testing.T, v driver.InlineVolume) {
+		{"the volume's dir is missing", func(t *testing.T, v kubeletsim.InlineVolume) {
 			require.NoError(t, os.Remove(filepath.Dir(v.Target)))
 		}, codes.FailedPrecondition},
 	}

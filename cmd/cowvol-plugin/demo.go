@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
@@ -100,7 +101,7 @@ type pipeline struct {
 // step publishes a volume for a pretend pod, lets body act as the pod's
 // container on the mounted path, then unpublishes it.
 func (p *pipeline) step(name string, attrs map[string]string, readOnly bool, body func(dir string) error) error {
-	v := driver.NewInlineVolume(p.kubeletDir, driver.NewPod("ci", name), "work", attrs)
+	v := kubeletsim.NewInlineVolume(p.kubeletDir, kubeletsim.NewPod("ci", name), "work", attrs)
 	v.ReadOnly = readOnly
 	// The kubelet makes the volume's dir; the plugin makes the target in it.
 	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {

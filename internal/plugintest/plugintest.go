@@ -23,7 +23,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
-	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/internal/kubeletsim"
 )
 
 var (
@@ -209,9 +209,9 @@ func (p *Plugin) start(extraEnv []string) {
 // Volume is the inline volume name of a new pod of namespace ns, laid out
 // under the plugin's kubelet dir with the volume's dir made, as the kubelet
 // does before it publishes.
-func (p *Plugin) Volume(ns, pod, name string, attrs map[string]string) driver.InlineVolume {
+func (p *Plugin) Volume(ns, pod, name string, attrs map[string]string) kubeletsim.InlineVolume {
 	p.tb.Helper()
-	v := driver.NewInlineVolume(p.KubeletDir, driver.NewPod(ns, pod), name, attrs)
+	v := kubeletsim.NewInlineVolume(p.KubeletDir, kubeletsim.NewPod(ns, pod), name, attrs)
 	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {
 		p.tb.Fatal(err)
 	}
@@ -226,13 +226,13 @@ var fastReconnect = grpc.WithConnectParams(grpc.ConnectParams{
 })
 
 // Publish makes the kubelet's NodePublishVolume call for v.
-func (p *Plugin) Publish(v driver.InlineVolume) error {
+func (p *Plugin) Publish(v kubeletsim.InlineVolume) error {
 	_, err := p.Node.NodePublishVolume(context.Background(), v.PublishRequest())
 	return err
 }
 
 // Unpublish makes the kubelet's NodeUnpublishVolume call for v.
-func (p *Plugin) Unpublish(v driver.InlineVolume) error {
+func (p *Plugin) Unpublish(v kubeletsim.InlineVolume) error {
 	_, err := p.Node.NodeUnpublishVolume(context.Background(), v.UnpublishRequest())
 	return err
 }

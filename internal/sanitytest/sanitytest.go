@@ -1,7 +1,7 @@
 // Package sanitytest runs csi-sanity (kubernetes-csi/csi-test/v5) against
 // the real plugin binary in one mode, with the specs cowvol cannot run
 // skipped, each for a written reason. Ginkgo runs its specs once per
-// process, so each mode is its own test package under sanity/. It is test
+// process, so each mode is its own test package under test/sanity/. It is test
 // support only and never imported by the plugin.
 package sanitytest
 

@@ -27,19 +27,9 @@ const (
 	AttrReadProfile     = volume.AttrReadProfile
 )
 
-// Keys the kubelet adds to an inline volume's context (podInfoOnMount).
-const (
-	ctxEphemeral      = "csi.storage.k8s.io/ephemeral"
-	ctxPodName        = "csi.storage.k8s.io/pod.name"
-	ctxPodNamespace   = "csi.storage.k8s.io/pod.namespace"
-	ctxPodUID         = "csi.storage.k8s.io/pod.uid"
-	ctxServiceAccount = "csi.storage.k8s.io/serviceAccount.name"
-	ctxSATokens       = "csi.storage.k8s.io/serviceAccount.tokens"
-)
-
 var kubeletKeys = map[string]bool{
-	ctxEphemeral: true, ctxPodName: true, ctxPodNamespace: true, ctxPodUID: true,
-	ctxServiceAccount: true, ctxSATokens: true,
+	volume.KeyEphemeral: true, volume.KeyPodName: true, volume.KeyPodNamespace: true, volume.KeyPodUID: true,
+	volume.KeyServiceAccount: true, volume.KeySATokens: true,
 }
 
 const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, readProfile, property.<key>"
@@ -132,17 +122,17 @@ func validateCapability(c *csi.VolumeCapability) (readOnly bool, err error) {
 // attribute is a typo that would otherwise silently change what the step
 // gets.
 func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
-	if vc[ctxEphemeral] != "true" {
-		return volumeRequest{}, noPodInfo(ctxEphemeral + `: "true"`)
+	if vc[volume.KeyEphemeral] != "true" {
+		return volumeRequest{}, noPodInfo(volume.KeyEphemeral + `: "true"`)
 	}
-	for _, k := range []string{ctxPodNamespace, ctxPodName, ctxPodUID} {
+	for _, k := range []string{volume.KeyPodNamespace, volume.KeyPodName, volume.KeyPodUID} {
 		if vc[k] == "" {
 			return volumeRequest{}, noPodInfo(k)
 		}
 	}
 	r := volumeRequest{
 		Scope: volume.ScopeNamespace,
-		Pod:   volume.Pod{Name: vc[ctxPodName], Namespace: vc[ctxPodNamespace], UID: vc[ctxPodUID]},
+		Pod:   volume.Pod{Name: vc[volume.KeyPodName], Namespace: vc[volume.KeyPodNamespace], UID: vc[volume.KeyPodUID]},
 	}
 	if err := r.Pod.Validate(); err != nil {
 		return r, invalid("the kubelet's pod info is malformed: %v", err)

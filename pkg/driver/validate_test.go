@@ -23,8 +23,8 @@ const testUID = "0b4a8c1e-3f2d-4c5b-9a6e-7d8f9a0b1c2d"
 // kubeletContext is what the kubelet sends for a pod of namespace ci, plus
 // the pod author's attributes.
 func kubeletContext(kv ...string) map[string]string {
-	vc := map[string]string{ctxEphemeral: "true", ctxPodNamespace: "ci", ctxPodName: "step-1", ctxPodUID: testUID,
-		ctxServiceAccount: "default"}
+	vc := map[string]string{volume.KeyEphemeral: "true", volume.KeyPodNamespace: "ci", volume.KeyPodName: "step-1", volume.KeyPodUID: testUID,
+		volume.KeyServiceAccount: "default"}
 	for i := 0; i < len(kv); i += 2 {
 		vc[kv[i]] = kv[i+1]
 	}
@@ -55,15 +55,15 @@ func TestParseVolumeContext(t *testing.T) {
 			volumeRequest{Capture: "out", SizeLimit: 10 << 20}},
 		{"a property of cowvol's own (a forged step result)", kubeletContext("capture", "out", "property."+volume.PropertyStepResult, "succeeded"),
 			codes.InvalidArgument, "reserved", volumeRequest{}},
-		{"no ephemeral key", without(kubeletContext(), ctxEphemeral), codes.FailedPrecondition, "podInfoOnMount: true", volumeRequest{}},
-		{"ephemeral false", kubeletContext(ctxEphemeral, "false"), codes.FailedPrecondition, "Ephemeral", volumeRequest{}},
-		{"no namespace", without(kubeletContext(), ctxPodNamespace), codes.FailedPrecondition, "pod.namespace", volumeRequest{}},
-		{"no pod name", without(kubeletContext(), ctxPodName), codes.FailedPrecondition, "pod.name", volumeRequest{}},
-		{"no pod UID", without(kubeletContext(), ctxPodUID), codes.FailedPrecondition, "pod.uid", volumeRequest{}},
-		{"forged namespace alone", map[string]string{ctxPodNamespace: "ci", "source": "res"}, codes.FailedPrecondition, "podInfoOnMount", volumeRequest{}},
-		{"bad namespace", kubeletContext(ctxPodNamespace, "CI/../x"), codes.InvalidArgument, "namespace", volumeRequest{}},
-		{"pod name with a newline", kubeletContext(ctxPodName, "a\nI1122 forged log line\x1b[31m"), codes.InvalidArgument, `\n`, volumeRequest{}},
-		{"bad UID", kubeletContext(ctxPodUID, "../../etc"), codes.InvalidArgument, "UID", volumeRequest{}},
+		{"no ephemeral key", without(kubeletContext(), volume.KeyEphemeral), codes.FailedPrecondition, "podInfoOnMount: true", volumeRequest{}},
+		{"ephemeral false", kubeletContext(volume.KeyEphemeral, "false"), codes.FailedPrecondition, "Ephemeral", volumeRequest{}},
+		{"no namespace", without(kubeletContext(), volume.KeyPodNamespace), codes.FailedPrecondition, "pod.namespace", volumeRequest{}},
+		{"no pod name", without(kubeletContext(), volume.KeyPodName), codes.FailedPrecondition, "pod.name", volumeRequest{}},
+		{"no pod UID", without(kubeletContext(), volume.KeyPodUID), codes.FailedPrecondition, "pod.uid", volumeRequest{}},
+		{"forged namespace alone", map[string]string{volume.KeyPodNamespace: "ci", "source": "res"}, codes.FailedPrecondition, "podInfoOnMount", volumeRequest{}},
+		{"bad namespace", kubeletContext(volume.KeyPodNamespace, "CI/../x"), codes.InvalidArgument, "namespace", volumeRequest{}},
+		{"pod name with a newline", kubeletContext(volume.KeyPodName, "a\nI1122 forged log line\x1b[31m"), codes.InvalidArgument, `\n`, volumeRequest{}},
+		{"bad UID", kubeletContext(volume.KeyPodUID, "../../etc"), codes.InvalidArgument, "UID", volumeRequest{}},
 		{"unknown attribute", kubeletContext("sorce", "x"), codes.InvalidArgument, knownKeys, volumeRequest{}},
 		{"bad source", kubeletContext("source", "../x"), codes.InvalidArgument, "source", volumeRequest{}},
 		{"bad source namespace", kubeletContext("source", "x", "sourceNamespace", "A_B"), codes.InvalidArgument, "sourceNamespace", volumeRequest{}},

@@ -33,6 +33,18 @@ const (
 	AttrReadProfile = "readProfile"
 )
 
+// Keys the kubelet adds to an inline volume's context when the CSIDriver
+// has podInfoOnMount: the only word on which pod (and namespace) a publish
+// is for.
+const (
+	KeyEphemeral      = "csi.storage.k8s.io/ephemeral"
+	KeyPodName        = "csi.storage.k8s.io/pod.name"
+	KeyPodNamespace   = "csi.storage.k8s.io/pod.namespace"
+	KeyPodUID         = "csi.storage.k8s.io/pod.uid"
+	KeyServiceAccount = "csi.storage.k8s.io/serviceAccount.name"
+	KeySATokens       = "csi.storage.k8s.io/serviceAccount.tokens"
+)
+
 // Properties cowvol sets itself, under a prefix a step may not use: a
 // scheduler can trust them.
 const (

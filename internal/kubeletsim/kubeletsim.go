@@ -1,4 +1,10 @@
-package driver
+// Package kubeletsim plays the kubelet's side of an inline CSI volume for
+// tests, benches and the demo: the pod identities the API server makes,
+// the volume IDs and target paths the kubelet derives, and the
+// NodePublishVolume and NodeUnpublishVolume calls it makes with the pod
+// info of podInfoOnMount. It knows the CSI wire and pkg/volume only; the
+// driver it drives is whoever answers those calls.
+package kubeletsim
 
 import (
 	"crypto/rand"
@@ -49,10 +55,10 @@ func (v InlineVolume) PublishRequest() *csi.NodePublishVolumeRequest {
 	if ctx == nil {
 		ctx = map[string]string{}
 	}
-	ctx[ctxEphemeral] = "true"
-	ctx[ctxPodNamespace] = v.Pod.Namespace
-	ctx[ctxPodName] = v.Pod.Name
-	ctx[ctxPodUID] = v.Pod.UID
+	ctx[volume.KeyEphemeral] = "true"
+	ctx[volume.KeyPodNamespace] = v.Pod.Namespace
+	ctx[volume.KeyPodName] = v.Pod.Name
+	ctx[volume.KeyPodUID] = v.Pod.UID
 	return &csi.NodePublishVolumeRequest{
 		VolumeId:   v.VolumeID,
 		TargetPath: v.Target,
