@@ -146,10 +146,11 @@ func TestSocketHandling(t *testing.T) {
 	p.Kill() // leaves the socket file behind
 	_, err = os.Stat(p.Sock)
 	require.NoError(t, err)
+	// Listening on a path a socket file holds fails (EADDRINUSE): a plugin
+	// that serves again removed the stale one.
 	p.Restart()
 	_, err = p.Identity.Probe(context.Background(), &csi.ProbeRequest{})
 	require.NoError(t, err)
-	require.Contains(t, p.Log(), "Removing stale socket")
 }
 
 func TestControllerMode(t *testing.T) {

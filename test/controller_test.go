@@ -2,15 +2,7 @@ package test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
-	"math/big"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -26,6 +18,7 @@ import (
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
@@ -297,32 +290,13 @@ func TestNodeLifecycleThroughTheController(t *testing.T) {
 	b.noLeaks(t)
 }
 
-// selfSigned writes a certificate for 127.0.0.1 that is its own CA.
-func selfSigned(t *testing.T, dir string) (cert, key string) {
-	t.Helper()
-	priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "cowvol-controller"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, IsCA: true, BasicConstraintsValid: true,
-		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &priv.PublicKey, priv)
-	require.NoError(t, err)
-	keyDER, err := x509.MarshalECPrivateKey(priv)
-	require.NoError(t, err)
-	cert, key = filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
-	require.NoError(t, os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600))
-	require.NoError(t, os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600))
-	return cert, key
-}
-
 // The controller's APIs over TLS with tokens: nothing without a token, a
 // namespace's scheduler sees its own volumes and what others shared,
 // cannot act on others' nor on nodes, and nodes report with theirs.
 func TestControllerAuthentication(t *testing.T) {
 	testfs.Need(t)
 	dir := t.TempDir()
-	cert, key := selfSigned(t, dir)
+	pki := netlab.NewPKI(t, filepath.Join(dir, "pki"), "cowvol-controller", "127.0.0.1")
 	tokens := filepath.Join(dir, "tokens")
 	require.NoError(t, os.WriteFile(tokens, []byte("# the controller's callers\n"+
 		"node-token-0123456789,system:cowvol-node,*\nadmin-token-0123456789,admin,*\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
@@ -330,14 +304,14 @@ func TestControllerAuthentication(t *testing.T) {
 	require.NoError(t, os.WriteFile(nodeToken, []byte("node-token-0123456789\n"), 0o600))
 	addr := plugintest.FreeAddr(t)
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr,
-		"--tls-cert-file=" + cert, "--tls-key-file=" + key, "--tokens-file=" + tokens}})
+		"--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens}})
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr,
-		"--tls-ca-file=" + cert, "--token-file=" + nodeToken}})
+		"--tls-ca-file=" + pki.CA, "--token-file=" + nodeToken}})
 	n.captureIn("ci", "mine", nil)
 	n.captureIn("other", "private", nil)
 	n.captureIn("other", "shared", map[string]string{"scope": "cluster"})
 
-	creds, err := credentials.NewClientTLSFromFile(cert, "")
+	creds, err := credentials.NewClientTLSFromFile(pki.CA, "")
 	require.NoError(t, err)
 	dial := func(tok string) controllerv1.CacheClient {
 		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}

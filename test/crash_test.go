@@ -19,22 +19,6 @@ import (
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
-// retry repeats a kubelet call until it succeeds, as the kubelet does.
-func retry(t *testing.T, what string, call func() error) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		err := call()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s kept failing: %v", what, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // noLeaks checks that nothing is mounted under the state dir or the pods'
 // dirs, and that no step volume dir or staging leftover remains.
 func (e *env) noLeaks(t *testing.T) {

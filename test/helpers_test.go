@@ -133,16 +133,32 @@ func absent(t *testing.T, root, name string) {
 	require.True(t, errors.Is(err, os.ErrNotExist), "%s should not exist in %s (err %v)", name, root, err)
 }
 
-// eventually retries cond until it holds or the time is up.
+// retry calls call until it succeeds, failing t with its last error after
+// a minute.
+func retry(t *testing.T, what string, call func() error) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := call()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s: %v", what, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// eventually waits up to a minute for cond.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
+	retry(t, what, func() error {
+		if cond() {
+			return nil
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return errors.New("not yet")
+	})
 }
 
 // mountID is the unique ID of the mount whose root path is, or 0 when path

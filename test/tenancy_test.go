@@ -288,7 +288,7 @@ func TestPoisonedViewDoesNotBrickTheNode(t *testing.T) {
 	eventually(t, "the quarantined view to be settled", func() bool {
 		return strings.Contains(scrape(t, e), "cowvol_quarantined_step_volumes 0")
 	})
-	require.False(t, strings.Contains(e.p.Log(), "panic"))
+	require.True(t, e.p.Running(), "the plugin settled the view and serves on")
 	require.Equal(t, "the step's", readFile(t, v.Target, "g"), "mounted again as the step left it")
 	retry(t, "publish", func() error { return e.publish(v) })
 	e.umount(v)

@@ -87,9 +87,8 @@ type Plugin struct {
 	apiConn *grpc.ClientConn
 
 	tb      testing.TB
-	cmd     *exec.Cmd
+	proc    *Process
 	log     *lockedBuffer
-	done    chan error
 	exitErr error
 }
 
@@ -158,18 +157,18 @@ func (p *Plugin) start(extraEnv []string) {
 	if p.Wrap != nil {
 		name, args = p.Wrap(name, args...)
 	}
-	p.cmd = exec.Command(name, args...)
-	p.cmd.Env = append(append(os.Environ(), p.Env...), extraEnv...)
+	cmd := exec.Command(name, args...)
+	cmd.Env = append(append(os.Environ(), p.Env...), extraEnv...)
 	if p.log == nil {
 		p.log = &lockedBuffer{}
 	}
 	fmt.Fprintf(p.log, "--- start %v\n", args)
-	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
-	if err := p.cmd.Start(); err != nil {
+	cmd.Stdout, cmd.Stderr = p.log, p.log
+	proc, err := StartProcess(cmd, nil)
+	if err != nil {
 		p.tb.Fatal(err)
 	}
-	p.done = make(chan error, 1)
-	go func(cmd *exec.Cmd, done chan error) { done <- cmd.Wait() }(p.cmd, p.done)
+	p.proc = proc
 	if p.Conn == nil {
 		conn, err := grpc.NewClient("unix://"+p.Sock, grpc.WithTransportCredentials(insecure.NewCredentials()),
 			fastReconnect)
@@ -193,11 +192,9 @@ func (p *Plugin) start(extraEnv []string) {
 		if err == nil {
 			return
 		}
-		select {
-		case err := <-p.done:
-			p.done <- err
-			p.tb.Fatalf("plugin exited at start-up: %v\n%s", err, p.log.String())
-		default:
+		if !p.proc.Running() {
+			exit, _ := p.proc.Wait(0)
+			p.tb.Fatalf("plugin exited at start-up: %v\n%s", exit, p.log.String())
 		}
 		if time.Now().After(deadline) {
 			p.tb.Fatalf("plugin did not answer Probe within 30s: %v\n%s", err, p.log.String())
@@ -238,42 +235,27 @@ func (p *Plugin) Unpublish(v kubeletsim.InlineVolume) error {
 }
 
 // PID is the running process's ID.
-func (p *Plugin) PID() int { return p.cmd.Process.Pid }
+func (p *Plugin) PID() int { return p.proc.PID() }
 
 // Log is what the plugin printed so far.
 func (p *Plugin) Log() string { return p.log.String() }
 
 // Running says whether the process is still alive.
-func (p *Plugin) Running() bool {
-	select {
-	case err := <-p.done:
-		p.done <- err
-		return false
-	default:
-		return true
-	}
-}
+func (p *Plugin) Running() bool { return p.proc.Running() }
 
 // Wait waits for the process to exit (on its own, at a crash point); it
 // fails only if the process is still running after timeout.
 func (p *Plugin) Wait(timeout time.Duration) error {
-	select {
-	case err := <-p.done:
-		p.done <- err
-		p.exitErr = err
-		return nil
-	case <-time.After(timeout):
-		return fmt.Errorf("plugin still running after %s", timeout)
+	exit, err := p.proc.Wait(timeout)
+	if err == nil {
+		p.exitErr = exit
 	}
+	return err
 }
 
 func (p *Plugin) signal(sig syscall.Signal) {
 	if p.Running() {
-		_ = p.cmd.Process.Signal(sig)
-		if err := p.Wait(60 * time.Second); err != nil {
-			_ = p.cmd.Process.Kill()
-			_ = p.Wait(10 * time.Second)
-		}
+		p.exitErr = p.proc.Stop(sig, 60*time.Second)
 	}
 }
 

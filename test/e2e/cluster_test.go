@@ -57,40 +57,14 @@ var kubeletSysctls = []string{"kernel/panic", "kernel/panic_on_oops", "vm/overco
 
 // proc is one process the harness runs, logging to a file.
 type proc struct {
+	*plugintest.Process
 	name string
-	cmd  *exec.Cmd
 	log  string
-	done chan error
 }
 
 func (p *proc) logText() string {
 	b, _ := os.ReadFile(p.log)
 	return string(b)
-}
-
-func (p *proc) running() bool {
-	select {
-	case err := <-p.done:
-		p.done <- err
-		return false
-	default:
-		return true
-	}
-}
-
-// stop sends sig and waits up to grace, then kills.
-func (p *proc) stop(sig syscall.Signal, grace time.Duration) {
-	if !p.running() {
-		return
-	}
-	_ = p.cmd.Process.Signal(sig)
-	select {
-	case err := <-p.done:
-		p.done <- err
-	case <-time.After(grace):
-		_ = p.cmd.Process.Kill()
-		<-p.done
-	}
 }
 
 type cluster struct {
@@ -148,21 +122,20 @@ func (c *cluster) startOn(n nodeHost, name string, env []string, args ...string)
 		// process is the program itself.
 		args = append(enter, args...)
 	}
-	p := &proc{name: name, log: filepath.Join(c.work, "logs", name+".log"), done: make(chan error, 1)}
+	p := &proc{name: name, log: filepath.Join(c.work, "logs", name+".log")}
 	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	p.cmd = exec.Command(args[0], args[1:]...)
-	p.cmd.Stdout, p.cmd.Stderr = f, f
-	p.cmd.Env = append(os.Environ(), env...)
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.Env = append(os.Environ(), env...)
 	// Its own process group, so that a test's ^C does not reach it
 	// before the harness has taken the cluster down in order.
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := p.cmd.Start(); err != nil {
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if p.Process, err = plugintest.StartProcess(cmd, func() { f.Close() }); err != nil {
 		c.t.Fatalf("starting %s: %v", name, err)
 	}
-	go func() { p.done <- p.cmd.Wait(); f.Close() }()
 	c.procs[name] = p
 	return p
 }
@@ -327,7 +300,7 @@ func (c *cluster) startEtcd() {
 	c.start("etcd", nil, "etcd", "--name=e2e", "--data-dir="+filepath.Join(dir, "data"),
 		"--listen-client-urls="+cu, "--advertise-client-urls="+cu,
 		"--listen-peer-urls="+pu, "--initial-advertise-peer-urls="+pu, "--initial-cluster=e2e="+pu)
-	c.procs["etcd"].cmd.Args = append(c.procs["etcd"].cmd.Args, cu) // remembered for the apiserver
+	c.procs["etcd"].Cmd.Args = append(c.procs["etcd"].Cmd.Args, cu) // remembered for the apiserver
 }
 
 // apiHost is the API server's address: loopback, or with nodes in network
@@ -358,7 +331,7 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 	writeFile(c.t, saKey, string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
 	tokens := filepath.Join(dir, "tokens.csv")
 	writeFile(c.t, tokens, adminToken+",admin,admin,system:masters\n")
-	etcdArgs := c.procs["etcd"].cmd.Args
+	etcdArgs := c.procs["etcd"].Cmd.Args
 	port := plugintest.FreePort(c.t)
 	c.apiPort = port
 	args := []string{filepath.Join(c.bin, "kube-apiserver"),
@@ -837,7 +810,7 @@ func pidsWhere(match func(cmdline string) bool) []int {
 func (c *cluster) stopAll(name string) {
 	for n, p := range c.procs {
 		if n == name || strings.HasPrefix(n, name+"-") {
-			p.stop(syscall.SIGTERM, 30*time.Second)
+			p.Stop(syscall.SIGTERM, 30*time.Second)
 		}
 	}
 }

@@ -172,11 +172,11 @@ func (f *fleet) boot(n *fleetNode) {
 func (f *fleet) kill(n *fleetNode) {
 	run(f.t, "ip", "-n", n.netns, "link", "set", "eth0", "down")
 	for _, name := range []string{"kubelet", "kube-proxy", "containerd"} {
-		f.procs[n.proc(name)].stop(syscall.SIGKILL, 10*time.Second)
+		f.procs[n.proc(name)].Stop(syscall.SIGKILL, 10*time.Second)
 	}
 	f.killShims(n.containerd)
 	killCgroupProcs(n.cgroupRoot)
-	f.procs[n.proc("mountns")].stop(syscall.SIGKILL, 10*time.Second)
+	f.procs[n.proc("mountns")].Stop(syscall.SIGKILL, 10*time.Second)
 }
 
 // revive brings a killed node back: its link up, and it boots from its
@@ -216,12 +216,12 @@ mount --make-rshared %[2]s
 mount --bind %[4]s /etc/hosts
 exec sleep infinity`, n.dir, n.view, n.state, f.hosts)
 	p := f.startOn(nodeHost{name: n.name, netns: n.netns}, n.proc("mountns"), nil, "unshare", "--mount", "--propagation", "private", "sh", "-c", script)
-	mountinfo := fmt.Sprintf("/proc/%d/mountinfo", p.cmd.Process.Pid)
+	mountinfo := fmt.Sprintf("/proc/%d/mountinfo", p.PID())
 	f.until(n.name+"'s mount namespace", 10*time.Second, func() bool {
 		b, err := os.ReadFile(mountinfo)
 		return err == nil && strings.Contains(string(b), " /etc/hosts ")
 	})
-	n.mountns = fmt.Sprintf("/proc/%d/ns/mnt", p.cmd.Process.Pid)
+	n.mountns = fmt.Sprintf("/proc/%d/ns/mnt", p.PID())
 }
 
 // startKubeProxy runs kube-proxy on the node, in iptables mode in the

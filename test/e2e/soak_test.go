@@ -398,7 +398,7 @@ func nodePluginPid(cgroupRoot string) int {
 // running on meanwhile.
 func (s *soak) restartKubelet() bool {
 	n := s.anyNode()
-	s.f.procs[n.proc("kubelet")].stop(syscall.SIGTERM, 10*time.Second)
+	s.f.procs[n.proc("kubelet")].Stop(syscall.SIGTERM, 10*time.Second)
 	s.f.startKubeletOn(n.nodeHost, n.containerd)
 	return true
 }
