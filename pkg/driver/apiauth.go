@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/concourse/cowvol/internal/tlsfiles"
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/controller"
 )
@@ -39,11 +40,11 @@ func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.
 		grpc.MaxRecvMsgSize(client.MaxMessage),
 	}
 	if o.TLSCertFile != "" {
-		creds, err := credentials.NewServerTLSFromFile(o.TLSCertFile, o.TLSKeyFile)
+		pair, err := tlsfiles.NewKeyPair(o.TLSCertFile, o.TLSKeyFile)
 		if err != nil {
 			return nil, fmt.Errorf("loading the controller's certificate: %w", err)
 		}
-		opts = append(opts, grpc.Creds(creds))
+		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsfiles.ServerConfig(pair, nil))))
 	}
 	return opts, nil
 }

@@ -2,14 +2,11 @@ package driver
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"io"
 	"net"
-	"os"
 	"strings"
 	"time"
 
@@ -19,6 +16,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/internal/tlsfiles"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -117,29 +115,30 @@ func (p *PeerOptions) validate(o *Options) []error {
 	return errs
 }
 
-// tlsConfigs are the peer link's two ends: the server demands a client
-// certificate signed by the CA, and the client checks the server's.
-func (p PeerOptions) tlsConfigs() (server, client *tls.Config, err error) {
+// peerTLS is the peer link's credentials: the server demands a client
+// certificate signed by the CA, and the client checks the server's. Both
+// read their files at each handshake, so a renewed Secret takes effect
+// without a restart.
+type peerTLS struct {
+	pair       *tlsfiles.KeyPair
+	ca         *tlsfiles.CA
+	serverName string
+}
+
+// loadTLS loads the peer certificates the options name (nil: none).
+func (p PeerOptions) loadTLS() (*peerTLS, error) {
 	if p.CertFile == "" {
-		return nil, nil, nil
+		return nil, nil
 	}
-	cert, err := tls.LoadX509KeyPair(p.CertFile, p.KeyFile)
+	pair, err := tlsfiles.NewKeyPair(p.CertFile, p.KeyFile)
 	if err != nil {
-		return nil, nil, fmt.Errorf("loading the peer certificate: %w", err)
+		return nil, fmt.Errorf("loading the peer certificate: %w", err)
 	}
-	pem, err := os.ReadFile(p.CAFile)
+	ca, err := tlsfiles.NewCA(p.CAFile)
 	if err != nil {
-		return nil, nil, fmt.Errorf("reading the peer CA: %w", err)
+		return nil, fmt.Errorf("reading the peer CA: %w", err)
 	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pem) {
-		return nil, nil, fmt.Errorf("the peer CA file %s holds no certificate", p.CAFile)
-	}
-	server = &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool,
-		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}
-	client = &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, ServerName: p.ServerName,
-		MinVersion: tls.VersionTLS13}
-	return server, client, nil
+	return &peerTLS{pair: pair, ca: ca, serverName: p.ServerName}, nil
 }
 
 // pulls says whether the node pulls sources it lacks: it knows peers,
@@ -166,20 +165,17 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 // dialer reaches peers' --peer-address: over mutual TLS where the options
 // give certificates, else in plaintext to loopback only.
 func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer, error), error) {
-	_, clientTLS, err := p.tlsConfigs()
+	peerTLS, err := p.loadTLS()
 	if err != nil {
 		return nil, err
 	}
-	creds := insecure.NewCredentials()
-	if clientTLS != nil {
-		creds = credentials.NewTLS(clientTLS)
-	}
 	return func(address string) (*streamer.Client, io.Closer, error) {
-		if clientTLS == nil {
+		creds := insecure.NewCredentials()
+		if peerTLS != nil {
+			creds = credentials.NewTLS(tlsfiles.ClientConfig(peerTLS.pair, peerTLS.ca, peerTLS.serverName))
+		} else if err := loopbackOnly(address); err != nil {
 			// Plaintext stays on this machine, whoever named the address.
-			if err := loopbackOnly(address); err != nil {
-				return nil, nil, fmt.Errorf("peer %s: %w", address, err)
-			}
+			return nil, nil, fmt.Errorf("peer %s: %w", address, err)
 		}
 		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds),
 			grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: peerKeepalive, Timeout: peerKeepaliveTimeout}),
@@ -215,15 +211,15 @@ const (
 // peerServer is the node's peer API server, with mutual TLS where the
 // options give certificates.
 func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
-	serverTLS, _, err := d.opts.Peers.tlsConfigs()
+	peerTLS, err := d.opts.Peers.loadTLS()
 	if err != nil {
 		return nil, err
 	}
 	opts := []grpc.ServerOption{grpc.InitialWindowSize(streamWindow), grpc.InitialConnWindowSize(streamWindow),
 		grpc.ReadBufferSize(streamBuffer), grpc.WriteBufferSize(streamBuffer),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: peerKeepalive / 2})}
-	if serverTLS != nil {
-		opts = append(opts, grpc.Creds(credentials.NewTLS(serverTLS)))
+	if peerTLS != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsfiles.ServerConfig(peerTLS.pair, peerTLS.ca))))
 	}
 	srv := grpc.NewServer(opts...)
 	lim := streamer.DefaultLimits
