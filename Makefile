@@ -51,7 +51,7 @@ PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 TOOLS              := $(CURDIR)/bin/tools
 
-.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate docs
+.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate docs manifests
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -146,6 +146,11 @@ bench: build
 
 demo: build
 	$(BIN) demo
+
+# The kustomize base from the Helm chart, cowvol's one install source (the
+# e2e's TestManifests fails while the checked-in base differs).
+manifests: $(HELM_BIN)
+	$(GO) run ./hack/update-kustomize -helm $(HELM_BIN)
 
 # docs/options.md and docs/metrics.md from the code (make test fails while
 # either is stale).

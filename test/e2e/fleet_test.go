@@ -367,11 +367,6 @@ func (f *fleet) installCowvol() {
 	pki := filepath.Join(f.work, "cowvol-pki")
 	ctl := netlab.NewPKI(t, filepath.Join(pki, "controller"), "cowvol-controller.cowvol.svc")
 	peer := netlab.NewPKI(t, filepath.Join(pki, "peer"), driver.DefaultPeerServerName)
-	f.mustKubectl("", "create", "namespace", "cowvol")
-	for name, p := range map[string]netlab.PKI{"cowvol-controller-tls": ctl, "cowvol-peer-tls": peer} {
-		f.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
-			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
-	}
 	view := fleetView(f.work)
 	f.helmValues = map[string]any{
 		"kubeletDir": filepath.Join(view, "kubelet"), "stateDir": filepath.Join(view, "cowvol"),
@@ -387,7 +382,13 @@ func (f *fleet) installCowvol() {
 			// nodes' containerd is configured for (boot).
 			"snapshotter": map[string]any{"enabled": true, "socketDir": filepath.Join(view, "snapshotter")}},
 	}
-	f.helm(helm, "install", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
+	// Helm makes the namespace; the Secrets may come after the install:
+	// the pods start once the kubelet can mount them.
+	f.helm(helm, "install", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol", "--create-namespace")
+	for name, p := range map[string]netlab.PKI{"cowvol-controller-tls": ctl, "cowvol-peer-tls": peer} {
+		f.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
+			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
+	}
 	// Pods are deleted while the plugins can still unpublish; before
 	// that, a failed run says what cowvol's pods saw.
 	t.Cleanup(func() { f.deletePods() })

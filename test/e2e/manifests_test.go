@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"maps"
 	"os"
 	"os/exec"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"sigs.k8s.io/yaml"
+
+	"github.com/concourse/cowvol/pkg/driver"
 )
 
 // renderKustomization renders the kustomization in dir with kubectl's own
@@ -54,11 +57,7 @@ func renderSnapshotterComponent(t *testing.T) map[string]map[string]any {
 // not build helm.
 func renderChart(t *testing.T, args ...string) map[string]map[string]any {
 	t.Helper()
-	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
-	if helm == "" {
-		t.Skip("COWVOL_E2E_HELM_BINARY is not set: make e2e builds helm (test/e2e/tools/helm)")
-	}
-	out, err := exec.Command(helm, append([]string{"template", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol"}, args...)...).CombinedOutput()
+	out, err := exec.Command(helmBinary(t), append([]string{"template", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol"}, args...)...).CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	objects := map[string]map[string]any{}
 	for _, doc := range strings.Split(string(out), "\n---\n") {
@@ -71,6 +70,24 @@ func renderChart(t *testing.T, args ...string) map[string]map[string]any {
 		objects[obj["kind"].(string)+"/"+meta["name"].(string)] = obj
 	}
 	return objects
+}
+
+// helmBinary is the helm make e2e builds; a test without it skips.
+func helmBinary(t *testing.T) string {
+	t.Helper()
+	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
+	if helm == "" {
+		t.Skip("COWVOL_E2E_HELM_BINARY is not set: make e2e builds helm (test/e2e/tools/helm)")
+	}
+	return helm
+}
+
+// chartRefusal is what helm template says when the chart refuses values.
+func chartRefusal(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(helmBinary(t), append([]string{"template", "cowvol", "../../deploy/helm/cowvol"}, args...)...).CombinedOutput()
+	require.Error(t, err, "the chart renders with %v", args)
+	return string(out)
 }
 
 type renderError struct{ out string }
@@ -285,6 +302,26 @@ func TestManifests(t *testing.T) {
 		require.Contains(t, string(node), "path: /var/lib/cowvol")
 	})
 
+	t.Run("the kustomize base is the chart's, as make manifests writes it", func(t *testing.T) {
+		out := t.TempDir()
+		cmd := exec.Command("go", "run", "./hack/update-kustomize", "-helm", helmBinary(t), "-out", out)
+		cmd.Dir = "../.."
+		msg, err := cmd.CombinedOutput()
+		require.NoError(t, err, "%s", msg)
+		want, err := os.ReadDir(out)
+		require.NoError(t, err)
+		have, err := os.ReadDir("../../deploy/csi/base")
+		require.NoError(t, err)
+		require.Len(t, have, len(want), "deploy/csi/base holds what make manifests writes, and nothing else")
+		for _, f := range want {
+			w, err := os.ReadFile(filepath.Join(out, f.Name()))
+			require.NoError(t, err)
+			h, err := os.ReadFile(filepath.Join("../../deploy/csi/base", f.Name()))
+			require.NoError(t, err, "run make manifests")
+			require.Equal(t, string(w), string(h), "deploy/csi/base/%s is stale: run make manifests", f.Name())
+		}
+	})
+
 	t.Run("the Helm chart with its defaults renders the base", func(t *testing.T) {
 		got := renderChart(t)
 		want := maps.Clone(base)
@@ -374,13 +411,68 @@ func TestManifests(t *testing.T) {
 	})
 
 	t.Run("the Helm chart's snapshotter needs its registry", func(t *testing.T) {
-		helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
-		if helm == "" {
-			t.Skip("COWVOL_E2E_HELM_BINARY is not set: make e2e builds helm (test/e2e/tools/helm)")
+		require.Contains(t, chartRefusal(t, "--set", "images.snapshotter.enabled=true"), "images.snapshotter.enabled needs images.registry.enabled")
+	})
+
+	t.Run("cert-manager makes the two Secrets the workloads mount, for the names they are reached by", func(t *testing.T) {
+		require.Contains(t, chartRefusal(t, "--set", "certManager.enabled=true"), "certManager.enabled needs certManager.issuerRef.name")
+		got := renderChart(t, "--set", "certManager.enabled=true", "--set", "certManager.issuerRef.name=cowvol-ca",
+			"--set", "controllerTLSSecret=ctl-tls", "--set", "peerTLSSecret=peer-tls")
+		ctl := got["Certificate/cowvol-controller"]["spec"].(map[string]any)
+		peer := got["Certificate/cowvol-peer"]["spec"].(map[string]any)
+		require.Equal(t, "ctl-tls", ctl["secretName"])
+		require.Equal(t, "peer-tls", peer["secretName"])
+		issuer := map[string]any{"name": "cowvol-ca", "kind": "Issuer", "group": "cert-manager.io"}
+		require.Equal(t, issuer, ctl["issuerRef"])
+		require.Equal(t, issuer, peer["issuerRef"])
+		// The nodes dial the controller by its Service's name, and peers
+		// verify each other by the peer name.
+		node := toYAML(t, got["DaemonSet/cowvol-node"])
+		for _, name := range ctl["dnsNames"].([]any) {
+			require.Contains(t, node, "--controller-address="+name.(string)+":")
 		}
-		out, err := exec.Command(helm, "template", "cowvol", "../../deploy/helm/cowvol", "--set", "images.snapshotter.enabled=true").CombinedOutput()
-		require.Error(t, err)
-		require.Contains(t, string(out), "images.snapshotter.enabled needs images.registry.enabled")
+		require.Equal(t, []any{driver.DefaultPeerServerName}, peer["dnsNames"])
+		require.Contains(t, peer["usages"], "client auth", "the peer certificate is presented by clients too")
+		require.Contains(t, node, "secretName: peer-tls")
+		require.Contains(t, toYAML(t, got["Deployment/cowvol-controller"]), "secretName: ctl-tls")
+	})
+
+	t.Run("monitoring scrapes every workload, alerts and draws only metrics cowvol serves", func(t *testing.T) {
+		got := renderChart(t, "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
+			"--set", "monitoring.grafanaDashboard.enabled=true", "--set", "monitoring.serviceMonitor.labels.release=prom")
+		sm := got["ServiceMonitor/cowvol"]
+		require.Equal(t, map[string]any{"release": "prom"}, sm["metadata"].(map[string]any)["labels"])
+		smSelector := sm["spec"].(map[string]any)["selector"].(map[string]any)["matchLabels"].(map[string]any)
+		for svc, workload := range map[string]string{"cowvol-node-metrics": "DaemonSet/cowvol-node", "cowvol-controller-metrics": "Deployment/cowvol-controller"} {
+			s := got["Service/"+svc]
+			require.NotNil(t, s, svc)
+			for k, v := range smSelector {
+				require.Equal(t, v, s["metadata"].(map[string]any)["labels"].(map[string]any)[k], "the ServiceMonitor selects %s", svc)
+			}
+			spec := s["spec"].(map[string]any)
+			podLabels := got[workload]["spec"].(map[string]any)["template"].(map[string]any)["metadata"].(map[string]any)["labels"].(map[string]any)
+			for k, v := range spec["selector"].(map[string]any) {
+				require.Equal(t, v, podLabels[k], "%s selects %s's pods", svc, workload)
+			}
+			require.Regexp(t, `containerPort: \d+\s+name: metrics`, toYAML(t, got[workload]), "%s's pods serve a port named metrics", workload)
+		}
+		served := servedMetrics(t)
+		rules := toYAML(t, got["PrometheusRule/cowvol"])
+		for _, alert := range []string{"CowvolNodeStalled", "CowvolCacheOverHighWatermark", "CowvolPullsFailing", "CowvolCapturesFailing"} {
+			require.Contains(t, rules, "alert: "+alert)
+		}
+		dashboard := got["ConfigMap/cowvol-grafana-dashboard"]["data"].(map[string]any)["cowvol.json"].(string)
+		var d struct{ Panels []any }
+		require.NoError(t, json.Unmarshal([]byte(dashboard), &d))
+		require.NotEmpty(t, d.Panels)
+		for what, text := range map[string]string{"the alerts": rules, "the dashboard": dashboard} {
+			names := regexp.MustCompile(`cowvol_[a-z_]+`).FindAllString(text, -1)
+			require.NotEmpty(t, names)
+			for _, n := range names {
+				base := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(n, "_bucket"), "_sum"), "_count")
+				require.True(t, served[base], "%s name %s, which no cowvol process serves (docs/metrics.md)", what, n)
+			}
+		}
 	})
 
 	t.Run("a settings file missing a key is refused", func(t *testing.T) {
@@ -390,4 +482,28 @@ func TestManifests(t *testing.T) {
 		require.Error(t, err)
 		require.Contains(t, err.Error(), "state-dir")
 	})
+}
+
+// toYAML is an object as YAML text, to look for what it says.
+func toYAML(t *testing.T, obj map[string]any) string {
+	t.Helper()
+	require.NotNil(t, obj)
+	b, err := yaml.Marshal(obj)
+	require.NoError(t, err)
+	return string(b)
+}
+
+// servedMetrics are the metrics docs/metrics.md lists, which hack/gendocs
+// generates from their definitions (and TestMetrics holds to what a plugin
+// serves).
+func servedMetrics(t *testing.T) map[string]bool {
+	t.Helper()
+	b, err := os.ReadFile("../../docs/metrics.md")
+	require.NoError(t, err)
+	served := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `(cowvol_[a-z_]+)`").FindAllStringSubmatch(string(b), -1) {
+		served[m[1]] = true
+	}
+	require.NotEmpty(t, served)
+	return served
 }
