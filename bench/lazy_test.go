@@ -19,6 +19,7 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // BenchmarkLazyPull: node B lacks a volume node A holds (50,000 files of
@@ -38,7 +39,7 @@ import (
 func BenchmarkLazyPull(b *testing.B) {
 	lab := netlab.New(b)
 	hostA, hostB := lab.Host("a"), lab.Host("b")
-	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), driver.DefaultPeerServerName)
+	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), plugin.DefaultPeerServerName)
 	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
 	peerA := net.JoinHostPort(hostA.IP, "7443")
 	prog, err := exec.LookPath("true")

@@ -27,6 +27,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/image"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // writeRootfsImage leaves an image in dir as registry-image's rootfs
@@ -227,7 +228,7 @@ func layerFiles(t *testing.T, img v1.Image) map[string]string {
 // the plugin refuses to serve it anywhere but on loopback.
 func TestImageRegistryIsLoopbackOnly(t *testing.T) {
 	for _, addr := range []string{"0.0.0.0:5000", ":5000", "10.0.0.1:5000"} {
-		o := driver.Defaults()
+		o := plugin.Defaults()
 		o.ImageRegistryAddress = addr
 		err := o.Validate()
 		require.Error(t, err, addr)

@@ -37,6 +37,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // peerFleet is a controller in the test's namespace and node plugins, each
@@ -66,7 +67,7 @@ func startPeerFleet(t *testing.T) *peerFleet {
 	lab := netlab.New(t)
 	dir := t.TempDir()
 	f := &peerFleet{t: t, lab: lab, nodes: map[string]*peerNode{},
-		pki:     netlab.NewPKI(t, filepath.Join(dir, "pki"), driver.DefaultPeerServerName, lab.Self),
+		pki:     netlab.NewPKI(t, filepath.Join(dir, "pki"), plugin.DefaultPeerServerName, lab.Self),
 		ctlAddr: net.JoinHostPort(lab.Self, strconv.Itoa(plugintest.FreePort(t)))}
 	tokens := filepath.Join(dir, "tokens")
 	require.NoError(t, os.WriteFile(tokens, []byte("node-token-0123456789,system:cowvol-node,*\n"), 0o600))
@@ -280,11 +281,11 @@ func TestPullsBetweenNodes(t *testing.T) {
 		require.True(t, pool.AppendCertsFromPEM(caPEM))
 		peerCert, err := tls.LoadX509KeyPair(f.pki.Cert, f.pki.Key)
 		require.NoError(t, err)
-		rogue := netlab.NewPKI(t, t.TempDir(), driver.DefaultPeerServerName)
+		rogue := netlab.NewPKI(t, t.TempDir(), plugin.DefaultPeerServerName)
 		rogueCert, err := tls.LoadX509KeyPair(rogue.Cert, rogue.Key)
 		require.NoError(t, err)
 		tlsWith := func(certs ...tls.Certificate) credentials.TransportCredentials {
-			return credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: driver.DefaultPeerServerName, Certificates: certs})
+			return credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: plugin.DefaultPeerServerName, Certificates: certs})
 		}
 		require.Error(t, ask(insecure.NewCredentials(), "ci", "ci", "base"), "plaintext")
 		require.Error(t, ask(tlsWith(), "ci", "ci", "base"), "no client certificate")

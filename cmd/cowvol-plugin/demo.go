@@ -18,6 +18,7 @@ import (
 	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // runDemo plays get → task → task through a real plugin on a unix socket,
@@ -40,10 +41,10 @@ func runDemo(args []string) error {
 	}
 	sock := filepath.Join(work, "csi.sock")
 	kubeletDir := filepath.Join(work, "kubelet")
-	opts := driver.Defaults()
+	opts := plugin.Defaults()
 	opts.Endpoint, opts.NodeID, opts.StateDir, opts.Backend, opts.Version, opts.KubeletDir =
 		"unix://"+sock, "demo-node", *stateDir, *backend, version, kubeletDir
-	d, err := driver.New(opts, driver.Deps{Mounter: overlay.NewSysMounter()})
+	d, err := plugin.New(opts, plugin.Deps{Mounter: overlay.NewSysMounter()})
 	if err != nil {
 		return err
 	}

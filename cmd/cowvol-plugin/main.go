@@ -13,8 +13,8 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -28,7 +28,7 @@ func main() {
 		}
 		return
 	}
-	opts := driver.Defaults()
+	opts := plugin.Defaults()
 	opts.Version = version
 	fs := flag.NewFlagSet("cowvol-plugin", flag.ExitOnError)
 	opts.AddFlags(fs)
@@ -47,12 +47,12 @@ func main() {
 	klog.Flush()
 }
 
-func run(opts driver.Options) error {
-	kube, err := driver.KubeClient(opts.Kubeconfig)
+func run(opts plugin.Options) error {
+	kube, err := plugin.KubeClient(opts.Kubeconfig)
 	if err != nil {
 		return err
 	}
-	d, err := driver.New(opts, driver.Deps{Mounter: overlay.NewSysMounter(), Kube: kube})
+	d, err := plugin.New(opts, plugin.Deps{Mounter: overlay.NewSysMounter(), Kube: kube})
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,6 @@
 // Command gendocs writes the reference pages that must never drift from the
 // code: docs/options.md from the plugin's flag definitions
-// (driver.Options.AddFlags) and docs/metrics.md from the metrics' definitions
+// (plugin.Options.AddFlags) and docs/metrics.md from the metrics' definitions
 // in pkg/ (their Prometheus options and descriptors, read from the source).
 // `make docs` runs it; its test fails when a checked-in page is stale.
 //

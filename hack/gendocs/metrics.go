@@ -201,7 +201,7 @@ func labelKeys(e ast.Expr) []string {
 
 // servedBy says which process serves a package's metrics.
 var servedBy = map[string]string{
-	"driver":     "every mode",
+	"plugin":     "every mode",
 	"node":       "node plugin",
 	"streamer":   "node plugin (peers)",
 	"registry":   "node plugin (image registry)",

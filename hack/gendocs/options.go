@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // optionsPage is docs/options.md: every flag AddFlags registers, with the
@@ -13,7 +13,7 @@ import (
 // on (its host name, its pod's name and namespace) are left out here; their
 // help says where they come from.
 func optionsPage() string {
-	opts := driver.Defaults()
+	opts := plugin.Defaults()
 	opts.NodeID = ""
 	opts.LeaderElection.Identity = ""
 	opts.LeaderElection.Namespace = ""

@@ -20,9 +20,9 @@ import (
 // the node engine, and maps the engine's answer to a gRPC code.
 type nodeService struct {
 	csi.UnimplementedNodeServer
-	nodeID    string
-	engine    *node.Engine
-	csiDriver *csiDriverGuard
+	nodeID string
+	engine *node.Engine
+	gate   PublishGate
 }
 
 func (n *nodeService) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
@@ -71,7 +71,7 @@ func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	if err != nil {
 		return nil, err
 	}
-	if problem := n.csiDriver.problem(); problem != "" {
+	if problem := n.gate.Refusal(); problem != "" {
 		return nil, status.Errorf(codes.FailedPrecondition, "refusing to publish: %s", problem)
 	}
 	vr, err := parseVolumeContext(req.GetVolumeContext())

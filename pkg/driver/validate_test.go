@@ -11,8 +11,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -127,35 +125,6 @@ func TestValidateCapability(t *testing.T) {
 			ro, err := validateCapability(tc.c)
 			require.Equal(t, tc.wantCode, status.Code(err), "err: %v", err)
 			require.Equal(t, tc.wantReadOnly, ro)
-		})
-	}
-}
-
-func TestCheckCSIDriver(t *testing.T) {
-	yes, no := true, false
-	driver := func(podInfo *bool, modes ...storagev1.VolumeLifecycleMode) *storagev1.CSIDriver {
-		return &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: DefaultDriverName},
-			Spec: storagev1.CSIDriverSpec{PodInfoOnMount: podInfo, VolumeLifecycleModes: modes}}
-	}
-	tests := []struct {
-		name, want string
-		d          *storagev1.CSIDriver
-	}{
-		{"right", "", driver(&yes, storagev1.VolumeLifecycleEphemeral)},
-		{"missing", "does not exist", nil},
-		{"podInfoOnMount unset", "podInfoOnMount", driver(nil, storagev1.VolumeLifecycleEphemeral)},
-		{"podInfoOnMount false", "podInfoOnMount", driver(&no, storagev1.VolumeLifecycleEphemeral)},
-		{"persistent", "volumeLifecycleModes", driver(&yes, storagev1.VolumeLifecyclePersistent)},
-		{"both modes", "volumeLifecycleModes", driver(&yes, storagev1.VolumeLifecycleEphemeral, storagev1.VolumeLifecyclePersistent)},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			got := checkCSIDriver(tc.d)
-			if tc.want == "" {
-				require.Empty(t, got)
-			} else {
-				require.Contains(t, got, tc.want)
-			}
 		})
 	}
 }

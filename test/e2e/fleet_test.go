@@ -24,7 +24,7 @@ import (
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
-	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/plugin"
 	"github.com/concourse/cowvol/pkg/registry"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
@@ -366,7 +366,7 @@ func (f *fleet) installCowvol() {
 	}
 	pki := filepath.Join(f.work, "cowvol-pki")
 	ctl := netlab.NewPKI(t, filepath.Join(pki, "controller"), "cowvol-controller.cowvol.svc")
-	peer := netlab.NewPKI(t, filepath.Join(pki, "peer"), driver.DefaultPeerServerName)
+	peer := netlab.NewPKI(t, filepath.Join(pki, "peer"), plugin.DefaultPeerServerName)
 	view := fleetView(f.work)
 	f.helmValues = map[string]any{
 		"kubeletDir": filepath.Join(view, "kubelet"), "stateDir": filepath.Join(view, "cowvol"),
@@ -470,7 +470,7 @@ func (f *fleet) waitFleetInstalled(tag string) {
 		// The Service's one endpoint is the leader's pod, which the
 		// Lease names.
 		leader := f.leader()
-		out, err = f.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-controller,"+driver.LeaderLabel+"=true", "-o", "jsonpath={.items[*].metadata.name}")
+		out, err = f.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-controller,"+plugin.LeaderLabel+"=true", "-o", "jsonpath={.items[*].metadata.name}")
 		return err == nil && leader != "" && out == leader
 	})
 }

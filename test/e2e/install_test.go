@@ -19,8 +19,8 @@ import (
 
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/ociimage"
-	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // pluginImageRuns runs the plugin's image, as make image builds it without
@@ -251,7 +251,7 @@ func TestInstall(t *testing.T) {
 	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml")
 	certs := filepath.Join(c.work, "certs")
 	ctl := netlab.NewPKI(t, filepath.Join(certs, "controller"), "cowvol-controller.cowvol.svc", "127.0.0.1")
-	peer := netlab.NewPKI(t, filepath.Join(certs, "peer"), driver.DefaultPeerServerName)
+	peer := netlab.NewPKI(t, filepath.Join(certs, "peer"), plugin.DefaultPeerServerName)
 	c.createInstallSecrets(ctl, peer)
 	// This node has no CNI (its pods use the host's network), so it never
 	// turns Ready and keeps the not-ready taint the kubelet registers it

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"sigs.k8s.io/yaml"
 
-	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // renderKustomization renders the kustomization in dir with kubectl's own
@@ -431,7 +431,7 @@ func TestManifests(t *testing.T) {
 		for _, name := range ctl["dnsNames"].([]any) {
 			require.Contains(t, node, "--controller-address="+name.(string)+":")
 		}
-		require.Equal(t, []any{driver.DefaultPeerServerName}, peer["dnsNames"])
+		require.Equal(t, []any{plugin.DefaultPeerServerName}, peer["dnsNames"])
 		require.Contains(t, peer["usages"], "client auth", "the peer certificate is presented by clients too")
 		require.Contains(t, node, "secretName: peer-tls")
 		require.Contains(t, toYAML(t, got["Deployment/cowvol-controller"]), "secretName: ctl-tls")

@@ -1,4 +1,4 @@
-package driver
+package plugin
 
 import (
 	"errors"
@@ -13,6 +13,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/resource"
 
+	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/registry"
@@ -123,7 +124,7 @@ type Options struct {
 func Defaults() Options {
 	host, _ := os.Hostname()
 	return Options{
-		Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: host, DriverName: DefaultDriverName, Version: "dev",
+		Endpoint: "unix:///csi/csi.sock", Mode: ModeNode, NodeID: host, DriverName: driver.DefaultDriverName, Version: "dev",
 		StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64, StopTimeout: 30 * time.Second,
 		KubeletDir: "/var/lib/kubelet", ImageRegistryAuth: registry.AuthRequired,
 		StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, AwaitReportsFor: 30 * time.Second,

@@ -1,4 +1,4 @@
-package driver
+package plugin
 
 import (
 	"flag"
@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/pkg/driver"
 )
 
 // elect turns leader election on, with the Lease's namespace and this
@@ -146,7 +148,7 @@ func TestOptionsValidate(t *testing.T) {
 			err := o.Validate()
 			if tc.wantErr == "" {
 				require.NoError(t, err)
-				require.Equal(t, DefaultDriverName, o.DriverName)
+				require.Equal(t, driver.DefaultDriverName, o.DriverName)
 				return
 			}
 			require.ErrorContains(t, err, tc.wantErr)

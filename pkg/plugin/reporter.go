@@ -1,4 +1,4 @@
-package driver
+package plugin
 
 import (
 	"context"
@@ -143,13 +143,17 @@ func (r *reporter) obey(resp *controllerv1.ReportResponse) {
 	}
 }
 
+// inventoryPage is how many volumes the reporter reads from the engine at
+// a time, as the node API's largest page.
+const inventoryPage = 5000
+
 // inventory is every cached volume the node holds (destroyed ones are gone
 // as far as anyone else is concerned).
 func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, error) {
 	inv := map[volume.Ref]*controllerv1.VolumeSummary{}
 	after := ""
 	for {
-		vols, next, _, err := r.engine.Volumes(node.Query{After: after, Limit: maxPageSize})
+		vols, next, _, err := r.engine.Volumes(node.Query{After: after, Limit: inventoryPage})
 		if err != nil {
 			return nil, err
 		}

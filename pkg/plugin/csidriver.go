@@ -1,4 +1,4 @@
-package driver
+package plugin
 
 import (
 	"context"
@@ -99,7 +99,7 @@ func (g *csiDriverGuard) set(problem string) {
 // problem says why publishes are refused now ("" when they are not). A node
 // without an API server has no guard: the operator vouches for the
 // CSIDriver object.
-func (g *csiDriverGuard) problem() string {
+func (g *csiDriverGuard) Refusal() string {
 	if g == nil {
 		return ""
 	}

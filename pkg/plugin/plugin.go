@@ -1,0 +1,544 @@
+// Package plugin is cowvol-plugin's composition root: the options, grouped
+// by component and validated once; the node engine, the controller's view
+// and the CSI services (package driver) the mode asks for, built around
+// them; the peer, image, node-API and metrics servers; the glue to the
+// API server (Events, step pods, the CSIDriver check, leader election,
+// the callers' authentication) and to the controller (the node's
+// reports); and the runners that serve them until the process stops.
+// Nothing imports it but the binaries and the tests that drive them; it
+// never touches a volume itself.
+package plugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"os"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/node"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/streamer"
+)
+
+// Mode says which CSI services a plugin process serves.
+type Mode string
+
+const (
+	ModeNode       Mode = "node"
+	ModeController Mode = "controller"
+	ModeAll        Mode = "all"
+)
+
+// Driver is one plugin process: the services its mode asks for.
+type Driver struct {
+	opts       Options
+	identity   csi.IdentityServer
+	node       csi.NodeServer
+	controller csi.ControllerServer
+	metrics    *metrics
+	store      *cache.Store
+	engine     *node.Engine
+	// view is the controller's picture of the nodes' caches.
+	view       *controller.View
+	ctlMetrics *controller.Metrics
+	nodeEvents controller.NodeEvents
+	// leader says whether this controller replica serves.
+	leader *leadership
+	// ctlConn (node mode) reaches the controller: reports and lookups.
+	ctlConn *grpc.ClientConn
+	// peerMetrics count what the node streams to its peers.
+	peerMetrics *streamer.Metrics
+	// podEvents (node mode) go on step pods and this node's Node object.
+	podEvents node.PodEvents
+	// imageMetrics count what the node's image registry serves.
+	imageMetrics *registry.Metrics
+	kube         kubernetes.Interface
+	// stopKube ends the API server watches and the event sender.
+	stopKube context.CancelFunc
+}
+
+// Deps are what a driver works through, built by its caller.
+type Deps struct {
+	Mounter overlay.Mounter
+	// Kube reaches the API server; nil when none is configured.
+	Kube kubernetes.Interface
+}
+
+// New builds a driver. In node mode it opens the state dir, picks the COW
+// backend, checks the CSIDriver object (with an API server) and recovers
+// whatever a previous process left, before any RPC is served.
+func New(opts Options, deps Deps) (*Driver, error) {
+	if err := opts.Validate(); err != nil {
+		return nil, err
+	}
+	d := &Driver{opts: opts, metrics: newMetrics(), kube: deps.Kube}
+	if deps.Kube == nil && (opts.LeaderElection.Enabled || opts.KubeAuth) {
+		return nil, errors.New("--leader-election and --kube-auth need an API server (--kubeconfig, or run in a pod)")
+	}
+	if deps.Kube == nil && opts.ImageRegistryAddress != "" && opts.ImageRegistryAuth == registry.AuthRequired {
+		return nil, fmt.Errorf("--image-registry-auth=%s needs an API server to review pulls' tokens (--kubeconfig, or run in a pod); "+
+			"--image-registry-auth=%s serves pulls without credentials", registry.AuthRequired, registry.AuthGrace)
+	}
+	d.identity = driver.NewIdentity(opts.DriverName, opts.Version, opts.Mode != ModeNode)
+	// One event sender and one context for every API server watch.
+	var events *kubeEvents
+	kubeCtx := context.Background()
+	if deps.Kube != nil {
+		var cancel context.CancelFunc
+		kubeCtx, cancel = context.WithCancel(context.Background())
+		d.stopKube = cancel
+		events = newKubeEvents(deps.Kube, opts.DriverName, opts.NodeID)
+		go events.run(kubeCtx)
+	} else {
+		klog.InfoS("No API server configured (--kubeconfig, or run in a pod): no Kubernetes Events, and the CSIDriver object is not checked")
+	}
+	if opts.Mode != ModeNode {
+		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
+		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod}
+		d.leader.leading.Store(!opts.LeaderElection.Enabled)
+		d.controller = driver.NewController(d.view)
+		d.ctlMetrics = controller.NewMetrics(d.view)
+		d.metrics.registry.MustRegister(d.ctlMetrics.Collectors()...)
+		d.nodeEvents = noNodeEvents{}
+		if events != nil {
+			d.nodeEvents = events
+			d.leader.unsettled = func() []string { return d.view.Unsettled(time.Now()) }
+			if opts.AwaitReportsFor > 0 {
+				d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.AwaitReportsFor) }
+			}
+			if err := followNodes(kubeCtx, deps.Kube, d.view); err != nil {
+				d.Close()
+				return nil, err
+			}
+		}
+	}
+	if opts.Mode != ModeController {
+		if err := d.startNode(kubeCtx, deps, events); err != nil {
+			d.Close()
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// startNode opens the store, checks the CSIDriver object (with an API
+// server) and starts the node engine, which recovers what a previous
+// process left.
+func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvents) error {
+	store, err := cache.Open(d.opts.StateDir)
+	if err != nil {
+		return err
+	}
+	d.store = store
+	var events node.PodEvents = node.NoEvents{}
+	var guard *csiDriverGuard
+	if deps.Kube != nil {
+		if guard, err = watchCSIDriver(kubeCtx, deps.Kube, d.opts.DriverName); err != nil {
+			return err
+		}
+		events = sender
+	}
+	cfg := d.opts.engineConfig()
+	if deps.Kube != nil {
+		cfg.Pods = watchPods(kubeCtx, deps.Kube, d.opts.NodeID)
+	}
+	if d.opts.ControllerAddress != "" {
+		dial, err := controllerDialOptions(d.opts)
+		if err != nil {
+			return err
+		}
+		if d.ctlConn, err = grpc.NewClient(d.opts.ControllerAddress, dial...); err != nil {
+			return fmt.Errorf("reaching the controller: %w", err)
+		}
+	}
+	if d.opts.pulls() {
+		var ctl grpc.ClientConnInterface
+		if d.ctlConn != nil {
+			ctl = d.ctlConn
+		}
+		if cfg.Pulls, err = d.opts.pullConfig(ctl); err != nil {
+			return err
+		}
+	}
+	d.podEvents = events
+	if d.engine, err = node.New(cfg, store, deps.Mounter, events); err != nil {
+		return err
+	}
+	d.peerMetrics = streamer.NewMetrics()
+	d.metrics.registry.MustRegister(d.peerMetrics.Collectors()...)
+	d.metrics.registry.MustRegister(d.engine.Collectors()...)
+	d.imageMetrics = registry.NewMetrics()
+	d.metrics.registry.MustRegister(d.imageMetrics.Collectors()...)
+	d.node = driver.NewNode(d.opts.NodeID, d.engine, guard)
+	return nil
+}
+
+// Backend says which COW backend the node engine runs ("" without one).
+func (d *Driver) Backend() overlay.Kind {
+	if d.engine == nil {
+		return ""
+	}
+	return d.engine.Backend()
+}
+
+// Run serves until ctx is done, then stops gracefully: RPCs in flight finish
+// (up to StopTimeout), background work is cancelled and cleans up after
+// itself, and the socket is removed. Every server the mode asks for is
+// started first, each binding what it serves: one that cannot start stops
+// the plugin before any serves, and one that stops serving stops the others,
+// so the process exits with its error instead of running half.
+func (d *Driver) Run(ctx context.Context) error {
+	defer d.Close()
+	runners, err := d.runners()
+	if err != nil {
+		return err
+	}
+	for i, r := range runners {
+		if err := r.start(); err != nil {
+			for _, started := range runners[:i] {
+				started.abort()
+			}
+			return fmt.Errorf("%s: %w", r.name, err)
+		}
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	for _, r := range runners {
+		g.Go(func() error { return r.run(gctx) })
+	}
+	return g.Wait()
+}
+
+// runner is one server or loop of a plugin. start binds what it serves;
+// run serves until ctx ends (nil) or it fails; abort releases what start
+// bound when a later runner cannot start.
+type runner struct {
+	name  string
+	start func() error
+	run   func(ctx context.Context) error
+	abort func()
+}
+
+// logged logs msg with kv once r has started.
+func logged(r runner, msg string, kv ...any) runner {
+	start := r.start
+	r.start = func() error {
+		if err := start(); err != nil {
+			return err
+		}
+		klog.InfoS(msg, kv...)
+		return nil
+	}
+	return r
+}
+
+// loopRunner runs a loop that needs nothing bound.
+func loopRunner(name string, loop func(ctx context.Context) error) runner {
+	return runner{name: name, start: func() error { return nil }, run: loop, abort: func() {}}
+}
+
+// serverRunner serves on the listener listen makes, and once ctx ends
+// calls stop (after which serve returns). A server that stops by itself is
+// an error, so that the plugin stops with it.
+func serverRunner(name string, listen func() (net.Listener, error), serve func(net.Listener) error, stop func()) runner {
+	var lis net.Listener
+	return runner{
+		name: name,
+		start: func() (err error) {
+			lis, err = listen()
+			return err
+		},
+		run: func(ctx context.Context) error {
+			served := make(chan error, 1)
+			go func() { served <- serve(lis) }()
+			select {
+			case err := <-served:
+				return fmt.Errorf("%s stopped: %v", name, err)
+			case <-ctx.Done():
+			}
+			stop()
+			<-served
+			return nil
+		},
+		abort: func() { lis.Close() },
+	}
+}
+
+// grpcRunner serves srv, stopping it with stop.
+func grpcRunner(name string, srv *grpc.Server, listen func() (net.Listener, error), stop func(*grpc.Server)) runner {
+	return serverRunner(name, listen, srv.Serve, func() { stop(srv) })
+}
+
+// stopHard drops connections and calls in flight: for servers whose
+// callers retry (peers, the kubelet's registration watcher).
+func stopHard(srv *grpc.Server) { srv.Stop() }
+
+// stopGracefully lets calls in flight finish, for up to within (0: as
+// long as they take), then stops hard.
+func stopGracefully(within time.Duration) func(*grpc.Server) {
+	return func(srv *grpc.Server) {
+		stopped := make(chan struct{})
+		go func() { srv.GracefulStop(); close(stopped) }()
+		if within <= 0 {
+			<-stopped
+			return
+		}
+		select {
+		case <-stopped:
+		case <-time.After(within):
+			klog.InfoS("In-flight RPCs did not finish in time; stopping hard", "timeout", within)
+			srv.Stop()
+		}
+	}
+}
+
+// unixListener listens on a unix endpoint with the socket made mode.
+func unixListener(endpoint string, mode os.FileMode) func() (net.Listener, error) {
+	return func() (net.Listener, error) {
+		lis, err := listen(endpoint)
+		if err != nil {
+			return nil, err
+		}
+		_, path, _ := parseEndpoint(endpoint)
+		if err := os.Chmod(path, mode); err != nil {
+			lis.Close()
+			return nil, err
+		}
+		return lis, nil
+	}
+}
+
+func tcpListener(addr string) func() (net.Listener, error) {
+	return func() (net.Listener, error) { return net.Listen("tcp", addr) }
+}
+
+// runners are the servers and loops the driver's mode asks for, the CSI
+// server first.
+func (d *Driver) runners() ([]runner, error) {
+	interceptors := []grpc.UnaryServerInterceptor{d.metrics.interceptor}
+	if d.leader != nil {
+		// A follower's view is empty: its CSI controller answers nothing.
+		interceptors = append(interceptors, d.leader.interceptor("/csi.v1.Controller/"))
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...))
+	csi.RegisterIdentityServer(srv, d.identity)
+	if d.node != nil {
+		csi.RegisterNodeServer(srv, d.node)
+	}
+	if d.controller != nil {
+		csi.RegisterControllerServer(srv, d.controller)
+	}
+	csiRunner := grpcRunner("serving CSI", srv, func() (net.Listener, error) { return listen(d.opts.Endpoint) },
+		func(srv *grpc.Server) {
+			klog.InfoS("Stopping: letting in-flight RPCs finish", "timeout", d.opts.StopTimeout)
+			stopGracefully(d.opts.StopTimeout)(srv)
+		})
+	runners := []runner{logged(csiRunner, "Serving CSI", "endpoint", d.opts.Endpoint, "mode", d.opts.Mode,
+		"driver", d.opts.DriverName, "version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())}
+	var registration *registrationService
+	if d.opts.RegistrationSocket != "" && d.node != nil {
+		registration = &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint}
+	}
+	if d.opts.MetricsAddress != "" {
+		runners = append(runners, d.metricsRunner(registration))
+	}
+	if d.engine != nil && d.opts.NodeAPIEndpoint != "" {
+		api := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
+		nodev1.RegisterNodeAPIServer(api, driver.NewNodeAPI(d.engine))
+		// Root's alone: it destroys volumes, and has no authentication.
+		runners = append(runners, logged(grpcRunner("serving the node API", api, unixListener(d.opts.NodeAPIEndpoint, 0o600),
+			stopGracefully(0)), "Serving the node API", "endpoint", d.opts.NodeAPIEndpoint))
+	}
+	if d.engine != nil && d.opts.Peers.Address != "" {
+		peerSrv, err := d.peerServer(d.peerMetrics)
+		if err != nil {
+			return nil, fmt.Errorf("serving peers: %w", err)
+		}
+		runners = append(runners, logged(grpcRunner("serving peers", peerSrv, tcpListener(d.opts.Peers.Address), stopHard),
+			"Serving volumes to peers", "address", d.opts.Peers.Address, "advertised", d.opts.Peers.AdvertiseAddress,
+			"mutualTLS", d.opts.Peers.CertFile != ""))
+	}
+	if d.engine != nil && d.opts.ImageRegistryAddress != "" {
+		images, err := d.imageRunners()
+		if err != nil {
+			return nil, err
+		}
+		runners = append(runners, images...)
+	}
+	if d.engine != nil && d.ctlConn != nil {
+		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
+			peerAddress: d.opts.Peers.AdvertiseAddress}
+		runners = append(runners, loopRunner("reporting to the controller", func(ctx context.Context) error {
+			klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
+			r.run(ctx)
+			return nil
+		}))
+	}
+	if d.view != nil && d.opts.APIAddress != "" {
+		ctl, err := d.controllerRunners()
+		if err != nil {
+			return nil, err
+		}
+		runners = append(runners, ctl...)
+	}
+	if registration != nil {
+		// Last, once the CSI socket listens: the kubelet calls it as soon
+		// as it has the registration.
+		reg := grpc.NewServer()
+		registerapi.RegisterRegistrationServer(reg, registration)
+		runners = append(runners, logged(grpcRunner("serving kubelet registration", reg,
+			func() (net.Listener, error) { return listen("unix://" + d.opts.RegistrationSocket) }, stopHard),
+			"Serving kubelet plugin registration", "socket", d.opts.RegistrationSocket, "kubeletEndpoint", d.opts.KubeletEndpoint))
+	}
+	return runners, nil
+}
+
+// apiConnectionAge is how long a caller keeps one connection to the
+// controller before it is asked (GOAWAY) to open another: a node reaches
+// the leader through its Service, whose choice holds for a connection's
+// life, so a connection that ended up on a follower (TestFleet saw one,
+// after a rolling update, answered Unavailable every second for minutes)
+// moves to the leader within this. Calls in flight may run on for an hour.
+const apiConnectionAge = time.Minute
+
+// metricsRunner serves /metrics, the probes and, if asked, profiles. /readyz answers 503 on a
+// controller replica that does not lead (unless followers are ready too:
+// --leader-election-label-pod), and on a self-registering node
+// plugin until the kubelet has taken its registration.
+func (d *Driver) metricsRunner(registration *registrationService) runner {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(d.metrics.registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		if d.leader != nil {
+			d.leader.ready(w, r)
+			return
+		}
+		if registration != nil {
+			if why := registration.notReady(); why != "" {
+				http.Error(w, why, http.StatusServiceUnavailable)
+				return
+			}
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	if d.opts.Profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	return serverRunner("serving metrics", tcpListener(d.opts.MetricsAddress), srv.Serve, func() { srv.Close() })
+}
+
+// controllerRunners serve the controller's Registry and Cache APIs and run
+// its election (or, without one, its forgetting of stalled nodes).
+func (d *Driver) controllerRunners() ([]runner, error) {
+	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
+	if err != nil {
+		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
+	}
+	dial, err := d.opts.Peers.dialer()
+	if err != nil {
+		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
+	}
+	api := grpc.NewServer(append(serve, grpc.KeepaliveParams(keepalive.ServerParameters{
+		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
+	controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
+	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.APIAddress), stopGracefully(0)),
+		"Serving the controller's Registry and Cache APIs", "address", d.opts.APIAddress,
+		"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
+		"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
+	if !d.opts.LeaderElection.Enabled && d.leader.awaitNodes != nil {
+		// A restarted controller knows no more than a new leader does.
+		d.leader.awaitNodes(context.Background())
+	}
+	loop := loopRunner("forgetting stalled nodes", func(ctx context.Context) error { d.forgetStalled(ctx); return nil })
+	if d.opts.LeaderElection.Enabled {
+		loop = loopRunner("leader election", func(ctx context.Context) error {
+			return d.leader.elect(ctx, d.kube, d.opts.LeaderElection, d.forgetStalled)
+		})
+	}
+	return []runner{apiRunner, loop}, nil
+}
+
+// forgetStalled drops nodes that stopped reporting long ago.
+func (d *Driver) forgetStalled(ctx context.Context) {
+	tick := time.NewTicker(d.opts.StalledAfter)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		stalled, forgotten := d.view.Sweep(time.Now())
+		for _, id := range stalled {
+			klog.InfoS("A node stopped reporting: left out of lookups and placement", "node", id, "after", d.opts.StalledAfter)
+			d.nodeEvents.NodeEventOn(id, corev1.EventTypeWarning, "CowvolNodeStalled", fmt.Sprintf(
+				"cowvol's controller heard nothing from the node for %s: its cached volumes are left out of lookups and placement", d.opts.StalledAfter))
+		}
+		for _, id := range forgotten {
+			klog.InfoS("Forgot a node that stopped reporting", "node", id, "after", d.opts.ForgetStalledAfter)
+		}
+	}
+}
+
+// Close stops background work and closes the store.
+func (d *Driver) Close() {
+	if d.engine != nil {
+		d.engine.Close()
+	}
+	if d.stopKube != nil {
+		d.stopKube()
+	}
+	if d.ctlConn != nil {
+		_ = d.ctlConn.Close()
+	}
+	if d.store != nil {
+		_ = d.store.Close()
+	}
+}
+
+// listen opens the endpoint. A unix socket left by a dead plugin is removed;
+// one a live plugin still answers on is not.
+func listen(endpoint string) (net.Listener, error) {
+	network, addr, err := parseEndpoint(endpoint)
+	if err != nil {
+		return nil, err
+	}
+	if network == "unix" {
+		if _, err := os.Stat(addr); err == nil {
+			if c, err := net.DialTimeout("unix", addr, time.Second); err == nil {
+				c.Close()
+				return nil, fmt.Errorf("another process is serving on %s", addr)
+			}
+			klog.InfoS("Removing stale socket", "path", addr)
+			if err := os.Remove(addr); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return net.Listen(network, addr)
+}
