@@ -229,7 +229,7 @@ func layerFiles(t *testing.T, img v1.Image) map[string]string {
 func TestImageRegistryIsLoopbackOnly(t *testing.T) {
 	for _, addr := range []string{"0.0.0.0:5000", ":5000", "10.0.0.1:5000"} {
 		o := plugin.Defaults()
-		o.ImageRegistryAddress = addr
+		o.Images.RegistryAddress = addr
 		err := o.Validate()
 		require.Error(t, err, addr)
 		assert.Contains(t, err.Error(), "--image-registry-address", fmt.Sprint(addr))

@@ -42,7 +42,7 @@ func runDemo(args []string) error {
 	sock := filepath.Join(work, "csi.sock")
 	kubeletDir := filepath.Join(work, "kubelet")
 	opts := plugin.Defaults()
-	opts.Endpoint, opts.NodeID, opts.StateDir, opts.Backend, opts.Version, opts.KubeletDir =
+	opts.Endpoint, opts.NodeID, opts.Node.StateDir, opts.Node.Backend, opts.Version, opts.Node.KubeletDir =
 		"unix://"+sock, "demo-node", *stateDir, *backend, version, kubeletDir
 	d, err := plugin.New(opts, plugin.Deps{Mounter: overlay.NewSysMounter()})
 	if err != nil {

@@ -7,8 +7,10 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"k8s.io/klog/v2"
@@ -30,11 +32,29 @@ func main() {
 	}
 	opts := plugin.Defaults()
 	opts.Version = version
-	fs := flag.NewFlagSet("cowvol-plugin", flag.ExitOnError)
-	opts.AddFlags(fs)
+	// The mode says which components run, and so which flags there are.
+	mode := plugin.ModeFromArgs(os.Args[1:], opts.Mode)
+	fs := flag.NewFlagSet("cowvol-plugin", flag.ContinueOnError)
+	opts.AddFlags(fs, mode)
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	klog.InitFlags(fs)
-	_ = fs.Parse(os.Args[1:])
+	// A mistake is said in a line, not drowned in klog's flags.
+	fs.SetOutput(io.Discard)
+	if err := fs.Parse(os.Args[1:]); err != nil {
+		if err == flag.ErrHelp {
+			fmt.Fprintf(os.Stderr, "cowvol-plugin --mode=%s flags (docs/options.md lists every mode's):\n", mode)
+			fs.SetOutput(os.Stderr)
+			fs.PrintDefaults()
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, "cowvol-plugin:", err)
+		if name, ok := strings.CutPrefix(err.Error(), "flag provided but not defined: -"); ok {
+			if modes := plugin.FlagsOfOtherModes(mode)[name]; modes != "" {
+				fmt.Fprintf(os.Stderr, "--%s is a flag of --mode=%s, not of --mode=%s\n", name, modes, mode)
+			}
+		}
+		os.Exit(2)
+	}
 	if *showVersion {
 		fmt.Println("cowvol-plugin", version)
 		return

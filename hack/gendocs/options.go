@@ -3,39 +3,66 @@ package main
 import (
 	"flag"
 	"fmt"
+	"sort"
 	"strings"
 
 	"github.com/concourse/cowvol/pkg/plugin"
 )
 
-// optionsPage is docs/options.md: every flag AddFlags registers, with the
-// default a plugin starts from. Defaults that depend on the machine it runs
-// on (its host name, its pod's name and namespace) are left out here; their
-// help says where they come from.
+// optionsPage is docs/options.md: every flag AddFlags registers, by the
+// modes whose command line has it, with the default a plugin starts from.
+// Defaults that depend on the machine it runs on (its host name, its pod's
+// name and namespace) are left out here; their help says where they come
+// from.
 func optionsPage() string {
-	opts := plugin.Defaults()
-	opts.NodeID = ""
-	opts.LeaderElection.Identity = ""
-	opts.LeaderElection.Namespace = ""
-	fs := flag.NewFlagSet("cowvol-plugin", flag.ContinueOnError)
-	opts.AddFlags(fs)
-
+	// Which modes define each flag, and the flags in the order of the
+	// first mode that does.
+	modes := map[string][]string{}
+	flags := map[string]*flag.Flag{}
+	for _, mode := range []plugin.Mode{plugin.ModeNode, plugin.ModeController, plugin.ModeAll} {
+		opts := plugin.Defaults()
+		opts.NodeID = ""
+		opts.LeaderElection.Identity = ""
+		opts.LeaderElection.Namespace = ""
+		fs := flag.NewFlagSet("cowvol-plugin", flag.ContinueOnError)
+		opts.AddFlags(fs, mode)
+		fs.VisitAll(func(f *flag.Flag) {
+			modes[f.Name] = append(modes[f.Name], string(mode))
+			flags[f.Name] = f
+		})
+	}
+	sections := []struct{ title, modes string }{
+		{"Every mode", "node controller all"},
+		{"Node plugins (`--mode=node` or `all`)", "node all"},
+		{"The controller (`--mode=controller` or `all`)", "controller all"},
+		{"Leader election (`--mode=controller`)", "controller"},
+	}
 	var b strings.Builder
 	b.WriteString(generatedBy)
 	b.WriteString("# cowvol-plugin's options\n\n")
 	b.WriteString("One binary serves every role: `--mode=node` (the DaemonSet), `controller` (the Deployment) or `all`.\n")
-	b.WriteString("A help text that starts with \"node mode:\" or \"controller mode:\" names the mode the flag acts in.\n")
-	b.WriteString("Besides these, `--version` prints the version, and klog's flags (`--v`: 2 logs every publish and\n")
-	b.WriteString("capture, 4 every RPC) set the logging. The Helm chart's values and the kustomize settings set the\n")
-	b.WriteString("common ones (see [install.md](install.md)); `extraArgs` passes any other.\n\n")
-	b.WriteString("| flag | default | what it does |\n|---|---|---|\n")
-	fs.VisitAll(func(f *flag.Flag) {
-		def := f.DefValue
-		if def == "" {
-			def = "none"
+	b.WriteString("Each mode's command line has the flags of the components it runs and no others: a flag of another\n")
+	b.WriteString("mode is refused, naming the modes it belongs to. Besides these, `--version` prints the version, and\n")
+	b.WriteString("klog's flags (`--v`: 2 logs every publish and capture, 4 every RPC) set the logging. The Helm\n")
+	b.WriteString("chart's values set the common ones (see [install.md](install.md)); `extraArgs` passes any other.\n")
+	for _, sec := range sections {
+		fmt.Fprintf(&b, "\n## %s\n\n| flag | default | what it does |\n|---|---|---|\n", sec.title)
+		names := make([]string, 0, len(flags))
+		for name := range flags {
+			if strings.Join(modes[name], " ") == sec.modes {
+				names = append(names, name)
+			}
 		}
-		fmt.Fprintf(&b, "| `--%s` | `%s` | %s |\n", f.Name, def, cell(f.Usage))
-	})
+		sort.Strings(names)
+		for _, name := range names {
+			f := flags[name]
+			def := f.DefValue
+			if def == "" {
+				def = "none"
+			}
+			fmt.Fprintf(&b, "| `--%s` | `%s` | %s |\n", f.Name, def, cell(f.Usage))
+		}
+	}
 	return b.String()
 }
 

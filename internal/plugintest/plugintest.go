@@ -148,11 +148,12 @@ func Start(tb testing.TB, cfg Config) *Plugin {
 
 func (p *Plugin) start(extraEnv []string) {
 	p.tb.Helper()
-	args := append([]string{
-		"--endpoint=unix://" + p.Sock, "--mode=" + p.Mode, "--node-id=" + p.NodeID,
-		"--state-dir=" + p.StateDir, "--cow-backend=" + p.Backend,
-		"--flatten-depth=" + strconv.Itoa(p.FlattenDepth), "--kubelet-dir=" + p.KubeletDir, "-v=4",
-	}, p.Args...)
+	args := []string{"--endpoint=unix://" + p.Sock, "--mode=" + p.Mode, "-v=4"}
+	if p.Mode != "controller" { // a controller's command line has no node flags
+		args = append(args, "--node-id="+p.NodeID, "--state-dir="+p.StateDir, "--cow-backend="+p.Backend,
+			"--flatten-depth="+strconv.Itoa(p.FlattenDepth), "--kubelet-dir="+p.KubeletDir)
+	}
+	args = append(args, p.Args...)
 	name := Binary(p.tb)
 	if p.Wrap != nil {
 		name, args = p.Wrap(name, args...)

@@ -25,10 +25,10 @@ const kubeAuthTTL = 10 * time.Second
 func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.UnaryServerInterceptor, leader *leadership, prefix string) ([]grpc.ServerOption, error) {
 	var auth controller.Authenticator
 	switch {
-	case o.KubeAuth:
+	case o.Controller.KubeAuth:
 		auth = controller.NewKubeAuth(kube, kubeAuthTTL)
-	case o.TokensFile != "":
-		tokens, err := controller.LoadTokens(o.TokensFile)
+	case o.Controller.TokensFile != "":
+		tokens, err := controller.LoadTokens(o.Controller.TokensFile)
 		if err != nil {
 			return nil, err
 		}
@@ -39,8 +39,8 @@ func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.
 		grpc.ChainStreamInterceptor(controller.StreamInterceptor(auth), leader.streamInterceptor(prefix)),
 		grpc.MaxRecvMsgSize(client.MaxMessage),
 	}
-	if o.TLSCertFile != "" {
-		pair, err := tlsfiles.NewKeyPair(o.TLSCertFile, o.TLSKeyFile)
+	if o.Controller.TLSCertFile != "" {
+		pair, err := tlsfiles.NewKeyPair(o.Controller.TLSCertFile, o.Controller.TLSKeyFile)
 		if err != nil {
 			return nil, fmt.Errorf("loading the controller's certificate: %w", err)
 		}
@@ -54,5 +54,5 @@ func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.
 // token on every call (over plaintext only to loopback: Options.Validate
 // sees to that).
 func controllerDialOptions(o Options) ([]grpc.DialOption, error) {
-	return client.DialOptions(client.Options{Address: o.ControllerAddress, TokenFile: o.TokenFile, CAFile: o.TLSCAFile})
+	return client.DialOptions(client.Options{Address: o.Node.ControllerAddress, TokenFile: o.Node.TokenFile, CAFile: o.Node.TLSCAFile})
 }

@@ -61,17 +61,17 @@ func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref)
 // the registry, and the snapshotter that runs them on the volumes' layers.
 func (d *Driver) imageRunners() ([]runner, error) {
 	var runners []runner
-	opts := registry.Options{Mode: d.opts.ImageRegistryAuth}
+	opts := registry.Options{Mode: d.opts.Images.RegistryAuth}
 	if d.kube != nil {
 		opts.Auth = registry.NewTokenReviews(d.kube, d.opts.NodeID, pullReviewTTL)
 	}
-	if d.opts.ImageSnapshotterEndpoint != "" {
-		k, err := image.LoadLayerKey(filepath.Join(d.opts.StateDir, "image-layer.key"))
+	if d.opts.Images.SnapshotterEndpoint != "" {
+		k, err := image.LoadLayerKey(filepath.Join(d.opts.Node.StateDir, "image-layer.key"))
 		if err != nil {
 			return nil, fmt.Errorf("the image snapshotter's key: %w", err)
 		}
 		opts.Grants = image.NewPullGrants(k, registry.GrantTTL)
-		root := filepath.Join(d.opts.StateDir, "snapshotter")
+		root := filepath.Join(d.opts.Node.StateDir, "snapshotter")
 		sn, err := snapshotter.New(context.Background(), root, opts.Grants, d.engine)
 		if err != nil {
 			return nil, fmt.Errorf("the image snapshotter at %s: %w", root, err)
@@ -82,16 +82,16 @@ func (d *Driver) imageRunners() ([]runner, error) {
 		// containerd's alone: it hands out the node's volumes as root
 		// filesystems.
 		runners = append(runners, logged(grpcRunner("serving the image snapshotter", srv,
-			unixListener(d.opts.ImageSnapshotterEndpoint, 0o600), func(srv *grpc.Server) { srv.Stop(); sn.Close() }),
-			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.ImageSnapshotterEndpoint, "root", root))
-		if d.opts.ContainerdAddress != "" {
+			unixListener(d.opts.Images.SnapshotterEndpoint, 0o600), func(srv *grpc.Server) { srv.Stop(); sn.Close() }),
+			"Serving containerd the cowvol snapshotter", "endpoint", d.opts.Images.SnapshotterEndpoint, "root", root))
+		if d.opts.Images.ContainerdAddress != "" {
 			runners = append(runners, loopRunner("checking containerd's config", d.checkContainerd))
 		} else {
 			klog.InfoS("Not checking that containerd runs step images on the cowvol snapshotter: no --containerd-address")
 		}
 	}
 	reg := registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, opts)
-	if d.opts.ContainerdAddress != "" {
+	if d.opts.Images.ContainerdAddress != "" {
 		runners = append(runners, loopRunner("deleting the runtime's images of volumes gone", func(ctx context.Context) error {
 			d.forgetImages(ctx, reg)
 			return nil
@@ -102,9 +102,9 @@ func (d *Driver) imageRunners() ([]runner, error) {
 		return nil
 	}))
 	srv := &http.Server{Handler: reg, ReadHeaderTimeout: 10 * time.Second}
-	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.ImageRegistryAddress), srv.Serve,
-		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.ImageRegistryAddress,
-		"auth", d.opts.ImageRegistryAuth))
+	runners = append(runners, logged(serverRunner("serving images", tcpListener(d.opts.Images.RegistryAddress), srv.Serve,
+		func() { srv.Close() }), "Serving cached volumes' images to the node's runtime", "address", d.opts.Images.RegistryAddress,
+		"auth", d.opts.Images.RegistryAuth))
 	return runners, nil
 }
 
@@ -132,13 +132,13 @@ func (d *Driver) checkPullCredentials(ctx context.Context, reg *registry.Server,
 		switch {
 		case anon > lastAnon && auth == lastAuth && !warned:
 			how := "refused"
-			if d.opts.ImageRegistryAuth == registry.AuthGrace {
+			if d.opts.Images.RegistryAuth == registry.AuthGrace {
 				how = "served as their path says (--image-registry-auth=grace)"
 			}
 			msg := fmt.Sprintf("the runtime pulled %d image manifests from the node's image registry without credentials, %s: "+
 				"install cowvol-credential-provider in the kubelet's --image-credential-provider-bin-dir and name it for %s in its --image-credential-provider-config "+
-				"(tokenAttributes.serviceAccountTokenAudience: %s)", anon-lastAnon, how, d.opts.ImageRegistryAddress, credential.Audience)
-			klog.ErrorS(nil, "Image pulls arrive without credentials", "pulls", anon-lastAnon, "auth", d.opts.ImageRegistryAuth)
+				"(tokenAttributes.serviceAccountTokenAudience: %s)", anon-lastAnon, how, d.opts.Images.RegistryAddress, credential.Audience)
+			klog.ErrorS(nil, "Image pulls arrive without credentials", "pulls", anon-lastAnon, "auth", d.opts.Images.RegistryAuth)
 			d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImagePullsWithoutCredentials", msg)
 			warned = true
 		case auth > lastAuth && warned:
@@ -154,11 +154,11 @@ func (d *Driver) checkPullCredentials(ctx context.Context, reg *registry.Server,
 // has it all (a containerd restarted with a new config is seen within a
 // minute).
 func (d *Driver) checkContainerd(ctx context.Context) error {
-	_, socket, _ := parseEndpoint(d.opts.ImageSnapshotterEndpoint)
+	_, socket, _ := parseEndpoint(d.opts.Images.SnapshotterEndpoint)
 	said := ""
 	for {
 		askCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		missing, err := snapshotter.Check(askCtx, d.opts.ContainerdAddress, socket)
+		missing, err := snapshotter.Check(askCtx, d.opts.Images.ContainerdAddress, socket)
 		cancel()
 		switch {
 		case err != nil:
@@ -169,13 +169,13 @@ func (d *Driver) checkContainerd(ctx context.Context) error {
 		case len(missing) > 0:
 			if say := strings.Join(missing, "; "); say != said {
 				klog.ErrorS(nil, "containerd cannot run step images on the cowvol snapshotter: pods of the RuntimeClass cowvol will not start",
-					"containerd", d.opts.ContainerdAddress, "missing", missing)
+					"containerd", d.opts.Images.ContainerdAddress, "missing", missing)
 				d.podEvents.NodeEvent(corev1.EventTypeWarning, "ImageSnapshotterNotConfigured",
 					"containerd cannot run step images on the cowvol snapshotter: "+say)
 				said = say
 			}
 		default:
-			klog.InfoS("containerd runs step images on the cowvol snapshotter", "containerd", d.opts.ContainerdAddress)
+			klog.InfoS("containerd runs step images on the cowvol snapshotter", "containerd", d.opts.Images.ContainerdAddress)
 			return nil
 		}
 		select {
@@ -200,15 +200,15 @@ func (d *Driver) forgetImages(ctx context.Context, reg *registry.Server) {
 	said := ""
 	for {
 		err := func() error {
-			conn, err := grpc.NewClient("unix://"+d.opts.ContainerdAddress, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			conn, err := grpc.NewClient("unix://"+d.opts.Images.ContainerdAddress, grpc.WithTransportCredentials(insecure.NewCredentials()))
 			if err != nil {
 				return err
 			}
 			defer conn.Close()
-			return forgetStale(ctx, imagesapi.NewImagesClient(conn), contentapi.NewContentClient(conn), reg, d.opts.ImageRegistryAddress+"/")
+			return forgetStale(ctx, imagesapi.NewImagesClient(conn), contentapi.NewContentClient(conn), reg, d.opts.Images.RegistryAddress+"/")
 		}()
 		if err != nil && err.Error() != said {
-			klog.ErrorS(err, "Could not delete the runtime's images of volumes gone; trying again every half minute", "containerd", d.opts.ContainerdAddress)
+			klog.ErrorS(err, "Could not delete the runtime's images of volumes gone; trying again every half minute", "containerd", d.opts.Images.ContainerdAddress)
 		}
 		said = ""
 		if err != nil {

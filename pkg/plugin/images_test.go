@@ -67,7 +67,7 @@ func TestCheckPullCredentials(t *testing.T) {
 	srv := httptest.NewServer(reg)
 	defer srv.Close()
 	events := &nodeEvents{}
-	d := &Driver{opts: Options{ImageRegistryAddress: "127.0.0.1:7444", ImageRegistryAuth: registry.AuthRequired}, podEvents: events}
+	d := &Driver{opts: Options{Images: ImageOptions{RegistryAddress: "127.0.0.1:7444", RegistryAuth: registry.AuthRequired}}, podEvents: events}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	const period = 50 * time.Millisecond

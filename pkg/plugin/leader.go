@@ -3,6 +3,7 @@ package plugin
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"net/http"
 	"strings"
@@ -51,7 +52,25 @@ type LeaderElection struct {
 // LabelPod): the controller's Service selects it.
 const LeaderLabel = "cowvol.concourse-ci.org/leader"
 
-func (le *LeaderElection) validate(mode Mode) []error {
+// AddFlags registers leader election's flags (controller mode).
+func (le *LeaderElection) AddFlags(fs *flag.FlagSet) {
+	fs.BoolVar(&le.Enabled, "leader-election", le.Enabled,
+		"elect one serving replica through a Lease; the others answer Unavailable naming the leader, and are not ready (but see --leader-election-label-pod)")
+	fs.StringVar(&le.Namespace, "leader-election-namespace", le.Namespace, "the Lease's namespace (default $POD_NAMESPACE)")
+	fs.StringVar(&le.Name, "leader-election-lease", le.Name, "the Lease's name")
+	fs.StringVar(&le.Identity, "leader-election-identity", le.Identity,
+		"this replica's name in the Lease (default $POD_NAME, else the host name)")
+	fs.BoolVar(&le.LabelPod, "leader-election-label-pod", le.LabelPod,
+		"the identity is this replica's pod: label it "+LeaderLabel+"=true while leading, for a Service that selects the leader by it; followers are ready too")
+	fs.DurationVar(&le.LeaseDuration, "leader-election-lease-duration", le.LeaseDuration, "how long followers wait before taking over a silent leader's Lease")
+	fs.DurationVar(&le.RenewDeadline, "leader-election-renew-deadline", le.RenewDeadline, "how long the leader tries to renew before it gives up leading (and exits)")
+	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", le.RetryPeriod, "how often replicas try to acquire or renew the Lease")
+}
+
+// validate checks the election's options; enabled, it is for a
+// controller-mode plugin alone (every node plugin must serve, leader or
+// not), which is the only mode whose command line has its flags.
+func (le LeaderElection) validate(mode Mode) []error {
 	if !le.Enabled {
 		if le.LabelPod {
 			return []error{errors.New("--leader-election-label-pod labels the leader's pod: it needs --leader-election")}

@@ -3,6 +3,7 @@ package plugin
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"hash/fnv"
 	"io"
@@ -54,7 +55,56 @@ type PeerOptions struct {
 // provides to every node.
 const DefaultPeerServerName = "cowvol-peer"
 
-func (p *PeerOptions) validate(o *Options) []error {
+// addTLSFlags registers the peer certificates' flags, every mode's.
+func (p *PeerOptions) addTLSFlags(fs *flag.FlagSet) {
+	fs.StringVar(&p.CertFile, "peer-tls-cert-file", p.CertFile,
+		"the certificate for mutual TLS between peers: nodes serve and present it, the controller presents it to read and upload volumes")
+	fs.StringVar(&p.KeyFile, "peer-tls-key-file", p.KeyFile, "the key of --peer-tls-cert-file")
+	fs.StringVar(&p.CAFile, "peer-ca-file", p.CAFile, "the CA that signs every peer certificate")
+	fs.StringVar(&p.ServerName, "peer-tls-server-name", p.ServerName, "the DNS name peer certificates carry")
+}
+
+// AddFlags registers the node's flags for serving and pulling volumes.
+func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
+	fs.StringVar(&p.Address, "peer-address", p.Address, "host:port to serve cached volumes to pulling peers on (empty: none)")
+	fs.StringVar(&p.AdvertiseAddress, "peer-advertise-address", p.AdvertiseAddress,
+		"host:port peers dial, told to the controller (default: --peer-address)")
+	fs.Func("peers", "without a controller: peers to pull missing sources from, node=host:port,... ", func(v string) error {
+		p.Static = append(p.Static, strings.Split(v, ",")...)
+		return nil
+	})
+	fs.StringVar(&p.Encoding, "stream-encoding", p.Encoding, "how pulled layers travel: raw, zstd, s2 or gzip")
+	fs.Var(quantityFlag{&p.SizeLimit}, "stream-size-limit",
+		"the largest layer a pull accepts, as a tar stream (a quantity such as 100Gi)")
+	fs.DurationVar(&p.PullWait, "pull-wait", p.PullWait,
+		"how long a publish waits for a pull before answering with its progress (the kubelet retries), "+
+			"and how long a reader of a lazily pulled file waits for a holder that stopped sending before it gets EIO")
+	fs.StringVar(&p.PullMode, "pull-mode", p.PullMode,
+		"how sources this node lacks arrive: lazy (the step starts once the tree is here, each file's data "+
+			"arrives when it is opened, the rest behind it; needs the overlay backend and fanotify pre-content events, kernel 6.14+), "+
+			"eager (all of it before the step starts) or auto (lazy where the node supports it)")
+	fs.DurationVar(&p.ReadOrderRefresh, "read-order-refresh", p.ReadOrderRefresh,
+		"how old a read profile's record must be before a lazy pull under it records the step's read order again "+
+			"(recording costs each of the step's opens a notification); 0: every time")
+}
+
+// tls says whether the peer link runs over mutual TLS.
+func (p PeerOptions) tls() bool { return p.CertFile != "" || p.KeyFile != "" || p.CAFile != "" }
+
+// validateTLS checks the peer certificates' options, every mode's.
+func (p PeerOptions) validateTLS() []error {
+	var errs []error
+	if p.ServerName == "" {
+		errs = append(errs, errors.New("--peer-tls-server-name is required"))
+	}
+	if p.tls() && (p.CertFile == "" || p.KeyFile == "" || p.CAFile == "") {
+		errs = append(errs, errors.New("--peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file go together (mutual TLS)"))
+	}
+	return errs
+}
+
+// validate checks the node's options for serving and pulling volumes.
+func (p PeerOptions) validate() []error {
 	var errs []error
 	if _, err := streamer.ParseEncoding(p.Encoding); err != nil {
 		errs = append(errs, fmt.Errorf("--stream-encoding: %w", err))
@@ -71,13 +121,6 @@ func (p *PeerOptions) validate(o *Options) []error {
 	if _, err := node.ParsePullMode(p.PullMode); err != nil {
 		errs = append(errs, fmt.Errorf("--pull-mode: %w", err))
 	}
-	if p.ServerName == "" {
-		errs = append(errs, errors.New("--peer-tls-server-name is required"))
-	}
-	tlsSet := p.CertFile != "" || p.KeyFile != "" || p.CAFile != ""
-	if tlsSet && (p.CertFile == "" || p.KeyFile == "" || p.CAFile == "") {
-		errs = append(errs, errors.New("--peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file go together (mutual TLS)"))
-	}
 	if p.Address == "" && p.AdvertiseAddress != "" {
 		errs = append(errs, errors.New("--peer-advertise-address needs --peer-address"))
 	}
@@ -88,10 +131,8 @@ func (p *PeerOptions) validate(o *Options) []error {
 			errs = append(errs, fmt.Errorf("--peer-address %q is not host:port: %w", p.Address, err))
 		case p.AdvertiseAddress == "" && (host == "" || net.ParseIP(host).IsUnspecified()):
 			errs = append(errs, fmt.Errorf("--peer-address %q names no host peers can dial: give --peer-advertise-address", p.Address))
-		case p.AdvertiseAddress == "":
-			p.AdvertiseAddress = p.Address
 		}
-		if !tlsSet {
+		if !p.tls() {
 			if err := loopbackOnly(p.Address); err != nil {
 				errs = append(errs, fmt.Errorf("--peer-address: %w (or give --peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file)", err))
 			}
@@ -103,17 +144,17 @@ func (p *PeerOptions) validate(o *Options) []error {
 			errs = append(errs, fmt.Errorf("--peers entry %q: want node=host:port", s))
 			continue
 		}
-		if !tlsSet {
+		if !p.tls() {
 			if err := loopbackOnly(addr); err != nil {
 				errs = append(errs, fmt.Errorf("--peers: %w (or give the peer TLS flags)", err))
 			}
 		}
 	}
-	if (p.Address != "" || len(p.Static) > 0) && o.Mode == ModeController {
-		errs = append(errs, errors.New("--peer-address and --peers are for node plugins: use --mode=node or all"))
-	}
 	return errs
 }
+
+// advertised is the address peers dial: as given, or the served one.
+func (p PeerOptions) advertised() string { return firstOf(p.AdvertiseAddress, p.Address) }
 
 // peerTLS is the peer link's credentials: the server demands a client
 // certificate signed by the CA, and the client checks the server's. Both
@@ -143,7 +184,7 @@ func (p PeerOptions) loadTLS() (*peerTLS, error) {
 
 // pulls says whether the node pulls sources it lacks: it knows peers,
 // from the controller or a static list.
-func (o Options) pulls() bool { return o.ControllerAddress != "" || len(o.Peers.Static) > 0 }
+func (o Options) pulls() bool { return o.Node.ControllerAddress != "" || len(o.Peers.Static) > 0 }
 
 // pullConfig is the engine's part of the peer options; ctl reaches the
 // controller (nil: the static list is the locator).
@@ -159,7 +200,7 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, err
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
 	mode, _ := node.ParsePullMode(o.Peers.PullMode)    // validated
 	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
-		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.AllowSetuid}}, nil
+		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
 }
 
 // dialer reaches peers' --peer-address: over mutual TLS where the options
@@ -223,7 +264,7 @@ func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
 	}
 	srv := grpc.NewServer(opts...)
 	lim := streamer.DefaultLimits
-	lim.Bytes, lim.KeepSetuid = d.opts.Peers.SizeLimit, d.opts.AllowSetuid
+	lim.Bytes, lim.KeepSetuid = d.opts.Peers.SizeLimit, d.opts.Node.AllowSetuid
 	streamer.NewServer(d.engine.PeerHolder(), m, lim).Register(srv)
 	return srv, nil
 }

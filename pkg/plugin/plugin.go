@@ -92,10 +92,10 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		return nil, err
 	}
 	d := &Driver{opts: opts, metrics: newMetrics(), kube: deps.Kube}
-	if deps.Kube == nil && (opts.LeaderElection.Enabled || opts.KubeAuth) {
+	if deps.Kube == nil && (opts.LeaderElection.Enabled || opts.Controller.KubeAuth) {
 		return nil, errors.New("--leader-election and --kube-auth need an API server (--kubeconfig, or run in a pod)")
 	}
-	if deps.Kube == nil && opts.ImageRegistryAddress != "" && opts.ImageRegistryAuth == registry.AuthRequired {
+	if deps.Kube == nil && opts.Images.RegistryAddress != "" && opts.Images.RegistryAuth == registry.AuthRequired {
 		return nil, fmt.Errorf("--image-registry-auth=%s needs an API server to review pulls' tokens (--kubeconfig, or run in a pod); "+
 			"--image-registry-auth=%s serves pulls without credentials", registry.AuthRequired, registry.AuthGrace)
 	}
@@ -113,7 +113,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		klog.InfoS("No API server configured (--kubeconfig, or run in a pod): no Kubernetes Events, and the CSIDriver object is not checked")
 	}
 	if opts.Mode != ModeNode {
-		d.view = controller.NewView(opts.StalledAfter, opts.ForgetStalledAfter)
+		d.view = controller.NewView(opts.Controller.StalledAfter, opts.Controller.ForgetStalledAfter)
 		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod}
 		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = driver.NewController(d.view)
@@ -123,8 +123,8 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		if events != nil {
 			d.nodeEvents = events
 			d.leader.unsettled = func() []string { return d.view.Unsettled(time.Now()) }
-			if opts.AwaitReportsFor > 0 {
-				d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.AwaitReportsFor) }
+			if opts.Controller.AwaitReportsFor > 0 {
+				d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.Controller.AwaitReportsFor) }
 			}
 			if err := followNodes(kubeCtx, deps.Kube, d.view); err != nil {
 				d.Close()
@@ -145,7 +145,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 // server) and starts the node engine, which recovers what a previous
 // process left.
 func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvents) error {
-	store, err := cache.Open(d.opts.StateDir)
+	store, err := cache.Open(d.opts.Node.StateDir)
 	if err != nil {
 		return err
 	}
@@ -162,12 +162,12 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 	if deps.Kube != nil {
 		cfg.Pods = watchPods(kubeCtx, deps.Kube, d.opts.NodeID)
 	}
-	if d.opts.ControllerAddress != "" {
+	if d.opts.Node.ControllerAddress != "" {
 		dial, err := controllerDialOptions(d.opts)
 		if err != nil {
 			return err
 		}
-		if d.ctlConn, err = grpc.NewClient(d.opts.ControllerAddress, dial...); err != nil {
+		if d.ctlConn, err = grpc.NewClient(d.opts.Node.ControllerAddress, dial...); err != nil {
 			return fmt.Errorf("reaching the controller: %w", err)
 		}
 	}
@@ -355,18 +355,18 @@ func (d *Driver) runners() ([]runner, error) {
 	runners := []runner{logged(csiRunner, "Serving CSI", "endpoint", d.opts.Endpoint, "mode", d.opts.Mode,
 		"driver", d.opts.DriverName, "version", d.opts.Version, "node", d.opts.NodeID, "backend", d.Backend())}
 	var registration *registrationService
-	if d.opts.RegistrationSocket != "" && d.node != nil {
-		registration = &registrationService{name: d.opts.DriverName, endpoint: d.opts.KubeletEndpoint}
+	if d.opts.Node.RegistrationSocket != "" && d.node != nil {
+		registration = &registrationService{name: d.opts.DriverName, endpoint: d.opts.Node.kubeletEndpoint(d.opts.Endpoint)}
 	}
 	if d.opts.MetricsAddress != "" {
 		runners = append(runners, d.metricsRunner(registration))
 	}
-	if d.engine != nil && d.opts.NodeAPIEndpoint != "" {
+	if d.engine != nil && d.opts.Node.nodeAPIEndpoint(d.opts.Endpoint) != "" {
 		api := grpc.NewServer(grpc.ChainUnaryInterceptor(d.metrics.interceptor))
 		nodev1.RegisterNodeAPIServer(api, driver.NewNodeAPI(d.engine))
 		// Root's alone: it destroys volumes, and has no authentication.
-		runners = append(runners, logged(grpcRunner("serving the node API", api, unixListener(d.opts.NodeAPIEndpoint, 0o600),
-			stopGracefully(0)), "Serving the node API", "endpoint", d.opts.NodeAPIEndpoint))
+		runners = append(runners, logged(grpcRunner("serving the node API", api, unixListener(d.opts.Node.nodeAPIEndpoint(d.opts.Endpoint), 0o600),
+			stopGracefully(0)), "Serving the node API", "endpoint", d.opts.Node.nodeAPIEndpoint(d.opts.Endpoint)))
 	}
 	if d.engine != nil && d.opts.Peers.Address != "" {
 		peerSrv, err := d.peerServer(d.peerMetrics)
@@ -374,10 +374,10 @@ func (d *Driver) runners() ([]runner, error) {
 			return nil, fmt.Errorf("serving peers: %w", err)
 		}
 		runners = append(runners, logged(grpcRunner("serving peers", peerSrv, tcpListener(d.opts.Peers.Address), stopHard),
-			"Serving volumes to peers", "address", d.opts.Peers.Address, "advertised", d.opts.Peers.AdvertiseAddress,
+			"Serving volumes to peers", "address", d.opts.Peers.Address, "advertised", d.opts.Peers.advertised(),
 			"mutualTLS", d.opts.Peers.CertFile != ""))
 	}
-	if d.engine != nil && d.opts.ImageRegistryAddress != "" {
+	if d.engine != nil && d.opts.Images.RegistryAddress != "" {
 		images, err := d.imageRunners()
 		if err != nil {
 			return nil, err
@@ -386,14 +386,14 @@ func (d *Driver) runners() ([]runner, error) {
 	}
 	if d.engine != nil && d.ctlConn != nil {
 		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
-			peerAddress: d.opts.Peers.AdvertiseAddress}
+			peerAddress: d.opts.Peers.advertised()}
 		runners = append(runners, loopRunner("reporting to the controller", func(ctx context.Context) error {
-			klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.ControllerAddress)
+			klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.Node.ControllerAddress)
 			r.run(ctx)
 			return nil
 		}))
 	}
-	if d.view != nil && d.opts.APIAddress != "" {
+	if d.view != nil && d.opts.Controller.APIAddress != "" {
 		ctl, err := d.controllerRunners()
 		if err != nil {
 			return nil, err
@@ -406,8 +406,8 @@ func (d *Driver) runners() ([]runner, error) {
 		reg := grpc.NewServer()
 		registerapi.RegisterRegistrationServer(reg, registration)
 		runners = append(runners, logged(grpcRunner("serving kubelet registration", reg,
-			func() (net.Listener, error) { return listen("unix://" + d.opts.RegistrationSocket) }, stopHard),
-			"Serving kubelet plugin registration", "socket", d.opts.RegistrationSocket, "kubeletEndpoint", d.opts.KubeletEndpoint))
+			func() (net.Listener, error) { return listen("unix://" + d.opts.Node.RegistrationSocket) }, stopHard),
+			"Serving kubelet plugin registration", "socket", d.opts.Node.RegistrationSocket, "kubeletEndpoint", d.opts.Node.kubeletEndpoint(d.opts.Endpoint)))
 	}
 	return runners, nil
 }
@@ -466,10 +466,10 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 	api := grpc.NewServer(append(serve, grpc.KeepaliveParams(keepalive.ServerParameters{
 		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
 	controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
-	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.APIAddress), stopGracefully(0)),
-		"Serving the controller's Registry and Cache APIs", "address", d.opts.APIAddress,
-		"tls", d.opts.TLSCertFile != "", "tokens", d.opts.TokensFile != "",
-		"stalledAfter", d.opts.StalledAfter, "forgetStalledAfter", d.opts.ForgetStalledAfter)
+	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.Controller.APIAddress), stopGracefully(0)),
+		"Serving the controller's Registry and Cache APIs", "address", d.opts.Controller.APIAddress,
+		"tls", d.opts.Controller.TLSCertFile != "", "tokens", d.opts.Controller.TokensFile != "",
+		"stalledAfter", d.opts.Controller.StalledAfter, "forgetStalledAfter", d.opts.Controller.ForgetStalledAfter)
 	if !d.opts.LeaderElection.Enabled && d.leader.awaitNodes != nil {
 		// A restarted controller knows no more than a new leader does.
 		d.leader.awaitNodes(context.Background())
@@ -485,7 +485,7 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 
 // forgetStalled drops nodes that stopped reporting long ago.
 func (d *Driver) forgetStalled(ctx context.Context) {
-	tick := time.NewTicker(d.opts.StalledAfter)
+	tick := time.NewTicker(d.opts.Controller.StalledAfter)
 	defer tick.Stop()
 	for {
 		select {
@@ -495,12 +495,12 @@ func (d *Driver) forgetStalled(ctx context.Context) {
 		}
 		stalled, forgotten := d.view.Sweep(time.Now())
 		for _, id := range stalled {
-			klog.InfoS("A node stopped reporting: left out of lookups and placement", "node", id, "after", d.opts.StalledAfter)
+			klog.InfoS("A node stopped reporting: left out of lookups and placement", "node", id, "after", d.opts.Controller.StalledAfter)
 			d.nodeEvents.NodeEventOn(id, corev1.EventTypeWarning, "CowvolNodeStalled", fmt.Sprintf(
-				"cowvol's controller heard nothing from the node for %s: its cached volumes are left out of lookups and placement", d.opts.StalledAfter))
+				"cowvol's controller heard nothing from the node for %s: its cached volumes are left out of lookups and placement", d.opts.Controller.StalledAfter))
 		}
 		for _, id := range forgotten {
-			klog.InfoS("Forgot a node that stopped reporting", "node", id, "after", d.opts.ForgetStalledAfter)
+			klog.InfoS("Forgot a node that stopped reporting", "node", id, "after", d.opts.Controller.ForgetStalledAfter)
 		}
 	}
 }

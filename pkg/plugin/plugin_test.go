@@ -2,6 +2,8 @@ package plugin
 
 import (
 	"flag"
+	"io"
+	"strings"
 	"testing"
 	"time"
 
@@ -21,7 +23,7 @@ func elect(o *Options, namespace, identity string) {
 func TestFlagsDefaultToDefaults(t *testing.T) {
 	o := Defaults()
 	fs := flag.NewFlagSet("test", flag.ContinueOnError)
-	o.AddFlags(fs)
+	o.AddFlags(fs, ModeAll)
 	require.NoError(t, fs.Parse(nil))
 	require.Equal(t, Defaults(), o)
 	require.Equal(t, "90", fs.Lookup("high-watermark").DefValue)
@@ -29,12 +31,60 @@ func TestFlagsDefaultToDefaults(t *testing.T) {
 	require.Equal(t, "20s", fs.Lookup("pull-wait").DefValue)
 	require.NoError(t, fs.Parse([]string{"--mode=all", "--high-watermark=70", "--stream-size-limit=2Gi", "--peers=a=h:1,b=h:2", "--peers=c=h:3"}))
 	require.Equal(t, ModeAll, o.Mode)
-	require.Equal(t, 70, o.HighWatermark)
+	require.Equal(t, 70, o.Node.HighWatermark)
 	require.Equal(t, int64(2<<30), o.Peers.SizeLimit)
 	require.Equal(t, []string{"a=h:1", "b=h:2", "c=h:3"}, o.Peers.Static)
 	// Options built in code with nothing set are refused, not defaulted
 	// behind the caller's back.
 	require.ErrorContains(t, (&Options{}).Validate(), "driver name is required")
+}
+
+// Each mode's command line has the flags of the components it runs, and
+// no other: a flag of another mode is refused, saying whose it is.
+func TestFlagsByMode(t *testing.T) {
+	tests := []struct {
+		mode      Mode
+		has, lacks []string
+	}{
+		{ModeNode, []string{"state-dir", "peer-address", "image-registry-address", "controller-address", "peer-tls-cert-file"},
+			[]string{"api-address", "kube-auth", "leader-election"}},
+		{ModeController, []string{"api-address", "kube-auth", "leader-election", "peer-tls-cert-file", "metrics-address"},
+			[]string{"state-dir", "peer-address", "image-registry-address", "controller-address", "kubelet-dir"}},
+		{ModeAll, []string{"state-dir", "api-address", "peer-address"}, []string{"leader-election"}},
+	}
+	for _, tc := range tests {
+		t.Run(string(tc.mode), func(t *testing.T) {
+			o := Defaults()
+			fs := flag.NewFlagSet("test", flag.ContinueOnError)
+			fs.SetOutput(io.Discard)
+			o.AddFlags(fs, tc.mode)
+			others := FlagsOfOtherModes(tc.mode)
+			for _, name := range tc.has {
+				require.NotNil(t, fs.Lookup(name), "--%s in %s mode", name, tc.mode)
+				require.Empty(t, others[name])
+			}
+			for _, name := range tc.lacks {
+				require.Nil(t, fs.Lookup(name), "--%s in %s mode", name, tc.mode)
+				require.ErrorContains(t, fs.Parse([]string{"--" + name + "=x"}), "not defined")
+				require.NotEmpty(t, others[name], "--%s is said to be another mode's", name)
+			}
+		})
+	}
+	require.Equal(t, "controller", FlagsOfOtherModes(ModeAll)["leader-election"])
+	require.Equal(t, "controller or all", FlagsOfOtherModes(ModeNode)["api-address"])
+	require.Equal(t, "node or all", FlagsOfOtherModes(ModeController)["state-dir"])
+}
+
+func TestModeFromArgs(t *testing.T) {
+	for args, want := range map[string]Mode{
+		"":                           ModeNode,
+		"--mode=controller":          ModeController,
+		"-mode all --v=2":            ModeAll,
+		"--mode controller --x=1":    ModeController,
+		"--v=2 -- --mode=controller": ModeNode,
+	} {
+		require.Equal(t, want, ModeFromArgs(strings.Fields(args), ModeNode), args)
+	}
 }
 
 func TestOptionsValidate(t *testing.T) {
@@ -50,35 +100,37 @@ func TestOptionsValidate(t *testing.T) {
 	}{
 		{"ok", func(*Options) {}, ""},
 		{"tcp endpoint", func(o *Options) { o.Endpoint = "tcp://127.0.0.1:10000" }, ""},
-		{"controller needs no state", func(o *Options) { o.Mode = ModeController; o.StateDir = "" }, ""},
+		{"controller needs no state", func(o *Options) { o.Mode = ModeController; o.Node.StateDir = "" }, ""},
 		{"bad scheme", func(o *Options) { o.Endpoint = "http://x" }, "endpoint"},
 		{"no socket path", func(o *Options) { o.Endpoint = "unix://" }, "socket path"},
 		{"bad mode", func(o *Options) { o.Mode = "both" }, "mode"},
 		{"no node ID", func(o *Options) { o.NodeID = "" }, "node ID"},
-		{"relative state dir", func(o *Options) { o.StateDir = "state" }, "absolute"},
-		{"bad backend", func(o *Options) { o.Backend = "zfs" }, "unknown COW backend"},
-		{"flatten depth too deep", func(o *Options) { o.FlattenDepth = 600 }, "flatten depth"},
-		{"relative kubelet dir", func(o *Options) { o.KubeletDir = "kubelet" }, "kubelet dir"},
-		{"negative limit", func(o *Options) { o.MaxSizeLimit = -1 }, "negative"},
-		{"default over max", func(o *Options) { o.DefaultSizeLimit, o.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
-		{"watermarks crossed", func(o *Options) { o.HighWatermark, o.LowWatermark = 70, 80 }, "watermarks"},
-		{"controller on loopback", func(o *Options) { o.ControllerAddress = "127.0.0.1:7000" }, ""},
-		{"controller off loopback", func(o *Options) { o.ControllerAddress = "10.0.0.5:7000" }, "not a loopback address"},
-		{"API off loopback", func(o *Options) { o.Mode, o.APIAddress = ModeController, "0.0.0.0:7000" }, "not a loopback address"},
+		{"relative state dir", func(o *Options) { o.Node.StateDir = "state" }, "absolute"},
+		{"bad backend", func(o *Options) { o.Node.Backend = "zfs" }, "unknown COW backend"},
+		{"flatten depth too deep", func(o *Options) { o.Node.FlattenDepth = 600 }, "flatten depth"},
+		{"relative kubelet dir", func(o *Options) { o.Node.KubeletDir = "kubelet" }, "kubelet dir"},
+		{"negative limit", func(o *Options) { o.Node.MaxSizeLimit = -1 }, "negative"},
+		{"default over max", func(o *Options) { o.Node.DefaultSizeLimit, o.Node.MaxSizeLimit = 2, 1 }, "exceeds the maximum"},
+		{"watermarks crossed", func(o *Options) { o.Node.HighWatermark, o.Node.LowWatermark = 70, 80 }, "watermarks"},
+		{"controller on loopback", func(o *Options) { o.Node.ControllerAddress = "127.0.0.1:7000" }, ""},
+		{"controller off loopback", func(o *Options) { o.Node.ControllerAddress = "10.0.0.5:7000" }, "not a loopback address"},
+		{"API off loopback", func(o *Options) { o.Mode, o.Controller.APIAddress = ModeController, "0.0.0.0:7000" }, "not a loopback address"},
 		{"API off loopback over TLS with tokens", func(o *Options) {
-			o.Mode, o.APIAddress, o.TLSCertFile, o.TLSKeyFile, o.TokensFile = ModeController, "0.0.0.0:7000", "/c", "/k", "/t"
+			o.Mode, o.Controller.APIAddress, o.Controller.TLSCertFile, o.Controller.TLSKeyFile, o.Controller.TokensFile = ModeController, "0.0.0.0:7000", "/c", "/k", "/t"
 		}, ""},
-		{"TLS without tokens", func(o *Options) { o.Mode, o.TLSCertFile, o.TLSKeyFile = ModeController, "/c", "/k" }, "needs --tokens-file"},
-		{"cert without key", func(o *Options) { o.Mode, o.TLSCertFile = ModeController, "/c" }, "go together"},
-		{"controller over TLS without a token", func(o *Options) { o.ControllerAddress, o.TLSCAFile = "10.0.0.5:7000", "/ca" }, "needs --token-file"},
+		{"TLS without tokens", func(o *Options) { o.Mode, o.Controller.TLSCertFile, o.Controller.TLSKeyFile = ModeController, "/c", "/k" }, "needs --tokens-file"},
+		{"cert without key", func(o *Options) { o.Mode, o.Controller.TLSCertFile = ModeController, "/c" }, "go together"},
+		{"controller over TLS without a token", func(o *Options) { o.Node.ControllerAddress, o.Node.TLSCAFile = "10.0.0.5:7000", "/ca" }, "needs --token-file"},
 		{"controller over TLS with a token", func(o *Options) {
-			o.ControllerAddress, o.TLSCAFile, o.TokenFile = "10.0.0.5:7000", "/ca", "/t"
+			o.Node.ControllerAddress, o.Node.TLSCAFile, o.Node.TokenFile = "10.0.0.5:7000", "/ca", "/t"
 		}, ""},
-		{"API in node mode", func(o *Options) { o.APIAddress = "127.0.0.1:7000" }, "the controller's"},
-		{"forget before stalled", func(o *Options) { o.StalledAfter, o.ForgetStalledAfter = time.Minute, time.Second }, "shorter"},
-		{"high over 100", func(o *Options) { o.HighWatermark, o.LowWatermark = 101, 80 }, "watermarks"},
-		{"negative eviction grace", func(o *Options) { o.EvictionGrace = -time.Second }, "--eviction-grace"},
-		{"negative await for reports", func(o *Options) { o.AwaitReportsFor = -time.Second }, "--await-reports-for"},
+		{"forget before stalled", func(o *Options) {
+			o.Mode, o.Controller.StalledAfter, o.Controller.ForgetStalledAfter = ModeController, time.Minute, time.Second
+		}, "shorter"},
+		{"high over 100", func(o *Options) { o.Node.HighWatermark, o.Node.LowWatermark = 101, 80 }, "watermarks"},
+		{"negative eviction grace", func(o *Options) { o.Node.EvictionGrace = -time.Second }, "--eviction-grace"},
+		{"negative await for reports", func(o *Options) { o.Mode, o.Controller.AwaitReportsFor = ModeAll, -time.Second }, "--await-reports-for"},
+		{"a node's options are not a controller's business", func(o *Options) { o.Mode, o.Node.StateDir = ModeController, "relative" }, ""},
 		{"peers on loopback", func(o *Options) { o.Peers.Address, o.Peers.Static = "127.0.0.1:7443", []string{"b=127.0.0.1:7444"} }, ""},
 		{"peer address off loopback without TLS", func(o *Options) { o.Peers.Address = "10.0.0.5:7443" }, "not a loopback address"},
 		{"static peer off loopback without TLS", func(o *Options) { o.Peers.Static = []string{"b=10.0.0.6:7443"} }, "not a loopback address"},
@@ -96,33 +148,30 @@ func TestOptionsValidate(t *testing.T) {
 		{"profiling with nowhere to serve it", func(o *Options) { o.Profiling, o.MetricsAddress = true, "" }, "--metrics-address"},
 		{"profiling beside the metrics", func(o *Options) { o.Profiling, o.MetricsAddress = true, "127.0.0.1:9090" }, ""},
 		{"negative stream limit", func(o *Options) { o.Peers.SizeLimit = -1 }, "--stream-size-limit"},
-		{"image registry off loopback", func(o *Options) { o.ImageRegistryAddress = "0.0.0.0:7444" }, "not a loopback address"},
+		{"image registry off loopback", func(o *Options) { o.Images.RegistryAddress = "0.0.0.0:7444" }, "not a loopback address"},
 		{"image snapshotter beside the registry", func(o *Options) {
-			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
+			o.Images.RegistryAddress, o.Images.SnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
 		}, ""},
 		{"containerd checked for the snapshotter", func(o *Options) {
-			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
-			o.ContainerdAddress = "/run/containerd/containerd.sock"
+			o.Images.RegistryAddress, o.Images.SnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
+			o.Images.ContainerdAddress = "/run/containerd/containerd.sock"
 		}, ""},
-		{"containerd without the registry", func(o *Options) { o.ContainerdAddress = "/run/containerd/containerd.sock" }, "needs --image-registry-address"},
+		{"containerd without the registry", func(o *Options) { o.Images.ContainerdAddress = "/run/containerd/containerd.sock" }, "needs --image-registry-address"},
 		{"containerd beside the registry alone", func(o *Options) {
-			o.ImageRegistryAddress, o.ContainerdAddress = "127.0.0.1:7444", "/run/containerd/containerd.sock"
+			o.Images.RegistryAddress, o.Images.ContainerdAddress = "127.0.0.1:7444", "/run/containerd/containerd.sock"
 		}, ""},
 		{"containerd at a relative path", func(o *Options) {
-			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
-			o.ContainerdAddress = "containerd.sock"
+			o.Images.RegistryAddress, o.Images.SnapshotterEndpoint = "127.0.0.1:7444", "unix:///run/cowvol/snapshotter.sock"
+			o.Images.ContainerdAddress = "containerd.sock"
 		}, "absolute path"},
-		{"image snapshotter without the registry", func(o *Options) { o.ImageSnapshotterEndpoint = "unix:///run/sn.sock" }, "needs --image-registry-address"},
+		{"image snapshotter without the registry", func(o *Options) { o.Images.SnapshotterEndpoint = "unix:///run/sn.sock" }, "needs --image-registry-address"},
 		{"image snapshotter on TCP", func(o *Options) {
-			o.ImageRegistryAddress, o.ImageSnapshotterEndpoint = "127.0.0.1:7444", "tcp://127.0.0.1:7445"
+			o.Images.RegistryAddress, o.Images.SnapshotterEndpoint = "127.0.0.1:7444", "tcp://127.0.0.1:7445"
 		}, "want unix:///path"},
-		{"peers in controller mode", func(o *Options) { o.Mode, o.Peers.Address = ModeController, "127.0.0.1:7443" }, "node plugins"},
-		{"registration in controller mode", func(o *Options) { o.Mode = ModeController; o.RegistrationSocket = "/r.sock" }, "node plugins"},
 		{"API off loopback over TLS with Kubernetes auth", func(o *Options) {
-			o.Mode, o.APIAddress, o.TLSCertFile, o.TLSKeyFile, o.KubeAuth = ModeController, "0.0.0.0:7000", "/c", "/k", true
+			o.Mode, o.Controller.APIAddress, o.Controller.TLSCertFile, o.Controller.TLSKeyFile, o.Controller.KubeAuth = ModeController, "0.0.0.0:7000", "/c", "/k", true
 		}, ""},
-		{"Kubernetes auth and a tokens file", func(o *Options) { o.Mode, o.KubeAuth, o.TokensFile = ModeController, true, "/t" }, "give one"},
-		{"Kubernetes auth in node mode", func(o *Options) { o.KubeAuth = true }, "the controller's"},
+		{"Kubernetes auth and a tokens file", func(o *Options) { o.Mode, o.Controller.KubeAuth, o.Controller.TokensFile = ModeController, true, "/t" }, "give one"},
 		{"leader election", func(o *Options) { o.Mode = ModeController; elect(o, "cowvol", "ctl-0") }, ""},
 		{"leader election in node mode", func(o *Options) { elect(o, "cowvol", "n") }, "the controller's"},
 		{"leader election in all mode", func(o *Options) { o.Mode = ModeAll; elect(o, "cowvol", "n") }, "every node plugin must serve"},
@@ -138,7 +187,7 @@ func TestOptionsValidate(t *testing.T) {
 		{"a negative read order refresh", func(o *Options) { o.Peers.ReadOrderRefresh = -time.Second }, "--read-order-refresh"},
 		{"registration needs a unix endpoint", func(o *Options) {
 			o.Endpoint = "tcp://127.0.0.1:1"
-			o.RegistrationSocket = "/r.sock"
+			o.Node.RegistrationSocket = "/r.sock"
 		}, "unix endpoint"},
 	}
 	for _, tc := range tests {
