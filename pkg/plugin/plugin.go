@@ -124,7 +124,9 @@ func New(opts Options, deps Deps) (*Driver, error) {
 			d.nodeEvents = events
 			d.leader.unsettled = func() []string { return d.view.Unsettled(time.Now()) }
 			if opts.Controller.AwaitReportsFor > 0 {
-				d.leader.awaitNodes = func(ctx context.Context) { awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.Controller.AwaitReportsFor) }
+				d.leader.awaitNodes = func(ctx context.Context) {
+					awaitNodes(ctx, deps.Kube, d.view, opts.DriverName, opts.Controller.AwaitReportsFor)
+				}
 			}
 			if err := followNodes(kubeCtx, deps.Kube, d.view); err != nil {
 				d.Close()

@@ -43,7 +43,7 @@ func TestFlagsDefaultToDefaults(t *testing.T) {
 // no other: a flag of another mode is refused, saying whose it is.
 func TestFlagsByMode(t *testing.T) {
 	tests := []struct {
-		mode      Mode
+		mode       Mode
 		has, lacks []string
 	}{
 		{ModeNode, []string{"state-dir", "peer-address", "image-registry-address", "controller-address", "peer-tls-cert-file"},
@@ -118,7 +118,9 @@ func TestOptionsValidate(t *testing.T) {
 		{"API off loopback over TLS with tokens", func(o *Options) {
 			o.Mode, o.Controller.APIAddress, o.Controller.TLSCertFile, o.Controller.TLSKeyFile, o.Controller.TokensFile = ModeController, "0.0.0.0:7000", "/c", "/k", "/t"
 		}, ""},
-		{"TLS without tokens", func(o *Options) { o.Mode, o.Controller.TLSCertFile, o.Controller.TLSKeyFile = ModeController, "/c", "/k" }, "needs --tokens-file"},
+		{"TLS without tokens", func(o *Options) {
+			o.Mode, o.Controller.TLSCertFile, o.Controller.TLSKeyFile = ModeController, "/c", "/k"
+		}, "needs --tokens-file"},
 		{"cert without key", func(o *Options) { o.Mode, o.Controller.TLSCertFile = ModeController, "/c" }, "go together"},
 		{"controller over TLS without a token", func(o *Options) { o.Node.ControllerAddress, o.Node.TLSCAFile = "10.0.0.5:7000", "/ca" }, "needs --token-file"},
 		{"controller over TLS with a token", func(o *Options) {
