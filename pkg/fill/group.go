@@ -1,0 +1,269 @@
+package fill
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+// marked are the events a stub is marked for: every way a process can
+// reach its data (an exec opens with FAN_OPEN_EXEC_PERM; a read of a file
+// opened before the mark raises FAN_PRE_ACCESS).
+const marked = unix.FAN_OPEN_PERM | unix.FAN_OPEN_EXEC_PERM | unix.FAN_PRE_ACCESS
+
+// denyEIO answers a waiting reader with EIO (pre-content groups may give
+// an errno, kernel 6.14 and later).
+const denyEIO = unix.FAN_DENY | uint32(unix.EIO)<<unix.FAN_ERRNO_SHIFT
+
+// Supported says whether readers of stubs under dir can be held: the kernel
+// has pre-content events (6.14 or later, CONFIG_FANOTIFY_ACCESS_PERMISSIONS)
+// and dir's filesystem allows them (XFS, ext4, btrfs do; tmpfs and
+// overlayfs do not). The error says why not.
+func Supported(dir string) error {
+	fd, err := unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC, unix.O_RDONLY|unix.O_LARGEFILE)
+	if err != nil {
+		return fmt.Errorf("the kernel has no fanotify pre-content events (6.14 or later, with fanotify access permissions): %w", err)
+	}
+	defer unix.Close(fd)
+	probe, err := os.CreateTemp(dir, ".fill-probe-")
+	if err != nil {
+		return fmt.Errorf("making a probe file: %w", err)
+	}
+	defer os.Remove(probe.Name())
+	defer probe.Close()
+	if err := unix.FanotifyMark(fd, unix.FAN_MARK_ADD, marked, int(probe.Fd()), ""); err != nil {
+		var st unix.Statfs_t
+		_ = unix.Fstatfs(int(probe.Fd()), &st)
+		return fmt.Errorf("the filesystem of %s (magic %#x) allows no pre-content events: %w", dir, st.Type, err)
+	}
+	return nil
+}
+
+// Group is the node's fanotify pre-content group and the stubs it holds
+// readers of.
+type Group struct {
+	events *os.File // the fanotify fd: read events, write responses
+	// fd is events' descriptor, for marks (File.Fd would make events
+	// blocking, and Close could no longer stop a Read).
+	fd int
+	// clone is a detached clone of the mount holding the stubs, marked
+	// ignored: the fills write through it without raising events of
+	// their own. tree is its root.
+	clone int
+	tree  int
+	root  string
+	stall time.Duration
+	// byHandle says fills open stubs by their XFS handle (handle.go): the
+	// stubs are on XFS, and the process may (until an open is refused).
+	byHandle atomic.Bool
+
+	mu     sync.Mutex
+	files  map[fileKey]*file
+	closed bool
+	loop   sync.WaitGroup
+	// unmarking are the mark removals under way off the loop (the loop
+	// adds them, and forget under mu while the group is not closed: none
+	// is added once Close has waited for the loop).
+	unmarking sync.WaitGroup
+	// putSlots bounds the files a stream's fills put in place behind it,
+	// and putting are those under way (added under mu, unless closed).
+	putSlots chan struct{}
+	putting  sync.WaitGroup
+	// answering is held (shared) by each answer from its write to the
+	// close of the event's descriptor, which pins the mount the reader
+	// opened the file through (a step volume's): see Settle.
+	answering sync.RWMutex
+	// layers are those not released, whose watchers Close closes.
+	layers map[*Layer]bool
+}
+
+var errStopping = errors.New("the plugin is stopping")
+
+// Open makes the group for stubs on the filesystem mounted at (or holding)
+// root. A fill that writes nothing for stall fails, so a reader waits at
+// most about that long for a holder that stopped sending.
+func Open(root string, stall time.Duration) (*Group, error) {
+	fd, err := unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS,
+		unix.O_RDONLY|unix.O_LARGEFILE)
+	if err != nil {
+		return nil, fmt.Errorf("making a fanotify pre-content group: %w", err)
+	}
+	// The clone is dissolved (and its marks with it) when the fd open_tree
+	// gives is closed, so that one is kept; a mark takes no O_PATH fd, so
+	// the marks and opens use a real fd of the clone's root.
+	clone, err := unix.OpenTree(unix.AT_FDCWD, root, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	tree := -1
+	if err == nil {
+		tree, err = unix.Openat(clone, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	}
+	if err == nil {
+		err = unix.FanotifyMark(fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY, marked, tree, "")
+	}
+	if err != nil {
+		err = fmt.Errorf("cloning the mount of %s for fills, exempt from events: %w", root, err)
+	}
+	if err != nil {
+		for _, c := range []int{tree, clone, fd} {
+			if c >= 0 {
+				unix.Close(c)
+			}
+		}
+		return nil, err
+	}
+	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
+		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{}}
+	var fs unix.Statfs_t
+	g.byHandle.Store(unix.Fstatfs(tree, &fs) == nil && fs.Type == unix.XFS_SUPER_MAGIC)
+	g.loop.Add(1)
+	go g.run()
+	return g, nil
+}
+
+// Close fails every file not filled yet (its waiters get EIO), removes
+// the marks and closes the group. Readers that reach a stub after Close are
+// no longer held; a caller closes the group only once the layers it held
+// are recorded failed or filled.
+func (g *Group) Close() error {
+	g.mu.Lock()
+	g.closed = true
+	var open []*file
+	for _, f := range g.files {
+		open = append(open, f)
+	}
+	layers := g.layers
+	g.layers = nil
+	g.mu.Unlock()
+	for _, f := range open {
+		f.layer.cancel(errStopping)
+		g.finish(f, errStopping)
+	}
+	for l := range layers {
+		l.closeWatcher()
+	}
+	err := g.events.Close()
+	g.loop.Wait()
+	g.unmarking.Wait()
+	g.putting.Wait()
+	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
+}
+
+// run reads events until the group is closed, and answers each at once or
+// hands it to the file's fill: it never blocks on a fetch.
+func (g *Group) run() {
+	defer g.loop.Done()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := g.events.Read(buf)
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) {
+				klog.ErrorS(err, "Reading fanotify events; lazy fills stop")
+			}
+			return
+		}
+		for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= n; {
+			md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
+			if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > n {
+				klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
+				break
+			}
+			off += int(md.Event_len)
+			if md.Fd >= 0 {
+				g.dispatch(md.Fd)
+			}
+		}
+	}
+}
+
+// dispatch answers the event whose fd is fd: at once if its file is filled
+// or not one of ours, else when its fill ends.
+func (g *Group) dispatch(fd int32) {
+	key, err := keyOf(int(fd))
+	if err != nil {
+		g.respond(fd, denyEIO)
+		return
+	}
+	g.mu.Lock()
+	f := g.files[key]
+	if f != nil && f.layer.watch != nil {
+		// Readers seen by the layer's watcher whose opens came first
+		// reach their files first.
+		g.mu.Unlock()
+		f.layer.watch.drain()
+		g.mu.Lock()
+		f = g.files[key]
+	}
+	if f == nil {
+		g.mu.Unlock()
+		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
+		return
+	}
+	f.layer.reach(f)
+	switch {
+	case f.done && f.err == nil: // filled before a reader came
+		delete(g.files, f.key)
+		g.unmarking.Add(1)
+		g.mu.Unlock()
+		g.respond(fd, unix.FAN_ALLOW)
+		go func() { // off the loop: the next reader's event waits for it
+			defer g.unmarking.Done()
+			g.unmark(f)
+		}()
+		return
+	case f.done:
+		g.mu.Unlock()
+		g.respond(fd, denyEIO) // failed: its data will never be here
+		return
+	}
+	f.waiters = append(f.waiters, fd)
+	if f.layer.streamBringsNext(f) {
+		g.mu.Unlock()
+		time.AfterFunc(streamWaitMax, func() { f.layer.fetchStranded(f) })
+		return // the stream's fill of it answers it
+	}
+	if !claim(f) {
+		g.mu.Unlock()
+		return // its fill answers it
+	}
+	ahead := f.layer.claimAhead(f)
+	f.layer.urgent++
+	g.mu.Unlock()
+	go func() {
+		defer f.layer.urgentEnded()
+		if len(ahead) == 0 {
+			g.fill(f, f.fetch)
+			return
+		}
+		g.fillMany(append([]*file{f}, ahead...))
+	}()
+}
+
+func (g *Group) respond(fd int32, answer uint32) {
+	g.answering.RLock()
+	defer g.answering.RUnlock()
+	resp := unix.FanotifyResponse{Fd: fd, Response: answer}
+	if _, err := g.events.Write((*[unsafe.Sizeof(resp)]byte)(unsafe.Pointer(&resp))[:]); err != nil && !errors.Is(err, os.ErrClosed) {
+		klog.ErrorS(err, "Answering a held reader")
+	}
+	unix.Close(int(fd))
+}
+
+// Settle waits until every answer given so far is complete. An event
+// holds the path its reader used (through a step volume's mount) until the
+// loop closes its descriptor, just after its answer: the reader goes on the
+// moment the answer is written. A step that read its last file and ended
+// may have its volume unmounted before the close, which would find the
+// mount busy. An event not answered yet holds a reader still waiting, so
+// the step is not done; the events of a layer's watcher hold no path.
+func (g *Group) Settle() {
+	g.answering.Lock()
+	g.answering.Unlock() // empty: waiting for the answers under way is the point
+}
