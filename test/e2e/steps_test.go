@@ -1,0 +1,230 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/concourse/cowvol/pkg/overlay"
+)
+
+// scenario runs one step of the build, logging where it starts and ends.
+// Scenarios build on each other, so a failure ends the whole run.
+func (c *cluster) scenario(name string, fn func()) {
+	c.t.Helper()
+	start := time.Now()
+	c.t.Logf("=== scenario: %s", name)
+	fn()
+	c.t.Logf("--- scenario done in %s: %s", time.Since(start).Round(time.Millisecond), name)
+}
+
+// ---- pods ----
+
+// volume is one inline cowvol volume (or an emptyDir) of a step pod.
+type volume struct {
+	name, mountPath string
+	attrs           map[string]string // nil: an emptyDir
+	readOnly        bool
+	// recursiveReadOnly asks for recursiveReadOnly: Enabled.
+	recursiveReadOnly bool
+}
+
+// podOpt changes a step pod's spec and its step container's before the
+// pod is created.
+type podOpt func(spec, container map[string]any)
+
+func podJSON(ns, name, script string, vols []volume, opts ...podOpt) string {
+	var mounts, volumes []map[string]any
+	for _, v := range vols {
+		mount := map[string]any{"name": v.name, "mountPath": v.mountPath, "readOnly": v.readOnly}
+		if v.recursiveReadOnly {
+			mount["recursiveReadOnly"] = "Enabled"
+		}
+		mounts = append(mounts, mount)
+		if v.attrs == nil {
+			volumes = append(volumes, map[string]any{"name": v.name, "emptyDir": map[string]any{}})
+			continue
+		}
+		volumes = append(volumes, map[string]any{"name": v.name, "csi": map[string]any{
+			"driver": driverName, "volumeAttributes": v.attrs, "readOnly": v.readOnly}})
+	}
+	container := map[string]any{
+		"name": "step", "image": busyboxImage, "imagePullPolicy": "Never",
+		"command": []string{"/bin/sh", "-c", script}, "volumeMounts": mounts,
+	}
+	spec := map[string]any{
+		"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
+		"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+		"containers": []any{container},
+		"volumes":    volumes,
+	}
+	for _, o := range opts {
+		o(spec, container)
+	}
+	pod := map[string]any{
+		"apiVersion": "v1", "kind": "Pod",
+		"metadata": map[string]any{"name": name, "namespace": ns},
+		"spec":     spec,
+	}
+	b, _ := json.Marshal(pod)
+	return string(b)
+}
+
+func (c *cluster) createPod(ns, name, script string, vols ...volume) {
+	c.t.Helper()
+	c.mustKubectl(podJSON(ns, name, script, vols), "create", "-f", "-")
+}
+
+// createPodWith creates a step pod changed by opts.
+func (c *cluster) createPodWith(ns, name, script string, opts []podOpt, vols ...volume) {
+	c.t.Helper()
+	c.mustKubectl(podJSON(ns, name, script, vols, opts...), "create", "-f", "-")
+}
+
+// deleteSteps deletes the pods of namespaces and waits until no step
+// volume is mounted.
+func (c *cluster) deleteSteps(namespaces ...string) {
+	c.t.Helper()
+	for _, ns := range namespaces {
+		c.mustKubectl("", "delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=120s")
+	}
+	c.until("every step volume to be torn down", 2*time.Minute, c.noStepVolumes)
+}
+
+// noStepVolumes says no pod's cowvol volume is mounted.
+func (c *cluster) noStepVolumes() bool {
+	mounts, err := overlay.MountsUnder(c.kubeletDir)
+	if err != nil {
+		return false
+	}
+	for _, mp := range mounts {
+		if strings.Contains(mp, "kubernetes.io~csi") {
+			return false
+		}
+	}
+	return true
+}
+
+func (c *cluster) phase(ns, name string) string {
+	out, _ := c.kubectl("", "get", "pod", "-n", ns, name, "-o", "jsonpath={.status.phase}")
+	return out
+}
+
+// waitDone waits for a pod to finish and returns its phase and log.
+func (c *cluster) waitDone(ns, name string) (phase, log string) {
+	c.t.Helper()
+	c.until("pod "+ns+"/"+name+" to finish", 3*time.Minute, func() bool {
+		p := c.phase(ns, name)
+		return p == "Succeeded" || p == "Failed"
+	})
+	log, _ = c.kubectl("", "logs", "-n", ns, name)
+	return c.phase(ns, name), log
+}
+
+// mustSucceed waits for a pod to succeed and returns its log.
+func (c *cluster) mustSucceed(ns, name string) string {
+	c.t.Helper()
+	phase, log := c.waitDone(ns, name)
+	if phase != "Succeeded" {
+		c.t.Fatalf("pod %s/%s %s; log:\n%s\nevents:\n%s", ns, name, phase, log, c.events(ns, name))
+	}
+	return log
+}
+
+func (c *cluster) events(ns, name string) string {
+	out, _ := c.kubectl("", "get", "events", "-n", ns, "--field-selector", "involvedObject.name="+name,
+		"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+	return out
+}
+
+func (c *cluster) deletePod(ns, name string) {
+	c.t.Helper()
+	c.mustKubectl("", "delete", "pod", "-n", ns, name, "--grace-period=1", "--timeout=120s")
+}
+
+// pluginLine is the first line the plugin logged containing all of parts.
+func (c *cluster) pluginLine(parts ...string) (string, bool) {
+	for _, line := range strings.Split(c.plugin.Log(), "\n") {
+		match := true
+		for _, p := range parts {
+			match = match && strings.Contains(line, p)
+		}
+		if match && len(line) > 21 {
+			return line, true
+		}
+	}
+	return "", false
+}
+
+// pluginLogTime is when the plugin logged the line (klog stamps lines with
+// month, day and microseconds, in UTC here).
+func (c *cluster) pluginLogTime(parts ...string) (time.Time, bool) {
+	line, ok := c.pluginLine(parts...)
+	if !ok {
+		return time.Time{}, false
+	}
+	at, err := time.Parse("0102 15:04:05.000000", line[1:21])
+	if err != nil {
+		return time.Time{}, false
+	}
+	return time.Date(time.Now().UTC().Year(), at.Month(), at.Day(), at.Hour(), at.Minute(), at.Second(), at.Nanosecond(), time.UTC), true
+}
+
+// pluginDuration is the duration="..." the plugin logged on that line.
+func (c *cluster) pluginDuration(parts ...string) string {
+	line, _ := c.pluginLine(parts...)
+	i := strings.Index(line, `duration="`)
+	if i < 0 {
+		return "not logged"
+	}
+	rest := line[i+len(`duration="`):]
+	return rest[:strings.IndexByte(rest, '"')]
+}
+
+// waitCaptured waits until the plugin has captured handle: the kubelet
+// unpublishes a finished pod's volumes on its own schedule.
+func (c *cluster) waitCaptured(handle string) { c.t.Helper(); c.waitCapturedIn("ci", handle) }
+
+// waitCapturedIn waits until the plugin has captured handle of namespace ns.
+func (c *cluster) waitCapturedIn(ns, handle string) {
+	c.t.Helper()
+	c.until("capture of "+ns+"/"+handle, 3*time.Minute, func() bool {
+		_, ok := c.pluginLine(`"Captured step volume"`, `volume="`+ns+"/"+handle+`"`)
+		return ok
+	})
+}
+
+// kubectlCowvol runs the operator CLI through kubectl, as an operator
+// would: kubectl finds kubectl-cowvol on its PATH.
+func (c *cluster) kubectlCowvol(args ...string) string {
+	c.t.Helper()
+	return c.kubectlCowvolAt(c.controllerAddr, args...)
+}
+
+// kubectlCowvolAt runs it against the controller at addr.
+func (c *cluster) kubectlCowvolAt(addr string, args ...string) string {
+	c.t.Helper()
+	out, err := c.runKubectlCowvol(append([]string{"--controller-address=" + addr}, args...)...)
+	if err != nil {
+		c.t.Fatalf("kubectl cowvol %v: %v: %s", args, err, out)
+	}
+	return out
+}
+
+// runKubectlCowvol runs kubectl cowvol with the cluster's kubeconfig.
+func (c *cluster) runKubectlCowvol(args ...string) (string, error) {
+	bin := os.Getenv("COWVOL_KUBECTL_BINARY")
+	if bin == "" {
+		c.t.Fatal("COWVOL_KUBECTL_BINARY is not set: run make e2e")
+	}
+	// kubectl takes no flags before a plugin's name: they go to the plugin.
+	cmd := exec.Command(filepath.Join(c.bin, "kubectl"), append([]string{"cowvol", "--kubeconfig=" + c.kubeconfig}, args...)...)
+	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(bin)+":"+os.Getenv("PATH"))
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
