@@ -19,6 +19,102 @@ func keyOf(fd int) (fileKey, error) {
 	return fileKey{dev: st.Dev, ino: st.Ino}, err
 }
 
+// fillState is where a stub's data stands. Only advance changes it, under
+// the group's mu.
+type fillState uint8
+
+const (
+	// stub: no data, and no fill runs.
+	stub fillState = iota
+	// claimedAhead: a read-ahead's fill runs, and no reader reached the
+	// file yet (its first reader grows the dir's read-ahead window).
+	claimedAhead
+	// filling: a fill runs for a reader, the layer's stream or a fetch.
+	filling
+	// filledAhead: a read-ahead filled it, and no reader reached it yet
+	// (its first reader, which the layer's watcher sees, still grows the
+	// window: the read-ahead's hit).
+	filledAhead
+	// filled: its data is in place.
+	filled
+	// failed: its data will never be here; readers get EIO.
+	failed
+)
+
+var fillStateNames = [...]string{"stub", "claimed ahead", "filling", "filled ahead", "filled", "failed"}
+
+func (s fillState) String() string { return fillStateNames[s] }
+
+// ended says the fill is over, one way or the other.
+func (s fillState) ended() bool { return s == filledAhead || s == filled || s == failed }
+
+// inPlace says its data is in place.
+func (s fillState) inPlace() bool { return s == filledAhead || s == filled }
+
+// ahead says a read-ahead brought (or brings) it and no reader reached it.
+func (s fillState) ahead() bool { return s == claimedAhead || s == filledAhead }
+
+// fillEvent is what happens to a stub.
+type fillEvent uint8
+
+const (
+	// claim: a fill for a reader, the stream or a fetch takes the file.
+	claim fillEvent = iota
+	// claimAhead: a read-ahead's fill takes it.
+	claimAhead
+	// reach: a reader opens (or reads) it.
+	reach
+	// fillOK and fillFailed: how its fill ended (or its layer failed).
+	fillOK
+	fillFailed
+)
+
+var fillEventNames = [...]string{"claim", "claim ahead", "reach", "filled", "failed"}
+
+func (e fillEvent) String() string { return fillEventNames[e] }
+
+// advance is the one transition function: the state event leads to from
+// s, and whether the event takes effect there. A claim takes only a stub
+// (one fill at a time); a reader reaching a file a read-ahead claimed
+// makes it an ordinary fill (or an ordinary filled file); how a fill ended
+// is recorded once, from any state before the end (a failing layer fails
+// its stubs too).
+func advance(s fillState, e fillEvent) (fillState, bool) {
+	switch {
+	case e == claim && s == stub:
+		return filling, true
+	case e == claimAhead && s == stub:
+		return claimedAhead, true
+	case e == reach && s == claimedAhead:
+		return filling, true
+	case e == reach && s == filledAhead:
+		return filled, true
+	case e == reach:
+		return s, true // noted in file.reached
+	case e == fillOK && s == claimedAhead:
+		return filledAhead, true
+	case e == fillOK && !s.ended():
+		return filled, true
+	case e == fillFailed && !s.ended():
+		return failed, true
+	}
+	return s, false
+}
+
+// markState is what stands between a stub's readers and its data.
+type markState uint8
+
+const (
+	// markHeld: its pre-content mark holds readers until it is filled.
+	markHeld markState = iota
+	// markRemoved: its fill removed the mark; readers go straight
+	// through, unseen.
+	markRemoved
+	// markWatched: its fill removed the mark, and the layer's watcher
+	// sees its first reader instead (see file.reached).
+	markWatched
+)
+
 // file is one stub. A fill runs at most once at a time (filling is
 // non-nil, closed when it ends); waiters are the event fds of readers held
 // for it.
@@ -40,13 +136,12 @@ type file struct {
 	// Group.files: a fill that removes the mark does so just before
 	// finish drops the file from there.)
 	reached bool
-	// unmarked says its fill removed its pre-content mark (else it is
-	// kept: a file that must be watched and could not be stays held,
-	// and its readers are answered at once); watched, that the layer's
-	// watcher sees its readers instead.
-	unmarked, watched bool
-	// ahead says a read-ahead claimed it and no reader has reached it yet.
-	ahead bool
+	// state is where its data stands (see advance), and mark what stands
+	// between its readers and its data: a filled file that must be
+	// watched and could not be keeps its mark, and its readers are
+	// answered at once.
+	state fillState
+	mark  markState
 	// place is its place among the regular files of the stub tree's
 	// stream, the order a stream of the layer's data brings them in.
 	place int
@@ -60,20 +155,27 @@ type file struct {
 	// before it (both under the group's mu; see Layer.Streaming).
 	streamAt    int
 	streamBytes int64
-	done        bool
-	err         error
+	err         error // why it failed
 	filling     chan struct{}
 	waiters     []int32
 }
 
-// claim makes the caller f's filler (under g.mu), unless f is filled or
-// a fill of it is running.
-func claim(f *file) bool {
-	if f.done || f.filling != nil {
+// take makes the caller f's filler (under g.mu) with a claim or a
+// claimAhead, unless f is filled or a fill of it is running.
+func take(f *file, how fillEvent) bool {
+	next, ok := advance(f.state, how)
+	if !ok {
 		return false
 	}
-	f.filling = make(chan struct{})
+	f.state, f.filling = next, make(chan struct{})
 	return true
+}
+
+// on records e (under g.mu), where it takes effect.
+func (f *file) on(e fillEvent) bool {
+	next, ok := advance(f.state, e)
+	f.state = next
+	return ok
 }
 
 // source writes a file's data into w at its offsets.

@@ -208,7 +208,7 @@ func (g *Group) dispatch(fd int32) {
 	}
 	f.layer.reach(f)
 	switch {
-	case f.done && f.err == nil: // filled before a reader came
+	case f.state.inPlace(): // filled before a reader came
 		delete(g.files, f.key)
 		g.unmarking.Add(1)
 		g.mu.Unlock()
@@ -218,9 +218,9 @@ func (g *Group) dispatch(fd int32) {
 			g.unmark(f)
 		}()
 		return
-	case f.done:
+	case f.state == failed:
 		g.mu.Unlock()
-		g.respond(fd, denyEIO) // failed: its data will never be here
+		g.respond(fd, denyEIO) // its data will never be here
 		return
 	}
 	f.waiters = append(f.waiters, fd)
@@ -229,7 +229,7 @@ func (g *Group) dispatch(fd int32) {
 		time.AfterFunc(streamWaitMax, func() { f.layer.fetchStranded(f) })
 		return // the stream's fill of it answers it
 	}
-	if !claim(f) {
+	if !take(f, claim) {
 		g.mu.Unlock()
 		return // its fill answers it
 	}

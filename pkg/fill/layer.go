@@ -237,7 +237,7 @@ func (l *Layer) Offer(rel string, write func(w io.WriterAt) error) error {
 	l.g.mu.Unlock()
 	l.readersFirst()
 	l.g.mu.Lock()
-	mine := claim(f)
+	mine := take(f, claim)
 	l.g.mu.Unlock()
 	if !mine {
 		return nil

@@ -105,10 +105,9 @@ func (l *Layer) claimAhead(f *file) []*file {
 		if len(out) >= window || bytes+s.size > readaheadBytes {
 			break
 		}
-		if !claim(s) {
+		if !take(s, claimAhead) {
 			continue
 		}
-		s.ahead = true
 		out = append(out, s)
 		bytes += s.size
 	}
@@ -126,16 +125,17 @@ func (l *Layer) reach(f *file) {
 		return
 	}
 	f.reached = true
-	if f.watched {
+	if f.mark == markWatched {
 		l.watch.unseen.Add(-1)
 	}
+	wasAhead := f.state.ahead()
+	f.on(reach)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.reached = append(l.reached, f.rel)
-	if !f.ahead {
+	if !wasAhead {
 		return
 	}
-	f.ahead = false
 	if ra := l.ahead[path.Dir(f.rel)]; ra != nil {
 		ra.unread = max(0, ra.unread-1)
 		ra.window = min(readaheadFiles, ra.window*2)
@@ -240,7 +240,7 @@ func (l *Layer) StreamEnded() {
 // the stream they waited for did not bring it.
 func (l *Layer) fetchStranded(f *file) {
 	l.g.mu.Lock()
-	if len(f.waiters) == 0 || !claim(f) {
+	if len(f.waiters) == 0 || !take(f, claim) {
 		l.g.mu.Unlock()
 		return
 	}

@@ -21,7 +21,7 @@ import (
 // ensure fills f unless it is filled, waiting for a fill already running.
 func (g *Group) ensure(f *file) error {
 	g.mu.Lock()
-	mine, running := claim(f), f.filling
+	mine, running := take(f, claim), f.filling
 	g.mu.Unlock()
 	if mine {
 		g.fill(f, f.fetch)
@@ -176,7 +176,7 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		}
 	}
 	g.mu.Lock()
-	watch := !f.reached && (f.ahead || f.layer.recording.Load()) // see file.reached
+	watch := !f.reached && (f.state == claimedAhead || f.layer.recording.Load()) // see file.reached
 	g.mu.Unlock()
 	if watch {
 		if err := f.layer.watchFilled(f); err != nil {
@@ -185,9 +185,9 @@ func (g *Group) store(f *file, put func(out int) error) error {
 		}
 	}
 	g.mu.Lock()
-	f.unmarked = true
+	f.mark = markRemoved
 	if watch && !f.reached {
-		f.watched = true
+		f.mark = markWatched
 		f.layer.watch.unseen.Add(1)
 	}
 	g.mu.Unlock()
@@ -254,18 +254,22 @@ func copyInto(dst, src int, size int64) error {
 // marked and answers EIO until its layer is released.
 func (g *Group) finish(f *file, err error) {
 	g.mu.Lock()
-	if f.done {
-		g.mu.Unlock()
-		return
+	ended := fillOK
+	if err != nil {
+		ended = fillFailed
 	}
-	f.done, f.err = true, err
+	if !f.on(ended) {
+		g.mu.Unlock()
+		return // recorded already
+	}
+	f.err = err
 	waiters := f.waiters
 	f.waiters = nil
 	if f.filling != nil {
 		close(f.filling)
 	}
-	if err == nil && f.unmarked {
-		delete(g.files, f.key) // one still marked stays: see file.unmarked
+	if err == nil && f.mark != markHeld {
+		delete(g.files, f.key) // one still marked stays: see file.mark
 	}
 	g.mu.Unlock()
 	// The layer hears first: a reader answered may look at it next.
