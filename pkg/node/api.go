@@ -121,12 +121,13 @@ func (e *Engine) Info() (NodeInfo, error) {
 			count++
 		}
 	}
+	mode, why := e.PullMode()
 	return NodeInfo{
 		NodeID: e.nodeID, StoreID: e.store.ID(), Backend: string(e.backend.Kind()), SizeLimits: limits,
 		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
 		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over,
 		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
-		StepVolumes: len(e.store.ListViews()), CapturesRefused: refused, PullMode: e.pullMode, PullModeWhy: e.pullModeWhy,
+		StepVolumes: len(e.store.ListViews()), CapturesRefused: refused, PullMode: mode, PullModeWhy: why,
 	}, nil
 }
 

@@ -122,10 +122,10 @@ type Engine struct {
 	pressure               pressure
 	reaping                sync.Mutex
 	// pulls is what this node pulls from its peers (nil: it pulls
-	// nothing); lazy, the layers being filled (nil: it pulls eagerly).
+	// nothing); lazy, the layers being filled (nil: it pulls eagerly),
+	// which is the one truth of the mode (PullMode), and pullModeWhy why.
 	pulls       *pulls
 	lazy        *lazyPulls
-	pullMode    PullMode
 	pullModeWhy string
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
@@ -223,10 +223,15 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		if e.pulls.cfg.Wait <= 0 {
 			e.pulls.cfg.Wait = DefaultPullWait
 		}
-		if e.pullMode, e.pullModeWhy, err = e.choosePullMode(e.pulls.cfg.Mode, cfg.StateDir, e.pulls.cfg.Wait); err != nil {
+		asked := e.pulls.cfg.Mode
+		mode, why, err := ChoosePullMode(asked, kind, cfg.StateDir)
+		if err == nil {
+			mode, e.pullModeWhy, err = e.openLazyPulls(asked, mode, why, cfg.StateDir, e.pulls.cfg.Wait)
+		}
+		if err != nil {
 			return nil, err
 		}
-		klog.InfoS("Pulls of sources this node lacks", "mode", e.pullMode, "asked", e.pulls.cfg.Mode, "why", e.pullModeWhy)
+		klog.InfoS("Pulls of sources this node lacks", "mode", mode, "asked", asked, "why", e.pullModeWhy)
 	}
 	if err := e.recover(); err != nil {
 		e.Close()

@@ -74,27 +74,24 @@ type lazyFill struct {
 	profiles   map[string]bool
 }
 
-// choosePullMode decides how this node pulls, and says why: lazily only
-// where views read through to the layers (the overlay backend: a clone or
-// a snapshot of a stub would hold its holes) and the kernel and the state
-// dir's filesystem have fanotify pre-content events.
-func (e *Engine) choosePullMode(asked PullMode, stateDir string, stall time.Duration) (PullMode, string, error) {
+// ChoosePullMode decides how a node whose views are made by backend, on
+// stateDir, pulls the sources it lacks when asked, and says why: lazily
+// only where views read through to the layers (the overlay backend: a
+// clone or a snapshot of a stub would hold its holes) and the kernel and
+// the state dir's filesystem have fanotify pre-content events. It opens
+// nothing; asked lazy where that cannot work, it fails.
+func ChoosePullMode(asked PullMode, backend overlay.Kind, stateDir string) (PullMode, string, error) {
 	if asked == PullEager {
 		return PullEager, "--pull-mode=eager", nil
 	}
 	why := ""
-	if k := e.backend.Kind(); k != overlay.KindOverlay {
-		why = fmt.Sprintf("the %s backend's views copy their layers (a clone or a snapshot of a stub holds its holes)", k)
+	if backend != overlay.KindOverlay {
+		why = fmt.Sprintf("the %s backend's views copy their layers (a clone or a snapshot of a stub holds its holes)", backend)
 	} else if err := fill.Supported(stateDir); err != nil {
 		why = err.Error()
 	}
 	if why == "" {
-		g, err := fill.Open(stateDir, stall)
-		if err == nil {
-			e.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
-			return PullLazy, "fanotify pre-content events hold readers of stub files under " + stateDir, nil
-		}
-		why = err.Error()
+		return PullLazy, "fanotify pre-content events hold readers of stub files under " + stateDir, nil
 	}
 	if asked == PullLazy {
 		return "", "", fmt.Errorf("--pull-mode=lazy: %s", why)
@@ -102,8 +99,36 @@ func (e *Engine) choosePullMode(asked PullMode, stateDir string, stall time.Dura
 	return PullEager, why, nil
 }
 
-// PullMode says how the node pulls sources it lacks, and why.
-func (e *Engine) PullMode() (PullMode, string) { return e.pullMode, e.pullModeWhy }
+// openLazyPulls opens the fanotify group a lazy pull's readers wait in,
+// where the mode chosen is lazy; a group that cannot be opened makes an
+// auto node eager (and fails one asked to be lazy). It says the mode in
+// force and why.
+func (e *Engine) openLazyPulls(asked, mode PullMode, why, stateDir string, stall time.Duration) (PullMode, string, error) {
+	if mode != PullLazy {
+		return mode, why, nil
+	}
+	g, err := fill.Open(stateDir, stall)
+	if err != nil {
+		if asked == PullLazy {
+			return "", "", fmt.Errorf("--pull-mode=lazy: %w", err)
+		}
+		return PullEager, err.Error(), nil
+	}
+	e.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
+	return PullLazy, why, nil
+}
+
+// PullMode says how the node pulls sources it lacks ("" where it pulls
+// none), and why: lazily exactly where it holds a fanotify group.
+func (e *Engine) PullMode() (PullMode, string) {
+	switch {
+	case e.pulls == nil:
+		return "", ""
+	case e.lazy != nil:
+		return PullLazy, e.pullModeWhy
+	}
+	return PullEager, e.pullModeWhy
+}
 
 // stubMarker starts the layer of stubs a lazy pull makes at data (its dir
 // in place) and returns the func that marks each stub as the extraction
