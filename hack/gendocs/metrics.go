@@ -204,6 +204,7 @@ var servedBy = map[string]string{
 	"plugin":     "every mode",
 	"node":       "node plugin",
 	"streamer":   "node plugin (peers)",
+	"pull":       "node plugin (pulls)",
 	"registry":   "node plugin (image registry)",
 	"controller": "controller",
 }

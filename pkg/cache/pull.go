@@ -1,6 +1,8 @@
 package cache
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"time"
@@ -16,6 +18,13 @@ import (
 const LeasePull LeaseKind = "pull"
 
 func pullLease(pullID string) Lease { return Lease{Kind: LeasePull, ID: pullID} }
+
+// NewPullID names a pull or an upload that will own a volume it makes.
+func NewPullID() string {
+	id := make([]byte, 8)
+	_, _ = rand.Read(id)
+	return hex.EncodeToString(id)
+}
 
 // ReservePull records a volume a pull will fill: creating, owned by the
 // pull, with the peer's metadata (lineage, scope, properties, TTL). A base

@@ -12,6 +12,7 @@ import (
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/target"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -135,7 +136,7 @@ func engineError(err error) error {
 	case errors.Is(err, cache.ErrNotFound), errors.Is(err, node.ErrElsewhere):
 		code = codes.NotFound
 	case errors.Is(err, cache.ErrNotReady), errors.Is(err, cache.ErrBackoff), errors.Is(err, node.ErrOutOfService),
-		errors.Is(err, node.ErrPulling), errors.Is(err, node.ErrPullFailed), errors.Is(err, node.ErrPodUnknown):
+		errors.Is(err, pull.ErrPulling), errors.Is(err, pull.ErrPullFailed), errors.Is(err, node.ErrPodUnknown):
 		code = codes.Unavailable // retryable: the capture or pull will finish, the backoff end
 	case errors.Is(err, cache.ErrExists), errors.Is(err, node.ErrOtherAttributes):
 		code = codes.AlreadyExists

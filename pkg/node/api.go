@@ -8,6 +8,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -92,7 +93,7 @@ type NodeInfo struct {
 	// CapturesRefused says why new captures are refused ("": they are not).
 	CapturesRefused string
 	// PullMode is how sources are pulled ("": never), and PullModeWhy why.
-	PullMode    PullMode
+	PullMode    pull.Mode
 	PullModeWhy string
 }
 

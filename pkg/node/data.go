@@ -1,8 +1,6 @@
 package node
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -15,16 +13,10 @@ import (
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
-
-// newLeaseID names a pull or an upload that owns a volume being made.
-func newLeaseID() string {
-	id := make([]byte, 8)
-	_, _ = rand.Read(id)
-	return hex.EncodeToString(id)
-}
 
 // OpenVolume opens a read of a ready volume as its pods see it: its chain
 // merged (a read-only overlay, mounted in staging for the read, where the
@@ -174,7 +166,8 @@ func openInside(root, path string, format streamer.Format) (streamer.Reading, er
 
 // Receive makes an uploaded tree a cached volume of this node.
 func (h peerHolder) Receive(l streamer.Layer, fill func(dir string) (streamer.Summary, error)) error {
-	_, err := h.e.receiveLayer(l, newLeaseID(), func(tree, _ string) (streamer.Summary, error) { return fill(tree) }, h.e.commitPulled(l), syncBefore)
+	_, err := pull.Receive(h.e.store, h.e.backend.Kind(), l, cache.NewPullID(), func(tree, _ string) (streamer.Summary, error) { return fill(tree) },
+		pull.CommitPulled(h.e.store, h.e.notifier(), l), pull.SyncBefore)
 	switch {
 	case errors.Is(err, cache.ErrExists):
 		return fmt.Errorf("%w: %w", streamer.ErrExists, err)

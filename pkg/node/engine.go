@@ -31,6 +31,7 @@ import (
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/target"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -74,18 +75,10 @@ type Config struct {
 	// tests point it elsewhere to pretend a reboot.
 	BootIDFile string
 	// Pulls, if set, pulls the sources the node lacks from peers.
-	Pulls *PullConfig
+	Pulls *pull.Config
 	// Pods answers what the API server knows of step pods (nil: none).
 	Pods Pods
 }
-
-// DefaultPullWait is how long a publish waits for a pull before answering
-// with its progress: well inside the kubelet's 2-minute call timeout.
-const DefaultPullWait = 20 * time.Second
-
-// DefaultReadOrderRefresh is how old a read profile's record must be
-// before a lazy pull records it again.
-const DefaultReadOrderRefresh = 10 * time.Minute
 
 // DefaultWatermarks bound a state dir's fill where none are configured.
 var DefaultWatermarks = Watermarks{High: 90, Low: 80, Grace: 5 * time.Minute}
@@ -121,12 +114,10 @@ type Engine struct {
 	watermarks             Watermarks
 	pressure               pressure
 	reaping                sync.Mutex
-	// pulls is what this node pulls from its peers (nil: it pulls
-	// nothing); lazy, the layers being filled (nil: it pulls eagerly),
-	// which is the one truth of the mode (PullMode), and pullModeWhy why.
-	pulls       *pulls
-	lazy        *lazyPulls
-	pullModeWhy string
+	// puller brings the sources the node lacks from its peers (nil: it
+	// pulls nothing), and pullMetrics count what it does.
+	puller      *pull.Puller
+	pullMetrics *pull.Metrics
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
 
@@ -218,20 +209,12 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
 	}
 	e.metrics = newMetrics(e, string(kind))
+	e.pullMetrics = pull.NewMetrics()
 	if cfg.Pulls != nil {
-		e.pulls = &pulls{cfg: *cfg.Pulls, running: map[pullKey]*pull{}}
-		if e.pulls.cfg.Wait <= 0 {
-			e.pulls.cfg.Wait = DefaultPullWait
-		}
-		asked := e.pulls.cfg.Mode
-		mode, why, err := ChoosePullMode(asked, kind, cfg.StateDir)
-		if err == nil {
-			mode, e.pullModeWhy, err = e.openLazyPulls(asked, mode, why, cfg.StateDir, e.pulls.cfg.Wait)
-		}
-		if err != nil {
+		if e.puller, err = pull.New(*cfg.Pulls, pull.Deps{Store: store, Backend: kind, NodeID: cfg.NodeID,
+			Notifier: e.notifier(), Metrics: e.pullMetrics}, cfg.StateDir); err != nil {
 			return nil, err
 		}
-		klog.InfoS("Pulls of sources this node lacks", "mode", mode, "asked", asked, "why", e.pullModeWhy)
 	}
 	if err := e.recover(); err != nil {
 		e.Close()
@@ -254,12 +237,8 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 // Close stops background work and waits for it; the store stays open.
 func (e *Engine) Close() {
 	e.bgCancel()
-	if e.lazy != nil {
-		// Readers of what is not filled get EIO now; the volumes stay
-		// filling, and recovery fails them.
-		if err := e.lazy.group.Close(); err != nil {
-			klog.ErrorS(err, "Closing the lazy fills")
-		}
+	if e.puller != nil {
+		e.puller.Close()
 	}
 	e.bg.Wait()
 }
@@ -275,7 +254,18 @@ func (e *Engine) Backend() overlay.Kind { return e.backend.Kind() }
 func (e *Engine) Layout() target.Layout { return e.layout }
 
 // Collectors are the engine's Prometheus metrics.
-func (e *Engine) Collectors() []prometheus.Collector { return e.metrics.collectors() }
+func (e *Engine) Collectors() []prometheus.Collector {
+	return append(e.metrics.collectors(), e.pullMetrics.Collectors()...)
+}
+
+// PullMode says how the node pulls sources it lacks ("" where it pulls
+// none), and why.
+func (e *Engine) PullMode() (pull.Mode, string) {
+	if e.puller == nil {
+		return "", ""
+	}
+	return e.puller.Mode()
+}
 
 // Go runs fn in the background until the engine stops; Close waits for it.
 func (e *Engine) Go(fn func(ctx context.Context)) { e.goBackground(func() { fn(e.bgCtx) }) }

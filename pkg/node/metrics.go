@@ -14,10 +14,6 @@ type metrics struct {
 	evictions *prometheus.CounterVec
 	destroys  *prometheus.CounterVec
 	reclaimed prometheus.Counter
-	pulls     *prometheus.CounterVec
-	pulled    prometheus.Counter
-	fills     *prometheus.CounterVec
-	fillBytes prometheus.Counter
 	overHigh  prometheus.Gauge
 	disk      *prometheus.GaugeVec
 	info      prometheus.Gauge
@@ -45,18 +41,6 @@ func newMetrics(e *Engine, backend string) *metrics {
 		reclaimed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "cowvol_reclaimed_bytes_total", Help: "Bytes freed by destroying cached volumes (as measured at capture).",
 		}),
-		pulls: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "cowvol_pulls_total", Help: "Pulls of a source this node lacked from peers, by result (ok, failed, not_found).",
-		}, []string{"result"}),
-		pulled: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "cowvol_pulled_layers_total", Help: "Layers pulled from peers into the node cache.",
-		}),
-		fills: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "cowvol_lazy_fills_total", Help: "Lazily pulled layers whose data finished arriving, by result (ok, failed).",
-		}, []string{"result"}),
-		fillBytes: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "cowvol_lazy_fill_bytes_total", Help: "File data fetched from peers into lazily pulled layers.",
-		}),
 		overHigh: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "cowvol_over_high_watermark", Help: "1 while the state dir is over its high watermark and captures are refused.",
 		}),
@@ -81,7 +65,7 @@ func newMetrics(e *Engine, backend string) *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.pulls, m.pulled, m.fills, m.fillBytes, m.overHigh, m.disk, m.info, m.node}
+	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.overHigh, m.disk, m.info, m.node}
 }
 
 func (m *metrics) setDisk(d diskFill) {

@@ -103,7 +103,7 @@ func (e *Engine) Publish(r PublishRequest) error {
 		}
 		return err
 	}
-	e.noteLazyReader(view, r.ReadProfile)
+	e.puller.NoteReader(view, r.ReadProfile)
 	klog.V(2).InfoS("Published step volume", "volumeID", view.VolumeID, "target", view.Target,
 		"source", view.Source, "capture", view.Capture, "layers", len(view.Lowers), "readOnly", view.ReadOnly,
 		"sizeLimit", view.SizeLimit, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name), "backend", view.Backend,
@@ -433,9 +433,7 @@ func (e *Engine) takeDown(v cache.View) error {
 	if st.Mounted {
 		spec.Target = d.MountPath()
 	}
-	if e.lazy != nil {
-		e.lazy.group.Settle() // the answers to its readers let go of the mount
-	}
+	e.puller.Settle() // the answers to its readers let go of the mount
 	if err := overlay.Unmount(e.mounter, spec); err != nil {
 		return err
 	}

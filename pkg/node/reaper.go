@@ -108,7 +108,7 @@ func (e *Engine) freeReapable() {
 					klog.ErrorS(err, "Freeing a destroyed volume's data; retrying later", "volume", v.Ref())
 					return nil
 				}
-				e.releaseFill(v.Ref())
+				e.puller.Release(v.Ref())
 				e.metrics.destroys.WithLabelValues("ok").Inc()
 				if v.SizeBytes > 0 {
 					e.metrics.reclaimed.Add(float64(v.SizeBytes))

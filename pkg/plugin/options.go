@@ -16,6 +16,7 @@ import (
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/registry"
 	"github.com/concourse/cowvol/pkg/streamer"
 )
@@ -164,8 +165,8 @@ func Defaults() Options {
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
 		},
 		Peers: PeerOptions{ServerName: DefaultPeerServerName, Encoding: string(streamer.S2),
-			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: node.DefaultPullWait, PullMode: string(node.PullAuto),
-			ReadOrderRefresh: node.DefaultReadOrderRefresh},
+			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: pull.DefaultWait, PullMode: string(pull.Auto),
+			ReadOrderRefresh: pull.DefaultReadOrderRefresh},
 	}
 }
 

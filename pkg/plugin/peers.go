@@ -18,7 +18,7 @@ import (
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/internal/tlsfiles"
-	"github.com/concourse/cowvol/pkg/node"
+	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -118,7 +118,7 @@ func (p PeerOptions) validate() []error {
 	if p.ReadOrderRefresh < 0 {
 		errs = append(errs, errors.New("--read-order-refresh must not be negative"))
 	}
-	if _, err := node.ParsePullMode(p.PullMode); err != nil {
+	if _, err := pull.ParseMode(p.PullMode); err != nil {
 		errs = append(errs, fmt.Errorf("--pull-mode: %w", err))
 	}
 	if p.Address == "" && p.AdvertiseAddress != "" {
@@ -188,18 +188,18 @@ func (o Options) pulls() bool { return o.Node.ControllerAddress != "" || len(o.P
 
 // pullConfig is the engine's part of the peer options; ctl reaches the
 // controller (nil: the static list is the locator).
-func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*node.PullConfig, error) {
+func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*pull.Config, error) {
 	dial, err := o.Peers.dialer()
 	if err != nil {
 		return nil, err
 	}
-	var loc node.Locator = staticPeers(o.Peers.Static)
+	var loc pull.Locator = staticPeers(o.Peers.Static)
 	if ctl != nil {
 		loc = controllerLocator{api: controllerv1.NewCacheClient(ctl), nodeID: o.NodeID}
 	}
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
-	mode, _ := node.ParsePullMode(o.Peers.PullMode)    // validated
-	return &node.PullConfig{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
+	mode, _ := pull.ParseMode(o.Peers.PullMode)        // validated
+	return &pull.Config{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
 		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
 }
 
@@ -272,11 +272,11 @@ func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
 // staticPeers are the peers of --peers: every one is asked.
 type staticPeers []string
 
-func (s staticPeers) Holders(context.Context, string, volume.Ref) ([]node.Peer, error) {
-	var out []node.Peer
+func (s staticPeers) Holders(context.Context, string, volume.Ref) ([]pull.Peer, error) {
+	var out []pull.Peer
 	for _, p := range s {
 		id, addr, _ := strings.Cut(p, "=")
-		out = append(out, node.Peer{NodeID: id, Address: addr})
+		out = append(out, pull.Peer{NodeID: id, Address: addr})
 	}
 	return out, nil
 }
@@ -290,7 +290,7 @@ type controllerLocator struct {
 // lookupTimeout bounds a lookup at the controller.
 const lookupTimeout = 10 * time.Second
 
-func (c controllerLocator) Holders(ctx context.Context, namespace string, r volume.Ref) ([]node.Peer, error) {
+func (c controllerLocator) Holders(ctx context.Context, namespace string, r volume.Ref) ([]pull.Peer, error) {
 	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
 	defer cancel()
 	resp, err := c.api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{
@@ -298,7 +298,7 @@ func (c controllerLocator) Holders(ctx context.Context, namespace string, r volu
 	if err != nil {
 		return nil, fmt.Errorf("asking the controller: %w", err)
 	}
-	var out []node.Peer
+	var out []pull.Peer
 	for _, loc := range resp.GetVolumes() {
 		// Only the holders of a volume namespace may read: the others
 		// would not serve it to this pull, and asking them would tell the
@@ -308,7 +308,7 @@ func (c controllerLocator) Holders(ctx context.Context, namespace string, r volu
 		}
 		for i, id := range loc.GetNodes() {
 			if i < len(loc.GetPeerAddresses()) {
-				out = append(out, node.Peer{NodeID: id, Address: loc.GetPeerAddresses()[i]})
+				out = append(out, pull.Peer{NodeID: id, Address: loc.GetPeerAddresses()[i]})
 			}
 		}
 	}

@@ -1,4 +1,4 @@
-package node
+package pull
 
 import (
 	"testing"
@@ -11,10 +11,10 @@ import (
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
-// ChoosePullMode decides, and opens nothing: lazily only on the overlay
+// ChooseMode decides, and opens nothing: lazily only on the overlay
 // backend over a filesystem with pre-content events; asked lazy where that
 // cannot be, it refuses.
-func TestChoosePullMode(t *testing.T) {
+func TestChooseMode(t *testing.T) {
 	testfs.Need(t, "mkfs.xfs")
 	xfs := testfs.Mount(t, testfs.XFS, 512<<20)
 	tmpfs := t.TempDir()
@@ -25,23 +25,23 @@ func TestChoosePullMode(t *testing.T) {
 	}
 	tests := []struct {
 		name     string
-		asked    PullMode
+		asked    Mode
 		backend  overlay.Kind
 		dir      string
-		want     PullMode
+		want     Mode
 		whyOrErr string
 	}{
-		{"eager asked", PullEager, overlay.KindOverlay, xfs, PullEager, "--pull-mode=eager"},
-		{"auto on overlay over XFS", PullAuto, overlay.KindOverlay, xfs, PullLazy, "pre-content events"},
-		{"lazy on overlay over XFS", PullLazy, overlay.KindOverlay, xfs, PullLazy, "pre-content events"},
-		{"auto on reflink", PullAuto, overlay.KindReflink, xfs, PullEager, "reflink backend's views copy"},
-		{"auto over tmpfs", PullAuto, overlay.KindOverlay, tmpfs, PullEager, ""},
-		{"lazy on reflink", PullLazy, overlay.KindReflink, xfs, "", "--pull-mode=lazy"},
-		{"lazy over tmpfs", PullLazy, overlay.KindOverlay, tmpfs, "", "--pull-mode=lazy"},
+		{"eager asked", Eager, overlay.KindOverlay, xfs, Eager, "--pull-mode=eager"},
+		{"auto on overlay over XFS", Auto, overlay.KindOverlay, xfs, Lazy, "pre-content events"},
+		{"lazy on overlay over XFS", Lazy, overlay.KindOverlay, xfs, Lazy, "pre-content events"},
+		{"auto on reflink", Auto, overlay.KindReflink, xfs, Eager, "reflink backend's views copy"},
+		{"auto over tmpfs", Auto, overlay.KindOverlay, tmpfs, Eager, ""},
+		{"lazy on reflink", Lazy, overlay.KindReflink, xfs, "", "--pull-mode=lazy"},
+		{"lazy over tmpfs", Lazy, overlay.KindOverlay, tmpfs, "", "--pull-mode=lazy"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, why, err := ChoosePullMode(tc.asked, tc.backend, tc.dir)
+			got, why, err := ChooseMode(tc.asked, tc.backend, tc.dir)
 			if tc.want == "" {
 				require.ErrorContains(t, err, tc.whyOrErr)
 				return

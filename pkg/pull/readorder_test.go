@@ -1,10 +1,12 @@
-package node
+package pull
 
 import (
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/pkg/cache"
 )
 
 // A lazy pull records its readers' order where one of its read profiles
@@ -12,8 +14,11 @@ import (
 // fresh record is not recorded again, which would cost each of the step's
 // opens a notification.
 func TestRecordsReadOrder(t *testing.T) {
-	f := newFixtureWith(t, t.TempDir(), func(c *Config) { c.Pulls = &PullConfig{Mode: PullEager} })
-	require.NoError(t, f.engine.store.RecordReadOrder("ci", "fresh", []string{"a"}))
+	store, err := cache.Open(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { store.Close() })
+	pl := &Puller{store: store}
+	require.NoError(t, store.RecordReadOrder("ci", "fresh", []string{"a"}))
 	time.Sleep(5 * time.Millisecond)
 	tests := []struct {
 		name     string
@@ -30,12 +35,12 @@ func TestRecordsReadOrder(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			f.engine.pulls.cfg.ReadOrderRefresh = tc.refresh
+			pl.cfg.ReadOrderRefresh = tc.refresh
 			ns, profiles := "ci", tc.profiles
 			if profiles == nil {
 				ns, profiles = "other", []string{"fresh"}
 			}
-			require.Equal(t, tc.want, f.engine.recordsReadOrder(ns, profiles...))
+			require.Equal(t, tc.want, pl.recordsReadOrder(ns, profiles...))
 		})
 	}
 }

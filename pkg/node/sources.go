@@ -1,0 +1,94 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/pull"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// sources.go: what a publish or a reader of a whole volume needs of the
+// node's pulls (package pull): the gates of whether to pull at all, and the
+// Notifier the puller tells what it made.
+
+// ensureSource makes sure a publish's source is here, pulling it from a
+// peer if the node lacks it. It returns once the source is here (or the
+// node has it in some state the publish will answer for), or with the
+// pull's progress after the configured wait.
+func (e *Engine) ensureSource(r PublishRequest) error {
+	if e.puller == nil || r.Source.IsZero() {
+		return nil
+	}
+	v, err := e.store.Get(r.Source)
+	if err == nil && !v.ReadableBy(r.Pod.Namespace) {
+		err = hiddenHere(r.Source, r.Pod.Namespace)
+	}
+	pulling := err == nil && v.BeingPulled()
+	if !pulling && !errors.Is(err, cache.ErrNotFound) {
+		return nil // here, in a state the publish answers for
+	}
+	if _, err := e.store.GetView(r.VolumeID); err == nil {
+		return nil // published already: a repeat needs no source
+	}
+	return e.puller.Ensure(context.Background(), r.Pod.Namespace, r.Source, r.Pod, r.ReadProfile)
+}
+
+// Fetch brings a ready volume namespace may read here, pulled whole from a
+// peer if the node lacks it, for readers that need the volume itself (the
+// image registry) rather than a step's view of it. It returns once the
+// volume is here, or with ErrPulling and the pull's progress after the
+// configured wait or when ctx ends (the pull goes on; asking again joins
+// it). A volume no peer holds for namespace fails wrapping
+// cache.ErrNotFound.
+func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
+	if e.puller == nil {
+		return cache.NotVisible(r, namespace)
+	}
+	v, err := e.store.Get(r)
+	if err == nil && !v.ReadableBy(namespace) {
+		err = hiddenHere(r, namespace)
+	}
+	switch {
+	case err == nil && v.State == volume.StateFilling:
+		return fmt.Errorf("%s is arriving lazily from a peer; retry: %w", r, pull.ErrPulling)
+	case err == nil && !v.BeingPulled():
+		return nil // here, in a state the reader answers for
+	case err != nil && !errors.Is(err, cache.ErrNotFound):
+		return err
+	}
+	return e.puller.EnsureWhole(ctx, namespace, r)
+}
+
+// hiddenHere is what a volume held here that namespace may not read is to
+// it: one that is not here. It goes the way a missing one does, asking the
+// peers (who hold it for namespace no more than this node does), so that
+// neither the answer nor its time tells another namespace's volumes from
+// none.
+func hiddenHere(r volume.Ref, namespace string) error {
+	return cache.NotVisible(r, namespace)
+}
+
+// pullNotifier is what the node's puller tells the engine.
+type pullNotifier struct{ e *Engine }
+
+func (e *Engine) notifier() pullNotifier { return pullNotifier{e} }
+
+// Event puts an event on a pod that asked for a pull.
+func (n pullNotifier) Event(pod volume.Pod, eventType, reason, message string) {
+	n.e.events.Event(pod, eventType, reason, message)
+}
+
+// Committed wakes the sync round for a layer whose data is not on disk yet,
+// and settles what its arrival changes (as a capture's does).
+func (n pullNotifier) Committed(vol cache.Volume, synced bool) {
+	if !synced {
+		n.e.kick(n.e.syncer)
+	}
+	n.e.goBackground(func() { n.e.afterCapture(vol) })
+}
+
+// FillEnded wakes the reaper: a filled or failed layer may free data.
+func (n pullNotifier) FillEnded() { n.e.kick(n.e.reaper) }

@@ -1,0 +1,220 @@
+package pull
+
+import (
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/fill"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// prefetchWorkers is how many files a lazy layer's prefetch fetches at
+// once: enough to keep a link busy with small files.
+const prefetchWorkers = 8
+
+// stubInline is which small files a lazy pull's stub tree carries whole:
+// those of at most 8 KiB, in the walk's order, 16 MiB of them at most. A
+// file that small costs a node less CPU to receive whole than to make as a
+// stub, mark, and fill later (about 20 us a file here, the time 8 KiB take
+// on the wire), and it is there before the step starts; the budget keeps
+// the publish flat in the size (16 MiB is some 40 ms of a publish here).
+var stubInline = streamer.Inline{Max: 8 << 10, Budget: 16 << 20}
+
+// lazyPulls are the layers being filled, and the group holding their
+// readers (nil: the node pulls eagerly).
+type lazyPulls struct {
+	group  *fill.Group
+	mu     sync.Mutex
+	layers map[volume.Ref]*lazyFill
+}
+
+// lazyFill is a layer being filled, and who mounts it meanwhile (under
+// lazyPulls.mu): the namespaces of their pods, and the read profiles they
+// named, under which the order its readers reach its files is recorded.
+type lazyFill struct {
+	layer      *fill.Layer
+	namespaces map[string]bool
+	profiles   map[string]bool
+}
+
+// stubMarker starts the layer of stubs a lazy pull makes at data (its dir
+// in place) and returns the func that marks each stub as the extraction
+// makes it, so that its readers wait for its data, which src fetches. The
+// data to come is bounded as an eager pull's stream is: by the sizes the
+// holder gave the stubs.
+func (pl *Puller) stubMarker(src *lazySource, data string) (*fill.Layer, streamer.StubFunc, error) {
+	layer, err := pl.lazy.group.NewLayer(data, src.fetch, src.fetchMany)
+	if err != nil {
+		return nil, nil, err
+	}
+	var total atomic.Int64
+	limit := pl.cfg.Limits.Bytes
+	return layer, func(s streamer.Stub) error {
+		if total.Add(s.Size) > limit {
+			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer, limit, streamer.ErrRefused)
+		}
+		return layer.Add(s.FD, fill.Stub{Rel: s.Name, Size: s.Size, Place: s.Place, Caps: s.Caps,
+			Dev: s.Dev, Ino: s.Ino, Times: [2]unix.Timespec{s.Mtime, s.Mtime}}) // a stream's entries' atime is their mtime
+	}, nil
+}
+
+// fillInBackground fetches a filling volume's data, first the files read
+// in the order recorded under the pods' read profiles in namespace (how
+// steps read it before), and records how that ended: ready once
+// all of it is here and synced, failed if any of it could not be fetched
+// (its readers got EIO; a step over it captures nothing ready). If the pods
+// that asked for it name read profiles, the order their readers reach
+// files in is recorded from the first fill.
+func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, namespace string, pods []volume.Pod, profiles []string) {
+	release := pl.store.Hold(r, cache.HoldFill)
+	fl := &lazyFill{layer: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
+	if pl.recordsReadOrder(namespace, profiles...) {
+		layer.RecordReaches() // before the first fill: the pods that asked read from the start
+	}
+	pl.lazy.mu.Lock()
+	pl.lazy.layers[r] = fl
+	pl.lazy.mu.Unlock()
+	start := time.Now()
+	pl.goBackground(func() {
+		// One stream of the whole layer fills what no reader asked for
+		// at the speed of an eager pull; what it did not fill (a holder
+		// gone mid-way) is fetched file by file, from any holder. The
+		// recorded order is read here, off the publish's path: up to
+		// 50,000 names to decode.
+		order := pl.readOrder(namespace, profiles)
+		first := layer.Streaming(order)
+		err := src.stream(pl.ctx, layer, first)
+		layer.StreamEnded()
+		if err != nil && pl.ctx.Err() == nil {
+			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
+		}
+		layer.Prefetch(order, prefetchWorkers)
+	})
+	pl.goBackground(func() {
+		defer release()
+		defer src.close()
+		select {
+		case <-layer.Done():
+		case <-pl.ctx.Done():
+			return // the group's Close fails what is left; recovery fails the volume
+		}
+		// Before it is served: a peer's pull of it must not count as
+		// its readers'.
+		pl.recordReadOrder(r, fl)
+		err := layer.Err()
+		if err == nil {
+			if err = overlay.SyncFS(pl.store.VolumeDir(r)); err == nil {
+				_, err = pl.store.Filled(r)
+			}
+		}
+		if err == nil {
+			pl.Release(r)
+			pl.metrics.fills.WithLabelValues("ok").Inc()
+			klog.InfoS("Filled a lazily pulled volume", "volume", r, "duration", time.Since(start))
+			pl.notify.FillEnded()
+			return
+		}
+		pl.metrics.fills.WithLabelValues("failed").Inc()
+		klog.ErrorS(err, "Filling a lazily pulled volume failed; it is marked failed", "volume", r)
+		if merr := pl.store.MarkFailed(r); merr != nil {
+			klog.ErrorS(merr, "Marking a volume that could not be filled failed", "volume", r)
+		}
+		for _, pod := range pods {
+			pl.notify.Event(pod, EventWarning, "FillFailed", fmt.Sprintf("Source volume %q could not be fetched whole "+
+				"(its readers got EIO and the step captures nothing ready): %v", r.Handle, err))
+		}
+		pl.notify.FillEnded()
+	})
+}
+
+// Release forgets a layer's fill: it is ready, or its data is gone.
+// A node that pulls nothing (nil) has nothing to release.
+func (pl *Puller) Release(r volume.Ref) {
+	if pl == nil || pl.lazy == nil {
+		return
+	}
+	pl.lazy.mu.Lock()
+	fl := pl.lazy.layers[r]
+	delete(pl.lazy.layers, r)
+	pl.lazy.mu.Unlock()
+	if fl != nil {
+		fl.layer.Release()
+	}
+}
+
+// NoteReader notes, on each layer of view's source that is being filled,
+// the namespace of the pod that mounts it and the read profile it named
+// (if any).
+// A node that pulls nothing (nil) notes nothing.
+func (pl *Puller) NoteReader(view cache.View, profile string) {
+	if pl == nil || pl.lazy == nil {
+		return
+	}
+	pl.lazy.mu.Lock()
+	defer pl.lazy.mu.Unlock()
+	for _, r := range view.Pins {
+		if fl := pl.lazy.layers[r]; fl != nil {
+			fl.namespaces[view.Pod.Namespace] = true
+			if profile != "" {
+				fl.profiles[profile] = true
+				if pl.recordsReadOrder(view.Pod.Namespace, profile) {
+					fl.layer.RecordReaches()
+				}
+			}
+		}
+	}
+}
+
+// pullStubs pulls a layer's tree with its files as stubs (but the small
+// ones it carries whole: stubInline), each marked as it is made so that
+// its readers wait for its data, and makes it a filling
+// volume whose data is fetched behind. The layer is mountable only once
+// every mark is in place.
+func (pl *Puller) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
+	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l.Ref, via: p.key.ref}
+	var layer *fill.Layer
+	vol, err := Receive(pl.store, pl.kind, l, p.id, func(tree, data string) (streamer.Summary, error) {
+		var mark streamer.StubFunc
+		var err error
+		if layer, mark, err = pl.stubMarker(src, data); err != nil {
+			return streamer.Summary{}, err
+		}
+		sum, err := client.PullLayerStubs(pl.ctx, p.key.namespace, l.Ref, p.key.ref, pl.cfg.Encoding, tree, pl.cfg.Limits, stubInline, progress, mark)
+		if sum.Inlined != "" {
+			src.inlined = streamer.Inline{Max: stubInline.Max, Through: sum.Inlined}
+		}
+		return sum, err
+	}, func(v cache.Volume, id, _ string, _ bool) (cache.Volume, error) {
+		layer.Seal()
+		return pl.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
+	}, SyncBehind)
+	if err != nil {
+		if layer != nil {
+			layer.Release()
+		}
+		return cache.Volume{}, err
+	}
+	pl.mu.Lock()
+	pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
+	pl.mu.Unlock()
+	pl.fillInBackground(vol.Ref(), layer, src, p.key.namespace, pods, profiles)
+	return vol, nil
+}
+
+// Settle waits until the answers under way to readers of lazily pulled
+// files have let go of the mounts they opened the files through.
+// A node that pulls nothing (nil) has none.
+func (pl *Puller) Settle() {
+	if pl != nil && pl.lazy != nil {
+		pl.lazy.group.Settle()
+	}
+}

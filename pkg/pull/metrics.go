@@ -1,0 +1,35 @@
+package pull
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics count the node's pulls and fills; the node registers them
+// whether or not it pulls, so that a dashboard finds them at zero.
+type Metrics struct {
+	pulls     *prometheus.CounterVec
+	pulled    prometheus.Counter
+	fills     *prometheus.CounterVec
+	fillBytes prometheus.Counter
+}
+
+// NewMetrics makes the pulls' metrics.
+func NewMetrics() *Metrics {
+	return &Metrics{
+		pulls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_pulls_total", Help: "Pulls of a source this node lacked from peers, by result (ok, failed, not_found).",
+		}, []string{"result"}),
+		pulled: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_pulled_layers_total", Help: "Layers pulled from peers into the node cache.",
+		}),
+		fills: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_lazy_fills_total", Help: "Lazily pulled layers whose data finished arriving, by result (ok, failed).",
+		}, []string{"result"}),
+		fillBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_lazy_fill_bytes_total", Help: "File data fetched from peers into lazily pulled layers.",
+		}),
+	}
+}
+
+// Collectors are the metrics to register.
+func (m *Metrics) Collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes}
+}

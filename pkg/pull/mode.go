@@ -1,0 +1,78 @@
+package pull
+
+import (
+	"fmt"
+
+	"github.com/concourse/cowvol/pkg/fill"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Mode is how a node pulls the sources it lacks.
+type Mode string
+
+const (
+	// Auto: lazily where the node supports it, else eagerly.
+	Auto Mode = "auto"
+	// Lazy: a source's tree arrives first, its files as stubs, and the
+	// step starts; each file's data arrives when it is first opened, the
+	// rest behind it.
+	Lazy Mode = "lazy"
+	// Eager: all of a source's data arrives before the step starts.
+	Eager Mode = "eager"
+)
+
+// ParseMode checks a --pull-mode value.
+func ParseMode(s string) (Mode, error) {
+	switch m := Mode(s); m {
+	case Auto, Lazy, Eager:
+		return m, nil
+	}
+	return "", fmt.Errorf("pull mode %q: want auto, lazy or eager", s)
+}
+
+// ChooseMode decides how a node whose views are made by backend, on
+// stateDir, pulls the sources it lacks when asked, and says why: lazily
+// only where views read through to the layers (the overlay backend: a
+// clone or a snapshot of a stub would hold its holes) and the kernel and
+// the state dir's filesystem have fanotify pre-content events. It opens
+// nothing; asked lazy where that cannot work, it fails.
+func ChooseMode(asked Mode, backend overlay.Kind, stateDir string) (Mode, string, error) {
+	if asked == Eager {
+		return Eager, "--pull-mode=eager", nil
+	}
+	why := ""
+	if backend != overlay.KindOverlay {
+		why = fmt.Sprintf("the %s backend's views copy their layers (a clone or a snapshot of a stub holds its holes)", backend)
+	} else if err := fill.Supported(stateDir); err != nil {
+		why = err.Error()
+	}
+	if why == "" {
+		return Lazy, "fanotify pre-content events hold readers of stub files under " + stateDir, nil
+	}
+	if asked == Lazy {
+		return "", "", fmt.Errorf("--pull-mode=lazy: %s", why)
+	}
+	return Eager, why, nil
+}
+
+// openLazy opens the fanotify group a lazy pull's readers wait in, where
+// the mode chosen is lazy; a group that cannot be opened makes an auto
+// node eager (and fails one asked to be lazy). It records the mode in
+// force and why.
+func (pl *Puller) openLazy(asked, mode Mode, why, stateDir string) error {
+	pl.mode, pl.why = mode, why
+	if mode != Lazy {
+		return nil
+	}
+	g, err := fill.Open(stateDir, pl.cfg.Wait)
+	if err != nil {
+		if asked == Lazy {
+			return fmt.Errorf("--pull-mode=lazy: %w", err)
+		}
+		pl.mode, pl.why = Eager, err.Error()
+		return nil
+	}
+	pl.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
+	return nil
+}
