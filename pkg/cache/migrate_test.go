@@ -14,10 +14,12 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// schema0 writes a state dir as the schema 0 plugin left it: volumes keyed
-// by handle with data under layers/<handle>, one of them without a
-// namespace, and a live view over a chain.
-func schema0(t *testing.T, dir string) {
+// putFunc records v as JSON under k.
+type putFunc func(b *bolt.Bucket, k string, v any)
+
+// writeStore writes a metadata file in dir as an older plugin left it:
+// write fills its volumes, views and meta buckets.
+func writeStore(t *testing.T, dir string, write func(put putFunc, vols, views, meta *bolt.Bucket) error) {
 	t.Helper()
 	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, nil)
 	require.NoError(t, err)
@@ -30,7 +32,16 @@ func schema0(t *testing.T, dir string) {
 	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
 		vols, _ := tx.CreateBucket(volumesBucket)
 		views, _ := tx.CreateBucket(viewsBucket)
-		_, _ = tx.CreateBucket(metaBucket)
+		meta, _ := tx.CreateBucket(metaBucket)
+		return write(put, vols, views, meta)
+	}))
+}
+
+// schema0 writes a state dir as the schema 0 plugin left it: volumes keyed
+// by handle with data under layers/<handle>, one of them without a
+// namespace, and a live view over a chain.
+func schema0(t *testing.T, dir string) {
+	writeStore(t, dir, func(put putFunc, vols, views, _ *bolt.Bucket) error {
 		put(vols, "res", map[string]any{"handle": "res", "layer": "l1", "state": "ready", "namespace": "ci", "scope": "cluster", "synced": true})
 		put(vols, "out", map[string]any{"handle": "out", "parent": "res", "base": "res", "layer": "l2", "state": "ready", "namespace": "other", "scope": "namespace", "synced": true})
 		put(vols, "anon", map[string]any{"handle": "anon", "layer": "l3", "state": "ready", "scope": "namespace", "synced": true})
@@ -38,7 +49,7 @@ func schema0(t *testing.T, dir string) {
 			"lowers": []string{filepath.Join(dir, "layers/out/l2"), filepath.Join(dir, "layers/res/l1")}, "state": "published",
 			"pod": map[string]string{"namespace": "other"}})
 		return nil
-	}))
+	})
 	for _, d := range []string{"layers/res/l1", "layers/out/l2", "layers/anon/l3"} {
 		require.NoError(t, os.MkdirAll(filepath.Join(dir, d), 0o755))
 		require.NoError(t, os.WriteFile(filepath.Join(dir, d, "data"), []byte(d), 0o644))
@@ -141,19 +152,7 @@ func TestMigrationsAreOrdered(t *testing.T) {
 // keyed by namespace/handle, a creating one naming its step volume as its
 // owner (before leases), and no children or pins index.
 func schema1(t *testing.T, dir string) {
-	t.Helper()
-	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, nil)
-	require.NoError(t, err)
-	defer db.Close()
-	put := func(b *bolt.Bucket, k string, v any) {
-		raw, err := json.Marshal(v)
-		require.NoError(t, err)
-		require.NoError(t, b.Put([]byte(k), raw))
-	}
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
-		vols, _ := tx.CreateBucket(volumesBucket)
-		views, _ := tx.CreateBucket(viewsBucket)
-		meta, _ := tx.CreateBucket(metaBucket)
+	writeStore(t, dir, func(put putFunc, vols, views, meta *bolt.Bucket) error {
 		put(vols, "ci/res", map[string]any{"namespace": "ci", "handle": "res", "layer": "l1", "state": "ready", "scope": "namespace", "synced": true})
 		put(vols, "ci/out", map[string]any{"namespace": "ci", "handle": "out", "parent": map[string]string{"namespace": "ci", "handle": "res"},
 			"base": map[string]string{"namespace": "ci", "handle": "res"}, "layer": "l2", "state": "ready", "scope": "namespace", "synced": true})
@@ -164,7 +163,7 @@ func schema1(t *testing.T, dir string) {
 		put(views, "csi-2", map[string]any{"volumeID": "csi-2", "target": "/t2", "capture": "next", "state": "published",
 			"pod": map[string]string{"namespace": "ci"}})
 		return meta.Put(schemaKey, []byte("1"))
-	}))
+	})
 	for _, d := range []string{"volumes/ci/res/l1", "volumes/ci/out/l2"} {
 		require.NoError(t, os.MkdirAll(filepath.Join(dir, d), 0o755))
 	}
