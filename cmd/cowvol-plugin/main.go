@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -41,7 +42,7 @@ func main() {
 	// A mistake is said in a line, not drowned in klog's flags.
 	fs.SetOutput(io.Discard)
 	if err := fs.Parse(os.Args[1:]); err != nil {
-		if err == flag.ErrHelp {
+		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintf(os.Stderr, "cowvol-plugin --mode=%s flags (docs/options.md lists every mode's):\n", mode)
 			fs.SetOutput(os.Stderr)
 			fs.PrintDefaults()

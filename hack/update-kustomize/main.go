@@ -35,11 +35,11 @@ func main() {
 		}
 		fail(err)
 	}
-	files, err := Split(rendered)
+	files, err := split(rendered)
 	if err != nil {
 		fail(err)
 	}
-	if err := Write(*out, files); err != nil {
+	if err := write(*out, files); err != nil {
 		fail(err)
 	}
 }
@@ -55,10 +55,10 @@ type file struct {
 	docs []string
 }
 
-// Split groups helm template's output by the template each object came
+// split groups helm template's output by the template each object came
 // from (its "# Source: chart/templates/x.yaml" line), in the order the
 // templates first appear.
-func Split(rendered []byte) ([]file, error) {
+func split(rendered []byte) ([]file, error) {
 	var files []file
 	index := map[string]int{}
 	for _, doc := range strings.Split(string(rendered), "\n---\n") {
@@ -83,9 +83,9 @@ func Split(rendered []byte) ([]file, error) {
 	return files, nil
 }
 
-// Write replaces the base in dir with files, a Namespace and the
+// write replaces the base in dir with files, a Namespace and the
 // kustomization that lists them.
-func Write(dir string, files []file) error {
+func write(dir string, files []file) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
@@ -96,10 +96,10 @@ func Write(dir string, files []file) error {
 		}
 	}
 	resources := []string{"namespace.yaml"}
-	write := func(name, body string) error {
+	put := func(name, body string) error {
 		return os.WriteFile(filepath.Join(dir, name), []byte(header+body), 0o644)
 	}
-	if err := write("namespace.yaml", "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: cowvol\n"); err != nil {
+	if err := put("namespace.yaml", "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: cowvol\n"); err != nil {
 		return err
 	}
 	for _, f := range files {
@@ -110,7 +110,7 @@ func Write(dir string, files []file) error {
 			}
 			b.WriteString(d)
 		}
-		if err := write(f.name, b.String()); err != nil {
+		if err := put(f.name, b.String()); err != nil {
 			return err
 		}
 		resources = append(resources, f.name)
@@ -122,5 +122,5 @@ func Write(dir string, files []file) error {
 	for _, r := range resources {
 		k += "  - " + r + "\n"
 	}
-	return write("kustomization.yaml", k)
+	return put("kustomization.yaml", k)
 }

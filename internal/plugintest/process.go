@@ -54,8 +54,7 @@ func (p *Process) Wait(timeout time.Duration) (exit, err error) {
 // Stop sends sig and waits up to grace for the process to end, then kills
 // it; it says how the process ended.
 func (p *Process) Stop(sig syscall.Signal, grace time.Duration) error {
-	if !p.Running() {
-		exit, _ := p.ended(0)
+	if exit, ended := p.ended(0); ended {
 		return exit
 	}
 	_ = p.Cmd.Process.Signal(sig)

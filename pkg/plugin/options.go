@@ -358,8 +358,8 @@ func (n NodeOptions) nodeAPIEndpoint(endpoint string) string {
 	if n.NodeAPIEndpoint != "" {
 		return n.NodeAPIEndpoint
 	}
-	if network, addr, err := parseEndpoint(endpoint); err == nil && network == "unix" {
-		return "unix://" + filepath.Join(filepath.Dir(addr), "node-api.sock")
+	if sock := unixPath(endpoint); sock != "" {
+		return "unix://" + filepath.Join(filepath.Dir(sock), "node-api.sock")
 	}
 	return ""
 }
@@ -367,9 +367,11 @@ func (n NodeOptions) nodeAPIEndpoint(endpoint string) string {
 // kubeletEndpoint is the CSI socket's path the kubelet is told at
 // registration: as given, or a unix endpoint's path ("" if neither).
 func (n NodeOptions) kubeletEndpoint(endpoint string) string {
-	if n.KubeletEndpoint != "" {
-		return n.KubeletEndpoint
-	}
+	return firstOf(n.KubeletEndpoint, unixPath(endpoint))
+}
+
+// unixPath is a unix endpoint's socket path ("" for any other endpoint).
+func unixPath(endpoint string) string {
 	if network, addr, err := parseEndpoint(endpoint); err == nil && network == "unix" {
 		return addr
 	}

@@ -172,9 +172,6 @@ func (pl *Puller) Close() {
 // Mode says how the node pulls sources it lacks, and why.
 func (pl *Puller) Mode() (Mode, string) { return pl.mode, pl.why }
 
-// Wait is how long a publish waits for a pull.
-func (pl *Puller) Wait() time.Duration { return pl.cfg.Wait }
-
 func (pl *Puller) goBackground(fn func()) {
 	pl.bg.Add(1)
 	go func() {
