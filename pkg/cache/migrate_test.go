@@ -206,3 +206,25 @@ func TestMigrationStoppedBetweenSchemas(t *testing.T) {
 	require.NoError(t, s.Close())
 	require.Equal(t, schemaVersion, schemaOf(t, dir))
 }
+
+// A record that does not decode keeps no store from migrating: it stays as
+// it is, never served, and everything else migrates.
+func TestMigrationGoesPastABadRecord(t *testing.T) {
+	dir := t.TempDir()
+	schema1(t, dir)
+	db, err := bolt.Open(filepath.Join(dir, "meta.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		return errors.Join(tx.Bucket(volumesBucket).Put([]byte("ci/garbage"), []byte("{not json")),
+			tx.Bucket(viewsBucket).Put([]byte("csi-garbage"), []byte{0xff}))
+	}))
+	require.NoError(t, db.Close())
+	s, err := Open(dir)
+	require.NoError(t, err)
+	next, err := s.Get(ref("ci", "next"))
+	require.NoError(t, err)
+	require.Equal(t, viewLease("csi-2"), next.Lease)
+	require.Len(t, s.BadRecords(), 2, "the bad records are kept and reported")
+	require.NoError(t, s.Close())
+	require.Equal(t, schemaVersion, schemaOf(t, dir))
+}
