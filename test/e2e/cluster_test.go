@@ -91,6 +91,9 @@ type cluster struct {
 	// runtimes are the sockets of every node's containerd; cgroupRoots
 	// the cgroups their pods go under, besides the root.
 	runtimes, cgroupRoots []string
+	// current is the scenario running: a failed run names it last, below
+	// the processes' logs that push its failure far up the output.
+	current string
 }
 
 func linkNames(t *testing.T) []string {

@@ -19,6 +19,7 @@ func (c *cluster) scenario(name string, fn func()) {
 	c.t.Helper()
 	start := time.Now()
 	c.t.Logf("=== scenario: %s", name)
+	c.current = name
 	fn()
 	c.t.Logf("--- scenario done in %s: %s", time.Since(start).Round(time.Millisecond), name)
 }

@@ -22,6 +22,7 @@ func (c *cluster) teardown() {
 	t := c.t
 	if t.Failed() {
 		c.dumpLogs()
+		defer t.Logf("FAILED in scenario %q: its failure is logged above the processes' logs", c.current)
 	}
 	c.stopAll("kubelet")
 	c.stopAll("kube-proxy")
