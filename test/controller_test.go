@@ -384,3 +384,57 @@ func TestControllerAuthentication(t *testing.T) {
 	_, err = controllerv1.NewCacheClient(plain).ListNodes(ctx, &controllerv1.ListNodesRequest{})
 	require.Equal(t, codes.Unavailable, code(err), "no plaintext")
 }
+
+// An idle node's heartbeats read no volume (the node counts them as
+// heartbeats, not changes), yet keep it running in the controller's view
+// and carry how full its disk is now; a change is reported at once.
+func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
+	testfs.Need(t)
+	state := filepath.Join(testfs.Mount(t, testfs.XFS, 512<<20), "state")
+	f := startFleet(t, []string{"--stalled-after=3s"})
+	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: state, Args: []string{"--controller-address=" + f.addr}})
+	api, ctx := f.api, context.Background()
+	for i := range 20 {
+		n.step("", fmt.Sprintf("res-%d", i), func(dir string) { write(t, dir, "f", "x") })
+	}
+	status := func() *controllerv1.NodeStatus {
+		resp, err := api.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+		require.NoError(t, err)
+		require.Len(t, resp.Nodes, 1)
+		return resp.Nodes[0]
+	}
+	eventually(t, "the controller to see every volume", func() bool { return status().Volumes == 20 })
+	// A writable view, its writes not captured: the disk fills with no
+	// change to any volume.
+	scratch := n.mount(map[string]string{}, false)
+	eventually(t, "the controller to have the node's last revision", func() bool {
+		got, err := n.p.NodeAPI.GetNode(ctx, &nodev1.GetNodeRequest{})
+		require.NoError(t, err)
+		return status().Revision == got.Revision
+	})
+	time.Sleep(time.Second) // the node counts a report once its answer is back
+	changes, beats, before := metricValue(t, n, `cowvol_node_reports_total{kind="changes"}`),
+		metricValue(t, n, `cowvol_node_reports_total{kind="heartbeat"}`), status()
+
+	write(t, scratch.Target, "fill", strings.Repeat("x", 64<<20))
+	fill, err := os.Open(filepath.Join(scratch.Target, "fill"))
+	require.NoError(t, err)
+	require.NoError(t, fill.Sync())
+	require.NoError(t, fill.Close())
+	eventually(t, "a heartbeat to carry the disk's fill", func() bool {
+		return status().BytesFree <= before.BytesFree-60<<20
+	})
+	time.Sleep(6 * time.Second) // twice --stalled-after
+	after := status()
+	require.Equal(t, "running", after.State, "heartbeats keep an idle node running")
+	require.Equal(t, before.Revision, after.Revision)
+	require.Equal(t, int32(20), after.Volumes)
+	require.Equal(t, changes, metricValue(t, n, `cowvol_node_reports_total{kind="changes"}`), "nothing changed, nothing was read")
+	require.GreaterOrEqual(t, metricValue(t, n, `cowvol_node_reports_total{kind="heartbeat"}`), beats+3)
+
+	n.step("", "res-new", func(dir string) { write(t, dir, "f", "x") })
+	eventually(t, "the new capture to be reported", func() bool { return status().Volumes == 21 })
+	require.Greater(t, metricValue(t, n, `cowvol_node_reports_total{kind="changes"}`), changes)
+	n.umount(scratch)
+	n.noLeaks(t)
+}

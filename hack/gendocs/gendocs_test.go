@@ -50,7 +50,8 @@ func TestFindMetrics(t *testing.T) {
 			}
 			require.NoError(t, err)
 			for i := range got {
-				got[i].pkg = ""
+				assert.Equal(t, "m.go", got[i].file, "the file, for servedBy")
+				got[i].pkg, got[i].file = "", ""
 			}
 			assert.Equal(t, tt.want, got)
 		})

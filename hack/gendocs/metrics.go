@@ -14,8 +14,8 @@ import (
 
 // metric is one Prometheus metric as its definition in the code says.
 type metric struct {
-	name, kind, help, pkg string
-	labels                []string
+	name, kind, help, pkg, file string
+	labels                      []string
 }
 
 // constructors maps prometheus's metric constructors to the kind they make.
@@ -44,7 +44,7 @@ func findMetrics(dir string) ([]metric, error) {
 		}
 		rel, _ := filepath.Rel(dir, filepath.Dir(path))
 		for i := range ms {
-			ms[i].pkg = filepath.ToSlash(rel)
+			ms[i].pkg, ms[i].file = filepath.ToSlash(rel), filepath.ToSlash(filepath.Join(rel, d.Name()))
 		}
 		found = append(found, ms...)
 		return nil
@@ -199,14 +199,15 @@ func labelKeys(e ast.Expr) []string {
 	return out
 }
 
-// servedBy says which process serves a package's metrics.
+// servedBy says which process serves a package's (or a file's) metrics.
 var servedBy = map[string]string{
-	"plugin":     "every mode",
-	"node":       "node plugin",
-	"streamer":   "node plugin (peers)",
-	"pull":       "node plugin (pulls)",
-	"registry":   "node plugin (image registry)",
-	"controller": "controller",
+	"plugin":             "every mode",
+	"plugin/reporter.go": "node plugin (with a controller)",
+	"node":               "node plugin",
+	"streamer":           "node plugin (peers)",
+	"pull":               "node plugin (pulls)",
+	"registry":           "node plugin (image registry)",
+	"controller":         "controller",
 }
 
 func metricsPage(ms []metric) string {
@@ -219,7 +220,10 @@ func metricsPage(ms []metric) string {
 	b.WriteString("PrometheusRule alerts on them.\n\n")
 	b.WriteString("| metric | type | labels | served by | what it counts |\n|---|---|---|---|---|\n")
 	for _, m := range ms {
-		who := servedBy[m.pkg]
+		who := servedBy[m.file]
+		if who == "" {
+			who = servedBy[m.pkg]
+		}
 		if who == "" {
 			who = m.pkg
 		}

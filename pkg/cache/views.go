@@ -92,6 +92,16 @@ func (s *Store) GetView(volumeID string) (View, error) {
 // ListViews returns every step volume.
 func (s *Store) ListViews() []View { return listAll[View](s, viewsBucket) }
 
+// CountViews counts the recorded step volumes without decoding them.
+func (s *Store) CountViews() int {
+	n := 0
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		n = tx.Bucket(viewsBucket).Stats().KeyN
+		return nil
+	})
+	return n
+}
+
 // Publish records a new step volume in one transaction: the source must be
 // mountable (ready or filling) and readable by the pod's namespace (its chain is pinned), and the
 // capture handle, if any, must be free in the pod's namespace (it is

@@ -77,19 +77,25 @@ func (e *Engine) Volumes(q Query) (vols []VolumeInfo, next string, revision uint
 // ErrBadPageToken: a page token that no listing like this one handed out.
 var ErrBadPageToken = fmt.Errorf("invalid page token")
 
+// Fullness is how full the node's cache is, measured now without reading
+// a volume's record: cheap enough for every heartbeat to say it.
+type Fullness struct {
+	BytesTotal, BytesFree   int64
+	InodesTotal, InodesFree int64
+	UsedPercent             int
+	Watermarks              Watermarks
+	OverHighWatermark       bool
+	// StepVolumes are published now.
+	StepVolumes int
+}
+
 // NodeInfo is who the node is and how full its cache is.
 type NodeInfo struct {
 	NodeID, StoreID, Backend, SizeLimits string
-	BytesTotal, BytesFree                int64
-	InodesTotal, InodesFree              int64
-	UsedPercent                          int
-	Watermarks                           Watermarks
-	OverHighWatermark                    bool
-	BytesHeldForChildren                 int64
-	Revision                             uint64
-	Volumes                              int
-	// StepVolumes are published now.
-	StepVolumes int
+	Fullness
+	BytesHeldForChildren int64
+	Revision             uint64
+	Volumes              int
 	// CapturesRefused says why new captures are refused ("": they are not).
 	CapturesRefused string
 	// PullMode is how sources are pulled ("": never), and PullModeWhy why.
@@ -97,9 +103,24 @@ type NodeInfo struct {
 	PullModeWhy string
 }
 
-// Info says who the node is and how full its cache is, measured now.
-func (e *Engine) Info() (NodeInfo, error) {
+// Fullness measures how full the node's cache is.
+func (e *Engine) Fullness() (Fullness, error) {
 	d, err := measureDisk(e.store.Dir())
+	if err != nil {
+		return Fullness{}, err
+	}
+	over, _ := e.pressureNow()
+	return Fullness{
+		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
+		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over, StepVolumes: e.store.CountViews(),
+	}, nil
+}
+
+// Info says who the node is and how full its cache is, measured now. It
+// reads every volume's record (to count them): the node API's answer, not
+// a heartbeat's.
+func (e *Engine) Info() (NodeInfo, error) {
+	full, err := e.Fullness()
 	if err != nil {
 		return NodeInfo{}, err
 	}
@@ -107,12 +128,10 @@ func (e *Engine) Info() (NodeInfo, error) {
 	if e.limiter != nil {
 		limits = e.limiter.Mechanism()
 	}
-	e.pressure.mu.Lock()
-	over, refused := e.pressure.over, ""
-	if over {
-		refused = e.pressure.cause
+	refused := ""
+	if over, cause := e.pressureNow(); over {
+		refused = cause
 	}
-	e.pressure.mu.Unlock()
 	if why := e.refusal.Load(); why != nil && *why != "" {
 		refused = *why
 	}
@@ -124,11 +143,9 @@ func (e *Engine) Info() (NodeInfo, error) {
 	}
 	mode, why := e.PullMode()
 	return NodeInfo{
-		NodeID: e.nodeID, StoreID: e.store.ID(), Backend: string(e.backend.Kind()), SizeLimits: limits,
-		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
-		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over,
+		NodeID: e.nodeID, StoreID: e.store.ID(), Backend: string(e.backend.Kind()), SizeLimits: limits, Fullness: full,
 		BytesHeldForChildren: e.store.HeldForChildren(), Revision: e.store.Revision(), Volumes: count,
-		StepVolumes: len(e.store.ListViews()), CapturesRefused: refused, PullMode: mode, PullModeWhy: why,
+		CapturesRefused: refused, PullMode: mode, PullModeWhy: why,
 	}, nil
 }
 

@@ -118,9 +118,7 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func
 // and only that: a lazy puller's reads come as thousands of requests, and
 // each round woken scans the whole store.
 func (e *Engine) streamEnded(refs ...volume.Ref) {
-	e.pressure.mu.Lock()
-	over := e.pressure.over
-	e.pressure.mu.Unlock()
+	over, _ := e.pressureNow()
 	var reap, tidy bool
 	for _, r := range refs {
 		v, err := e.store.Get(r)

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
@@ -66,6 +67,8 @@ type Driver struct {
 	leader *leadership
 	// ctlConn (node mode) reaches the controller: reports and lookups.
 	ctlConn *grpc.ClientConn
+	// reports count what the node told the controller.
+	reports *prometheus.CounterVec
 	// peerMetrics count what the node streams to its peers.
 	peerMetrics *streamer.Metrics
 	// podEvents (node mode) go on step pods and this node's Node object.
@@ -191,6 +194,8 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 	d.metrics.registry.MustRegister(d.engine.Collectors()...)
 	d.imageMetrics = registry.NewMetrics()
 	d.metrics.registry.MustRegister(d.imageMetrics.Collectors()...)
+	d.reports = newReportsCounter()
+	d.metrics.registry.MustRegister(d.reports)
 	d.node = driver.NewNode(d.opts.NodeID, d.engine, guard)
 	return nil
 }
@@ -388,7 +393,7 @@ func (d *Driver) runners() ([]runner, error) {
 	}
 	if d.engine != nil && d.ctlConn != nil {
 		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
-			peerAddress: d.opts.Peers.advertised()}
+			peerAddress: d.opts.Peers.advertised(), reports: d.reports}
 		runners = append(runners, loopRunner("reporting to the controller", func(ctx context.Context) error {
 			klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.Node.ControllerAddress)
 			r.run(ctx)

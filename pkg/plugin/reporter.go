@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
 	"k8s.io/klog/v2"
 
@@ -25,18 +26,35 @@ const (
 
 // reporter keeps the controller's view of this node current: the whole
 // inventory first, then what changed since the revision the controller
-// acknowledged, computed against what it was last sent.
+// acknowledged, computed against what it was last sent. A heartbeat with
+// no change since then reads no volume: an idle node with 10,000 volumes
+// costs next to nothing.
 type reporter struct {
 	engine *node.Engine
 	client controllerv1.RegistryClient
 	nodeID string
 	// peerAddress is where peers pull the node's volumes from.
 	peerAddress string
+	reports     *prometheus.CounterVec
 	sent        map[volume.Ref]*controllerv1.VolumeSummary
 	acked       uint64
 	needFull    bool
 	lastSent    time.Time
 	lastFull    time.Time
+}
+
+// What a report carried, as cowvol_node_reports_total counts them.
+const (
+	reportFull      = "full"
+	reportChanges   = "changes"
+	reportHeartbeat = "heartbeat"
+)
+
+func newReportsCounter() *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "cowvol_node_reports_total",
+		Help: "Reports the node sent the controller, by what they carried: its whole inventory (full), what changed since the last acknowledged one (changes), or nothing but how full it is (heartbeat, which reads no volume).",
+	}, []string{"kind"})
 }
 
 func (r *reporter) run(ctx context.Context) {
@@ -65,28 +83,42 @@ func (r *reporter) run(ctx context.Context) {
 // due), and the whole inventory if the controller asks for it.
 func (r *reporter) round(ctx context.Context) error {
 	for range 2 {
+		// The revision is read before the inventory: a change made
+		// between the two is sent now and again (as nothing new) next
+		// round, never lost.
 		rev := r.engine.Revision()
-		full := r.needFull || time.Since(r.lastFull) > resyncEvery
-		if !full && rev == r.acked && time.Since(r.lastSent) < heartbeatEvery {
+		kind := reportHeartbeat
+		switch {
+		case r.needFull || time.Since(r.lastFull) > resyncEvery:
+			kind = reportFull
+		case rev != r.acked:
+			kind = reportChanges
+		case time.Since(r.lastSent) < heartbeatEvery:
 			return nil
 		}
-		inv, err := r.inventory()
+		full, err := r.engine.Fullness()
 		if err != nil {
 			return err
 		}
-		info, err := r.engine.Info()
-		if err != nil {
-			return err
-		}
-		req := &controllerv1.ReportRequest{NodeId: r.nodeID, StoreId: info.StoreID, Revision: rev, Full: full,
-			BaseRevision: r.acked, OverHighWatermark: info.OverHighWatermark, StepVolumes: int32(info.StepVolumes),
-			BytesFree:   max(0, info.BytesTotal*int64(info.Watermarks.High)/100-(info.BytesTotal-info.BytesFree)),
+		req := &controllerv1.ReportRequest{NodeId: r.nodeID, StoreId: r.engine.StoreID(), Revision: rev, Full: kind == reportFull,
+			BaseRevision: r.acked, OverHighWatermark: full.OverHighWatermark, StepVolumes: int32(full.StepVolumes),
+			BytesFree:   max(0, full.BytesTotal*int64(full.Watermarks.High)/100-(full.BytesTotal-full.BytesFree)),
 			PeerAddress: r.peerAddress}
-		if full {
+		// Every field of a volume's summary changes only with the store's
+		// revision: with none since the acknowledged one, what was sent
+		// is what the node holds.
+		inv := r.sent
+		if kind != reportHeartbeat {
+			if inv, err = r.inventory(); err != nil {
+				return err
+			}
+		}
+		switch kind {
+		case reportFull:
 			for _, s := range inv {
 				req.Upserts = append(req.Upserts, s)
 			}
-		} else {
+		case reportChanges:
 			req.Upserts, req.Deletes = diff(r.sent, inv)
 		}
 		callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -95,6 +127,7 @@ func (r *reporter) round(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		r.reports.WithLabelValues(kind).Inc()
 		if resp.GetResync() {
 			r.needFull = true
 			continue
@@ -102,7 +135,7 @@ func (r *reporter) round(ctx context.Context) error {
 		r.obey(resp)
 		r.engine.RefuseCaptures(resp.GetRefuseCaptures())
 		r.sent, r.acked, r.lastSent = inv, rev, time.Now()
-		if full {
+		if kind == reportFull {
 			r.needFull, r.lastFull = false, r.lastSent
 		}
 		return nil
