@@ -144,16 +144,24 @@ func (s *Store) Candidates(now time.Time) []Volume {
 	return out
 }
 
-// Expired are the volumes whose TTL ran out since their last use and that
-// no pin protects.
-func (s *Store) Expired(now time.Time) []volume.Ref {
-	var out []volume.Ref
+// Due lists, in one scan of the store, the failed volumes (the reaper
+// destroys them) and the ones whose TTL ran out by now with no pin
+// protecting them; and says when the next TTL may run out (zero: none can
+// before the store changes).
+func (s *Store) Due(now time.Time) (failed, expired []volume.Ref, next time.Time) {
 	for _, v := range s.List() {
-		if v.expired(now) {
-			out = append(out, v.Ref())
+		switch {
+		case v.State == volume.StateFailed:
+			failed = append(failed, v.Ref())
+		case v.expired(now):
+			expired = append(expired, v.Ref())
+		default:
+			if at, ok := v.expiresAt(); ok && (next.IsZero() || at.Before(next)) {
+				next = at
+			}
 		}
 	}
-	return out
+	return failed, expired, next
 }
 
 // SetPin pins a volume (until, zero: for good) or unpins it.

@@ -172,6 +172,20 @@ func (v Volume) expired(now time.Time) bool {
 	return v.TTL > 0 && v.State == volume.StateReady && !v.Pin.Active(now) && now.Sub(v.LastUsed) > v.TTL
 }
 
+// expiresAt is when v's TTL runs out unless it is used again: its last use
+// plus its TTL, or the end of its pin if that is later. A volume without a
+// TTL, not ready, or pinned for good never does.
+func (v Volume) expiresAt() (time.Time, bool) {
+	if v.TTL <= 0 || v.State != volume.StateReady || (v.Pin.Pinned && v.Pin.Until.IsZero()) {
+		return time.Time{}, false
+	}
+	at := v.LastUsed.Add(v.TTL)
+	if v.Pin.Pinned && v.Pin.Until.After(at) {
+		at = v.Pin.Until
+	}
+	return at, true
+}
+
 // recovered says what a restarted plugin does with v, given the step
 // volumes recorded: keep it, drop its reservation (its owner is gone and
 // it was never visible), or fail it (its filler died with the process, so

@@ -114,6 +114,7 @@ type Engine struct {
 	watermarks             Watermarks
 	pressure               pressure
 	reaping                sync.Mutex
+	swept                  sweep // guarded by reaping
 	// puller brings the sources the node lacks from its peers (nil: it
 	// pulls nothing), and pullMetrics count what it does.
 	puller      *pull.Puller

@@ -67,16 +67,52 @@ func (e *Engine) reapRound() {
 	e.reaping.Lock() // one round at a time: two would evict twice
 	defer e.reaping.Unlock()
 	now := time.Now()
-	for _, v := range e.store.List() {
-		if v.State == volume.StateFailed {
-			e.destroyFor("failed", v.Ref())
-		}
+	// Read before the scans: a change made during them makes the next
+	// tick scan again.
+	rev := e.store.Revision()
+	failed, expired, next := e.store.Due(now)
+	for _, r := range failed {
+		e.destroyFor("failed", r)
 	}
-	for _, r := range e.store.Expired(now) {
+	for _, r := range expired {
 		e.destroyFor("ttl", r)
 	}
 	e.relievePressure(now)
-	e.freeReapable()
+	left := e.freeReapable()
+	e.swept = sweep{revision: rev, nextExpiry: next, leftToFree: left, at: now}
+}
+
+// sweep is what the reaper's last full round left: the store's revision
+// when it scanned, when a TTL may next run out, and whether data it could
+// not free waits for another try.
+type sweep struct {
+	revision   uint64
+	nextExpiry time.Time
+	leftToFree bool
+	at         time.Time
+}
+
+// rescanEvery bounds how long ticks may go without a full round, however
+// idle the node.
+const rescanEvery = 5 * time.Minute
+
+// reapTick is the reaper's periodic round. On an idle node (the store as
+// the last full round scanned it, nothing left to free, no TTL running out)
+// it only watches the disk: a round's scans read every volume's record,
+// which on a node of 10,000 volumes is most of what an idle node would do.
+func (e *Engine) reapTick() {
+	now := time.Now()
+	e.reaping.Lock()
+	sw := e.swept
+	idle := !sw.at.IsZero() && !sw.leftToFree && now.Sub(sw.at) < rescanEvery &&
+		(sw.nextExpiry.IsZero() || now.Before(sw.nextExpiry)) && e.store.Revision() == sw.revision
+	if idle {
+		e.relievePressure(now)
+	}
+	e.reaping.Unlock()
+	if !idle {
+		e.reapRound()
+	}
 }
 
 func (e *Engine) destroyFor(reason string, r volume.Ref) {
@@ -89,12 +125,13 @@ func (e *Engine) destroyFor(reason string, r volume.Ref) {
 }
 
 // freeReapable deletes the data of every destroyed volume nothing holds,
-// children before the bases they free.
-func (e *Engine) freeReapable() {
+// children before the bases they free, and says whether some is left (a
+// delete failed: the next tick tries again).
+func (e *Engine) freeReapable() (left bool) {
 	for {
 		doomed := e.store.Reapable()
 		if len(doomed) == 0 || e.bgCtx.Err() != nil {
-			return
+			return len(doomed) > 0
 		}
 		g := errgroup.Group{}
 		g.SetLimit(reapParallelism)
@@ -121,7 +158,7 @@ func (e *Engine) freeReapable() {
 		}
 		_ = g.Wait()
 		if !progress {
-			return
+			return true
 		}
 	}
 }
@@ -250,6 +287,13 @@ func (e *Engine) setPressure(d diskFill) {
 	}
 }
 
+// pressureNow says whether the node is over its high watermark, and why.
+func (e *Engine) pressureNow() (over bool, cause string) {
+	e.pressure.mu.Lock()
+	defer e.pressure.mu.Unlock()
+	return e.pressure.over, e.pressure.cause
+}
+
 // refuseIfFull refuses a step volume that would add data while the disk is
 // over its high watermark: a capture or an empty volume. A view of a cached
 // volume adds little until written, and is what lets a pipeline finish.
@@ -274,17 +318,20 @@ func (e *Engine) refuseIfFull(r PublishRequest) error {
 // ErrNodeFull: the node is over its high watermark and cannot evict enough.
 var ErrNodeFull = errors.New("the node's cache is full")
 
-// reapLoop runs reapRound every reapInterval and whenever kicked.
+// reapLoop runs a full round at start and whenever kicked, and reapTick
+// every reapInterval.
 func (e *Engine) reapLoop(ctx context.Context) {
 	tick := time.NewTicker(reapInterval)
 	defer tick.Stop()
+	e.reapRound()
 	for {
-		e.reapRound()
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
+			e.reapTick()
 		case <-e.reaper:
+			e.reapRound()
 		}
 	}
 }

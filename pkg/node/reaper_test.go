@@ -254,3 +254,37 @@ func TestDestroyOnAFullDisk(t *testing.T) {
 	require.NoError(t, f.engine.Destroy(ref("ci", "big")))
 	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("big") }, 30*time.Second, 50*time.Millisecond)
 }
+
+// The reaper's ticks read no volume on an idle node: with the store as its
+// last full round scanned it, a tick only watches the disk. A change to
+// the store, or a TTL running out, makes the next tick a full round.
+func TestReaperTicksOnAnIdleNode(t *testing.T) {
+	f := newFixture(t)
+	brief := f.volume("ci", "", "brief")
+	brief.TTL = 3 * time.Second
+	require.NoError(t, f.publish(brief))
+	require.NoError(t, f.unpublish(brief))
+	f.captureSized("other", "", 1<<10)
+	lastFull := func() time.Time {
+		f.engine.reaping.Lock()
+		defer f.engine.reaping.Unlock()
+		return f.engine.swept.at
+	}
+	// Once what the captures kicked off has settled, a tick is idle.
+	require.Eventually(t, func() bool {
+		before := lastFull()
+		f.engine.reapTick()
+		return lastFull().Equal(before)
+	}, 10*time.Second, 50*time.Millisecond, "a tick on an idle node scans nothing")
+	require.False(t, f.gone("brief"), "its TTL has not run out")
+
+	// Destroyed behind the reaper's back (nothing kicks it): the store's
+	// revision moved, so the next tick scans and frees it.
+	require.NoError(t, f.store.Destroy(ref("ci", "other")))
+	f.engine.reapTick()
+	require.True(t, f.gone("other"))
+
+	// Nothing changes while brief's TTL runs out: the tick after that
+	// scans.
+	require.Eventually(t, func() bool { f.engine.reapTick(); return f.gone("brief") }, 10*time.Second, 100*time.Millisecond)
+}
