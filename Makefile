@@ -88,9 +88,13 @@ e2e-deps: build $(K8S_BIN)/kube-proxy $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HEL
 	test/e2e/install-deps.sh
 	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(E2E_BIN)/plugin-image.tar
 
+# The run's output is kept in $(E2E_BIN)/e2e.log; a failed run ends by
+# repeating why (hack/test-failures).
 e2e: e2e-deps
-	rm -f $(E2E_BIN)/report.txt
-	cd test/e2e && $(E2E_ENV) $(GO) test -tags e2e -count=1 -timeout 40m -v .
+	rm -f $(E2E_BIN)/report.txt $(E2E_BIN)/e2e.status
+	{ cd test/e2e && $(E2E_ENV) $(GO) test -tags e2e -count=1 -timeout 40m -v . ; echo $$? > $(CURDIR)/$(E2E_BIN)/e2e.status; } 2>&1 \
+		| tee $(E2E_BIN)/e2e.log
+	hack/test-failures $(E2E_BIN)/e2e.log $(E2E_BIN)/e2e.status
 	@cat $(E2E_BIN)/report.txt 2>/dev/null || true
 
 # A local cluster of real nodes (NODES, default 3) with cowvol installed
@@ -101,9 +105,11 @@ CLUSTER_DIR ?= $(CURDIR)/.cluster
 # injected at random, for SOAK minutes (CI runs 5).
 SOAK ?= 30
 soak: e2e-deps
-	rm -f $(E2E_BIN)/soak-report.txt
-	cd test/e2e && $(E2E_ENV) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/soak-report.txt COWVOL_SOAK_MINUTES=$(SOAK) \
-		$(GO) test -tags e2e -count=1 -timeout $$(( $(SOAK) + 40 ))m -run '^TestSoak$$' -v .
+	rm -f $(E2E_BIN)/soak-report.txt $(E2E_BIN)/soak.status
+	{ cd test/e2e && $(E2E_ENV) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/soak-report.txt COWVOL_SOAK_MINUTES=$(SOAK) \
+		$(GO) test -tags e2e -count=1 -timeout $$(( $(SOAK) + 40 ))m -run '^TestSoak$$' -v . ; echo $$? > $(CURDIR)/$(E2E_BIN)/soak.status; } 2>&1 \
+		| tee $(E2E_BIN)/soak.log
+	hack/test-failures $(E2E_BIN)/soak.log $(E2E_BIN)/soak.status
 	@cat $(E2E_BIN)/soak-report.txt
 
 cluster: e2e-deps
