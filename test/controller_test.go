@@ -32,10 +32,12 @@ func cref(ns, h string) *controllerv1.VolumeRef {
 // fleet is a controller, node plugins reporting to it on loopback, and a
 // scheduler's client of its Cache API.
 type fleet struct {
-	ctl   *plugintest.Plugin
-	addr  string // the controller's API
-	api   controllerv1.CacheClient
-	nodes map[string]*env
+	ctl  *plugintest.Plugin
+	addr string // the controller's API
+	api  controllerv1.CacheClient
+	// registry is the nodes' side of its API.
+	registry controllerv1.RegistryClient
+	nodes    map[string]*env
 }
 
 // startFleet starts a controller with ctlArgs and a node plugin for each
@@ -49,7 +51,7 @@ func startFleet(t *testing.T, ctlArgs []string, nodeIDs ...string) *fleet {
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
-	f.api = controllerv1.NewCacheClient(conn)
+	f.api, f.registry = controllerv1.NewCacheClient(conn), controllerv1.NewRegistryClient(conn)
 	for _, id := range nodeIDs {
 		f.nodes[id] = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, Args: []string{"--controller-address=" + addr}})
 	}
@@ -313,7 +315,7 @@ func TestControllerAuthentication(t *testing.T) {
 
 	creds, err := credentials.NewClientTLSFromFile(pki.CA, "")
 	require.NoError(t, err)
-	dial := func(tok string) controllerv1.CacheClient {
+	dialConn := func(tok string) *grpc.ClientConn {
 		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
 		if tok != "" {
 			opts = append(opts, grpc.WithPerRPCCredentials(client.Bearer{Token: tok, Secure: true}))
@@ -321,9 +323,18 @@ func TestControllerAuthentication(t *testing.T) {
 		conn, err := grpc.NewClient(addr, opts...)
 		require.NoError(t, err)
 		t.Cleanup(func() { conn.Close() })
-		return controllerv1.NewCacheClient(conn)
+		return conn
 	}
+	dial := func(tok string) controllerv1.CacheClient { return controllerv1.NewCacheClient(dialConn(tok)) }
 	admin, ci, nobody := dial("admin-token-0123456789"), dial("ci-token-0123456789ab"), dial("")
+	// A namespace's scheduler is no node: read orders name the files of
+	// every namespace's volumes.
+	ciRegistry := controllerv1.NewRegistryClient(dialConn("ci-token-0123456789ab"))
+	nodeRegistry := controllerv1.NewRegistryClient(dialConn("node-token-0123456789"))
+	getOrder := func(r controllerv1.RegistryClient) error {
+		_, err := r.GetReadOrder(context.Background(), &controllerv1.GetReadOrderRequest{Namespace: "ci", Name: "job"})
+		return err
+	}
 	ctx := context.Background()
 	lookup := func(c controllerv1.CacheClient, ns, h string) (bool, error) {
 		resp, err := c.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref(ns, h)}})
@@ -369,6 +380,13 @@ func TestControllerAuthentication(t *testing.T) {
 			return err
 		}, codes.PermissionDenied, false},
 		{"the admin lists nodes", func() error { _, err := admin.ListNodes(ctx, &controllerv1.ListNodesRequest{}); return err }, codes.OK, false},
+		{"a scheduler reading a read order", func() error { return getOrder(ciRegistry) }, codes.PermissionDenied, false},
+		{"a scheduler sharing one", func() error {
+			_, err := ciRegistry.ShareReadOrder(ctx, &controllerv1.ShareReadOrderRequest{Order: &controllerv1.ReadOrder{
+				Namespace: "ci", Name: "job", Files: []string{"f"}}})
+			return err
+		}, codes.PermissionDenied, false},
+		{"a node reading one none shared", func() error { return getOrder(nodeRegistry) }, codes.NotFound, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/plugintest"
@@ -352,51 +353,109 @@ func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
 // new version of the input) fetches those files first: over a slow link,
 // they are here while most of the rest is still on its way.
 func TestLazyPullReadsInTheRecordedOrder(t *testing.T) {
-	const files, size = 24, 1 << 20
 	a, b, _ := lazyNodesAt(t, 6<<20)
+	o := newOrderedInputs(t, a)
+	o.readUnder(b, "v1", "main/unit/repo")
+	o.arriveInOrder(b, "v2", "main/unit/repo")
+	b.noLeaks(t)
+}
+
+// The order one node recorded reaches the others through the controller:
+// a node that never ran the job fetches the files its steps read first,
+// in the first lazy pull under the profile; another namespace's pull under
+// the same name finds no order.
+func TestLazyPullReadsInTheFleetsOrder(t *testing.T) {
+	testfs.Need(t, "mkfs.xfs")
+	f := startFleet(t, nil)
+	peerAddr := plugintest.FreeAddr(t)
+	proxy := newCuttableProxy(t, peerAddr, 6<<20)
+	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+		Args: []string{"--controller-address=" + f.addr, "--peer-address=" + peerAddr, "--peer-advertise-address=" + proxy.addr}})
+	lazyNode := func(id string) *env {
+		return newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+			Args: []string{"--controller-address=" + f.addr, "--pull-wait=30s", "--pull-mode=lazy"}})
+	}
+	b, c := lazyNode("node-b"), lazyNode("node-c")
+	o := newOrderedInputs(t, a)
+	for _, handle := range []string{"v1", "v2"} {
+		eventually(t, "the controller to know where "+handle+" is", func() bool {
+			resp, err := f.api.LookupVolumes(context.Background(), &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", handle)}})
+			require.NoError(t, err)
+			return len(resp.Volumes[0].Nodes) == 1
+		})
+	}
+	o.readUnder(b, "v1", "main/unit/repo")
+	require.Equal(t, 1.0, metricValue(t, b, `cowvol_lazy_read_orders_total{source="none"}`), "the first node had no order")
+	eventually(t, "node-b to share the order it recorded", func() bool {
+		_, err := f.registry.GetReadOrder(context.Background(), &controllerv1.GetReadOrderRequest{Namespace: "ci", Name: "main/unit/repo"})
+		return err == nil
+	})
+	_, err := f.registry.GetReadOrder(context.Background(), &controllerv1.GetReadOrderRequest{Namespace: "other", Name: "main/unit/repo"})
+	require.Equal(t, codes.NotFound, code(err), "another namespace's profile of the same name has no order")
+	o.arriveInOrder(c, "v2", "main/unit/repo")
+	require.Equal(t, 1.0, metricValue(t, c, `cowvol_lazy_read_orders_total{source="fleet"}`), "node-c read in node-b's order")
+	b.noLeaks(t)
+	c.noLeaks(t)
+}
+
+// orderedInputs are two versions of an input on one node, of files a
+// step reads in the reverse of the order a walk of the layer meets them:
+// a stream in walk order would bring them last.
+type orderedInputs struct {
+	t              *testing.T
+	walked, read   []string
+	files, fileLen int
+}
+
+func newOrderedInputs(t *testing.T, holder *env) *orderedInputs {
+	o := &orderedInputs{t: t, files: 24, fileLen: 1 << 20}
 	for _, version := range []string{"v1", "v2"} {
-		a.step("", version, func(dir string) {
-			for i := range files {
-				randomFile(t, dir, fmt.Sprintf("f-%02d", i), size, uint64(len(version)*100+i))
+		holder.step("", version, func(dir string) {
+			for i := range o.files {
+				randomFile(t, dir, fmt.Sprintf("f-%02d", i), o.fileLen, uint64(len(version)*100+i))
 			}
 		})
 	}
-	// The step reads, in reverse, the files a walk of the layer meets
-	// last: a stream in walk order would bring them last.
-	var walked []string
-	a.read("v1", func(dir string) {
+	holder.read("v1", func(dir string) {
 		d, err := os.Open(dir)
 		require.NoError(t, err)
-		walked, err = d.Readdirnames(-1)
+		o.walked, err = d.Readdirnames(-1)
 		require.NoError(t, err)
 		require.NoError(t, d.Close())
 	})
-	require.Len(t, walked, files)
-	read := []string{walked[files-1], walked[files-2], walked[files-3]}
+	require.Len(t, o.walked, o.files)
+	o.read = []string{o.walked[o.files-1], o.walked[o.files-2], o.walked[o.files-3]}
+	return o
+}
 
-	profile := map[string]string{driver.AttrSource: "v1", driver.AttrReadProfile: "main/unit/repo"}
-	v := b.volume(profile, true)
-	require.NoError(t, b.publishWaiting(v))
-	for _, name := range read {
+// readUnder runs a step on n that reads the files, lazily, under profile.
+func (o *orderedInputs) readUnder(n *env, handle, profile string) {
+	v := n.volume(map[string]string{driver.AttrSource: handle, driver.AttrReadProfile: profile}, true)
+	require.NoError(o.t, n.publishWaiting(v))
+	for _, name := range o.read {
 		_, err := os.ReadFile(filepath.Join(v.Target, name))
-		require.NoError(t, err)
+		require.NoError(o.t, err)
 	}
-	eventually(t, "v1 to be filled", func() bool { return volumeState(t, b, "v1") == "ready" })
-	b.umount(v)
+	eventually(o.t, handle+" to be filled", func() bool { return volumeState(o.t, n, handle) == "ready" })
+	n.umount(v)
+}
 
-	profile[driver.AttrSource] = "v2"
-	v = b.volume(profile, true)
-	require.NoError(t, b.publishWaiting(v))
+// arriveInOrder pulls handle lazily on n under profile, reading nothing,
+// and checks that the files a step read before arrive before most others.
+func (o *orderedInputs) arriveInOrder(n *env, handle, profile string) {
+	t := o.t
+	v := n.volume(map[string]string{driver.AttrSource: handle, driver.AttrReadProfile: profile}, true)
+	require.NoError(t, n.publishWaiting(v))
 	filled := func(name string) bool {
-		stubs, err := filepath.Glob(filepath.Join(b.p.StateDir, "volumes", "ci", "v2", "*", name))
+		stubs, err := filepath.Glob(filepath.Join(n.p.StateDir, "volumes", "ci", handle, "*", name))
 		require.NoError(t, err)
 		require.Len(t, stubs, 1, name)
 		var st unix.Stat_t
 		require.NoError(t, unix.Stat(stubs[0], &st)) // a stat is not held: it reads no data
-		return st.Blocks*512 >= size
+		return st.Blocks*512 >= int64(o.fileLen)
 	}
 	eventually(t, "the files the profile names to arrive", func() bool {
-		for _, name := range read {
+		for _, name := range o.read {
 			if !filled(name) {
 				return false
 			}
@@ -404,15 +463,14 @@ func TestLazyPullReadsInTheRecordedOrder(t *testing.T) {
 		return true
 	})
 	others := 0
-	for _, name := range walked[:files-3] {
+	for _, name := range o.walked[:o.files-3] {
 		if filled(name) {
 			others++
 		}
 	}
-	require.Less(t, others, (files-3)/2, "the files read first last time come before most others")
-	eventually(t, "v2 to be filled", func() bool { return volumeState(t, b, "v2") == "ready" })
-	b.umount(v)
-	b.noLeaks(t)
+	require.Less(t, others, (o.files-3)/2, "the files read first last time come before most others")
+	eventually(t, handle+" to be filled", func() bool { return volumeState(t, n, handle) == "ready" })
+	n.umount(v)
 }
 
 // The data a lazy pull will fetch is bounded as an eager pull's stream is

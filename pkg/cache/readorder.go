@@ -8,6 +8,8 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // Read orders: the order in which steps opened the files of a lazily
@@ -19,12 +21,12 @@ import (
 var readOrdersBucket = []byte("readOrders")
 
 // Bounds: a record is at most MaxReadOrderFiles paths, and at most
-// MaxReadOrderBytes of them (it travels in one request to a peer); the
-// node keeps at most MaxReadOrders records, the least recently recorded
-// going first.
+// MaxReadOrderBytes of them (volume's bounds: it travels in one request to
+// a peer or the controller); the node keeps at most MaxReadOrders records,
+// the least recently recorded going first.
 const (
-	MaxReadOrderFiles = 50_000
-	MaxReadOrderBytes = 1 << 20
+	MaxReadOrderFiles = volume.MaxReadOrderFiles
+	MaxReadOrderBytes = volume.MaxReadOrderBytes
 	MaxReadOrders     = 1000
 )
 

@@ -28,8 +28,9 @@ type NodeEvents interface {
 // Register serves the view's Registry (for nodes) and Cache (for
 // schedulers) on srv.
 // dial reaches nodes' data for reads and uploads (nil: they are refused).
-func Register(srv *grpc.Server, v *View, m *Metrics, events NodeEvents, dial PeerDialer) {
-	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v})
+// orders keep the read orders nodes share.
+func Register(srv *grpc.Server, v *View, orders *ReadOrders, m *Metrics, events NodeEvents, dial PeerDialer) {
+	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v, orders: orders})
 	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events, dial: dial})
 }
 
@@ -45,7 +46,8 @@ func code(err error) error {
 
 type registryServer struct {
 	controllerv1.UnimplementedRegistryServer
-	view *View
+	view   *View
+	orders *ReadOrders
 }
 
 func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
@@ -61,6 +63,37 @@ func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportReq
 			"volumes", len(req.GetUpserts()), "revision", req.GetRevision())
 	}
 	return resp, nil
+}
+
+func (s *registryServer) ShareReadOrder(ctx context.Context, req *controllerv1.ShareReadOrderRequest) (*controllerv1.ShareReadOrderResponse, error) {
+	if err := need(ctx, "update", ResourceNodes, "", "share a read order"); err != nil {
+		return nil, err
+	}
+	if err := s.orders.Share(req.GetOrder()); err != nil {
+		return nil, code(err)
+	}
+	klog.V(2).InfoS("A node shared a read order", "node", req.GetOrder().GetNodeId(), "namespace", req.GetOrder().GetNamespace(),
+		"readProfile", req.GetOrder().GetName(), "files", len(req.GetOrder().GetFiles()))
+	return &controllerv1.ShareReadOrderResponse{}, nil
+}
+
+// GetReadOrder answers nodes only: an order's names are the files of its
+// namespace's volumes, which schedulers of other namespaces must not learn.
+func (s *registryServer) GetReadOrder(ctx context.Context, req *controllerv1.GetReadOrderRequest) (*controllerv1.ReadOrder, error) {
+	if err := need(ctx, "update", ResourceNodes, "", "read a shared read order"); err != nil {
+		return nil, err
+	}
+	if err := volume.ValidateNamespace(req.GetNamespace()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := volume.ValidateReadProfile(req.GetName()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	o, ok := s.orders.Get(req.GetNamespace(), req.GetName())
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "no read order is shared for namespace %s under %s", volume.Quote(req.GetNamespace()), volume.Quote(req.GetName()))
+	}
+	return o, nil
 }
 
 type cacheServer struct {

@@ -139,6 +139,9 @@ type ControllerOptions struct {
 	KubeAuth   bool
 	// TLSCertFile and TLSKeyFile serve the APIs over TLS.
 	TLSCertFile, TLSKeyFile string
+	// ReadOrdersMemory bounds the bytes of names the read orders nodes
+	// share take in the controller's memory.
+	ReadOrdersMemory int64
 }
 
 // runsNode and runsController say which components a mode runs.
@@ -159,7 +162,7 @@ func Defaults() Options {
 			HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute,
-			AwaitReportsFor: 30 * time.Second},
+			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
@@ -313,6 +316,8 @@ func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 		"how long a replica that begins to lead (or a controller that starts) answers the Cache API Unavailable while "+
 			"the nodes the plugin is registered on have not all sent it their inventories (0: answer at once from what reached it)")
 	fs.DurationVar(&c.ForgetStalledAfter, "forget-stalled-after", c.ForgetStalledAfter, "a node silent this long is forgotten")
+	fs.Int64Var(&c.ReadOrdersMemory, "read-orders-memory", c.ReadOrdersMemory,
+		"bytes of file names the read orders nodes share may take in memory (the least recently used go first; 0: none is kept)")
 	fs.StringVar(&c.TokensFile, "tokens-file", c.TokensFile,
 		"the callers of its APIs, a token,user,namespaces line each (namespaces * or a;b)")
 	fs.BoolVar(&c.KubeAuth, "kube-auth", c.KubeAuth,
@@ -502,6 +507,9 @@ func (c ControllerOptions) validate() []error {
 	}
 	if c.AwaitReportsFor < 0 {
 		errs = append(errs, fmt.Errorf("--await-reports-for %s is negative", c.AwaitReportsFor))
+	}
+	if c.ReadOrdersMemory < 0 {
+		errs = append(errs, fmt.Errorf("--read-orders-memory %d is negative", c.ReadOrdersMemory))
 	}
 	if (c.TLSCertFile == "") != (c.TLSKeyFile == "") {
 		errs = append(errs, errors.New("--tls-cert-file and --tls-key-file go together"))

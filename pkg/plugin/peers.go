@@ -12,9 +12,12 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/internal/tlsfiles"
@@ -194,13 +197,38 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*pull.Config, error) 
 		return nil, err
 	}
 	var loc pull.Locator = staticPeers(o.Peers.Static)
+	var orders pull.ReadOrderShare
 	if ctl != nil {
 		loc = controllerLocator{api: controllerv1.NewCacheClient(ctl), nodeID: o.NodeID}
+		orders = controllerReadOrders{api: controllerv1.NewRegistryClient(ctl), nodeID: o.NodeID}
 	}
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
 	mode, _ := pull.ParseMode(o.Peers.PullMode)        // validated
 	return &pull.Config{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
-		Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
+		ReadOrders: orders, Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
+}
+
+// controllerReadOrders share read orders through the controller.
+type controllerReadOrders struct {
+	api    controllerv1.RegistryClient
+	nodeID string
+}
+
+func (c controllerReadOrders) Share(ctx context.Context, namespace, name string, files []string) error {
+	_, err := c.api.ShareReadOrder(ctx, &controllerv1.ShareReadOrderRequest{Order: &controllerv1.ReadOrder{
+		Namespace: namespace, Name: name, Files: files, Recorded: timestamppb.Now(), NodeId: c.nodeID}})
+	return err
+}
+
+func (c controllerReadOrders) Find(ctx context.Context, namespace, name string) ([]string, string, error) {
+	o, err := c.api.GetReadOrder(ctx, &controllerv1.GetReadOrderRequest{Namespace: namespace, Name: name})
+	if status.Code(err) == codes.NotFound {
+		return nil, "", nil
+	}
+	if err != nil {
+		return nil, "", err
+	}
+	return o.GetFiles(), o.GetNodeId(), nil
 }
 
 // dialer reaches peers' --peer-address: over mutual TLS where the options

@@ -62,6 +62,8 @@ type Driver struct {
 	// view is the controller's picture of the nodes' caches.
 	view       *controller.View
 	ctlMetrics *controller.Metrics
+	// readOrders are those nodes share through the controller.
+	readOrders *controller.ReadOrders
 	nodeEvents controller.NodeEvents
 	// leader says whether this controller replica serves.
 	leader *leadership
@@ -121,7 +123,8 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = driver.NewController(d.view)
 		d.ctlMetrics = controller.NewMetrics(d.view)
-		d.metrics.registry.MustRegister(d.ctlMetrics.Collectors()...)
+		d.readOrders = controller.NewReadOrders(opts.Controller.ReadOrdersMemory)
+		d.metrics.registry.MustRegister(append(d.ctlMetrics.Collectors(), d.readOrders)...)
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
@@ -472,7 +475,7 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 	}
 	api := grpc.NewServer(append(serve, grpc.KeepaliveParams(keepalive.ServerParameters{
 		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
-	controller.Register(api, d.view, d.ctlMetrics, d.nodeEvents, dial)
+	controller.Register(api, d.view, d.readOrders, d.ctlMetrics, d.nodeEvents, dial)
 	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.Controller.APIAddress), stopGracefully(0)),
 		"Serving the controller's Registry and Cache APIs", "address", d.opts.Controller.APIAddress,
 		"tls", d.opts.Controller.TLSCertFile != "", "tokens", d.opts.Controller.TokensFile != "",

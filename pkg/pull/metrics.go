@@ -9,6 +9,7 @@ type Metrics struct {
 	pulled    prometheus.Counter
 	fills     *prometheus.CounterVec
 	fillBytes prometheus.Counter
+	orders    *prometheus.CounterVec
 }
 
 // NewMetrics makes the pulls' metrics.
@@ -26,10 +27,14 @@ func NewMetrics() *Metrics {
 		fillBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "cowvol_lazy_fill_bytes_total", Help: "File data fetched from peers into lazily pulled layers.",
 		}),
+		orders: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_lazy_read_orders_total",
+			Help: "Read profiles lazy pulls named, by where their read order came from: this node's record (local), the order another node shared through the controller (fleet), or none.",
+		}, []string{"source"}),
 	}
 }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes}
+	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders}
 }

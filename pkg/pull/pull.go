@@ -67,6 +67,19 @@ type Config struct {
 	// costs each of a step's opens a notification; a job's steps read
 	// much the same way from one build to the next.
 	ReadOrderRefresh time.Duration
+	// ReadOrders shares the orders this node records with the fleet, and
+	// finds another node's where this one has none (nil: none are).
+	ReadOrders ReadOrderShare
+}
+
+// ReadOrderShare is where nodes leave the read orders they record for each
+// other: the first lazy pull under a read profile on a node that never ran
+// the job reads in the order the job's steps did elsewhere.
+type ReadOrderShare interface {
+	Share(ctx context.Context, namespace, name string, files []string) error
+	// Find answers no files if no node shared an order for namespace under
+	// name.
+	Find(ctx context.Context, namespace, name string) (files []string, from string, err error)
 }
 
 // Locator finds the peers holding a volume ready, best first.

@@ -206,6 +206,14 @@ var uidRE = regexp.MustCompile(`^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4
 // MaxReadProfile is the longest read profile name.
 const MaxReadProfile = 253
 
+// A read order (the files a read profile's steps reached, in order) is at
+// most MaxReadOrderFiles paths and MaxReadOrderBytes of them: it travels
+// in one request, to a peer or the controller.
+const (
+	MaxReadOrderFiles = 50_000
+	MaxReadOrderBytes = 1 << 20
+)
+
 // ValidateReadProfile checks a read profile's name: 1 to MaxReadProfile of
 // A-Z a-z 0-9 . _ - / :, starting with a letter or a digit.
 func ValidateReadProfile(name string) error {

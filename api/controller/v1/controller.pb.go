@@ -461,6 +461,217 @@ func (x *ReportResponse) GetRefuseCaptures() string {
 	return ""
 }
 
+type ReadOrder struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// The read profile.
+	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// Paths inside the volume, in the order they were first reached.
+	Files    []string               `protobuf:"bytes,3,rep,name=files,proto3" json:"files,omitempty"`
+	Recorded *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=recorded,proto3" json:"recorded,omitempty"`
+	// The node that recorded it.
+	NodeId        string `protobuf:"bytes,5,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadOrder) Reset() {
+	*x = ReadOrder{}
+	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadOrder) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadOrder) ProtoMessage() {}
+
+func (x *ReadOrder) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadOrder.ProtoReflect.Descriptor instead.
+func (*ReadOrder) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ReadOrder) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ReadOrder) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ReadOrder) GetFiles() []string {
+	if x != nil {
+		return x.Files
+	}
+	return nil
+}
+
+func (x *ReadOrder) GetRecorded() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Recorded
+	}
+	return nil
+}
+
+func (x *ReadOrder) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+type ShareReadOrderRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Order         *ReadOrder             `protobuf:"bytes,1,opt,name=order,proto3" json:"order,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ShareReadOrderRequest) Reset() {
+	*x = ShareReadOrderRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ShareReadOrderRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ShareReadOrderRequest) ProtoMessage() {}
+
+func (x *ShareReadOrderRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ShareReadOrderRequest.ProtoReflect.Descriptor instead.
+func (*ShareReadOrderRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *ShareReadOrderRequest) GetOrder() *ReadOrder {
+	if x != nil {
+		return x.Order
+	}
+	return nil
+}
+
+type ShareReadOrderResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ShareReadOrderResponse) Reset() {
+	*x = ShareReadOrderResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ShareReadOrderResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ShareReadOrderResponse) ProtoMessage() {}
+
+func (x *ShareReadOrderResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ShareReadOrderResponse.ProtoReflect.Descriptor instead.
+func (*ShareReadOrderResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
+}
+
+type GetReadOrderRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Namespace     string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Name          string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetReadOrderRequest) Reset() {
+	*x = GetReadOrderRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetReadOrderRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetReadOrderRequest) ProtoMessage() {}
+
+func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetReadOrderRequest.ProtoReflect.Descriptor instead.
+func (*GetReadOrderRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *GetReadOrderRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *GetReadOrderRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
 type PinCommand struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Ref   *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
@@ -473,7 +684,7 @@ type PinCommand struct {
 
 func (x *PinCommand) Reset() {
 	*x = PinCommand{}
-	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -485,7 +696,7 @@ func (x *PinCommand) String() string {
 func (*PinCommand) ProtoMessage() {}
 
 func (x *PinCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -498,7 +709,7 @@ func (x *PinCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCommand.ProtoReflect.Descriptor instead.
 func (*PinCommand) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{5}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *PinCommand) GetRef() *VolumeRef {
@@ -531,7 +742,7 @@ type DestroyVolumesRequest struct {
 
 func (x *DestroyVolumesRequest) Reset() {
 	*x = DestroyVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -543,7 +754,7 @@ func (x *DestroyVolumesRequest) String() string {
 func (*DestroyVolumesRequest) ProtoMessage() {}
 
 func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -556,7 +767,7 @@ func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesRequest.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DestroyVolumesRequest) GetRefs() []*VolumeRef {
@@ -576,7 +787,7 @@ type DestroyVolumesResponse struct {
 
 func (x *DestroyVolumesResponse) Reset() {
 	*x = DestroyVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -588,7 +799,7 @@ func (x *DestroyVolumesResponse) String() string {
 func (*DestroyVolumesResponse) ProtoMessage() {}
 
 func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -601,7 +812,7 @@ func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesResponse.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DestroyVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -621,7 +832,7 @@ type VolumeNodes struct {
 
 func (x *VolumeNodes) Reset() {
 	*x = VolumeNodes{}
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -633,7 +844,7 @@ func (x *VolumeNodes) String() string {
 func (*VolumeNodes) ProtoMessage() {}
 
 func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -646,7 +857,7 @@ func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeNodes.ProtoReflect.Descriptor instead.
 func (*VolumeNodes) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *VolumeNodes) GetRef() *VolumeRef {
@@ -674,7 +885,7 @@ type PinVolumesRequest struct {
 
 func (x *PinVolumesRequest) Reset() {
 	*x = PinVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -686,7 +897,7 @@ func (x *PinVolumesRequest) String() string {
 func (*PinVolumesRequest) ProtoMessage() {}
 
 func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -699,7 +910,7 @@ func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesRequest.ProtoReflect.Descriptor instead.
 func (*PinVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PinVolumesRequest) GetRefs() []*VolumeRef {
@@ -733,7 +944,7 @@ type PinVolumesResponse struct {
 
 func (x *PinVolumesResponse) Reset() {
 	*x = PinVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -745,7 +956,7 @@ func (x *PinVolumesResponse) String() string {
 func (*PinVolumesResponse) ProtoMessage() {}
 
 func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -758,7 +969,7 @@ func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesResponse.ProtoReflect.Descriptor instead.
 func (*PinVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PinVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -777,7 +988,7 @@ type LookupVolumesRequest struct {
 
 func (x *LookupVolumesRequest) Reset() {
 	*x = LookupVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -789,7 +1000,7 @@ func (x *LookupVolumesRequest) String() string {
 func (*LookupVolumesRequest) ProtoMessage() {}
 
 func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -802,7 +1013,7 @@ func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesRequest.ProtoReflect.Descriptor instead.
 func (*LookupVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *LookupVolumesRequest) GetRefs() []*VolumeRef {
@@ -822,7 +1033,7 @@ type LookupVolumesResponse struct {
 
 func (x *LookupVolumesResponse) Reset() {
 	*x = LookupVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -834,7 +1045,7 @@ func (x *LookupVolumesResponse) String() string {
 func (*LookupVolumesResponse) ProtoMessage() {}
 
 func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -847,7 +1058,7 @@ func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesResponse.ProtoReflect.Descriptor instead.
 func (*LookupVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *LookupVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -883,7 +1094,7 @@ type VolumeLocation struct {
 
 func (x *VolumeLocation) Reset() {
 	*x = VolumeLocation{}
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -895,7 +1106,7 @@ func (x *VolumeLocation) String() string {
 func (*VolumeLocation) ProtoMessage() {}
 
 func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -908,7 +1119,7 @@ func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeLocation.ProtoReflect.Descriptor instead.
 func (*VolumeLocation) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *VolumeLocation) GetRef() *VolumeRef {
@@ -1010,7 +1221,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1022,7 +1233,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1035,7 +1246,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListVolumesRequest) GetNamespace() string {
@@ -1084,7 +1295,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1096,7 +1307,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1109,7 +1320,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1135,7 +1346,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1147,7 +1358,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1160,7 +1371,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -1180,7 +1391,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1192,7 +1403,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1205,7 +1416,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -1229,7 +1440,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1241,7 +1452,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1254,7 +1465,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -1293,7 +1504,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1305,7 +1516,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1318,7 +1529,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
 }
 
 type ListNodesResponse struct {
@@ -1330,7 +1541,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1342,7 +1553,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1355,7 +1566,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -1376,7 +1587,7 @@ type SetNodeLifecycleRequest struct {
 
 func (x *SetNodeLifecycleRequest) Reset() {
 	*x = SetNodeLifecycleRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1388,7 +1599,7 @@ func (x *SetNodeLifecycleRequest) String() string {
 func (*SetNodeLifecycleRequest) ProtoMessage() {}
 
 func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1401,7 +1612,7 @@ func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
 func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SetNodeLifecycleRequest) GetNodeId() string {
@@ -1438,7 +1649,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1450,7 +1661,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1463,7 +1674,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -1551,7 +1762,7 @@ type ReadVolumeRequest struct {
 
 func (x *ReadVolumeRequest) Reset() {
 	*x = ReadVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1563,7 +1774,7 @@ func (x *ReadVolumeRequest) String() string {
 func (*ReadVolumeRequest) ProtoMessage() {}
 
 func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1576,7 +1787,7 @@ func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ReadVolumeRequest) GetRef() *VolumeRef {
@@ -1621,7 +1832,7 @@ type DataChunk struct {
 
 func (x *DataChunk) Reset() {
 	*x = DataChunk{}
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1633,7 +1844,7 @@ func (x *DataChunk) String() string {
 func (*DataChunk) ProtoMessage() {}
 
 func (x *DataChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1646,7 +1857,7 @@ func (x *DataChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataChunk.ProtoReflect.Descriptor instead.
 func (*DataChunk) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DataChunk) GetData() []byte {
@@ -1683,7 +1894,7 @@ type WriteVolumeRequest struct {
 
 func (x *WriteVolumeRequest) Reset() {
 	*x = WriteVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1695,7 +1906,7 @@ func (x *WriteVolumeRequest) String() string {
 func (*WriteVolumeRequest) ProtoMessage() {}
 
 func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1708,7 +1919,7 @@ func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WriteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *WriteVolumeRequest) GetPart() isWriteVolumeRequest_Part {
@@ -1770,7 +1981,7 @@ type NewVolume struct {
 
 func (x *NewVolume) Reset() {
 	*x = NewVolume{}
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1782,7 +1993,7 @@ func (x *NewVolume) String() string {
 func (*NewVolume) ProtoMessage() {}
 
 func (x *NewVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1795,7 +2006,7 @@ func (x *NewVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewVolume.ProtoReflect.Descriptor instead.
 func (*NewVolume) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *NewVolume) GetRef() *VolumeRef {
@@ -1883,7 +2094,19 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
 	"\adestroy\x18\x03 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adestroy\x124\n" +
 	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\x12'\n" +
-	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\"\x87\x01\n" +
+	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\"\xa4\x01\n" +
+	"\tReadOrder\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
+	"\x05files\x18\x03 \x03(\tR\x05files\x126\n" +
+	"\brecorded\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\brecorded\x12\x17\n" +
+	"\anode_id\x18\x05 \x01(\tR\x06nodeId\"N\n" +
+	"\x15ShareReadOrderRequest\x125\n" +
+	"\x05order\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.ReadOrderR\x05order\"\x18\n" +
+	"\x16ShareReadOrderResponse\"G\n" +
+	"\x13GetReadOrderRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\"\x87\x01\n" +
 	"\n" +
 	"PinCommand\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
@@ -1991,9 +2214,11 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\anode_id\x18\x06 \x01(\tR\x06nodeId\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012_\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\xa8\x02\n" +
 	"\bRegistry\x12S\n" +
-	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse2\xf3\x06\n" +
+	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse\x12k\n" +
+	"\x0eShareReadOrder\x12+.cowvol.controller.v1.ShareReadOrderRequest\x1a,.cowvol.controller.v1.ShareReadOrderResponse\x12Z\n" +
+	"\fGetReadOrder\x12).cowvol.controller.v1.GetReadOrderRequest\x1a\x1f.cowvol.controller.v1.ReadOrder2\xf3\x06\n" +
 	"\x05Cache\x12h\n" +
 	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12b\n" +
 	"\vListVolumes\x12(.cowvol.controller.v1.ListVolumesRequest\x1a).cowvol.controller.v1.ListVolumesResponse\x12P\n" +
@@ -2019,39 +2244,43 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_controller_v1_controller_proto_goTypes = []any{
 	(*VolumeRef)(nil),               // 0: cowvol.controller.v1.VolumeRef
 	(*VolumeSummary)(nil),           // 1: cowvol.controller.v1.VolumeSummary
 	(*Property)(nil),                // 2: cowvol.controller.v1.Property
 	(*ReportRequest)(nil),           // 3: cowvol.controller.v1.ReportRequest
 	(*ReportResponse)(nil),          // 4: cowvol.controller.v1.ReportResponse
-	(*PinCommand)(nil),              // 5: cowvol.controller.v1.PinCommand
-	(*DestroyVolumesRequest)(nil),   // 6: cowvol.controller.v1.DestroyVolumesRequest
-	(*DestroyVolumesResponse)(nil),  // 7: cowvol.controller.v1.DestroyVolumesResponse
-	(*VolumeNodes)(nil),             // 8: cowvol.controller.v1.VolumeNodes
-	(*PinVolumesRequest)(nil),       // 9: cowvol.controller.v1.PinVolumesRequest
-	(*PinVolumesResponse)(nil),      // 10: cowvol.controller.v1.PinVolumesResponse
-	(*LookupVolumesRequest)(nil),    // 11: cowvol.controller.v1.LookupVolumesRequest
-	(*LookupVolumesResponse)(nil),   // 12: cowvol.controller.v1.LookupVolumesResponse
-	(*VolumeLocation)(nil),          // 13: cowvol.controller.v1.VolumeLocation
-	(*ListVolumesRequest)(nil),      // 14: cowvol.controller.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),     // 15: cowvol.controller.v1.ListVolumesResponse
-	(*PlaceRequest)(nil),            // 16: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),           // 17: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),           // 18: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),        // 19: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),       // 20: cowvol.controller.v1.ListNodesResponse
-	(*SetNodeLifecycleRequest)(nil), // 21: cowvol.controller.v1.SetNodeLifecycleRequest
-	(*NodeStatus)(nil),              // 22: cowvol.controller.v1.NodeStatus
-	(*ReadVolumeRequest)(nil),       // 23: cowvol.controller.v1.ReadVolumeRequest
-	(*DataChunk)(nil),               // 24: cowvol.controller.v1.DataChunk
-	(*WriteVolumeRequest)(nil),      // 25: cowvol.controller.v1.WriteVolumeRequest
-	(*NewVolume)(nil),               // 26: cowvol.controller.v1.NewVolume
-	nil,                             // 27: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	nil,                             // 28: cowvol.controller.v1.NewVolume.PropertiesEntry
-	(*timestamppb.Timestamp)(nil),   // 29: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),     // 30: google.protobuf.Duration
+	(*ReadOrder)(nil),               // 5: cowvol.controller.v1.ReadOrder
+	(*ShareReadOrderRequest)(nil),   // 6: cowvol.controller.v1.ShareReadOrderRequest
+	(*ShareReadOrderResponse)(nil),  // 7: cowvol.controller.v1.ShareReadOrderResponse
+	(*GetReadOrderRequest)(nil),     // 8: cowvol.controller.v1.GetReadOrderRequest
+	(*PinCommand)(nil),              // 9: cowvol.controller.v1.PinCommand
+	(*DestroyVolumesRequest)(nil),   // 10: cowvol.controller.v1.DestroyVolumesRequest
+	(*DestroyVolumesResponse)(nil),  // 11: cowvol.controller.v1.DestroyVolumesResponse
+	(*VolumeNodes)(nil),             // 12: cowvol.controller.v1.VolumeNodes
+	(*PinVolumesRequest)(nil),       // 13: cowvol.controller.v1.PinVolumesRequest
+	(*PinVolumesResponse)(nil),      // 14: cowvol.controller.v1.PinVolumesResponse
+	(*LookupVolumesRequest)(nil),    // 15: cowvol.controller.v1.LookupVolumesRequest
+	(*LookupVolumesResponse)(nil),   // 16: cowvol.controller.v1.LookupVolumesResponse
+	(*VolumeLocation)(nil),          // 17: cowvol.controller.v1.VolumeLocation
+	(*ListVolumesRequest)(nil),      // 18: cowvol.controller.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),     // 19: cowvol.controller.v1.ListVolumesResponse
+	(*PlaceRequest)(nil),            // 20: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),           // 21: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),           // 22: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),        // 23: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),       // 24: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil), // 25: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),              // 26: cowvol.controller.v1.NodeStatus
+	(*ReadVolumeRequest)(nil),       // 27: cowvol.controller.v1.ReadVolumeRequest
+	(*DataChunk)(nil),               // 28: cowvol.controller.v1.DataChunk
+	(*WriteVolumeRequest)(nil),      // 29: cowvol.controller.v1.WriteVolumeRequest
+	(*NewVolume)(nil),               // 30: cowvol.controller.v1.NewVolume
+	nil,                             // 31: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	nil,                             // 32: cowvol.controller.v1.NewVolume.PropertiesEntry
+	(*timestamppb.Timestamp)(nil),   // 33: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),     // 34: google.protobuf.Duration
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -2061,56 +2290,62 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
-	5,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
-	0,  // 8: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	29, // 9: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
-	0,  // 10: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	8,  // 11: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 12: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 13: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	29, // 14: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
-	8,  // 15: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 16: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	13, // 17: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 18: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 19: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	27, // 20: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	13, // 21: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 22: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	18, // 23: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 24: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	22, // 25: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	29, // 26: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	0,  // 27: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	26, // 28: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
-	0,  // 29: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	28, // 30: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	30, // 31: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
-	3,  // 32: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	11, // 33: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	14, // 34: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	16, // 35: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	19, // 36: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	6,  // 37: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	9,  // 38: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	21, // 39: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	23, // 40: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	25, // 41: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	4,  // 42: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	12, // 43: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	15, // 44: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	17, // 45: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	20, // 46: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	7,  // 47: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	10, // 48: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	22, // 49: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	24, // 50: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	13, // 51: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	42, // [42:52] is the sub-list for method output_type
-	32, // [32:42] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	9,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
+	33, // 8: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	5,  // 9: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
+	0,  // 10: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
+	33, // 11: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	0,  // 12: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	12, // 13: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 14: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 15: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	33, // 16: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	12, // 17: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 18: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	17, // 19: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 20: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 21: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
+	31, // 22: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	17, // 23: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 24: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	22, // 25: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 26: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	26, // 27: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	33, // 28: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	0,  // 29: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
+	30, // 30: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	0,  // 31: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	32, // 32: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	34, // 33: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	3,  // 34: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	6,  // 35: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
+	8,  // 36: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	15, // 37: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	18, // 38: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	20, // 39: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	23, // 40: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	10, // 41: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	13, // 42: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	25, // 43: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	27, // 44: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	29, // 45: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	4,  // 46: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	7,  // 47: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	5,  // 48: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	16, // 49: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	19, // 50: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	21, // 51: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	24, // 52: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	11, // 53: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	14, // 54: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	26, // 55: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	28, // 56: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	17, // 57: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	46, // [46:58] is the sub-list for method output_type
+	34, // [34:46] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
@@ -2118,7 +2353,7 @@ func file_controller_v1_controller_proto_init() {
 	if File_controller_v1_controller_proto != nil {
 		return
 	}
-	file_controller_v1_controller_proto_msgTypes[25].OneofWrappers = []any{
+	file_controller_v1_controller_proto_msgTypes[29].OneofWrappers = []any{
 		(*WriteVolumeRequest_Volume)(nil),
 		(*WriteVolumeRequest_Data)(nil),
 	}
@@ -2128,7 +2363,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   29,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -24,7 +24,9 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Registry_Report_FullMethodName = "/cowvol.controller.v1.Registry/Report"
+	Registry_Report_FullMethodName         = "/cowvol.controller.v1.Registry/Report"
+	Registry_ShareReadOrder_FullMethodName = "/cowvol.controller.v1.Registry/ShareReadOrder"
+	Registry_GetReadOrder_FullMethodName   = "/cowvol.controller.v1.Registry/GetReadOrder"
 )
 
 // RegistryClient is the client API for Registry service.
@@ -35,6 +37,16 @@ type RegistryClient interface {
 	// revision: the whole inventory, or the changes since the revision the
 	// controller last acknowledged. An empty report is the heartbeat.
 	Report(ctx context.Context, in *ReportRequest, opts ...grpc.CallOption) (*ReportResponse, error)
+	// ShareReadOrder keeps a read order a node recorded (the order in which
+	// a namespace's steps under a read profile reached the files of a lazily
+	// pulled volume) for other nodes' first lazy pulls under the same
+	// profile: the newest per (namespace, name), in the controller's memory
+	// only, within --read-orders-memory. Nodes only.
+	ShareReadOrder(ctx context.Context, in *ShareReadOrderRequest, opts ...grpc.CallOption) (*ShareReadOrderResponse, error)
+	// GetReadOrder answers the newest read order shared for a namespace
+	// under a name; NotFound if none. Nodes only: the names are the files of
+	// that namespace's volumes.
+	GetReadOrder(ctx context.Context, in *GetReadOrderRequest, opts ...grpc.CallOption) (*ReadOrder, error)
 }
 
 type registryClient struct {
@@ -55,6 +67,26 @@ func (c *registryClient) Report(ctx context.Context, in *ReportRequest, opts ...
 	return out, nil
 }
 
+func (c *registryClient) ShareReadOrder(ctx context.Context, in *ShareReadOrderRequest, opts ...grpc.CallOption) (*ShareReadOrderResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ShareReadOrderResponse)
+	err := c.cc.Invoke(ctx, Registry_ShareReadOrder_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *registryClient) GetReadOrder(ctx context.Context, in *GetReadOrderRequest, opts ...grpc.CallOption) (*ReadOrder, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReadOrder)
+	err := c.cc.Invoke(ctx, Registry_GetReadOrder_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServer is the server API for Registry service.
 // All implementations must embed UnimplementedRegistryServer
 // for forward compatibility.
@@ -63,6 +95,16 @@ type RegistryServer interface {
 	// revision: the whole inventory, or the changes since the revision the
 	// controller last acknowledged. An empty report is the heartbeat.
 	Report(context.Context, *ReportRequest) (*ReportResponse, error)
+	// ShareReadOrder keeps a read order a node recorded (the order in which
+	// a namespace's steps under a read profile reached the files of a lazily
+	// pulled volume) for other nodes' first lazy pulls under the same
+	// profile: the newest per (namespace, name), in the controller's memory
+	// only, within --read-orders-memory. Nodes only.
+	ShareReadOrder(context.Context, *ShareReadOrderRequest) (*ShareReadOrderResponse, error)
+	// GetReadOrder answers the newest read order shared for a namespace
+	// under a name; NotFound if none. Nodes only: the names are the files of
+	// that namespace's volumes.
+	GetReadOrder(context.Context, *GetReadOrderRequest) (*ReadOrder, error)
 	mustEmbedUnimplementedRegistryServer()
 }
 
@@ -75,6 +117,12 @@ type UnimplementedRegistryServer struct{}
 
 func (UnimplementedRegistryServer) Report(context.Context, *ReportRequest) (*ReportResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Report not implemented")
+}
+func (UnimplementedRegistryServer) ShareReadOrder(context.Context, *ShareReadOrderRequest) (*ShareReadOrderResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ShareReadOrder not implemented")
+}
+func (UnimplementedRegistryServer) GetReadOrder(context.Context, *GetReadOrderRequest) (*ReadOrder, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetReadOrder not implemented")
 }
 func (UnimplementedRegistryServer) mustEmbedUnimplementedRegistryServer() {}
 func (UnimplementedRegistryServer) testEmbeddedByValue()                  {}
@@ -115,6 +163,42 @@ func _Registry_Report_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Registry_ShareReadOrder_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ShareReadOrderRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).ShareReadOrder(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_ShareReadOrder_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).ShareReadOrder(ctx, req.(*ShareReadOrderRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Registry_GetReadOrder_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetReadOrderRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).GetReadOrder(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_GetReadOrder_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).GetReadOrder(ctx, req.(*GetReadOrderRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Registry_ServiceDesc is the grpc.ServiceDesc for Registry service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -125,6 +209,14 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Report",
 			Handler:    _Registry_Report_Handler,
+		},
+		{
+			MethodName: "ShareReadOrder",
+			Handler:    _Registry_ShareReadOrder_Handler,
+		},
+		{
+			MethodName: "GetReadOrder",
+			Handler:    _Registry_GetReadOrder_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
