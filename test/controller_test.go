@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -455,4 +456,63 @@ func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
 	require.Greater(t, metricValue(t, n, `cowvol_node_reports_total{kind="changes"}`), changes)
 	n.umount(scratch)
 	n.noLeaks(t)
+}
+
+// An output that asks for two copies is pulled by another node once it is
+// captured, and the controller lists both; killed, the capturing node
+// loses nothing: a step on the third node reads the copy. A destroy
+// reaches every copy. The node-wide default (--output-copies) asks the
+// same of outputs that name none.
+func TestOutputsSurviveTheirNode(t *testing.T) {
+	f := startFleet(t, []string{"--stalled-after=3s"})
+	nodes := map[string]*env{}
+	for _, id := range []string{"node-a", "node-b", "node-c"} {
+		args := []string{"--controller-address=" + f.addr, "--peer-address=" + plugintest.FreeAddr(t), "--pull-wait=30s"}
+		if id == "node-b" {
+			args = append(args, "--output-copies=2")
+		}
+		nodes[id] = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, Args: args})
+	}
+	ctx := context.Background()
+	holders := func(handle string) []string {
+		resp, err := f.api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", handle)}})
+		require.NoError(t, err)
+		return resp.Volumes[0].Nodes
+	}
+	eventually(t, "every node to report", func() bool {
+		resp, err := f.api.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+		return err == nil && len(resp.Nodes) == 3
+	})
+	nodes["node-a"].captureIn("ci", "out", map[string]string{driver.AttrCopies: "2"})
+	nodes["node-a"].captureIn("ci", "single", nil)
+	nodes["node-b"].captureIn("ci", "by-default", nil)
+	eventually(t, "a second node to hold the output ready", func() bool { return len(holders("out")) == 2 })
+	eventually(t, "the node-wide default to be copied too", func() bool { return len(holders("by-default")) == 2 })
+	copyNode := holders("out")[1]
+	if copyNode == "node-a" {
+		copyNode = holders("out")[0]
+	}
+	time.Sleep(3 * time.Second) // a few reports more: no third copy, no copy of what asked for none
+	require.Len(t, holders("out"), 2)
+	require.Equal(t, []string{"node-a"}, holders("single"))
+
+	nodes["node-a"].p.Kill()
+	eventually(t, "node-a to stall", func() bool { return slices.Equal(holders("out"), []string{copyNode}) })
+	third := "node-b"
+	if copyNode == "node-b" {
+		third = "node-c"
+	}
+	nodes[third].read("out", func(dir string) { require.Equal(t, "ci/out", readFile(t, dir, "file")) })
+	eventually(t, "a copy again on the third node (node-a is gone)", func() bool { return len(holders("out")) == 2 })
+
+	_, err := f.api.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", "out")}})
+	require.NoError(t, err)
+	eventually(t, "the destroy to reach every copy", func() bool {
+		for _, id := range []string{copyNode, third} {
+			if volumeState(t, nodes[id], "out") != "gone" {
+				return false
+			}
+		}
+		return true
+	})
 }

@@ -65,6 +65,9 @@ type Volume struct {
 	DestroyOnCommit bool `json:"destroyOnCommit,omitempty"`
 	// TTL destroys the volume that long after its last use (0: never).
 	TTL time.Duration `json:"ttl,omitempty"`
+	// Copies is how many nodes the controller should keep the volume on
+	// (0 or 1: the one that made it); a pulled copy does not carry it.
+	Copies int `json:"copies,omitempty"`
 	// Pin protects the volume from TTL expiry and eviction.
 	Pin Pin `json:"pin,omitzero"`
 	// Synced says the volume's data has reached the disk (a syncfs after

@@ -46,8 +46,9 @@ type View struct {
 	// runtime idmaps the view's mount, so the view is a plain tree, never
 	// an overlay mount (which cannot be idmapped).
 	UserNamespace bool `json:"userNamespace,omitempty"`
-	// TTL is given to the captured volume.
-	TTL time.Duration `json:"ttl,omitempty"`
+	// TTL and Copies are given to the captured volume.
+	TTL    time.Duration `json:"ttl,omitempty"`
+	Copies int           `json:"copies,omitempty"`
 	// InputIncomplete says a layer the view mounts failed while it was
 	// mounted (its data missing, or never fetched whole): what the step
 	// wrote is not captured.
@@ -146,7 +147,7 @@ func (s *Store) Publish(v View) (View, error) {
 			reserved := Volume{
 				Namespace: c.Namespace, Handle: c.Handle, Parent: v.Source, Layer: fmt.Sprintf("l%x", now.UnixNano()),
 				State: volume.StateCreating, Scope: v.Scope, Properties: v.Properties, TTL: v.TTL,
-				SizeBytes: -1, Inodes: -1, CreatedAt: now, LastUsed: now, Lease: viewLease(v.VolumeID),
+				SizeBytes: -1, Inodes: -1, CreatedAt: now, LastUsed: now, Lease: viewLease(v.VolumeID), Copies: v.Copies,
 			}
 			if err := putJSON(vols, key(c), reserved); err != nil {
 				return err

@@ -3,6 +3,7 @@ package client
 import (
 	"fmt"
 	"maps"
+	"strconv"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -60,6 +61,8 @@ type Output struct {
 	SizeLimit int64
 	// TTL destroys it that long after its last use (0: never).
 	TTL time.Duration
+	// Copies keeps it on that many nodes (0: the node's default).
+	Copies int
 }
 
 // OutputVolume is the inline volume of an output, for a pod of
@@ -80,6 +83,9 @@ func OutputVolume(name string, o Output, podNamespace string) corev1.Volume {
 	}
 	if o.TTL > 0 {
 		attrs[volume.AttrTTL] = o.TTL.String()
+	}
+	if o.Copies > 0 {
+		attrs[volume.AttrCopies] = strconv.Itoa(o.Copies)
 	}
 	return inline(name, attrs, false)
 }

@@ -35,9 +35,9 @@ func TestStepVolumes(t *testing.T) {
 		}, map[string]string{"source": "tools-v3", "sourceNamespace": "platform"}, true},
 		{"output", func() (map[string]string, bool) {
 			v := OutputVolume("built", Output{Capture: "out-91c2", Shared: true, Properties: map[string]string{"version": "v1"},
-				SizeLimit: 10 << 30, TTL: 72 * time.Hour}, "ci")
+				SizeLimit: 10 << 30, TTL: 72 * time.Hour, Copies: 2}, "ci")
 			return v.CSI.VolumeAttributes, *v.CSI.ReadOnly
-		}, map[string]string{"capture": "out-91c2", "scope": "cluster", "property.version": "v1", "sizeLimit": "10Gi", "ttl": "72h0m0s"}, false},
+		}, map[string]string{"capture": "out-91c2", "scope": "cluster", "property.version": "v1", "sizeLimit": "10Gi", "ttl": "72h0m0s", "copies": "2"}, false},
 		{"output over an input", func() (map[string]string, bool) {
 			v := OutputVolume("repo", Output{Capture: "out-55aa", Source: &res}, "ci")
 			return v.CSI.VolumeAttributes, *v.CSI.ReadOnly

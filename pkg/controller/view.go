@@ -72,6 +72,9 @@ type View struct {
 	// until then its view lacks their volumes, and it says so.
 	awaiting   map[string]bool
 	awaitUntil time.Time
+	// lacking are the volumes held ready on fewer nodes than they asked
+	// for, with the nodes asked to pull them (copies.go).
+	lacking map[*entry]copying
 }
 
 // entry is one volume across the nodes that report it, with what is the
@@ -90,6 +93,9 @@ type entry struct {
 	// with the handle's.
 	props string
 	scope scopeCode
+	// copies is how many nodes the volume asked to be kept on (its
+	// capturing node's word; 0 or 1: no more than one).
+	copies uint8
 }
 
 // record is what one node reports of its copy of a volume, kept small: a
@@ -255,7 +261,8 @@ func (v *View) ForgetNode(node string) {
 // NewView makes an empty view; nodes fill it as they report.
 func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
 	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter,
-		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess), shared: btree.NewG(32, entryLess)}
+		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess), shared: btree.NewG(32, entryLess),
+		lacking: map[*entry]copying{}}
 }
 
 // AwaitReports makes the view incomplete (Unsettled says so) until each of
@@ -328,6 +335,7 @@ type upsert struct {
 	parent volume.Ref
 	props  string
 	scope  scopeCode
+	copies uint8
 }
 
 func parseUpserts(in []*controllerv1.VolumeSummary) ([]upsert, error) {
@@ -353,6 +361,10 @@ func parseUpserts(in []*controllerv1.VolumeSummary) ([]upsert, error) {
 			}
 		}
 		u.props = encodeProps(s.GetProperties())
+		if c := s.GetCopies(); c < 0 || c > volume.MaxCopies {
+			return nil, fmt.Errorf("volume %s: %d copies: want 0 to %d: %w", r, c, volume.MaxCopies, ErrInvalid)
+		}
+		u.copies = uint8(s.GetCopies())
 		out[i] = u
 	}
 	return out, nil
@@ -416,7 +428,8 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 			n.destroy[e] = true // released: everything it holds goes
 		}
 	}
-	resp := &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins()}
+	resp := &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins(),
+		Copy: v.assignCopies(n, now)}
 	if v.lifecycle(n) != "" {
 		resp.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
@@ -459,6 +472,10 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 	if e.props != u.props { // equal ones stay in the handle's allocation
 		e.props = u.props
 	}
+	if u.copies > 0 { // a pulled copy's report leaves the capturing node's word
+		e.copies = u.copies
+	}
+	v.markLacking(e)
 	switch p := u.parent; {
 	case p.Handle == "":
 		e.parent = nil
@@ -505,7 +522,9 @@ func (v *View) remove(n *nodeState, e *entry) {
 	}
 	delete(n.held, e)
 	e.holders = slices.DeleteFunc(e.holders, func(h *nodeState) bool { return h == n })
+	v.markLacking(e)
 	if len(e.holders) == 0 {
+		delete(v.lacking, e)
 		handles := v.byNamespace[e.ref.Namespace]
 		delete(handles, e.ref.Handle)
 		if len(handles) == 0 {
@@ -676,6 +695,9 @@ func (v *View) Sweep(now time.Time) (stalled, forgotten []string) {
 		case !v.live(n, now) && !n.stallSeen:
 			n.stallSeen = true
 			stalled = append(stalled, id)
+			for e := range n.held {
+				v.markLacking(e) // its copies are no longer served
+			}
 		}
 	}
 	sort.Strings(stalled)

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -23,6 +24,7 @@ const (
 	AttrScope           = volume.AttrScope
 	AttrSizeLimit       = volume.AttrSizeLimit
 	AttrTTL             = volume.AttrTTL
+	AttrCopies          = volume.AttrCopies
 	AttrPropertyPrefix  = volume.AttrPropertyPrefix
 	AttrReadProfile     = volume.AttrReadProfile
 )
@@ -32,7 +34,7 @@ var kubeletKeys = map[string]bool{
 	volume.KeyServiceAccount: true, volume.KeySATokens: true,
 }
 
-const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, readProfile, property.<key>"
+const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, readProfile, property.<key>"
 
 // Limits on caller-chosen strings.
 const (
@@ -42,11 +44,14 @@ const (
 
 // volumeRequest is a validated NodePublishVolume request.
 type volumeRequest struct {
-	Source     volume.Ref
-	Capture    string
-	Scope      volume.Scope
-	SizeLimit  int64 // bytes; 0: none asked for
-	TTL        time.Duration
+	Source    volume.Ref
+	Capture   string
+	Scope     volume.Scope
+	SizeLimit int64 // bytes; 0: none asked for
+	TTL       time.Duration
+	// Copies is how many nodes should hold the captured volume (0: the
+	// node's default).
+	Copies     int
 	Properties map[string]string
 	Pod        volume.Pod
 	ReadOnly   bool
@@ -169,6 +174,12 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 				return r, invalid("attribute ttl %s is invalid: want a positive duration such as 72h", volume.Quote(v))
 			}
 			r.TTL = d
+		case k == AttrCopies:
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 || n > volume.MaxCopies {
+				return r, invalid("attribute copies %s is invalid: want 1 to %d nodes", volume.Quote(v), volume.MaxCopies)
+			}
+			r.Copies = n
 		case k == AttrReadProfile:
 			if err := volume.ValidateReadProfile(v); err != nil {
 				return r, invalid("attribute readProfile: %v", err)
@@ -196,8 +207,8 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	if len(r.Properties) > volume.MaxProperties {
 		return r, invalid("%d properties given: at most %d", len(r.Properties), volume.MaxProperties)
 	}
-	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0) {
-		return r, invalid("attributes scope, ttl and property.* describe a captured volume: they need capture")
+	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0) {
+		return r, invalid("attributes scope, ttl, copies and property.* describe a captured volume: they need capture")
 	}
 	if r.ReadProfile != "" && r.Source.IsZero() {
 		return r, invalid("attribute readProfile names the order the step reads its source in: it needs source")

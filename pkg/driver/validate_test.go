@@ -69,6 +69,11 @@ func TestParseVolumeContext(t *testing.T) {
 		{"capture with a TTL", kubeletContext("capture", "out", "ttl", "72h"), codes.OK, "", volumeRequest{Capture: "out", TTL: 72 * time.Hour}},
 		{"bad TTL", kubeletContext("capture", "out", "ttl", "-1h"), codes.InvalidArgument, "ttl", volumeRequest{}},
 		{"TTL without capture", kubeletContext("ttl", "1h"), codes.InvalidArgument, "need capture", volumeRequest{}},
+		{"capture kept on three nodes", kubeletContext("capture", "out", "copies", "3"), codes.OK, "", volumeRequest{Capture: "out", Copies: 3}},
+		{"no copies", kubeletContext("capture", "out", "copies", "0"), codes.InvalidArgument, "copies", volumeRequest{}},
+		{"more copies than allowed", kubeletContext("capture", "out", "copies", "6"), codes.InvalidArgument, "1 to 5", volumeRequest{}},
+		{"copies that are no number", kubeletContext("capture", "out", "copies", "two"), codes.InvalidArgument, "copies", volumeRequest{}},
+		{"copies without capture", kubeletContext("source", "in", "copies", "2"), codes.InvalidArgument, "need capture", volumeRequest{}},
 		{"bad size limit", kubeletContext("sizeLimit", "lots"), codes.InvalidArgument, "sizeLimit", volumeRequest{}},
 		{"zero size limit", kubeletContext("sizeLimit", "0"), codes.InvalidArgument, "positive", volumeRequest{}},
 		{"negative size limit", kubeletContext("sizeLimit", "-1Gi"), codes.InvalidArgument, "positive", volumeRequest{}},
@@ -137,7 +142,7 @@ func TestClientVolumesParse(t *testing.T) {
 		client.Input("in", res, "ci"),
 		client.Input("shared", volume.Ref{Namespace: "platform", Handle: "tools"}, "ci"),
 		client.OutputVolume("out", client.Output{Capture: "out", Source: &res, Shared: true,
-			Properties: map[string]string{"k": "v"}, SizeLimit: 1 << 30, TTL: time.Hour}, "ci"),
+			Properties: map[string]string{"k": "v"}, SizeLimit: 1 << 30, TTL: time.Hour, Copies: 3}, "ci"),
 		client.TaskCache("cache", &res, "cache-2", "ci"),
 	} {
 		vc := kubeletContext()

@@ -71,6 +71,9 @@ type Config struct {
 	AllowSetuid bool
 	// Watermarks bound the state dir's filesystem's fill (percent).
 	Watermarks Watermarks
+	// Copies is how many nodes a captured volume that names no copies
+	// should be kept on (0 or 1: the one that captured it).
+	Copies int
 	// BootIDFile names the kernel's boot ID (default: the kernel's own);
 	// tests point it elsewhere to pretend a reboot.
 	BootIDFile string
@@ -112,6 +115,7 @@ type Engine struct {
 	usage                  usageCache
 	quarantine             quarantine
 	watermarks             Watermarks
+	copies                 int // Config.Copies
 	pressure               pressure
 	reaping                sync.Mutex
 	swept                  sweep // guarded by reaping
@@ -207,7 +211,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
-		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks,
+		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks, copies: cfg.Copies,
 	}
 	e.metrics = newMetrics(e, string(kind))
 	e.pullMetrics = pull.NewMetrics()

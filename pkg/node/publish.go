@@ -1,6 +1,7 @@
 package node
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"maps"
@@ -35,6 +36,9 @@ type PublishRequest struct {
 	SizeLimit int64
 	// TTL destroys the captured volume that long after its last use.
 	TTL time.Duration
+	// Copies is how many nodes should hold the captured volume (0: the
+	// node's default, Config.Copies).
+	Copies int
 	// ReadProfile names, in the pod's namespace, the order the step reads
 	// its source in: recorded where the source is pulled lazily, and the
 	// order the next lazy pull under that name fetches in.
@@ -73,13 +77,13 @@ func (e *Engine) Publish(r PublishRequest) error {
 	want := cache.View{
 		VolumeID: r.VolumeID, Target: r.Target.Full, Source: r.Source, Capture: r.Capture,
 		Scope: r.Scope, Properties: r.Properties, ReadOnly: r.ReadOnly, Pod: r.Pod, SizeLimit: limit, TTL: r.TTL,
-		Backend: string(e.backend.Kind()), Boot: e.boot, UserNamespace: userns,
+		Copies: cmp.Or(r.Copies, e.copies), Backend: string(e.backend.Kind()), Boot: e.boot, UserNamespace: userns,
 	}
 	if userns && e.idmapBackend != nil {
 		want.Backend = string(e.idmapBackend.Kind())
 	}
 	if r.Capture == "" {
-		want.Scope, want.TTL = "", 0
+		want.Scope, want.TTL, want.Copies = "", 0, 0
 	}
 	if old, err := e.store.GetView(want.VolumeID); err == nil && old.State != cache.ViewPublishing {
 		return e.republish(old, want)
@@ -363,7 +367,7 @@ func (e *Engine) ownsMount(v cache.View, st target.State) bool {
 func (e *Engine) republish(old, want cache.View) error {
 	same := old.Target == want.Target && old.Source == want.Source && old.Capture == want.Capture &&
 		old.ReadOnly == want.ReadOnly && old.Scope == want.Scope && old.SizeLimit == want.SizeLimit &&
-		old.TTL == want.TTL && maps.Equal(old.Properties, want.Properties)
+		old.TTL == want.TTL && old.Copies == want.Copies && maps.Equal(old.Properties, want.Properties)
 	if !same {
 		return fmt.Errorf("volume %s: %w", volume.Quote(old.VolumeID), ErrOtherAttributes)
 	}

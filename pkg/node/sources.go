@@ -62,6 +62,20 @@ func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) erro
 	return e.puller.EnsureWhole(ctx, namespace, r)
 }
 
+// KeepCopy has a ready volume pulled here whole, in the background, to be
+// kept as a copy (the controller asks, for a volume that asked to be on
+// more nodes than hold it). Idempotent: a copy here, or on its way, is
+// left as it is.
+func (e *Engine) KeepCopy(r volume.Ref) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // start or join the pull; do not wait for it
+	err := e.Fetch(ctx, r.Namespace, r)
+	if errors.Is(err, pull.ErrPulling) {
+		return nil
+	}
+	return err
+}
+
 // hiddenHere is what a volume held here that namespace may not read is to
 // it: one that is not here. It goes the way a missing one does, asking the
 // peers (who hold it for namespace no more than this node does), so that

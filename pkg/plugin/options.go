@@ -19,6 +19,7 @@ import (
 	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/registry"
 	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // Options configure a plugin process, grouped by component: the
@@ -84,6 +85,9 @@ type NodeOptions struct {
 	HighWatermark, LowWatermark int
 	// EvictionGrace spares from eviction a volume used more recently.
 	EvictionGrace time.Duration
+	// OutputCopies is how many nodes a captured volume that names no
+	// copies attribute is kept on.
+	OutputCopies int
 	// ControllerAddress is the controller's host:port that the node
 	// reports its cache to (empty: none); TokenFile holds the token the
 	// node presents, and TLSCAFile verifies the controller.
@@ -159,7 +163,8 @@ func Defaults() Options {
 		StopTimeout: 30 * time.Second, NodeID: host,
 		Node: NodeOptions{StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64,
 			KubeletDir:    "/var/lib/kubelet",
-			HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace},
+			HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace,
+			OutputCopies: 1},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute,
 			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
@@ -285,6 +290,8 @@ func (n *NodeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&n.LowWatermark, "low-watermark", n.LowWatermark, "percent of the state dir's filesystem that eviction brings it under")
 	fs.DurationVar(&n.EvictionGrace, "eviction-grace", n.EvictionGrace,
 		"a cached volume used (captured, pulled, mounted) more recently is not evicted, however full the disk: a step's output waits for the next step or its scheduler's pin, and captures are refused meanwhile")
+	fs.IntVar(&n.OutputCopies, "output-copies", n.OutputCopies, fmt.Sprintf(
+		"how many nodes a captured volume that names no copies attribute is kept on: the controller has other nodes pull it once it is captured (1 to %d; 1: the capturing node alone)", volume.MaxCopies))
 	fs.StringVar(&n.ControllerAddress, "controller-address", n.ControllerAddress,
 		"the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&n.TokenFile, "token-file", n.TokenFile,
@@ -354,6 +361,7 @@ func (o Options) engineConfig() node.Config {
 		KubeletDir: n.KubeletDir, DefaultSizeLimit: n.DefaultSizeLimit, MaxSizeLimit: n.MaxSizeLimit,
 		AllowSetuid: n.AllowSetuid, BootIDFile: n.bootIDFile,
 		Watermarks: node.Watermarks{High: n.HighWatermark, Low: n.LowWatermark, Grace: n.EvictionGrace},
+		Copies:     n.OutputCopies,
 	}
 }
 
@@ -444,6 +452,9 @@ func (n NodeOptions) validate(endpoint string) []error {
 		if network, _, err := parseEndpoint(api); err != nil || network != "unix" {
 			errs = append(errs, fmt.Errorf("node API endpoint %q must be unix:///path: it has no authentication of its own", api))
 		}
+	}
+	if n.OutputCopies < 1 || n.OutputCopies > volume.MaxCopies {
+		errs = append(errs, fmt.Errorf("--output-copies %d is invalid: want 1 to %d", n.OutputCopies, volume.MaxCopies))
 	}
 	if n.EvictionGrace < 0 {
 		errs = append(errs, fmt.Errorf("--eviction-grace %s is negative", n.EvictionGrace))

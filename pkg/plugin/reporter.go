@@ -157,6 +157,16 @@ func (r *reporter) obey(resp *controllerv1.ReportResponse) {
 			klog.ErrorS(err, "Destroying a volume as the controller asked", "volume", ref)
 		}
 	}
+	for _, c := range resp.GetCopy() {
+		ref := volume.Ref{Namespace: c.GetNamespace(), Handle: c.GetHandle()}
+		if err := ref.Validate(); err != nil {
+			klog.ErrorS(err, "The controller asked for a copy of a malformed volume")
+			continue
+		}
+		if err := r.engine.KeepCopy(ref); err != nil {
+			klog.ErrorS(err, "Pulling a copy of a volume as the controller asked", "volume", ref)
+		}
+	}
 	for _, p := range resp.GetPins() {
 		ref := volume.Ref{Namespace: p.GetRef().GetNamespace(), Handle: p.GetRef().GetHandle()}
 		var err error
@@ -194,7 +204,7 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 			inv[v.Ref()] = &controllerv1.VolumeSummary{
 				Ref: ctlRef(v.Ref()), State: string(v.Advertised()), SizeBytes: v.SizeBytes,
 				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: client.Properties(v.Properties),
-				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned,
+				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned, Copies: int32(v.Copies),
 			}
 		}
 		if after = next; after == "" {

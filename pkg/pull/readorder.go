@@ -59,7 +59,7 @@ func (pl *Puller) recordReadOrder(r volume.Ref, fl *lazyFill) {
 
 // shareTimeout bounds one exchange of a read order with the fleet: an
 // order is a hint, never worth waiting for.
-const shareTimeout = 5 * time.Second
+const shareTimeout = 2 * time.Second
 
 // shareReadOrder leaves the order this node keeps for namespace under name
 // (what it recorded, merged with what it had) where other nodes find it.

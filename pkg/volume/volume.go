@@ -24,7 +24,11 @@ const (
 	AttrScope           = "scope"
 	AttrSizeLimit       = "sizeLimit"
 	AttrTTL             = "ttl"
-	AttrPropertyPrefix  = "property."
+	// AttrCopies asks for a captured volume on that many nodes: the
+	// controller has other nodes pull it once it is captured, so that it
+	// outlives the node that captured it.
+	AttrCopies         = "copies"
+	AttrPropertyPrefix = "property."
 	// AttrReadProfile names the order in which the step reads its source,
 	// recorded by a node that pulls the source lazily and used, by the
 	// next lazy pull under the same name in the pod's namespace, to fetch
@@ -202,6 +206,9 @@ var dns1123Subdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z
 
 // uidRE is a pod UID: a UUID, or the 32 hex digits of a static pod's hash.
 var uidRE = regexp.MustCompile(`^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32})$`)
+
+// MaxCopies is the most nodes a captured volume may ask to be kept on.
+const MaxCopies = 5
 
 // MaxReadProfile is the longest read profile name.
 const MaxReadProfile = 253

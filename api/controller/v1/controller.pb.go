@@ -95,8 +95,11 @@ type VolumeSummary struct {
 	// several times faster.
 	Properties []*Property `protobuf:"bytes,7,rep,name=properties,proto3" json:"properties,omitempty"`
 	// How many step volumes on the node mount it (directly or down a chain).
-	StepVolumes   int32 `protobuf:"varint,8,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
-	Pinned        bool  `protobuf:"varint,9,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	StepVolumes int32 `protobuf:"varint,8,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
+	Pinned      bool  `protobuf:"varint,9,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// How many nodes the volume asked to be kept on (0: unsaid, as on a
+	// pulled copy; the capturing node's word stands).
+	Copies        int32 `protobuf:"varint,10,opt,name=copies,proto3" json:"copies,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -192,6 +195,13 @@ func (x *VolumeSummary) GetPinned() bool {
 		return x.Pinned
 	}
 	return false
+}
+
+func (x *VolumeSummary) GetCopies() int32 {
+	if x != nil {
+		return x.Copies
+	}
+	return 0
 }
 
 type Property struct {
@@ -392,8 +402,12 @@ type ReportResponse struct {
 	// Why the node must refuse captures ("" while it is running): it is
 	// landing, landed or retiring.
 	RefuseCaptures string `protobuf:"bytes,5,opt,name=refuse_captures,json=refuseCaptures,proto3" json:"refuse_captures,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Volumes to pull (whole, in the background) and keep: copies of
+	// volumes that asked to be on more nodes than hold them. Repeated until
+	// the node's reports show it holds them.
+	Copy          []*VolumeRef `protobuf:"bytes,6,rep,name=copy,proto3" json:"copy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReportResponse) Reset() {
@@ -459,6 +473,13 @@ func (x *ReportResponse) GetRefuseCaptures() string {
 		return x.RefuseCaptures
 	}
 	return ""
+}
+
+func (x *ReportResponse) GetCopy() []*VolumeRef {
+	if x != nil {
+		return x.Copy
+	}
+	return nil
 }
 
 type ReadOrder struct {
@@ -2058,7 +2079,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x1econtroller/v1/controller.proto\x12\x14cowvol.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
-	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xf6\x02\n" +
+	"\x06handle\x18\x02 \x01(\tR\x06handle\"\x8e\x03\n" +
 	"\rVolumeSummary\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1d\n" +
@@ -2071,7 +2092,9 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"properties\x18\a \x03(\v2\x1e.cowvol.controller.v1.PropertyR\n" +
 	"properties\x12!\n" +
 	"\fstep_volumes\x18\b \x01(\x05R\vstepVolumes\x12\x16\n" +
-	"\x06pinned\x18\t \x01(\bR\x06pinned\"2\n" +
+	"\x06pinned\x18\t \x01(\bR\x06pinned\x12\x16\n" +
+	"\x06copies\x18\n" +
+	" \x01(\x05R\x06copies\"2\n" +
 	"\bProperty\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value\"\xa7\x03\n" +
@@ -2088,13 +2111,14 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fstep_volumes\x18\n" +
 	" \x01(\x05R\vstepVolumes\x12!\n" +
-	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\"\xde\x01\n" +
+	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\"\x93\x02\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
 	"\adestroy\x18\x03 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adestroy\x124\n" +
 	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\x12'\n" +
-	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\"\xa4\x01\n" +
+	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\x123\n" +
+	"\x04copy\x18\x06 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04copy\"\xa4\x01\n" +
 	"\tReadOrder\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
@@ -2291,61 +2315,62 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
 	9,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
-	33, // 8: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
-	5,  // 9: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
-	0,  // 10: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 11: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
-	0,  // 12: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	12, // 13: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 14: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 15: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 16: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
-	12, // 17: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 18: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	17, // 19: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 20: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 21: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	31, // 22: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	17, // 23: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 24: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	22, // 25: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 26: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	26, // 27: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	33, // 28: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	0,  // 29: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	30, // 30: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
-	0,  // 31: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	32, // 32: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	34, // 33: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
-	3,  // 34: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	6,  // 35: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
-	8,  // 36: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
-	15, // 37: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	18, // 38: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	20, // 39: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	23, // 40: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	10, // 41: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	13, // 42: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	25, // 43: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	27, // 44: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	29, // 45: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	4,  // 46: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	7,  // 47: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
-	5,  // 48: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
-	16, // 49: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	19, // 50: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	21, // 51: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	24, // 52: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	11, // 53: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	14, // 54: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	26, // 55: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	28, // 56: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	17, // 57: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	46, // [46:58] is the sub-list for method output_type
-	34, // [34:46] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	0,  // 8: cowvol.controller.v1.ReportResponse.copy:type_name -> cowvol.controller.v1.VolumeRef
+	33, // 9: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	5,  // 10: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
+	0,  // 11: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
+	33, // 12: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	0,  // 13: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	12, // 14: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 15: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 16: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	33, // 17: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	12, // 18: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 19: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	17, // 20: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 21: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 22: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
+	31, // 23: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	17, // 24: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 25: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	22, // 26: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 27: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	26, // 28: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	33, // 29: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	0,  // 30: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
+	30, // 31: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	0,  // 32: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	32, // 33: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	34, // 34: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	3,  // 35: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	6,  // 36: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
+	8,  // 37: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	15, // 38: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	18, // 39: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	20, // 40: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	23, // 41: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	10, // 42: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	13, // 43: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	25, // 44: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	27, // 45: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	29, // 46: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	4,  // 47: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	7,  // 48: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	5,  // 49: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	16, // 50: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	19, // 51: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	21, // 52: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	24, // 53: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	11, // 54: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	14, // 55: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	26, // 56: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	28, // 57: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	17, // 58: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	47, // [47:59] is the sub-list for method output_type
+	35, // [35:47] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
