@@ -13,11 +13,16 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/plugin"
 )
@@ -28,8 +33,10 @@ import (
 // show the lazy one flat in the size), and how long a
 // step takes to be done that reads 5% of the files or all of them, lazily,
 // eagerly (publish + read) and on A itself; and a step that runs a program
-// from the volume. Lazily twice: as a first pull, and with B having
-// recorded the step's read order before. Each case runs on a fresh B (a
+// from the volume. Lazily three times: as a first pull, with B having
+// recorded the step's read order before, and on a B that never ran the
+// step, with the order another B recorded and shared through the
+// controller (TLS, on the lab's network). Each case runs on a fresh B (a
 // new state dir on one filesystem, allocated and warmed as BenchmarkPull's
 // is), its page cache dropped. The figures the targets name (reading all
 // of 1 GiB lazily, with and without a recorded order, against eagerly) are
@@ -42,6 +49,17 @@ func BenchmarkLazyPull(b *testing.B) {
 	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), plugin.DefaultPeerServerName)
 	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
 	peerA := net.JoinHostPort(hostA.IP, "7443")
+	// A controller on the lab's network, over TLS with a node token: the
+	// nodes of the fleet's case find holders and share read orders
+	// through it.
+	ctlAddr := net.JoinHostPort(lab.Self, strings.Split(plugintest.FreeAddr(b), ":")[1])
+	ctlPKI := netlab.NewPKI(b, filepath.Join(b.TempDir(), "ctl-pki"), "cowvol-controller", lab.Self)
+	tokens, nodeToken := filepath.Join(b.TempDir(), "tokens"), filepath.Join(b.TempDir(), "node-token")
+	writeFile(b, tokens, "bench-node-token-0123456789,system:cowvol-node,*\n")
+	writeFile(b, nodeToken, "bench-node-token-0123456789\n")
+	ctl := plugintest.Start(b, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + ctlAddr,
+		"--tls-cert-file=" + ctlPKI.Cert, "--tls-key-file=" + ctlPKI.Key, "--tokens-file=" + tokens}})
+	fleetArgs := []string{"--controller-address=" + ctlAddr, "--tls-ca-file=" + ctlPKI.CA, "--token-file=" + nodeToken}
 	prog, err := exec.LookPath("true")
 	if err != nil {
 		b.Fatal(err)
@@ -51,7 +69,7 @@ func BenchmarkLazyPull(b *testing.B) {
 		warmed := false
 		bns := 0 // B nodes started
 		a := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "a", StateDir: stateA,
-			Wrap: hostA.Command, Args: append([]string{"--peer-address=" + peerA}, tlsArgs...)})}
+			Wrap: hostA.Command, Args: append(append([]string{"--peer-address=" + peerA}, tlsArgs...), fleetArgs...)})}
 		var sb strings.Builder
 		fmt.Fprintf(&sb, "\n%-46s %12s %12s %12s %12s\n", "a step on a node without its input", "publish", "read 5%", "read all", "run a program")
 		for _, size := range []int64{100 << 20, 1 << 30, 4 << 30} {
@@ -121,9 +139,40 @@ func BenchmarkLazyPull(b *testing.B) {
 					return v, bn, bn.timed(bn.p.Publish, v)
 				}
 			}
+			// fleetOn pulls lazily on a fresh B that never ran the step:
+			// another B recorded its read order and shared it through the
+			// controller, then went.
+			fleetOn := func(read func(dir string)) (kubeletsim.InlineVolume, *node, time.Duration) {
+				start := func() *node {
+					bns++
+					return &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: fmt.Sprintf("b%d", bns),
+						StateDir: filepath.Join(diskB, fmt.Sprintf("b%d", bns)), Wrap: hostB.Command,
+						Args: append(append([]string{"--pull-mode=lazy", "--pull-wait=30m"}, tlsArgs...), fleetArgs...)})}
+				}
+				attrs := map[string]string{driver.AttrSource: handle, driver.AttrReadProfile: "fleet/" + handle}
+				if read != nil {
+					recorder := start()
+					shared := strings.Count(ctl.Log(), "A node shared a read order")
+					recorder.recordReadOrder(attrs, read)
+					for deadline := time.Now().Add(time.Minute); strings.Count(ctl.Log(), "A node shared a read order") == shared; {
+						if time.Now().After(deadline) {
+							b.Fatal("the recording node did not share its read order in a minute")
+						}
+						time.Sleep(50 * time.Millisecond)
+					}
+					recorder.p.Stop()
+					if err := os.RemoveAll(recorder.p.StateDir); err != nil {
+						b.Fatal(err)
+					}
+				}
+				bn := start()
+				v := bn.volume(attrs, true)
+				return v, bn, bn.timed(bn.p.Publish, v)
+			}
 			row("lazy pull", pullOn("lazy", false))
 			if !publishOnly {
 				row("lazy pull, read order recorded", pullOn("lazy", true))
+				row("lazy pull, order recorded on another node", fleetOn)
 			}
 			row("eager pull", pullOn("eager", false))
 			if !publishOnly {
@@ -172,8 +221,93 @@ func BenchmarkLazyPull(b *testing.B) {
 			b.ReportMetric(float64(p50(took["eager"]).Milliseconds()), "eager-1024MiB-read-all-p50-ms")
 		}
 		fmt.Print(sb.String())
+		// A copy goes to a node that serves peers (so that it outlives
+		// its first holder): B serves them on its own address.
+		fmt.Println(benchCopy(b, a, ctlAddr, ctlPKI.CA, func() *node {
+			bns++
+			return &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: fmt.Sprintf("b%d", bns),
+				StateDir: filepath.Join(diskB, fmt.Sprintf("b%d", bns)), Wrap: hostB.Command,
+				Args: append(append([]string{"--pull-wait=30m", "--peer-address=" + net.JoinHostPort(hostB.IP, "7443")}, tlsArgs...), fleetArgs...)})}
+		}))
 		a.p.Stop()
 	}
+}
+
+// benchCopy captures a 1 GiB / 50,000-file output with copies: 2 on a,
+// beside a node that start makes (the only other one), and says how long
+// after the capture the controller listed that node as a second holder,
+// against an eager pull of the same tree onto a node of its own.
+func benchCopy(b *testing.B, a *node, ctlAddr, ca string, start func() *node) string {
+	creds, err := credentials.NewClientTLSFromFile(ca, "")
+	if err != nil {
+		b.Fatal(err)
+	}
+	conn, err := grpc.NewClient(ctlAddr, grpc.WithTransportCredentials(creds),
+		grpc.WithPerRPCCredentials(client.Bearer{Token: "bench-node-token-0123456789", Secure: true}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	api := controllerv1.NewCacheClient(conn)
+	holders := func(handle string) int {
+		resp, err := api.LookupVolumes(context.Background(), &controllerv1.LookupVolumesRequest{
+			Refs: []*controllerv1.VolumeRef{{Namespace: "ci", Handle: handle}}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		return len(resp.Volumes[0].Nodes)
+	}
+	other := start()
+	// The nodes earlier cases stopped are live to the controller until
+	// they stall: a copy asked of one would wait for that.
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+		nodes, err := api.ListNodes(context.Background(), &controllerv1.ListNodesRequest{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		running := 0
+		for _, n := range nodes.Nodes {
+			if n.State == "running" {
+				running++
+			}
+		}
+		if running == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("%d nodes still running after 2 minutes, want a and the new one", running)
+		}
+	}
+	tree := b.TempDir()
+	genMixedTree(b, tree, treeFiles, treeBytes)
+	v := a.volume(map[string]string{driver.AttrCapture: "copied", driver.AttrCopies: "2"}, false)
+	if err := a.p.Publish(v); err != nil {
+		b.Fatal(err)
+	}
+	if out, err := exec.Command("sh", "-c", "tar -C "+tree+" -cf - . | tar -C "+v.Target+" -xf -").CombinedOutput(); err != nil {
+		b.Fatal(err, string(out))
+	}
+	dropCaches(b)
+	a.timed(a.p.Unpublish, v)
+	captured := time.Now()
+	for holders("copied") < 2 {
+		if time.Since(captured) > 10*time.Minute {
+			b.Fatal("no second copy in 10 minutes")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	copied := time.Since(captured)
+	other.p.Stop() // its peer address is the next node's
+	// The comparator: an eager pull of the same tree onto a fresh node.
+	eager := start()
+	defer eager.p.Stop()
+	dropCaches(b)
+	pv := eager.volume(map[string]string{driver.AttrSource: "copied"}, true)
+	pulled := eager.timed(eager.p.Publish, pv)
+	eager.timed(eager.p.Unpublish, pv)
+	b.ReportMetric(float64(copied.Milliseconds()), "copy-1024MiB-ms")
+	return fmt.Sprintf("copies: 2 of 1 GiB, capture to a second holder listed %s; an eager pull of it %s (%.2fx)",
+		ms(copied), ms(pulled), float64(copied)/float64(pulled))
 }
 
 // lazyRounds is how many times BenchmarkLazyPull takes the figures its
@@ -252,6 +386,12 @@ func runTrue(b *testing.B) func(dir string) {
 		if out, err := exec.Command(filepath.Join(dir, "bin", "true")).CombinedOutput(); err != nil {
 			b.Fatal(err, string(out))
 		}
+	}
+}
+
+func writeFile(b *testing.B, path, data string) {
+	if err := os.WriteFile(path, []byte(data), 0o600); err != nil {
+		b.Fatal(err)
 	}
 }
 

@@ -171,6 +171,16 @@ func (h *Host) Throttle(rate string) {
 		"tbf", "rate", rate, "burst", "256kb", "latency", "400ms")
 }
 
+// ShapeLink limits the host's link to rate both ways: what the switch
+// sends it (Throttle) and what it sends the switch (its eth0's egress), as
+// a node's network card would.
+func (h *Host) ShapeLink(rate string) {
+	h.lab.tb.Helper()
+	h.Throttle(rate)
+	run(h.lab.tb, "ip", "netns", "exec", h.Netns, "tc", "qdisc", "replace", "dev", "eth0", "root",
+		"tbf", "rate", rate, "burst", "256kb", "latency", "400ms")
+}
+
 // Unthrottle undoes Throttle.
 func (h *Host) Unthrottle() {
 	h.lab.tb.Helper()
