@@ -147,26 +147,8 @@ func (r *reporter) round(ctx context.Context) error {
 // is idempotent: the controller repeats it until the node's reports show it
 // done.
 func (r *reporter) obey(resp *controllerv1.ReportResponse) {
-	for _, d := range resp.GetDestroy() {
-		ref := volume.Ref{Namespace: d.GetNamespace(), Handle: d.GetHandle()}
-		if err := ref.Validate(); err != nil {
-			klog.ErrorS(err, "The controller asked to destroy a malformed volume")
-			continue
-		}
-		if err := r.engine.Destroy(ref); err != nil {
-			klog.ErrorS(err, "Destroying a volume as the controller asked", "volume", ref)
-		}
-	}
-	for _, c := range resp.GetCopy() {
-		ref := volume.Ref{Namespace: c.GetNamespace(), Handle: c.GetHandle()}
-		if err := ref.Validate(); err != nil {
-			klog.ErrorS(err, "The controller asked for a copy of a malformed volume")
-			continue
-		}
-		if err := r.engine.KeepCopy(ref); err != nil {
-			klog.ErrorS(err, "Pulling a copy of a volume as the controller asked", "volume", ref)
-		}
-	}
+	eachNamed(resp.GetDestroy(), "destroy", func(ref volume.Ref) error { return r.engine.Destroy(ref) })
+	eachNamed(resp.GetCopy(), "copy", r.engine.KeepCopy)
 	for _, p := range resp.GetPins() {
 		ref := volume.Ref{Namespace: p.GetRef().GetNamespace(), Handle: p.GetRef().GetHandle()}
 		var err error
@@ -182,6 +164,21 @@ func (r *reporter) obey(resp *controllerv1.ReportResponse) {
 		}
 		if err != nil {
 			klog.ErrorS(err, "Pinning a volume as the controller asked", "volume", ref, "unpin", p.GetUnpin())
+		}
+	}
+}
+
+// eachNamed does to each volume the controller named what it asked
+// (destroy, copy), logging a malformed name or a failure.
+func eachNamed(refs []*controllerv1.VolumeRef, asked string, do func(volume.Ref) error) {
+	for _, c := range refs {
+		ref := volume.Ref{Namespace: c.GetNamespace(), Handle: c.GetHandle()}
+		if err := ref.Validate(); err != nil {
+			klog.ErrorS(err, "The controller named a malformed volume", "asked", asked)
+			continue
+		}
+		if err := do(ref); err != nil {
+			klog.ErrorS(err, "Doing what the controller asked", "asked", asked, "volume", ref)
 		}
 	}
 }
