@@ -5,7 +5,6 @@ import (
 	"slices"
 	"time"
 
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -40,7 +39,12 @@ func (v *View) readyCopies(e *entry, now time.Time) (ready int, destroyed bool) 
 // node's report of it changed, or a holder stalled or went. The caller
 // holds the lock.
 func (v *View) markLacking(e *entry) {
-	if _, ok := v.lacking[e]; !ok && e.copies > 1 && len(e.holders) > 0 {
+	// The cheap tests first: this runs for every entry of every full
+	// report, and few volumes ask for copies.
+	if e.copies <= 1 || len(e.holders) == 0 {
+		return
+	}
+	if _, ok := v.lacking[e]; !ok {
 		v.lacking[e] = copying{}
 	}
 }
@@ -48,8 +52,8 @@ func (v *View) markLacking(e *entry) {
 // assignCopies asks nodes to pull the volumes lacking copies, the live,
 // running nodes that hold them not, with the most room first; and
 // returns what n is asked to pull. The caller holds the lock.
-func (v *View) assignCopies(n *nodeState, now time.Time) []*controllerv1.VolumeRef {
-	var mine []*controllerv1.VolumeRef
+func (v *View) assignCopies(n *nodeState, now time.Time) []volume.Ref {
+	var mine []volume.Ref
 	for e, asked := range v.lacking {
 		ready, destroyed := v.readyCopies(e, now)
 		if destroyed || ready >= int(e.copies) || len(e.holders) == 0 {
@@ -71,7 +75,7 @@ func (v *View) assignCopies(n *nodeState, now time.Time) []*controllerv1.VolumeR
 			}
 		}
 		if _, ok := asked[n]; ok {
-			mine = append(mine, toRef(e.ref))
+			mine = append(mine, e.ref)
 		}
 	}
 	return mine

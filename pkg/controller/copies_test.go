@@ -6,7 +6,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -17,11 +16,11 @@ func TestCopies(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
 	revs := map[string]uint64{}
-	report := func(at time.Time, node string, free int64, vols ...*controllerv1.VolumeSummary) []string {
+	report := func(at time.Time, node string, free int64, vols ...Held) []string {
 		t.Helper()
 		base := revs[node]
 		revs[node]++
-		resp, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, Revision: revs[node], Full: base == 0,
+		resp, err := v.Report(Report{NodeID: node, StoreID: node, Revision: revs[node], Full: base == 0,
 			BaseRevision: base, Upserts: vols, BytesFree: free, PeerAddress: node + ":7443"}, at)
 		require.NoError(t, err)
 		var got []string
@@ -30,7 +29,7 @@ func TestCopies(t *testing.T) {
 		}
 		return got
 	}
-	twice := func(h, state string) *controllerv1.VolumeSummary {
+	twice := func(h, state string) Held {
 		s := vol(h, state, 100)
 		s.Copies = 2
 		return s
@@ -57,13 +56,12 @@ func TestCopies(t *testing.T) {
 	require.Equal(t, []string{"out"}, report(later, "b", 5000))
 
 	// Destroyed, it is copied nowhere.
-	_, err = v.Destroy([]*controllerv1.VolumeRef{ref("out")})
-	require.NoError(t, err)
+	v.Destroy([]volume.Ref{ref("out")})
 	require.Empty(t, report(later, "b", 5000))
 
 	// A node over its high watermark, or without room, takes none.
 	report(later, "a", 1000, twice("big", "ready"))
-	_, err = v.Report(&controllerv1.ReportRequest{NodeId: "b", StoreId: "b", Revision: revs["b"] + 1, BaseRevision: revs["b"],
+	_, err = v.Report(Report{NodeID: "b", StoreID: "b", Revision: revs["b"] + 1, BaseRevision: revs["b"],
 		BytesFree: 50, PeerAddress: "b:7443"}, later)
 	require.NoError(t, err)
 	revs["b"]++

@@ -154,8 +154,8 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	if locs, err := s.view.Lookup([]*controllerv1.VolumeRef{nv.GetRef()}, time.Now()); err == nil && locs[0].GetFound() {
-		return status.Errorf(codes.AlreadyExists, "volume %s exists (%s)", ref, locs[0].GetState())
+	if loc := s.view.Lookup([]volume.Ref{ref}, time.Now())[0]; loc.Found {
+		return status.Errorf(codes.AlreadyExists, "volume %s exists (%s)", ref, loc.State)
 	}
 	node, addr, err := s.uploadNode(nv.GetNodeId())
 	if err != nil {
@@ -176,7 +176,7 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	}
 	klog.InfoS("Uploaded a volume", "volume", ref, "node", node, "bytes", r.N, "user", CallerFrom(ctx).User,
 		"duration", time.Since(start))
-	return stream.SendAndClose(s.awaitReport(ctx, nv.GetRef(), node, layer))
+	return stream.SendAndClose(toWireLocation(s.awaitReport(ctx, ref, node, layer)))
 }
 
 // reportWait bounds how long an upload's answer waits for the node's
@@ -186,31 +186,27 @@ const reportWait = 10 * time.Second
 // awaitReport answers an upload once the node has reported the volume, so
 // that the uploader's next lookup or read finds it; a node slow to report
 // gets the answer built from what the upload made.
-func (s *cacheServer) awaitReport(ctx context.Context, ref *controllerv1.VolumeRef, node string, l streamer.Layer) *controllerv1.VolumeLocation {
+func (s *cacheServer) awaitReport(ctx context.Context, ref volume.Ref, node string, l streamer.Layer) Location {
 	deadline := time.Now().Add(reportWait)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
-		if locs, err := s.view.Lookup([]*controllerv1.VolumeRef{ref}, time.Now()); err == nil && slices.Contains(locs[0].GetNodes(), node) {
-			return locs[0]
+		if loc := s.view.Lookup([]volume.Ref{ref}, time.Now())[0]; slices.Contains(loc.Nodes, node) {
+			return loc
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return &controllerv1.VolumeLocation{Ref: ref, Found: true, State: string(volume.StateReady), SizeBytes: -1,
-		Scope: string(l.Scope), Properties: l.Properties, Nodes: []string{node}, PeerAddresses: []string{s.view.PeerAddress(node)}}
+	return Location{Ref: ref, Found: true, State: volume.StateReady, SizeBytes: -1,
+		Scope: l.Scope, Properties: l.Properties, Nodes: []string{node}, PeerAddresses: []string{s.view.PeerAddress(node)}}
 }
 
 // uploadNode is where an upload goes: the node asked for, if it takes
 // uploads, or the placement's first node with a peer address.
 func (s *cacheServer) uploadNode(asked string) (node, addr string, err error) {
-	placed, err := s.view.Place(nil, nil, time.Now())
-	if err != nil {
-		return "", "", code(err)
-	}
-	for _, p := range placed {
-		if asked != "" && p.GetNodeId() != asked {
+	for _, p := range s.view.Place(nil, nil, time.Now()) {
+		if asked != "" && p.NodeID != asked {
 			continue
 		}
-		if addr := s.view.PeerAddress(p.GetNodeId()); addr != "" {
-			return p.GetNodeId(), addr, nil
+		if addr := s.view.PeerAddress(p.NodeID); addr != "" {
+			return p.NodeID, addr, nil
 		}
 	}
 	if asked != "" {

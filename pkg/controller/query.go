@@ -11,7 +11,6 @@ import (
 	"github.com/google/btree"
 	"k8s.io/apimachinery/pkg/labels"
 
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -29,8 +28,8 @@ var stateRank = func() []int {
 // location is what the live nodes say of one volume: the best state any
 // holds it in, with that copy's metadata, and which hold it ready and which
 // have it mounted. The caller holds the lock.
-func (v *View) location(e *entry, now time.Time) *controllerv1.VolumeLocation {
-	loc := &controllerv1.VolumeLocation{Ref: toRef(e.ref)}
+func (v *View) location(e *entry, now time.Time) Location {
+	loc := Location{Ref: e.ref}
 	var best record
 	for _, n := range e.holders {
 		rec, ok := n.has(e)
@@ -50,38 +49,33 @@ func (v *View) location(e *entry, now time.Time) *controllerv1.VolumeLocation {
 		loc.Pinned = loc.Pinned || rec.pinned
 	}
 	if loc.Found {
-		describe(loc, e, best) // Nodes are sorted: holders are kept so
+		describe(&loc, e, best) // Nodes are sorted: holders are kept so
 	}
 	return loc
 }
 
 // describe fills in a volume's metadata, and the state and size of one
 // node's copy.
-func describe(loc *controllerv1.VolumeLocation, e *entry, rec record) {
-	loc.State, loc.SizeBytes, loc.Scope, loc.Properties = rec.state.String(), rec.size, e.scope.String(), e.properties()
+func describe(loc *Location, e *entry, rec record) {
+	loc.State, loc.SizeBytes, loc.Scope, loc.Properties = states[rec.state], rec.size, scopes[e.scope], e.properties()
 	if e.parent != nil {
-		loc.Parent = toRef(*e.parent)
+		loc.Parent = *e.parent
 	}
 }
 
 // Lookup says where each volume is, among live nodes.
-func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*controllerv1.VolumeLocation, error) {
-	parsed, err := refsOf(refs)
-	if err != nil {
-		return nil, err
-	}
+func (v *View) Lookup(refs []volume.Ref, now time.Time) []Location {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	out := make([]*controllerv1.VolumeLocation, len(parsed))
-	for i, r := range parsed {
+	out := make([]Location, len(refs))
+	for i, r := range refs {
 		if e := v.find(r); e != nil {
 			out[i] = v.location(e, now)
 		} else {
-			out[i] = &controllerv1.VolumeLocation{}
+			out[i] = Location{Ref: r}
 		}
-		out[i].Ref = refs[i]
 	}
-	return out, nil
+	return out
 }
 
 // Place ranks the live nodes that take captures (not over their high
@@ -89,11 +83,7 @@ func (v *View) Lookup(refs []*controllerv1.VolumeRef, now time.Time) ([]*control
 // first, then most free space, then by ID. An input of a namespace not
 // visible (nil: all are) that was not shared counts as held nowhere, as if
 // it did not exist.
-func (v *View) Place(inputs []*controllerv1.VolumeRef, visible func(namespace string) bool, now time.Time) ([]*controllerv1.NodePlacement, error) {
-	parsed, err := refsOf(inputs)
-	if err != nil {
-		return nil, err
-	}
+func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, now time.Time) []Placement {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	// Per node, which inputs it holds ready and their bytes: one pass over
@@ -103,7 +93,7 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, visible func(namespace st
 		bytes  int64
 	}
 	held := make(map[*nodeState]*holding, len(v.nodes))
-	for i, r := range parsed {
+	for i, r := range inputs {
 		e := v.find(r)
 		if e == nil || (visible != nil && scopes[e.scope] != volume.ScopeCluster && !visible(r.Namespace)) {
 			continue
@@ -115,7 +105,7 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, visible func(namespace st
 			}
 			h := held[n]
 			if h == nil {
-				h = &holding{inputs: make([]bool, len(parsed))}
+				h = &holding{inputs: make([]bool, len(inputs))}
 				held[n] = h
 			}
 			if !h.inputs[i] {
@@ -124,33 +114,33 @@ func (v *View) Place(inputs []*controllerv1.VolumeRef, visible func(namespace st
 			}
 		}
 	}
-	out := make([]*controllerv1.NodePlacement, 0, len(v.nodes))
+	out := make([]Placement, 0, len(v.nodes))
 	for _, n := range v.nodes {
 		if n.over || v.lifecycle(n) != "" || !v.live(n, now) {
 			continue
 		}
-		p := &controllerv1.NodePlacement{NodeId: n.id, BytesFree: n.bytesFree}
+		p := Placement{NodeID: n.id, BytesFree: n.bytesFree}
 		h := held[n]
 		if h != nil {
 			p.InputBytesHeld = h.bytes
 		}
-		for i := range parsed {
+		for i := range inputs {
 			if h == nil || !h.inputs[i] {
 				p.Missing = append(p.Missing, inputs[i])
 			}
 		}
 		out = append(out, p)
 	}
-	slices.SortFunc(out, func(a, b *controllerv1.NodePlacement) int {
+	slices.SortFunc(out, func(a, b Placement) int {
 		switch {
 		case a.InputBytesHeld != b.InputBytesHeld:
 			return cmp.Compare(b.InputBytesHeld, a.InputBytesHeld) // most first
 		case a.BytesFree != b.BytesFree:
 			return cmp.Compare(b.BytesFree, a.BytesFree)
 		}
-		return strings.Compare(a.NodeId, b.NodeId)
+		return strings.Compare(a.NodeID, b.NodeID)
 	})
-	return out, nil
+	return out
 }
 
 // Entry is one cached volume across the live nodes.
@@ -274,7 +264,7 @@ type ListQuery struct {
 
 // List answers a ListQuery: the matching volumes in (namespace, handle)
 // order, and whether more follow.
-func (v *View) List(q ListQuery, now time.Time) (out []*controllerv1.VolumeLocation, more bool, err error) {
+func (v *View) List(q ListQuery, now time.Time) (out []Location, more bool, err error) {
 	sel, err := labels.Parse(q.Selector)
 	if err != nil {
 		return nil, false, fmt.Errorf("selector %s: %w: %w", volume.Quote(q.Selector), err, ErrInvalid)
@@ -298,7 +288,7 @@ func (v *View) List(q ListQuery, now time.Time) (out []*controllerv1.VolumeLocat
 		}
 	}
 	each := func(e *entry) bool {
-		var loc *controllerv1.VolumeLocation
+		var loc Location
 		if node != nil {
 			rec, ok := node.has(e)
 			if !ok {
@@ -306,11 +296,11 @@ func (v *View) List(q ListQuery, now time.Time) (out []*controllerv1.VolumeLocat
 			}
 			loc = v.location(e, now)
 			loc.Found = true
-			describe(loc, e, rec)
+			describe(&loc, e, rec)
 		} else if loc = v.location(e, now); !loc.Found {
 			return true
 		}
-		if q.Visible != nil && !q.Visible(e.ref.Namespace) && loc.Scope != string(volume.ScopeCluster) {
+		if q.Visible != nil && !q.Visible(e.ref.Namespace) && loc.Scope != volume.ScopeCluster {
 			return true
 		}
 		if !sel.Matches(labels.Set(loc.Properties)) {

@@ -54,7 +54,11 @@ func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportReq
 	if err := need(ctx, "update", ResourceNodes, "", "report a node's cache"); err != nil {
 		return nil, err
 	}
-	resp, err := s.view.Report(req, time.Now())
+	report, err := reportFromWire(req)
+	if err != nil {
+		return nil, code(err)
+	}
+	answer, err := s.view.Report(report, time.Now())
 	if err != nil {
 		return nil, code(err)
 	}
@@ -62,7 +66,7 @@ func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportReq
 		klog.V(2).InfoS("A node reported its whole inventory", "node", req.GetNodeId(), "store", req.GetStoreId(),
 			"volumes", len(req.GetUpserts()), "revision", req.GetRevision())
 	}
-	return resp, nil
+	return toWireAnswer(answer), nil
 }
 
 func (s *registryServer) ShareReadOrder(ctx context.Context, req *controllerv1.ShareReadOrderRequest) (*controllerv1.ShareReadOrderResponse, error) {
@@ -110,17 +114,18 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 	if len(refs) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one call: at most %d", len(refs), maxLookup)
 	}
-	locs, err := s.view.Lookup(refs, time.Now())
+	parsed, err := refsFromWire(refs)
 	if err != nil {
 		return nil, code(err)
 	}
+	locs := s.view.Lookup(parsed, time.Now())
 	may := CallerFrom(ctx).MayIn(ctx, "get")
 	for i, l := range locs {
-		if l.GetScope() != string(volume.ScopeCluster) && !may(refs[i].GetNamespace()) {
-			locs[i] = &controllerv1.VolumeLocation{Ref: refs[i]}
+		if l.Scope != volume.ScopeCluster && !may(l.Ref.Namespace) {
+			locs[i] = Location{Ref: l.Ref}
 		}
 	}
-	return locs, nil
+	return toWireLocations(locs), nil
 }
 
 func (s *cacheServer) LookupVolumes(ctx context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
@@ -165,10 +170,9 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	if err != nil {
 		return nil, code(err)
 	}
-	resp := &controllerv1.ListVolumesResponse{Volumes: vols}
+	resp := &controllerv1.ListVolumesResponse{Volumes: toWireLocations(vols)}
 	if more {
-		last := vols[len(vols)-1].GetRef()
-		resp.NextPageToken = PageToken(volume.Ref{Namespace: last.GetNamespace(), Handle: last.GetHandle()})
+		resp.NextPageToken = PageToken(vols[len(vols)-1].Ref)
 	}
 	return resp, nil
 }
@@ -179,18 +183,22 @@ func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest)
 	if len(req.GetInputs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d inputs in one call: at most %d", len(req.GetInputs()), maxLookup)
 	}
-	nodes, err := s.view.Place(req.GetInputs(), CallerFrom(ctx).MayIn(ctx, "get"), time.Now())
+	inputs, err := refsFromWire(req.GetInputs())
 	if err != nil {
 		return nil, code(err)
 	}
-	return &controllerv1.PlaceResponse{Nodes: nodes}, nil
+	return &controllerv1.PlaceResponse{Nodes: toWirePlacements(s.view.Place(inputs, CallerFrom(ctx).MayIn(ctx, "get"), time.Now()))}, nil
 }
 
 func (s *cacheServer) ListNodes(ctx context.Context, _ *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {
 	if err := need(ctx, "list", ResourceNodes, "", "list the nodes"); err != nil {
 		return nil, err
 	}
-	return &controllerv1.ListNodesResponse{Nodes: s.view.Nodes(time.Now())}, nil
+	var nodes []*controllerv1.NodeStatus
+	for _, n := range s.view.Nodes(time.Now()) {
+		nodes = append(nodes, toWireNodeStatus(n))
+	}
+	return &controllerv1.ListNodesResponse{Nodes: nodes}, nil
 }
 
 func (s *cacheServer) DestroyVolumes(ctx context.Context, req *controllerv1.DestroyVolumesRequest) (*controllerv1.DestroyVolumesResponse, error) {
@@ -200,13 +208,14 @@ func (s *cacheServer) DestroyVolumes(ctx context.Context, req *controllerv1.Dest
 	if err := needNamespaces(ctx, "delete", "destroy volumes", req.GetRefs()); err != nil {
 		return nil, err
 	}
-	out, err := s.view.Destroy(req.GetRefs())
+	refs, err := refsFromWire(req.GetRefs())
 	if err != nil {
 		return nil, code(err)
 	}
+	out := s.view.Destroy(refs)
 	klog.V(2).InfoS("Destroying volumes on the nodes holding them", "volumes", len(out), "caller", CallerFrom(ctx).User)
 	s.metrics.Commands.WithLabelValues("destroy").Add(float64(len(out)))
-	return &controllerv1.DestroyVolumesResponse{Volumes: out}, nil
+	return &controllerv1.DestroyVolumesResponse{Volumes: toWireVolumeNodes(out)}, nil
 }
 
 func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolumesRequest) (*controllerv1.PinVolumesResponse, error) {
@@ -219,12 +228,13 @@ func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolum
 	if u := req.GetUntil(); u != nil && u.CheckValid() != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "until: %v", u.CheckValid())
 	}
-	out, err := s.view.Pin(req.GetRefs(), req.GetUnpin(), req.GetUntil())
+	refs, err := refsFromWire(req.GetRefs())
 	if err != nil {
 		return nil, code(err)
 	}
+	out := s.view.Pin(refs, req.GetUnpin(), untilFromWire(req.GetUntil()))
 	s.metrics.Commands.WithLabelValues(map[bool]string{false: "pin", true: "unpin"}[req.GetUnpin()]).Add(float64(len(out)))
-	return &controllerv1.PinVolumesResponse{Volumes: out}, nil
+	return &controllerv1.PinVolumesResponse{Volumes: toWireVolumeNodes(out)}, nil
 }
 
 func (s *cacheServer) SetNodeLifecycle(ctx context.Context, req *controllerv1.SetNodeLifecycleRequest) (*controllerv1.NodeStatus, error) {
@@ -240,5 +250,5 @@ func (s *cacheServer) SetNodeLifecycle(ctx context.Context, req *controllerv1.Se
 	s.metrics.Commands.WithLabelValues(req.GetAction()).Inc()
 	s.events.NodeEventOn(req.GetNodeId(), "Normal", "Cowvol"+strings.ToUpper(req.GetAction()[:1])+req.GetAction()[1:],
 		fmt.Sprintf("%s asked cowvol to %s the node: it is %s", CallerFrom(ctx).User, req.GetAction(), st.State))
-	return st, nil
+	return toWireNodeStatus(st), nil
 }

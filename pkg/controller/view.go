@@ -5,7 +5,10 @@
 // server's TokenReviews and SubjectAccessReviews). It keeps no database:
 // the view is what the nodes report, and after a restart it is rebuilt
 // from their next reports. It never touches a volume: nodes do, when their
-// reports are answered.
+// reports are answered. The view speaks its own types (types.go); only the
+// gRPC layer (server.go, data.go) speaks api/controller/v1's, converting at
+// the edge (wire.go), so that how the view keeps a fleet in memory is its
+// own business.
 package controller
 
 import (
@@ -19,9 +22,7 @@ import (
 	"time"
 
 	"github.com/google/btree"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -122,7 +123,6 @@ var (
 )
 
 func (c stateCode) String() string { return string(states[c]) }
-func (c scopeCode) String() string { return string(scopes[c]) }
 
 func (e *entry) properties() map[string]string {
 	if e.props == "" {
@@ -141,28 +141,28 @@ func (e *entry) properties() map[string]string {
 // encodeProps packs properties into one string: for each key in order, its
 // length, the key, the value's length, the value. A key said twice keeps
 // its last value, as a map would.
-func encodeProps(props []*controllerv1.Property) string {
+func encodeProps(props []Property) string {
 	if len(props) == 0 {
 		return ""
 	}
-	sorted := slices.IsSortedFunc(props, func(a, b *controllerv1.Property) int { return strings.Compare(a.GetKey(), b.GetKey()) })
-	if !sorted {
+	byKey := func(a, b Property) int { return strings.Compare(a.Key, b.Key) }
+	if !slices.IsSortedFunc(props, byKey) {
 		props = slices.Clone(props)
-		slices.SortStableFunc(props, func(a, b *controllerv1.Property) int { return strings.Compare(a.GetKey(), b.GetKey()) })
+		slices.SortStableFunc(props, byKey)
 	}
 	size := 0
 	for _, p := range props {
-		size += len(p.GetKey()) + len(p.GetValue()) + 2*binary.MaxVarintLen32
+		size += len(p.Key) + len(p.Value) + 2*binary.MaxVarintLen32
 	}
 	b := make([]byte, 0, size)
 	for i, p := range props {
-		if i+1 < len(props) && props[i+1].GetKey() == p.GetKey() {
+		if i+1 < len(props) && props[i+1].Key == p.Key {
 			continue // said again later
 		}
-		b = binary.AppendUvarint(b, uint64(len(p.GetKey())))
-		b = append(b, p.GetKey()...)
-		b = binary.AppendUvarint(b, uint64(len(p.GetValue())))
-		b = append(b, p.GetValue()...)
+		b = binary.AppendUvarint(b, uint64(len(p.Key)))
+		b = append(b, p.Key...)
+		b = binary.AppendUvarint(b, uint64(len(p.Value)))
+		b = append(b, p.Value...)
 	}
 	return string(b)
 }
@@ -207,7 +207,7 @@ type nodeState struct {
 	peerAddress string
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[*entry]bool
-	pins    map[*entry]*controllerv1.PinCommand
+	pins    map[*entry]PinCommand
 	// lifecycle is running, landing or retiring, as set through the API;
 	// stepVolumes is how many step volumes it last reported.
 	lifecycle   string
@@ -309,25 +309,6 @@ func entryLess(a, b *entry) bool {
 // ErrInvalid marks a malformed report or query.
 var ErrInvalid = errors.New("invalid")
 
-func refOf(r *controllerv1.VolumeRef) (volume.Ref, error) {
-	ref := volume.Ref{Namespace: r.GetNamespace(), Handle: r.GetHandle()}
-	if err := ref.Validate(); err != nil {
-		return ref, fmt.Errorf("volume: %w: %w", err, ErrInvalid)
-	}
-	return ref, nil
-}
-
-func refsOf(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
-	out := make([]volume.Ref, len(refs))
-	for i, r := range refs {
-		var err error
-		if out[i], err = refOf(r); err != nil {
-			return nil, err
-		}
-	}
-	return out, nil
-}
-
 // upsert is one volume of a report, checked before the view is locked.
 type upsert struct {
 	ref    volume.Ref
@@ -338,34 +319,22 @@ type upsert struct {
 	copies uint8
 }
 
-func parseUpserts(in []*controllerv1.VolumeSummary) ([]upsert, error) {
+func parseUpserts(in []Held) ([]upsert, error) {
 	out := make([]upsert, len(in))
-	for i, s := range in {
-		r, err := refOf(s.GetRef())
-		if err != nil {
-			return nil, err
-		}
-		state := slices.Index(states, volume.State(s.GetState()))
+	for i, h := range in {
+		state := slices.Index(states, h.State)
 		scope := 0 // unsaid: the default, the namespace's own
-		if s.GetScope() != "" {
-			scope = slices.Index(scopes, volume.Scope(s.GetScope()))
+		if h.Scope != "" {
+			scope = slices.Index(scopes, h.Scope)
 		}
 		if state < 0 || scope < 0 {
-			return nil, fmt.Errorf("volume %s: state %s, scope %s: %w", r, volume.Quote(s.GetState()), volume.Quote(s.GetScope()), ErrInvalid)
+			return nil, fmt.Errorf("volume %s: state %s, scope %s: %w", h.Ref, volume.Quote(string(h.State)), volume.Quote(string(h.Scope)), ErrInvalid)
 		}
-		u := upsert{ref: r, scope: scopeCode(scope),
-			rec: record{size: s.GetSizeBytes(), steps: s.GetStepVolumes(), pinned: s.GetPinned(), state: stateCode(state)}}
-		if p := s.GetParent(); p.GetHandle() != "" {
-			if u.parent, err = refOf(p); err != nil {
-				return nil, err
-			}
+		if h.Copies < 0 || h.Copies > volume.MaxCopies {
+			return nil, fmt.Errorf("volume %s: %d copies: want 0 to %d: %w", h.Ref, h.Copies, volume.MaxCopies, ErrInvalid)
 		}
-		u.props = encodeProps(s.GetProperties())
-		if c := s.GetCopies(); c < 0 || c > volume.MaxCopies {
-			return nil, fmt.Errorf("volume %s: %d copies: want 0 to %d: %w", r, c, volume.MaxCopies, ErrInvalid)
-		}
-		u.copies = uint8(s.GetCopies())
-		out[i] = u
+		out[i] = upsert{ref: h.Ref, parent: h.Parent, props: encodeProps(h.Properties), scope: scopeCode(scope), copies: uint8(h.Copies),
+			rec: record{size: h.SizeBytes, steps: h.StepVolumes, pinned: h.Pinned, state: stateCode(state)}}
 	}
 	return out, nil
 }
@@ -373,25 +342,21 @@ func parseUpserts(in []*controllerv1.VolumeSummary) ([]upsert, error) {
 // Report applies a node's report and says whether the controller needs the
 // whole inventory instead. A node that reports a new store ID is believed
 // to hold nothing it held before, at once.
-func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controllerv1.ReportResponse, error) {
-	if req.GetNodeId() == "" || req.GetStoreId() == "" {
-		return nil, fmt.Errorf("a report needs the node's ID and its store's: %w", ErrInvalid)
+func (v *View) Report(req Report, now time.Time) (Answer, error) {
+	if req.NodeID == "" || req.StoreID == "" {
+		return Answer{}, fmt.Errorf("a report needs the node's ID and its store's: %w", ErrInvalid)
 	}
-	upserts, err := parseUpserts(req.GetUpserts())
+	upserts, err := parseUpserts(req.Upserts)
 	if err != nil {
-		return nil, err
-	}
-	deletes, err := refsOf(req.GetDeletes())
-	if err != nil {
-		return nil, err
+		return Answer{}, err
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	n := v.nodes[req.GetNodeId()]
-	if n == nil || n.storeID != req.GetStoreId() {
+	n := v.nodes[req.NodeID]
+	if n == nil || n.storeID != req.StoreID {
 		// New, or back with a wiped state dir: nothing it held before.
-		fresh := &nodeState{id: req.GetNodeId(), storeID: req.GetStoreId(), held: map[*entry]record{},
-			destroy: map[*entry]bool{}, pins: map[*entry]*controllerv1.PinCommand{}}
+		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[*entry]record{},
+			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}}
 		if n != nil {
 			fresh.lifecycle = n.lifecycle // taken out of service by name, not by store
 			v.drop(n)
@@ -399,41 +364,40 @@ func (v *View) Report(req *controllerv1.ReportRequest, now time.Time) (*controll
 		n = fresh
 		v.nodes[n.id] = n
 	}
-	n.lastReport, n.bytesFree, n.over, n.stepVolumes = now, req.GetBytesFree(), req.GetOverHighWatermark(), req.GetStepVolumes()
-	n.peerAddress = req.GetPeerAddress()
+	n.lastReport, n.bytesFree, n.over, n.stepVolumes = now, req.BytesFree, req.OverHighWatermark, req.StepVolumes
+	n.peerAddress = req.PeerAddress
 	n.stallSeen = false
 	switch {
-	case req.GetFull():
+	case req.Full:
 		v.replace(n, upserts)
 		delete(v.awaiting, n.id)
-	case n.revision == 0 || req.GetBaseRevision() != n.revision:
-		return &controllerv1.ReportResponse{Resync: true, Revision: n.revision}, nil
+	case n.revision == 0 || req.BaseRevision != n.revision:
+		return Answer{Resync: true, Revision: n.revision}, nil
 	default:
 		for _, u := range upserts {
 			v.put(n, u)
 		}
-		for _, r := range deletes {
+		for _, r := range req.Deletes {
 			if e := v.find(r); e != nil {
 				v.remove(n, e)
 			}
 		}
 	}
-	n.revision = req.GetRevision()
+	n.revision = req.Revision
 	if n.lifecycle == NodeRetiring && n.stepVolumes == 0 {
 		if len(n.held) == 0 {
 			v.drop(n) // retired: it leaves
-			return &controllerv1.ReportResponse{Revision: n.revision, RefuseCaptures: "the node is retired"}, nil
+			return Answer{Revision: n.revision, RefuseCaptures: "the node is retired"}, nil
 		}
 		for e := range n.held {
 			n.destroy[e] = true // released: everything it holds goes
 		}
 	}
-	resp := &controllerv1.ReportResponse{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins(),
-		Copy: v.assignCopies(n, now)}
+	a := Answer{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins(), Copy: v.assignCopies(n, now)}
 	if v.lifecycle(n) != "" {
-		resp.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
+		a.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
-	return resp, nil
+	return a, nil
 }
 
 // find is the entry of a volume some node reports. The caller holds the
@@ -550,16 +514,16 @@ func (v *View) drop(n *nodeState) {
 var ErrUnknownNode = errors.New("unknown node")
 
 // SetLifecycle lands, retires or resumes a node.
-func (v *View) SetLifecycle(nodeID, action string, now time.Time) (*controllerv1.NodeStatus, error) {
+func (v *View) SetLifecycle(nodeID, action string, now time.Time) (NodeStatus, error) {
 	next, ok := map[string]string{"land": NodeLanding, "retire": NodeRetiring, "resume": ""}[action]
 	if !ok {
-		return nil, fmt.Errorf("action %s: want land, retire or resume: %w", volume.Quote(action), ErrInvalid)
+		return NodeStatus{}, fmt.Errorf("action %s: want land, retire or resume: %w", volume.Quote(action), ErrInvalid)
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	n := v.nodes[nodeID]
 	if n == nil {
-		return nil, fmt.Errorf("node %s: %w", volume.Quote(nodeID), ErrUnknownNode)
+		return NodeStatus{}, fmt.Errorf("node %s: %w", volume.Quote(nodeID), ErrUnknownNode)
 	}
 	n.lifecycle = next
 	return v.status(n, now), nil
@@ -567,14 +531,14 @@ func (v *View) SetLifecycle(nodeID, action string, now time.Time) (*controllerv1
 
 // pendingDestroys are the destroys the node has not done yet: volumes it
 // still reports. Done ones are dropped. The caller holds the lock.
-func (n *nodeState) pendingDestroys() []*controllerv1.VolumeRef {
-	var out []*controllerv1.VolumeRef
+func (n *nodeState) pendingDestroys() []volume.Ref {
+	var out []volume.Ref
 	for e := range n.destroy {
 		if _, held := n.held[e]; !held {
 			delete(n.destroy, e)
 			continue
 		}
-		out = append(out, toRef(e.ref))
+		out = append(out, e.ref)
 	}
 	return out
 }
@@ -590,10 +554,10 @@ func (n *nodeState) has(e *entry) (record, bool) {
 }
 
 // pendingPins are the pin changes the node's reports do not show yet.
-func (n *nodeState) pendingPins() []*controllerv1.PinCommand {
-	var out []*controllerv1.PinCommand
+func (n *nodeState) pendingPins() []PinCommand {
+	var out []PinCommand
 	for e, c := range n.pins {
-		if rec, held := n.held[e]; !held || rec.pinned == !c.GetUnpin() {
+		if rec, held := n.held[e]; !held || rec.pinned == !c.Unpin {
 			delete(n.pins, e)
 			continue
 		}
@@ -602,39 +566,28 @@ func (n *nodeState) pendingPins() []*controllerv1.PinCommand {
 	return out
 }
 
-func toRef(r volume.Ref) *controllerv1.VolumeRef {
-	if r.Handle == "" {
-		return nil
-	}
-	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
-}
-
 // Destroy hides each volume from lookups at once and asks every node that
 // reported it to destroy it, saying which nodes were asked.
-func (v *View) Destroy(refs []*controllerv1.VolumeRef) ([]*controllerv1.VolumeNodes, error) {
+func (v *View) Destroy(refs []volume.Ref) []VolumeNodes {
 	return v.command(refs, func(n *nodeState, e *entry) { n.destroy[e] = true })
 }
 
 // Pin asks every node that reported each volume to pin (until until, or
-// for good) or unpin it.
-func (v *View) Pin(refs []*controllerv1.VolumeRef, unpin bool, until *timestamppb.Timestamp) ([]*controllerv1.VolumeNodes, error) {
+// for good: zero) or unpin it.
+func (v *View) Pin(refs []volume.Ref, unpin bool, until time.Time) []VolumeNodes {
 	return v.command(refs, func(n *nodeState, e *entry) {
-		n.pins[e] = &controllerv1.PinCommand{Ref: toRef(e.ref), Unpin: unpin, Until: until}
+		n.pins[e] = PinCommand{Ref: e.ref, Unpin: unpin, Until: until}
 	})
 }
 
 // command runs ask on every node holding each volume (live or stalled: a
 // stalled node that comes back gets the command too).
-func (v *View) command(refs []*controllerv1.VolumeRef, ask func(*nodeState, *entry)) ([]*controllerv1.VolumeNodes, error) {
-	parsed, err := refsOf(refs)
-	if err != nil {
-		return nil, err
-	}
+func (v *View) command(refs []volume.Ref, ask func(*nodeState, *entry)) []VolumeNodes {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	out := make([]*controllerv1.VolumeNodes, len(parsed))
-	for i, r := range parsed {
-		out[i] = &controllerv1.VolumeNodes{Ref: refs[i]}
+	out := make([]VolumeNodes, len(refs))
+	for i, r := range refs {
+		out[i].Ref = r
 		if e := v.find(r); e != nil {
 			for _, n := range e.holders {
 				ask(n, e)
@@ -643,20 +596,20 @@ func (v *View) command(refs []*controllerv1.VolumeRef, ask func(*nodeState, *ent
 		}
 		sort.Strings(out[i].Nodes)
 	}
-	return out, nil
+	return out
 }
 
 func (v *View) live(n *nodeState, now time.Time) bool { return now.Sub(n.lastReport) <= v.stalledAfter }
 
 // Nodes lists every node the controller knows, with its state.
-func (v *View) Nodes(now time.Time) []*controllerv1.NodeStatus {
+func (v *View) Nodes(now time.Time) []NodeStatus {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	var out []*controllerv1.NodeStatus
+	out := make([]NodeStatus, 0, len(v.nodes))
 	for _, n := range v.nodes {
 		out = append(out, v.status(n, now))
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].NodeId < out[j].NodeId })
+	sort.Slice(out, func(i, j int) bool { return out[i].NodeID < out[j].NodeID })
 	return out
 }
 
@@ -672,10 +625,10 @@ func (v *View) PeerAddress(nodeID string) string {
 }
 
 // status is what a scheduler sees of a node. The caller holds the lock.
-func (v *View) status(n *nodeState, now time.Time) *controllerv1.NodeStatus {
-	st := &controllerv1.NodeStatus{NodeId: n.id, StoreId: n.storeID, State: v.state(n, now), Revision: n.revision,
+func (v *View) status(n *nodeState, now time.Time) NodeStatus {
+	st := NodeStatus{NodeID: n.id, StoreID: n.storeID, State: v.state(n, now), Revision: n.revision,
 		Volumes: int32(len(n.held)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
-		LastReport: timestamppb.New(n.lastReport), PeerAddress: n.peerAddress}
+		LastReport: n.lastReport, PeerAddress: n.peerAddress}
 	for _, rec := range n.held {
 		st.Bytes += max(rec.size, 0)
 	}

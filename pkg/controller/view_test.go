@@ -11,16 +11,15 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-func vol(h, state string, size int64) *controllerv1.VolumeSummary {
-	return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: "ci", Handle: h}, State: state, SizeBytes: size}
+func vol(h, state string, size int64) Held {
+	return Held{Ref: volume.Ref{Namespace: "ci", Handle: h}, State: volume.State(state), SizeBytes: size}
 }
 
-func ref(h string) *controllerv1.VolumeRef {
-	return &controllerv1.VolumeRef{Namespace: "ci", Handle: h}
+func ref(h string) volume.Ref {
+	return volume.Ref{Namespace: "ci", Handle: h}
 }
 
 func TestReportsAndResyncs(t *testing.T) {
@@ -28,22 +27,26 @@ func TestReportsAndResyncs(t *testing.T) {
 	now := time.Now()
 	tests := []struct {
 		name       string
-		req        *controllerv1.ReportRequest
+		req        Report
 		wantResync bool
 		wantErr    bool
 		wantVols   int
 	}{
-		{"no node ID", &controllerv1.ReportRequest{StoreId: "s1"}, false, true, 0},
-		{"a bad ref", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Full: true,
-			Upserts: []*controllerv1.VolumeSummary{{Ref: &controllerv1.VolumeRef{Handle: "x"}}}}, false, true, 0},
-		{"changes from an unknown node", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 5, BaseRevision: 4}, true, false, 0},
-		{"full", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 5, Full: true,
-			Upserts: []*controllerv1.VolumeSummary{vol("a", "ready", 10), vol("b", "ready", 20)}}, false, false, 2},
-		{"changes", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 7, BaseRevision: 5,
-			Upserts: []*controllerv1.VolumeSummary{vol("c", "creating", -1)}, Deletes: []*controllerv1.VolumeRef{ref("a")}}, false, false, 2},
-		{"changes from a revision the controller never saw", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 9, BaseRevision: 8}, true, false, 2},
-		{"heartbeat", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s1", Revision: 7, BaseRevision: 7}, false, false, 2},
-		{"a wiped node back under its name", &controllerv1.ReportRequest{NodeId: "n", StoreId: "s2", Revision: 1, BaseRevision: 7}, true, false, 0},
+		{"no node ID", Report{StoreID: "s1"}, false, true, 0},
+		{"a state the view does not know", Report{NodeID: "n", StoreID: "s1", Full: true,
+			Upserts: []Held{{Ref: ref("x"), State: "gone"}}}, false, true, 0},
+		{"a scope the view does not know", Report{NodeID: "n", StoreID: "s1", Full: true,
+			Upserts: []Held{{Ref: ref("x"), State: "ready", Scope: "world"}}}, false, true, 0},
+		{"copies past the most", Report{NodeID: "n", StoreID: "s1", Full: true,
+			Upserts: []Held{{Ref: ref("x"), State: "ready", Copies: volume.MaxCopies + 1}}}, false, true, 0},
+		{"changes from an unknown node", Report{NodeID: "n", StoreID: "s1", Revision: 5, BaseRevision: 4}, true, false, 0},
+		{"full", Report{NodeID: "n", StoreID: "s1", Revision: 5, Full: true,
+			Upserts: []Held{vol("a", "ready", 10), vol("b", "ready", 20)}}, false, false, 2},
+		{"changes", Report{NodeID: "n", StoreID: "s1", Revision: 7, BaseRevision: 5,
+			Upserts: []Held{vol("c", "creating", -1)}, Deletes: []volume.Ref{ref("a")}}, false, false, 2},
+		{"changes from a revision the controller never saw", Report{NodeID: "n", StoreID: "s1", Revision: 9, BaseRevision: 8}, true, false, 2},
+		{"heartbeat", Report{NodeID: "n", StoreID: "s1", Revision: 7, BaseRevision: 7}, false, false, 2},
+		{"a wiped node back under its name", Report{NodeID: "n", StoreID: "s2", Revision: 1, BaseRevision: 7}, true, false, 0},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -68,9 +71,9 @@ func TestReportsAndResyncs(t *testing.T) {
 func TestAwaitReports(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
-	full := func(node string) *controllerv1.ReportRequest {
-		return &controllerv1.ReportRequest{NodeId: node, StoreId: "s-" + node, Revision: 3, Full: true,
-			Upserts: []*controllerv1.VolumeSummary{vol(node+"-out", "ready", 10)}}
+	full := func(node string) Report {
+		return Report{NodeID: node, StoreID: "s-" + node, Revision: 3, Full: true,
+			Upserts: []Held{vol(node+"-out", "ready", 10)}}
 	}
 	_, err := v.Report(full("early"), now)
 	require.NoError(t, err)
@@ -79,7 +82,7 @@ func TestAwaitReports(t *testing.T) {
 
 	_, err = v.Report(full("n1"), now)
 	require.NoError(t, err)
-	resp, err := v.Report(&controllerv1.ReportRequest{NodeId: "n2", StoreId: "s-n2", Revision: 4, BaseRevision: 3}, now)
+	resp, err := v.Report(Report{NodeID: "n2", StoreID: "s-n2", Revision: 4, BaseRevision: 3}, now)
 	require.NoError(t, err)
 	require.True(t, resp.Resync)
 	require.Equal(t, []string{"n2"}, v.Unsettled(now), "changes are not an inventory")
@@ -92,8 +95,8 @@ func TestAwaitReports(t *testing.T) {
 func TestLookupPlaceAndStalls(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
-	report := func(node string, at time.Time, free int64, over bool, vols ...*controllerv1.VolumeSummary) {
-		_, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node + "-store", Revision: 1, Full: true,
+	report := func(node string, at time.Time, free int64, over bool, vols ...Held) {
+		_, err := v.Report(Report{NodeID: node, StoreID: node + "-store", Revision: 1, Full: true,
 			Upserts: vols, BytesFree: free, OverHighWatermark: over}, at)
 		require.NoError(t, err)
 	}
@@ -103,23 +106,20 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	report("d", now, 900, true, vol("big", "ready", 1000))
 	report("gone", now.Add(-2*time.Minute), 900, false, vol("big", "ready", 1000))
 
-	locs, err := v.Lookup([]*controllerv1.VolumeRef{ref("small"), ref("big"), ref("nope")}, now)
-	require.NoError(t, err)
+	locs := v.Lookup([]volume.Ref{ref("small"), ref("big"), ref("nope")}, now)
 	require.Equal(t, []string{"a", "b"}, locs[0].Nodes)
 	require.Equal(t, []string{"b", "d"}, locs[1].Nodes, "a stalled node is left out")
 	require.False(t, locs[2].Found)
 
-	placed, err := v.Place([]*controllerv1.VolumeRef{ref("small"), ref("big")}, nil, now)
-	require.NoError(t, err)
+	placed := v.Place([]volume.Ref{ref("small"), ref("big")}, nil, now)
 	var order []string
 	for _, p := range placed {
-		order = append(order, p.NodeId)
+		order = append(order, p.NodeID)
 	}
 	require.Equal(t, []string{"b", "a", "c"}, order, "bytes held first, then free space; over the mark and stalled left out")
 	require.Equal(t, int64(1010), placed[0].InputBytesHeld)
 	require.Len(t, placed[2].Missing, 2)
-	hidden, err := v.Place([]*controllerv1.VolumeRef{ref("small")}, func(string) bool { return false }, now)
-	require.NoError(t, err)
+	hidden := v.Place([]volume.Ref{ref("small")}, func(string) bool { return false }, now)
 	for _, p := range hidden {
 		require.Zero(t, p.InputBytesHeld, "another namespace's private input is held nowhere")
 		require.Len(t, p.Missing, 1)
@@ -141,44 +141,41 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 func TestDestroyAndPinCommands(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
-	report := func(node string, rev uint64, full bool, base uint64, vols []*controllerv1.VolumeSummary, deletes ...*controllerv1.VolumeRef) *controllerv1.ReportResponse {
-		resp, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, Revision: rev, Full: full, BaseRevision: base,
+	report := func(node string, rev uint64, full bool, base uint64, vols []Held, deletes ...volume.Ref) Answer {
+		resp, err := v.Report(Report{NodeID: node, StoreID: node, Revision: rev, Full: full, BaseRevision: base,
 			Upserts: vols, Deletes: deletes}, now)
 		require.NoError(t, err)
 		return resp
 	}
-	report("a", 1, true, 0, []*controllerv1.VolumeSummary{vol("x", "ready", 1), vol("y", "ready", 1)})
-	report("b", 1, true, 0, []*controllerv1.VolumeSummary{vol("x", "ready", 1)})
+	report("a", 1, true, 0, []Held{vol("x", "ready", 1), vol("y", "ready", 1)})
+	report("b", 1, true, 0, []Held{vol("x", "ready", 1)})
 
-	out, err := v.Destroy([]*controllerv1.VolumeRef{ref("x"), ref("nope")})
-	require.NoError(t, err)
+	out := v.Destroy([]volume.Ref{ref("x"), ref("nope")})
 	require.Equal(t, []string{"a", "b"}, out[0].Nodes)
 	require.Empty(t, out[1].Nodes)
-	locs, err := v.Lookup([]*controllerv1.VolumeRef{ref("x")}, now)
-	require.NoError(t, err)
+	locs := v.Lookup([]volume.Ref{ref("x")}, now)
 	require.False(t, locs[0].Found, "gone from lookups at once")
 
 	resp := report("a", 1, false, 1, nil)
-	require.Equal(t, []*controllerv1.VolumeRef{ref("x")}, resp.Destroy, "asked until done")
+	require.Equal(t, []volume.Ref{ref("x")}, resp.Destroy, "asked until done")
 	resp = report("a", 2, false, 1, nil, ref("x"))
 	require.Empty(t, resp.Destroy, "done once the node reports it gone")
 	require.NotEmpty(t, report("b", 1, false, 1, nil).Destroy, "b has not done it yet")
 
-	_, err = v.Pin([]*controllerv1.VolumeRef{ref("y")}, false, nil)
-	require.NoError(t, err)
+	v.Pin([]volume.Ref{ref("y")}, false, time.Time{})
 	resp = report("a", 2, false, 2, nil)
 	require.Len(t, resp.Pins, 1)
 	pinned := vol("y", "ready", 1)
 	pinned.Pinned = true
-	resp = report("a", 3, false, 2, []*controllerv1.VolumeSummary{pinned})
+	resp = report("a", 3, false, 2, []Held{pinned})
 	require.Empty(t, resp.Pins, "done once the node reports it pinned")
 }
 
 func TestLifecycle(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
-	report := func(node string, rev uint64, steps int32, vols ...*controllerv1.VolumeSummary) *controllerv1.ReportResponse {
-		resp, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, Revision: rev, Full: true,
+	report := func(node string, rev uint64, steps int32, vols ...Held) Answer {
+		resp, err := v.Report(Report{NodeID: node, StoreID: node, Revision: rev, Full: true,
 			Upserts: vols, StepVolumes: steps, BytesFree: 10}, now)
 		require.NoError(t, err)
 		return resp
@@ -194,8 +191,7 @@ func TestLifecycle(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, NodeLanding, st.State, "a step still uses it")
 	require.NotEmpty(t, report("a", 2, 1, vol("x", "ready", 1)).RefuseCaptures)
-	placed, err := v.Place([]*controllerv1.VolumeRef{ref("x")}, nil, now)
-	require.NoError(t, err)
+	placed := v.Place([]volume.Ref{ref("x")}, nil, now)
 	require.Len(t, placed, 1, "no placements on a landing node")
 	report("a", 3, 0, vol("x", "ready", 1))
 	require.Equal(t, NodeLanded, v.Nodes(now)[0].State)
@@ -206,7 +202,7 @@ func TestLifecycle(t *testing.T) {
 	_, err = v.SetLifecycle("b", "retire", now)
 	require.NoError(t, err)
 	resp := report("b", 2, 0, vol("x", "ready", 1))
-	require.Equal(t, []*controllerv1.VolumeRef{ref("x")}, resp.Destroy, "released: everything goes")
+	require.Equal(t, []volume.Ref{ref("x")}, resp.Destroy, "released: everything goes")
 	report("b", 3, 0)
 	require.Len(t, v.Nodes(now), 1, "retired: it leaves")
 }
@@ -217,11 +213,10 @@ func TestKubernetesNodes(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
 	v.SetCordoned("a", true) // before it ever reports
-	resp, err := v.Report(&controllerv1.ReportRequest{NodeId: "a", StoreId: "s", Revision: 1, Full: true}, now)
+	resp, err := v.Report(Report{NodeID: "a", StoreID: "s", Revision: 1, Full: true}, now)
 	require.NoError(t, err)
 	require.Contains(t, resp.RefuseCaptures, "landed")
-	placed, err := v.Place(nil, nil, now)
-	require.NoError(t, err)
+	placed := v.Place(nil, nil, now)
 	require.Empty(t, placed)
 	v.SetCordoned("a", false)
 	require.Equal(t, NodeRunning, v.Nodes(now)[0].State)
@@ -235,26 +230,26 @@ func TestKubernetesNodes(t *testing.T) {
 func TestList(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
-	withProps := func(ns, h, state, scope string, props []*controllerv1.Property) *controllerv1.VolumeSummary {
-		return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: ns, Handle: h}, State: state, SizeBytes: 1,
-			Scope: scope, Properties: props}
+	withProps := func(ns, h, state, scope string, props []Property) Held {
+		return Held{Ref: volume.Ref{Namespace: ns, Handle: h}, State: volume.State(state), SizeBytes: 1,
+			Scope: volume.Scope(scope), Properties: props}
 	}
-	repo := func(version string) []*controllerv1.Property { // not sorted, as a hostile node might send
-		return []*controllerv1.Property{{Key: "version", Value: version}, {Key: "resource", Value: "repo"}}
+	repo := func(version string) []Property { // not sorted, as a hostile node might send
+		return []Property{{Key: "version", Value: version}, {Key: "resource", Value: "repo"}}
 	}
-	_, err := v.Report(&controllerv1.ReportRequest{NodeId: "a", StoreId: "a", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
+	_, err := v.Report(Report{NodeID: "a", StoreID: "a", Revision: 1, Full: true, Upserts: []Held{
 		withProps("ci", "r1", "ready", "namespace", repo("1")), withProps("ci", "r2", "ready", "namespace", repo("2")),
 		withProps("ci", "out", "creating", "namespace", nil), withProps("other", "secret", "ready", "namespace", repo("1")),
 		withProps("other", "shared", "ready", "cluster", repo("3")),
 	}}, now)
 	require.NoError(t, err)
-	_, err = v.Report(&controllerv1.ReportRequest{NodeId: "b", StoreId: "b", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
+	_, err = v.Report(Report{NodeID: "b", StoreID: "b", Revision: 1, Full: true, Upserts: []Held{
 		withProps("ci", "r2", "ready", "namespace", repo("2")), withProps("ci", "broken", "failed", "namespace", nil),
 	}}, now)
 	require.NoError(t, err)
 
 	ciOnly := func(ns string) bool { return ns == "ci" }
-	handles := func(locs []*controllerv1.VolumeLocation) (out []string) {
+	handles := func(locs []Location) (out []string) {
 		for _, l := range locs {
 			out = append(out, l.Ref.Namespace+"/"+l.Ref.Handle)
 		}
@@ -300,7 +295,7 @@ func TestList(t *testing.T) {
 	require.Equal(t, []string{"a", "b"}, locs[0].Nodes, "a node's listing still says where else it is")
 
 	// b comes back wiped: what only it held is gone from the index.
-	_, err = v.Report(&controllerv1.ReportRequest{NodeId: "b", StoreId: "b2", Revision: 1, Full: true}, now)
+	_, err = v.Report(Report{NodeID: "b", StoreID: "b2", Revision: 1, Full: true}, now)
 	require.NoError(t, err)
 	require.Nil(t, v.find(volume.Ref{Namespace: "ci", Handle: "broken"}))
 	require.Len(t, v.find(volume.Ref{Namespace: "ci", Handle: "r2"}).holders, 1)
@@ -326,17 +321,17 @@ func TestPagingThroughChurn(t *testing.T) {
 	now := time.Now()
 	rng := rand.New(rand.NewPCG(1, 2))
 	namespaces := []string{"a", "ci", "ci-2", "team"}
-	random := func() *controllerv1.VolumeSummary {
-		scope := "namespace"
+	random := func() Held {
+		scope := volume.ScopeNamespace
 		if rng.IntN(3) == 0 {
-			scope = "cluster" // a node may say otherwise of the same volume later
+			scope = volume.ScopeCluster // a node may say otherwise of the same volume later
 		}
-		return &controllerv1.VolumeSummary{State: "ready", SizeBytes: 1, Scope: scope, Ref: &controllerv1.VolumeRef{
+		return Held{State: "ready", SizeBytes: 1, Scope: scope, Ref: volume.Ref{
 			Namespace: namespaces[rng.IntN(len(namespaces))], Handle: fmt.Sprintf("v%d", rng.IntN(300))}}
 	}
 	revisions := map[string]uint64{}
 	report := func(node string, full bool, store string, n int) {
-		req := &controllerv1.ReportRequest{NodeId: node, StoreId: store, Full: full, BaseRevision: revisions[node]}
+		req := Report{NodeID: node, StoreID: store, Full: full, BaseRevision: revisions[node]}
 		revisions[node]++
 		req.Revision = revisions[node]
 		for range n {
@@ -372,8 +367,8 @@ func TestPagingThroughChurn(t *testing.T) {
 			if churn { // the page's last volume goes before the next page
 				last := locs[len(locs)-1]
 				for _, node := range last.Nodes {
-					_, err := v.Report(&controllerv1.ReportRequest{NodeId: node, StoreId: node, BaseRevision: revisions[node],
-						Revision: revisions[node] + 1, Deletes: []*controllerv1.VolumeRef{last.Ref}}, now)
+					_, err := v.Report(Report{NodeID: node, StoreID: node, BaseRevision: revisions[node],
+						Revision: revisions[node] + 1, Deletes: []volume.Ref{last.Ref}}, now)
 					require.NoError(t, err)
 					revisions[node]++
 				}
@@ -401,7 +396,7 @@ func TestPagingThroughChurn(t *testing.T) {
 		shared := 0
 		for _, id := range want {
 			ns, h, _ := strings.Cut(id, "/")
-			isShared := v.find(volume.Ref{Namespace: ns, Handle: h}).scope.String() == "cluster"
+			isShared := scopes[v.find(volume.Ref{Namespace: ns, Handle: h}).scope] == volume.ScopeCluster
 			if isShared {
 				shared++
 			}
@@ -436,15 +431,15 @@ func TestPagingThroughChurn(t *testing.T) {
 }
 
 func TestEncodeProps(t *testing.T) {
-	p := func(kv ...string) (out []*controllerv1.Property) {
+	p := func(kv ...string) (out []Property) {
 		for i := 0; i < len(kv); i += 2 {
-			out = append(out, &controllerv1.Property{Key: kv[i], Value: kv[i+1]})
+			out = append(out, Property{Key: kv[i], Value: kv[i+1]})
 		}
 		return out
 	}
 	tests := []struct {
 		name string
-		in   []*controllerv1.Property
+		in   []Property
 		want map[string]string
 	}{
 		{"none", nil, nil},
