@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"context"
+	"math/rand/v2"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -16,8 +17,8 @@ import (
 
 // A node looks for changes to report every reportEvery, reports at least
 // every heartbeatEvery (its heartbeat, which also fetches what schedulers
-// asked of it), and sends its whole inventory every resyncEvery as a safety
-// net.
+// asked of it), and sends its whole inventory about every resyncEvery as a
+// safety net (see resyncAfter).
 const (
 	reportEvery    = time.Second
 	heartbeatEvery = 2 * time.Second
@@ -40,7 +41,8 @@ type reporter struct {
 	acked       uint64
 	needFull    bool
 	lastSent    time.Time
-	lastFull    time.Time
+	// nextFull is when the next safety-net inventory is due.
+	nextFull time.Time
 }
 
 // What a report carried, as cowvol_node_reports_total counts them.
@@ -89,7 +91,7 @@ func (r *reporter) round(ctx context.Context) error {
 		rev := r.engine.Revision()
 		kind := reportHeartbeat
 		switch {
-		case r.needFull || time.Since(r.lastFull) > resyncEvery:
+		case r.needFull || time.Now().After(r.nextFull):
 			kind = reportFull
 		case rev != r.acked:
 			kind = reportChanges
@@ -136,12 +138,19 @@ func (r *reporter) round(ctx context.Context) error {
 		r.engine.RefuseCaptures(resp.GetRefuseCaptures())
 		r.sent, r.acked, r.lastSent = inv, rev, time.Now()
 		if kind == reportFull {
-			r.needFull, r.lastFull = false, r.lastSent
+			r.needFull, r.nextFull = false, r.lastSent.Add(resyncAfter())
 		}
 		return nil
 	}
 	return nil
 }
+
+// resyncAfter is how long after a whole inventory the next is due: a
+// random time between half and one and a half resyncEvery, drawn anew
+// each time. A fleet that sent its inventories at once (a new leader asks
+// every node for one) would otherwise send them at once every resyncEvery
+// for good: 1,000 nodes' inventories in the same second.
+func resyncAfter() time.Duration { return resyncEvery/2 + rand.N(resyncEvery) }
 
 // obey does what schedulers asked of the node through the controller. Each
 // is idempotent: the controller repeats it until the node's reports show it
