@@ -409,15 +409,20 @@ func (s *Store) chain(vols *bolt.Bucket, r volume.Ref, usable func(v Volume, top
 // Chain returns the data dirs, top first, of a volume's chain whose data
 // is all here.
 func (s *Store) Chain(r volume.Ref) ([]string, error) {
-	_, dirs, err := s.ChainOf(r)
+	_, dirs, err := s.ChainOf(r, volume.NeedWhole)
 	return dirs, err
 }
 
-// ChainOf returns the volumes of a chain whose data is all here, and their
-// data dirs, top first: what may be copied out.
-func (s *Store) ChainOf(r volume.Ref) (refs []volume.Ref, dirs []string, err error) {
+// ChainOf returns the volumes of a chain and their data dirs, top first,
+// as a reader that needs need of it may read them: with all of their data
+// here (what may be copied out), or, for NeedTree, some still filling.
+func (s *Store) ChainOf(r volume.Ref, need volume.Need) (refs []volume.Ref, dirs []string, err error) {
+	usable := Volume.layerComplete
+	if need == volume.NeedTree {
+		usable = Volume.layerMountable
+	}
 	err = s.db.View(func(tx *bolt.Tx) error {
-		refs, dirs, err = s.chain(tx.Bucket(volumesBucket), r, Volume.layerComplete)
+		refs, dirs, err = s.chain(tx.Bucket(volumesBucket), r, usable)
 		return err
 	})
 	return refs, dirs, err

@@ -81,6 +81,30 @@ func (s *Store) Reapable() []Volume {
 	return out
 }
 
+// WaitingOnLiveHolds says whether a destroyed volume's data waits only on
+// holds of this process (streams, fills), which may end at any moment: the
+// reaper keeps looking until none does. It reads only the volumes held
+// now, a handful.
+func (s *Store) WaitingOnLiveHolds() bool {
+	held := s.live.refs()
+	waiting := false
+	_ = s.db.View(func(tx *bolt.Tx) error {
+		vols := tx.Bucket(volumesBucket)
+		for _, r := range held {
+			v, ok, err := getJSON[Volume](vols, key(r))
+			if err != nil || !ok || v.State != volume.StateDestroying {
+				continue
+			}
+			if h := s.holdersOf(tx, r); len(h.Views) == 0 && len(h.Images) == 0 && len(h.Children) == 0 {
+				waiting = true
+				return nil
+			}
+		}
+		return nil
+	})
+	return waiting
+}
+
 // Reap frees a destroyed volume's data and forgets it, unless something
 // took hold of it meanwhile (then ErrInUse).
 func (s *Store) Reap(r volume.Ref, remove Remover) error {

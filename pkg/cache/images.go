@@ -17,10 +17,13 @@ import (
 // chain, until the runtime removes it.
 
 // HoldImage records that the runtime's snapshot holder runs on r's chain,
-// once check accepts r's record, in one transaction: r must be ready and
-// every layer of its chain all here. It returns the chain's data dirs,
-// top first. Holding again under the same holder answers the same, with
-// no check: a volume destroyed under a hold is still there for it.
+// once check accepts r's record, in one transaction: every layer of r's
+// chain must be mountable (ready, or filling: a container reads a lazily
+// pulled image as a step reads its input, each file's data arriving as it
+// is opened), and check says whether r itself will do. It returns the
+// chain's data dirs, top first. Holding again under the same holder
+// answers the same, with no check: a volume destroyed under a hold is
+// still there for it.
 func (s *Store) HoldImage(holder string, r volume.Ref, check func(Volume) error) (dirs []string, err error) {
 	if holder == "" || strings.ContainsRune(holder, 0) {
 		return nil, fmt.Errorf("image holder %s: want a name without NUL", volume.Quote(holder))
@@ -40,7 +43,7 @@ func (s *Store) HoldImage(holder string, r volume.Ref, check func(Volume) error)
 	err = s.withRoom(func() error {
 		return s.db.Update(func(tx *bolt.Tx) error {
 			vols, images := tx.Bucket(volumesBucket), tx.Bucket(imagesBucket)
-			usable := Volume.layerComplete
+			usable := Volume.layerMountable
 			if images.Get(indexKey(r.String(), holder)) != nil {
 				usable = heldLayer
 			} else {
@@ -111,5 +114,6 @@ func (s *Store) ImageHolders() []string {
 }
 
 // heldLayer says whether a layer of a held chain is still there: a
-// destroyed volume's data stays while it is held.
-func heldLayer(v Volume, _ bool) bool { return v.layerComplete(false) }
+// destroyed volume's data stays while it is held, and a filling one's
+// arrives.
+func heldLayer(v Volume, _ bool) bool { return v.layerMountable(false) }

@@ -3,6 +3,8 @@ package cache
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -275,6 +277,13 @@ func (l *liveHolds) any(r volume.Ref) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.count[r]) > 0
+}
+
+// refs lists the volumes held now.
+func (l *liveHolds) refs() []volume.Ref {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Collect(maps.Keys(l.count))
 }
 
 // add puts r's live holds into h.

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"errors"
 	"os"
 	"testing"
 	"time"
@@ -194,8 +195,19 @@ func TestFillingVolumesInTheStore(t *testing.T) {
 	require.Len(t, view.Lowers, 2)
 	_, err = s.Publish(View{VolumeID: "userns", Source: ref("ci", "top"), Pod: pod("ci"), UserNamespace: true})
 	require.ErrorIs(t, err, ErrNotReady, "a copy of the chain waits for its data")
-	_, _, err = s.ChainOf(ref("ci", "top"))
+	_, _, err = s.ChainOf(ref("ci", "top"), volume.NeedWhole)
 	require.ErrorIs(t, err, ErrNotReady, "a chain with a layer not all here is not copied out")
+	_, dirs, err := s.ChainOf(ref("ci", "top"), volume.NeedTree)
+	require.NoError(t, err, "a chain still filling is read through, its data arriving as files are opened")
+	require.Len(t, dirs, 2)
+	held, err := s.HoldImage("k8s.io/1/container", ref("ci", "top"), func(Volume) error { return nil })
+	require.NoError(t, err, "a container may run on a step image still filling")
+	require.Equal(t, dirs, held)
+	again, err := s.HoldImage("k8s.io/1/container", ref("ci", "top"), func(Volume) error { return errors.New("not asked") })
+	require.NoError(t, err, "its mounts asked for again while it fills")
+	require.Equal(t, dirs, again)
+	require.NotContains(t, refs(s.Candidates(time.Now().Add(time.Hour))), ref("ci", "top"))
+	require.NoError(t, s.ReleaseImage("k8s.io/1/container"))
 	require.NotContains(t, refs(s.Candidates(time.Now().Add(time.Hour))), ref("ci", "base"), "never evicted while filling")
 
 	v, err := s.Filled(ref("ci", "top"))
@@ -255,10 +267,25 @@ func TestLiveHoldsKeepData(t *testing.T) {
 	}
 
 	release := s.Hold(ref("ci", "v"), HoldStream)
+	require.False(t, s.WaitingOnLiveHolds(), "held, but not destroyed")
 	require.NoError(t, s.Destroy(ref("ci", "v")))
 	require.Empty(t, s.Reapable())
+	require.True(t, s.WaitingOnLiveHolds(), "destroyed, and only the stream keeps it")
 	require.ErrorIs(t, s.Reap(ref("ci", "v"), os.RemoveAll), ErrInUse)
 	release()
+	require.False(t, s.WaitingOnLiveHolds())
 	require.Equal(t, []volume.Ref{ref("ci", "v")}, refs(s.Reapable()))
 	require.NoError(t, s.Reap(ref("ci", "v"), os.RemoveAll))
+}
+
+// A destroyed volume that a child keeps waits on the child, not on a
+// stream of it: its stream's end frees nothing.
+func TestWaitingOnLiveHoldsLooksPastRecordedHolds(t *testing.T) {
+	s := openStore(t)
+	ready(t, s, "ci", "parent", volume.Ref{}, volume.ScopeNamespace, nil)
+	ready(t, s, "ci", "child", ref("ci", "parent"), volume.ScopeNamespace, nil)
+	release := s.Hold(ref("ci", "parent"), HoldStream)
+	defer release()
+	require.NoError(t, s.Destroy(ref("ci", "parent")))
+	require.False(t, s.WaitingOnLiveHolds())
 }

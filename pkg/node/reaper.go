@@ -125,13 +125,16 @@ func (e *Engine) destroyFor(reason string, r volume.Ref) {
 }
 
 // freeReapable deletes the data of every destroyed volume nothing holds,
-// children before the bases they free, and says whether some is left (a
-// delete failed: the next tick tries again).
+// children before the bases they free, and says whether some is left for
+// the next tick: a delete failed, or a destroyed volume waits only on a
+// stream or a fill, whose end wakes the reaper but may come just after a
+// round woken for something else looked (and a tick on an idle node looks
+// at nothing).
 func (e *Engine) freeReapable() (left bool) {
 	for {
 		doomed := e.store.Reapable()
 		if len(doomed) == 0 || e.bgCtx.Err() != nil {
-			return len(doomed) > 0
+			return len(doomed) > 0 || e.store.WaitingOnLiveHolds()
 		}
 		g := errgroup.Group{}
 		g.SetLimit(reapParallelism)

@@ -86,6 +86,30 @@ func TestDestroyWaitsForAStreamAndNoLonger(t *testing.T) {
 	}, reapInterval/4, 10*time.Millisecond, "freed as the stream ended")
 }
 
+// A destroyed volume that only a fill (or a stream) holds keeps the
+// reaper's ticks looking, however idle the node: the hold may end just
+// after a round looked, without waking another. (A fill's end once woke
+// the reaper a moment before it let go; the round found the data held,
+// and the idle node's ticks did not look again for minutes.)
+func TestReaperLooksWhileADestroyedVolumeWaitsOnALiveHold(t *testing.T) {
+	f := newFixture(t)
+	f.captureSized("filling", "", 1<<10)
+	release := f.store.Hold(ref("ci", "filling"), cache.HoldFill)
+	// Destroyed behind the reaper's back, and one round run by hand: no
+	// round the test did not run frees it.
+	require.NoError(t, f.store.Destroy(ref("ci", "filling")))
+	f.engine.reapRound()
+	require.False(t, f.gone("filling"), "held by its fill")
+
+	release() // wakes nothing
+	f.engine.reapTick()
+	require.True(t, f.gone("filling"), "the next tick frees it")
+	f.engine.reapTick()
+	f.engine.reaping.Lock()
+	defer f.engine.reaping.Unlock()
+	require.False(t, f.engine.swept.leftToFree, "nothing is left to look for")
+}
+
 // What the end of a stream wakes: the reaper only where the stream's hold
 // may have kept it from something, the janitor only where there are
 // replaced layers to prune.

@@ -60,7 +60,7 @@ func (pl *Puller) stubMarker(src *lazySource, data string) (*fill.Layer, streame
 	limit := pl.cfg.Limits.Bytes
 	return layer, func(s streamer.Stub) error {
 		if total.Add(s.Size) > limit {
-			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer, limit, streamer.ErrRefused)
+			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer.Ref, limit, streamer.ErrRefused)
 		}
 		return layer.Add(s.FD, fill.Stub{Rel: s.Name, Size: s.Size, Place: s.Place, Caps: s.Caps,
 			Dev: s.Dev, Ino: s.Ino, Times: [2]unix.Timespec{s.Mtime, s.Mtime}}) // a stream's entries' atime is their mtime
@@ -100,40 +100,49 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 		layer.Prefetch(order, prefetchWorkers)
 	})
 	pl.goBackground(func() {
-		defer release()
 		defer src.close()
 		select {
 		case <-layer.Done():
 		case <-pl.ctx.Done():
+			release()
 			return // the group's Close fails what is left; recovery fails the volume
 		}
-		// Before it is served: a peer's pull of it must not count as
-		// its readers'.
-		pl.recordReadOrder(r, fl)
-		err := layer.Err()
-		if err == nil {
-			if err = overlay.SyncFS(pl.store.VolumeDir(r)); err == nil {
-				_, err = pl.store.Filled(r)
-			}
-		}
-		if err == nil {
-			pl.Release(r)
-			pl.metrics.fills.WithLabelValues("ok").Inc()
-			klog.InfoS("Filled a lazily pulled volume", "volume", r, "duration", time.Since(start))
-			pl.notify.FillEnded()
-			return
-		}
-		pl.metrics.fills.WithLabelValues("failed").Inc()
-		klog.ErrorS(err, "Filling a lazily pulled volume failed; it is marked failed", "volume", r)
-		if merr := pl.store.MarkFailed(r); merr != nil {
-			klog.ErrorS(merr, "Marking a volume that could not be filled failed", "volume", r)
-		}
-		for _, pod := range pods {
-			pl.notify.Event(pod, EventWarning, "FillFailed", fmt.Sprintf("Source volume %q could not be fetched whole "+
-				"(its readers got EIO and the step captures nothing ready): %v", r.Handle, err))
-		}
+		pl.fillEnded(r, fl, pods, start)
+		// Let go before waking the reaper: a round woken first finds the
+		// data of a volume destroyed while it filled still held.
+		release()
 		pl.notify.FillEnded()
 	})
+}
+
+// fillEnded records how a fill ended: a filled volume is ready once its
+// data is synced, one that could not be filled is failed (and its pods
+// are told).
+func (pl *Puller) fillEnded(r volume.Ref, fl *lazyFill, pods []volume.Pod, start time.Time) {
+	// Before it is served: a peer's pull of it must not count as its
+	// readers'.
+	pl.recordReadOrder(r, fl)
+	err := fl.layer.Err()
+	if err == nil {
+		if err = overlay.SyncFS(pl.store.VolumeDir(r)); err == nil {
+			_, err = pl.store.Filled(r)
+		}
+	}
+	if err == nil {
+		pl.Release(r)
+		pl.metrics.fills.WithLabelValues("ok").Inc()
+		klog.InfoS("Filled a lazily pulled volume", "volume", r, "duration", time.Since(start))
+		return
+	}
+	pl.metrics.fills.WithLabelValues("failed").Inc()
+	klog.ErrorS(err, "Filling a lazily pulled volume failed; it is marked failed", "volume", r)
+	if merr := pl.store.MarkFailed(r); merr != nil {
+		klog.ErrorS(merr, "Marking a volume that could not be filled failed", "volume", r)
+	}
+	for _, pod := range pods {
+		pl.notify.Event(pod, EventWarning, "FillFailed", fmt.Sprintf("Source volume %q could not be fetched whole "+
+			"(its readers got EIO and the step captures nothing ready): %v", r.Handle, err))
+	}
 }
 
 // Release forgets a layer's fill: it is ready, or its data is gone.
@@ -179,28 +188,38 @@ func (pl *Puller) NoteReader(view cache.View, profile string) {
 // its readers wait for its data, and makes it a filling
 // volume whose data is fetched behind. The layer is mountable only once
 // every mark is in place.
-func (pl *Puller) pullStubs(p *pull, client *streamer.Client, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
-	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l.Ref, via: p.key.ref}
+func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
+	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
+	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
+		Inline: stubInline}
 	var layer *fill.Layer
-	vol, err := Receive(pl.store, pl.kind, l, p.id, func(tree, data string) (streamer.Summary, error) {
-		var mark streamer.StubFunc
-		var err error
-		if layer, mark, err = pl.stubMarker(src, data); err != nil {
-			return streamer.Summary{}, err
-		}
-		sum, err := client.PullLayerStubs(pl.ctx, p.key.namespace, l.Ref, p.key.ref, pl.cfg.Encoding, tree, pl.cfg.Limits, stubInline, progress, mark)
-		if sum.Inlined != "" {
-			src.inlined = streamer.Inline{Max: stubInline.Max, Through: sum.Inlined}
-		}
-		return sum, err
-	}, func(v cache.Volume, id, _ string, _ bool) (cache.Volume, error) {
-		layer.Seal()
-		return pl.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
-	}, SyncBehind)
-	if err != nil {
-		if layer != nil {
+	var vol cache.Volume
+	err := pl.inSwarm(client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
+		vol, err = Receive(pl.store, pl.kind, l, p.id, func(tree, data string) (streamer.Summary, error) {
+			var mark streamer.StubFunc
+			var err error
+			if layer, mark, err = pl.stubMarker(src, data); err != nil {
+				return streamer.Summary{}, err
+			}
+			sum, err := from.PullLayerStubs(pl.ctx, s, sw, tree, pl.cfg.Limits, progress, mark)
+			if err == nil {
+				err = done(sum)
+			}
+			if sum.Inlined != "" {
+				src.inlined = streamer.Inline{Max: stubInline.Max, Through: sum.Inlined}
+			}
+			return sum, err
+		}, func(v cache.Volume, id, _ string, _ bool) (cache.Volume, error) {
+			layer.Seal()
+			return pl.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
+		}, SyncBehind)
+		if err != nil && layer != nil {
 			layer.Release()
+			layer = nil
 		}
+		return err
+	})
+	if err != nil {
 		return cache.Volume{}, err
 	}
 	pl.mu.Lock()
