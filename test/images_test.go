@@ -256,8 +256,9 @@ func tarFiles(t *testing.T, r io.Reader) map[string]string {
 }
 
 // TestImageFromAPeer: a step's image volume held only by another node is
-// pulled from it, whole, when the runtime asks this node's registry for
-// it, as any input is; another namespace's private volume is never pulled.
+// pulled from it when the runtime asks this node's registry for it, as any
+// input is (whole, but as the snapshotter runs it); another namespace's
+// private volume is never pulled.
 func TestImageFromAPeer(t *testing.T) {
 	f := startPeerFleet(t)
 	a := f.node("node-a", testfs.XFS, 1<<30)
@@ -298,8 +299,9 @@ func TestImageFromAPeer(t *testing.T) {
 	assert.ErrorContains(t, err, "MANIFEST_UNKNOWN", "its own namespace brings it (it holds no image)")
 	f.holders("other", "private-img", "node-a", "node-b")
 
-	// As the snapshotter runs it: the volume is brought whole, and the
-	// manifest names its remote layer.
+	// As the snapshotter runs it: the volume may arrive lazily (node-b
+	// pulls lazily where it can), and the manifest names its remote
+	// layer (TestImageSnapshotterOnAnImageArrivingLazily runs on it).
 	var remoteLayer ocispec.Descriptor
 	eventually(t, "the :cowvol manifest served through node-b", func() bool {
 		r, err := name.ParseReference("127.0.0.1:7444/ci/img-on-layers:cowvol", name.Insecure)

@@ -238,3 +238,61 @@ func writeLayout(t *testing.T, dir string, diffID digest.Digest, annotations map
 	layer := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: digest.FromBytes(data), Size: int64(len(data)), Annotations: annotations}
 	require.NoError(t, ociimage.WriteLayout(dir, layer, data, cmp.Or(diffID, layer.Digest)))
 }
+
+// TestImageSnapshotterOnAnImageArrivingLazily: a :cowvol image whose
+// volume only another node holds runs on this node's snapshotter while the
+// volume still arrives lazily over a slow link, its tree first and its
+// data behind: the container reads each file it opens as it is filled, the
+// volume is held while it fills, and it ends an ordinary ready volume.
+func TestImageSnapshotterOnAnImageArrivingLazily(t *testing.T) {
+	addr := plugintest.FreeAddr(t)
+	sock := filepath.Join(t.TempDir(), "sn.sock")
+	a, b, _ := lazyNodesAt(t, 512<<10, "--image-registry-address="+addr, "--image-registry-auth=grace",
+		"--image-snapshotter-endpoint=unix://"+sock)
+	a.step("", "img", func(dir string) {
+		writeRootfsImage(t, dir, "from node-a")
+		randomFile(t, filepath.Join(dir, "rootfs"), "data", 3<<20, 7)
+	})
+	var want []byte
+	a.read("img", func(dir string) {
+		var err error
+		want, err = os.ReadFile(filepath.Join(dir, "rootfs", "data"))
+		require.NoError(t, err)
+	})
+
+	// Served once the tree is here, not the data (3 MiB at 512 KiB/s).
+	m := remoteManifest(t, addr, "ci/img")
+	require.Equal(t, "filling", volumeState(t, b, "img"), "the image is served while its data still arrives")
+	resp, err := http.Get("http://" + addr + "/v2/ci/img/manifests/latest")
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode, "pulled as any runtime pulls it, it waits for the whole volume")
+
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	sn := proxy.NewSnapshotter(snapshotsapi.NewSnapshotsClient(conn), "cowvol")
+	ctx := context.Background()
+	layer := m.Layers[0]
+	require.True(t, errdefs.IsAlreadyExists(unpackRemote(ctx, sn, "extract-1 "+layer.Digest.String(), layer)))
+	mounts, err := sn.Prepare(ctx, "container-1", committedAs(t, ctx, sn, layer.Digest.String()))
+	require.NoError(t, err, "a container starts on the volume while it fills")
+	root := t.TempDir()
+	require.NoError(t, mount.All(mounts, root))
+	defer func() { _ = mount.UnmountAll(root, 0) }()
+	held, err := b.p.NodeAPI.GetVolume(ctx, &nodev1.GetVolumeRequest{Ref: vref("ci", "img")})
+	require.NoError(t, err)
+	assert.Equal(t, []string{"container-1"}, held.HoldingImages)
+	assert.Equal(t, "from node-a", readFile(t, root, "bin/greet"))
+	got, err := os.ReadFile(filepath.Join(root, "data"))
+	require.NoError(t, err, "a file read through the container's root is filled as it is opened")
+	assert.Equal(t, want, got)
+
+	eventually(t, "the image's volume filled", func() bool { return volumeState(t, b, "img") == "ready" })
+	// The store says ready a moment before the fill is counted.
+	eventually(t, "the fill counted", func() bool {
+		return metricValue(t, b, `cowvol_lazy_fills_total{result="ok"}`) == 1
+	})
+	require.NoError(t, mount.UnmountAll(root, 0))
+	require.NoError(t, sn.Remove(ctx, "container-1"))
+}

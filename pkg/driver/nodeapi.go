@@ -50,6 +50,7 @@ func toVolume(v node.VolumeInfo) *nodev1.Volume {
 		Parent: toRef(v.Parent), Base: toRef(v.Base), Scope: string(v.Scope), Properties: v.Properties,
 		CreatedAt: timestamppb.New(v.CreatedAt), LastUsed: timestamppb.New(v.LastUsed),
 		Pinned: v.Pin.Pinned, HoldingStepVolumes: v.Holders.Views, HoldingImages: v.Holders.Images, Synced: v.Synced,
+		HoldingStreams: int32(v.Holders.Streams), HoldingFills: int32(v.Holders.Fillers),
 	}
 	if !v.Pin.Until.IsZero() {
 		out.PinnedUntil = timestamppb.New(v.Pin.Until)

@@ -105,22 +105,29 @@ type NodeInfo struct {
 
 // Fullness measures how full the node's cache is.
 func (e *Engine) Fullness() (Fullness, error) {
+	full, _, err := e.fullness()
+	return full, err
+}
+
+// fullness is Fullness with why the node is over its high watermark, read
+// with the flag in one go.
+func (e *Engine) fullness() (Fullness, string, error) {
 	d, err := measureDisk(e.store.Dir())
 	if err != nil {
-		return Fullness{}, err
+		return Fullness{}, "", err
 	}
-	over, _ := e.pressureNow()
+	over, cause := e.pressureNow()
 	return Fullness{
 		BytesTotal: d.totalBytes, BytesFree: d.freeBytes, InodesTotal: d.totalInodes, InodesFree: d.freeInodes,
 		UsedPercent: d.pct, Watermarks: e.watermarks, OverHighWatermark: over, StepVolumes: e.store.CountViews(),
-	}, nil
+	}, cause, nil
 }
 
 // Info says who the node is and how full its cache is, measured now. It
 // reads every volume's record (to count them): the node API's answer, not
 // a heartbeat's.
 func (e *Engine) Info() (NodeInfo, error) {
-	full, err := e.Fullness()
+	full, cause, err := e.fullness()
 	if err != nil {
 		return NodeInfo{}, err
 	}
@@ -129,7 +136,7 @@ func (e *Engine) Info() (NodeInfo, error) {
 		limits = e.limiter.Mechanism()
 	}
 	refused := ""
-	if over, cause := e.pressureNow(); over {
+	if full.OverHighWatermark {
 		refused = cause
 	}
 	if why := e.refusal.Load(); why != nil && *why != "" {

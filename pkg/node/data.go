@@ -18,17 +18,23 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// OpenVolume opens a read of a ready volume as its pods see it: its chain
-// merged (a read-only overlay, mounted in staging for the read, where the
-// chain has more than one layer), the path resolved inside it (symlinks
-// and ".." included, never out of it). Every volume of the chain is held
-// until the read is closed.
+// OpenVolume opens a read of a ready volume for a peer: all of its data
+// is here.
 func (h peerHolder) OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error) {
-	e := h.e
-	if _, err := e.readable(namespace, r); err != nil {
+	return h.e.OpenVolume(namespace, r, path, format, volume.NeedWhole)
+}
+
+// OpenVolume opens a read of a volume namespace may read, present as need
+// says, as its pods see it: its chain merged (a read-only overlay, mounted
+// in staging for the read, where the chain has more than one layer), the
+// path resolved inside it (symlinks and ".." included, never out of it).
+// Every volume of the chain is held until the read is closed. A read of a
+// volume still filling waits for each file's data as it opens it.
+func (e *Engine) OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format, need volume.Need) (streamer.Reading, error) {
+	if _, err := e.readable(namespace, r, need); err != nil {
 		return streamer.Reading{}, err
 	}
-	dirs, release, err := e.holdChain(r)
+	dirs, release, err := e.holdChain(r, need)
 	if err != nil {
 		return streamer.Reading{}, err
 	}
@@ -82,21 +88,22 @@ func (h peerHolder) OpenVolume(namespace string, r volume.Ref, path string, form
 	return rd, nil
 }
 
-// readable is a ready volume namespace may read; any other fails as one
-// the node does not hold.
-func (e *Engine) readable(namespace string, r volume.Ref) (cache.Volume, error) {
+// readable is a volume namespace may read, present as need says; any
+// other fails as one the node does not hold.
+func (e *Engine) readable(namespace string, r volume.Ref, need volume.Need) (cache.Volume, error) {
 	v, err := e.store.Get(r)
-	if errors.Is(err, cache.ErrNotFound) || (err == nil && (v.State != volume.StateReady || !v.ReadableBy(namespace))) {
+	if errors.Is(err, cache.ErrNotFound) || (err == nil && (!need.Present(v.State) || !v.ReadableBy(namespace))) {
 		return cache.Volume{}, notHeld(r, namespace)
 	}
 	return v, err
 }
 
-// VolumeVersion names the content of a ready volume namespace may read:
-// the same for as long as it is the same volume (a ready volume never
-// changes; one destroyed and made again under its handle is another).
-func (e *Engine) VolumeVersion(namespace string, r volume.Ref) (string, error) {
-	v, err := e.readable(namespace, r)
+// VolumeVersion names the content of a volume namespace may read, present
+// as need says: the same for as long as it is the same volume (a ready
+// volume never changes, and a filling one becomes ready as it was pulled;
+// one destroyed and made again under its handle is another).
+func (e *Engine) VolumeVersion(namespace string, r volume.Ref, need volume.Need) (string, error) {
+	v, err := e.readable(namespace, r, need)
 	if err != nil {
 		return "", err
 	}

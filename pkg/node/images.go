@@ -19,7 +19,9 @@ import (
 // fails as one the node does not hold.
 func (e *Engine) ImageRootfs(holder, namespace string, r volume.Ref, version string) ([]string, error) {
 	chain, err := e.store.HoldImage(holder, r, func(v cache.Volume) error {
-		if v.State != volume.StateReady || !v.ReadableBy(namespace) || versionOf(r, v) != version {
+		// A container may start on a volume still filling, as a step's
+		// view may: reads wait for the data they touch.
+		if !volume.NeedTree.Present(v.State) || !v.ReadableBy(namespace) || versionOf(r, v) != version {
 			return notHeld(r, namespace)
 		}
 		return nil

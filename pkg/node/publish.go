@@ -664,7 +664,7 @@ func (e *Engine) afterCapture(vol cache.Volume) {
 	}
 	// Held while it is copied: a flatten of an ancestor finishing
 	// meanwhile must not prune the layers this one reads.
-	chain, release, err := e.holdChain(vol.Ref())
+	chain, release, err := e.holdChain(vol.Ref(), volume.NeedWhole)
 	if err != nil {
 		klog.ErrorS(err, "Holding a captured volume's chain", "volume", vol.Ref())
 		return

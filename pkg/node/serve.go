@@ -11,12 +11,12 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// holdChain holds every volume of a ready volume's chain, so that none of
-// its layers is pruned or freed, and returns the chain's data dirs, top
-// first, and the release. The chain is read again once held: one read
-// before may have been flattened since.
-func (e *Engine) holdChain(r volume.Ref) (dirs []string, release func(), err error) {
-	refs, _, err := e.store.ChainOf(r)
+// holdChain holds every volume of a volume's chain present as need says,
+// so that none of its layers is pruned or freed, and returns the chain's
+// data dirs, top first, and the release. The chain is read again once
+// held: one read before may have been flattened since.
+func (e *Engine) holdChain(r volume.Ref, need volume.Need) (dirs []string, release func(), err error) {
+	refs, _, err := e.store.ChainOf(r, need)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -30,7 +30,7 @@ func (e *Engine) holdChain(r volume.Ref) (dirs []string, release func(), err err
 		}
 		e.streamEnded(refs...)
 	}
-	if _, dirs, err = e.store.ChainOf(r); err != nil {
+	if _, dirs, err = e.store.ChainOf(r, need); err != nil {
 		release()
 		return nil, nil, err
 	}
@@ -86,7 +86,7 @@ func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
 	if v, err := h.e.store.Get(via); err != nil || !v.ReadableBy(namespace) {
 		return false
 	}
-	refs, _, err := h.e.store.ChainOf(via) // via's own first; ready, or an error
+	refs, _, err := h.e.store.ChainOf(via, volume.NeedWhole) // via's own first; ready, or an error
 	return err == nil && slices.Contains(refs[1:], r)
 }
 
@@ -112,6 +112,19 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func
 		release()
 		h.e.streamEnded(r)
 	}, nil
+}
+
+// Relay serves a peer this node's copy of a layer's stream it is pulling
+// as a member of the layer's swarm (none where the node pulls nothing).
+func (h peerHolder) Relay(namespace string, r, via volume.Ref, token string) (*streamer.Spool, error) {
+	if h.e.puller == nil {
+		return nil, notHeld(r, namespace)
+	}
+	sp, err := h.e.puller.Relay(namespace, r, via, token)
+	if errors.Is(err, streamer.ErrNotHeld) {
+		return nil, notHeld(r, namespace)
+	}
+	return sp, err
 }
 
 // streamEnded wakes what a stream's hold of refs may have kept waiting,

@@ -36,14 +36,15 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	return e.puller.Ensure(context.Background(), r.Pod.Namespace, r.Source, r.Pod, r.ReadProfile)
 }
 
-// Fetch brings a ready volume namespace may read here, pulled whole from a
-// peer if the node lacks it, for readers that need the volume itself (the
-// image registry) rather than a step's view of it. It returns once the
-// volume is here, or with ErrPulling and the pull's progress after the
-// configured wait or when ctx ends (the pull goes on; asking again joins
-// it). A volume no peer holds for namespace fails wrapping
-// cache.ErrNotFound.
-func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
+// Fetch brings a volume namespace may read here for a reader that needs
+// need of it rather than a step's view of it (the image registry), pulled
+// from a peer if the node lacks it: whole, or, for NeedTree where pulls are
+// lazy, its tree, its data filled as files are opened and streamed behind.
+// It returns once the volume is here as need says, or with ErrPulling and
+// the pull's progress after the configured wait or when ctx ends (the pull
+// goes on; asking again joins it). A volume no peer holds for namespace
+// fails wrapping cache.ErrNotFound.
+func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref, need volume.Need) error {
 	if e.puller == nil {
 		return cache.NotVisible(r, namespace)
 	}
@@ -52,12 +53,15 @@ func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) erro
 		err = hiddenHere(r, namespace)
 	}
 	switch {
-	case err == nil && v.State == volume.StateFilling:
+	case err == nil && v.State == volume.StateFilling && need == volume.NeedWhole:
 		return fmt.Errorf("%s is arriving lazily from a peer; retry: %w", r, pull.ErrPulling)
 	case err == nil && !v.BeingPulled():
 		return nil // here, in a state the reader answers for
 	case err != nil && !errors.Is(err, cache.ErrNotFound):
 		return err
+	}
+	if need == volume.NeedTree {
+		return e.puller.Ensure(ctx, namespace, r, volume.Pod{}, "")
 	}
 	return e.puller.EnsureWhole(ctx, namespace, r)
 }
@@ -67,13 +71,18 @@ func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref) erro
 // more nodes than hold it). Idempotent: a copy here, or on its way, is
 // left as it is.
 func (e *Engine) KeepCopy(r volume.Ref) error {
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel() // start or join the pull; do not wait for it
-	err := e.Fetch(ctx, r.Namespace, r)
-	if errors.Is(err, pull.ErrPulling) {
-		return nil
+	if e.puller == nil {
+		return cache.NotVisible(r, r.Namespace)
 	}
-	return err
+	v, err := e.store.Get(r)
+	switch {
+	case err == nil && !v.BeingPulled():
+		return nil // here in some state (a filling one's fill makes it whole)
+	case err != nil && !errors.Is(err, cache.ErrNotFound):
+		return err
+	}
+	e.puller.StartWhole(r.Namespace, r) // or join the pull on its way
+	return nil
 }
 
 // hiddenHere is what a volume held here that namespace may not read is to

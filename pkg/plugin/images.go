@@ -40,17 +40,18 @@ import (
 // layers, and what the plugin asks of and tidies in the node's containerd.
 
 // imageVolumes are the node's volumes as its image registry reads them.
-type imageVolumes struct {
-	streamer.Holder
-	engine *node.Engine
+type imageVolumes struct{ engine *node.Engine }
+
+func (v imageVolumes) Version(namespace string, r volume.Ref, need volume.Need) (string, error) {
+	return v.engine.VolumeVersion(namespace, r, need)
 }
 
-func (v imageVolumes) Version(namespace string, r volume.Ref) (string, error) {
-	return v.engine.VolumeVersion(namespace, r)
+func (v imageVolumes) OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format, need volume.Need) (streamer.Reading, error) {
+	return v.engine.OpenVolume(namespace, r, path, format, need)
 }
 
-func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref) error {
-	err := v.engine.Fetch(ctx, namespace, r)
+func (v imageVolumes) Fetch(ctx context.Context, namespace string, r volume.Ref, need volume.Need) error {
+	err := v.engine.Fetch(ctx, namespace, r, need)
 	if errors.Is(err, cache.ErrNotFound) {
 		return fmt.Errorf("%w: %w", streamer.ErrNotHeld, err)
 	}
@@ -90,7 +91,7 @@ func (d *Driver) imageRunners() ([]runner, error) {
 			klog.InfoS("Not checking that containerd runs step images on the cowvol snapshotter: no --containerd-address")
 		}
 	}
-	reg := registry.New(imageVolumes{d.engine.PeerHolder(), d.engine}, d.imageMetrics, opts)
+	reg := registry.New(imageVolumes{d.engine}, d.imageMetrics, opts)
 	if d.opts.Images.ContainerdAddress != "" {
 		runners = append(runners, loopRunner("deleting the runtime's images of volumes gone", func(ctx context.Context) error {
 			d.forgetImages(ctx, reg)

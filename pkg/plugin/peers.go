@@ -52,6 +52,9 @@ type PeerOptions struct {
 	// ReadOrderRefresh is how old a read profile's record must be before a
 	// lazy pull records it again (0: every time).
 	ReadOrderRefresh time.Duration
+	// SwarmMinSize is the smallest layer a whole pull joins a swarm for
+	// (bytes; 0: none does).
+	SwarmMinSize int64
 }
 
 // DefaultPeerServerName is the name in the peer certificate a deployment
@@ -89,6 +92,10 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&p.ReadOrderRefresh, "read-order-refresh", p.ReadOrderRefresh,
 		"how old a read profile's record must be before a lazy pull under it records the step's read order again "+
 			"(recording costs each of the step's opens a notification); 0: every time")
+	fs.Var(quantityFlag{&p.SwarmMinSize}, "swarm-min-size",
+		"the smallest layer a node serving peers (--peer-address) pulls whole as a member of its swarm: from the node that asked its holder "+
+			"just before it, relaying it as it arrives to the one after, so that its holder's link carries it once however many nodes pull it "+
+			"(a quantity; 0: none)")
 }
 
 // tls says whether the peer link runs over mutual TLS.
@@ -117,6 +124,9 @@ func (p PeerOptions) validate() []error {
 	}
 	if p.PullWait <= 0 {
 		errs = append(errs, errors.New("--pull-wait must be positive"))
+	}
+	if p.SwarmMinSize < 0 {
+		errs = append(errs, errors.New("--swarm-min-size must not be negative"))
 	}
 	if p.ReadOrderRefresh < 0 {
 		errs = append(errs, errors.New("--read-order-refresh must not be negative"))
@@ -204,7 +214,12 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*pull.Config, error) 
 	}
 	enc, _ := streamer.ParseEncoding(o.Peers.Encoding) // validated
 	mode, _ := pull.ParseMode(o.Peers.PullMode)        // validated
+	var relay string
+	if o.Peers.Address != "" {
+		relay = o.Peers.advertised()
+	}
 	return &pull.Config{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
+		RelayAddress: relay, SwarmMinBytes: o.Peers.SwarmMinSize,
 		ReadOrders: orders, Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
 }
 

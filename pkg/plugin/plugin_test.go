@@ -190,6 +190,7 @@ func TestOptionsValidate(t *testing.T) {
 		{"no stop timeout", func(o *Options) { o.StopTimeout = 0 }, "--stop-timeout"},
 		{"no pull wait", func(o *Options) { o.Peers.PullWait = 0 }, "--pull-wait"},
 		{"a negative read order refresh", func(o *Options) { o.Peers.ReadOrderRefresh = -time.Second }, "--read-order-refresh"},
+		{"a negative swarm size", func(o *Options) { o.Peers.SwarmMinSize = -1 }, "--swarm-min-size"},
 		{"registration needs a unix endpoint", func(o *Options) {
 			o.Endpoint = "tcp://127.0.0.1:1"
 			o.Node.RegistrationSocket = "/r.sock"

@@ -10,6 +10,7 @@ type Metrics struct {
 	fills     *prometheus.CounterVec
 	fillBytes prometheus.Counter
 	orders    *prometheus.CounterVec
+	swarm     *prometheus.CounterVec
 }
 
 // NewMetrics makes the pulls' metrics.
@@ -31,10 +32,16 @@ func NewMetrics() *Metrics {
 			Name: "cowvol_lazy_read_orders_total",
 			Help: "Read profiles lazy pulls named, by where their read order came from: this node's record (local), the order another node shared through the controller (fleet), or none.",
 		}, []string{"source"}),
+		swarm: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_swarm_pulls_total",
+			Help: "Layer streams (whole layers, stub trees, lazy layers' data) pulled as a member of their swarm, by where they came from: the holder (the swarm's first member), a relay (the member before), or relay_failed (the relay failed; pulled again from the holder).",
+		}, []string{"from"}),
 	}
 }
 
+func (m *Metrics) swarmPull(from string) { m.swarm.WithLabelValues(from).Inc() }
+
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders}
+	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders, m.swarm}
 }

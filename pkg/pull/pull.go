@@ -16,7 +16,9 @@
 // come from, failing over, on a bulk lane (the stream) and an urgent one
 // (what readers wait for); readorder.go what is recorded of the order
 // steps read, and streamed first next time; receive.go a layer made a
-// cached volume out of sight; mode.go lazy or eager.
+// cached volume out of sight; swarm.go a layer's stream (whole, its stub
+// tree, its data) pulled as a member of its swarm, from the member before
+// and relayed to the one after; mode.go lazy or eager.
 package pull
 
 import (
@@ -70,6 +72,13 @@ type Config struct {
 	// ReadOrders shares the orders this node records with the fleet, and
 	// finds another node's where this one has none (nil: none are).
 	ReadOrders ReadOrderShare
+	// RelayAddress is where this node serves its peers (as they dial
+	// it; empty: it serves none): each stream of a layer of at least
+	// SwarmMinBytes (0: none) that a pull takes joins the stream's swarm,
+	// pulling from the member before it and relaying to the one after
+	// (see swarm.go).
+	RelayAddress  string
+	SwarmMinBytes int64
 }
 
 // ReadOrderShare is where nodes leave the read orders they record for each
@@ -146,6 +155,8 @@ type Puller struct {
 
 	mu      sync.Mutex
 	running map[pullKey]*pull
+
+	relays relays
 }
 
 // New makes the node's Puller, choosing how sources arrive (ChooseMode)
@@ -156,7 +167,8 @@ func New(cfg Config, deps Deps, stateDir string) (*Puller, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	pl := &Puller{cfg: cfg, store: deps.Store, kind: deps.Backend, nodeID: deps.NodeID, notify: deps.Notifier,
-		metrics: deps.Metrics, ctx: ctx, cancel: cancel, running: map[pullKey]*pull{}}
+		metrics: deps.Metrics, ctx: ctx, cancel: cancel, running: map[pullKey]*pull{},
+		relays: relays{byToken: map[string]*relayed{}}}
 	mode, why, err := ChooseMode(cfg.Mode, deps.Backend, stateDir)
 	if err == nil {
 		err = pl.openLazy(cfg.Mode, mode, why, stateDir)
@@ -275,6 +287,13 @@ func (pl *Puller) Ensure(ctx context.Context, namespace string, r volume.Ref, po
 // whole, even where pulls are lazy.
 func (pl *Puller) EnsureWhole(ctx context.Context, namespace string, r volume.Ref) error {
 	return pl.wait(ctx, pl.join(pullKey{namespace: namespace, ref: r}, volume.Pod{}, "", true))
+}
+
+// StartWhole starts a pull of r for namespace, every layer whole, or
+// joins the one under way, without waiting for it: a copy the node keeps
+// for the fleet, which no reader waits for.
+func (pl *Puller) StartWhole(namespace string, r volume.Ref) {
+	pl.join(pullKey{namespace: namespace, ref: r}, volume.Pod{}, "", true)
 }
 
 // join returns the running pull of key, starting one if none is (whole:
@@ -460,26 +479,24 @@ func (pl *Puller) pullFrom(p *pull, h Peer) (int, error) {
 	}
 	p.expected.Store(expected)
 	for i := len(missing) - 1; i >= 0; i-- {
-		if err := pl.pullLayer(p, client, missing[i]); err != nil {
+		if err := pl.pullLayer(p, client, chain[0], missing[i]); err != nil {
 			return len(missing) - 1 - i, err
 		}
 	}
 	return len(missing), nil
 }
 
-// pullLayer pulls one volume's own layer into the cache, checked against
-// the peer's digest: whole, or as stubs filled behind.
-func (pl *Puller) pullLayer(p *pull, client *streamer.Client, l streamer.Layer) error {
+// pullLayer pulls one volume's own layer (of top's chain) into the cache,
+// checked against the peer's digest: whole, or as stubs filled behind.
+func (pl *Puller) pullLayer(p *pull, client *streamer.Client, top, l streamer.Layer) error {
 	start := time.Now()
 	progress := func(n int64) { p.received.Add(n) }
 	var vol cache.Volume
 	var err error
 	if pl.lazy != nil && !p.whole {
-		vol, err = pl.pullStubs(p, client, l, progress)
+		vol, err = pl.pullStubs(p, client, top, l, progress)
 	} else {
-		vol, err = Receive(pl.store, pl.kind, l, p.id, func(tree, _ string) (streamer.Summary, error) {
-			return client.PullLayer(pl.ctx, p.key.namespace, l.Ref, p.key.ref, pl.cfg.Encoding, tree, pl.cfg.Limits, progress)
-		}, CommitPulled(pl.store, pl.notify, l), SyncBehind)
+		vol, err = pl.receiveWhole(p, client, top, l, progress)
 	}
 	if errors.Is(err, cache.ErrExists) {
 		return fmt.Errorf("%s is being made here meanwhile: %w", p.layerName(l), ErrPulling)

@@ -12,7 +12,6 @@ import (
 
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/streamer"
-	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // lazySource fetches a lazily pulled layer's files from the peers holding
@@ -21,9 +20,11 @@ import (
 // fills one's socket buffers and flow-control window, and what a reader
 // waits for must not queue behind megabytes of that.
 type lazySource struct {
-	pl         *Puller
-	namespace  string
-	layer, via volume.Ref
+	pl        *Puller
+	namespace string
+	// layer is the layer being filled, top the volume it was pulled for
+	// (its chain's top).
+	layer, top streamer.Layer
 	// inlined is what the stub tree carried whole (Through: the last),
 	// which the stream of the rest leaves out.
 	inlined streamer.Inline
@@ -62,12 +63,12 @@ func (s *lazySource) current(ctx context.Context, which int) (*streamer.Client, 
 			ln.client, ln.conn = client, conn
 			return client, s.peer, nil
 		}
-		klog.ErrorS(err, "Dialling the holder of a lazily pulled layer again failed; trying another holder", "volume", s.layer, "peer", s.peer)
+		klog.ErrorS(err, "Dialling the holder of a lazily pulled layer again failed; trying another holder", "volume", s.layer.Ref, "peer", s.peer)
 		s.dropLocked(s.peer)
 	}
-	holders, err := s.pl.cfg.Locator.Holders(ctx, s.namespace, s.via)
+	holders, err := s.pl.cfg.Locator.Holders(ctx, s.namespace, s.top.Ref)
 	if err != nil {
-		return nil, "", fmt.Errorf("finding the nodes that hold %s: %w", s.via, err)
+		return nil, "", fmt.Errorf("finding the nodes that hold %s: %w", s.top.Ref, err)
 	}
 	var errs []error
 	for _, h := range holders {
@@ -83,7 +84,7 @@ func (s *lazySource) current(ctx context.Context, which int) (*streamer.Client, 
 		s.peer, s.address = h.NodeID, h.Address
 		return client, h.NodeID, nil
 	}
-	return nil, "", fmt.Errorf("no peer left that holds %s: %w", s.via, errors.Join(append(errs, ErrPullFailed)...))
+	return nil, "", fmt.Errorf("no peer left that holds %s: %w", s.top.Ref, errors.Join(append(errs, ErrPullFailed)...))
 }
 
 // drop moves on from peer, which failed.
@@ -123,7 +124,7 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 		if err != nil {
 			return err
 		}
-		n, err := client.ReadLayerFile(ctx, s.namespace, s.layer, s.via, rel, done, size-done, w)
+		n, err := client.ReadLayerFile(ctx, s.namespace, s.layer.Ref, s.top.Ref, rel, done, size-done, w)
 		done += n
 		s.pl.metrics.fillBytes.Add(float64(n))
 		if err == nil && done < size {
@@ -135,19 +136,33 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 		if ctx.Err() != nil || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 			return err
 		}
-		klog.ErrorS(err, "Fetching a lazily pulled file failed; trying another holder", "volume", s.layer, "file", rel, "peer", peer)
+		klog.ErrorS(err, "Fetching a lazily pulled file failed; trying another holder", "volume", s.layer.Ref, "file", rel, "peer", peer)
 		s.drop(peer)
 	}
 	return nil
 }
 
 // stream fills the layer's files from one stream of the whole layer from
-// the current holder, first those first names in that order; files readers
-// are filling already are skipped. A stream that breaks off moves on from
-// its holder.
+// the current holder (or the member before this node in the stream's
+// swarm), first those first names in that order; files readers are filling
+// already are skipped. A stream that breaks off moves on from its holder;
+// one that a relay broke off does not (the rest comes file by file).
 func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []string) error {
-	peer, err := s.pullFiles(ctx, bulkLane, nil, first, s.inlined, layer.Offer)
-	if err != nil && peer != "" && ctx.Err() == nil {
+	client, peer, err := s.current(ctx, bulkLane)
+	if err != nil {
+		return err
+	}
+	cfg := s.pl.cfg
+	ls := streamer.LayerStream{Namespace: s.namespace, Ref: s.layer.Ref, Via: s.top.Ref, Encoding: cfg.Encoding, Shape: streamer.DataTar,
+		Inline: s.inlined, First: first}
+	err = s.pl.inSwarm(client, ls, s.top, s.layer, false, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) error {
+		sum, err := from.PullLayerFiles(ctx, ls, sw, nil, cfg.Limits, s.counted(layer.Offer))
+		if err == nil {
+			err = done(sum)
+		}
+		return err
+	})
+	if err != nil && !errors.Is(err, errRelayFailed) && ctx.Err() == nil {
 		s.drop(peer)
 	}
 	return err
@@ -157,29 +172,24 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []stri
 // (a reader's read-ahead). What it does not bring is fetched file by file,
 // and those fetches move on from a holder that failed.
 func (s *lazySource) fetchMany(ctx context.Context, rels []string, each func(rel string, write func(w io.WriterAt) error) error) error {
-	_, err := s.pullFiles(ctx, urgentLane, rels, nil, streamer.Inline{}, each)
+	client, _, err := s.current(ctx, urgentLane)
+	if err != nil {
+		return err
+	}
+	cfg := s.pl.cfg
+	ls := streamer.LayerStream{Namespace: s.namespace, Ref: s.layer.Ref, Via: s.top.Ref, Encoding: cfg.Encoding, Shape: streamer.DataTar}
+	_, err = client.PullLayerFiles(ctx, ls, streamer.Swarmed{}, rels, cfg.Limits, s.counted(each))
 	return err
 }
 
-// pullFiles streams the files rels of the layer (nil: all of them, first
-// those first, but those the stub tree carried, inlined) from the current
-// holder, which it names, handing each to each; the data written is
-// counted.
-func (s *lazySource) pullFiles(ctx context.Context, which int, rels, first []string, inlined streamer.Inline,
-	each func(rel string, write func(w io.WriterAt) error) error) (string, error) {
-	client, peer, err := s.current(ctx, which)
-	if err != nil {
-		return "", err
-	}
-	cfg := s.pl.cfg
-	_, err = client.PullLayerFiles(ctx, s.namespace, s.layer, s.via, cfg.Encoding, cfg.Limits, rels, first, inlined,
-		func(name string, size int64, write func(w io.WriterAt) error) error {
-			return each(name, func(w io.WriterAt) error {
-				s.pl.metrics.fillBytes.Add(float64(size))
-				return write(w)
-			})
+// counted counts the data each file brings as it is written.
+func (s *lazySource) counted(each func(rel string, write func(w io.WriterAt) error) error) func(string, int64, func(io.WriterAt) error) error {
+	return func(name string, size int64, write func(w io.WriterAt) error) error {
+		return each(name, func(w io.WriterAt) error {
+			s.pl.metrics.fillBytes.Add(float64(size))
+			return write(w)
 		})
-	return peer, err
+	}
 }
 
 // close lets go of the source's connections.

@@ -29,9 +29,9 @@ type countedVolumes struct {
 	lookups *atomic.Int64
 }
 
-func (v countedVolumes) Version(ns string, r volume.Ref) (string, error) {
+func (v countedVolumes) Version(ns string, r volume.Ref, need volume.Need) (string, error) {
 	v.lookups.Add(1)
-	return v.dirVolumes.Version(ns, r)
+	return v.dirVolumes.Version(ns, r, need)
 }
 
 // reviewingAPI is an API server's TokenReviews as the kubelet's tokens
@@ -71,9 +71,9 @@ func TestPullsProveTheirNamespace(t *testing.T) {
 	var down atomic.Bool
 	var lookups atomic.Int64
 	auth := NewTokenReviews(reviewingAPI(&down), "node-a", time.Minute)
-	required := httptest.NewServer(New(countedVolumes{dirVolumes{dir}, &lookups}, NewMetrics(), Options{Mode: AuthRequired, Auth: auth}))
+	required := httptest.NewServer(New(countedVolumes{dirVolumes{dir: dir}, &lookups}, NewMetrics(), Options{Mode: AuthRequired, Auth: auth}))
 	defer required.Close()
-	grace := httptest.NewServer(New(countedVolumes{dirVolumes{dir}, &lookups}, NewMetrics(), Options{Mode: AuthGrace, Auth: auth}))
+	grace := httptest.NewServer(New(countedVolumes{dirVolumes{dir: dir}, &lookups}, NewMetrics(), Options{Mode: AuthGrace, Auth: auth}))
 	defer grace.Close()
 	as := func(token string) func(*http.Request) {
 		return func(r *http.Request) {
@@ -155,7 +155,7 @@ func TestPullsProveTheirNamespace(t *testing.T) {
 // with credentials from pulls without.
 func TestCredentialsCounted(t *testing.T) {
 	var down atomic.Bool
-	s := New(dirVolumes{rootfsDir(t)}, NewMetrics(), Options{Mode: AuthRequired, Auth: NewTokenReviews(reviewingAPI(&down), "node-a", time.Minute)})
+	s := New(dirVolumes{dir: rootfsDir(t)}, NewMetrics(), Options{Mode: AuthRequired, Auth: NewTokenReviews(reviewingAPI(&down), "node-a", time.Minute)})
 	srv := httptest.NewServer(s)
 	defer srv.Close()
 	get(t, srv, "/v2/ci/img/manifests/latest", "")

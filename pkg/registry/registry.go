@@ -47,18 +47,22 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// Volumes reads the node's ready cached volumes, as a namespace may.
+// Volumes reads the node's cached volumes, as a namespace may: each read
+// says what it needs of the volume (volume.NeedWhole: ready; NeedTree: a
+// volume still arriving lazily will do).
 type Volumes interface {
-	// Version says which content a volume namespace may read has: the
-	// same string for as long as the volume is the same. A volume the
-	// namespace may not read fails as one that is not held.
-	Version(namespace string, r volume.Ref) (string, error)
+	// Version says which content a volume namespace may read, here as
+	// need says, has: the same string for as long as the volume is the
+	// same. A volume the namespace may not read, or not here as need
+	// says, fails as one that is not held.
+	Version(namespace string, r volume.Ref, need volume.Need) (string, error)
 	// OpenVolume opens a path inside such a volume.
-	OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error)
-	// Fetch brings such a volume here from the node's peers if it lacks
-	// it, until ctx ends; one no node holds for namespace fails as not
-	// held, and one on its way with what the pull has done so far.
-	Fetch(ctx context.Context, namespace string, r volume.Ref) error
+	OpenVolume(namespace string, r volume.Ref, path string, format streamer.Format, need volume.Need) (streamer.Reading, error)
+	// Fetch brings such a volume here as need says from the node's peers
+	// if it lacks it, until ctx ends; one no node holds for namespace
+	// fails as not held, and one on its way with what the pull has done
+	// so far.
+	Fetch(ctx context.Context, namespace string, r volume.Ref, need volume.Need) error
 }
 
 // RemoteTag names, in a repository of a rootfs-format image, the image
@@ -307,7 +311,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 		// config are all the runtime asks for.
 		var found bool
 		if img, found = s.mintedBlob(name, d); found {
-			files = volumeFiles{vols: s.vols, repo: repo}
+			files = volumeFiles{vols: s.vols, repo: repo, need: volume.NeedTree}
 			desc, _ = img.Blob(d)
 			if img.Remote == d {
 				return kind, apiError{http.StatusNotFound, "BLOB_UNKNOWN", fmt.Sprintf("%s: layer %s is the volume's rootfs/ itself, "+
@@ -347,33 +351,47 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) (kind string, err
 	return kind, nil
 }
 
+// version is the version of a repository's volume, here as need says,
+// brought from a peer if the node lacks it. A step's image is an input
+// like any other: the runtime retries a pull that is still on its way.
+func (s *Server) version(ctx context.Context, repo repository, name string, need volume.Need) (string, error) {
+	version, err := s.vols.Version(repo.reader, repo.ref, need)
+	if errors.Is(err, streamer.ErrNotHeld) {
+		if err := s.vols.Fetch(ctx, repo.reader, repo.ref, need); err != nil && !errors.Is(err, streamer.ErrNotHeld) {
+			return "", apiError{http.StatusServiceUnavailable, "UNAVAILABLE", fmt.Sprintf("%s: %v", name, err)}
+		}
+		version, err = s.vols.Version(repo.reader, repo.ref, need)
+	}
+	if errors.Is(err, streamer.ErrNotHeld) {
+		return "", nameUnknown(name)
+	}
+	return version, err
+}
+
 // image finds the image of a repository's volume, remembered by the
 // volume's version; as the snapshotter runs it (remote, with a
-// snapshotter), a rootfs-format image is minted for this pull alone.
+// snapshotter), a rootfs-format image is minted for this pull alone, and
+// its volume need not be all here: the container runs on the volume's own
+// layers, which may still be arriving lazily, as a step's input may. Any
+// other image is read whole by the runtime, so its volume is brought
+// whole first.
 func (s *Server) image(ctx context.Context, repo repository, name string, remote bool) (*image.Image, image.Files, error) {
-	version, err := s.vols.Version(repo.reader, repo.ref)
-	if errors.Is(err, streamer.ErrNotHeld) {
-		// Held elsewhere, perhaps: a step's image is an input like any
-		// other, brought from a peer before the container starts. The
-		// runtime retries a pull that is still on its way.
-		if err := s.vols.Fetch(ctx, repo.reader, repo.ref); err != nil && !errors.Is(err, streamer.ErrNotHeld) {
-			return nil, nil, apiError{http.StatusServiceUnavailable, "UNAVAILABLE", fmt.Sprintf("%s: %v", name, err)}
-		}
-		version, err = s.vols.Version(repo.reader, repo.ref)
-	}
-	if errors.Is(err, streamer.ErrNotHeld) {
-		return nil, nil, nameUnknown(name)
-	}
-	if err != nil {
-		return nil, nil, err
-	}
-	files := volumeFiles{vols: s.vols, repo: repo}
 	if remote && s.opts.Grants != nil {
+		version, err := s.version(ctx, repo, name, volume.NeedTree)
+		if err != nil {
+			return nil, nil, err
+		}
+		files := volumeFiles{vols: s.vols, repo: repo, need: volume.NeedTree}
 		img, err := s.mint(files, repo, name, version)
 		if err != nil || img != nil {
 			return img, files, err
 		}
 	}
+	version, err := s.version(ctx, repo, name, volume.NeedWhole)
+	if err != nil {
+		return nil, nil, err
+	}
+	files := volumeFiles{vols: s.vols, repo: repo, need: volume.NeedWhole}
 	s.mu.Lock()
 	img, ok := s.images[version]
 	s.mu.Unlock()
@@ -506,10 +524,12 @@ func (s *Server) remember(version string, img *image.Image) {
 	s.order = append(s.order, version)
 }
 
-// volumeFiles reads a repository's volume as its reader may.
+// volumeFiles reads a repository's volume as its reader may, here as need
+// says.
 type volumeFiles struct {
 	vols Volumes
 	repo repository
+	need volume.Need
 }
 
 type openFile struct {
@@ -522,7 +542,7 @@ func (f openFile) Size() int64  { return f.size }
 func (f openFile) Close() error { f.close(); return nil }
 
 func (v volumeFiles) open(path string, format streamer.Format) (streamer.Reading, error) {
-	rd, err := v.vols.OpenVolume(v.repo.reader, v.repo.ref, path, format)
+	rd, err := v.vols.OpenVolume(v.repo.reader, v.repo.ref, path, format, v.need)
 	if errors.Is(err, streamer.ErrNoPath) {
 		return rd, fmt.Errorf("%s: %w", path, fs.ErrNotExist)
 	}
@@ -567,13 +587,18 @@ func (s *Server) Stale(ctx context.Context, reference string, target digest.Dige
 	if err != nil {
 		return false, nil
 	}
-	version, err := s.vols.Version(repo.reader, repo.ref)
+	remote := tag == RemoteTag && s.opts.Grants != nil
+	need := volume.NeedWhole
+	if remote {
+		need = volume.NeedTree // a container may run on it while it fills
+	}
+	version, err := s.vols.Version(repo.reader, repo.ref, need)
 	if errors.Is(err, streamer.ErrNotHeld) {
 		return true, nil
 	} else if err != nil {
 		return false, err
 	}
-	if tag != RemoteTag || s.opts.Grants == nil {
+	if !remote {
 		return false, nil
 	}
 	raw, err := manifest()

@@ -53,20 +53,29 @@ func TestParseRepository(t *testing.T) {
 	}
 }
 
-// dirVolumes holds one volume, ci/img, in a dir.
-type dirVolumes struct{ dir string }
+// dirVolumes holds one volume, ci/img, in a dir; filling, it is still
+// arriving lazily (here for NeedTree only).
+type dirVolumes struct {
+	dir     string
+	filling bool
+}
 
-func (v dirVolumes) Version(ns string, r volume.Ref) (string, error) {
-	if ns != "ci" || r != (volume.Ref{Namespace: "ci", Handle: "img"}) {
+func (v dirVolumes) Version(ns string, r volume.Ref, need volume.Need) (string, error) {
+	if ns != "ci" || r != (volume.Ref{Namespace: "ci", Handle: "img"}) || (v.filling && need == volume.NeedWhole) {
 		return "", streamer.ErrNotHeld
 	}
 	return "ci/img@1", nil
 }
 
-func (v dirVolumes) Fetch(context.Context, string, volume.Ref) error { return streamer.ErrNotHeld }
+func (v dirVolumes) Fetch(_ context.Context, ns string, r volume.Ref, need volume.Need) error {
+	if _, err := v.Version(ns, r, volume.NeedTree); err == nil && v.filling && need == volume.NeedWhole {
+		return errors.New("ci/img is arriving lazily from a peer; retry")
+	}
+	return streamer.ErrNotHeld
+}
 
-func (v dirVolumes) OpenVolume(ns string, r volume.Ref, path string, format streamer.Format) (streamer.Reading, error) {
-	if _, err := v.Version(ns, r); err != nil {
+func (v dirVolumes) OpenVolume(ns string, r volume.Ref, path string, format streamer.Format, need volume.Need) (streamer.Reading, error) {
+	if _, err := v.Version(ns, r, need); err != nil {
 		return streamer.Reading{}, err
 	}
 	p := filepath.Join(v.dir, path)
@@ -97,7 +106,7 @@ func TestABlobThatChangedIsCutShort(t *testing.T) {
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "rootfs"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "rootfs/f"), []byte("one"), 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "metadata.json"), []byte(`{}`), 0o644))
-	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace}))
+	srv := httptest.NewServer(New(dirVolumes{dir: dir}, NewMetrics(), Options{Mode: AuthGrace}))
 	defer srv.Close()
 
 	resp, err := http.Get(srv.URL + "/v2/ci/img/manifests/latest")
@@ -175,7 +184,7 @@ func manifestOf(t *testing.T, srv *httptest.Server, repo, tag string) ocispec.Ma
 func TestRemoteTag(t *testing.T) {
 	dir := rootfsDir(t)
 	grants := newGrants(t)
-	srv := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace, Grants: grants}))
+	srv := httptest.NewServer(New(dirVolumes{dir: dir}, NewMetrics(), Options{Mode: AuthGrace, Grants: grants}))
 	defer srv.Close()
 
 	remote := manifestOf(t, srv, "ci/img", RemoteTag)
@@ -212,9 +221,40 @@ func TestRemoteTag(t *testing.T) {
 	assert.Equal(t, http.StatusOK, code)
 
 	// No snapshotter: cowvol is a tag like any other.
-	noSnapshotter := httptest.NewServer(New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace}))
+	noSnapshotter := httptest.NewServer(New(dirVolumes{dir: dir}, NewMetrics(), Options{Mode: AuthGrace}))
 	defer noSnapshotter.Close()
 	assert.Equal(t, plain.Layers[0].Digest, manifestOf(t, noSnapshotter, "ci/img", RemoteTag).Layers[0].Digest)
+}
+
+// TestRemoteTagOfAVolumeStillArriving: as the snapshotter runs it, a
+// rootfs-format image whose volume is still arriving lazily is served at
+// once (the container reads the volume's layers as they fill); every other
+// read waits for the volume to be whole, as the runtime reads all of it.
+func TestRemoteTagOfAVolumeStillArriving(t *testing.T) {
+	filling := dirVolumes{dir: rootfsDir(t), filling: true}
+	srv := httptest.NewServer(New(filling, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)}))
+	defer srv.Close()
+	remote := manifestOf(t, srv, "ci/img", RemoteTag)
+	require.Len(t, remote.Layers, 1)
+	assert.Contains(t, remote.Layers[0].Annotations[image.RemoteLayerAnnotation], "ci/img@1")
+	code, _ := get(t, srv, "/v2/ci/img/blobs/"+remote.Config.Digest.String(), "")
+	assert.Equal(t, http.StatusOK, code, "the minted config")
+
+	code, body := get(t, srv, "/v2/ci/img/manifests/latest", "")
+	assert.Equal(t, http.StatusServiceUnavailable, code, "pulled as any runtime pulls it, the image waits for its volume: %s", body)
+	assert.Contains(t, body, "arriving lazily")
+
+	// No rootfs/: no remote layer, and the runtime unpacks the blobs, so
+	// the volume must be whole first.
+	notRootfs := httptest.NewServer(New(dirVolumes{dir: t.TempDir(), filling: true}, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)}))
+	defer notRootfs.Close()
+	code, body = get(t, notRootfs, "/v2/ci/img/manifests/"+RemoteTag, "")
+	assert.Equal(t, http.StatusServiceUnavailable, code, "%s", body)
+
+	s := New(filling, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)})
+	stale, err := s.Stale(context.Background(), "ci/img:"+RemoteTag, "", func() ([]byte, error) { return json.Marshal(remote) })
+	require.NoError(t, err)
+	assert.False(t, stale, "a container may run on a :cowvol image while its volume fills")
 }
 
 // TestStale: an image the runtime keeps is stale once its volume is gone
@@ -223,7 +263,7 @@ func TestRemoteTag(t *testing.T) {
 // left alone.
 func TestStale(t *testing.T) {
 	dir := rootfsDir(t)
-	s := New(dirVolumes{dir}, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)})
+	s := New(dirVolumes{dir: dir}, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)})
 	remote := func(reader, version string) func() ([]byte, error) {
 		return func() ([]byte, error) {
 			return json.Marshal(ocispec.Manifest{Layers: []ocispec.Descriptor{{Annotations: map[string]string{

@@ -11,7 +11,9 @@
 // stream takes (a whole tree, a stub tree with small files inline, the
 // data alone); pack.go the packer that walks a tree into a stream;
 // unpack.go the extractor; tarwriter.go and tarreader.go the tar headers;
-// peer.go and data.go the gRPC wire.
+// peer.go and data.go the gRPC wire; swarm.go a holder's swarms (the
+// pullers of one layer chained, each relaying to the next) and spool.go a
+// member's copy of the stream it relays.
 package streamer
 
 import (

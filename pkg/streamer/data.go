@@ -68,8 +68,7 @@ func (s *Server) ReadVolume(req *peerv1.ReadVolumeRequest, stream grpc.ServerStr
 		klog.ErrorS(err, "Serving a volume read", "volume", ref, "path", req.GetPath(), "format", format)
 		return holderError(err)
 	}
-	return stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: &peerv1.Trailer{
-		Bytes: sum.Bytes, Entries: sum.Entries, Digest: sum.Digest}}})
+	return stream.Send(trailerChunk(sum))
 }
 
 // WriteVolume makes a new cached volume from an uploaded tar, extracted

@@ -8,6 +8,8 @@ import (
 type Metrics struct {
 	layers   *prometheus.CounterVec
 	sentWire *prometheus.CounterVec
+	joins    *prometheus.CounterVec
+	relays   *prometheus.CounterVec
 }
 
 // NewMetrics makes the streamer's metrics.
@@ -21,22 +23,53 @@ func NewMetrics() *Metrics {
 			Name: "cowvol_peer_sent_bytes_total",
 			Help: "Bytes sent to pulling peers on the wire (after encoding), by encoding.",
 		}, []string{"encoding"}),
+		joins: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_swarm_joins_total",
+			Help: "Pullers that joined a layer's swarm here, its holder, by what they pull from: holder (the first) or relay (the member before).",
+		}, []string{"from"}),
+		relays: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_swarm_relayed_layers_total",
+			Help: "Layer streams this node relayed, as it pulled them, to the next member of their swarm, by result (ok, error); their bytes count in cowvol_peer_sent_bytes_total.",
+		}, []string{"result"}),
 	}
 }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.layers, m.sentWire}
+	return []prometheus.Collector{m.layers, m.sentWire, m.joins, m.relays}
+}
+
+// result is a served stream's result label.
+func result(err error) string {
+	if err != nil {
+		return "error"
+	}
+	return "ok"
 }
 
 func (m *Metrics) served(enc Encoding, sent int64, err error) {
 	if m == nil {
 		return
 	}
-	result := "ok"
-	if err != nil {
-		result = "error"
+	m.layers.WithLabelValues(string(enc), result(err)).Inc()
+	m.sentWire.WithLabelValues(string(enc)).Add(float64(sent))
+}
+
+func (m *Metrics) joined(j joined) {
+	if m == nil {
+		return
 	}
-	m.layers.WithLabelValues(string(enc), result).Inc()
+	from := "relay"
+	if j.upAddr == "" {
+		from = "holder"
+	}
+	m.joins.WithLabelValues(from).Inc()
+}
+
+func (m *Metrics) relayed(enc Encoding, sent int64, err error) {
+	if m == nil {
+		return
+	}
+	m.relays.WithLabelValues(result(err)).Inc()
 	m.sentWire.WithLabelValues(string(enc)).Add(float64(sent))
 }

@@ -67,6 +67,11 @@ type Holder interface {
 	// Receive makes a new cached volume of l from what fill extracts into
 	// an empty dir.
 	Receive(l Layer, fill func(dir string) (Summary, error)) error
+	// Relay returns this node's copy of the stream of r's layer it is
+	// pulling as a member of a swarm, which it joined under token: for
+	// a volume namespace may read, or one in the chain of via, which it
+	// may read (ErrNotHeld alike for none and for one it may not read).
+	Relay(namespace string, r, via volume.Ref, token string) (*Spool, error)
 }
 
 // Format is how a volume read serves a path.
@@ -105,12 +110,13 @@ type Server struct {
 	holder  Holder
 	metrics *Metrics
 	limits  Limits
+	swarms  *swarms
 }
 
 // NewServer serves h's volumes; m counts what is served (nil: nothing);
 // lim bounds what an upload may bring.
 func NewServer(h Holder, m *Metrics, lim Limits) *Server {
-	return &Server{holder: h, metrics: m, limits: lim}
+	return &Server{holder: h, metrics: m, limits: lim, swarms: newSwarms()}
 }
 
 // Register adds the peer API to a gRPC server.
@@ -125,6 +131,36 @@ func parseRequest(namespace string, r *peerv1.VolumeRef) (volume.Ref, error) {
 		return volume.Ref{}, status.Errorf(codes.InvalidArgument, "volume: %v", err)
 	}
 	return ref, nil
+}
+
+// trailer is what a stream's trailer says of sum; trailerChunk, the chunk
+// that carries it; summaryOf, what a trailer says.
+func (s Summary) trailer() *peerv1.Trailer {
+	return &peerv1.Trailer{Bytes: s.Bytes, Entries: s.Entries, Digest: s.Digest}
+}
+
+func trailerChunk(s Summary) *peerv1.PullLayerChunk {
+	return &peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: s.trailer()}}
+}
+
+func summaryOf(t *peerv1.Trailer) Summary {
+	return Summary{Bytes: t.GetBytes(), Entries: t.GetEntries(), Digest: t.GetDigest()}
+}
+
+// Same says whether two summaries are of the same stream: its size,
+// entries and digest.
+func (s Summary) Same(o Summary) bool {
+	return s.Bytes == o.Bytes && s.Entries == o.Entries && s.Digest == o.Digest
+}
+
+// parseLayerRequest checks what a request for a layer names: the namespace
+// it is for, the volume, and the volume on top it is used via (if any).
+func parseLayerRequest(namespace string, r, via *peerv1.VolumeRef) (ref, viaRef volume.Ref, err error) {
+	if ref, err = parseRequest(namespace, r); err != nil || via == nil {
+		return ref, volume.Ref{}, err
+	}
+	viaRef, err = parseRequest(namespace, via)
+	return ref, viaRef, err
 }
 
 func holderError(err error) error {
@@ -181,82 +217,123 @@ func (s *Server) GetChain(_ context.Context, req *peerv1.GetChainRequest) (*peer
 	return out, nil
 }
 
-// PullLayer streams a volume's own layer, then its size and digest.
-func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]) error {
-	ref, err := parseRequest(req.GetNamespace(), req.GetVolume())
+// pullRequest is a PullLayer's request, checked.
+type pullRequest struct {
+	namespace string
+	ref, via  volume.Ref
+	enc       Encoding
+	shape     Shape
+	inline    Inline
+	// files and first as cleaned names.
+	files, first []string
+}
+
+// parsePull checks a PullLayer's request (or the stream a JoinSwarm names).
+func parsePull(req *peerv1.PullLayerRequest) (pullRequest, error) {
+	ref, via, err := parseLayerRequest(req.GetNamespace(), req.GetVolume(), req.GetVia())
 	if err != nil {
-		return err
+		return pullRequest{}, err
 	}
-	enc, err := ParseEncoding(req.GetEncoding())
-	if err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
-	}
-	var via volume.Ref
-	if req.GetVia() != nil {
-		if via, err = parseRequest(req.GetNamespace(), req.GetVia()); err != nil {
-			return err
-		}
+	p := pullRequest{namespace: req.GetNamespace(), ref: ref, via: via, shape: SparseTar}
+	if p.enc, err = ParseEncoding(req.GetEncoding()); err != nil {
+		return pullRequest{}, status.Error(codes.InvalidArgument, err.Error())
 	}
 	files := req.GetFiles()
 	if len(files) > maxReadahead || (len(files) > 0 && req.GetStubs()) {
-		return status.Errorf(codes.InvalidArgument, "%d files (at most %d, and not with stubs)", len(files), maxReadahead)
+		return pullRequest{}, status.Errorf(codes.InvalidArgument, "%d files (at most %d, and not with stubs)", len(files), maxReadahead)
 	}
-	first := req.GetFirst()
-	if err := checkFirst(first, len(files) > 0 || req.GetStubs()); err != nil {
-		return err
+	if err := checkFirst(req.GetFirst(), len(files) > 0 || req.GetStubs()); err != nil {
+		return pullRequest{}, err
 	}
-	inline := Inline{Max: req.GetInlineMax(), Budget: req.GetInlineBudget()}
-	if err := inline.Check(); err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
+	p.inline = Inline{Max: req.GetInlineMax(), Budget: req.GetInlineBudget()}
+	if err := p.inline.Check(); err != nil {
+		return pullRequest{}, status.Error(codes.InvalidArgument, err.Error())
 	}
 	if through := req.GetInlinedThrough(); through != "" {
 		if req.GetStubs() || len(files) > 0 {
-			return status.Error(codes.InvalidArgument, "inlined_through leaves files out of a stream of the whole layer's data: not with stubs or files")
+			return pullRequest{}, status.Error(codes.InvalidArgument, "inlined_through leaves files out of a stream of the whole layer's data: not with stubs or files")
 		}
-		if inline.Through, err = cleanName(through); err != nil || inline.Through == "." {
-			return status.Errorf(codes.InvalidArgument, "inlined_through %s: want a path below the layer's root", volume.Quote(through))
-		}
-	}
-	for _, names := range [][]string{files, first} {
-		for i, f := range names {
-			if names[i], err = cleanName(f); err != nil || names[i] == "." {
-				return status.Errorf(codes.InvalidArgument, "file %s: want a path below the layer's root", volume.Quote(f))
-			}
+		if p.inline.Through, err = cleanName(through); err != nil || p.inline.Through == "." {
+			return pullRequest{}, status.Errorf(codes.InvalidArgument, "inlined_through %s: want a path below the layer's root", volume.Quote(through))
 		}
 	}
-	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
+	if p.files, err = cleanNames(files); err == nil {
+		p.first, err = cleanNames(req.GetFirst())
+	}
 	if err != nil {
+		return pullRequest{}, err
+	}
+	switch {
+	case req.GetStubs() && req.GetDataOnly():
+		return pullRequest{}, status.Error(codes.InvalidArgument, "data_only fills stubs: not with stubs")
+	case req.GetStubs():
+		p.shape = StubTar
+	case req.GetDataOnly():
+		p.shape = DataTar
+	}
+	return p, nil
+}
+
+// cleanNames cleans the names of files below a layer's root.
+func cleanNames(names []string) ([]string, error) {
+	out := make([]string, 0, len(names))
+	for _, f := range names {
+		name, err := cleanName(f)
+		if err != nil || name == "." {
+			return nil, status.Errorf(codes.InvalidArgument, "file %s: want a path below the layer's root", volume.Quote(f))
+		}
+		out = append(out, name)
+	}
+	return out, nil
+}
+
+// PullLayer streams a volume's own layer, then its size and digest.
+func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]) error {
+	p, err := parsePull(req)
+	if err != nil {
+		return err
+	}
+	if (req.GetRelayToken() != "" || req.GetSwarm() != "") && len(p.files) > 0 {
+		return status.Error(codes.InvalidArgument, "a swarm's members pull a whole stream: no files")
+	}
+	if req.GetRelayToken() != "" {
+		return s.relay(req, p, stream)
+	}
+	var recording *swarm // the swarm whose first stream this is
+	if id := req.GetSwarm(); id != "" {
+		// Not the first stream (a member asking the holder after its
+		// relay failed it names no swarm): streamed as any other.
+		recording, _ = s.swarms.first(id, p.swarmKey())
+	}
+	dir, release, err := s.holder.OpenLayer(p.namespace, p.ref, p.via)
+	if err != nil {
+		if recording != nil {
+			s.swarms.ended(recording, Summary{}, err)
+		}
 		return holderError(err)
 	}
 	defer release()
-	shape := SparseTar
-	switch {
-	case req.GetStubs() && req.GetDataOnly():
-		return status.Error(codes.InvalidArgument, "data_only fills stubs: not with stubs")
-	case req.GetStubs():
-		shape = StubTar
-	case req.GetDataOnly():
-		shape = DataTar
-	}
 	start := time.Now()
 	w := &chunkWriter{stream: stream}
 	var sum Summary
-	if len(files) > 0 {
-		if sum, err = PackFiles(stream.Context(), dir, files, w, enc, shape); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
+	if len(p.files) > 0 {
+		if sum, err = PackFiles(stream.Context(), dir, p.files, w, p.enc, p.shape); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
 			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
 		}
 	} else {
-		sum, err = PackFirst(stream.Context(), dir, first, w, enc, shape, inline)
+		sum, err = PackFirst(stream.Context(), dir, p.first, w, p.enc, p.shape, p.inline)
 	}
-	s.metrics.served(enc, w.sent, err)
+	if recording != nil {
+		s.swarms.ended(recording, sum, err)
+	}
+	s.metrics.served(p.enc, w.sent, err)
 	if err != nil {
-		klog.ErrorS(err, "Serving a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "sent", w.sent)
+		klog.ErrorS(err, "Serving a layer to a peer", "volume", p.ref, "namespace", p.namespace, "sent", w.sent)
 		return holderError(err)
 	}
-	klog.V(2).InfoS("Served a layer to a peer", "volume", ref, "namespace", req.GetNamespace(), "encoding", enc, "stubs", req.GetStubs(),
+	klog.V(2).InfoS("Served a layer to a peer", "volume", p.ref, "namespace", p.namespace, "encoding", p.enc, "stubs", req.GetStubs(),
 		"tarBytes", sum.Bytes, "wireBytes", w.sent, "entries", sum.Entries, "duration", time.Since(start))
-	return stream.Send(&peerv1.PullLayerChunk{Part: &peerv1.PullLayerChunk_Trailer{Trailer: &peerv1.Trailer{
-		Bytes: sum.Bytes, Entries: sum.Entries, Digest: sum.Digest}}})
+	return stream.Send(trailerChunk(sum))
 }
 
 // maxReadahead is the most files one PullLayer of named files sends.
@@ -289,15 +366,9 @@ func checkFirst(first []string, notWhole bool) error {
 // ReadLayerFile streams a range of one regular file of a volume's own
 // layer, then how many bytes it sent.
 func (s *Server) ReadLayerFile(req *peerv1.ReadLayerFileRequest, stream grpc.ServerStreamingServer[peerv1.PullLayerChunk]) error {
-	ref, err := parseRequest(req.GetNamespace(), req.GetVolume())
+	ref, via, err := parseLayerRequest(req.GetNamespace(), req.GetVolume(), req.GetVia())
 	if err != nil {
 		return err
-	}
-	var via volume.Ref
-	if req.GetVia() != nil {
-		if via, err = parseRequest(req.GetNamespace(), req.GetVia()); err != nil {
-			return err
-		}
 	}
 	rel, err := cleanName(req.GetPath())
 	if err != nil || rel == "." || req.GetOffset() < 0 || req.GetLength() < 0 {
@@ -490,53 +561,94 @@ func (l Layer) ReadableBy(namespace string) bool { return volume.Readable(l.Ref,
 // ErrCorrupt: what arrived is not what the peer sent.
 var ErrCorrupt = errors.New("the stream arrived corrupt")
 
-// PullLayer streams a volume's own layer, its files whole, into dir (an
-// empty dir), for a pod of namespace that uses the volume via (the top of
-// the chain r is in), and checks the size and digest the peer sent after
-// it. progress is told of each wire chunk's size.
-func (c *Client) PullLayer(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits, progress func(int64)) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc)}
-	return c.pullLayer(ctx, req, progress, func(ctx context.Context, in io.Reader) (Summary, error) {
-		return Unpack(ctx, in, enc, dir, lim)
-	})
+// LayerStream is a stream of one volume's own layer that a puller asks a
+// holder (or a relay) for: what it holds names its swarm.
+type LayerStream struct {
+	// Namespace is the pod's, Ref the layer, Via the volume it is pulled
+	// for (the top of the chain Ref is in).
+	Namespace string
+	Ref, Via  volume.Ref
+	Encoding  Encoding
+	// Shape is SparseTar (the whole layer), StubTar (its tree with the
+	// files as stubs, but the small ones Inline's Max and Budget carry
+	// whole) or DataTar (its files' data, First first, leaving out those a
+	// stub tree carried: Inline's Max and Through).
+	Shape  Shape
+	Inline Inline
+	First  []string
 }
 
-// PullLayerStubs pulls a layer as PullLayer does, its files as stubs
-// (StubTar) but the small ones inline asks for, each stub handed to stub as
-// it is made (see UnpackStubs).
-func (c *Client) PullLayerStubs(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, dir string, lim Limits,
-	inline Inline, progress func(int64), stub StubFunc) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Stubs: true,
-		InlineMax: inline.Max, InlineBudget: inline.Budget}
-	return c.pullLayer(ctx, req, progress, func(ctx context.Context, in io.Reader) (Summary, error) {
-		return UnpackStubs(ctx, in, enc, dir, lim, inline, stub)
-	})
-}
-
-// PullLayerFiles streams a volume's own layer, its files whole, as
-// PullLayer does (only the files named, if any), and hands each regular
-// file with data to file (see Files) instead of extracting the tree: how a
-// lazily pulled layer's stubs are filled, at the speed of a pull. It asks
-// for the files' data only (DataTar): a holder that knows nothing of it
-// sends their metadata and the rest of the tree too, which Files skips.
-//
-// With no names, the files first come first, in that order (see
-// PackFirst), and those a stub tree carried (inlined) are left out.
-func (c *Client) PullLayerFiles(ctx context.Context, namespace string, r, via volume.Ref, enc Encoding, lim Limits, names, first []string,
-	inlined Inline, file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
-	req := &peerv1.PullLayerRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Encoding: string(enc), Files: names, First: first,
-		DataOnly: true}
-	if inlined.Through != "" {
-		req.InlineMax, req.InlinedThrough = inlined.Max, inlined.Through
+// request is the PullLayer of s (of names only, if any), in sw's swarm.
+func (s LayerStream) request(sw Swarmed, names []string) *peerv1.PullLayerRequest {
+	req := &peerv1.PullLayerRequest{Namespace: s.Namespace, Volume: toPeerRef(s.Ref), Via: toPeerRef(s.Via), Encoding: string(s.Encoding),
+		Stubs: s.Shape == StubTar, DataOnly: s.Shape == DataTar, First: s.First, Files: names, Swarm: sw.Swarm, RelayToken: sw.RelayToken}
+	switch {
+	case s.Shape == StubTar:
+		req.InlineMax, req.InlineBudget = s.Inline.Max, s.Inline.Budget
+	case s.Inline.Through != "":
+		req.InlineMax, req.InlinedThrough = s.Inline.Max, s.Inline.Through
 	}
-	return c.pullLayer(ctx, req, nil, func(ctx context.Context, in io.Reader) (Summary, error) {
-		return Files(ctx, in, enc, lim, file)
+	return req
+}
+
+// Swarmed is how a member of a stream's swarm pulls it: from the holder as
+// the first member (Swarm), or from a relay (RelayToken, the copy the
+// member before it makes); each wire chunk also goes to Spool, if any, the
+// copy it relays to the member after it. The zero Swarmed is a pull of
+// the holder's outside any swarm.
+type Swarmed struct {
+	Swarm, RelayToken string
+	Spool             *Spool
+}
+
+func (sw Swarmed) tee() func([]byte) {
+	if sw.Spool == nil {
+		return nil
+	}
+	return sw.Spool.Append
+}
+
+// PullLayer streams a volume's own layer, its files whole (s's shape is
+// SparseTar), into dir (an empty dir), and checks the size and digest the
+// peer sent after it: a member that pulled from a relay checks them against
+// the holder's too (SwarmDigest). progress is told of each wire chunk's
+// size.
+func (c *Client) PullLayer(ctx context.Context, s LayerStream, sw Swarmed, dir string, lim Limits, progress func(int64)) (Summary, error) {
+	return c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		return Unpack(ctx, in, s.Encoding, dir, lim)
+	})
+}
+
+// PullLayerStubs pulls a layer as PullLayer does, its files as stubs (s's
+// shape is StubTar) but the small ones s's Inline asks for, each stub handed
+// to stub as it is made (see UnpackStubs).
+func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, dir string, lim Limits, progress func(int64),
+	stub StubFunc) (Summary, error) {
+	return c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		return UnpackStubs(ctx, in, s.Encoding, dir, lim, s.Inline, stub)
+	})
+}
+
+// PullLayerFiles streams a volume's own layer's files' data (s's shape is
+// DataTar), only the files named if any, and hands each regular file with
+// data to file (see Files) instead of extracting the tree: how a lazily
+// pulled layer's stubs are filled, at the speed of a pull. A holder that
+// knows nothing of DataTar sends the files' metadata and the rest of the
+// tree too, which Files skips.
+//
+// With no names, the files s puts first come first, in that order (see
+// PackFirst), and those a stub tree carried (s's Inline) are left out.
+func (c *Client) PullLayerFiles(ctx context.Context, s LayerStream, sw Swarmed, names []string, lim Limits,
+	file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
+	return c.pullLayer(ctx, s.request(sw, names), nil, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		return Files(ctx, in, s.Encoding, lim, file)
 	})
 }
 
 // pullLayer streams a layer to consume and checks what consume read
-// against the size and digest the peer sent after it.
-func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, progress func(int64),
+// against the size and digest the peer sent after it; tee (if any) is
+// handed each wire chunk as it arrives.
+func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, progress func(int64), tee func([]byte),
 	consume func(ctx context.Context, in io.Reader) (Summary, error)) (Summary, error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil) // stops the peer sending if extraction fails
@@ -573,6 +685,9 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 		if progress != nil {
 			progress(int64(len(msg.GetData())))
 		}
+		if tee != nil {
+			tee(msg.GetData())
+		}
 		held = msg
 		return msg.GetData(), nil
 	})
@@ -594,14 +709,38 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 	} else if n > 0 {
 		return Summary{}, fmt.Errorf("%w: %d bytes after the archive's end", ErrCorrupt, n)
 	}
-	switch t := trailer; {
-	case t == nil:
+	if trailer == nil {
 		return Summary{}, fmt.Errorf("%w: the peer sent no trailer", ErrCorrupt)
-	case t.GetBytes() != sum.Bytes || t.GetDigest() != sum.Digest || t.GetEntries() != sum.Entries:
+	}
+	if sent := summaryOf(trailer); !sent.Same(sum) {
 		return Summary{}, fmt.Errorf("%w: the peer sent %d bytes (%d entries, %s), %d arrived (%d entries, %s)",
-			ErrCorrupt, t.GetBytes(), t.GetEntries(), t.GetDigest(), sum.Bytes, sum.Entries, sum.Digest)
+			ErrCorrupt, sent.Bytes, sent.Entries, sent.Digest, sum.Bytes, sum.Entries, sum.Digest)
 	}
 	return sum, nil
+}
+
+// JoinSwarm asks the holder of a layer to add this puller, about to pull
+// stream s and relaying what it pulls at relayAddress under token, to the
+// stream's swarm.
+func (c *Client) JoinSwarm(ctx context.Context, s LayerStream, relayAddress, token string) (swarm, upAddress, upToken string, err error) {
+	resp, err := c.api.JoinSwarm(ctx, &peerv1.JoinSwarmRequest{Stream: s.request(Swarmed{}, nil), RelayAddress: relayAddress, RelayToken: token})
+	if err != nil {
+		return "", "", "", peerError(err)
+	}
+	if resp.GetUpstreamAddress() != "" && !validToken(resp.GetUpstreamToken()) {
+		return "", "", "", fmt.Errorf("the holder named a relay with a malformed token")
+	}
+	return resp.GetSwarm(), resp.GetUpstreamAddress(), resp.GetUpstreamToken(), nil
+}
+
+// SwarmDigest asks the holder of r's layer what its swarm's first stream
+// carried, waiting for it to end.
+func (c *Client) SwarmDigest(ctx context.Context, namespace string, r, via volume.Ref, swarm string) (Summary, error) {
+	t, err := c.api.GetSwarmDigest(ctx, &peerv1.GetSwarmDigestRequest{Namespace: namespace, Volume: toPeerRef(r), Via: toPeerRef(via), Swarm: swarm})
+	if err != nil {
+		return Summary{}, peerError(err)
+	}
+	return summaryOf(t), nil
 }
 
 // ReadLayerFile writes length bytes (0: to the end) of the file rel of r's

@@ -104,8 +104,8 @@ func TestStalledPeer(t *testing.T) {
 		read func(c *Client) error
 	}{
 		{"a layer's stream", func(c *Client) error {
-			_, err := c.PullLayerFiles(context.Background(), "ci", ref, ref, Raw, DefaultLimits, nil, nil, Inline{},
-				func(string, int64, func(io.WriterAt) error) error { return nil })
+			_, err := c.PullLayerFiles(context.Background(), LayerStream{Namespace: "ci", Ref: ref, Via: ref, Encoding: Raw, Shape: DataTar}, Swarmed{},
+				nil, DefaultLimits, func(string, int64, func(io.WriterAt) error) error { return nil })
 			return err
 		}},
 		{"a layer file", func(c *Client) error {

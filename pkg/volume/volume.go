@@ -93,6 +93,26 @@ const (
 	StateDestroying State = "destroying"
 )
 
+// Need says how much of a volume a reader on the node needs here before
+// it reads.
+type Need int
+
+const (
+	// NeedWhole: all of its data, ready (a runtime pulling an image reads
+	// every byte, and a peer is served only what is all here).
+	NeedWhole Need = iota
+	// NeedTree: its tree, each file's data arriving as the file is
+	// opened; a volume filling will do (a container running on the
+	// volume's own layers, as a step's view does).
+	NeedTree
+)
+
+// Present says whether a volume in state s is here as far as a reader that
+// needs n is concerned.
+func (n Need) Present(s State) bool {
+	return s == StateReady || (n == NeedTree && s == StateFilling)
+}
+
 // Scope says who may use a cached volume as a source.
 type Scope string
 

@@ -25,10 +25,13 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/examples/scheduler"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
@@ -600,7 +603,10 @@ func (s *soak) checkNothingLeft() {
 				break
 			}
 		}
-		require.Empty(f.t, left, "left on %s 3 minutes after the builds ended", n.name)
+		kept, err := nodeKeeps(n)
+		require.NoError(f.t, err)
+		require.Empty(f.t, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s", n.name, kept)
+		require.Empty(f.t, kept, "%s's plugin keeps soak volumes, destroyed ones included", n.name)
 		out := f.mustKubectl("", "get", "pods", "-A", "--field-selector", "spec.nodeName="+n.name, "-o", "jsonpath={.items[*].metadata.uid}")
 		live := strings.Fields(out)
 		// Pod cgroups are kubepods/pod<uid> (guaranteed) and
@@ -632,6 +638,40 @@ func keepLogs(t *testing.T, f *fleet) {
 		_ = os.CopyFS(filepath.Join(dir, n.name), os.DirFS(filepath.Join(n.dir, "pod-logs")))
 	}
 	t.Logf("the soak's logs are kept in %s", dir)
+}
+
+// nodeKeeps is what a node's plugin says, through its node API, of the
+// soak volumes it keeps (destroyed ones too): their state and what holds
+// them, so that a failed soak says why one was kept. The API's socket is
+// in the node's mount namespace, reached through its root; connect(2)
+// takes a path of at most 108 bytes, so the socket's dir is opened and
+// named as /proc/self/fd/N.
+func nodeKeeps(n fleetNode) (string, error) {
+	dir := strings.TrimSuffix(n.mountns, "ns/mnt") + "root" + filepath.Join(n.kubeletDir, "plugins", "cowvol.concourse-ci.org")
+	fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", fmt.Errorf("opening %s's node API's dir: %w", n.name, err)
+	}
+	defer unix.Close(fd)
+	conn, err := grpc.NewClient(fmt.Sprintf("unix:///proc/self/fd/%d/node-api.sock", fd), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	list, err := nodev1.NewNodeAPIClient(conn).ListVolumes(ctx, &nodev1.ListVolumesRequest{Namespace: "ci", IncludeDestroyed: true, PageSize: 5000})
+	if err != nil {
+		return "", fmt.Errorf("listing %s's volumes through its node API: %w", n.name, err)
+	}
+	var kept strings.Builder
+	for _, v := range list.GetVolumes() {
+		if strings.HasPrefix(v.GetRef().GetHandle(), "soak-") {
+			fmt.Fprintf(&kept, "%s %s: held by step volumes %v, images %v, %d children, %d streams, %d fills\n", v.GetRef().GetHandle(), v.GetState(),
+				v.GetHoldingStepVolumes(), v.GetHoldingImages(), len(v.GetHoldingChildren()), v.GetHoldingStreams(), v.GetHoldingFills())
+		}
+	}
+	return kept.String(), nil
 }
 
 // soakLeft is what the soak left on a node: the soak volumes the

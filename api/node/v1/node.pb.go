@@ -110,8 +110,12 @@ type Volume struct {
 	// The container runtime's snapshots that run a step image on it (by
 	// snapshot key: containers' root filesystems), which hold it too.
 	HoldingImages []string `protobuf:"bytes,17,rep,name=holding_images,json=holdingImages,proto3" json:"holding_images,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Streams of it to peers, and fills writing its data, under way in the
+	// running plugin (neither is recorded: a restart ends them).
+	HoldingStreams int32 `protobuf:"varint,18,opt,name=holding_streams,json=holdingStreams,proto3" json:"holding_streams,omitempty"`
+	HoldingFills   int32 `protobuf:"varint,19,opt,name=holding_fills,json=holdingFills,proto3" json:"holding_fills,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Volume) Reset() {
@@ -261,6 +265,20 @@ func (x *Volume) GetHoldingImages() []string {
 		return x.HoldingImages
 	}
 	return nil
+}
+
+func (x *Volume) GetHoldingStreams() int32 {
+	if x != nil {
+		return x.HoldingStreams
+	}
+	return 0
+}
+
+func (x *Volume) GetHoldingFills() int32 {
+	if x != nil {
+		return x.HoldingFills
+	}
+	return 0
 }
 
 type GetNodeRequest struct {
@@ -922,7 +940,7 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x12node/v1/node.proto\x12\x0ecowvol.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
-	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xb0\x06\n" +
+	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xfe\x06\n" +
 	"\x06Volume\x12+\n" +
 	"\x03ref\x18\x01 \x01(\v2\x19.cowvol.node.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1d\n" +
@@ -945,7 +963,9 @@ const file_node_v1_node_proto_rawDesc = "" +
 	"\x14holding_step_volumes\x18\x0e \x03(\tR\x12holdingStepVolumes\x12D\n" +
 	"\x10holding_children\x18\x0f \x03(\v2\x19.cowvol.node.v1.VolumeRefR\x0fholdingChildren\x12\x16\n" +
 	"\x06synced\x18\x10 \x01(\bR\x06synced\x12%\n" +
-	"\x0eholding_images\x18\x11 \x03(\tR\rholdingImages\x1a=\n" +
+	"\x0eholding_images\x18\x11 \x03(\tR\rholdingImages\x12'\n" +
+	"\x0fholding_streams\x18\x12 \x01(\x05R\x0eholdingStreams\x12#\n" +
+	"\rholding_fills\x18\x13 \x01(\x05R\fholdingFills\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x10\n" +

@@ -28,6 +28,205 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type JoinSwarmRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The stream the puller is about to pull, as it would ask the holder
+	// for it (the layer's whole stream, its stub tree, or its files' data,
+	// with no files named): its members all pull the same stream. Neither
+	// swarm nor relay_token.
+	Stream *PullLayerRequest `protobuf:"bytes,1,opt,name=stream,proto3" json:"stream,omitempty"`
+	// Where the puller serves what it pulls to the next member (its
+	// --peer-address as peers dial it), and the token (32 hex digits) that
+	// names its copy of the stream there.
+	RelayAddress  string `protobuf:"bytes,2,opt,name=relay_address,json=relayAddress,proto3" json:"relay_address,omitempty"`
+	RelayToken    string `protobuf:"bytes,3,opt,name=relay_token,json=relayToken,proto3" json:"relay_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JoinSwarmRequest) Reset() {
+	*x = JoinSwarmRequest{}
+	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JoinSwarmRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JoinSwarmRequest) ProtoMessage() {}
+
+func (x *JoinSwarmRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JoinSwarmRequest.ProtoReflect.Descriptor instead.
+func (*JoinSwarmRequest) Descriptor() ([]byte, []int) {
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *JoinSwarmRequest) GetStream() *PullLayerRequest {
+	if x != nil {
+		return x.Stream
+	}
+	return nil
+}
+
+func (x *JoinSwarmRequest) GetRelayAddress() string {
+	if x != nil {
+		return x.RelayAddress
+	}
+	return ""
+}
+
+func (x *JoinSwarmRequest) GetRelayToken() string {
+	if x != nil {
+		return x.RelayToken
+	}
+	return ""
+}
+
+type JoinSwarmResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The swarm the puller joined.
+	Swarm string `protobuf:"bytes,1,opt,name=swarm,proto3" json:"swarm,omitempty"`
+	// Whom to pull from: unset, the holder itself (the swarm's first
+	// member), with swarm set on the PullLayer; else the member before, with
+	// its relay_token.
+	UpstreamAddress string `protobuf:"bytes,2,opt,name=upstream_address,json=upstreamAddress,proto3" json:"upstream_address,omitempty"`
+	UpstreamToken   string `protobuf:"bytes,3,opt,name=upstream_token,json=upstreamToken,proto3" json:"upstream_token,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *JoinSwarmResponse) Reset() {
+	*x = JoinSwarmResponse{}
+	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JoinSwarmResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JoinSwarmResponse) ProtoMessage() {}
+
+func (x *JoinSwarmResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JoinSwarmResponse.ProtoReflect.Descriptor instead.
+func (*JoinSwarmResponse) Descriptor() ([]byte, []int) {
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *JoinSwarmResponse) GetSwarm() string {
+	if x != nil {
+		return x.Swarm
+	}
+	return ""
+}
+
+func (x *JoinSwarmResponse) GetUpstreamAddress() string {
+	if x != nil {
+		return x.UpstreamAddress
+	}
+	return ""
+}
+
+func (x *JoinSwarmResponse) GetUpstreamToken() string {
+	if x != nil {
+		return x.UpstreamToken
+	}
+	return ""
+}
+
+type GetSwarmDigestRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Namespace     string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Volume        *VolumeRef             `protobuf:"bytes,2,opt,name=volume,proto3" json:"volume,omitempty"`
+	Via           *VolumeRef             `protobuf:"bytes,3,opt,name=via,proto3" json:"via,omitempty"`
+	Swarm         string                 `protobuf:"bytes,4,opt,name=swarm,proto3" json:"swarm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetSwarmDigestRequest) Reset() {
+	*x = GetSwarmDigestRequest{}
+	mi := &file_peer_v1_peer_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetSwarmDigestRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetSwarmDigestRequest) ProtoMessage() {}
+
+func (x *GetSwarmDigestRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_v1_peer_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetSwarmDigestRequest.ProtoReflect.Descriptor instead.
+func (*GetSwarmDigestRequest) Descriptor() ([]byte, []int) {
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *GetSwarmDigestRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *GetSwarmDigestRequest) GetVolume() *VolumeRef {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
+func (x *GetSwarmDigestRequest) GetVia() *VolumeRef {
+	if x != nil {
+		return x.Via
+	}
+	return nil
+}
+
+func (x *GetSwarmDigestRequest) GetSwarm() string {
+	if x != nil {
+		return x.Swarm
+	}
+	return ""
+}
+
 type ReadVolumeRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
@@ -42,7 +241,7 @@ type ReadVolumeRequest struct {
 
 func (x *ReadVolumeRequest) Reset() {
 	*x = ReadVolumeRequest{}
-	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	mi := &file_peer_v1_peer_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -54,7 +253,7 @@ func (x *ReadVolumeRequest) String() string {
 func (*ReadVolumeRequest) ProtoMessage() {}
 
 func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[0]
+	mi := &file_peer_v1_peer_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -67,7 +266,7 @@ func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{0}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ReadVolumeRequest) GetNamespace() string {
@@ -120,7 +319,7 @@ type WriteVolumeChunk struct {
 
 func (x *WriteVolumeChunk) Reset() {
 	*x = WriteVolumeChunk{}
-	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	mi := &file_peer_v1_peer_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -132,7 +331,7 @@ func (x *WriteVolumeChunk) String() string {
 func (*WriteVolumeChunk) ProtoMessage() {}
 
 func (x *WriteVolumeChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[1]
+	mi := &file_peer_v1_peer_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -145,7 +344,7 @@ func (x *WriteVolumeChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteVolumeChunk.ProtoReflect.Descriptor instead.
 func (*WriteVolumeChunk) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{1}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *WriteVolumeChunk) GetPart() isWriteVolumeChunk_Part {
@@ -207,7 +406,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_peer_v1_peer_proto_msgTypes[2]
+	mi := &file_peer_v1_peer_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -219,7 +418,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[2]
+	mi := &file_peer_v1_peer_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -232,7 +431,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{2}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *VolumeRef) GetNamespace() string {
@@ -260,7 +459,7 @@ type GetChainRequest struct {
 
 func (x *GetChainRequest) Reset() {
 	*x = GetChainRequest{}
-	mi := &file_peer_v1_peer_proto_msgTypes[3]
+	mi := &file_peer_v1_peer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -272,7 +471,7 @@ func (x *GetChainRequest) String() string {
 func (*GetChainRequest) ProtoMessage() {}
 
 func (x *GetChainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[3]
+	mi := &file_peer_v1_peer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -285,7 +484,7 @@ func (x *GetChainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetChainRequest.ProtoReflect.Descriptor instead.
 func (*GetChainRequest) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{3}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GetChainRequest) GetNamespace() string {
@@ -313,7 +512,7 @@ type GetChainResponse struct {
 
 func (x *GetChainResponse) Reset() {
 	*x = GetChainResponse{}
-	mi := &file_peer_v1_peer_proto_msgTypes[4]
+	mi := &file_peer_v1_peer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -325,7 +524,7 @@ func (x *GetChainResponse) String() string {
 func (*GetChainResponse) ProtoMessage() {}
 
 func (x *GetChainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[4]
+	mi := &file_peer_v1_peer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -338,7 +537,7 @@ func (x *GetChainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetChainResponse.ProtoReflect.Descriptor instead.
 func (*GetChainResponse) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{4}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GetChainResponse) GetLayers() []*LayerVolume {
@@ -369,7 +568,7 @@ type LayerVolume struct {
 
 func (x *LayerVolume) Reset() {
 	*x = LayerVolume{}
-	mi := &file_peer_v1_peer_proto_msgTypes[5]
+	mi := &file_peer_v1_peer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -381,7 +580,7 @@ func (x *LayerVolume) String() string {
 func (*LayerVolume) ProtoMessage() {}
 
 func (x *LayerVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[5]
+	mi := &file_peer_v1_peer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -394,7 +593,7 @@ func (x *LayerVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LayerVolume.ProtoReflect.Descriptor instead.
 func (*LayerVolume) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{5}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *LayerVolume) GetRef() *VolumeRef {
@@ -489,14 +688,23 @@ type PullLayerRequest struct {
 	// names, sizes and data (holes as a sparse map) and nothing else: no
 	// dirs, links, empty files, owners, modes, times or xattrs. What fills
 	// the stubs of a stub tree, which carried all that.
-	DataOnly      bool `protobuf:"varint,11,opt,name=data_only,json=dataOnly,proto3" json:"data_only,omitempty"`
+	DataOnly bool `protobuf:"varint,11,opt,name=data_only,json=dataOnly,proto3" json:"data_only,omitempty"`
+	// To the holder, from a swarm's first member: the swarm whose members
+	// check their relayed copies against this stream's digest (a member
+	// whose relay failed pulls from the holder naming none). The stream as
+	// joined; no files.
+	Swarm string `protobuf:"bytes,12,opt,name=swarm,proto3" json:"swarm,omitempty"`
+	// To a relay: its copy of the stream it is pulling, named by the token
+	// it joined the swarm with, from the start and as it grows, then the
+	// holder's trailer as the relay received it. No files, no swarm.
+	RelayToken    string `protobuf:"bytes,13,opt,name=relay_token,json=relayToken,proto3" json:"relay_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PullLayerRequest) Reset() {
 	*x = PullLayerRequest{}
-	mi := &file_peer_v1_peer_proto_msgTypes[6]
+	mi := &file_peer_v1_peer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -508,7 +716,7 @@ func (x *PullLayerRequest) String() string {
 func (*PullLayerRequest) ProtoMessage() {}
 
 func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[6]
+	mi := &file_peer_v1_peer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -521,7 +729,7 @@ func (x *PullLayerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullLayerRequest.ProtoReflect.Descriptor instead.
 func (*PullLayerRequest) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{6}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *PullLayerRequest) GetNamespace() string {
@@ -601,6 +809,20 @@ func (x *PullLayerRequest) GetDataOnly() bool {
 	return false
 }
 
+func (x *PullLayerRequest) GetSwarm() string {
+	if x != nil {
+		return x.Swarm
+	}
+	return ""
+}
+
+func (x *PullLayerRequest) GetRelayToken() string {
+	if x != nil {
+		return x.RelayToken
+	}
+	return ""
+}
+
 type ReadLayerFileRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
@@ -618,7 +840,7 @@ type ReadLayerFileRequest struct {
 
 func (x *ReadLayerFileRequest) Reset() {
 	*x = ReadLayerFileRequest{}
-	mi := &file_peer_v1_peer_proto_msgTypes[7]
+	mi := &file_peer_v1_peer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -630,7 +852,7 @@ func (x *ReadLayerFileRequest) String() string {
 func (*ReadLayerFileRequest) ProtoMessage() {}
 
 func (x *ReadLayerFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[7]
+	mi := &file_peer_v1_peer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -643,7 +865,7 @@ func (x *ReadLayerFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadLayerFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadLayerFileRequest) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{7}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ReadLayerFileRequest) GetNamespace() string {
@@ -704,7 +926,7 @@ type PullLayerChunk struct {
 
 func (x *PullLayerChunk) Reset() {
 	*x = PullLayerChunk{}
-	mi := &file_peer_v1_peer_proto_msgTypes[8]
+	mi := &file_peer_v1_peer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -716,7 +938,7 @@ func (x *PullLayerChunk) String() string {
 func (*PullLayerChunk) ProtoMessage() {}
 
 func (x *PullLayerChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[8]
+	mi := &file_peer_v1_peer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -729,7 +951,7 @@ func (x *PullLayerChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullLayerChunk.ProtoReflect.Descriptor instead.
 func (*PullLayerChunk) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{8}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PullLayerChunk) GetPart() isPullLayerChunk_Part {
@@ -793,7 +1015,7 @@ type Trailer struct {
 
 func (x *Trailer) Reset() {
 	*x = Trailer{}
-	mi := &file_peer_v1_peer_proto_msgTypes[9]
+	mi := &file_peer_v1_peer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +1027,7 @@ func (x *Trailer) String() string {
 func (*Trailer) ProtoMessage() {}
 
 func (x *Trailer) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_v1_peer_proto_msgTypes[9]
+	mi := &file_peer_v1_peer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +1040,7 @@ func (x *Trailer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Trailer.ProtoReflect.Descriptor instead.
 func (*Trailer) Descriptor() ([]byte, []int) {
-	return file_peer_v1_peer_proto_rawDescGZIP(), []int{9}
+	return file_peer_v1_peer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Trailer) GetBytes() int64 {
@@ -846,7 +1068,21 @@ var File_peer_v1_peer_proto protoreflect.FileDescriptor
 
 const file_peer_v1_peer_proto_rawDesc = "" +
 	"\n" +
-	"\x12peer/v1/peer.proto\x12\x0ecowvol.peer.v1\x1a\x1egoogle/protobuf/duration.proto\"\xac\x01\n" +
+	"\x12peer/v1/peer.proto\x12\x0ecowvol.peer.v1\x1a\x1egoogle/protobuf/duration.proto\"\x92\x01\n" +
+	"\x10JoinSwarmRequest\x128\n" +
+	"\x06stream\x18\x01 \x01(\v2 .cowvol.peer.v1.PullLayerRequestR\x06stream\x12#\n" +
+	"\rrelay_address\x18\x02 \x01(\tR\frelayAddress\x12\x1f\n" +
+	"\vrelay_token\x18\x03 \x01(\tR\n" +
+	"relayToken\"{\n" +
+	"\x11JoinSwarmResponse\x12\x14\n" +
+	"\x05swarm\x18\x01 \x01(\tR\x05swarm\x12)\n" +
+	"\x10upstream_address\x18\x02 \x01(\tR\x0fupstreamAddress\x12%\n" +
+	"\x0eupstream_token\x18\x03 \x01(\tR\rupstreamToken\"\xab\x01\n" +
+	"\x15GetSwarmDigestRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
+	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
+	"\x03via\x18\x03 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x03via\x12\x14\n" +
+	"\x05swarm\x18\x04 \x01(\tR\x05swarm\"\xac\x01\n" +
 	"\x11ReadVolumeRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x12\n" +
@@ -880,7 +1116,7 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xf8\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x03\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
@@ -894,7 +1130,10 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\rinline_budget\x18\t \x01(\x03R\finlineBudget\x12'\n" +
 	"\x0finlined_through\x18\n" +
 	" \x01(\tR\x0einlinedThrough\x12\x1b\n" +
-	"\tdata_only\x18\v \x01(\bR\bdataOnly\"\xd8\x01\n" +
+	"\tdata_only\x18\v \x01(\bR\bdataOnly\x12\x14\n" +
+	"\x05swarm\x18\f \x01(\tR\x05swarm\x12\x1f\n" +
+	"\vrelay_token\x18\r \x01(\tR\n" +
+	"relayToken\"\xd8\x01\n" +
 	"\x14ReadLayerFileRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
@@ -911,14 +1150,16 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\aTrailer\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12\x18\n" +
 	"\aentries\x18\x02 \x01(\x03R\aentries\x12\x16\n" +
-	"\x06digest\x18\x03 \x01(\tR\x06digest2\xa2\x03\n" +
+	"\x06digest\x18\x03 \x01(\tR\x06digest2\xc6\x04\n" +
 	"\x04Peer\x12M\n" +
 	"\bGetChain\x12\x1f.cowvol.peer.v1.GetChainRequest\x1a .cowvol.peer.v1.GetChainResponse\x12O\n" +
 	"\tPullLayer\x12 .cowvol.peer.v1.PullLayerRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12W\n" +
 	"\rReadLayerFile\x12$.cowvol.peer.v1.ReadLayerFileRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12Q\n" +
 	"\n" +
 	"ReadVolume\x12!.cowvol.peer.v1.ReadVolumeRequest\x1a\x1e.cowvol.peer.v1.PullLayerChunk0\x01\x12N\n" +
-	"\vWriteVolume\x12 .cowvol.peer.v1.WriteVolumeChunk\x1a\x1b.cowvol.peer.v1.LayerVolume(\x01B0Z.github.com/concourse/cowvol/api/peer/v1;peerv1b\x06proto3"
+	"\vWriteVolume\x12 .cowvol.peer.v1.WriteVolumeChunk\x1a\x1b.cowvol.peer.v1.LayerVolume(\x01\x12P\n" +
+	"\tJoinSwarm\x12 .cowvol.peer.v1.JoinSwarmRequest\x1a!.cowvol.peer.v1.JoinSwarmResponse\x12P\n" +
+	"\x0eGetSwarmDigest\x12%.cowvol.peer.v1.GetSwarmDigestRequest\x1a\x17.cowvol.peer.v1.TrailerB0Z.github.com/concourse/cowvol/api/peer/v1;peerv1b\x06proto3"
 
 var (
 	file_peer_v1_peer_proto_rawDescOnce sync.Once
@@ -932,51 +1173,61 @@ func file_peer_v1_peer_proto_rawDescGZIP() []byte {
 	return file_peer_v1_peer_proto_rawDescData
 }
 
-var file_peer_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_peer_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_peer_v1_peer_proto_goTypes = []any{
-	(*ReadVolumeRequest)(nil),    // 0: cowvol.peer.v1.ReadVolumeRequest
-	(*WriteVolumeChunk)(nil),     // 1: cowvol.peer.v1.WriteVolumeChunk
-	(*VolumeRef)(nil),            // 2: cowvol.peer.v1.VolumeRef
-	(*GetChainRequest)(nil),      // 3: cowvol.peer.v1.GetChainRequest
-	(*GetChainResponse)(nil),     // 4: cowvol.peer.v1.GetChainResponse
-	(*LayerVolume)(nil),          // 5: cowvol.peer.v1.LayerVolume
-	(*PullLayerRequest)(nil),     // 6: cowvol.peer.v1.PullLayerRequest
-	(*ReadLayerFileRequest)(nil), // 7: cowvol.peer.v1.ReadLayerFileRequest
-	(*PullLayerChunk)(nil),       // 8: cowvol.peer.v1.PullLayerChunk
-	(*Trailer)(nil),              // 9: cowvol.peer.v1.Trailer
-	nil,                          // 10: cowvol.peer.v1.LayerVolume.PropertiesEntry
-	(*durationpb.Duration)(nil),  // 11: google.protobuf.Duration
+	(*JoinSwarmRequest)(nil),      // 0: cowvol.peer.v1.JoinSwarmRequest
+	(*JoinSwarmResponse)(nil),     // 1: cowvol.peer.v1.JoinSwarmResponse
+	(*GetSwarmDigestRequest)(nil), // 2: cowvol.peer.v1.GetSwarmDigestRequest
+	(*ReadVolumeRequest)(nil),     // 3: cowvol.peer.v1.ReadVolumeRequest
+	(*WriteVolumeChunk)(nil),      // 4: cowvol.peer.v1.WriteVolumeChunk
+	(*VolumeRef)(nil),             // 5: cowvol.peer.v1.VolumeRef
+	(*GetChainRequest)(nil),       // 6: cowvol.peer.v1.GetChainRequest
+	(*GetChainResponse)(nil),      // 7: cowvol.peer.v1.GetChainResponse
+	(*LayerVolume)(nil),           // 8: cowvol.peer.v1.LayerVolume
+	(*PullLayerRequest)(nil),      // 9: cowvol.peer.v1.PullLayerRequest
+	(*ReadLayerFileRequest)(nil),  // 10: cowvol.peer.v1.ReadLayerFileRequest
+	(*PullLayerChunk)(nil),        // 11: cowvol.peer.v1.PullLayerChunk
+	(*Trailer)(nil),               // 12: cowvol.peer.v1.Trailer
+	nil,                           // 13: cowvol.peer.v1.LayerVolume.PropertiesEntry
+	(*durationpb.Duration)(nil),   // 14: google.protobuf.Duration
 }
 var file_peer_v1_peer_proto_depIdxs = []int32{
-	2,  // 0: cowvol.peer.v1.ReadVolumeRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
-	5,  // 1: cowvol.peer.v1.WriteVolumeChunk.volume:type_name -> cowvol.peer.v1.LayerVolume
-	2,  // 2: cowvol.peer.v1.GetChainRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
-	5,  // 3: cowvol.peer.v1.GetChainResponse.layers:type_name -> cowvol.peer.v1.LayerVolume
-	2,  // 4: cowvol.peer.v1.LayerVolume.ref:type_name -> cowvol.peer.v1.VolumeRef
-	2,  // 5: cowvol.peer.v1.LayerVolume.parent:type_name -> cowvol.peer.v1.VolumeRef
-	2,  // 6: cowvol.peer.v1.LayerVolume.base:type_name -> cowvol.peer.v1.VolumeRef
-	10, // 7: cowvol.peer.v1.LayerVolume.properties:type_name -> cowvol.peer.v1.LayerVolume.PropertiesEntry
-	11, // 8: cowvol.peer.v1.LayerVolume.ttl:type_name -> google.protobuf.Duration
-	2,  // 9: cowvol.peer.v1.PullLayerRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
-	2,  // 10: cowvol.peer.v1.PullLayerRequest.via:type_name -> cowvol.peer.v1.VolumeRef
-	2,  // 11: cowvol.peer.v1.ReadLayerFileRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
-	2,  // 12: cowvol.peer.v1.ReadLayerFileRequest.via:type_name -> cowvol.peer.v1.VolumeRef
-	9,  // 13: cowvol.peer.v1.PullLayerChunk.trailer:type_name -> cowvol.peer.v1.Trailer
-	3,  // 14: cowvol.peer.v1.Peer.GetChain:input_type -> cowvol.peer.v1.GetChainRequest
-	6,  // 15: cowvol.peer.v1.Peer.PullLayer:input_type -> cowvol.peer.v1.PullLayerRequest
-	7,  // 16: cowvol.peer.v1.Peer.ReadLayerFile:input_type -> cowvol.peer.v1.ReadLayerFileRequest
-	0,  // 17: cowvol.peer.v1.Peer.ReadVolume:input_type -> cowvol.peer.v1.ReadVolumeRequest
-	1,  // 18: cowvol.peer.v1.Peer.WriteVolume:input_type -> cowvol.peer.v1.WriteVolumeChunk
-	4,  // 19: cowvol.peer.v1.Peer.GetChain:output_type -> cowvol.peer.v1.GetChainResponse
-	8,  // 20: cowvol.peer.v1.Peer.PullLayer:output_type -> cowvol.peer.v1.PullLayerChunk
-	8,  // 21: cowvol.peer.v1.Peer.ReadLayerFile:output_type -> cowvol.peer.v1.PullLayerChunk
-	8,  // 22: cowvol.peer.v1.Peer.ReadVolume:output_type -> cowvol.peer.v1.PullLayerChunk
-	5,  // 23: cowvol.peer.v1.Peer.WriteVolume:output_type -> cowvol.peer.v1.LayerVolume
-	19, // [19:24] is the sub-list for method output_type
-	14, // [14:19] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	9,  // 0: cowvol.peer.v1.JoinSwarmRequest.stream:type_name -> cowvol.peer.v1.PullLayerRequest
+	5,  // 1: cowvol.peer.v1.GetSwarmDigestRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 2: cowvol.peer.v1.GetSwarmDigestRequest.via:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 3: cowvol.peer.v1.ReadVolumeRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	8,  // 4: cowvol.peer.v1.WriteVolumeChunk.volume:type_name -> cowvol.peer.v1.LayerVolume
+	5,  // 5: cowvol.peer.v1.GetChainRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	8,  // 6: cowvol.peer.v1.GetChainResponse.layers:type_name -> cowvol.peer.v1.LayerVolume
+	5,  // 7: cowvol.peer.v1.LayerVolume.ref:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 8: cowvol.peer.v1.LayerVolume.parent:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 9: cowvol.peer.v1.LayerVolume.base:type_name -> cowvol.peer.v1.VolumeRef
+	13, // 10: cowvol.peer.v1.LayerVolume.properties:type_name -> cowvol.peer.v1.LayerVolume.PropertiesEntry
+	14, // 11: cowvol.peer.v1.LayerVolume.ttl:type_name -> google.protobuf.Duration
+	5,  // 12: cowvol.peer.v1.PullLayerRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 13: cowvol.peer.v1.PullLayerRequest.via:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 14: cowvol.peer.v1.ReadLayerFileRequest.volume:type_name -> cowvol.peer.v1.VolumeRef
+	5,  // 15: cowvol.peer.v1.ReadLayerFileRequest.via:type_name -> cowvol.peer.v1.VolumeRef
+	12, // 16: cowvol.peer.v1.PullLayerChunk.trailer:type_name -> cowvol.peer.v1.Trailer
+	6,  // 17: cowvol.peer.v1.Peer.GetChain:input_type -> cowvol.peer.v1.GetChainRequest
+	9,  // 18: cowvol.peer.v1.Peer.PullLayer:input_type -> cowvol.peer.v1.PullLayerRequest
+	10, // 19: cowvol.peer.v1.Peer.ReadLayerFile:input_type -> cowvol.peer.v1.ReadLayerFileRequest
+	3,  // 20: cowvol.peer.v1.Peer.ReadVolume:input_type -> cowvol.peer.v1.ReadVolumeRequest
+	4,  // 21: cowvol.peer.v1.Peer.WriteVolume:input_type -> cowvol.peer.v1.WriteVolumeChunk
+	0,  // 22: cowvol.peer.v1.Peer.JoinSwarm:input_type -> cowvol.peer.v1.JoinSwarmRequest
+	2,  // 23: cowvol.peer.v1.Peer.GetSwarmDigest:input_type -> cowvol.peer.v1.GetSwarmDigestRequest
+	7,  // 24: cowvol.peer.v1.Peer.GetChain:output_type -> cowvol.peer.v1.GetChainResponse
+	11, // 25: cowvol.peer.v1.Peer.PullLayer:output_type -> cowvol.peer.v1.PullLayerChunk
+	11, // 26: cowvol.peer.v1.Peer.ReadLayerFile:output_type -> cowvol.peer.v1.PullLayerChunk
+	11, // 27: cowvol.peer.v1.Peer.ReadVolume:output_type -> cowvol.peer.v1.PullLayerChunk
+	8,  // 28: cowvol.peer.v1.Peer.WriteVolume:output_type -> cowvol.peer.v1.LayerVolume
+	1,  // 29: cowvol.peer.v1.Peer.JoinSwarm:output_type -> cowvol.peer.v1.JoinSwarmResponse
+	12, // 30: cowvol.peer.v1.Peer.GetSwarmDigest:output_type -> cowvol.peer.v1.Trailer
+	24, // [24:31] is the sub-list for method output_type
+	17, // [17:24] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_peer_v1_peer_proto_init() }
@@ -984,11 +1235,11 @@ func file_peer_v1_peer_proto_init() {
 	if File_peer_v1_peer_proto != nil {
 		return
 	}
-	file_peer_v1_peer_proto_msgTypes[1].OneofWrappers = []any{
+	file_peer_v1_peer_proto_msgTypes[4].OneofWrappers = []any{
 		(*WriteVolumeChunk_Volume)(nil),
 		(*WriteVolumeChunk_Data)(nil),
 	}
-	file_peer_v1_peer_proto_msgTypes[8].OneofWrappers = []any{
+	file_peer_v1_peer_proto_msgTypes[11].OneofWrappers = []any{
 		(*PullLayerChunk_Data)(nil),
 		(*PullLayerChunk_Trailer)(nil),
 	}
@@ -998,7 +1249,7 @@ func file_peer_v1_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_v1_peer_proto_rawDesc), len(file_peer_v1_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

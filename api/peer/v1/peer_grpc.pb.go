@@ -25,11 +25,13 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Peer_GetChain_FullMethodName      = "/cowvol.peer.v1.Peer/GetChain"
-	Peer_PullLayer_FullMethodName     = "/cowvol.peer.v1.Peer/PullLayer"
-	Peer_ReadLayerFile_FullMethodName = "/cowvol.peer.v1.Peer/ReadLayerFile"
-	Peer_ReadVolume_FullMethodName    = "/cowvol.peer.v1.Peer/ReadVolume"
-	Peer_WriteVolume_FullMethodName   = "/cowvol.peer.v1.Peer/WriteVolume"
+	Peer_GetChain_FullMethodName       = "/cowvol.peer.v1.Peer/GetChain"
+	Peer_PullLayer_FullMethodName      = "/cowvol.peer.v1.Peer/PullLayer"
+	Peer_ReadLayerFile_FullMethodName  = "/cowvol.peer.v1.Peer/ReadLayerFile"
+	Peer_ReadVolume_FullMethodName     = "/cowvol.peer.v1.Peer/ReadVolume"
+	Peer_WriteVolume_FullMethodName    = "/cowvol.peer.v1.Peer/WriteVolume"
+	Peer_JoinSwarm_FullMethodName      = "/cowvol.peer.v1.Peer/JoinSwarm"
+	Peer_GetSwarmDigest_FullMethodName = "/cowvol.peer.v1.Peer/GetSwarmDigest"
 )
 
 // PeerClient is the client API for Peer service.
@@ -58,6 +60,20 @@ type PeerClient interface {
 	// header, then the tar's bytes; the sender closing its side ends it (a
 	// tar cut short fails to extract).
 	WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeChunk, LayerVolume], error)
+	// JoinSwarm is asked of a layer's holder by a puller about to pull a
+	// stream of the layer (whole, its stub tree, or its files' data), which
+	// offers to relay it: the pullers of one stream at about the same time
+	// form a chain, each pulling from the one that asked before it (the
+	// first from the holder) while it passes what arrives on to the one
+	// after it, so that the holder's link carries the stream once however
+	// many pull it. Answered as PullLayer is: only for a layer namespace may
+	// read, or one in the chain of via.
+	JoinSwarm(ctx context.Context, in *JoinSwarmRequest, opts ...grpc.CallOption) (*JoinSwarmResponse, error)
+	// GetSwarmDigest answers, from the layer's holder, what the stream the
+	// swarm's first puller pulled from it carried: a puller that had the
+	// layer from a relay checks what arrived against it. It waits (within
+	// the call's deadline) until that stream has ended.
+	GetSwarmDigest(ctx context.Context, in *GetSwarmDigestRequest, opts ...grpc.CallOption) (*Trailer, error)
 }
 
 type peerClient struct {
@@ -148,6 +164,26 @@ func (c *peerClient) WriteVolume(ctx context.Context, opts ...grpc.CallOption) (
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_WriteVolumeClient = grpc.ClientStreamingClient[WriteVolumeChunk, LayerVolume]
 
+func (c *peerClient) JoinSwarm(ctx context.Context, in *JoinSwarmRequest, opts ...grpc.CallOption) (*JoinSwarmResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(JoinSwarmResponse)
+	err := c.cc.Invoke(ctx, Peer_JoinSwarm_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *peerClient) GetSwarmDigest(ctx context.Context, in *GetSwarmDigestRequest, opts ...grpc.CallOption) (*Trailer, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(Trailer)
+	err := c.cc.Invoke(ctx, Peer_GetSwarmDigest_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PeerServer is the server API for Peer service.
 // All implementations must embed UnimplementedPeerServer
 // for forward compatibility.
@@ -174,6 +210,20 @@ type PeerServer interface {
 	// header, then the tar's bytes; the sender closing its side ends it (a
 	// tar cut short fails to extract).
 	WriteVolume(grpc.ClientStreamingServer[WriteVolumeChunk, LayerVolume]) error
+	// JoinSwarm is asked of a layer's holder by a puller about to pull a
+	// stream of the layer (whole, its stub tree, or its files' data), which
+	// offers to relay it: the pullers of one stream at about the same time
+	// form a chain, each pulling from the one that asked before it (the
+	// first from the holder) while it passes what arrives on to the one
+	// after it, so that the holder's link carries the stream once however
+	// many pull it. Answered as PullLayer is: only for a layer namespace may
+	// read, or one in the chain of via.
+	JoinSwarm(context.Context, *JoinSwarmRequest) (*JoinSwarmResponse, error)
+	// GetSwarmDigest answers, from the layer's holder, what the stream the
+	// swarm's first puller pulled from it carried: a puller that had the
+	// layer from a relay checks what arrived against it. It waits (within
+	// the call's deadline) until that stream has ended.
+	GetSwarmDigest(context.Context, *GetSwarmDigestRequest) (*Trailer, error)
 	mustEmbedUnimplementedPeerServer()
 }
 
@@ -198,6 +248,12 @@ func (UnimplementedPeerServer) ReadVolume(*ReadVolumeRequest, grpc.ServerStreami
 }
 func (UnimplementedPeerServer) WriteVolume(grpc.ClientStreamingServer[WriteVolumeChunk, LayerVolume]) error {
 	return status.Errorf(codes.Unimplemented, "method WriteVolume not implemented")
+}
+func (UnimplementedPeerServer) JoinSwarm(context.Context, *JoinSwarmRequest) (*JoinSwarmResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method JoinSwarm not implemented")
+}
+func (UnimplementedPeerServer) GetSwarmDigest(context.Context, *GetSwarmDigestRequest) (*Trailer, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetSwarmDigest not implemented")
 }
 func (UnimplementedPeerServer) mustEmbedUnimplementedPeerServer() {}
 func (UnimplementedPeerServer) testEmbeddedByValue()              {}
@@ -278,6 +334,42 @@ func _Peer_WriteVolume_Handler(srv interface{}, stream grpc.ServerStream) error 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_WriteVolumeServer = grpc.ClientStreamingServer[WriteVolumeChunk, LayerVolume]
 
+func _Peer_JoinSwarm_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(JoinSwarmRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PeerServer).JoinSwarm(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Peer_JoinSwarm_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PeerServer).JoinSwarm(ctx, req.(*JoinSwarmRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Peer_GetSwarmDigest_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetSwarmDigestRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PeerServer).GetSwarmDigest(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Peer_GetSwarmDigest_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PeerServer).GetSwarmDigest(ctx, req.(*GetSwarmDigestRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Peer_ServiceDesc is the grpc.ServiceDesc for Peer service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -288,6 +380,14 @@ var Peer_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetChain",
 			Handler:    _Peer_GetChain_Handler,
+		},
+		{
+			MethodName: "JoinSwarm",
+			Handler:    _Peer_JoinSwarm_Handler,
+		},
+		{
+			MethodName: "GetSwarmDigest",
+			Handler:    _Peer_GetSwarmDigest_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
