@@ -151,7 +151,7 @@ func TestDataThroughTheController(t *testing.T) {
 			var buf bytes.Buffer
 			_, err := streamer.Pack(ctx, tree, &buf, streamer.S2, streamer.SparseTar)
 			require.NoError(t, err)
-			return c.Write(ctx, &controllerv1.NewVolume{Ref: client.Ref(volume.Ref{Namespace: ns, Handle: handle}),
+			return c.Write(ctx, &controllerv1.NewVolume{Ref: controllerv1.RefOf(volume.Ref{Namespace: ns, Handle: handle}),
 				Encoding: string(streamer.S2), Properties: map[string]string{"kind": "upload"}}, &buf, nil)
 		}
 		loc, err := upload(ci, "ci", "uploaded", src)

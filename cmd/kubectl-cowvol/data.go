@@ -116,7 +116,7 @@ func (o *options) cpCmd() *cobra.Command {
 }
 
 func newVolume(ref volume.Ref, scope, ttl, node string, props []string) (*controllerv1.NewVolume, error) {
-	nv := &controllerv1.NewVolume{Ref: client.Ref(ref), Scope: scope, NodeId: node, Encoding: string(streamer.S2)}
+	nv := &controllerv1.NewVolume{Ref: controllerv1.RefOf(ref), Scope: scope, NodeId: node, Encoding: string(streamer.S2)}
 	if ttl != "" {
 		d, err := time.ParseDuration(ttl)
 		if err != nil || d <= 0 {

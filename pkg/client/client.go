@@ -130,11 +130,6 @@ func (b Bearer) GetRequestMetadata(context.Context, ...string) (map[string]strin
 // RequireTransportSecurity implements credentials.PerRPCCredentials.
 func (b Bearer) RequireTransportSecurity() bool { return b.Secure }
 
-// Ref is a volume reference in the API's terms.
-func Ref(r volume.Ref) *controllerv1.VolumeRef {
-	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
-}
-
 // Properties are a volume's properties as a node reports them: sorted by
 // key.
 func Properties(m map[string]string) []*controllerv1.Property {
@@ -149,38 +144,29 @@ func Properties(m map[string]string) []*controllerv1.Property {
 	return out
 }
 
-// Refs are volume references in the API's terms.
-func Refs(rs []volume.Ref) []*controllerv1.VolumeRef {
-	out := make([]*controllerv1.VolumeRef, len(rs))
-	for i, r := range rs {
-		out[i] = Ref(r)
-	}
-	return out
-}
-
 // Lookup says where each volume is, in order.
 func (c *Client) Lookup(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeLocation, error) {
-	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: Refs(vols)})
+	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: controllerv1.RefsOf(vols)})
 	return resp.GetVolumes(), err
 }
 
 // Place ranks the nodes for a step with these inputs, best first.
 func (c *Client) Place(ctx context.Context, inputs ...volume.Ref) ([]*controllerv1.NodePlacement, error) {
-	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: Refs(inputs)})
+	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: controllerv1.RefsOf(inputs)})
 	return resp.GetNodes(), err
 }
 
 // Destroy destroys volumes on every node holding them, saying which nodes
 // were asked.
 func (c *Client) Destroy(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
-	resp, err := c.Cache.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: Refs(vols)})
+	resp, err := c.Cache.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: controllerv1.RefsOf(vols)})
 	return resp.GetVolumes(), err
 }
 
 // Pin pins volumes on every node holding them, until until (zero: for
 // good).
 func (c *Client) Pin(ctx context.Context, until time.Time, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
-	req := &controllerv1.PinVolumesRequest{Refs: Refs(vols)}
+	req := &controllerv1.PinVolumesRequest{Refs: controllerv1.RefsOf(vols)}
 	if !until.IsZero() {
 		req.Until = timestamppb.New(until)
 	}
@@ -190,7 +176,7 @@ func (c *Client) Pin(ctx context.Context, until time.Time, vols ...volume.Ref) (
 
 // Unpin unpins volumes on every node holding them.
 func (c *Client) Unpin(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
-	resp, err := c.Cache.PinVolumes(ctx, &controllerv1.PinVolumesRequest{Refs: Refs(vols), Unpin: true})
+	resp, err := c.Cache.PinVolumes(ctx, &controllerv1.PinVolumesRequest{Refs: controllerv1.RefsOf(vols), Unpin: true})
 	return resp.GetVolumes(), err
 }
 

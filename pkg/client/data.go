@@ -19,7 +19,7 @@ type Progress func(done, total int64)
 // enc) or one file's bytes (format "file"). It returns the node that
 // served it.
 func (c *Client) Read(ctx context.Context, r volume.Ref, path, format, enc string, w io.Writer, progress Progress) (string, error) {
-	stream, err := c.Cache.ReadVolume(ctx, &controllerv1.ReadVolumeRequest{Ref: Ref(r), Path: path, Format: format, Encoding: enc})
+	stream, err := c.Cache.ReadVolume(ctx, &controllerv1.ReadVolumeRequest{Ref: controllerv1.RefOf(r), Path: path, Format: format, Encoding: enc})
 	if err != nil {
 		return "", err
 	}

@@ -28,9 +28,9 @@ func (s *cacheServer) ReadVolume(req *controllerv1.ReadVolumeRequest, stream grp
 	if s.dial == nil {
 		return status.Error(codes.Unimplemented, "this controller reaches no node's data: give it the peer TLS flags")
 	}
-	ref := volume.Ref{Namespace: req.GetRef().GetNamespace(), Handle: req.GetRef().GetHandle()}
-	if err := ref.Validate(); err != nil {
-		return status.Errorf(codes.InvalidArgument, "volume: %v", err)
+	ref, err := refFromWire(req.GetRef())
+	if err != nil {
+		return code(err)
 	}
 	format, err := streamer.ParseFormat(req.GetFormat())
 	if err != nil {
@@ -129,9 +129,9 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	if nv == nil {
 		return status.Error(codes.InvalidArgument, "the first message must say what volume to make")
 	}
-	ref := volume.Ref{Namespace: nv.GetRef().GetNamespace(), Handle: nv.GetRef().GetHandle()}
-	if err := ref.Validate(); err != nil {
-		return status.Errorf(codes.InvalidArgument, "volume: %v", err)
+	ref, err := refFromWire(nv.GetRef())
+	if err != nil {
+		return code(err)
 	}
 	if err := need(ctx, "create", ResourceVolumes, ref.Namespace, "upload volumes"); err != nil {
 		return err

@@ -33,25 +33,6 @@ func refsFromWire(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
 	return out, nil
 }
 
-// toWireRef is a ref as the API says it: nil for none.
-func toWireRef(r volume.Ref) *controllerv1.VolumeRef {
-	if r.Handle == "" {
-		return nil
-	}
-	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
-}
-
-func toWireRefs(refs []volume.Ref) []*controllerv1.VolumeRef {
-	if len(refs) == 0 {
-		return nil
-	}
-	out := make([]*controllerv1.VolumeRef, len(refs))
-	for i, r := range refs {
-		out[i] = toWireRef(r)
-	}
-	return out
-}
-
 // reportFromWire checks a node's report's names; its states, scopes and
 // counts the view checks.
 func reportFromWire(req *controllerv1.ReportRequest) (Report, error) {
@@ -95,10 +76,10 @@ func reportFromWire(req *controllerv1.ReportRequest) (Report, error) {
 }
 
 func toWireAnswer(a Answer) *controllerv1.ReportResponse {
-	resp := &controllerv1.ReportResponse{Resync: a.Resync, Revision: a.Revision, Destroy: toWireRefs(a.Destroy),
-		Copy: toWireRefs(a.Copy), RefuseCaptures: a.RefuseCaptures}
+	resp := &controllerv1.ReportResponse{Resync: a.Resync, Revision: a.Revision, Destroy: controllerv1.RefsOf(a.Destroy),
+		Copy: controllerv1.RefsOf(a.Copy), RefuseCaptures: a.RefuseCaptures}
 	for _, p := range a.Pins {
-		c := &controllerv1.PinCommand{Ref: toWireRef(p.Ref), Unpin: p.Unpin}
+		c := &controllerv1.PinCommand{Ref: controllerv1.RefOf(p.Ref), Unpin: p.Unpin}
 		if !p.Until.IsZero() {
 			c.Until = timestamppb.New(p.Until)
 		}
@@ -116,8 +97,8 @@ func untilFromWire(u *timestamppb.Timestamp) time.Time {
 }
 
 func toWireLocation(l Location) *controllerv1.VolumeLocation {
-	return &controllerv1.VolumeLocation{Ref: toWireRef(l.Ref), Found: l.Found, State: string(l.State), SizeBytes: l.SizeBytes,
-		Parent: toWireRef(l.Parent), Scope: string(l.Scope), Properties: l.Properties, Nodes: l.Nodes,
+	return &controllerv1.VolumeLocation{Ref: controllerv1.RefOf(l.Ref), Found: l.Found, State: string(l.State), SizeBytes: l.SizeBytes,
+		Parent: controllerv1.RefOf(l.Parent), Scope: string(l.Scope), Properties: l.Properties, Nodes: l.Nodes,
 		PublishedNodes: l.PublishedNodes, Pinned: l.Pinned, PeerAddresses: l.PeerAddresses}
 }
 
@@ -133,7 +114,7 @@ func toWirePlacements(ps []Placement) []*controllerv1.NodePlacement {
 	out := make([]*controllerv1.NodePlacement, len(ps))
 	for i, p := range ps {
 		out[i] = &controllerv1.NodePlacement{NodeId: p.NodeID, InputBytesHeld: p.InputBytesHeld, BytesFree: p.BytesFree,
-			Missing: toWireRefs(p.Missing)}
+			Missing: controllerv1.RefsOf(p.Missing)}
 	}
 	return out
 }
@@ -147,7 +128,7 @@ func toWireNodeStatus(s NodeStatus) *controllerv1.NodeStatus {
 func toWireVolumeNodes(vns []VolumeNodes) []*controllerv1.VolumeNodes {
 	out := make([]*controllerv1.VolumeNodes, len(vns))
 	for i, vn := range vns {
-		out[i] = &controllerv1.VolumeNodes{Ref: toWireRef(vn.Ref), Nodes: vn.Nodes}
+		out[i] = &controllerv1.VolumeNodes{Ref: controllerv1.RefOf(vn.Ref), Nodes: vn.Nodes}
 	}
 	return out
 }

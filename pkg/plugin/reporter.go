@@ -208,8 +208,8 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 		}
 		for _, v := range vols {
 			inv[v.Ref()] = &controllerv1.VolumeSummary{
-				Ref: ctlRef(v.Ref()), State: string(v.Advertised()), SizeBytes: v.SizeBytes,
-				Parent: ctlRef(v.Parent), Base: ctlRef(v.Base), Scope: string(v.Scope), Properties: client.Properties(v.Properties),
+				Ref: controllerv1.RefOf(v.Ref()), State: string(v.Advertised()), SizeBytes: v.SizeBytes,
+				Parent: controllerv1.RefOf(v.Parent), Base: controllerv1.RefOf(v.Base), Scope: string(v.Scope), Properties: client.Properties(v.Properties),
 				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned, Copies: int32(v.Copies),
 			}
 		}
@@ -217,13 +217,6 @@ func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 			return inv, nil
 		}
 	}
-}
-
-func ctlRef(r volume.Ref) *controllerv1.VolumeRef {
-	if r.IsZero() {
-		return nil
-	}
-	return &controllerv1.VolumeRef{Namespace: r.Namespace, Handle: r.Handle}
 }
 
 // diff is what changed from sent to now.
@@ -235,7 +228,7 @@ func diff(sent, now map[volume.Ref]*controllerv1.VolumeSummary) (upserts []*cont
 	}
 	for r := range sent {
 		if _, ok := now[r]; !ok {
-			deletes = append(deletes, ctlRef(r))
+			deletes = append(deletes, controllerv1.RefOf(r))
 		}
 	}
 	return upserts, deletes
