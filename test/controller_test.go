@@ -3,6 +3,8 @@ package test
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
@@ -410,7 +413,8 @@ func TestControllerAuthentication(t *testing.T) {
 func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
 	testfs.Need(t)
 	state := filepath.Join(testfs.Mount(t, testfs.XFS, 512<<20), "state")
-	f := startFleet(t, []string{"--stalled-after=3s"})
+	// Heartbeats come every 2 s: stalled after twice that.
+	f := startFleet(t, []string{"--stalled-after=4s"})
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: state, Args: []string{"--controller-address=" + f.addr}})
 	api, ctx := f.api, context.Background()
 	for i := range 20 {
@@ -443,7 +447,7 @@ func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
 	eventually(t, "a heartbeat to carry the disk's fill", func() bool {
 		return status().BytesFree <= before.BytesFree-60<<20
 	})
-	time.Sleep(6 * time.Second) // twice --stalled-after
+	time.Sleep(8 * time.Second) // twice --stalled-after
 	after := status()
 	require.Equal(t, "running", after.State, "heartbeats keep an idle node running")
 	require.Equal(t, before.Revision, after.Revision)
@@ -455,6 +459,52 @@ func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
 	eventually(t, "the new capture to be reported", func() bool { return status().Volumes == 21 })
 	require.Greater(t, metricValue(t, n, `cowvol_node_reports_total{kind="changes"}`), changes)
 	n.umount(scratch)
+	n.noLeaks(t)
+}
+
+// A controller reading as many whole inventories as it may at once turns a
+// node's away, telling it when to send it again: the node keeps sending
+// heartbeats meanwhile, and its inventory reaches the controller once a
+// slot is free. (The test takes the controller's one slot with a report
+// that sends its header and stalls.)
+func TestFullReportsDeferredWhileTheControllerIsBusy(t *testing.T) {
+	metrics := plugintest.FreeAddr(t)
+	f := startFleet(t, []string{"--full-reports-at-once=1", "--metrics-address=" + metrics})
+	conn, err := grpc.NewClient(f.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	held, release := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(),
+		controllerv1.ReportKindHeader, controllerv1.ReportKindFull))
+	defer release()
+	_, err = conn.NewStream(held, &grpc.StreamDesc{ClientStreams: true}, "/cowvol.controller.v1.Registry/Report")
+	require.NoError(t, err)
+
+	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + f.addr}})
+	n.step("", "res-1", func(dir string) { write(t, dir, "f", "x") })
+	eventually(t, "the node's inventory to be deferred", func() bool {
+		return metricValue(t, n, `cowvol_node_reports_total{kind="full_deferred"}`) >= 2
+	})
+	ctlMetrics := func() string {
+		resp, err := http.Get("http://" + metrics + "/metrics")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return string(body)
+	}
+	require.Contains(t, ctlMetrics(), `cowvol_controller_full_reports_total{result="deferred"}`)
+	nodes, err := f.api.ListNodes(context.Background(), &controllerv1.ListNodesRequest{})
+	require.NoError(t, err)
+	require.Len(t, nodes.GetNodes(), 1, "its heartbeats reach the controller meanwhile")
+	require.Equal(t, "running", nodes.GetNodes()[0].GetState())
+	require.Zero(t, nodes.GetNodes()[0].GetVolumes())
+
+	release()
+	eventually(t, "the node's inventory to be read once the slot is free", func() bool {
+		resp, err := f.api.LookupVolumes(context.Background(), &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", "res-1")}})
+		require.NoError(t, err)
+		return slices.Contains(resp.GetVolumes()[0].GetNodes(), "node-a")
+	})
 	n.noLeaks(t)
 }
 

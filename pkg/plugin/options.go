@@ -146,6 +146,9 @@ type ControllerOptions struct {
 	// ReadOrdersMemory bounds the bytes of names the read orders nodes
 	// share take in the controller's memory.
 	ReadOrdersMemory int64
+	// FullReportsAtOnce bounds the nodes' whole inventories the controller
+	// reads at once; the rest are told to send theirs again a little later.
+	FullReportsAtOnce int
 }
 
 // runsNode and runsController say which components a mode runs.
@@ -166,7 +169,7 @@ func Defaults() Options {
 			HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace,
 			OutputCopies: 1},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
-		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute,
+		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
 			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
@@ -325,6 +328,8 @@ func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.ForgetStalledAfter, "forget-stalled-after", c.ForgetStalledAfter, "a node silent this long is forgotten")
 	fs.Int64Var(&c.ReadOrdersMemory, "read-orders-memory", c.ReadOrdersMemory,
 		"bytes of file names the read orders nodes share may take in memory (the least recently used go first; 0: none is kept)")
+	fs.IntVar(&c.FullReportsAtOnce, "full-reports-at-once", c.FullReportsAtOnce,
+		"nodes' whole inventories the controller reads at once (a new leader gets every node's at the same moment): the rest are told to send theirs again a little later")
 	fs.StringVar(&c.TokensFile, "tokens-file", c.TokensFile,
 		"the callers of its APIs, a token,user,namespaces line each (namespaces * or a;b)")
 	fs.BoolVar(&c.KubeAuth, "kube-auth", c.KubeAuth,
@@ -521,6 +526,9 @@ func (c ControllerOptions) validate() []error {
 	}
 	if c.ReadOrdersMemory < 0 {
 		errs = append(errs, fmt.Errorf("--read-orders-memory %d is negative", c.ReadOrdersMemory))
+	}
+	if c.FullReportsAtOnce < 1 {
+		errs = append(errs, fmt.Errorf("--full-reports-at-once %d: want at least 1", c.FullReportsAtOnce))
 	}
 	if (c.TLSCertFile == "") != (c.TLSKeyFile == "") {
 		errs = append(errs, errors.New("--tls-cert-file and --tls-key-file go together"))

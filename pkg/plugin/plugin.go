@@ -62,6 +62,8 @@ type Driver struct {
 	// view is the controller's picture of the nodes' caches.
 	view       *controller.View
 	ctlMetrics *controller.Metrics
+	// fullReports admits nodes' whole inventories a few at a time.
+	fullReports *controller.FullReports
 	// readOrders are those nodes share through the controller.
 	readOrders *controller.ReadOrders
 	nodeEvents controller.NodeEvents
@@ -124,7 +126,8 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.controller = driver.NewController(d.view)
 		d.ctlMetrics = controller.NewMetrics(d.view)
 		d.readOrders = controller.NewReadOrders(opts.Controller.ReadOrdersMemory)
-		d.metrics.registry.MustRegister(append(d.ctlMetrics.Collectors(), d.readOrders)...)
+		d.fullReports = controller.NewFullReports(opts.Controller.FullReportsAtOnce)
+		d.metrics.registry.MustRegister(append(append(d.ctlMetrics.Collectors(), d.fullReports.Collectors()...), d.readOrders)...)
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
@@ -466,6 +469,7 @@ func (d *Driver) metricsRunner(registration *registrationService) runner {
 // its election (or, without one, its forgetting of stalled nodes).
 func (d *Driver) controllerRunners() ([]runner, error) {
 	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
+	serve = append(serve, grpc.InTapHandle(d.fullReports.Tap))
 	if err != nil {
 		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
 	}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 	"k8s.io/klog/v2"
 
@@ -43,6 +44,9 @@ type reporter struct {
 	lastSent    time.Time
 	// nextFull is when the next safety-net inventory is due.
 	nextFull time.Time
+	// fullNotBefore is when the controller, busy reading other nodes'
+	// inventories, said to send this one again.
+	fullNotBefore time.Time
 }
 
 // What a report carried, as cowvol_node_reports_total counts them.
@@ -50,12 +54,14 @@ const (
 	reportFull      = "full"
 	reportChanges   = "changes"
 	reportHeartbeat = "heartbeat"
+	// A whole inventory the controller turned away, busy reading others.
+	reportFullDeferred = "full_deferred"
 )
 
 func newReportsCounter() *prometheus.CounterVec {
 	return prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "cowvol_node_reports_total",
-		Help: "Reports the node sent the controller, by what they carried: its whole inventory (full), what changed since the last acknowledged one (changes), or nothing but how full it is (heartbeat, which reads no volume).",
+		Help: "Reports the node sent the controller, by what they carried: its whole inventory (full), what changed since the last acknowledged one (changes), or nothing but how full it is (heartbeat, which reads no volume); full_deferred counts whole inventories the controller turned away, busy reading others, and took later.",
 	}, []string{"kind"})
 }
 
@@ -89,13 +95,19 @@ func (r *reporter) round(ctx context.Context) error {
 		// between the two is sent now and again (as nothing new) next
 		// round, never lost.
 		rev := r.engine.Revision()
+		now := time.Now()
 		kind := reportHeartbeat
 		switch {
-		case r.needFull || time.Now().After(r.nextFull):
+		case (r.needFull || now.After(r.nextFull)) && !now.Before(r.fullNotBefore):
 			kind = reportFull
-		case rev != r.acked:
+		case rev != r.acked && !r.needFull:
+			// (A controller that asked for the whole inventory has no
+			// base for changes.)
 			kind = reportChanges
-		case time.Since(r.lastSent) < heartbeatEvery:
+		case now.Sub(r.lastSent) < heartbeatEvery-reportEvery/2:
+			// (Half a tick short: lastSent is when the last answer came,
+			// a little after its tick, and the heartbeat is due on the
+			// tick heartbeatEvery after that one, not the next.)
 			return nil
 		}
 		full, err := r.engine.Fullness()
@@ -124,19 +136,34 @@ func (r *reporter) round(ctx context.Context) error {
 			req.Upserts, req.Deletes = diff(r.sent, inv)
 		}
 		callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		if kind == reportFull {
+			callCtx = metadata.AppendToOutgoingContext(callCtx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull)
+		}
 		resp, err := r.client.Report(callCtx, req)
 		cancel()
+		if after, busy := client.RetryAfter(err); busy && kind == reportFull {
+			// Flow control, not a failure: heartbeats (and changes, to a
+			// controller that has the base) go on meanwhile.
+			r.fullNotBefore = time.Now().Add(after/2 + rand.N(after+1))
+			r.reports.WithLabelValues(reportFullDeferred).Inc()
+			klog.V(2).InfoS("The controller deferred this node's whole inventory", "retryAfter", after)
+			return nil
+		}
 		if err != nil {
 			return err
 		}
 		r.reports.WithLabelValues(kind).Inc()
+		r.lastSent = time.Now()
 		if resp.GetResync() {
 			r.needFull = true
+			if r.lastSent.Before(r.fullNotBefore) {
+				return nil // sent again once the controller said it may be
+			}
 			continue
 		}
 		r.obey(resp)
 		r.engine.RefuseCaptures(resp.GetRefuseCaptures())
-		r.sent, r.acked, r.lastSent = inv, rev, time.Now()
+		r.sent, r.acked = inv, rev
 		if kind == reportFull {
 			r.needFull, r.nextFull = false, r.lastSent.Add(resyncAfter())
 		}

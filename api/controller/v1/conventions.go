@@ -23,3 +23,12 @@ func RefsOf(refs []volume.Ref) []*VolumeRef {
 	}
 	return out
 }
+
+// ReportKindHeader is the metadata key a node sets to ReportKindFull on a
+// report carrying its whole inventory, so that the controller can admit
+// such reports a few at a time before it reads them (a report is read
+// whole before any handler runs).
+const (
+	ReportKindHeader = "cowvol-report-kind"
+	ReportKindFull   = "full"
+)
