@@ -25,10 +25,11 @@ type copying map[*nodeState]time.Time
 // made). The caller holds the lock.
 func (v *View) readyCopies(e *entry, now time.Time) (ready int, destroyed bool) {
 	for _, h := range e.holders {
-		if h.destroy[e] {
+		n := v.byIndex[h.node]
+		if n.destroyed(e) {
 			return 0, true
 		}
-		if rec := h.held[e]; v.live(h, now) && states[rec.state] == volume.StateReady {
+		if v.live(n, now) && states[h.rec.state] == volume.StateReady {
 			ready++
 		}
 	}
@@ -61,7 +62,7 @@ func (v *View) assignCopies(n *nodeState, now time.Time) []volume.Ref {
 			continue
 		}
 		for a, since := range asked {
-			rec, held := a.held[e]
+			rec, held := v.recordOf(e, a)
 			if v.nodes[a.id] != a || !v.live(a, now) || now.Sub(since) > copyTimeout || (held && states[rec.state] == volume.StateReady) {
 				delete(asked, a)
 			}
@@ -88,7 +89,7 @@ func (v *View) assignCopies(n *nodeState, now time.Time) []volume.Ref {
 func (v *View) copyTargets(e *entry, asked copying, now time.Time) []*nodeState {
 	var size int64
 	for _, h := range e.holders {
-		size = max(size, h.held[e].size)
+		size = max(size, h.rec.size)
 	}
 	var out []*nodeState
 	for _, n := range v.nodes {

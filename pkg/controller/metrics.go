@@ -55,10 +55,10 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		if !v.live(n, now) {
 			continue
 		}
-		for _, rec := range n.held {
-			vols[rec.state.String()]++
-			bytes += max(rec.size, 0)
+		for st, c := range n.states {
+			vols[stateCode(st).String()] += int(c)
 		}
+		bytes += n.bytes
 	}
 	for st, c := range byState {
 		ch <- prometheus.MustNewConstMetric(m.nodes, prometheus.GaugeValue, float64(c), st)

@@ -31,9 +31,9 @@ var stateRank = func() []int {
 func (v *View) location(e *entry, now time.Time) Location {
 	loc := Location{Ref: e.ref}
 	var best record
-	for _, n := range e.holders {
-		rec, ok := n.has(e)
-		if !ok || !v.live(n, now) {
+	for _, h := range e.holders {
+		n, rec := v.byIndex[h.node], h.rec
+		if n.destroyed(e) || !v.live(n, now) {
 			continue
 		}
 		if !loc.Found || stateRank[rec.state] > stateRank[best.state] {
@@ -98,9 +98,9 @@ func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, n
 		if e == nil || (visible != nil && scopes[e.scope] != volume.ScopeCluster && !visible(r.Namespace)) {
 			continue
 		}
-		for _, n := range e.holders {
-			rec, ok := n.has(e)
-			if !ok || states[rec.state] != volume.StateReady {
+		for _, hd := range e.holders {
+			n, rec := v.byIndex[hd.node], hd.rec
+			if n.destroyed(e) || states[rec.state] != volume.StateReady {
 				continue
 			}
 			h := held[n]
@@ -290,7 +290,7 @@ func (v *View) List(q ListQuery, now time.Time) (out []Location, more bool, err 
 	each := func(e *entry) bool {
 		var loc Location
 		if node != nil {
-			rec, ok := node.has(e)
+			rec, ok := v.has(node, e)
 			if !ok {
 				return true
 			}

@@ -51,6 +51,10 @@ const (
 type View struct {
 	mu                 sync.RWMutex
 	nodes              map[string]*nodeState
+	// byIndex are the nodes by their index, which entries' holders name
+	// them by (freeIndexes: those no node has now).
+	byIndex     []*nodeState
+	freeIndexes []uint32
 	stalledAfter       time.Duration
 	forgetStalledAfter time.Duration
 	// cordoned are the Kubernetes Nodes marked unschedulable: landing.
@@ -83,11 +87,12 @@ type View struct {
 // last node to report it said.
 type entry struct {
 	ref volume.Ref
-	// holders are the nodes reporting it, by ID; each keeps its record. Most
-	// volumes are on one node: holders starts in one, saving an object
-	// per volume for the garbage collector to trace.
-	holders []*nodeState
-	one     [1]*nodeState
+	// holders are the nodes reporting it, by ID, each with its record
+	// beside it: a lookup or a placement reads them in one sweep, not a
+	// map probe per node. Most volumes are on one node: holders starts in
+	// one, saving an object per volume for the garbage collector to trace.
+	holders []holding
+	one     [1]holding
 	parent  *volume.Ref
 	// props are the properties, sorted by key, each key and value
 	// length-prefixed (encodeProps): one string, sharing its allocation
@@ -99,8 +104,42 @@ type entry struct {
 	copies uint8
 }
 
+// holding is one node's copy of a volume: the node by its index (no
+// pointer: ten million copies the garbage collector need not trace), and
+// its record.
+type holding struct {
+	node uint32
+	rec  record
+}
+
+// holderAt is where n is, or would go, among e's holders. The caller holds
+// the lock.
+func (v *View) holderAt(e *entry, n *nodeState) (int, bool) {
+	i, found := slices.BinarySearchFunc(e.holders, n.id, func(h holding, id string) int { return strings.Compare(v.byIndex[h.node].id, id) })
+	return i, found && e.holders[i].node == n.index
+}
+
+// recordOf is n's record of its copy of e. The caller holds the lock.
+func (v *View) recordOf(e *entry, n *nodeState) (record, bool) {
+	if i, ok := v.holderAt(e, n); ok {
+		return e.holders[i].rec, true
+	}
+	return record{}, false
+}
+
+// indexNode gives n an index. The caller holds the lock.
+func (v *View) indexNode(n *nodeState) {
+	if k := len(v.freeIndexes); k > 0 {
+		n.index, v.freeIndexes = v.freeIndexes[k-1], v.freeIndexes[:k-1]
+		v.byIndex[n.index] = n
+		return
+	}
+	n.index = uint32(len(v.byIndex))
+	v.byIndex = append(v.byIndex, n)
+}
+
 // record is what one node reports of its copy of a volume, kept small: a
-// fleet holds a million of them.
+// fleet holds ten million of them.
 type record struct {
 	size   int64
 	steps  int32
@@ -196,9 +235,15 @@ func (in *interner) intern(s string) string {
 
 type nodeState struct {
 	id, storeID string
+	index       uint32
 	revision    uint64
 	lastReport  time.Time
-	held        map[*entry]record
+	// held are the volumes it reports (their records are the entries'
+	// holders'); bytes and states total them, for its status and the
+	// metrics, which would otherwise read every record of the fleet.
+	held   map[*entry]struct{}
+	bytes  int64
+	states [3]int32
 	// syncs counts its full syncs, to mark what each one named.
 	syncs     uint16
 	bytesFree int64
@@ -355,8 +400,9 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 	n := v.nodes[req.NodeID]
 	if n == nil || n.storeID != req.StoreID {
 		// New, or back with a wiped state dir: nothing it held before.
-		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[*entry]record{},
+		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[*entry]struct{}{},
 			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}}
+		v.indexNode(fresh)
 		if n != nil {
 			fresh.lifecycle = n.lifecycle // taken out of service by name, not by store
 			v.drop(n)
@@ -393,7 +439,7 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 			n.destroy[e] = true // released: everything it holds goes
 		}
 	}
-	a := Answer{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: n.pendingPins(), Copy: v.assignCopies(n, now)}
+	a := Answer{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: v.pendingPins(n), Copy: v.assignCopies(n, now)}
 	if v.lifecycle(n) != "" {
 		a.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
@@ -404,9 +450,10 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 // lock.
 func (v *View) find(r volume.Ref) *entry { return v.byNamespace[r.Namespace][r.Handle] }
 
-// put records a node's copy of a volume. The caller holds the lock.
-func (v *View) put(n *nodeState, u upsert) *entry {
-	e := v.find(u.ref)
+// put records a node's copy of a volume, and says whether it is the first
+// time the node's current full sync names it. The caller holds the lock.
+func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
+	e = v.find(u.ref)
 	if e == nil {
 		ns := v.names.intern(u.ref.Namespace)
 		e = &entry{}
@@ -419,12 +466,17 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 		v.byNamespace[ns][e.ref.Handle] = e
 		v.ordered.ReplaceOrInsert(e)
 	}
-	if _, held := n.held[e]; !held {
-		// In node ID order: answers list nodes sorted, without sorting.
-		at, _ := slices.BinarySearchFunc(e.holders, n.id, func(h *nodeState, id string) int { return strings.Compare(h.id, id) })
-		e.holders = slices.Insert(e.holders, at, n)
+	// In node ID order: answers list nodes sorted, without sorting.
+	if at, held := v.holderAt(e, n); held {
+		first = e.holders[at].rec.sync != u.rec.sync
+		n.count(e.holders[at].rec, -1)
+		e.holders[at].rec = u.rec
+	} else {
+		first = true
+		e.holders = slices.Insert(e.holders, at, holding{node: n.index, rec: u.rec})
+		n.held[e] = struct{}{}
 	}
-	n.held[e] = u.rec
+	n.count(u.rec, 1)
 	if e.scope != u.scope {
 		if scopes[e.scope] == volume.ScopeCluster {
 			v.shared.Delete(e)
@@ -451,7 +503,7 @@ func (v *View) put(n *nodeState, u upsert) *entry {
 		}
 		e.parent = &p
 	}
-	return e
+	return e, first
 }
 
 // keep copies a volume's handle and properties out of the report they were
@@ -467,12 +519,18 @@ func (v *View) replace(n *nodeState, upserts []upsert) {
 	if n.syncs++; n.syncs == 0 {
 		n.syncs = 1 // 0 marks records that only changes named
 	}
+	named := 0
 	for _, u := range upserts {
 		u.rec.sync = n.syncs
-		v.put(n, u)
+		if _, first := v.put(n, u); first {
+			named++
+		}
 	}
-	for e, rec := range n.held {
-		if rec.sync != n.syncs {
+	if len(n.held) == named {
+		return // (a periodic resync's common case: it holds what it held)
+	}
+	for e := range n.held {
+		if rec, _ := v.recordOf(e, n); rec.sync != n.syncs {
 			v.remove(n, e)
 		}
 	}
@@ -485,7 +543,10 @@ func (v *View) remove(n *nodeState, e *entry) {
 		return
 	}
 	delete(n.held, e)
-	e.holders = slices.DeleteFunc(e.holders, func(h *nodeState) bool { return h == n })
+	if at, held := v.holderAt(e, n); held {
+		n.count(e.holders[at].rec, -1)
+		e.holders = slices.Delete(e.holders, at, at+1)
+	}
 	v.markLacking(e)
 	if len(e.holders) == 0 {
 		delete(v.lacking, e)
@@ -507,6 +568,10 @@ func (v *View) drop(n *nodeState) {
 	}
 	if v.nodes[n.id] == n {
 		delete(v.nodes, n.id)
+	}
+	if v.byIndex[n.index] == n {
+		v.byIndex[n.index] = nil
+		v.freeIndexes = append(v.freeIndexes, n.index)
 	}
 }
 
@@ -543,21 +608,30 @@ func (n *nodeState) pendingDestroys() []volume.Ref {
 	return out
 }
 
-// has is the node's record of the volume, unless a scheduler destroyed it:
-// then it is gone from every answer at once, whatever the node still says.
-func (n *nodeState) has(e *entry) (record, bool) {
-	if len(n.destroy) > 0 && n.destroy[e] {
+// has is the node's record of the volume, unless a scheduler destroyed it.
+// The caller holds the lock.
+func (v *View) has(n *nodeState, e *entry) (record, bool) {
+	if n.destroyed(e) {
 		return record{}, false
 	}
-	rec, ok := n.held[e]
-	return rec, ok
+	return v.recordOf(e, n)
+}
+
+// destroyed says a scheduler destroyed e on n: it is gone from every answer
+// at once, whatever the node still says.
+func (n *nodeState) destroyed(e *entry) bool { return len(n.destroy) > 0 && n.destroy[e] }
+
+// count adds a record to the node's totals (sign 1) or takes it out (-1).
+func (n *nodeState) count(r record, sign int) {
+	n.bytes += int64(sign) * max(r.size, 0)
+	n.states[r.state] += int32(sign)
 }
 
 // pendingPins are the pin changes the node's reports do not show yet.
-func (n *nodeState) pendingPins() []PinCommand {
+func (v *View) pendingPins(n *nodeState) []PinCommand {
 	var out []PinCommand
 	for e, c := range n.pins {
-		if rec, held := n.held[e]; !held || rec.pinned == !c.Unpin {
+		if rec, held := v.recordOf(e, n); !held || rec.pinned == !c.Unpin {
 			delete(n.pins, e)
 			continue
 		}
@@ -589,7 +663,8 @@ func (v *View) command(refs []volume.Ref, ask func(*nodeState, *entry)) []Volume
 	for i, r := range refs {
 		out[i].Ref = r
 		if e := v.find(r); e != nil {
-			for _, n := range e.holders {
+			for _, h := range e.holders {
+				n := v.byIndex[h.node]
 				ask(n, e)
 				out[i].Nodes = append(out[i].Nodes, n.id)
 			}
@@ -627,11 +702,8 @@ func (v *View) PeerAddress(nodeID string) string {
 // status is what a scheduler sees of a node. The caller holds the lock.
 func (v *View) status(n *nodeState, now time.Time) NodeStatus {
 	st := NodeStatus{NodeID: n.id, StoreID: n.storeID, State: v.state(n, now), Revision: n.revision,
-		Volumes: int32(len(n.held)), BytesFree: n.bytesFree, OverHighWatermark: n.over,
+		Volumes: int32(len(n.held)), Bytes: n.bytes, BytesFree: n.bytesFree, OverHighWatermark: n.over,
 		LastReport: n.lastReport, PeerAddress: n.peerAddress}
-	for _, rec := range n.held {
-		st.Bytes += max(rec.size, 0)
-	}
 	return st
 }
 

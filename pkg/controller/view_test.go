@@ -455,3 +455,70 @@ func TestEncodeProps(t *testing.T) {
 		})
 	}
 }
+
+// Each node's totals (its bytes and its copies by state, which node status
+// and the metrics read instead of every record) stay those of the records
+// its volumes' holders keep, through full syncs, changes, deletes, a new
+// store and a drop; and every copy is both in the node's set and among the
+// entry's holders, in node order.
+func TestNodeTotalsFollowTheRecords(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	r := rand.New(rand.NewPCG(39, 2))
+	stateNames := []string{"creating", "ready", "failed"}
+	randomVol := func() Held {
+		return vol(fmt.Sprintf("v%d", r.IntN(40)), stateNames[r.IntN(3)], int64(r.IntN(1000)-100))
+	}
+	revisions := map[string]uint64{}
+	for round := range 400 {
+		node := fmt.Sprintf("n%d", r.IntN(5))
+		store := "s"
+		if round%97 == 96 {
+			store = fmt.Sprintf("s%d", round) // back with a wiped state dir
+		}
+		req := Report{NodeID: node, StoreID: store, Revision: revisions[node] + 1, BaseRevision: revisions[node], Full: r.IntN(4) == 0}
+		for range r.IntN(20) {
+			req.Upserts = append(req.Upserts, randomVol())
+		}
+		for range r.IntN(5) {
+			req.Deletes = append(req.Deletes, ref(fmt.Sprintf("v%d", r.IntN(40))))
+		}
+		a, err := v.Report(req, now)
+		require.NoError(t, err)
+		if a.Resync {
+			req.Full, req.Deletes = true, nil
+			_, err = v.Report(req, now)
+			require.NoError(t, err)
+		}
+		revisions[node] = req.Revision
+		if round%53 == 52 {
+			v.drop(v.nodes[node])
+			delete(revisions, node)
+		}
+		for _, handles := range v.byNamespace {
+			for _, e := range handles {
+				for _, h := range e.holders {
+					require.NotNil(t, v.byIndex[h.node], "a holder names a node that went")
+				}
+			}
+		}
+		for _, n := range v.nodes {
+			require.Same(t, n, v.byIndex[n.index])
+			var want nodeState
+			copies := 0
+			for _, handles := range v.byNamespace {
+				for _, e := range handles {
+					require.True(t, slices.IsSortedFunc(e.holders, func(a, b holding) int { return strings.Compare(v.byIndex[a.node].id, v.byIndex[b.node].id) }))
+					if rec, ok := v.recordOf(e, n); ok {
+						copies++
+						want.count(rec, 1)
+						require.Contains(t, n.held, e)
+					}
+				}
+			}
+			require.Len(t, n.held, copies, "round %d, node %s", round, n.id)
+			require.Equal(t, want.bytes, n.bytes, "round %d, node %s", round, n.id)
+			require.Equal(t, want.states, n.states, "round %d, node %s", round, n.id)
+		}
+	}
+}
