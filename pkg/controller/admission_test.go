@@ -112,7 +112,7 @@ func TestFullReportsSlotsComeBack(t *testing.T) {
 	tests := []struct {
 		name    string
 		holdFor time.Duration
-		take func(t *testing.T, reg controllerv1.RegistryClient, conn *grpc.ClientConn, h *heldRegistry)
+		take    func(t *testing.T, reg controllerv1.RegistryClient, conn *grpc.ClientConn, h *heldRegistry)
 	}{
 		{"the caller cancels", time.Hour, func(t *testing.T, reg controllerv1.RegistryClient, _ *grpc.ClientConn, h *heldRegistry) {
 			ctx, cancel := context.WithCancel(fullCtx(t.Context()))

@@ -49,12 +49,12 @@ const (
 // nodes holding it, and each node keeps a compact record of its copy. A
 // lookup or a placement touches only the entries it names.
 type View struct {
-	mu                 sync.RWMutex
-	nodes              map[string]*nodeState
+	mu    sync.RWMutex
+	nodes map[string]*nodeState
 	// byIndex are the nodes by their index, which entries' holders name
 	// them by (freeIndexes: those no node has now).
-	byIndex     []*nodeState
-	freeIndexes []uint32
+	byIndex            []*nodeState
+	freeIndexes        []uint32
 	stalledAfter       time.Duration
 	forgetStalledAfter time.Duration
 	// cordoned are the Kubernetes Nodes marked unschedulable: landing.
