@@ -463,10 +463,11 @@ func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
 }
 
 // A controller reading as many whole inventories as it may at once turns a
-// node's away, telling it when to send it again: the node keeps sending
-// heartbeats meanwhile, and its inventory reaches the controller once a
-// slot is free. (The test takes the controller's one slot with a report
-// that sends its header and stalls.)
+// node's away, telling it when to ask again: the node then asks with
+// heartbeats, which reach the controller meanwhile, instead of sending its
+// inventory blind again, and sends it once told there is room. (The test
+// takes the controller's one slot with a report that sends its header and
+// stalls.)
 func TestFullReportsDeferredWhileTheControllerIsBusy(t *testing.T) {
 	metrics := plugintest.FreeAddr(t)
 	f := startFleet(t, []string{"--full-reports-at-once=1", "--metrics-address=" + metrics})
@@ -482,8 +483,12 @@ func TestFullReportsDeferredWhileTheControllerIsBusy(t *testing.T) {
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + f.addr}})
 	n.step("", "res-1", func(dir string) { write(t, dir, "f", "x") })
 	eventually(t, "the node's inventory to be deferred", func() bool {
-		return metricValue(t, n, `cowvol_node_reports_total{kind="full_deferred"}`) >= 2
+		return metricValue(t, n, `cowvol_node_reports_total{kind="full_deferred"}`) >= 1
 	})
+	beats := metricValue(t, n, `cowvol_node_reports_total{kind="heartbeat"}`)
+	time.Sleep(6 * time.Second)
+	require.Equal(t, 1.0, metricValue(t, n, `cowvol_node_reports_total{kind="full_deferred"}`), "it asks before it sends again")
+	require.GreaterOrEqual(t, metricValue(t, n, `cowvol_node_reports_total{kind="heartbeat"}`), beats+2)
 	ctlMetrics := func() string {
 		resp, err := http.Get("http://" + metrics + "/metrics")
 		require.NoError(t, err)

@@ -24,30 +24,46 @@ const reportMethod = "/cowvol.controller.v1.Registry/Report"
 // every node for its inventory at the same moment; gRPC reads a call's
 // whole message before any handler or interceptor runs, so without this
 // 1,000 nodes' inventories (a few MiB each, decoded) would be in memory at
-// once however the handler limits itself. Its Tap runs before the read, on
-// the header a node sets on a full report (controllerv1.ReportKindHeader).
+// once however the handler limits itself.
+//
+// Nodes ask before they send: the controller answers a heartbeat that
+// must be followed by the whole inventory with room kept for it for
+// grantFor (Grant), or with how long to wait before asking again. Tap is
+// the backstop, before the read, on the header a node sets on a full
+// report (controllerv1.ReportKindHeader): a report with room kept for its
+// node, or with room free, is read; others are answered ResourceExhausted
+// with a RetryInfo, having cost the bytes they sent before the answer
+// reached them (asking first costs a heartbeat).
 //
 // A slot is held until the call ends, or for at most holdFor: a caller
 // that sends its header and then stalls (any client can, before it is
 // authenticated) gives its slot back after that.
 type FullReports struct {
-	slots      chan struct{}
+	mu     sync.Mutex
+	atOnce int
+	// reading counts the inventories being read; granted, the nodes room
+	// is kept for, until when.
+	reading    int
+	granted    map[string]time.Time
 	retryAfter time.Duration
 	holdFor    time.Duration
+	grantFor   time.Duration
 	counted    *prometheus.CounterVec
 }
 
 // Defaults of FullReports: turned-away nodes try again after about
 // fullReportRetry (each draws a time around it); a slot is held at most
-// fullReportHold.
+// fullReportHold, and kept for a node told to send for fullReportGrant.
 const (
 	fullReportRetry = 2 * time.Second
 	fullReportHold  = 30 * time.Second
+	fullReportGrant = 5 * time.Second
 )
 
 // NewFullReports admits at most atOnce full reports at once.
 func NewFullReports(atOnce int) *FullReports {
-	return &FullReports{slots: make(chan struct{}, atOnce), retryAfter: fullReportRetry, holdFor: fullReportHold,
+	return &FullReports{atOnce: atOnce, granted: map[string]time.Time{},
+		retryAfter: fullReportRetry, holdFor: fullReportHold, grantFor: fullReportGrant,
 		counted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_controller_full_reports_total",
 			Help: "Nodes' reports of their whole inventory, by whether the controller read them at once (admitted) or, with as many being read already, told the node to send it again later (deferred).",
@@ -57,21 +73,52 @@ func NewFullReports(atOnce int) *FullReports {
 // Collectors are the metrics to register.
 func (f *FullReports) Collectors() []prometheus.Collector { return []prometheus.Collector{f.counted} }
 
+// Grant says how long node should wait before it asks again for room to
+// send its whole inventory: 0 if it may send it now, room being kept for
+// it.
+func (f *FullReports) Grant(node string, now time.Time) time.Duration {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.expire(now)
+	if _, ok := f.granted[node]; ok {
+		return 0
+	}
+	if f.reading+len(f.granted) >= f.atOnce {
+		return f.retryAfter
+	}
+	f.granted[node] = now.Add(f.grantFor)
+	return 0
+}
+
+// expire forgets room kept for nodes that did not come. The caller holds
+// the lock.
+func (f *FullReports) expire(now time.Time) {
+	for node, until := range f.granted {
+		if now.After(until) {
+			delete(f.granted, node)
+		}
+	}
+}
+
 // Tap is a grpc.InTapHandle: it runs on the transport's reader before the
 // call's message is read, so it must not block.
 func (f *FullReports) Tap(ctx context.Context, info *tap.Info) (context.Context, error) {
 	if info.FullMethodName != reportMethod || !isFullReport(info) {
 		return ctx, nil
 	}
-	select {
-	case f.slots <- struct{}{}:
-	default:
+	if !f.admit(headerValue(info, controllerv1.ReportNodeHeader), time.Now()) {
 		f.counted.WithLabelValues("deferred").Inc()
-		return ctx, Deferred(len(f.slots), f.retryAfter)
+		return ctx, Deferred(f.atOnce, f.retryAfter)
 	}
 	f.counted.WithLabelValues("admitted").Inc()
 	var once sync.Once
-	release := func() { once.Do(func() { <-f.slots }) }
+	release := func() {
+		once.Do(func() {
+			f.mu.Lock()
+			f.reading--
+			f.mu.Unlock()
+		})
+	}
 	timer := time.AfterFunc(f.holdFor, release)
 	// The stream's context ends with the call, however it ends (answered,
 	// cancelled, its connection gone).
@@ -79,13 +126,30 @@ func (f *FullReports) Tap(ctx context.Context, info *tap.Info) (context.Context,
 	return ctx, nil
 }
 
-func isFullReport(info *tap.Info) bool {
-	for _, v := range info.Header.Get(controllerv1.ReportKindHeader) {
-		if v == controllerv1.ReportKindFull {
-			return true
-		}
+// admit takes a slot for node's inventory: the room kept for it, or room
+// free.
+func (f *FullReports) admit(node string, now time.Time) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.expire(now)
+	if _, ok := f.granted[node]; ok && node != "" {
+		delete(f.granted, node)
+	} else if f.reading+len(f.granted) >= f.atOnce {
+		return false
 	}
-	return false
+	f.reading++
+	return true
+}
+
+func isFullReport(info *tap.Info) bool {
+	return headerValue(info, controllerv1.ReportKindHeader) == controllerv1.ReportKindFull
+}
+
+func headerValue(info *tap.Info, key string) string {
+	if v := info.Header.Get(key); len(v) > 0 {
+		return v[0]
+	}
+	return ""
 }
 
 // Deferred is the answer to a full report turned away: ResourceExhausted,

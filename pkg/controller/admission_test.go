@@ -157,3 +157,27 @@ func counted(t *testing.T, gate *FullReports, result string) float64 {
 	t.Helper()
 	return testutil.ToFloat64(gate.counted.WithLabelValues(result))
 }
+
+// Room is kept for a node told to send its inventory: its report is read
+// even when every other slot is taken, others are told to wait while it
+// is kept, and room not used is given back after grantFor.
+func TestFullReportsKeepsRoomForThoseItTold(t *testing.T) {
+	gate := NewFullReports(2)
+	now := time.Now()
+	require.Zero(t, gate.Grant("node-a", now))
+	require.Zero(t, gate.Grant("node-a", now), "asked again: still kept")
+	require.True(t, gate.admit("", now), "one slot of two is free")
+	require.Equal(t, fullReportRetry, gate.Grant("node-b", now), "the last slot is node-a's")
+	require.False(t, gate.admit("node-b", now))
+	require.False(t, gate.admit("", now))
+	require.True(t, gate.admit("node-a", now))
+	require.False(t, gate.admit("node-a", now), "room is kept once")
+
+	gate = NewFullReports(1)
+	require.Zero(t, gate.Grant("node-a", now))
+	require.Equal(t, fullReportRetry, gate.Grant("node-b", now))
+	later := now.Add(fullReportGrant + time.Second)
+	require.Zero(t, gate.Grant("node-b", later), "node-a did not come: its room went to node-b")
+	require.False(t, gate.admit("node-a", later))
+	require.True(t, gate.admit("node-b", later))
+}

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"k8s.io/klog/v2"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -29,8 +30,8 @@ type NodeEvents interface {
 // schedulers) on srv.
 // dial reaches nodes' data for reads and uploads (nil: they are refused).
 // orders keep the read orders nodes share.
-func Register(srv *grpc.Server, v *View, orders *ReadOrders, m *Metrics, events NodeEvents, dial PeerDialer) {
-	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v, orders: orders})
+func Register(srv *grpc.Server, v *View, orders *ReadOrders, fullReports *FullReports, m *Metrics, events NodeEvents, dial PeerDialer) {
+	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v, orders: orders, fullReports: fullReports})
 	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events, dial: dial})
 }
 
@@ -46,8 +47,9 @@ func code(err error) error {
 
 type registryServer struct {
 	controllerv1.UnimplementedRegistryServer
-	view   *View
-	orders *ReadOrders
+	view        *View
+	orders      *ReadOrders
+	fullReports *FullReports
 }
 
 func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
@@ -58,15 +60,22 @@ func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportReq
 	if err != nil {
 		return nil, code(err)
 	}
-	answer, err := s.view.Report(report, time.Now())
+	now := time.Now()
+	answer, err := s.view.Report(report, now)
 	if err != nil {
 		return nil, code(err)
+	}
+	resp := toWireAnswer(answer)
+	if answer.Resync && !report.Full {
+		if wait := s.fullReports.Grant(report.NodeID, now); wait > 0 {
+			resp.FullReportAfter = durationpb.New(wait)
+		}
 	}
 	if req.GetFull() {
 		klog.V(2).InfoS("A node reported its whole inventory", "node", req.GetNodeId(), "store", req.GetStoreId(),
 			"volumes", len(req.GetUpserts()), "revision", req.GetRevision())
 	}
-	return toWireAnswer(answer), nil
+	return resp, nil
 }
 
 func (s *registryServer) ShareReadOrder(ctx context.Context, req *controllerv1.ShareReadOrderRequest) (*controllerv1.ShareReadOrderResponse, error) {

@@ -479,7 +479,7 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 	}
 	api := grpc.NewServer(append(serve, grpc.KeepaliveParams(keepalive.ServerParameters{
 		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
-	controller.Register(api, d.view, d.readOrders, d.ctlMetrics, d.nodeEvents, dial)
+	controller.Register(api, d.view, d.readOrders, d.fullReports, d.ctlMetrics, d.nodeEvents, dial)
 	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.Controller.APIAddress), stopGracefully(0)),
 		"Serving the controller's Registry and Cache APIs", "address", d.opts.Controller.APIAddress,
 		"tls", d.opts.Controller.TLSCertFile != "", "tokens", d.opts.Controller.TokensFile != "",

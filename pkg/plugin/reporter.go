@@ -45,8 +45,10 @@ type reporter struct {
 	// nextFull is when the next safety-net inventory is due.
 	nextFull time.Time
 	// fullNotBefore is when the controller, busy reading other nodes'
-	// inventories, said to send this one again.
+	// inventories, said to ask again for room to send this one; askFirst,
+	// that the node asks (with a heartbeat) before it sends it.
 	fullNotBefore time.Time
+	askFirst      bool
 }
 
 // What a report carried, as cowvol_node_reports_total counts them.
@@ -97,13 +99,16 @@ func (r *reporter) round(ctx context.Context) error {
 		rev := r.engine.Revision()
 		now := time.Now()
 		kind := reportHeartbeat
+		waited := !now.Before(r.fullNotBefore)
 		switch {
-		case (r.needFull || now.After(r.nextFull)) && !now.Before(r.fullNotBefore):
+		case (r.needFull || now.After(r.nextFull)) && waited && !r.askFirst:
 			kind = reportFull
 		case rev != r.acked && !r.needFull:
 			// (A controller that asked for the whole inventory has no
 			// base for changes.)
 			kind = reportChanges
+		case r.askFirst && waited:
+			// A heartbeat asks for room for the whole inventory.
 		case now.Sub(r.lastSent) < heartbeatEvery-reportEvery/2:
 			// (Half a tick short: lastSent is when the last answer came,
 			// a little after its tick, and the heartbeat is due on the
@@ -137,14 +142,15 @@ func (r *reporter) round(ctx context.Context) error {
 		}
 		callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		if kind == reportFull {
-			callCtx = metadata.AppendToOutgoingContext(callCtx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull)
+			callCtx = metadata.AppendToOutgoingContext(callCtx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull,
+				controllerv1.ReportNodeHeader, r.nodeID)
 		}
 		resp, err := r.client.Report(callCtx, req)
 		cancel()
 		if after, busy := client.RetryAfter(err); busy && kind == reportFull {
 			// Flow control, not a failure: heartbeats (and changes, to a
 			// controller that has the base) go on meanwhile.
-			r.fullNotBefore = time.Now().Add(after/2 + rand.N(after+1))
+			r.deferFull(after)
 			r.reports.WithLabelValues(reportFullDeferred).Inc()
 			klog.V(2).InfoS("The controller deferred this node's whole inventory", "retryAfter", after)
 			return nil
@@ -156,11 +162,14 @@ func (r *reporter) round(ctx context.Context) error {
 		r.lastSent = time.Now()
 		if resp.GetResync() {
 			r.needFull = true
-			if r.lastSent.Before(r.fullNotBefore) {
-				return nil // sent again once the controller said it may be
+			if after := resp.GetFullReportAfter().AsDuration(); after > 0 {
+				r.deferFull(after)
+				return nil
 			}
-			continue
+			r.askFirst = false
+			continue // room is kept for it now
 		}
+		r.askFirst = false
 		r.obey(resp)
 		r.engine.RefuseCaptures(resp.GetRefuseCaptures())
 		r.sent, r.acked = inv, rev
@@ -170,6 +179,13 @@ func (r *reporter) round(ctx context.Context) error {
 		return nil
 	}
 	return nil
+}
+
+// deferFull waits about after (drawn around it, so that the nodes turned
+// away together do not come back together), then asks for room before it
+// sends the whole inventory.
+func (r *reporter) deferFull(after time.Duration) {
+	r.fullNotBefore, r.askFirst = time.Now().Add(after/2+rand.N(after+1)), true
 }
 
 // resyncAfter is how long after a whole inventory the next is due: a

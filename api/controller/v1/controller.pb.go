@@ -405,9 +405,15 @@ type ReportResponse struct {
 	// Volumes to pull (whole, in the background) and keep: copies of
 	// volumes that asked to be on more nodes than hold them. Repeated until
 	// the node's reports show it holds them.
-	Copy          []*VolumeRef `protobuf:"bytes,6,rep,name=copy,proto3" json:"copy,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Copy []*VolumeRef `protobuf:"bytes,6,rep,name=copy,proto3" json:"copy,omitempty"`
+	// With resync, to a report that was not a whole inventory: how long the
+	// node waits before it asks again (with a heartbeat) for room to send
+	// it. Unset: send it now, the controller keeps room for it for a few
+	// seconds. A new leader that every node must send its inventory reads
+	// them a few at a time; the others wait, their heartbeats going on.
+	FullReportAfter *durationpb.Duration `protobuf:"bytes,7,opt,name=full_report_after,json=fullReportAfter,proto3" json:"full_report_after,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ReportResponse) Reset() {
@@ -478,6 +484,13 @@ func (x *ReportResponse) GetRefuseCaptures() string {
 func (x *ReportResponse) GetCopy() []*VolumeRef {
 	if x != nil {
 		return x.Copy
+	}
+	return nil
+}
+
+func (x *ReportResponse) GetFullReportAfter() *durationpb.Duration {
+	if x != nil {
+		return x.FullReportAfter
 	}
 	return nil
 }
@@ -2111,14 +2124,15 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fstep_volumes\x18\n" +
 	" \x01(\x05R\vstepVolumes\x12!\n" +
-	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\"\x93\x02\n" +
+	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\"\xda\x02\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
 	"\adestroy\x18\x03 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\adestroy\x124\n" +
 	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\x12'\n" +
 	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\x123\n" +
-	"\x04copy\x18\x06 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04copy\"\xa4\x01\n" +
+	"\x04copy\x18\x06 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04copy\x12E\n" +
+	"\x11full_report_after\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0ffullReportAfter\"\xa4\x01\n" +
 	"\tReadOrder\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
@@ -2303,8 +2317,8 @@ var file_controller_v1_controller_proto_goTypes = []any{
 	(*NewVolume)(nil),               // 30: cowvol.controller.v1.NewVolume
 	nil,                             // 31: cowvol.controller.v1.VolumeLocation.PropertiesEntry
 	nil,                             // 32: cowvol.controller.v1.NewVolume.PropertiesEntry
-	(*timestamppb.Timestamp)(nil),   // 33: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),     // 34: google.protobuf.Duration
+	(*durationpb.Duration)(nil),     // 33: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),   // 34: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -2316,61 +2330,62 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
 	9,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.ReportResponse.copy:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 9: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
-	5,  // 10: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
-	0,  // 11: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 12: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
-	0,  // 13: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	12, // 14: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 15: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 16: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 17: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
-	12, // 18: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 19: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	17, // 20: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 21: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 22: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	31, // 23: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	17, // 24: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 25: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	22, // 26: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 27: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	26, // 28: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	33, // 29: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	0,  // 30: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	30, // 31: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
-	0,  // 32: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	32, // 33: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	34, // 34: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
-	3,  // 35: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	6,  // 36: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
-	8,  // 37: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
-	15, // 38: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	18, // 39: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	20, // 40: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	23, // 41: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	10, // 42: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	13, // 43: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	25, // 44: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	27, // 45: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	29, // 46: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	4,  // 47: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	7,  // 48: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
-	5,  // 49: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
-	16, // 50: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	19, // 51: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	21, // 52: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	24, // 53: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	11, // 54: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	14, // 55: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	26, // 56: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	28, // 57: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	17, // 58: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	47, // [47:59] is the sub-list for method output_type
-	35, // [35:47] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	33, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
+	34, // 10: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	5,  // 11: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
+	0,  // 12: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
+	34, // 13: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	0,  // 14: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	12, // 15: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 16: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 17: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	34, // 18: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	12, // 19: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 20: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	17, // 21: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 22: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 23: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
+	31, // 24: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	17, // 25: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 26: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	22, // 27: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 28: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	26, // 29: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	34, // 30: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	0,  // 31: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
+	30, // 32: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	0,  // 33: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	32, // 34: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	33, // 35: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	3,  // 36: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	6,  // 37: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
+	8,  // 38: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	15, // 39: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	18, // 40: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	20, // 41: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	23, // 42: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	10, // 43: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	13, // 44: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	25, // 45: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	27, // 46: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	29, // 47: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	4,  // 48: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	7,  // 49: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	5,  // 50: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	16, // 51: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	19, // 52: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	21, // 53: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	24, // 54: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	11, // 55: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	14, // 56: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	26, // 57: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	28, // 58: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	17, // 59: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	48, // [48:60] is the sub-list for method output_type
+	36, // [36:48] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }

@@ -25,10 +25,12 @@ func RefsOf(refs []volume.Ref) []*VolumeRef {
 }
 
 // ReportKindHeader is the metadata key a node sets to ReportKindFull on a
-// report carrying its whole inventory, so that the controller can admit
-// such reports a few at a time before it reads them (a report is read
-// whole before any handler runs).
+// report carrying its whole inventory, and ReportNodeHeader to its node
+// ID, so that the controller can admit such reports a few at a time, and
+// the one it kept room for, before it reads them (a report is read whole
+// before any handler runs).
 const (
 	ReportKindHeader = "cowvol-report-kind"
 	ReportKindFull   = "full"
+	ReportNodeHeader = "cowvol-report-node"
 )
