@@ -66,7 +66,7 @@ func NewFullReports(atOnce int) *FullReports {
 		retryAfter: fullReportRetry, holdFor: fullReportHold, grantFor: fullReportGrant,
 		counted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_controller_full_reports_total",
-			Help: "Nodes' reports of their whole inventory, by whether the controller read them at once (admitted) or, with as many being read already, told the node to send it again later (deferred).",
+			Help: "Nodes' whole inventories, by what the controller did: read one (admitted), turned one away unread, with as many being read already (deferred), or told a node that asked for room to ask again later (told_to_wait).",
 		}, []string{"result"})}
 }
 
@@ -84,6 +84,7 @@ func (f *FullReports) Grant(node string, now time.Time) time.Duration {
 		return 0
 	}
 	if f.reading+len(f.granted) >= f.atOnce {
+		f.counted.WithLabelValues("told_to_wait").Inc()
 		return f.retryAfter
 	}
 	f.granted[node] = now.Add(f.grantFor)

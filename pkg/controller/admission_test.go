@@ -172,6 +172,7 @@ func TestFullReportsKeepsRoomForThoseItTold(t *testing.T) {
 	require.False(t, gate.admit("", now))
 	require.True(t, gate.admit("node-a", now))
 	require.False(t, gate.admit("node-a", now), "room is kept once")
+	require.Equal(t, 1.0, counted(t, gate, "told_to_wait"))
 
 	gate = NewFullReports(1)
 	require.Zero(t, gate.Grant("node-a", now))
