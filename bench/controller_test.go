@@ -161,12 +161,22 @@ func controllerFleet(b *testing.B, f *fleet, memLimit string) {
 	// resync is node n's reporter after the controller restarted: its
 	// heartbeat is answered "resync", and it waits as long as it is told
 	// before it asks again, then sends its inventory when told to (and
-	// again later, if turned away). It says how often it waited.
+	// again later, if turned away). It says how often it waited. A call
+	// that fails is made again a second later, as a reporter does (a
+	// connection the controller ages out may fail one).
 	resync := func(conn *grpc.ClientConn, n int) (waits, deferred int) {
+		failures := 0
+		failed := func(err error) {
+			if failures++; failures > 10 {
+				b.Fatalf("node %d: %v", n, err)
+			}
+			time.Sleep(time.Second)
+		}
 		for {
 			resp, err := send(conn, n, false)
 			if err != nil {
-				b.Fatal(err)
+				failed(err)
+				continue
 			}
 			if !resp.GetResync() {
 				return waits, deferred
@@ -183,7 +193,7 @@ func controllerFleet(b *testing.B, f *fleet, memLimit string) {
 				continue
 			}
 			if err != nil {
-				b.Fatal(err)
+				failed(err)
 			}
 		}
 	}
@@ -224,19 +234,36 @@ func controllerFleet(b *testing.B, f *fleet, memLimit string) {
 	for n := range conns {
 		conns[n] = dial()
 	}
+	// A node whose inventory is in goes on with its heartbeats, as its
+	// reporter does, until the last is in.
 	start = time.Now()
 	var all errgroup.Group
 	var waits, deferrals atomic.Int64
+	var rebuild time.Duration
+	left, allIn := atomic.Int64{}, make(chan struct{})
+	left.Store(int64(f.nodes()))
 	for n := range f.nodes() {
 		all.Go(func() error {
 			w, d := resync(conns[n], n)
 			waits.Add(int64(w))
 			deferrals.Add(int64(d))
-			return nil
+			if left.Add(-1) == 0 {
+				rebuild = time.Since(start)
+				close(allIn)
+			}
+			for {
+				select {
+				case <-allIn:
+					return nil
+				case <-time.After(2 * time.Second):
+				}
+				if _, err := send(conns[n], n, false); err != nil {
+					b.Logf("node %d's heartbeat: %v", n, err)
+				}
+			}
 		})
 	}
 	_ = all.Wait()
-	rebuild := time.Since(start)
 	memAfter := rss(b, ctl.PID())
 	steady := steadyState(b, ctl.PID(), conns, f, 20*time.Second)
 
@@ -283,6 +310,12 @@ func steadyState(b *testing.B, pid int, conns []*grpc.ClientConn, f *fleet, d ti
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	before, start := cpuTime(b, pid), time.Now()
+	var failures atomic.Int64
+	defer func() {
+		if n := failures.Load(); n > 0 {
+			b.Logf("%d steady-state reports failed and were made again", n)
+		}
+	}()
 	var g errgroup.Group
 	for n := range f.nodes() {
 		g.Go(func() error {
@@ -310,8 +343,10 @@ func steadyState(b *testing.B, pid int, conns []*grpc.ClientConn, f *fleet, d ti
 				if ctx.Err() != nil {
 					return nil
 				}
-				if err != nil {
-					return err
+				if err != nil { // (made again next time, as a reporter does)
+					failures.Add(1)
+					timer.Reset(time.Second)
+					continue
 				}
 				if resp.GetResync() {
 					return fmt.Errorf("node %d was asked to resync", n)
