@@ -603,7 +603,15 @@ func (s *soak) checkNothingLeft() {
 				break
 			}
 		}
-		kept, err := nodeKeeps(n)
+		// The plugin may be restarting (a fault's kill, or its liveness
+		// probe's): its node API answers again within a minute.
+		var kept string
+		var err error
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Second) {
+			if kept, err = nodeKeeps(n); err == nil || time.Now().After(deadline) {
+				break
+			}
+		}
 		require.NoError(f.t, err)
 		require.Empty(f.t, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s", n.name, kept)
 		require.Empty(f.t, kept, "%s's plugin keeps soak volumes, destroyed ones included", n.name)
