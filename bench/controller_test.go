@@ -138,7 +138,7 @@ func controllerFleet(b *testing.B, f *fleet, memLimit string) {
 			callCtx = metadata.AppendToOutgoingContext(ctx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull,
 				controllerv1.ReportNodeHeader, fmt.Sprintf("node-%04d", n))
 		}
-		err := conn.Invoke(callCtx, "/cowvol.controller.v1.Registry/Report", encodedReport(f.report(n, whole)), &resp)
+		err := conn.Invoke(callCtx, controllerv1.Registry_Report_FullMethodName, encodedReport(f.report(n, whole)), &resp)
 		return &resp, err
 	}
 	jitter := func(d time.Duration) { time.Sleep(d/2 + rand.N(d+1)) }

@@ -477,7 +477,7 @@ func TestFullReportsDeferredWhileTheControllerIsBusy(t *testing.T) {
 	held, release := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(),
 		controllerv1.ReportKindHeader, controllerv1.ReportKindFull))
 	defer release()
-	_, err = conn.NewStream(held, &grpc.StreamDesc{ClientStreams: true}, "/cowvol.controller.v1.Registry/Report")
+	_, err = conn.NewStream(held, &grpc.StreamDesc{ClientStreams: true}, controllerv1.Registry_Report_FullMethodName)
 	require.NoError(t, err)
 
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + f.addr}})

@@ -16,9 +16,6 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 )
 
-// reportMethod is the one call FullReports admits.
-const reportMethod = "/cowvol.controller.v1.Registry/Report"
-
 // FullReports admits a bounded number of nodes' whole inventories at once
 // and turns the rest away, each told when to try again. A new leader asks
 // every node for its inventory at the same moment; gRPC reads a call's
@@ -104,7 +101,7 @@ func (f *FullReports) expire(now time.Time) {
 // Tap is a grpc.InTapHandle: it runs on the transport's reader before the
 // call's message is read, so it must not block.
 func (f *FullReports) Tap(ctx context.Context, info *tap.Info) (context.Context, error) {
-	if info.FullMethodName != reportMethod || !isFullReport(info) {
+	if info.FullMethodName != controllerv1.Registry_Report_FullMethodName || !isFullReport(info) {
 		return ctx, nil
 	}
 	if !f.admit(headerValue(info, controllerv1.ReportNodeHeader), time.Now()) {

@@ -124,7 +124,7 @@ func TestFullReportsSlotsComeBack(t *testing.T) {
 		{"the caller stalls after its header", 300 * time.Millisecond, func(t *testing.T, _ controllerv1.RegistryClient, conn *grpc.ClientConn, _ *heldRegistry) {
 			// A stream sends its header at once and its message only when
 			// told: this one never is.
-			_, err := conn.NewStream(fullCtx(t.Context()), &grpc.StreamDesc{ClientStreams: true}, reportMethod)
+			_, err := conn.NewStream(fullCtx(t.Context()), &grpc.StreamDesc{ClientStreams: true}, controllerv1.Registry_Report_FullMethodName)
 			require.NoError(t, err)
 		}},
 	}
