@@ -142,13 +142,18 @@ type soakOutcome struct {
 // reader to the next.
 func soakBuild(i int, nodes []fleetNode) []scheduler.Step {
 	get, far := nodes[i%len(nodes)].name, nodes[(i+1)%len(nodes)].name
+	// Busybox's md5sum exits 0 when writing what it printed fails, so a
+	// step whose output's filesystem is full (the soak fills disks) lost
+	// lines and still succeeded: the sums reach the output through tee,
+	// which fails on a failed write as a step must (pipefail), and the
+	// build runs the step again.
 	return []scheduler.Step{
 		{Name: "get", Output: "src", Node: get,
 			Script: fmt.Sprintf("set -e; mktree /out %d %d; echo $(hostname) > /out/build", soakFiles, soakFileBytes)},
 		{Name: "read", Inputs: []string{"src"}, Output: "sums", Node: far,
-			Script: `set -eo pipefail; cd /in/src; find data -type f | sort | while read f; do md5sum "$f"; usleep 2000; done > /out/sums; cp build /out/build`},
+			Script: `set -eo pipefail; cd /in/src; find data -type f | sort | while read f; do md5sum "$f"; usleep 2000; done | tee /out/sums >/dev/null; cp build /out/build`},
 		{Name: "sum", Inputs: []string{"src"}, Output: "sum",
-			Script: "set -eo pipefail; cd /in/src; find data -type f | sort | xargs md5sum | md5sum > /out/sum; ./bin/hello >> /out/sum"},
+			Script: "set -eo pipefail; cd /in/src; { find data -type f | sort | xargs md5sum | md5sum; ./bin/hello; } | tee /out/sum >/dev/null"},
 		// Its report is an output too: cowvol vouches for what a step read
 		// by capturing its outputs (a step that may have read holes, its
 		// node's plugin dead under a lazy pull, captures nothing and is
@@ -206,7 +211,11 @@ func (s *soak) diagnose(handle string) string {
 		}
 		wrong = append(wrong, strings.TrimSpace(line))
 	}
-	return fmt.Sprintf("%d of %d lines wrong (%d the sums of holes), the first: %q", len(wrong), len(lines), zeros, wrong[:min(3, len(wrong))])
+	// Fewer lines than files is the step's own writes lost, not wrong
+	// data read: the lines after the first lost one are each compared
+	// with an earlier file's.
+	return fmt.Sprintf("%d of %d lines wrong (%d the sums of holes; %d lines where %d were wanted), the first: %q",
+		len(wrong), len(lines), zeros, len(lines), len(s.sums), wrong[:min(3, len(wrong))])
 }
 
 // want is what a build's last step prints: the sums alike both ways, and
