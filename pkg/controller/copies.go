@@ -93,7 +93,7 @@ func (v *View) copyTargets(e *entry, asked copying, now time.Time) []*nodeState 
 	}
 	var out []*nodeState
 	for _, n := range v.nodes {
-		_, holds := n.held[e]
+		holds := v.holds(n, e)
 		_, wasAsked := asked[n]
 		if !holds && !wasAsked && v.state(n, now) == NodeRunning && !n.over && n.peerAddress != "" && n.bytesFree > size {
 			out = append(out, n)

@@ -15,6 +15,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"slices"
 	"sort"
 	"strings"
@@ -48,10 +49,16 @@ const (
 // each (bench: BenchmarkControllerFleet): one entry per volume, indexed by
 // namespace and handle, lists the nodes holding it, each by index with the
 // compact record of its copy beside it. A lookup or a placement touches
-// only the entries it names, reading their holders in one sweep.
+// only the entries it names, reading their holders in one sweep. The ten
+// million copies hold no pointers (holders name nodes by index, nodes name
+// the entries they hold by ID): the garbage collector traces the half
+// million entries, not the copies.
 type View struct {
-	mu    sync.RWMutex
-	nodes map[string]*nodeState
+	mu sync.RWMutex
+	// reporting serializes each node's reports (by a hash of its ID):
+	// a full report is checked under the read lock before it is applied.
+	reporting [64]sync.Mutex
+	nodes     map[string]*nodeState
 	// byIndex are the nodes by their index, which entries' holders name
 	// them by (freeIndexes: those no node has now).
 	byIndex            []*nodeState
@@ -61,8 +68,11 @@ type View struct {
 	// cordoned are the Kubernetes Nodes marked unschedulable: landing.
 	cordoned map[string]bool
 	// byNamespace indexes every volume some node reports: namespace,
-	// then handle.
+	// then handle. entries are the same by ID (freeEntries: the IDs no
+	// entry has now).
 	byNamespace map[string]map[string]*entry
+	entries     []*entry
+	freeEntries []uint32
 	// ordered holds the same entries in (namespace, handle) order: a
 	// listing's page starts where the last one stopped, in O(log n),
 	// instead of sorting a million volumes for every page. shared holds
@@ -88,6 +98,8 @@ type View struct {
 // last node to report it said.
 type entry struct {
 	ref volume.Ref
+	// id is its place in View.entries, by which nodes name what they hold.
+	id uint32
 	// holders are the nodes reporting it, by ID, each with its record
 	// beside it: a lookup or a placement reads them in one sweep, not a
 	// map probe per node. Most volumes are on one node: holders starts in
@@ -214,8 +226,8 @@ func cutPrefixed(s string) (string, string) {
 }
 
 // interner hands out one copy of each string it is given, up to a bound
-// (past it, strings are kept as they come): the namespaces and property
-// keys of a cluster are few.
+// (past it, a copy each time): the namespaces and property keys of a
+// cluster are few. What it is given may share a whole report's bytes.
 type interner struct{ seen map[string]string }
 
 const maxInterned = 1 << 16
@@ -227,8 +239,8 @@ func (in *interner) intern(s string) string {
 	if in.seen == nil {
 		in.seen = map[string]string{}
 	}
+	s = strings.Clone(s)
 	if len(in.seen) < maxInterned {
-		s = strings.Clone(s) // not a slice of a whole decoded report
 		in.seen[s] = s
 	}
 	return s
@@ -239,10 +251,10 @@ type nodeState struct {
 	index       uint32
 	revision    uint64
 	lastReport  time.Time
-	// held are the volumes it reports (their records are the entries'
-	// holders'); bytes and states total them, for its status and the
-	// metrics, which would otherwise read every record of the fleet.
-	held   map[*entry]struct{}
+	// held are the IDs of the entries it reports (their records are the
+	// entries' holders'); bytes and states total them, for its status and
+	// the metrics, which would otherwise read every record of the fleet.
+	held   map[uint32]struct{}
 	bytes  int64
 	states [3]int32
 	// syncs counts its full syncs, to mark what each one named.
@@ -396,12 +408,22 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 	if err != nil {
 		return Answer{}, err
 	}
+	reporting := &v.reporting[maphash.String(reportingSeed, req.NodeID)%uint64(len(v.reporting))]
+	reporting.Lock()
+	defer reporting.Unlock()
+	// Most full reports are a node's periodic resync, naming what the view
+	// has of it already: that is found under the read lock, which lookups
+	// share, and only the node's own fields are written.
+	var unchanged *nodeState
+	if req.Full {
+		unchanged = v.reportsWhatItHas(req, upserts)
+	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	n := v.nodes[req.NodeID]
 	if n == nil || n.storeID != req.StoreID {
 		// New, or back with a wiped state dir: nothing it held before.
-		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[*entry]struct{}{},
+		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[uint32]struct{}{},
 			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}}
 		v.indexNode(fresh)
 		if n != nil {
@@ -416,7 +438,11 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 	n.stallSeen = false
 	switch {
 	case req.Full:
-		v.replace(n, upserts)
+		if n != unchanged { // (dropped and back since, if not nil)
+			v.replace(n, upserts)
+		} else {
+			n.nextSync()
+		}
 		delete(v.awaiting, n.id)
 	case n.revision == 0 || req.BaseRevision != n.revision:
 		return Answer{Resync: true, Revision: n.revision}, nil
@@ -436,16 +462,19 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 			v.drop(n) // retired: it leaves
 			return Answer{Revision: n.revision, RefuseCaptures: "the node is retired"}, nil
 		}
-		for e := range n.held {
-			n.destroy[e] = true // released: everything it holds goes
+		for id := range n.held {
+			n.destroy[v.entries[id]] = true // released: everything it holds goes
 		}
 	}
-	a := Answer{Revision: n.revision, Destroy: n.pendingDestroys(), Pins: v.pendingPins(n), Copy: v.assignCopies(n, now)}
+	a := Answer{Revision: n.revision, Destroy: v.pendingDestroys(n), Pins: v.pendingPins(n), Copy: v.assignCopies(n, now)}
 	if v.lifecycle(n) != "" {
 		a.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
 	return a, nil
 }
+
+// reportingSeed hashes node IDs to the View's reporting locks.
+var reportingSeed = maphash.MakeSeed()
 
 // find is the entry of a volume some node reports. The caller holds the
 // lock.
@@ -457,8 +486,7 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 	e = v.find(u.ref)
 	if e == nil {
 		ns := v.names.intern(u.ref.Namespace)
-		e = &entry{}
-		e.holders = e.one[:0]
+		e = v.newEntry()
 		e.ref.Namespace = ns
 		e.ref.Handle, e.props = keep(u.ref.Handle, u.props)
 		if v.byNamespace[ns] == nil {
@@ -475,7 +503,7 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 	} else {
 		first = true
 		e.holders = slices.Insert(e.holders, at, holding{node: n.index, rec: u.rec})
-		n.held[e] = struct{}{}
+		n.held[e.id] = struct{}{}
 	}
 	n.count(u.rec, 1)
 	if e.scope != u.scope {
@@ -514,12 +542,56 @@ func keep(handle, props string) (string, string) {
 	return all[:len(handle)], all[len(handle):]
 }
 
-// replace makes a node's inventory exactly upserts. The caller holds the
-// lock.
-func (v *View) replace(n *nodeState, upserts []upsert) {
+// reportsWhatItHas is the node a full report is from if the report names
+// exactly what the view has of it, as it has it, and nil otherwise. It
+// takes the read lock; the caller serializes the node's reports.
+func (v *View) reportsWhatItHas(req Report, upserts []upsert) *nodeState {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	n := v.nodes[req.NodeID]
+	if n == nil || n.storeID != req.StoreID || len(n.held) != len(upserts) {
+		return nil
+	}
+	// As many as it holds, each held and none named twice: exactly those.
+	named := make([]uint64, (len(v.entries)+63)/64)
+	for _, u := range upserts {
+		e := v.find(u.ref)
+		if e == nil || named[e.id/64]&(1<<(e.id%64)) != 0 {
+			return nil
+		}
+		named[e.id/64] |= 1 << (e.id % 64)
+		if rec, held := v.recordOf(e, n); !held || !rec.sameAs(u.rec) || !e.says(u) {
+			return nil
+		}
+	}
+	return n
+}
+
+// sameAs says two records of a copy say the same, whichever sync named
+// them.
+func (r record) sameAs(o record) bool {
+	r.sync = o.sync
+	return r == o
+}
+
+// says is whether e already says what u says of the volume (what put
+// would leave unchanged).
+func (e *entry) says(u upsert) bool {
+	parent := e.parent == nil && u.parent.Handle == "" || e.parent != nil && *e.parent == u.parent
+	return parent && e.scope == u.scope && e.props == u.props && (u.copies == 0 || e.copies == u.copies)
+}
+
+// nextSync numbers the node's next full sync.
+func (n *nodeState) nextSync() {
 	if n.syncs++; n.syncs == 0 {
 		n.syncs = 1 // 0 marks records that only changes named
 	}
+}
+
+// replace makes a node's inventory exactly upserts. The caller holds the
+// lock.
+func (v *View) replace(n *nodeState, upserts []upsert) {
+	n.nextSync()
 	named := 0
 	for _, u := range upserts {
 		u.rec.sync = n.syncs
@@ -530,7 +602,8 @@ func (v *View) replace(n *nodeState, upserts []upsert) {
 	if len(n.held) == named {
 		return // (a periodic resync's common case: it holds what it held)
 	}
-	for e := range n.held {
+	for id := range n.held {
+		e := v.entries[id]
 		if rec, _ := v.recordOf(e, n); rec.sync != n.syncs {
 			v.remove(n, e)
 		}
@@ -540,10 +613,10 @@ func (v *View) replace(n *nodeState, upserts []upsert) {
 // remove forgets a node's copy of a volume, and the volume once no node
 // reports it. The caller holds the lock.
 func (v *View) remove(n *nodeState, e *entry) {
-	if _, held := n.held[e]; !held {
+	if !v.holds(n, e) {
 		return
 	}
-	delete(n.held, e)
+	delete(n.held, e.id)
 	if at, held := v.holderAt(e, n); held {
 		n.count(e.holders[at].rec, -1)
 		e.holders = slices.Delete(e.holders, at, at+1)
@@ -558,14 +631,37 @@ func (v *View) remove(n *nodeState, e *entry) {
 		}
 		v.ordered.Delete(e)
 		v.shared.Delete(e)
+		v.entries[e.id] = nil
+		v.freeEntries = append(v.freeEntries, e.id)
 	}
+}
+
+// newEntry is an empty entry with an ID. The caller holds the lock.
+func (v *View) newEntry() *entry {
+	e := &entry{}
+	e.holders = e.one[:0]
+	if k := len(v.freeEntries); k > 0 {
+		e.id, v.freeEntries = v.freeEntries[k-1], v.freeEntries[:k-1]
+		v.entries[e.id] = e
+		return e
+	}
+	e.id = uint32(len(v.entries))
+	v.entries = append(v.entries, e)
+	return e
+}
+
+// holds says n reports e (e may be one no node reports any more, whose ID
+// another entry has now). The caller holds the lock.
+func (v *View) holds(n *nodeState, e *entry) bool {
+	_, held := n.held[e.id]
+	return held && v.entries[e.id] == e
 }
 
 // drop forgets a node and everything it reported. The caller holds the
 // lock.
 func (v *View) drop(n *nodeState) {
-	for e := range n.held {
-		v.remove(n, e)
+	for id := range n.held {
+		v.remove(n, v.entries[id])
 	}
 	if v.nodes[n.id] == n {
 		delete(v.nodes, n.id)
@@ -597,10 +693,10 @@ func (v *View) SetLifecycle(nodeID, action string, now time.Time) (NodeStatus, e
 
 // pendingDestroys are the destroys the node has not done yet: volumes it
 // still reports. Done ones are dropped. The caller holds the lock.
-func (n *nodeState) pendingDestroys() []volume.Ref {
+func (v *View) pendingDestroys(n *nodeState) []volume.Ref {
 	var out []volume.Ref
 	for e := range n.destroy {
-		if _, held := n.held[e]; !held {
+		if !v.holds(n, e) {
 			delete(n.destroy, e)
 			continue
 		}
@@ -721,8 +817,8 @@ func (v *View) Sweep(now time.Time) (stalled, forgotten []string) {
 		case !v.live(n, now) && !n.stallSeen:
 			n.stallSeen = true
 			stalled = append(stalled, id)
-			for e := range n.held {
-				v.markLacking(e) // its copies are no longer served
+			for id := range n.held {
+				v.markLacking(v.entries[id]) // its copies are no longer served
 			}
 		}
 	}

@@ -92,6 +92,69 @@ func TestAwaitReports(t *testing.T) {
 	require.Empty(t, v.Unsettled(now))
 }
 
+// A node's full report that says what the view has of it already is found
+// so under the read lock and leaves the view as it is; one that differs in
+// anything a record or an entry keeps is applied, as the first was.
+func TestAFullReportChangingAnythingIsApplied(t *testing.T) {
+	base := func() []Held {
+		return []Held{
+			{Ref: ref("a"), State: volume.StateReady, SizeBytes: 10, Parent: ref("p"), Scope: volume.ScopeNamespace,
+				Properties: []Property{{"k", "v"}}, StepVolumes: 1, Pinned: true, Copies: 2},
+			{Ref: ref("b"), State: volume.StateCreating, SizeBytes: -1},
+		}
+	}
+	tests := []struct {
+		name   string
+		change func([]Held) []Held
+	}{
+		{"nothing", func(h []Held) []Held { return h }},
+		{"the order", func(h []Held) []Held { return []Held{h[1], h[0]} }},
+		{"a size", func(h []Held) []Held { h[0].SizeBytes++; return h }},
+		{"a state", func(h []Held) []Held { h[1].State = volume.StateReady; return h }},
+		{"a pin", func(h []Held) []Held { h[0].Pinned = false; return h }},
+		{"the step volumes", func(h []Held) []Held { h[0].StepVolumes = 0; return h }},
+		{"a property", func(h []Held) []Held { h[0].Properties[0].Value = "w"; return h }},
+		{"the scope", func(h []Held) []Held { h[0].Scope = volume.ScopeCluster; return h }},
+		{"the parent", func(h []Held) []Held { h[0].Parent = ref("q"); return h }},
+		{"no parent", func(h []Held) []Held { h[0].Parent = volume.Ref{}; return h }},
+		{"the copies", func(h []Held) []Held { h[0].Copies = 3; return h }},
+		{"one gone", func(h []Held) []Held { return h[:1] }},
+		{"one more", func(h []Held) []Held { return append(h, vol("c", "ready", 5)) }},
+		{"one named twice instead of another", func(h []Held) []Held { return []Held{h[0], h[0]} }},
+		{"one in another's place", func(h []Held) []Held { h[1] = vol("c", "ready", 5); return h }},
+	}
+	// seen is what the view says of node n's volumes, and what each asked
+	// for in copies.
+	seen := func(v *View, now time.Time) ([]Location, map[string]uint8) {
+		locs, _, err := v.List(ListQuery{Node: "n"}, now)
+		require.NoError(t, err)
+		copies := map[string]uint8{}
+		for _, l := range locs {
+			copies[l.Ref.Handle] = v.find(l.Ref).copies
+		}
+		return locs, copies
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			now := time.Now()
+			report := func(v *View, held []Held) {
+				_, err := v.Report(Report{NodeID: "n", StoreID: "s", Revision: 1, Full: true, Upserts: held}, now)
+				require.NoError(t, err)
+			}
+			v := NewView(time.Minute, time.Hour)
+			report(v, base())
+			report(v, tc.change(base()))
+			want := NewView(time.Minute, time.Hour)
+			report(want, tc.change(base()))
+			gotLocs, gotCopies := seen(v, now)
+			wantLocs, wantCopies := seen(want, now)
+			require.Equal(t, wantLocs, gotLocs)
+			require.Equal(t, wantCopies, gotCopies)
+			require.Equal(t, want.Nodes(now)[0].Bytes, v.Nodes(now)[0].Bytes)
+		})
+	}
+}
+
 func TestLookupPlaceAndStalls(t *testing.T) {
 	v := NewView(time.Minute, time.Hour)
 	now := time.Now()
@@ -512,7 +575,7 @@ func TestNodeTotalsFollowTheRecords(t *testing.T) {
 					if rec, ok := v.recordOf(e, n); ok {
 						copies++
 						want.count(rec, 1)
-						require.Contains(t, n.held, e)
+						require.Contains(t, n.held, e.id)
 					}
 				}
 			}
