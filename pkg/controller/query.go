@@ -82,51 +82,44 @@ func (v *View) Lookup(refs []volume.Ref, now time.Time) []Location {
 // watermark) for a step with these inputs: most input bytes held ready
 // first, then most free space, then by ID. An input of a namespace not
 // visible (nil: all are) that was not shared counts as held nowhere, as if
-// it did not exist.
+// it did not exist. A node missing every input is given inputs itself as
+// its Missing (most nodes, in a big fleet): the caller must not change it.
 func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, now time.Time) []Placement {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	// Per node, which inputs it holds ready and their bytes: one pass over
-	// the holders of each input.
-	type holding struct {
-		inputs []bool
-		bytes  int64
-	}
-	held := make(map[*nodeState]*holding, len(v.nodes))
+	// Per node, by index, which inputs it holds ready (held, k a node)
+	// and their bytes: one pass over the holders of each input, and no
+	// allocation per node.
+	k := len(inputs)
+	held, bytes := make([]bool, len(v.byIndex)*k), make([]int64, len(v.byIndex))
 	for i, r := range inputs {
 		e := v.find(r)
 		if e == nil || (visible != nil && scopes[e.scope] != volume.ScopeCluster && !visible(r.Namespace)) {
 			continue
 		}
 		for _, hd := range e.holders {
-			n, rec := v.byIndex[hd.node], hd.rec
-			if n.destroyed(e) || states[rec.state] != volume.StateReady {
+			if v.byIndex[hd.node].destroyed(e) || states[hd.rec.state] != volume.StateReady {
 				continue
 			}
-			h := held[n]
-			if h == nil {
-				h = &holding{inputs: make([]bool, len(inputs))}
-				held[n] = h
-			}
-			if !h.inputs[i] {
-				h.inputs[i] = true
-				h.bytes += max(rec.size, 0)
+			if at := int(hd.node)*k + i; !held[at] {
+				held[at] = true
+				bytes[hd.node] += max(hd.rec.size, 0)
 			}
 		}
 	}
+	all := inputs[:k:k]
 	out := make([]Placement, 0, len(v.nodes))
 	for _, n := range v.nodes {
 		if n.over || v.lifecycle(n) != "" || !v.live(n, now) {
 			continue
 		}
-		p := Placement{NodeID: n.id, BytesFree: n.bytesFree}
-		h := held[n]
-		if h != nil {
-			p.InputBytesHeld = h.bytes
-		}
-		for i := range inputs {
-			if h == nil || !h.inputs[i] {
-				p.Missing = append(p.Missing, inputs[i])
+		p := Placement{NodeID: n.id, BytesFree: n.bytesFree, InputBytesHeld: bytes[n.index], Missing: all}
+		if mine := held[int(n.index)*k : int(n.index+1)*k]; slices.Contains(mine, true) {
+			p.Missing = nil
+			for i, has := range mine {
+				if !has {
+					p.Missing = append(p.Missing, inputs[i])
+				}
 			}
 		}
 		out = append(out, p)

@@ -33,48 +33,6 @@ func refsFromWire(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
 	return out, nil
 }
 
-// reportFromWire checks a node's report's names; its states, scopes and
-// counts the view checks.
-func reportFromWire(req *controllerv1.ReportRequest) (Report, error) {
-	r := Report{NodeID: req.GetNodeId(), StoreID: req.GetStoreId(), Revision: req.GetRevision(), BaseRevision: req.GetBaseRevision(),
-		Full: req.GetFull(), BytesFree: req.GetBytesFree(), OverHighWatermark: req.GetOverHighWatermark(),
-		StepVolumes: req.GetStepVolumes(), PeerAddress: req.GetPeerAddress(), Upserts: make([]Held, len(req.GetUpserts()))}
-	// Every volume's properties in one array: a full report of 10,000
-	// volumes is otherwise 10,000 small allocations more than the
-	// message's own, on the path every node's report takes.
-	total := 0
-	for _, s := range req.GetUpserts() {
-		total += len(s.GetProperties())
-	}
-	props := make([]Property, 0, total)
-	for i, s := range req.GetUpserts() {
-		ref, err := refFromWire(s.GetRef())
-		if err != nil {
-			return Report{}, err
-		}
-		h := Held{Ref: ref, State: volume.State(s.GetState()), SizeBytes: s.GetSizeBytes(), Scope: volume.Scope(s.GetScope()),
-			StepVolumes: s.GetStepVolumes(), Pinned: s.GetPinned(), Copies: s.GetCopies()}
-		if p := s.GetParent(); p.GetHandle() != "" {
-			if h.Parent, err = refFromWire(p); err != nil {
-				return Report{}, err
-			}
-		}
-		if ps := s.GetProperties(); len(ps) > 0 {
-			from := len(props)
-			for _, p := range ps {
-				props = append(props, Property{Key: p.GetKey(), Value: p.GetValue()})
-			}
-			h.Properties = props[from:len(props):len(props)]
-		}
-		r.Upserts[i] = h
-	}
-	var err error
-	if r.Deletes, err = refsFromWire(req.GetDeletes()); err != nil {
-		return Report{}, err
-	}
-	return r, nil
-}
-
 func toWireAnswer(a Answer) *controllerv1.ReportResponse {
 	resp := &controllerv1.ReportResponse{Resync: a.Resync, Revision: a.Revision, Destroy: controllerv1.RefsOf(a.Destroy),
 		Copy: controllerv1.RefsOf(a.Copy), RefuseCaptures: a.RefuseCaptures}
@@ -110,11 +68,19 @@ func toWireLocations(locs []Location) []*controllerv1.VolumeLocation {
 	return out
 }
 
+// toWirePlacements converts placements, the Missing that several share
+// (View.Place gives every node missing all inputs the same) once.
 func toWirePlacements(ps []Placement) []*controllerv1.NodePlacement {
 	out := make([]*controllerv1.NodePlacement, len(ps))
+	var shared []volume.Ref
+	var sharedWire []*controllerv1.VolumeRef
 	for i, p := range ps {
-		out[i] = &controllerv1.NodePlacement{NodeId: p.NodeID, InputBytesHeld: p.InputBytesHeld, BytesFree: p.BytesFree,
-			Missing: controllerv1.RefsOf(p.Missing)}
+		missing := sharedWire
+		if len(p.Missing) == 0 || len(p.Missing) != len(shared) || &p.Missing[0] != &shared[0] {
+			missing = controllerv1.RefsOf(p.Missing)
+			shared, sharedWire = p.Missing, missing
+		}
+		out[i] = &controllerv1.NodePlacement{NodeId: p.NodeID, InputBytesHeld: p.InputBytesHeld, BytesFree: p.BytesFree, Missing: missing}
 	}
 	return out
 }

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -17,7 +18,7 @@ func wireRef(ns, h string) *controllerv1.VolumeRef {
 
 // Every name a node or a scheduler sends is checked on the way in: the
 // view takes only well-formed refs.
-func TestReportFromWire(t *testing.T) {
+func TestReportOnTheWire(t *testing.T) {
 	good := &controllerv1.VolumeSummary{Ref: wireRef("ci", "a"), State: "ready", SizeBytes: 7, Parent: wireRef("ci", "p"),
 		Scope: "cluster", Properties: []*controllerv1.Property{{Key: "k", Value: "v"}}, StepVolumes: 2, Pinned: true, Copies: 3}
 	for _, tc := range []struct {
@@ -34,7 +35,9 @@ func TestReportFromWire(t *testing.T) {
 		{name: "a malformed delete", req: &controllerv1.ReportRequest{Deletes: []*controllerv1.VolumeRef{wireRef("ci", "../x")}}, wantErr: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r, err := reportFromWire(tc.req)
+			raw, err := proto.Marshal(tc.req)
+			require.NoError(t, err)
+			r, err := decodeReport(raw)
 			if tc.wantErr {
 				require.ErrorIs(t, err, ErrInvalid)
 				return
@@ -58,4 +61,31 @@ func TestPinsOnTheWire(t *testing.T) {
 	require.True(t, untilFromWire(resp.Pins[0].Until).IsZero())
 	require.Equal(t, until, untilFromWire(resp.Pins[1].Until))
 	require.Equal(t, timestamppb.New(until).AsTime(), resp.Pins[1].Until.AsTime())
+}
+
+// Placements sharing their Missing (every node missing all the inputs)
+// are converted once, and say each node's own where it has one.
+func TestToWirePlacements(t *testing.T) {
+	inputs := []volume.Ref{{Namespace: "ci", Handle: "a"}, {Namespace: "ci", Handle: "b"}}
+	ps := []Placement{
+		{NodeID: "n1", InputBytesHeld: 5, Missing: inputs[1:]},
+		{NodeID: "n2", Missing: inputs},
+		{NodeID: "n3", Missing: inputs},
+		{NodeID: "n4", InputBytesHeld: 7},
+		{NodeID: "n5", Missing: []volume.Ref{inputs[1]}},
+	}
+	got := toWirePlacements(ps)
+	require.Len(t, got, len(ps))
+	for i, p := range ps {
+		require.Equal(t, p.NodeID, got[i].GetNodeId())
+		require.Equal(t, p.InputBytesHeld, got[i].GetInputBytesHeld())
+		missing, err := refsFromWire(got[i].GetMissing())
+		require.NoError(t, err)
+		if len(p.Missing) == 0 {
+			require.Empty(t, missing)
+			continue
+		}
+		require.Equal(t, p.Missing, missing, p.NodeID)
+	}
+	require.Same(t, got[1].GetMissing()[0], got[2].GetMissing()[0], "converted once")
 }
