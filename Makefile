@@ -75,6 +75,8 @@ test: build
 	# The stream's tar writer and reader against archive/tar's.
 	$(GO) test -run '^$$' -fuzz FuzzTarWriter -fuzztime 20000x -parallel 2 ./pkg/streamer
 	$(GO) test -run '^$$' -fuzz FuzzTarReader -fuzztime 50000x -parallel 2 ./pkg/streamer
+	# The controller's reading of nodes' reports against the generated types'.
+	$(GO) test -run '^$$' -fuzz FuzzDecodeReport -fuzztime 20000x -parallel 2 ./pkg/controller
 
 # A real kubelet mounting cowvol volumes into real step pods (see test/e2e).
 # The cluster runs the image make image builds (under the e2e's name).

@@ -27,11 +27,11 @@ type NodeEvents interface {
 }
 
 // Register serves the view's Registry (for nodes) and Cache (for
-// schedulers) on srv.
+// schedulers) on srv, which must have been made with ServerOptions.
 // dial reaches nodes' data for reads and uploads (nil: they are refused).
 // orders keep the read orders nodes share.
 func Register(srv *grpc.Server, v *View, orders *ReadOrders, fullReports *FullReports, m *Metrics, events NodeEvents, dial PeerDialer) {
-	controllerv1.RegisterRegistryServer(srv, &registryServer{view: v, orders: orders, fullReports: fullReports})
+	srv.RegisterService(registryDesc(), &registryServer{view: v, orders: orders, fullReports: fullReports})
 	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events, dial: dial})
 }
 
@@ -52,11 +52,12 @@ type registryServer struct {
 	fullReports *FullReports
 }
 
-func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
+// report is the Report method (reportwire.go reads the request).
+func (s *registryServer) report(ctx context.Context, raw []byte) (*controllerv1.ReportResponse, error) {
 	if err := need(ctx, "update", ResourceNodes, "", "report a node's cache"); err != nil {
 		return nil, err
 	}
-	report, err := reportFromWire(req)
+	report, err := decodeReport(raw)
 	if err != nil {
 		return nil, code(err)
 	}
@@ -71,9 +72,9 @@ func (s *registryServer) Report(ctx context.Context, req *controllerv1.ReportReq
 			resp.FullReportAfter = durationpb.New(wait)
 		}
 	}
-	if req.GetFull() {
-		klog.V(2).InfoS("A node reported its whole inventory", "node", req.GetNodeId(), "store", req.GetStoreId(),
-			"volumes", len(req.GetUpserts()), "revision", req.GetRevision())
+	if report.Full {
+		klog.V(2).InfoS("A node reported its whole inventory", "node", report.NodeID, "store", report.StoreID,
+			"volumes", len(report.Upserts), "revision", report.Revision)
 	}
 	return resp, nil
 }

@@ -1,0 +1,306 @@
+package controller
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"unicode/utf8"
+	"unsafe"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
+
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// reportwire.go: a node's report read straight from its bytes into the
+// view's Report. Whole inventories are the controller's biggest messages
+// (10,000 volumes a node, and a thousand nodes re-sending theirs at once
+// after a failover); through the generated types each volume costs a
+// message, its refs and its properties, allocations the collector then
+// traces while the view is rebuilt. Read here, a report costs one copy of
+// its bytes, one array of Held and one of properties.
+
+// encodedReport is a ReportRequest's bytes, as the Report method's handler
+// (reportHandler) has reportCodec leave them.
+type encodedReport struct{ raw []byte }
+
+// reportCodec is the proto codec, but for encodedReports, which it fills
+// with a copy of the bytes received (the transport's own buffers go back to
+// its pool once the call is read).
+type reportCodec struct{ encoding.CodecV2 }
+
+func (c reportCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	if r, ok := v.(*encodedReport); ok {
+		r.raw = data.Materialize()
+		return nil
+	}
+	return c.CodecV2.Unmarshal(data, v)
+}
+
+// ServerOptions are the options a server the controller's APIs are
+// registered on (Register) must be made with.
+func ServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{grpc.ForceServerCodecV2(reportCodec{encoding.GetCodecV2(proto.Name)})}
+}
+
+// registryDesc is the Registry service as generated, but for Report, which
+// reportHandler decodes.
+func registryDesc() *grpc.ServiceDesc {
+	desc := controllerv1.Registry_ServiceDesc
+	desc.Methods = slices.Clone(desc.Methods)
+	for i, m := range desc.Methods {
+		if "/"+desc.ServiceName+"/"+m.MethodName == controllerv1.Registry_Report_FullMethodName {
+			desc.Methods[i].Handler = reportHandler
+		}
+	}
+	return &desc
+}
+
+// reportHandler is the Report method's gRPC handler: the request's bytes,
+// through the server's interceptors, to registryServer.report.
+func reportHandler(srv any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+	in := &encodedReport{}
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	handle := func(ctx context.Context, req any) (any, error) {
+		return srv.(*registryServer).report(ctx, req.(*encodedReport).raw)
+	}
+	if interceptor == nil {
+		return handle(ctx, in)
+	}
+	return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: controllerv1.Registry_Report_FullMethodName}, handle)
+}
+
+// decodeReport reads a ReportRequest as reportFromWire reads the decoded
+// message: a field of an unknown number, or of a known one on another wire
+// type, is skipped, a message field said twice is merged, and every name is
+// checked. The volumes' names and properties are strings over raw (which
+// must not change): what the view keeps of them it copies (View.put). The
+// node's own names are copies: the controller keeps them.
+func decodeReport(raw []byte) (Report, error) {
+	var r Report
+	// Counted first: the upserts' and their properties' arrays are made
+	// once, at their size.
+	upserts, props := 0, 0
+	err := eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
+		if num == 6 && typ == protowire.BytesType {
+			upserts++
+			return eachField(v, func(num protowire.Number, typ protowire.Type, _ []byte, _ uint64) error {
+				if num == 7 && typ == protowire.BytesType {
+					props++
+				}
+				return nil
+			})
+		}
+		return nil
+	})
+	if err != nil {
+		return Report{}, err
+	}
+	r.Upserts = make([]Held, 0, upserts)
+	properties := make([]Property, 0, props)
+	err = eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error {
+		var err error
+		switch {
+		case typ == protowire.BytesType && (num == 1 || num == 2 || num == 11):
+			s := string(v)
+			if !utf8.ValidString(s) {
+				return invalidUTF8(num)
+			}
+			switch num {
+			case 1:
+				r.NodeID = s
+			case 2:
+				r.StoreID = s
+			default:
+				r.PeerAddress = s
+			}
+		case typ == protowire.VarintType && num == 3:
+			r.Revision = n
+		case typ == protowire.VarintType && num == 4:
+			r.Full = n != 0
+		case typ == protowire.VarintType && num == 5:
+			r.BaseRevision = n
+		case typ == protowire.BytesType && num == 6:
+			var h Held
+			h, properties, err = decodeHeld(v, properties)
+			r.Upserts = append(r.Upserts, h)
+		case typ == protowire.BytesType && num == 7:
+			var ref volume.Ref
+			if err = decodeRef(v, &ref); err == nil {
+				err = checkRef(ref)
+			}
+			r.Deletes = append(r.Deletes, ref)
+		case typ == protowire.VarintType && num == 8:
+			r.BytesFree = int64(n)
+		case typ == protowire.VarintType && num == 9:
+			r.OverHighWatermark = n != 0
+		case typ == protowire.VarintType && num == 10:
+			r.StepVolumes = int32(n)
+		}
+		return err
+	})
+	if err != nil {
+		return Report{}, err
+	}
+	return r, nil
+}
+
+// decodeHeld reads a VolumeSummary, its properties appended to props.
+func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
+	var h Held
+	var parent, base volume.Ref
+	from := len(props)
+	err := eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error {
+		switch {
+		case typ == protowire.BytesType && num == 1:
+			return decodeRef(v, &h.Ref)
+		case typ == protowire.BytesType && (num == 2 || num == 6):
+			s := unsafeString(v)
+			if !utf8.ValidString(s) {
+				return invalidUTF8(num)
+			}
+			if num == 2 {
+				h.State = volume.State(s)
+			} else {
+				h.Scope = volume.Scope(s)
+			}
+		case typ == protowire.VarintType && num == 3:
+			h.SizeBytes = int64(n)
+		case typ == protowire.BytesType && num == 4:
+			return decodeRef(v, &parent)
+		case typ == protowire.BytesType && num == 5:
+			return decodeRef(v, &base) // (checked as UTF-8, and left)
+		case typ == protowire.BytesType && num == 7:
+			var p Property
+			err := eachField(v, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
+				if typ != protowire.BytesType || (num != 1 && num != 2) {
+					return nil
+				}
+				s := unsafeString(v)
+				if !utf8.ValidString(s) {
+					return invalidUTF8(num)
+				}
+				if num == 1 {
+					p.Key = s
+				} else {
+					p.Value = s
+				}
+				return nil
+			})
+			props = append(props, p)
+			return err
+		case typ == protowire.VarintType && num == 8:
+			h.StepVolumes = int32(n)
+		case typ == protowire.VarintType && num == 9:
+			h.Pinned = n != 0
+		case typ == protowire.VarintType && num == 10:
+			h.Copies = int32(n)
+		}
+		return nil
+	})
+	if err != nil {
+		return Held{}, props, err
+	}
+	if err := checkRef(h.Ref); err != nil {
+		return Held{}, props, err
+	}
+	if parent.Handle != "" {
+		if err := checkRef(parent); err != nil {
+			return Held{}, props, err
+		}
+		h.Parent = parent
+	}
+	if len(props) > from {
+		h.Properties = props[from:len(props):len(props)]
+	}
+	return h, props, nil
+}
+
+// decodeRef reads a VolumeRef into ref, over what it holds (a ref said
+// twice is merged, as protobuf merges messages).
+func decodeRef(raw []byte, ref *volume.Ref) error {
+	return eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
+		if typ != protowire.BytesType || (num != 1 && num != 2) {
+			return nil
+		}
+		s := unsafeString(v)
+		if !utf8.ValidString(s) {
+			return invalidUTF8(num)
+		}
+		if num == 1 {
+			ref.Namespace = s
+		} else {
+			ref.Handle = s
+		}
+		return nil
+	})
+}
+
+// checkRef is refFromWire's check of a ref.
+func checkRef(ref volume.Ref) error {
+	if err := ref.Validate(); err != nil {
+		return fmt.Errorf("volume: %w: %w", err, ErrInvalid)
+	}
+	return nil
+}
+
+// eachField calls fn with each field of a message: its number, its wire
+// type, and its bytes (length-delimited) or its value (varint, fixed).
+// Groups are skipped; a malformed message is refused.
+func eachField(raw []byte, fn func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error) error {
+	for len(raw) > 0 {
+		num, typ, w := protowire.ConsumeTag(raw)
+		if w < 0 {
+			return malformed(w)
+		}
+		if num > protowire.MaxValidNumber {
+			return fmt.Errorf("a malformed report: field number %d: %w", num, ErrInvalid)
+		}
+		raw = raw[w:]
+		var v []byte
+		var n uint64
+		switch typ {
+		case protowire.VarintType:
+			n, w = protowire.ConsumeVarint(raw)
+		case protowire.BytesType:
+			v, w = protowire.ConsumeBytes(raw)
+		case protowire.Fixed32Type:
+			var f uint32
+			f, w = protowire.ConsumeFixed32(raw)
+			n = uint64(f)
+		case protowire.Fixed64Type:
+			n, w = protowire.ConsumeFixed64(raw)
+		default:
+			w = protowire.ConsumeFieldValue(num, typ, raw)
+		}
+		if w < 0 {
+			return malformed(w)
+		}
+		raw = raw[w:]
+		if typ == protowire.StartGroupType {
+			continue
+		}
+		if err := fn(num, typ, v, n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func malformed(w int) error {
+	return fmt.Errorf("a malformed report: %w: %w", protowire.ParseError(w), ErrInvalid)
+}
+
+func invalidUTF8(num protowire.Number) error {
+	return fmt.Errorf("a malformed report: field %d is not UTF-8: %w", num, ErrInvalid)
+}
+
+// unsafeString is b as a string, sharing its bytes, which must not change.
+func unsafeString(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
