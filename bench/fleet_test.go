@@ -95,16 +95,29 @@ func zipfFleet(nodes, perNode, pool int) *fleet {
 			hi = mid
 		}
 	}
-	p := make([]float64, pool)
-	for k := range p {
-		p[k] = math.Min(1, hi/float64(k+1))
-	}
+	c := hi
+	everywhere := min(pool, int(c)) // p ≥ 1 below it
 	for n := range nodes {
 		r := rand.New(rand.NewPCG(uint64(n), 39))
 		h := make([]int32, 0, perNode+perNode/10)
-		for k, pk := range p {
-			if pk >= 1 || r.Float64() < pk {
-				h = append(h, int32(k))
+		for k := range everywhere {
+			h = append(h, int32(k))
+		}
+		// The rest by thinning, block by doubling block, as a coin per
+		// volume would choose (5,000 nodes × 2.5 million coins is too
+		// many): within [from, 2·from) no volume's chance passes q, the
+		// first's; jumps between candidates are geometric at q, and each
+		// is kept at its own chance over q.
+		for from := everywhere; from < pool; from = max(2*from, 1) {
+			to, q := min(max(2*from, 1), pool), c/float64(from+1)
+			for k := from; ; k++ {
+				k += int(math.Floor(math.Log(1-r.Float64()) / math.Log1p(-q)))
+				if k >= to {
+					break
+				}
+				if r.Float64()*q < c/float64(k+1) {
+					h = append(h, int32(k))
+				}
 			}
 		}
 		f.holds[n] = h
