@@ -109,6 +109,30 @@ func TestControllerViewOfTheNodes(t *testing.T) {
 	require.Len(t, resp.Nodes[1].Missing, 1, "node-a lacks tools")
 	require.Len(t, resp.Nodes[2].Missing, 2)
 
+	// Answers as short as the caller asks: the best placement, the first
+	// holder by ID with how many there are; and no fewer than none.
+	best, err := api.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("ci", "res"), cref("ci", "tools")}, Limit: 1})
+	require.NoError(t, err)
+	require.Len(t, best.Nodes, 1)
+	require.Equal(t, "node-b", best.Nodes[0].NodeId)
+	first, err := api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", "res")}, MaxNodes: 1})
+	require.NoError(t, err)
+	require.Equal(t, []string{"node-a"}, first.Volumes[0].Nodes)
+	require.Equal(t, int32(2), first.Volumes[0].NodeCount)
+	for name, call := range map[string]func() error{
+		"a placement's limit": func() error { _, err := api.Place(ctx, &controllerv1.PlaceRequest{Limit: -1}); return err },
+		"a lookup's max_nodes": func() error {
+			_, err := api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{MaxNodes: -1})
+			return err
+		},
+		"a listing's max_nodes": func() error {
+			_, err := api.ListVolumes(ctx, &controllerv1.ListVolumesRequest{MaxNodes: -1})
+			return err
+		},
+	} {
+		require.Equal(t, codes.InvalidArgument, code(call()), "%s below 0", name)
+	}
+
 	// The CSI controller answers from the same view.
 	reader := nodes["node-b"].mount(map[string]string{"source": "tools"}, true)
 	csiCtl := csi.NewControllerClient(ctl.Conn)

@@ -177,7 +177,7 @@ const unavailableFor = time.Minute
 func (r *Runner) place(ctx context.Context, inputs []string) ([]string, error) {
 	var ranked []string
 	err := r.waitingOutUnavailable(ctx, "placing", func() error {
-		nodes, err := r.Cache.Place(ctx, r.refs(inputs)...)
+		nodes, err := r.Cache.PlaceBest(ctx, client.PreferredNodes, r.refs(inputs)...)
 		ranked = make([]string, len(nodes))
 		for i, n := range nodes {
 			ranked[i] = n.NodeId
@@ -384,7 +384,7 @@ func (r *Runner) waitHeld(ctx context.Context, pod, handle string) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	for {
-		locs, err := r.Cache.Lookup(ctx, volume.Ref{Namespace: r.Namespace, Handle: handle})
+		locs, err := r.Cache.LookupFirst(ctx, 1, volume.Ref{Namespace: r.Namespace, Handle: handle})
 		if err == nil && len(locs) == 1 && len(locs[0].Nodes) > 0 {
 			return nil
 		}
@@ -503,7 +503,7 @@ var destroyRecheck = 10 * time.Second
 
 // gone says whether no live node holds any of handles.
 func (r *Runner) gone(ctx context.Context, handles []string) bool {
-	locs, err := r.Cache.Lookup(ctx, r.refs(handles)...)
+	locs, err := r.Cache.LookupFirst(ctx, 1, r.refs(handles)...)
 	if err != nil {
 		return false
 	}

@@ -144,15 +144,31 @@ func Properties(m map[string]string) []*controllerv1.Property {
 	return out
 }
 
-// Lookup says where each volume is, in order.
+// Lookup says where each volume is, in order, naming every node that
+// holds it ready.
 func (c *Client) Lookup(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeLocation, error) {
-	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: controllerv1.RefsOf(vols)})
+	return c.LookupFirst(ctx, 0, vols...)
+}
+
+// LookupFirst is Lookup naming at most maxNodes of each volume's nodes,
+// the first by ID (NodeCount says how many hold it): in a big fleet a
+// popular volume is on every node, and a caller that asks whether it is
+// held at all needs none of their names.
+func (c *Client) LookupFirst(ctx context.Context, maxNodes int, vols ...volume.Ref) ([]*controllerv1.VolumeLocation, error) {
+	resp, err := c.Cache.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: controllerv1.RefsOf(vols), MaxNodes: int32(maxNodes)})
 	return resp.GetVolumes(), err
 }
 
-// Place ranks the nodes for a step with these inputs, best first.
+// Place ranks every node that takes captures for a step with these
+// inputs, best first.
 func (c *Client) Place(ctx context.Context, inputs ...volume.Ref) ([]*controllerv1.NodePlacement, error) {
-	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: controllerv1.RefsOf(inputs)})
+	return c.PlaceBest(ctx, 0, inputs...)
+}
+
+// PlaceBest is Place answering only the best limit nodes (all: 0), as
+// many as PreferNodes uses (PreferredNodes) for a step pod's affinity.
+func (c *Client) PlaceBest(ctx context.Context, limit int, inputs ...volume.Ref) ([]*controllerv1.NodePlacement, error) {
+	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: controllerv1.RefsOf(inputs), Limit: int32(limit)})
 	return resp.GetNodes(), err
 }
 

@@ -97,20 +97,21 @@ func TaskCache(name string, last *volume.Ref, next string, podNamespace string) 
 	return OutputVolume(name, Output{Capture: next, Source: last}, podNamespace)
 }
 
+// PreferredNodes is how many of a placement's best nodes PreferNodes
+// weighs (100, 90, ... 10).
+const PreferredNodes = 10
+
 // PreferNodes is the node affinity that steers a step to the nodes a
-// placement ranked, the best weighted most; the scheduler may still pick
-// another node (an input then has to be fetched). Nodes are matched by
-// name: cowvol's node IDs are Node names.
+// placement ranked, the best PreferredNodes weighted most first; the
+// scheduler may still pick another node (an input then has to be
+// fetched). Nodes are matched by name: cowvol's node IDs are Node names.
 func PreferNodes(placement []*controllerv1.NodePlacement) *corev1.Affinity {
 	if len(placement) == 0 {
 		return nil
 	}
 	var terms []corev1.PreferredSchedulingTerm
-	for i, p := range placement {
+	for i, p := range placement[:min(len(placement), PreferredNodes)] {
 		weight := int32(100 - 10*i)
-		if weight < 1 {
-			break
-		}
 		terms = append(terms, corev1.PreferredSchedulingTerm{Weight: weight, Preference: corev1.NodeSelectorTerm{
 			MatchFields: []corev1.NodeSelectorRequirement{{Key: "metadata.name", Operator: corev1.NodeSelectorOpIn, Values: []string{p.GetNodeId()}}},
 		}})

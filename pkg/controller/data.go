@@ -43,7 +43,7 @@ func (s *cacheServer) ReadVolume(req *controllerv1.ReadVolumeRequest, stream grp
 	if err := streamer.CheckPath(req.GetPath()); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	locs, err := s.lookup(ctx, []*controllerv1.VolumeRef{req.GetRef()})
+	locs, err := s.lookup(ctx, []*controllerv1.VolumeRef{req.GetRef()}, 0)
 	if err != nil {
 		return err
 	}
@@ -154,7 +154,7 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
-	if loc := s.view.Lookup([]volume.Ref{ref}, time.Now())[0]; loc.Found {
+	if loc := s.view.Lookup([]volume.Ref{ref}, 0, time.Now())[0]; loc.Found {
 		return status.Errorf(codes.AlreadyExists, "volume %s exists (%s)", ref, loc.State)
 	}
 	node, addr, err := s.uploadNode(nv.GetNodeId())
@@ -189,19 +189,19 @@ const reportWait = 10 * time.Second
 func (s *cacheServer) awaitReport(ctx context.Context, ref volume.Ref, node string, l streamer.Layer) Location {
 	deadline := time.Now().Add(reportWait)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
-		if loc := s.view.Lookup([]volume.Ref{ref}, time.Now())[0]; slices.Contains(loc.Nodes, node) {
+		if loc := s.view.Lookup([]volume.Ref{ref}, 0, time.Now())[0]; slices.Contains(loc.Nodes, node) {
 			return loc
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
 	return Location{Ref: ref, Found: true, State: volume.StateReady, SizeBytes: -1,
-		Scope: l.Scope, Properties: l.Properties, Nodes: []string{node}, PeerAddresses: []string{s.view.PeerAddress(node)}}
+		Scope: l.Scope, Properties: l.Properties, Nodes: []string{node}, NodeCount: 1, PeerAddresses: []string{s.view.PeerAddress(node)}}
 }
 
 // uploadNode is where an upload goes: the node asked for, if it takes
 // uploads, or the placement's first node with a peer address.
 func (s *cacheServer) uploadNode(asked string) (node, addr string, err error) {
-	for _, p := range s.view.Place(nil, nil, time.Now()) {
+	for _, p := range s.view.Place(nil, nil, 0, time.Now()) {
 		if asked != "" && p.NodeID != asked {
 			continue
 		}

@@ -27,9 +27,13 @@ var stateRank = func() []int {
 
 // location is what the live nodes say of one volume: the best state any
 // holds it in, with that copy's metadata, and which hold it ready and which
-// have it mounted. The caller holds the lock.
-func (v *View) location(e *entry, now time.Time) Location {
+// have it mounted, the first maxNodes of each (all: 0). The caller holds
+// the lock.
+func (v *View) location(e *entry, maxNodes int, now time.Time) Location {
 	loc := Location{Ref: e.ref}
+	if maxNodes <= 0 {
+		maxNodes = len(e.holders)
+	}
 	var best record
 	for _, h := range e.holders {
 		n, rec := v.byIndex[h.node], h.rec
@@ -40,9 +44,11 @@ func (v *View) location(e *entry, now time.Time) Location {
 			loc.Found, best = true, rec
 		}
 		if states[rec.state] == volume.StateReady {
-			loc.Nodes = append(loc.Nodes, n.id)
-			loc.PeerAddresses = append(loc.PeerAddresses, n.peerAddress)
-			if rec.steps > 0 {
+			if loc.NodeCount++; len(loc.Nodes) < maxNodes {
+				loc.Nodes = append(loc.Nodes, n.id)
+				loc.PeerAddresses = append(loc.PeerAddresses, n.peerAddress)
+			}
+			if rec.steps > 0 && len(loc.PublishedNodes) < maxNodes {
 				loc.PublishedNodes = append(loc.PublishedNodes, n.id)
 			}
 		}
@@ -63,14 +69,15 @@ func describe(loc *Location, e *entry, rec record) {
 	}
 }
 
-// Lookup says where each volume is, among live nodes.
-func (v *View) Lookup(refs []volume.Ref, now time.Time) []Location {
+// Lookup says where each volume is, among live nodes, naming the first
+// maxNodes of its nodes (all: 0).
+func (v *View) Lookup(refs []volume.Ref, maxNodes int, now time.Time) []Location {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	out := make([]Location, len(refs))
 	for i, r := range refs {
 		if e := v.find(r); e != nil {
-			out[i] = v.location(e, now)
+			out[i] = v.location(e, maxNodes, now)
 		} else {
 			out[i] = Location{Ref: r}
 		}
@@ -80,11 +87,12 @@ func (v *View) Lookup(refs []volume.Ref, now time.Time) []Location {
 
 // Place ranks the live nodes that take captures (not over their high
 // watermark) for a step with these inputs: most input bytes held ready
-// first, then most free space, then by ID. An input of a namespace not
-// visible (nil: all are) that was not shared counts as held nowhere, as if
-// it did not exist. A node missing every input is given inputs itself as
-// its Missing (most nodes, in a big fleet): the caller must not change it.
-func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, now time.Time) []Placement {
+// first, then most free space, then by ID; and answers the best limit of
+// them (all: 0). An input of a namespace not visible (nil: all are) that
+// was not shared counts as held nowhere, as if it did not exist. A node
+// missing every input is given inputs itself as its Missing (most nodes,
+// in a big fleet): the caller must not change it.
+func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, limit int, now time.Time) []Placement {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	// Per node, by index, which inputs it holds ready (held, k a node)
@@ -107,32 +115,35 @@ func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, n
 			}
 		}
 	}
-	all := inputs[:k:k]
-	out := make([]Placement, 0, len(v.nodes))
+	type ranked struct {
+		n     *nodeState
+		bytes int64
+	}
+	nodes := make([]ranked, 0, len(v.nodes))
 	for _, n := range v.nodes {
-		if n.over || v.lifecycle(n) != "" || !v.live(n, now) {
-			continue
+		if !n.over && v.lifecycle(n) == "" && v.live(n, now) {
+			nodes = append(nodes, ranked{n, bytes[n.index]})
 		}
-		p := Placement{NodeID: n.id, BytesFree: n.bytesFree, InputBytesHeld: bytes[n.index], Missing: all}
-		if mine := held[int(n.index)*k : int(n.index+1)*k]; slices.Contains(mine, true) {
-			p.Missing = nil
+	}
+	slices.SortFunc(nodes, func(a, b ranked) int {
+		return cmp.Or(cmp.Compare(b.bytes, a.bytes), cmp.Compare(b.n.bytesFree, a.n.bytesFree), strings.Compare(a.n.id, b.n.id))
+	})
+	if limit > 0 && len(nodes) > limit {
+		nodes = nodes[:limit]
+	}
+	all := inputs[:k:k]
+	out := make([]Placement, len(nodes))
+	for j, r := range nodes {
+		out[j] = Placement{NodeID: r.n.id, BytesFree: r.n.bytesFree, InputBytesHeld: r.bytes, Missing: all}
+		if mine := held[int(r.n.index)*k : int(r.n.index+1)*k]; slices.Contains(mine, true) {
+			out[j].Missing = nil
 			for i, has := range mine {
 				if !has {
-					p.Missing = append(p.Missing, inputs[i])
+					out[j].Missing = append(out[j].Missing, inputs[i])
 				}
 			}
 		}
-		out = append(out, p)
 	}
-	slices.SortFunc(out, func(a, b Placement) int {
-		switch {
-		case a.InputBytesHeld != b.InputBytesHeld:
-			return cmp.Compare(b.InputBytesHeld, a.InputBytesHeld) // most first
-		case a.BytesFree != b.BytesFree:
-			return cmp.Compare(b.BytesFree, a.BytesFree)
-		}
-		return strings.Compare(a.NodeID, b.NodeID)
-	})
 	return out
 }
 
@@ -152,7 +163,7 @@ func (v *View) Volumes(after string, limit int, now time.Time) (out []Entry, mor
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	ascend(v.ordered, "", after, func(e *entry) bool {
-		loc := v.location(e, now)
+		loc := v.location(e, 0, now)
 		if len(loc.Nodes) == 0 {
 			return true
 		}
@@ -171,7 +182,7 @@ func (v *View) Volume(r volume.Ref, now time.Time) (Entry, bool) {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	if e := v.find(r); e != nil {
-		if loc := v.location(e, now); len(loc.Nodes) > 0 {
+		if loc := v.location(e, 0, now); len(loc.Nodes) > 0 {
 			return Entry{Ref: e.ref, SizeBytes: max(loc.SizeBytes, 0), Ready: loc.Nodes, Published: loc.PublishedNodes}, true
 		}
 	}
@@ -253,6 +264,8 @@ type ListQuery struct {
 	Selector string
 	After    string
 	Limit    int
+	// MaxNodes is as Lookup's.
+	MaxNodes int
 }
 
 // List answers a ListQuery: the matching volumes in (namespace, handle)
@@ -287,10 +300,10 @@ func (v *View) List(q ListQuery, now time.Time) (out []Location, more bool, err 
 			if !ok {
 				return true
 			}
-			loc = v.location(e, now)
+			loc = v.location(e, q.MaxNodes, now)
 			loc.Found = true
 			describe(&loc, e, rec)
-		} else if loc = v.location(e, now); !loc.Found {
+		} else if loc = v.location(e, q.MaxNodes, now); !loc.Found {
 			return true
 		}
 		if q.Visible != nil && !q.Visible(e.ref.Namespace) && loc.Scope != volume.ScopeCluster {

@@ -120,15 +120,18 @@ type cacheServer struct {
 
 // lookup is the view's answer as the caller may see it: another
 // namespace's volume that was not shared is answered as not found.
-func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef) ([]*controllerv1.VolumeLocation, error) {
+func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef, maxNodes int32) ([]*controllerv1.VolumeLocation, error) {
 	if len(refs) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one call: at most %d", len(refs), maxLookup)
+	}
+	if maxNodes < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "max_nodes %d: want 0 (all) or more", maxNodes)
 	}
 	parsed, err := refsFromWire(refs)
 	if err != nil {
 		return nil, code(err)
 	}
-	locs := s.view.Lookup(parsed, time.Now())
+	locs := s.view.Lookup(parsed, int(maxNodes), time.Now())
 	may := CallerFrom(ctx).MayIn(ctx, "get")
 	for i, l := range locs {
 		if l.Scope != volume.ScopeCluster && !may(l.Ref.Namespace) {
@@ -139,7 +142,7 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 }
 
 func (s *cacheServer) LookupVolumes(ctx context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
-	locs, err := s.lookup(ctx, req.GetRefs())
+	locs, err := s.lookup(ctx, req.GetRefs(), req.GetMaxNodes())
 	if err != nil {
 		return nil, err
 	}
@@ -163,6 +166,9 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	case limit == 0:
 		limit = defaultListLimit
 	}
+	if req.GetMaxNodes() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "max_nodes %d: want 0 (all) or more", req.GetMaxNodes())
+	}
 	after := ""
 	if tok := req.GetPageToken(); tok != "" {
 		var err error
@@ -176,7 +182,7 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 		visible = nil // every namespace
 	}
 	vols, more, err := s.view.List(ListQuery{Visible: visible, Namespace: req.GetNamespace(), Node: req.GetNodeId(),
-		Selector: req.GetSelector(), After: after, Limit: limit}, time.Now())
+		Selector: req.GetSelector(), After: after, Limit: limit, MaxNodes: int(req.GetMaxNodes())}, time.Now())
 	if err != nil {
 		return nil, code(err)
 	}
@@ -193,11 +199,14 @@ func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest)
 	if len(req.GetInputs()) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d inputs in one call: at most %d", len(req.GetInputs()), maxLookup)
 	}
+	if req.GetLimit() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "limit %d: want 0 (every node) or more", req.GetLimit())
+	}
 	inputs, err := refsFromWire(req.GetInputs())
 	if err != nil {
 		return nil, code(err)
 	}
-	return &controllerv1.PlaceResponse{Nodes: toWirePlacements(s.view.Place(inputs, CallerFrom(ctx).MayIn(ctx, "get"), time.Now()))}, nil
+	return &controllerv1.PlaceResponse{Nodes: toWirePlacements(s.view.Place(inputs, CallerFrom(ctx).MayIn(ctx, "get"), int(req.GetLimit()), time.Now()))}, nil
 }
 
 func (s *cacheServer) ListNodes(ctx context.Context, _ *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {

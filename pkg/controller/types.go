@@ -78,8 +78,11 @@ type Location struct {
 	Scope      volume.Scope
 	Properties map[string]string
 	// Nodes hold it ready, sorted; PeerAddresses are theirs, in the same
-	// order; PublishedNodes are those where step volumes mount it.
+	// order; PublishedNodes are those where step volumes mount it. Each
+	// is at most the query's MaxNodes long; NodeCount is how many nodes
+	// hold it ready.
 	Nodes, PeerAddresses, PublishedNodes []string
+	NodeCount                            int
 	Pinned                               bool
 }
 

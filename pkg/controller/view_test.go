@@ -169,12 +169,17 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	report("d", now, 900, true, vol("big", "ready", 1000))
 	report("gone", now.Add(-2*time.Minute), 900, false, vol("big", "ready", 1000))
 
-	locs := v.Lookup([]volume.Ref{ref("small"), ref("big"), ref("nope")}, now)
+	locs := v.Lookup([]volume.Ref{ref("small"), ref("big"), ref("nope")}, 0, now)
 	require.Equal(t, []string{"a", "b"}, locs[0].Nodes)
 	require.Equal(t, []string{"b", "d"}, locs[1].Nodes, "a stalled node is left out")
+	require.Equal(t, 2, locs[1].NodeCount)
 	require.False(t, locs[2].Found)
+	one := v.Lookup([]volume.Ref{ref("big")}, 1, now)[0]
+	require.Equal(t, []string{"b"}, one.Nodes, "the first by ID")
+	require.Len(t, one.PeerAddresses, 1)
+	require.Equal(t, 2, one.NodeCount, "and how many hold it")
 
-	placed := v.Place([]volume.Ref{ref("small"), ref("big")}, nil, now)
+	placed := v.Place([]volume.Ref{ref("small"), ref("big")}, nil, 0, now)
 	var order []string
 	for _, p := range placed {
 		order = append(order, p.NodeID)
@@ -182,7 +187,9 @@ func TestLookupPlaceAndStalls(t *testing.T) {
 	require.Equal(t, []string{"b", "a", "c"}, order, "bytes held first, then free space; over the mark and stalled left out")
 	require.Equal(t, int64(1010), placed[0].InputBytesHeld)
 	require.Len(t, placed[2].Missing, 2)
-	hidden := v.Place([]volume.Ref{ref("small")}, func(string) bool { return false }, now)
+	best := v.Place([]volume.Ref{ref("small"), ref("big")}, nil, 2, now)
+	require.Equal(t, placed[:2], best, "the best two of the same ranking")
+	hidden := v.Place([]volume.Ref{ref("small")}, func(string) bool { return false }, 0, now)
 	for _, p := range hidden {
 		require.Zero(t, p.InputBytesHeld, "another namespace's private input is held nowhere")
 		require.Len(t, p.Missing, 1)
@@ -216,7 +223,7 @@ func TestDestroyAndPinCommands(t *testing.T) {
 	out := v.Destroy([]volume.Ref{ref("x"), ref("nope")})
 	require.Equal(t, []string{"a", "b"}, out[0].Nodes)
 	require.Empty(t, out[1].Nodes)
-	locs := v.Lookup([]volume.Ref{ref("x")}, now)
+	locs := v.Lookup([]volume.Ref{ref("x")}, 0, now)
 	require.False(t, locs[0].Found, "gone from lookups at once")
 
 	resp := report("a", 1, false, 1, nil)
@@ -254,7 +261,7 @@ func TestLifecycle(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, NodeLanding, st.State, "a step still uses it")
 	require.NotEmpty(t, report("a", 2, 1, vol("x", "ready", 1)).RefuseCaptures)
-	placed := v.Place([]volume.Ref{ref("x")}, nil, now)
+	placed := v.Place([]volume.Ref{ref("x")}, nil, 0, now)
 	require.Len(t, placed, 1, "no placements on a landing node")
 	report("a", 3, 0, vol("x", "ready", 1))
 	require.Equal(t, NodeLanded, v.Nodes(now)[0].State)
@@ -279,7 +286,7 @@ func TestKubernetesNodes(t *testing.T) {
 	resp, err := v.Report(Report{NodeID: "a", StoreID: "s", Revision: 1, Full: true}, now)
 	require.NoError(t, err)
 	require.Contains(t, resp.RefuseCaptures, "landed")
-	placed := v.Place(nil, nil, now)
+	placed := v.Place(nil, nil, 0, now)
 	require.Empty(t, placed)
 	v.SetCordoned("a", false)
 	require.Equal(t, NodeRunning, v.Nodes(now)[0].State)

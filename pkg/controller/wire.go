@@ -57,7 +57,7 @@ func untilFromWire(u *timestamppb.Timestamp) time.Time {
 func toWireLocation(l Location) *controllerv1.VolumeLocation {
 	return &controllerv1.VolumeLocation{Ref: controllerv1.RefOf(l.Ref), Found: l.Found, State: string(l.State), SizeBytes: l.SizeBytes,
 		Parent: controllerv1.RefOf(l.Parent), Scope: string(l.Scope), Properties: l.Properties, Nodes: l.Nodes,
-		PublishedNodes: l.PublishedNodes, Pinned: l.Pinned, PeerAddresses: l.PeerAddresses}
+		PublishedNodes: l.PublishedNodes, Pinned: l.Pinned, PeerAddresses: l.PeerAddresses, NodeCount: int32(l.NodeCount)}
 }
 
 func toWireLocations(locs []Location) []*controllerv1.VolumeLocation {

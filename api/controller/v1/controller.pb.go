@@ -1014,8 +1014,13 @@ func (x *PinVolumesResponse) GetVolumes() []*VolumeNodes {
 }
 
 type LookupVolumesRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Refs          []*VolumeRef           `protobuf:"bytes,1,rep,name=refs,proto3" json:"refs,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Refs  []*VolumeRef           `protobuf:"bytes,1,rep,name=refs,proto3" json:"refs,omitempty"`
+	// At most this many of each volume's nodes, published nodes and peer
+	// addresses: the first by node ID (0: all of them). A volume on a
+	// thousand nodes is otherwise a thousand names and addresses in the
+	// answer; node_count says how many hold it.
+	MaxNodes      int32 `protobuf:"varint,2,opt,name=max_nodes,json=maxNodes,proto3" json:"max_nodes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1055,6 +1060,13 @@ func (x *LookupVolumesRequest) GetRefs() []*VolumeRef {
 		return x.Refs
 	}
 	return nil
+}
+
+func (x *LookupVolumesRequest) GetMaxNodes() int32 {
+	if x != nil {
+		return x.MaxNodes
+	}
+	return 0
 }
 
 type LookupVolumesResponse struct {
@@ -1122,6 +1134,9 @@ type VolumeLocation struct {
 	// Where each of nodes serves its volumes to peers, in the same order
 	// ("" for a node that serves none).
 	PeerAddresses []string `protobuf:"bytes,11,rep,name=peer_addresses,json=peerAddresses,proto3" json:"peer_addresses,omitempty"`
+	// How many live nodes hold it ready: as many as nodes lists, unless the
+	// request's max_nodes cut the list short.
+	NodeCount     int32 `protobuf:"varint,12,opt,name=node_count,json=nodeCount,proto3" json:"node_count,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1233,6 +1248,13 @@ func (x *VolumeLocation) GetPeerAddresses() []string {
 	return nil
 }
 
+func (x *VolumeLocation) GetNodeCount() int32 {
+	if x != nil {
+		return x.NodeCount
+	}
+	return 0
+}
+
 type ListVolumesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Only this namespace's volumes ("": every namespace the caller may
@@ -1248,7 +1270,9 @@ type ListVolumesRequest struct {
 	// At most this many (0: 500; at most 5000).
 	Limit int32 `protobuf:"varint,4,opt,name=limit,proto3" json:"limit,omitempty"`
 	// From a previous answer's next_page_token.
-	PageToken     string `protobuf:"bytes,5,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	PageToken string `protobuf:"bytes,5,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// As LookupVolumesRequest's.
+	MaxNodes      int32 `protobuf:"varint,6,opt,name=max_nodes,json=maxNodes,proto3" json:"max_nodes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1318,6 +1342,13 @@ func (x *ListVolumesRequest) GetPageToken() string {
 	return ""
 }
 
+func (x *ListVolumesRequest) GetMaxNodes() int32 {
+	if x != nil {
+		return x.MaxNodes
+	}
+	return 0
+}
+
 type ListVolumesResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Volumes []*VolumeLocation      `protobuf:"bytes,1,rep,name=volumes,proto3" json:"volumes,omitempty"`
@@ -1372,8 +1403,12 @@ func (x *ListVolumesResponse) GetNextPageToken() string {
 }
 
 type PlaceRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Inputs        []*VolumeRef           `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Inputs []*VolumeRef           `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
+	// At most this many nodes, the best (0: every one that takes captures).
+	// A thousand-node fleet's whole ranking is a thousand placements, each
+	// with the inputs it lacks; pkg/client's PreferNodes uses ten.
+	Limit         int32 `protobuf:"varint,2,opt,name=limit,proto3" json:"limit,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1413,6 +1448,13 @@ func (x *PlaceRequest) GetInputs() []*VolumeRef {
 		return x.Inputs
 	}
 	return nil
+}
+
+func (x *PlaceRequest) GetLimit() int32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
 }
 
 type PlaceResponse struct {
@@ -2162,11 +2204,12 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x05unpin\x18\x02 \x01(\bR\x05unpin\x120\n" +
 	"\x05until\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05until\"Q\n" +
 	"\x12PinVolumesResponse\x12;\n" +
-	"\avolumes\x18\x01 \x03(\v2!.cowvol.controller.v1.VolumeNodesR\avolumes\"K\n" +
+	"\avolumes\x18\x01 \x03(\v2!.cowvol.controller.v1.VolumeNodesR\avolumes\"h\n" +
 	"\x14LookupVolumesRequest\x123\n" +
-	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\"W\n" +
+	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\x12\x1b\n" +
+	"\tmax_nodes\x18\x02 \x01(\x05R\bmaxNodes\"W\n" +
 	"\x15LookupVolumesResponse\x12>\n" +
-	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\xf0\x03\n" +
+	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\x8f\x04\n" +
 	"\x0eVolumeLocation\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x14\n" +
@@ -2182,22 +2225,26 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x0fpublished_nodes\x18\t \x03(\tR\x0epublishedNodes\x12\x16\n" +
 	"\x06pinned\x18\n" +
 	" \x01(\bR\x06pinned\x12%\n" +
-	"\x0epeer_addresses\x18\v \x03(\tR\rpeerAddresses\x1a=\n" +
+	"\x0epeer_addresses\x18\v \x03(\tR\rpeerAddresses\x12\x1d\n" +
+	"\n" +
+	"node_count\x18\f \x01(\x05R\tnodeCount\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb9\x01\n" +
 	"\x12ListVolumesRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x1a\n" +
 	"\bselector\x18\x03 \x01(\tR\bselector\x12\x14\n" +
 	"\x05limit\x18\x04 \x01(\x05R\x05limit\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\x05 \x01(\tR\tpageToken\"}\n" +
+	"page_token\x18\x05 \x01(\tR\tpageToken\x12\x1b\n" +
+	"\tmax_nodes\x18\x06 \x01(\x05R\bmaxNodes\"}\n" +
 	"\x13ListVolumesResponse\x12>\n" +
 	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"G\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"]\n" +
 	"\fPlaceRequest\x127\n" +
-	"\x06inputs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x06inputs\"J\n" +
+	"\x06inputs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x06inputs\x12\x14\n" +
+	"\x05limit\x18\x02 \x01(\x05R\x05limit\"J\n" +
 	"\rPlaceResponse\x129\n" +
 	"\x05nodes\x18\x01 \x03(\v2#.cowvol.controller.v1.NodePlacementR\x05nodes\"\xac\x01\n" +
 	"\rNodePlacement\x12\x17\n" +
