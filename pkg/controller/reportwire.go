@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"unicode/utf8"
 	"unsafe"
 
@@ -109,10 +110,11 @@ func decodeReport(raw []byte) (Report, error) {
 		var err error
 		switch {
 		case typ == protowire.BytesType && (num == 1 || num == 2 || num == 11):
-			s := string(v)
-			if !utf8.ValidString(s) {
-				return invalidUTF8(num)
+			var s string
+			if s, err = stringField(num, v); err != nil {
+				return err
 			}
+			s = strings.Clone(s) // kept by the view
 			switch num {
 			case 1:
 				r.NodeID = s
@@ -162,9 +164,9 @@ func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
 		case typ == protowire.BytesType && num == 1:
 			return decodeRef(v, &h.Ref)
 		case typ == protowire.BytesType && (num == 2 || num == 6):
-			s := unsafeString(v)
-			if !utf8.ValidString(s) {
-				return invalidUTF8(num)
+			s, err := stringField(num, v)
+			if err != nil {
+				return err
 			}
 			if num == 2 {
 				h.State = volume.State(s)
@@ -179,21 +181,7 @@ func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
 			return decodeRef(v, &base) // (checked as UTF-8, and left)
 		case typ == protowire.BytesType && num == 7:
 			var p Property
-			err := eachField(v, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
-				if typ != protowire.BytesType || (num != 1 && num != 2) {
-					return nil
-				}
-				s := unsafeString(v)
-				if !utf8.ValidString(s) {
-					return invalidUTF8(num)
-				}
-				if num == 1 {
-					p.Key = s
-				} else {
-					p.Value = s
-				}
-				return nil
-			})
+			err := decodePair(v, &p.Key, &p.Value)
 			props = append(props, p)
 			return err
 		case typ == protowire.VarintType && num == 8:
@@ -225,19 +213,23 @@ func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
 
 // decodeRef reads a VolumeRef into ref, over what it holds (a ref said
 // twice is merged, as protobuf merges messages).
-func decodeRef(raw []byte, ref *volume.Ref) error {
+func decodeRef(raw []byte, ref *volume.Ref) error { return decodePair(raw, &ref.Namespace, &ref.Handle) }
+
+// decodePair reads a message of two strings, fields 1 and 2 (a VolumeRef,
+// a Property), into first and second, over what they hold.
+func decodePair(raw []byte, first, second *string) error {
 	return eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
 		if typ != protowire.BytesType || (num != 1 && num != 2) {
 			return nil
 		}
-		s := unsafeString(v)
-		if !utf8.ValidString(s) {
-			return invalidUTF8(num)
+		s, err := stringField(num, v)
+		if err != nil {
+			return err
 		}
 		if num == 1 {
-			ref.Namespace = s
+			*first = s
 		} else {
-			ref.Handle = s
+			*second = s
 		}
 		return nil
 	})
@@ -298,9 +290,12 @@ func malformed(w int) error {
 	return fmt.Errorf("a malformed report: %w: %w", protowire.ParseError(w), ErrInvalid)
 }
 
-func invalidUTF8(num protowire.Number) error {
-	return fmt.Errorf("a malformed report: field %d is not UTF-8: %w", num, ErrInvalid)
+// stringField is a string field's bytes as a string sharing them (they
+// must not change), refused unless UTF-8 as protobuf refuses it.
+func stringField(num protowire.Number, v []byte) (string, error) {
+	s := unsafe.String(unsafe.SliceData(v), len(v))
+	if !utf8.ValidString(s) {
+		return "", fmt.Errorf("a malformed report: field %d is not UTF-8: %w", num, ErrInvalid)
+	}
+	return s, nil
 }
-
-// unsafeString is b as a string, sharing its bytes, which must not change.
-func unsafeString(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
