@@ -213,7 +213,9 @@ func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
 
 // decodeRef reads a VolumeRef into ref, over what it holds (a ref said
 // twice is merged, as protobuf merges messages).
-func decodeRef(raw []byte, ref *volume.Ref) error { return decodePair(raw, &ref.Namespace, &ref.Handle) }
+func decodeRef(raw []byte, ref *volume.Ref) error {
+	return decodePair(raw, &ref.Namespace, &ref.Handle)
+}
 
 // decodePair reads a message of two strings, fields 1 and 2 (a VolumeRef,
 // a Property), into first and second, over what they hold.
