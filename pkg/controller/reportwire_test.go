@@ -2,6 +2,7 @@ package controller
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -115,4 +116,40 @@ func normalized(r Report) Report {
 		}
 	}
 	return r
+}
+
+// The view keeps nothing of a report's bytes: its strings share them, and
+// what the view keeps it copies. Bytes scribbled over once the report is
+// applied change nothing it answers.
+func TestTheViewKeepsNoneOfAReportsBytes(t *testing.T) {
+	req := &controllerv1.ReportRequest{NodeId: "node-a", StoreId: "store-a", Revision: 1, Full: true, PeerAddress: "10.0.0.1:7071",
+		Upserts: []*controllerv1.VolumeSummary{
+			{Ref: wireRef("ci", "out"), State: "ready", SizeBytes: 5, Parent: wireRef("team", "gone"), Scope: "cluster",
+				Properties: []*controllerv1.Property{{Key: "resource", Value: "repo"}}},
+			{Ref: wireRef("team", "in"), State: "creating"},
+		}}
+	raw, err := proto.Marshal(req)
+	require.NoError(t, err)
+	report, err := decodeReport(raw)
+	require.NoError(t, err)
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	_, err = v.Report(report, now)
+	require.NoError(t, err)
+	for i := range raw {
+		raw[i] = 'x'
+	}
+	locs, _, err := v.List(ListQuery{}, now)
+	require.NoError(t, err)
+	require.Len(t, locs, 2)
+	require.Equal(t, volume.Ref{Namespace: "ci", Handle: "out"}, locs[0].Ref)
+	require.Equal(t, volume.Ref{Namespace: "team", Handle: "gone"}, locs[0].Parent)
+	require.Equal(t, map[string]string{"resource": "repo"}, locs[0].Properties)
+	require.Equal(t, []string{"node-a"}, locs[0].Nodes)
+	require.Equal(t, []string{"10.0.0.1:7071"}, locs[0].PeerAddresses)
+	require.Equal(t, volume.Ref{Namespace: "team", Handle: "in"}, locs[1].Ref)
+	require.Equal(t, volume.StateCreating, locs[1].State)
+	nodes := v.Nodes(now)
+	require.Equal(t, "node-a", nodes[0].NodeID)
+	require.Equal(t, "store-a", nodes[0].StoreID)
 }

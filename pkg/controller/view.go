@@ -536,10 +536,14 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 }
 
 // keep copies a volume's handle and properties out of the report they were
-// decoded from, in one allocation.
+// decoded from, in one allocation (handle + props would be handle itself,
+// the report's bytes, where props is empty).
 func keep(handle, props string) (string, string) {
-	all := handle + props
-	return all[:len(handle)], all[len(handle):]
+	var all strings.Builder
+	all.Grow(len(handle) + len(props))
+	all.WriteString(handle)
+	all.WriteString(props)
+	return all.String()[:len(handle)], all.String()[len(handle):]
 }
 
 // reportsWhatItHas is the node a full report is from if the report names
