@@ -193,20 +193,15 @@ func (e *entry) properties() map[string]string {
 // encodeProps packs properties into one string: for each key in order, its
 // length, the key, the value's length, the value. A key said twice keeps
 // its last value, as a map would.
-func encodeProps(props []Property) string {
-	if len(props) == 0 {
-		return ""
-	}
+func encodeProps(props []Property) string { return string(appendProps(nil, props)) }
+
+// appendProps appends properties to b as encodeProps packs them.
+func appendProps(b []byte, props []Property) []byte {
 	byKey := func(a, b Property) int { return strings.Compare(a.Key, b.Key) }
 	if !slices.IsSortedFunc(props, byKey) {
 		props = slices.Clone(props)
 		slices.SortStableFunc(props, byKey)
 	}
-	size := 0
-	for _, p := range props {
-		size += len(p.Key) + len(p.Value) + 2*binary.MaxVarintLen32
-	}
-	b := make([]byte, 0, size)
 	for i, p := range props {
 		if i+1 < len(props) && props[i+1].Key == p.Key {
 			continue // said again later
@@ -216,7 +211,7 @@ func encodeProps(props []Property) string {
 		b = binary.AppendUvarint(b, uint64(len(p.Value)))
 		b = append(b, p.Value...)
 	}
-	return string(b)
+	return b
 }
 
 // cutPrefixed splits a length-prefixed string off the front of s.
@@ -379,6 +374,21 @@ type upsert struct {
 
 func parseUpserts(in []Held) ([]upsert, error) {
 	out := make([]upsert, len(in))
+	// Every volume's properties packed in one string: a full report's
+	// ten thousand are otherwise as many allocations (put copies what an
+	// entry keeps).
+	size := 0
+	for _, h := range in {
+		for _, p := range h.Properties {
+			size += len(p.Key) + len(p.Value) + 2*binary.MaxVarintLen32
+		}
+	}
+	packed, ends := make([]byte, 0, size), make([]int, len(in))
+	for i, h := range in {
+		packed = appendProps(packed, h.Properties)
+		ends[i] = len(packed)
+	}
+	props := string(packed)
 	for i, h := range in {
 		state := slices.Index(states, h.State)
 		scope := 0 // unsaid: the default, the namespace's own
@@ -391,7 +401,11 @@ func parseUpserts(in []Held) ([]upsert, error) {
 		if h.Copies < 0 || h.Copies > volume.MaxCopies {
 			return nil, fmt.Errorf("volume %s: %d copies: want 0 to %d: %w", h.Ref, h.Copies, volume.MaxCopies, ErrInvalid)
 		}
-		out[i] = upsert{ref: h.Ref, parent: h.Parent, props: encodeProps(h.Properties), scope: scopeCode(scope), copies: uint8(h.Copies),
+		from := 0
+		if i > 0 {
+			from = ends[i-1]
+		}
+		out[i] = upsert{ref: h.Ref, parent: h.Parent, props: props[from:ends[i]], scope: scopeCode(scope), copies: uint8(h.Copies),
 			rec: record{size: h.SizeBytes, steps: h.StepVolumes, pinned: h.Pinned, state: stateCode(state)}}
 	}
 	return out, nil
@@ -515,7 +529,7 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 		}
 	}
 	if e.props != u.props { // equal ones stay in the handle's allocation
-		e.props = u.props
+		e.props = strings.Clone(u.props) // (not the whole report's)
 	}
 	if u.copies > 0 { // a pulled copy's report leaves the capturing node's word
 		e.copies = u.copies
