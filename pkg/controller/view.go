@@ -7,8 +7,8 @@
 // from their next reports. It never touches a volume: nodes do, when their
 // reports are answered. The view speaks its own types (types.go); only the
 // gRPC layer (server.go, data.go) speaks api/controller/v1's, converting at
-// the edge (wire.go), so that how the view keeps a fleet in memory is its
-// own business.
+// the edge (wire.go; reportwire.go reads nodes' reports from their bytes),
+// so that how the view keeps a fleet in memory is its own business.
 package controller
 
 import (
