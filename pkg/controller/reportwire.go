@@ -78,10 +78,11 @@ func reportHandler(srv any, ctx context.Context, dec func(any) error, intercepto
 	return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: controllerv1.Registry_Report_FullMethodName}, handle)
 }
 
-// decodeReport reads a ReportRequest as reportFromWire reads the decoded
-// message: a field of an unknown number, or of a known one on another wire
-// type, is skipped, a message field said twice is merged, and every name is
-// checked. The volumes' names and properties are strings over raw (which
+// decodeReport reads a ReportRequest as the generated types read it (the
+// fuzz test holds it to them): a field of an unknown number, or of a known
+// one on another wire type, is skipped, a message field said twice is
+// merged, a string that is not UTF-8 is refused; and every ref is checked
+// as refFromWire checks one. The volumes' names and properties are strings over raw (which
 // must not change): what the view keeps of them it copies (View.put). The
 // node's own names are copies: the controller keeps them.
 func decodeReport(raw []byte) (Report, error) {
