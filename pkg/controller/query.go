@@ -56,7 +56,7 @@ func (v *View) flags(now time.Time) nodeFlags {
 // serves says whether a live node holds e for schedulers (no scheduler
 // destroyed it there).
 func (v *View) serves(f nodeFlags, h holding, e *entry) bool {
-	return f[h.node]&nodeLive != 0 && (f[h.node]&nodeDestroying == 0 || !v.byIndex[h.node].destroy[e])
+	return f[h.node]&nodeLive != 0 && (f[h.node]&nodeDestroying == 0 || !v.byIndex[h.node].destroyed(e))
 }
 
 // location is what the live nodes say of one volume: the best state any

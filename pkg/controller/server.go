@@ -124,8 +124,8 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 	if len(refs) > maxLookup {
 		return nil, status.Errorf(codes.InvalidArgument, "%d volumes in one call: at most %d", len(refs), maxLookup)
 	}
-	if maxNodes < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "max_nodes %d: want 0 (all) or more", maxNodes)
+	if err := checkMaxNodes(maxNodes); err != nil {
+		return nil, err
 	}
 	parsed, err := refsFromWire(refs)
 	if err != nil {
@@ -139,6 +139,14 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 		}
 	}
 	return toWireLocations(locs), nil
+}
+
+// checkMaxNodes refuses a lookup's or a listing's max_nodes below 0.
+func checkMaxNodes(maxNodes int32) error {
+	if maxNodes < 0 {
+		return status.Errorf(codes.InvalidArgument, "max_nodes %d: want 0 (all) or more", maxNodes)
+	}
+	return nil
 }
 
 func (s *cacheServer) LookupVolumes(ctx context.Context, req *controllerv1.LookupVolumesRequest) (*controllerv1.LookupVolumesResponse, error) {
@@ -166,8 +174,8 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	case limit == 0:
 		limit = defaultListLimit
 	}
-	if req.GetMaxNodes() < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "max_nodes %d: want 0 (all) or more", req.GetMaxNodes())
+	if err := checkMaxNodes(req.GetMaxNodes()); err != nil {
+		return nil, err
 	}
 	after := ""
 	if tok := req.GetPageToken(); tok != "" {
