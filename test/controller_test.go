@@ -424,6 +424,22 @@ func TestControllerAuthentication(t *testing.T) {
 	placed, err := ci.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("other", "private")}})
 	require.NoError(t, err)
 	require.Zero(t, placed.Nodes[0].InputBytesHeld, "placement tells nothing of a volume the caller may not see")
+	// Nor do the short answers: a count of holders, the best placement, a
+	// listing naming one node a volume.
+	best, err := ci.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("other", "private")}, Limit: 1})
+	require.NoError(t, err)
+	require.Len(t, best.Nodes, 1)
+	require.Zero(t, best.Nodes[0].InputBytesHeld)
+	hidden, err := ci.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("other", "private")}, MaxNodes: 1})
+	require.NoError(t, err)
+	require.False(t, hidden.Volumes[0].Found)
+	require.Zero(t, hidden.Volumes[0].NodeCount, "how many nodes hold another namespace's volume")
+	require.Empty(t, hidden.Volumes[0].Nodes)
+	listed, err := ci.ListVolumes(ctx, &controllerv1.ListVolumesRequest{MaxNodes: 1})
+	require.NoError(t, err)
+	for _, l := range listed.Volumes {
+		require.True(t, l.Ref.Namespace == "ci" || l.Scope == "cluster", "listed %s/%s", l.Ref.Namespace, l.Ref.Handle)
+	}
 	plain, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
 	defer plain.Close()
