@@ -17,7 +17,6 @@ import (
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -144,16 +143,16 @@ func controllerFleet(b *testing.B, f *fleet, memLimit string) {
 	conn := dial()
 	cache := controllerv1.NewCacheClient(conn)
 	ctx := context.Background()
-	// send sends node n's report over conn once: its whole inventory
-	// (with the headers a node's reporter sets) or a heartbeat.
+	// send sends node n's report over conn once, as a node's reporter
+	// does: its whole inventory (in parts, where it is bigger than one) or
+	// a heartbeat.
 	send := func(conn *grpc.ClientConn, n int, whole bool) (*controllerv1.ReportResponse, error) {
-		var resp controllerv1.ReportResponse
-		callCtx := ctx
-		if whole {
-			callCtx = metadata.AppendToOutgoingContext(ctx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull,
-				controllerv1.ReportNodeHeader, fmt.Sprintf("node-%04d", n))
+		raw := f.report(n, whole)
+		if len(raw) > controllerv1.ReportPartSize {
+			return client.SendReportParts(ctx, controllerv1.NewRegistryClient(conn), fmt.Sprintf("node-%04d", n), raw)
 		}
-		err := conn.Invoke(callCtx, controllerv1.Registry_Report_FullMethodName, encodedReport(f.report(n, whole)), &resp)
+		var resp controllerv1.ReportResponse
+		err := conn.Invoke(ctx, controllerv1.Registry_Report_FullMethodName, encodedReport(raw), &resp)
 		return &resp, err
 	}
 	jitter := func(d time.Duration) { time.Sleep(d/2 + rand.N(d+1)) }

@@ -322,14 +322,16 @@ func TestNodeLifecycleThroughTheController(t *testing.T) {
 
 // The controller's APIs over TLS with tokens: nothing without a token, a
 // namespace's scheduler sees its own volumes and what others shared,
-// cannot act on others' nor on nodes, and nodes report with theirs.
+// cannot act on others' nor on nodes, and nodes report with theirs, each
+// for itself alone.
 func TestControllerAuthentication(t *testing.T) {
 	testfs.Need(t)
 	dir := t.TempDir()
 	pki := netlab.NewPKI(t, filepath.Join(dir, "pki"), "cowvol-controller", "127.0.0.1")
 	tokens := filepath.Join(dir, "tokens")
 	require.NoError(t, os.WriteFile(tokens, []byte("# the controller's callers\n"+
-		"node-token-0123456789,system:cowvol-node,*\nadmin-token-0123456789,admin,*\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
+		"node-token-0123456789,system:cowvol-node,*,node-a\nnode-z-token-0123456789,system:cowvol-node,*,node-z\n"+
+		"admin-token-0123456789,admin,*\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
 	nodeToken := filepath.Join(dir, "node-token")
 	require.NoError(t, os.WriteFile(nodeToken, []byte("node-token-0123456789\n"), 0o600))
 	addr := plugintest.FreeAddr(t)
@@ -359,6 +361,8 @@ func TestControllerAuthentication(t *testing.T) {
 	// every namespace's volumes.
 	ciRegistry := controllerv1.NewRegistryClient(dialConn("ci-token-0123456789ab"))
 	nodeRegistry := controllerv1.NewRegistryClient(dialConn("node-token-0123456789"))
+	// Another node's credential, speaking for node-a.
+	nodeZ := controllerv1.NewRegistryClient(dialConn("node-z-token-0123456789"))
 	getOrder := func(r controllerv1.RegistryClient) error {
 		_, err := r.GetReadOrder(context.Background(), &controllerv1.GetReadOrderRequest{Namespace: "ci", Name: "job"})
 		return err
@@ -415,11 +419,38 @@ func TestControllerAuthentication(t *testing.T) {
 			return err
 		}, codes.PermissionDenied, false},
 		{"a node reading one none shared", func() error { return getOrder(nodeRegistry) }, codes.NotFound, false},
+		{"another node's credential reporting as node-a", func() error {
+			_, err := nodeZ.Report(ctx, &controllerv1.ReportRequest{NodeId: "node-a", StoreId: "wiped", Revision: 1, Full: true,
+				PeerAddress: "10.0.0.1:7443"})
+			return err
+		}, codes.PermissionDenied, false},
+		{"another node's credential claiming a copy as node-a", func() error {
+			_, err := nodeZ.Report(ctx, &controllerv1.ReportRequest{NodeId: "node-a", StoreId: "s", Revision: 9, BaseRevision: 1,
+				Upserts: []*controllerv1.VolumeSummary{{Ref: cref("ci", "mine"), State: "ready", Copies: 5}}})
+			return err
+		}, codes.PermissionDenied, false},
+		{"another node's credential sharing node-a's read order", func() error {
+			_, err := nodeZ.ShareReadOrder(ctx, &controllerv1.ShareReadOrderRequest{Order: &controllerv1.ReadOrder{
+				NodeId: "node-a", Namespace: "ci", Name: "job", Files: []string{"f"}}})
+			return err
+		}, codes.PermissionDenied, false},
+		{"a node's credential for itself", func() error {
+			_, err := nodeZ.Report(ctx, &controllerv1.ReportRequest{NodeId: "node-z", StoreId: "z", Revision: 1, Full: true})
+			return err
+		}, codes.OK, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			require.Equal(t, tc.wantCode, code(tc.call()))
 		})
+	}
+	found, err := lookup(admin, "other", "private")
+	require.NoError(t, err)
+	require.True(t, found, "node-a's view untouched by node-z's claims")
+	nodes, err := admin.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+	require.NoError(t, err)
+	for _, n := range nodes.Nodes {
+		require.NotEqual(t, "10.0.0.1:7443", n.GetPeerAddress(), "node %s's peer address", n.GetNodeId())
 	}
 	placed, err := ci.Place(ctx, &controllerv1.PlaceRequest{Inputs: []*controllerv1.VolumeRef{cref("other", "private")}})
 	require.NoError(t, err)
@@ -506,8 +537,8 @@ func TestIdleNodeHeartbeatsReadNoVolume(t *testing.T) {
 // node's away, telling it when to ask again: the node then asks with
 // heartbeats, which reach the controller meanwhile, instead of sending its
 // inventory blind again, and sends it once told there is room. (The test
-// takes the controller's one slot with a report that sends its header and
-// stalls.)
+// takes the controller's one slot with a report in parts that never sends
+// its parts.)
 func TestFullReportsDeferredWhileTheControllerIsBusy(t *testing.T) {
 	metrics := plugintest.FreeAddr(t)
 	f := startFleet(t, []string{"--full-reports-at-once=1", "--metrics-address=" + metrics})
@@ -515,9 +546,9 @@ func TestFullReportsDeferredWhileTheControllerIsBusy(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
 	held, release := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(),
-		controllerv1.ReportKindHeader, controllerv1.ReportKindFull))
+		controllerv1.ReportNodeHeader, "stalled"))
 	defer release()
-	_, err = conn.NewStream(held, &grpc.StreamDesc{ClientStreams: true}, controllerv1.Registry_Report_FullMethodName)
+	_, err = controllerv1.NewRegistryClient(conn).SendReport(held)
 	require.NoError(t, err)
 
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + f.addr}})
@@ -610,4 +641,96 @@ func TestOutputsSurviveTheirNode(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// peakRSS is the most memory a process has held (VmHWM), in bytes.
+func peakRSS(t *testing.T, pid int) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	require.NoError(t, err)
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var kb int64
+			_, err := fmt.Sscanf(strings.TrimSpace(rest), "%d kB", &kb)
+			require.NoError(t, err)
+			return kb << 10
+		}
+	}
+	t.Fatalf("no VmHWM in /proc/%d/status", pid)
+	return 0
+}
+
+// No caller, with or without a token, makes the controller read a message
+// it was not asked for: ten 60 MiB calls at once without a token, ten with
+// a scheduler's token, ten reports with a scheduler's and ten with a
+// node's are each turned away before their message is read, and the
+// controller's memory stays where an idle one's is (the whole 2.4 GB,
+// read, would be far past the chart's limit).
+func TestControllerReadsNoMessageItWasNotAskedFor(t *testing.T) {
+	dir := t.TempDir()
+	pki := netlab.NewPKI(t, filepath.Join(dir, "pki"), "cowvol-controller", "127.0.0.1")
+	tokens := filepath.Join(dir, "tokens")
+	require.NoError(t, os.WriteFile(tokens, []byte("node-token-0123456789,system:cowvol-node,*,node-a\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
+	addr := plugintest.FreeAddr(t)
+	ctl := plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr,
+		"--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens}})
+	creds, err := credentials.NewClientTLSFromFile(pki.CA, "")
+	require.NoError(t, err)
+	dial := func(tok string) *grpc.ClientConn {
+		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+		if tok != "" {
+			opts = append(opts, grpc.WithPerRPCCredentials(client.Bearer{Token: tok, Secure: true}))
+		}
+		conn, err := grpc.NewClient(addr, opts...)
+		require.NoError(t, err)
+		t.Cleanup(func() { conn.Close() })
+		return conn
+	}
+	ctx := t.Context()
+	_, err = controllerv1.NewCacheClient(dial("ci-token-0123456789ab")).ListVolumes(ctx, &controllerv1.ListVolumesRequest{})
+	require.NoError(t, err, "the controller serves")
+	idle := peakRSS(t, ctl.PID())
+
+	huge := strings.Repeat("x", 60<<20)
+	lookup := &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", huge)}}
+	report := &controllerv1.ReportRequest{NodeId: "node-a", StoreId: huge}
+	tests := []struct {
+		name     string
+		call     func(conn *grpc.ClientConn) error
+		token    string
+		wantCode codes.Code
+	}{
+		{"lookups without a token", func(c *grpc.ClientConn) error {
+			_, err := controllerv1.NewCacheClient(c).LookupVolumes(ctx, lookup)
+			return err
+		}, "", codes.Unauthenticated},
+		{"lookups with a scheduler's token", func(c *grpc.ClientConn) error {
+			_, err := controllerv1.NewCacheClient(c).LookupVolumes(ctx, lookup)
+			return err
+		}, "ci-token-0123456789ab", codes.ResourceExhausted},
+		{"reports with a scheduler's token", func(c *grpc.ClientConn) error {
+			_, err := controllerv1.NewRegistryClient(c).Report(ctx, report)
+			return err
+		}, "ci-token-0123456789ab", codes.PermissionDenied},
+		{"reports with a node's token", func(c *grpc.ClientConn) error {
+			_, err := controllerv1.NewRegistryClient(c).Report(ctx, report)
+			return err
+		}, "node-token-0123456789", codes.ResourceExhausted},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			conn := dial(tc.token)
+			errs := make(chan error, 10)
+			for range 10 {
+				go func() { errs <- tc.call(conn) }()
+			}
+			for range 10 {
+				require.Equal(t, tc.wantCode, code(<-errs))
+			}
+		})
+	}
+	peak := peakRSS(t, ctl.PID())
+	t.Logf("the controller's peak RSS: %d MiB idle, %d MiB after 40 calls of 60 MiB", idle>>20, peak>>20)
+	require.Less(t, peak-idle, int64(64<<20), "memory the calls cost the controller")
+	require.True(t, ctl.Running())
 }

@@ -60,10 +60,9 @@ func Dial(o Options) (*Client, error) {
 	return &Client{conn: conn, Cache: controllerv1.NewCacheClient(conn)}, nil
 }
 
-// MaxMessage bounds what a caller sends the controller: a node's whole
-// inventory (about 100 bytes a volume) must fit, and gRPC's default of
-// 4 MiB does not at tens of thousands of volumes.
-const MaxMessage = 64 << 20
+// MaxMessage bounds one message a caller sends the controller, which reads
+// no more (a node's whole inventory larger than that goes in parts).
+const MaxMessage = controllerv1.MaxMessage
 
 // DialOptions are how anyone reaches the controller, a scheduler or a
 // node: TLS verified against the CA where one is given (plaintext, which

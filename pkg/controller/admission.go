@@ -9,11 +9,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/types/known/durationpb"
-
-	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 )
 
 // FullReports admits a bounded number of nodes' whole inventories at once
@@ -21,20 +19,20 @@ import (
 // every node for its inventory at the same moment; gRPC reads a call's
 // whole message before any handler or interceptor runs, so without this
 // 1,000 nodes' inventories (a few MiB each, decoded) would be in memory at
-// once however the handler limits itself.
+// once.
 //
 // Nodes ask before they send: the controller answers a heartbeat that
 // must be followed by the whole inventory with room kept for it for
-// grantFor (Grant), or with how long to wait before asking again. Tap is
-// the backstop, before the read, on the header a node sets on a full
-// report (controllerv1.ReportKindHeader): a report with room kept for its
-// node, or with room free, is read; others are answered ResourceExhausted
-// with a RetryInfo, having cost the bytes they sent before the answer
-// reached them (asking first costs a heartbeat).
+// grantFor (Grant), or with how long to wait before asking again. Take is
+// the gate, by what a report is: a whole inventory in one message (at most
+// controllerv1.MaxMessage, read before the gate), and any report in parts
+// before its first part is read. A report with room kept for its node, or
+// with room free, is applied; others are answered ResourceExhausted with a
+// RetryInfo (asking first costs a heartbeat).
 //
-// A slot is held until the call ends, or for at most holdFor: a caller
-// that sends its header and then stalls (any client can, before it is
-// authenticated) gives its slot back after that.
+// A slot is held until the report is applied, or for at most holdFor: a
+// node that starts a report in parts and then stalls gives its slot back
+// after that.
 type FullReports struct {
 	mu     sync.Mutex
 	atOnce int
@@ -98,30 +96,26 @@ func (f *FullReports) expire(now time.Time) {
 	}
 }
 
-// Tap is a grpc.InTapHandle: it runs on the transport's reader before the
-// call's message is read, so it must not block.
-func (f *FullReports) Tap(ctx context.Context, info *tap.Info) (context.Context, error) {
-	if info.FullMethodName != controllerv1.Registry_Report_FullMethodName || !isFullReport(info) {
-		return ctx, nil
-	}
-	if !f.admit(headerValue(info, controllerv1.ReportNodeHeader), time.Now()) {
+// Take takes room for node's whole inventory (or a report in parts): the
+// room kept for it, or room free. It answers Deferred when there is none;
+// release gives the room back once the report is applied, or after
+// holdFor if that takes longer.
+func (f *FullReports) Take(node string, now time.Time) (release func(), err error) {
+	if !f.admit(node, now) {
 		f.counted.WithLabelValues("deferred").Inc()
-		return ctx, Deferred(f.atOnce, f.retryAfter)
+		return nil, Deferred(f.atOnce, f.retryAfter)
 	}
 	f.counted.WithLabelValues("admitted").Inc()
 	var once sync.Once
-	release := func() {
+	free := func() {
 		once.Do(func() {
 			f.mu.Lock()
 			f.reading--
 			f.mu.Unlock()
 		})
 	}
-	timer := time.AfterFunc(f.holdFor, release)
-	// The stream's context ends with the call, however it ends (answered,
-	// cancelled, its connection gone).
-	context.AfterFunc(ctx, func() { timer.Stop(); release() })
-	return ctx, nil
+	timer := time.AfterFunc(f.holdFor, free)
+	return func() { timer.Stop(); free() }, nil
 }
 
 // admit takes a slot for node's inventory: the room kept for it, or room
@@ -139,12 +133,10 @@ func (f *FullReports) admit(node string, now time.Time) bool {
 	return true
 }
 
-func isFullReport(info *tap.Info) bool {
-	return headerValue(info, controllerv1.ReportKindHeader) == controllerv1.ReportKindFull
-}
-
-func headerValue(info *tap.Info, key string) string {
-	if v := info.Header.Get(key); len(v) > 0 {
+// incomingHeader is the first value of a call's metadata key.
+func incomingHeader(ctx context.Context, key string) string {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if v := md.Get(key); len(v) > 0 {
 		return v[0]
 	}
 	return ""

@@ -2,6 +2,7 @@ package controller
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"testing"
 	"time"
@@ -11,146 +12,50 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/client"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
-// heldRegistry answers a report once the test lets it.
-type heldRegistry struct {
-	controllerv1.UnimplementedRegistryServer
-	entered chan string
-	release chan struct{}
-}
-
-func (h *heldRegistry) Report(ctx context.Context, req *controllerv1.ReportRequest) (*controllerv1.ReportResponse, error) {
-	h.entered <- req.GetNodeId()
-	select {
-	case <-h.release:
-	case <-ctx.Done():
-	}
-	return &controllerv1.ReportResponse{}, nil
-}
-
-// gatedRegistry serves heldRegistry behind gate on loopback.
-func gatedRegistry(t *testing.T, gate *FullReports) (controllerv1.RegistryClient, *grpc.ClientConn, *heldRegistry) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	h := &heldRegistry{entered: make(chan string, 10), release: make(chan struct{})}
-	srv := grpc.NewServer(grpc.InTapHandle(gate.Tap))
-	controllerv1.RegisterRegistryServer(srv, h)
-	go func() { _ = srv.Serve(lis) }()
-	t.Cleanup(srv.Stop)
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	t.Cleanup(func() { conn.Close() })
-	return controllerv1.NewRegistryClient(conn), conn, h
-}
-
-func fullCtx(ctx context.Context) context.Context {
-	return metadata.AppendToOutgoingContext(ctx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull)
-}
-
-// report sends node's report in the background and returns its answer's
-// error.
-func report(ctx context.Context, reg controllerv1.RegistryClient, node string) <-chan error {
-	done := make(chan error, 1)
-	go func() {
-		_, err := reg.Report(ctx, &controllerv1.ReportRequest{NodeId: node, StoreId: "s", Full: true})
-		done <- err
-	}()
-	return done
-}
-
-func entered(t *testing.T, h *heldRegistry, node string) {
-	t.Helper()
-	select {
-	case got := <-h.entered:
-		require.Equal(t, node, got)
-	case <-time.After(5 * time.Second):
-		t.Fatalf("%s's report never reached the handler", node)
-	}
-}
-
-// With its one slot taken, the gate turns a second full report away before
-// reading it, telling it when to come back; a heartbeat passes; the slot
-// is free again once the first is answered.
+// With its one slot taken, the gate defers a second node, telling it when
+// to come back; the slot is free again once the first is released, and
+// after the longest hold if it never is.
 func TestFullReportsAdmitsAFewAtOnce(t *testing.T) {
 	gate := NewFullReports(1)
-	reg, _, h := gatedRegistry(t, gate)
-	ctx := context.Background()
+	now := time.Now()
+	release, err := gate.Take("node-a", now)
+	require.NoError(t, err)
 
-	first := report(fullCtx(ctx), reg, "node-a")
-	entered(t, h, "node-a")
-
-	_, err := reg.Report(fullCtx(ctx), &controllerv1.ReportRequest{NodeId: "node-b", StoreId: "s", Full: true})
+	_, err = gate.Take("node-b", now)
 	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
 	after, ok := client.RetryAfter(err)
 	require.True(t, ok, "a RetryInfo in %v", err)
 	require.Equal(t, fullReportRetry, after)
 	require.Equal(t, 1.0, counted(t, gate, "deferred"))
 
-	heartbeat := report(ctx, reg, "node-c") // no header: not gated
-	entered(t, h, "node-c")
-
-	h.release <- struct{}{}
-	h.release <- struct{}{}
-	require.NoError(t, <-first)
-	require.NoError(t, <-heartbeat)
-	again := report(fullCtx(ctx), reg, "node-b")
-	entered(t, h, "node-b")
-	h.release <- struct{}{}
-	require.NoError(t, <-again)
+	release()
+	release() // twice: given back once
+	second, err := gate.Take("node-b", now)
+	require.NoError(t, err)
+	_, err = gate.Take("node-c", now)
+	require.Error(t, err, "released twice, the slot came back once")
+	second()
 	require.Equal(t, 2.0, counted(t, gate, "admitted"))
-}
 
-// A caller that gives up gives its slot back at once; one that sends its
-// header and stalls, after the longest hold.
-func TestFullReportsSlotsComeBack(t *testing.T) {
-	tests := []struct {
-		name    string
-		holdFor time.Duration
-		take    func(t *testing.T, reg controllerv1.RegistryClient, conn *grpc.ClientConn, h *heldRegistry)
-	}{
-		{"the caller cancels", time.Hour, func(t *testing.T, reg controllerv1.RegistryClient, _ *grpc.ClientConn, h *heldRegistry) {
-			ctx, cancel := context.WithCancel(fullCtx(t.Context()))
-			gone := report(ctx, reg, "node-a")
-			entered(t, h, "node-a")
-			cancel()
-			require.Equal(t, codes.Canceled, status.Code(<-gone))
-		}},
-		{"the caller stalls after its header", 300 * time.Millisecond, func(t *testing.T, _ controllerv1.RegistryClient, conn *grpc.ClientConn, _ *heldRegistry) {
-			// A stream sends its header at once and its message only when
-			// told: this one never is.
-			_, err := conn.NewStream(fullCtx(t.Context()), &grpc.StreamDesc{ClientStreams: true}, controllerv1.Registry_Report_FullMethodName)
-			require.NoError(t, err)
-		}},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			gate := NewFullReports(1)
-			gate.holdFor = tc.holdFor
-			reg, conn, h := gatedRegistry(t, gate)
-			tc.take(t, reg, conn, h)
-			deadline := time.Now().Add(5 * time.Second)
-			for {
-				done := report(fullCtx(t.Context()), reg, "node-b")
-				select {
-				case got := <-h.entered:
-					require.Equal(t, "node-b", got)
-					h.release <- struct{}{}
-					require.NoError(t, <-done)
-					return
-				case err := <-done:
-					require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
-				}
-				require.True(t, time.Now().Before(deadline), "the slot never came back")
-				time.Sleep(20 * time.Millisecond)
-			}
-		})
-	}
+	gate = NewFullReports(1)
+	gate.holdFor = 100 * time.Millisecond
+	_, err = gate.Take("node-a", now) // never released: a stalled report
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		release, err := gate.Take("node-b", time.Now())
+		if err == nil {
+			release()
+		}
+		return err == nil
+	}, 5*time.Second, 20*time.Millisecond, "the slot came back after the hold")
 }
 
 func counted(t *testing.T, gate *FullReports, result string) float64 {
@@ -181,4 +86,75 @@ func TestFullReportsKeepsRoomForThoseItTold(t *testing.T) {
 	require.Zero(t, gate.Grant("node-b", later), "node-a did not come: its room went to node-b")
 	require.False(t, gate.admit("node-a", later))
 	require.True(t, gate.admit("node-b", later))
+}
+
+// registryOnLoopback serves a view's Registry as the controller does, with
+// gate, and returns a client of it.
+func registryOnLoopback(t *testing.T, v *View, gate *FullReports) controllerv1.RegistryClient {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer(append(ServerOptions(), grpc.MaxRecvMsgSize(controllerv1.MaxMessage))...)
+	Register(srv, v, NewReadOrders(1<<20), gate, NewMetrics(v), nil, nil)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return controllerv1.NewRegistryClient(conn)
+}
+
+// inventory is a whole inventory of n volumes.
+func inventory(node string, n int) *controllerv1.ReportRequest {
+	req := &controllerv1.ReportRequest{NodeId: node, StoreId: "s", Revision: 1, Full: true}
+	for i := range n {
+		req.Upserts = append(req.Upserts, &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: "ci", Handle: fmt.Sprintf("volume-%06d-%s", i, node)},
+			State: "ready", SizeBytes: 1 << 20})
+	}
+	return req
+}
+
+// sendParts sends req through SendReport in parts, node in the header.
+func sendParts(ctx context.Context, reg controllerv1.RegistryClient, node string, req *controllerv1.ReportRequest) error {
+	raw, err := proto.Marshal(req)
+	if err != nil {
+		return err
+	}
+	_, err = client.SendReportParts(ctx, reg, node, raw)
+	return err
+}
+
+// A whole inventory is gated by what it is, whatever its headers say: in
+// one message or in parts it waits for room, a heartbeat never does; an
+// inventory bigger than a message arrives whole in parts, and parts that
+// say they are another node's are refused.
+func TestReportsAreGatedByWhatTheyAre(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	gate := NewFullReports(1)
+	reg := registryOnLoopback(t, v, gate)
+	ctx := t.Context()
+
+	release, err := gate.Take("someone-else", time.Now())
+	require.NoError(t, err)
+	_, err = reg.Report(ctx, inventory("node-a", 3))
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "a whole inventory without a header: %v", err)
+	err = sendParts(ctx, reg, "node-b", inventory("node-b", 3))
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "a report in parts: %v", err)
+	_, err = reg.Report(ctx, &controllerv1.ReportRequest{NodeId: "node-c", StoreId: "s"})
+	require.NoError(t, err, "a heartbeat needs no room")
+	release()
+
+	big := inventory("node-b", 120_000)
+	require.Greater(t, proto.Size(big), controllerv1.MaxMessage, "bigger than a message")
+	_, err = reg.Report(ctx, big)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "in one message: %v", err)
+	require.NoError(t, sendParts(ctx, reg, "node-b", big))
+	last, err := refFromWire(big.Upserts[119_999].GetRef())
+	require.NoError(t, err)
+	require.True(t, v.Lookup([]volume.Ref{last}, 0, time.Now())[0].Found, "the last part's volume is held")
+
+	err = sendParts(ctx, reg, "node-a", inventory("node-b", 3))
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "parts for node-a saying node-b: %v", err)
+	err = sendParts(ctx, reg, "", inventory("node-b", 3))
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "parts naming no node: %v", err)
 }

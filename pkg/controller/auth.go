@@ -8,11 +8,13 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -34,6 +36,12 @@ const (
 // Caller is who is calling, and what they may do.
 type Caller struct {
 	User string
+	// Node is the node the caller proved to be ("" for none): it speaks
+	// for that node alone. nodeBound says a caller that proved no node
+	// speaks for none (one checked by the API server: only a token bound
+	// to a pod on a node says which node it is).
+	Node      string
+	nodeBound bool
 	// may says whether the caller may do verb on resource in namespace
 	// ("" for a cluster-wide resource, or every namespace).
 	may func(ctx context.Context, verb, resource, namespace string) bool
@@ -79,8 +87,63 @@ type Authenticator interface {
 	Authenticate(ctx context.Context, token string) (Caller, error)
 }
 
+// speaksFor refuses a call that speaks for a node (a report, a shared read
+// order) unless its caller proved to be that node, or is one that may
+// speak for any (no authentication on loopback, a tokens-file line naming
+// no node).
+func speaksFor(ctx context.Context, node string) error {
+	c := CallerFrom(ctx)
+	if c.Node == node || (c.Node == "" && !c.nodeBound) {
+		return nil
+	}
+	if c.Node == "" {
+		return status.Errorf(codes.PermissionDenied, "%s may not speak for node %s: only a token bound to a pod on that node may",
+			volume.Quote(c.User), volume.Quote(node))
+	}
+	return status.Errorf(codes.PermissionDenied, "%s is node %s: it may not speak for node %s",
+		volume.Quote(c.User), volume.Quote(c.Node), volume.Quote(node))
+}
+
+// reviewInTap bounds how long the tap waits for the API server to review
+// an unseen token (the connection's other calls wait meanwhile).
+const reviewInTap = 5 * time.Second
+
+// Tap authenticates a call before gRPC reads its message: a call without
+// a token the authenticator accepts is turned away having cost its
+// headers, and the nodes' Registry is closed to callers that may not
+// report. It runs on the connection's reader, so only that connection
+// waits while an unseen token is reviewed (a known one is answered from
+// the authenticator's cache). The caller goes in the call's context for
+// the interceptors. A nil Authenticator lets every call through.
+func Tap(auth Authenticator) tap.ServerInHandle {
+	registry := "/" + controllerv1.Registry_ServiceDesc.ServiceName + "/"
+	return func(ctx context.Context, info *tap.Info) (context.Context, error) {
+		if auth == nil {
+			return ctx, nil
+		}
+		token := bearerToken(info.Header)
+		if token == "" {
+			return nil, status.Error(codes.Unauthenticated, "no bearer token")
+		}
+		reviewCtx, cancel := context.WithTimeout(ctx, reviewInTap)
+		c, err := auth.Authenticate(reviewCtx, token)
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		ctx = context.WithValue(ctx, callerKey{}, c)
+		if strings.HasPrefix(info.FullMethodName, registry) {
+			if err := need(ctx, "update", ResourceNodes, "", "call the nodes' Registry"); err != nil {
+				return nil, err
+			}
+		}
+		return ctx, nil
+	}
+}
+
 // Interceptor authenticates every call, refusing those without a known
-// token. A nil Authenticator lets every call through as anyone.
+// token, unless Tap did already. A nil Authenticator lets every call
+// through as anyone.
 func Interceptor(auth Authenticator) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		ctx, err := authenticate(ctx, auth)
@@ -112,18 +175,17 @@ type callerStream struct {
 func (s *callerStream) Context() context.Context { return s.ctx }
 
 // authenticate puts the bearer token's caller in ctx (with no
-// authenticator, the anonymous caller who may do anything stays).
+// authenticator, the anonymous caller who may do anything stays), unless
+// Tap put it there already.
 func authenticate(ctx context.Context, auth Authenticator) (context.Context, error) {
 	if auth == nil {
 		return ctx, nil
 	}
-	md, _ := metadata.FromIncomingContext(ctx)
-	var token string
-	for _, v := range md.Get("authorization") {
-		if rest, ok := strings.CutPrefix(v, "Bearer "); ok {
-			token = rest
-		}
+	if _, ok := ctx.Value(callerKey{}).(Caller); ok {
+		return ctx, nil
 	}
+	md, _ := metadata.FromIncomingContext(ctx)
+	token := bearerToken(md)
 	if token == "" {
 		return nil, status.Error(codes.Unauthenticated, "no bearer token")
 	}
@@ -134,9 +196,23 @@ func authenticate(ctx context.Context, auth Authenticator) (context.Context, err
 	return context.WithValue(ctx, callerKey{}, c), nil
 }
 
+// bearerToken is the token of a call's authorization header ("" if none).
+func bearerToken(md metadata.MD) string {
+	var token string
+	for _, v := range md.Get("authorization") {
+		if rest, ok := strings.CutPrefix(v, "Bearer "); ok {
+			token = rest
+		}
+	}
+	return token
+}
+
 // Tokens authenticates callers by bearer token, from a file of
-// "token,user,namespaces" lines, namespaces "*" or "a;b". A "*" caller may
-// do anything; another may act on the cached volumes of its namespaces.
+// "token,user,namespaces[,node]" lines, namespaces "*" or "a;b". A "*"
+// caller may do anything; another may act on the cached volumes of its
+// namespaces. A line naming a node speaks for that node alone; one naming
+// none, for any (a tokens file is for tests and single-machine fleets:
+// bind each node's token to its node there too).
 type Tokens struct{ callers map[string]Caller }
 
 // LoadTokens reads a tokens file.
@@ -154,13 +230,19 @@ func LoadTokens(path string) (*Tokens, error) {
 			continue
 		}
 		parts := strings.Split(text, ",")
-		if len(parts) != 3 || parts[0] == "" || parts[1] == "" || parts[2] == "" {
-			return nil, fmt.Errorf("%s:%d: want token,user,namespaces", path, line)
+		if len(parts) < 3 || len(parts) > 4 || parts[0] == "" || parts[1] == "" || parts[2] == "" {
+			return nil, fmt.Errorf("%s:%d: want token,user,namespaces[,node]", path, line)
 		}
 		if len(parts[0]) < 16 {
 			return nil, fmt.Errorf("%s:%d: a token must be at least 16 characters", path, line)
 		}
 		c := Caller{User: parts[1], may: anyone.may}
+		if len(parts) == 4 {
+			if parts[3] == "" {
+				return nil, fmt.Errorf("%s:%d: an empty node name", path, line)
+			}
+			c.Node, c.nodeBound = parts[3], true
+		}
 		if parts[2] != "*" {
 			var namespaces []string
 			for _, ns := range strings.Split(parts[2], ";") {

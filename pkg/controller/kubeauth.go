@@ -65,9 +65,29 @@ func (k *KubeAuth) Authenticate(ctx context.Context, token string) (Caller, erro
 		return Caller{}, status.Error(codes.Unauthenticated, "the API server does not accept the bearer token")
 	}
 	user := r.user
-	return Caller{User: user.Username, may: func(ctx context.Context, verb, resource, namespace string) bool {
+	return Caller{User: user.Username, Node: boundNode(user), nodeBound: true, may: func(ctx context.Context, verb, resource, namespace string) bool {
 		return k.allowed(ctx, user, verb, resource, namespace)
 	}}, nil
+}
+
+// The extra fields the API server puts in a review of a ServiceAccount
+// token bound to a pod: the pod's name, and its node's.
+const (
+	extraPodName  = "authentication.kubernetes.io/pod-name"
+	extraNodeName = "authentication.kubernetes.io/node-name"
+)
+
+// boundNode is the node a reviewed user proves to be: the node of the pod a
+// ServiceAccount token is bound to (a node plugin's own projected token),
+// or "" for any other token, which speaks for no node.
+func boundNode(user authnv1.UserInfo) string {
+	if !strings.HasPrefix(user.Username, "system:serviceaccount:") || len(user.Extra[extraPodName]) != 1 {
+		return ""
+	}
+	if nodes := user.Extra[extraNodeName]; len(nodes) == 1 {
+		return nodes[0]
+	}
+	return ""
 }
 
 // allowed asks the API server whether user may do verb on resource in

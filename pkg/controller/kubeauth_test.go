@@ -66,3 +66,38 @@ func TestKubeAuthFailsClosedAndCaches(t *testing.T) {
 	_, err = auth.Authenticate(ctx, "new-token")
 	require.Equal(t, codes.Unavailable, status.Code(err), "a token the API server cannot be asked about is refused, retryably")
 }
+
+// A reviewed token speaks for the node of the pod it is bound to, and a
+// token bound to no pod (or not a ServiceAccount's) speaks for none.
+func TestKubeAuthNodeIsTheBoundPods(t *testing.T) {
+	bound := map[string]authnv1.ExtraValue{extraPodName: {"cowvol-node-x1"}, extraNodeName: {"node-a"}}
+	tests := []struct {
+		name     string
+		user     authnv1.UserInfo
+		wantNode string
+	}{
+		{"a node plugin's projected token", authnv1.UserInfo{Username: "system:serviceaccount:cowvol:cowvol-node", Extra: bound}, "node-a"},
+		{"a ServiceAccount token bound to no pod", authnv1.UserInfo{Username: "system:serviceaccount:cowvol:cowvol-node"}, ""},
+		{"a user that is no ServiceAccount", authnv1.UserInfo{Username: "admin", Extra: bound}, ""},
+		{"two nodes", authnv1.UserInfo{Username: "system:serviceaccount:cowvol:cowvol-node",
+			Extra: map[string]authnv1.ExtraValue{extraPodName: {"p"}, extraNodeName: {"node-a", "node-b"}}}, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			kube := fake.NewSimpleClientset()
+			kube.PrependReactor("create", "tokenreviews", func(a k8stesting.Action) (bool, runtime.Object, error) {
+				tr := a.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
+				tr.Status.Authenticated, tr.Status.User = true, tc.user
+				return true, tr, nil
+			})
+			c, err := NewKubeAuth(kube, time.Minute).Authenticate(context.Background(), "token")
+			require.NoError(t, err)
+			require.Equal(t, tc.wantNode, c.Node)
+			ctx := context.WithValue(context.Background(), callerKey{}, c)
+			require.Equal(t, codes.PermissionDenied, status.Code(speaksFor(ctx, "node-b")), "speaking for another node")
+			if tc.wantNode != "" {
+				require.NoError(t, speaksFor(ctx, tc.wantNode))
+			}
+		})
+	}
+}

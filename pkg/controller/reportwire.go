@@ -87,18 +87,31 @@ func reportHandler(srv any, ctx context.Context, dec func(any) error, intercepto
 // node's own names are copies: the controller keeps them.
 func decodeReport(raw []byte) (Report, error) {
 	var r Report
-	// Counted first: the upserts' and their properties' arrays are made
-	// once, at their size.
-	upserts, props := 0, 0
+	// Counted first, and bounded before anything is made: the upserts' and
+	// their properties' arrays are made once, at their size (a count the
+	// sender chose: a few bytes an entry would otherwise cost a hundred).
+	upserts, deletes, props := 0, 0, 0
 	err := eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
-		if num == 6 && typ == protowire.BytesType {
-			upserts++
+		if typ != protowire.BytesType {
+			return nil
+		}
+		switch num {
+		case 6:
+			if upserts++; upserts > controllerv1.MaxReportVolumes {
+				return fmt.Errorf("a report of more than %d volumes: %w", controllerv1.MaxReportVolumes, ErrInvalid)
+			}
 			return eachField(v, func(num protowire.Number, typ protowire.Type, _ []byte, _ uint64) error {
 				if num == 7 && typ == protowire.BytesType {
-					props++
+					if props++; props > controllerv1.MaxReportProperties {
+						return fmt.Errorf("a report of more than %d properties: %w", controllerv1.MaxReportProperties, ErrInvalid)
+					}
 				}
 				return nil
 			})
+		case 7:
+			if deletes++; deletes > controllerv1.MaxReportVolumes {
+				return fmt.Errorf("a report of more than %d deletions: %w", controllerv1.MaxReportVolumes, ErrInvalid)
+			}
 		}
 		return nil
 	})

@@ -1,6 +1,8 @@
 package controller
 
 import (
+	"bytes"
+	"runtime"
 	"testing"
 	"time"
 
@@ -152,4 +154,43 @@ func TestTheViewKeepsNoneOfAReportsBytes(t *testing.T) {
 	nodes := v.Nodes(now)
 	require.Equal(t, "node-a", nodes[0].NodeID)
 	require.Equal(t, "store-a", nodes[0].StoreID)
+}
+
+// A report whose entries cost the sender a couple of bytes each is refused
+// for its count before anything is made at that count: ten million empty
+// volumes (20 MB) would otherwise cost about 1.4 GB of Held.
+func TestDecodeReportBoundsItsCountsFirst(t *testing.T) {
+	entry := func(num protowire.Number, n int) []byte {
+		var one []byte
+		one = protowire.AppendTag(one, num, protowire.BytesType)
+		one = protowire.AppendBytes(one, nil)
+		return bytes.Repeat(one, n)
+	}
+	var withProps []byte
+	for range controllerv1.MaxReportVolumes/2 + 1 {
+		withProps = protowire.AppendTag(withProps, 6, protowire.BytesType)
+		withProps = protowire.AppendBytes(withProps, entry(7, 9))
+	}
+	tests := []struct {
+		name string
+		raw  []byte
+	}{
+		{"ten million volumes", entry(6, 10_000_000)},
+		{"one volume more than the bound", entry(6, controllerv1.MaxReportVolumes+1)},
+		{"ten million deletions", entry(7, 10_000_000)},
+		{"more properties than the bound", withProps},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			_, err := decodeReport(tc.raw)
+			runtime.ReadMemStats(&after)
+			require.ErrorIs(t, err, ErrInvalid)
+			require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(1<<20), "bytes allocated refusing it")
+		})
+	}
+	_, err := decodeReport(entry(6, controllerv1.MaxReportVolumes))
+	require.ErrorIs(t, err, ErrInvalid, "as many as the bound are read, and refused for what they are (no ref)")
+	require.NotContains(t, err.Error(), "more than")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
@@ -52,7 +53,10 @@ type registryServer struct {
 	fullReports *FullReports
 }
 
-// report is the Report method (reportwire.go reads the request).
+// report is the Report method (reportwire.go reads the request): a report
+// in one message, at most controllerv1.MaxMessage bytes. A whole inventory
+// is admitted by what it is, not by what its call's headers say: it takes
+// room among the few being applied (FullReports), or is deferred.
 func (s *registryServer) report(ctx context.Context, raw []byte) (*controllerv1.ReportResponse, error) {
 	if err := need(ctx, "update", ResourceNodes, "", "report a node's cache"); err != nil {
 		return nil, err
@@ -61,6 +65,81 @@ func (s *registryServer) report(ctx context.Context, raw []byte) (*controllerv1.
 	if err != nil {
 		return nil, code(err)
 	}
+	if err := speaksFor(ctx, report.NodeID); err != nil {
+		return nil, err
+	}
+	if report.Full {
+		release, err := s.fullReports.Take(report.NodeID, time.Now())
+		if err != nil {
+			return nil, err
+		}
+		defer release()
+	}
+	return s.apply(report)
+}
+
+// SendReport is a report too big for one message, in parts. Its node (the
+// caller's own, or the one its header names) is admitted before any part
+// is read, and the parts are read only up to controllerv1.MaxReport bytes.
+func (s *registryServer) SendReport(stream controllerv1.Registry_SendReportServer) error {
+	ctx := stream.Context()
+	if err := need(ctx, "update", ResourceNodes, "", "report a node's cache"); err != nil {
+		return err
+	}
+	node := CallerFrom(ctx).Node
+	if node == "" {
+		node = incomingHeader(ctx, controllerv1.ReportNodeHeader)
+	}
+	if node == "" {
+		return status.Errorf(codes.InvalidArgument, "a report in parts names its node in the %s header", controllerv1.ReportNodeHeader)
+	}
+	if err := speaksFor(ctx, node); err != nil {
+		return err
+	}
+	release, err := s.fullReports.Take(node, time.Now())
+	if err != nil {
+		return err
+	}
+	defer release()
+	raw, err := readParts(stream)
+	if err != nil {
+		return err
+	}
+	report, err := decodeReport(raw)
+	if err != nil {
+		return code(err)
+	}
+	if report.NodeID != node {
+		return status.Errorf(codes.InvalidArgument, "a report in parts for node %s says it is node %s", volume.Quote(node), volume.Quote(report.NodeID))
+	}
+	resp, err := s.apply(report)
+	if err != nil {
+		return err
+	}
+	return stream.SendAndClose(resp)
+}
+
+// readParts joins a SendReport's parts, refusing past controllerv1.MaxReport
+// bytes.
+func readParts(stream controllerv1.Registry_SendReportServer) ([]byte, error) {
+	var raw []byte
+	for {
+		part, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return raw, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		if len(raw)+len(part.GetData()) > controllerv1.MaxReport {
+			return nil, status.Errorf(codes.ResourceExhausted, "a report of more than %d bytes", controllerv1.MaxReport)
+		}
+		raw = append(raw, part.GetData()...)
+	}
+}
+
+// apply brings the view up to a node's report.
+func (s *registryServer) apply(report Report) (*controllerv1.ReportResponse, error) {
 	now := time.Now()
 	answer, err := s.view.Report(report, now)
 	if err != nil {
@@ -81,6 +160,9 @@ func (s *registryServer) report(ctx context.Context, raw []byte) (*controllerv1.
 
 func (s *registryServer) ShareReadOrder(ctx context.Context, req *controllerv1.ShareReadOrderRequest) (*controllerv1.ShareReadOrderResponse, error) {
 	if err := need(ctx, "update", ResourceNodes, "", "share a read order"); err != nil {
+		return nil, err
+	}
+	if err := speaksFor(ctx, req.GetOrder().GetNodeId()); err != nil {
 		return nil, err
 	}
 	if err := s.orders.Share(req.GetOrder()); err != nil {

@@ -18,10 +18,17 @@ import (
 // allowed answers for 5 minutes; this is shorter, so revocations bite).
 const kubeAuthTTL = 10 * time.Second
 
+// apiStreamsAtOnce bounds a connection's calls in flight: a node has a
+// report, a few lookups and a pull's reads at once; a scheduler, its
+// lookups and placements.
+const apiStreamsAtOnce = 128
+
 // controllerServerOptions are the controller's API server's: TLS where a
-// certificate is given, bearer tokens checked on every call where a tokens
-// file is, and then the leadership check (after authentication: who leads
-// is for callers).
+// certificate is given, bearer tokens checked on every call before its
+// message is read where a tokens file or the API server checks them, and
+// then the leadership check (after authentication: who leads is for
+// callers); no message above controllerv1.MaxMessage, and at most
+// apiStreamsAtOnce calls at once on a connection.
 func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.UnaryServerInterceptor, leader *leadership, prefix string) ([]grpc.ServerOption, error) {
 	var auth controller.Authenticator
 	switch {
@@ -37,7 +44,9 @@ func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.
 	opts := []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(metrics, controller.Interceptor(auth), leader.interceptor(prefix)),
 		grpc.ChainStreamInterceptor(controller.StreamInterceptor(auth), leader.streamInterceptor(prefix)),
+		grpc.InTapHandle(controller.Tap(auth)),
 		grpc.MaxRecvMsgSize(client.MaxMessage),
+		grpc.MaxConcurrentStreams(apiStreamsAtOnce),
 	}
 	if o.Controller.TLSCertFile != "" {
 		pair, err := tlsfiles.NewKeyPair(o.Controller.TLSCertFile, o.Controller.TLSKeyFile)

@@ -137,7 +137,7 @@ type ControllerOptions struct {
 	// answers the Cache API (0: it answers at once, from what reached it).
 	AwaitReportsFor time.Duration
 	// TokensFile lists the callers of the controller's APIs,
-	// "token,user,namespaces" a line; KubeAuth checks callers' tokens with
+	// "token,user,namespaces[,node]" a line; KubeAuth checks callers' tokens with
 	// TokenReviews and each call with a SubjectAccessReview instead.
 	TokensFile string
 	KubeAuth   bool
@@ -331,7 +331,7 @@ func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.FullReportsAtOnce, "full-reports-at-once", c.FullReportsAtOnce,
 		"nodes' whole inventories the controller reads at once (a new leader gets every node's at the same moment): the rest are told to send theirs again a little later")
 	fs.StringVar(&c.TokensFile, "tokens-file", c.TokensFile,
-		"the callers of its APIs, a token,user,namespaces line each (namespaces * or a;b)")
+		"the callers of its APIs, a token,user,namespaces[,node] line each (namespaces * or a;b; a node's line names the node it reports for)")
 	fs.BoolVar(&c.KubeAuth, "kube-auth", c.KubeAuth,
 		"check callers' bearer tokens with TokenReviews and authorize each call with a SubjectAccessReview\n"+
 			"on cachedvolumes.cowvol.concourse-ci.org (namespaced) and cachenodes.cowvol.concourse-ci.org (instead of --tokens-file)")

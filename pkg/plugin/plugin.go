@@ -469,7 +469,7 @@ func (d *Driver) metricsRunner(registration *registrationService) runner {
 // its election (or, without one, its forgetting of stalled nodes).
 func (d *Driver) controllerRunners() ([]runner, error) {
 	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
-	serve = append(append(serve, grpc.InTapHandle(d.fullReports.Tap)), controller.ServerOptions()...)
+	serve = append(serve, controller.ServerOptions()...)
 	if err != nil {
 		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
 	}

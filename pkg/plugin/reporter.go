@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 	"k8s.io/klog/v2"
 
@@ -141,18 +140,17 @@ func (r *reporter) round(ctx context.Context) error {
 			req.Upserts, req.Deletes = diff(r.sent, inv)
 		}
 		callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		if kind == reportFull {
-			callCtx = metadata.AppendToOutgoingContext(callCtx, controllerv1.ReportKindHeader, controllerv1.ReportKindFull,
-				controllerv1.ReportNodeHeader, r.nodeID)
-		}
-		resp, err := r.client.Report(callCtx, req)
+		resp, err := client.SendReport(callCtx, r.client, req)
 		cancel()
-		if after, busy := client.RetryAfter(err); busy && kind == reportFull {
+		if after, busy := client.RetryAfter(err); busy {
 			// Flow control, not a failure: heartbeats (and changes, to a
-			// controller that has the base) go on meanwhile.
-			r.deferFull(after)
-			r.reports.WithLabelValues(reportFullDeferred).Inc()
-			klog.V(2).InfoS("The controller deferred this node's whole inventory", "retryAfter", after)
+			// controller that has the base) go on meanwhile; changes too
+			// big for one message wait for the next round.
+			if kind == reportFull {
+				r.deferFull(after)
+				r.reports.WithLabelValues(reportFullDeferred).Inc()
+			}
+			klog.V(2).InfoS("The controller deferred this node's report", "kind", kind, "retryAfter", after)
 			return nil
 		}
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
@@ -90,20 +91,41 @@ func (c *cluster) kubeAuth() {
 	token := func(ns, sa string) string {
 		return strings.TrimSpace(c.mustKubectl("", "create", "token", "-n", ns, sa))
 	}
-	nodeToken, schedulerToken := token("cowvol", "e2e-node"), token("ci", "scheduler")
+	// A node plugin's own token is bound to its pod, on its node: the
+	// API server's review names the node, and the token speaks for it
+	// alone. A pod of the node's ServiceAccount on this node (its token
+	// needs only the object) stands for the plugin's.
+	c.mustKubectl(fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata: {name: e2e-node-plugin, namespace: cowvol}
+spec:
+  serviceAccountName: e2e-node
+  nodeName: %s
+  containers: [{name: pause, image: %q}]
+`, nodeName, pauseImage), "apply", "-f", "-")
+	uid := strings.TrimSpace(c.mustKubectl("", "get", "pod", "-n", "cowvol", "e2e-node-plugin", "-o", "jsonpath={.metadata.uid}"))
+	nodeToken := strings.TrimSpace(c.mustKubectl("", "create", "token", "-n", "cowvol", "e2e-node",
+		"--bound-object-kind=Pod", "--bound-object-name=e2e-node-plugin", "--bound-object-uid="+uid))
+	unboundNodeToken, schedulerToken := token("cowvol", "e2e-node"), token("ci", "scheduler")
 	scheduler := dial(schedulerToken)
 	noToken, badToken := dial(""), dial("not-a-token-the-cluster-knows")
 
 	vol := func(ns, handle, scope string) *controllerv1.VolumeSummary {
 		return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: ns, Handle: handle}, State: "ready", SizeBytes: 1, Scope: scope}
 	}
-	inventory := &controllerv1.ReportRequest{NodeId: "kube-auth-node", StoreId: "s", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
+	inventory := &controllerv1.ReportRequest{NodeId: nodeName, StoreId: "s", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
 		vol("ci", "mine", "namespace"), vol("other", "private", "namespace"), vol("other", "shared", "cluster")}}
 	_, err := registry(schedulerToken).Report(ctx, inventory)
 	require.Equal(t, codes.PermissionDenied, status.Code(err), "a scheduler may not report: %v", err)
 	require.Contains(t, err.Error(), "cachenodes.cowvol.concourse-ci.org")
+	_, err = registry(unboundNodeToken).Report(ctx, inventory)
+	require.Equal(t, codes.PermissionDenied, status.Code(err), "a node's token bound to no pod speaks for no node: %v", err)
+	other := proto.Clone(inventory).(*controllerv1.ReportRequest)
+	other.NodeId = "another-node"
+	_, err = registry(nodeToken).Report(ctx, other)
+	require.Equal(t, codes.PermissionDenied, status.Code(err), "the node's token speaking for another node: %v", err)
 	_, err = registry(nodeToken).Report(ctx, inventory)
-	require.NoError(t, err, "the node's ServiceAccount may report")
+	require.NoError(t, err, "the node's ServiceAccount may report for its own node")
 
 	for _, cl := range []*client.Client{noToken, badToken} {
 		_, err := cl.Lookup(ctx, ref("ci", "mine"))
@@ -124,9 +146,10 @@ func (c *cluster) kubeAuth() {
 	require.Equal(t, codes.PermissionDenied, status.Code(err))
 	asked, err := scheduler.Destroy(ctx, ref("ci", "mine"))
 	require.NoError(t, err)
-	require.Equal(t, []string{"kube-auth-node"}, asked[0].Nodes)
+	require.Equal(t, []string{nodeName}, asked[0].Nodes)
 
 	// The operator's CLI presents the kubeconfig's own token (admin here).
-	require.Regexp(t, `(?m)^kube-auth-node\s+running\s`, c.kubectlCowvolAt(addr, "nodes"))
-	report(t, "kube-auth: a namespace's ServiceAccount sees its volumes and shared ones, is refused another's and cluster-wide calls; kubectl cowvol authenticates with the kubeconfig's token\n")
+	require.Regexp(t, `(?m)^`+nodeName+`\s+running\s`, c.kubectlCowvolAt(addr, "nodes"))
+	c.mustKubectl("", "delete", "pod", "-n", "cowvol", "e2e-node-plugin", "--grace-period=1")
+	report(t, "kube-auth: a namespace's ServiceAccount sees its volumes and shared ones, is refused another's and cluster-wide calls; a node's token speaks for its pod's node alone; kubectl cowvol authenticates with the kubeconfig's token\n")
 }

@@ -388,6 +388,52 @@ func (x *ReportRequest) GetPeerAddress() string {
 	return ""
 }
 
+// ReportPart is a piece of an encoded ReportRequest; a SendReport's parts,
+// joined in order, are the request.
+type ReportPart struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Data          []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReportPart) Reset() {
+	*x = ReportPart{}
+	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReportPart) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReportPart) ProtoMessage() {}
+
+func (x *ReportPart) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReportPart.ProtoReflect.Descriptor instead.
+func (*ReportPart) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ReportPart) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
 type ReportResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The controller lacks base_revision (it restarted, or missed a
@@ -418,7 +464,7 @@ type ReportResponse struct {
 
 func (x *ReportResponse) Reset() {
 	*x = ReportResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	mi := &file_controller_v1_controller_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -430,7 +476,7 @@ func (x *ReportResponse) String() string {
 func (*ReportResponse) ProtoMessage() {}
 
 func (x *ReportResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[4]
+	mi := &file_controller_v1_controller_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -443,7 +489,7 @@ func (x *ReportResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportResponse.ProtoReflect.Descriptor instead.
 func (*ReportResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{4}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ReportResponse) GetResync() bool {
@@ -511,7 +557,7 @@ type ReadOrder struct {
 
 func (x *ReadOrder) Reset() {
 	*x = ReadOrder{}
-	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -523,7 +569,7 @@ func (x *ReadOrder) String() string {
 func (*ReadOrder) ProtoMessage() {}
 
 func (x *ReadOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[5]
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -536,7 +582,7 @@ func (x *ReadOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadOrder.ProtoReflect.Descriptor instead.
 func (*ReadOrder) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{5}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ReadOrder) GetNamespace() string {
@@ -583,7 +629,7 @@ type ShareReadOrderRequest struct {
 
 func (x *ShareReadOrderRequest) Reset() {
 	*x = ShareReadOrderRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -595,7 +641,7 @@ func (x *ShareReadOrderRequest) String() string {
 func (*ShareReadOrderRequest) ProtoMessage() {}
 
 func (x *ShareReadOrderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -608,7 +654,7 @@ func (x *ShareReadOrderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShareReadOrderRequest.ProtoReflect.Descriptor instead.
 func (*ShareReadOrderRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ShareReadOrderRequest) GetOrder() *ReadOrder {
@@ -626,7 +672,7 @@ type ShareReadOrderResponse struct {
 
 func (x *ShareReadOrderResponse) Reset() {
 	*x = ShareReadOrderResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -638,7 +684,7 @@ func (x *ShareReadOrderResponse) String() string {
 func (*ShareReadOrderResponse) ProtoMessage() {}
 
 func (x *ShareReadOrderResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -651,7 +697,7 @@ func (x *ShareReadOrderResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShareReadOrderResponse.ProtoReflect.Descriptor instead.
 func (*ShareReadOrderResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
 }
 
 type GetReadOrderRequest struct {
@@ -664,7 +710,7 @@ type GetReadOrderRequest struct {
 
 func (x *GetReadOrderRequest) Reset() {
 	*x = GetReadOrderRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -676,7 +722,7 @@ func (x *GetReadOrderRequest) String() string {
 func (*GetReadOrderRequest) ProtoMessage() {}
 
 func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -689,7 +735,7 @@ func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReadOrderRequest.ProtoReflect.Descriptor instead.
 func (*GetReadOrderRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GetReadOrderRequest) GetNamespace() string {
@@ -718,7 +764,7 @@ type PinCommand struct {
 
 func (x *PinCommand) Reset() {
 	*x = PinCommand{}
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -730,7 +776,7 @@ func (x *PinCommand) String() string {
 func (*PinCommand) ProtoMessage() {}
 
 func (x *PinCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -743,7 +789,7 @@ func (x *PinCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCommand.ProtoReflect.Descriptor instead.
 func (*PinCommand) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PinCommand) GetRef() *VolumeRef {
@@ -776,7 +822,7 @@ type DestroyVolumesRequest struct {
 
 func (x *DestroyVolumesRequest) Reset() {
 	*x = DestroyVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -788,7 +834,7 @@ func (x *DestroyVolumesRequest) String() string {
 func (*DestroyVolumesRequest) ProtoMessage() {}
 
 func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -801,7 +847,7 @@ func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesRequest.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DestroyVolumesRequest) GetRefs() []*VolumeRef {
@@ -821,7 +867,7 @@ type DestroyVolumesResponse struct {
 
 func (x *DestroyVolumesResponse) Reset() {
 	*x = DestroyVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -833,7 +879,7 @@ func (x *DestroyVolumesResponse) String() string {
 func (*DestroyVolumesResponse) ProtoMessage() {}
 
 func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -846,7 +892,7 @@ func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesResponse.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DestroyVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -866,7 +912,7 @@ type VolumeNodes struct {
 
 func (x *VolumeNodes) Reset() {
 	*x = VolumeNodes{}
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -878,7 +924,7 @@ func (x *VolumeNodes) String() string {
 func (*VolumeNodes) ProtoMessage() {}
 
 func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -891,7 +937,7 @@ func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeNodes.ProtoReflect.Descriptor instead.
 func (*VolumeNodes) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *VolumeNodes) GetRef() *VolumeRef {
@@ -919,7 +965,7 @@ type PinVolumesRequest struct {
 
 func (x *PinVolumesRequest) Reset() {
 	*x = PinVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -931,7 +977,7 @@ func (x *PinVolumesRequest) String() string {
 func (*PinVolumesRequest) ProtoMessage() {}
 
 func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -944,7 +990,7 @@ func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesRequest.ProtoReflect.Descriptor instead.
 func (*PinVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PinVolumesRequest) GetRefs() []*VolumeRef {
@@ -978,7 +1024,7 @@ type PinVolumesResponse struct {
 
 func (x *PinVolumesResponse) Reset() {
 	*x = PinVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -990,7 +1036,7 @@ func (x *PinVolumesResponse) String() string {
 func (*PinVolumesResponse) ProtoMessage() {}
 
 func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1003,7 +1049,7 @@ func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesResponse.ProtoReflect.Descriptor instead.
 func (*PinVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PinVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -1027,7 +1073,7 @@ type LookupVolumesRequest struct {
 
 func (x *LookupVolumesRequest) Reset() {
 	*x = LookupVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1039,7 +1085,7 @@ func (x *LookupVolumesRequest) String() string {
 func (*LookupVolumesRequest) ProtoMessage() {}
 
 func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1052,7 +1098,7 @@ func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesRequest.ProtoReflect.Descriptor instead.
 func (*LookupVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *LookupVolumesRequest) GetRefs() []*VolumeRef {
@@ -1079,7 +1125,7 @@ type LookupVolumesResponse struct {
 
 func (x *LookupVolumesResponse) Reset() {
 	*x = LookupVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1091,7 +1137,7 @@ func (x *LookupVolumesResponse) String() string {
 func (*LookupVolumesResponse) ProtoMessage() {}
 
 func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1104,7 +1150,7 @@ func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesResponse.ProtoReflect.Descriptor instead.
 func (*LookupVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *LookupVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1143,7 +1189,7 @@ type VolumeLocation struct {
 
 func (x *VolumeLocation) Reset() {
 	*x = VolumeLocation{}
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1155,7 +1201,7 @@ func (x *VolumeLocation) String() string {
 func (*VolumeLocation) ProtoMessage() {}
 
 func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1168,7 +1214,7 @@ func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeLocation.ProtoReflect.Descriptor instead.
 func (*VolumeLocation) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *VolumeLocation) GetRef() *VolumeRef {
@@ -1279,7 +1325,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1291,7 +1337,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1304,7 +1350,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListVolumesRequest) GetNamespace() string {
@@ -1360,7 +1406,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1372,7 +1418,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1385,7 +1431,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1415,7 +1461,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1427,7 +1473,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1440,7 +1486,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -1467,7 +1513,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1479,7 +1525,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1492,7 +1538,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -1516,7 +1562,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1528,7 +1574,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1541,7 +1587,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -1580,7 +1626,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1592,7 +1638,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1605,7 +1651,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
 }
 
 type ListNodesResponse struct {
@@ -1617,7 +1663,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1629,7 +1675,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1642,7 +1688,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -1663,7 +1709,7 @@ type SetNodeLifecycleRequest struct {
 
 func (x *SetNodeLifecycleRequest) Reset() {
 	*x = SetNodeLifecycleRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1675,7 +1721,7 @@ func (x *SetNodeLifecycleRequest) String() string {
 func (*SetNodeLifecycleRequest) ProtoMessage() {}
 
 func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1688,7 +1734,7 @@ func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
 func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SetNodeLifecycleRequest) GetNodeId() string {
@@ -1725,7 +1771,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1737,7 +1783,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1750,7 +1796,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -1838,7 +1884,7 @@ type ReadVolumeRequest struct {
 
 func (x *ReadVolumeRequest) Reset() {
 	*x = ReadVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1850,7 +1896,7 @@ func (x *ReadVolumeRequest) String() string {
 func (*ReadVolumeRequest) ProtoMessage() {}
 
 func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1863,7 +1909,7 @@ func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ReadVolumeRequest) GetRef() *VolumeRef {
@@ -1908,7 +1954,7 @@ type DataChunk struct {
 
 func (x *DataChunk) Reset() {
 	*x = DataChunk{}
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1920,7 +1966,7 @@ func (x *DataChunk) String() string {
 func (*DataChunk) ProtoMessage() {}
 
 func (x *DataChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1933,7 +1979,7 @@ func (x *DataChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataChunk.ProtoReflect.Descriptor instead.
 func (*DataChunk) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DataChunk) GetData() []byte {
@@ -1970,7 +2016,7 @@ type WriteVolumeRequest struct {
 
 func (x *WriteVolumeRequest) Reset() {
 	*x = WriteVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1982,7 +2028,7 @@ func (x *WriteVolumeRequest) String() string {
 func (*WriteVolumeRequest) ProtoMessage() {}
 
 func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1995,7 +2041,7 @@ func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WriteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *WriteVolumeRequest) GetPart() isWriteVolumeRequest_Part {
@@ -2057,7 +2103,7 @@ type NewVolume struct {
 
 func (x *NewVolume) Reset() {
 	*x = NewVolume{}
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2069,7 +2115,7 @@ func (x *NewVolume) String() string {
 func (*NewVolume) ProtoMessage() {}
 
 func (x *NewVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2082,7 +2128,7 @@ func (x *NewVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewVolume.ProtoReflect.Descriptor instead.
 func (*NewVolume) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *NewVolume) GetRef() *VolumeRef {
@@ -2166,7 +2212,10 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fstep_volumes\x18\n" +
 	" \x01(\x05R\vstepVolumes\x12!\n" +
-	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\"\xda\x02\n" +
+	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\" \n" +
+	"\n" +
+	"ReportPart\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\"\xda\x02\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
@@ -2299,9 +2348,11 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\anode_id\x18\x06 \x01(\tR\x06nodeId\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\xa8\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\x80\x03\n" +
 	"\bRegistry\x12S\n" +
-	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse\x12k\n" +
+	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse\x12V\n" +
+	"\n" +
+	"SendReport\x12 .cowvol.controller.v1.ReportPart\x1a$.cowvol.controller.v1.ReportResponse(\x01\x12k\n" +
 	"\x0eShareReadOrder\x12+.cowvol.controller.v1.ShareReadOrderRequest\x1a,.cowvol.controller.v1.ShareReadOrderResponse\x12Z\n" +
 	"\fGetReadOrder\x12).cowvol.controller.v1.GetReadOrderRequest\x1a\x1f.cowvol.controller.v1.ReadOrder2\xf3\x06\n" +
 	"\x05Cache\x12h\n" +
@@ -2329,43 +2380,44 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_controller_v1_controller_proto_goTypes = []any{
 	(*VolumeRef)(nil),               // 0: cowvol.controller.v1.VolumeRef
 	(*VolumeSummary)(nil),           // 1: cowvol.controller.v1.VolumeSummary
 	(*Property)(nil),                // 2: cowvol.controller.v1.Property
 	(*ReportRequest)(nil),           // 3: cowvol.controller.v1.ReportRequest
-	(*ReportResponse)(nil),          // 4: cowvol.controller.v1.ReportResponse
-	(*ReadOrder)(nil),               // 5: cowvol.controller.v1.ReadOrder
-	(*ShareReadOrderRequest)(nil),   // 6: cowvol.controller.v1.ShareReadOrderRequest
-	(*ShareReadOrderResponse)(nil),  // 7: cowvol.controller.v1.ShareReadOrderResponse
-	(*GetReadOrderRequest)(nil),     // 8: cowvol.controller.v1.GetReadOrderRequest
-	(*PinCommand)(nil),              // 9: cowvol.controller.v1.PinCommand
-	(*DestroyVolumesRequest)(nil),   // 10: cowvol.controller.v1.DestroyVolumesRequest
-	(*DestroyVolumesResponse)(nil),  // 11: cowvol.controller.v1.DestroyVolumesResponse
-	(*VolumeNodes)(nil),             // 12: cowvol.controller.v1.VolumeNodes
-	(*PinVolumesRequest)(nil),       // 13: cowvol.controller.v1.PinVolumesRequest
-	(*PinVolumesResponse)(nil),      // 14: cowvol.controller.v1.PinVolumesResponse
-	(*LookupVolumesRequest)(nil),    // 15: cowvol.controller.v1.LookupVolumesRequest
-	(*LookupVolumesResponse)(nil),   // 16: cowvol.controller.v1.LookupVolumesResponse
-	(*VolumeLocation)(nil),          // 17: cowvol.controller.v1.VolumeLocation
-	(*ListVolumesRequest)(nil),      // 18: cowvol.controller.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),     // 19: cowvol.controller.v1.ListVolumesResponse
-	(*PlaceRequest)(nil),            // 20: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),           // 21: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),           // 22: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),        // 23: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),       // 24: cowvol.controller.v1.ListNodesResponse
-	(*SetNodeLifecycleRequest)(nil), // 25: cowvol.controller.v1.SetNodeLifecycleRequest
-	(*NodeStatus)(nil),              // 26: cowvol.controller.v1.NodeStatus
-	(*ReadVolumeRequest)(nil),       // 27: cowvol.controller.v1.ReadVolumeRequest
-	(*DataChunk)(nil),               // 28: cowvol.controller.v1.DataChunk
-	(*WriteVolumeRequest)(nil),      // 29: cowvol.controller.v1.WriteVolumeRequest
-	(*NewVolume)(nil),               // 30: cowvol.controller.v1.NewVolume
-	nil,                             // 31: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	nil,                             // 32: cowvol.controller.v1.NewVolume.PropertiesEntry
-	(*durationpb.Duration)(nil),     // 33: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),   // 34: google.protobuf.Timestamp
+	(*ReportPart)(nil),              // 4: cowvol.controller.v1.ReportPart
+	(*ReportResponse)(nil),          // 5: cowvol.controller.v1.ReportResponse
+	(*ReadOrder)(nil),               // 6: cowvol.controller.v1.ReadOrder
+	(*ShareReadOrderRequest)(nil),   // 7: cowvol.controller.v1.ShareReadOrderRequest
+	(*ShareReadOrderResponse)(nil),  // 8: cowvol.controller.v1.ShareReadOrderResponse
+	(*GetReadOrderRequest)(nil),     // 9: cowvol.controller.v1.GetReadOrderRequest
+	(*PinCommand)(nil),              // 10: cowvol.controller.v1.PinCommand
+	(*DestroyVolumesRequest)(nil),   // 11: cowvol.controller.v1.DestroyVolumesRequest
+	(*DestroyVolumesResponse)(nil),  // 12: cowvol.controller.v1.DestroyVolumesResponse
+	(*VolumeNodes)(nil),             // 13: cowvol.controller.v1.VolumeNodes
+	(*PinVolumesRequest)(nil),       // 14: cowvol.controller.v1.PinVolumesRequest
+	(*PinVolumesResponse)(nil),      // 15: cowvol.controller.v1.PinVolumesResponse
+	(*LookupVolumesRequest)(nil),    // 16: cowvol.controller.v1.LookupVolumesRequest
+	(*LookupVolumesResponse)(nil),   // 17: cowvol.controller.v1.LookupVolumesResponse
+	(*VolumeLocation)(nil),          // 18: cowvol.controller.v1.VolumeLocation
+	(*ListVolumesRequest)(nil),      // 19: cowvol.controller.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),     // 20: cowvol.controller.v1.ListVolumesResponse
+	(*PlaceRequest)(nil),            // 21: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),           // 22: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),           // 23: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),        // 24: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),       // 25: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil), // 26: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),              // 27: cowvol.controller.v1.NodeStatus
+	(*ReadVolumeRequest)(nil),       // 28: cowvol.controller.v1.ReadVolumeRequest
+	(*DataChunk)(nil),               // 29: cowvol.controller.v1.DataChunk
+	(*WriteVolumeRequest)(nil),      // 30: cowvol.controller.v1.WriteVolumeRequest
+	(*NewVolume)(nil),               // 31: cowvol.controller.v1.NewVolume
+	nil,                             // 32: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	nil,                             // 33: cowvol.controller.v1.NewVolume.PropertiesEntry
+	(*durationpb.Duration)(nil),     // 34: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),   // 35: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -2375,61 +2427,63 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
-	9,  // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
+	10, // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.ReportResponse.copy:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
-	34, // 10: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
-	5,  // 11: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
+	34, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
+	35, // 10: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	6,  // 11: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
 	0,  // 12: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	34, // 13: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	35, // 13: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
 	0,  // 14: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	12, // 15: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	13, // 15: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 16: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 17: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	34, // 18: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
-	12, // 19: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	35, // 18: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	13, // 19: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 20: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	17, // 21: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	18, // 21: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 22: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 23: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	31, // 24: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	17, // 25: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	32, // 24: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	18, // 25: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 26: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	22, // 27: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	23, // 27: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
 	0,  // 28: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	26, // 29: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	34, // 30: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	27, // 29: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	35, // 30: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
 	0,  // 31: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	30, // 32: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	31, // 32: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
 	0,  // 33: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	32, // 34: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	33, // 35: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	33, // 34: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	34, // 35: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
 	3,  // 36: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	6,  // 37: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
-	8,  // 38: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
-	15, // 39: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	18, // 40: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	20, // 41: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	23, // 42: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	10, // 43: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	13, // 44: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	25, // 45: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	27, // 46: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	29, // 47: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	4,  // 48: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	7,  // 49: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
-	5,  // 50: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
-	16, // 51: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	19, // 52: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	21, // 53: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	24, // 54: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	11, // 55: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	14, // 56: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	26, // 57: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	28, // 58: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	17, // 59: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	48, // [48:60] is the sub-list for method output_type
-	36, // [36:48] is the sub-list for method input_type
+	4,  // 37: cowvol.controller.v1.Registry.SendReport:input_type -> cowvol.controller.v1.ReportPart
+	7,  // 38: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
+	9,  // 39: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	16, // 40: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	19, // 41: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	21, // 42: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	24, // 43: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	11, // 44: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	14, // 45: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	26, // 46: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	28, // 47: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	30, // 48: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	5,  // 49: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	5,  // 50: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
+	8,  // 51: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	6,  // 52: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	17, // 53: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	20, // 54: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	22, // 55: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	25, // 56: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	12, // 57: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	15, // 58: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	27, // 59: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	29, // 60: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	18, // 61: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	49, // [49:62] is the sub-list for method output_type
+	36, // [36:49] is the sub-list for method input_type
 	36, // [36:36] is the sub-list for extension type_name
 	36, // [36:36] is the sub-list for extension extendee
 	0,  // [0:36] is the sub-list for field type_name
@@ -2440,7 +2494,7 @@ func file_controller_v1_controller_proto_init() {
 	if File_controller_v1_controller_proto != nil {
 		return
 	}
-	file_controller_v1_controller_proto_msgTypes[29].OneofWrappers = []any{
+	file_controller_v1_controller_proto_msgTypes[30].OneofWrappers = []any{
 		(*WriteVolumeRequest_Volume)(nil),
 		(*WriteVolumeRequest_Data)(nil),
 	}
@@ -2450,7 +2504,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   33,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -25,6 +25,7 @@ const _ = grpc.SupportPackageIsVersion9
 
 const (
 	Registry_Report_FullMethodName         = "/cowvol.controller.v1.Registry/Report"
+	Registry_SendReport_FullMethodName     = "/cowvol.controller.v1.Registry/SendReport"
 	Registry_ShareReadOrder_FullMethodName = "/cowvol.controller.v1.Registry/ShareReadOrder"
 	Registry_GetReadOrder_FullMethodName   = "/cowvol.controller.v1.Registry/GetReadOrder"
 )
@@ -37,6 +38,11 @@ type RegistryClient interface {
 	// revision: the whole inventory, or the changes since the revision the
 	// controller last acknowledged. An empty report is the heartbeat.
 	Report(ctx context.Context, in *ReportRequest, opts ...grpc.CallOption) (*ReportResponse, error)
+	// SendReport is Report for a report whose encoding is larger than one
+	// message may be (ReportPartSize): the encoded ReportRequest cut into
+	// parts, sent in order. The controller admits the report (a few whole
+	// inventories at a time) before it reads any part.
+	SendReport(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ReportPart, ReportResponse], error)
 	// ShareReadOrder keeps a read order a node recorded (the order in which
 	// a namespace's steps under a read profile reached the files of a lazily
 	// pulled volume) for other nodes' first lazy pulls under the same
@@ -67,6 +73,19 @@ func (c *registryClient) Report(ctx context.Context, in *ReportRequest, opts ...
 	return out, nil
 }
 
+func (c *registryClient) SendReport(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ReportPart, ReportResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Registry_ServiceDesc.Streams[0], Registry_SendReport_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ReportPart, ReportResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Registry_SendReportClient = grpc.ClientStreamingClient[ReportPart, ReportResponse]
+
 func (c *registryClient) ShareReadOrder(ctx context.Context, in *ShareReadOrderRequest, opts ...grpc.CallOption) (*ShareReadOrderResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ShareReadOrderResponse)
@@ -95,6 +114,11 @@ type RegistryServer interface {
 	// revision: the whole inventory, or the changes since the revision the
 	// controller last acknowledged. An empty report is the heartbeat.
 	Report(context.Context, *ReportRequest) (*ReportResponse, error)
+	// SendReport is Report for a report whose encoding is larger than one
+	// message may be (ReportPartSize): the encoded ReportRequest cut into
+	// parts, sent in order. The controller admits the report (a few whole
+	// inventories at a time) before it reads any part.
+	SendReport(grpc.ClientStreamingServer[ReportPart, ReportResponse]) error
 	// ShareReadOrder keeps a read order a node recorded (the order in which
 	// a namespace's steps under a read profile reached the files of a lazily
 	// pulled volume) for other nodes' first lazy pulls under the same
@@ -117,6 +141,9 @@ type UnimplementedRegistryServer struct{}
 
 func (UnimplementedRegistryServer) Report(context.Context, *ReportRequest) (*ReportResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Report not implemented")
+}
+func (UnimplementedRegistryServer) SendReport(grpc.ClientStreamingServer[ReportPart, ReportResponse]) error {
+	return status.Errorf(codes.Unimplemented, "method SendReport not implemented")
 }
 func (UnimplementedRegistryServer) ShareReadOrder(context.Context, *ShareReadOrderRequest) (*ShareReadOrderResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ShareReadOrder not implemented")
@@ -162,6 +189,13 @@ func _Registry_Report_Handler(srv interface{}, ctx context.Context, dec func(int
 	}
 	return interceptor(ctx, in, info, handler)
 }
+
+func _Registry_SendReport_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(RegistryServer).SendReport(&grpc.GenericServerStream[ReportPart, ReportResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Registry_SendReportServer = grpc.ClientStreamingServer[ReportPart, ReportResponse]
 
 func _Registry_ShareReadOrder_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ShareReadOrderRequest)
@@ -219,7 +253,13 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _Registry_GetReadOrder_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "SendReport",
+			Handler:       _Registry_SendReport_Handler,
+			ClientStreams: true,
+		},
+	},
 	Metadata: "controller/v1/controller.proto",
 }
 

@@ -24,13 +24,22 @@ func RefsOf(refs []volume.Ref) []*VolumeRef {
 	return out
 }
 
-// ReportKindHeader is the metadata key a node sets to ReportKindFull on a
-// report carrying its whole inventory, and ReportNodeHeader to its node
-// ID, so that the controller can admit such reports a few at a time, and
-// the one it kept room for, before it reads them (a report is read whole
-// before any handler runs).
+// ReportNodeHeader is the metadata key a node sets to its node ID on a
+// report in parts (SendReport), so that the controller can admit the
+// report, a few at a time, before it reads any part.
+const ReportNodeHeader = "cowvol-report-node"
+
+// What the controller reads of one call, so that no caller, authenticated
+// or not, can make it hold more than a bounded amount: every message is at
+// most MaxMessage bytes (a lookup of 1,000 volumes, a read order and an
+// upload's chunk are far smaller); a report larger than ReportPartSize goes
+// in parts through SendReport, at most MaxReport bytes in all, naming at
+// most MaxReportVolumes volumes and MaxReportProperties properties (a
+// node's 10,000 volumes are about 2 MiB).
 const (
-	ReportKindHeader = "cowvol-report-kind"
-	ReportKindFull   = "full"
-	ReportNodeHeader = "cowvol-report-node"
+	MaxMessage          = 4 << 20
+	ReportPartSize      = 1 << 20
+	MaxReport           = 32 << 20
+	MaxReportVolumes    = 200_000
+	MaxReportProperties = 4 * MaxReportVolumes
 )
