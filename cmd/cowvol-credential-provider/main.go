@@ -19,6 +19,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -110,14 +112,33 @@ func provide(in io.Reader, out io.Writer, now time.Time) error {
 		return fmt.Errorf("image %q names no registry", req.Image)
 	}
 	resp := response{APIVersion: apiVersion, Kind: "CredentialProviderResponse", CacheKeyType: "Image", CacheDuration: "0s"}
-	if req.ServiceAccountToken == "" {
+	switch {
+	case !loopback(host):
+		// The node's registry listens on loopback alone: a pod's token
+		// goes nowhere else, whatever the kubelet's config matches.
+		fmt.Fprintf(os.Stderr, "%s: %s is no registry on this node's loopback: no credential\n", Name, req.Image)
+	case req.ServiceAccountToken == "":
 		fmt.Fprintf(os.Stderr, "%s: no ServiceAccount token for %s: set tokenAttributes.serviceAccountTokenAudience: %s in the kubelet's CredentialProviderConfig\n",
 			Name, req.Image, credential.Audience)
-	} else {
+	default:
 		resp.Auth = map[string]authConfig{host: {Username: credential.User, Password: req.ServiceAccountToken}}
 		resp.CacheDuration = cacheFor(req.ServiceAccountToken, now).String()
 	}
 	return json.NewEncoder(out).Encode(resp)
+}
+
+// loopback says whether a registry host (host or host:port) is this
+// node's loopback: localhost, 127.0.0.0/8 or ::1.
+func loopback(host string) bool {
+	name := host
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		name = h
+	}
+	if name == "localhost" {
+		return true
+	}
+	ip, err := netip.ParseAddr(strings.Trim(name, "[]"))
+	return err == nil && ip.IsLoopback()
 }
 
 // cacheFor is how long the kubelet may keep a credential of token: until

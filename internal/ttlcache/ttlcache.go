@@ -1,10 +1,13 @@
 // Package ttlcache keeps answers for a while: what an API server said of a
 // token or a grant, asked again only once the answer is older than the
-// cache's TTL. It bounds its size by starting over when full, which costs
-// only asking again. It owns nothing but its map.
+// cache's TTL. It bounds its size by forgetting the least recently used
+// answer when full, so that a flood of new keys (random tokens) costs the
+// answers in use nothing but their place in line. It owns nothing but its
+// map and list.
 package ttlcache
 
 import (
+	"container/list"
 	"sync"
 	"time"
 )
@@ -15,37 +18,50 @@ type Cache[K comparable, V any] struct {
 	max int
 
 	mu      sync.Mutex
-	entries map[K]entry[V]
+	entries map[K]*list.Element
+	// used holds *entry, the most recently used first.
+	used *list.List
 }
 
-type entry[V any] struct {
+type entry[K comparable, V any] struct {
+	key     K
 	value   V
 	expires time.Time
 }
 
 // New keeps up to max answers, each for ttl.
 func New[K comparable, V any](ttl time.Duration, max int) *Cache[K, V] {
-	return &Cache[K, V]{ttl: ttl, max: max, entries: map[K]entry[V]{}}
+	return &Cache[K, V]{ttl: ttl, max: max, entries: map[K]*list.Element{}, used: list.New()}
 }
 
 // Get answers the value kept for k, if it is younger than the TTL at now.
 func (c *Cache[K, V]) Get(k K, now time.Time) (V, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	e, ok := c.entries[k]
-	if !ok || now.After(e.expires) {
+	el, ok := c.entries[k]
+	if !ok || now.After(el.Value.(*entry[K, V]).expires) {
 		var zero V
 		return zero, false
 	}
-	return e.value, true
+	c.used.MoveToFront(el)
+	return el.Value.(*entry[K, V]).value, true
 }
 
-// Put keeps v for k from now.
+// Put keeps v for k from now, forgetting the least recently used answer
+// if the cache is full.
 func (c *Cache[K, V]) Put(k K, v V, now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if len(c.entries) >= c.max {
-		clear(c.entries)
+	if el, ok := c.entries[k]; ok {
+		e := el.Value.(*entry[K, V])
+		e.value, e.expires = v, now.Add(c.ttl)
+		c.used.MoveToFront(el)
+		return
 	}
-	c.entries[k] = entry[V]{value: v, expires: now.Add(c.ttl)}
+	if c.used.Len() >= c.max {
+		last := c.used.Back()
+		delete(c.entries, last.Value.(*entry[K, V]).key)
+		c.used.Remove(last)
+	}
+	c.entries[k] = c.used.PushFront(&entry[K, V]{key: k, value: v, expires: now.Add(c.ttl)})
 }

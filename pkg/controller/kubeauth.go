@@ -37,7 +37,7 @@ type cachedReview struct {
 	ok   bool
 }
 
-// maxCached bounds each cache: past it, the cache starts over.
+// maxCached bounds each cache: past it, the least recently used answer goes.
 const maxCached = 10_000
 
 // NewKubeAuth checks callers against the API server kube reaches,

@@ -4,10 +4,11 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
-	"sync"
 	"time"
 
 	"github.com/opencontainers/go-digest"
+
+	"github.com/concourse/cowvol/internal/expiring"
 )
 
 // PullGrants are the remote layers the node's registry handed to pulls
@@ -18,20 +19,19 @@ import (
 // namespace's pull) names nothing a runtime can mount.
 type PullGrants struct {
 	key LayerKey
-	ttl time.Duration
 	now func() time.Time
-
-	mu     sync.Mutex
-	issued map[digest.Digest]pullGrant // by the layer's digest
+	// issued are the grants by their layer's digest, owned by their
+	// readers.
+	issued *expiring.Set[digest.Digest, RemoteLayer]
 }
 
-type pullGrant struct {
-	layer   RemoteLayer
-	expires time.Time
-}
-
-// maxGrants bounds the grants outstanding: past it, the oldest go first.
-const maxGrants = 4096
+// A reader may hold at most grantsPerReader grants outstanding (past it,
+// its oldest go first), and the node at most maxGrants: one namespace's
+// burst of pulls never pushes out another's grant.
+const (
+	grantsPerReader = 512
+	maxGrants       = 16384
+)
 
 // ErrNoGrant says a remote layer was not handed to a pull that may still
 // take it.
@@ -39,7 +39,7 @@ var ErrNoGrant = errors.New("no pull was handed this remote layer just now")
 
 // NewPullGrants mints remote layers under key, each to be taken within ttl.
 func NewPullGrants(key LayerKey, ttl time.Duration) *PullGrants {
-	return &PullGrants{key: key, ttl: ttl, now: time.Now, issued: map[digest.Digest]pullGrant{}}
+	return &PullGrants{key: key, now: time.Now, issued: expiring.New[digest.Digest, RemoteLayer](ttl, grantsPerReader, maxGrants)}
 }
 
 // Issue mints the remote layer of reader's pull of a volume's version,
@@ -51,20 +51,7 @@ func (g *PullGrants) Issue(reader, version string) (RemoteLayer, digest.Digest, 
 	}
 	l := RemoteLayer{Reader: reader, Version: version, Pull: hex.EncodeToString(nonce[:])}
 	d := g.key.Digest(l)
-	now := g.now()
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	g.dropExpired(now)
-	if len(g.issued) >= maxGrants {
-		var oldest digest.Digest
-		for d, gr := range g.issued {
-			if oldest == "" || gr.expires.Before(g.issued[oldest].expires) {
-				oldest = d
-			}
-		}
-		delete(g.issued, oldest)
-	}
-	g.issued[d] = pullGrant{layer: l, expires: now.Add(g.ttl)}
+	g.issued.Put(reader, []digest.Digest{d}, l, g.now())
 	return l, d, nil
 }
 
@@ -74,29 +61,15 @@ func (g *PullGrants) Redeem(l RemoteLayer, d digest.Digest) error {
 	if l.Pull == "" || !g.key.Valid(l, d) {
 		return ErrNoGrant
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	gr, ok := g.issued[d]
-	if !ok || gr.layer != l || g.now().After(gr.expires) {
+	if _, ok := g.issued.Take(d, g.now(), func(issued RemoteLayer) bool { return issued == l }); !ok {
 		return ErrNoGrant
 	}
-	delete(g.issued, d)
 	return nil
 }
 
 // Pending says whether d is a remote layer's digest handed to a pull that
 // has not yet taken it.
 func (g *PullGrants) Pending(d digest.Digest) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	gr, ok := g.issued[d]
-	return ok && !g.now().After(gr.expires)
-}
-
-func (g *PullGrants) dropExpired(now time.Time) {
-	for d, gr := range g.issued {
-		if now.After(gr.expires) {
-			delete(g.issued, d)
-		}
-	}
+	_, ok := g.issued.Get(d, g.now())
+	return ok
 }

@@ -69,3 +69,24 @@ func TestParseRemoteLayer(t *testing.T) {
 		assert.Error(t, err, bad)
 	}
 }
+
+// One namespace's burst of pulls pushes out its own oldest grants, never
+// another's: B's grant, handed out first, is still taken after A was
+// handed far more than a reader may hold.
+func TestPullGrantsPerReader(t *testing.T) {
+	key, err := LoadLayerKey(filepath.Join(t.TempDir(), "key"))
+	require.NoError(t, err)
+	g := NewPullGrants(key, time.Minute)
+	lb, db, err := g.Issue("team-b", "team-b/img@1")
+	require.NoError(t, err)
+	var first digest.Digest
+	for i := range maxGrants + 1 {
+		_, d, err := g.Issue("team-a", "team-a/img@1")
+		require.NoError(t, err)
+		if i == 0 {
+			first = d
+		}
+	}
+	assert.False(t, g.Pending(first), "A's oldest went")
+	require.NoError(t, g.Redeem(lb, db), "B's grant survived A's burst")
+}

@@ -3,6 +3,8 @@ package registry
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"slices"
 	"strings"
@@ -11,6 +13,7 @@ import (
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"golang.org/x/time/rate"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/internal/ttlcache"
@@ -43,23 +46,42 @@ const (
 // pull), and its namespace is the pod's. Answers are kept for a short
 // while by the token's hash, so a burst of a pull's requests costs one
 // review.
+//
+// Tokens no review could pass (not a JWT for credential.Audience that is
+// still valid, by its unverified claims) are refused without one, and the
+// reviews of the rest are rate-limited (reviewRate, reviewBurst): a flood
+// of made-up tokens costs the API server a bounded number of reviews, and
+// the answers kept for live pods' tokens stay (the least recently used go
+// first).
 type TokenReviews struct {
 	kube kubernetes.Interface
 	node string
 	// The namespace each token proved ("": none), by its hash.
 	reviews *ttlcache.Cache[[sha256.Size]byte, string]
+	limit   *rate.Limiter
 }
+
+// A node's registry reviews at most reviewRate unseen tokens a second,
+// reviewBurst at once: a node starts a few dozen pods a second at most.
+const (
+	reviewRate  = 20
+	reviewBurst = 50
+)
+
+// errTooManyReviews refuses a pull for now (503: the runtime retries).
+var errTooManyReviews = errors.New("too many unseen tokens to review just now")
 
 // reviewTimeout bounds a TokenReview.
 const reviewTimeout = 10 * time.Second
 
-// maxReviews bounds the answers kept: past it, they start over.
+// maxReviews bounds the answers kept: past it, the least recently used go.
 const maxReviews = 10_000
 
 // NewTokenReviews reviews tokens with the API server kube reaches, for
 // pods on node, keeping answers for ttl.
 func NewTokenReviews(kube kubernetes.Interface, node string, ttl time.Duration) *TokenReviews {
-	return &TokenReviews{kube: kube, node: node, reviews: ttlcache.New[[sha256.Size]byte, string](ttl, maxReviews)}
+	return &TokenReviews{kube: kube, node: node, reviews: ttlcache.New[[sha256.Size]byte, string](ttl, maxReviews),
+		limit: rate.NewLimiter(reviewRate, reviewBurst)}
 }
 
 // Extra keys of a reviewed token bound to a pod.
@@ -77,6 +99,13 @@ func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (st
 	now := time.Now()
 	ns, hit := a.reviews.Get(key, now)
 	if !hit {
+		if !mayPass(password, now) {
+			return "", ErrUnauthenticated
+		}
+		if !a.limit.AllowN(now, 1) {
+			klog.V(2).InfoS("Refusing an image pull for now: too many unseen tokens to review")
+			return "", errTooManyReviews
+		}
 		// The review is kept for the pull's next requests: one whose
 		// client hangs up (a runtime that gave up, a client that closed
 		// its side) still finishes it.
@@ -95,6 +124,41 @@ func (a *TokenReviews) Namespace(ctx context.Context, user, password string) (st
 		return "", ErrUnauthenticated
 	}
 	return ns, nil
+}
+
+// mayPass says whether a token could pass a review for
+// credential.Audience: a JWT whose claims name the audience and an expiry
+// still to come. Nothing here is verified (the review does that); it only
+// spares the API server reviews that cannot pass.
+func mayPass(token string, now time.Time) bool {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 || len(parts[1]) > maxClaims {
+		return false
+	}
+	payload, err := base64.RawURLEncoding.DecodeString(parts[1])
+	if err != nil {
+		return false
+	}
+	var claims struct {
+		Aud audiences `json:"aud"`
+		Exp int64     `json:"exp"`
+	}
+	return json.Unmarshal(payload, &claims) == nil && slices.Contains(claims.Aud, credential.Audience) && now.Unix() < claims.Exp
+}
+
+// maxClaims bounds the claims of a token read before its review.
+const maxClaims = 16 << 10
+
+// audiences is a JWT's aud claim: one string, or several.
+type audiences []string
+
+func (a *audiences) UnmarshalJSON(b []byte) error {
+	var one string
+	if err := json.Unmarshal(b, &one); err == nil {
+		*a = []string{one}
+		return nil
+	}
+	return json.Unmarshal(b, (*[]string)(a))
 }
 
 // podNamespace is the namespace a review proves: a ServiceAccount's

@@ -1,7 +1,11 @@
 package registry
 
 import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -34,8 +38,29 @@ func (v countedVolumes) Version(ns string, r volume.Ref, need volume.Need) (stri
 	return v.dirVolumes.Version(ns, r, need)
 }
 
+// jwtOf is a token shaped as the kubelet's are (a JWT whose claims name
+// credential.Audience and an expiry to come), which reviewingAPI knows as
+// name: the registry looks at a token's shape before it asks for a review.
+func jwtOf(name string) string {
+	claims, _ := json.Marshal(map[string]any{"aud": []string{credential.Audience}, "exp": time.Now().Add(time.Hour).Unix(), "sub": name})
+	enc := base64.RawURLEncoding
+	return enc.EncodeToString([]byte(`{"alg":"RS256"}`)) + "." + enc.EncodeToString(claims) + ".signature"
+}
+
+// nameOf is the name jwtOf gave a token ("" for another token).
+func nameOf(token string) string {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return ""
+	}
+	b, _ := base64.RawURLEncoding.DecodeString(parts[1])
+	var claims struct{ Sub string }
+	_ = json.Unmarshal(b, &claims)
+	return claims.Sub
+}
+
 // reviewingAPI is an API server's TokenReviews as the kubelet's tokens
-// meet them: "token-of-<ns>" is a token of namespace ns's pod on node-a
+// meet them: jwtOf("token-of-<ns>") is a token of namespace ns's pod on node-a
 // for credential.Audience; a few others are what the registry must refuse; and the
 // API server can be down, which only a fake can be on cue.
 func reviewingAPI(down *atomic.Bool) *fake.Clientset {
@@ -46,9 +71,10 @@ func reviewingAPI(down *atomic.Bool) *fake.Clientset {
 		}
 		tr := a.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
 		bound := map[string]authnv1.ExtraValue{extraPodName: {"step"}, extraNodeName: {"node-a"}}
-		ns, ok := strings.CutPrefix(tr.Spec.Token, "token-of-")
+		name := nameOf(tr.Spec.Token)
+		ns, ok := strings.CutPrefix(name, "token-of-")
 		audiences := tr.Spec.Audiences
-		switch tr.Spec.Token {
+		switch name {
 		case "token-of-another-node":
 			ns, ok, bound[extraNodeName] = "ci", true, authnv1.ExtraValue{"node-b"}
 		case "token-bound-to-no-pod":
@@ -78,7 +104,7 @@ func TestPullsProveTheirNamespace(t *testing.T) {
 	as := func(token string) func(*http.Request) {
 		return func(r *http.Request) {
 			if token != "" {
-				r.SetBasicAuth(credential.User, token)
+				r.SetBasicAuth(credential.User, jwtOf(token))
 			}
 		}
 	}
@@ -99,9 +125,9 @@ func TestPullsProveTheirNamespace(t *testing.T) {
 		{name: "own image", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-of-ci"), wantCode: 200, wantLookup: true},
 		{name: "no credential", srv: required, path: "/v2/ci/img/manifests/latest", auth: as(""), wantCode: 401, sameAs: "/v2/ci/nothing/manifests/latest"},
 		{name: "no credential, a blob", srv: required, path: "/v2/ci/img/blobs/sha256:" + strings.Repeat("0", 64), auth: as(""), wantCode: 401},
-		{name: "a credential of no pod", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("not-a-token"), wantCode: 401},
+		{name: "a credential of no pod", srv: required, path: "/v2/ci/img/manifests/latest", auth: func(r *http.Request) { r.SetBasicAuth(credential.User, "not-a-token") }, wantCode: 401},
 		{name: "another user name", srv: required, path: "/v2/ci/img/manifests/latest",
-			auth: func(r *http.Request) { r.SetBasicAuth("admin", "token-of-ci") }, wantCode: 401},
+			auth: func(r *http.Request) { r.SetBasicAuth("admin", jwtOf("token-of-ci")) }, wantCode: 401},
 		{name: "a token of a pod on another node", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-of-another-node"), wantCode: 401},
 		{name: "a token bound to no pod", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-bound-to-no-pod"), wantCode: 401},
 		{name: "a token for another audience", srv: required, path: "/v2/ci/img/manifests/latest", auth: as("token-for-the-api-server"), wantCode: 401},
@@ -165,4 +191,51 @@ func TestCredentialsCounted(t *testing.T) {
 	anon, authed := s.Credentials()
 	assert.Equal(t, uint64(1), anon)
 	assert.Equal(t, uint64(2), authed)
+}
+
+// A flood of made-up tokens costs the API server a bounded number of
+// reviews, and the answer kept for a live pod's token stays: 20,000 that
+// are no JWT for the audience cost none, 20,000 shaped as one cost at most
+// the limiter's burst and rate, and the live pod's pulls go on answered
+// from the cache.
+func TestTokenReviewsBounded(t *testing.T) {
+	kube := fake.NewSimpleClientset()
+	var reviews atomic.Int64
+	kube.PrependReactor("create", "tokenreviews", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		reviews.Add(1)
+		tr := a.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
+		live := nameOf(tr.Spec.Token) == "live"
+		tr.Status = authnv1.TokenReviewStatus{Authenticated: live, Audiences: tr.Spec.Audiences, User: authnv1.UserInfo{
+			Username: "system:serviceaccount:ci:default", Extra: map[string]authnv1.ExtraValue{extraPodName: {"step"}, extraNodeName: {"node-a"}}}}
+		return true, tr, nil
+	})
+	auth := NewTokenReviews(kube, "node-a", time.Minute)
+	ctx := context.Background()
+	ns, err := auth.Namespace(ctx, credential.User, jwtOf("live"))
+	require.NoError(t, err)
+	require.Equal(t, "ci", ns)
+
+	start := time.Now()
+	refused, later := 0, 0
+	for i := range 20_000 {
+		_, err := auth.Namespace(ctx, credential.User, fmt.Sprintf("random-%d", i))
+		require.ErrorIs(t, err, ErrUnauthenticated)
+		switch _, err := auth.Namespace(ctx, credential.User, jwtOf(fmt.Sprintf("forged-%d", i))); {
+		case errors.Is(err, ErrUnauthenticated):
+			refused++
+		case errors.Is(err, errTooManyReviews):
+			later++
+		default:
+			t.Fatalf("a forged token: %v", err)
+		}
+		if i%1000 == 0 {
+			_, err := auth.Namespace(ctx, credential.User, jwtOf("live"))
+			require.NoError(t, err, "the live pod's token after %d made-up ones", 2*i)
+		}
+	}
+	elapsed := time.Since(start).Seconds()
+	bound := int64(reviewBurst + reviewRate*elapsed + 2)
+	require.LessOrEqual(t, reviews.Load(), bound, "reviews in %.1f s", elapsed)
+	require.Greater(t, later, 0, "forged tokens past the rate are told to come back")
+	require.Equal(t, reviews.Load()-1, int64(refused), "every review was of a forged token but the live one's first")
 }

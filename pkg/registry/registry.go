@@ -42,6 +42,7 @@ import (
 	"golang.org/x/sync/singleflight"
 	"k8s.io/klog/v2"
 
+	"github.com/concourse/cowvol/internal/expiring"
 	"github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -100,7 +101,9 @@ type Server struct {
 	mu      sync.Mutex
 	images  map[string]*image.Image // by volume version
 	order   []string                // versions, oldest first
-	minted  map[digest.Digest]minted
+	// minted are images handed to one pull each, by their blobs'
+	// digests, owned by their readers.
+	minted *expiring.Set[digest.Digest, minted]
 	// Requests for manifests with and without a credential, for
 	// Credentials.
 	anonymous, authenticated atomic.Uint64
@@ -108,9 +111,8 @@ type Server struct {
 
 // minted is an image with a remote layer, handed to one pull.
 type minted struct {
-	img     *image.Image
-	repo    string
-	expires time.Time
+	img  *image.Image
+	repo string
 }
 
 // remembered is how many images the server keeps found.
@@ -118,7 +120,8 @@ const remembered = 64
 
 // New serves the images of vols.
 func New(vols Volumes, m *Metrics, opts Options) *Server {
-	return &Server{vols: vols, opts: opts, metrics: m, images: map[string]*image.Image{}, minted: map[digest.Digest]minted{}}
+	return &Server{vols: vols, opts: opts, metrics: m, images: map[string]*image.Image{},
+		minted: expiring.New[digest.Digest, minted](GrantTTL, mintedPerReader, maxMinted)}
 }
 
 // Metrics count the registry's answers.
@@ -474,20 +477,7 @@ func (s *Server) mint(files volumeFiles, repo repository, name, version string) 
 	if err != nil {
 		return nil, loadError(name, err)
 	}
-	now := time.Now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for d, m := range s.minted {
-		if now.After(m.expires) {
-			delete(s.minted, d)
-		}
-	}
-	if len(s.minted) < maxMinted {
-		m := minted{img: img, repo: name, expires: now.Add(GrantTTL)}
-		for _, d := range append(img.BlobDigests(), img.Remote) {
-			s.minted[d] = m
-		}
-	}
+	s.minted.Put(repo.reader, append(img.BlobDigests(), img.Remote), minted{img: img, repo: name}, time.Now())
 	klog.V(2).InfoS("Handed a pull a step image's remote layer", "volume", repo.ref, "reader", repo.reader, "layer", img.Remote)
 	return img, nil
 }
@@ -495,16 +485,19 @@ func (s *Server) mint(files volumeFiles, repo repository, name, version string) 
 // GrantTTL is how long a pull has to take the remote layer it was handed.
 const GrantTTL = 2 * time.Minute
 
-// maxMinted bounds the blobs of minted images kept.
-const maxMinted = 8192
+// A reader may have at most mintedPerReader images minted for its pulls
+// kept (past it, its oldest go first), and the node at most maxMinted:
+// one namespace's burst of pulls never leaves another's unfindable.
+const (
+	mintedPerReader = 256
+	maxMinted       = 4096
+)
 
 // mintedBlob finds a blob of an image minted for a pull of repository
 // name.
 func (s *Server) mintedBlob(name string, d digest.Digest) (*image.Image, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	m, ok := s.minted[d]
-	if !ok || m.repo != name || time.Now().After(m.expires) {
+	m, ok := s.minted.Get(d, time.Now())
+	if !ok || m.repo != name {
 		return nil, false
 	}
 	return m.img, true

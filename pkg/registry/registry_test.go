@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -155,7 +156,7 @@ func get(t *testing.T, srv *httptest.Server, path, ns string) (int, string) {
 	req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
 	require.NoError(t, err)
 	if ns != "" {
-		req.SetBasicAuth(credential.User, "token-of-"+ns)
+		req.SetBasicAuth(credential.User, jwtOf("token-of-"+ns))
 	}
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
@@ -291,5 +292,24 @@ func TestStale(t *testing.T) {
 			require.NoError(t, err)
 			assert.Equal(t, tt.want, got)
 		})
+	}
+}
+
+// One namespace's burst of minted images leaves another's findable: ci's
+// config, minted before and after team-a was minted more images than the
+// node keeps in all, is served.
+func TestMintedImagesPerReader(t *testing.T) {
+	s := New(dirVolumes{dir: rootfsDir(t)}, NewMetrics(), Options{Mode: AuthGrace, Grants: newGrants(t)})
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	before := manifestOf(t, srv, "ci/img", RemoteTag)
+	for i := range maxMinted + 1 {
+		d := digest.FromString(fmt.Sprint("a burst ", i))
+		s.minted.Put("team-a", []digest.Digest{d}, minted{repo: "team-a/img"}, time.Now())
+	}
+	after := manifestOf(t, srv, "ci/img", RemoteTag)
+	for _, m := range []ocispec.Manifest{before, after} {
+		code, _ := get(t, srv, "/v2/ci/img/blobs/"+m.Config.Digest.String(), "")
+		assert.Equal(t, http.StatusOK, code, "ci's minted config beside team-a's burst")
 	}
 }
