@@ -10,10 +10,10 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/time/rate"
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"golang.org/x/time/rate"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/internal/ttlcache"
