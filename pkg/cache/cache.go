@@ -28,7 +28,10 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	"golang.org/x/sync/singleflight"
 
+	"github.com/concourse/cowvol/internal/ttlcache"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -149,6 +152,10 @@ type Store struct {
 	db   *bolt.DB
 	id   string
 	live liveHolds
+	// sums are layers' file sums read or computed lately (sums.go), by
+	// their file; summing computes each once.
+	sums    *ttlcache.Cache[string, filesum.Table]
+	summing singleflight.Group
 }
 
 // Open opens (creating if needed) the store under dir, migrating metadata
@@ -169,7 +176,7 @@ func Open(dir string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening metadata (is another plugin using %s?): %w", dir, err)
 	}
-	s := &Store{dir: dir, db: db}
+	s := &Store{dir: dir, db: db, sums: newSumsCache()}
 	fresh := false
 	err = db.Update(func(tx *bolt.Tx) error {
 		fresh = tx.Bucket(volumesBucket) == nil

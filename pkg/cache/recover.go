@@ -2,6 +2,7 @@ package cache
 
 import (
 	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -79,6 +80,9 @@ func (s *Store) PruneLayers(remove Remover) error {
 			if err := remove(p); err != nil {
 				errs = append(errs, err)
 				continue
+			}
+			if err := os.Remove(s.sumsPath(v.Ref(), old)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				errs = append(errs, err)
 			}
 			gone = append(gone, old)
 		}
@@ -194,7 +198,11 @@ func (s *Store) removeOrphans(known map[volume.Ref]Volume, remove Remover) (int,
 				continue
 			}
 			for _, l := range layers {
-				if l.Name() != v.Layer && !slices.Contains(v.OldLayers, l.Name()) {
+				layer := l.Name()
+				if of := layerOfSums(layer); of != "" {
+					layer = of // a layer's sums go with it
+				}
+				if layer != v.Layer && !slices.Contains(v.OldLayers, layer) {
 					drop(s.LayerPath(v.Ref(), l.Name()))
 				}
 			}

@@ -3,11 +3,14 @@ package fill
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"time"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 type fileKey struct{ dev, ino uint64 }
@@ -147,6 +150,8 @@ type file struct {
 	place int
 	// caps says it may carry file capabilities (see Stub).
 	caps bool
+	// sum is what its data must hash to, where its layer checks sums.
+	sum filesum.Sum
 	// handle names its stub where fills open stubs by handle (byHandle).
 	handle   xfsHandle
 	byHandle bool
@@ -185,7 +190,48 @@ type source func(ctx context.Context, w io.WriterAt) error
 // writes nothing for the group's stall: a holder that hangs must not hold
 // a reader for ever. (A stream's writes are not watched here: the stream
 // is its caller's, which breaks it off, and then the file is fetched.)
+//
+// Where its layer checks sums, what does not hash to f's sum is told to
+// the layer (the holder that sent it is dropped) and fetched again, from
+// the next holder, until one sends the bytes the volume was captured with
+// or none is left; at most maxRefetches times.
 func (f *file) fetch(ctx context.Context, w io.WriterAt) error {
+	for tries := 0; ; tries++ {
+		err := f.fetchOnce(ctx, w)
+		if err == nil {
+			err = f.check(w)
+		}
+		if !errors.Is(err, filesum.ErrMismatch) || tries == maxRefetches {
+			return err
+		}
+		f.layer.corrupt(f.rel, FromHolder, err)
+		if err := w.(fetched).reset(); err != nil {
+			return err
+		}
+	}
+}
+
+// maxRefetches bounds the fetches of a file again after wrong bytes.
+const maxRefetches = 3
+
+// check says whether what was fetched into w is f's data: its sum, where
+// f's layer checks sums.
+func (f *file) check(w io.WriterAt) error {
+	if f.layer.corrupt == nil {
+		return nil
+	}
+	got, err := w.(fetched).sum()
+	if err != nil {
+		return err
+	}
+	if got != f.sum {
+		return fmt.Errorf("%s: %w", f.rel, filesum.ErrMismatch)
+	}
+	return nil
+}
+
+// fetchOnce brings f's data from its layer's FetchFunc.
+func (f *file) fetchOnce(ctx context.Context, w io.WriterAt) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	pw := &progressWriter{w: w, last: time.Now()}
@@ -206,12 +252,18 @@ func (f *file) orFetch(write func(w io.WriterAt) error, broke *error) source {
 	return func(ctx context.Context, w io.WriterAt) error {
 		err := write(w)
 		if err == nil {
-			return nil
-		}
-		if broke != nil {
+			if err = f.check(w); err == nil {
+				return nil
+			}
+			// The stream goes on; this file comes from a holder.
+			f.layer.corrupt(f.rel, FromStream, err)
+			if err := w.(fetched).reset(); err != nil {
+				return err
+			}
+		} else if broke != nil {
 			*broke = err
 		}
-		klog.V(2).InfoS("A file of a stream did not arrive; fetching it alone", "file", f.rel, "err", err)
+		klog.V(2).InfoS("A file of a stream did not arrive whole; fetching it alone", "file", f.rel, "err", err)
 		return f.fetch(ctx, w)
 	}
 }

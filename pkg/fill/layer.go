@@ -15,6 +15,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // FetchFunc writes the whole data of the layer file rel (size bytes) into
@@ -28,8 +30,11 @@ type Layer struct {
 	dir       string
 	fetch     FetchFunc
 	fetchMany FetchManyFunc
-	ctx       context.Context
-	cancel    context.CancelCauseFunc
+	// corrupt, if not nil, checks every file's data against its stub's
+	// sum (CheckSums) and is told of what did not match.
+	corrupt CorruptFunc
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
 
 	mu      sync.Mutex
 	files   []*file
@@ -127,7 +132,30 @@ type Stub struct {
 	// each stub would lengthen the publish.
 	Dev, Ino uint64
 	Times    [2]unix.Timespec
+	// Sum is what its data hashes to (checked where the layer checks
+	// sums).
+	Sum filesum.Sum
 }
+
+// CorruptFunc is told that the data of the file rel, from a source of
+// kind from (FromStream, FromHolder), did not hash to its sum: the file is
+// fetched again, from a holder, once it returns.
+type CorruptFunc func(rel, from string, err error)
+
+// Where wrong bytes came from, for a CorruptFunc.
+const (
+	// FromStream: the stream of the whole layer (the holder's, or a
+	// relay's copy of it).
+	FromStream = "stream"
+	// FromHolder: a fetch of the file alone from the current holder.
+	FromHolder = "holder"
+)
+
+// CheckSums has every file's data checked against its stub's sum before it
+// is put in place: no reader ever sees bytes that are not the volume's. A
+// file whose bytes do not match is told to corrupt, and fetched again.
+// Call it before the first Add.
+func (l *Layer) CheckSums(corrupt CorruptFunc) { l.corrupt = corrupt }
 
 // Add holds readers of the stub s, open as fd (any flags; fd stays the
 // caller's). An empty file needs nothing and is not held.
@@ -136,7 +164,8 @@ func (l *Layer) Add(fd int, s Stub) error {
 	if size == 0 {
 		return nil
 	}
-	f := &file{layer: l, key: fileKey{dev: s.Dev, ino: s.Ino}, rel: rel, size: size, times: s.Times[:], place: s.Place, caps: s.Caps, streamAt: -1}
+	f := &file{layer: l, key: fileKey{dev: s.Dev, ino: s.Ino}, rel: rel, size: size, times: s.Times[:], place: s.Place, caps: s.Caps,
+		sum: s.Sum, streamAt: -1}
 	if l.g.byHandle.Load() {
 		var err error
 		f.handle, err = xfsHandleOf(fd)

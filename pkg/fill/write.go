@@ -16,6 +16,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/bufpool"
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // ensure fills f unless it is filled, waiting for a fill already running.
@@ -373,13 +374,44 @@ func (p *progressWriter) WriteAt(b []byte, off int64) (int, error) {
 
 // holeWriter leaves runs of zeros out of a sized file: they stay holes
 // (a memFile's are zeros already).
-type holeWriter struct{ w io.WriterAt }
+type holeWriter struct{ f *os.File }
 
 func (h holeWriter) WriteAt(b []byte, off int64) (int, error) {
 	if allZero(b) {
 		return len(b), nil
 	}
-	return h.w.WriteAt(b, off)
+	return h.f.WriteAt(b, off)
+}
+
+// fetched is what a fill writes a file's data into (a memFile, a
+// holeWriter): readable back for its sum, and emptied for another try.
+type fetched interface {
+	io.WriterAt
+	sum() (filesum.Sum, error)
+	reset() error
+}
+
+func (m *memFile) sum() (filesum.Sum, error) { return filesum.Of(bytes.NewReader(m.b)) }
+func (m *memFile) reset() error              { clear(m.b); return nil }
+
+func (h holeWriter) sum() (filesum.Sum, error) {
+	st, err := h.f.Stat()
+	if err != nil {
+		return filesum.Sum{}, err
+	}
+	return filesum.Of(io.NewSectionReader(h.f, 0, st.Size()))
+}
+
+// reset makes the file all holes again, at its size.
+func (h holeWriter) reset() error {
+	st, err := h.f.Stat()
+	if err == nil {
+		err = h.f.Truncate(0)
+	}
+	if err == nil {
+		err = h.f.Truncate(st.Size())
+	}
+	return err
 }
 
 func allZero(b []byte) bool {

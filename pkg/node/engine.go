@@ -91,6 +91,8 @@ const bootIDPath = "/proc/sys/kernel/random/boot_id"
 
 // Engine runs a node's volumes.
 type Engine struct {
+	// summing admits one layer's file sums computed at a time (sumLayer).
+	summing      chan struct{}
 	nodeID       string
 	flattenDepth int
 	store        *cache.Store
@@ -210,7 +212,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		layout: target.Layout{KubeletDir: cfg.KubeletDir}, allowSetuid: cfg.AllowSetuid,
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
-		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1),
+		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1), summing: make(chan struct{}, 1),
 		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks, copies: cfg.Copies,
 	}
 	e.metrics = newMetrics(e, string(kind))

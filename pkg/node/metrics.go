@@ -14,6 +14,7 @@ type metrics struct {
 	evictions *prometheus.CounterVec
 	destroys  *prometheus.CounterVec
 	reclaimed prometheus.Counter
+	rotten    prometheus.Counter
 	overHigh  prometheus.Gauge
 	disk      *prometheus.GaugeVec
 	info      prometheus.Gauge
@@ -41,6 +42,10 @@ func newMetrics(e *Engine, backend string) *metrics {
 		reclaimed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "cowvol_reclaimed_bytes_total", Help: "Bytes freed by destroying cached volumes (as measured at capture).",
 		}),
+		rotten: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_rotten_volumes_total",
+			Help: "Cached volumes whose bytes on this node's disk were found, as a peer was sent them, not to be what they were captured with: each is marked failed and served no more.",
+		}),
 		overHigh: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "cowvol_over_high_watermark", Help: "1 while the state dir is over its high watermark and captures are refused.",
 		}),
@@ -65,7 +70,7 @@ func newMetrics(e *Engine, backend string) *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.overHigh, m.disk, m.info, m.node}
+	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.rotten, m.overHigh, m.disk, m.info, m.node}
 }
 
 func (m *metrics) setDisk(d diskFill) {

@@ -69,8 +69,9 @@ func TestDestroyHoldsDataForChildrenAndReaders(t *testing.T) {
 func TestDestroyWaitsForAStreamAndNoLonger(t *testing.T) {
 	f := newFixture(t)
 	vol := f.captureSized("streamed", "", 1<<10)
-	dir, release, err := f.engine.PeerHolder().OpenLayer("ci", ref("ci", "streamed"), volume.Ref{})
+	layer, release, err := f.engine.PeerHolder().OpenLayer("ci", ref("ci", "streamed"), volume.Ref{})
 	require.NoError(t, err)
+	dir := layer.Dir
 	require.Equal(t, f.store.DataPath(vol), dir)
 
 	require.NoError(t, f.engine.Destroy(ref("ci", "streamed")))

@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"slices"
 
+	"k8s.io/klog/v2"
+
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -94,7 +97,10 @@ func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
 // read, or one in the chain of via, which it may read. A destroyed volume
 // is served only while it is the base of others (a puller of those needs
 // it).
-func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func(), error) {
+//
+// The layer's file sums go with it: kept since its capture (or its pull),
+// or computed now, held, if this is the first a peer asks for them.
+func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.LayerFiles, func(), error) {
 	// Hold first, then look: the reaper looks at holds after the state,
 	// so a volume seen servable here cannot be freed under the stream.
 	release := h.e.store.Hold(r, cache.HoldStream)
@@ -104,14 +110,36 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (string, func
 	if errors.Is(err, cache.ErrNotFound) || (err == nil && !servable) {
 		err = notHeld(r, namespace)
 	}
+	var sums filesum.Table
+	if err == nil {
+		if sums, err = h.e.store.LayerSums(v); err != nil {
+			err = fmt.Errorf("volume %s: its files' sums: %w", r, err)
+		}
+	}
 	if err != nil {
 		release()
-		return "", nil, err
+		return streamer.LayerFiles{}, nil, err
 	}
-	return h.e.store.DataPath(v), func() {
+	return streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums}, func() {
 		release()
 		h.e.streamEnded(r)
 	}, nil
+}
+
+// Rotten fails a volume whose layer's bytes on this node are no longer
+// those it was captured with (a peer's stream found it): it is served no
+// more, the controller learns from the next report that the node does not
+// hold it, its local readers' outputs capture nothing ready (they may
+// have read the wrong bytes), and the operator is told.
+func (h peerHolder) Rotten(r volume.Ref, err error) {
+	h.e.metrics.rotten.Inc()
+	klog.ErrorS(err, "A cached volume's bytes on this node's disk are not what it was captured with: it is marked failed and served no more", "volume", r)
+	h.e.events.NodeEvent(EventWarning, "VolumeRotten", fmt.Sprintf("Cached volume %s: its bytes on this node's disk are not what it was "+
+		"captured with (%v); it is marked failed and served to no peer. Check the node's disk.", r, err))
+	if merr := h.e.store.MarkFailed(r); merr != nil {
+		klog.ErrorS(merr, "Marking a rotten volume failed", "volume", r)
+	}
+	h.e.kick(h.e.reaper)
 }
 
 // Relay serves a peer this node's copy of a layer's stream it is pulling

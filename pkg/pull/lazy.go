@@ -56,6 +56,7 @@ func (pl *Puller) stubMarker(src *lazySource, data string) (*fill.Layer, streame
 	if err != nil {
 		return nil, nil, err
 	}
+	layer.CheckSums(src.corrupt)
 	var total atomic.Int64
 	limit := pl.cfg.Limits.Bytes
 	return layer, func(s streamer.Stub) error {
@@ -63,7 +64,8 @@ func (pl *Puller) stubMarker(src *lazySource, data string) (*fill.Layer, streame
 			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer.Ref, limit, streamer.ErrRefused)
 		}
 		return layer.Add(s.FD, fill.Stub{Rel: s.Name, Size: s.Size, Place: s.Place, Caps: s.Caps,
-			Dev: s.Dev, Ino: s.Ino, Times: [2]unix.Timespec{s.Mtime, s.Mtime}}) // a stream's entries' atime is their mtime
+			Dev: s.Dev, Ino: s.Ino, Times: [2]unix.Timespec{s.Mtime, s.Mtime}, // a stream's entries' atime is their mtime
+			Sum: s.Sum})
 	}, nil
 }
 
@@ -83,6 +85,7 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 	pl.lazy.mu.Lock()
 	pl.lazy.layers[r] = fl
 	pl.lazy.mu.Unlock()
+	src.tell(pods)
 	start := time.Now()
 	pl.goBackground(func() {
 		// One stream of the whole layer fills what no reader asked for

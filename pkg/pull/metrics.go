@@ -11,6 +11,7 @@ type Metrics struct {
 	fillBytes prometheus.Counter
 	orders    *prometheus.CounterVec
 	swarm     *prometheus.CounterVec
+	corrupt   *prometheus.CounterVec
 }
 
 // NewMetrics makes the pulls' metrics.
@@ -36,6 +37,10 @@ func NewMetrics() *Metrics {
 			Name: "cowvol_swarm_pulls_total",
 			Help: "Layer streams (whole layers, stub trees, lazy layers' data) pulled as a member of their swarm, by where they came from: the holder (the swarm's first member), a relay (the member before), or relay_failed (the relay failed; pulled again from the holder).",
 		}, []string{"from"}),
+		corrupt: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_pull_corrupt_total",
+			Help: "Files and layers peers sent that were not what their volume was captured with (their sums), caught before any reader saw them, by where they came from: the stream of a lazy layer (stream, from its holder or a relay), a file fetched alone from a holder (holder), or a layer or stub tree pulled whole (layer: the pull moves to the next holder).",
+		}, []string{"from"}),
 	}
 }
 
@@ -43,5 +48,5 @@ func (m *Metrics) swarmPull(from string) { m.swarm.WithLabelValues(from).Inc() }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders, m.swarm}
+	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders, m.swarm, m.corrupt}
 }

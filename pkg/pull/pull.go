@@ -35,6 +35,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -383,6 +384,10 @@ func (pl *Puller) runPull(p *pull) error {
 		if local(err) {
 			errs = append(errs, err)
 			break // another holder would fail here the same way
+		}
+		if errors.Is(err, filesum.ErrMismatch) {
+			// Extracted out of sight: nothing of it was kept.
+			pl.metrics.corrupt.WithLabelValues("layer").Inc()
 		}
 		if !streamer.NotHeld(err) {
 			klog.ErrorS(err, "Pulling a source volume from a peer failed; trying the next holder",

@@ -12,6 +12,7 @@ import (
 
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // lazySource fetches a lazily pulled layer's files from the peers holding
@@ -34,6 +35,8 @@ type lazySource struct {
 	address string
 	lanes   [2]lane
 	failed  map[string]bool
+	// pods are those the pull was made for, told of wrong bytes.
+	pods []volume.Pod
 }
 
 // A lane is one connection to the holder.
@@ -189,6 +192,35 @@ func (s *lazySource) counted(each func(rel string, write func(w io.WriterAt) err
 			s.pl.metrics.fillBytes.Add(float64(size))
 			return write(w)
 		})
+	}
+}
+
+// tell has the pods the pull was made for told of the wrong bytes peers
+// send.
+func (s *lazySource) tell(pods []volume.Pod) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pods = pods
+}
+
+// corrupt is told that a file's bytes from a peer were not the volume's
+// (a fill.CorruptFunc): counted, said, and where the current holder sent
+// them, it is dropped, so that the file comes from the next holder. Bytes
+// a stream brought wrong come from the holder next; a holder whose disk
+// rotted is caught there.
+func (s *lazySource) corrupt(rel, from string, err error) {
+	s.mu.Lock()
+	peer, pods := s.peer, s.pods
+	s.mu.Unlock()
+	s.pl.metrics.corrupt.WithLabelValues(from).Inc()
+	klog.ErrorS(err, "A peer sent a file of a lazily pulled volume that is not what it was captured with; fetching it again",
+		"volume", s.layer.Ref, "file", rel, "from", from, "holder", peer)
+	for _, pod := range pods {
+		s.pl.notify.Event(pod, EventWarning, "CorruptData", fmt.Sprintf("A peer (%s %s) sent a file of source volume %q that is not "+
+			"what it was captured with; it was fetched again, and no reader saw it", from, peer, s.top.Ref.Handle))
+	}
+	if from == fill.FromHolder && peer != "" {
+		s.drop(peer)
 	}
 }
 

@@ -17,8 +17,11 @@
 package streamer
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash"
 	"strconv"
 	"strings"
 
@@ -50,23 +53,34 @@ const paxXattr = "SCHILY.xattr."
 type Summary struct {
 	Bytes   int64
 	Entries int64
-	Digest  string // "xxh64:<hex>"
+	Digest  string // "xxh64:<hex>", or "sha256:<hex>" for a swarm's stream
 	// Inlined is, for UnpackStubs, the last file the stub tree carried
 	// whole (see Inline.Through); empty: none.
 	Inlined string
 }
 
-// counter hashes and counts the tar bytes as they pass. The digest guards
-// against corruption between the sender's reads and the receiver's writes
-// (a proxy, a bad NIC, a bug); against an attacker, peers have mutual TLS.
-// XXH64 runs at memory speed where SHA-256 took a quarter of both ends'
-// CPU in a pull.
+// counter hashes and counts the tar bytes as they pass. Between a holder
+// and its puller the digest guards against corruption between the
+// sender's reads and the receiver's writes (a proxy, a bad NIC, a bug),
+// under mutual TLS, and every file's bytes are checked against its sum
+// anyway: XXH64, at memory speed. A swarm's streams are SHA-256: a member
+// trusts the member before it (a relay, another peer than the holder)
+// only as far as the holder's digest of the same stream, and an XXH64 lane
+// is invertible, so a relay could edit the stream and restore it.
 type counter struct {
-	h *xxhash.Digest
-	n int64
+	h      hash.Hash
+	sha256 bool
+	n      int64
 }
 
-func newCounter() *counter { return &counter{h: xxhash.New()} }
+// newCounter counts with XXH64, or SHA-256 where a relay may be in the
+// chain (swarm).
+func newCounter(swarm bool) *counter {
+	if swarm {
+		return &counter{h: sha256.New(), sha256: true}
+	}
+	return &counter{h: xxhash.New()}
+}
 
 func (c *counter) Write(p []byte) (int, error) {
 	_, _ = c.h.Write(p)
@@ -75,7 +89,11 @@ func (c *counter) Write(p []byte) (int, error) {
 }
 
 func (c *counter) summary(entries int64) Summary {
-	return Summary{Bytes: c.n, Entries: entries, Digest: fmt.Sprintf("xxh64:%016x", c.h.Sum64())}
+	algo := "xxh64"
+	if c.sha256 {
+		algo = "sha256"
+	}
+	return Summary{Bytes: c.n, Entries: entries, Digest: algo + ":" + hex.EncodeToString(c.h.Sum(nil))}
 }
 
 // paxHoles is cowvol's own PAX record for a sparse file: its size and the
@@ -84,6 +102,11 @@ func (c *counter) summary(entries int64) Summary {
 // should not cross the wire as zeros. Only cowvol reads it: Pack leaves it
 // out (holes travel as zeros) when the tar is for anyone else.
 const paxHoles = "COWVOL.holes"
+
+// paxSum is the record of a regular file's SHA-256 (filesum.Sum, in hex)
+// in a layer's stream: the sum of its bytes when the layer was captured,
+// which the puller checks every byte of against.
+const paxSum = "COWVOL.sha256"
 
 // maxSegments bounds a sparse file's segment list (a PAX record stays well
 // under the 1 MiB readers accept); a file more fragmented than that
@@ -202,6 +225,15 @@ type Limits struct {
 	// the capabilities not set, as a capture clears both: runtimes do not
 	// pass a volume's nosuid into the container.
 	KeepSetuid bool
+	// Swarmed: the stream is a swarm's, whose digest is SHA-256 (see
+	// counter).
+	Swarmed bool
+	// Summed: the stream is a layer a peer sent, every regular file of
+	// which carries its sum (paxSum). A file that came with its data is
+	// checked against it before the extraction ends, a stub hands it on
+	// (Stub.Sum), and a file without one is refused: no byte a peer sent
+	// is kept unchecked.
+	Summed bool
 }
 
 // DefaultLimits are generous for CI volumes and fatal to a decompression

@@ -363,7 +363,7 @@ func TestPackFilesAndFiles(t *testing.T) {
 	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
 
 	var wire bytes.Buffer
-	sent, err := PackFiles(context.Background(), src, []string{"d/sparse", "d/a"}, &wire, S2, SparseTar)
+	sent, err := PackFiles(context.Background(), LayerFiles{Dir: src}, []string{"d/sparse", "d/a"}, &wire, S2, SparseTar)
 	require.NoError(t, err)
 	got := map[string][]byte{}
 	sum, err := Files(context.Background(), &wire, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
@@ -379,7 +379,7 @@ func TestPackFilesAndFiles(t *testing.T) {
 	require.NotContains(t, got, "skipped")
 
 	for name, want := range map[string]error{"link/a": ErrNoPath, "d": ErrWrongKind, "nope": ErrNoPath, "link": ErrWrongKind} {
-		_, err := PackFiles(context.Background(), src, []string{name}, io.Discard, Raw, SparseTar)
+		_, err := PackFiles(context.Background(), LayerFiles{Dir: src}, []string{name}, io.Discard, Raw, SparseTar)
 		require.ErrorIs(t, err, want, name)
 		_, err = openInLayer(src, name) // ReadLayerFile's: the same answers
 		require.ErrorIs(t, err, want, name)
@@ -403,7 +403,7 @@ func TestPackFirst(t *testing.T) {
 	require.NoError(t, os.Symlink("d", filepath.Join(src, "link")))
 
 	var wire bytes.Buffer
-	_, err := PackFirst(context.Background(), src, []string{"d/c", "nope", "link/c", "d", "a", "d/c"}, &wire, Raw, SparseTar, Inline{})
+	_, err := PackFirst(context.Background(), LayerFiles{Dir: src}, []string{"d/c", "nope", "link/c", "d", "a", "d/c"}, &wire, Raw, SparseTar, Inline{})
 	require.NoError(t, err)
 	var names []string
 	links := map[string]string{}
@@ -418,7 +418,7 @@ func TestPackFirst(t *testing.T) {
 	require.Equal(t, map[string]string{"d/a-too": "a"}, links)
 
 	var again bytes.Buffer
-	sent, err := PackFirst(context.Background(), src, []string{"a", "d/c"}, &again, S2, SparseTar, Inline{})
+	sent, err := PackFirst(context.Background(), LayerFiles{Dir: src}, []string{"a", "d/c"}, &again, S2, SparseTar, Inline{})
 	require.NoError(t, err)
 	got := map[string]string{}
 	sum, err := Files(context.Background(), &again, S2, DefaultLimits, func(name string, size int64, write func(w io.WriterAt) error) error {
@@ -465,10 +465,10 @@ func TestDataTarCarriesOnlyTheFilesData(t *testing.T) {
 		return sum, got
 	}
 	var sparseTar, dataTar bytes.Buffer
-	_, err = PackFirst(context.Background(), src, []string{"d/c"}, &sparseTar, S2, SparseTar, Inline{})
+	_, err = PackFirst(context.Background(), LayerFiles{Dir: src}, []string{"d/c"}, &sparseTar, S2, SparseTar, Inline{})
 	require.NoError(t, err)
 	_, want := files(&sparseTar)
-	sent, err := PackFirst(context.Background(), src, []string{"d/c"}, &dataTar, S2, DataTar, Inline{})
+	sent, err := PackFirst(context.Background(), LayerFiles{Dir: src}, []string{"d/c"}, &dataTar, S2, DataTar, Inline{})
 	require.NoError(t, err)
 	raw := bytes.Clone(dataTar.Bytes())
 	sum, got := files(&dataTar)
@@ -493,7 +493,7 @@ func TestDataTarCarriesOnlyTheFilesData(t *testing.T) {
 	require.EqualValues(t, len(names), sent.Entries)
 
 	var named bytes.Buffer
-	sent, err = PackFiles(context.Background(), src, []string{"empty", "d/a-too"}, &named, S2, DataTar)
+	sent, err = PackFiles(context.Background(), LayerFiles{Dir: src}, []string{"empty", "d/a-too"}, &named, S2, DataTar)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, sent.Entries, "the empty file has no entry")
 	sum, got = files(&named)
@@ -631,7 +631,7 @@ func TestStubTreeCarriesSmallFilesWhole(t *testing.T) {
 	}
 	inline := Inline{Max: 4096, Budget: 3200}
 	var wire bytes.Buffer
-	_, err := PackFirst(context.Background(), src, nil, &wire, Raw, StubTar, inline)
+	_, err := PackFirst(context.Background(), LayerFiles{Dir: src}, nil, &wire, Raw, StubTar, inline)
 	require.NoError(t, err)
 
 	dst := filepath.Join(root, "dst")
@@ -659,7 +659,7 @@ func TestStubTreeCarriesSmallFilesWhole(t *testing.T) {
 	}
 
 	var rest bytes.Buffer
-	_, err = PackFirst(context.Background(), src, nil, &rest, Raw, SparseTar, Inline{Max: inline.Max, Through: sum.Inlined})
+	_, err = PackFirst(context.Background(), LayerFiles{Dir: src}, nil, &rest, Raw, SparseTar, Inline{Max: inline.Max, Through: sum.Inlined})
 	require.NoError(t, err)
 	var brought []string
 	_, err = Files(context.Background(), &rest, Raw, DefaultLimits, func(name string, _ int64, _ func(io.WriterAt) error) error {

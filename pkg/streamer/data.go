@@ -54,7 +54,7 @@ func (s *Server) ReadVolume(req *peerv1.ReadVolumeRequest, stream grpc.ServerStr
 	w := &chunkWriter{stream: stream, total: rd.Size}
 	var sum Summary
 	if format == FormatFile {
-		c := newCounter()
+		c := newCounter(false)
 		if _, err = io.CopyBuffer(io.MultiWriter(w, c), rd.File, make([]byte, streamBuffer)); err == nil {
 			sum = c.summary(1)
 		}

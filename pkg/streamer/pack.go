@@ -5,8 +5,10 @@ import (
 	"bufio"
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
+	"hash"
 	"io"
 	"io/fs"
 	"path"
@@ -17,13 +19,14 @@ import (
 
 	"github.com/concourse/cowvol/internal/bufpool"
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // Pack writes the tree at root to w as a tar stream, encoded with enc, its
 // regular files as shape says. Device nodes other than whiteouts and
 // sockets cannot be moved: Pack refuses them, saying which.
 func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
-	return PackFirst(ctx, root, nil, w, enc, shape, Inline{})
+	return PackFirst(ctx, LayerFiles{Dir: root}, nil, w, enc, shape, Inline{})
 }
 
 // PackFirst is Pack with the regular files first (relative to root) at the
@@ -33,8 +36,12 @@ func Pack(ctx context.Context, root string, w io.Writer, enc Encoding, shape Sha
 // come before their dirs: it is for Files, not Unpack. A StubTar carries
 // the small files inline says whole; another shape leaves out those a stub
 // tree carried (inline.Through).
-func PackFirst(ctx context.Context, root string, first []string, w io.Writer, enc Encoding, shape Shape, inline Inline) (Summary, error) {
-	return pack(root, w, enc, shape, func(pk *packer, rootFd int, _ func() error) error {
+//
+// Where layer has sums, every regular file's entry of a SparseTar or a
+// StubTar carries its sum, and a file that has none in them fails the
+// stream: the sums are the layer's, computed from it.
+func PackFirst(ctx context.Context, layer LayerFiles, first []string, w io.Writer, enc Encoding, shape Shape, inline Inline) (Summary, error) {
+	return pack(layer, w, enc, shape, func(pk *packer, rootFd int, _ func() error) error {
 		pk.inline, pk.inlineLeft = inline, inline.Budget
 		var rootSt unix.Stat_t // the root too: its owner, mode and xattrs are the volume's
 		if err := unix.Fstat(rootFd, &rootSt); err != nil {
@@ -81,8 +88,8 @@ func PackFirst(ctx context.Context, root string, first []string, w io.Writer, en
 // lazy puller reads ahead. Each is opened beneath root with no symlink
 // followed; a name that is not a regular file there fails it (ErrNoPath,
 // ErrWrongKind).
-func PackFiles(ctx context.Context, root string, names []string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
-	return pack(root, w, enc, shape, func(pk *packer, rootFd int, flush func() error) error {
+func PackFiles(ctx context.Context, layer LayerFiles, names []string, w io.Writer, enc Encoding, shape Shape) (Summary, error) {
+	return pack(layer, w, enc, shape, func(pk *packer, rootFd int, flush func() error) error {
 		for i, name := range names {
 			if err := ctx.Err(); err != nil {
 				return err
@@ -187,7 +194,7 @@ func regularIn(dir int, rel string) (unix.Stat_t, error) {
 
 // pack writes the entries add writes as a tar stream encoded with enc,
 // its regular files as shape says; flush sends what add wrote so far.
-func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) error) (Summary, error) {
+func pack(layer LayerFiles, w io.Writer, enc Encoding, shape Shape, add func(pk *packer, rootFd int, flush func() error) error) (Summary, error) {
 	// Buffered: a tar writes 512-byte headers, and a socket write each
 	// would cost more than the file.
 	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, w)
@@ -199,11 +206,11 @@ func pack(root string, w io.Writer, enc Encoding, shape Shape, add func(pk *pack
 	defer release() // before bw goes back: a stopping encoder may still write to it
 	buf := bufpool.Get(streamBuffer)
 	defer bufpool.Put(buf)
-	c := newCounter()
-	pk := &packer{tw: newTarWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1}
+	c := newCounter(layer.swarm)
+	pk := &packer{tw: newTarWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1, sums: layer.Sums}
 	defer pk.closeDir()
 	defer pk.discard()
-	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	rootFd, err := unix.Open(layer.Dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return Summary{}, err
 	}
@@ -260,6 +267,8 @@ type packer struct {
 	inline     Inline
 	inlineLeft int64
 	entries    int64 // made so far
+	// sums are the layer's files' (nil: none go with them).
+	sums filesum.Table
 }
 
 // inlines says whether a StubTar carries the regular file of size bytes
@@ -307,6 +316,7 @@ type aheadEntry struct {
 	name     string
 	file     fdtree.File // -1: no data
 	segments [][2]int64  // where its data is (nil: all of it)
+	size     int64       // the file's, holes and all
 }
 
 // The entries a packer keeps ahead of the one it writes: a tree's files
@@ -425,6 +435,16 @@ func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry,
 			pk.seen[key] = name
 		}
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
+		if pk.sums != nil && (pk.shape == SparseTar || pk.shape == StubTar) {
+			sum, ok := pk.sums[name]
+			if !ok {
+				return e, fmt.Errorf("%s has no sum among the layer's (%d): they are not this layer's", name, len(pk.sums))
+			}
+			if hdr.PAXRecords == nil {
+				hdr.PAXRecords = map[string]string{}
+			}
+			hdr.PAXRecords[paxSum] = sum.String()
+		}
 		if pk.shape == StubTar && !pk.inlines(st.Size) {
 			if st.Size > 0 {
 				if hdr.PAXRecords == nil {
@@ -451,7 +471,7 @@ func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry,
 				hdr.PAXRecords[paxHoles], hdr.Size = formatHoles(st.Size, e.segments)
 			}
 		}
-		e.file = file
+		e.file, e.size = file, st.Size
 	case unix.S_IFCHR:
 		if st.Rdev != 0 {
 			return e, fmt.Errorf("%s is a device node (%d:%d): only whiteouts (0:0) can be moved", name, unix.Major(st.Rdev), unix.Minor(st.Rdev))
@@ -477,12 +497,47 @@ func (pk *packer) write(e aheadEntry) error {
 	if segments == nil {
 		segments = [][2]int64{{0, e.hdr.Size}}
 	}
+	// What is sent is checked against the layer's sum as it goes: a
+	// holder whose disk rotted learns it here (the puller refuses the
+	// bytes anyway).
+	var h hash.Hash
+	want, check := pk.sums[e.name]
+	if check {
+		h = sha256.New()
+	}
+	var at int64
 	for _, s := range segments {
-		if n, err := io.CopyBuffer(pk.tw, io.NewSectionReader(e.file, s[0], s[1]), pk.buf); err != nil {
+		to := io.Writer(pk.tw)
+		if check {
+			writeZeros(h, s[0]-at)
+			to = io.MultiWriter(pk.tw, h)
+		}
+		if n, err := io.CopyBuffer(to, io.NewSectionReader(e.file, s[0], s[1]), pk.buf); err != nil {
 			return fmt.Errorf("%s: %w", e.name, err)
 		} else if n != s[1] {
 			return fmt.Errorf("%s changed while it was read", e.name)
 		}
+		at = s[0] + s[1]
+	}
+	if check {
+		writeZeros(h, e.size-at)
+		if filesum.Sum(h.Sum(nil)) != want {
+			return fmt.Errorf("%w: %s: %w", ErrRotten, e.name, filesum.ErrMismatch)
+		}
 	}
 	return nil
+}
+
+// ErrRotten says a holder's copy of a layer is not what it was captured
+// with: its disk changed it since.
+var ErrRotten = errors.New("this node's copy of the layer is not what it was captured with")
+
+// writeZeros writes n zeros to w (a hole's, into a sum).
+func writeZeros(w io.Writer, n int64) {
+	var zeros [4096]byte
+	for n > 0 {
+		k := min(n, int64(len(zeros)))
+		_, _ = w.Write(zeros[:k])
+		n -= k
+	}
 }

@@ -20,6 +20,7 @@ import (
 	"k8s.io/klog/v2"
 
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -56,10 +57,10 @@ type Holder interface {
 	// Chain describes a ready volume namespace may read, and the volumes
 	// its layer stacks on, top first.
 	Chain(namespace string, r volume.Ref) ([]Layer, error)
-	// OpenLayer returns the dir of a ready volume's own layer, held (not
-	// freed, not pruned) until release is called: a volume namespace may
-	// read, or one in the chain of via, which it may read.
-	OpenLayer(namespace string, r, via volume.Ref) (dir string, release func(), err error)
+	// OpenLayer returns a ready volume's own layer, held (not freed, not
+	// pruned) until release is called: a volume namespace may read, or one
+	// in the chain of via, which it may read.
+	OpenLayer(namespace string, r, via volume.Ref) (l LayerFiles, release func(), err error)
 	// OpenVolume opens what a read of a volume namespace may read
 	// serves: the path inside it, resolved within it, as the format
 	// reads it.
@@ -67,11 +68,24 @@ type Holder interface {
 	// Receive makes a new cached volume of l from what fill extracts into
 	// an empty dir.
 	Receive(l Layer, fill func(dir string) (Summary, error)) error
+	// Rotten says that this node's copy of r's layer is not what it was
+	// captured with (ErrRotten): it serves it no more, and says so.
+	Rotten(r volume.Ref, err error)
 	// Relay returns this node's copy of the stream of r's layer it is
 	// pulling as a member of a swarm, which it joined under token: for
 	// a volume namespace may read, or one in the chain of via, which it
 	// may read (ErrNotHeld alike for none and for one it may not read).
 	Relay(namespace string, r, via volume.Ref, token string) (*Spool, error)
+}
+
+// LayerFiles is a layer as a holder serves it: its dir, and its files'
+// sums as they were when it was captured, which go with every file sent
+// and which the puller checks its bytes against.
+type LayerFiles struct {
+	Dir  string
+	Sums filesum.Table
+	// swarm: the stream is a swarm's, its digest SHA-256 (see counter).
+	swarm bool
 }
 
 // Format is how a volume read serves a path.
@@ -305,7 +319,7 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 		// relay failed it names no swarm): streamed as any other.
 		recording, _ = s.swarms.first(id, p.swarmKey())
 	}
-	dir, release, err := s.holder.OpenLayer(p.namespace, p.ref, p.via)
+	layer, release, err := s.holder.OpenLayer(p.namespace, p.ref, p.via)
 	if err != nil {
 		if recording != nil {
 			s.swarms.ended(recording, Summary{}, err)
@@ -313,20 +327,24 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 		return holderError(err)
 	}
 	defer release()
+	layer.swarm = req.GetSwarm() != ""
 	start := time.Now()
 	w := &chunkWriter{stream: stream}
 	var sum Summary
 	if len(p.files) > 0 {
-		if sum, err = PackFiles(stream.Context(), dir, p.files, w, p.enc, p.shape); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
+		if sum, err = PackFiles(stream.Context(), layer, p.files, w, p.enc, p.shape); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
 			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
 		}
 	} else {
-		sum, err = PackFirst(stream.Context(), dir, p.first, w, p.enc, p.shape, p.inline)
+		sum, err = PackFirst(stream.Context(), layer, p.first, w, p.enc, p.shape, p.inline)
 	}
 	if recording != nil {
 		s.swarms.ended(recording, sum, err)
 	}
 	s.metrics.served(p.enc, w.sent, err)
+	if errors.Is(err, ErrRotten) {
+		s.holder.Rotten(p.ref, err)
+	}
 	if err != nil {
 		klog.ErrorS(err, "Serving a layer to a peer", "volume", p.ref, "namespace", p.namespace, "sent", w.sent)
 		return holderError(err)
@@ -375,12 +393,12 @@ func (s *Server) ReadLayerFile(req *peerv1.ReadLayerFileRequest, stream grpc.Ser
 		return status.Errorf(codes.InvalidArgument, "path %q, offset %d, length %d: want a file below the layer's root and a range from 0",
 			req.GetPath(), req.GetOffset(), req.GetLength())
 	}
-	dir, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
+	layer, release, err := s.holder.OpenLayer(req.GetNamespace(), ref, via)
 	if err != nil {
 		return holderError(err)
 	}
 	defer release()
-	f, err := openInLayer(dir, rel)
+	f, err := openInLayer(layer.Dir, rel)
 	if err != nil {
 		return holderError(err)
 	}
@@ -389,7 +407,7 @@ func (s *Server) ReadLayerFile(req *peerv1.ReadLayerFileRequest, stream grpc.Ser
 	if length == 0 {
 		length = math.MaxInt64
 	}
-	w, c := &chunkWriter{stream: stream}, newCounter()
+	w, c := &chunkWriter{stream: stream}, newCounter(false)
 	n, err := io.CopyBuffer(io.MultiWriter(w, c), io.NewSectionReader(f, req.GetOffset(), length), make([]byte, maxChunkData))
 	s.metrics.served(Raw, w.sent, err)
 	if err != nil {
@@ -601,6 +619,10 @@ type Swarmed struct {
 	Spool             *Spool
 }
 
+// swarmed says a stream is a swarm's: from its holder as its first
+// member, or from a relay.
+func (sw Swarmed) swarmed() bool { return sw.Swarm != "" || sw.RelayToken != "" }
+
 func (sw Swarmed) tee() func([]byte) {
 	if sw.Spool == nil {
 		return nil
@@ -615,6 +637,7 @@ func (sw Swarmed) tee() func([]byte) {
 // size.
 func (c *Client) PullLayer(ctx context.Context, s LayerStream, sw Swarmed, dir string, lim Limits, progress func(int64)) (Summary, error) {
 	return c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		lim.Summed, lim.Swarmed = true, sw.swarmed()
 		return Unpack(ctx, in, s.Encoding, dir, lim)
 	})
 }
@@ -625,6 +648,7 @@ func (c *Client) PullLayer(ctx context.Context, s LayerStream, sw Swarmed, dir s
 func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, dir string, lim Limits, progress func(int64),
 	stub StubFunc) (Summary, error) {
 	return c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		lim.Summed, lim.Swarmed = true, sw.swarmed()
 		return UnpackStubs(ctx, in, s.Encoding, dir, lim, s.Inline, stub)
 	})
 }
@@ -641,6 +665,7 @@ func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, 
 func (c *Client) PullLayerFiles(ctx context.Context, s LayerStream, sw Swarmed, names []string, lim Limits,
 	file func(name string, size int64, write func(w io.WriterAt) error) error) (Summary, error) {
 	return c.pullLayer(ctx, s.request(sw, names), nil, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		lim.Swarmed = sw.swarmed()
 		return Files(ctx, in, s.Encoding, lim, file)
 	})
 }
@@ -755,7 +780,7 @@ func (c *Client) ReadLayerFile(ctx context.Context, namespace string, r, via vol
 		return 0, peerError(err)
 	}
 	var n int64
-	got := newCounter()
+	got := newCounter(false)
 	for {
 		msg, err := recvWithin(c, stream.Recv, cancel)
 		switch {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // Shape is what a packed tar carries of regular files.
@@ -73,6 +75,9 @@ type Stub struct {
 	// with no stat of its own.
 	Dev, Ino uint64
 	Mtime    unix.Timespec
+	// Sum is what its bytes must hash to (in a Limits.Summed extraction:
+	// the zero Sum otherwise).
+	Sum filesum.Sum
 }
 
 // StubFunc is told of each Stub as it is made. It may be called from

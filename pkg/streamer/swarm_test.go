@@ -313,11 +313,11 @@ func TestSpool(t *testing.T) {
 // tenantHolder holds one layer, for namespace ci only, and relays nothing.
 type tenantHolder struct{ Holder }
 
-func (tenantHolder) OpenLayer(namespace string, r, _ volume.Ref) (string, func(), error) {
+func (tenantHolder) OpenLayer(namespace string, r, _ volume.Ref) (LayerFiles, func(), error) {
 	if namespace != "ci" || r.Handle != "out" {
-		return "", nil, ErrNotHeld
+		return LayerFiles{}, nil, ErrNotHeld
 	}
-	return "/nonexistent", func() {}, nil
+	return LayerFiles{Dir: "/nonexistent"}, func() {}, nil
 }
 
 func (tenantHolder) Relay(string, volume.Ref, volume.Ref, string) (*Spool, error) {

@@ -194,7 +194,7 @@ func parseRecords(s string) (map[string]string, error) {
 		if !ok || !validPAXRecord(k, v) {
 			return nil, fmt.Errorf("%w: a malformed PAX record", errTarHeader)
 		}
-		if !paxKnown[k] && k != paxHoles && !strings.HasPrefix(k, paxXattr) {
+		if !paxKnown[k] && k != paxHoles && k != paxSum && !strings.HasPrefix(k, paxXattr) {
 			return nil, fmt.Errorf("%w: PAX record %q", errTarHeader, k)
 		}
 		records[k] = v

@@ -20,6 +20,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/bufpool"
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // Unpack extracts a tar stream encoded with enc from r into dir, which must
@@ -47,7 +48,7 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 		return Summary{}, err
 	}
 	defer unix.Close(root)
-	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict,
+	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict, summed: lim.Summed,
 		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0, stub: stub, inline: inline}
 	x.startMakers(makersPerExtraction())
 	defer x.close()
@@ -108,7 +109,7 @@ func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, ent
 		return Summary{}, err
 	}
 	defer release() // before br goes back
-	c := newCounter()
+	c := newCounter(lim.Swarmed)
 	limited := &limitReader{r: dr, left: lim.Bytes}
 	tr := tarStream(io.TeeReader(limited, c), lim)
 	var entries int64
@@ -198,6 +199,8 @@ type extractor struct {
 	made       bool
 	strict     bool
 	keepSetuid bool
+	// summed: every regular file carries its sum (Limits.Summed).
+	summed bool
 	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
 	// the files and sets only user.* xattrs.
 	unprivileged bool
@@ -621,7 +624,19 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 	// clears), so that most files need no chmod after: each attribute
 	// changed is a journal transaction, and a pull makes tens of
 	// thousands of files. The descriptor writes whatever the mode.
-	fd, err := unix.Openat(dirfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, uint32(hdr.Mode&0o777))
+	var want filesum.Sum
+	if x.summed {
+		rec, ok := hdr.PAXRecords[paxSum]
+		if !ok {
+			return refused("%s: a layer's file with no sum", name)
+		}
+		var err error
+		if want, err = filesum.Parse(rec); err != nil {
+			return refused("%s: %v", name, err)
+		}
+	}
+	// Read and written: a summed file's bytes are read back for their sum.
+	fd, err := unix.Openat(dirfd, base, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, uint32(hdr.Mode&0o777))
 	if err != nil {
 		return err
 	}
@@ -631,14 +646,22 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 	if err == nil {
 		size, err = writeFile(fdtree.File(fd), body, hdr, c)
 	}
+	stub := x.stub != nil && isStub(hdr)
+	if err == nil && x.summed && !stub {
+		// The bytes as they landed, holes and all, before the file is
+		// anyone's: a wrong one fails the extraction.
+		if err = filesum.Check(io.NewSectionReader(fdtree.File(fd), 0, size), want); errors.Is(err, filesum.ErrMismatch) {
+			err = fmt.Errorf("%w: %s: %w", ErrCorrupt, name, err)
+		}
+	}
 	if err == nil {
 		err = x.fileAttrs(fd, hdr, &made) // through the descriptor: no path lookups
 	}
-	if err == nil && x.stub != nil && size > 0 && isStub(hdr) {
+	if err == nil && stub && size > 0 {
 		_, caps := hdr.PAXRecords[paxXattr+fdtree.CapsXattr]
 		caps = caps && x.setsXattr(fdtree.CapsXattr)
 		err = x.stub(Stub{FD: fd, Name: name, Size: size, Place: place, Caps: caps,
-			Dev: uint64(made.Dev), Ino: made.Ino, Mtime: fileTime(hdr)})
+			Dev: uint64(made.Dev), Ino: made.Ino, Mtime: fileTime(hdr), Sum: want})
 	}
 	if cerr := unix.Close(fd); err == nil {
 		err = cerr

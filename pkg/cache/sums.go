@@ -1,0 +1,93 @@
+package cache
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"strings"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/internal/ttlcache"
+	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// sums.go: each ready layer's file sums (pkg/filesum), kept beside the
+// layer as <layer>.sums. They are computed once from the layer, after a
+// capture in the background and at the latest when a peer first asks, and
+// read back after; they go with the layer (a destroy removes the volume's
+// dir, a prune the replaced layer's, recovery whatever names no layer of
+// its volume). A few tables are kept in memory: a lazy pull asks for one
+// file at a time.
+
+// sumsSuffix names a layer's sums beside it.
+const sumsSuffix = ".sums"
+
+// sumsKept is how many layers' tables are kept in memory, and for how long.
+const (
+	sumsKept    = 16
+	sumsKeptFor = 10 * time.Minute
+)
+
+// layerOfSums is the layer a file beside a volume's layers keeps the sums
+// of ("" for none).
+func layerOfSums(name string) string {
+	layer, ok := strings.CutSuffix(name, sumsSuffix)
+	if !ok {
+		return ""
+	}
+	return layer
+}
+
+func newSumsCache() *ttlcache.Cache[string, filesum.Table] {
+	return ttlcache.New[string, filesum.Table](sumsKeptFor, sumsKept)
+}
+
+func (s *Store) sumsPath(r volume.Ref, layer string) string {
+	return s.LayerPath(r, layer) + sumsSuffix
+}
+
+// LayerSums answers the file sums of v's own layer: those kept, or computed
+// now from the layer and kept (once, whoever else asks meanwhile). The
+// layer must be held while they are computed.
+func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
+	path := s.sumsPath(v.Ref(), v.Layer)
+	if t, ok := s.sums.Get(path, time.Now()); ok {
+		return t, nil
+	}
+	t, err, _ := s.summing.Do(path, func() (any, error) {
+		t, err := filesum.ReadFile(path)
+		if err == nil {
+			return t, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			klog.ErrorS(err, "A layer's file sums do not read whole; computing them again from the layer", "volume", v.Ref(), "layer", v.Layer)
+		}
+		start := time.Now()
+		// Not the asker's context: the sums are the layer's, kept for
+		// every later asker, whoever gave up meanwhile.
+		if t, err = filesum.OfTree(context.Background(), s.LayerPath(v.Ref(), v.Layer)); err != nil {
+			return nil, err
+		}
+		if err := t.WriteFile(path); err != nil {
+			return nil, err
+		}
+		klog.V(2).InfoS("Computed a layer's file sums", "volume", v.Ref(), "layer", v.Layer, "files", len(t), "duration", time.Since(start))
+		return t, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	table := t.(filesum.Table)
+	s.sums.Put(path, table, time.Now())
+	return table, nil
+}
+
+// KeepSums keeps t as the sums of r's layer: what a pull checked every file
+// of against the sums its holder sent, so that this node serves them on
+// and checks its own disk against them.
+func (s *Store) KeepSums(r volume.Ref, layer string, t filesum.Table) error {
+	return t.WriteFile(s.sumsPath(r, layer))
+}

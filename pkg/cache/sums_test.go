@@ -1,0 +1,41 @@
+package cache
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// A layer's sums are computed once and kept beside it: read back after a
+// change to the layer (they are the capture's, not the disk's now), kept by
+// recovery with their layer, and dropped by it when their layer is not the
+// volume's.
+func TestLayerSumsAreKeptWithTheirLayer(t *testing.T) {
+	s := openStore(t)
+	v := ready(t, s, "ci", "summed", volume.Ref{}, volume.ScopeNamespace, nil)
+	require.NoError(t, os.WriteFile(filepath.Join(s.DataPath(v), "f"), []byte("captured"), 0o644))
+	sums, err := s.LayerSums(v)
+	require.NoError(t, err)
+	want, err := filesum.OfTree(t.Context(), s.DataPath(v))
+	require.NoError(t, err)
+	require.Equal(t, want, sums)
+
+	require.NoError(t, os.WriteFile(filepath.Join(s.DataPath(v), "f"), []byte("rotted!!"), 0o644))
+	s.sums = newSumsCache() // as after a restart: read from the file, not computed
+	again, err := s.LayerSums(v)
+	require.NoError(t, err)
+	require.Equal(t, want, again, "the capture's sums, not the disk's now")
+
+	stray := s.sumsPath(v.Ref(), "not-a-layer")
+	require.NoError(t, os.WriteFile(stray, []byte("x"), 0o600))
+	rep, err := s.Recover(os.RemoveAll, false)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.RemovedOrphans, "the sums of no layer")
+	_, err = os.Stat(s.sumsPath(v.Ref(), v.Layer))
+	require.NoError(t, err, "the layer's own sums stay")
+}

@@ -1,0 +1,187 @@
+// Package filesum owns a layer's table of per-file SHA-256 sums: how it is
+// computed from a tree (walked by descriptor, no symlink followed), how it
+// is kept in a file, and how bytes are checked against a sum. The sums of
+// a captured layer are what it held when it was captured; every byte a peer
+// sends of it is checked against them before a reader sees it (the node
+// engine computes and keeps them, the streamer carries them, fill checks
+// them). It knows nothing of volumes, peers or metadata.
+package filesum
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+)
+
+// Sum is a file's SHA-256.
+type Sum [sha256.Size]byte
+
+// String is the sum in hex, as a stream's records carry it.
+func (s Sum) String() string { return hex.EncodeToString(s[:]) }
+
+// Parse reads a sum in hex.
+func Parse(s string) (Sum, error) {
+	var sum Sum
+	if len(s) != 2*len(sum) {
+		return Sum{}, fmt.Errorf("a file sum of %d characters: want %d hex digits", len(s), 2*len(sum))
+	}
+	if _, err := hex.Decode(sum[:], []byte(s)); err != nil {
+		return Sum{}, fmt.Errorf("a file sum: %w", err)
+	}
+	return sum, nil
+}
+
+// Table is a layer's regular files' sums, by their slash-separated path in
+// the layer.
+type Table map[string]Sum
+
+// ErrMismatch says bytes are not what their sum says.
+var ErrMismatch = errors.New("not the bytes the volume was captured with")
+
+// Of is the sum of what r reads.
+func Of(r io.Reader) (Sum, error) {
+	h := sha256.New()
+	if _, err := io.Copy(h, r); err != nil {
+		return Sum{}, err
+	}
+	var s Sum
+	h.Sum(s[:0])
+	return s, nil
+}
+
+// Check says whether what r reads has sum want (ErrMismatch if not).
+func Check(r io.Reader, want Sum) error {
+	got, err := Of(r)
+	if err != nil {
+		return err
+	}
+	if got != want {
+		return ErrMismatch
+	}
+	return nil
+}
+
+// OfTree computes the table of the tree at root: every regular file's sum,
+// read through a descriptor opened beneath its dir.
+func OfTree(ctx context.Context, root string) (Table, error) {
+	rootFD, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening %s: %w", root, err)
+	}
+	defer unix.Close(rootFD)
+	t := Table{}
+	err = fdtree.Walk(rootFD, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+		if err := ctx.Err(); err != nil {
+			return false, err
+		}
+		if e.Stat.Mode&unix.S_IFMT != unix.S_IFREG {
+			return true, nil
+		}
+		fd, err := unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NOATIME, 0)
+		if errors.Is(err, unix.EPERM) { // O_NOATIME on a file of another owner
+			fd, err = unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		}
+		if err != nil {
+			return false, fmt.Errorf("%s: %w", e.Path, err)
+		}
+		f := os.NewFile(uintptr(fd), e.Path)
+		sum, err := Of(f)
+		f.Close()
+		if err != nil {
+			return false, fmt.Errorf("%s: %w", e.Path, err)
+		}
+		t[e.Path] = sum
+		return true, nil
+	}})
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// The file a table is kept in: a header, then each file as its sum, its
+// path's length (uvarint) and its path, in no order; then the SHA-256 of
+// all that, so that a file torn or rotted reads as none.
+var fileHeader = []byte("cowvol file sums v1\n")
+
+// WriteFile keeps t at path: written beside it, synced, then renamed over
+// it, so that a crash leaves the old file or the new one.
+func (t Table) WriteFile(path string) error {
+	var buf bytes.Buffer
+	buf.Write(fileHeader)
+	for p, sum := range t {
+		buf.Write(sum[:])
+		buf.Write(binary.AppendUvarint(nil, uint64(len(p))))
+		buf.WriteString(p)
+	}
+	whole := sha256.Sum256(buf.Bytes())
+	buf.Write(whole[:])
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".sums-*")
+	if err != nil {
+		return err
+	}
+	_, err = tmp.Write(buf.Bytes())
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), path)
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("keeping file sums at %s: %w", path, err)
+	}
+	return nil
+}
+
+// ErrBadFile says a table's file is torn or rotted.
+var ErrBadFile = errors.New("a file of sums that does not read whole")
+
+// ReadFile reads a table kept at path.
+func ReadFile(path string) (Table, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	if len(raw) < len(fileHeader)+sha256.Size || !bytes.HasPrefix(raw, fileHeader) {
+		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	}
+	body, whole := raw[:len(raw)-sha256.Size], raw[len(raw)-sha256.Size:]
+	if sha256.Sum256(body) != [sha256.Size]byte(whole) {
+		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	}
+	t := Table{}
+	r := bufio.NewReader(bytes.NewReader(body[len(fileHeader):]))
+	for {
+		var sum Sum
+		if _, err := io.ReadFull(r, sum[:]); errors.Is(err, io.EOF) {
+			return t, nil
+		} else if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		}
+		n, err := binary.ReadUvarint(r)
+		if err != nil || n > uint64(len(body)) {
+			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		}
+		p := make([]byte, n)
+		if _, err := io.ReadFull(r, p); err != nil {
+			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		}
+		t[string(p)] = sum
+	}
+}
