@@ -60,6 +60,13 @@ type migration struct {
 // know, a field read another way, a bucket an older plugin would not keep)
 // adds one here, so that an older plugin refuses the store instead of
 // misreading it.
+//
+// An optional field added to a record (a volume's copies) needs no new
+// schema: an older plugin that rewrites the record drops it, losing only
+// what it could not act on (the volume is kept on one node), and misreads
+// nothing it keeps. Files kept beside a volume's layers (its sums, pkg/
+// cache/sums.go) are the same: an older plugin's recovery removes them as
+// strays, and they are computed again from the layer when a peer asks.
 var migrations = []migration{
 	{schema: "1", what: "volumes keyed by namespace/handle, their data under volumes/<namespace>/<handle>", migrate: (*Store).migrateTo1},
 	{schema: "2", what: "leases own creating volumes; children and pins indexed; the destroying and filling states; " +

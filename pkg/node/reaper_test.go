@@ -52,8 +52,7 @@ func TestDestroyHoldsDataForChildrenAndReaders(t *testing.T) {
 	require.ErrorIs(t, f.publish(f.volume("ci", "child", "")), cache.ErrNotFound)
 	_, err := os.Stat(filepath.Join(reader.Target.Full, "parent"))
 	require.NoError(t, err, "the reader still sees the parent's data through the child")
-	f.engine.kick(f.engine.reaper)
-	time.Sleep(100 * time.Millisecond)
+	f.engine.reapRound() // a whole round, run here: not a sleep a slow round outlasts
 	_, err = os.Stat(f.store.DataPath(parent))
 	require.NoError(t, err, "held while read")
 
@@ -75,8 +74,7 @@ func TestDestroyWaitsForAStreamAndNoLonger(t *testing.T) {
 	require.Equal(t, f.store.DataPath(vol), dir)
 
 	require.NoError(t, f.engine.Destroy(ref("ci", "streamed")))
-	f.engine.kick(f.engine.reaper)
-	time.Sleep(100 * time.Millisecond)
+	f.engine.reapRound()
 	_, err = os.Stat(dir)
 	require.NoError(t, err, "held while streamed")
 

@@ -181,12 +181,17 @@ const installDefaultSizeLimit = "4Mi"
 const upgradeFrom = "2e62b3c8f26656dbe7999c79605b95d900a67111"
 
 // previousPlugin builds the plugin of upgradeFrom, or skips the test when
-// this clone lacks that commit (a shallow one).
+// this clone lacks that commit (a shallow one); under CI (CI=true), whose
+// clone must hold it, it fails instead, so that the upgrade is never
+// quietly untested.
 func (c *cluster) previousPlugin() []byte {
 	c.t.Helper()
 	repo, err := filepath.Abs("../..")
 	require.NoError(c.t, err)
 	if err := exec.Command("git", "-C", repo, "cat-file", "-e", upgradeFrom+"^{commit}").Run(); err != nil {
+		if os.Getenv("CI") == "true" {
+			c.t.Fatalf("the upgrade starts from commit %s, which this CI clone lacks: %v", upgradeFrom, err)
+		}
 		c.t.Skipf("the upgrade starts from commit %s, which this clone lacks (a shallow clone?): %v", upgradeFrom, err)
 	}
 	src := filepath.Join(c.work, "previous")
