@@ -343,18 +343,7 @@ func TestControllerAuthentication(t *testing.T) {
 	n.captureIn("other", "private", nil)
 	n.captureIn("other", "shared", map[string]string{"scope": "cluster"})
 
-	creds, err := credentials.NewClientTLSFromFile(pki.CA, "")
-	require.NoError(t, err)
-	dialConn := func(tok string) *grpc.ClientConn {
-		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
-		if tok != "" {
-			opts = append(opts, grpc.WithPerRPCCredentials(client.Bearer{Token: tok, Secure: true}))
-		}
-		conn, err := grpc.NewClient(addr, opts...)
-		require.NoError(t, err)
-		t.Cleanup(func() { conn.Close() })
-		return conn
-	}
+	dialConn := func(tok string) *grpc.ClientConn { return dialTLS(t, addr, pki.CA, tok) }
 	dial := func(tok string) controllerv1.CacheClient { return controllerv1.NewCacheClient(dialConn(tok)) }
 	admin, ci, nobody := dial("admin-token-0123456789"), dial("ci-token-0123456789ab"), dial("")
 	// A namespace's scheduler is no node: read orders name the files of
@@ -643,6 +632,22 @@ func TestOutputsSurviveTheirNode(t *testing.T) {
 	})
 }
 
+// dialTLS reaches the controller at addr over TLS verified against ca,
+// presenting token on every call ("" for none).
+func dialTLS(t *testing.T, addr, ca, token string) *grpc.ClientConn {
+	t.Helper()
+	creds, err := credentials.NewClientTLSFromFile(ca, "")
+	require.NoError(t, err)
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+	if token != "" {
+		opts = append(opts, grpc.WithPerRPCCredentials(client.Bearer{Token: token, Secure: true}))
+	}
+	conn, err := grpc.NewClient(addr, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
 // peakRSS is the most memory a process has held (VmHWM), in bytes.
 func peakRSS(t *testing.T, pid int) int64 {
 	t.Helper()
@@ -674,20 +679,9 @@ func TestControllerReadsNoMessageItWasNotAskedFor(t *testing.T) {
 	addr := plugintest.FreeAddr(t)
 	ctl := plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr,
 		"--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens}})
-	creds, err := credentials.NewClientTLSFromFile(pki.CA, "")
-	require.NoError(t, err)
-	dial := func(tok string) *grpc.ClientConn {
-		opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
-		if tok != "" {
-			opts = append(opts, grpc.WithPerRPCCredentials(client.Bearer{Token: tok, Secure: true}))
-		}
-		conn, err := grpc.NewClient(addr, opts...)
-		require.NoError(t, err)
-		t.Cleanup(func() { conn.Close() })
-		return conn
-	}
+	dial := func(tok string) *grpc.ClientConn { return dialTLS(t, addr, pki.CA, tok) }
 	ctx := t.Context()
-	_, err = controllerv1.NewCacheClient(dial("ci-token-0123456789ab")).ListVolumes(ctx, &controllerv1.ListVolumesRequest{})
+	_, err := controllerv1.NewCacheClient(dial("ci-token-0123456789ab")).ListVolumes(ctx, &controllerv1.ListVolumesRequest{})
 	require.NoError(t, err, "the controller serves")
 	idle := peakRSS(t, ctl.PID())
 
