@@ -125,6 +125,8 @@ func TestLazyPullRefusesAFlippedByte(t *testing.T) {
 		return s == "failed" || s == "gone" || s == "ready"
 	})
 	if volumeState(t, b, "victim") == "ready" {
-		b.read("victim", func(dir string) { require.Equal(t, wantSum, fileDigest(t, filepath.Join(dir, "f")), "served on as it was captured") })
+		b.read("victim", func(dir string) {
+			require.Equal(t, wantSum, fileDigest(t, filepath.Join(dir, "f")), "served on as it was captured")
+		})
 	}
 }
