@@ -14,6 +14,11 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
+// swarm_member.go: the swarm's member half (how a pull joins a swarm,
+// relays its copy to the next member, and checks what a relay sent against
+// the holder's digest). The holder's half, the swarm registry and the relay
+// server, is in pkg/streamer/swarm_holder.go.
+
 // RelayGrace is how long this node keeps its copy of a stream it pulled as
 // a swarm's member for the member after it, which has not asked for it yet
 // (it joined just before this node's pull ended).

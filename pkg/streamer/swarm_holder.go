@@ -20,6 +20,11 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
+// swarm_holder.go: the swarm's holder half (who joins, and the relay a
+// member serves the next from its spool). The member's half, how a pull
+// joins a swarm and checks a relay against the holder, is in
+// pkg/pull/swarm_member.go.
+//
 // A swarm is the pullers of one stream of one layer (whole, its stub tree
 // or its data, in one encoding) at about the same time, chained: the
 // holder sends the stream to the first, and each member sends what arrives
