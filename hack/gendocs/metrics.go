@@ -201,13 +201,13 @@ func labelKeys(e ast.Expr) []string {
 
 // servedBy says which process serves a package's (or a file's) metrics.
 var servedBy = map[string]string{
-	"plugin":             "every mode",
-	"plugin/reporter.go": "node plugin (with a controller)",
-	"node":               "node plugin",
-	"streamer":           "node plugin (peers)",
-	"pull":               "node plugin (pulls)",
-	"registry":           "node plugin (image registry)",
-	"controller":         "controller",
+	"plugin":     "every mode",
+	"report":     "node plugin (with a controller)",
+	"node":       "node plugin",
+	"streamer":   "node plugin (peers)",
+	"pull":       "node plugin (pulls)",
+	"registry":   "node plugin (image registry)",
+	"controller": "controller",
 }
 
 func metricsPage(ms []metric) string {

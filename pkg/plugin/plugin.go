@@ -20,7 +20,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
@@ -38,6 +37,7 @@ import (
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/registry"
+	"github.com/concourse/cowvol/pkg/report"
 	"github.com/concourse/cowvol/pkg/streamer"
 )
 
@@ -72,7 +72,7 @@ type Driver struct {
 	// ctlConn (node mode) reaches the controller: reports and lookups.
 	ctlConn *grpc.ClientConn
 	// reports count what the node told the controller.
-	reports *prometheus.CounterVec
+	reports *report.Metrics
 	// peerMetrics count what the node streams to its peers.
 	peerMetrics *streamer.Metrics
 	// podEvents (node mode) go on step pods and this node's Node object.
@@ -200,8 +200,8 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 	d.metrics.registry.MustRegister(d.engine.Collectors()...)
 	d.imageMetrics = registry.NewMetrics()
 	d.metrics.registry.MustRegister(d.imageMetrics.Collectors()...)
-	d.reports = newReportsCounter()
-	d.metrics.registry.MustRegister(d.reports)
+	d.reports = report.NewMetrics()
+	d.metrics.registry.MustRegister(d.reports.Collectors()...)
 	d.node = driver.NewNode(d.opts.NodeID, d.engine, guard)
 	return nil
 }
@@ -398,11 +398,10 @@ func (d *Driver) runners() ([]runner, error) {
 		runners = append(runners, images...)
 	}
 	if d.engine != nil && d.ctlConn != nil {
-		r := &reporter{engine: d.engine, client: controllerv1.NewRegistryClient(d.ctlConn), nodeID: d.opts.NodeID,
-			peerAddress: d.opts.Peers.advertised(), reports: d.reports}
+		r := report.New(d.engine, controllerv1.NewRegistryClient(d.ctlConn), d.opts.NodeID, d.opts.Peers.advertised(), d.reports)
 		runners = append(runners, loopRunner("reporting to the controller", func(ctx context.Context) error {
 			klog.InfoS("Reporting the node's cache to the controller", "address", d.opts.Node.ControllerAddress)
-			r.run(ctx)
+			r.Run(ctx)
 			return nil
 		}))
 	}

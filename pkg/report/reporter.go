@@ -1,4 +1,13 @@
-package plugin
+// Package report is the node's half of the report protocol: the reporter
+// that keeps the controller's view of this node current (the whole
+// inventory, then the changes since the revision the controller
+// acknowledged; heartbeats; asking for room before a whole inventory; a
+// report too big for one message in parts) and does what the controller
+// asks in its answers (destroy, pin, copy). The controller's half is
+// pkg/controller (server.go, admission.go, reportwire.go). It reads the
+// node engine and calls the controller's Registry; it owns no state but
+// what it last sent.
+package report
 
 import (
 	"context"
@@ -25,12 +34,12 @@ const (
 	resyncEvery    = 5 * time.Minute
 )
 
-// reporter keeps the controller's view of this node current: the whole
+// Reporter keeps the controller's view of this node current: the whole
 // inventory first, then what changed since the revision the controller
 // acknowledged, computed against what it was last sent. A heartbeat with
 // no change since then reads no volume: an idle node with 10,000 volumes
 // costs next to nothing.
-type reporter struct {
+type Reporter struct {
 	engine *node.Engine
 	client controllerv1.RegistryClient
 	nodeID string
@@ -59,14 +68,30 @@ const (
 	reportFullDeferred = "full_deferred"
 )
 
-func newReportsCounter() *prometheus.CounterVec {
-	return prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "cowvol_node_reports_total",
-		Help: "Reports the node sent the controller, by what they carried: its whole inventory (full), what changed since the last acknowledged one (changes), or nothing but how full it is (heartbeat, which reads no volume); full_deferred counts whole inventories the controller turned away, busy reading others, and took later.",
-	}, []string{"kind"})
+// New reports engine's cache as node nodeID to the controller's Registry
+// through c, counting in m; peerAddress is where peers pull the node's
+// volumes from ("" for nowhere).
+func New(engine *node.Engine, c controllerv1.RegistryClient, nodeID, peerAddress string, m *Metrics) *Reporter {
+	return &Reporter{engine: engine, client: c, nodeID: nodeID, peerAddress: peerAddress, reports: m.reports}
 }
 
-func (r *reporter) run(ctx context.Context) {
+// Metrics count the reports; a node registers them whether or not it
+// reports, so that a dashboard finds them at zero.
+type Metrics struct{ reports *prometheus.CounterVec }
+
+// Collectors are the metrics to register.
+func (m *Metrics) Collectors() []prometheus.Collector { return []prometheus.Collector{m.reports} }
+
+// NewMetrics makes the reports' metrics.
+func NewMetrics() *Metrics {
+	return &Metrics{reports: prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "cowvol_node_reports_total",
+		Help: "Reports the node sent the controller, by what they carried: its whole inventory (full), what changed since the last acknowledged one (changes), or nothing but how full it is (heartbeat, which reads no volume); full_deferred counts whole inventories the controller turned away, busy reading others, and took later.",
+	}, []string{"kind"})}
+}
+
+// Run reports until ctx ends, every second, retrying what fails.
+func (r *Reporter) Run(ctx context.Context) {
 	r.needFull = true
 	tick := time.NewTicker(reportEvery)
 	defer tick.Stop()
@@ -90,7 +115,7 @@ func (r *reporter) run(ctx context.Context) {
 
 // round sends one report if there is anything to say (or a heartbeat is
 // due), and the whole inventory if the controller asks for it.
-func (r *reporter) round(ctx context.Context) error {
+func (r *Reporter) round(ctx context.Context) error {
 	for range 2 {
 		// The revision is read before the inventory: a change made
 		// between the two is sent now and again (as nothing new) next
@@ -182,7 +207,7 @@ func (r *reporter) round(ctx context.Context) error {
 // deferFull waits about after (drawn around it, so that the nodes turned
 // away together do not come back together), then asks for room before it
 // sends the whole inventory.
-func (r *reporter) deferFull(after time.Duration) {
+func (r *Reporter) deferFull(after time.Duration) {
 	r.fullNotBefore, r.askFirst = time.Now().Add(after/2+rand.N(after+1)), true
 }
 
@@ -196,7 +221,7 @@ func resyncAfter() time.Duration { return resyncEvery/2 + rand.N(resyncEvery) }
 // obey does what schedulers asked of the node through the controller. Each
 // is idempotent: the controller repeats it until the node's reports show it
 // done.
-func (r *reporter) obey(resp *controllerv1.ReportResponse) {
+func (r *Reporter) obey(resp *controllerv1.ReportResponse) {
 	eachNamed(resp.GetDestroy(), "destroy", func(ref volume.Ref) error { return r.engine.Destroy(ref) })
 	eachNamed(resp.GetCopy(), "copy", r.engine.KeepCopy)
 	for _, p := range resp.GetPins() {
@@ -239,7 +264,7 @@ const inventoryPage = 5000
 
 // inventory is every cached volume the node holds (destroyed ones are gone
 // as far as anyone else is concerned).
-func (r *reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, error) {
+func (r *Reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, error) {
 	inv := map[volume.Ref]*controllerv1.VolumeSummary{}
 	after := ""
 	for {
