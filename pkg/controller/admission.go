@@ -145,10 +145,70 @@ func incomingHeader(ctx context.Context, key string) string {
 // Deferred is the answer to a full report turned away: ResourceExhausted,
 // with the time to try again as a RetryInfo (client.RetryAfter reads it).
 func Deferred(reading int, after time.Duration) error {
-	st := status.New(codes.ResourceExhausted, fmt.Sprintf(
-		"the controller is reading %d nodes' whole inventories: send yours again in about %s", reading, after))
+	return retryLater(fmt.Sprintf("the controller is reading %d nodes' whole inventories: send yours again in about %s", reading, after), after)
+}
+
+// retryLater is ResourceExhausted with a RetryInfo of after.
+func retryLater(msg string, after time.Duration) error {
+	st := status.New(codes.ResourceExhausted, msg)
 	if with, err := st.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(after)}); err == nil {
 		st = with
 	}
 	return st.Err()
+}
+
+// Messages bounds the messages the controller holds at once, whoever sends
+// them. A call takes a slot before gRPC reads its message (Tap); a unary
+// call gives it back once its message is read (Interceptor), a stream
+// when it ends (a stream reads one message at a time). A call past them
+// is turned away having cost its headers: ResourceExhausted with a
+// RetryInfo. Every message is at most controllerv1.MaxMessage, so at most
+// atOnce × MaxMessage bytes of messages are in memory, however many
+// connections and calls authenticated callers open.
+type Messages struct {
+	slots      chan struct{}
+	retryAfter time.Duration
+	turnedAway prometheus.Counter
+}
+
+// MessagesAtOnce is how many calls' messages the controller reads at once:
+// a lookup's slot is held while its message arrives (microseconds), a
+// stream's while it lasts (uploads and reads through the controller,
+// reports in parts, which FullReports admits a few at a time).
+const MessagesAtOnce = 32
+
+// NewMessages holds at most atOnce calls' messages at once.
+func NewMessages(atOnce int) *Messages {
+	return &Messages{slots: make(chan struct{}, atOnce), retryAfter: time.Second,
+		turnedAway: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_controller_calls_turned_away_total",
+			Help: "Calls the controller turned away before reading their message, with as many messages being read as it holds at once (they are told to retry).",
+		})}
+}
+
+// Collectors are the metrics to register.
+func (m *Messages) Collectors() []prometheus.Collector { return []prometheus.Collector{m.turnedAway} }
+
+type readKey struct{}
+
+// take takes a slot for the call of ctx, given back when the call ends at
+// the latest.
+func (m *Messages) take(ctx context.Context) (context.Context, error) {
+	select {
+	case m.slots <- struct{}{}:
+	default:
+		m.turnedAway.Inc()
+		return nil, retryLater(fmt.Sprintf("the controller is reading %d calls' messages: call again in about %s", cap(m.slots), m.retryAfter), m.retryAfter)
+	}
+	var once sync.Once
+	release := func() { once.Do(func() { <-m.slots }) }
+	context.AfterFunc(ctx, release)
+	return context.WithValue(ctx, readKey{}, release), nil
+}
+
+// messageRead gives back a unary call's slot: its message is read.
+func messageRead(ctx context.Context) {
+	if release, ok := ctx.Value(readKey{}).(func()); ok {
+		release()
+	}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -12,7 +14,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -157,4 +161,45 @@ func TestReportsAreGatedByWhatTheyAre(t *testing.T) {
 	require.Equal(t, codes.InvalidArgument, status.Code(err), "parts for node-a saying node-b: %v", err)
 	err = sendParts(ctx, reg, "", inventory("node-b", 3))
 	require.Equal(t, codes.InvalidArgument, status.Code(err), "parts naming no node: %v", err)
+}
+
+// The controller reads at most so many calls' messages at once: one more
+// is turned away before its message is read, told when to retry; a unary
+// call's slot comes back once its message is read, a stream's when it
+// ends; and a call turned away for its token takes no slot.
+func TestMessagesAtOnce(t *testing.T) {
+	msgs := NewMessages(2)
+	admit := Tap(nil, msgs)
+	info := &tap.Info{FullMethodName: controllerv1.Cache_LookupVolumes_FullMethodName}
+	unary, err := admit(context.Background(), info)
+	require.NoError(t, err)
+	streamCtx, endStream := context.WithCancel(context.Background())
+	_, err = admit(streamCtx, info)
+	require.NoError(t, err)
+	_, err = admit(context.Background(), info)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	_, retry := client.RetryAfter(err)
+	require.True(t, retry, "told when to retry")
+	require.Equal(t, 1.0, testutil.ToFloat64(msgs.turnedAway))
+
+	messageRead(unary)
+	messageRead(unary) // once only
+	_, err = admit(context.Background(), info)
+	require.NoError(t, err, "the unary call's message was read")
+	_, err = admit(context.Background(), info)
+	require.Error(t, err)
+	endStream()
+	require.Eventually(t, func() bool {
+		_, err := admit(context.Background(), info)
+		return err == nil
+	}, 5*time.Second, 10*time.Millisecond, "the stream ended")
+
+	path := filepath.Join(t.TempDir(), "tokens")
+	require.NoError(t, os.WriteFile(path, []byte("ci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
+	tokens, err := LoadTokens(path)
+	require.NoError(t, err)
+	full := NewMessages(1)
+	_, err = Tap(tokens, full)(context.Background(), &tap.Info{FullMethodName: info.FullMethodName, Header: metadata.MD{}})
+	require.Equal(t, codes.Unauthenticated, status.Code(err))
+	require.Len(t, full.slots, 0, "no slot for a call without a token")
 }

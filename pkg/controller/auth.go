@@ -108,44 +108,49 @@ func speaksFor(ctx context.Context, node string) error {
 // an unseen token (the connection's other calls wait meanwhile).
 const reviewInTap = 5 * time.Second
 
-// Tap authenticates a call before gRPC reads its message: a call without
-// a token the authenticator accepts is turned away having cost its
-// headers, and the nodes' Registry is closed to callers that may not
-// report. It runs on the connection's reader, so only that connection
-// waits while an unseen token is reviewed (a known one is answered from
-// the authenticator's cache). The caller goes in the call's context for
-// the interceptors. A nil Authenticator lets every call through.
-func Tap(auth Authenticator) tap.ServerInHandle {
+// Tap admits a call before gRPC reads its message: a call without a
+// token the authenticator accepts is turned away having cost its headers,
+// the nodes' Registry is closed to callers that may not report, and the
+// call takes one of msgs' slots (nil: none). It runs on the connection's
+// reader, so only that connection waits while an unseen token is reviewed
+// (a known one is answered from the authenticator's cache). The caller
+// goes in the call's context for the interceptors. A nil Authenticator
+// lets every caller through.
+func Tap(auth Authenticator, msgs *Messages) tap.ServerInHandle {
 	registry := "/" + controllerv1.Registry_ServiceDesc.ServiceName + "/"
 	return func(ctx context.Context, info *tap.Info) (context.Context, error) {
-		if auth == nil {
-			return ctx, nil
-		}
-		token := bearerToken(info.Header)
-		if token == "" {
-			return nil, status.Error(codes.Unauthenticated, "no bearer token")
-		}
-		reviewCtx, cancel := context.WithTimeout(ctx, reviewInTap)
-		c, err := auth.Authenticate(reviewCtx, token)
-		cancel()
-		if err != nil {
-			return nil, err
-		}
-		ctx = context.WithValue(ctx, callerKey{}, c)
-		if strings.HasPrefix(info.FullMethodName, registry) {
-			if err := need(ctx, "update", ResourceNodes, "", "call the nodes' Registry"); err != nil {
+		if auth != nil {
+			token := bearerToken(info.Header)
+			if token == "" {
+				return nil, status.Error(codes.Unauthenticated, "no bearer token")
+			}
+			reviewCtx, cancel := context.WithTimeout(ctx, reviewInTap)
+			c, err := auth.Authenticate(reviewCtx, token)
+			cancel()
+			if err != nil {
 				return nil, err
 			}
+			ctx = context.WithValue(ctx, callerKey{}, c)
+			if strings.HasPrefix(info.FullMethodName, registry) {
+				if err := need(ctx, "update", ResourceNodes, "", "call the nodes' Registry"); err != nil {
+					return nil, err
+				}
+			}
 		}
-		return ctx, nil
+		if msgs == nil {
+			return ctx, nil
+		}
+		return msgs.take(ctx)
 	}
 }
 
 // Interceptor authenticates every call, refusing those without a known
-// token, unless Tap did already. A nil Authenticator lets every call
-// through as anyone.
+// token, unless Tap did already; and gives back the call's slot among the
+// messages being read (Messages), its message read. A nil Authenticator
+// lets every call through as anyone.
 func Interceptor(auth Authenticator) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		messageRead(ctx)
 		ctx, err := authenticate(ctx, auth)
 		if err != nil {
 			return nil, err

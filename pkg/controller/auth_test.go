@@ -48,7 +48,7 @@ func TestTapAuthenticatesBeforeTheRead(t *testing.T) {
 	require.NoError(t, os.WriteFile(path, []byte("node-token-0123456789,system:cowvol-node,*,node-a\nci-token-0123456789ab,ci-scheduler,ci\n"), 0o600))
 	tokens, err := LoadTokens(path)
 	require.NoError(t, err)
-	gate := Tap(tokens)
+	gate := Tap(tokens, nil)
 	call := func(method, token string) (context.Context, error) {
 		md := metadata.MD{}
 		if token != "" {
@@ -79,7 +79,7 @@ func TestTapAuthenticatesBeforeTheRead(t *testing.T) {
 			}
 		})
 	}
-	ctx, err := Tap(nil)(context.Background(), &tap.Info{FullMethodName: controllerv1.Registry_Report_FullMethodName})
+	ctx, err := Tap(nil, nil)(context.Background(), &tap.Info{FullMethodName: controllerv1.Registry_Report_FullMethodName})
 	require.NoError(t, err, "no authentication configured")
 	require.Equal(t, "loopback", CallerFrom(ctx).User)
 }

@@ -29,7 +29,8 @@ const apiStreamsAtOnce = 128
 // then the leadership check (after authentication: who leads is for
 // callers); no message above controllerv1.MaxMessage, and at most
 // apiStreamsAtOnce calls at once on a connection.
-func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.UnaryServerInterceptor, leader *leadership, prefix string) ([]grpc.ServerOption, error) {
+func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.UnaryServerInterceptor, leader *leadership, prefix string,
+	msgs *controller.Messages) ([]grpc.ServerOption, error) {
 	var auth controller.Authenticator
 	switch {
 	case o.Controller.KubeAuth:
@@ -44,7 +45,7 @@ func controllerServerOptions(o Options, kube kubernetes.Interface, metrics grpc.
 	opts := []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(metrics, controller.Interceptor(auth), leader.interceptor(prefix)),
 		grpc.ChainStreamInterceptor(controller.StreamInterceptor(auth), leader.streamInterceptor(prefix)),
-		grpc.InTapHandle(controller.Tap(auth)),
+		grpc.InTapHandle(controller.Tap(auth, msgs)),
 		grpc.MaxRecvMsgSize(client.MaxMessage),
 		grpc.MaxConcurrentStreams(apiStreamsAtOnce),
 	}

@@ -62,8 +62,10 @@ type Driver struct {
 	// view is the controller's picture of the nodes' caches.
 	view       *controller.View
 	ctlMetrics *controller.Metrics
-	// fullReports admits nodes' whole inventories a few at a time.
+	// fullReports admits nodes' whole inventories a few at a time, and
+	// messages the calls the controller reads at once.
 	fullReports *controller.FullReports
+	messages    *controller.Messages
 	// readOrders are those nodes share through the controller.
 	readOrders *controller.ReadOrders
 	nodeEvents controller.NodeEvents
@@ -127,7 +129,9 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.ctlMetrics = controller.NewMetrics(d.view)
 		d.readOrders = controller.NewReadOrders(opts.Controller.ReadOrdersMemory)
 		d.fullReports = controller.NewFullReports(opts.Controller.FullReportsAtOnce)
-		d.metrics.registry.MustRegister(append(append(d.ctlMetrics.Collectors(), d.fullReports.Collectors()...), d.readOrders)...)
+		d.messages = controller.NewMessages(controller.MessagesAtOnce)
+		d.metrics.registry.MustRegister(append(append(append(d.ctlMetrics.Collectors(), d.fullReports.Collectors()...),
+			d.messages.Collectors()...), d.readOrders)...)
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
@@ -467,7 +471,7 @@ func (d *Driver) metricsRunner(registration *registrationService) runner {
 // controllerRunners serve the controller's Registry and Cache APIs and run
 // its election (or, without one, its forgetting of stalled nodes).
 func (d *Driver) controllerRunners() ([]runner, error) {
-	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.")
+	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.", d.messages)
 	serve = append(serve, controller.ServerOptions()...)
 	if err != nil {
 		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
