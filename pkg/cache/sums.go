@@ -84,10 +84,3 @@ func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
 	s.sums.Put(path, table, time.Now())
 	return table, nil
 }
-
-// KeepSums keeps t as the sums of r's layer: what a pull checked every file
-// of against the sums its holder sent, so that this node serves them on
-// and checks its own disk against them.
-func (s *Store) KeepSums(r volume.Ref, layer string, t filesum.Table) error {
-	return t.WriteFile(s.sumsPath(r, layer))
-}
