@@ -72,7 +72,10 @@ func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
 			return nil, err
 		}
 		if err := t.WriteFile(path); err != nil {
-			return nil, err
+			// A full disk must not stop the node serving what it holds:
+			// the sums are kept in memory, and written by the next asker
+			// that computes them once these are forgotten.
+			klog.ErrorS(err, "Keeping a layer's file sums failed; they are kept in memory", "volume", v.Ref(), "layer", v.Layer)
 		}
 		klog.V(2).InfoS("Computed a layer's file sums", "volume", v.Ref(), "layer", v.Layer, "files", len(t), "duration", time.Since(start))
 		return t, nil

@@ -39,3 +39,15 @@ func TestLayerSumsAreKeptWithTheirLayer(t *testing.T) {
 	_, err = os.Stat(s.sumsPath(v.Ref(), v.Layer))
 	require.NoError(t, err, "the layer's own sums stay")
 }
+
+// Sums that cannot be written (a full disk, here a dir in their place) are
+// still answered: the node goes on serving what it holds.
+func TestLayerSumsAnsweredWhenTheyCannotBeKept(t *testing.T) {
+	s := openStore(t)
+	v := ready(t, s, "ci", "unkept", volume.Ref{}, volume.ScopeNamespace, nil)
+	require.NoError(t, os.WriteFile(filepath.Join(s.DataPath(v), "f"), []byte("data"), 0o644))
+	require.NoError(t, os.MkdirAll(filepath.Join(s.sumsPath(v.Ref(), v.Layer), "in-the-way"), 0o755))
+	sums, err := s.LayerSums(v)
+	require.NoError(t, err)
+	require.Len(t, sums, 1)
+}
