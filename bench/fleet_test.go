@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // fleet is a simulated fleet's caches: a pool of volumes, each encoded
@@ -35,8 +36,13 @@ func (f *fleet) copies() (n int) {
 }
 
 func (f *fleet) add(namespace, handle string, size int64, version int) {
+	f.addAsking(namespace, handle, size, version, 0)
+}
+
+// addAsking adds a volume that asked to be kept on copies nodes.
+func (f *fleet) addAsking(namespace, handle string, size int64, version int, copies int32) {
 	s := &controllerv1.VolumeSummary{
-		Ref: &controllerv1.VolumeRef{Namespace: namespace, Handle: handle}, State: "ready", SizeBytes: size, Scope: "namespace",
+		Ref: &controllerv1.VolumeRef{Namespace: namespace, Handle: handle}, State: "ready", SizeBytes: size, Scope: "namespace", Copies: copies,
 		Properties: []*controllerv1.Property{{Key: "resource", Value: "repo"}, {Key: "version", Value: strconv.Itoa(version)}},
 	}
 	raw, err := proto.Marshal(s)
@@ -125,11 +131,25 @@ func zipfFleet(nodes, perNode, pool int) *fleet {
 	return f
 }
 
+// withCopiesThatFitNowhere adds k volumes that asked for the most copies
+// and are bigger than any node's room (4 TiB; the nodes have at most 1),
+// spread over the nodes: each lacks copies for good, which the controller
+// must not pay for on every report.
+func (f *fleet) withCopiesThatFitNowhere(k int) *fleet {
+	for i := range k {
+		n := i % f.nodes()
+		f.holds[n] = append(f.holds[n], int32(len(f.refs)))
+		f.addAsking(fmt.Sprintf("team-%d", i%20), fmt.Sprintf("wide-%05d", i), 4<<40, i, volume.MaxCopies)
+	}
+	f.name += fmt.Sprintf(", %d asking for %d copies that fit on no node", k, volume.MaxCopies)
+	return f
+}
+
 // report is node n's ReportRequest, encoded: its header fields, then
 // (full) each of its volumes as an upsert.
 func (f *fleet) report(n int, full bool) []byte {
 	req := &controllerv1.ReportRequest{NodeId: fmt.Sprintf("node-%04d", n), StoreId: "store",
-		Revision: 1, Full: full, BaseRevision: 1, BytesFree: int64(n) << 30}
+		Revision: 1, Full: full, BaseRevision: 1, BytesFree: int64(n%1024) << 30, PeerAddress: fmt.Sprintf("127.0.0.1:%d", 20000+n)}
 	raw, err := proto.Marshal(req)
 	if err != nil {
 		panic(err)

@@ -311,6 +311,11 @@ func samplesOf(ds []time.Duration) string {
 // peerSent is what a node sent its peers on the wire so far (bytes, every
 // encoding), from its metrics.
 func peerSent(b *testing.B, metricsAddr string) int64 {
+	return int64(metricOf(b, metricsAddr, "cowvol_peer_sent_bytes_total"))
+}
+
+// metricOf is a plugin's metric, its samples (every label) summed.
+func metricOf(b *testing.B, metricsAddr, name string) float64 {
 	b.Helper()
 	resp, err := http.Get("http://" + metricsAddr + "/metrics")
 	if err != nil {
@@ -320,14 +325,15 @@ func peerSent(b *testing.B, metricsAddr string) int64 {
 	var sum float64
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "cowvol_peer_sent_bytes_total{"); ok {
-			_, val, _ := strings.Cut(rest, "} ")
-			v, err := strconv.ParseFloat(val, 64)
-			if err != nil {
-				b.Fatal(err)
-			}
-			sum += v
+		rest, ok := strings.CutPrefix(sc.Text(), name)
+		if !ok || rest == "" || (rest[0] != '{' && rest[0] != ' ') {
+			continue
 		}
+		v, err := strconv.ParseFloat(rest[strings.LastIndexByte(rest, ' ')+1:], 64)
+		if err != nil {
+			b.Fatal(err)
+		}
+		sum += v
 	}
-	return int64(sum)
+	return sum
 }

@@ -632,6 +632,43 @@ func TestOutputsSurviveTheirNode(t *testing.T) {
 	})
 }
 
+// Copies are bounded by the operator: an output that asks for more nodes
+// than --max-copies is refused InvalidArgument, and once a namespace has
+// spent its budget (--namespace-copies), its outputs that ask for copies
+// are refused ResourceExhausted at publish, another namespace's are not,
+// and the budget comes back when a volume that had copies is destroyed.
+// Outputs that ask for none are never refused, nor is a republish.
+func TestCopiesAreBounded(t *testing.T) {
+	f := startFleet(t, []string{"--max-copies=4", "--namespace-copies=3"}, "node-a")
+	a, ctx := f.nodes["node-a"], context.Background()
+	copies := func(n string) map[string]string { return map[string]string{driver.AttrCopies: n} }
+	publishIn := func(ns, handle string, attrs map[string]string) error {
+		attrs[driver.AttrCapture] = handle
+		return a.publish(a.volumeIn(ns, attrs, false))
+	}
+	probes := 0
+	eventually(t, "the node to hear the maximum", func() bool {
+		probes++ // (one the node took before it heard stays published)
+		return code(publishIn("ci", fmt.Sprintf("probe-%d", probes), copies("5"))) == codes.InvalidArgument
+	})
+	a.captureIn("ci", "first", copies("4")) // three extra copies: ci's budget
+	live := a.volumeIn("ci", map[string]string{driver.AttrCapture: "live", driver.AttrCopies: "2"}, false)
+	require.NoError(t, a.publish(live), "published before the budget is spent")
+	eventually(t, "the node to hear that ci spent its budget", func() bool {
+		return code(publishIn("ci", "second", copies("2"))) == codes.ResourceExhausted
+	})
+	err := publishIn("ci", "third", copies("5"))
+	require.Equal(t, codes.InvalidArgument, code(err), "%v", err)
+	require.Equal(t, codes.ResourceExhausted, code(publishIn("ci", "fourth", copies("4"))))
+	require.NoError(t, publishIn("ci", "plain", map[string]string{}), "an output that asks for no copies")
+	require.NoError(t, publishIn("other", "mine", copies("4")), "another namespace's budget is its own")
+	require.NoError(t, a.publish(live), "a republish stands")
+
+	_, err = f.api.DestroyVolumes(ctx, &controllerv1.DestroyVolumesRequest{Refs: []*controllerv1.VolumeRef{cref("ci", "first")}})
+	require.NoError(t, err)
+	eventually(t, "ci's budget to come back", func() bool { return publishIn("ci", "again", copies("2")) == nil })
+}
+
 // dialTLS reaches the controller at addr over TLS verified against ca,
 // presenting token on every call ("" for none).
 func dialTLS(t *testing.T, addr, ca, token string) *grpc.ClientConn {

@@ -109,8 +109,7 @@ func KubeDialOptions(ctx context.Context, cfg *rest.Config, o KubeOptions) ([]gr
 		secure = true
 	}
 	f := &forwarder{kube: kube, cfg: cfg, o: o}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(transport), grpc.WithContextDialer(f.dial),
-		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(MaxMessage))}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(transport), grpc.WithContextDialer(f.dial), callLimits}
 	if cfg.BearerToken != "" || cfg.BearerTokenFile != "" {
 		opts = append(opts, grpc.WithPerRPCCredentials(Bearer{Token: cfg.BearerToken, File: cfg.BearerTokenFile, Secure: secure}))
 	}

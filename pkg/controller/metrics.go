@@ -14,6 +14,7 @@ type Metrics struct {
 	view                  *View
 	nodes, volumes, bytes *prometheus.Desc
 	reportAge             *prometheus.Desc
+	lackingCopies, spent  *prometheus.Desc
 	Commands              *prometheus.CounterVec
 }
 
@@ -25,6 +26,10 @@ func NewMetrics(v *View) *Metrics {
 		volumes:   prometheus.NewDesc("cowvol_controller_volumes", "Cached volumes live nodes report, by state (counted once per node holding them).", []string{"state"}, nil),
 		bytes:     prometheus.NewDesc("cowvol_controller_volume_bytes", "Bytes of the cached volumes live nodes report.", nil, nil),
 		reportAge: prometheus.NewDesc("cowvol_controller_report_age_seconds", "Time since each node's last report.", []string{"node"}, nil),
+		lackingCopies: prometheus.NewDesc("cowvol_controller_volumes_lacking_copies",
+			"Volumes held ready on fewer nodes than their copies were granted (being copied, or fitting on no node: looked at again after a back-off).", nil, nil),
+		spent: prometheus.NewDesc("cowvol_controller_copy_budget_spent_namespaces",
+			"Namespaces whose budget of extra copies (--namespace-copies) is spent: their captures may ask for no more than one node.", nil, nil),
 		Commands: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_controller_requests_total", Help: "What schedulers asked of the nodes through the controller, by kind (destroy, pin, unpin, land, retire, resume).",
 		}, []string{"kind"}),
@@ -39,6 +44,8 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	ch <- m.volumes
 	ch <- m.bytes
 	ch <- m.reportAge
+	ch <- m.lackingCopies
+	ch <- m.spent
 }
 
 func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
@@ -67,4 +74,12 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(m.volumes, prometheus.GaugeValue, float64(vols[string(st)]), string(st))
 	}
 	ch <- prometheus.MustNewConstMetric(m.bytes, prometheus.GaugeValue, float64(bytes))
+	ch <- prometheus.MustNewConstMetric(m.lackingCopies, prometheus.GaugeValue, float64(len(v.lacking)))
+	spent := 0
+	for _, used := range v.copyUse {
+		if used >= v.copyLimits.PerNamespace {
+			spent++
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(m.spent, prometheus.GaugeValue, float64(spent))
 }

@@ -54,6 +54,11 @@ type Answer struct {
 	Pins     []PinCommand
 	// Copy are the volumes the node is asked to pull and keep.
 	Copy []volume.Ref
+	// MaxCopies is the most nodes a volume may ask to be kept on, and
+	// CopiesSpent the namespaces that may ask for no more than one: the
+	// node refuses a publish that asks for more.
+	MaxCopies   int
+	CopiesSpent []string
 	// RefuseCaptures says why the node takes no captures ("": it does).
 	RefuseCaptures string
 }

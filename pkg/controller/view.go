@@ -88,9 +88,20 @@ type View struct {
 	// until then its view lacks their volumes, and it says so.
 	awaiting   map[string]bool
 	awaitUntil time.Time
-	// lacking are the volumes held ready on fewer nodes than they asked
-	// for, with the nodes asked to pull them (copies.go).
-	lacking map[*entry]copying
+	// lacking are the volumes held ready on fewer nodes than they were
+	// granted, with the nodes asked to pull them (copies.go); nodesGrew:
+	// a node came since the last pass, which looks at every one of them.
+	lacking   map[*entry]*copying
+	nodesGrew bool
+	// copyUse is the extra copies granted to each namespace's volumes,
+	// within copyLimits; shortOfBudget are the volumes granted fewer than
+	// they asked for; spent are the namespaces with none left (once
+	// spentStale is false).
+	copyLimits    CopyLimits
+	copyUse       map[string]int
+	shortOfBudget map[*entry]struct{}
+	spent         []string
+	spentStale    bool
 }
 
 // entry is one volume across the nodes that report it, with what is the
@@ -113,8 +124,9 @@ type entry struct {
 	props string
 	scope scopeCode
 	// copies is how many nodes the volume asked to be kept on (its
-	// capturing node's word; 0 or 1: no more than one).
-	copies uint8
+	// capturing node's word; 0 or 1: no more than one); granted are the
+	// nodes past the first its namespace's budget gives it (copies.go).
+	copies, granted uint8
 }
 
 // holding is one node's copy of a volume: the node by its index (no
@@ -261,6 +273,8 @@ type nodeState struct {
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[*entry]bool
 	pins    map[*entry]PinCommand
+	// copyOrders are the volumes it is asked to pull (copies.go).
+	copyOrders map[*entry]struct{}
 	// lifecycle is running, landing or retiring, as set through the API;
 	// stepVolumes is how many step volumes it last reported.
 	lifecycle   string
@@ -315,7 +329,7 @@ func (v *View) ForgetNode(node string) {
 func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
 	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter,
 		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess), shared: btree.NewG(32, entryLess),
-		lacking: map[*entry]copying{}}
+		lacking: map[*entry]*copying{}, copyLimits: noCopyLimits, copyUse: map[string]int{}, shortOfBudget: map[*entry]struct{}{}}
 }
 
 // AwaitReports makes the view incomplete (Unsettled says so) until each of
@@ -438,8 +452,9 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 	if n == nil || n.storeID != req.StoreID {
 		// New, or back with a wiped state dir: nothing it held before.
 		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[uint32]struct{}{},
-			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}}
+			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}, copyOrders: map[*entry]struct{}{}}
 		v.indexNode(fresh)
+		v.nodesGrew = true
 		if n != nil {
 			fresh.lifecycle = n.lifecycle // taken out of service by name, not by store
 			v.drop(n)
@@ -480,7 +495,8 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 			n.destroy[v.entries[id]] = true // released: everything it holds goes
 		}
 	}
-	a := Answer{Revision: n.revision, Destroy: v.pendingDestroys(n), Pins: v.pendingPins(n), Copy: v.assignCopies(n, now)}
+	a := Answer{Revision: n.revision, Destroy: v.pendingDestroys(n), Pins: v.pendingPins(n), Copy: v.copyOrders(n)}
+	a.MaxCopies, a.CopiesSpent = v.copyRefusals()
 	if v.lifecycle(n) != "" {
 		a.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
 	}
@@ -531,8 +547,9 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 	if e.props != u.props { // equal ones stay in the handle's allocation
 		e.props = strings.Clone(u.props) // (not the whole report's)
 	}
-	if u.copies > 0 { // a pulled copy's report leaves the capturing node's word
+	if u.copies > 0 && u.copies != e.copies { // a pulled copy's report leaves the capturing node's word
 		e.copies = u.copies
+		v.grant(e)
 	}
 	v.markLacking(e)
 	switch p := u.parent; {
@@ -641,7 +658,7 @@ func (v *View) remove(n *nodeState, e *entry) {
 	}
 	v.markLacking(e)
 	if len(e.holders) == 0 {
-		delete(v.lacking, e)
+		v.release(e)
 		handles := v.byNamespace[e.ref.Namespace]
 		delete(handles, e.ref.Handle)
 		if len(handles) == 0 {

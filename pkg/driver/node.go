@@ -142,14 +142,14 @@ func engineError(err error) error {
 		code = codes.AlreadyExists
 	case errors.Is(err, node.ErrBusy):
 		code = codes.Aborted
-	case errors.Is(err, node.ErrLimitTooLarge):
+	case errors.Is(err, node.ErrLimitTooLarge), errors.Is(err, node.ErrTooManyCopies):
 		code = codes.InvalidArgument
 	case errors.Is(err, cache.ErrUnusable), errors.Is(err, cache.ErrInUse),
 		errors.Is(err, cache.ErrHasChildren), errors.Is(err, cache.ErrWrongViewState),
 		errors.Is(err, target.ErrUnsafe), errors.Is(err, target.ErrGone),
 		errors.Is(err, node.ErrLimitsOff), errors.Is(err, node.ErrNotCowvols), errors.Is(err, overlay.ErrNotIdmappable):
 		code = codes.FailedPrecondition
-	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT), errors.Is(err, node.ErrNodeFull):
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT), errors.Is(err, node.ErrNodeFull), errors.Is(err, node.ErrCopiesSpent):
 		code = codes.ResourceExhausted
 	}
 	return status.Error(code, err.Error())

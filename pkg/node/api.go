@@ -178,5 +178,53 @@ func (e *Engine) refuseIfOutOfService(r PublishRequest) error {
 	return nil
 }
 
+// copyLimits are what the controller grants captures that ask for copies:
+// at most max nodes, and no more than one in the namespaces whose budget
+// is spent.
+type copyLimits struct {
+	max   int
+	spent map[string]bool
+}
+
+// LimitCopies takes the controller's copy limits (maxCopies 0: it said
+// none), which publishes that ask for more copies are refused against.
+func (e *Engine) LimitCopies(maxCopies int, spent []string) {
+	if maxCopies == 0 {
+		e.copyLimits.Store(nil)
+		return
+	}
+	l := &copyLimits{max: maxCopies, spent: make(map[string]bool, len(spent))}
+	for _, ns := range spent {
+		l.spent[ns] = true
+	}
+	e.copyLimits.Store(l)
+}
+
+// Publishes that ask for more copies than the controller grants.
+var (
+	ErrTooManyCopies = errors.New("more copies than this cluster keeps")
+	ErrCopiesSpent   = errors.New("the namespace's budget of copies is spent")
+)
+
+// refuseCopies refuses a capture whose copies attribute asks for more than
+// the controller would grant: it says so at once rather than capture a
+// volume that is kept on fewer nodes than the step asked. (A node's own
+// default, --output-copies, is not refused: the controller grants what it
+// can.)
+func (e *Engine) refuseCopies(r PublishRequest) error {
+	l := e.copyLimits.Load()
+	if r.Capture == "" || r.Copies <= 1 || l == nil {
+		return nil
+	}
+	if r.Copies > l.max {
+		return fmt.Errorf("copies %d: volumes are kept on at most %d nodes here (the controller's --max-copies): %w", r.Copies, l.max, ErrTooManyCopies)
+	}
+	if l.spent[r.Pod.Namespace] {
+		return fmt.Errorf("copies %d: namespace %s has spent its budget of extra copies (the controller's --namespace-copies): ask for 1 or destroy volumes that have copies: %w",
+			r.Copies, r.Pod.Namespace, ErrCopiesSpent)
+	}
+	return nil
+}
+
 // Revision is the store's: it grows with every change to the volumes.
 func (e *Engine) Revision() uint64 { return e.store.Revision() }

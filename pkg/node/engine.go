@@ -127,6 +127,8 @@ type Engine struct {
 	pullMetrics *pull.Metrics
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
+	// copyLimits are the controller's last word on copies (nil: none yet).
+	copyLimits atomic.Pointer[copyLimits]
 
 	// Background work (trash, sync, usage, flattening) runs under bgCtx, which
 	// outlives any one call: a kubelet giving up on a call must not abort

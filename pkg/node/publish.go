@@ -96,6 +96,11 @@ func (e *Engine) Publish(r PublishRequest) error {
 	} else if !errors.Is(err, cache.ErrNotFound) {
 		return err
 	}
+	// A new publish only: one already made stands whatever the budget
+	// since.
+	if err := e.refuseCopies(r); err != nil {
+		return err
+	}
 	start := time.Now()
 	view, staged, err := e.record(want)
 	if err != nil {

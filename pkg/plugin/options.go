@@ -13,6 +13,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/resource"
 
+	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -149,6 +150,9 @@ type ControllerOptions struct {
 	// FullReportsAtOnce bounds the nodes' whole inventories the controller
 	// reads at once; the rest are told to send theirs again a little later.
 	FullReportsAtOnce int
+	// Copies bound the copies volumes are granted: the most nodes one is
+	// kept on, and each namespace's budget of extra copies.
+	Copies controller.CopyLimits
 }
 
 // runsNode and runsController say which components a mode runs.
@@ -170,6 +174,7 @@ func Defaults() Options {
 			OutputCopies: 1},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
+			Copies:          controller.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
 			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
@@ -330,6 +335,11 @@ func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 		"bytes of file names the read orders nodes share may take in memory (the least recently used go first; 0: none is kept)")
 	fs.IntVar(&c.FullReportsAtOnce, "full-reports-at-once", c.FullReportsAtOnce,
 		"nodes' whole inventories the controller reads at once (a new leader gets every node's at the same moment): the rest are told to send theirs again a little later")
+	fs.IntVar(&c.Copies.Max, "max-copies", c.Copies.Max, fmt.Sprintf(
+		"the most nodes a captured volume is kept on, whatever its copies attribute asks: nodes refuse a publish that asks for more (1 to %d)", volume.MaxCopies))
+	fs.IntVar(&c.Copies.PerNamespace, "namespace-copies", c.Copies.PerNamespace,
+		"the most extra copies (nodes past the first) a namespace's volumes are kept on together: granted in the order they are captured; "+
+			"once it is spent, nodes refuse that namespace's publishes that ask for copies (0: no namespace gets any)")
 	fs.StringVar(&c.TokensFile, "tokens-file", c.TokensFile,
 		"the callers of its APIs, a token,user,namespaces[,node] line each (namespaces * or a;b; a node's line names the node it reports for)")
 	fs.BoolVar(&c.KubeAuth, "kube-auth", c.KubeAuth,
@@ -526,6 +536,12 @@ func (c ControllerOptions) validate() []error {
 	}
 	if c.ReadOrdersMemory < 0 {
 		errs = append(errs, fmt.Errorf("--read-orders-memory %d is negative", c.ReadOrdersMemory))
+	}
+	if c.Copies.Max < 1 || c.Copies.Max > volume.MaxCopies {
+		errs = append(errs, fmt.Errorf("--max-copies %d: want 1 to %d", c.Copies.Max, volume.MaxCopies))
+	}
+	if c.Copies.PerNamespace < 0 {
+		errs = append(errs, fmt.Errorf("--namespace-copies %d: want 0 or more", c.Copies.PerNamespace))
 	}
 	if c.FullReportsAtOnce < 1 {
 		errs = append(errs, fmt.Errorf("--full-reports-at-once %d: want at least 1", c.FullReportsAtOnce))

@@ -123,6 +123,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	}
 	if opts.Mode != ModeNode {
 		d.view = controller.NewView(opts.Controller.StalledAfter, opts.Controller.ForgetStalledAfter)
+		d.view.LimitCopies(opts.Controller.Copies)
 		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod}
 		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = driver.NewController(d.view)
@@ -469,7 +470,7 @@ func (d *Driver) metricsRunner(registration *registrationService) runner {
 }
 
 // controllerRunners serve the controller's Registry and Cache APIs and run
-// its election (or, without one, its forgetting of stalled nodes).
+// its election (or, without one, the tending of its view: tendView).
 func (d *Driver) controllerRunners() ([]runner, error) {
 	serve, err := controllerServerOptions(d.opts, d.kube, d.metrics.interceptor, d.leader, "/cowvol.controller.", d.messages)
 	serve = append(serve, controller.ServerOptions()...)
@@ -491,23 +492,33 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 		// A restarted controller knows no more than a new leader does.
 		d.leader.awaitNodes(context.Background())
 	}
-	loop := loopRunner("forgetting stalled nodes", func(ctx context.Context) error { d.forgetStalled(ctx); return nil })
+	loop := loopRunner("tending the view", func(ctx context.Context) error { d.tendView(ctx); return nil })
 	if d.opts.LeaderElection.Enabled {
 		loop = loopRunner("leader election", func(ctx context.Context) error {
-			return d.leader.elect(ctx, d.kube, d.opts.LeaderElection, d.forgetStalled)
+			return d.leader.elect(ctx, d.kube, d.opts.LeaderElection, d.tendView)
 		})
 	}
 	return []runner{apiRunner, loop}, nil
 }
 
-// forgetStalled drops nodes that stopped reporting long ago.
-func (d *Driver) forgetStalled(ctx context.Context) {
+// copyPassEvery is how often the controller assigns copies.
+const copyPassEvery = time.Second
+
+// tendView is what the controller (the leader, where it elects one) does
+// of its own: it tells of stalled nodes and forgets those stalled long
+// ago, and has nodes copy the volumes that lack copies.
+func (d *Driver) tendView(ctx context.Context) {
 	tick := time.NewTicker(d.opts.Controller.StalledAfter)
 	defer tick.Stop()
+	copyPass := time.NewTicker(copyPassEvery)
+	defer copyPass.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-copyPass.C:
+			d.view.AssignCopies(time.Now())
+			continue
 		case <-tick.C:
 		}
 		stalled, forgotten := d.view.Sweep(time.Now())

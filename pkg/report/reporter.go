@@ -195,6 +195,7 @@ func (r *Reporter) round(ctx context.Context) error {
 		r.askFirst = false
 		r.obey(resp)
 		r.engine.RefuseCaptures(resp.GetRefuseCaptures())
+		r.engine.LimitCopies(int(resp.GetMaxCopies()), resp.GetCopiesSpent())
 		r.sent, r.acked = inv, rev
 		if kind == reportFull {
 			r.needFull, r.nextFull = false, r.lastSent.Add(resyncAfter())

@@ -458,8 +458,14 @@ type ReportResponse struct {
 	// seconds. A new leader that every node must send its inventory reads
 	// them a few at a time; the others wait, their heartbeats going on.
 	FullReportAfter *durationpb.Duration `protobuf:"bytes,7,opt,name=full_report_after,json=fullReportAfter,proto3" json:"full_report_after,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The copy limits (0: none said): the most nodes a captured volume may
+	// ask to be kept on, and the namespaces whose budget of extra copies is
+	// spent, whose captures may ask for no more than one. The node refuses
+	// a publish that asks for more (the controller would not grant it).
+	MaxCopies     int32    `protobuf:"varint,8,opt,name=max_copies,json=maxCopies,proto3" json:"max_copies,omitempty"`
+	CopiesSpent   []string `protobuf:"bytes,9,rep,name=copies_spent,json=copiesSpent,proto3" json:"copies_spent,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReportResponse) Reset() {
@@ -537,6 +543,20 @@ func (x *ReportResponse) GetCopy() []*VolumeRef {
 func (x *ReportResponse) GetFullReportAfter() *durationpb.Duration {
 	if x != nil {
 		return x.FullReportAfter
+	}
+	return nil
+}
+
+func (x *ReportResponse) GetMaxCopies() int32 {
+	if x != nil {
+		return x.MaxCopies
+	}
+	return 0
+}
+
+func (x *ReportResponse) GetCopiesSpent() []string {
+	if x != nil {
+		return x.CopiesSpent
 	}
 	return nil
 }
@@ -2215,7 +2235,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\" \n" +
 	"\n" +
 	"ReportPart\x12\x12\n" +
-	"\x04data\x18\x01 \x01(\fR\x04data\"\xda\x02\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\"\x9c\x03\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
@@ -2223,7 +2243,10 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x04pins\x18\x04 \x03(\v2 .cowvol.controller.v1.PinCommandR\x04pins\x12'\n" +
 	"\x0frefuse_captures\x18\x05 \x01(\tR\x0erefuseCaptures\x123\n" +
 	"\x04copy\x18\x06 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04copy\x12E\n" +
-	"\x11full_report_after\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0ffullReportAfter\"\xa4\x01\n" +
+	"\x11full_report_after\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0ffullReportAfter\x12\x1d\n" +
+	"\n" +
+	"max_copies\x18\b \x01(\x05R\tmaxCopies\x12!\n" +
+	"\fcopies_spent\x18\t \x03(\tR\vcopiesSpent\"\xa4\x01\n" +
 	"\tReadOrder\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
