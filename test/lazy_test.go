@@ -538,3 +538,136 @@ func TestLazyPullCarriesSmallFilesWithTheTree(t *testing.T) {
 	require.ErrorIs(t, err, syscall.EIO, "a large file is a stub, which the cut fails")
 	b.umount(v)
 }
+
+// startFillKeeper runs `cowvol-plugin fill-keeper`, as the node plugin
+// pod's sidecar does, for the test's life, and returns its socket.
+func startFillKeeper(t *testing.T, grace time.Duration) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "cowvol-keeper-") // (a socket's path is short)
+	require.NoError(t, err)
+	sock := filepath.Join(dir, "keeper.sock")
+	cmd := exec.Command(plugintest.Binary(t), "fill-keeper", "--socket="+sock, "--grace="+grace.String(), "-v=2")
+	log, err := os.Create(filepath.Join(dir, "log"))
+	require.NoError(t, err)
+	cmd.Stdout, cmd.Stderr = log, log
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if t.Failed() {
+			out, _ := os.ReadFile(log.Name())
+			t.Logf("fill keeper log:\n%s", out)
+		}
+		log.Close()
+		os.RemoveAll(dir)
+	})
+	eventually(t, "the fill keeper to listen", func() bool {
+		st, err := os.Stat(sock)
+		return err == nil && st.Mode().Type() == os.ModeSocket
+	})
+	return sock
+}
+
+// A node plugin SIGKILLed while a step reads files not filled yet (its
+// holder sending nothing more) lets no reader read a hole: the fill keeper
+// holds every reader while the plugin is down, those that came meanwhile
+// too, and the restarted plugin answers them EIO (the volume that was
+// filling is failed), or the keeper does once its grace passed with no
+// plugin back. A step with an output captures nothing; one without only
+// reads. Without the keeper, the dying plugin's group let the readers
+// through to the stubs' holes.
+func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
+	tests := []struct {
+		name       string
+		withOutput bool
+		grace      time.Duration
+		down       time.Duration
+	}{
+		{name: "a step without an output", grace: time.Hour, down: 3 * time.Second},
+		{name: "a step with an output", withOutput: true, grace: time.Hour, down: 3 * time.Second},
+		{name: "no plugin back within the grace", grace: 2 * time.Second, down: 6 * time.Second},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			keeper := startFillKeeper(t, tc.grace)
+			// 48 files of 4 MiB at 4 MiB a second: most are not filled
+			// when the link freezes.
+			a, b, proxy := lazyNodesAt(t, 4<<20, "--fill-keeper-socket="+keeper, "--pull-wait=10m")
+			const files = 48
+			a.step("", "src", func(dir string) {
+				for i := range files {
+					randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
+				}
+			})
+			sums := map[string]string{}
+			a.read("src", func(dir string) {
+				for i := range files {
+					name := fmt.Sprintf("f-%02d", i)
+					sums[name] = fileDigest(t, filepath.Join(dir, name))
+				}
+			})
+			attrs := map[string]string{driver.AttrSource: "src"}
+			if tc.withOutput {
+				attrs[driver.AttrCapture] = "out"
+			}
+			v := b.volume(attrs, !tc.withOutput)
+			require.NoError(t, b.publishWaiting(v))
+			proxy.Freeze()
+
+			type result struct {
+				name string
+				err  error
+				at   time.Time
+			}
+			results := make(chan result, files+1)
+			read := func(name string) {
+				data, err := os.ReadFile(filepath.Join(v.Target, name))
+				if err == nil {
+					if digest := sha256.Sum256(data); hex.EncodeToString(digest[:]) != sums[name] {
+						err = fmt.Errorf("%s read with data that is not the file's (holes?)", name)
+					}
+				}
+				results <- result{name, err, time.Now()}
+			}
+			for i := range files - 1 {
+				go read(fmt.Sprintf("f-%02d", i))
+			}
+			time.Sleep(time.Second) // the readers of files not filled are held
+			b.p.Kill()
+			killed := time.Now()
+			time.Sleep(time.Second)
+			go read(fmt.Sprintf("f-%02d", files-1)) // a reader while no plugin runs
+			time.Sleep(tc.down - time.Second)
+			restarted := time.Now()
+			b.p.Restart()
+
+			eio := 0
+			for range files {
+				var r result
+				select {
+				case r = <-results:
+				case <-time.After(2 * time.Minute):
+					t.Fatal("readers still held two minutes after the plugin came back")
+				}
+				if r.err == nil {
+					continue
+				}
+				require.ErrorIs(t, r.err, syscall.EIO, "%s: only the file's data or EIO", r.name)
+				eio++
+				require.True(t, r.at.After(killed.Add(tc.grace)) || r.at.After(restarted),
+					"%s answered EIO %s after the plugin died: held until the next plugin or the keeper's grace", r.name, r.at.Sub(killed))
+				if tc.grace < tc.down {
+					require.True(t, r.at.Before(restarted), "%s: the keeper answers once its grace passed", r.name)
+				}
+			}
+			require.Greater(t, eio, files/2, "most files were not filled when the link froze")
+			require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
+			if tc.withOutput {
+				write(t, v.Target, "result", "built from what could be read")
+			}
+			proxy.Cut()
+			b.umount(v)
+			require.Equal(t, "gone", volumeState(t, b, "out"), "nothing captured from a step whose input was not whole")
+		})
+	}
+}

@@ -1,6 +1,8 @@
 // Command cowvol-plugin is cowvol's one binary: the CSI node plugin, the
-// controller, or both (--mode), and `cowvol-plugin demo`, which plays a small
-// CI pipeline through a plugin of its own on a temporary state dir.
+// controller, or both (--mode); `cowvol-plugin demo`, which plays a small
+// CI pipeline through a plugin of its own on a temporary state dir; and
+// `cowvol-plugin fill-keeper`, the node plugin pod's sidecar that keeps
+// lazy fills' readers held while the plugin restarts.
 package main
 
 import (
@@ -23,13 +25,19 @@ import (
 // version is set at build time with -ldflags "-X main.version=...".
 var version = "dev"
 
+// subcommands run instead of the plugin when named first.
+var subcommands = map[string]func(args []string) error{"demo": runDemo, "fill-keeper": runFillKeeper}
+
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == "demo" {
-		if err := runDemo(os.Args[2:]); err != nil {
-			fmt.Fprintln(os.Stderr, "demo failed:", err)
-			os.Exit(1)
+	if len(os.Args) > 1 {
+		if sub := subcommands[os.Args[1]]; sub != nil {
+			if err := sub(os.Args[2:]); err != nil {
+				fmt.Fprintf(os.Stderr, "cowvol-plugin %s failed: %v\n", os.Args[1], err)
+				os.Exit(1)
+			}
+			klog.Flush()
+			return
 		}
-		return
 	}
 	opts := plugin.Defaults()
 	opts.Version = version

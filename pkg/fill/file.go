@@ -162,7 +162,7 @@ type file struct {
 	streamBytes int64
 	err         error // why it failed
 	filling     chan struct{}
-	waiters     []int32
+	waiters     []event
 }
 
 // take makes the caller f's filler (under g.mu) with a claim or a

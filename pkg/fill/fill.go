@@ -27,7 +27,8 @@
 // schedule.go who goes first (readers, the read-ahead window, the
 // stream's place, the background fill); write.go how a stub's data is put
 // in place; layer.go the Layer its caller drives; watch.go the watcher of
-// filled files; handle.go XFS's open by handle.
+// filled files; handle.go XFS's open by handle; keeper.go the process that
+// keeps the group, and its held readers, while the plugin restarts.
 //
 // It owns the fanotify groups, the marks and the writes into stubs. It does
 // not know where bytes come from (a FetchFunc brings them), nor the cache's

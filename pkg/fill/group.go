@@ -3,11 +3,13 @@ package fill
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -55,6 +57,10 @@ type Group struct {
 	// fd is events' descriptor, for marks (File.Fd would make events
 	// blocking, and Close could no longer stop a Read).
 	fd int
+	// keeper reads the group's events and hands them here, and keeps the
+	// group when this process dies (keeper.go); nil: this process reads
+	// them (no keeper, or it went).
+	keeper atomic.Pointer[keeperConn]
 	// clone is a detached clone of the mount holding the stubs, marked
 	// ignored: the fills write through it without raising events of
 	// their own. tree is its root.
@@ -66,8 +72,12 @@ type Group struct {
 	// stubs are on XFS, and the process may (until an open is refused).
 	byHandle atomic.Bool
 
-	mu     sync.Mutex
-	files  map[fileKey]*file
+	mu    sync.Mutex
+	files map[fileKey]*file
+	// stale are the files of the layers a previous process did not finish
+	// filling, found when it took the group over: their marks outlived
+	// it, and their readers get EIO.
+	stale  map[fileKey]struct{}
 	closed bool
 	loop   sync.WaitGroup
 	// unmarking are the mark removals under way off the loop (the loop
@@ -89,13 +99,51 @@ type Group struct {
 var errStopping = errors.New("the plugin is stopping")
 
 // Open makes the group for stubs on the filesystem mounted at (or holding)
-// root. A fill that writes nothing for stall fails, so a reader waits at
-// most about that long for a holder that stopped sending.
-func Open(root string, stall time.Duration) (*Group, error) {
-	fd, err := unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS,
-		unix.O_RDONLY|unix.O_LARGEFILE)
-	if err != nil {
-		return nil, fmt.Errorf("making a fanotify pre-content group: %w", err)
+// root, for this process alone. A fill that writes nothing for stall
+// fails, so a reader waits at most about that long for a holder that
+// stopped sending.
+func Open(root string, stall time.Duration) (*Group, error) { return OpenKept(root, stall, Kept{}) }
+
+// Kept has the group outlive this process: the keeper at Socket (""
+// none) keeps it and its held readers (keeper.go), and the next process
+// takes them back. Unfinished lists the dirs of the layers a previous
+// process may have left stubs in that no one will fill (every volume not
+// known whole): the readers of a marked file in them get EIO; of any other
+// file no layer of this process knows (one filled before its volume was
+// recorded whole), they go through.
+type Kept struct {
+	Socket     string
+	Unfinished func() []string
+}
+
+// OpenKept is Open with the group kept by k's keeper: the one it kept
+// already (a previous plugin's, with its marks), or a new one it is given.
+func OpenKept(root string, stall time.Duration, k Kept) (*Group, error) {
+	fd, kc := -1, (*keeperConn)(nil)
+	if k.Socket != "" {
+		var err error
+		if kc, fd, err = dialKeeper(k.Socket); err != nil {
+			return nil, err
+		}
+	}
+	inherited := fd >= 0
+	if fd < 0 {
+		var err error
+		fd, err = unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE|unix.FAN_UNLIMITED_MARKS,
+			unix.O_RDONLY|unix.O_LARGEFILE)
+		if err != nil {
+			if kc != nil {
+				kc.c.Close()
+			}
+			return nil, fmt.Errorf("making a fanotify pre-content group: %w", err)
+		}
+	}
+	if kc != nil && !inherited {
+		if err := kc.put(fd); err != nil {
+			kc.c.Close()
+			unix.Close(fd)
+			return nil, fmt.Errorf("handing the fanotify group to the fill keeper: %w", err)
+		}
 	}
 	// The clone is dissolved (and its marks with it) when the fd open_tree
 	// gives is closed, so that one is kept; a mark takes no O_PATH fd, so
@@ -117,14 +165,26 @@ func Open(root string, stall time.Duration) (*Group, error) {
 				unix.Close(c)
 			}
 		}
+		if kc != nil {
+			kc.c.Close()
+		}
 		return nil, err
 	}
 	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
-		files: map[fileKey]*file{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{}}
+		files: map[fileKey]*file{}, stale: map[fileKey]struct{}{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{}}
+	if inherited && k.Unfinished != nil {
+		g.stale = filesIn(k.Unfinished())
+	}
 	var fs unix.Statfs_t
 	g.byHandle.Store(unix.Fstatfs(tree, &fs) == nil && fs.Type == unix.XFS_SUPER_MAGIC)
 	g.loop.Add(1)
-	go g.run()
+	if kc != nil {
+		g.keeper.Store(kc)
+		klog.InfoS("The fanotify group of lazy fills is kept across restarts", "keeper", k.Socket, "takenBack", inherited)
+		go g.runKept(kc)
+	} else {
+		go g.run()
+	}
 	return g, nil
 }
 
@@ -149,11 +209,57 @@ func (g *Group) Close() error {
 	for l := range layers {
 		l.closeWatcher()
 	}
+	if kc := g.keeper.Load(); kc != nil {
+		// Its readers' answers are sent: the keeper keeps the group, and
+		// holds the readers of stubs not filled for the next plugin.
+		kc.c.Close()
+	}
 	err := g.events.Close()
 	g.loop.Wait()
 	g.unmarking.Wait()
 	g.putting.Wait()
 	return errors.Join(err, unix.Close(g.tree), unix.Close(g.clone))
+}
+
+// event is a held reader: fd is this process's descriptor of the file it
+// reached, id how the group knows the event (fd itself where this process
+// reads the group; the keeper's descriptor where the keeper does).
+type event struct{ fd, id int32 }
+
+// runKept dispatches the events the keeper hands over until the group is
+// closed. Should the keeper go, this process reads the group itself from
+// then on (the events the keeper read are answered by their IDs, which
+// the group knows them by).
+func (g *Group) runKept(kc *keeperConn) {
+	for {
+		op, fields, fd, err := readPacket(kc.c)
+		switch {
+		case err != nil:
+			g.mu.Lock()
+			closed := g.closed
+			g.mu.Unlock()
+			if closed {
+				g.loop.Done()
+				return
+			}
+			klog.ErrorS(err, "The fill keeper went: this process reads the fanotify group itself (a restart of the plugin now lets its readers go)")
+			g.keeper.Store(nil)
+			kc.c.Close()
+			g.run()
+			return
+		case op == opEvent && len(fields) == 1 && fd >= 0:
+			g.dispatch(event{fd: int32(fd), id: int32(uint32(fields[0]))})
+		case op == opSync && len(fields) == 1:
+			select {
+			case kc.synced <- fields[0]:
+			default:
+			}
+		default:
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+		}
+	}
 }
 
 // run reads events until the group is closed, and answers each at once or
@@ -177,18 +283,18 @@ func (g *Group) run() {
 			}
 			off += int(md.Event_len)
 			if md.Fd >= 0 {
-				g.dispatch(md.Fd)
+				g.dispatch(event{fd: md.Fd, id: md.Fd})
 			}
 		}
 	}
 }
 
-// dispatch answers the event whose fd is fd: at once if its file is filled
-// or not one of ours, else when its fill ends.
-func (g *Group) dispatch(fd int32) {
-	key, err := keyOf(int(fd))
+// dispatch answers ev: at once if its file is filled or not one of ours,
+// else when its fill ends.
+func (g *Group) dispatch(ev event) {
+	key, err := keyOf(int(ev.fd))
 	if err != nil {
-		g.respond(fd, denyEIO)
+		g.respond(ev, denyEIO)
 		return
 	}
 	g.mu.Lock()
@@ -203,7 +309,7 @@ func (g *Group) dispatch(fd int32) {
 	}
 	if f == nil {
 		g.mu.Unlock()
-		g.respond(fd, unix.FAN_ALLOW) // filled: an event that raced the removal of its mark
+		g.unknown(ev, key)
 		return
 	}
 	f.layer.reach(f)
@@ -212,7 +318,7 @@ func (g *Group) dispatch(fd int32) {
 		delete(g.files, f.key)
 		g.unmarking.Add(1)
 		g.mu.Unlock()
-		g.respond(fd, unix.FAN_ALLOW)
+		g.respond(ev, unix.FAN_ALLOW)
 		go func() { // off the loop: the next reader's event waits for it
 			defer g.unmarking.Done()
 			g.unmark(f)
@@ -220,10 +326,10 @@ func (g *Group) dispatch(fd int32) {
 		return
 	case f.state == failed:
 		g.mu.Unlock()
-		g.respond(fd, denyEIO) // its data will never be here
+		g.respond(ev, denyEIO) // its data will never be here
 		return
 	}
-	f.waiters = append(f.waiters, fd)
+	f.waiters = append(f.waiters, ev)
 	if f.layer.streamBringsNext(f) {
 		g.mu.Unlock()
 		time.AfterFunc(streamWaitMax, func() { f.layer.fetchStranded(f) })
@@ -246,14 +352,56 @@ func (g *Group) dispatch(fd int32) {
 	}()
 }
 
-func (g *Group) respond(fd int32, answer uint32) {
+// unknown answers an event on a marked file no layer here knows: a stub a
+// previous process marked and no one will fill (EIO, and its mark stays
+// for its next reader), or a file filled (its mark being removed raced
+// the reader, or a previous process filled it): let through.
+func (g *Group) unknown(ev event, key fileKey) {
+	g.mu.Lock()
+	_, stale := g.stale[key]
+	g.mu.Unlock()
+	if stale {
+		g.respond(ev, denyEIO)
+		return
+	}
+	// Its next readers need not wait for this process.
+	_ = unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, marked, int(ev.fd), "")
+	g.respond(ev, unix.FAN_ALLOW)
+}
+
+// filesIn are the regular files under dirs (by key), following no
+// symlink; a dir that cannot be read adds what was read of it.
+func filesIn(dirs []string) map[fileKey]struct{} {
+	out := map[fileKey]struct{}{}
+	for _, d := range dirs {
+		_ = filepath.WalkDir(d, func(_ string, e fs.DirEntry, err error) error {
+			if err != nil || !e.Type().IsRegular() {
+				return nil
+			}
+			if info, err := e.Info(); err == nil {
+				if st, ok := info.Sys().(*syscall.Stat_t); ok {
+					out[fileKey{dev: st.Dev, ino: st.Ino}] = struct{}{}
+				}
+			}
+			return nil
+		})
+	}
+	return out
+}
+
+func (g *Group) respond(ev event, answer uint32) {
 	g.answering.RLock()
 	defer g.answering.RUnlock()
-	resp := unix.FanotifyResponse{Fd: fd, Response: answer}
+	if kc := g.keeper.Load(); kc != nil && kc.answer(ev.id, answer) == nil {
+		unix.Close(int(ev.fd))
+		return
+	}
+	// The group knows the event by its ID, whoever read it.
+	resp := unix.FanotifyResponse{Fd: ev.id, Response: answer}
 	if _, err := g.events.Write((*[unsafe.Sizeof(resp)]byte)(unsafe.Pointer(&resp))[:]); err != nil && !errors.Is(err, os.ErrClosed) {
 		klog.ErrorS(err, "Answering a held reader")
 	}
-	unix.Close(int(fd))
+	unix.Close(int(ev.fd))
 }
 
 // Settle waits until every answer given so far is complete. An event
@@ -266,4 +414,7 @@ func (g *Group) respond(fd int32, answer uint32) {
 func (g *Group) Settle() {
 	g.answering.Lock()
 	g.answering.Unlock() // empty: waiting for the answers under way is the point
+	if kc := g.keeper.Load(); kc != nil {
+		kc.sync() // the keeper's descriptors of the events too
+	}
 }

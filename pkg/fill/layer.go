@@ -188,6 +188,7 @@ func (l *Layer) Add(fd int, s Stub) error {
 		return nil
 	}
 	l.g.files[f.key] = f
+	delete(l.g.stale, f.key) // (an inode of a stale stub's, since freed)
 	l.g.mu.Unlock()
 	l.mu.Lock()
 	l.files = append(l.files, f)

@@ -279,8 +279,8 @@ func (g *Group) finish(f *file, err error) {
 	if err != nil {
 		answer = denyEIO
 	}
-	for _, fd := range waiters {
-		g.respond(fd, answer) // a filled file's mark went with its write
+	for _, ev := range waiters {
+		g.respond(ev, answer) // a filled file's mark went with its write
 	}
 }
 

@@ -55,6 +55,9 @@ type PeerOptions struct {
 	// SwarmMinSize is the smallest layer a whole pull joins a swarm for
 	// (bytes; 0: none does).
 	SwarmMinSize int64
+	// FillKeeper is the socket of the process that keeps lazy fills'
+	// fanotify group across plugin restarts ("": none).
+	FillKeeper string
 }
 
 // DefaultPeerServerName is the name in the peer certificate a deployment
@@ -92,6 +95,10 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&p.ReadOrderRefresh, "read-order-refresh", p.ReadOrderRefresh,
 		"how old a read profile's record must be before a lazy pull under it records the step's read order again "+
 			"(recording costs each of the step's opens a notification); 0: every time")
+	fs.StringVar(&p.FillKeeper, "fill-keeper-socket", p.FillKeeper,
+		"the socket of `cowvol-plugin fill-keeper`, which keeps the fanotify group of lazy fills while this plugin restarts: "+
+			"a step reading a file not filled yet waits for the next plugin (the keeper's --grace) or gets EIO, never the file's holes (empty: none; "+
+			"a plugin's death then lets such readers through)")
 	fs.Var(quantityFlag{&p.SwarmMinSize}, "swarm-min-size",
 		"the smallest layer a node serving peers (--peer-address) pulls whole as a member of its swarm: from the node that asked its holder "+
 			"just before it, relaying it as it arrives to the one after, so that its holder's link carries it once however many nodes pull it "+
@@ -219,7 +226,7 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*pull.Config, error) 
 		relay = o.Peers.advertised()
 	}
 	return &pull.Config{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
-		RelayAddress: relay, SwarmMinBytes: o.Peers.SwarmMinSize,
+		RelayAddress: relay, SwarmMinBytes: o.Peers.SwarmMinSize, FillKeeper: o.Peers.FillKeeper,
 		ReadOrders: orders, Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
 }
 

@@ -1,7 +1,11 @@
 package pull
 
 import (
+	"errors"
 	"fmt"
+	"time"
+
+	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -65,7 +69,7 @@ func (pl *Puller) openLazy(asked, mode Mode, why, stateDir string) error {
 	if mode != Lazy {
 		return nil
 	}
-	g, err := fill.Open(stateDir, pl.cfg.Wait)
+	g, err := pl.openGroup(stateDir)
 	if err != nil {
 		if asked == Lazy {
 			return fmt.Errorf("--pull-mode=lazy: %w", err)
@@ -75,4 +79,45 @@ func (pl *Puller) openLazy(asked, mode Mode, why, stateDir string) error {
 	}
 	pl.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
 	return nil
+}
+
+// keeperWait is how long a starting plugin tries to reach its fill keeper
+// (the pod's sidecar starts first, but may be slow to listen).
+const keeperWait = 10 * time.Second
+
+// openGroup opens the fanotify group, kept by the fill keeper where there
+// is one. A keeper that cannot be reached leaves the group unkept, said in
+// the log and in the mode's why: a node that pulls is worth more than one
+// that refuses to start.
+func (pl *Puller) openGroup(stateDir string) (*fill.Group, error) {
+	if pl.cfg.FillKeeper == "" {
+		return fill.Open(stateDir, pl.cfg.Wait)
+	}
+	kept := fill.Kept{Socket: pl.cfg.FillKeeper, Unfinished: pl.unfinishedLayers}
+	deadline := time.Now().Add(keeperWait)
+	for {
+		g, err := fill.OpenKept(stateDir, pl.cfg.Wait, kept)
+		if err == nil || !errors.Is(err, fill.ErrNoKeeper) {
+			return g, err
+		}
+		if time.Now().After(deadline) {
+			klog.ErrorS(err, "Lazy fills are not kept across restarts of the plugin: a restart lets the readers of files not filled yet read holes")
+			pl.why += "; not kept across restarts: " + err.Error()
+			return fill.Open(stateDir, pl.cfg.Wait)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// unfinishedLayers are the data dirs of the volumes not known whole: a
+// previous plugin's lazy fills left stubs in them that no one will fill
+// (recovery fails a volume that was filling).
+func (pl *Puller) unfinishedLayers() []string {
+	var dirs []string
+	for _, v := range pl.store.List() {
+		if v.State != volume.StateReady && v.Layer != "" {
+			dirs = append(dirs, pl.store.DataPath(v))
+		}
+	}
+	return dirs
 }

@@ -80,6 +80,10 @@ type Config struct {
 	// (see swarm.go).
 	RelayAddress  string
 	SwarmMinBytes int64
+	// FillKeeper is the socket of the process that keeps the lazy fills'
+	// fanotify group (and its held readers) while this plugin restarts
+	// ("": none; see fill.Kept).
+	FillKeeper string
 }
 
 // ReadOrderShare is where nodes leave the read orders they record for each
