@@ -671,3 +671,44 @@ func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
 		})
 	}
 }
+
+// A holder whose plugin restarts (SIGKILLed, as a crash or a roll of the
+// node plugins does) is waited for: readers of files not filled yet on the
+// puller wait until it is back and get its bytes, not EIO; only a holder
+// gone for longer than --pull-wait fails them.
+func TestLazyPullWaitsForARestartingHolder(t *testing.T) {
+	a, b, _ := lazyNodesAt(t, 4<<20, "--pull-wait=30s")
+	const files = 24
+	a.step("", "src", func(dir string) {
+		for i := range files {
+			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 1<<20, uint64(i+1))
+		}
+	})
+	sums := map[string]string{}
+	a.read("src", func(dir string) {
+		for i := range files {
+			name := fmt.Sprintf("f-%02d", i)
+			sums[name] = fileDigest(t, filepath.Join(dir, name))
+		}
+	})
+	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+	require.NoError(t, b.publishWaiting(v))
+	a.p.Kill()
+	errs := make(chan error, files)
+	for name, sum := range sums {
+		go func() {
+			data, err := os.ReadFile(filepath.Join(v.Target, name))
+			if digest := sha256.Sum256(data); err == nil && hex.EncodeToString(digest[:]) != sum {
+				err = fmt.Errorf("%s read with the wrong data", name)
+			}
+			errs <- err
+		}()
+	}
+	time.Sleep(3 * time.Second) // the readers of what was not filled wait
+	a.p.Restart()
+	for range files {
+		require.NoError(t, <-errs, "a reader waits for its holder's plugin to come back")
+	}
+	eventually(t, "the volume to be filled", func() bool { return volumeState(t, b, "src") == "ready" })
+	b.umount(v)
+}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"sync"
 	"syscall"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -34,7 +35,12 @@ type lazySource struct {
 	peer    string // the holder fetched from ("": none yet)
 	address string
 	lanes   [2]lane
-	failed  map[string]bool
+	// failed are the holders never asked again (they sent wrong bytes);
+	// lost those that could not be reached or stopped sending, since
+	// when: asked again while the locator still lists them (a plugin
+	// restarting, not a node gone) for up to the pull's wait.
+	failed map[string]bool
+	lost   map[string]time.Time
 	// pods are those the pull was made for, told of wrong bytes.
 	pods []volume.Pod
 }
@@ -50,58 +56,119 @@ const (
 	urgentLane = 1 // fetches and read-aheads readers wait for
 )
 
+// holderRetry is how often a source whose holders are all lost dials
+// them again.
+const holderRetry = 250 * time.Millisecond
+
 // current returns the holder to fetch from and a client on its lane,
-// dialling the next holder not yet failed if there is none.
+// dialling the next holder not yet failed if there is none. When every
+// holder is lost, those the locator still lists are dialled again every
+// holderRetry until one answers or the pull's wait since it was lost
+// passes: a holder's plugin that restarts (an upgrade rolls every node's)
+// is back within seconds, and its readers here wait for it rather than
+// get EIO.
 func (s *lazySource) current(ctx context.Context, which int) (*streamer.Client, string, error) {
+	for {
+		client, peer, wait, err := s.tryCurrent(ctx, which)
+		if !wait {
+			return client, peer, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, "", context.Cause(ctx)
+		case <-time.After(holderRetry):
+		}
+	}
+}
+
+// tryCurrent is one round of current: wait says that every holder is
+// lost and some may be back soon.
+func (s *lazySource) tryCurrent(ctx context.Context, which int) (_ *streamer.Client, _ string, wait bool, _ error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ln := &s.lanes[which]
 	if ln.client != nil {
-		return ln.client, s.peer, nil
+		return ln.client, s.peer, false, nil
 	}
 	dial := s.pl.cfg.Dial
 	if s.peer != "" {
 		client, conn, err := dial(s.address)
 		if err == nil {
 			ln.client, ln.conn = client, conn
-			return client, s.peer, nil
+			return client, s.peer, false, nil
 		}
 		klog.ErrorS(err, "Dialling the holder of a lazily pulled layer again failed; trying another holder", "volume", s.layer.Ref, "peer", s.peer)
-		s.dropLocked(s.peer)
+		s.loseLocked(s.peer)
 	}
 	holders, err := s.pl.cfg.Locator.Holders(ctx, s.namespace, s.top.Ref)
 	if err != nil {
-		return nil, "", fmt.Errorf("finding the nodes that hold %s: %w", s.top.Ref, err)
+		return nil, "", false, fmt.Errorf("finding the nodes that hold %s: %w", s.top.Ref, err)
 	}
+	// Those not lost first, then those lost within the wait.
 	var errs []error
-	for _, h := range holders {
-		if h.NodeID == s.pl.nodeID || h.Address == "" || s.failed[h.NodeID] {
-			continue
+	now := time.Now()
+	for _, retrying := range []bool{false, true} {
+		for _, h := range holders {
+			since, lost := s.lost[h.NodeID]
+			if h.NodeID == s.pl.nodeID || h.Address == "" || s.failed[h.NodeID] || lost != retrying ||
+				(lost && now.Sub(since) > s.pl.cfg.Wait) {
+				continue
+			}
+			client, conn, err := dial(h.Address)
+			if err != nil {
+				errs = append(errs, err)
+				wait = wait || lost
+				continue
+			}
+			ln.client, ln.conn = client, conn
+			s.peer, s.address = h.NodeID, h.Address
+			return client, h.NodeID, false, nil
 		}
-		client, conn, err := dial(h.Address)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		ln.client, ln.conn = client, conn
-		s.peer, s.address = h.NodeID, h.Address
-		return client, h.NodeID, nil
 	}
-	return nil, "", fmt.Errorf("no peer left that holds %s: %w", s.top.Ref, errors.Join(append(errs, ErrPullFailed)...))
+	return nil, "", wait, fmt.Errorf("no peer left that holds %s: %w", s.top.Ref, errors.Join(append(errs, ErrPullFailed)...))
 }
 
-// drop moves on from peer, which failed.
-func (s *lazySource) drop(peer string) {
+// lose moves on from peer, which could not be reached or stopped sending:
+// asked again once no other holder is left, within the pull's wait from
+// when it was first lost. It says whether peer was lost already (it
+// failed again as soon as it was asked again).
+func (s *lazySource) lose(peer string) (again bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.dropLocked(peer)
+	return s.loseLocked(peer)
 }
 
-func (s *lazySource) dropLocked(peer string) {
+func (s *lazySource) loseLocked(peer string) (again bool) {
+	if s.lost == nil {
+		s.lost = map[string]time.Time{}
+	}
+	if _, again = s.lost[peer]; !again {
+		s.lost[peer] = time.Now()
+	}
+	s.leaveLocked(peer)
+	return again
+}
+
+// reached: peer sent data, and is no longer lost.
+func (s *lazySource) reached(peer string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.lost, peer)
+}
+
+// fail moves on from peer for good: it sent wrong bytes.
+func (s *lazySource) fail(peer string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.failed == nil {
 		s.failed = map[string]bool{}
 	}
 	s.failed[peer] = true
+	s.leaveLocked(peer)
+}
+
+// leaveLocked stops fetching from peer (under mu).
+func (s *lazySource) leaveLocked(peer string) {
 	if s.peer == peer {
 		s.closeLanes()
 		s.peer, s.address = "", ""
@@ -130,6 +197,9 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 		n, err := client.ReadLayerFile(ctx, s.namespace, s.layer.Ref, s.top.Ref, rel, done, size-done, w)
 		done += n
 		s.pl.metrics.fillBytes.Add(float64(n))
+		if n > 0 {
+			s.reached(peer)
+		}
 		if err == nil && done < size {
 			err = fmt.Errorf("%s ended at %d of %d bytes", rel, done, size)
 		}
@@ -140,7 +210,13 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 			return err
 		}
 		klog.ErrorS(err, "Fetching a lazily pulled file failed; trying another holder", "volume", s.layer.Ref, "file", rel, "peer", peer)
-		s.drop(peer)
+		if s.lose(peer) { // asked again, and failed again: not at once once more
+			select {
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			case <-time.After(holderRetry):
+			}
+		}
 	}
 	return nil
 }
@@ -166,7 +242,7 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []stri
 		return err
 	})
 	if err != nil && !errors.Is(err, errRelayFailed) && ctx.Err() == nil {
-		s.drop(peer)
+		s.lose(peer)
 	}
 	return err
 }
@@ -220,7 +296,7 @@ func (s *lazySource) corrupt(rel, from string, err error) {
 			"what it was captured with; it was fetched again, and no reader saw it", from, peer, s.top.Ref.Handle))
 	}
 	if from == fill.FromHolder && peer != "" {
-		s.drop(peer)
+		s.fail(peer)
 	}
 }
 
