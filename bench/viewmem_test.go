@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/concourse/cowvol/pkg/controller"
+	model "github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -42,19 +42,19 @@ func BenchmarkViewMemory(b *testing.B) {
 // heap it holds.
 func viewHeap(b *testing.B, nodes, perNode int, shared bool) float64 {
 	before := liveHeap()
-	v := controller.NewView(time.Hour, time.Hour)
+	v := model.NewView(time.Hour, time.Hour)
 	now := time.Now()
 	for n := range nodes {
-		r := controller.Report{NodeID: fmt.Sprintf("node-%04d", n), StoreID: fmt.Sprintf("store-%04d", n), Revision: 1, Full: true,
-			PeerAddress: fmt.Sprintf("10.0.%d.%d:7443", n/250, n%250), Upserts: make([]controller.Held, perNode)}
+		r := model.Report{NodeID: fmt.Sprintf("node-%04d", n), StoreID: fmt.Sprintf("store-%04d", n), Revision: 1, Full: true,
+			PeerAddress: fmt.Sprintf("10.0.%d.%d:7443", n/250, n%250), Upserts: make([]model.Held, perNode)}
 		for i := range r.Upserts {
 			handle := fmt.Sprintf("n%04d-v%05d", n, i)
 			if shared {
 				handle = fmt.Sprintf("shared-v%05d", i)
 			}
-			r.Upserts[i] = controller.Held{Ref: volume.Ref{Namespace: fmt.Sprintf("team-%d", i%20), Handle: handle},
+			r.Upserts[i] = model.Held{Ref: volume.Ref{Namespace: fmt.Sprintf("team-%d", i%20), Handle: handle},
 				State: volume.StateReady, SizeBytes: int64(1<<20 + n*i), Scope: volume.ScopeNamespace,
-				Properties: []controller.Property{{Key: "resource", Value: "repo"}, {Key: "version", Value: strconv.Itoa(i)}}}
+				Properties: []model.Property{{Key: "resource", Value: "repo"}, {Key: "version", Value: strconv.Itoa(i)}}}
 		}
 		if _, err := v.Report(r, now); err != nil {
 			b.Fatal(err)

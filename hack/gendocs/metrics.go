@@ -201,13 +201,14 @@ func labelKeys(e ast.Expr) []string {
 
 // servedBy says which process serves a package's (or a file's) metrics.
 var servedBy = map[string]string{
-	"plugin":     "every mode",
-	"report":     "node plugin (with a controller)",
-	"node":       "node plugin",
-	"streamer":   "node plugin (peers)",
-	"pull":       "node plugin (pulls)",
-	"registry":   "node plugin (image registry)",
-	"controller": "controller",
+	"plugin":           "every mode",
+	"report":           "node plugin (with a controller)",
+	"node":             "node plugin",
+	"streamer":         "node plugin (peers)",
+	"pull":             "node plugin (pulls)",
+	"registry":         "node plugin (image registry)",
+	"controller":       "controller",
+	"controller/fleet": "controller",
 }
 
 func metricsPage(ms []metric) string {

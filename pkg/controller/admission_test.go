@@ -21,6 +21,7 @@ import (
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	"github.com/concourse/cowvol/pkg/client"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -94,12 +95,12 @@ func TestFullReportsKeepsRoomForThoseItTold(t *testing.T) {
 
 // registryOnLoopback serves a view's Registry as the controller does, with
 // gate, and returns a client of it.
-func registryOnLoopback(t *testing.T, v *View, gate *FullReports) controllerv1.RegistryClient {
+func registryOnLoopback(t *testing.T, v *fleet.View, gate *FullReports) controllerv1.RegistryClient {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	srv := grpc.NewServer(append(ServerOptions(), grpc.MaxRecvMsgSize(controllerv1.MaxMessage))...)
-	Register(srv, v, NewReadOrders(1<<20), gate, NewMetrics(v), nil, nil)
+	Register(srv, v, fleet.NewReadOrders(1<<20), gate, fleet.NewMetrics(v), nil, nil)
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -133,7 +134,7 @@ func sendParts(ctx context.Context, reg controllerv1.RegistryClient, node string
 // inventory bigger than a message arrives whole in parts, and parts that
 // say they are another node's are refused.
 func TestReportsAreGatedByWhatTheyAre(t *testing.T) {
-	v := NewView(time.Minute, time.Hour)
+	v := fleet.NewView(time.Minute, time.Hour)
 	gate := NewFullReports(1)
 	reg := registryOnLoopback(t, v, gate)
 	ctx := t.Context()

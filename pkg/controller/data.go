@@ -13,6 +13,7 @@ import (
 	"k8s.io/klog/v2"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -186,7 +187,7 @@ const reportWait = 10 * time.Second
 // awaitReport answers an upload once the node has reported the volume, so
 // that the uploader's next lookup or read finds it; a node slow to report
 // gets the answer built from what the upload made.
-func (s *cacheServer) awaitReport(ctx context.Context, ref volume.Ref, node string, l streamer.Layer) Location {
+func (s *cacheServer) awaitReport(ctx context.Context, ref volume.Ref, node string, l streamer.Layer) fleet.Location {
 	deadline := time.Now().Add(reportWait)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
 		if loc := s.view.Lookup([]volume.Ref{ref}, 0, time.Now())[0]; slices.Contains(loc.Nodes, node) {
@@ -194,7 +195,7 @@ func (s *cacheServer) awaitReport(ctx context.Context, ref volume.Ref, node stri
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return Location{Ref: ref, Found: true, State: volume.StateReady, SizeBytes: -1,
+	return fleet.Location{Ref: ref, Found: true, State: volume.StateReady, SizeBytes: -1,
 		Scope: l.Scope, Properties: l.Properties, Nodes: []string{node}, NodeCount: 1, PeerAddresses: []string{s.view.PeerAddress(node)}}
 }
 

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -85,8 +86,8 @@ func reportHandler(srv any, ctx context.Context, dec func(any) error, intercepto
 // as refFromWire checks one. The volumes' names and properties are strings over raw (which
 // must not change): what the view keeps of them it copies (View.put). The
 // node's own names are copies: the controller keeps them.
-func decodeReport(raw []byte) (Report, error) {
-	var r Report
+func decodeReport(raw []byte) (fleet.Report, error) {
+	var r fleet.Report
 	// Counted first, and bounded before anything is made: the upserts' and
 	// their properties' arrays are made once, at their size (a count the
 	// sender chose: a few bytes an entry would otherwise cost a hundred).
@@ -98,28 +99,28 @@ func decodeReport(raw []byte) (Report, error) {
 		switch num {
 		case 6:
 			if upserts++; upserts > controllerv1.MaxReportVolumes {
-				return fmt.Errorf("a report of more than %d volumes: %w", controllerv1.MaxReportVolumes, ErrInvalid)
+				return fmt.Errorf("a report of more than %d volumes: %w", controllerv1.MaxReportVolumes, fleet.ErrInvalid)
 			}
 			return eachField(v, func(num protowire.Number, typ protowire.Type, _ []byte, _ uint64) error {
 				if num == 7 && typ == protowire.BytesType {
 					if props++; props > controllerv1.MaxReportProperties {
-						return fmt.Errorf("a report of more than %d properties: %w", controllerv1.MaxReportProperties, ErrInvalid)
+						return fmt.Errorf("a report of more than %d properties: %w", controllerv1.MaxReportProperties, fleet.ErrInvalid)
 					}
 				}
 				return nil
 			})
 		case 7:
 			if deletes++; deletes > controllerv1.MaxReportVolumes {
-				return fmt.Errorf("a report of more than %d deletions: %w", controllerv1.MaxReportVolumes, ErrInvalid)
+				return fmt.Errorf("a report of more than %d deletions: %w", controllerv1.MaxReportVolumes, fleet.ErrInvalid)
 			}
 		}
 		return nil
 	})
 	if err != nil {
-		return Report{}, err
+		return fleet.Report{}, err
 	}
-	r.Upserts = make([]Held, 0, upserts)
-	properties := make([]Property, 0, props)
+	r.Upserts = make([]fleet.Held, 0, upserts)
+	properties := make([]fleet.Property, 0, props)
 	err = eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error {
 		var err error
 		switch {
@@ -144,7 +145,7 @@ func decodeReport(raw []byte) (Report, error) {
 		case typ == protowire.VarintType && num == 5:
 			r.BaseRevision = n
 		case typ == protowire.BytesType && num == 6:
-			var h Held
+			var h fleet.Held
 			h, properties, err = decodeHeld(v, properties)
 			r.Upserts = append(r.Upserts, h)
 		case typ == protowire.BytesType && num == 7:
@@ -163,14 +164,14 @@ func decodeReport(raw []byte) (Report, error) {
 		return err
 	})
 	if err != nil {
-		return Report{}, err
+		return fleet.Report{}, err
 	}
 	return r, nil
 }
 
 // decodeHeld reads a VolumeSummary, its properties appended to props.
-func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
-	var h Held
+func decodeHeld(raw []byte, props []fleet.Property) (fleet.Held, []fleet.Property, error) {
+	var h fleet.Held
 	var parent, base volume.Ref
 	from := len(props)
 	err := eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error {
@@ -194,7 +195,7 @@ func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
 		case typ == protowire.BytesType && num == 5:
 			return decodeRef(v, &base) // (checked as UTF-8, and left)
 		case typ == protowire.BytesType && num == 7:
-			var p Property
+			var p fleet.Property
 			err := decodePair(v, &p.Key, &p.Value)
 			props = append(props, p)
 			return err
@@ -208,14 +209,14 @@ func decodeHeld(raw []byte, props []Property) (Held, []Property, error) {
 		return nil
 	})
 	if err != nil {
-		return Held{}, props, err
+		return fleet.Held{}, props, err
 	}
 	if err := checkRef(h.Ref); err != nil {
-		return Held{}, props, err
+		return fleet.Held{}, props, err
 	}
 	if parent.Handle != "" {
 		if err := checkRef(parent); err != nil {
-			return Held{}, props, err
+			return fleet.Held{}, props, err
 		}
 		h.Parent = parent
 	}
@@ -254,7 +255,7 @@ func decodePair(raw []byte, first, second *string) error {
 // checkRef is refFromWire's check of a ref.
 func checkRef(ref volume.Ref) error {
 	if err := ref.Validate(); err != nil {
-		return fmt.Errorf("volume: %w: %w", err, ErrInvalid)
+		return fmt.Errorf("volume: %w: %w", err, fleet.ErrInvalid)
 	}
 	return nil
 }
@@ -269,7 +270,7 @@ func eachField(raw []byte, fn func(num protowire.Number, typ protowire.Type, v [
 			return malformed(w)
 		}
 		if num > protowire.MaxValidNumber {
-			return fmt.Errorf("a malformed report: field number %d: %w", num, ErrInvalid)
+			return fmt.Errorf("a malformed report: field number %d: %w", num, fleet.ErrInvalid)
 		}
 		raw = raw[w:]
 		var v []byte
@@ -303,7 +304,7 @@ func eachField(raw []byte, fn func(num protowire.Number, typ protowire.Type, v [
 }
 
 func malformed(w int) error {
-	return fmt.Errorf("a malformed report: %w: %w", protowire.ParseError(w), ErrInvalid)
+	return fmt.Errorf("a malformed report: %w: %w", protowire.ParseError(w), fleet.ErrInvalid)
 }
 
 // stringField is a string field's bytes as a string sharing them (they
@@ -311,7 +312,7 @@ func malformed(w int) error {
 func stringField(num protowire.Number, v []byte) (string, error) {
 	s := unsafe.String(unsafe.SliceData(v), len(v))
 	if !utf8.ValidString(s) {
-		return "", fmt.Errorf("a malformed report: field %d is not UTF-8: %w", num, ErrInvalid)
+		return "", fmt.Errorf("a malformed report: field %d is not UTF-8: %w", num, fleet.ErrInvalid)
 	}
 	return s, nil
 }

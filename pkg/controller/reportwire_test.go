@@ -11,15 +11,16 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // reportFromMessage is a report read through the generated types, checked
 // as decodeReport checks it: the reference decodeReport is held to.
-func reportFromMessage(req *controllerv1.ReportRequest) (Report, error) {
-	r := Report{NodeID: req.GetNodeId(), StoreID: req.GetStoreId(), Revision: req.GetRevision(), BaseRevision: req.GetBaseRevision(),
+func reportFromMessage(req *controllerv1.ReportRequest) (fleet.Report, error) {
+	r := fleet.Report{NodeID: req.GetNodeId(), StoreID: req.GetStoreId(), Revision: req.GetRevision(), BaseRevision: req.GetBaseRevision(),
 		Full: req.GetFull(), BytesFree: req.GetBytesFree(), OverHighWatermark: req.GetOverHighWatermark(),
-		StepVolumes: req.GetStepVolumes(), PeerAddress: req.GetPeerAddress(), Upserts: make([]Held, len(req.GetUpserts()))}
+		StepVolumes: req.GetStepVolumes(), PeerAddress: req.GetPeerAddress(), Upserts: make([]fleet.Held, len(req.GetUpserts()))}
 	// Every volume's properties in one array: a full report of 10,000
 	// volumes is otherwise 10,000 small allocations more than the
 	// message's own, on the path every node's report takes.
@@ -27,23 +28,23 @@ func reportFromMessage(req *controllerv1.ReportRequest) (Report, error) {
 	for _, s := range req.GetUpserts() {
 		total += len(s.GetProperties())
 	}
-	props := make([]Property, 0, total)
+	props := make([]fleet.Property, 0, total)
 	for i, s := range req.GetUpserts() {
 		ref, err := refFromWire(s.GetRef())
 		if err != nil {
-			return Report{}, err
+			return fleet.Report{}, err
 		}
-		h := Held{Ref: ref, State: volume.State(s.GetState()), SizeBytes: s.GetSizeBytes(), Scope: volume.Scope(s.GetScope()),
+		h := fleet.Held{Ref: ref, State: volume.State(s.GetState()), SizeBytes: s.GetSizeBytes(), Scope: volume.Scope(s.GetScope()),
 			StepVolumes: s.GetStepVolumes(), Pinned: s.GetPinned(), Copies: s.GetCopies()}
 		if p := s.GetParent(); p.GetHandle() != "" {
 			if h.Parent, err = refFromWire(p); err != nil {
-				return Report{}, err
+				return fleet.Report{}, err
 			}
 		}
 		if ps := s.GetProperties(); len(ps) > 0 {
 			from := len(props)
 			for _, p := range ps {
-				props = append(props, Property{Key: p.GetKey(), Value: p.GetValue()})
+				props = append(props, fleet.Property{Key: p.GetKey(), Value: p.GetValue()})
 			}
 			h.Properties = props[from:len(props):len(props)]
 		}
@@ -51,7 +52,7 @@ func reportFromMessage(req *controllerv1.ReportRequest) (Report, error) {
 	}
 	var err error
 	if r.Deletes, err = refsFromWire(req.GetDeletes()); err != nil {
-		return Report{}, err
+		return fleet.Report{}, err
 	}
 	return r, nil
 }
@@ -90,13 +91,13 @@ func FuzzDecodeReport(f *testing.F) {
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		got, err := decodeReport(raw)
 		var msg controllerv1.ReportRequest
-		want, wantErr := Report{}, proto.Unmarshal(raw, &msg)
+		want, wantErr := fleet.Report{}, proto.Unmarshal(raw, &msg)
 		if wantErr == nil {
 			want, wantErr = reportFromMessage(&msg)
 		}
 		if wantErr != nil {
 			require.Error(t, err, "the generated types refuse it: %v", wantErr)
-			require.ErrorIs(t, err, ErrInvalid)
+			require.ErrorIs(t, err, fleet.ErrInvalid)
 			return
 		}
 		require.NoError(t, err)
@@ -105,7 +106,7 @@ func FuzzDecodeReport(f *testing.F) {
 }
 
 // normalized is r with its empty lists nil.
-func normalized(r Report) Report {
+func normalized(r fleet.Report) fleet.Report {
 	if len(r.Upserts) == 0 {
 		r.Upserts = nil
 	}
@@ -134,14 +135,14 @@ func TestTheViewKeepsNoneOfAReportsBytes(t *testing.T) {
 	require.NoError(t, err)
 	report, err := decodeReport(raw)
 	require.NoError(t, err)
-	v := NewView(time.Minute, time.Hour)
+	v := fleet.NewView(time.Minute, time.Hour)
 	now := time.Now()
 	_, err = v.Report(report, now)
 	require.NoError(t, err)
 	for i := range raw {
 		raw[i] = 'x'
 	}
-	locs, _, err := v.List(ListQuery{}, now)
+	locs, _, err := v.List(fleet.ListQuery{}, now)
 	require.NoError(t, err)
 	require.Len(t, locs, 2)
 	require.Equal(t, volume.Ref{Namespace: "ci", Handle: "out"}, locs[0].Ref)
@@ -186,11 +187,11 @@ func TestDecodeReportBoundsItsCountsFirst(t *testing.T) {
 			runtime.ReadMemStats(&before)
 			_, err := decodeReport(tc.raw)
 			runtime.ReadMemStats(&after)
-			require.ErrorIs(t, err, ErrInvalid)
+			require.ErrorIs(t, err, fleet.ErrInvalid)
 			require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(1<<20), "bytes allocated refusing it")
 		})
 	}
 	_, err := decodeReport(entry(6, controllerv1.MaxReportVolumes))
-	require.ErrorIs(t, err, ErrInvalid, "as many as the bound are read, and refused for what they are (no ref)")
+	require.ErrorIs(t, err, fleet.ErrInvalid, "as many as the bound are read, and refused for what they are (no ref)")
 	require.NotContains(t, err.Error(), "more than")
 }

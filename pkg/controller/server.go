@@ -1,3 +1,11 @@
+// Package controller serves the fleet's model (pkg/controller/fleet) over
+// gRPC: the nodes' Registry (reports read from their bytes, reportwire.go,
+// admitted a few whole inventories at a time, admission.go) and the
+// schedulers' Cache API (server.go, and data.go, which reads and uploads
+// volumes through the nodes), with who may ask (a tokens file, or the API
+// server's TokenReviews and SubjectAccessReviews: auth.go, kubeauth.go).
+// It converts at the edge (wire.go): how the model keeps a fleet in
+// memory is its own business.
 package controller
 
 import (
@@ -15,6 +23,7 @@ import (
 	"k8s.io/klog/v2"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -31,16 +40,16 @@ type NodeEvents interface {
 // schedulers) on srv, which must have been made with ServerOptions.
 // dial reaches nodes' data for reads and uploads (nil: they are refused).
 // orders keep the read orders nodes share.
-func Register(srv *grpc.Server, v *View, orders *ReadOrders, fullReports *FullReports, m *Metrics, events NodeEvents, dial PeerDialer) {
+func Register(srv *grpc.Server, v *fleet.View, orders *fleet.ReadOrders, fullReports *FullReports, m *fleet.Metrics, events NodeEvents, dial PeerDialer) {
 	srv.RegisterService(registryDesc(), &registryServer{view: v, orders: orders, fullReports: fullReports})
 	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events, dial: dial})
 }
 
 func code(err error) error {
 	switch {
-	case errors.Is(err, ErrInvalid):
+	case errors.Is(err, fleet.ErrInvalid):
 		return status.Error(codes.InvalidArgument, err.Error())
-	case errors.Is(err, ErrUnknownNode):
+	case errors.Is(err, fleet.ErrUnknownNode):
 		return status.Error(codes.NotFound, err.Error())
 	}
 	return status.Error(codes.Internal, err.Error())
@@ -48,8 +57,8 @@ func code(err error) error {
 
 type registryServer struct {
 	controllerv1.UnimplementedRegistryServer
-	view        *View
-	orders      *ReadOrders
+	view        *fleet.View
+	orders      *fleet.ReadOrders
 	fullReports *FullReports
 }
 
@@ -139,7 +148,7 @@ func readParts(stream controllerv1.Registry_SendReportServer) ([]byte, error) {
 }
 
 // apply brings the view up to a node's report.
-func (s *registryServer) apply(report Report) (*controllerv1.ReportResponse, error) {
+func (s *registryServer) apply(report fleet.Report) (*controllerv1.ReportResponse, error) {
 	now := time.Now()
 	answer, err := s.view.Report(report, now)
 	if err != nil {
@@ -194,8 +203,8 @@ func (s *registryServer) GetReadOrder(ctx context.Context, req *controllerv1.Get
 
 type cacheServer struct {
 	controllerv1.UnimplementedCacheServer
-	view    *View
-	metrics *Metrics
+	view    *fleet.View
+	metrics *fleet.Metrics
 	events  NodeEvents
 	dial    PeerDialer
 }
@@ -217,7 +226,7 @@ func (s *cacheServer) lookup(ctx context.Context, refs []*controllerv1.VolumeRef
 	may := CallerFrom(ctx).MayIn(ctx, "get")
 	for i, l := range locs {
 		if l.Scope != volume.ScopeCluster && !may(l.Ref.Namespace) {
-			locs[i] = Location{Ref: l.Ref}
+			locs[i] = fleet.Location{Ref: l.Ref}
 		}
 	}
 	return toWireLocations(locs), nil
@@ -262,7 +271,7 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	after := ""
 	if tok := req.GetPageToken(); tok != "" {
 		var err error
-		if after, err = AfterToken(tok); err != nil {
+		if after, err = fleet.AfterToken(tok); err != nil {
 			return nil, code(err)
 		}
 	}
@@ -271,14 +280,14 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 	if c.May(ctx, "list", ResourceVolumes, "") {
 		visible = nil // every namespace
 	}
-	vols, more, err := s.view.List(ListQuery{Visible: visible, Namespace: req.GetNamespace(), Node: req.GetNodeId(),
+	vols, more, err := s.view.List(fleet.ListQuery{Visible: visible, Namespace: req.GetNamespace(), Node: req.GetNodeId(),
 		Selector: req.GetSelector(), After: after, Limit: limit, MaxNodes: int(req.GetMaxNodes())}, time.Now())
 	if err != nil {
 		return nil, code(err)
 	}
 	resp := &controllerv1.ListVolumesResponse{Volumes: toWireLocations(vols)}
 	if more {
-		resp.NextPageToken = PageToken(vols[len(vols)-1].Ref)
+		resp.NextPageToken = fleet.PageToken(vols[len(vols)-1].Ref)
 	}
 	return resp, nil
 }

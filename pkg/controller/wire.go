@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -17,7 +18,7 @@ import (
 func refFromWire(r *controllerv1.VolumeRef) (volume.Ref, error) {
 	ref := volume.Ref{Namespace: r.GetNamespace(), Handle: r.GetHandle()}
 	if err := ref.Validate(); err != nil {
-		return ref, fmt.Errorf("volume: %w: %w", err, ErrInvalid)
+		return ref, fmt.Errorf("volume: %w: %w", err, fleet.ErrInvalid)
 	}
 	return ref, nil
 }
@@ -33,7 +34,7 @@ func refsFromWire(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
 	return out, nil
 }
 
-func toWireAnswer(a Answer) *controllerv1.ReportResponse {
+func toWireAnswer(a fleet.Answer) *controllerv1.ReportResponse {
 	resp := &controllerv1.ReportResponse{Resync: a.Resync, Revision: a.Revision, Destroy: controllerv1.RefsOf(a.Destroy),
 		Copy: controllerv1.RefsOf(a.Copy), RefuseCaptures: a.RefuseCaptures, MaxCopies: int32(a.MaxCopies), CopiesSpent: a.CopiesSpent}
 	for _, p := range a.Pins {
@@ -54,13 +55,13 @@ func untilFromWire(u *timestamppb.Timestamp) time.Time {
 	return u.AsTime()
 }
 
-func toWireLocation(l Location) *controllerv1.VolumeLocation {
+func toWireLocation(l fleet.Location) *controllerv1.VolumeLocation {
 	return &controllerv1.VolumeLocation{Ref: controllerv1.RefOf(l.Ref), Found: l.Found, State: string(l.State), SizeBytes: l.SizeBytes,
 		Parent: controllerv1.RefOf(l.Parent), Scope: string(l.Scope), Properties: l.Properties, Nodes: l.Nodes,
 		PublishedNodes: l.PublishedNodes, Pinned: l.Pinned, PeerAddresses: l.PeerAddresses, NodeCount: int32(l.NodeCount)}
 }
 
-func toWireLocations(locs []Location) []*controllerv1.VolumeLocation {
+func toWireLocations(locs []fleet.Location) []*controllerv1.VolumeLocation {
 	out := make([]*controllerv1.VolumeLocation, len(locs))
 	for i, l := range locs {
 		out[i] = toWireLocation(l)
@@ -70,7 +71,7 @@ func toWireLocations(locs []Location) []*controllerv1.VolumeLocation {
 
 // toWirePlacements converts placements, the Missing that several share
 // (View.Place gives every node missing all inputs the same) once.
-func toWirePlacements(ps []Placement) []*controllerv1.NodePlacement {
+func toWirePlacements(ps []fleet.Placement) []*controllerv1.NodePlacement {
 	out := make([]*controllerv1.NodePlacement, len(ps))
 	var shared []volume.Ref
 	var sharedWire []*controllerv1.VolumeRef
@@ -85,13 +86,13 @@ func toWirePlacements(ps []Placement) []*controllerv1.NodePlacement {
 	return out
 }
 
-func toWireNodeStatus(s NodeStatus) *controllerv1.NodeStatus {
+func toWireNodeStatus(s fleet.NodeStatus) *controllerv1.NodeStatus {
 	return &controllerv1.NodeStatus{NodeId: s.NodeID, StoreId: s.StoreID, State: s.State, LastReport: timestamppb.New(s.LastReport),
 		Revision: s.Revision, Volumes: s.Volumes, Bytes: s.Bytes, BytesFree: s.BytesFree, OverHighWatermark: s.OverHighWatermark,
 		PeerAddress: s.PeerAddress}
 }
 
-func toWireVolumeNodes(vns []VolumeNodes) []*controllerv1.VolumeNodes {
+func toWireVolumeNodes(vns []fleet.VolumeNodes) []*controllerv1.VolumeNodes {
 	out := make([]*controllerv1.VolumeNodes, len(vns))
 	for i, vn := range vns {
 		out[i] = &controllerv1.VolumeNodes{Ref: controllerv1.RefOf(vn.Ref), Nodes: vn.Nodes}

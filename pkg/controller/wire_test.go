@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -39,24 +40,24 @@ func TestReportOnTheWire(t *testing.T) {
 			require.NoError(t, err)
 			r, err := decodeReport(raw)
 			if tc.wantErr {
-				require.ErrorIs(t, err, ErrInvalid)
+				require.ErrorIs(t, err, fleet.ErrInvalid)
 				return
 			}
 			require.NoError(t, err)
-			require.Equal(t, Report{NodeID: "n", StoreID: "s", Deletes: []volume.Ref{{Namespace: "ci", Handle: "b"}},
-				Upserts: []Held{{Ref: volume.Ref{Namespace: "ci", Handle: "a"}, State: volume.StateReady, SizeBytes: 7,
-					Parent: volume.Ref{Namespace: "ci", Handle: "p"}, Scope: volume.ScopeCluster, Properties: []Property{{Key: "k", Value: "v"}},
+			require.Equal(t, fleet.Report{NodeID: "n", StoreID: "s", Deletes: []volume.Ref{{Namespace: "ci", Handle: "b"}},
+				Upserts: []fleet.Held{{Ref: volume.Ref{Namespace: "ci", Handle: "a"}, State: volume.StateReady, SizeBytes: 7,
+					Parent: volume.Ref{Namespace: "ci", Handle: "p"}, Scope: volume.ScopeCluster, Properties: []fleet.Property{{Key: "k", Value: "v"}},
 					StepVolumes: 2, Pinned: true, Copies: 3}}}, r)
 		})
 	}
 	_, err := refsFromWire([]*controllerv1.VolumeRef{wireRef("ci", "a"), nil})
-	require.ErrorIs(t, err, ErrInvalid, "a lookup or a command naming no volume")
+	require.ErrorIs(t, err, fleet.ErrInvalid, "a lookup or a command naming no volume")
 }
 
 // A pin for good travels as no time at all, both ways.
 func TestPinsOnTheWire(t *testing.T) {
 	until := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
-	resp := toWireAnswer(Answer{Pins: []PinCommand{{Ref: volume.Ref{Namespace: "ci", Handle: "a"}}, {Ref: volume.Ref{Namespace: "ci", Handle: "b"}, Until: until}}})
+	resp := toWireAnswer(fleet.Answer{Pins: []fleet.PinCommand{{Ref: volume.Ref{Namespace: "ci", Handle: "a"}}, {Ref: volume.Ref{Namespace: "ci", Handle: "b"}, Until: until}}})
 	require.Nil(t, resp.Pins[0].Until)
 	require.True(t, untilFromWire(resp.Pins[0].Until).IsZero())
 	require.Equal(t, until, untilFromWire(resp.Pins[1].Until))
@@ -67,7 +68,7 @@ func TestPinsOnTheWire(t *testing.T) {
 // are converted once, and say each node's own where it has one.
 func TestToWirePlacements(t *testing.T) {
 	inputs := []volume.Ref{{Namespace: "ci", Handle: "a"}, {Namespace: "ci", Handle: "b"}}
-	ps := []Placement{
+	ps := []fleet.Placement{
 		{NodeID: "n1", InputBytesHeld: 5, Missing: inputs[1:]},
 		{NodeID: "n2", Missing: inputs},
 		{NodeID: "n3", Missing: inputs},

@@ -8,7 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -21,7 +21,7 @@ import (
 // published nodes, and each node's free space.
 type controllerService struct {
 	csi.UnimplementedControllerServer
-	view *controller.View
+	view *fleet.View
 }
 
 var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
@@ -49,7 +49,7 @@ func topology(nodes []string) []*csi.Topology {
 	return out
 }
 
-func (s *controllerService) entry(e controller.Entry) *csi.ListVolumesResponse_Entry {
+func (s *controllerService) entry(e fleet.Entry) *csi.ListVolumesResponse_Entry {
 	return &csi.ListVolumesResponse_Entry{
 		Volume: &csi.Volume{VolumeId: e.Ref.String(), CapacityBytes: e.SizeBytes, AccessibleTopology: topology(e.Ready)},
 		Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: e.Published},
@@ -63,7 +63,7 @@ func (s *controllerService) ListVolumes(_ context.Context, req *csi.ListVolumesR
 	after := ""
 	if tok := req.GetStartingToken(); tok != "" {
 		var err error
-		if after, err = controller.AfterToken(tok); err != nil {
+		if after, err = fleet.AfterToken(tok); err != nil {
 			return nil, status.Errorf(codes.Aborted, "starting_token %s is not one this controller handed out", volume.Quote(tok))
 		}
 	}
@@ -73,7 +73,7 @@ func (s *controllerService) ListVolumes(_ context.Context, req *csi.ListVolumesR
 		resp.Entries = append(resp.Entries, s.entry(e))
 	}
 	if more {
-		resp.NextToken = controller.PageToken(entries[len(entries)-1].Ref)
+		resp.NextToken = fleet.PageToken(entries[len(entries)-1].Ref)
 	}
 	return resp, nil
 }
@@ -89,18 +89,18 @@ func (s *controllerService) ControllerGetVolume(_ context.Context, req *csi.Cont
 }
 
 // find is the volume with a CSI volume ID, held ready by a live node.
-func (s *controllerService) find(id string) (controller.Entry, error) {
+func (s *controllerService) find(id string) (fleet.Entry, error) {
 	if id == "" {
-		return controller.Entry{}, invalid("volume ID is required")
+		return fleet.Entry{}, invalid("volume ID is required")
 	}
 	r, err := volume.ParseRef(id)
 	if err != nil {
-		return controller.Entry{}, status.Errorf(codes.NotFound, "volume %s does not exist: cowvol's volume IDs are <namespace>/<handle>", volume.Quote(id))
+		return fleet.Entry{}, status.Errorf(codes.NotFound, "volume %s does not exist: cowvol's volume IDs are <namespace>/<handle>", volume.Quote(id))
 	}
 	if e, ok := s.view.Volume(r, time.Now()); ok {
 		return e, nil
 	}
-	return controller.Entry{}, status.Errorf(codes.NotFound, "volume %s is not held ready by any live node", volume.Quote(id))
+	return fleet.Entry{}, status.Errorf(codes.NotFound, "volume %s is not held ready by any live node", volume.Quote(id))
 }
 
 func (s *controllerService) GetCapacity(_ context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

@@ -11,7 +11,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
-	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -41,7 +41,7 @@ func NewNode(nodeID string, engine *node.Engine, gate PublishGate) csi.NodeServe
 }
 
 // NewController is the CSI Controller service over the controller's view.
-func NewController(view *controller.View) csi.ControllerServer {
+func NewController(view *fleet.View) csi.ControllerServer {
 	return &controllerService{view: view}
 }
 

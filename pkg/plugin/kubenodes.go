@@ -11,13 +11,13 @@ import (
 	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
-	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 )
 
 // followNodes keeps the controller's view in step with the cluster's Node
 // objects until ctx ends: a cordoned Node is landing (no placements, no
 // captures), and a deleted one is forgotten at once.
-func followNodes(ctx context.Context, kube kubernetes.Interface, view *controller.View) error {
+func followNodes(ctx context.Context, kube kubernetes.Interface, view *fleet.View) error {
 	factory := informers.NewSharedInformerFactory(kube, 10*time.Minute)
 	informer := factory.Core().V1().Nodes().Informer()
 	follow := func(obj any) {
@@ -50,7 +50,7 @@ func followNodes(ctx context.Context, kube kubernetes.Interface, view *controlle
 // the driver): the view of a controller that begins to lead, or restarts,
 // has none of their volumes until they report. If the nodes cannot be
 // listed, nothing is waited for.
-func awaitNodes(ctx context.Context, kube kubernetes.Interface, view *controller.View, driverName string, awaitFor time.Duration) {
+func awaitNodes(ctx context.Context, kube kubernetes.Interface, view *fleet.View, driverName string, awaitFor time.Duration) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	csiNodes, err := kube.StorageV1().CSINodes().List(ctx, metav1.ListOptions{})

@@ -13,7 +13,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/resource"
 
-	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -152,7 +152,7 @@ type ControllerOptions struct {
 	FullReportsAtOnce int
 	// Copies bound the copies volumes are granted: the most nodes one is
 	// kept on, and each namespace's budget of extra copies.
-	Copies controller.CopyLimits
+	Copies fleet.CopyLimits
 }
 
 // runsNode and runsController say which components a mode runs.
@@ -174,7 +174,7 @@ func Defaults() Options {
 			OutputCopies: 1},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
-			Copies:          controller.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
+			Copies:          fleet.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
 			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),

@@ -33,6 +33,7 @@ import (
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/controller"
+	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -60,14 +61,14 @@ type Driver struct {
 	store      *cache.Store
 	engine     *node.Engine
 	// view is the controller's picture of the nodes' caches.
-	view       *controller.View
-	ctlMetrics *controller.Metrics
+	view       *fleet.View
+	ctlMetrics *fleet.Metrics
 	// fullReports admits nodes' whole inventories a few at a time, and
 	// messages the calls the controller reads at once.
 	fullReports *controller.FullReports
 	messages    *controller.Messages
 	// readOrders are those nodes share through the controller.
-	readOrders *controller.ReadOrders
+	readOrders *fleet.ReadOrders
 	nodeEvents controller.NodeEvents
 	// leader says whether this controller replica serves.
 	leader *leadership
@@ -122,13 +123,13 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		klog.InfoS("No API server configured (--kubeconfig, or run in a pod): no Kubernetes Events, and the CSIDriver object is not checked")
 	}
 	if opts.Mode != ModeNode {
-		d.view = controller.NewView(opts.Controller.StalledAfter, opts.Controller.ForgetStalledAfter)
+		d.view = fleet.NewView(opts.Controller.StalledAfter, opts.Controller.ForgetStalledAfter)
 		d.view.LimitCopies(opts.Controller.Copies)
 		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod}
 		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = driver.NewController(d.view)
-		d.ctlMetrics = controller.NewMetrics(d.view)
-		d.readOrders = controller.NewReadOrders(opts.Controller.ReadOrdersMemory)
+		d.ctlMetrics = fleet.NewMetrics(d.view)
+		d.readOrders = fleet.NewReadOrders(opts.Controller.ReadOrdersMemory)
 		d.fullReports = controller.NewFullReports(opts.Controller.FullReportsAtOnce)
 		d.messages = controller.NewMessages(controller.MessagesAtOnce)
 		d.metrics.registry.MustRegister(append(append(append(d.ctlMetrics.Collectors(), d.fullReports.Collectors()...),

@@ -1,15 +1,13 @@
-// Package controller owns the cluster-wide view of the node caches: which
-// node holds which volume in what state, which nodes are live, the answers
-// a scheduler gets from that view (lookups, listings, placement), the gRPC
-// services that give them, and who may ask (a tokens file, or the API
-// server's TokenReviews and SubjectAccessReviews). It keeps no database:
-// the view is what the nodes report, and after a restart it is rebuilt
-// from their next reports. It never touches a volume: nodes do, when their
-// reports are answered. The view speaks its own types (types.go); only the
-// gRPC layer (server.go, data.go) speaks api/controller/v1's, converting at
-// the edge (wire.go; reportwire.go reads nodes' reports from their bytes),
-// so that how the view keeps a fleet in memory is its own business.
-package controller
+// Package fleet is the controller's model of the node caches: which node
+// holds which volume in what state, which nodes are live, the answers a
+// scheduler gets from that (lookups, listings, placement), the copies
+// volumes asked for and who is told to make them, and the read orders
+// nodes share. It keeps no database: the view is what the nodes report,
+// and after a restart it is rebuilt from their next reports. It speaks its
+// own types (types.go), never the API's, and knows nothing of gRPC, of who
+// may ask, or of how a report arrives: pkg/controller serves it. It never
+// touches a volume: nodes do, when their reports are answered.
+package fleet
 
 import (
 	"encoding/binary"
