@@ -91,14 +91,6 @@ func (s *Set[K, V]) Take(k K, now time.Time, keep func(V) bool) (V, bool) {
 	return v, true
 }
 
-// Len is how many values are kept, expired ones included until the next
-// Put.
-func (s *Set[K, V]) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.all.Len()
-}
-
 func (s *Set[K, V]) get(k K, now time.Time) (V, bool) {
 	e, ok := s.byKey[k]
 	if !ok || now.After(e.Value.(*item[K, V]).expires) {

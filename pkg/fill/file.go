@@ -204,11 +204,17 @@ func (f *file) fetch(ctx context.Context, w io.WriterAt) error {
 		if !errors.Is(err, filesum.ErrMismatch) || tries == maxRefetches {
 			return err
 		}
-		f.layer.corrupt(f.rel, FromHolder, err)
-		if err := w.(fetched).reset(); err != nil {
+		if err := f.refuse(w, FromHolder, err); err != nil {
 			return err
 		}
 	}
+}
+
+// refuse drops the wrong bytes from fetched into w, after telling the
+// layer where they came from.
+func (f *file) refuse(w io.WriterAt, from string, wrong error) error {
+	f.layer.corrupt(f.rel, from, wrong)
+	return w.(fetched).reset()
 }
 
 // maxRefetches bounds the fetches of a file again after wrong bytes.
@@ -256,8 +262,7 @@ func (f *file) orFetch(write func(w io.WriterAt) error, broke *error) source {
 				return nil
 			}
 			// The stream goes on; this file comes from a holder.
-			f.layer.corrupt(f.rel, FromStream, err)
-			if err := w.(fetched).reset(); err != nil {
+			if err := f.refuse(w, FromStream, err); err != nil {
 				return err
 			}
 		} else if broke != nil {
