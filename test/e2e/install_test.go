@@ -86,14 +86,14 @@ patches:
       - {op: add, path: /spec/template/spec/hostNetwork, value: true}
       - {op: add, path: /spec/template/spec/containers/0/args/-, value: --controller-address=127.0.0.1:7070}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
-      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}
+      - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}%[7]s
   - target: {kind: Deployment, name: cowvol-controller}
     patch: |-
       - {op: add, path: /spec/template/spec/hostNetwork, value: true}
       - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}%[6]s
-`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.apiPort, tag, previousControllerPatch(tag))
+`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.apiPort, tag, previousControllerPatch(tag), previousNodePatch(tag))
 	})
 	return dir
 }
@@ -107,8 +107,26 @@ func previousControllerPatch(tag string) string {
 		return ""
 	}
 	return `
+      - {op: test, path: /spec/template/spec/containers/0/args/13, value: --namespace-copies=1000}
+      - {op: remove, path: /spec/template/spec/containers/0/args/13}
+      - {op: test, path: /spec/template/spec/containers/0/args/12, value: --max-copies=5}
+      - {op: remove, path: /spec/template/spec/containers/0/args/12}
       - {op: test, path: /spec/template/spec/containers/0/args/7, value: --leader-election-label-pod}
       - {op: remove, path: /spec/template/spec/containers/0/args/7}`
+}
+
+// previousNodePatch takes out of the node plugin's pod, for the previous
+// image, what the base has gained since: the fill keeper (a subcommand
+// that image lacks) and the flag that names it.
+func previousNodePatch(tag string) string {
+	if tag != "previous" {
+		return ""
+	}
+	return `
+      - {op: test, path: /spec/template/spec/containers/0/args/21, value: --fill-keeper-socket=/run/cowvol-fill/keeper.sock}
+      - {op: remove, path: /spec/template/spec/containers/0/args/21}
+      - {op: test, path: /spec/template/spec/initContainers/0/name, value: fill-keeper}
+      - {op: remove, path: /spec/template/spec/initContainers}`
 }
 
 // registration is how an install registers the plugin with the kubelet.
