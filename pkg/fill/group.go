@@ -275,16 +275,22 @@ func (g *Group) run() {
 			}
 			return
 		}
-		for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= n; {
-			md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
-			if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > n {
-				klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
-				break
-			}
-			off += int(md.Event_len)
-			if md.Fd >= 0 {
-				g.dispatch(event{fd: md.Fd, id: md.Fd})
-			}
+		eachEvent(buf[:n], func(fd int32) { g.dispatch(event{fd: fd, id: fd}) })
+	}
+}
+
+// eachEvent calls fn with the descriptor of each event read into buf
+// (events without one, a queue overflow's, are skipped).
+func eachEvent(buf []byte, fn func(fd int32)) {
+	for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= len(buf); {
+		md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
+		if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > len(buf) {
+			klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
+			return
+		}
+		off += int(md.Event_len)
+		if md.Fd >= 0 {
+			fn(md.Fd)
 		}
 	}
 }

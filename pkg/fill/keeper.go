@@ -229,17 +229,7 @@ func (k *Keeper) read(group *os.File) {
 			klog.ErrorS(err, "Reading the kept fanotify group's events failed; readers of stubs are no longer held")
 			return
 		}
-		for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= n; {
-			md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
-			if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > n {
-				klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
-				break
-			}
-			off += int(md.Event_len)
-			if md.Fd >= 0 {
-				k.event(md.Fd)
-			}
-		}
+		eachEvent(buf[:n], k.event)
 	}
 }
 
