@@ -203,34 +203,19 @@ func TestLazyPull(t *testing.T) {
 // step over it captures nothing.
 func TestLazyPullWithItsHolderGone(t *testing.T) {
 	a, b, proxy := lazyNodes(t)
-	const files = 48
-	a.step("", "src", func(dir string) {
-		for i := range files {
-			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
-		}
-	})
-	sums := map[string]string{}
-	a.read("src", func(dir string) {
-		for i := range files {
-			name := fmt.Sprintf("f-%02d", i)
-			sums[name] = fileDigest(t, filepath.Join(dir, name))
-		}
-	})
-
+	sums := a.captureRandom("src", 48, 4<<20)
 	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
 	require.NoError(t, b.publishWaiting(v))
 	proxy.Cut()
 	start := time.Now()
 	eio := 0
 	for name, sum := range sums {
-		data, err := os.ReadFile(filepath.Join(v.Target, name))
+		err := readsAs(filepath.Join(v.Target, name), sum)
 		if errors.Is(err, syscall.EIO) {
 			eio++
 			continue
 		}
 		require.NoError(t, err)
-		digest := sha256.Sum256(data)
-		require.Equal(t, sum, hex.EncodeToString(digest[:]), "%s was read with missing data", name)
 	}
 	require.Positive(t, eio, "192 MiB crossed a cut link")
 	require.Less(t, time.Since(start), time.Minute, "readers are not held for long")
@@ -539,6 +524,38 @@ func TestLazyPullCarriesSmallFilesWithTheTree(t *testing.T) {
 	b.umount(v)
 }
 
+// captureRandom captures handle on e holding files files of size random
+// bytes each (f-00, f-01, ...), and returns each one's SHA-256.
+func (e *env) captureRandom(handle string, files, size int) map[string]string {
+	e.t.Helper()
+	e.step("", handle, func(dir string) {
+		for i := range files {
+			randomFile(e.t, dir, fmt.Sprintf("f-%02d", i), size, uint64(i+1))
+		}
+	})
+	sums := map[string]string{}
+	e.read(handle, func(dir string) {
+		for i := range files {
+			name := fmt.Sprintf("f-%02d", i)
+			sums[name] = fileDigest(e.t, filepath.Join(dir, name))
+		}
+	})
+	return sums
+}
+
+// readsAs reads the file at path whole, and says why it could not or why
+// what it read is not the data whose SHA-256 is sum (holes, say).
+func readsAs(path, sum string) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if digest := sha256.Sum256(data); hex.EncodeToString(digest[:]) != sum {
+		return fmt.Errorf("%s read with data that is not the file's (holes?)", filepath.Base(path))
+	}
+	return nil
+}
+
 // startFillKeeper runs `cowvol-plugin fill-keeper`, as the node plugin
 // pod's sidecar does, for the test's life, and returns its socket.
 func startFillKeeper(t *testing.T, grace time.Duration) string {
@@ -594,18 +611,7 @@ func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
 			// when the link freezes.
 			a, b, proxy := lazyNodesAt(t, 4<<20, "--fill-keeper-socket="+keeper, "--pull-wait=10m")
 			const files = 48
-			a.step("", "src", func(dir string) {
-				for i := range files {
-					randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
-				}
-			})
-			sums := map[string]string{}
-			a.read("src", func(dir string) {
-				for i := range files {
-					name := fmt.Sprintf("f-%02d", i)
-					sums[name] = fileDigest(t, filepath.Join(dir, name))
-				}
-			})
+			sums := a.captureRandom("src", files, 4<<20)
 			attrs := map[string]string{driver.AttrSource: "src"}
 			if tc.withOutput {
 				attrs[driver.AttrCapture] = "out"
@@ -621,13 +627,7 @@ func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
 			}
 			results := make(chan result, files+1)
 			read := func(name string) {
-				data, err := os.ReadFile(filepath.Join(v.Target, name))
-				if err == nil {
-					if digest := sha256.Sum256(data); hex.EncodeToString(digest[:]) != sums[name] {
-						err = fmt.Errorf("%s read with data that is not the file's (holes?)", name)
-					}
-				}
-				results <- result{name, err, time.Now()}
+				results <- result{name, readsAs(filepath.Join(v.Target, name), sums[name]), time.Now()}
 			}
 			for i := range files - 1 {
 				go read(fmt.Sprintf("f-%02d", i))
@@ -679,30 +679,13 @@ func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
 func TestLazyPullWaitsForARestartingHolder(t *testing.T) {
 	a, b, _ := lazyNodesAt(t, 4<<20, "--pull-wait=30s")
 	const files = 24
-	a.step("", "src", func(dir string) {
-		for i := range files {
-			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 1<<20, uint64(i+1))
-		}
-	})
-	sums := map[string]string{}
-	a.read("src", func(dir string) {
-		for i := range files {
-			name := fmt.Sprintf("f-%02d", i)
-			sums[name] = fileDigest(t, filepath.Join(dir, name))
-		}
-	})
+	sums := a.captureRandom("src", files, 1<<20)
 	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
 	require.NoError(t, b.publishWaiting(v))
 	a.p.Kill()
 	errs := make(chan error, files)
 	for name, sum := range sums {
-		go func() {
-			data, err := os.ReadFile(filepath.Join(v.Target, name))
-			if digest := sha256.Sum256(data); err == nil && hex.EncodeToString(digest[:]) != sum {
-				err = fmt.Errorf("%s read with the wrong data", name)
-			}
-			errs <- err
-		}()
+		go func() { errs <- readsAs(filepath.Join(v.Target, name), sum) }()
 	}
 	time.Sleep(3 * time.Second) // the readers of what was not filled wait
 	a.p.Restart()
