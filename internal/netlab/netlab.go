@@ -188,9 +188,10 @@ func (h *Host) Unthrottle() {
 }
 
 // PKI is a CA and a certificate it signed, for mutual TLS between a lab's
-// hosts and the test: the certificate names DNSName and IPs.
+// hosts and the test: the certificate names DNSName and IPs. CAKey is the
+// CA's key, for a controller that signs peer certificates with it.
 type PKI struct {
-	CA, Cert, Key string
+	CA, CAKey, Cert, Key string
 }
 
 // NewPKI writes a CA and one certificate (server and client use) to dir.
@@ -224,9 +225,12 @@ func NewPKI(tb testing.TB, dir, dnsName string, ips ...string) PKI {
 	must(err)
 	keyDER, err := x509.MarshalECPrivateKey(key)
 	must(err)
-	p := PKI{CA: filepath.Join(dir, "ca.crt"), Cert: filepath.Join(dir, "tls.crt"), Key: filepath.Join(dir, "tls.key")}
+	caKeyDER, err := x509.MarshalECPrivateKey(caKey)
+	must(err)
+	p := PKI{CA: filepath.Join(dir, "ca.crt"), CAKey: filepath.Join(dir, "ca.key"), Cert: filepath.Join(dir, "tls.crt"), Key: filepath.Join(dir, "tls.key")}
 	must(os.MkdirAll(dir, 0o700))
 	must(os.WriteFile(p.CA, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), 0o600))
+	must(os.WriteFile(p.CAKey, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: caKeyDER}), 0o600))
 	must(os.WriteFile(p.Cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600))
 	must(os.WriteFile(p.Key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600))
 	return p
