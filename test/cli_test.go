@@ -105,7 +105,9 @@ func TestAServerFailingStopsThePlugin(t *testing.T) {
 	}{
 		{"metrics port busy", "serving metrics", []string{"--metrics-address=" + busy.Addr().String()}},
 		{"peer port busy", "serving peers", []string{"--metrics-address=" + free(), "--peer-address=" + busy.Addr().String()}},
-		{"bad peer certificate", "serving peers", []string{"--peer-address=" + free(),
+		// Loaded before anything is served: pulls need it as much as the
+		// peer server does.
+		{"bad peer certificate", "loading the peer certificate", []string{"--peer-address=" + free(),
 			"--peer-tls-cert-file=" + garbage, "--peer-tls-key-file=" + garbage, "--peer-ca-file=" + garbage}},
 		{"registration socket in no dir", "serving kubelet registration",
 			[]string{"--metrics-address=" + free(), "--kubelet-registration-socket=" + filepath.Join(dir, "missing", "reg.sock")}},

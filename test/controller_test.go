@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"net/http"
@@ -23,6 +24,7 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/internal/peerid"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
@@ -336,7 +338,8 @@ func TestControllerAuthentication(t *testing.T) {
 	require.NoError(t, os.WriteFile(nodeToken, []byte("node-token-0123456789\n"), 0o600))
 	addr := plugintest.FreeAddr(t)
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + addr,
-		"--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens}})
+		"--tls-cert-file=" + pki.Cert, "--tls-key-file=" + pki.Key, "--tokens-file=" + tokens,
+		"--peer-ca-cert-file=" + pki.CA, "--peer-ca-key-file=" + pki.CAKey}})
 	n := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", Args: []string{"--controller-address=" + addr,
 		"--tls-ca-file=" + pki.CA, "--token-file=" + nodeToken}})
 	n.captureIn("ci", "mine", nil)
@@ -427,6 +430,27 @@ func TestControllerAuthentication(t *testing.T) {
 			_, err := nodeZ.Report(ctx, &controllerv1.ReportRequest{NodeId: "node-z", StoreId: "z", Revision: 1, Full: true})
 			return err
 		}, codes.OK, false},
+		{"another node's credential asking for node-a's peer certificate", func() error {
+			_, err := signPeer(nodeZ, "node-a", peerRequest(t))
+			return err
+		}, codes.PermissionDenied, false},
+		{"a scheduler asking for a peer certificate", func() error {
+			_, err := signPeer(ciRegistry, "node-a", peerRequest(t))
+			return err
+		}, codes.PermissionDenied, false},
+		{"a signing request that is none", func() error {
+			_, err := signPeer(nodeZ, "node-z", []byte("not a request"))
+			return err
+		}, codes.InvalidArgument, false},
+		{"a node's credential for its own peer certificate", func() error {
+			cert, err := signPeer(nodeZ, "node-z", peerRequest(t))
+			if err == nil {
+				id, idErr := peerid.Of(cert)
+				require.NoError(t, idErr)
+				require.Equal(t, peerid.Node("node-z"), id)
+			}
+			return err
+		}, codes.OK, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -465,6 +489,25 @@ func TestControllerAuthentication(t *testing.T) {
 	defer plain.Close()
 	_, err = controllerv1.NewCacheClient(plain).ListNodes(ctx, &controllerv1.ListNodesRequest{})
 	require.Equal(t, codes.Unavailable, code(err), "no plaintext")
+}
+
+// peerRequest is a signing request for a new key.
+func peerRequest(t *testing.T) []byte {
+	t.Helper()
+	key, err := peerid.NewKey()
+	require.NoError(t, err)
+	csr, err := peerid.Request(key)
+	require.NoError(t, err)
+	return csr
+}
+
+// signPeer asks the controller to sign a peer certificate for node.
+func signPeer(r controllerv1.RegistryClient, node string, csr []byte) (*x509.Certificate, error) {
+	resp, err := r.SignPeerCertificate(context.Background(), &controllerv1.SignPeerCertificateRequest{NodeId: node, Request: csr})
+	if err != nil {
+		return nil, err
+	}
+	return x509.ParseCertificate(resp.GetCertificate())
 }
 
 // An idle node's heartbeats read no volume (the node counts them as

@@ -33,6 +33,7 @@ import (
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
 	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/netlab"
+	"github.com/concourse/cowvol/internal/peerid"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
@@ -42,13 +43,15 @@ import (
 
 // peerFleet is a controller in the test's namespace and node plugins, each
 // a host of its own in a network namespace, authenticating each other with
-// mutual TLS under one CA.
+// mutual TLS: each node with a certificate of its own that the controller
+// signs with the fleet's peer CA.
 type peerFleet struct {
 	t         *testing.T
 	lab       *netlab.Lab
 	pki       netlab.PKI
 	ctlAddr   string
 	api       controllerv1.CacheClient
+	registry  controllerv1.RegistryClient
 	nodeToken string
 	nodes     map[string]*peerNode
 }
@@ -74,14 +77,15 @@ func startPeerFleet(t *testing.T) *peerFleet {
 	f.nodeToken = filepath.Join(dir, "node-token")
 	require.NoError(t, os.WriteFile(f.nodeToken, []byte("node-token-0123456789\n"), 0o600))
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + f.ctlAddr,
-		"--tls-cert-file=" + f.pki.Cert, "--tls-key-file=" + f.pki.Key, "--tokens-file=" + tokens, "--stalled-after=3s"}})
+		"--tls-cert-file=" + f.pki.Cert, "--tls-key-file=" + f.pki.Key, "--tokens-file=" + tokens, "--stalled-after=3s",
+		"--peer-ca-cert-file=" + f.pki.CA, "--peer-ca-key-file=" + f.pki.CAKey}})
 	creds, err := credentials.NewClientTLSFromFile(f.pki.CA, "")
 	require.NoError(t, err)
 	conn, err := grpc.NewClient(f.ctlAddr, grpc.WithTransportCredentials(creds),
 		grpc.WithPerRPCCredentials(client.Bearer{Token: "node-token-0123456789", Secure: true}))
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
-	f.api = controllerv1.NewCacheClient(conn)
+	f.api, f.registry = controllerv1.NewCacheClient(conn), controllerv1.NewRegistryClient(conn)
 	return f
 }
 
@@ -94,14 +98,45 @@ func (f *peerFleet) node(name string, kind testfs.Kind, size int64, extra ...str
 	metrics := net.JoinHostPort(h.IP, "9090")
 	args := append([]string{"--metrics-address=" + metrics, "--controller-address=" + f.ctlAddr,
 		"--tls-ca-file=" + f.pki.CA, "--token-file=" + f.nodeToken, "--peer-address=" + n.peerAddr,
-		"--peer-tls-cert-file=" + f.pki.Cert, "--peer-tls-key-file=" + f.pki.Key, "--peer-ca-file=" + f.pki.CA,
-		"--pull-wait=1s", "--pull-mode=eager"}, extra...)
+		"--peer-certificates-from-controller", "--pull-wait=1s", "--pull-mode=eager"}, extra...)
 	n.env = &env{t: f.t, metrics: metrics, p: plugintest.Start(f.t, plugintest.Config{
 		Backend: "overlay", NodeID: name, StateDir: testfs.Mount(f.t, kind, size), KubeletDir: kubeletDir(f.t),
 		Args: args, Wrap: h.Command})}
 	f.nodes[name] = n
 	return n
 }
+
+// peerIdentity is a certificate for node, signed by the fleet's controller
+// (the fleet's node token names no node: it may ask for any).
+func (f *peerFleet) peerIdentity(node string) *peerid.Kept {
+	f.t.Helper()
+	k := peerid.NewKept(peerid.Node(node), func(ctx context.Context, csr []byte) (*peerid.Issued, error) {
+		resp, err := f.registry.SignPeerCertificate(ctx, &controllerv1.SignPeerCertificateRequest{NodeId: node, Request: csr})
+		if err != nil {
+			return nil, err
+		}
+		return &peerid.Issued{Certificate: resp.GetCertificate(), Authorities: resp.GetAuthorities()}, nil
+	})
+	_, err := k.Renew(context.Background())
+	require.NoError(f.t, err)
+	return k
+}
+
+// presented is a certificate (nil: roots' own; empty: none) with roots'
+// authorities.
+type presented struct {
+	cert  *tls.Certificate
+	roots peerid.Credentials
+}
+
+func (p presented) Certificate() (*tls.Certificate, error) {
+	if p.cert == nil {
+		return p.roots.Certificate()
+	}
+	return p.cert, nil
+}
+
+func (p presented) Roots() (*x509.CertPool, error) { return p.roots.Roots() }
 
 // holders waits until the controller says which nodes hold a volume ready,
 // and returns them once they include want.
@@ -215,6 +250,12 @@ func TestPullsBetweenNodes(t *testing.T) {
 		})
 		require.Equal(t, "namespace", got.Scope)
 		f.holders("ci", "base", "node-a", "node-b")
+		// Each node's own certificate, from the controller: it ends a
+		// day from now (the default lifetime), renewed half way.
+		for _, n := range []*peerNode{a, b} {
+			ends := metricValue(t, n.env, "cowvol_peer_certificate_expiry_timestamp_seconds")
+			require.InDelta(t, float64(time.Now().Add(24*time.Hour).Unix()), ends, 600, "%s's peer certificate", n.p.NodeID)
+		}
 		require.Equal(t, 1.0, metricValue(t, a.env, servedOK))
 		// From now on B uses its own copy.
 		b.read("base", func(dir string) { require.Equal(t, want, testfs.Describe(t, dir)) })
@@ -275,31 +316,35 @@ func TestPullsBetweenNodes(t *testing.T) {
 				Volume: &peerv1.VolumeRef{Namespace: volNS, Handle: handle}})
 			return err
 		}
-		pool := x509.NewCertPool()
-		caPEM, err := os.ReadFile(f.pki.CA)
-		require.NoError(t, err)
-		require.True(t, pool.AppendCertsFromPEM(caPEM))
-		peerCert, err := tls.LoadX509KeyPair(f.pki.Cert, f.pki.Key)
+		// A node of the cluster proves its name with a certificate the
+		// controller signed; the peer CA signed the one for all of old
+		// (named by DNS) as well.
+		node := f.peerIdentity("node-t")
+		shared, err := tls.LoadX509KeyPair(f.pki.Cert, f.pki.Key)
 		require.NoError(t, err)
 		rogue := netlab.NewPKI(t, t.TempDir(), plugin.DefaultPeerServerName)
 		rogueCert, err := tls.LoadX509KeyPair(rogue.Cert, rogue.Key)
 		require.NoError(t, err)
-		tlsWith := func(certs ...tls.Certificate) credentials.TransportCredentials {
-			return credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: plugin.DefaultPeerServerName, Certificates: certs})
+		presenting := func(cert *tls.Certificate, want string) credentials.TransportCredentials {
+			return credentials.NewTLS(peerid.ClientConfig(presented{cert: cert, roots: node}, peerid.Node(want)))
 		}
+		asPeer := presenting(nil, "node-a")
 		require.Error(t, ask(insecure.NewCredentials(), "ci", "ci", "base"), "plaintext")
-		require.Error(t, ask(tlsWith(), "ci", "ci", "base"), "no client certificate")
-		require.Error(t, ask(tlsWith(rogueCert), "ci", "ci", "base"), "a certificate of another CA")
-		require.NoError(t, ask(tlsWith(peerCert), "ci", "ci", "base"), "a peer of the cluster")
+		require.Error(t, ask(presenting(&tls.Certificate{}, "node-a"), "ci", "ci", "base"), "no client certificate")
+		require.Error(t, ask(presenting(&rogueCert, "node-a"), "ci", "ci", "base"), "a certificate of another CA")
+		require.Error(t, ask(presenting(&shared, "node-a"), "ci", "ci", "base"), "a certificate the peer CA signed for no node")
+		require.ErrorContains(t, ask(presenting(nil, "node-b"), "ci", "ci", "base"), peerid.ErrWrongPeer.Error(),
+			"node-a where node-b was asked for")
+		require.NoError(t, ask(asPeer, "ci", "ci", "base"), "a node of the cluster")
 
-		private := ask(tlsWith(peerCert), "ci", "other", "private")
-		missing := ask(tlsWith(peerCert), "ci", "other", "no-such-volume")
+		private := ask(asPeer, "ci", "other", "private")
+		missing := ask(asPeer, "ci", "other", "no-such-volume")
 		require.Equal(t, codes.NotFound, code(private))
 		require.Equal(t, codes.NotFound, code(missing))
 		require.Equal(t, status.Convert(missing).Message(),
 			strings.ReplaceAll(status.Convert(private).Message(), "private", "no-such-volume"),
 			"another namespace's volume and a missing one look alike")
-		require.NoError(t, ask(tlsWith(peerCert), "other", "other", "private"), "its own namespace may")
+		require.NoError(t, ask(asPeer, "other", "other", "private"), "its own namespace may")
 
 		// The node that holds it answers a publish naming it, by a pod of
 		// another namespace, as it does one naming nothing: both ask the
@@ -321,7 +366,7 @@ func TestPullsBetweenNodes(t *testing.T) {
 		// not read other's private volume's files, alone, nor through a
 		// volume of its own.
 		read := func(ns string, vol, via *peerv1.VolumeRef, path string) error {
-			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(tlsWith(peerCert)))
+			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(asPeer))
 			require.NoError(t, err)
 			defer conn.Close()
 			api := peerv1.NewPeerClient(conn)
@@ -348,7 +393,7 @@ func TestPullsBetweenNodes(t *testing.T) {
 		// A read order only orders a stream of the whole layer's data,
 		// bounded; names that are not its files are skipped.
 		ordered := func(req *peerv1.PullLayerRequest) error {
-			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(tlsWith(peerCert)))
+			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(asPeer))
 			require.NoError(t, err)
 			defer conn.Close()
 			req.Namespace, req.Volume, req.Encoding = "ci", ciBase, "raw"
@@ -395,7 +440,7 @@ func TestPullsBetweenNodes(t *testing.T) {
 		err = b.publishWaiting(v)
 		require.Equal(t, codes.NotFound, code(err), "B holds it now, and still serves it to ci only merged: %v", err)
 		pull := func(via *peerv1.VolumeRef) error {
-			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(tlsWith(peerCert)))
+			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(asPeer))
 			require.NoError(t, err)
 			defer conn.Close()
 			stream, err := peerv1.NewPeerClient(conn).PullLayer(ctx, &peerv1.PullLayerRequest{Namespace: "ci",

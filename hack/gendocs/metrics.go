@@ -21,7 +21,7 @@ type metric struct {
 // constructors maps prometheus's metric constructors to the kind they make.
 var constructors = map[string]string{
 	"NewCounter": "counter", "NewCounterVec": "counter",
-	"NewGauge": "gauge", "NewGaugeVec": "gauge",
+	"NewGauge": "gauge", "NewGaugeVec": "gauge", "NewGaugeFunc": "gauge", "NewCounterFunc": "counter",
 	"NewHistogram": "histogram", "NewHistogramVec": "histogram",
 	"NewSummary": "summary", "NewSummaryVec": "summary",
 }
@@ -201,14 +201,15 @@ func labelKeys(e ast.Expr) []string {
 
 // servedBy says which process serves a package's (or a file's) metrics.
 var servedBy = map[string]string{
-	"plugin":           "every mode",
-	"report":           "node plugin (with a controller)",
-	"node":             "node plugin",
-	"streamer":         "node plugin (peers)",
-	"pull":             "node plugin (pulls)",
-	"registry":         "node plugin (image registry)",
-	"controller":       "controller",
-	"controller/fleet": "controller",
+	"plugin":             "every mode",
+	"plugin/peerlink.go": "node plugin (a certificate of its own)",
+	"report":             "node plugin (with a controller)",
+	"node":               "node plugin",
+	"streamer":           "node plugin (peers)",
+	"pull":               "node plugin (pulls)",
+	"registry":           "node plugin (image registry)",
+	"controller":         "controller",
+	"controller/fleet":   "controller",
 }
 
 func metricsPage(ms []metric) string {

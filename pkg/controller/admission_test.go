@@ -100,7 +100,7 @@ func registryOnLoopback(t *testing.T, v *fleet.View, gate *FullReports) controll
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	srv := grpc.NewServer(append(ServerOptions(), grpc.MaxRecvMsgSize(controllerv1.MaxMessage))...)
-	Register(srv, v, fleet.NewReadOrders(1<<20), gate, fleet.NewMetrics(v), nil, nil)
+	Register(srv, Services{View: v, Orders: fleet.NewReadOrders(1 << 20), FullReports: gate, Metrics: fleet.NewMetrics(v)})
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))

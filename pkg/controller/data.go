@@ -3,7 +3,6 @@ package controller
 import (
 	"context"
 	"errors"
-	"io"
 	"slices"
 	"time"
 
@@ -19,8 +18,8 @@ import (
 )
 
 // PeerDialer reaches a node's peer API (its --peer-address), as a peer:
-// with the deployment's peer certificate.
-type PeerDialer func(address string) (*streamer.Client, io.Closer, error)
+// the controller's peer certificate, the node's checked.
+type PeerDialer = streamer.Dialer
 
 // ReadVolume forwards a read to a node holding the volume ready: the first
 // that answers, in the order lookups give them.
@@ -59,7 +58,7 @@ func (s *cacheServer) ReadVolume(req *controllerv1.ReadVolumeRequest, stream grp
 			continue
 		}
 		sent := false
-		err := s.readFrom(ctx, addr, ref, req.GetPath(), format, enc, func(data []byte, total int64) error {
+		err := s.readFrom(ctx, node, addr, ref, req.GetPath(), format, enc, func(data []byte, total int64) error {
 			msg := &controllerv1.DataChunk{Data: data}
 			if !sent {
 				msg.TotalBytes, msg.NodeId, sent = total, node, true
@@ -102,9 +101,9 @@ func failover(err error) bool {
 	return false
 }
 
-func (s *cacheServer) readFrom(ctx context.Context, addr string, ref volume.Ref, path string, format streamer.Format,
+func (s *cacheServer) readFrom(ctx context.Context, node, addr string, ref volume.Ref, path string, format streamer.Format,
 	enc streamer.Encoding, chunk func([]byte, int64) error) error {
-	client, conn, err := s.dial(addr)
+	client, conn, err := s.dial(node, addr)
 	if err != nil {
 		return status.Errorf(codes.Unavailable, "reaching %s: %v", addr, err)
 	}
@@ -162,7 +161,7 @@ func (s *cacheServer) WriteVolume(stream grpc.ClientStreamingServer[controllerv1
 	if err != nil {
 		return err
 	}
-	client, conn, err := s.dial(addr)
+	client, conn, err := s.dial(node, addr)
 	if err != nil {
 		return status.Errorf(codes.Unavailable, "reaching node %s: %v", node, err)
 	}

@@ -23,6 +23,7 @@ import (
 	"k8s.io/klog/v2"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/internal/peerid"
 	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -36,13 +37,32 @@ type NodeEvents interface {
 	NodeEventOn(node, eventType, reason, message string)
 }
 
+// Services are what the controller's APIs serve from.
+type Services struct {
+	View *fleet.View
+	// Orders keep the read orders nodes share.
+	Orders *fleet.ReadOrders
+	// FullReports admits nodes' whole inventories a few at a time.
+	FullReports *FullReports
+	Metrics     *fleet.Metrics
+	Events      NodeEvents
+	// Dial reaches nodes' data for reads and uploads (nil: they are
+	// refused).
+	Dial PeerDialer
+	// PeerCA signs nodes' peer certificates (nil: it signs none).
+	PeerCA PeerSigner
+}
+
+// PeerSigner signs a peer certificate for an identity (peerid.Signer).
+type PeerSigner interface {
+	Sign(csr []byte, id peerid.Identity) (*peerid.Issued, error)
+}
+
 // Register serves the view's Registry (for nodes) and Cache (for
 // schedulers) on srv, which must have been made with ServerOptions.
-// dial reaches nodes' data for reads and uploads (nil: they are refused).
-// orders keep the read orders nodes share.
-func Register(srv *grpc.Server, v *fleet.View, orders *fleet.ReadOrders, fullReports *FullReports, m *fleet.Metrics, events NodeEvents, dial PeerDialer) {
-	srv.RegisterService(registryDesc(), &registryServer{view: v, orders: orders, fullReports: fullReports})
-	controllerv1.RegisterCacheServer(srv, &cacheServer{view: v, metrics: m, events: events, dial: dial})
+func Register(srv *grpc.Server, s Services) {
+	srv.RegisterService(registryDesc(), &registryServer{view: s.View, orders: s.Orders, fullReports: s.FullReports, peerCA: s.PeerCA})
+	controllerv1.RegisterCacheServer(srv, &cacheServer{view: s.View, metrics: s.Metrics, events: s.Events, dial: s.Dial})
 }
 
 func code(err error) error {
@@ -60,6 +80,7 @@ type registryServer struct {
 	view        *fleet.View
 	orders      *fleet.ReadOrders
 	fullReports *FullReports
+	peerCA      PeerSigner
 }
 
 // report is the Report method (reportwire.go reads the request): a report
@@ -180,6 +201,34 @@ func (s *registryServer) ShareReadOrder(ctx context.Context, req *controllerv1.S
 	klog.V(2).InfoS("A node shared a read order", "node", req.GetOrder().GetNodeId(), "namespace", req.GetOrder().GetNamespace(),
 		"readProfile", req.GetOrder().GetName(), "files", len(req.GetOrder().GetFiles()))
 	return &controllerv1.ShareReadOrderResponse{}, nil
+}
+
+// SignPeerCertificate signs the certificate of the node the caller proves
+// to be: a node's credential gets its own node's name and no other.
+func (s *registryServer) SignPeerCertificate(ctx context.Context, req *controllerv1.SignPeerCertificateRequest) (*controllerv1.SignPeerCertificateResponse, error) {
+	if err := need(ctx, "update", ResourceNodes, "", "have a peer certificate signed"); err != nil {
+		return nil, err
+	}
+	node := req.GetNodeId()
+	if err := peerid.CheckNodeName(node); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := speaksFor(ctx, node); err != nil {
+		return nil, err
+	}
+	if s.peerCA == nil {
+		return nil, status.Error(codes.FailedPrecondition, "this controller signs no peer certificates: give it --peer-ca-cert-file and --peer-ca-key-file")
+	}
+	issued, err := s.peerCA.Sign(req.GetRequest(), peerid.Node(node))
+	if errors.Is(err, peerid.ErrBadRequest) {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err != nil {
+		klog.ErrorS(err, "Signing a node's peer certificate failed", "node", node)
+		return nil, status.Errorf(codes.Internal, "signing the peer certificate: %v", err)
+	}
+	klog.V(2).InfoS("Signed a node's peer certificate", "node", node)
+	return &controllerv1.SignPeerCertificateResponse{Certificate: issued.Certificate, Authorities: issued.Authorities}, nil
 }
 
 // GetReadOrder answers nodes only: an order's names are the files of its

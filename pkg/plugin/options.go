@@ -182,7 +182,8 @@ func Defaults() Options {
 		},
 		Peers: PeerOptions{ServerName: DefaultPeerServerName, Encoding: string(streamer.S2),
 			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: pull.DefaultWait, PullMode: string(pull.Auto),
-			ReadOrderRefresh: pull.DefaultReadOrderRefresh, SwarmMinSize: pull.DefaultSwarmMinBytes},
+			ReadOrderRefresh: pull.DefaultReadOrderRefresh, SwarmMinSize: pull.DefaultSwarmMinBytes,
+			CertLifetime: 24 * time.Hour},
 	}
 }
 
@@ -243,6 +244,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet, mode Mode) {
 	}
 	if mode.runsController() || !valid {
 		o.Controller.AddFlags(fs)
+		o.Peers.addCAFlags(fs)
 	}
 	if mode == ModeController || !valid {
 		o.LeaderElection.AddFlags(fs)
@@ -437,8 +439,12 @@ func (o Options) Validate() error {
 		errs = append(errs, o.Images.validate()...)
 		errs = append(errs, o.Peers.validate()...)
 	}
+	if o.Mode.runsNode() && o.Peers.FromController && o.Node.ControllerAddress == "" {
+		errs = append(errs, errors.New("--peer-certificates-from-controller needs --controller-address"))
+	}
 	if o.Mode.runsController() {
 		errs = append(errs, o.Controller.validate()...)
+		errs = append(errs, o.Peers.validateCA()...)
 	}
 	errs = append(errs, o.LeaderElection.validate(o.Mode)...)
 	return errors.Join(errs...)

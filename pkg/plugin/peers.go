@@ -6,21 +6,17 @@ import (
 	"flag"
 	"fmt"
 	"hash/fnv"
-	"io"
 	"net"
 	"strings"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
-	"github.com/concourse/cowvol/internal/tlsfiles"
 	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -35,8 +31,18 @@ type PeerOptions struct {
 	Address, AdvertiseAddress string
 	// CertFile and KeyFile are the node's certificate, served and
 	// presented to peers; CAFile verifies peers' (mutual TLS). ServerName
-	// is the name peers' certificates carry.
+	// is the name peers' certificates carry. One certificate for all.
 	CertFile, KeyFile, CAFile, ServerName string
+	// FromController (a node): a certificate of the node's own instead,
+	// whose name is the node's, signed by the controller, which names the
+	// authorities peers' must chain to. Peers then check that each is the
+	// node the controller listed.
+	FromController bool
+	// CACertFile and CAKeyFile (the controller): the peer CA that signs
+	// nodes' certificates, and the controller's own; CertLifetime is how
+	// long one lasts.
+	CACertFile, CAKeyFile string
+	CertLifetime          time.Duration
 	// Static lists peers as node=host:port, for nodes run without a
 	// controller; a node with a controller asks it who holds what.
 	Static []string
@@ -73,6 +79,16 @@ func (p *PeerOptions) addTLSFlags(fs *flag.FlagSet) {
 	fs.StringVar(&p.ServerName, "peer-tls-server-name", p.ServerName, "the DNS name peer certificates carry")
 }
 
+// addCAFlags registers the controller's flags for the peer CA.
+func (p *PeerOptions) addCAFlags(fs *flag.FlagSet) {
+	fs.StringVar(&p.CACertFile, "peer-ca-cert-file", p.CACertFile,
+		"the peer CA's certificate: the controller signs each node's peer certificate (named by the node) and its own with it, "+
+			"in place of one certificate for all (--peer-tls-cert-file)")
+	fs.StringVar(&p.CAKeyFile, "peer-ca-key-file", p.CAKeyFile, "the key of --peer-ca-cert-file; only the controller mounts it")
+	fs.DurationVar(&p.CertLifetime, "peer-certificate-lifetime", p.CertLifetime,
+		"how long a peer certificate the controller signs lasts (at least 10m; nodes renew half way through)")
+}
+
 // AddFlags registers the node's flags for serving and pulling volumes.
 func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&p.Address, "peer-address", p.Address, "host:port to serve cached volumes to pulling peers on (empty: none)")
@@ -82,6 +98,10 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 		p.Static = append(p.Static, strings.Split(v, ",")...)
 		return nil
 	})
+	fs.BoolVar(&p.FromController, "peer-certificates-from-controller", p.FromController,
+		"serve and present on the peer link a certificate of this node's own, whose name is the node's, which the controller signs "+
+			"(and renews half way through its life), in place of one certificate for all (--peer-tls-cert-file); peers then check "+
+			"that each is the node the controller listed (needs --controller-address, and a controller given --peer-ca-cert-file)")
 	fs.StringVar(&p.Encoding, "stream-encoding", p.Encoding, "how pulled layers travel: raw, zstd, s2 or gzip")
 	fs.Var(quantityFlag{&p.SizeLimit}, "stream-size-limit",
 		"the largest layer a pull accepts, as a tar stream (a quantity such as 100Gi)")
@@ -105,8 +125,11 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 			"(a quantity; 0: none)")
 }
 
-// tls says whether the peer link runs over mutual TLS.
-func (p PeerOptions) tls() bool { return p.CertFile != "" || p.KeyFile != "" || p.CAFile != "" }
+// sharedTLS says whether the options name one certificate for all.
+func (p PeerOptions) sharedTLS() bool { return p.CertFile != "" || p.KeyFile != "" || p.CAFile != "" }
+
+// tls says whether a node's peer link runs over mutual TLS.
+func (p PeerOptions) tls() bool { return p.sharedTLS() || p.FromController }
 
 // validateTLS checks the peer certificates' options, every mode's.
 func (p PeerOptions) validateTLS() []error {
@@ -114,8 +137,24 @@ func (p PeerOptions) validateTLS() []error {
 	if p.ServerName == "" {
 		errs = append(errs, errors.New("--peer-tls-server-name is required"))
 	}
-	if p.tls() && (p.CertFile == "" || p.KeyFile == "" || p.CAFile == "") {
+	if p.sharedTLS() && (p.CertFile == "" || p.KeyFile == "" || p.CAFile == "") {
 		errs = append(errs, errors.New("--peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file go together (mutual TLS)"))
+	}
+	return errs
+}
+
+// validateCA checks the controller's peer CA options.
+func (p PeerOptions) validateCA() []error {
+	var errs []error
+	if (p.CACertFile == "") != (p.CAKeyFile == "") {
+		errs = append(errs, errors.New("--peer-ca-cert-file and --peer-ca-key-file go together"))
+	}
+	if p.CACertFile != "" && p.sharedTLS() {
+		errs = append(errs, errors.New("--peer-ca-cert-file gives the controller a certificate of its own: "+
+			"drop --peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file"))
+	}
+	if p.CertLifetime < 10*time.Minute {
+		errs = append(errs, fmt.Errorf("--peer-certificate-lifetime %s: want at least 10m", p.CertLifetime))
 	}
 	return errs
 }
@@ -140,6 +179,9 @@ func (p PeerOptions) validate() []error {
 	}
 	if _, err := pull.ParseMode(p.PullMode); err != nil {
 		errs = append(errs, fmt.Errorf("--pull-mode: %w", err))
+	}
+	if p.FromController && p.sharedTLS() {
+		errs = append(errs, errors.New("--peer-certificates-from-controller replaces --peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file: give one or the other"))
 	}
 	if p.Address == "" && p.AdvertiseAddress != "" {
 		errs = append(errs, errors.New("--peer-advertise-address needs --peer-address"))
@@ -176,43 +218,13 @@ func (p PeerOptions) validate() []error {
 // advertised is the address peers dial: as given, or the served one.
 func (p PeerOptions) advertised() string { return firstOf(p.AdvertiseAddress, p.Address) }
 
-// peerTLS is the peer link's credentials: the server demands a client
-// certificate signed by the CA, and the client checks the server's. Both
-// read their files at each handshake, so a renewed Secret takes effect
-// without a restart.
-type peerTLS struct {
-	pair       *tlsfiles.KeyPair
-	ca         *tlsfiles.CA
-	serverName string
-}
-
-// loadTLS loads the peer certificates the options name (nil: none).
-func (p PeerOptions) loadTLS() (*peerTLS, error) {
-	if p.CertFile == "" {
-		return nil, nil
-	}
-	pair, err := tlsfiles.NewKeyPair(p.CertFile, p.KeyFile)
-	if err != nil {
-		return nil, fmt.Errorf("loading the peer certificate: %w", err)
-	}
-	ca, err := tlsfiles.NewCA(p.CAFile)
-	if err != nil {
-		return nil, fmt.Errorf("reading the peer CA: %w", err)
-	}
-	return &peerTLS{pair: pair, ca: ca, serverName: p.ServerName}, nil
-}
-
 // pulls says whether the node pulls sources it lacks: it knows peers,
 // from the controller or a static list.
 func (o Options) pulls() bool { return o.Node.ControllerAddress != "" || len(o.Peers.Static) > 0 }
 
 // pullConfig is the engine's part of the peer options; ctl reaches the
-// controller (nil: the static list is the locator).
-func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*pull.Config, error) {
-	dial, err := o.Peers.dialer()
-	if err != nil {
-		return nil, err
-	}
+// controller (nil: the static list is the locator), link the peers.
+func (o Options) pullConfig(ctl grpc.ClientConnInterface, link *peerLink) *pull.Config {
 	var loc pull.Locator = staticPeers(o.Peers.Static)
 	var orders pull.ReadOrderShare
 	if ctl != nil {
@@ -225,9 +237,9 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface) (*pull.Config, error) 
 	if o.Peers.Address != "" {
 		relay = o.Peers.advertised()
 	}
-	return &pull.Config{Locator: loc, Dial: dial, Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
+	return &pull.Config{Locator: loc, Dial: link.dialer(o.Peers.PullWait), Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
 		RelayAddress: relay, SwarmMinBytes: o.Peers.SwarmMinSize, FillKeeper: o.Peers.FillKeeper,
-		ReadOrders: orders, Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}, nil
+		ReadOrders: orders, Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}
 }
 
 // controllerReadOrders share read orders through the controller.
@@ -253,33 +265,6 @@ func (c controllerReadOrders) Find(ctx context.Context, namespace, name string) 
 	return o.GetFiles(), o.GetNodeId(), nil
 }
 
-// dialer reaches peers' --peer-address: over mutual TLS where the options
-// give certificates, else in plaintext to loopback only.
-func (p PeerOptions) dialer() (func(address string) (*streamer.Client, io.Closer, error), error) {
-	peerTLS, err := p.loadTLS()
-	if err != nil {
-		return nil, err
-	}
-	return func(address string) (*streamer.Client, io.Closer, error) {
-		creds := insecure.NewCredentials()
-		if peerTLS != nil {
-			creds = credentials.NewTLS(tlsfiles.ClientConfig(peerTLS.pair, peerTLS.ca, peerTLS.serverName))
-		} else if err := loopbackOnly(address); err != nil {
-			// Plaintext stays on this machine, whoever named the address.
-			return nil, nil, fmt.Errorf("peer %s: %w", address, err)
-		}
-		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds),
-			grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: peerKeepalive, Timeout: peerKeepaliveTimeout}),
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(streamer.MaxChunk)),
-			grpc.WithInitialWindowSize(streamWindow), grpc.WithInitialConnWindowSize(streamWindow),
-			grpc.WithReadBufferSize(streamBuffer), grpc.WithWriteBufferSize(streamBuffer))
-		if err != nil {
-			return nil, nil, err
-		}
-		return streamer.NewClient(conn, p.PullWait), conn, nil
-	}, nil
-}
-
 // A holder that goes silent mid-pull (a machine gone, its link down: no
 // reset ever comes) is given up after peerKeepalive without a byte from it
 // and peerKeepaliveTimeout more without an answer to a ping; its streams
@@ -300,23 +285,19 @@ const (
 )
 
 // peerServer is the node's peer API server, with mutual TLS where the
-// options give certificates.
-func (d *Driver) peerServer(m *streamer.Metrics) (*grpc.Server, error) {
-	peerTLS, err := d.opts.Peers.loadTLS()
-	if err != nil {
-		return nil, err
-	}
+// link has certificates.
+func (d *Driver) peerServer(m *streamer.Metrics) *grpc.Server {
 	opts := []grpc.ServerOption{grpc.InitialWindowSize(streamWindow), grpc.InitialConnWindowSize(streamWindow),
 		grpc.ReadBufferSize(streamBuffer), grpc.WriteBufferSize(streamBuffer),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: peerKeepalive / 2})}
-	if peerTLS != nil {
-		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsfiles.ServerConfig(peerTLS.pair, peerTLS.ca))))
+	if creds := d.peerLink.serverCreds(); creds != nil {
+		opts = append(opts, grpc.Creds(creds))
 	}
 	srv := grpc.NewServer(opts...)
 	lim := streamer.DefaultLimits
 	lim.Bytes, lim.KeepSetuid = d.opts.Peers.SizeLimit, d.opts.Node.AllowSetuid
 	streamer.NewServer(d.engine.PeerHolder(), m, lim).Register(srv)
-	return srv, nil
+	return srv
 }
 
 // staticPeers are the peers of --peers: every one is asked.

@@ -31,6 +31,7 @@ import (
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/peerid"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/controller/fleet"
@@ -74,6 +75,11 @@ type Driver struct {
 	leader *leadership
 	// ctlConn (node mode) reaches the controller: reports and lookups.
 	ctlConn *grpc.ClientConn
+	// peerLink (node mode) is how the node proves itself to peers and
+	// checks them; peerCert is its certificate from the controller, where
+	// the controller signs one.
+	peerLink *peerLink
+	peerCert *peerid.Kept
 	// reports count what the node told the controller.
 	reports *report.Metrics
 	// peerMetrics count what the node streams to its peers.
@@ -188,14 +194,25 @@ func (d *Driver) startNode(kubeCtx context.Context, deps Deps, sender *kubeEvent
 			return fmt.Errorf("reaching the controller: %w", err)
 		}
 	}
+	var ctl grpc.ClientConnInterface
+	if d.ctlConn != nil {
+		ctl = d.ctlConn
+	}
+	if d.peerLink, d.peerCert, err = d.opts.nodeLink(ctl); err != nil {
+		return err
+	}
+	if d.peerCert != nil {
+		d.metrics.registry.MustRegister(peerCertificateExpiry(d.peerCert))
+		// Before the first publish: a pull without it would fail, and
+		// hold its source back for the failure's backoff.
+		ctx, cancel := context.WithTimeout(context.Background(), firstPeerCertificateWait)
+		if _, err := d.peerCert.Renew(ctx); err != nil {
+			klog.ErrorS(err, "This node has no peer certificate yet: it pulls from no peer and serves none until the controller signs one (retried in the background)")
+		}
+		cancel()
+	}
 	if d.opts.pulls() {
-		var ctl grpc.ClientConnInterface
-		if d.ctlConn != nil {
-			ctl = d.ctlConn
-		}
-		if cfg.Pulls, err = d.opts.pullConfig(ctl); err != nil {
-			return err
-		}
+		cfg.Pulls = d.opts.pullConfig(ctl, d.peerLink)
 	}
 	d.podEvents = events
 	if d.engine, err = node.New(cfg, store, deps.Mounter, events); err != nil {
@@ -388,13 +405,15 @@ func (d *Driver) runners() ([]runner, error) {
 			stopGracefully(0)), "Serving the node API", "endpoint", d.opts.Node.nodeAPIEndpoint(d.opts.Endpoint)))
 	}
 	if d.engine != nil && d.opts.Peers.Address != "" {
-		peerSrv, err := d.peerServer(d.peerMetrics)
-		if err != nil {
-			return nil, fmt.Errorf("serving peers: %w", err)
-		}
-		runners = append(runners, logged(grpcRunner("serving peers", peerSrv, tcpListener(d.opts.Peers.Address), stopHard),
+		runners = append(runners, logged(grpcRunner("serving peers", d.peerServer(d.peerMetrics), tcpListener(d.opts.Peers.Address), stopHard),
 			"Serving volumes to peers", "address", d.opts.Peers.Address, "advertised", d.opts.Peers.advertised(),
-			"mutualTLS", d.opts.Peers.CertFile != ""))
+			"mutualTLS", d.peerLink.mutualTLS()))
+	}
+	if d.peerCert != nil {
+		runners = append(runners, loopRunner("keeping the node's peer certificate", func(ctx context.Context) error {
+			d.peerCert.Run(ctx)
+			return nil
+		}))
 	}
 	if d.engine != nil && d.opts.Images.RegistryAddress != "" {
 		images, err := d.imageRunners()
@@ -478,13 +497,18 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 	if err != nil {
 		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
 	}
-	dial, err := d.opts.Peers.dialer()
+	link, signer, err := d.opts.controllerLink()
 	if err != nil {
 		return nil, fmt.Errorf("serving the controller's APIs: %w", err)
 	}
+	var peerCA controller.PeerSigner
+	if signer != nil {
+		peerCA = signer
+	}
 	api := grpc.NewServer(append(serve, grpc.KeepaliveParams(keepalive.ServerParameters{
 		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
-	controller.Register(api, d.view, d.readOrders, d.fullReports, d.ctlMetrics, d.nodeEvents, dial)
+	controller.Register(api, controller.Services{View: d.view, Orders: d.readOrders, FullReports: d.fullReports, Metrics: d.ctlMetrics,
+		Events: d.nodeEvents, Dial: link.dialer(d.opts.Peers.PullWait), PeerCA: peerCA})
 	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.Controller.APIAddress), stopGracefully(0)),
 		"Serving the controller's Registry and Cache APIs", "address", d.opts.Controller.APIAddress,
 		"tls", d.opts.Controller.TLSCertFile != "", "tokens", d.opts.Controller.TokensFile != "",

@@ -46,9 +46,11 @@ func TestFlagsByMode(t *testing.T) {
 		mode       Mode
 		has, lacks []string
 	}{
-		{ModeNode, []string{"state-dir", "peer-address", "image-registry-address", "controller-address", "peer-tls-cert-file"},
-			[]string{"api-address", "kube-auth", "leader-election"}},
-		{ModeController, []string{"api-address", "kube-auth", "leader-election", "peer-tls-cert-file", "metrics-address"},
+		{ModeNode, []string{"state-dir", "peer-address", "image-registry-address", "controller-address", "peer-tls-cert-file",
+			"peer-certificates-from-controller"},
+			[]string{"api-address", "kube-auth", "leader-election", "peer-ca-key-file"}},
+		{ModeController, []string{"api-address", "kube-auth", "leader-election", "peer-tls-cert-file", "metrics-address", "peer-ca-cert-file",
+			"peer-ca-key-file", "peer-certificate-lifetime"},
 			[]string{"state-dir", "peer-address", "image-registry-address", "controller-address", "kubelet-dir"}},
 		{ModeAll, []string{"state-dir", "api-address", "peer-address"}, []string{"leader-election"}},
 	}
@@ -144,6 +146,22 @@ func TestOptionsValidate(t *testing.T) {
 			o.Peers.CertFile, o.Peers.KeyFile, o.Peers.CAFile = "/c", "/k", "/ca"
 		}, ""},
 		{"peer TLS without a CA", func(o *Options) { o.Peers.CertFile, o.Peers.KeyFile = "/c", "/k" }, "go together"},
+		{"a node's own peer certificate off loopback", func(o *Options) {
+			o.Node.ControllerAddress, o.Node.TLSCAFile, o.Node.TokenFile = "10.0.0.5:7000", "/ca", "/t"
+			o.Peers.Address, o.Peers.FromController = "10.0.0.5:7443", true
+		}, ""},
+		{"a node's own peer certificate without a controller", func(o *Options) { o.Peers.FromController = true }, "needs --controller-address"},
+		{"a node's own peer certificate and one for all", func(o *Options) {
+			o.Node.ControllerAddress, o.Peers.FromController = "127.0.0.1:7000", true
+			o.Peers.CertFile, o.Peers.KeyFile, o.Peers.CAFile = "/c", "/k", "/ca"
+		}, "give one or the other"},
+		{"a peer CA", func(o *Options) { o.Mode, o.Peers.CACertFile, o.Peers.CAKeyFile = ModeController, "/ca.crt", "/ca.key" }, ""},
+		{"a peer CA without its key", func(o *Options) { o.Mode, o.Peers.CACertFile = ModeController, "/ca.crt" }, "go together"},
+		{"a peer CA and one certificate for all", func(o *Options) {
+			o.Mode, o.Peers.CACertFile, o.Peers.CAKeyFile = ModeController, "/ca.crt", "/ca.key"
+			o.Peers.CertFile, o.Peers.KeyFile, o.Peers.CAFile = "/c", "/k", "/ca"
+		}, "drop --peer-tls-cert-file"},
+		{"peer certificates that last minutes", func(o *Options) { o.Mode, o.Peers.CertLifetime = ModeController, time.Minute }, "at least 10m"},
 		{"peer address with no host to advertise", func(o *Options) {
 			o.Peers.Address, o.Peers.CertFile, o.Peers.KeyFile, o.Peers.CAFile = ":7443", "/c", "/k", "/ca"
 		}, "--peer-advertise-address"},

@@ -25,7 +25,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -53,8 +52,8 @@ const DefaultReadOrderRefresh = 10 * time.Minute
 type Config struct {
 	// Locator says which peers hold a volume ready.
 	Locator Locator
-	// Dial reaches a peer's --peer-address.
-	Dial func(address string) (*streamer.Client, io.Closer, error)
+	// Dial reaches a peer's --peer-address, checking it is the node named.
+	Dial streamer.Dialer
 	// Encoding is what layers travel as; Limits bound each one.
 	Encoding streamer.Encoding
 	Limits   streamer.Limits
@@ -453,7 +452,7 @@ func allNotHeld(errs []error) bool {
 // pullFrom pulls, from one peer, the layers of the source's chain this node
 // lacks, bottom first, and says how many it pulled.
 func (pl *Puller) pullFrom(p *pull, h Peer) (int, error) {
-	client, conn, err := pl.cfg.Dial(h.Address)
+	client, conn, err := pl.cfg.Dial(h.NodeID, h.Address)
 	if err != nil {
 		return 0, err
 	}

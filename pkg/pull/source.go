@@ -92,7 +92,7 @@ func (s *lazySource) tryCurrent(ctx context.Context, which int) (_ *streamer.Cli
 	}
 	dial := s.pl.cfg.Dial
 	if s.peer != "" {
-		client, conn, err := dial(s.address)
+		client, conn, err := dial(s.peer, s.address)
 		if err == nil {
 			ln.client, ln.conn = client, conn
 			return client, s.peer, false, nil
@@ -114,7 +114,7 @@ func (s *lazySource) tryCurrent(ctx context.Context, which int) (_ *streamer.Cli
 				(lost && now.Sub(since) > s.pl.cfg.Wait) {
 				continue
 			}
-			client, conn, err := dial(h.Address)
+			client, conn, err := dial(h.NodeID, h.Address)
 			if err != nil {
 				errs = append(errs, err)
 				wait = wait || lost

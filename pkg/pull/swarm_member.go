@@ -65,9 +65,11 @@ var errRelayFailed = errors.New("pulling from the swarm's member before this nod
 
 // swarmMember is this node's part in the swarm of a stream it pulls.
 type swarmMember struct {
-	swarm           string
-	upAddr, upToken string // empty: the holder is the source
-	spool           *streamer.Spool
+	swarm string
+	// upNode is the node serving at upAddr, as it proved itself to the
+	// holder ("" where peers prove no node).
+	upNode, upAddr, upToken string // empty: the holder is the source
+	spool                   *streamer.Spool
 }
 
 // swarmPull is one attempt at a stream: from the client given, as sw says;
@@ -138,21 +140,21 @@ func (pl *Puller) joinSwarm(holder *streamer.Client, s streamer.LayerStream, top
 	pl.relays.mu.Unlock()
 	ctx, cancel := context.WithTimeout(pl.ctx, pl.cfg.Wait)
 	defer cancel()
-	swarm, upAddr, upToken, err := holder.JoinSwarm(ctx, s, pl.cfg.RelayAddress, token)
-	if err != nil || swarm == "" {
+	up, err := holder.JoinSwarm(ctx, s, pl.cfg.RelayAddress, token)
+	if err != nil || up.Swarm == "" {
 		if err != nil {
 			klog.V(2).InfoS("Pulling a layer's stream outside a swarm: its holder took none", "volume", l.Ref, "err", err)
 		}
 		spool.Retire(0)
 		return swarmMember{}
 	}
-	return swarmMember{swarm: swarm, upAddr: upAddr, upToken: upToken, spool: spool}
+	return swarmMember{swarm: up.Swarm, upNode: up.Node, upAddr: up.Address, upToken: up.Token, spool: spool}
 }
 
 // pullFromRelay runs a pull of stream s from the member before this one,
 // and checks what arrived against the holder's own stream.
 func (pl *Puller) pullFromRelay(holder *streamer.Client, s streamer.LayerStream, m swarmMember, run swarmPull) error {
-	client, conn, err := pl.cfg.Dial(m.upAddr)
+	client, conn, err := pl.cfg.Dial(m.upNode, m.upAddr)
 	if err != nil {
 		return err
 	}

@@ -60,7 +60,7 @@ func (m *Metrics) joined(j joined) {
 		return
 	}
 	from := "relay"
-	if j.upAddr == "" {
+	if j.up.addr == "" {
 		from = "holder"
 	}
 	m.joins.WithLabelValues(from).Inc()

@@ -485,6 +485,10 @@ const (
 	MaxChunk     = maxChunkData + 4<<10
 )
 
+// Dialer reaches a node's peer API at address, checking (where peers
+// prove their node) that it is node.
+type Dialer func(node, address string) (*Client, io.Closer, error)
+
 // Client pulls layers from one peer.
 type Client struct {
 	api   peerv1.PeerClient
@@ -744,18 +748,23 @@ func (c *Client) pullLayer(ctx context.Context, req *peerv1.PullLayerRequest, pr
 	return sum, nil
 }
 
+// Upstream is where a swarm's member pulls from: Swarm, and the member
+// before it (Address empty: the holder), the node it proved to be to the
+// holder (empty where peers prove no node) and its relay token.
+type Upstream struct{ Swarm, Node, Address, Token string }
+
 // JoinSwarm asks the holder of a layer to add this puller, about to pull
 // stream s and relaying what it pulls at relayAddress under token, to the
 // stream's swarm.
-func (c *Client) JoinSwarm(ctx context.Context, s LayerStream, relayAddress, token string) (swarm, upAddress, upToken string, err error) {
+func (c *Client) JoinSwarm(ctx context.Context, s LayerStream, relayAddress, token string) (Upstream, error) {
 	resp, err := c.api.JoinSwarm(ctx, &peerv1.JoinSwarmRequest{Stream: s.request(Swarmed{}, nil), RelayAddress: relayAddress, RelayToken: token})
 	if err != nil {
-		return "", "", "", peerError(err)
+		return Upstream{}, peerError(err)
 	}
 	if resp.GetUpstreamAddress() != "" && !validToken(resp.GetUpstreamToken()) {
-		return "", "", "", fmt.Errorf("the holder named a relay with a malformed token")
+		return Upstream{}, fmt.Errorf("the holder named a relay with a malformed token")
 	}
-	return resp.GetSwarm(), resp.GetUpstreamAddress(), resp.GetUpstreamToken(), nil
+	return Upstream{Swarm: resp.GetSwarm(), Node: resp.GetUpstreamNode(), Address: resp.GetUpstreamAddress(), Token: resp.GetUpstreamToken()}, nil
 }
 
 // SwarmDigest asks the holder of r's layer what its swarm's first stream

@@ -13,10 +13,13 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
+	"github.com/concourse/cowvol/internal/peerid"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -67,13 +70,17 @@ type swarm struct {
 	id  string
 	key swarmKey
 	// The member that joined last: the next to join pulls from it.
-	lastAddr, lastToken string
-	joined              time.Time
-	sum                 *Summary
-	failed              bool
-	ended               chan struct{} // closed when the first stream ends
-	firstTaken          bool          // a PullLayer streams the first stream
+	last       member
+	joined     time.Time
+	sum        *Summary
+	failed     bool
+	ended      chan struct{} // closed when the first stream ends
+	firstTaken bool          // a PullLayer streams the first stream
 }
+
+// member is a puller in a swarm: the node it proved to be ("" where peers
+// prove none), where it relays, and the token of its copy there.
+type member struct{ node, addr, token string }
 
 func (w *swarm) joinable(now time.Time) bool {
 	return w.sum == nil && !w.failed && now.Sub(w.joined) < swarmJoinWindow
@@ -92,14 +99,17 @@ func newSwarms() *swarms {
 }
 
 // joined is what a join answers: the swarm, and whom to pull from
-// (empty: the holder, as the first member).
-type joined struct{ swarm, upAddr, upToken string }
+// (zero: the holder, as the first member).
+type joined struct {
+	swarm string
+	up    member
+}
 
-// join adds a puller that relays at addr under token to key's open swarm,
+// join adds a puller m to key's open swarm,
 // or starts one with it as the first member. A puller whose address joined
 // last asks again for a pull of its own (another namespace's, or the layer
 // again): it cannot pull from itself, so it starts a new swarm.
-func (ss *swarms) join(key swarmKey, addr, token string) joined {
+func (ss *swarms) join(key swarmKey, m member) joined {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	now := ss.clock()
@@ -114,13 +124,13 @@ func (ss *swarms) join(key swarmKey, addr, token string) joined {
 		}
 	}
 	w := ss.open[key]
-	if w == nil || !w.joinable(now) || w.lastAddr == addr {
-		w = &swarm{id: newToken(), key: key, lastAddr: addr, lastToken: token, joined: now, ended: make(chan struct{})}
+	if w == nil || !w.joinable(now) || w.last.addr == m.addr {
+		w = &swarm{id: newToken(), key: key, last: m, joined: now, ended: make(chan struct{})}
 		ss.open[key], ss.byID[w.id] = w, w
 		return joined{swarm: w.id}
 	}
-	up := joined{swarm: w.id, upAddr: w.lastAddr, upToken: w.lastToken}
-	w.lastAddr, w.lastToken, w.joined = addr, token, now
+	up := joined{swarm: w.id, up: w.last}
+	w.last, w.joined = m, now
 	return up
 }
 
@@ -196,7 +206,7 @@ func (s *Server) checkLayer(namespace string, r, via volume.Ref) error {
 }
 
 // JoinSwarm adds a puller about to pull a layer's stream to its swarm.
-func (s *Server) JoinSwarm(_ context.Context, req *peerv1.JoinSwarmRequest) (*peerv1.JoinSwarmResponse, error) {
+func (s *Server) JoinSwarm(ctx context.Context, req *peerv1.JoinSwarmRequest) (*peerv1.JoinSwarmResponse, error) {
 	stream := req.GetStream()
 	if stream == nil {
 		return nil, status.Error(codes.InvalidArgument, "no stream to join")
@@ -214,11 +224,29 @@ func (s *Server) JoinSwarm(_ context.Context, req *peerv1.JoinSwarmRequest) (*pe
 	if err := s.checkLayer(p.namespace, p.ref, p.via); err != nil {
 		return nil, holderError(err)
 	}
-	j := s.swarms.join(p.swarmKey(), req.GetRelayAddress(), req.GetRelayToken())
+	j := s.swarms.join(p.swarmKey(), member{node: callerNode(ctx), addr: req.GetRelayAddress(), token: req.GetRelayToken()})
 	s.metrics.joined(j)
 	klog.V(2).InfoS("A puller joined a layer stream's swarm", "volume", p.ref, "namespace", p.namespace, "stubs", stream.GetStubs(),
-		"dataOnly", stream.GetDataOnly(), "swarm", j.swarm, "relay", req.GetRelayAddress(), "upstream", j.upAddr)
-	return &peerv1.JoinSwarmResponse{Swarm: j.swarm, UpstreamAddress: j.upAddr, UpstreamToken: j.upToken}, nil
+		"dataOnly", stream.GetDataOnly(), "swarm", j.swarm, "relay", req.GetRelayAddress(), "upstream", j.up.addr, "upstreamNode", j.up.node)
+	return &peerv1.JoinSwarmResponse{Swarm: j.swarm, UpstreamNode: j.up.node, UpstreamAddress: j.up.addr, UpstreamToken: j.up.token}, nil
+}
+
+// callerNode is the node a caller proved to be on the peer link ("" where
+// peers prove none, or for the controller).
+func callerNode(ctx context.Context) string {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return ""
+	}
+	info, ok := p.AuthInfo.(credentials.TLSInfo)
+	if !ok {
+		return ""
+	}
+	id, ok := peerid.FromState(info.State)
+	if !ok || id.IsController() {
+		return ""
+	}
+	return id.Node
 }
 
 func validToken(t string) bool {

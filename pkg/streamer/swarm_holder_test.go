@@ -93,12 +93,12 @@ func TestSwarmJoins(t *testing.T) {
 					ss.ended(w, Summary{Bytes: 1}, *j.endFirst)
 				}
 				now = now.Add(j.after)
-				g := ss.join(j.key, j.addr, j.addr+"-token")
+				g := ss.join(j.key, member{addr: j.addr, token: j.addr + "-token"})
 				got = append(got, g)
 				require.NotEmpty(t, g.swarm, "join %d", i)
-				assert.Equal(t, j.wantUp, g.upAddr, "join %d's upstream", i)
+				assert.Equal(t, j.wantUp, g.up.addr, "join %d's upstream", i)
 				if j.wantUp != "" {
-					assert.Equal(t, j.wantUp+"-token", g.upToken)
+					assert.Equal(t, j.wantUp+"-token", g.up.token)
 				}
 				if j.sameSwarm >= 0 {
 					assert.Equal(t, got[j.sameSwarm].swarm, g.swarm, "join %d's swarm", i)
@@ -118,14 +118,14 @@ func TestSwarmsAreForgotten(t *testing.T) {
 	ss := newSwarms()
 	ss.clock = func() time.Time { return now }
 	for i := range 100 {
-		ss.join(swarmKey{ref: volume.Ref{Namespace: "ci", Handle: fmt.Sprintf("out-%d", i)}, enc: S2}, "b", "t")
+		ss.join(swarmKey{ref: volume.Ref{Namespace: "ci", Handle: fmt.Sprintf("out-%d", i)}, enc: S2}, member{addr: "b", token: "t"})
 	}
 	now = now.Add(swarmJoinWindow)
-	ss.join(swarmKey{ref: volume.Ref{Namespace: "ci", Handle: "new"}, enc: S2}, "b", "t")
+	ss.join(swarmKey{ref: volume.Ref{Namespace: "ci", Handle: "new"}, enc: S2}, member{addr: "b", token: "t"})
 	require.Len(t, ss.open, 1, "swarms that take no members are closed")
 	require.Len(t, ss.byID, 101, "their digests are still answered")
 	now = now.Add(swarmKeep + time.Second)
-	ss.join(swarmKey{ref: volume.Ref{Namespace: "ci", Handle: "newer"}, enc: S2}, "b", "t")
+	ss.join(swarmKey{ref: volume.Ref{Namespace: "ci", Handle: "newer"}, enc: S2}, member{addr: "b", token: "t"})
 	require.Len(t, ss.byID, 1)
 	require.Len(t, ss.open, 1)
 }
@@ -136,7 +136,7 @@ func TestSwarmsAreForgotten(t *testing.T) {
 func TestSwarmDigest(t *testing.T) {
 	ref := volume.Ref{Namespace: "ci", Handle: "out"}
 	ss := newSwarms()
-	j := ss.join(swarmKey{ref: ref, enc: S2}, "b", "t")
+	j := ss.join(swarmKey{ref: ref, enc: S2}, member{addr: "b", token: "t"})
 	_, first := ss.first(j.swarm, swarmKey{ref: ref, enc: Zstd})
 	require.False(t, first, "another encoding's stream is not the first")
 	w, first := ss.first(j.swarm, swarmKey{ref: ref, enc: S2})
@@ -158,7 +158,7 @@ func TestSwarmDigest(t *testing.T) {
 	_, err = ss.digest(context.Background(), "no-such-swarm", ref)
 	require.ErrorIs(t, err, ErrNotHeld)
 
-	j2 := ss.join(swarmKey{ref: ref, enc: Zstd}, "b", "t")
+	j2 := ss.join(swarmKey{ref: ref, enc: Zstd}, member{addr: "b", token: "t"})
 	w2, _ := ss.first(j2.swarm, swarmKey{ref: ref, enc: Zstd})
 	ss.ended(w2, Summary{}, errors.New("the link broke"))
 	_, err = ss.digest(context.Background(), j2.swarm, ref)

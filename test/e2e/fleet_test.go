@@ -380,10 +380,9 @@ func (f *fleet) installCowvol() {
 	// Helm makes the namespace; the Secrets may come after the install:
 	// the pods start once the kubelet can mount them.
 	f.helm(helm, "install", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol", "--create-namespace")
-	for name, p := range map[string]netlab.PKI{"cowvol-controller-tls": ctl, "cowvol-peer-tls": peer} {
-		f.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
-			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
-	}
+	f.mustKubectl("", "create", "secret", "generic", "cowvol-controller-tls", "-n", "cowvol",
+		"--from-file=tls.crt="+ctl.Cert, "--from-file=tls.key="+ctl.Key, "--from-file=ca.crt="+ctl.CA)
+	f.mustKubectl("", peerCASecret("cowvol-peer-ca", peer)...)
 	// Pods are deleted while the plugins can still unpublish; before
 	// that, a failed run says what cowvol's pods saw.
 	t.Cleanup(func() { f.deletePods() })

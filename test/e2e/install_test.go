@@ -111,20 +111,34 @@ func previousControllerPatch(tag string) string {
       - {op: remove, path: /spec/template/spec/containers/0/args/13}
       - {op: test, path: /spec/template/spec/containers/0/args/12, value: --max-copies=5}
       - {op: remove, path: /spec/template/spec/containers/0/args/12}
+      - {op: test, path: /spec/template/spec/containers/0/args/11, value: --peer-certificate-lifetime=24h}
+      - {op: remove, path: /spec/template/spec/containers/0/args/11}
+      - {op: test, path: /spec/template/spec/containers/0/args/10, value: --peer-ca-key-file=/peer-ca/tls.key}
+      - {op: remove, path: /spec/template/spec/containers/0/args/10}
+      - {op: test, path: /spec/template/spec/containers/0/args/9, value: --peer-ca-cert-file=/peer-ca/tls.crt}
+      - {op: remove, path: /spec/template/spec/containers/0/args/9}
       - {op: test, path: /spec/template/spec/containers/0/args/7, value: --leader-election-label-pod}
       - {op: remove, path: /spec/template/spec/containers/0/args/7}`
 }
 
 // previousNodePatch takes out of the node plugin's pod, for the previous
 // image, what the base has gained since: the fill keeper (a subcommand
-// that image lacks) and the flag that names it.
+// that image lacks) and the flag that names it, and the certificate from
+// the controller (that image's node serves no peers then: it knew only
+// one certificate for all, which the base no longer has).
 func previousNodePatch(tag string) string {
 	if tag != "previous" {
 		return ""
 	}
 	return `
-      - {op: test, path: /spec/template/spec/containers/0/args/21, value: --fill-keeper-socket=/run/cowvol-fill/keeper.sock}
-      - {op: remove, path: /spec/template/spec/containers/0/args/21}
+      - {op: test, path: /spec/template/spec/containers/0/args/19, value: --fill-keeper-socket=/run/cowvol-fill/keeper.sock}
+      - {op: remove, path: /spec/template/spec/containers/0/args/19}
+      - {op: test, path: /spec/template/spec/containers/0/args/16, value: --peer-certificates-from-controller}
+      - {op: remove, path: /spec/template/spec/containers/0/args/16}
+      - {op: test, path: /spec/template/spec/containers/0/args/15, value: --peer-advertise-address=$(POD_IP):7443}
+      - {op: remove, path: /spec/template/spec/containers/0/args/15}
+      - {op: test, path: /spec/template/spec/containers/0/args/14, value: --peer-address=0.0.0.0:7443}
+      - {op: remove, path: /spec/template/spec/containers/0/args/14}
       - {op: test, path: /spec/template/spec/initContainers/0/name, value: fill-keeper}
       - {op: remove, path: /spec/template/spec/initContainers}`
 }
@@ -186,7 +200,7 @@ func installSettings(c *cluster) map[string]string {
 		"state-dir":             filepath.Join(c.stateDir, "cowvol"),
 		"default-size-limit":    installDefaultSizeLimit,
 		"controller-tls-secret": "e2e-controller-tls",
-		"peer-tls-secret":       "e2e-peer-tls",
+		"peer-ca-secret":        "e2e-peer-ca",
 	}
 }
 
@@ -407,13 +421,18 @@ func TestInstall(t *testing.T) {
 }
 
 // createInstallSecrets makes the TLS Secrets the install names, in the
-// namespace cowvol.
+// namespace cowvol: the controller's serving certificate, and the peer CA.
 func (c *cluster) createInstallSecrets(ctl, peer netlab.PKI) {
 	settings := installSettings(c)
-	for name, p := range map[string]netlab.PKI{settings["controller-tls-secret"]: ctl, settings["peer-tls-secret"]: peer} {
-		c.mustKubectl("", "create", "secret", "generic", name, "-n", "cowvol",
-			"--from-file=tls.crt="+p.Cert, "--from-file=tls.key="+p.Key, "--from-file=ca.crt="+p.CA)
-	}
+	c.mustKubectl("", "create", "secret", "generic", settings["controller-tls-secret"], "-n", "cowvol",
+		"--from-file=tls.crt="+ctl.Cert, "--from-file=tls.key="+ctl.Key, "--from-file=ca.crt="+ctl.CA)
+	c.mustKubectl("", peerCASecret(settings["peer-ca-secret"], peer)...)
+}
+
+// peerCASecret is the kubectl command that makes the Secret of a peer CA:
+// the CA of p and its key.
+func peerCASecret(name string, p netlab.PKI) []string {
+	return []string{"create", "secret", "generic", name, "-n", "cowvol", "--from-file=tls.crt=" + p.CA, "--from-file=tls.key=" + p.CAKey}
 }
 
 // helmLifecycle moves the install to Helm, as a user would: the steps
@@ -441,7 +460,7 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 	settings := installSettings(c)
 	values := map[string]any{
 		"kubeletDir": settings["kubelet-dir"], "stateDir": settings["state-dir"], "defaultSizeLimit": settings["default-size-limit"],
-		"controllerTLSSecret": settings["controller-tls-secret"], "peerTLSSecret": settings["peer-tls-secret"],
+		"controllerTLSSecret": settings["controller-tls-secret"], "peerCASecret": settings["peer-ca-secret"],
 		"image":     map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
 		"registrar": map[string]any{"enabled": reg == bySidecar},
 		// As the kustomize overlay's patches: this node's pods are on the

@@ -14,8 +14,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"sigs.k8s.io/yaml"
-
-	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // renderKustomization renders the kustomization in dir with kubectl's own
@@ -158,7 +156,7 @@ func TestManifests(t *testing.T) {
 			"low-watermark":         {`"80"`, `"70"`},
 			"stream-size-limit":     {"100Gi", "50Gi"},
 			"controller-tls-secret": {"cowvol-controller-tls", "my-controller-tls"},
-			"peer-tls-secret":       {"cowvol-peer-tls", "my-peer-tls"},
+			"peer-ca-secret":        {"cowvol-peer-ca", "my-peer-ca"},
 		}
 		got, err := renderKustomization(t, settingsOverlay(t, func(s string) string {
 			for key, v := range changed {
@@ -170,7 +168,7 @@ func TestManifests(t *testing.T) {
 		require.NoError(t, err)
 		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
 		controller, _ := yaml.Marshal(got["Deployment/cowvol-controller"])
-		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-tls"} {
+		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-ca"} {
 			require.NotContains(t, string(node), old, "the node DaemonSet still names the default")
 			require.NotContains(t, string(controller), old, "the controller Deployment still names the default")
 		}
@@ -331,13 +329,13 @@ func TestManifests(t *testing.T) {
 
 	t.Run("the Helm chart's values reach every place", func(t *testing.T) {
 		got := renderChart(t, "--set", "kubeletDir=/srv/k8s/kubelet", "--set", "stateDir=/mnt/cowvol",
-			"--set", "peerTLSSecret=my-peer-tls", "--set", "controllerTLSSecret=my-controller-tls",
+			"--set", "peerCASecret=my-peer-ca", "--set", "controllerTLSSecret=my-controller-tls",
 			"--set", "registrar.enabled=false", "--set", "image.repository=registry.example/cowvol-plugin", "--set", "image.tag=v1",
 			"--set", "controller.replicas=1", "--set", "node.tolerations[0].operator=Exists",
 			"--set", "node.hostNetwork=true", "--set", "node.extraArgs={--image-registry-address=127.0.0.1:7444}")
 		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
 		controller, _ := yaml.Marshal(got["Deployment/cowvol-controller"])
-		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-tls", "node-driver-registrar", "cowvol-plugin:latest"} {
+		for _, old := range []string{"/var/lib/kubelet", "cowvol-controller-tls", "cowvol-peer-ca", "node-driver-registrar", "cowvol-plugin:latest"} {
 			require.NotContains(t, string(node), old, "the node DaemonSet still names the default")
 			require.NotContains(t, string(controller), old, "the controller Deployment still names the default")
 		}
@@ -417,24 +415,27 @@ func TestManifests(t *testing.T) {
 	t.Run("cert-manager makes the two Secrets the workloads mount, for the names they are reached by", func(t *testing.T) {
 		require.Contains(t, chartRefusal(t, "--set", "certManager.enabled=true"), "certManager.enabled needs certManager.issuerRef.name")
 		got := renderChart(t, "--set", "certManager.enabled=true", "--set", "certManager.issuerRef.name=cowvol-ca",
-			"--set", "controllerTLSSecret=ctl-tls", "--set", "peerTLSSecret=peer-tls")
+			"--set", "controllerTLSSecret=ctl-tls", "--set", "peerCASecret=peer-ca")
 		ctl := got["Certificate/cowvol-controller"]["spec"].(map[string]any)
-		peer := got["Certificate/cowvol-peer"]["spec"].(map[string]any)
+		peer := got["Certificate/cowvol-peer-ca"]["spec"].(map[string]any)
 		require.Equal(t, "ctl-tls", ctl["secretName"])
-		require.Equal(t, "peer-tls", peer["secretName"])
+		require.Equal(t, "peer-ca", peer["secretName"])
 		issuer := map[string]any{"name": "cowvol-ca", "kind": "Issuer", "group": "cert-manager.io"}
 		require.Equal(t, issuer, ctl["issuerRef"])
 		require.Equal(t, issuer, peer["issuerRef"])
-		// The nodes dial the controller by its Service's name, and peers
-		// verify each other by the peer name.
+		// The nodes dial the controller by its Service's name; the peer CA
+		// signs the nodes' certificates, and only the controller mounts it.
 		node := toYAML(t, got["DaemonSet/cowvol-node"])
 		for _, name := range ctl["dnsNames"].([]any) {
 			require.Contains(t, node, "--controller-address="+name.(string)+":")
 		}
-		require.Equal(t, []any{plugin.DefaultPeerServerName}, peer["dnsNames"])
-		require.Contains(t, peer["usages"], "client auth", "the peer certificate is presented by clients too")
-		require.Contains(t, node, "secretName: peer-tls")
-		require.Contains(t, toYAML(t, got["Deployment/cowvol-controller"]), "secretName: ctl-tls")
+		require.Equal(t, true, peer["isCA"])
+		require.Contains(t, peer["usages"], "cert sign")
+		require.NotContains(t, node, "peer-ca", "a node never mounts the peer CA")
+		require.Contains(t, node, "--peer-certificates-from-controller")
+		controller := toYAML(t, got["Deployment/cowvol-controller"])
+		require.Contains(t, controller, "secretName: ctl-tls")
+		require.Contains(t, controller, "secretName: peer-ca")
 	})
 
 	t.Run("monitoring scrapes every workload, alerts and draws only metrics cowvol serves", func(t *testing.T) {

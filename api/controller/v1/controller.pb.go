@@ -720,6 +720,115 @@ func (*ShareReadOrderResponse) Descriptor() ([]byte, []int) {
 	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
 }
 
+type SignPeerCertificateRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// A PKCS #10 signing request (DER) for an ECDSA P-256 or P-384 or an
+	// Ed25519 key, at most 4 KiB; only its key is used.
+	Request       []byte `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignPeerCertificateRequest) Reset() {
+	*x = SignPeerCertificateRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignPeerCertificateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignPeerCertificateRequest) ProtoMessage() {}
+
+func (x *SignPeerCertificateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignPeerCertificateRequest.ProtoReflect.Descriptor instead.
+func (*SignPeerCertificateRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *SignPeerCertificateRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *SignPeerCertificateRequest) GetRequest() []byte {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type SignPeerCertificateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// DER.
+	Certificate []byte `protobuf:"bytes,1,opt,name=certificate,proto3" json:"certificate,omitempty"`
+	// The CAs (DER) a peer's certificate must chain to: the peer CA, and
+	// while it is renewed the one before it.
+	Authorities   [][]byte `protobuf:"bytes,2,rep,name=authorities,proto3" json:"authorities,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignPeerCertificateResponse) Reset() {
+	*x = SignPeerCertificateResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignPeerCertificateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignPeerCertificateResponse) ProtoMessage() {}
+
+func (x *SignPeerCertificateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignPeerCertificateResponse.ProtoReflect.Descriptor instead.
+func (*SignPeerCertificateResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *SignPeerCertificateResponse) GetCertificate() []byte {
+	if x != nil {
+		return x.Certificate
+	}
+	return nil
+}
+
+func (x *SignPeerCertificateResponse) GetAuthorities() [][]byte {
+	if x != nil {
+		return x.Authorities
+	}
+	return nil
+}
+
 type GetReadOrderRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Namespace     string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
@@ -730,7 +839,7 @@ type GetReadOrderRequest struct {
 
 func (x *GetReadOrderRequest) Reset() {
 	*x = GetReadOrderRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -742,7 +851,7 @@ func (x *GetReadOrderRequest) String() string {
 func (*GetReadOrderRequest) ProtoMessage() {}
 
 func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -755,7 +864,7 @@ func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReadOrderRequest.ProtoReflect.Descriptor instead.
 func (*GetReadOrderRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetReadOrderRequest) GetNamespace() string {
@@ -784,7 +893,7 @@ type PinCommand struct {
 
 func (x *PinCommand) Reset() {
 	*x = PinCommand{}
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -796,7 +905,7 @@ func (x *PinCommand) String() string {
 func (*PinCommand) ProtoMessage() {}
 
 func (x *PinCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -809,7 +918,7 @@ func (x *PinCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCommand.ProtoReflect.Descriptor instead.
 func (*PinCommand) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *PinCommand) GetRef() *VolumeRef {
@@ -842,7 +951,7 @@ type DestroyVolumesRequest struct {
 
 func (x *DestroyVolumesRequest) Reset() {
 	*x = DestroyVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -854,7 +963,7 @@ func (x *DestroyVolumesRequest) String() string {
 func (*DestroyVolumesRequest) ProtoMessage() {}
 
 func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -867,7 +976,7 @@ func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesRequest.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *DestroyVolumesRequest) GetRefs() []*VolumeRef {
@@ -887,7 +996,7 @@ type DestroyVolumesResponse struct {
 
 func (x *DestroyVolumesResponse) Reset() {
 	*x = DestroyVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -899,7 +1008,7 @@ func (x *DestroyVolumesResponse) String() string {
 func (*DestroyVolumesResponse) ProtoMessage() {}
 
 func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -912,7 +1021,7 @@ func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesResponse.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DestroyVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -932,7 +1041,7 @@ type VolumeNodes struct {
 
 func (x *VolumeNodes) Reset() {
 	*x = VolumeNodes{}
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -944,7 +1053,7 @@ func (x *VolumeNodes) String() string {
 func (*VolumeNodes) ProtoMessage() {}
 
 func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -957,7 +1066,7 @@ func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeNodes.ProtoReflect.Descriptor instead.
 func (*VolumeNodes) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *VolumeNodes) GetRef() *VolumeRef {
@@ -985,7 +1094,7 @@ type PinVolumesRequest struct {
 
 func (x *PinVolumesRequest) Reset() {
 	*x = PinVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -997,7 +1106,7 @@ func (x *PinVolumesRequest) String() string {
 func (*PinVolumesRequest) ProtoMessage() {}
 
 func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1010,7 +1119,7 @@ func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesRequest.ProtoReflect.Descriptor instead.
 func (*PinVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *PinVolumesRequest) GetRefs() []*VolumeRef {
@@ -1044,7 +1153,7 @@ type PinVolumesResponse struct {
 
 func (x *PinVolumesResponse) Reset() {
 	*x = PinVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1056,7 +1165,7 @@ func (x *PinVolumesResponse) String() string {
 func (*PinVolumesResponse) ProtoMessage() {}
 
 func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1069,7 +1178,7 @@ func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesResponse.ProtoReflect.Descriptor instead.
 func (*PinVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *PinVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -1093,7 +1202,7 @@ type LookupVolumesRequest struct {
 
 func (x *LookupVolumesRequest) Reset() {
 	*x = LookupVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1105,7 +1214,7 @@ func (x *LookupVolumesRequest) String() string {
 func (*LookupVolumesRequest) ProtoMessage() {}
 
 func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1118,7 +1227,7 @@ func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesRequest.ProtoReflect.Descriptor instead.
 func (*LookupVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LookupVolumesRequest) GetRefs() []*VolumeRef {
@@ -1145,7 +1254,7 @@ type LookupVolumesResponse struct {
 
 func (x *LookupVolumesResponse) Reset() {
 	*x = LookupVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1157,7 +1266,7 @@ func (x *LookupVolumesResponse) String() string {
 func (*LookupVolumesResponse) ProtoMessage() {}
 
 func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1170,7 +1279,7 @@ func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesResponse.ProtoReflect.Descriptor instead.
 func (*LookupVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *LookupVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1209,7 +1318,7 @@ type VolumeLocation struct {
 
 func (x *VolumeLocation) Reset() {
 	*x = VolumeLocation{}
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1221,7 +1330,7 @@ func (x *VolumeLocation) String() string {
 func (*VolumeLocation) ProtoMessage() {}
 
 func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1234,7 +1343,7 @@ func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeLocation.ProtoReflect.Descriptor instead.
 func (*VolumeLocation) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *VolumeLocation) GetRef() *VolumeRef {
@@ -1345,7 +1454,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1357,7 +1466,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1370,7 +1479,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ListVolumesRequest) GetNamespace() string {
@@ -1426,7 +1535,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1438,7 +1547,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1451,7 +1560,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1481,7 +1590,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1493,7 +1602,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1506,7 +1615,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -1533,7 +1642,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1545,7 +1654,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1558,7 +1667,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -1582,7 +1691,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1594,7 +1703,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1607,7 +1716,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -1646,7 +1755,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1658,7 +1767,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1671,7 +1780,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
 }
 
 type ListNodesResponse struct {
@@ -1683,7 +1792,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1695,7 +1804,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1708,7 +1817,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -1729,7 +1838,7 @@ type SetNodeLifecycleRequest struct {
 
 func (x *SetNodeLifecycleRequest) Reset() {
 	*x = SetNodeLifecycleRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1741,7 +1850,7 @@ func (x *SetNodeLifecycleRequest) String() string {
 func (*SetNodeLifecycleRequest) ProtoMessage() {}
 
 func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1754,7 +1863,7 @@ func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
 func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SetNodeLifecycleRequest) GetNodeId() string {
@@ -1791,7 +1900,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1803,7 +1912,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1816,7 +1925,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -1904,7 +2013,7 @@ type ReadVolumeRequest struct {
 
 func (x *ReadVolumeRequest) Reset() {
 	*x = ReadVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1916,7 +2025,7 @@ func (x *ReadVolumeRequest) String() string {
 func (*ReadVolumeRequest) ProtoMessage() {}
 
 func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1929,7 +2038,7 @@ func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ReadVolumeRequest) GetRef() *VolumeRef {
@@ -1974,7 +2083,7 @@ type DataChunk struct {
 
 func (x *DataChunk) Reset() {
 	*x = DataChunk{}
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1986,7 +2095,7 @@ func (x *DataChunk) String() string {
 func (*DataChunk) ProtoMessage() {}
 
 func (x *DataChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1999,7 +2108,7 @@ func (x *DataChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataChunk.ProtoReflect.Descriptor instead.
 func (*DataChunk) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *DataChunk) GetData() []byte {
@@ -2036,7 +2145,7 @@ type WriteVolumeRequest struct {
 
 func (x *WriteVolumeRequest) Reset() {
 	*x = WriteVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2048,7 +2157,7 @@ func (x *WriteVolumeRequest) String() string {
 func (*WriteVolumeRequest) ProtoMessage() {}
 
 func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2061,7 +2170,7 @@ func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WriteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *WriteVolumeRequest) GetPart() isWriteVolumeRequest_Part {
@@ -2123,7 +2232,7 @@ type NewVolume struct {
 
 func (x *NewVolume) Reset() {
 	*x = NewVolume{}
-	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	mi := &file_controller_v1_controller_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2135,7 +2244,7 @@ func (x *NewVolume) String() string {
 func (*NewVolume) ProtoMessage() {}
 
 func (x *NewVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	mi := &file_controller_v1_controller_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2148,7 +2257,7 @@ func (x *NewVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewVolume.ProtoReflect.Descriptor instead.
 func (*NewVolume) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *NewVolume) GetRef() *VolumeRef {
@@ -2255,7 +2364,13 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\anode_id\x18\x05 \x01(\tR\x06nodeId\"N\n" +
 	"\x15ShareReadOrderRequest\x125\n" +
 	"\x05order\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.ReadOrderR\x05order\"\x18\n" +
-	"\x16ShareReadOrderResponse\"G\n" +
+	"\x16ShareReadOrderResponse\"O\n" +
+	"\x1aSignPeerCertificateRequest\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x18\n" +
+	"\arequest\x18\x02 \x01(\fR\arequest\"a\n" +
+	"\x1bSignPeerCertificateResponse\x12 \n" +
+	"\vcertificate\x18\x01 \x01(\fR\vcertificate\x12 \n" +
+	"\vauthorities\x18\x02 \x03(\fR\vauthorities\"G\n" +
 	"\x13GetReadOrderRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\"\x87\x01\n" +
@@ -2371,13 +2486,14 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\anode_id\x18\x06 \x01(\tR\x06nodeId\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\x80\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\xfc\x03\n" +
 	"\bRegistry\x12S\n" +
 	"\x06Report\x12#.cowvol.controller.v1.ReportRequest\x1a$.cowvol.controller.v1.ReportResponse\x12V\n" +
 	"\n" +
 	"SendReport\x12 .cowvol.controller.v1.ReportPart\x1a$.cowvol.controller.v1.ReportResponse(\x01\x12k\n" +
 	"\x0eShareReadOrder\x12+.cowvol.controller.v1.ShareReadOrderRequest\x1a,.cowvol.controller.v1.ShareReadOrderResponse\x12Z\n" +
-	"\fGetReadOrder\x12).cowvol.controller.v1.GetReadOrderRequest\x1a\x1f.cowvol.controller.v1.ReadOrder2\xf3\x06\n" +
+	"\fGetReadOrder\x12).cowvol.controller.v1.GetReadOrderRequest\x1a\x1f.cowvol.controller.v1.ReadOrder\x12z\n" +
+	"\x13SignPeerCertificate\x120.cowvol.controller.v1.SignPeerCertificateRequest\x1a1.cowvol.controller.v1.SignPeerCertificateResponse2\xf3\x06\n" +
 	"\x05Cache\x12h\n" +
 	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12b\n" +
 	"\vListVolumes\x12(.cowvol.controller.v1.ListVolumesRequest\x1a).cowvol.controller.v1.ListVolumesResponse\x12P\n" +
@@ -2403,44 +2519,46 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_controller_v1_controller_proto_goTypes = []any{
-	(*VolumeRef)(nil),               // 0: cowvol.controller.v1.VolumeRef
-	(*VolumeSummary)(nil),           // 1: cowvol.controller.v1.VolumeSummary
-	(*Property)(nil),                // 2: cowvol.controller.v1.Property
-	(*ReportRequest)(nil),           // 3: cowvol.controller.v1.ReportRequest
-	(*ReportPart)(nil),              // 4: cowvol.controller.v1.ReportPart
-	(*ReportResponse)(nil),          // 5: cowvol.controller.v1.ReportResponse
-	(*ReadOrder)(nil),               // 6: cowvol.controller.v1.ReadOrder
-	(*ShareReadOrderRequest)(nil),   // 7: cowvol.controller.v1.ShareReadOrderRequest
-	(*ShareReadOrderResponse)(nil),  // 8: cowvol.controller.v1.ShareReadOrderResponse
-	(*GetReadOrderRequest)(nil),     // 9: cowvol.controller.v1.GetReadOrderRequest
-	(*PinCommand)(nil),              // 10: cowvol.controller.v1.PinCommand
-	(*DestroyVolumesRequest)(nil),   // 11: cowvol.controller.v1.DestroyVolumesRequest
-	(*DestroyVolumesResponse)(nil),  // 12: cowvol.controller.v1.DestroyVolumesResponse
-	(*VolumeNodes)(nil),             // 13: cowvol.controller.v1.VolumeNodes
-	(*PinVolumesRequest)(nil),       // 14: cowvol.controller.v1.PinVolumesRequest
-	(*PinVolumesResponse)(nil),      // 15: cowvol.controller.v1.PinVolumesResponse
-	(*LookupVolumesRequest)(nil),    // 16: cowvol.controller.v1.LookupVolumesRequest
-	(*LookupVolumesResponse)(nil),   // 17: cowvol.controller.v1.LookupVolumesResponse
-	(*VolumeLocation)(nil),          // 18: cowvol.controller.v1.VolumeLocation
-	(*ListVolumesRequest)(nil),      // 19: cowvol.controller.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),     // 20: cowvol.controller.v1.ListVolumesResponse
-	(*PlaceRequest)(nil),            // 21: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),           // 22: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),           // 23: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),        // 24: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),       // 25: cowvol.controller.v1.ListNodesResponse
-	(*SetNodeLifecycleRequest)(nil), // 26: cowvol.controller.v1.SetNodeLifecycleRequest
-	(*NodeStatus)(nil),              // 27: cowvol.controller.v1.NodeStatus
-	(*ReadVolumeRequest)(nil),       // 28: cowvol.controller.v1.ReadVolumeRequest
-	(*DataChunk)(nil),               // 29: cowvol.controller.v1.DataChunk
-	(*WriteVolumeRequest)(nil),      // 30: cowvol.controller.v1.WriteVolumeRequest
-	(*NewVolume)(nil),               // 31: cowvol.controller.v1.NewVolume
-	nil,                             // 32: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	nil,                             // 33: cowvol.controller.v1.NewVolume.PropertiesEntry
-	(*durationpb.Duration)(nil),     // 34: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),   // 35: google.protobuf.Timestamp
+	(*VolumeRef)(nil),                   // 0: cowvol.controller.v1.VolumeRef
+	(*VolumeSummary)(nil),               // 1: cowvol.controller.v1.VolumeSummary
+	(*Property)(nil),                    // 2: cowvol.controller.v1.Property
+	(*ReportRequest)(nil),               // 3: cowvol.controller.v1.ReportRequest
+	(*ReportPart)(nil),                  // 4: cowvol.controller.v1.ReportPart
+	(*ReportResponse)(nil),              // 5: cowvol.controller.v1.ReportResponse
+	(*ReadOrder)(nil),                   // 6: cowvol.controller.v1.ReadOrder
+	(*ShareReadOrderRequest)(nil),       // 7: cowvol.controller.v1.ShareReadOrderRequest
+	(*ShareReadOrderResponse)(nil),      // 8: cowvol.controller.v1.ShareReadOrderResponse
+	(*SignPeerCertificateRequest)(nil),  // 9: cowvol.controller.v1.SignPeerCertificateRequest
+	(*SignPeerCertificateResponse)(nil), // 10: cowvol.controller.v1.SignPeerCertificateResponse
+	(*GetReadOrderRequest)(nil),         // 11: cowvol.controller.v1.GetReadOrderRequest
+	(*PinCommand)(nil),                  // 12: cowvol.controller.v1.PinCommand
+	(*DestroyVolumesRequest)(nil),       // 13: cowvol.controller.v1.DestroyVolumesRequest
+	(*DestroyVolumesResponse)(nil),      // 14: cowvol.controller.v1.DestroyVolumesResponse
+	(*VolumeNodes)(nil),                 // 15: cowvol.controller.v1.VolumeNodes
+	(*PinVolumesRequest)(nil),           // 16: cowvol.controller.v1.PinVolumesRequest
+	(*PinVolumesResponse)(nil),          // 17: cowvol.controller.v1.PinVolumesResponse
+	(*LookupVolumesRequest)(nil),        // 18: cowvol.controller.v1.LookupVolumesRequest
+	(*LookupVolumesResponse)(nil),       // 19: cowvol.controller.v1.LookupVolumesResponse
+	(*VolumeLocation)(nil),              // 20: cowvol.controller.v1.VolumeLocation
+	(*ListVolumesRequest)(nil),          // 21: cowvol.controller.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),         // 22: cowvol.controller.v1.ListVolumesResponse
+	(*PlaceRequest)(nil),                // 23: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),               // 24: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),               // 25: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),            // 26: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),           // 27: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil),     // 28: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),                  // 29: cowvol.controller.v1.NodeStatus
+	(*ReadVolumeRequest)(nil),           // 30: cowvol.controller.v1.ReadVolumeRequest
+	(*DataChunk)(nil),                   // 31: cowvol.controller.v1.DataChunk
+	(*WriteVolumeRequest)(nil),          // 32: cowvol.controller.v1.WriteVolumeRequest
+	(*NewVolume)(nil),                   // 33: cowvol.controller.v1.NewVolume
+	nil,                                 // 34: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	nil,                                 // 35: cowvol.controller.v1.NewVolume.PropertiesEntry
+	(*durationpb.Duration)(nil),         // 36: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),       // 37: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -2450,63 +2568,65 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
-	10, // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
+	12, // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.ReportResponse.copy:type_name -> cowvol.controller.v1.VolumeRef
-	34, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
-	35, // 10: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	36, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
+	37, // 10: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
 	6,  // 11: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
 	0,  // 12: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	35, // 13: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	37, // 13: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
 	0,  // 14: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	13, // 15: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	15, // 15: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 16: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 17: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	35, // 18: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
-	13, // 19: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	37, // 18: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	15, // 19: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 20: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	18, // 21: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	20, // 21: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 22: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 23: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	32, // 24: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	18, // 25: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	34, // 24: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	20, // 25: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 26: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	23, // 27: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	25, // 27: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
 	0,  // 28: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	27, // 29: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	35, // 30: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	29, // 29: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	37, // 30: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
 	0,  // 31: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	31, // 32: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	33, // 32: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
 	0,  // 33: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 34: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	34, // 35: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	35, // 34: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	36, // 35: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
 	3,  // 36: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
 	4,  // 37: cowvol.controller.v1.Registry.SendReport:input_type -> cowvol.controller.v1.ReportPart
 	7,  // 38: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
-	9,  // 39: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
-	16, // 40: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	19, // 41: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	21, // 42: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	24, // 43: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	11, // 44: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	14, // 45: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	26, // 46: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	28, // 47: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	30, // 48: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	5,  // 49: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	5,  // 50: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
-	8,  // 51: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
-	6,  // 52: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
-	17, // 53: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	20, // 54: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	22, // 55: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	25, // 56: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	12, // 57: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	15, // 58: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	27, // 59: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	29, // 60: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	18, // 61: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	49, // [49:62] is the sub-list for method output_type
-	36, // [36:49] is the sub-list for method input_type
+	11, // 39: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	9,  // 40: cowvol.controller.v1.Registry.SignPeerCertificate:input_type -> cowvol.controller.v1.SignPeerCertificateRequest
+	18, // 41: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	21, // 42: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	23, // 43: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	26, // 44: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	13, // 45: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	16, // 46: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	28, // 47: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	30, // 48: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	32, // 49: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	5,  // 50: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	5,  // 51: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
+	8,  // 52: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	6,  // 53: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	10, // 54: cowvol.controller.v1.Registry.SignPeerCertificate:output_type -> cowvol.controller.v1.SignPeerCertificateResponse
+	19, // 55: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	22, // 56: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	24, // 57: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	27, // 58: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	14, // 59: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	17, // 60: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	29, // 61: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	31, // 62: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	20, // 63: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	50, // [50:64] is the sub-list for method output_type
+	36, // [36:50] is the sub-list for method input_type
 	36, // [36:36] is the sub-list for extension type_name
 	36, // [36:36] is the sub-list for extension extendee
 	0,  // [0:36] is the sub-list for field type_name
@@ -2517,7 +2637,7 @@ func file_controller_v1_controller_proto_init() {
 	if File_controller_v1_controller_proto != nil {
 		return
 	}
-	file_controller_v1_controller_proto_msgTypes[30].OneofWrappers = []any{
+	file_controller_v1_controller_proto_msgTypes[32].OneofWrappers = []any{
 		(*WriteVolumeRequest_Volume)(nil),
 		(*WriteVolumeRequest_Data)(nil),
 	}
@@ -2527,7 +2647,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   34,
+			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

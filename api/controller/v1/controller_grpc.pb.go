@@ -24,10 +24,11 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Registry_Report_FullMethodName         = "/cowvol.controller.v1.Registry/Report"
-	Registry_SendReport_FullMethodName     = "/cowvol.controller.v1.Registry/SendReport"
-	Registry_ShareReadOrder_FullMethodName = "/cowvol.controller.v1.Registry/ShareReadOrder"
-	Registry_GetReadOrder_FullMethodName   = "/cowvol.controller.v1.Registry/GetReadOrder"
+	Registry_Report_FullMethodName              = "/cowvol.controller.v1.Registry/Report"
+	Registry_SendReport_FullMethodName          = "/cowvol.controller.v1.Registry/SendReport"
+	Registry_ShareReadOrder_FullMethodName      = "/cowvol.controller.v1.Registry/ShareReadOrder"
+	Registry_GetReadOrder_FullMethodName        = "/cowvol.controller.v1.Registry/GetReadOrder"
+	Registry_SignPeerCertificate_FullMethodName = "/cowvol.controller.v1.Registry/SignPeerCertificate"
 )
 
 // RegistryClient is the client API for Registry service.
@@ -53,6 +54,13 @@ type RegistryClient interface {
 	// under a name; NotFound if none. Nodes only: the names are the files of
 	// that namespace's volumes.
 	GetReadOrder(ctx context.Context, in *GetReadOrderRequest, opts ...grpc.CallOption) (*ReadOrder, error)
+	// SignPeerCertificate signs a node's peer certificate with the peer CA,
+	// which only the controller holds: it names node_id (the node the caller
+	// proves to be, nothing the request asks for), and serves and presents
+	// on the peer link, where peers check that each is the node the
+	// controller listed. FailedPrecondition from a controller given no peer
+	// CA. Nodes only.
+	SignPeerCertificate(ctx context.Context, in *SignPeerCertificateRequest, opts ...grpc.CallOption) (*SignPeerCertificateResponse, error)
 }
 
 type registryClient struct {
@@ -106,6 +114,16 @@ func (c *registryClient) GetReadOrder(ctx context.Context, in *GetReadOrderReque
 	return out, nil
 }
 
+func (c *registryClient) SignPeerCertificate(ctx context.Context, in *SignPeerCertificateRequest, opts ...grpc.CallOption) (*SignPeerCertificateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SignPeerCertificateResponse)
+	err := c.cc.Invoke(ctx, Registry_SignPeerCertificate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServer is the server API for Registry service.
 // All implementations must embed UnimplementedRegistryServer
 // for forward compatibility.
@@ -129,6 +147,13 @@ type RegistryServer interface {
 	// under a name; NotFound if none. Nodes only: the names are the files of
 	// that namespace's volumes.
 	GetReadOrder(context.Context, *GetReadOrderRequest) (*ReadOrder, error)
+	// SignPeerCertificate signs a node's peer certificate with the peer CA,
+	// which only the controller holds: it names node_id (the node the caller
+	// proves to be, nothing the request asks for), and serves and presents
+	// on the peer link, where peers check that each is the node the
+	// controller listed. FailedPrecondition from a controller given no peer
+	// CA. Nodes only.
+	SignPeerCertificate(context.Context, *SignPeerCertificateRequest) (*SignPeerCertificateResponse, error)
 	mustEmbedUnimplementedRegistryServer()
 }
 
@@ -150,6 +175,9 @@ func (UnimplementedRegistryServer) ShareReadOrder(context.Context, *ShareReadOrd
 }
 func (UnimplementedRegistryServer) GetReadOrder(context.Context, *GetReadOrderRequest) (*ReadOrder, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetReadOrder not implemented")
+}
+func (UnimplementedRegistryServer) SignPeerCertificate(context.Context, *SignPeerCertificateRequest) (*SignPeerCertificateResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method SignPeerCertificate not implemented")
 }
 func (UnimplementedRegistryServer) mustEmbedUnimplementedRegistryServer() {}
 func (UnimplementedRegistryServer) testEmbeddedByValue()                  {}
@@ -233,6 +261,24 @@ func _Registry_GetReadOrder_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Registry_SignPeerCertificate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SignPeerCertificateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).SignPeerCertificate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_SignPeerCertificate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).SignPeerCertificate(ctx, req.(*SignPeerCertificateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Registry_ServiceDesc is the grpc.ServiceDesc for Registry service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -251,6 +297,10 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetReadOrder",
 			Handler:    _Registry_GetReadOrder_Handler,
+		},
+		{
+			MethodName: "SignPeerCertificate",
+			Handler:    _Registry_SignPeerCertificate_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

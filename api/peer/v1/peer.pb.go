@@ -104,8 +104,12 @@ type JoinSwarmResponse struct {
 	// its relay_token.
 	UpstreamAddress string `protobuf:"bytes,2,opt,name=upstream_address,json=upstreamAddress,proto3" json:"upstream_address,omitempty"`
 	UpstreamToken   string `protobuf:"bytes,3,opt,name=upstream_token,json=upstreamToken,proto3" json:"upstream_token,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The node serving there, as its certificate proved it to the holder
+	// when it joined ("" where peers prove no node): the puller checks that
+	// the relay it dials is that node.
+	UpstreamNode  string `protobuf:"bytes,4,opt,name=upstream_node,json=upstreamNode,proto3" json:"upstream_node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *JoinSwarmResponse) Reset() {
@@ -155,6 +159,13 @@ func (x *JoinSwarmResponse) GetUpstreamAddress() string {
 func (x *JoinSwarmResponse) GetUpstreamToken() string {
 	if x != nil {
 		return x.UpstreamToken
+	}
+	return ""
+}
+
+func (x *JoinSwarmResponse) GetUpstreamNode() string {
+	if x != nil {
+		return x.UpstreamNode
 	}
 	return ""
 }
@@ -1073,11 +1084,12 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\x06stream\x18\x01 \x01(\v2 .cowvol.peer.v1.PullLayerRequestR\x06stream\x12#\n" +
 	"\rrelay_address\x18\x02 \x01(\tR\frelayAddress\x12\x1f\n" +
 	"\vrelay_token\x18\x03 \x01(\tR\n" +
-	"relayToken\"{\n" +
+	"relayToken\"\xa0\x01\n" +
 	"\x11JoinSwarmResponse\x12\x14\n" +
 	"\x05swarm\x18\x01 \x01(\tR\x05swarm\x12)\n" +
 	"\x10upstream_address\x18\x02 \x01(\tR\x0fupstreamAddress\x12%\n" +
-	"\x0eupstream_token\x18\x03 \x01(\tR\rupstreamToken\"\xab\x01\n" +
+	"\x0eupstream_token\x18\x03 \x01(\tR\rupstreamToken\x12#\n" +
+	"\rupstream_node\x18\x04 \x01(\tR\fupstreamNode\"\xab\x01\n" +
 	"\x15GetSwarmDigestRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
