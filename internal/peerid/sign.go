@@ -36,6 +36,10 @@ var ErrBadRequest = errors.New("a signing request the peer CA does not take")
 // about 250.
 const MaxRequest = 4 << 10
 
+// MinLifetime is the shortest life a peer certificate may be given: nodes
+// renew half way, and a renewal may be retried for minutes.
+const MinLifetime = 10 * time.Minute
+
 // clockSkew backdates what is signed, for peers whose clocks run behind.
 const clockSkew = time.Minute
 
@@ -58,6 +62,7 @@ type Signer struct {
 	// authorities are the CAs loaded so far, the newest first; self is
 	// the controller's own certificate.
 	authorities []authority
+	roots       *x509.CertPool // of authorities; nil: to be made again
 	self        *tls.Certificate
 	selfRenew   time.Time
 }
@@ -76,8 +81,8 @@ const settleMargin = 5 * time.Minute
 // NewSigner loads the peer CA from certFile and keyFile, failing if it is
 // not a CA that may sign certificates. Certificates live for lifetime.
 func NewSigner(certFile, keyFile string, lifetime time.Duration) (*Signer, error) {
-	if lifetime < 10*time.Minute {
-		return nil, fmt.Errorf("a peer certificate lifetime of %s: want at least 10m", lifetime)
+	if lifetime < MinLifetime {
+		return nil, fmt.Errorf("a peer certificate lifetime of %s: want at least %s", lifetime, MinLifetime)
 	}
 	pair, err := tlsfiles.NewKeyPair(certFile, keyFile)
 	if err != nil {
@@ -93,33 +98,45 @@ func NewSigner(certFile, keyFile string, lifetime time.Duration) (*Signer, error
 // current loads the CA as its files are now among the authorities, and
 // answers the one that signs.
 func (s *Signer) current() (*x509.Certificate, crypto.Signer, error) {
-	pair := s.ca.Certificate()
-	ca, err := x509.ParseCertificate(pair.Certificate[0])
-	if err != nil {
-		return nil, nil, fmt.Errorf("the peer CA: %w", err)
-	}
-	if !ca.IsCA || (ca.KeyUsage != 0 && ca.KeyUsage&x509.KeyUsageCertSign == 0) {
-		return nil, nil, fmt.Errorf("the peer CA %q is not a CA that signs certificates (basic constraints CA, key usage cert sign)", ca.Subject)
-	}
-	key, ok := pair.PrivateKey.(crypto.Signer)
-	if !ok {
-		return nil, nil, errors.New("the peer CA's key cannot sign")
-	}
+	pair := s.ca.Certificate() // the files are read again only when they change
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := time.Now()
-	if len(s.authorities) == 0 || !bytes.Equal(s.authorities[0].cert.Raw, ca.Raw) {
-		s.authorities = append([]authority{{cert: ca, key: key, seen: now}}, s.authorities...)
+	// A handshake asks for the roots: the CA is parsed and checked once
+	// per change of its files, not at each.
+	if len(s.authorities) == 0 || !bytes.Equal(s.authorities[0].cert.Raw, pair.Certificate[0]) {
+		ca, err := x509.ParseCertificate(pair.Certificate[0])
+		if err != nil {
+			return nil, nil, fmt.Errorf("the peer CA: %w", err)
+		}
+		if !ca.IsCA || (ca.KeyUsage != 0 && ca.KeyUsage&x509.KeyUsageCertSign == 0) {
+			return nil, nil, fmt.Errorf("the peer CA %q is not a CA that signs certificates (basic constraints CA, key usage cert sign)", ca.Subject)
+		}
+		key, ok := pair.PrivateKey.(crypto.Signer)
+		if !ok {
+			return nil, nil, errors.New("the peer CA's key cannot sign")
+		}
+		s.authorities, s.roots = append([]authority{{cert: ca, key: key, seen: now}}, s.authorities...), nil
 	}
+	newest := s.authorities[0].cert
 	kept := s.authorities[:0]
 	for _, a := range s.authorities {
 		if now.Before(a.cert.NotAfter) {
 			kept = append(kept, a)
 		}
 	}
+	if len(kept) < len(s.authorities) {
+		s.roots = nil
+	}
 	s.authorities = kept
 	if len(kept) == 0 {
-		return nil, nil, fmt.Errorf("the peer CA %q expired at %s", ca.Subject, ca.NotAfter)
+		return nil, nil, fmt.Errorf("the peer CA %q expired at %s", newest.Subject, newest.NotAfter)
+	}
+	if s.roots == nil {
+		s.roots = x509.NewCertPool()
+		for _, a := range kept {
+			s.roots.AddCert(a.cert)
+		}
 	}
 	signer := kept[len(kept)-1] // the oldest, where none has settled
 	for _, a := range kept {
@@ -234,11 +251,7 @@ func (s *Signer) Roots() (*x509.CertPool, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	pool := x509.NewCertPool()
-	for _, a := range s.authorities {
-		pool.AddCert(a.cert)
-	}
-	return pool, nil
+	return s.roots, nil
 }
 
 // NewKey makes a peer's key.

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
+	"github.com/concourse/cowvol/internal/peerid"
 	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -153,8 +154,8 @@ func (p PeerOptions) validateCA() []error {
 		errs = append(errs, errors.New("--peer-ca-cert-file gives the controller a certificate of its own: "+
 			"drop --peer-tls-cert-file, --peer-tls-key-file and --peer-ca-file"))
 	}
-	if p.CertLifetime < 10*time.Minute {
-		errs = append(errs, fmt.Errorf("--peer-certificate-lifetime %s: want at least 10m", p.CertLifetime))
+	if p.CertLifetime < peerid.MinLifetime {
+		errs = append(errs, fmt.Errorf("--peer-certificate-lifetime %s: want at least %s", p.CertLifetime, peerid.MinLifetime))
 	}
 	return errs
 }
