@@ -19,6 +19,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -184,4 +186,105 @@ func ReadFile(path string) (Table, error) {
 		}
 		t[string(p)] = sum
 	}
+}
+
+// A table's digest stands for the whole of it in one sum, so that the node
+// that captured a layer can vouch for it to the fleet: the SHA-256 of its
+// files' records, each the SHA-256 of the file's path followed by the
+// file's sum, sorted. A puller computes it from a stream's records as they
+// come, in any order (Listing), keeping 64 bytes a file and no path.
+type record [2 * sha256.Size]byte
+
+func recordOf(path string, sum Sum) record {
+	var r record
+	p := sha256.Sum256([]byte(path))
+	copy(r[:sha256.Size], p[:])
+	copy(r[sha256.Size:], sum[:])
+	return r
+}
+
+func digestOf(records []record) Sum {
+	slices.SortFunc(records, func(a, b record) int { return bytes.Compare(a[:], b[:]) })
+	h := sha256.New()
+	h.Write([]byte("cowvol file table v1\n"))
+	for i := range records {
+		h.Write(records[i][:])
+	}
+	var s Sum
+	h.Sum(s[:0])
+	return s
+}
+
+// Digest is the table's digest.
+func (t Table) Digest() Sum {
+	records := make([]record, 0, len(t))
+	for p, sum := range t {
+		records = append(records, recordOf(p, sum))
+	}
+	return digestOf(records)
+}
+
+// LayerDigest is the digest of a layer that is a diff over the volume
+// named base ("" for a root layer) and whose own table's digest is table:
+// the same files over another volume are another view, so the base is
+// part of what is vouched for.
+func LayerDigest(base string, table Sum) Sum {
+	h := sha256.New()
+	h.Write([]byte("cowvol layer v1\n"))
+	h.Write([]byte(base))
+	h.Write([]byte{0})
+	h.Write(table[:])
+	var s Sum
+	h.Sum(s[:0])
+	return s
+}
+
+// Listing gathers a table's digest from a stream's files as they come (any
+// order, from several goroutines): each regular file with its sum, each
+// hardlink with the file it names, which takes that file's sum under its
+// own path, as a walk of the tree finds it.
+type Listing struct {
+	mu    sync.Mutex
+	files []record
+	links [][2][sha256.Size]byte // the link's path's hash, its target's
+}
+
+// File lists a regular file.
+func (l *Listing) File(path string, sum Sum) {
+	r := recordOf(path, sum)
+	l.mu.Lock()
+	l.files = append(l.files, r)
+	l.mu.Unlock()
+}
+
+// Link lists a hardlink at path to the regular file at target.
+func (l *Listing) Link(path, target string) {
+	link := [2][sha256.Size]byte{sha256.Sum256([]byte(path)), sha256.Sum256([]byte(target))}
+	l.mu.Lock()
+	l.links = append(l.links, link)
+	l.mu.Unlock()
+}
+
+// Digest is the digest of the table listed. A link to a file not listed
+// fails it (an extraction refuses such a link before).
+func (l *Listing) Digest() (Sum, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	files := slices.Clone(l.files)
+	slices.SortFunc(files, func(a, b record) int { return bytes.Compare(a[:], b[:]) })
+	all := make([]record, len(files), len(files)+len(l.links))
+	copy(all, files)
+	for _, link := range l.links {
+		i, ok := slices.BinarySearchFunc(files, link[1], func(r record, target [sha256.Size]byte) int {
+			return bytes.Compare(r[:sha256.Size], target[:])
+		})
+		if !ok {
+			return Sum{}, errors.New("a hardlink to a file the stream did not carry")
+		}
+		var r record
+		copy(r[:sha256.Size], link[0][:])
+		copy(r[sha256.Size:], files[i][sha256.Size:])
+		all = append(all, r)
+	}
+	return digestOf(all), nil
 }

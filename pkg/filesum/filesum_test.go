@@ -83,3 +83,53 @@ func BenchmarkOfTree(b *testing.B) {
 		}
 	}
 }
+
+// A table's digest is the same however its files are listed, and changes
+// with any file's path or sum; a hardlink takes its target's sum; a layer's
+// digest changes with its base.
+func TestDigest(t *testing.T) {
+	sum := func(s string) Sum {
+		got, err := Of(strings.NewReader(s))
+		require.NoError(t, err)
+		return got
+	}
+	table := Table{"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum("")}
+	want := table.Digest()
+
+	forward, backward := &Listing{}, &Listing{}
+	forward.File("a", sum("alpha"))
+	forward.File("d/b", sum("beta"))
+	forward.Link("d/c", "d/b")
+	forward.File("e", sum(""))
+	backward.File("e", sum(""))
+	backward.Link("d/c", "d/b")
+	backward.File("d/b", sum("beta"))
+	backward.File("a", sum("alpha"))
+	for _, l := range []*Listing{forward, backward} {
+		got, err := l.Digest()
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+	}
+
+	for name, other := range map[string]Table{
+		"a file less":    {"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta")},
+		"a file more":    {"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum(""), "f": sum("")},
+		"a file renamed": {"a": sum("alpha"), "d/b": sum("beta"), "d/x": sum("beta"), "e": sum("")},
+		"a byte changed": {"a": sum("alphA"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum("")},
+		"sums swapped":   {"a": sum("beta"), "d/b": sum("alpha"), "d/c": sum("beta"), "e": sum("")},
+	} {
+		require.NotEqual(t, want, other.Digest(), name)
+	}
+
+	dangling := &Listing{}
+	dangling.File("a", sum("alpha"))
+	dangling.Link("b", "nowhere")
+	_, err := dangling.Digest()
+	require.Error(t, err)
+
+	empty, err := (&Listing{}).Digest()
+	require.NoError(t, err)
+	require.Equal(t, Table{}.Digest(), empty)
+	require.NotEqual(t, LayerDigest("", want), LayerDigest("ns/base", want))
+	require.NotEqual(t, LayerDigest("ns/base", want), LayerDigest("ns/base", Table{}.Digest()))
+}

@@ -47,10 +47,13 @@ func SubdirLayers(chain []string, name string) ([]string, error) {
 	return dirs, nil
 }
 
+// opaqueXattr marks an upper dir that hides the dirs of its name below.
+const opaqueXattr = "trusted.overlay.opaque"
+
 // opaque says whether an upper dir hides the dirs of the same name below
 // it ("x" marks a dir holding xattr whiteouts, which is not opaque).
 func opaque(dir string) bool {
 	var buf [1]byte
-	n, err := unix.Lgetxattr(dir, "trusted.overlay.opaque", buf[:])
+	n, err := unix.Lgetxattr(dir, opaqueXattr, buf[:])
 	return err == nil && n == 1 && buf[0] == 'y'
 }

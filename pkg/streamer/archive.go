@@ -29,6 +29,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // xattrPrefixes are the extended attributes that travel: the overlay's own
@@ -54,6 +55,11 @@ type Summary struct {
 	Bytes   int64
 	Entries int64
 	Digest  string // "xxh64:<hex>", or "sha256:<hex>" for a swarm's stream
+	// Files is, for a summed extraction (Limits.Summed), the digest of
+	// the table of the layer's files the stream carried, as the sums it
+	// said (filesum.Table.Digest): what the node that captured the layer
+	// vouches for.
+	Files filesum.Sum
 	// Inlined is, for UnpackStubs, the last file the stub tree carried
 	// whole (see Inline.Through); empty: none.
 	Inlined string

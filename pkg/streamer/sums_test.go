@@ -28,6 +28,7 @@ func TestSummedLayers(t *testing.T) {
 	for name, data := range files {
 		require.NoError(t, os.WriteFile(filepath.Join(src, name), data, 0o644))
 	}
+	require.NoError(t, os.Link(filepath.Join(src, "small"), filepath.Join(src, "d/small-again")))
 	sums, err := filesum.OfTree(t.Context(), src)
 	require.NoError(t, err)
 	layer := LayerFiles{Dir: src, Sums: sums}
@@ -46,17 +47,20 @@ func TestSummedLayers(t *testing.T) {
 		return err
 	}
 	whole := pack(SparseTar, layer)
-	require.NoError(t, unpack(whole))
+	sum, err := Unpack(context.Background(), bytes.NewReader(whole), Raw, t.TempDir(), summed)
+	require.NoError(t, err)
+	require.Equal(t, sums.Digest(), sum.Files, "the digest of the table the stream carried, the hardlink's name with its file's sum")
 
 	var mu sync.Mutex
 	got := filesum.Table{}
-	_, err = UnpackStubs(context.Background(), bytes.NewReader(pack(StubTar, layer)), Raw, t.TempDir(), summed, inline, func(s Stub) error {
+	sum, err = UnpackStubs(context.Background(), bytes.NewReader(pack(StubTar, layer)), Raw, t.TempDir(), summed, inline, func(s Stub) error {
 		mu.Lock()
 		defer mu.Unlock()
 		got[s.Name] = s.Sum
 		return nil
 	})
 	require.NoError(t, err)
+	require.Equal(t, sums.Digest(), sum.Files, "the stub tree's table")
 	require.Equal(t, filesum.Table{"d/big": sums["d/big"]}, got, "the stub's sum")
 
 	flipped := bytes.Clone(whole)

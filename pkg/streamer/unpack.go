@@ -57,6 +57,9 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 		err = x.finish()
 	}
 	sum.Inlined = x.inlined
+	if err == nil && x.summed {
+		sum.Files, err = x.listing.Digest()
+	}
 	if err != nil {
 		return Summary{}, err
 	}
@@ -199,8 +202,10 @@ type extractor struct {
 	made       bool
 	strict     bool
 	keepSetuid bool
-	// summed: every regular file carries its sum (Limits.Summed).
-	summed bool
+	// summed: every regular file carries its sum (Limits.Summed);
+	// listing gathers them, for the digest of the layer's table.
+	summed  bool
+	listing filesum.Listing
 	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
 	// the files and sets only user.* xattrs.
 	unprivileged bool
@@ -496,6 +501,9 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		if err := unix.Linkat(tdir, tbase, dirfd, base, 0); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
+		if x.summed {
+			x.listing.Link(name, target)
+		}
 		return nil // the first name's attributes are the file's
 	case tar.TypeChar:
 		if hdr.Devmajor != 0 || hdr.Devminor != 0 {
@@ -634,6 +642,7 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 		if want, err = filesum.Parse(rec); err != nil {
 			return refused("%s: %v", name, err)
 		}
+		x.listing.File(name, want)
 	}
 	// Read and written: a summed file's bytes are read back for their sum.
 	fd, err := unix.Openat(dirfd, base, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, uint32(hdr.Mode&0o777))
