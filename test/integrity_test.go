@@ -6,18 +6,22 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 
+	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // layerFile is the path of name in the own layer of a node's volume, and
@@ -128,5 +132,79 @@ func TestLazyPullRefusesAFlippedByte(t *testing.T) {
 		b.read("victim", func(dir string) {
 			require.Equal(t, wantSum, fileDigest(t, filepath.Join(dir, "f")), "served on as it was captured")
 		})
+	}
+}
+
+// vouched waits until the controller knows what the maker of ns/handle
+// vouches for it with.
+func (f *peerFleet) vouched(ns, handle string) {
+	f.t.Helper()
+	eventually(f.t, fmt.Sprintf("the controller to know the digests of %s/%s", ns, handle), func() bool {
+		resp, err := f.api.LookupVolumes(context.Background(), &controllerv1.LookupVolumesRequest{Refs: []*controllerv1.VolumeRef{cref(ns, handle)}})
+		return err == nil && len(resp.Volumes[0].GetViewDigest()) == sha256.Size && len(resp.Volumes[0].GetLayerDigest()) == sha256.Size
+	})
+}
+
+// A node that holds a volume it did not make cannot pass other bytes off
+// as it: it serves them with sums that match them (its disk, its sums and
+// its memory all agree), so no per-file check can tell; but the node that
+// captured the volume vouched for its files to the controller, and every
+// puller, eager or lazy, refuses the other files before anything of them
+// is committed. A volume whose holder flattened its chain is checked
+// against the files of its whole view.
+func TestOnlyTheMakerVouchesForAVolume(t *testing.T) {
+	f := startPeerFleet(t)
+	a := f.node("node-a", testfs.XFS, 1<<30, "--flatten-depth=1")
+	b := f.node("node-b", testfs.XFS, 1<<30)
+
+	a.step("", "vouched", func(dir string) {
+		randomFile(t, dir, "kept", 1<<20, 1)
+		randomFile(t, dir, "swapped", 1<<20, 2)
+	})
+	a.step("vouched", "child", func(dir string) {
+		write(t, dir, "child-only", "small")
+		require.NoError(t, os.Remove(filepath.Join(dir, "kept")))
+	})
+	f.vouched("ci", "vouched")
+	f.vouched("ci", "child")
+	eventually(t, "A to flatten the child's chain", func() bool {
+		got, err := a.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "child")})
+		return err == nil && got.GetBase().GetHandle() == ""
+	})
+
+	for _, handle := range []string{"vouched", "child"} {
+		v := b.volume(map[string]string{driver.AttrSource: handle}, true)
+		require.NoError(t, b.publishWaiting(v), handle)
+		b.umount(v)
+	}
+	require.Equal(t, 2.0, metricValue(t, b.env, `cowvol_pull_vouch_checks_total{result="matched"}`),
+		"the root layer, and the flattened child checked against its view")
+	f.holders("ci", "vouched", "node-a", "node-b")
+	eventually(t, "B's copy synced", func() bool {
+		got, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "vouched")})
+		return err == nil && got.Synced
+	})
+
+	// B turns: another file of the same size in its copy, and the sums
+	// of what it now holds, kept and in memory.
+	file, sums := layerFile(t, b.env, "vouched", "swapped")
+	randomFile(t, filepath.Dir(file), "swapped", 1<<20, 3)
+	table, err := filesum.OfTree(context.Background(), filepath.Dir(file))
+	require.NoError(t, err)
+	require.NoError(t, table.WriteFile(sums))
+	b.p.Restart()
+	a.p.Stop() // B is the only holder left
+	eventually(t, "the controller to list B alone", func() bool {
+		return slices.Equal(f.holders("ci", "vouched", "node-b"), []string{"node-b"})
+	})
+
+	for _, mode := range []string{"eager", "lazy"} {
+		c := f.node("node-c-"+mode, testfs.XFS, 1<<30, "--pull-mode="+mode)
+		err := c.publishWaiting(c.volume(map[string]string{driver.AttrSource: "vouched"}, true))
+		require.Error(t, err, mode)
+		require.NotEqual(t, "ready", volumeState(t, c.env, "vouched"), mode)
+		require.NotEqual(t, "filling", volumeState(t, c.env, "vouched"), mode)
+		require.GreaterOrEqual(t, metricValue(t, c.env, `cowvol_pull_vouch_checks_total{result="mismatched"}`), 1.0, mode)
+		require.Zero(t, metricValue(t, b.env, "cowvol_rotten_volumes_total"), "B's sums match its bytes: only the maker's word tells")
 	}
 }

@@ -73,6 +73,10 @@ type Volume struct {
 	Copies int `json:"copies,omitempty"`
 	// Pin protects the volume from TTL expiry and eviction.
 	Pin Pin `json:"pin,omitzero"`
+	// Vouch are the digests of its files that the node that captured it
+	// vouches for (volume.Digests): computed here after a capture, or
+	// those a pull was checked against; zero until known.
+	Vouch volume.Digests `json:"vouch,omitzero"`
 	// Synced says the volume's data has reached the disk (a syncfs after
 	// its capture or its pull). A ready volume that a reboot caught
 	// unsynced may be torn, and is marked failed.

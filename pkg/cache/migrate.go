@@ -61,10 +61,11 @@ type migration struct {
 // adds one here, so that an older plugin refuses the store instead of
 // misreading it.
 //
-// An optional field added to a record (a volume's copies) needs no new
-// schema: an older plugin that rewrites the record drops it, losing only
-// what it could not act on (the volume is kept on one node), and misreads
-// nothing it keeps. Files kept beside a volume's layers (its sums, pkg/
+// An optional field added to a record (a volume's copies, its vouched
+// digests) needs no new schema: an older plugin that rewrites the record
+// drops it, losing only what it could not act on (the volume is kept on one
+// node; its digests are not reported, and the controller keeps those it
+// had), and misreads nothing it keeps. Files kept beside a volume's layers (its sums, pkg/
 // cache/sums.go) are the same: an older plugin's recovery removes them as
 // strays, and they are computed again from the layer when a peer asks.
 var migrations = []migration{

@@ -3,6 +3,7 @@ package cache
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"strings"
 	"time"
@@ -86,4 +87,27 @@ func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
 	table := t.(filesum.Table)
 	s.sums.Put(path, table, time.Now())
 	return table, nil
+}
+
+// Vouch keeps the digests computed from a volume's layer after its capture
+// (Volume.Vouch), if it is still ready with that layer and has none yet.
+func (s *Store) Vouch(r volume.Ref, layer string, d volume.Digests) error {
+	return s.update(r, func(v *Volume) error {
+		if v.State != volume.StateReady || v.Layer != layer || v.Vouch.Known() {
+			return fmt.Errorf("volume %s: not the ready layer its digests were computed from: %w", r, ErrUnusable)
+		}
+		v.Vouch = d
+		return nil
+	})
+}
+
+// LayerDigest is the digest a layer is vouched for with (volume.Digests'
+// Layer): its base's name ("" for a root layer) and the digest of its
+// files' table.
+func LayerDigest(base volume.Ref, files filesum.Sum) volume.Digest {
+	name := ""
+	if !base.IsZero() {
+		name = base.String()
+	}
+	return volume.Digest(filesum.LayerDigest(name, files))
 }

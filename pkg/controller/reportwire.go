@@ -173,6 +173,8 @@ func decodeReport(raw []byte) (fleet.Report, error) {
 func decodeHeld(raw []byte, props []fleet.Property) (fleet.Held, []fleet.Property, error) {
 	var h fleet.Held
 	var parent, base volume.Ref
+	var layer, view []byte
+	var firstHand bool
 	from := len(props)
 	err := eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error {
 		switch {
@@ -205,6 +207,12 @@ func decodeHeld(raw []byte, props []fleet.Property) (fleet.Held, []fleet.Propert
 			h.Pinned = n != 0
 		case typ == protowire.VarintType && num == 10:
 			h.Copies = int32(n)
+		case typ == protowire.BytesType && num == 11:
+			layer = v
+		case typ == protowire.BytesType && num == 12:
+			view = v
+		case typ == protowire.VarintType && num == 13:
+			firstHand = n != 0
 		}
 		return nil
 	})
@@ -213,6 +221,9 @@ func decodeHeld(raw []byte, props []fleet.Property) (fleet.Held, []fleet.Propert
 	}
 	if err := checkRef(h.Ref); err != nil {
 		return fleet.Held{}, props, err
+	}
+	if h.Vouch, err = vouchFromWire(layer, view, firstHand); err != nil {
+		return fleet.Held{}, props, fmt.Errorf("volume %s: %w", h.Ref, err)
 	}
 	if parent.Handle != "" {
 		if err := checkRef(parent); err != nil {
@@ -224,6 +235,21 @@ func decodeHeld(raw []byte, props []fleet.Property) (fleet.Held, []fleet.Propert
 		h.Properties = props[from:len(props):len(props)]
 	}
 	return h, props, nil
+}
+
+// vouchFromWire reads a volume's digests: both or neither, of 32 bytes.
+func vouchFromWire(layer, view []byte, firstHand bool) (volume.Digests, error) {
+	var d volume.Digests
+	if len(layer) == 0 && len(view) == 0 {
+		return d, nil
+	}
+	if len(layer) != len(d.Layer) || len(view) != len(d.View) {
+		return d, fmt.Errorf("digests of %d and %d bytes: want both, of %d: %w", len(layer), len(view), len(d.Layer), fleet.ErrInvalid)
+	}
+	copy(d.Layer[:], layer)
+	copy(d.View[:], view)
+	d.FirstHand = firstHand
+	return d, nil
 }
 
 // decodeRef reads a VolumeRef into ref, over what it holds (a ref said

@@ -41,6 +41,9 @@ func reportFromMessage(req *controllerv1.ReportRequest) (fleet.Report, error) {
 				return fleet.Report{}, err
 			}
 		}
+		if h.Vouch, err = vouchFromWire(s.GetLayerDigest(), s.GetViewDigest(), s.GetFirstHand()); err != nil {
+			return fleet.Report{}, err
+		}
 		if ps := s.GetProperties(); len(ps) > 0 {
 			from := len(props)
 			for _, p := range ps {
@@ -62,7 +65,7 @@ func reportFromMessage(req *controllerv1.ReportRequest) (fleet.Report, error) {
 func FuzzDecodeReport(f *testing.F) {
 	good := &controllerv1.VolumeSummary{Ref: wireRef("ci", "a"), State: "ready", SizeBytes: 7, Parent: wireRef("ci", "p"),
 		Base: wireRef("ci", "b"), Scope: "cluster", Properties: []*controllerv1.Property{{Key: "k", Value: "v"}, {Key: "l", Value: ""}},
-		StepVolumes: 2, Pinned: true, Copies: 3}
+		StepVolumes: 2, Pinned: true, Copies: 3, LayerDigest: bytes.Repeat([]byte{1}, 32), ViewDigest: bytes.Repeat([]byte{2}, 32), FirstHand: true}
 	for _, req := range []*controllerv1.ReportRequest{
 		{},
 		{NodeId: "n", StoreId: "s", Revision: 9, Full: true, BaseRevision: 8, Upserts: []*controllerv1.VolumeSummary{good, {Ref: wireRef("ci", "c")}},
@@ -88,6 +91,12 @@ func FuzzDecodeReport(f *testing.F) {
 	}())
 	f.Add(merged)
 	f.Add([]byte{0x32, 0x05, 0x0a, 0x03, 0x12, 0x01, 0xff}) // a handle that is not UTF-8
+	for _, digests := range [][2][]byte{{make([]byte, 31), make([]byte, 32)}, {make([]byte, 32), nil}} {
+		raw, err := proto.Marshal(&controllerv1.ReportRequest{NodeId: "n", StoreId: "s", Upserts: []*controllerv1.VolumeSummary{
+			{Ref: wireRef("ci", "a"), State: "ready", LayerDigest: digests[0], ViewDigest: digests[1]}}})
+		require.NoError(f, err)
+		f.Add(raw)
+	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		got, err := decodeReport(raw)
 		var msg controllerv1.ReportRequest

@@ -56,9 +56,13 @@ func untilFromWire(u *timestamppb.Timestamp) time.Time {
 }
 
 func toWireLocation(l fleet.Location) *controllerv1.VolumeLocation {
-	return &controllerv1.VolumeLocation{Ref: controllerv1.RefOf(l.Ref), Found: l.Found, State: string(l.State), SizeBytes: l.SizeBytes,
+	loc := &controllerv1.VolumeLocation{Ref: controllerv1.RefOf(l.Ref), Found: l.Found, State: string(l.State), SizeBytes: l.SizeBytes,
 		Parent: controllerv1.RefOf(l.Parent), Scope: string(l.Scope), Properties: l.Properties, Nodes: l.Nodes,
 		PublishedNodes: l.PublishedNodes, Pinned: l.Pinned, PeerAddresses: l.PeerAddresses, NodeCount: int32(l.NodeCount)}
+	if l.Vouch.Known() {
+		loc.LayerDigest, loc.ViewDigest = l.Vouch.Layer[:], l.Vouch.View[:]
+	}
+	return loc
 }
 
 func toWireLocations(locs []fleet.Location) []*controllerv1.VolumeLocation {

@@ -34,7 +34,7 @@ func (e *Engine) OpenVolume(namespace string, r volume.Ref, path string, format 
 	if _, err := e.readable(namespace, r, need); err != nil {
 		return streamer.Reading{}, err
 	}
-	dirs, release, err := e.holdChain(r, need)
+	_, dirs, release, err := e.holdChain(r, need)
 	if err != nil {
 		return streamer.Reading{}, err
 	}
@@ -173,8 +173,8 @@ func openInside(root, path string, format streamer.Format) (streamer.Reading, er
 
 // Receive makes an uploaded tree a cached volume of this node.
 func (h peerHolder) Receive(l streamer.Layer, fill func(dir string) (streamer.Summary, error)) error {
-	_, err := pull.Receive(h.e.store, h.e.backend.Kind(), l, cache.NewPullID(), func(tree, _ string) (streamer.Summary, error) { return fill(tree) },
-		pull.CommitPulled(h.e.store, h.e.notifier(), l), pull.SyncBefore)
+	_, err := pull.Receive(h.e.store, h.e.backend.Kind(), l, volume.Digests{}, cache.NewPullID(), func(tree, _ string) (streamer.Summary, error) { return fill(tree) },
+		pull.CommitPulled(h.e.store, pullNotifier{e: h.e, origin: true}, l), pull.SyncBefore)
 	switch {
 	case errors.Is(err, cache.ErrExists):
 		return fmt.Errorf("%w: %w", streamer.ErrExists, err)

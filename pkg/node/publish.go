@@ -14,6 +14,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/target"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -651,7 +652,7 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 	}
 	e.tidy()
 	e.kick(e.reaper)
-	e.goBackground(func() { e.afterCapture(vol) })
+	e.goBackground(func() { e.afterCapture(vol, true) })
 	return vol, nil
 }
 
@@ -662,26 +663,110 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 // SHA-256 a core here), one layer at a time; a peer that asks first has
 // them computed then. The layer is not held for it: a volume destroyed
 // meanwhile goes at once, and its sums with its dir.
-func (e *Engine) sumLayer(vol cache.Volume) {
+//
+// Where this node is the volume's origin (a capture, an upload), it then
+// vouches for the volume with the digests of its files (vouch), which the
+// fleet checks every other holder's copy against; a pulled copy keeps
+// those its pull was checked against instead. It fails only the vouching.
+func (e *Engine) sumLayer(vol cache.Volume, origin bool) error {
 	select {
 	case e.summing <- struct{}{}:
 		defer func() { <-e.summing }()
 	case <-e.bgCtx.Done():
-		return
+		return nil
 	}
-	if v, err := e.store.Get(vol.Ref()); err != nil || v.State != volume.StateReady || v.Layer != vol.Layer {
-		return // gone, or flattened meanwhile: the new layer's are computed when asked
+	v, err := e.store.Get(vol.Ref())
+	if err != nil || v.State != volume.StateReady || v.Layer != vol.Layer {
+		return nil // gone, or flattened meanwhile: the new layer's are computed when asked
 	}
-	if _, err := e.store.LayerSums(vol); err != nil {
+	own, err := e.store.LayerSums(v)
+	if err != nil {
 		klog.V(2).InfoS("Computing a captured layer's file sums failed; a peer's first pull computes them", "volume", vol.Ref(), "err", err)
+		return nil
+	}
+	if !origin || v.Vouch.Known() {
+		return nil
+	}
+	return e.vouch(v, own)
+}
+
+// How often, and how long, a volume captured over a base still arriving
+// lazily is tried again for its digests (the merged view's tables need
+// the base's data).
+const (
+	vouchRetry    = 5 * time.Second
+	vouchPatience = 2 * time.Hour
+)
+
+// vouchLater tries sumLayer again until the volume's base is whole.
+func (e *Engine) vouchLater(vol cache.Volume) {
+	for since := time.Now(); time.Since(since) < vouchPatience; {
+		select {
+		case <-time.After(vouchRetry):
+		case <-e.bgCtx.Done():
+			return
+		}
+		if err := e.sumLayer(vol, true); !errors.Is(err, cache.ErrNotReady) {
+			e.vouchFailed(vol, err)
+			return
+		}
+	}
+	klog.ErrorS(nil, "A captured volume's base did not arrive whole in time to vouch for it; peers pull it unvouched", "volume", vol.Ref(), "waited", vouchPatience)
+}
+
+func (e *Engine) vouchFailed(vol cache.Volume, err error) {
+	if err != nil {
+		klog.ErrorS(err, "Computing the digests this node vouches for a captured volume with; peers pull it unvouched", "volume", vol.Ref())
 	}
 }
 
-// afterCapture flattens a new volume's chain if it grew past the limit,
-// without blocking a publish: views use the chain as it is until the flat
-// layer replaces it.
-func (e *Engine) afterCapture(vol cache.Volume) {
-	e.sumLayer(vol)
+// vouch computes and keeps the digests of a volume this node made, own
+// being its layer's table: of the layer over its base, and of the merged
+// view of its chain, from the tables of the chain's layers and the names
+// of those above the lowest (no data is read again).
+func (e *Engine) vouch(vol cache.Volume, own filesum.Table) error {
+	files := own.Digest()
+	d := volume.Digests{Layer: cache.LayerDigest(vol.Base, files), View: volume.Digest(files), FirstHand: true}
+	if !vol.Base.IsZero() {
+		refs, dirs, release, err := e.holdChain(vol.Ref(), volume.NeedWhole)
+		if err != nil {
+			return err
+		}
+		defer release()
+		if refs[0] != vol.Ref() || len(refs) < 2 {
+			return fmt.Errorf("its chain changed meanwhile: %w", cache.ErrUnusable)
+		}
+		tables := []filesum.Table{own}
+		for _, r := range refs[1:] {
+			v, err := e.store.Get(r)
+			if err != nil {
+				return err
+			}
+			t, err := e.store.LayerSums(v)
+			if err != nil {
+				return fmt.Errorf("volume %s under it: %w", r, err)
+			}
+			tables = append(tables, t)
+		}
+		view, err := overlay.VisibleFiles(e.bgCtx, dirs, tables)
+		if err != nil {
+			return err
+		}
+		d.View = volume.Digest(view.Digest())
+	}
+	return e.store.Vouch(vol.Ref(), vol.Layer, d)
+}
+
+// afterCapture vouches for a volume this node made (origin: a capture or
+// an upload, not a pull), then flattens its chain if it grew past the
+// limit, without blocking a publish: views use the chain as it is until
+// the flat layer replaces it.
+func (e *Engine) afterCapture(vol cache.Volume, origin bool) {
+	if err := e.sumLayer(vol, origin); errors.Is(err, cache.ErrNotReady) {
+		e.goBackground(func() { e.vouchLater(vol) }) // (nor can it be flattened yet)
+	} else {
+		e.vouchFailed(vol, err)
+	}
 	chain, err := e.store.Chain(vol.Ref())
 	if err != nil {
 		klog.ErrorS(err, "Reading a captured volume's chain", "volume", vol.Ref())
@@ -692,7 +777,7 @@ func (e *Engine) afterCapture(vol cache.Volume) {
 	}
 	// Held while it is copied: a flatten of an ancestor finishing
 	// meanwhile must not prune the layers this one reads.
-	chain, release, err := e.holdChain(vol.Ref(), volume.NeedWhole)
+	_, chain, release, err := e.holdChain(vol.Ref(), volume.NeedWhole)
 	if err != nil {
 		klog.ErrorS(err, "Holding a captured volume's chain", "volume", vol.Ref())
 		return

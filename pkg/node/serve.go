@@ -16,12 +16,12 @@ import (
 
 // holdChain holds every volume of a volume's chain present as need says,
 // so that none of its layers is pruned or freed, and returns the chain's
-// data dirs, top first, and the release. The chain is read again once
-// held: one read before may have been flattened since.
-func (e *Engine) holdChain(r volume.Ref, need volume.Need) (dirs []string, release func(), err error) {
+// volumes and their data dirs, top first, and the release. The chain is
+// read again once held: one read before may have been flattened since.
+func (e *Engine) holdChain(r volume.Ref, need volume.Need) (chain []volume.Ref, dirs []string, release func(), err error) {
 	refs, _, err := e.store.ChainOf(r, need)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	releases := make([]func(), 0, len(refs))
 	for _, ref := range refs {
@@ -33,11 +33,11 @@ func (e *Engine) holdChain(r volume.Ref, need volume.Need) (dirs []string, relea
 		}
 		e.streamEnded(refs...)
 	}
-	if _, dirs, err = e.store.ChainOf(r, need); err != nil {
+	if chain, dirs, err = e.store.ChainOf(r, need); err != nil {
 		release()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return dirs, release, nil
+	return chain, dirs, release, nil
 }
 
 // PeerHolder is what the node serves its peers: its ready volumes, to pulls

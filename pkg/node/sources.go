@@ -94,10 +94,14 @@ func hiddenHere(r volume.Ref, namespace string) error {
 	return cache.NotVisible(r, namespace)
 }
 
-// pullNotifier is what the node's puller tells the engine.
-type pullNotifier struct{ e *Engine }
+// pullNotifier is what the node's puller tells the engine (and an
+// upload's receiver: origin, the node vouches for what it commits).
+type pullNotifier struct {
+	e      *Engine
+	origin bool
+}
 
-func (e *Engine) notifier() pullNotifier { return pullNotifier{e} }
+func (e *Engine) notifier() pullNotifier { return pullNotifier{e: e} }
 
 // Event puts an event on a pod that asked for a pull.
 func (n pullNotifier) Event(pod volume.Pod, eventType, reason, message string) {
@@ -110,7 +114,7 @@ func (n pullNotifier) Committed(vol cache.Volume, synced bool) {
 	if !synced {
 		n.e.kick(n.e.syncer)
 	}
-	n.e.goBackground(func() { n.e.afterCapture(vol) })
+	n.e.goBackground(func() { n.e.afterCapture(vol, n.origin) })
 }
 
 // FillEnded wakes the reaper: a filled or failed layer may free data.

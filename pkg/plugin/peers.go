@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"net"
+	"slices"
 	"strings"
 	"time"
 
@@ -313,6 +314,11 @@ func (s staticPeers) Holders(context.Context, string, volume.Ref) ([]pull.Peer, 
 	return out, nil
 }
 
+// Vouched knows no digests: no controller gathers them.
+func (staticPeers) Vouched(context.Context, []volume.Ref) (map[volume.Ref]volume.Digests, error) {
+	return nil, nil
+}
+
 // controllerLocator asks the controller which nodes hold a volume ready.
 type controllerLocator struct {
 	api    controllerv1.CacheClient
@@ -351,6 +357,30 @@ func (c controllerLocator) Holders(ctx context.Context, namespace string, r volu
 		_, _ = h.Write([]byte(c.nodeID))
 		k := int(h.Sum32() % uint32(len(out)))
 		out = append(out[k:], out[:k]...)
+	}
+	return out, nil
+}
+
+// Vouched asks the controller what the makers of refs vouch for them with.
+func (c controllerLocator) Vouched(ctx context.Context, refs []volume.Ref) (map[volume.Ref]volume.Digests, error) {
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
+	defer cancel()
+	resp, err := c.api.LookupVolumes(ctx, &controllerv1.LookupVolumesRequest{Refs: controllerv1.RefsOf(refs), MaxNodes: 1})
+	if err != nil {
+		return nil, fmt.Errorf("asking the controller for the digests of %d volumes: %w", len(refs), err)
+	}
+	out := map[volume.Ref]volume.Digests{}
+	for _, loc := range resp.GetVolumes() {
+		var d volume.Digests
+		if len(loc.GetLayerDigest()) != len(d.Layer) || len(loc.GetViewDigest()) != len(d.View) {
+			continue
+		}
+		copy(d.Layer[:], loc.GetLayerDigest())
+		copy(d.View[:], loc.GetViewDigest())
+		r := volume.Ref{Namespace: loc.GetRef().GetNamespace(), Handle: loc.GetRef().GetHandle()}
+		if d.Known() && slices.Contains(refs, r) {
+			out[r] = d
+		}
 	}
 	return out, nil
 }

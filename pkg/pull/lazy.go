@@ -191,20 +191,23 @@ func (pl *Puller) NoteReader(view cache.View, profile string) {
 // its readers wait for its data, and makes it a filling
 // volume whose data is fetched behind. The layer is mountable only once
 // every mark is in place.
-func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
+func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
 		Inline: stubInline}
 	var layer *fill.Layer
 	var vol cache.Volume
 	err := pl.inSwarm(client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
-		vol, err = Receive(pl.store, pl.kind, l, p.id, func(tree, data string) (streamer.Summary, error) {
+		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, data string) (streamer.Summary, error) {
 			var mark streamer.StubFunc
 			var err error
 			if layer, mark, err = pl.stubMarker(src, data); err != nil {
 				return streamer.Summary{}, err
 			}
 			sum, err := from.PullLayerStubs(pl.ctx, s, sw, tree, pl.cfg.Limits, progress, mark)
+			if err == nil {
+				err = pl.checkVouched(l, want, sum)
+			}
 			if err == nil {
 				err = done(sum)
 			}

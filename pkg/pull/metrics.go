@@ -12,6 +12,7 @@ type Metrics struct {
 	orders    *prometheus.CounterVec
 	swarm     *prometheus.CounterVec
 	corrupt   *prometheus.CounterVec
+	vouches   *prometheus.CounterVec
 }
 
 // NewMetrics makes the pulls' metrics.
@@ -41,6 +42,10 @@ func NewMetrics() *Metrics {
 			Name: "cowvol_pull_corrupt_total",
 			Help: "Files and layers peers sent that were not what their volume was captured with (their sums), caught before any reader saw them, by where they came from: the stream of a lazy layer (stream, from its holder or a relay), a file fetched alone from a holder (holder), or a layer or stub tree pulled whole (layer: the pull moves to the next holder).",
 		}, []string{"from"}),
+		vouches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_pull_vouch_checks_total",
+			Help: "Layers pulled whole or as stub trees, by how their files' table compared with the digests the node that made the volume vouches for it with: matched, mismatched (the pull moves to the next holder), or unknown (none known yet: the capture is seconds old, its maker runs an older plugin, or static --peers).",
+		}, []string{"result"}),
 	}
 }
 
@@ -48,5 +53,5 @@ func (m *Metrics) swarmPull(from string) { m.swarm.WithLabelValues(from).Inc() }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders, m.swarm, m.corrupt}
+	return []prometheus.Collector{m.pulls, m.pulled, m.fills, m.fillBytes, m.orders, m.swarm, m.corrupt, m.vouches}
 }

@@ -95,9 +95,11 @@ type ReadOrderShare interface {
 	Find(ctx context.Context, namespace, name string) (files []string, from string, err error)
 }
 
-// Locator finds the peers holding a volume ready, best first.
+// Locator finds the peers holding a volume ready, best first, and what the
+// nodes that made volumes vouch for them with (none known: absent).
 type Locator interface {
 	Holders(ctx context.Context, namespace string, r volume.Ref) ([]Peer, error)
+	Vouched(ctx context.Context, refs []volume.Ref) (map[volume.Ref]volume.Digests, error)
 }
 
 // Peer is a node that serves its volumes to pulls.
@@ -409,6 +411,31 @@ func (pl *Puller) runPull(p *pull) error {
 	return fmt.Errorf("source volume %s: %w: %w", ref, ErrPullFailed, errors.Join(errs...))
 }
 
+// checkVouched says whether a layer that arrived (sum) is what the node
+// that made its volume vouches for it with (want; none known: it is taken
+// as its holder's sums say): a layer over a base, its files over that
+// very base; a root layer, every file the volume shows (a holder may have
+// flattened its chain). Checked before the layer is committed, so a
+// holder that sends other files with sums to match them, or a chain that
+// is not the volume's, leaves nothing behind.
+func (pl *Puller) checkVouched(l streamer.Layer, want volume.Digests, sum streamer.Summary) error {
+	if !want.Known() {
+		pl.metrics.vouches.WithLabelValues("unknown").Inc()
+		klog.V(2).InfoS("Pulled a layer no digests are known for yet; its files are checked against its holder's sums only", "volume", l.Ref)
+		return nil
+	}
+	ok := volume.Digest(sum.Files) == want.View
+	if !l.Base.IsZero() {
+		ok = cache.LayerDigest(l.Base, sum.Files) == want.Layer
+	}
+	if !ok {
+		pl.metrics.vouches.WithLabelValues("mismatched").Inc()
+		return fmt.Errorf("%w: its files (%d entries) are not those the node that made it vouches for: %w", streamer.ErrCorrupt, sum.Entries, filesum.ErrMismatch)
+	}
+	pl.metrics.vouches.WithLabelValues("matched").Inc()
+	return nil
+}
+
 // hiddenLayerError is a failure to pull a layer the pod's namespace may
 // not name (another namespace's private volume under its source): its
 // words name neither the layer nor what the peer said of it (the node's log
@@ -482,12 +509,18 @@ func (pl *Puller) pullFrom(p *pull, h Peer) (int, error) {
 		missing = append(missing, l)
 	}
 	var expected int64
-	for _, l := range missing {
+	refs := make([]volume.Ref, len(missing))
+	for i, l := range missing {
 		expected += max(l.SizeBytes, 0)
+		refs[i] = l.Ref
 	}
 	p.expected.Store(expected)
+	vouched, err := pl.cfg.Locator.Vouched(pl.ctx, refs)
+	if err != nil {
+		return 0, err
+	}
 	for i := len(missing) - 1; i >= 0; i-- {
-		if err := pl.pullLayer(p, client, chain[0], missing[i]); err != nil {
+		if err := pl.pullLayer(p, client, chain[0], missing[i], vouched[missing[i].Ref]); err != nil {
 			return len(missing) - 1 - i, err
 		}
 	}
@@ -495,16 +528,18 @@ func (pl *Puller) pullFrom(p *pull, h Peer) (int, error) {
 }
 
 // pullLayer pulls one volume's own layer (of top's chain) into the cache,
-// checked against the peer's digest: whole, or as stubs filled behind.
-func (pl *Puller) pullLayer(p *pull, client *streamer.Client, top, l streamer.Layer) error {
+// checked against the peer's digest, and its files' table against what its
+// maker vouches for it with (want; none known: unchecked): whole, or as
+// stubs filled behind.
+func (pl *Puller) pullLayer(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests) error {
 	start := time.Now()
 	progress := func(n int64) { p.received.Add(n) }
 	var vol cache.Volume
 	var err error
 	if pl.lazy != nil && !p.whole {
-		vol, err = pl.pullStubs(p, client, top, l, progress)
+		vol, err = pl.pullStubs(p, client, top, l, want, progress)
 	} else {
-		vol, err = pl.receiveWhole(p, client, top, l, progress)
+		vol, err = pl.receiveWhole(p, client, top, l, want, progress)
 	}
 	if errors.Is(err, cache.ErrExists) {
 		return fmt.Errorf("%s is being made here meanwhile: %w", p.layerName(l), ErrPulling)

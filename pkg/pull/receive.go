@@ -7,6 +7,7 @@ import (
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
 	"k8s.io/klog/v2"
 )
 
@@ -45,16 +46,18 @@ const (
 )
 
 // Receive makes a cached volume of a layer that arrives from
-// elsewhere (a pull, an upload): reserved under the lease id, filled by fill
+// elsewhere (a pull, an upload), vouched for with vouch (those its pull is
+// checked against; none for an upload): reserved under the lease id, filled by fill
 // in staging out of sight (tree; data is where it will live), synced as
 // when says, moved into place and committed in one transaction. Anything
 // short of that leaves no trace: the reservation and the staging go (and a
 // crash leaves them to recovery).
-func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, id string, fill func(tree, data string) (streamer.Summary, error),
+func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, vouch volume.Digests, id string, fill func(tree, data string) (streamer.Summary, error),
 	commit CommitFunc, when Durability) (vol cache.Volume, err error) {
+	vouch.FirstHand = false
 	v, err := store.ReservePull(cache.Volume{
 		Namespace: l.Ref.Namespace, Handle: l.Ref.Handle, Parent: l.Parent, Base: l.Base, Scope: l.Scope,
-		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed,
+		Properties: l.Properties, TTL: l.TTL, DestroyOnCommit: l.Destroyed, Vouch: vouch,
 	}, id)
 	if err != nil {
 		return cache.Volume{}, err

@@ -180,12 +180,15 @@ func (pl *Puller) pullFromRelay(holder *streamer.Client, s streamer.LayerStream,
 
 // receiveWhole makes l's layer a ready cached volume from a stream of the
 // whole layer, in its swarm where it has one.
-func (pl *Puller) receiveWhole(p *pull, holder *streamer.Client, top, l streamer.Layer, progress func(int64)) (cache.Volume, error) {
+func (pl *Puller) receiveWhole(p *pull, holder *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.SparseTar}
 	var vol cache.Volume
 	err := pl.inSwarm(holder, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
-		vol, err = Receive(pl.store, pl.kind, l, p.id, func(tree, _ string) (streamer.Summary, error) {
+		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, _ string) (streamer.Summary, error) {
 			sum, err := from.PullLayer(pl.ctx, s, sw, tree, pl.cfg.Limits, progress)
+			if err == nil {
+				err = pl.checkVouched(l, want, sum)
+			}
 			if err == nil {
 				err = done(sum)
 			}

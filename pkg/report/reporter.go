@@ -279,6 +279,10 @@ func (r *Reporter) inventory() (map[volume.Ref]*controllerv1.VolumeSummary, erro
 				Parent: controllerv1.RefOf(v.Parent), Base: controllerv1.RefOf(v.Base), Scope: string(v.Scope), Properties: client.Properties(v.Properties),
 				StepVolumes: int32(len(v.Holders.Views)), Pinned: v.Pin.Pinned, Copies: int32(v.Copies),
 			}
+			if d := v.Vouch; d.Known() {
+				s := inv[v.Ref()]
+				s.LayerDigest, s.ViewDigest, s.FirstHand = d.Layer[:], d.View[:], d.FirstHand
+			}
 		}
 		if after = next; after == "" {
 			return inv, nil

@@ -6,6 +6,7 @@
 package volume
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"regexp"
@@ -352,3 +353,38 @@ func ValidateProperties(props map[string]string) error {
 	}
 	return nil
 }
+
+// Digest is a SHA-256 that stands for a volume's files (pkg/filesum makes
+// them), written in hex.
+type Digest [32]byte
+
+func (d Digest) String() string { return hex.EncodeToString(d[:]) }
+
+// MarshalText writes the digest in hex.
+func (d Digest) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
+
+// UnmarshalText reads a digest in hex.
+func (d *Digest) UnmarshalText(b []byte) error {
+	if len(b) != 2*len(d) {
+		return fmt.Errorf("a digest of %d characters: want %d hex digits", len(b), 2*len(d))
+	}
+	_, err := hex.Decode(d[:], b)
+	return err
+}
+
+// Digests are what the node that captured a volume vouches for its bytes
+// with, so that a peer that sends it can be checked by another than
+// itself: Layer stands for the volume's own layer over its base (the
+// base's name and the layer's files), View for every regular file a step
+// sees through the volume (its chain merged). A volume captured whole has
+// a View equal to its own files. FirstHand says that the node reporting
+// them computed them from the capture; a pulled copy keeps, second-hand,
+// those its pull was checked against. Zero: none known.
+type Digests struct {
+	Layer     Digest `json:"layer"`
+	View      Digest `json:"view"`
+	FirstHand bool   `json:"firstHand,omitempty"`
+}
+
+// Known says whether there are digests.
+func (d Digests) Known() bool { return d.View != Digest{} }

@@ -99,7 +99,15 @@ type VolumeSummary struct {
 	Pinned      bool  `protobuf:"varint,9,opt,name=pinned,proto3" json:"pinned,omitempty"`
 	// How many nodes the volume asked to be kept on (0: unsaid, as on a
 	// pulled copy; the capturing node's word stands).
-	Copies        int32 `protobuf:"varint,10,opt,name=copies,proto3" json:"copies,omitempty"`
+	Copies int32 `protobuf:"varint,10,opt,name=copies,proto3" json:"copies,omitempty"`
+	// The SHA-256 digests the node that made the volume vouches for it with
+	// (empty: none known yet; else 32 bytes each): of its own layer over its
+	// base, and of every file its chain shows. first_hand: the reporting
+	// node made the volume and computed them; else they are those its pull
+	// of the volume was checked against.
+	LayerDigest   []byte `protobuf:"bytes,11,opt,name=layer_digest,json=layerDigest,proto3" json:"layer_digest,omitempty"`
+	ViewDigest    []byte `protobuf:"bytes,12,opt,name=view_digest,json=viewDigest,proto3" json:"view_digest,omitempty"`
+	FirstHand     bool   `protobuf:"varint,13,opt,name=first_hand,json=firstHand,proto3" json:"first_hand,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -202,6 +210,27 @@ func (x *VolumeSummary) GetCopies() int32 {
 		return x.Copies
 	}
 	return 0
+}
+
+func (x *VolumeSummary) GetLayerDigest() []byte {
+	if x != nil {
+		return x.LayerDigest
+	}
+	return nil
+}
+
+func (x *VolumeSummary) GetViewDigest() []byte {
+	if x != nil {
+		return x.ViewDigest
+	}
+	return nil
+}
+
+func (x *VolumeSummary) GetFirstHand() bool {
+	if x != nil {
+		return x.FirstHand
+	}
+	return false
 }
 
 type Property struct {
@@ -1311,7 +1340,13 @@ type VolumeLocation struct {
 	PeerAddresses []string `protobuf:"bytes,11,rep,name=peer_addresses,json=peerAddresses,proto3" json:"peer_addresses,omitempty"`
 	// How many live nodes hold it ready: as many as nodes lists, unless the
 	// request's max_nodes cut the list short.
-	NodeCount     int32 `protobuf:"varint,12,opt,name=node_count,json=nodeCount,proto3" json:"node_count,omitempty"`
+	NodeCount int32 `protobuf:"varint,12,opt,name=node_count,json=nodeCount,proto3" json:"node_count,omitempty"`
+	// What the node that made it vouches for it with (VolumeSummary's
+	// digests: its own word where it still reports them, else the first a
+	// pulled copy reported); empty: none known. A node that pulls it checks
+	// what a holder sends against them.
+	LayerDigest   []byte `protobuf:"bytes,13,opt,name=layer_digest,json=layerDigest,proto3" json:"layer_digest,omitempty"`
+	ViewDigest    []byte `protobuf:"bytes,14,opt,name=view_digest,json=viewDigest,proto3" json:"view_digest,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1428,6 +1463,20 @@ func (x *VolumeLocation) GetNodeCount() int32 {
 		return x.NodeCount
 	}
 	return 0
+}
+
+func (x *VolumeLocation) GetLayerDigest() []byte {
+	if x != nil {
+		return x.LayerDigest
+	}
+	return nil
+}
+
+func (x *VolumeLocation) GetViewDigest() []byte {
+	if x != nil {
+		return x.ViewDigest
+	}
+	return nil
 }
 
 type ListVolumesRequest struct {
@@ -2309,7 +2358,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x1econtroller/v1/controller.proto\x12\x14cowvol.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"A\n" +
 	"\tVolumeRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x16\n" +
-	"\x06handle\x18\x02 \x01(\tR\x06handle\"\x8e\x03\n" +
+	"\x06handle\x18\x02 \x01(\tR\x06handle\"\xf1\x03\n" +
 	"\rVolumeSummary\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1d\n" +
@@ -2324,7 +2373,12 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\fstep_volumes\x18\b \x01(\x05R\vstepVolumes\x12\x16\n" +
 	"\x06pinned\x18\t \x01(\bR\x06pinned\x12\x16\n" +
 	"\x06copies\x18\n" +
-	" \x01(\x05R\x06copies\"2\n" +
+	" \x01(\x05R\x06copies\x12!\n" +
+	"\flayer_digest\x18\v \x01(\fR\vlayerDigest\x12\x1f\n" +
+	"\vview_digest\x18\f \x01(\fR\n" +
+	"viewDigest\x12\x1d\n" +
+	"\n" +
+	"first_hand\x18\r \x01(\bR\tfirstHand\"2\n" +
 	"\bProperty\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value\"\xa7\x03\n" +
@@ -2396,7 +2450,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x04refs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x04refs\x12\x1b\n" +
 	"\tmax_nodes\x18\x02 \x01(\x05R\bmaxNodes\"W\n" +
 	"\x15LookupVolumesResponse\x12>\n" +
-	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\x8f\x04\n" +
+	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\"\xd3\x04\n" +
 	"\x0eVolumeLocation\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x14\n" +
@@ -2414,7 +2468,10 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	" \x01(\bR\x06pinned\x12%\n" +
 	"\x0epeer_addresses\x18\v \x03(\tR\rpeerAddresses\x12\x1d\n" +
 	"\n" +
-	"node_count\x18\f \x01(\x05R\tnodeCount\x1a=\n" +
+	"node_count\x18\f \x01(\x05R\tnodeCount\x12!\n" +
+	"\flayer_digest\x18\r \x01(\fR\vlayerDigest\x12\x1f\n" +
+	"\vview_digest\x18\x0e \x01(\fR\n" +
+	"viewDigest\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb9\x01\n" +

@@ -91,6 +91,10 @@ func (v *View) location(e *entry, maxNodes int, f nodeFlags) Location {
 	}
 	if loc.Found {
 		describe(&loc, e, best) // Nodes are sorted: holders are kept so
+		if e.vouch != nil {
+			loc.Vouch = e.vouch.Digests
+			loc.Vouch.FirstHand = false
+		}
 	}
 	return loc
 }

@@ -40,6 +40,9 @@ type Held struct {
 	StepVolumes int32
 	Pinned      bool
 	Copies      int32
+	// Vouch are the digests the volume's maker vouches for it with, as
+	// the node says (first hand, or those its pull was checked against).
+	Vouch volume.Digests
 }
 
 // Property is one of a volume's properties, as a node lists them.
@@ -89,6 +92,9 @@ type Location struct {
 	Nodes, PeerAddresses, PublishedNodes []string
 	NodeCount                            int
 	Pinned                               bool
+	// Vouch are what the volume's maker vouches for it with (zero: none
+	// known; FirstHand unset).
+	Vouch volume.Digests
 }
 
 // Placement is one node's fitness for a step.

@@ -125,6 +125,45 @@ type entry struct {
 	// capturing node's word; 0 or 1: no more than one); granted are the
 	// nodes past the first its namespace's budget gives it (copies.go).
 	copies, granted uint8
+	// vouch are the digests the volume is vouched for with (nil: none
+	// known): see takeVouch.
+	vouch *vouched
+}
+
+// vouched are a volume's digests and the node that said them.
+type vouched struct {
+	volume.Digests
+	node uint32
+}
+
+// vouchAfter is what e is vouched for with once n has said d of it (nil:
+// nothing), and whether that differs from what it is now. The word of the
+// node that made the volume (first hand) stands over a pulled copy's, and
+// the first said over a later one that differs, which a node could only
+// say to spoil a pull; but a maker that holds the volume no more gives way
+// to the next maker to report it (a volume destroyed and made again).
+// Second-hand digests are taken only while no first-hand ones are known:
+// they are what the first pull was checked against, or, if the maker was
+// gone by then, what the first copy's pull said. The caller holds the lock.
+func (v *View) vouchAfter(e *entry, n *nodeState, d volume.Digests) (*vouched, bool) {
+	if !d.Known() {
+		return e.vouch, false
+	}
+	cur := e.vouch
+	switch {
+	case cur == nil:
+	case cur.Digests == d:
+		return cur, false
+	case !d.FirstHand:
+		return cur, false
+	case cur.FirstHand:
+		if maker := v.byIndex[cur.node]; maker != nil && maker != n {
+			if _, held := v.holderAt(e, maker); held {
+				return cur, false
+			}
+		}
+	}
+	return &vouched{Digests: d, node: n.index}, true
 }
 
 // holding is one node's copy of a volume: the node by its index (no
@@ -382,6 +421,7 @@ type upsert struct {
 	props  string
 	scope  scopeCode
 	copies uint8
+	vouch  volume.Digests
 }
 
 func parseUpserts(in []Held) ([]upsert, error) {
@@ -417,7 +457,7 @@ func parseUpserts(in []Held) ([]upsert, error) {
 		if i > 0 {
 			from = ends[i-1]
 		}
-		out[i] = upsert{ref: h.Ref, parent: h.Parent, props: props[from:ends[i]], scope: scopeCode(scope), copies: uint8(h.Copies),
+		out[i] = upsert{ref: h.Ref, parent: h.Parent, props: props[from:ends[i]], scope: scopeCode(scope), copies: uint8(h.Copies), vouch: h.Vouch,
 			rec: record{size: h.SizeBytes, steps: h.StepVolumes, pinned: h.Pinned, state: stateCode(state)}}
 	}
 	return out, nil
@@ -545,6 +585,7 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 	if e.props != u.props { // equal ones stay in the handle's allocation
 		e.props = strings.Clone(u.props) // (not the whole report's)
 	}
+	e.vouch, _ = v.vouchAfter(e, n, u.vouch)
 	if u.copies > 0 && u.copies != e.copies { // a pulled copy's report leaves the capturing node's word
 		e.copies = u.copies
 		v.grant(e)
@@ -594,6 +635,9 @@ func (v *View) reportsWhatItHas(req Report, upserts []upsert) *nodeState {
 		}
 		named[e.id/64] |= 1 << (e.id % 64)
 		if rec, held := v.recordOf(e, n); !held || !rec.sameAs(u.rec) || !e.says(u) {
+			return nil
+		}
+		if _, changed := v.vouchAfter(e, n, u.vouch); changed {
 			return nil
 		}
 	}

@@ -99,7 +99,7 @@ func TestAFullReportChangingAnythingIsApplied(t *testing.T) {
 	base := func() []Held {
 		return []Held{
 			{Ref: ref("a"), State: volume.StateReady, SizeBytes: 10, Parent: ref("p"), Scope: volume.ScopeNamespace,
-				Properties: []Property{{"k", "v"}}, StepVolumes: 1, Pinned: true, Copies: 2},
+				Properties: []Property{{"k", "v"}}, StepVolumes: 1, Pinned: true, Copies: 2, Vouch: digests(1, true)},
 			{Ref: ref("b"), State: volume.StateCreating, SizeBytes: -1},
 		}
 	}
@@ -118,6 +118,8 @@ func TestAFullReportChangingAnythingIsApplied(t *testing.T) {
 		{"the parent", func(h []Held) []Held { h[0].Parent = ref("q"); return h }},
 		{"no parent", func(h []Held) []Held { h[0].Parent = volume.Ref{}; return h }},
 		{"the copies", func(h []Held) []Held { h[0].Copies = 3; return h }},
+		{"the digests", func(h []Held) []Held { h[0].Vouch = digests(2, true); return h }},
+		{"digests first known", func(h []Held) []Held { h[1].Vouch = digests(3, false); return h }},
 		{"one gone", func(h []Held) []Held { return h[:1] }},
 		{"one more", func(h []Held) []Held { return append(h, vol("c", "ready", 5)) }},
 		{"one named twice instead of another", func(h []Held) []Held { return []Held{h[0], h[0]} }},
@@ -591,4 +593,54 @@ func TestNodeTotalsFollowTheRecords(t *testing.T) {
 			require.Equal(t, want.states, n.states, "round %d, node %s", round, n.id)
 		}
 	}
+}
+
+// digests are a volume's, made up from one byte.
+func digests(b byte, firstHand bool) volume.Digests {
+	var d volume.Digests
+	d.Layer[0], d.View[0], d.View[1], d.FirstHand = b, b, 1, firstHand
+	return d
+}
+
+// A volume is vouched for by the node that made it: a pulled copy's
+// digests only while its maker's are unknown, the first said over a later
+// one that differs, and a maker's over a copy's; a maker that holds the
+// volume no more gives way to the next maker to report it.
+func TestVouchedDigests(t *testing.T) {
+	v := NewView(time.Minute, time.Hour)
+	now := time.Now()
+	report := func(node string, d volume.Digests, held bool) {
+		var upserts []Held
+		if held {
+			h := vol("a", "ready", 1)
+			h.Vouch = d
+			upserts = append(upserts, h)
+		}
+		_, err := v.Report(Report{NodeID: node, StoreID: node, Revision: 1, Full: true, Upserts: upserts}, now)
+		require.NoError(t, err)
+	}
+	vouched := func() volume.Digests {
+		locs := v.Lookup([]volume.Ref{ref("a")}, 0, now)
+		require.Len(t, locs, 1)
+		return locs[0].Vouch
+	}
+	want := func(b byte) volume.Digests { return digests(b, false) } // lookups say no hand
+
+	report("copy-1", volume.Digests{}, true)
+	require.False(t, vouched().Known(), "none said")
+	report("copy-1", digests(1, false), true)
+	require.Equal(t, want(1), vouched(), "a copy's, while no maker's is known")
+	report("copy-2", digests(2, false), true)
+	require.Equal(t, want(1), vouched(), "the first copy's, over a later one that differs")
+	report("maker", digests(3, true), true)
+	require.Equal(t, want(3), vouched(), "the maker's, over a copy's")
+	report("copy-2", digests(2, false), true)
+	report("liar", digests(4, true), true)
+	require.Equal(t, want(3), vouched(), "the first maker's, while it holds the volume")
+	report("maker", volume.Digests{}, true)
+	require.Equal(t, want(3), vouched(), "a report without digests changes nothing")
+	report("maker", volume.Digests{}, false)
+	require.Equal(t, want(3), vouched(), "kept once the maker holds it no more")
+	report("liar", digests(4, true), true)
+	require.Equal(t, want(4), vouched(), "the next maker's, once the first holds it no more")
 }
