@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/concourse/cowvol/pkg/controller/fleet"
+	"github.com/concourse/cowvol/pkg/controller/locality"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -153,6 +154,11 @@ type ControllerOptions struct {
 	// Copies bound the copies volumes are granted: the most nodes one is
 	// kept on, and each namespace's budget of extra copies.
 	Copies fleet.CopyLimits
+	// WebhookAddress is where the locality webhook is served over HTTPS,
+	// with the APIs' certificate (empty: none); LocalityRegistries are the
+	// hosts the nodes serve step images at, whose images are inputs too.
+	WebhookAddress     string
+	LocalityRegistries []string
 }
 
 // runsNode and runsController say which components a mode runs.
@@ -327,6 +333,17 @@ func (i *ImageOptions) AddFlags(fs *flag.FlagSet) {
 func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.APIAddress, "api-address", c.APIAddress,
 		"host:port to serve the Registry and Cache APIs on (plaintext on loopback only; else --tls-cert-file)")
+	fs.StringVar(&c.WebhookAddress, "webhook-address", c.WebhookAddress,
+		"host:port to serve the locality webhook on (HTTPS with --tls-cert-file, path "+locality.Path+"): a pod that names cowvol sources "+
+			"and no node of its own is given preferred node affinity toward the nodes that hold them (empty: none)")
+	fs.Func("locality-image-registry", "with --webhook-address: a host:port the nodes serve step images from volumes at (their --image-registry-address); "+
+		"a pod's image there counts as an input (repeat for several)", func(host string) error {
+		if _, _, err := net.SplitHostPort(host); err != nil {
+			return err
+		}
+		c.LocalityRegistries = append(c.LocalityRegistries, host)
+		return nil
+	})
 	fs.DurationVar(&c.StalledAfter, "stalled-after", c.StalledAfter,
 		"a node silent this long is stalled: left out of lookups and placement")
 	fs.DurationVar(&c.AwaitReportsFor, "await-reports-for", c.AwaitReportsFor,
@@ -562,6 +579,12 @@ func (c ControllerOptions) validate() []error {
 		}
 	} else if c.TokensFile == "" && !c.KubeAuth {
 		errs = append(errs, errors.New("serving the controller's APIs over TLS needs --tokens-file or --kube-auth: on the network only authenticated callers are served"))
+	}
+	if c.WebhookAddress != "" && (c.TLSCertFile == "" || c.APIAddress == "") {
+		errs = append(errs, errors.New("--webhook-address needs --api-address and --tls-cert-file: the API server calls a webhook over HTTPS only"))
+	}
+	if c.WebhookAddress == "" && len(c.LocalityRegistries) > 0 {
+		errs = append(errs, errors.New("--locality-image-registry needs --webhook-address"))
 	}
 	if c.KubeAuth && c.TokensFile != "" {
 		errs = append(errs, errors.New("--kube-auth and --tokens-file are two ways to authenticate callers: give one"))

@@ -17,9 +17,11 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"os"
+	"slices"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
@@ -32,15 +34,18 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/peerid"
+	"github.com/concourse/cowvol/internal/tlsfiles"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/controller/fleet"
+	"github.com/concourse/cowvol/pkg/controller/locality"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/registry"
 	"github.com/concourse/cowvol/pkg/report"
 	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
 )
 
 // Mode says which CSI services a plugin process serves.
@@ -64,6 +69,7 @@ type Driver struct {
 	// view is the controller's picture of the nodes' caches.
 	view       *fleet.View
 	ctlMetrics *fleet.Metrics
+	locality   *locality.Metrics
 	// fullReports admits nodes' whole inventories a few at a time, and
 	// messages the calls the controller reads at once.
 	fullReports *controller.FullReports
@@ -138,8 +144,9 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.readOrders = fleet.NewReadOrders(opts.Controller.ReadOrdersMemory)
 		d.fullReports = controller.NewFullReports(opts.Controller.FullReportsAtOnce)
 		d.messages = controller.NewMessages(controller.MessagesAtOnce)
-		d.metrics.registry.MustRegister(append(append(append(d.ctlMetrics.Collectors(), d.fullReports.Collectors()...),
-			d.messages.Collectors()...), d.readOrders)...)
+		d.locality = locality.NewMetrics()
+		d.metrics.registry.MustRegister(slices.Concat(d.ctlMetrics.Collectors(), d.fullReports.Collectors(),
+			d.messages.Collectors(), d.locality.Collectors(), []prometheus.Collector{d.readOrders})...)
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
@@ -523,7 +530,44 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 			return d.leader.elect(ctx, d.kube, d.opts.LeaderElection, d.tendView)
 		})
 	}
-	return []runner{apiRunner, loop}, nil
+	runners := []runner{apiRunner, loop}
+	if d.opts.Controller.WebhookAddress != "" {
+		webhook, err := d.localityRunner()
+		if err != nil {
+			return nil, err
+		}
+		runners = append(runners, webhook)
+	}
+	return runners, nil
+}
+
+// localityRunner serves the locality webhook over HTTPS, with the APIs'
+// certificate (renewed in its files, as theirs is): the API server calls
+// it through the controller's Service, which sends it to the leader. A
+// follower, or a leader whose view still settles, places no pod.
+func (d *Driver) localityRunner() (runner, error) {
+	pair, err := tlsfiles.NewKeyPair(d.opts.Controller.TLSCertFile, d.opts.Controller.TLSKeyFile)
+	if err != nil {
+		return runner{}, fmt.Errorf("serving the locality webhook: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle(locality.Path, locality.Handler(locality.Config{
+		Rank: func(inputs []volume.Ref, namespace string, limit int) []fleet.Placement {
+			return d.view.Place(inputs, func(ns string) bool { return ns == namespace }, limit, time.Now())
+		},
+		Ready:      func() bool { return d.leader.refuse(controllerv1.Cache_Place_FullMethodName) == nil },
+		Registries: d.opts.Controller.LocalityRegistries,
+		Metrics:    d.locality,
+	}))
+	// The API server gives a webhook seconds (the chart: 2) and retries
+	// nothing; a slow caller's connection goes.
+	srv := &http.Server{Handler: mux, TLSConfig: tlsfiles.ServerConfig(pair, nil), ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout: 10 * time.Second, WriteTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 64 << 10}
+	return logged(serverRunner("serving the locality webhook", tcpListener(d.opts.Controller.WebhookAddress),
+		func(lis net.Listener) error { return srv.ServeTLS(lis, "", "") },
+		func() { _ = srv.Close() }),
+		"Serving the locality webhook", "address", d.opts.Controller.WebhookAddress, "path", locality.Path,
+		"imageRegistries", d.opts.Controller.LocalityRegistries), nil
 }
 
 // copyPassEvery is how often the controller assigns copies.

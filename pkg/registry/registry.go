@@ -150,11 +150,8 @@ func (m *Metrics) Collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.requests, m.bytes, m.anonymous}
 }
 
-// Repository name components, as the distribution spec allows them.
-var (
-	component = regexp.MustCompile(`^[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*$`)
-	tagRE     = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$`)
-)
+// tagRE is a tag, as the distribution spec allows it.
+var tagRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$`)
 
 // repository is who reads which volume.
 type repository struct {
@@ -163,25 +160,8 @@ type repository struct {
 }
 
 func parseRepository(name string) (repository, error) {
-	parts := strings.Split(name, "/")
-	for _, p := range parts {
-		if !component.MatchString(p) {
-			return repository{}, fmt.Errorf("repository %s: want <namespace>/<handle> or <namespace>/<owner namespace>/<handle>, lower case", volume.Quote(name))
-		}
-	}
-	var repo repository
-	switch len(parts) {
-	case 2:
-		repo = repository{reader: parts[0], ref: volume.Ref{Namespace: parts[0], Handle: parts[1]}}
-	case 3:
-		repo = repository{reader: parts[0], ref: volume.Ref{Namespace: parts[1], Handle: parts[2]}}
-	default:
-		return repository{}, fmt.Errorf("repository %s: want <namespace>/<handle> or <namespace>/<owner namespace>/<handle>", volume.Quote(name))
-	}
-	if err := errors.Join(volume.ValidateNamespace(repo.reader), repo.ref.Validate()); err != nil {
-		return repository{}, err
-	}
-	return repo, nil
+	reader, ref, err := volume.ParseRepository(name)
+	return repository{reader: reader, ref: ref}, err
 }
 
 // apiError is an answer in the distribution spec's error form.

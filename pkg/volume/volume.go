@@ -388,3 +388,32 @@ type Digests struct {
 
 // Known says whether there are digests.
 func (d Digests) Known() bool { return d.View != Digest{} }
+
+// repositoryComponent is a component of an image repository's name, as
+// the distribution spec allows it.
+var repositoryComponent = regexp.MustCompile(`^[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*$`)
+
+// ParseRepository reads the name of a repository of a node's image
+// registry (docs/step-images.md): <namespace>/<handle>, a volume of the
+// reading pod's namespace, or <namespace>/<owner namespace>/<handle>, a
+// volume another namespace shared. reader is the pod's namespace.
+func ParseRepository(name string) (reader string, r Ref, err error) {
+	parts := strings.Split(name, "/")
+	for _, p := range parts {
+		if !repositoryComponent.MatchString(p) {
+			return "", Ref{}, fmt.Errorf("repository %s: want <namespace>/<handle> or <namespace>/<owner namespace>/<handle>, lower case", Quote(name))
+		}
+	}
+	switch len(parts) {
+	case 2:
+		reader, r = parts[0], Ref{Namespace: parts[0], Handle: parts[1]}
+	case 3:
+		reader, r = parts[0], Ref{Namespace: parts[1], Handle: parts[2]}
+	default:
+		return "", Ref{}, fmt.Errorf("repository %s: want <namespace>/<handle> or <namespace>/<owner namespace>/<handle>", Quote(name))
+	}
+	if err := errors.Join(ValidateNamespace(reader), r.Validate()); err != nil {
+		return "", Ref{}, err
+	}
+	return reader, r, nil
+}

@@ -345,6 +345,12 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 		"--service-cluster-ip-range=" + serviceCIDR,
 		"--kubelet-preferred-address-types=" + c.kubeletAddressTypes(),
 		"--allow-privileged=true", "--profiling=false"}
+	if c.lab != nil {
+		// The API server runs beside the nodes, not on one: no kube-proxy
+		// routes a Service's cluster IP for it. It calls webhooks (cowvol's
+		// locality webhook) at their Service's endpoints instead.
+		args = append(args, "--enable-aggregator-routing=true")
+	}
 	if c.lab == nil {
 		// From 1.37 the kubernetes Service's reconciler refuses a loopback
 		// advertise address; nothing on the one node reaches it through

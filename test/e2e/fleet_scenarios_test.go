@@ -579,3 +579,45 @@ func (f *fleet) fleetTenancy() {
 	}
 	report(t, "fleet: another namespace's pods on every node naming ci's private volume, as their own or as ci's, were answered as for a volume that does not exist\n")
 }
+
+// fleetLocality: in a namespace that opts in to the locality webhook, a
+// step pod that names its input and nothing of where to run (as a CI
+// engine that knows nothing of cowvol creates it) gets a preference for
+// the node holding the input from the controller, and kube-scheduler binds
+// it there, for an input on each of two nodes. With the webhook out of
+// reach, a pod is still created, unplaced.
+func (f *fleet) fleetLocality() {
+	t := f.t
+	const label = "cowvol.concourse-ci.org/locality"
+	f.mustKubectl("", "label", "namespace", "ci", label+"=enabled")
+	defer f.mustKubectl("", "label", "namespace", "ci", label+"-")
+	preferredNode := func(name string) string {
+		return f.mustKubectl("", "get", "pod", "-n", "ci", name, "-o",
+			"jsonpath={.spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[*].preference.matchFields[0].values[0]}")
+	}
+	read := `set -e; cat /in/where`
+	for _, node := range []string{"node-2", "node-3"} {
+		get, step, handle := "loc-get-"+node, "loc-step-"+node, "loc-"+node
+		f.createPodWith("ci", get, "echo "+node+" > /out/where", []podOpt{onNode(node)},
+			volume{name: "out", mountPath: "/out", attrs: attrs("capture", handle)})
+		f.mustSucceed("ci", get)
+		require.Empty(t, preferredNode(get), "a pod bound to its node is left as it is")
+		f.waitCapturedOn(node, "ci", handle)
+		f.createPodWith("ci", step, read, []podOpt{unbound()},
+			volume{name: "in", mountPath: "/in", attrs: attrs("source", handle), readOnly: true})
+		require.Equal(t, node+"\n", f.mustSucceed("ci", step))
+		require.Equal(t, node, preferredNode(step), "the webhook preferred the input's holder")
+		require.Equal(t, node, f.podOn("ci", step), "kube-scheduler bound the step next to its input")
+	}
+
+	// Out of reach (a port the Service does not have): the pod is created
+	// all the same, with no preference.
+	f.mustKubectl("", "patch", "mutatingwebhookconfiguration", "cowvol-locality", "--type=json",
+		"-p", `[{"op":"replace","path":"/webhooks/0/clientConfig/service/port","value":444}]`)
+	defer f.mustKubectl("", "patch", "mutatingwebhookconfiguration", "cowvol-locality", "--type=json",
+		"-p", `[{"op":"replace","path":"/webhooks/0/clientConfig/service/port","value":443}]`)
+	f.createPodWith("ci", "loc-unplaced", read, []podOpt{unbound()},
+		volume{name: "in", mountPath: "/in", attrs: attrs("source", "loc-node-2"), readOnly: true})
+	require.Equal(t, "node-2\n", f.mustSucceed("ci", "loc-unplaced"))
+	require.Empty(t, preferredNode("loc-unplaced"))
+}

@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -325,6 +326,7 @@ func TestFleet(t *testing.T) {
 	require.Equal(t, "node-2", f.podOn("ci", "client"))
 	f.scenario("install with the Helm chart", f.installCowvol)
 	f.scenario("placement, and an input across the bridge", f.fleetBuild)
+	f.scenario("pods no scheduler of ours placed land next to their inputs", f.fleetLocality)
 	f.scenario("a 1 GiB input across nodes, lazily and eagerly", f.fleetLargeInput)
 	f.scenario("step images across nodes", f.fleetStepImage)
 	f.scenario("the example scheduler's build", f.schedulerBuild)
@@ -368,6 +370,8 @@ func (f *fleet) installCowvol() {
 		"image":      map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
 		"controller": map[string]any{"hostNetwork": true},
 		"node":       map[string]any{"hostNetwork": true},
+		// The locality webhook, for namespaces that opt in (fleetLocality).
+		"locality": map[string]any{"enabled": true, "caBundle": base64.StdEncoding.EncodeToString(mustRead(t, ctl.CA))},
 		// Step images from volumes, served on each node's loopback; the
 		// kubelets have the credential provider (startKubeletOn).
 		"images": map[string]any{"registry": map[string]any{"enabled": true,
@@ -502,4 +506,12 @@ func (f *fleet) startedAfterBound(ns, name string) time.Duration {
 	started, err := time.Parse(time.RFC3339, fields[1])
 	require.NoError(f.t, err)
 	return started.Sub(bound)
+}
+
+// mustRead is a file's bytes.
+func mustRead(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	return b
 }
