@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -54,7 +55,22 @@ func (s *Store) sumsPath(r volume.Ref, layer string) string {
 // now from the layer and kept (once, whoever else asks meanwhile). The
 // layer must be held while they are computed.
 func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
-	path := s.sumsPath(v.Ref(), v.Layer)
+	return s.layerSums(v.Ref(), v.Layer)
+}
+
+// LayerSumsAt is LayerSums of the layer of r at dir, as a chain read
+// (ChainOf) named it: the layer it read, which a flatten since may have
+// replaced (held, it is not pruned).
+func (s *Store) LayerSumsAt(r volume.Ref, dir string) (filesum.Table, error) {
+	layer := filepath.Base(dir)
+	if s.LayerPath(r, layer) != dir {
+		return nil, fmt.Errorf("%s is not a layer of volume %s", dir, r)
+	}
+	return s.layerSums(r, layer)
+}
+
+func (s *Store) layerSums(r volume.Ref, layer string) (filesum.Table, error) {
+	path := s.sumsPath(r, layer)
 	if t, ok := s.sums.Get(path, time.Now()); ok {
 		return t, nil
 	}
@@ -64,21 +80,21 @@ func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
 			return t, nil
 		}
 		if !errors.Is(err, fs.ErrNotExist) {
-			klog.ErrorS(err, "A layer's file sums do not read whole; computing them again from the layer", "volume", v.Ref(), "layer", v.Layer)
+			klog.ErrorS(err, "A layer's file sums do not read whole; computing them again from the layer", "volume", r, "layer", layer)
 		}
 		start := time.Now()
 		// Not the asker's context: the sums are the layer's, kept for
 		// every later asker, whoever gave up meanwhile.
-		if t, err = filesum.OfTree(context.Background(), s.LayerPath(v.Ref(), v.Layer)); err != nil {
+		if t, err = filesum.OfTree(context.Background(), s.LayerPath(r, layer)); err != nil {
 			return nil, err
 		}
 		if err := t.WriteFile(path); err != nil {
 			// A full disk must not stop the node serving what it holds:
 			// the sums are kept in memory, and written by the next asker
 			// that computes them once these are forgotten.
-			klog.ErrorS(err, "Keeping a layer's file sums failed; they are kept in memory", "volume", v.Ref(), "layer", v.Layer)
+			klog.ErrorS(err, "Keeping a layer's file sums failed; they are kept in memory", "volume", r, "layer", layer)
 		}
-		klog.V(2).InfoS("Computed a layer's file sums", "volume", v.Ref(), "layer", v.Layer, "files", len(t), "duration", time.Since(start))
+		klog.V(2).InfoS("Computed a layer's file sums", "volume", r, "layer", layer, "files", len(t), "duration", time.Since(start))
 		return t, nil
 	})
 	if err != nil {

@@ -733,16 +733,14 @@ func (e *Engine) vouch(vol cache.Volume, own filesum.Table) error {
 			return err
 		}
 		defer release()
-		if refs[0] != vol.Ref() || len(refs) < 2 {
+		if refs[0] != vol.Ref() || dirs[0] != e.store.DataPath(vol) || len(refs) < 2 {
 			return fmt.Errorf("its chain changed meanwhile: %w", cache.ErrUnusable)
 		}
 		tables := []filesum.Table{own}
-		for _, r := range refs[1:] {
-			v, err := e.store.Get(r)
-			if err != nil {
-				return err
-			}
-			t, err := e.store.LayerSums(v)
+		for i, r := range refs[1:] {
+			// The layer the chain was read with: a flatten of r since
+			// made another, and the names walked are this one's.
+			t, err := e.store.LayerSumsAt(r, dirs[i+1])
 			if err != nil {
 				return fmt.Errorf("volume %s under it: %w", r, err)
 			}
