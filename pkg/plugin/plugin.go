@@ -555,6 +555,9 @@ func (d *Driver) localityRunner() (runner, error) {
 		Rank: func(inputs []volume.Ref, namespace string, limit int) []fleet.Placement {
 			return d.view.Place(inputs, func(ns string) bool { return ns == namespace }, limit, time.Now())
 		},
+		Making: func(inputs []volume.Ref, namespace string) []string {
+			return d.view.Making(inputs, func(ns string) bool { return ns == namespace }, time.Now())
+		},
 		Ready:      func() bool { return d.leader.refuse(controllerv1.Cache_Place_FullMethodName) == nil },
 		Registries: d.opts.Controller.LocalityRegistries,
 		Metrics:    d.locality,

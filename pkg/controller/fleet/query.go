@@ -187,6 +187,44 @@ func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, l
 	return out
 }
 
+// Making lists the live nodes that take captures and are making one of
+// inputs (a step there is writing it: the node holds it creating) while no
+// live node holds it ready: where a step that reads it should go, for the
+// volume will be there first. An input namespace may not see (visible
+// says which; a cluster-scoped one anyone may) is passed over. Sorted.
+func (v *View) Making(inputs []volume.Ref, visible func(namespace string) bool, now time.Time) []string {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	var out []string
+	for _, r := range inputs {
+		e := v.find(r)
+		if e == nil || (visible != nil && scopes[e.scope] != volume.ScopeCluster && !visible(r.Namespace)) {
+			continue
+		}
+		var makers []string
+		ready := false
+		for _, h := range e.holders {
+			n := v.byIndex[h.node]
+			if !v.live(n, now) || n.destroyed(e) {
+				continue
+			}
+			switch states[h.rec.state] {
+			case volume.StateReady:
+				ready = true
+			case volume.StateCreating:
+				if !n.over && v.lifecycle(n) == "" {
+					makers = append(makers, n.id)
+				}
+			}
+		}
+		if !ready {
+			out = append(out, makers...)
+		}
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
 // Entry is one cached volume across the live nodes.
 type Entry struct {
 	Ref       volume.Ref

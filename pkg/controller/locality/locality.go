@@ -60,6 +60,11 @@ type Config struct {
 	// Rank ranks the live nodes that take captures for a pod of namespace
 	// with inputs, best first (the fleet view's Place, for namespace).
 	Rank func(inputs []volume.Ref, namespace string, limit int) []fleet.Placement
+	// Making lists the nodes where a step is writing one of inputs that no
+	// node holds ready yet (the fleet view's Making, for namespace): a CI
+	// engine starts the next step the moment the last one ends, before
+	// its output is captured (nil: none are asked).
+	Making func(inputs []volume.Ref, namespace string) []string
 	// Ready says whether the view may rank (false: a follower, or a
 	// leader whose view still settles): otherwise pods pass unplaced.
 	Ready func() bool
@@ -137,7 +142,11 @@ func Review(cfg Config, req *admissionv1.AdmissionRequest) (*admissionv1.Admissi
 	case cfg.Ready != nil && !cfg.Ready():
 		return resp, ResultNotReady
 	}
-	terms := Preferences(cfg.Rank(inputs, namespace, 0))
+	var making []string
+	if cfg.Making != nil {
+		making = cfg.Making(inputs, namespace)
+	}
+	terms := Preferences(cfg.Rank(inputs, namespace, PreferredNodes), making)
 	if len(terms) == 0 {
 		return resp, ResultNoHolders
 	}
@@ -216,24 +225,41 @@ func Bound(pod *corev1.Pod) bool {
 }
 
 // Preferences are the node affinity terms that steer a pod to the nodes of
-// a ranking that hold any of its inputs, at most PreferredNodes, each
-// weighted by the bytes of its inputs it holds against the node that
+// a ranking that hold any of its inputs, and to those making one (weighted
+// 100: the input will be there first), at most PreferredNodes, each ranked
+// node weighted by the bytes of its inputs it holds against the node that
 // holds the most (100): kube-scheduler adds the weights of the terms a
 // node matches into its score. Nodes are matched by name: cowvol's node
 // IDs are Node names.
-func Preferences(ranking []fleet.Placement) []corev1.PreferredSchedulingTerm {
+func Preferences(ranking []fleet.Placement, making []string) []corev1.PreferredSchedulingTerm {
 	var most int64
 	for _, p := range ranking {
 		most = max(most, p.InputBytesHeld)
 	}
-	var terms []corev1.PreferredSchedulingTerm
-	for _, p := range ranking {
-		if p.InputBytesHeld <= 0 || len(terms) == PreferredNodes {
-			continue // the ranking is best first: holders of more come first
+	weights := map[string]int32{}
+	var order []string
+	prefer := func(node string, weight int32) {
+		if w, ok := weights[node]; ok {
+			weights[node] = max(w, weight)
+			return
 		}
-		weight := max(1, int32((100*p.InputBytesHeld+most/2)/most))
-		terms = append(terms, corev1.PreferredSchedulingTerm{Weight: weight, Preference: corev1.NodeSelectorTerm{
-			MatchFields: []corev1.NodeSelectorRequirement{{Key: "metadata.name", Operator: corev1.NodeSelectorOpIn, Values: []string{p.NodeID}}},
+		if len(order) < PreferredNodes {
+			weights[node] = weight
+			order = append(order, node)
+		}
+	}
+	for _, node := range making {
+		prefer(node, 100)
+	}
+	for _, p := range ranking {
+		if p.InputBytesHeld > 0 { // the ranking is best first: holders of more come first
+			prefer(p.NodeID, max(1, int32((100*p.InputBytesHeld+most/2)/most)))
+		}
+	}
+	terms := make([]corev1.PreferredSchedulingTerm, 0, len(order))
+	for _, node := range order {
+		terms = append(terms, corev1.PreferredSchedulingTerm{Weight: weights[node], Preference: corev1.NodeSelectorTerm{
+			MatchFields: []corev1.NodeSelectorRequirement{{Key: "metadata.name", Operator: corev1.NodeSelectorOpIn, Values: []string{node}}},
 		}})
 	}
 	return terms

@@ -38,9 +38,15 @@ func ready(ns, handle string, size int64, scope volume.Scope) fleet.Held {
 	return fleet.Held{Ref: volume.Ref{Namespace: ns, Handle: handle}, State: volume.StateReady, SizeBytes: size, Scope: scope}
 }
 
-func rankBy(v *fleet.View) func([]volume.Ref, string, int) []fleet.Placement {
-	return func(inputs []volume.Ref, namespace string, limit int) []fleet.Placement {
-		return v.Place(inputs, func(ns string) bool { return ns == namespace }, limit, time.Now())
+// configOf is the webhook's config over a view, as the controller makes it.
+func configOf(v *fleet.View) Config {
+	return Config{
+		Rank: func(inputs []volume.Ref, namespace string, limit int) []fleet.Placement {
+			return v.Place(inputs, func(ns string) bool { return ns == namespace }, limit, time.Now())
+		},
+		Making: func(inputs []volume.Ref, namespace string) []string {
+			return v.Making(inputs, func(ns string) bool { return ns == namespace }, time.Now())
+		},
 	}
 }
 
@@ -113,6 +119,9 @@ func TestReview(t *testing.T) {
 		"node-b": {ready("ci", "deps", 1<<30, ""), ready("shared", "tools", 2<<30, volume.ScopeCluster)},
 		"node-c": {ready("ci", "repo", 3<<30, ""), ready("ci", "deps", 1<<30, "")},
 		"node-d": {},
+		"node-e": {{Ref: volume.Ref{Namespace: "ci", Handle: "being-made"}, State: volume.StateCreating, SizeBytes: -1},
+			{Ref: volume.Ref{Namespace: "ci", Handle: "repo"}, State: volume.StateCreating, SizeBytes: -1},
+			{Ref: volume.Ref{Namespace: "other", Handle: "private-made"}, State: volume.StateCreating, SizeBytes: -1}},
 	})
 	ownAffinity := &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{
 		RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
@@ -187,6 +196,15 @@ func TestReview(t *testing.T) {
 		{name: "an image of another registry", pod: podWith(func(p *corev1.Pod) {
 			p.Spec.Containers[0].Image = "registry.example/ci/img:latest"
 		}), wantResult: ResultNoInputs},
+		{name: "an input a step is writing on a node, held ready nowhere: that node", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{source("made", "being-made"), source("deps", "deps")}
+		}), wantResult: ResultPreferred, want: []preference{{"node-e", 100}, {"node-b", 100}, {"node-c", 100}}},
+		{name: "an input being made on one node and ready on others: the ready ones", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{source("repo", "repo")}
+		}), wantResult: ResultPreferred, want: []preference{{"node-a", 100}, {"node-c", 100}}},
+		{name: "another namespace's private volume being made steers nothing", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{csiVolume("x", map[string]string{volume.AttrSource: "private-made", volume.AttrSourceNamespace: "other"})}
+		}), wantResult: ResultNoHolders},
 		{name: "inputs no live node holds", pod: podWith(func(p *corev1.Pod) {
 			p.Spec.Volumes = []corev1.Volume{source("gone", "gone")}
 		}), wantResult: ResultNoHolders},
@@ -214,7 +232,8 @@ func TestReview(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			isReady := tt.wantResult != ResultNotReady || tt.ready
-			cfg := Config{Rank: rankBy(view), Ready: func() bool { return isReady }, Registries: []string{registry}}
+			cfg := configOf(view)
+			cfg.Ready, cfg.Registries = func() bool { return isReady }, []string{registry}
 			resp, result := Review(cfg, requestFor(t, tt.pod))
 			require.True(t, resp.Allowed)
 			require.Equal(t, "uid-1", string(resp.UID))
@@ -237,7 +256,9 @@ func TestReview(t *testing.T) {
 func TestHandler(t *testing.T) {
 	view := fleetOf(t, map[string][]fleet.Held{"node-a": {ready("ci", "repo", 1<<20, "")}})
 	metrics := NewMetrics()
-	srv := httptest.NewServer(Handler(Config{Rank: rankBy(view), Metrics: metrics}))
+	cfg := configOf(view)
+	cfg.Metrics = metrics
+	srv := httptest.NewServer(Handler(cfg))
 	defer srv.Close()
 	post := func(body []byte) (*http.Response, *admissionv1.AdmissionReview) {
 		resp, err := http.Post(srv.URL+Path, "application/json", bytes.NewReader(body))
