@@ -235,3 +235,60 @@ func NewPKI(tb testing.TB, dir, dnsName string, ips ...string) PKI {
 	must(os.WriteFile(p.Key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600))
 	return p
 }
+
+// ClientCert writes to dir a client certificate (and its key) for
+// commonName in the groups orgs, signed by the PKI's CA: what a kubelet
+// presents as system:node:<name> in system:nodes.
+func (p PKI) ClientCert(tb testing.TB, dir, commonName string, orgs ...string) (cert, key string) {
+	tb.Helper()
+	must := func(err error) {
+		tb.Helper()
+		if err != nil {
+			tb.Fatal(err)
+		}
+	}
+	caCert, caKey := p.loadCA(tb)
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	must(err)
+	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
+	must(err)
+	tmpl := &x509.Certificate{SerialNumber: serial, Subject: pkix.Name{CommonName: commonName, Organization: orgs},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &k.PublicKey, caKey)
+	must(err)
+	keyDER, err := x509.MarshalECPrivateKey(k)
+	must(err)
+	must(os.MkdirAll(dir, 0o700))
+	cert, key = filepath.Join(dir, "client.crt"), filepath.Join(dir, "client.key")
+	must(os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600))
+	must(os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600))
+	return cert, key
+}
+
+// loadCA reads the PKI's CA and its key back.
+func (p PKI) loadCA(tb testing.TB) (*x509.Certificate, *ecdsa.PrivateKey) {
+	tb.Helper()
+	certPEM, err := os.ReadFile(p.CA)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	keyPEM, err := os.ReadFile(p.CAKey)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cb, _ := pem.Decode(certPEM)
+	kb, _ := pem.Decode(keyPEM)
+	if cb == nil || kb == nil {
+		tb.Fatalf("%s or %s is not PEM", p.CA, p.CAKey)
+	}
+	cert, err := x509.ParseCertificate(cb.Bytes)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	key, err := x509.ParseECPrivateKey(kb.Bytes)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return cert, key
+}

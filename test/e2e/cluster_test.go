@@ -69,7 +69,9 @@ type cluster struct {
 	work       string
 	bin        string
 	kubeconfig string
-	apiPort    int    // the API server's, on loopback
+	apiPort    int // the API server's, on loopback
+	// clientCA signs the kubelets' client certificates.
+	clientCA   netlab.PKI
 	containerd string // its socket
 	kubeletDir string
 	stateDir   string
@@ -331,6 +333,10 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 	writeFile(c.t, saKey, string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
 	tokens := filepath.Join(dir, "tokens.csv")
 	writeFile(c.t, tokens, adminToken+",admin,admin,system:masters\n")
+	// Each kubelet is itself, as in a real cluster: a client certificate
+	// for system:node:<name> in system:nodes (kubeletKubeconfig), which the
+	// Node authorizer and NodeRestriction hold to its own node and pods.
+	c.clientCA = netlab.NewPKI(c.t, filepath.Join(dir, "client-ca"), "cowvol e2e client CA")
 	etcdArgs := c.procs["etcd"].Cmd.Args
 	port := plugintest.FreePort(c.t)
 	c.apiPort = port
@@ -338,7 +344,8 @@ func (c *cluster) startAPIServer(serviceAccounts bool) {
 		"--etcd-servers=" + etcdArgs[len(etcdArgs)-1],
 		"--bind-address=" + c.apiHost(), "--advertise-address=" + c.apiHost(), "--secure-port=" + strconv.Itoa(port),
 		"--cert-dir=" + filepath.Join(dir, "certs"),
-		"--token-auth-file=" + tokens, "--authorization-mode=RBAC", // cowvol --kube-auth asks it
+		"--token-auth-file=" + tokens, "--client-ca-file=" + c.clientCA.CA,
+		"--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction", // cowvol --kube-auth asks it
 		"--service-account-issuer=https://localhost", "--service-account-key-file=" + saKey,
 		"--service-account-signing-key-file=" + saKey,
 		// Routed by kube-proxy on a fleet's nodes; never on the one node.
@@ -657,7 +664,7 @@ fileCheckFrequency: 2s
 # (KubeletCrashLoopBackOffMax, beta and on since 1.35).
 crashLoopBackOff: {maxContainerRestartPeriod: 10s}
 `, address, port, cmp.Or(n.cgroupRoot, "/"), containerd, filepath.Join(n.dir, "pod-logs")))
-	args := append([]string{filepath.Join(c.bin, "kubelet"), "--config=" + config, "--kubeconfig=" + c.kubeconfig,
+	args := append([]string{filepath.Join(c.bin, "kubelet"), "--config=" + config, "--kubeconfig=" + c.kubeletKubeconfig(n),
 		"--root-dir=" + kubeletDir, "--hostname-override=" + n.name, "--v=2"}, providerFlags...)
 	if nodeIP != "" {
 		args = append(args, nodeIP)
@@ -668,6 +675,28 @@ crashLoopBackOff: {maxContainerRestartPeriod: 10s}
 		return err == nil
 	})
 	return kubeletDir
+}
+
+// kubeletKubeconfig is the kubeconfig of a node's kubelet: the API
+// server, and the node's own client certificate (system:node:<name>).
+func (c *cluster) kubeletKubeconfig(n nodeHost) string {
+	dir := filepath.Join(n.dir, "kubelet-identity")
+	cert, key := c.clientCA.ClientCert(c.t, dir, "system:node:"+n.name, "system:nodes")
+	path := filepath.Join(dir, "kubeconfig")
+	writeFile(c.t, path, fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {server: "https://%s:%d", insecure-skip-tls-verify: true}
+users:
+- name: %s
+  user: {client-certificate: %q, client-key: %q}
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: %s}
+current-context: e2e
+`, c.apiHost(), c.apiPort, n.name, cert, key, n.name))
+	return path
 }
 
 // startPlugin runs cowvol's node plugin on the host, registered with the
@@ -709,13 +738,22 @@ func (c *cluster) startPlugin(extraArgs ...string) {
 	})
 }
 
-func (c *cluster) applyManifests() {
+// createStepNamespaces makes the namespaces steps run in, and the
+// ServiceAccount that step pods running images from the node's registry
+// run as (the kubelet pulls with a token of theirs; withAccount). They
+// enforce no Pod Security level: the harness's step pods share their
+// node's network (there is no pod network), which "baseline" forbids.
+func (c *cluster) createStepNamespaces(withAccount bool) {
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
-		// What step pods that run images from the node's registry run as:
-		// the kubelet pulls with a token of theirs.
-		c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", ns)
+		if withAccount {
+			c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", ns)
+		}
 	}
+}
+
+func (c *cluster) applyManifests() {
+	c.createStepNamespaces(true)
 	// What a user applies must be valid against this apiserver: the
 	// default install and the example overlay (with the registrar-less
 	// component), rendered by kubectl's own kustomize.

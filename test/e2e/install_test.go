@@ -315,9 +315,7 @@ func TestInstall(t *testing.T) {
 	c.waitInstalled("previous", byPlugin)
 	report(t, fmt.Sprintf("kubectl apply -k of an overlay (commit %.7s's image): the plugin registered through %s and the controller led in %s\n",
 		upgradeFrom, byPlugin, time.Since(start).Round(100*time.Millisecond)))
-	for _, ns := range []string{"ci", "other"} {
-		c.mustKubectl("", "create", "namespace", ns)
-	}
+	c.createStepNamespaces(false)
 	c.until("the namespaces' ServiceAccounts", 30*time.Second, func() bool {
 		_, err1 := c.kubectl("", "get", "serviceaccount", "default", "-n", "ci")
 		_, err2 := c.kubectl("", "get", "serviceaccount", "default", "-n", "other")
