@@ -45,6 +45,15 @@ REGISTRAR_BIN     := $(E2E_BIN)/registrar-$(REGISTRAR_VERSION)/csi-node-driver-r
 HELM_TOOLS := test/e2e/tools/helm
 HELM_BIN   := $(E2E_BIN)/helm/helm
 
+# Argo Workflows, for make cluster WITH=argo and the fleet's Argo scenario:
+# the workflow controller, the executor (argoexec) and the argo CLI (also
+# argo server), built from source in a tools module of their own; their
+# images are made from these binaries (hack/build-image) under the names
+# the release's manifests give them.
+ARGO_TOOLS   := test/e2e/tools/argo
+ARGO_VERSION := $(shell sed -n 's|^\tgithub.com/argoproj/argo-workflows/v3 \(v[^ ]*\).*|\1|p' $(ARGO_TOOLS)/go.mod)
+ARGO_BIN     := $(E2E_BIN)/argo-$(ARGO_VERSION)
+
 # Code generated from api/*.proto, with pinned generators (and protoc from
 # Debian's protobuf-compiler).
 PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
@@ -84,9 +93,10 @@ E2E_ENV = PATH=$(CURDIR)/$(RUNTIME_BIN):$$PATH \
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/report.txt \
 	COWVOL_CREDENTIAL_PROVIDER_BINARY=$(CURDIR)/$(PROVIDER) \
 	COWVOL_PLUGIN_IMAGE_TAR=$(CURDIR)/$(E2E_BIN)/plugin-image.tar COWVOL_E2E_KUBE_BIN=$(CURDIR)/$(K8S_BIN) \
-	COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) COWVOL_E2E_HELM_BINARY=$(CURDIR)/$(HELM_BIN)
+	COWVOL_E2E_REGISTRAR_BINARY=$(CURDIR)/$(REGISTRAR_BIN) COWVOL_E2E_HELM_BINARY=$(CURDIR)/$(HELM_BIN) \
+	COWVOL_E2E_ARGO_BIN=$(CURDIR)/$(ARGO_BIN)
 
-e2e-deps: build $(K8S_BIN)/kube-proxy $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN)
+e2e-deps: build $(K8S_BIN)/kube-proxy $(RUNTIME_BIN)/runc $(REGISTRAR_BIN) $(HELM_BIN) $(ARGO_BIN)/argo
 	test/e2e/install-deps.sh
 	$(MAKE) image VERSION=e2e IMAGE=cowvol.test/cowvol-plugin:e2e IMAGE_TAR=$(E2E_BIN)/plugin-image.tar
 
@@ -131,6 +141,28 @@ $(K8S_BIN)/kube-proxy: $(K8S_TOOLS)/go.mod
 
 $(HELM_BIN): $(HELM_TOOLS)/go.mod
 	cd $(HELM_TOOLS) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o $(CURDIR)/$@ helm.sh/helm/v3/cmd/helm
+
+# Built from a copy of the module's source (-modfile with a replace line),
+# mended where a module zip differs from the repository: the zip leaves
+# out symlinks, and the executor's signal_linux.go is one (to
+# signal_darwin.go), put back as a copy; and it has no built web UI (the
+# release builds it with yarn, which cannot run here), so a placeholder
+# page stands in and `argo server` serves its API and no web UI. The
+# release's manifests are kept beside the binaries.
+$(ARGO_BIN)/argo: $(ARGO_TOOLS)/go.mod
+	rm -rf $(ARGO_BIN) && mkdir -p $(ARGO_BIN)
+	cp -r "$$(cd $(ARGO_TOOLS) && $(GO) mod download github.com/argoproj/argo-workflows/v3 && $(GO) list -m -f '{{.Dir}}' github.com/argoproj/argo-workflows/v3)" $(ARGO_BIN)/src
+	chmod -R u+w $(ARGO_BIN)/src
+	cp $(ARGO_BIN)/src/workflow/executor/osspecific/signal_darwin.go $(ARGO_BIN)/src/workflow/executor/osspecific/signal_linux.go
+	mkdir -p $(ARGO_BIN)/src/ui/dist/app && echo 'No web UI was built into this argo server (cowvol e2e).' > $(ARGO_BIN)/src/ui/dist/app/index.html
+	cp $(ARGO_TOOLS)/go.mod $(ARGO_BIN)/build.mod && cp $(ARGO_TOOLS)/go.sum $(ARGO_BIN)/build.sum
+	cd $(ARGO_TOOLS) && $(GO) mod edit -modfile=$(CURDIR)/$(ARGO_BIN)/build.mod -replace github.com/argoproj/argo-workflows/v3=$(CURDIR)/$(ARGO_BIN)/src && \
+		CGO_ENABLED=0 $(GO) build -modfile=$(CURDIR)/$(ARGO_BIN)/build.mod -trimpath \
+		-ldflags '-s -w -X github.com/argoproj/argo-workflows/v3.version=$(ARGO_VERSION)' -o $(CURDIR)/$(ARGO_BIN)/ \
+		github.com/argoproj/argo-workflows/v3/cmd/workflow-controller github.com/argoproj/argo-workflows/v3/cmd/argoexec \
+		github.com/argoproj/argo-workflows/v3/cmd/argo
+	mv $(ARGO_BIN)/src/manifests $(ARGO_BIN)/manifests
+	rm -rf $(ARGO_BIN)/src $(ARGO_BIN)/build.mod $(ARGO_BIN)/build.sum
 
 $(REGISTRAR_BIN):
 	@test -f $(REGISTRAR_ARCHIVE) || { echo "no node-driver-registrar source at $(REGISTRAR_ARCHIVE): set THIRD_PARTY to the dir that holds node-driver-registrar/"; exit 1; }

@@ -131,10 +131,7 @@ func startFleet(t *testing.T, n int) *fleet {
 		out, err := c.kubectl("", "get", "nodes", "-o", `jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{" "}{end}`)
 		return err == nil && strings.Count(out, "True") == n
 	})
-	for _, ns := range []string{"ci", "other"} {
-		c.mustKubectl("", "create", "namespace", ns)
-		c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", ns)
-	}
+	c.createStepNamespaces(true)
 	c.until("the default ServiceAccounts", time.Minute, func() bool {
 		_, err := c.kubectl("", "get", "serviceaccount", "default", "-n", "ci")
 		return err == nil
@@ -327,6 +324,7 @@ func TestFleet(t *testing.T) {
 	f.scenario("install with the Helm chart", f.installCowvol)
 	f.scenario("placement, and an input across the bridge", f.fleetBuild)
 	f.scenario("pods no scheduler of ours placed land next to their inputs", f.fleetLocality)
+	f.scenario("Argo Workflows passes an output to the next step as a cowvol volume", f.fleetArgo)
 	f.scenario("a 1 GiB input across nodes, lazily and eagerly", f.fleetLargeInput)
 	f.scenario("step images across nodes", f.fleetStepImage)
 	f.scenario("the example scheduler's build", f.schedulerBuild)

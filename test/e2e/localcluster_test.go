@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -34,10 +35,21 @@ func TestLocalCluster(t *testing.T) {
 	require.GreaterOrEqual(t, nodes, 2, "NODES: the controller's two replicas need two nodes")
 	f := startFleet(t, nodes)
 	f.installCowvol()
+	with := ""
+	for _, extra := range strings.Fields(strings.ReplaceAll(os.Getenv("WITH"), ",", " ")) {
+		switch extra {
+		case "argo":
+			require.NotEmpty(t, argoBin(), "WITH=argo: Argo Workflows was not built (make cluster builds it)")
+			f.installArgo()
+			with += "; Argo Workflows " + argoVersion + " in namespace argo (its steps run in ci as ServiceAccount argo-steps, on their node's network: hostNetwork: true)"
+		default:
+			t.Fatalf("WITH=%s: make cluster can add argo", extra)
+		}
+	}
 	raw, err := os.ReadFile(f.kubeconfig)
 	require.NoError(t, err)
 	writeFile(t, filepath.Join(dir, "kubeconfig"), string(raw))
-	writeFile(t, filepath.Join(dir, "ready"), fmt.Sprintf("%d nodes; logs in %s\n", nodes, filepath.Join(f.work, "logs")))
+	writeFile(t, filepath.Join(dir, "ready"), fmt.Sprintf("%d nodes%s; logs in %s\n", nodes, with, filepath.Join(f.work, "logs")))
 	for {
 		if _, err := os.Stat(filepath.Join(dir, "down")); err == nil {
 			return
