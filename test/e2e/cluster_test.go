@@ -754,6 +754,10 @@ func (c *cluster) createStepNamespaces(withAccount bool) {
 
 func (c *cluster) applyManifests() {
 	c.createStepNamespaces(true)
+	// The image registry component's RBAC, as its install applies it: the
+	// kubelet, system:node:<name> under NodeRestriction, may ask for a
+	// pod's token for the registry's audience only with its grant.
+	c.mustKubectl("", "apply", "-f", "../../deploy/csi/components/image-registry/rbac.yaml")
 	// What a user applies must be valid against this apiserver: the
 	// default install and the example overlay (with the registrar-less
 	// component), rendered by kubectl's own kustomize.
