@@ -126,7 +126,7 @@ type entry struct {
 	// nodes past the first its namespace's budget gives it (copies.go).
 	copies, granted uint8
 	// vouch are the digests the volume is vouched for with (nil: none
-	// known): see takeVouch.
+	// known): see vouchAfter.
 	vouch *vouched
 }
 
