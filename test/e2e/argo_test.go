@@ -126,9 +126,7 @@ func (f *fleet) fleetArgo() {
 		return
 	}
 	f.installArgo()
-	const label = "cowvol.concourse-ci.org/locality"
-	f.mustKubectl("", "label", "namespace", "ci", label+"=enabled")
-	defer f.mustKubectl("", "label", "namespace", "ci", label+"-")
+	defer f.optInToLocality("ci")()
 	const name = "cowvol-dag"
 	f.mustKubectl(argoExample(t, name), "create", "-n", "ci", "-f", "-")
 	start := time.Now()
@@ -161,9 +159,7 @@ func (f *fleet) fleetArgo() {
 	// The first line is the step's; Argo's executor logs after it.
 	logs := f.mustKubectl("", "logs", "-n", "ci", podNames["consume"], "-c", "main")
 	require.True(t, strings.HasPrefix(logs, "made-by-argo\n"), "the consume step read the produce step's output: %q", logs)
-	preferred := f.mustKubectl("", "get", "pod", "-n", "ci", podNames["consume"], "-o",
-		"jsonpath={.spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[*].preference.matchFields[0].values[0]}")
-	require.Equal(t, nodes["produce"], preferred, "the locality webhook preferred the node that wrote the input")
+	require.Equal(t, nodes["produce"], f.preferredNodes("ci", podNames["consume"]), "the locality webhook preferred the node that wrote the input")
 	require.Equal(t, nodes["produce"], nodes["consume"], "the step reading the output ran where it was written")
 	report(t, fmt.Sprintf("fleet: Argo Workflows %s ran a 2-step DAG passing its output as a cowvol volume in %s; the reading step ran on the writer's node, %s, placed by the locality webhook\n",
 		argoVersion, took.Round(100*time.Millisecond), nodes["produce"]))

@@ -588,13 +588,8 @@ func (f *fleet) fleetTenancy() {
 // reach, a pod is still created, unplaced.
 func (f *fleet) fleetLocality() {
 	t := f.t
-	const label = "cowvol.concourse-ci.org/locality"
-	f.mustKubectl("", "label", "namespace", "ci", label+"=enabled")
-	defer f.mustKubectl("", "label", "namespace", "ci", label+"-")
-	preferredNode := func(name string) string {
-		return f.mustKubectl("", "get", "pod", "-n", "ci", name, "-o",
-			"jsonpath={.spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[*].preference.matchFields[0].values[0]}")
-	}
+	defer f.optInToLocality("ci")()
+	preferredNode := func(name string) string { return f.preferredNodes("ci", name) }
 	read := `set -e; cat /in/where`
 	for _, node := range []string{"node-2", "node-3"} {
 		get, step, handle := "loc-get-"+node, "loc-step-"+node, "loc-"+node
@@ -620,4 +615,19 @@ func (f *fleet) fleetLocality() {
 		volume{name: "in", mountPath: "/in", attrs: attrs("source", "loc-node-2"), readOnly: true})
 	require.Equal(t, "node-2\n", f.mustSucceed("ci", "loc-unplaced"))
 	require.Empty(t, preferredNode("loc-unplaced"))
+}
+
+// optInToLocality labels namespace ns for the locality webhook, and
+// returns what takes the label off.
+func (f *fleet) optInToLocality(ns string) func() {
+	const label = "cowvol.concourse-ci.org/locality"
+	f.mustKubectl("", "label", "namespace", ns, label+"=enabled")
+	return func() { f.mustKubectl("", "label", "namespace", ns, label+"-") }
+}
+
+// preferredNodes are the nodes a pod prefers by name (the terms the
+// locality webhook adds), space-separated.
+func (f *fleet) preferredNodes(ns, pod string) string {
+	return f.mustKubectl("", "get", "pod", "-n", ns, pod, "-o",
+		"jsonpath={.spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[*].preference.matchFields[0].values[0]}")
 }

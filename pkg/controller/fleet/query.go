@@ -161,7 +161,7 @@ func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, l
 	}
 	nodes := make([]ranked, 0, len(v.nodes))
 	for _, n := range v.nodes {
-		if !n.over && v.lifecycle(n) == "" && v.live(n, now) {
+		if v.placeable(n, now) {
 			nodes = append(nodes, ranked{n, bytes[n.index]})
 		}
 	}
@@ -185,6 +185,12 @@ func (v *View) Place(inputs []volume.Ref, visible func(namespace string) bool, l
 		}
 	}
 	return out
+}
+
+// placeable says whether a step may be placed on n at now: live, in
+// service and under its high watermark. The caller holds the lock.
+func (v *View) placeable(n *nodeState, now time.Time) bool {
+	return !n.over && v.lifecycle(n) == "" && v.live(n, now)
 }
 
 // Making lists the live nodes that take captures and are making one of
@@ -212,7 +218,7 @@ func (v *View) Making(inputs []volume.Ref, visible func(namespace string) bool, 
 			case volume.StateReady:
 				ready = true
 			case volume.StateCreating:
-				if !n.over && v.lifecycle(n) == "" {
+				if v.placeable(n, now) {
 					makers = append(makers, n.id)
 				}
 			}
