@@ -81,7 +81,7 @@ func run(opts plugin.Options) error {
 	if err != nil {
 		return err
 	}
-	d, err := plugin.New(opts, plugin.Deps{Mounter: overlay.NewSysMounter(), Kube: kube})
+	d, err := plugin.New(opts, plugin.Deps{Mounter: overlay.NewSysMounter(), Kube: kube.Client, Metadata: kube.Metadata})
 	if err != nil {
 		return err
 	}

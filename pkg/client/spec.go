@@ -63,6 +63,9 @@ type Output struct {
 	TTL time.Duration
 	// Copies keeps it on that many nodes (0: the node's default).
 	Copies int
+	// OwnedByController makes it belong to the object that controls the
+	// step's pod: the controller destroys it once that object is gone.
+	OwnedByController bool
 }
 
 // OutputVolume is the inline volume of an output, for a pod of
@@ -86,6 +89,9 @@ func OutputVolume(name string, o Output, podNamespace string) corev1.Volume {
 	}
 	if o.Copies > 0 {
 		attrs[volume.AttrCopies] = strconv.Itoa(o.Copies)
+	}
+	if o.OwnedByController {
+		attrs[volume.AttrOwner] = volume.OwnerController
 	}
 	return inline(name, attrs, false)
 }

@@ -89,7 +89,7 @@ func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	err = n.engine.Publish(node.PublishRequest{
 		VolumeID: req.GetVolumeId(), Target: tp, Source: vr.Source, Capture: vr.Capture, Scope: vr.Scope,
 		Properties: vr.Properties, ReadOnly: vr.ReadOnly, Pod: vr.Pod, SizeLimit: vr.SizeLimit, TTL: vr.TTL,
-		Copies: vr.Copies, ReadProfile: vr.ReadProfile,
+		Copies: vr.Copies, ReadProfile: vr.ReadProfile, OwnedByController: vr.OwnedByController,
 	})
 	if err != nil {
 		return nil, engineError(err)
@@ -147,7 +147,8 @@ func engineError(err error) error {
 	case errors.Is(err, cache.ErrUnusable), errors.Is(err, cache.ErrInUse),
 		errors.Is(err, cache.ErrHasChildren), errors.Is(err, cache.ErrWrongViewState),
 		errors.Is(err, target.ErrUnsafe), errors.Is(err, target.ErrGone),
-		errors.Is(err, node.ErrLimitsOff), errors.Is(err, node.ErrNotCowvols), errors.Is(err, overlay.ErrNotIdmappable):
+		errors.Is(err, node.ErrLimitsOff), errors.Is(err, node.ErrNotCowvols), errors.Is(err, overlay.ErrNotIdmappable),
+		errors.Is(err, node.ErrNoOwner):
 		code = codes.FailedPrecondition
 	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT), errors.Is(err, node.ErrNodeFull), errors.Is(err, node.ErrCopiesSpent):
 		code = codes.ResourceExhausted

@@ -27,6 +27,7 @@ const (
 	AttrCopies          = volume.AttrCopies
 	AttrPropertyPrefix  = volume.AttrPropertyPrefix
 	AttrReadProfile     = volume.AttrReadProfile
+	AttrOwner           = volume.AttrOwner
 )
 
 var kubeletKeys = map[string]bool{
@@ -34,7 +35,7 @@ var kubeletKeys = map[string]bool{
 	volume.KeyServiceAccount: true, volume.KeySATokens: true,
 }
 
-const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, readProfile, property.<key>"
+const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, owner, readProfile, property.<key>"
 
 // Limits on caller-chosen strings.
 const (
@@ -57,6 +58,9 @@ type volumeRequest struct {
 	ReadOnly   bool
 	// ReadProfile names the order the step reads its source in.
 	ReadProfile string
+	// OwnedByController: the captured volume belongs to the object that
+	// controls the pod.
+	OwnedByController bool
 }
 
 func invalid(format string, args ...any) error {
@@ -180,6 +184,11 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 				return r, invalid("attribute copies %s is invalid: want 1 to %d nodes", volume.Quote(v), volume.MaxCopies)
 			}
 			r.Copies = n
+		case k == AttrOwner:
+			if v != volume.OwnerController {
+				return r, invalid("attribute owner %s is invalid: want %s (the object that controls the pod)", volume.Quote(v), volume.OwnerController)
+			}
+			r.OwnedByController = true
 		case k == AttrReadProfile:
 			if err := volume.ValidateReadProfile(v); err != nil {
 				return r, invalid("attribute readProfile: %v", err)
@@ -207,8 +216,8 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	if len(r.Properties) > volume.MaxProperties {
 		return r, invalid("%d properties given: at most %d", len(r.Properties), volume.MaxProperties)
 	}
-	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0) {
-		return r, invalid("attributes scope, ttl, copies and property.* describe a captured volume: they need capture")
+	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0 || r.OwnedByController) {
+		return r, invalid("attributes scope, ttl, copies, owner and property.* describe a captured volume: they need capture")
 	}
 	if r.ReadProfile != "" && r.Source.IsZero() {
 		return r, invalid("attribute readProfile names the order the step reads its source in: it needs source")

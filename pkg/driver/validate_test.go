@@ -74,6 +74,12 @@ func TestParseVolumeContext(t *testing.T) {
 		{"more copies than allowed", kubeletContext("capture", "out", "copies", "6"), codes.InvalidArgument, "1 to 5", volumeRequest{}},
 		{"copies that are no number", kubeletContext("capture", "out", "copies", "two"), codes.InvalidArgument, "copies", volumeRequest{}},
 		{"copies without capture", kubeletContext("source", "in", "copies", "2"), codes.InvalidArgument, "need capture", volumeRequest{}},
+		{"capture owned by the pod's controller", kubeletContext("capture", "out", "owner", "controller"), codes.OK, "",
+			volumeRequest{Capture: "out", OwnedByController: true}},
+		{"an owner named by the pod", kubeletContext("capture", "out", "owner", "Workflow/other"), codes.InvalidArgument, "want controller", volumeRequest{}},
+		{"owner without capture", kubeletContext("source", "in", "owner", "controller"), codes.InvalidArgument, "need capture", volumeRequest{}},
+		{"owner's properties set by the pod", kubeletContext("capture", "out", "property."+volume.PropertyOwnerUID, "6f1c4d1e-8a55-4c43-9a3e-1d2b3c4d5e6f"),
+			codes.InvalidArgument, "reserved", volumeRequest{}},
 		{"bad size limit", kubeletContext("sizeLimit", "lots"), codes.InvalidArgument, "sizeLimit", volumeRequest{}},
 		{"zero size limit", kubeletContext("sizeLimit", "0"), codes.InvalidArgument, "positive", volumeRequest{}},
 		{"negative size limit", kubeletContext("sizeLimit", "-1Gi"), codes.InvalidArgument, "positive", volumeRequest{}},
@@ -142,7 +148,7 @@ func TestClientVolumesParse(t *testing.T) {
 		client.Input("in", res, "ci"),
 		client.Input("shared", volume.Ref{Namespace: "platform", Handle: "tools"}, "ci"),
 		client.OutputVolume("out", client.Output{Capture: "out", Source: &res, Shared: true,
-			Properties: map[string]string{"k": "v"}, SizeLimit: 1 << 30, TTL: time.Hour, Copies: 3}, "ci"),
+			Properties: map[string]string{"k": "v"}, SizeLimit: 1 << 30, TTL: time.Hour, Copies: 3, OwnedByController: true}, "ci"),
 		client.TaskCache("cache", &res, "cache-2", "ci"),
 	} {
 		vc := kubeletContext()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -22,11 +23,18 @@ type Pods interface {
 	// StepResult says how the pod's containers ended; false when that
 	// cannot be told (the pod is gone, or its status never settled).
 	StepResult(ctx context.Context, pod volume.Pod) (volume.StepResult, bool)
+	// Controller is the object that controls the pod (its owner reference
+	// with controller: true), false if none does.
+	Controller(ctx context.Context, pod volume.Pod) (volume.Owner, bool, error)
 }
 
 // ErrPodUnknown: the API server could not say what the engine needs to
 // know of a step's pod (retryable).
 var ErrPodUnknown = errors.New("the pod could not be read from the API server")
+
+// ErrNoOwner: a volume asked to belong to its pod's controller, and the pod
+// has none (or there is no API server to ask).
+var ErrNoOwner = errors.New("the pod has no controller to own the captured volume")
 
 // podTimeout bounds a question to the API server on a publish's path.
 const podTimeout = 10 * time.Second
@@ -47,6 +55,33 @@ func (e *Engine) userNamespace(r PublishRequest) (bool, error) {
 		return false, fmt.Errorf("pod %s: %w: %w", klog.KRef(pod.Namespace, pod.Name), ErrPodUnknown, err)
 	}
 	return userns, nil
+}
+
+// ownerProperties are a publish's properties with, for a volume owned by
+// its pod's controller, those recording that owner.
+func (e *Engine) ownerProperties(r PublishRequest) (map[string]string, error) {
+	if !r.OwnedByController {
+		return r.Properties, nil
+	}
+	if e.pods == nil {
+		return nil, fmt.Errorf("owner: controller needs the plugin to reach the API server: %w", ErrNoOwner)
+	}
+	ctx, cancel := context.WithTimeout(e.bgCtx, podTimeout)
+	defer cancel()
+	owner, ok, err := e.pods.Controller(ctx, r.Pod)
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("pod %s: %w: %w", klog.KRef(r.Pod.Namespace, r.Pod.Name), ErrPodUnknown, err)
+	case !ok:
+		return nil, fmt.Errorf("pod %s asks with owner: controller: %w (no ownerReference with controller: true)",
+			klog.KRef(r.Pod.Namespace, r.Pod.Name), ErrNoOwner)
+	}
+	props := maps.Clone(r.Properties)
+	if props == nil {
+		props = map[string]string{}
+	}
+	maps.Copy(props, owner.Properties())
+	return props, nil
 }
 
 // stepResult is the property saying how a capture's step ended, if that

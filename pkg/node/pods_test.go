@@ -18,12 +18,20 @@ import (
 )
 
 // fakePods answers for pods as the API server would: which run in a user
-// namespace of their own, and how their steps ended.
+// namespace of their own, how their steps ended, and what controls them.
 type fakePods struct {
 	mu      sync.Mutex
 	userns  map[string]bool
 	results map[string]volume.StepResult
+	owners  map[string]volume.Owner
 	fail    error
+}
+
+func (p *fakePods) Controller(_ context.Context, pod volume.Pod) (volume.Owner, bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	o, ok := p.owners[pod.Name]
+	return o, ok, p.fail
 }
 
 func (p *fakePods) UserNamespace(_ context.Context, pod volume.Pod) (bool, error) {
@@ -49,7 +57,7 @@ func (p *fakePods) set(pod string, userns bool, result volume.StepResult) {
 }
 
 func newPodsFixture(t *testing.T, stateDir string) (*fixture, *fakePods) {
-	pods := &fakePods{userns: map[string]bool{}, results: map[string]volume.StepResult{}}
+	pods := &fakePods{userns: map[string]bool{}, results: map[string]volume.StepResult{}, owners: map[string]volume.Owner{}}
 	f := newFixtureWith(t, stateDir, func(c *Config) { c.Pods = pods })
 	return f, pods
 }
@@ -143,4 +151,42 @@ func TestUserNamespaceViewsWithoutClones(t *testing.T) {
 	pods.fail = errors.New("connection refused")
 	err = f.publish(f.volume("ci", "res", ""))
 	require.ErrorIs(t, err, ErrPodUnknown)
+}
+
+// A volume captured with owner: controller records the object that
+// controls its pod, read at publish while the pod surely exists; a pod
+// that no object controls is refused before anything is reserved, and an
+// API server that cannot answer is retried.
+func TestOwnedByController(t *testing.T) {
+	f, pods := newPodsFixture(t, t.TempDir())
+	wf := volume.Owner{Group: "argoproj.io", Kind: "Workflow", Name: "build-x7k2p", UID: "6f1c4d1e-8a55-4c43-9a3e-1d2b3c4d5e6f"}
+
+	out := f.volume("ci", "", "owned")
+	out.OwnedByController = true
+	out.Properties = map[string]string{"job": "unit"}
+	pods.owners[out.Pod.Name] = wf
+	require.NoError(t, f.publish(out))
+	require.NoError(t, f.publish(out), "a publish again is the same publish")
+	require.NoError(t, f.unpublish(out))
+	vol, err := f.store.Get(ref("ci", "owned"))
+	require.NoError(t, err)
+	require.Equal(t, "Workflow.argoproj.io/build-x7k2p", vol.Properties[volume.PropertyOwner])
+	require.Equal(t, "unit", vol.Properties["job"], "the step's own properties stay")
+	got, ok := volume.OwnerOf(vol.Properties)
+	require.True(t, ok)
+	require.Equal(t, wf, got)
+
+	orphan := f.volume("ci", "", "orphan")
+	orphan.OwnedByController = true
+	require.ErrorIs(t, f.publish(orphan), ErrNoOwner)
+	_, err = f.store.Get(ref("ci", "orphan"))
+	require.ErrorIs(t, err, cache.ErrNotFound, "nothing left reserved")
+
+	pods.fail = errors.New("connection refused")
+	require.ErrorIs(t, f.publish(orphan), ErrPodUnknown)
+
+	noAPI := newFixture(t)
+	unowned := noAPI.volume("ci", "", "owned")
+	unowned.OwnedByController = true
+	require.ErrorIs(t, noAPI.publish(unowned), ErrNoOwner, "without an API server nothing can say what owns a pod")
 }

@@ -44,6 +44,10 @@ type PublishRequest struct {
 	// its source in: recorded where the source is pulled lazily, and the
 	// order the next lazy pull under that name fetches in.
 	ReadProfile string
+	// OwnedByController: the captured volume belongs to the object that
+	// controls the pod, and goes when that object does (recorded in its
+	// properties at publish, while the pod surely exists).
+	OwnedByController bool
 }
 
 // Publish makes a step volume and mounts it at its target: a new one, the
@@ -67,6 +71,9 @@ func (e *Engine) Publish(r PublishRequest) error {
 	}
 	userns, err := e.userNamespace(r)
 	if err != nil {
+		return err
+	}
+	if r.Properties, err = e.ownerProperties(r); err != nil {
 		return err
 	}
 	release, err := e.lock(r.VolumeID)

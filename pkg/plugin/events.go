@@ -10,6 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -31,7 +32,7 @@ const eventQueue = 256
 // KubeClient connects to the API server through kubeconfig, or in-cluster
 // when it is empty and the plugin runs in a pod; otherwise it returns nil:
 // no API server is configured.
-func KubeClient(kubeconfig string) (kubernetes.Interface, error) {
+func KubeClient(kubeconfig string) (Kube, error) {
 	var cfg *rest.Config
 	var err error
 	switch {
@@ -40,12 +41,27 @@ func KubeClient(kubeconfig string) (kubernetes.Interface, error) {
 	case os.Getenv("KUBERNETES_SERVICE_HOST") != "":
 		cfg, err = rest.InClusterConfig()
 	default:
-		return nil, nil
+		return Kube{}, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("configuring the API client: %w", err)
+		return Kube{}, fmt.Errorf("configuring the API client: %w", err)
 	}
-	return kubernetes.NewForConfig(cfg)
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return Kube{}, err
+	}
+	meta, err := metadata.NewForConfig(cfg)
+	if err != nil {
+		return Kube{}, err
+	}
+	return Kube{Client: client, Metadata: meta}, nil
+}
+
+// Kube are the clients of the API server (none: no API server).
+type Kube struct {
+	Client kubernetes.Interface
+	// Metadata reads any kind's names and UIDs (owners of volumes).
+	Metadata metadata.Interface
 }
 
 func newKubeEvents(client kubernetes.Interface, driver, node string) *kubeEvents {

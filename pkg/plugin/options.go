@@ -159,6 +159,9 @@ type ControllerOptions struct {
 	// hosts the nodes serve step images at, whose images are inputs too.
 	WebhookAddress     string
 	LocalityRegistries []string
+	// OwnerSweepEvery is how often the controller destroys the volumes
+	// whose owner (owner: controller) is gone (0: never).
+	OwnerSweepEvery time.Duration
 }
 
 // runsNode and runsController say which components a mode runs.
@@ -181,7 +184,7 @@ func Defaults() Options {
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
 			Copies:          fleet.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
-			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
+			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20, OwnerSweepEvery: time.Minute},
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
@@ -336,6 +339,9 @@ func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.WebhookAddress, "webhook-address", c.WebhookAddress,
 		"host:port to serve the locality webhook on (HTTPS with --tls-cert-file, path "+locality.Path+"): a pod that names cowvol sources "+
 			"and no node of its own is given preferred node affinity toward the nodes that hold them (empty: none)")
+	fs.DurationVar(&c.OwnerSweepEvery, "owner-sweep-interval", c.OwnerSweepEvery,
+		"how often to destroy the cached volumes captured with owner: controller whose owner (the object that controlled their step's pod) "+
+			"is gone, listing each kind of owner once (needs an API server, and RBAC to list those kinds; 0: never)")
 	fs.Func("locality-image-registry", "with --webhook-address: a host:port the nodes serve step images from volumes at (their --image-registry-address); "+
 		"a pod's image there counts as an input (repeat for several)", func(host string) error {
 		if _, _, err := net.SplitHostPort(host); err != nil {
@@ -582,6 +588,9 @@ func (c ControllerOptions) validate() []error {
 	}
 	if c.WebhookAddress != "" && (c.TLSCertFile == "" || c.APIAddress == "") {
 		errs = append(errs, errors.New("--webhook-address needs --api-address and --tls-cert-file: the API server calls a webhook over HTTPS only"))
+	}
+	if c.OwnerSweepEvery < 0 {
+		errs = append(errs, errors.New("--owner-sweep-interval must not be negative"))
 	}
 	if c.WebhookAddress == "" && len(c.LocalityRegistries) > 0 {
 		errs = append(errs, errors.New("--locality-image-registry needs --webhook-address"))

@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
@@ -39,6 +40,7 @@ import (
 	"github.com/concourse/cowvol/pkg/controller"
 	"github.com/concourse/cowvol/pkg/controller/fleet"
 	"github.com/concourse/cowvol/pkg/controller/locality"
+	"github.com/concourse/cowvol/pkg/controller/owners"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/node"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -70,6 +72,8 @@ type Driver struct {
 	view       *fleet.View
 	ctlMetrics *fleet.Metrics
 	locality   *locality.Metrics
+	// owners destroys the volumes whose owner is gone (nil: no sweep).
+	owners *owners.Collector
 	// fullReports admits nodes' whole inventories a few at a time, and
 	// messages the calls the controller reads at once.
 	fullReports *controller.FullReports
@@ -104,6 +108,9 @@ type Deps struct {
 	Mounter overlay.Mounter
 	// Kube reaches the API server; nil when none is configured.
 	Kube kubernetes.Interface
+	// Metadata reads any kind's metadata from the same API server (the
+	// controller's owner sweep; nil: no sweep).
+	Metadata metadata.Interface
 }
 
 // New builds a driver. In node mode it opens the state dir, picks the COW
@@ -145,8 +152,12 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		d.fullReports = controller.NewFullReports(opts.Controller.FullReportsAtOnce)
 		d.messages = controller.NewMessages(controller.MessagesAtOnce)
 		d.locality = locality.NewMetrics()
+		ownerMetrics := owners.NewMetrics()
 		d.metrics.registry.MustRegister(slices.Concat(d.ctlMetrics.Collectors(), d.fullReports.Collectors(),
-			d.messages.Collectors(), d.locality.Collectors(), []prometheus.Collector{d.readOrders})...)
+			d.messages.Collectors(), d.locality.Collectors(), ownerMetrics.Collectors(), []prometheus.Collector{d.readOrders})...)
+		if deps.Kube != nil && deps.Metadata != nil && opts.Controller.OwnerSweepEvery > 0 {
+			d.owners = owners.New(d.view, newKubeOwners(deps.Metadata, deps.Kube.Discovery()), ownerMetrics)
+		}
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {
 			d.nodeEvents = events
@@ -578,12 +589,16 @@ const copyPassEvery = time.Second
 
 // tendView is what the controller (the leader, where it elects one) does
 // of its own: it tells of stalled nodes and forgets those stalled long
-// ago, and has nodes copy the volumes that lack copies.
+// ago, has nodes copy the volumes that lack copies, and destroys those
+// whose owner is gone.
 func (d *Driver) tendView(ctx context.Context) {
 	tick := time.NewTicker(d.opts.Controller.StalledAfter)
 	defer tick.Stop()
 	copyPass := time.NewTicker(copyPassEvery)
 	defer copyPass.Stop()
+	if d.owners != nil {
+		go d.owners.Run(ctx, d.opts.Controller.OwnerSweepEvery)
+	}
 	for {
 		select {
 		case <-ctx.Done():

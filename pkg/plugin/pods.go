@@ -9,6 +9,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -67,6 +68,32 @@ func (k *kubePods) UserNamespace(ctx context.Context, pod volume.Pod) (bool, err
 		return false, fmt.Errorf("reading pod %s (uid %s): %w", klog.KRef(pod.Namespace, pod.Name), pod.UID, err)
 	}
 	return p.Spec.HostUsers != nil && !*p.Spec.HostUsers, nil
+}
+
+// Controller implements node.Pods.
+func (k *kubePods) Controller(ctx context.Context, pod volume.Pod) (volume.Owner, bool, error) {
+	p, err := k.get(ctx, pod, false)
+	if err != nil {
+		return volume.Owner{}, false, fmt.Errorf("reading pod %s (uid %s): %w", klog.KRef(pod.Namespace, pod.Name), pod.UID, err)
+	}
+	return controllerOf(p)
+}
+
+// controllerOf is the object that controls a pod, as an Owner, if one does.
+func controllerOf(p *corev1.Pod) (volume.Owner, bool, error) {
+	ref := metav1.GetControllerOf(p)
+	if ref == nil {
+		return volume.Owner{}, false, nil
+	}
+	gv, err := schema.ParseGroupVersion(ref.APIVersion)
+	if err != nil {
+		return volume.Owner{}, false, fmt.Errorf("pod %s: its controller's apiVersion: %w", klog.KObj(p), err)
+	}
+	o := volume.Owner{Group: gv.Group, Kind: ref.Kind, Name: ref.Name, UID: string(ref.UID)}
+	if err := o.Validate(); err != nil {
+		return volume.Owner{}, false, fmt.Errorf("pod %s: its controller: %w", klog.KObj(p), err)
+	}
+	return o, true, nil
 }
 
 // StepResult implements node.Pods: it waits (up to settleWait) for the

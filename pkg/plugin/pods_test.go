@@ -137,3 +137,39 @@ func TestKubePodsStepResultWaitsForTheStatus(t *testing.T) {
 	_, ok = pods.StepResult(ctx, volume.Pod{Namespace: "ci", Name: "step", UID: "other"})
 	require.False(t, ok, "another pod's status says nothing of this one's step")
 }
+
+func TestControllerOf(t *testing.T) {
+	const uid = "6f1c4d1e-8a55-4c43-9a3e-1d2b3c4d5e6f"
+	ref := func(apiVersion, kind, name string, controller bool) metav1.OwnerReference {
+		return metav1.OwnerReference{APIVersion: apiVersion, Kind: kind, Name: name, UID: uid, Controller: ptr.To(controller)}
+	}
+	tests := []struct {
+		name    string
+		refs    []metav1.OwnerReference
+		want    volume.Owner
+		wantOK  bool
+		wantErr bool
+	}{
+		{name: "no owner"},
+		{name: "owners, none controlling", refs: []metav1.OwnerReference{ref("argoproj.io/v1alpha1", "Workflow", "wf", false)}},
+		{name: "an Argo workflow", refs: []metav1.OwnerReference{ref("v1", "ConfigMap", "cm", false), ref("argoproj.io/v1alpha1", "Workflow", "wf", true)},
+			want: volume.Owner{Group: "argoproj.io", Kind: "Workflow", Name: "wf", UID: uid}, wantOK: true},
+		{name: "the core group", refs: []metav1.OwnerReference{ref("v1", "ReplicationController", "rc", true)},
+			want: volume.Owner{Kind: "ReplicationController", Name: "rc", UID: uid}, wantOK: true},
+		{name: "a malformed apiVersion", refs: []metav1.OwnerReference{ref("a/b/c", "Workflow", "wf", true)}, wantErr: true},
+		{name: "a kind with a dot", refs: []metav1.OwnerReference{ref("example.com/v1", "Work.flow", "wf", true)}, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "step", Namespace: "ci", OwnerReferences: tt.refs}}
+			got, ok, err := controllerOf(pod)
+			if tt.wantErr {
+				require.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tt.wantOK, ok)
+			require.Equal(t, tt.want, got)
+		})
+	}
+}

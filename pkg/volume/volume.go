@@ -36,6 +36,12 @@ const (
 	// the files in that order: a scheduler names it after the job, the
 	// step and the input ("pipeline/job/step/input").
 	AttrReadProfile = "readProfile"
+	// AttrOwner makes the captured volume belong to an object: its only
+	// value, OwnerController, names the object that controls the step's
+	// pod (an Argo Workflow, a Tekton TaskRun, a Job), and the controller
+	// destroys the volume once that object is gone.
+	AttrOwner       = "owner"
+	OwnerController = "controller"
 )
 
 // Keys the kubelet adds to an inline volume's context when the CSIDriver
@@ -59,6 +65,15 @@ const (
 	// ended: one of the StepResult values. It is missing where that could
 	// not be told (no API server, or the pod was gone).
 	PropertyStepResult = ReservedPropertyPrefix + "step-result"
+	// PropertyOwner names the object a volume captured with owner:
+	// controller belongs to, as kubectl names one (Kind.group/name, in the
+	// volume's namespace), and PropertyOwnerUID is that object's UID: an
+	// object of the same name and another UID is another object.
+	PropertyOwner    = ReservedPropertyPrefix + "owner"
+	PropertyOwnerUID = ReservedPropertyPrefix + "owner-uid"
+	// reservedProperties is how many of the above a volume may carry on
+	// top of MaxProperties of its own.
+	reservedProperties = 3
 )
 
 // StepResult is how a step pod's containers ended.
@@ -341,10 +356,11 @@ func ValidateUserProperty(key, value string) error {
 	return ValidateProperty(key, value)
 }
 
-// ValidateProperties checks a volume's properties.
+// ValidateProperties checks a volume's properties: a step's own, and
+// cowvol's.
 func ValidateProperties(props map[string]string) error {
-	if len(props) > MaxProperties {
-		return fmt.Errorf("%d properties given: at most %d", len(props), MaxProperties)
+	if len(props) > MaxProperties+reservedProperties {
+		return fmt.Errorf("%d properties given: at most %d", len(props), MaxProperties+reservedProperties)
 	}
 	for k, v := range props {
 		if err := ValidateProperty(k, v); err != nil {

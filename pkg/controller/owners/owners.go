@@ -1,0 +1,160 @@
+// Package owners collects the cached volumes whose owner is gone. A volume
+// captured with owner: controller records the object that controlled its
+// step's pod (an Argo Workflow, a Tekton TaskRun, a Job); once the API
+// server says that object no longer exists, or exists under another UID
+// (deleted and made again), the controller destroys the volume on every
+// node, as Kubernetes' garbage collector deletes an object's dependents.
+//
+// It reads the fleet's view and asks the API server through Objects; it
+// never touches a node's store or the view's internals, and it destroys
+// nothing on an answer that is not a definite "gone".
+package owners
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/controller/fleet"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// Objects answers which owners still exist.
+type Objects interface {
+	// Live lists the UIDs of every object of a kind that exists now (a
+	// read as recent as the API server's store). An error says it could
+	// not tell (a kind the API server does not serve, no permission, no
+	// answer).
+	Live(ctx context.Context, k Kind) (map[string]bool, error)
+}
+
+// Kind is an owner's API group and kind.
+type Kind struct{ Group, Kind string }
+
+// View is what the collector needs of the fleet's view.
+type View interface {
+	List(q fleet.ListQuery, now time.Time) ([]fleet.Location, bool, error)
+	Destroy(refs []volume.Ref) []fleet.VolumeNodes
+}
+
+// Collector destroys the volumes whose owner is gone.
+type Collector struct {
+	view    View
+	objects Objects
+	metrics *Metrics
+	// page is how many volumes a listing of the view reads under its
+	// lock at once.
+	page int
+}
+
+// New makes a collector over view, asking objects.
+func New(view View, objects Objects, metrics *Metrics) *Collector {
+	return &Collector{view: view, objects: objects, metrics: metrics, page: 1000}
+}
+
+// Sweep checks the owner of every owned volume the live nodes hold, with
+// one listing of each kind of owner, and destroys the volumes of those that
+// are gone. A volume still being captured, or pinned, is left for a later
+// sweep (a pin keeps a volume whatever happens to its owner, as it does
+// past its TTL). It says how many volumes it destroyed.
+//
+// The view is read before the owners are listed: an owner of a volume the
+// view holds existed before the listing began (its pod's publish read it),
+// so one missing from the listing is gone, not yet to come.
+func (c *Collector) Sweep(ctx context.Context) (int, error) {
+	owned := map[Kind]map[volume.Owner][]volume.Ref{}
+	q := fleet.ListQuery{Selector: volume.PropertyOwnerUID, Limit: c.page}
+	for {
+		page, more, err := c.view.List(q, time.Now())
+		if err != nil {
+			return 0, err
+		}
+		for _, loc := range page {
+			o, ok := volume.OwnerOf(loc.Properties)
+			if !ok || loc.Pinned || loc.State == volume.StateCreating {
+				continue
+			}
+			k := Kind{Group: o.Group, Kind: o.Kind}
+			if owned[k] == nil {
+				owned[k] = map[volume.Owner][]volume.Ref{}
+			}
+			owned[k][o] = append(owned[k][o], loc.Ref)
+		}
+		if !more || len(page) == 0 {
+			break
+		}
+		q.After = page[len(page)-1].Ref.String()
+	}
+	destroyed := 0
+	for k, owners := range owned {
+		live, err := c.objects.Live(ctx, k)
+		if err != nil {
+			if ctx.Err() != nil {
+				return destroyed, ctx.Err()
+			}
+			c.metrics.checks.WithLabelValues("unknown").Add(float64(len(owners)))
+			klog.V(2).InfoS("Cannot list the owners of cached volumes: keeping the volumes", "group", k.Group, "kind", k.Kind,
+				"owners", len(owners), "err", err)
+			continue
+		}
+		for o, refs := range owners {
+			if live[o.UID] {
+				c.metrics.checked("present")
+				continue
+			}
+			c.metrics.checked("gone")
+			c.view.Destroy(refs)
+			destroyed += len(refs)
+			c.metrics.destroyed.Add(float64(len(refs)))
+			klog.InfoS("The owner of cached volumes is gone: destroying them on every node", "namespace", refs[0].Namespace,
+				"owner", o.String(), "uid", o.UID, "volumes", refs)
+		}
+	}
+	return destroyed, nil
+}
+
+// Run sweeps every interval until ctx ends.
+func (c *Collector) Run(ctx context.Context, every time.Duration) {
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if _, err := c.Sweep(ctx); err != nil && !errors.Is(err, context.Canceled) {
+			klog.ErrorS(err, "Collecting the cached volumes whose owner is gone")
+		}
+	}
+}
+
+// Metrics count the owners checked and the volumes destroyed.
+type Metrics struct {
+	checks    *prometheus.CounterVec
+	destroyed prometheus.Counter
+}
+
+// NewMetrics makes the collector's metrics.
+func NewMetrics() *Metrics {
+	return &Metrics{
+		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_controller_owner_checks_total",
+			Help: "Owners of cached volumes (owner: controller) the controller asked the API server about, by result: present, gone (their volumes were destroyed), unknown (the API server could not tell: the volumes are kept).",
+		}, []string{"result"}),
+		destroyed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_controller_owner_volumes_destroyed_total",
+			Help: "Cached volumes the controller destroyed because their owner was gone.",
+		}),
+	}
+}
+
+func (m *Metrics) checked(result string) { m.checks.WithLabelValues(result).Inc() }
+
+// Collectors are the metrics to register.
+func (m *Metrics) Collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.checks, m.destroyed}
+}
