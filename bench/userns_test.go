@@ -24,6 +24,9 @@ func (usernsPods) UserNamespace(_ context.Context, p volume.Pod) (bool, error) {
 	return strings.HasPrefix(p.Name, "userns-"), nil
 }
 func (usernsPods) StepResult(context.Context, volume.Pod) (volume.StepResult, bool) { return "", false }
+func (usernsPods) Controller(context.Context, volume.Pod) (volume.Owner, bool, error) {
+	return volume.Owner{}, false, nil
+}
 
 // engineNode is a node engine in process: the plugin binary learns which
 // pods have user namespaces from an API server, which this bench has not.

@@ -113,8 +113,8 @@ func TestKubectlCowvol(t *testing.T) {
 	require.Equal(t, "repo-v1", listed.Items[0].Handle)
 
 	table := must("volumes", "-n", "ci", "-l", "kind=build")
-	require.Regexp(t, `(?m)^NAMESPACE\s+HANDLE\s+STATE\s+STEP\s+SIZE\s+SCOPE\s+PARENT\s+NODES\s+IN USE ON\s+PROPERTIES$`, table)
-	require.Regexp(t, `(?m)^ci\s+built\s+ready\s+<unknown>\s+\S+\s+namespace\s+ci/repo-v1\s+node-a\s+<none>\s+kind=build$`, table)
+	require.Regexp(t, `(?m)^NAMESPACE\s+HANDLE\s+STATE\s+STEP\s+SIZE\s+SCOPE\s+PARENT\s+OWNER\s+NODES\s+IN USE ON\s+PROPERTIES$`, table)
+	require.Regexp(t, `(?m)^ci\s+built\s+ready\s+<unknown>\s+\S+\s+namespace\s+ci/repo-v1\s+<none>\s+node-a\s+<none>\s+kind=build$`, table)
 	require.NotRegexp(t, `(?m)^ci\s+repo-v1\s`, table, "the selector leaves repo-v1 out")
 	require.Contains(t, must("volumes", "-n", "other"), "NAMESPACE", "an empty namespace lists nothing, with a header")
 

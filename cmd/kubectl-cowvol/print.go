@@ -113,7 +113,10 @@ type Volume struct {
 	State     string `json:"state"`
 	// StepResult is how the step it was captured from ended (the
 	// property cowvol.concourse-ci.org/step-result), if that is known.
-	StepResult string            `json:"stepResult,omitempty"`
+	StepResult string `json:"stepResult,omitempty"`
+	// Owner is the object it belongs to (captured with owner:
+	// controller), as kubectl names one: Kind.group/name.
+	Owner      string            `json:"owner,omitempty"`
 	SizeBytes  int64             `json:"sizeBytes"`
 	Scope      string            `json:"scope"`
 	Parent     string            `json:"parent,omitempty"`
@@ -130,7 +133,8 @@ func volumeRows(in []*controllerv1.VolumeLocation) volumeTable {
 	for _, l := range in {
 		v := Volume{Namespace: l.GetRef().GetNamespace(), Handle: l.GetRef().GetHandle(), State: l.GetState(),
 			SizeBytes: l.GetSizeBytes(), Scope: l.GetScope(), Properties: l.GetProperties(), Nodes: l.GetNodes(),
-			InUseOn: l.GetPublishedNodes(), Pinned: l.GetPinned(), StepResult: l.GetProperties()[volume.PropertyStepResult]}
+			InUseOn: l.GetPublishedNodes(), Pinned: l.GetPinned(), StepResult: l.GetProperties()[volume.PropertyStepResult],
+			Owner: l.GetProperties()[volume.PropertyOwner]}
 		if p := l.GetParent(); p.GetHandle() != "" {
 			v.Parent = p.GetNamespace() + "/" + p.GetHandle()
 		}
@@ -143,7 +147,7 @@ func volumeRows(in []*controllerv1.VolumeLocation) volumeTable {
 }
 
 func (t volumeTable) header() []string {
-	return []string{"NAMESPACE", "HANDLE", "STATE", "STEP", "SIZE", "SCOPE", "PARENT", "NODES", "IN USE ON", "PROPERTIES"}
+	return []string{"NAMESPACE", "HANDLE", "STATE", "STEP", "SIZE", "SCOPE", "PARENT", "OWNER", "NODES", "IN USE ON", "PROPERTIES"}
 }
 func (t volumeTable) items() any { return []Volume(t) }
 func (t volumeTable) cells() [][]string {
@@ -151,7 +155,9 @@ func (t volumeTable) cells() [][]string {
 	for _, v := range t {
 		var props []string
 		for k, val := range v.Properties {
-			if k != volume.PropertyStepResult { // its own column
+			switch k {
+			case volume.PropertyStepResult, volume.PropertyOwner, volume.PropertyOwnerUID: // their own columns (the UID in -o json)
+			default:
 				props = append(props, k+"="+val)
 			}
 		}
@@ -168,7 +174,11 @@ func (t volumeTable) cells() [][]string {
 		if step == "" {
 			step = "<unknown>"
 		}
-		out = append(out, []string{v.Namespace, v.Handle, state, step, bytes(v.SizeBytes), v.Scope, parent, list(v.Nodes),
+		owner := v.Owner
+		if owner == "" {
+			owner = "<none>"
+		}
+		out = append(out, []string{v.Namespace, v.Handle, state, step, bytes(v.SizeBytes), v.Scope, parent, owner, list(v.Nodes),
 			list(v.InUseOn), list(props)})
 	}
 	return out

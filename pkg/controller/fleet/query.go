@@ -412,3 +412,49 @@ func (v *View) List(q ListQuery, now time.Time) (out []Location, more bool, err 
 	}
 	return out, more, nil
 }
+
+// Owned is a volume that belongs to an owner (owner: controller), as the
+// live nodes hold it.
+type Owned struct {
+	Ref   volume.Ref
+	Owner volume.Owner
+	// State is the best state a live node holds it in; Pinned, whether
+	// one has it pinned.
+	State  volume.State
+	Pinned bool
+}
+
+// Owned lists the owned volumes some live node holds, in (namespace,
+// handle) order after the volume ID after (all for ""), walking at most
+// scan entries under the view's lock, so that a sweep of a big view never
+// holds writers up for long: next is the volume ID the next call resumes
+// after ("" once every entry was walked). An entry whose properties do
+// not name the owner's UID key is passed over without being decoded.
+func (v *View) Owned(after string, scan int, now time.Time) (out []Owned, next string) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	f := v.flags(now)
+	walked := 0
+	stopped := ascend(v.ordered, "", after, func(e *entry) bool {
+		if walked == scan {
+			return false
+		}
+		walked++
+		next = e.ref.String()
+		if !strings.Contains(e.props, volume.PropertyOwnerUID) {
+			return true
+		}
+		o, ok := volume.OwnerOf(e.properties())
+		if !ok {
+			return true
+		}
+		if loc := v.location(e, 1, f); loc.Found {
+			out = append(out, Owned{Ref: e.ref, Owner: o, State: loc.State, Pinned: loc.Pinned})
+		}
+		return true
+	})
+	if !stopped {
+		next = ""
+	}
+	return out, next
+}

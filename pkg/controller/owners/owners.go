@@ -36,7 +36,7 @@ type Kind struct{ Group, Kind string }
 
 // View is what the collector needs of the fleet's view.
 type View interface {
-	List(q fleet.ListQuery, now time.Time) ([]fleet.Location, bool, error)
+	Owned(after string, scan int, now time.Time) ([]fleet.Owned, string)
 	Destroy(refs []volume.Ref) []fleet.VolumeNodes
 }
 
@@ -45,14 +45,14 @@ type Collector struct {
 	view    View
 	objects Objects
 	metrics *Metrics
-	// page is how many volumes a listing of the view reads under its
+	// scan is how many of the view's volumes a sweep walks under its
 	// lock at once.
-	page int
+	scan int
 }
 
 // New makes a collector over view, asking objects.
 func New(view View, objects Objects, metrics *Metrics) *Collector {
-	return &Collector{view: view, objects: objects, metrics: metrics, page: 1000}
+	return &Collector{view: view, objects: objects, metrics: metrics, scan: 10000}
 }
 
 // Sweep checks the owner of every owned volume the live nodes hold, with
@@ -66,27 +66,25 @@ func New(view View, objects Objects, metrics *Metrics) *Collector {
 // so one missing from the listing is gone, not yet to come.
 func (c *Collector) Sweep(ctx context.Context) (int, error) {
 	owned := map[Kind]map[volume.Owner][]volume.Ref{}
-	q := fleet.ListQuery{Selector: volume.PropertyOwnerUID, Limit: c.page}
-	for {
-		page, more, err := c.view.List(q, time.Now())
-		if err != nil {
-			return 0, err
-		}
-		for _, loc := range page {
-			o, ok := volume.OwnerOf(loc.Properties)
-			if !ok || loc.Pinned || loc.State == volume.StateCreating {
+	for after := ""; ; {
+		page, next := c.view.Owned(after, c.scan, time.Now())
+		for _, vol := range page {
+			if vol.Pinned || vol.State == volume.StateCreating {
 				continue
 			}
-			k := Kind{Group: o.Group, Kind: o.Kind}
+			k := Kind{Group: vol.Owner.Group, Kind: vol.Owner.Kind}
 			if owned[k] == nil {
 				owned[k] = map[volume.Owner][]volume.Ref{}
 			}
-			owned[k][o] = append(owned[k][o], loc.Ref)
+			owned[k][vol.Owner] = append(owned[k][vol.Owner], vol.Ref)
 		}
-		if !more || len(page) == 0 {
+		if next == "" {
 			break
 		}
-		q.After = page[len(page)-1].Ref.String()
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+		after = next
 	}
 	destroyed := 0
 	for k, owners := range owned {

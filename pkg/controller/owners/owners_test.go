@@ -87,7 +87,7 @@ func TestSweep(t *testing.T) {
 	}
 	m := NewMetrics()
 	c := New(v, objects, m)
-	c.page = 2 // several pages
+	c.scan = 2 // several walks
 	n, err := c.Sweep(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 3, n)
