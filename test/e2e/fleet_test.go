@@ -324,7 +324,7 @@ func TestFleet(t *testing.T) {
 	f.scenario("install with the Helm chart", f.installCowvol)
 	f.scenario("placement, and an input across the bridge", f.fleetBuild)
 	f.scenario("pods no scheduler of ours placed land next to their inputs", f.fleetLocality)
-	f.scenario("Argo Workflows passes an output to the next step as a cowvol volume", f.fleetArgo)
+	f.scenario("Argo Workflows builds with cowvol volumes", f.fleetArgo)
 	f.scenario("a 1 GiB input across nodes, lazily and eagerly", f.fleetLargeInput)
 	f.scenario("step images across nodes", f.fleetStepImage)
 	f.scenario("the example scheduler's build", f.schedulerBuild)
@@ -365,8 +365,9 @@ func (f *fleet) installCowvol() {
 	view := fleetView(f.work)
 	f.helmValues = map[string]any{
 		"kubeletDir": filepath.Join(view, "kubelet"), "stateDir": filepath.Join(view, "cowvol"),
-		"image":      map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
-		"controller": map[string]any{"hostNetwork": true},
+		"image": map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
+		// A deleted Workflow's volumes go within seconds (fleetArgo).
+		"controller": map[string]any{"hostNetwork": true, "ownerSweep": map[string]any{"interval": "3s"}},
 		"node":       map[string]any{"hostNetwork": true},
 		// The locality webhook, for namespaces that opt in (fleetLocality).
 		"locality": map[string]any{"enabled": true, "caBundle": base64.StdEncoding.EncodeToString(mustRead(t, ctl.CA))},
