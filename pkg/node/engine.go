@@ -17,6 +17,7 @@
 package node
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -81,7 +82,15 @@ type Config struct {
 	Pulls *pull.Config
 	// Pods answers what the API server knows of step pods (nil: none).
 	Pods Pods
+	// CaptureWait is how long a publish waits for its source, a step's
+	// output on this node still being captured, to be ready before it
+	// answers Unavailable (0: DefaultCaptureWait).
+	CaptureWait time.Duration
 }
+
+// DefaultCaptureWait is as long as a publish waits for a pull (the kubelet's
+// call has two minutes).
+const DefaultCaptureWait = 20 * time.Second
 
 // DefaultWatermarks bound a state dir's fill where none are configured.
 var DefaultWatermarks = Watermarks{High: 90, Low: 80, Grace: 5 * time.Minute}
@@ -93,6 +102,7 @@ const bootIDPath = "/proc/sys/kernel/random/boot_id"
 type Engine struct {
 	// summing admits one layer's file sums computed at a time (sumLayer).
 	summing      chan struct{}
+	captureWait  time.Duration
 	nodeID       string
 	flattenDepth int
 	store        *cache.Store
@@ -209,7 +219,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Engine{
-		nodeID: cfg.NodeID, flattenDepth: cfg.FlattenDepth,
+		nodeID: cfg.NodeID, flattenDepth: cfg.FlattenDepth, captureWait: cmp.Or(cfg.CaptureWait, DefaultCaptureWait),
 		store: store, mounter: m, backend: backend, idmapBackend: idmapBackend, pods: cfg.Pods, events: events,
 		layout: target.Layout{KubeletDir: cfg.KubeletDir}, allowSetuid: cfg.AllowSetuid,
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,

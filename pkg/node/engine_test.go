@@ -472,3 +472,39 @@ func TestPublishRecordsItsMountAfterwards(t *testing.T) {
 	_, err = f.store.Get(ref("ci", "out"))
 	require.NoError(t, err, "captured once cowvol's own mount was on top again")
 }
+
+// A publish whose source is a step's output on this node still being
+// captured waits for the capture (a CI engine creates the next step the
+// moment the last one's containers end, before the kubelet tears its
+// volumes down), and answers Unavailable only once the wait is over; a
+// source another namespace is writing is answered at once, as one that
+// does not exist.
+func TestPublishWaitsForACapture(t *testing.T) {
+	f := newFixtureWith(t, t.TempDir(), func(c *Config) { c.CaptureWait = 2 * time.Second })
+	out := f.volume("ci", "", "out")
+	require.NoError(t, f.publish(out))
+	require.NoError(t, os.WriteFile(filepath.Join(out.Target.Full, "made"), []byte("by the last step"), 0o644))
+
+	next := f.volume("ci", "out", "")
+	published := make(chan error, 1)
+	start := time.Now()
+	go func() { published <- f.publish(next) }()
+	time.Sleep(300 * time.Millisecond)
+	require.NoError(t, f.unpublish(out), "the last step's volume torn down: its capture")
+	require.NoError(t, <-published, "the next step waited for its source")
+	require.GreaterOrEqual(t, time.Since(start), 300*time.Millisecond)
+	got, err := os.ReadFile(filepath.Join(next.Target.Full, "made"))
+	require.NoError(t, err)
+	require.Equal(t, "by the last step", string(got))
+
+	running := f.volume("ci", "", "running")
+	require.NoError(t, f.publish(running))
+	start = time.Now()
+	require.ErrorIs(t, f.publish(f.volume("ci", "running", "")), cache.ErrNotReady, "a step still running: Unavailable, after the wait")
+	require.GreaterOrEqual(t, time.Since(start), 2*time.Second)
+	other := f.volume("other", "", "")
+	other.Source = volume.Ref{Namespace: "ci", Handle: "running"} // sourceNamespace: ci
+	start = time.Now()
+	require.ErrorIs(t, f.publish(other), cache.ErrNotFound)
+	require.Less(t, time.Since(start), time.Second, "another namespace's output is not waited for")
+}

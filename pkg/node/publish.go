@@ -64,8 +64,9 @@ func (e *Engine) Publish(r PublishRequest) error {
 	if err := e.refuseIfOutOfService(r); err != nil {
 		return err
 	}
-	// Outside the volume's lock: a pull takes long, and the kubelet's
-	// retries must see its progress, not a busy volume.
+	// Outside the volume's lock: a pull or a capture takes long, and the
+	// kubelet's retries must see its progress, not a busy volume.
+	e.awaitCapture(r)
 	if err := e.ensureSource(r); err != nil {
 		return err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/pull"
@@ -35,6 +36,35 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	}
 	return e.puller.Ensure(context.Background(), r.Pod.Namespace, r.Source, r.Pod, r.ReadProfile)
 }
+
+// awaitCapture waits, up to the engine's captureWait, while a publish's
+// source is a step's output on this node still being captured. A CI
+// engine creates the next step the moment the last one's containers end,
+// a moment before the kubelet tears its volumes down and the capture
+// runs; answering that publish Unavailable would cost the step the
+// kubelet's retry backoff, which doubles to two minutes. A source no step
+// has finished yet (its step still runs) is waited for as long, and then
+// answered as before.
+func (e *Engine) awaitCapture(r PublishRequest) {
+	if r.Source.IsZero() {
+		return
+	}
+	deadline := time.Now().Add(e.captureWait)
+	for {
+		v, err := e.store.Get(r.Source)
+		if err != nil || !v.ReadableBy(r.Pod.Namespace) || v.State != volume.StateCreating || !time.Now().Before(deadline) {
+			return
+		}
+		select {
+		case <-e.bgCtx.Done():
+			return
+		case <-time.After(captureWaitPoll):
+		}
+	}
+}
+
+// captureWaitPoll is how often awaitCapture reads the source's state.
+const captureWaitPoll = 50 * time.Millisecond
 
 // Fetch brings a volume namespace may read here for a reader that needs
 // need of it rather than a step's view of it (the image registry), pulled
