@@ -163,7 +163,8 @@ func (f *fleet) argoPods(workflow string) map[string]argoPod {
 					Name  string `json:"name"`
 					State struct {
 						Terminated *struct {
-							StartedAt time.Time `json:"startedAt"`
+							StartedAt  time.Time `json:"startedAt"`
+							FinishedAt time.Time `json:"finishedAt"`
 						} `json:"terminated"`
 					} `json:"state"`
 				} `json:"containerStatuses"`
@@ -175,11 +176,20 @@ func (f *fleet) argoPods(workflow string) map[string]argoPod {
 	for _, p := range pods.Items {
 		step := strings.TrimPrefix(p.Metadata.Annotations["workflows.argoproj.io/node-name"], workflow+".")
 		pod := argoPod{name: p.Metadata.Name, node: p.Spec.NodeName, step: step}
+		// Where the rest of a step's time goes (logged): its step's end, and
+		// the end of Argo's wait container, which reports its outputs.
+		ended := map[string]string{}
 		for _, c := range p.Status.ContainerStatuses {
-			if c.Name == "main" && c.State.Terminated != nil {
+			if c.State.Terminated == nil {
+				continue
+			}
+			if c.Name == "main" {
 				pod.handoff = c.State.Terminated.StartedAt.Sub(p.Metadata.Created)
 			}
+			ended[c.Name] = c.State.Terminated.FinishedAt.Sub(p.Metadata.Created).String()
 		}
+		f.t.Logf("Argo step %s: pod %s on %s, created %s; its step started %s later; containers ended after %v",
+			step, pod.name, pod.node, p.Metadata.Created.Format(time.TimeOnly), pod.handoff, ended)
 		out[step] = pod
 	}
 	return out
