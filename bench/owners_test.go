@@ -21,6 +21,9 @@ type liveWorkflows map[string]bool
 
 func (l liveWorkflows) Live(context.Context, owners.Kind) (map[string]bool, error) { return l, nil }
 
+// OwnerGone: the bench's Events go nowhere (the plugin queues them).
+func (liveWorkflows) OwnerGone(string, volume.Owner, []volume.Ref) {}
+
 // BenchmarkOwnerSweep is what the controller's owner sweep costs on a
 // 1,000-node view (the API server's listing taken as free): one sweep
 // that finds the gone workflows' volumes, against the comparator, a
@@ -63,7 +66,7 @@ func BenchmarkOwnerSweep(b *testing.B) {
 		timed := timedView{View: view, longest: &longest}
 		runtime.GC() // the reports' garbage, before either is timed
 		start := time.Now()
-		destroyed, err := owners.New(timed, live, owners.NewMetrics()).Sweep(context.Background())
+		destroyed, err := owners.New(timed, live, live, owners.NewMetrics()).Sweep(context.Background())
 		sweep := time.Since(start)
 		if err != nil || destroyed != owned/10 {
 			b.Fatalf("sweep: %d destroyed, want %d: %v", destroyed, owned/10, err)

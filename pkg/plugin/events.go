@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -98,10 +99,17 @@ func (noNodeEvents) NodeEventOn(string, string, string, string) {}
 // NodeEventOn implements controller.NodeEvents: an event on a Node object
 // (its UID is its name, as the kubelet records node events).
 func (k *kubeEvents) NodeEventOn(node, eventType, reason, message string) {
+	k.ObjectEvent(corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: node, UID: types.UID(node)}, eventType, reason, message)
+}
+
+// ObjectEvent is an event on any object, in its namespace (a cluster-scoped
+// one's in default, as the kubelet files node events).
+func (k *kubeEvents) ObjectEvent(obj corev1.ObjectReference, eventType, reason, message string) {
 	now := metav1.NewTime(time.Now())
+	ns := cmp.Or(obj.Namespace, metav1.NamespaceDefault)
 	ev := &corev1.Event{
-		ObjectMeta:     metav1.ObjectMeta{GenerateName: node + ".", Namespace: metav1.NamespaceDefault},
-		InvolvedObject: corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: node, UID: types.UID(node)},
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: obj.Name + ".", Namespace: ns},
+		InvolvedObject: obj,
 		Type:           eventType, Reason: reason, Message: message,
 		Source:         corev1.EventSource{Component: "cowvol", Host: k.node},
 		FirstTimestamp: now, LastTimestamp: now, Count: 1,

@@ -155,8 +155,9 @@ func New(opts Options, deps Deps) (*Driver, error) {
 		ownerMetrics := owners.NewMetrics()
 		d.metrics.registry.MustRegister(slices.Concat(d.ctlMetrics.Collectors(), d.fullReports.Collectors(),
 			d.messages.Collectors(), d.locality.Collectors(), ownerMetrics.Collectors(), []prometheus.Collector{d.readOrders})...)
-		if deps.Kube != nil && deps.Metadata != nil && opts.Controller.OwnerSweepEvery > 0 {
-			d.owners = owners.New(d.view, newKubeOwners(deps.Metadata, deps.Kube.Discovery()), ownerMetrics)
+		if events != nil && deps.Metadata != nil && opts.Controller.OwnerSweepEvery > 0 {
+			kubeOwners := newKubeOwners(deps.Metadata, deps.Kube.Discovery(), events)
+			d.owners = owners.New(d.view, kubeOwners, kubeOwners, ownerMetrics)
 		}
 		d.nodeEvents = noNodeEvents{}
 		if events != nil {

@@ -273,6 +273,11 @@ func (f *fleet) fleetArgo() {
 	deleted := time.Now()
 	f.until("the deleted workflow's volumes to be destroyed", 2*time.Minute, func() bool { return len(owned()) == 0 })
 	collected := time.Since(deleted)
+	f.until("an Event in ci to say so", 30*time.Second, func() bool {
+		msgs, err := f.kubectl("", "get", "events", "-n", "ci", "--field-selector", "reason=CachedVolumesDestroyed,involvedObject.name="+name,
+			"-o", "jsonpath={.items[*].message}")
+		return err == nil && strings.Contains(msgs, "Workflow.argoproj.io/"+name+" (uid "+uid+") is gone: cowvol destroyed the")
+	})
 	report(t, fmt.Sprintf("fleet: Argo Workflows %s ran the example build (a retried step, a fan-out and a fan-in, a step image from a volume) "+
 		"passing its outputs as cowvol volumes in %s; the checks ran on the build's node, %s, placed by the locality webhook; "+
 		"its 6 volumes were destroyed %s after the Workflow was deleted\n",

@@ -34,6 +34,12 @@ type Objects interface {
 // Kind is an owner's API group and kind.
 type Kind struct{ Group, Kind string }
 
+// Events tell, where an operator looks (the namespace's Events), that an
+// owner's volumes were destroyed.
+type Events interface {
+	OwnerGone(namespace string, o volume.Owner, destroyed []volume.Ref)
+}
+
 // View is what the collector needs of the fleet's view.
 type View interface {
 	Owned(after string, scan int, now time.Time) ([]fleet.Owned, string)
@@ -44,15 +50,22 @@ type View interface {
 type Collector struct {
 	view    View
 	objects Objects
+	events  Events
 	metrics *Metrics
 	// scan is how many of the view's volumes a sweep walks under its
 	// lock at once.
 	scan int
 }
 
-// New makes a collector over view, asking objects.
-func New(view View, objects Objects, metrics *Metrics) *Collector {
-	return &Collector{view: view, objects: objects, metrics: metrics, scan: 10000}
+// New makes a collector over view, asking objects and telling events.
+func New(view View, objects Objects, events Events, metrics *Metrics) *Collector {
+	return &Collector{view: view, objects: objects, events: events, metrics: metrics, scan: 10000}
+}
+
+// ownedBy is an owner, in the namespace of the volumes it owns (its pod's).
+type ownedBy struct {
+	namespace string
+	owner     volume.Owner
 }
 
 // Sweep checks the owner of every owned volume the live nodes hold, with
@@ -65,7 +78,7 @@ func New(view View, objects Objects, metrics *Metrics) *Collector {
 // view holds existed before the listing began (its pod's publish read it),
 // so one missing from the listing is gone, not yet to come.
 func (c *Collector) Sweep(ctx context.Context) (int, error) {
-	owned := map[Kind]map[volume.Owner][]volume.Ref{}
+	owned := map[Kind]map[ownedBy][]volume.Ref{}
 	for after := ""; ; {
 		page, next := c.view.Owned(after, c.scan, time.Now())
 		for _, vol := range page {
@@ -74,9 +87,10 @@ func (c *Collector) Sweep(ctx context.Context) (int, error) {
 			}
 			k := Kind{Group: vol.Owner.Group, Kind: vol.Owner.Kind}
 			if owned[k] == nil {
-				owned[k] = map[volume.Owner][]volume.Ref{}
+				owned[k] = map[ownedBy][]volume.Ref{}
 			}
-			owned[k][vol.Owner] = append(owned[k][vol.Owner], vol.Ref)
+			by := ownedBy{namespace: vol.Ref.Namespace, owner: vol.Owner}
+			owned[k][by] = append(owned[k][by], vol.Ref)
 		}
 		if next == "" {
 			break
@@ -98,7 +112,8 @@ func (c *Collector) Sweep(ctx context.Context) (int, error) {
 				"owners", len(owners), "err", err)
 			continue
 		}
-		for o, refs := range owners {
+		for by, refs := range owners {
+			o := by.owner
 			if live[o.UID] {
 				c.metrics.checked("present")
 				continue
@@ -107,8 +122,9 @@ func (c *Collector) Sweep(ctx context.Context) (int, error) {
 			c.view.Destroy(refs)
 			destroyed += len(refs)
 			c.metrics.destroyed.Add(float64(len(refs)))
-			klog.InfoS("The owner of cached volumes is gone: destroying them on every node", "namespace", refs[0].Namespace,
+			klog.InfoS("The owner of cached volumes is gone: destroying them on every node", "namespace", by.namespace,
 				"owner", o.String(), "uid", o.UID, "volumes", refs)
+			c.events.OwnerGone(by.namespace, o, refs)
 		}
 	}
 	return destroyed, nil

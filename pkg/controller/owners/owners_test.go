@@ -35,6 +35,15 @@ func (l *liveObjects) Live(_ context.Context, k Kind) (map[string]bool, error) {
 	return live, nil
 }
 
+// toldEvents records the owners whose volumes were destroyed, with them.
+type toldEvents map[string][]string
+
+func (e toldEvents) OwnerGone(namespace string, o volume.Owner, destroyed []volume.Ref) {
+	for _, r := range destroyed {
+		e[namespace+" "+o.String()] = append(e[namespace+" "+o.String()], r.Handle)
+	}
+}
+
 const (
 	uidA = "00000000-0000-4000-8000-00000000000a"
 	uidB = "00000000-0000-4000-8000-00000000000b"
@@ -86,7 +95,8 @@ func TestSweep(t *testing.T) {
 		fail: map[Kind]error{taskRuns: errors.New(`taskruns.tekton.dev is forbidden`)},
 	}
 	m := NewMetrics()
-	c := New(v, objects, m)
+	told := toldEvents{}
+	c := New(v, objects, told, m)
 	c.scan = 2 // several walks
 	n, err := c.Sweep(context.Background())
 	require.NoError(t, err)
@@ -109,6 +119,11 @@ func TestSweep(t *testing.T) {
 	slices.SortFunc(ans.Destroy, func(a, b volume.Ref) int { return strings.Compare(a.String(), b.String()) })
 	require.Equal(t, []volume.Ref{{Namespace: "ci", Handle: "b1-flaky"}, {Namespace: "ci", Handle: "b1-produce"}, {Namespace: "ci", Handle: "nightly"}}, ans.Destroy)
 
+	for _, handles := range told {
+		slices.Sort(handles)
+	}
+	require.Equal(t, toldEvents{"ci Workflow.argoproj.io/build-1": {"b1-flaky", "b1-produce"}, "ci Job.batch/nightly": {"nightly"}}, told,
+		"an Event for each owner gone, naming its volumes")
 	require.Equal(t, 2.0, testutil.ToFloat64(m.checks.WithLabelValues("gone")))
 	require.Equal(t, 1.0, testutil.ToFloat64(m.checks.WithLabelValues("present")))
 	require.Equal(t, 1.0, testutil.ToFloat64(m.checks.WithLabelValues("unknown")))
