@@ -367,7 +367,7 @@ func (f *fleet) installCowvol() {
 		"kubeletDir": filepath.Join(view, "kubelet"), "stateDir": filepath.Join(view, "cowvol"),
 		"image": map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e"},
 		// A deleted Workflow's volumes go within seconds (fleetArgo).
-		"controller": map[string]any{"hostNetwork": true, "ownerSweep": map[string]any{"interval": "3s"}},
+		"controller": map[string]any{"hostNetwork": true, "ownerSweep": map[string]any{"enabled": true, "interval": "3s"}},
 		"node":       map[string]any{"hostNetwork": true},
 		// The locality webhook, for namespaces that opt in (fleetLocality).
 		"locality": map[string]any{"enabled": true, "caBundle": base64.StdEncoding.EncodeToString(mustRead(t, ctl.CA))},
