@@ -37,6 +37,9 @@ func refsFromWire(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
 func toWireAnswer(a fleet.Answer) *controllerv1.ReportResponse {
 	resp := &controllerv1.ReportResponse{Resync: a.Resync, Revision: a.Revision, Destroy: controllerv1.RefsOf(a.Destroy),
 		Copy: controllerv1.RefsOf(a.Copy), RefuseCaptures: a.RefuseCaptures, MaxCopies: int32(a.MaxCopies), CopiesSpent: a.CopiesSpent}
+	for _, d := range a.DestroyOwned {
+		resp.DestroyOwned = append(resp.DestroyOwned, &controllerv1.OwnedVolume{Ref: controllerv1.RefOf(d.Ref), OwnerUid: d.OwnerUID})
+	}
 	for _, p := range a.Pins {
 		c := &controllerv1.PinCommand{Ref: controllerv1.RefOf(p.Ref), Unpin: p.Unpin}
 		if !p.Until.IsZero() {

@@ -176,6 +176,31 @@ func TestOwnedByController(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, wf, got)
 
+	// The owner sweep's destroy is checked against this node's record of
+	// the owner: another UID (a node that lied about the owner), or a
+	// volume that names none, is kept.
+	plain := f.volume("ci", "", "plain")
+	require.NoError(t, f.publish(plain))
+	require.NoError(t, f.unpublish(plain))
+	for _, tt := range []struct {
+		handle, uid string
+	}{{"owned", "00000000-0000-4000-8000-00000000000f"}, {"owned", ""}, {"plain", wf.UID}, {"missing", wf.UID}} {
+		did, err := f.engine.DestroyIfOwned(ref("ci", tt.handle), tt.uid)
+		require.NoError(t, err)
+		require.False(t, did, "%s, owner %q", tt.handle, tt.uid)
+	}
+	kept, err := f.store.Get(ref("ci", "owned"))
+	require.NoError(t, err)
+	require.Equal(t, volume.StateReady, kept.State, "kept")
+	did, err := f.engine.DestroyIfOwned(ref("ci", "owned"), wf.UID)
+	require.NoError(t, err)
+	require.True(t, did)
+	if gone, err := f.store.Get(ref("ci", "owned")); err == nil {
+		require.Equal(t, volume.StateDestroying, gone.State, "destroyed: its owner is the one gone")
+	} else {
+		require.ErrorIs(t, err, cache.ErrNotFound)
+	}
+
 	orphan := f.volume("ci", "", "orphan")
 	orphan.OwnedByController = true
 	require.ErrorIs(t, f.publish(orphan), ErrNoOwner)

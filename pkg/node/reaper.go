@@ -42,6 +42,24 @@ func (e *Engine) Destroy(refs ...volume.Ref) error {
 	return errors.Join(errs...)
 }
 
+// DestroyIfOwned destroys a volume if its record names the owner whose UID
+// is ownerUID (captured with owner: controller), saying whether it did. The
+// controller's owner sweep asks, on the word of whichever node reported
+// the volume last; this node's own record confirms that word or not.
+func (e *Engine) DestroyIfOwned(r volume.Ref, ownerUID string) (bool, error) {
+	v, err := e.store.Get(r)
+	switch {
+	case errors.Is(err, cache.ErrNotFound):
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	if o, ok := volume.OwnerOf(v.Properties); !ok || o.UID != ownerUID {
+		return false, nil
+	}
+	return true, e.Destroy(r)
+}
+
 // Pin protects a volume from TTL expiry and eviction, until until (zero:
 // for good). Idempotent.
 func (e *Engine) Pin(r volume.Ref, until time.Time) (VolumeInfo, error) {

@@ -184,7 +184,7 @@ func Defaults() Options {
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
 			Copies:          fleet.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
-			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20},
+			AwaitReportsFor: 30 * time.Second, ReadOrdersMemory: 64 << 20, OwnerSweepEvery: time.Minute},
 		LeaderElection: LeaderElection{
 			Namespace: os.Getenv("POD_NAMESPACE"), Name: "cowvol-controller", Identity: firstOf(os.Getenv("POD_NAME"), host),
 			LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
@@ -341,8 +341,8 @@ func (c *ControllerOptions) AddFlags(fs *flag.FlagSet) {
 			"and no node of its own is given preferred node affinity toward the nodes that hold them (empty: none)")
 	fs.DurationVar(&c.OwnerSweepEvery, "owner-sweep-interval", c.OwnerSweepEvery,
 		"how often to destroy the cached volumes captured with owner: controller whose owner (the object that controlled their step's pod) "+
-			"is gone, listing each kind of owner once (needs an API server, and RBAC to list those kinds; 0: never). "+
-			"It takes a volume's owner from the nodes' reports: see docs/security.md before turning it on")
+			"is gone, listing each kind of owner once; each holder checks the owner against its own record before it destroys "+
+			"(needs an API server, and RBAC to list those kinds; 0: never)")
 	fs.Func("locality-image-registry", "with --webhook-address: a host:port the nodes serve step images from volumes at (their --image-registry-address); "+
 		"a pod's image there counts as an input (repeat for several)", func(host string) error {
 		if _, _, err := net.SplitHostPort(host); err != nil {

@@ -225,6 +225,20 @@ func resyncAfter() time.Duration { return resyncEvery/2 + rand.N(resyncEvery) }
 func (r *Reporter) obey(resp *controllerv1.ReportResponse) {
 	eachNamed(resp.GetDestroy(), "destroy", func(ref volume.Ref) error { return r.engine.Destroy(ref) })
 	eachNamed(resp.GetCopy(), "copy", r.engine.KeepCopy)
+	for _, d := range resp.GetDestroyOwned() {
+		ref := volume.Ref{Namespace: d.GetRef().GetNamespace(), Handle: d.GetRef().GetHandle()}
+		if err := ref.Validate(); err != nil {
+			klog.ErrorS(err, "The controller named a malformed volume", "asked", "destroy if owned")
+			continue
+		}
+		switch did, err := r.engine.DestroyIfOwned(ref, d.GetOwnerUid()); {
+		case err != nil:
+			klog.ErrorS(err, "Destroying a volume whose owner is gone", "volume", ref)
+		case !did:
+			klog.V(2).InfoS("The controller's owner sweep named a volume this node does not hold as that owner's: keeping it",
+				"volume", ref, "ownerUID", d.GetOwnerUid())
+		}
+	}
 	for _, p := range resp.GetPins() {
 		ref := volume.Ref{Namespace: p.GetRef().GetNamespace(), Handle: p.GetRef().GetHandle()}
 		var err error

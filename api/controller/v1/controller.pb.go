@@ -491,8 +491,13 @@ type ReportResponse struct {
 	// ask to be kept on, and the namespaces whose budget of extra copies is
 	// spent, whose captures may ask for no more than one. The node refuses
 	// a publish that asks for more (the controller would not grant it).
-	MaxCopies     int32    `protobuf:"varint,8,opt,name=max_copies,json=maxCopies,proto3" json:"max_copies,omitempty"`
-	CopiesSpent   []string `protobuf:"bytes,9,rep,name=copies_spent,json=copiesSpent,proto3" json:"copies_spent,omitempty"`
+	MaxCopies   int32    `protobuf:"varint,8,opt,name=max_copies,json=maxCopies,proto3" json:"max_copies,omitempty"`
+	CopiesSpent []string `protobuf:"bytes,9,rep,name=copies_spent,json=copiesSpent,proto3" json:"copies_spent,omitempty"`
+	// Volumes whose owner is gone (the owner sweep), each with the owner's
+	// UID: the node destroys one only if its own record names that owner,
+	// so a node that lied about a volume's owner has no other node's copy
+	// destroyed. Said once per sweep (the next sweep says it again).
+	DestroyOwned  []*OwnedVolume `protobuf:"bytes,10,rep,name=destroy_owned,json=destroyOwned,proto3" json:"destroy_owned,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -590,6 +595,65 @@ func (x *ReportResponse) GetCopiesSpent() []string {
 	return nil
 }
 
+func (x *ReportResponse) GetDestroyOwned() []*OwnedVolume {
+	if x != nil {
+		return x.DestroyOwned
+	}
+	return nil
+}
+
+type OwnedVolume struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ref           *VolumeRef             `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	OwnerUid      string                 `protobuf:"bytes,2,opt,name=owner_uid,json=ownerUid,proto3" json:"owner_uid,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OwnedVolume) Reset() {
+	*x = OwnedVolume{}
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OwnedVolume) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OwnedVolume) ProtoMessage() {}
+
+func (x *OwnedVolume) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OwnedVolume.ProtoReflect.Descriptor instead.
+func (*OwnedVolume) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *OwnedVolume) GetRef() *VolumeRef {
+	if x != nil {
+		return x.Ref
+	}
+	return nil
+}
+
+func (x *OwnedVolume) GetOwnerUid() string {
+	if x != nil {
+		return x.OwnerUid
+	}
+	return ""
+}
+
 type ReadOrder struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
@@ -606,7 +670,7 @@ type ReadOrder struct {
 
 func (x *ReadOrder) Reset() {
 	*x = ReadOrder{}
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -618,7 +682,7 @@ func (x *ReadOrder) String() string {
 func (*ReadOrder) ProtoMessage() {}
 
 func (x *ReadOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[6]
+	mi := &file_controller_v1_controller_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -631,7 +695,7 @@ func (x *ReadOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadOrder.ProtoReflect.Descriptor instead.
 func (*ReadOrder) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{6}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ReadOrder) GetNamespace() string {
@@ -678,7 +742,7 @@ type ShareReadOrderRequest struct {
 
 func (x *ShareReadOrderRequest) Reset() {
 	*x = ShareReadOrderRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -690,7 +754,7 @@ func (x *ShareReadOrderRequest) String() string {
 func (*ShareReadOrderRequest) ProtoMessage() {}
 
 func (x *ShareReadOrderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[7]
+	mi := &file_controller_v1_controller_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -703,7 +767,7 @@ func (x *ShareReadOrderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShareReadOrderRequest.ProtoReflect.Descriptor instead.
 func (*ShareReadOrderRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{7}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ShareReadOrderRequest) GetOrder() *ReadOrder {
@@ -721,7 +785,7 @@ type ShareReadOrderResponse struct {
 
 func (x *ShareReadOrderResponse) Reset() {
 	*x = ShareReadOrderResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -733,7 +797,7 @@ func (x *ShareReadOrderResponse) String() string {
 func (*ShareReadOrderResponse) ProtoMessage() {}
 
 func (x *ShareReadOrderResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[8]
+	mi := &file_controller_v1_controller_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -746,7 +810,7 @@ func (x *ShareReadOrderResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShareReadOrderResponse.ProtoReflect.Descriptor instead.
 func (*ShareReadOrderResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{8}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
 }
 
 type SignPeerCertificateRequest struct {
@@ -761,7 +825,7 @@ type SignPeerCertificateRequest struct {
 
 func (x *SignPeerCertificateRequest) Reset() {
 	*x = SignPeerCertificateRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -773,7 +837,7 @@ func (x *SignPeerCertificateRequest) String() string {
 func (*SignPeerCertificateRequest) ProtoMessage() {}
 
 func (x *SignPeerCertificateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[9]
+	mi := &file_controller_v1_controller_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -786,7 +850,7 @@ func (x *SignPeerCertificateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignPeerCertificateRequest.ProtoReflect.Descriptor instead.
 func (*SignPeerCertificateRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{9}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *SignPeerCertificateRequest) GetNodeId() string {
@@ -816,7 +880,7 @@ type SignPeerCertificateResponse struct {
 
 func (x *SignPeerCertificateResponse) Reset() {
 	*x = SignPeerCertificateResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -828,7 +892,7 @@ func (x *SignPeerCertificateResponse) String() string {
 func (*SignPeerCertificateResponse) ProtoMessage() {}
 
 func (x *SignPeerCertificateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[10]
+	mi := &file_controller_v1_controller_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -841,7 +905,7 @@ func (x *SignPeerCertificateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignPeerCertificateResponse.ProtoReflect.Descriptor instead.
 func (*SignPeerCertificateResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{10}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SignPeerCertificateResponse) GetCertificate() []byte {
@@ -868,7 +932,7 @@ type GetReadOrderRequest struct {
 
 func (x *GetReadOrderRequest) Reset() {
 	*x = GetReadOrderRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -880,7 +944,7 @@ func (x *GetReadOrderRequest) String() string {
 func (*GetReadOrderRequest) ProtoMessage() {}
 
 func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[11]
+	mi := &file_controller_v1_controller_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -893,7 +957,7 @@ func (x *GetReadOrderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReadOrderRequest.ProtoReflect.Descriptor instead.
 func (*GetReadOrderRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{11}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetReadOrderRequest) GetNamespace() string {
@@ -922,7 +986,7 @@ type PinCommand struct {
 
 func (x *PinCommand) Reset() {
 	*x = PinCommand{}
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -934,7 +998,7 @@ func (x *PinCommand) String() string {
 func (*PinCommand) ProtoMessage() {}
 
 func (x *PinCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[12]
+	mi := &file_controller_v1_controller_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -947,7 +1011,7 @@ func (x *PinCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCommand.ProtoReflect.Descriptor instead.
 func (*PinCommand) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{12}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PinCommand) GetRef() *VolumeRef {
@@ -980,7 +1044,7 @@ type DestroyVolumesRequest struct {
 
 func (x *DestroyVolumesRequest) Reset() {
 	*x = DestroyVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -992,7 +1056,7 @@ func (x *DestroyVolumesRequest) String() string {
 func (*DestroyVolumesRequest) ProtoMessage() {}
 
 func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[13]
+	mi := &file_controller_v1_controller_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1005,7 +1069,7 @@ func (x *DestroyVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesRequest.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{13}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DestroyVolumesRequest) GetRefs() []*VolumeRef {
@@ -1025,7 +1089,7 @@ type DestroyVolumesResponse struct {
 
 func (x *DestroyVolumesResponse) Reset() {
 	*x = DestroyVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1037,7 +1101,7 @@ func (x *DestroyVolumesResponse) String() string {
 func (*DestroyVolumesResponse) ProtoMessage() {}
 
 func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[14]
+	mi := &file_controller_v1_controller_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1050,7 +1114,7 @@ func (x *DestroyVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyVolumesResponse.ProtoReflect.Descriptor instead.
 func (*DestroyVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{14}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DestroyVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -1070,7 +1134,7 @@ type VolumeNodes struct {
 
 func (x *VolumeNodes) Reset() {
 	*x = VolumeNodes{}
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1082,7 +1146,7 @@ func (x *VolumeNodes) String() string {
 func (*VolumeNodes) ProtoMessage() {}
 
 func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[15]
+	mi := &file_controller_v1_controller_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1095,7 +1159,7 @@ func (x *VolumeNodes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeNodes.ProtoReflect.Descriptor instead.
 func (*VolumeNodes) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{15}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *VolumeNodes) GetRef() *VolumeRef {
@@ -1123,7 +1187,7 @@ type PinVolumesRequest struct {
 
 func (x *PinVolumesRequest) Reset() {
 	*x = PinVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1135,7 +1199,7 @@ func (x *PinVolumesRequest) String() string {
 func (*PinVolumesRequest) ProtoMessage() {}
 
 func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[16]
+	mi := &file_controller_v1_controller_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1148,7 +1212,7 @@ func (x *PinVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesRequest.ProtoReflect.Descriptor instead.
 func (*PinVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{16}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *PinVolumesRequest) GetRefs() []*VolumeRef {
@@ -1182,7 +1246,7 @@ type PinVolumesResponse struct {
 
 func (x *PinVolumesResponse) Reset() {
 	*x = PinVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1194,7 +1258,7 @@ func (x *PinVolumesResponse) String() string {
 func (*PinVolumesResponse) ProtoMessage() {}
 
 func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[17]
+	mi := &file_controller_v1_controller_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1207,7 +1271,7 @@ func (x *PinVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinVolumesResponse.ProtoReflect.Descriptor instead.
 func (*PinVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{17}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PinVolumesResponse) GetVolumes() []*VolumeNodes {
@@ -1231,7 +1295,7 @@ type LookupVolumesRequest struct {
 
 func (x *LookupVolumesRequest) Reset() {
 	*x = LookupVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1243,7 +1307,7 @@ func (x *LookupVolumesRequest) String() string {
 func (*LookupVolumesRequest) ProtoMessage() {}
 
 func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[18]
+	mi := &file_controller_v1_controller_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1256,7 +1320,7 @@ func (x *LookupVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesRequest.ProtoReflect.Descriptor instead.
 func (*LookupVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{18}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *LookupVolumesRequest) GetRefs() []*VolumeRef {
@@ -1283,7 +1347,7 @@ type LookupVolumesResponse struct {
 
 func (x *LookupVolumesResponse) Reset() {
 	*x = LookupVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1295,7 +1359,7 @@ func (x *LookupVolumesResponse) String() string {
 func (*LookupVolumesResponse) ProtoMessage() {}
 
 func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[19]
+	mi := &file_controller_v1_controller_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1308,7 +1372,7 @@ func (x *LookupVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupVolumesResponse.ProtoReflect.Descriptor instead.
 func (*LookupVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{19}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *LookupVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1353,7 +1417,7 @@ type VolumeLocation struct {
 
 func (x *VolumeLocation) Reset() {
 	*x = VolumeLocation{}
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1365,7 +1429,7 @@ func (x *VolumeLocation) String() string {
 func (*VolumeLocation) ProtoMessage() {}
 
 func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[20]
+	mi := &file_controller_v1_controller_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1378,7 +1442,7 @@ func (x *VolumeLocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeLocation.ProtoReflect.Descriptor instead.
 func (*VolumeLocation) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{20}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *VolumeLocation) GetRef() *VolumeRef {
@@ -1503,7 +1567,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1515,7 +1579,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[21]
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1528,7 +1592,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{21}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListVolumesRequest) GetNamespace() string {
@@ -1584,7 +1648,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1596,7 +1660,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1609,7 +1673,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1639,7 +1703,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1651,7 +1715,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1664,7 +1728,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -1691,7 +1755,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1703,7 +1767,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1716,7 +1780,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -1740,7 +1804,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1752,7 +1816,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1765,7 +1829,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -1804,7 +1868,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1816,7 +1880,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1829,7 +1893,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
 }
 
 type ListNodesResponse struct {
@@ -1841,7 +1905,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1853,7 +1917,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1866,7 +1930,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -1887,7 +1951,7 @@ type SetNodeLifecycleRequest struct {
 
 func (x *SetNodeLifecycleRequest) Reset() {
 	*x = SetNodeLifecycleRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1899,7 +1963,7 @@ func (x *SetNodeLifecycleRequest) String() string {
 func (*SetNodeLifecycleRequest) ProtoMessage() {}
 
 func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1912,7 +1976,7 @@ func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
 func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SetNodeLifecycleRequest) GetNodeId() string {
@@ -1949,7 +2013,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1961,7 +2025,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1974,7 +2038,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -2062,7 +2126,7 @@ type ReadVolumeRequest struct {
 
 func (x *ReadVolumeRequest) Reset() {
 	*x = ReadVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2074,7 +2138,7 @@ func (x *ReadVolumeRequest) String() string {
 func (*ReadVolumeRequest) ProtoMessage() {}
 
 func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2087,7 +2151,7 @@ func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ReadVolumeRequest) GetRef() *VolumeRef {
@@ -2132,7 +2196,7 @@ type DataChunk struct {
 
 func (x *DataChunk) Reset() {
 	*x = DataChunk{}
-	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	mi := &file_controller_v1_controller_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2144,7 +2208,7 @@ func (x *DataChunk) String() string {
 func (*DataChunk) ProtoMessage() {}
 
 func (x *DataChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	mi := &file_controller_v1_controller_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2157,7 +2221,7 @@ func (x *DataChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataChunk.ProtoReflect.Descriptor instead.
 func (*DataChunk) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *DataChunk) GetData() []byte {
@@ -2194,7 +2258,7 @@ type WriteVolumeRequest struct {
 
 func (x *WriteVolumeRequest) Reset() {
 	*x = WriteVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[32]
+	mi := &file_controller_v1_controller_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2206,7 +2270,7 @@ func (x *WriteVolumeRequest) String() string {
 func (*WriteVolumeRequest) ProtoMessage() {}
 
 func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[32]
+	mi := &file_controller_v1_controller_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2219,7 +2283,7 @@ func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WriteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{32}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *WriteVolumeRequest) GetPart() isWriteVolumeRequest_Part {
@@ -2281,7 +2345,7 @@ type NewVolume struct {
 
 func (x *NewVolume) Reset() {
 	*x = NewVolume{}
-	mi := &file_controller_v1_controller_proto_msgTypes[33]
+	mi := &file_controller_v1_controller_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2293,7 +2357,7 @@ func (x *NewVolume) String() string {
 func (*NewVolume) ProtoMessage() {}
 
 func (x *NewVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[33]
+	mi := &file_controller_v1_controller_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2306,7 +2370,7 @@ func (x *NewVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewVolume.ProtoReflect.Descriptor instead.
 func (*NewVolume) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{33}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *NewVolume) GetRef() *VolumeRef {
@@ -2398,7 +2462,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\" \n" +
 	"\n" +
 	"ReportPart\x12\x12\n" +
-	"\x04data\x18\x01 \x01(\fR\x04data\"\x9c\x03\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\"\xe4\x03\n" +
 	"\x0eReportResponse\x12\x16\n" +
 	"\x06resync\x18\x01 \x01(\bR\x06resync\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x129\n" +
@@ -2409,7 +2473,12 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x11full_report_after\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0ffullReportAfter\x12\x1d\n" +
 	"\n" +
 	"max_copies\x18\b \x01(\x05R\tmaxCopies\x12!\n" +
-	"\fcopies_spent\x18\t \x03(\tR\vcopiesSpent\"\xa4\x01\n" +
+	"\fcopies_spent\x18\t \x03(\tR\vcopiesSpent\x12F\n" +
+	"\rdestroy_owned\x18\n" +
+	" \x03(\v2!.cowvol.controller.v1.OwnedVolumeR\fdestroyOwned\"]\n" +
+	"\vOwnedVolume\x121\n" +
+	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x1b\n" +
+	"\towner_uid\x18\x02 \x01(\tR\bownerUid\"\xa4\x01\n" +
 	"\tReadOrder\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
@@ -2576,7 +2645,7 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_controller_v1_controller_proto_goTypes = []any{
 	(*VolumeRef)(nil),                   // 0: cowvol.controller.v1.VolumeRef
 	(*VolumeSummary)(nil),               // 1: cowvol.controller.v1.VolumeSummary
@@ -2584,38 +2653,39 @@ var file_controller_v1_controller_proto_goTypes = []any{
 	(*ReportRequest)(nil),               // 3: cowvol.controller.v1.ReportRequest
 	(*ReportPart)(nil),                  // 4: cowvol.controller.v1.ReportPart
 	(*ReportResponse)(nil),              // 5: cowvol.controller.v1.ReportResponse
-	(*ReadOrder)(nil),                   // 6: cowvol.controller.v1.ReadOrder
-	(*ShareReadOrderRequest)(nil),       // 7: cowvol.controller.v1.ShareReadOrderRequest
-	(*ShareReadOrderResponse)(nil),      // 8: cowvol.controller.v1.ShareReadOrderResponse
-	(*SignPeerCertificateRequest)(nil),  // 9: cowvol.controller.v1.SignPeerCertificateRequest
-	(*SignPeerCertificateResponse)(nil), // 10: cowvol.controller.v1.SignPeerCertificateResponse
-	(*GetReadOrderRequest)(nil),         // 11: cowvol.controller.v1.GetReadOrderRequest
-	(*PinCommand)(nil),                  // 12: cowvol.controller.v1.PinCommand
-	(*DestroyVolumesRequest)(nil),       // 13: cowvol.controller.v1.DestroyVolumesRequest
-	(*DestroyVolumesResponse)(nil),      // 14: cowvol.controller.v1.DestroyVolumesResponse
-	(*VolumeNodes)(nil),                 // 15: cowvol.controller.v1.VolumeNodes
-	(*PinVolumesRequest)(nil),           // 16: cowvol.controller.v1.PinVolumesRequest
-	(*PinVolumesResponse)(nil),          // 17: cowvol.controller.v1.PinVolumesResponse
-	(*LookupVolumesRequest)(nil),        // 18: cowvol.controller.v1.LookupVolumesRequest
-	(*LookupVolumesResponse)(nil),       // 19: cowvol.controller.v1.LookupVolumesResponse
-	(*VolumeLocation)(nil),              // 20: cowvol.controller.v1.VolumeLocation
-	(*ListVolumesRequest)(nil),          // 21: cowvol.controller.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),         // 22: cowvol.controller.v1.ListVolumesResponse
-	(*PlaceRequest)(nil),                // 23: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),               // 24: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),               // 25: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),            // 26: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),           // 27: cowvol.controller.v1.ListNodesResponse
-	(*SetNodeLifecycleRequest)(nil),     // 28: cowvol.controller.v1.SetNodeLifecycleRequest
-	(*NodeStatus)(nil),                  // 29: cowvol.controller.v1.NodeStatus
-	(*ReadVolumeRequest)(nil),           // 30: cowvol.controller.v1.ReadVolumeRequest
-	(*DataChunk)(nil),                   // 31: cowvol.controller.v1.DataChunk
-	(*WriteVolumeRequest)(nil),          // 32: cowvol.controller.v1.WriteVolumeRequest
-	(*NewVolume)(nil),                   // 33: cowvol.controller.v1.NewVolume
-	nil,                                 // 34: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	nil,                                 // 35: cowvol.controller.v1.NewVolume.PropertiesEntry
-	(*durationpb.Duration)(nil),         // 36: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),       // 37: google.protobuf.Timestamp
+	(*OwnedVolume)(nil),                 // 6: cowvol.controller.v1.OwnedVolume
+	(*ReadOrder)(nil),                   // 7: cowvol.controller.v1.ReadOrder
+	(*ShareReadOrderRequest)(nil),       // 8: cowvol.controller.v1.ShareReadOrderRequest
+	(*ShareReadOrderResponse)(nil),      // 9: cowvol.controller.v1.ShareReadOrderResponse
+	(*SignPeerCertificateRequest)(nil),  // 10: cowvol.controller.v1.SignPeerCertificateRequest
+	(*SignPeerCertificateResponse)(nil), // 11: cowvol.controller.v1.SignPeerCertificateResponse
+	(*GetReadOrderRequest)(nil),         // 12: cowvol.controller.v1.GetReadOrderRequest
+	(*PinCommand)(nil),                  // 13: cowvol.controller.v1.PinCommand
+	(*DestroyVolumesRequest)(nil),       // 14: cowvol.controller.v1.DestroyVolumesRequest
+	(*DestroyVolumesResponse)(nil),      // 15: cowvol.controller.v1.DestroyVolumesResponse
+	(*VolumeNodes)(nil),                 // 16: cowvol.controller.v1.VolumeNodes
+	(*PinVolumesRequest)(nil),           // 17: cowvol.controller.v1.PinVolumesRequest
+	(*PinVolumesResponse)(nil),          // 18: cowvol.controller.v1.PinVolumesResponse
+	(*LookupVolumesRequest)(nil),        // 19: cowvol.controller.v1.LookupVolumesRequest
+	(*LookupVolumesResponse)(nil),       // 20: cowvol.controller.v1.LookupVolumesResponse
+	(*VolumeLocation)(nil),              // 21: cowvol.controller.v1.VolumeLocation
+	(*ListVolumesRequest)(nil),          // 22: cowvol.controller.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),         // 23: cowvol.controller.v1.ListVolumesResponse
+	(*PlaceRequest)(nil),                // 24: cowvol.controller.v1.PlaceRequest
+	(*PlaceResponse)(nil),               // 25: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),               // 26: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),            // 27: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),           // 28: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil),     // 29: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),                  // 30: cowvol.controller.v1.NodeStatus
+	(*ReadVolumeRequest)(nil),           // 31: cowvol.controller.v1.ReadVolumeRequest
+	(*DataChunk)(nil),                   // 32: cowvol.controller.v1.DataChunk
+	(*WriteVolumeRequest)(nil),          // 33: cowvol.controller.v1.WriteVolumeRequest
+	(*NewVolume)(nil),                   // 34: cowvol.controller.v1.NewVolume
+	nil,                                 // 35: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	nil,                                 // 36: cowvol.controller.v1.NewVolume.PropertiesEntry
+	(*durationpb.Duration)(nil),         // 37: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),       // 38: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -2625,68 +2695,70 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	1,  // 4: cowvol.controller.v1.ReportRequest.upserts:type_name -> cowvol.controller.v1.VolumeSummary
 	0,  // 5: cowvol.controller.v1.ReportRequest.deletes:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
-	12, // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
+	13, // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.ReportResponse.copy:type_name -> cowvol.controller.v1.VolumeRef
-	36, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
-	37, // 10: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
-	6,  // 11: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
-	0,  // 12: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	37, // 13: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
-	0,  // 14: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	15, // 15: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 16: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 17: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	37, // 18: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
-	15, // 19: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
-	0,  // 20: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	20, // 21: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 22: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
-	0,  // 23: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	34, // 24: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	20, // 25: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 26: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	25, // 27: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 28: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	29, // 29: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	37, // 30: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	0,  // 31: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	33, // 32: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
-	0,  // 33: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	35, // 34: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	36, // 35: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
-	3,  // 36: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	4,  // 37: cowvol.controller.v1.Registry.SendReport:input_type -> cowvol.controller.v1.ReportPart
-	7,  // 38: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
-	11, // 39: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
-	9,  // 40: cowvol.controller.v1.Registry.SignPeerCertificate:input_type -> cowvol.controller.v1.SignPeerCertificateRequest
-	18, // 41: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	21, // 42: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	23, // 43: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	26, // 44: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	13, // 45: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	16, // 46: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	28, // 47: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	30, // 48: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	32, // 49: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	5,  // 50: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	5,  // 51: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
-	8,  // 52: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
-	6,  // 53: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
-	10, // 54: cowvol.controller.v1.Registry.SignPeerCertificate:output_type -> cowvol.controller.v1.SignPeerCertificateResponse
-	19, // 55: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	22, // 56: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	24, // 57: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	27, // 58: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	14, // 59: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	17, // 60: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	29, // 61: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	31, // 62: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	20, // 63: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	50, // [50:64] is the sub-list for method output_type
-	36, // [36:50] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	37, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
+	6,  // 10: cowvol.controller.v1.ReportResponse.destroy_owned:type_name -> cowvol.controller.v1.OwnedVolume
+	0,  // 11: cowvol.controller.v1.OwnedVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	38, // 12: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	7,  // 13: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
+	0,  // 14: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
+	38, // 15: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	0,  // 16: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	16, // 17: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 18: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 19: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	38, // 20: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	16, // 21: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
+	0,  // 22: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
+	21, // 23: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 24: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
+	0,  // 25: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
+	35, // 26: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	21, // 27: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 28: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	26, // 29: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 30: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	30, // 31: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	38, // 32: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	0,  // 33: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
+	34, // 34: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	0,  // 35: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	36, // 36: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	37, // 37: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	3,  // 38: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	4,  // 39: cowvol.controller.v1.Registry.SendReport:input_type -> cowvol.controller.v1.ReportPart
+	8,  // 40: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
+	12, // 41: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	10, // 42: cowvol.controller.v1.Registry.SignPeerCertificate:input_type -> cowvol.controller.v1.SignPeerCertificateRequest
+	19, // 43: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	22, // 44: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	24, // 45: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	27, // 46: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	14, // 47: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	17, // 48: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	29, // 49: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	31, // 50: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	33, // 51: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	5,  // 52: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	5,  // 53: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
+	9,  // 54: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	7,  // 55: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	11, // 56: cowvol.controller.v1.Registry.SignPeerCertificate:output_type -> cowvol.controller.v1.SignPeerCertificateResponse
+	20, // 57: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	23, // 58: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	25, // 59: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	28, // 60: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	15, // 61: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	18, // 62: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	30, // 63: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	32, // 64: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	21, // 65: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	52, // [52:66] is the sub-list for method output_type
+	38, // [38:52] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
@@ -2694,7 +2766,7 @@ func file_controller_v1_controller_proto_init() {
 	if File_controller_v1_controller_proto != nil {
 		return
 	}
-	file_controller_v1_controller_proto_msgTypes[32].OneofWrappers = []any{
+	file_controller_v1_controller_proto_msgTypes[33].OneofWrappers = []any{
 		(*WriteVolumeRequest_Volume)(nil),
 		(*WriteVolumeRequest_Data)(nil),
 	}
@@ -2704,7 +2776,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   36,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

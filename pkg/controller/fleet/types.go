@@ -54,7 +54,9 @@ type Answer struct {
 	Resync   bool
 	Revision uint64
 	Destroy  []volume.Ref
-	Pins     []PinCommand
+	// DestroyOwned are the owner sweep's destroys, each said once.
+	DestroyOwned []OwnedDestroy
+	Pins         []PinCommand
 	// Copy are the volumes the node is asked to pull and keep.
 	Copy []volume.Ref
 	// MaxCopies is the most nodes a volume may ask to be kept on, and
@@ -64,6 +66,13 @@ type Answer struct {
 	CopiesSpent []string
 	// RefuseCaptures says why the node takes no captures ("": it does).
 	RefuseCaptures string
+}
+
+// OwnedDestroy asks a node to destroy a volume if its own record names
+// the owner whose UID is OwnerUID (the owner sweep found that owner gone).
+type OwnedDestroy struct {
+	Ref      volume.Ref
+	OwnerUID string
 }
 
 // PinCommand asks a node to pin a volume until Until (zero: for good), or

@@ -310,6 +310,9 @@ type nodeState struct {
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[*entry]bool
 	pins    map[*entry]PinCommand
+	// destroyOwned are the owner sweep's destroys, with the owner's UID
+	// each, until the node's next answer says them (DestroyIfOwned).
+	destroyOwned map[*entry]string
 	// copyOrders are the volumes it is asked to pull (copies.go).
 	copyOrders map[*entry]struct{}
 	// lifecycle is running, landing or retiring, as set through the API;
@@ -490,7 +493,7 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 	if n == nil || n.storeID != req.StoreID {
 		// New, or back with a wiped state dir: nothing it held before.
 		fresh := &nodeState{id: req.NodeID, storeID: req.StoreID, held: map[uint32]struct{}{},
-			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}, copyOrders: map[*entry]struct{}{}}
+			destroy: map[*entry]bool{}, pins: map[*entry]PinCommand{}, copyOrders: map[*entry]struct{}{}, destroyOwned: map[*entry]string{}}
 		v.indexNode(fresh)
 		v.nodesGrew = true
 		if n != nil {
@@ -533,7 +536,7 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 			n.destroy[v.entries[id]] = true // released: everything it holds goes
 		}
 	}
-	a := Answer{Revision: n.revision, Destroy: v.pendingDestroys(n), Pins: v.pendingPins(n), Copy: v.copyOrders(n)}
+	a := Answer{Revision: n.revision, Destroy: v.pendingDestroys(n), DestroyOwned: n.takeOwnedDestroys(), Pins: v.pendingPins(n), Copy: v.copyOrders(n)}
 	a.MaxCopies, a.CopiesSpent = v.copyRefusals()
 	if v.lifecycle(n) != "" {
 		a.RefuseCaptures = "the node is " + v.state(n, now) + ": schedule steps that capture elsewhere"
@@ -818,6 +821,32 @@ func (v *View) pendingPins(n *nodeState) []PinCommand {
 // reported it to destroy it, saying which nodes were asked.
 func (v *View) Destroy(refs []volume.Ref) []VolumeNodes {
 	return v.command(refs, func(n *nodeState, e *entry) { n.destroy[e] = true })
+}
+
+// DestroyIfOwned asks every node that reported each volume, in its next
+// answer, to destroy it if the node's own record names the owner whose UID
+// is ownerUID. The owner sweep reads a volume's owner from the properties
+// the view keeps, which are the last reporter's word; each holder checks
+// that word against its own record, so a node that lied about an owner has
+// only its own copy destroyed. Unlike Destroy, lookups go on showing each
+// volume until its nodes report it gone; a node that did not hear is asked
+// again by the next sweep.
+func (v *View) DestroyIfOwned(refs []volume.Ref, ownerUID string) []VolumeNodes {
+	return v.command(refs, func(n *nodeState, e *entry) { n.destroyOwned[e] = ownerUID })
+}
+
+// takeOwnedDestroys are the owner sweep's destroys for n, said once. The
+// caller holds the lock.
+func (n *nodeState) takeOwnedDestroys() []OwnedDestroy {
+	if len(n.destroyOwned) == 0 {
+		return nil
+	}
+	out := make([]OwnedDestroy, 0, len(n.destroyOwned))
+	for e, uid := range n.destroyOwned {
+		out = append(out, OwnedDestroy{Ref: e.ref, OwnerUID: uid})
+	}
+	clear(n.destroyOwned)
+	return out
 }
 
 // Pin asks every node that reported each volume to pin (until until, or

@@ -43,7 +43,7 @@ type Events interface {
 // View is what the collector needs of the fleet's view.
 type View interface {
 	Owned(after string, scan int, now time.Time) ([]fleet.Owned, string)
-	Destroy(refs []volume.Ref) []fleet.VolumeNodes
+	DestroyIfOwned(refs []volume.Ref, ownerUID string) []fleet.VolumeNodes
 }
 
 // Collector destroys the volumes whose owner is gone.
@@ -119,7 +119,7 @@ func (c *Collector) Sweep(ctx context.Context) (int, error) {
 				continue
 			}
 			c.metrics.checked("gone")
-			c.view.Destroy(refs)
+			c.view.DestroyIfOwned(refs, o.UID)
 			destroyed += len(refs)
 			c.metrics.destroyed.Add(float64(len(refs)))
 			klog.InfoS("The owner of cached volumes is gone: destroying them on every node", "namespace", by.namespace,

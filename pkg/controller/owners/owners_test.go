@@ -103,6 +103,27 @@ func TestSweep(t *testing.T) {
 	require.Equal(t, 3, n)
 	require.ElementsMatch(t, []Kind{workflows, jobs, taskRuns}, objects.listed, "one listing per kind")
 
+	heartbeat := func(node string) fleet.Answer {
+		ans, err := v.Report(fleet.Report{NodeID: node, StoreID: node, Revision: 1, BaseRevision: 1}, now)
+		require.NoError(t, err)
+		slices.SortFunc(ans.DestroyOwned, func(a, b fleet.OwnedDestroy) int { return strings.Compare(a.Ref.String(), b.Ref.String()) })
+		return ans
+	}
+	asked := func(uid string, handles ...string) (out []fleet.OwnedDestroy) {
+		for _, h := range handles {
+			out = append(out, fleet.OwnedDestroy{Ref: volume.Ref{Namespace: "ci", Handle: h}, OwnerUID: uid})
+		}
+		return out
+	}
+	// Every node holding a volume is asked, once, to destroy it if its own
+	// record names the owner: the view's word on an owner is the last
+	// reporter's, which each holder checks against its own.
+	require.Equal(t, asked(uidA, "b1-produce"), heartbeat("b").DestroyOwned, "every node holding it is asked")
+	ansA := heartbeat("a")
+	require.Empty(t, ansA.Destroy, "no destroy on the view's word alone")
+	require.Equal(t, append(asked(uidA, "b1-flaky", "b1-produce"), asked(uidC, "nightly")...), ansA.DestroyOwned)
+	require.Empty(t, heartbeat("a").DestroyOwned, "said once: the next sweep says it again")
+
 	present := func() []string {
 		var out []string
 		for _, e := range must(v.Volumes("", 0, now)) {
@@ -110,14 +131,12 @@ func TestSweep(t *testing.T) {
 		}
 		return out
 	}
+	// The nodes destroyed them and report so.
+	report("a", owned("ci", "b1-kept", "ready", gone, true), owned("ci", "b1-running", "creating", gone, false),
+		owned("ci", "b2-produce", "ready", live, false), owned("ci", "tr-out", "ready", unlistable, false),
+		fleet.Held{Ref: volume.Ref{Namespace: "ci", Handle: "resource-cache"}, State: volume.StateReady, SizeBytes: 1})
+	report("b")
 	require.Equal(t, []string{"b1-kept", "b2-produce", "resource-cache", "tr-out"}, present())
-	ans, err := v.Report(fleet.Report{NodeID: "b", StoreID: "b", Revision: 1, BaseRevision: 1}, now)
-	require.NoError(t, err)
-	require.Equal(t, []volume.Ref{{Namespace: "ci", Handle: "b1-produce"}}, ans.Destroy, "every node holding it is told")
-	ans, err = v.Report(fleet.Report{NodeID: "a", StoreID: "a", Revision: 1, BaseRevision: 1}, now)
-	require.NoError(t, err)
-	slices.SortFunc(ans.Destroy, func(a, b volume.Ref) int { return strings.Compare(a.String(), b.String()) })
-	require.Equal(t, []volume.Ref{{Namespace: "ci", Handle: "b1-flaky"}, {Namespace: "ci", Handle: "b1-produce"}, {Namespace: "ci", Handle: "nightly"}}, ans.Destroy)
 
 	for _, handles := range told {
 		slices.Sort(handles)
@@ -135,7 +154,7 @@ func TestSweep(t *testing.T) {
 	n, err = c.Sweep(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	require.NotContains(t, present(), "b1-running")
+	require.Equal(t, asked(uidA, "b1-running"), heartbeat("a").DestroyOwned)
 	require.NotContains(t, objects.listed, jobs, "a kind no volume names any more is not listed")
 }
 
