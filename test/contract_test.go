@@ -103,7 +103,7 @@ func TestPublishContract(t *testing.T) {
 		{"mount flags", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeCapability.GetMount().MountFlags = []string{"noexec"}
 		}), codes.InvalidArgument, "mount flags"},
-		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, readProfile, property.<key>"},
+		{"unknown attribute", base(attrs("sorce", "src-ns")), codes.InvalidArgument, "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, owner, readProfile, property.<key>"},
 		{"no pod info: podInfoOnMount off", base(func(r *csi.NodePublishVolumeRequest) {
 			r.VolumeContext = map[string]string{"source": "src-ns"}
 		}), codes.FailedPrecondition, "podInfoOnMount: true"},
