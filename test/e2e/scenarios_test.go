@@ -265,7 +265,7 @@ func TestE2E(t *testing.T) {
 		require.Equal(t, "# repo\n", c.mustSucceed("ci", "placed"))
 		// The operator's view: kubectl cowvol, as a kubectl plugin on PATH.
 		listing := c.kubectlCowvol("volumes", "-n", "ci", "-l", "version=v1")
-		require.Regexp(t, `(?m)^ci\s+res-v1\s+ready\s+succeeded\s+\S+\s+namespace\s+<none>\s+`+nodeName+`\s`, listing)
+		require.Regexp(t, `(?m)^ci\s+res-v1\s+ready\s+succeeded\s+\S+\s+namespace\s+<none>\s+<none>\s+`+nodeName+`\s`, listing)
 		report(t, "kubectl cowvol volumes -n ci -l version=v1:\n"+listing)
 		require.Regexp(t, `(?m)^`+nodeName+`\s+running\s`, c.kubectlCowvol("nodes"))
 
