@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -192,7 +193,15 @@ func TestOwnedByController(t *testing.T) {
 	kept, err := f.store.Get(ref("ci", "owned"))
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, kept.State, "kept")
+	// Pinned after the sweep read the view: the pin is the word here.
+	_, err = f.engine.Pin(ref("ci", "owned"), time.Time{})
+	require.NoError(t, err)
 	did, err := f.engine.DestroyIfOwned(ref("ci", "owned"), wf.UID)
+	require.NoError(t, err)
+	require.False(t, did, "a pinned volume is kept")
+	_, err = f.engine.Unpin(ref("ci", "owned"))
+	require.NoError(t, err)
+	did, err = f.engine.DestroyIfOwned(ref("ci", "owned"), wf.UID)
 	require.NoError(t, err)
 	require.True(t, did)
 	if gone, err := f.store.Get(ref("ci", "owned")); err == nil {

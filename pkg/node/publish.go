@@ -66,9 +66,11 @@ func (e *Engine) Publish(r PublishRequest) error {
 	}
 	// Outside the volume's lock: a pull or a capture takes long, and the
 	// kubelet's retries must see its progress, not a busy volume.
-	e.awaitCapture(r)
-	if err := e.ensureSource(r); err != nil {
-		return err
+	if !r.Source.IsZero() {
+		source, err := e.awaitCapture(r)
+		if err := e.ensureSource(r, source, err); err != nil {
+			return err
+		}
 	}
 	userns, err := e.userNamespace(r)
 	if err != nil {

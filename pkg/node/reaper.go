@@ -45,7 +45,9 @@ func (e *Engine) Destroy(refs ...volume.Ref) error {
 // DestroyIfOwned destroys a volume if its record names the owner whose UID
 // is ownerUID (captured with owner: controller), saying whether it did. The
 // controller's owner sweep asks, on the word of whichever node reported
-// the volume last; this node's own record confirms that word or not.
+// the volume last; this node's own record confirms that word or not. A
+// volume pinned here since the sweep read the view is kept, as the sweep
+// keeps one pinned before.
 func (e *Engine) DestroyIfOwned(r volume.Ref, ownerUID string) (bool, error) {
 	v, err := e.store.Get(r)
 	switch {
@@ -54,7 +56,7 @@ func (e *Engine) DestroyIfOwned(r volume.Ref, ownerUID string) (bool, error) {
 	case err != nil:
 		return false, err
 	}
-	if o, ok := volume.OwnerOf(v.Properties); !ok || o.UID != ownerUID {
+	if o, ok := volume.OwnerOf(v.Properties); !ok || o.UID != ownerUID || v.Pin.Active(time.Now()) {
 		return false, nil
 	}
 	return true, e.Destroy(r)

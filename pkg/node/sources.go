@@ -16,16 +16,13 @@ import (
 // Notifier the puller tells what it made.
 
 // ensureSource makes sure a publish's source is here, pulling it from a
-// peer if the node lacks it. It returns once the source is here (or the
-// node has it in some state the publish will answer for), or with the
-// pull's progress after the configured wait.
-func (e *Engine) ensureSource(r PublishRequest) error {
-	if e.puller == nil || r.Source.IsZero() {
+// peer if the node lacks it; v and err are the source as awaitCapture last
+// read it. It returns once the source is here (or the node has it in some
+// state the publish will answer for), or with the pull's progress after
+// the configured wait.
+func (e *Engine) ensureSource(r PublishRequest, v cache.Volume, err error) error {
+	if e.puller == nil {
 		return nil
-	}
-	v, err := e.store.Get(r.Source)
-	if err == nil && !v.ReadableBy(r.Pod.Namespace) {
-		err = hiddenHere(r.Source, r.Pod.Namespace)
 	}
 	pulling := err == nil && v.BeingPulled()
 	if !pulling && !errors.Is(err, cache.ErrNotFound) {
@@ -37,27 +34,34 @@ func (e *Engine) ensureSource(r PublishRequest) error {
 	return e.puller.Ensure(context.Background(), r.Pod.Namespace, r.Source, r.Pod, r.ReadProfile)
 }
 
-// awaitCapture waits, up to the engine's captureWait, while a publish's
-// source is a step's output on this node still being captured. A CI
-// engine creates the next step the moment the last one's containers end,
-// a moment before the kubelet tears its volumes down and the capture
-// runs; answering that publish Unavailable would cost the step the
-// kubelet's retry backoff, which doubles to two minutes. A source no step
-// has finished yet (its step still runs) is waited for as long, and then
-// answered as before.
-func (e *Engine) awaitCapture(r PublishRequest) {
-	if r.Source.IsZero() {
-		return
+// visibleHere reads volume r as namespace sees it on this node: one held
+// here that namespace may not read is, to it, not here.
+func (e *Engine) visibleHere(r volume.Ref, namespace string) (cache.Volume, error) {
+	v, err := e.store.Get(r)
+	if err == nil && !v.ReadableBy(namespace) {
+		err = hiddenHere(r, namespace)
 	}
+	return v, err
+}
+
+// awaitCapture waits, up to the engine's captureWait, while a publish's
+// source is a step's output on this node still being captured, and
+// returns the source as it last read it. A CI engine creates the next
+// step the moment the last one's containers end, a moment before the
+// kubelet tears its volumes down and the capture runs; answering that
+// publish Unavailable would cost the step the kubelet's retry backoff,
+// which doubles to two minutes. A source no step has finished yet (its
+// step still runs) is waited for as long, and then answered as before.
+func (e *Engine) awaitCapture(r PublishRequest) (cache.Volume, error) {
 	deadline := time.Now().Add(e.captureWait)
 	for {
-		v, err := e.store.Get(r.Source)
-		if err != nil || !v.ReadableBy(r.Pod.Namespace) || v.State != volume.StateCreating || !time.Now().Before(deadline) {
-			return
+		v, err := e.visibleHere(r.Source, r.Pod.Namespace)
+		if err != nil || v.State != volume.StateCreating || !time.Now().Before(deadline) {
+			return v, err
 		}
 		select {
 		case <-e.bgCtx.Done():
-			return
+			return v, err
 		case <-time.After(captureWaitPoll):
 		}
 	}
@@ -78,10 +82,7 @@ func (e *Engine) Fetch(ctx context.Context, namespace string, r volume.Ref, need
 	if e.puller == nil {
 		return cache.NotVisible(r, namespace)
 	}
-	v, err := e.store.Get(r)
-	if err == nil && !v.ReadableBy(namespace) {
-		err = hiddenHere(r, namespace)
-	}
+	v, err := e.visibleHere(r, namespace)
 	switch {
 	case err == nil && v.State == volume.StateFilling && need == volume.NeedWhole:
 		return fmt.Errorf("%s is arriving lazily from a peer; retry: %w", r, pull.ErrPulling)

@@ -107,7 +107,7 @@ func (c *Collector) Sweep(ctx context.Context) (int, error) {
 			if ctx.Err() != nil {
 				return destroyed, ctx.Err()
 			}
-			c.metrics.checks.WithLabelValues("unknown").Add(float64(len(owners)))
+			c.metrics.checked("unknown", len(owners))
 			klog.V(2).InfoS("Cannot list the owners of cached volumes: keeping the volumes", "group", k.Group, "kind", k.Kind,
 				"owners", len(owners), "err", err)
 			continue
@@ -115,10 +115,10 @@ func (c *Collector) Sweep(ctx context.Context) (int, error) {
 		for by, refs := range owners {
 			o := by.owner
 			if live[o.UID] {
-				c.metrics.checked("present")
+				c.metrics.checked("present", 1)
 				continue
 			}
-			c.metrics.checked("gone")
+			c.metrics.checked("gone", 1)
 			c.view.DestroyIfOwned(refs, o.UID)
 			destroyed += len(refs)
 			c.metrics.destroyed.Add(float64(len(refs)))
@@ -166,7 +166,8 @@ func NewMetrics() *Metrics {
 	}
 }
 
-func (m *Metrics) checked(result string) { m.checks.WithLabelValues(result).Inc() }
+// checked counts n owners checked with result.
+func (m *Metrics) checked(result string, n int) { m.checks.WithLabelValues(result).Add(float64(n)) }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
