@@ -37,10 +37,11 @@ const (
 func argoBin() string { return os.Getenv("COWVOL_E2E_ARGO_BIN") }
 
 // installArgo installs Argo Workflows from its release's manifests, as a
-// user does, into namespace argo: the workflow controller and argo
-// server on their nodes' network (the harness has no pod network), and a
-// ServiceAccount its step pods in ci run as, with what Argo's executor
-// needs.
+// user does, into namespace argo (its manifests unchanged but for the
+// images' tags), and a ServiceAccount its step pods in ci run as, with
+// what Argo's executor needs. Every pod of Argo's, the steps' included,
+// is on the pod network and reaches the API server through the kubernetes
+// Service.
 func (f *fleet) installArgo() {
 	t := f.t
 	bin := argoBin()
@@ -75,10 +76,6 @@ resources:
 images:
   - {name: quay.io/argoproj/workflow-controller, newTag: %[2]s}
   - {name: quay.io/argoproj/argocli, newTag: %[2]s}
-patches:
-  - target: {kind: Deployment}
-    patch: |-
-      - {op: add, path: /spec/template/spec/hostNetwork, value: true}
 `, base, argoVersion))
 	f.mustKubectl("", "create", "namespace", "argo")
 	f.mustKubectl("", "apply", "--server-side", "-k", dir)

@@ -13,6 +13,7 @@ import (
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
+	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"net"
@@ -47,6 +48,12 @@ const (
 	pluginImage = "cowvol.test/cowvol-plugin:e2e"
 	// serviceCIDR holds the Services' cluster IPs.
 	serviceCIDR = "10.0.0.0/24"
+	// stepPodSecurity is the label of the step namespaces: Pod Security
+	// admits no pod beyond baseline there (docs/security.md).
+	stepPodSecurity = "pod-security.kubernetes.io/enforce=baseline"
+	// kubernetesServiceIP is the kubernetes Service's: the first of
+	// serviceCIDR.
+	kubernetesServiceIP = "10.0.0.1"
 )
 
 // sysctls the kubelet rewrites; the harness puts them back.
@@ -401,6 +408,9 @@ func (c *cluster) startContainerd() {
 // under (empty: the root).
 type nodeHost struct {
 	name, address, netns, dir, cgroupRoot string
+	// podCIDR is the subnet its pods' addresses are routed from (empty:
+	// pods get an address that leads nowhere; see podnet).
+	podCIDR string
 	// mountns is the node's mount namespace (empty: the test's), where
 	// its processes see dir at view: so every node's kubelet root dir and
 	// cowvol state dir are at the same paths, as a DaemonSet's hostPaths
@@ -443,12 +453,15 @@ func (c *cluster) startRuntime(n nodeHost, snapshotterSocket string) string {
 	dir := filepath.Join(n.dir, "containerd")
 	socket := filepath.Join(dir, "containerd.sock")
 	cni, cniBin := filepath.Join(dir, "cni"), filepath.Join(dir, "cni-bin")
-	// hostNetwork pods need no network, but the CRI reports the network
-	// not ready without a CNI config. The others (user-namespace pods may
-	// not share the host's) get a dummy interface from podnet.
+	// podnet routes a fleet node's pods through the node (a network
+	// namespace of the lab's), and gives the one node's pods, which share
+	// the test's namespace with the machine, an interface that leads
+	// nowhere: hostNetwork pods need no network, but the CRI reports the
+	// network not ready without a CNI config.
 	c.buildStatic("podnet", cniBin)
+	podnet, _ := json.Marshal(map[string]any{"type": "podnet", "subnet": n.podCIDR, "gateway": podGateway, "dataDir": filepath.Join(dir, "podnet")})
 	writeFile(c.t, filepath.Join(cni, "10-e2e.conflist"),
-		`{"cniVersion": "0.4.0", "name": "e2e", "plugins": [{"type": "loopback"}, {"type": "podnet"}]}`)
+		`{"cniVersion": "0.4.0", "name": "e2e", "plugins": [{"type": "loopback"}, `+string(podnet)+`]}`)
 	config := filepath.Join(dir, "config.toml")
 	// containerd 2's config schema (version 3): the CRI plugin's images and
 	// runtime halves are plugins of their own. The cowvol snapshotter and
@@ -741,11 +754,12 @@ func (c *cluster) startPlugin(extraArgs ...string) {
 // createStepNamespaces makes the namespaces steps run in, and the
 // ServiceAccount that step pods running images from the node's registry
 // run as (the kubelet pulls with a token of theirs; withAccount). They
-// enforce no Pod Security level: the harness's step pods share their
-// node's network (there is no pod network), which "baseline" forbids.
+// enforce Pod Security's baseline, as docs/security.md asks of a step
+// namespace: no step pod, the Argo executor's included, needs more.
 func (c *cluster) createStepNamespaces(withAccount bool) {
 	for _, ns := range []string{"ci", "other"} {
 		c.mustKubectl("", "create", "namespace", ns)
+		c.mustKubectl("", "label", "namespace", ns, stepPodSecurity)
 		if withAccount {
 			c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", ns)
 		}

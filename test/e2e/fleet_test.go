@@ -32,9 +32,10 @@ import (
 // root, pod logs and cowvol state filesystem; one etcd, API server,
 // controller manager and kube-scheduler serve them all from the test's own
 // namespace, the API server on the test's address on the lab, which is how
-// the nodes reach it. Pods use their node's network (there is no CNI):
-// pods on different nodes reach each other only over the bridge, as over a
-// real network, and Services through each node's kube-proxy.
+// the nodes reach it. Each node routes a pod subnet of its own (podnet's
+// routed mode, set up as a CNI's node agent would): pods on different
+// nodes reach each other only over the bridge, as over a real network, and
+// Services through each node's kube-proxy.
 type fleet struct {
 	*cluster
 	nodes []fleetNode
@@ -117,15 +118,19 @@ func startFleet(t *testing.T, n int) *fleet {
 	f := &fleet{cluster: c, hosts: filepath.Join(work, "hosts")}
 	writeFile(t, f.hosts, "127.0.0.1 localhost\n")
 	require.NoError(t, os.MkdirAll(fleetView(work), 0o755))
+	// Every node's address and pod subnet first: each routes the others'.
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("node-%d", i)
 		host := lab.Host(name)
-		node := fleetNode{nodeHost: nodeHost{name: name, address: host.IP, netns: host.Netns,
-			dir: filepath.Join(work, name), cgroupRoot: "/" + filepath.Base(work) + "-" + name, view: fleetView(work)}, host: host, state: states[i-1]}
+		f.nodes = append(f.nodes, fleetNode{nodeHost: nodeHost{name: name, address: host.IP, netns: host.Netns,
+			dir: filepath.Join(work, name), cgroupRoot: "/" + filepath.Base(work) + "-" + name, view: fleetView(work),
+			podCIDR: fmt.Sprintf("10.100.%d.0/24", i)}, host: host, state: states[i-1]})
+	}
+	for i := range f.nodes {
+		node := &f.nodes[i]
 		f.makeCgroupRoot(node.cgroupRoot)
-		f.boot(&node)
+		f.boot(node)
 		c.runtimes = append(c.runtimes, node.containerd)
-		f.nodes = append(f.nodes, node)
 	}
 	c.until("every node to be Ready", 2*time.Minute, func() bool {
 		out, err := c.kubectl("", "get", "nodes", "-o", `jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{" "}{end}`)
@@ -146,6 +151,7 @@ func (f *fleet) boot(n *fleetNode) {
 	// Services' cluster IPs are reached through eth0, where kube-proxy's
 	// rules send them on to their pods.
 	run(f.t, "ip", "-n", n.netns, "route", "replace", serviceCIDR, "dev", "eth0")
+	f.routePods(n)
 	first := n.containerd == ""
 	// containerd finds the cowvol snapshotter where the chart's
 	// images.snapshotter.socketDir puts it (installCowvol).
@@ -155,6 +161,33 @@ func (f *fleet) boot(n *fleetNode) {
 	}
 	n.kubeletDir = f.startKubeletOn(n.nodeHost, n.containerd)
 	f.startKubeProxy(n.nodeHost)
+}
+
+// podCIDR is the fleet's pod range: node-<i>'s pods have addresses of
+// 10.100.<i>.0/24 (podnet's routed mode).
+const podCIDR = "10.100.0.0/16"
+
+// podGateway is where a pod's default route goes: an address of its
+// node's, which the node answers the pod's ARP for.
+const podGateway = "169.254.1.1"
+
+// routePods makes the node its pods' router, as a CNI's node agent does:
+// it holds the pods' gateway address, forwards, masquerades what its pods
+// send outside the pod range (to the API server, or a node's own
+// address), and routes each other node's pod subnet to that node over the
+// bridge. Again at each boot: the routes went with the link when the node
+// was killed.
+func (f *fleet) routePods(n *fleetNode) {
+	masquerade := fmt.Sprintf("POSTROUTING -s %s ! -d %s -j MASQUERADE", n.podCIDR, podCIDR)
+	script := "set -e\necho 1 > /proc/sys/net/ipv4/ip_forward\n" +
+		"ip addr replace " + podGateway + "/32 dev lo\n" +
+		"iptables -t nat -C " + masquerade + " 2>/dev/null || iptables -t nat -A " + masquerade + "\n"
+	for _, o := range f.nodes {
+		if o.name != n.name {
+			script += fmt.Sprintf("ip route replace %s via %s dev eth0\n", o.podCIDR, o.address)
+		}
+	}
+	run(f.t, "ip", "netns", "exec", n.netns, "sh", "-c", script)
 }
 
 // kill kills a node as a power cut does: every process of it at once
@@ -283,43 +316,44 @@ func preferring(node string) podOpt {
 }
 
 // TestFleet: three real kubelets on one machine, each in its own network
-// namespace. kube-scheduler spreads pods over them; each pod runs in its
-// node's namespace (its address is the node's); a pod on one node reaches
-// a server on another node's address over the bridge, and not on that
-// node's loopback, which is its own.
+// namespace, routing its pods' subnet. kube-scheduler spreads pods over
+// them; each pod has an address of its node's subnet; a pod on one node
+// reaches a pod on another over the bridge, and not at its loopback, which
+// is its own, and reaches the API server through its Service.
 func TestFleet(t *testing.T) {
 	f := startFleet(t, 3)
 
 	// Two pods preferring each node: kube-scheduler binds each there, and
-	// it runs in that node's network namespace.
-	placed := map[string]string{}
+	// its address is of that node's pod subnet.
+	placed := map[string]fleetNode{}
 	for i := range 6 {
-		name, node := fmt.Sprintf("placed-%d", i), f.nodes[i%3].name
+		name, node := fmt.Sprintf("placed-%d", i), f.nodes[i%3]
 		placed[name] = node
-		f.createPodWith("ci", name, "ip -4 -o addr show eth0", []podOpt{preferring(node)})
+		f.createPodWith("ci", name, "ip -4 -o addr show eth0", []podOpt{preferring(node.name)})
 	}
 	for name, node := range placed {
 		out := f.mustSucceed("ci", name)
-		require.Equal(t, node, f.podOn("ci", name), "kube-scheduler bound %s where it was preferred", name)
-		var ip string
-		for _, n := range f.nodes {
-			if n.name == node {
-				ip = n.address
-			}
-		}
-		require.Contains(t, out, " "+ip+"/24", "pod %s runs in its node's network namespace", name)
+		require.Equal(t, node.name, f.podOn("ci", name), "kube-scheduler bound %s where it was preferred", name)
+		require.Contains(t, out, " "+strings.TrimSuffix(node.podCIDR, "0/24"), "pod %s has an address of %s's pod subnet", name, node.name)
 	}
 
-	// A server on node-1; a client on node-2 reaches it at node-1's
-	// address, over the bridge, and finds nothing at its own loopback,
-	// which is not node-1's.
+	// A server pod on node-1; a client pod on node-2 reaches it at its
+	// address over the bridge (node-2 routes node-1's pod subnet to
+	// node-1), finds nothing at its own loopback, which is not the
+	// server's, and reaches the API server through the kubernetes
+	// Service (its node's kube-proxy, then masqueraded onto the lab): a
+	// plain HTTP request to it is answered by Go's TLS server.
 	n1 := f.nodes[0]
-	f.createPodWith("ci", "server", `(echo over-the-bridge | nc -l -p 8080) & (echo loopback | nc -l -p 8081) & sleep 60`,
+	f.createPodWith("ci", "server", `(echo pod-to-pod | nc -l -p 8080) & (echo loopback | nc -l -p 8081) & sleep 60`,
 		[]podOpt{onNode(n1.name)})
 	f.until("the server to run", time.Minute, func() bool { return f.phase("ci", "server") == "Running" })
-	f.createPodWith("ci", "client", `for i in $(seq 30); do nc -w 2 `+n1.address+` 8080 2>/dev/null && break; sleep 1; done
-		nc -w 2 127.0.0.1 8081 2>/dev/null || echo "no loopback of node-1's here"`, []podOpt{onNode("node-2")})
-	require.Equal(t, "over-the-bridge\nno loopback of node-1's here\n", f.mustSucceed("ci", "client"))
+	serverIP := f.mustKubectl("", "get", "pod", "server", "-n", "ci", "-o", "jsonpath={.status.podIP}")
+	require.True(t, strings.HasPrefix(serverIP, strings.TrimSuffix(n1.podCIDR, "0/24")), "the server's address %q", serverIP)
+	f.createPodWith("ci", "client", `for i in $(seq 30); do nc -w 2 `+serverIP+` 8080 2>/dev/null && break; sleep 1; done
+		nc -w 2 127.0.0.1 8081 2>/dev/null || echo "no loopback of the server's here"
+		printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 5 `+kubernetesServiceIP+` 443 | grep -q 'HTTP request to an HTTPS server' && echo "the API server through its Service"`,
+		[]podOpt{onNode("node-2")})
+	require.Equal(t, "pod-to-pod\nno loopback of the server's here\nthe API server through its Service\n", f.mustSucceed("ci", "client"))
 	require.Equal(t, "node-2", f.podOn("ci", "client"))
 	f.scenario("install with the Helm chart", f.installCowvol)
 	f.scenario("placement, and an input across the bridge", f.fleetBuild)
@@ -336,8 +370,8 @@ func TestFleet(t *testing.T) {
 	// registrar sidecar in crash-loop back-off for a minute or two.
 	f.scenario("a node's death mid-read", f.fleetNodeDeath)
 	report(t, f.figureTable())
-	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own: kube-scheduler bound 6 pods each to the node it preferred, "+
-		"and a pod on node-2 reached node-1's address over the bridge but not its loopback\n", len(f.nodes)))
+	report(t, fmt.Sprintf("a fleet of %d real kubelets, each in a network namespace of its own and routing its pods' subnet: kube-scheduler bound 6 pods each to the node it preferred, "+
+		"a pod on node-2 reached a pod on node-1 over the bridge but not at its loopback, and the API server through the kubernetes Service\n", len(f.nodes)))
 	f.deleteSteps("ci")
 }
 
@@ -345,10 +379,12 @@ func TestFleet(t *testing.T) {
 // user does: the TLS Secrets made as docs/install.md says, the chart's
 // DaemonSet (with the upstream registrar) on every node and its
 // controller's two replicas electing a leader, the plugin's image (make
-// image's) in every node's runtime. What a cluster without a CNI needs
-// is set as values: cowvol's pods on their nodes' network; the nodes find
-// the controller's Service by its name in their hosts file, where a
-// cluster's DNS would answer. The scheduler's client of the Cache API is
+// image's) in every node's runtime. What this cluster lacks is made up
+// for by values: cowvol's pods on their nodes' network (the API server,
+// beside the nodes, has no route to the pods' subnets, and calls the
+// locality webhook at its endpoint); the nodes find the controller's
+// Service by its name in their hosts file, where a cluster's DNS would
+// answer. The scheduler's client of the Cache API is
 // f.cache, through DialKube.
 func (f *fleet) installCowvol() {
 	t := f.t

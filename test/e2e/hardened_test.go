@@ -17,9 +17,6 @@ import (
 // Pod options of hardened steps.
 func userNamespace(spec, _ map[string]any) {
 	spec["hostUsers"] = false
-	// A pod with a user namespace of its own cannot share the host's
-	// network; the CNI's loopback is all it gets here.
-	spec["hostNetwork"] = false
 }
 
 func runAs(uid int) podOpt {

@@ -112,15 +112,13 @@ func (c *cluster) registryToken(ns, pod string) string {
 		"--bound-object-kind=Pod", "--bound-object-name="+pod, "--duration=10m"))
 }
 
-// withHostDir mounts a dir of the host read-only at path.
-func withHostDir(dir, path string) podOpt {
-	return func(spec, container map[string]any) {
-		spec["volumes"] = append(spec["volumes"].([]map[string]any),
-			map[string]any{"name": "host", "hostPath": map[string]any{"path": dir, "type": "Directory"}})
-		container["volumeMounts"] = append(container["volumeMounts"].([]map[string]any),
-			map[string]any{"name": "host", "mountPath": path, "readOnly": true})
-	}
-}
+// hostNetworkTenant is a namespace whose pods may use their node's
+// network: an attacker's, in imagesTenancy.
+const hostNetworkTenant = "hostnet"
+
+// onHostNetwork puts the pod on its node's network: what only a namespace
+// that Pod Security does not hold to baseline admits.
+func onHostNetwork(spec, _ map[string]any) { spec["hostNetwork"] = true }
 
 // rootfsImageScript is a get step that leaves a rootfs-format image
 // (busybox's) in /out; a task on it prints rootfsImageSays.
@@ -155,7 +153,7 @@ func (c *cluster) stepImages() {
 	require.NoError(t, ociimage.Write(filepath.Join(src, "image.tar"), ociimage.Image{Name: "example.com/built:latest",
 		Files: append(busyboxFiles(t), ociimage.File{Path: "etc/made-by", Mode: 0o644, Data: []byte("oci-build\n")}),
 		Cmd:   []string{"/bin/sh"}, Env: []string{"PATH=/bin"}}))
-	c.createPodWith("ci", "oci-build", `set -e; cp /src/image.tar /out/`, []podOpt{withHostDir(src, "/src")},
+	c.createPodFed("ci", "oci-build", src, "/src", `set -e; cp /src/image.tar /out/`,
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-oci")})
 	c.mustSucceed("ci", "oci-build")
 	c.waitCaptured("img-oci")
@@ -210,7 +208,13 @@ func (c *cluster) imagesTenancy() {
 
 	// A hostNetwork pod of another namespace, as an attacker would ask:
 	// every answer for ci's image is the one for an image that is not
-	// there.
+	// there. The step namespaces admit no hostNetwork pod (Pod Security
+	// baseline), so the attacker's is one whose operator let it have one.
+	_, err := c.kubectl(podJSON("other", "attacker", "true", nil, onHostNetwork), "create", "-f", "-")
+	require.ErrorContains(t, err, `violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)`)
+	c.mustKubectl("", "create", "namespace", hostNetworkTenant)
+	c.mustKubectl("", "label", "namespace", hostNetworkTenant, "pod-security.kubernetes.io/enforce=privileged")
+	c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", hostNetworkTenant)
 	script := `T=$(cat /var/run/cowvol/token)
 		AUTH="Authorization: Basic $(printf 'serviceaccount-token:%s' "$T" | base64 | tr -d '\n')"
 		ask() {
@@ -224,10 +228,12 @@ func (c *cluster) imagesTenancy() {
 				echo "== $host $cred blob $what"; ask $host 7444 /v2/ci/$what/blobs/` + layer + ` "$h"
 			done
 		done; done`
-	c.createPodWith("other", "attacker", script, []podOpt{withRegistryToken()})
+	c.createPodWith(hostNetworkTenant, "attacker", script, []podOpt{onHostNetwork, withRegistryToken()})
 	answers := map[string]string{}
 	var key string
-	for _, line := range strings.Split(strings.TrimSpace(c.mustSucceed("other", "attacker")), "\n") {
+	asked := c.mustSucceed(hostNetworkTenant, "attacker")
+	c.deletePod(hostNetworkTenant, "attacker")
+	for _, line := range strings.Split(strings.TrimSpace(asked), "\n") {
 		if k, ok := strings.CutPrefix(line, "== "); ok {
 			key = k
 			continue
@@ -348,7 +354,7 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 		src := filepath.Join(c.work, tt.handle)
 		// The layer's blob an empty file, its digest the config's diff ID.
 		require.NoError(t, ociimage.WriteLayout(src, tt.layer, nil, tt.layer.Digest))
-		c.createPodWith("other", "write-"+tt.handle, `set -e; cp -r /src/. /out/`, []podOpt{withHostDir(src, "/src")},
+		c.createPodFed("other", "write-"+tt.handle, src, "/src", `set -e; cp -r /src/. /out/`,
 			volume{name: "out", mountPath: "/out", attrs: attrs("capture", tt.handle)})
 		c.mustSucceed("other", "write-"+tt.handle)
 		c.waitCapturedIn("other", tt.handle)

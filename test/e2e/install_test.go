@@ -30,7 +30,7 @@ func (c *cluster) pluginImageRuns() {
 		"apiVersion": "v1", "kind": "Pod",
 		"metadata": map[string]any{"name": "plugin-image", "namespace": "ci"},
 		"spec": map[string]any{
-			"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true,
+			"nodeName": nodeName, "restartPolicy": "Never",
 			"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
 			"containers": []any{map[string]any{
 				"name": "cowvol", "image": pluginImage, "imagePullPolicy": "Never", "args": []string{"--version"},

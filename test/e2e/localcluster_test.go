@@ -41,7 +41,7 @@ func TestLocalCluster(t *testing.T) {
 		case "argo":
 			require.NotEmpty(t, argoBin(), "WITH=argo: Argo Workflows was not built (make cluster builds it)")
 			f.installArgo()
-			with += "; Argo Workflows " + argoVersion + " in namespace argo (its steps run in ci as ServiceAccount argo-steps, on their node's network: hostNetwork: true)"
+			with += "; Argo Workflows " + argoVersion + " in namespace argo (its steps run in ci as ServiceAccount argo-steps, on the pod network)"
 		default:
 			t.Fatalf("WITH=%s: make cluster can add argo", extra)
 		}

@@ -39,6 +39,8 @@ type volume struct {
 // pod is created.
 type podOpt func(spec, container map[string]any)
 
+// podJSON is a step pod as Pod Security's baseline admits it (the step
+// namespaces enforce it): on the pod network, with no host paths.
 func podJSON(ns, name, script string, vols []volume, opts ...podOpt) string {
 	var mounts, volumes []map[string]any
 	for _, v := range vols {
@@ -59,7 +61,7 @@ func podJSON(ns, name, script string, vols []volume, opts ...podOpt) string {
 		"command": []string{"/bin/sh", "-c", script}, "volumeMounts": mounts,
 	}
 	spec := map[string]any{
-		"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
+		"nodeName": nodeName, "restartPolicy": "Never", "dnsPolicy": "Default",
 		"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
 		"containers": []any{container},
 		"volumes":    volumes,
@@ -74,6 +76,17 @@ func podJSON(ns, name, script string, vols []volume, opts ...podOpt) string {
 	}
 	b, _ := json.Marshal(pod)
 	return string(b)
+}
+
+// createPodFed creates a step pod whose script runs once the test has
+// copied dir's files into its container at path, as a user brings files
+// into a pod (kubectl cp): a step namespace admits no hostPath.
+func (c *cluster) createPodFed(ns, name, dir, path, script string, vols ...volume) {
+	c.t.Helper()
+	c.createPodWith(ns, name, `while [ ! -e /tmp/fed ]; do sleep 0.2; done; `+script, nil, vols...)
+	c.until(name+" to run", time.Minute, func() bool { return c.phase(ns, name) == "Running" })
+	c.mustKubectl("", "cp", dir, ns+"/"+name+":"+path)
+	c.mustKubectl("", "exec", "-n", ns, name, "--", "touch", "/tmp/fed")
 }
 
 func (c *cluster) createPod(ns, name, script string, vols ...volume) {
