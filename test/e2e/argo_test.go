@@ -106,7 +106,7 @@ subjects: [{kind: ServiceAccount, name: argo-steps, namespace: ci}]
 // argoExample is the example a team copies (examples/argo/build.yaml), as
 // the fleet runs it: named, on the harness's busybox image (imported into
 // every node's runtime) and the fleet's registry of images from volumes.
-func argoExample(t *testing.T, name string) string {
+func argoExample(t testing.TB, name string) string {
 	raw := string(mustRead(t, "../../examples/argo/build.yaml"))
 	for old, new := range map[string]string{
 		"generateName: build-":     "name: " + name,

@@ -72,7 +72,7 @@ func (p *proc) logText() string {
 }
 
 type cluster struct {
-	t          *testing.T
+	t          testing.TB
 	work       string
 	bin        string
 	kubeconfig string
@@ -105,7 +105,7 @@ type cluster struct {
 	current string
 }
 
-func linkNames(t *testing.T) []string {
+func linkNames(t testing.TB) []string {
 	ifs, err := net.Interfaces()
 	if err != nil {
 		t.Fatal(err)
@@ -196,7 +196,7 @@ func (c *cluster) mustKubectl(stdin string, args ...string) string {
 	return out
 }
 
-func writeFile(t *testing.T, path, content string) {
+func writeFile(t testing.TB, path, content string) {
 	t.Helper()
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		t.Fatal(err)
@@ -207,7 +207,7 @@ func writeFile(t *testing.T, path, content string) {
 }
 
 // kubeBin is where make e2e built the Kubernetes release it runs on.
-func kubeBin(t *testing.T) string {
+func kubeBin(t testing.TB) string {
 	bin := os.Getenv("COWVOL_E2E_KUBE_BIN")
 	if bin == "" {
 		t.Fatal("COWVOL_E2E_KUBE_BIN is not set: run make e2e (it builds Kubernetes from test/e2e/tools)")
@@ -224,7 +224,7 @@ func kubeBin(t *testing.T) string {
 // controller running as host processes, with the state dir on a
 // filesystem of kind (btrfs, with quotas, enforces size limits) and the
 // plugin run with extra args, and registers teardown.
-func startClusterWith(t *testing.T, kind testfs.Kind, pluginArgs ...string) *cluster {
+func startClusterWith(t testing.TB, kind testfs.Kind, pluginArgs ...string) *cluster {
 	c := startNodeOn(t, false, kind)
 	// The plugin refuses to serve until the CSIDriver object makes the
 	// kubelet vouch for pods.
@@ -245,13 +245,13 @@ func startClusterWith(t *testing.T, kind testfs.Kind, pluginArgs ...string) *clu
 // startNode brings up etcd, the API server, containerd with the images and
 // the kubelet; with controllers, the controller manager and the scheduler
 // too (Deployments and DaemonSets need them), and ServiceAccounts' tokens.
-func startNode(t *testing.T, controllers bool) *cluster {
+func startNode(t testing.TB, controllers bool) *cluster {
 	return startNodeOn(t, controllers, testfs.Btrfs)
 }
 
 // startNodeOn brings the node up with cowvol's state dir on a filesystem of
 // kind.
-func startNodeOn(t *testing.T, controllers bool, kind testfs.Kind) *cluster {
+func startNodeOn(t testing.TB, controllers bool, kind testfs.Kind) *cluster {
 	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox")
 	bin := kubeBin(t)
 	work, err := os.MkdirTemp("", "cowvol-e2e-")
@@ -558,7 +558,7 @@ func (c *cluster) buildImages(dir, out string) {
 
 // busyboxFiles are a busybox image's files: the binary, a link for each
 // applet, and /tmp.
-func busyboxFiles(t *testing.T) []ociimage.File {
+func busyboxFiles(t testing.TB) []ociimage.File {
 	busybox, err := os.ReadFile("/bin/busybox")
 	if err != nil {
 		t.Fatal(err)
@@ -604,7 +604,7 @@ func (c *cluster) startControllers() {
 
 // credentialProviderBinary is the kubelet's credential provider that make
 // e2e built.
-func credentialProviderBinary(t *testing.T) string {
+func credentialProviderBinary(t testing.TB) string {
 	bin := os.Getenv("COWVOL_CREDENTIAL_PROVIDER_BINARY")
 	if bin == "" {
 		t.Fatal("COWVOL_CREDENTIAL_PROVIDER_BINARY is not set: run make e2e (make build builds it)")

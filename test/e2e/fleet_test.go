@@ -86,7 +86,7 @@ func fleetView(work string) string { return filepath.Join(work, "node") }
 // each Ready with the harness's images in its runtime, and registers
 // their teardown: nothing of them is left. Each node's state filesystem
 // is XFS with reflink, the last one's btrfs.
-func startFleet(t *testing.T, n int) *fleet {
+func startFleet(t testing.TB, n int) *fleet {
 	testfs.Need(t, "containerd", "containerd-shim-runc-v2", "runc", "etcd", "ctr", "busybox", "ip", "nsenter", "unshare", "iptables")
 	bin := kubeBin(t)
 	// Made first, so that they go last: the nodes' namespaces and
@@ -221,7 +221,7 @@ func (f *fleet) revive(n *fleetNode, wipe bool) {
 }
 
 // run runs a command the harness needs to succeed.
-func run(t *testing.T, args ...string) {
+func run(t testing.TB, args ...string) {
 	t.Helper()
 	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 		t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
@@ -544,7 +544,7 @@ func (f *fleet) startedAfterBound(ns, name string) time.Duration {
 }
 
 // mustRead is a file's bytes.
-func mustRead(t *testing.T, path string) []byte {
+func mustRead(t testing.TB, path string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(path)
 	require.NoError(t, err)

@@ -88,7 +88,7 @@ func (c *cluster) runtimeManifest(name string) (string, ocispec.Manifest) {
 
 // registryGet asks the node's registry for path as a process on the node,
 // with token (empty: none), and answers the status and body.
-func registryGet(t *testing.T, path, token string) (int, string) {
+func registryGet(t testing.TB, path, token string) (int, string) {
 	t.Helper()
 	req, err := http.NewRequest(http.MethodGet, "http://"+imageRegistry+path, nil)
 	require.NoError(t, err)

@@ -19,7 +19,7 @@ import (
 // renderKustomization renders the kustomization in dir with kubectl's own
 // kustomize, as kubectl apply -k would, and returns its objects by
 // "Kind/name".
-func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, error) {
+func renderKustomization(t testing.TB, dir string) (map[string]map[string]any, error) {
 	t.Helper()
 	kubectl := filepath.Join(kubeBin(t), "kubectl")
 	out, err := exec.Command(kubectl, "kustomize", dir).CombinedOutput()
@@ -38,7 +38,7 @@ func renderKustomization(t *testing.T, dir string) (map[string]map[string]any, e
 
 // renderSnapshotterComponent renders the base with the image registry's
 // and the image snapshotter's components.
-func renderSnapshotterComponent(t *testing.T) map[string]map[string]any {
+func renderSnapshotterComponent(t testing.TB) map[string]map[string]any {
 	t.Helper()
 	dir := t.TempDir()
 	writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
@@ -53,7 +53,7 @@ func renderSnapshotterComponent(t *testing.T) map[string]map[string]any {
 // renderChart renders deploy/helm/cowvol into namespace cowvol with
 // helm template, its values changed by args; it skips where make e2e did
 // not build helm.
-func renderChart(t *testing.T, args ...string) map[string]map[string]any {
+func renderChart(t testing.TB, args ...string) map[string]map[string]any {
 	t.Helper()
 	out, err := exec.Command(helmBinary(t), append([]string{"template", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol"}, args...)...).CombinedOutput()
 	require.NoError(t, err, "%s", out)
@@ -71,7 +71,7 @@ func renderChart(t *testing.T, args ...string) map[string]map[string]any {
 }
 
 // helmBinary is the helm make e2e builds; a test without it skips.
-func helmBinary(t *testing.T) string {
+func helmBinary(t testing.TB) string {
 	t.Helper()
 	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
 	if helm == "" {
@@ -81,7 +81,7 @@ func helmBinary(t *testing.T) string {
 }
 
 // chartRefusal is what helm template says when the chart refuses values.
-func chartRefusal(t *testing.T, args ...string) string {
+func chartRefusal(t testing.TB, args ...string) string {
 	t.Helper()
 	out, err := exec.Command(helmBinary(t), append([]string{"template", "cowvol", "../../deploy/helm/cowvol"}, args...)...).CombinedOutput()
 	require.Error(t, err, "the chart renders with %v", args)
@@ -93,7 +93,7 @@ type renderError struct{ out string }
 func (e *renderError) Error() string { return e.out }
 
 // withSetting sets key in a settings.yaml, which must have it once.
-func withSetting(t *testing.T, settings, key, value string) string {
+func withSetting(t testing.TB, settings, key, value string) string {
 	t.Helper()
 	line := regexp.MustCompile(`(?m)^  ` + regexp.QuoteMeta(key) + `: .*$`)
 	require.Len(t, line.FindAllString(settings, -1), 1, "settings.yaml's %s", key)
@@ -103,7 +103,7 @@ func withSetting(t *testing.T, settings, key, value string) string {
 // writeOverlay writes an overlay in dir as a user would: the example's
 // settings.yaml edited by edit, and the kustomization.yaml kustomization
 // makes, given how to name a dir of the repo from dir.
-func writeOverlay(t *testing.T, dir string, edit func(settings string) string, kustomization func(rel func(repoDir string) string) string) {
+func writeOverlay(t testing.TB, dir string, edit func(settings string) string, kustomization func(rel func(repoDir string) string) string) {
 	t.Helper()
 	repo, err := filepath.Abs("../..")
 	require.NoError(t, err)
@@ -120,7 +120,7 @@ func writeOverlay(t *testing.T, dir string, edit func(settings string) string, k
 // settingsOverlay writes an overlay of deploy/csi/base with the settings
 // component and the example's settings.yaml, edited by edit, and returns
 // its dir.
-func settingsOverlay(t *testing.T, edit func(settings string) string) string {
+func settingsOverlay(t testing.TB, edit func(settings string) string) string {
 	t.Helper()
 	dir := t.TempDir()
 	writeOverlay(t, dir, edit, func(rel func(string) string) string {
@@ -486,7 +486,7 @@ func TestManifests(t *testing.T) {
 }
 
 // toYAML is an object as YAML text, to look for what it says.
-func toYAML(t *testing.T, obj map[string]any) string {
+func toYAML(t testing.TB, obj map[string]any) string {
 	t.Helper()
 	require.NotNil(t, obj)
 	b, err := yaml.Marshal(obj)
@@ -497,7 +497,7 @@ func toYAML(t *testing.T, obj map[string]any) string {
 // servedMetrics are the metrics docs/metrics.md lists, which hack/gendocs
 // generates from their definitions (and TestMetrics holds to what a plugin
 // serves).
-func servedMetrics(t *testing.T) map[string]bool {
+func servedMetrics(t testing.TB) map[string]bool {
 	t.Helper()
 	b, err := os.ReadFile("../../docs/metrics.md")
 	require.NoError(t, err)

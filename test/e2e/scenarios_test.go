@@ -341,7 +341,7 @@ func TestE2E(t *testing.T) {
 }
 
 // report logs a finding and leaves it where make e2e prints it.
-func report(t *testing.T, line string) {
+func report(t testing.TB, line string) {
 	t.Log(strings.TrimSpace(line))
 	if path := os.Getenv("COWVOL_E2E_REPORT"); path != "" {
 		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)

@@ -642,7 +642,7 @@ func (s *soak) checkNothingLeft() {
 
 // keepLogs copies a failed soak's logs (the harness's and every pod's)
 // where the fleet's teardown leaves them.
-func keepLogs(t *testing.T, f *fleet) {
+func keepLogs(t testing.TB, f *fleet) {
 	if !t.Failed() {
 		return
 	}

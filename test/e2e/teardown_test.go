@@ -164,7 +164,7 @@ func cgroupPids(dir string) []int {
 
 // removeKubeCgroups removes the kubelet's cgroups (v1 and v2), and the
 // cgroup roots of nodes (their kubepods below), deepest first.
-func removeKubeCgroups(t *testing.T, cgroupRoots ...string) {
+func removeKubeCgroups(t testing.TB, cgroupRoots ...string) {
 	var dirs []string
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods*")
 	if v2, _ := filepath.Glob("/sys/fs/cgroup/kubepods*"); len(v2) > 0 {
