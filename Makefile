@@ -54,13 +54,18 @@ ARGO_TOOLS   := test/e2e/tools/argo
 ARGO_VERSION := $(shell sed -n 's|^\tgithub.com/argoproj/argo-workflows/v3 \(v[^ ]*\).*|\1|p' $(ARGO_TOOLS)/go.mod)
 ARGO_BIN     := $(E2E_BIN)/argo-$(ARGO_VERSION)
 
+# SeaweedFS (weed), whose S3 gateway is the artifact repository of make
+# bench-argo, built from its Go module in a tools module of its own.
+WEED_TOOLS := test/e2e/tools/seaweedfs
+WEED_BIN   := $(E2E_BIN)/seaweedfs/weed
+
 # Code generated from api/*.proto, with pinned generators (and protoc from
 # Debian's protobuf-compiler).
 PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 TOOLS              := $(CURDIR)/bin/tools
 
-.PHONY: build test bench demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate docs manifests
+.PHONY: build test bench bench-argo demo lint image docker-image clean e2e e2e-deps soak cluster cluster-down generate docs manifests
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/cowvol-plugin
@@ -183,6 +188,16 @@ $(RUNTIME_BIN)/runc: $(RUNTIME_TOOLS)/go.mod
 
 bench: build
 	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) $(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -count $(BENCHCOUNT) -timeout 60m ./bench/
+
+# Argo's S3 artifacts against cowvol volumes on the fleet, side by side in
+# one run (BenchmarkArgoArtifacts; figures in bench/RESULTS.md).
+bench-argo: e2e-deps $(WEED_BIN)
+	{ cd test/e2e && $(E2E_ENV) COWVOL_E2E_WEED_BINARY=$(CURDIR)/$(WEED_BIN) COWVOL_E2E_REPORT=$(CURDIR)/$(E2E_BIN)/bench-argo.txt \
+		$(GO) test -tags e2e -count=1 -timeout 60m -run '^$$' -bench '^BenchmarkArgoArtifacts$$' -benchtime 1x -v . ; } 2>&1 \
+		| tee $(E2E_BIN)/bench-argo.log
+
+$(WEED_BIN): $(WEED_TOOLS)/go.mod
+	cd $(WEED_TOOLS) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o $(CURDIR)/$@ github.com/seaweedfs/seaweedfs/weed
 
 demo: build
 	$(BIN) demo
