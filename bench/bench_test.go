@@ -172,13 +172,39 @@ func cpA(b *testing.B, src, dst string) time.Duration {
 	return d
 }
 
-// layerDir finds a cached volume's data dir on disk (for the cp baseline).
+// layerDir finds a cached volume's data dir on disk (for the cp baseline):
+// the one dir beside its layer's file sums, once they are made.
 func layerDir(b *testing.B, stateDir, handle string) string {
 	matches, err := filepath.Glob(filepath.Join(stateDir, "volumes", "ci", handle, "*"))
-	if err != nil || len(matches) != 1 {
+	var dirs []string
+	for _, m := range matches {
+		if fi, err := os.Stat(m); err == nil && fi.IsDir() {
+			dirs = append(dirs, m)
+		}
+	}
+	if err != nil || len(dirs) != 1 {
 		b.Fatalf("layer of %s: %v %v", handle, matches, err)
 	}
-	return matches[0]
+	return dirs[0]
+}
+
+// startLogged starts cmd, its output into the file log, and kills it
+// when the bench ends.
+func startLogged(b *testing.B, cmd *exec.Cmd, log string) {
+	b.Helper()
+	f, err := os.Create(log)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = f, f
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		f.Close()
+	})
 }
 
 type row struct{ what, value, vs string }

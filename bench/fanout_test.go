@@ -18,7 +18,6 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
-	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // fanOutRate is every host's link, each way. One consumer pulling 1 GiB
@@ -70,8 +69,7 @@ func BenchmarkFanOut(b *testing.B) {
 	for _, h := range append([]*netlab.Host{holder}, consumers...) {
 		h.ShapeLink(fanOutRate)
 	}
-	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), plugin.DefaultPeerServerName)
-	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
+	tlsArgs := peerTLS(b)
 	peer := net.JoinHostPort(holder.IP, "7443")
 	for range b.N {
 		state, disk := testfs.Mount(b, testfs.XFS, 4<<30), testfs.MountAllocated(b, testfs.XFS, 12<<30)

@@ -61,32 +61,25 @@ state = %q
 	path := bin + ":" + os.Getenv("PATH")
 	cmd := exec.Command(filepath.Join(bin, "containerd"), "--config", config)
 	cmd.Env = append(os.Environ(), "PATH="+path)
-	log, err := os.Create(filepath.Join(dir, "containerd.log"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
 	b.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		// What its shims and snapshots left mounted under its root.
+		// What its shims and snapshots left mounted under its root, once
+		// it is killed (cleanups run last first).
 		_ = exec.Command("sh", "-c", "grep -o ' "+root+"/[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l").Run()
 	})
+	log := filepath.Join(dir, "containerd.log")
+	startLogged(b, cmd, log)
 	ctr := func(args ...string) {
 		c := exec.Command(filepath.Join(bin, "ctr"), append([]string{"--address", sock}, args...)...)
 		c.Env = append(os.Environ(), "PATH="+path)
 		if out, err := c.CombinedOutput(); err != nil {
-			raw, _ := os.ReadFile(log.Name())
+			raw, _ := os.ReadFile(log)
 			b.Fatalf("ctr %s: %v: %s\ncontainerd's log:\n%s", strings.Join(args, " "), err, out, tail(string(raw), 4000))
 		}
 	}
 	deadline := time.Now().Add(30 * time.Second)
 	for exec.Command(filepath.Join(bin, "ctr"), "--address", sock, "version").Run() != nil {
 		if time.Now().After(deadline) {
-			raw, _ := os.ReadFile(log.Name())
+			raw, _ := os.ReadFile(log)
 			b.Fatalf("containerd did not start:\n%s", tail(string(raw), 4000))
 		}
 		time.Sleep(100 * time.Millisecond)

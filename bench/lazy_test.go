@@ -13,18 +13,13 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
-
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
-	"github.com/concourse/cowvol/pkg/client"
 	"github.com/concourse/cowvol/pkg/driver"
-	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // BenchmarkLazyPull: node B lacks a volume node A holds (50,000 files of
@@ -49,20 +44,12 @@ import (
 func BenchmarkLazyPull(b *testing.B) {
 	lab := netlab.New(b)
 	hostA, hostB := lab.Host("a"), lab.Host("b")
-	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), plugin.DefaultPeerServerName)
-	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
+	tlsArgs := peerTLS(b)
 	peerA := net.JoinHostPort(hostA.IP, "7443")
-	// A controller on the lab's network, over TLS with a node token: the
-	// nodes of the fleet's case find holders and share read orders
-	// through it.
-	ctlAddr := net.JoinHostPort(lab.Self, strings.Split(plugintest.FreeAddr(b), ":")[1])
-	ctlPKI := netlab.NewPKI(b, filepath.Join(b.TempDir(), "ctl-pki"), "cowvol-controller", lab.Self)
-	tokens, nodeToken := filepath.Join(b.TempDir(), "tokens"), filepath.Join(b.TempDir(), "node-token")
-	writeFile(b, tokens, "bench-node-token-0123456789,system:cowvol-node,*\n")
-	writeFile(b, nodeToken, "bench-node-token-0123456789\n")
-	ctl := plugintest.Start(b, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + ctlAddr,
-		"--tls-cert-file=" + ctlPKI.Cert, "--tls-key-file=" + ctlPKI.Key, "--tokens-file=" + tokens}})
-	fleetArgs := []string{"--controller-address=" + ctlAddr, "--tls-ca-file=" + ctlPKI.CA, "--token-file=" + nodeToken}
+	// The nodes of the fleet's case find holders and share read orders
+	// through the controller.
+	ctl := startController(b, lab)
+	fleetArgs := ctl.nodeArgs
 	prog, err := exec.LookPath("true")
 	if err != nil {
 		b.Fatal(err)
@@ -172,9 +159,9 @@ func BenchmarkLazyPull(b *testing.B) {
 				attrs := map[string]string{driver.AttrSource: handle, driver.AttrReadProfile: "fleet/" + handle}
 				if read != nil {
 					recorder := start()
-					shared := strings.Count(ctl.Log(), "A node shared a read order")
+					shared := strings.Count(ctl.p.Log(), "A node shared a read order")
 					recorder.recordReadOrder(attrs, read)
-					for deadline := time.Now().Add(time.Minute); strings.Count(ctl.Log(), "A node shared a read order") == shared; {
+					for deadline := time.Now().Add(time.Minute); strings.Count(ctl.p.Log(), "A node shared a read order") == shared; {
 						if time.Now().After(deadline) {
 							b.Fatal("the recording node did not share its read order in a minute")
 						}
@@ -280,7 +267,7 @@ func BenchmarkLazyPull(b *testing.B) {
 		}
 		// A copy goes to a node that serves peers (so that it outlives
 		// its first holder): B serves them on its own address.
-		fmt.Println(benchCopy(b, a, ctlAddr, ctlPKI.CA, func() *node {
+		fmt.Println(benchCopy(b, a, ctl, func() *node {
 			bns++
 			return &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: fmt.Sprintf("b%d", bns),
 				StateDir: filepath.Join(diskB, fmt.Sprintf("b%d", bns)), Wrap: hostB.Command,
@@ -294,18 +281,8 @@ func BenchmarkLazyPull(b *testing.B) {
 // beside a node that start makes (the only other one), and says how long
 // after the capture the controller listed that node as a second holder,
 // against an eager pull of the same tree onto a node of its own.
-func benchCopy(b *testing.B, a *node, ctlAddr, ca string, start func() *node) string {
-	creds, err := credentials.NewClientTLSFromFile(ca, "")
-	if err != nil {
-		b.Fatal(err)
-	}
-	conn, err := grpc.NewClient(ctlAddr, grpc.WithTransportCredentials(creds),
-		grpc.WithPerRPCCredentials(client.Bearer{Token: "bench-node-token-0123456789", Secure: true}))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close()
-	api := controllerv1.NewCacheClient(conn)
+func benchCopy(b *testing.B, a *node, ctl benchController, start func() *node) string {
+	api := ctl.api(b)
 	holders := func(handle string) int {
 		resp, err := api.LookupVolumes(context.Background(), &controllerv1.LookupVolumesRequest{
 			Refs: []*controllerv1.VolumeRef{{Namespace: "ci", Handle: handle}}})

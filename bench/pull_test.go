@@ -19,7 +19,6 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
-	"github.com/concourse/cowvol/pkg/plugin"
 )
 
 // vmKiB reads a process's VmRSS or VmHWM (peak) in KiB.
@@ -94,8 +93,7 @@ func BenchmarkPull(b *testing.B) {
 	testfs.Need(b, "tar", "gzip", "zstd")
 	lab := netlab.New(b)
 	hostA, hostB := lab.Host("a"), lab.Host("b")
-	pki := netlab.NewPKI(b, filepath.Join(b.TempDir(), "pki"), plugin.DefaultPeerServerName)
-	tlsArgs := []string{"--peer-tls-cert-file=" + pki.Cert, "--peer-tls-key-file=" + pki.Key, "--peer-ca-file=" + pki.CA}
+	tlsArgs := peerTLS(b)
 	peerA, metricsA := net.JoinHostPort(hostA.IP, "7443"), net.JoinHostPort(hostA.IP, "9090")
 	for range b.N {
 		stateA, stateB := testfs.Mount(b, testfs.XFS, 4<<30), testfs.MountAllocated(b, testfs.XFS, 6<<30)

@@ -73,20 +73,32 @@ func startPeerFleet(t *testing.T) *peerFleet {
 		pki:     netlab.NewPKI(t, filepath.Join(dir, "pki"), plugin.DefaultPeerServerName, lab.Self),
 		ctlAddr: net.JoinHostPort(lab.Self, strconv.Itoa(plugintest.FreePort(t)))}
 	tokens := filepath.Join(dir, "tokens")
-	require.NoError(t, os.WriteFile(tokens, []byte("node-token-0123456789,system:cowvol-node,*\n"), 0o600))
+	require.NoError(t, os.WriteFile(tokens, []byte("node-token-0123456789,system:cowvol-node,*\n"+
+		otherTeamToken+",other-team,other\n"), 0o600))
 	f.nodeToken = filepath.Join(dir, "node-token")
 	require.NoError(t, os.WriteFile(f.nodeToken, []byte("node-token-0123456789\n"), 0o600))
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{"--api-address=" + f.ctlAddr,
 		"--tls-cert-file=" + f.pki.Cert, "--tls-key-file=" + f.pki.Key, "--tokens-file=" + tokens, "--stalled-after=3s",
 		"--peer-ca-cert-file=" + f.pki.CA, "--peer-ca-key-file=" + f.pki.CAKey}})
-	creds, err := credentials.NewClientTLSFromFile(f.pki.CA, "")
-	require.NoError(t, err)
-	conn, err := grpc.NewClient(f.ctlAddr, grpc.WithTransportCredentials(creds),
-		grpc.WithPerRPCCredentials(client.Bearer{Token: "node-token-0123456789", Secure: true}))
-	require.NoError(t, err)
-	t.Cleanup(func() { conn.Close() })
+	conn := f.dial("node-token-0123456789")
 	f.api, f.registry = controllerv1.NewCacheClient(conn), controllerv1.NewRegistryClient(conn)
 	return f
+}
+
+// otherTeamToken is a token of the fleet's controller that may read only
+// namespace other.
+const otherTeamToken = "other-token-0123456789"
+
+// dial connects to the fleet's controller with a token.
+func (f *peerFleet) dial(token string) *grpc.ClientConn {
+	f.t.Helper()
+	creds, err := credentials.NewClientTLSFromFile(f.pki.CA, "")
+	require.NoError(f.t, err)
+	conn, err := grpc.NewClient(f.ctlAddr, grpc.WithTransportCredentials(creds),
+		grpc.WithPerRPCCredentials(client.Bearer{Token: token, Secure: true}))
+	require.NoError(f.t, err)
+	f.t.Cleanup(func() { conn.Close() })
+	return conn
 }
 
 // node starts a node plugin on a host of its own, its state dir a fresh

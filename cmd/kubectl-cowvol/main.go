@@ -72,7 +72,7 @@ func newRoot(out io.Writer) *cobra.Command {
 	flags.IntVar(&o.via.Port, "controller-port", 7070, "without --controller-address: the controller's API port in its pod")
 	flags.StringVarP(&o.output, "output", "o", "", "output format: json or yaml (default: a table)")
 	flags.DurationVar(&o.timeout, "request-timeout", 30*time.Second, "how long to wait for the controller")
-	root.AddCommand(o.nodesCmd(), o.volumesCmd(), o.chainCmd(), o.destroyCmd(), o.pinCmd(), o.unpinCmd(), o.catCmd(), o.cpCmd())
+	root.AddCommand(o.nodesCmd(), o.volumesCmd(), o.cachesCmd(), o.chainCmd(), o.destroyCmd(), o.pinCmd(), o.unpinCmd(), o.catCmd(), o.cpCmd())
 	for _, action := range []string{"land", "retire", "resume"} {
 		root.AddCommand(o.lifecycleCmd(action))
 	}
@@ -193,6 +193,45 @@ func (o *options) volumesCmd() *cobra.Command {
 	cmd.Flags().StringVar(&q.NodeId, "node", "", "only volumes this node holds (in any state)")
 	cmd.Flags().StringVarP(&q.Selector, "selector", "l", "", "a selector over the volumes' properties, e.g. resource=repo,version=3")
 	return cmd
+}
+
+func (o *options) cachesCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "caches [KEY...]",
+		Short: "List the namespace's cache keys: each one's newest version, its size, the nodes holding it, when and by which step it was promoted",
+		RunE: o.onKeys(func(ctx context.Context, c *client.Client, ns string, keys []string) (table, error) {
+			caches, err := c.Caches(ctx, ns, keys...)
+			return cacheRows(caches, time.Now()), err
+		}),
+	}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "clear KEY...",
+		Short: "Clear cache keys on every node: the next step naming one starts empty; a step reading a version keeps it until it ends",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: o.onKeys(func(ctx context.Context, c *client.Client, ns string, keys []string) (table, error) {
+			cleared, err := c.ClearCaches(ctx, ns, keys...)
+			return clearedRows(ns, cleared), err
+		}),
+	})
+	return cmd
+}
+
+// onKeys runs a command on the cache keys its arguments name, in the
+// namespace, printing what do answers.
+func (o *options) onKeys(do func(ctx context.Context, c *client.Client, namespace string, keys []string) (table, error)) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, keys []string) error {
+		ns, err := o.namespace()
+		if err != nil {
+			return err
+		}
+		return o.call(cmd, func(ctx context.Context, c *client.Client) error {
+			t, err := do(ctx, c, ns, keys)
+			if err != nil {
+				return err
+			}
+			return o.print(t)
+		})
+	}
 }
 
 func (o *options) chainCmd() *cobra.Command {

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -221,6 +222,100 @@ func (t askedTable) cells() [][]string {
 			nodes = "<no node holds it>"
 		}
 		out = append(out, []string{a.Namespace, a.Handle, nodes})
+	}
+	return out
+}
+
+// Cache is one cache key, as -o json and -o yaml print it.
+type Cache struct {
+	Namespace string `json:"namespace"`
+	Key       string `json:"key"`
+	// Version is the handle of its newest version a live node holds
+	// ("": none does).
+	Version    string    `json:"version,omitempty"`
+	Bytes      int64     `json:"bytes"`
+	Nodes      []string  `json:"nodes"`
+	InUseOn    []string  `json:"inUseOn,omitempty"`
+	PromotedAt time.Time `json:"promotedAt,omitzero"`
+	PromotedBy string    `json:"promotedBy,omitempty"`
+	// Versions counts those of its versions live nodes hold ready.
+	Versions int32 `json:"versions"`
+}
+
+type cacheTable struct {
+	caches []Cache
+	now    time.Time
+}
+
+func cacheRows(in []*controllerv1.CacheLocation, now time.Time) cacheTable {
+	t := cacheTable{caches: []Cache{}, now: now}
+	for _, c := range in {
+		row := Cache{Namespace: c.GetNamespace(), Key: c.GetKey(), Nodes: c.GetVersion().GetNodes(), InUseOn: c.GetVersion().GetPublishedNodes(),
+			Bytes: c.GetBytes(), PromotedBy: c.GetPromotedBy(), Versions: c.GetVersions()}
+		if c.GetFound() {
+			row.Version, row.PromotedAt = c.GetVersion().GetRef().GetHandle(), c.GetPromotedAt().AsTime()
+		}
+		if row.Nodes == nil {
+			row.Nodes = []string{}
+		}
+		t.caches = append(t.caches, row)
+	}
+	return t
+}
+
+func (t cacheTable) header() []string {
+	return []string{"NAMESPACE", "KEY", "VERSION", "SIZE", "NODES", "PROMOTED", "BY", "VERSIONS"}
+}
+func (t cacheTable) items() any { return t.caches }
+func (t cacheTable) cells() [][]string {
+	var out [][]string
+	for _, c := range t.caches {
+		if c.Version == "" {
+			out = append(out, []string{c.Namespace, c.Key, "<none>", "-", "<none>", "-", "-", "0"})
+			continue
+		}
+		out = append(out, []string{c.Namespace, c.Key, c.Version, bytes(c.Bytes), list(c.Nodes),
+			duration.HumanDuration(t.now.Sub(c.PromotedAt)) + " ago", c.PromotedBy, fmt.Sprint(c.Versions)})
+	}
+	return out
+}
+
+// Cleared is what clearing one cache key did: which nodes were told to
+// destroy its versions.
+type Cleared struct {
+	Namespace string   `json:"namespace"`
+	Key       string   `json:"key"`
+	Versions  int      `json:"versions"`
+	Nodes     []string `json:"nodes"`
+}
+
+type clearedTable []Cleared
+
+func clearedRows(namespace string, in []*controllerv1.ClearedCache) clearedTable {
+	t := clearedTable{}
+	for _, c := range in {
+		nodes := []string{}
+		for _, v := range c.GetVersions() {
+			nodes = append(nodes, v.GetNodes()...)
+		}
+		slices.Sort(nodes)
+		t = append(t, Cleared{Namespace: namespace, Key: c.GetKey(), Versions: len(c.GetVersions()), Nodes: slices.Compact(nodes)})
+	}
+	return t
+}
+
+func (t clearedTable) header() []string {
+	return []string{"NAMESPACE", "KEY", "VERSIONS", "CLEAR ASKED OF"}
+}
+func (t clearedTable) items() any { return []Cleared(t) }
+func (t clearedTable) cells() [][]string {
+	var out [][]string
+	for _, c := range t {
+		nodes := list(c.Nodes)
+		if len(c.Nodes) == 0 {
+			nodes = "<no node holds a version>"
+		}
+		out = append(out, []string{c.Namespace, c.Key, fmt.Sprint(c.Versions), nodes})
 	}
 	return out
 }

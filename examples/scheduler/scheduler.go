@@ -52,6 +52,17 @@ type Step struct {
 	Script string   `json:"script"`
 	// Node pins the step to a node (a nodeSelector), whatever Place says.
 	Node string `json:"node,omitempty"`
+	// Caches are mounted at their paths as cowvol caches: each a fork of
+	// its key's last good version, kept as the next one if the step
+	// succeeds (docs/caches.md), as Concourse's task caches.
+	Caches []StepCache `json:"caches,omitempty"`
+}
+
+// StepCache is a cache a step mounts: Key, of the runner's namespace, at
+// Path.
+type StepCache struct {
+	Path string `json:"path"`
+	Key  string `json:"key"`
 }
 
 // Runner runs builds' steps as pods of Namespace.
@@ -131,7 +142,7 @@ func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []str
 	var errs []error
 	for res.Attempts < attempts {
 		res.Attempts++
-		ranked, err := r.place(ctx, inputs)
+		ranked, err := r.place(ctx, inputs, s.Caches)
 		if err != nil {
 			return res, err
 		}
@@ -173,11 +184,16 @@ func (r *Runner) RunStep(ctx context.Context, build string, s Step, inputs []str
 // duration) before the build fails.
 const unavailableFor = time.Minute
 
-// place ranks the nodes for a step's inputs.
-func (r *Runner) place(ctx context.Context, inputs []string) ([]string, error) {
+// place ranks the nodes for a step's inputs and caches (each cache counts
+// as its key's newest version).
+func (r *Runner) place(ctx context.Context, inputs []string, caches []StepCache) ([]string, error) {
+	keys := make([]volume.CacheRef, len(caches))
+	for i, c := range caches {
+		keys[i] = volume.CacheRef{Namespace: r.Namespace, Key: c.Key}
+	}
 	var ranked []string
 	err := r.waitingOutUnavailable(ctx, "placing", func() error {
-		nodes, err := r.Cache.PlaceBest(ctx, client.PreferredNodes, r.refs(inputs)...)
+		nodes, err := r.Cache.PlaceStep(ctx, client.PreferredNodes, r.refs(inputs), keys)
 		ranked = make([]string, len(nodes))
 		for i, n := range nodes {
 			ranked[i] = n.NodeId
@@ -240,6 +256,12 @@ func (r *Runner) pod(build string, s Step, inputs []string, output string, attem
 		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "out", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{
 			Driver: Driver, VolumeAttributes: map[string]string{"capture": output}}}})
 		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: "out", MountPath: "/out"})
+	}
+	for i, cache := range s.Caches {
+		name := fmt.Sprintf("cache-%d", i)
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{
+			Driver: Driver, VolumeAttributes: map[string]string{"cache": cache.Key}}}})
+		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: name, MountPath: cache.Path})
 	}
 	if s.Node != "" {
 		pod.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": s.Node}

@@ -2,8 +2,10 @@ package scheduler
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -42,6 +44,8 @@ func TestPod(t *testing.T) {
 			wantRequired: []string{"node-1", "node-2"}},
 		{name: "every ranked node failed: only the last avoided", step: s, ranked: []string{"node-1", "node-2"},
 			failed: []string{"node-2", "node-1"}, wantWeights: []int32{100, 50}, wantRequired: []string{"node-1"}},
+		{name: "a Go build's caches", step: Step{Name: "compile", Script: "go build ./...", Caches: []StepCache{
+			{Path: "/root/.cache/go-build", Key: "go-build/linux-amd64"}, {Path: "/go/pkg/mod", Key: "go-mod"}}}},
 		{name: "pinned", step: Step{Name: "get", Node: "node-1", Script: "true"}, wantSelector: map[string]string{"kubernetes.io/hostname": "node-1"}},
 		{name: "pinned, failed on its node: runs there again", step: Step{Name: "get", Node: "node-1", Script: "true"},
 			ranked: []string{"node-2"}, failed: []string{"node-1"}, wantWeights: []int32{100}, wantSelector: map[string]string{"kubernetes.io/hostname": "node-1"}},
@@ -89,6 +93,10 @@ func TestPod(t *testing.T) {
 			if output != "" {
 				assert.Equal(t, map[string]string{"capture": output}, attrs[mounts["/out"]])
 			}
+			for _, c := range tt.step.Caches {
+				assert.Equal(t, map[string]string{"cache": c.Key}, attrs[mounts[c.Path]], c.Path)
+			}
+			assert.Len(t, pod.Spec.Volumes, len(tt.step.Inputs)+len(tt.step.Caches)+min(len(output), 1))
 		})
 	}
 }
@@ -116,6 +124,8 @@ type leaderMoving struct {
 	unavailable int
 	code        codes.Code
 	calls       atomic.Int32
+	// placed is the last Place's request.
+	placed atomic.Pointer[controllerv1.PlaceRequest]
 }
 
 func (l *leaderMoving) answer() error {
@@ -129,7 +139,8 @@ func (l *leaderMoving) answer() error {
 	return nil
 }
 
-func (l *leaderMoving) Place(context.Context, *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+func (l *leaderMoving) Place(_ context.Context, req *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
+	l.placed.Store(req)
 	if err := l.answer(); err != nil {
 		return nil, err
 	}
@@ -160,10 +171,14 @@ func TestPlaceWaitsOutAMovingLeader(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := &Runner{Cache: serveCache(t, tt.server), Namespace: "ci", KeepFor: time.Hour}
-			got, err := r.place(context.Background(), []string{"src"})
+			got, err := r.place(context.Background(), []string{"src"}, []StepCache{{Key: "go-build", Path: "/cache"}})
 			assert.Equal(t, tt.wantCode, status.Code(errors.Unwrap(err)))
 			assert.Equal(t, tt.want, got)
 			assert.Equal(t, tt.wantCalls, tt.server.calls.Load())
+			caches := tt.server.placed.Load().GetCaches()
+			require.Len(t, caches, 1, "the step's cache counts in its placement")
+			assert.Equal(t, "ci", caches[0].GetNamespace())
+			assert.Equal(t, "go-build", caches[0].GetKey())
 			tt.server.calls.Store(0)
 			err = r.keep(context.Background(), "b1-get-src-1")
 			assert.Equal(t, tt.wantCode, status.Code(errors.Unwrap(err)))
@@ -274,4 +289,25 @@ func TestReconcile(t *testing.T) {
 	want := []string{"b1-get-src-1", "b1-test-report-2"}
 	assert.Equal(t, want, got)
 	assert.Equal(t, want, server.destroyed)
+}
+
+// go-build.json, the example of a build with caches, reads as steps whose
+// pods mount the caches.
+func TestGoBuildExample(t *testing.T) {
+	raw, err := os.ReadFile("go-build.json")
+	require.NoError(t, err)
+	var steps []Step
+	require.NoError(t, json.Unmarshal(raw, &steps))
+	require.Len(t, steps, 2)
+	test := steps[1]
+	require.Equal(t, []StepCache{{Path: "/cache/go-build", Key: "go-build/linux-amd64"}, {Path: "/cache/mod", Key: "go-mod"}}, test.Caches)
+	r := &Runner{Namespace: "ci", Image: "golang:1.26"}
+	pod := r.pod("b1", test, []string{"b1-get-src-1"}, "b1-test-report-1", 1, nil, nil)
+	var caches []string
+	for _, v := range pod.Spec.Volumes {
+		if key := v.CSI.VolumeAttributes["cache"]; key != "" {
+			caches = append(caches, key)
+		}
+	}
+	require.Equal(t, []string{"go-build/linux-amd64", "go-mod"}, caches)
 }

@@ -23,17 +23,17 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
-	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/tb"
 	"github.com/concourse/cowvol/internal/testfs"
 )
 
 // Lab is a network: hosts on one /24, and the test's own address on it.
 type Lab struct {
-	tb     testing.TB
+	tb     tb.TB
 	id     string
 	subnet int
 	// Self is the test namespace's address on the lab's network.
@@ -50,7 +50,7 @@ type Host struct {
 	lab  *Lab
 }
 
-func run(tb testing.TB, args ...string) {
+func run(tb tb.TB, args ...string) {
 	tb.Helper()
 	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 		tb.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
@@ -59,7 +59,7 @@ func run(tb testing.TB, args ...string) {
 
 // New makes a lab, or skips the test saying what is missing (fails it
 // under CI). Everything is removed when the test ends.
-func New(tb testing.TB) *Lab {
+func New(tb tb.TB) *Lab {
 	tb.Helper()
 	testfs.Need(tb, "ip", "nsenter") // iproute2, util-linux; and root
 	l := &Lab{tb: tb, id: fmt.Sprintf("%x", os.Getpid()%0xffff)}
@@ -195,7 +195,7 @@ type PKI struct {
 }
 
 // NewPKI writes a CA and one certificate (server and client use) to dir.
-func NewPKI(tb testing.TB, dir, dnsName string, ips ...string) PKI {
+func NewPKI(tb tb.TB, dir, dnsName string, ips ...string) PKI {
 	tb.Helper()
 	must := func(err error) {
 		tb.Helper()
@@ -239,7 +239,7 @@ func NewPKI(tb testing.TB, dir, dnsName string, ips ...string) PKI {
 // ClientCert writes to dir a client certificate (and its key) for
 // commonName in the groups orgs, signed by the PKI's CA: what a kubelet
 // presents as system:node:<name> in system:nodes.
-func (p PKI) ClientCert(tb testing.TB, dir, commonName string, orgs ...string) (cert, key string) {
+func (p PKI) ClientCert(tb tb.TB, dir, commonName string, orgs ...string) (cert, key string) {
 	tb.Helper()
 	must := func(err error) {
 		tb.Helper()
@@ -267,7 +267,7 @@ func (p PKI) ClientCert(tb testing.TB, dir, commonName string, orgs ...string) (
 }
 
 // loadCA reads the PKI's CA and its key back.
-func (p PKI) loadCA(tb testing.TB) (*x509.Certificate, *ecdsa.PrivateKey) {
+func (p PKI) loadCA(tb tb.TB) (*x509.Certificate, *ecdsa.PrivateKey) {
 	tb.Helper()
 	certPEM, err := os.ReadFile(p.CA)
 	if err != nil {

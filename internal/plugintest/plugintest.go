@@ -14,7 +14,6 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -24,6 +23,7 @@ import (
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/kubeletsim"
+	"github.com/concourse/cowvol/internal/tb"
 )
 
 var (
@@ -34,7 +34,7 @@ var (
 
 // Binary returns the plugin binary: $COWVOL_PLUGIN_BINARY (make test builds
 // it once), else one built now for this test process.
-func Binary(tb testing.TB) string {
+func Binary(tb tb.TB) string {
 	tb.Helper()
 	buildOnce.Do(func() {
 		if b := os.Getenv("COWVOL_PLUGIN_BINARY"); b != "" {
@@ -86,7 +86,7 @@ type Plugin struct {
 	NodeAPI nodev1.NodeAPIClient
 	apiConn *grpc.ClientConn
 
-	tb      testing.TB
+	tb      tb.TB
 	proc    *Process
 	log     *lockedBuffer
 	exitErr error
@@ -113,7 +113,7 @@ func (b *lockedBuffer) String() string {
 
 // Start runs the plugin and waits until it answers Probe. It is stopped
 // (SIGTERM) when tb ends, and its log is shown if tb failed.
-func Start(tb testing.TB, cfg Config) *Plugin {
+func Start(tb tb.TB, cfg Config) *Plugin {
 	tb.Helper()
 	if cfg.Backend == "" {
 		cfg.Backend = "auto"
@@ -286,7 +286,7 @@ func (p *Plugin) Restart(extraEnv ...string) {
 
 // FreePort is a loopback TCP port nothing listens on now (for a plugin's
 // API, metrics or peer address).
-func FreePort(tb testing.TB) int {
+func FreePort(tb tb.TB) int {
 	tb.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -297,4 +297,4 @@ func FreePort(tb testing.TB) int {
 }
 
 // FreeAddr is FreePort as a host:port.
-func FreeAddr(tb testing.TB) string { return fmt.Sprintf("127.0.0.1:%d", FreePort(tb)) }
+func FreeAddr(tb tb.TB) string { return fmt.Sprintf("127.0.0.1:%d", FreePort(tb)) }

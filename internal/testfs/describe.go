@@ -8,11 +8,11 @@ import (
 	"os"
 	"sort"
 	"strings"
-	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/tb"
 )
 
 // Tree describes a directory tree: relative path → type, mode, owner, size,
@@ -23,7 +23,7 @@ type Tree map[string]string
 // Describe walks root. It reports user.* xattrs and the trusted.overlay.*
 // ones overlayfs keeps in layers (whiteouts are 0/0 char devices and show
 // as such). The root's own mtime is left out: it moves with any change.
-func Describe(tb testing.TB, root string) Tree {
+func Describe(tb tb.TB, root string) Tree {
 	tb.Helper()
 	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {

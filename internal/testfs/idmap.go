@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"os/exec"
 	"syscall"
-	"testing"
 
+	"github.com/concourse/cowvol/internal/tb"
 	"golang.org/x/sys/unix"
 )
 
@@ -15,7 +15,7 @@ import (
 // MOUNT_ATTR_IDMAP). The clone is never attached, so nothing is left
 // mounted. nil means the runtime would start the pod; an overlay mount
 // answers EINVAL.
-func Idmap(tb testing.TB, path string) error {
+func Idmap(tb tb.TB, path string) error {
 	tb.Helper()
 	userns := newUserNamespace(tb)
 	defer unix.Close(userns)
@@ -34,7 +34,7 @@ func Idmap(tb testing.TB, path string) error {
 // newUserNamespace opens a user namespace mapping 0-65535 to host IDs from
 // 100000, as a kubelet gives a pod: a process is started in it, and the
 // namespace outlives it through the descriptor.
-func newUserNamespace(tb testing.TB) int {
+func newUserNamespace(tb tb.TB) int {
 	tb.Helper()
 	cmd := exec.Command("sleep", "60")
 	cmd.SysProcAttr = &syscall.SysProcAttr{

@@ -3,13 +3,13 @@ package testfs
 import (
 	"os"
 	"path/filepath"
-	"testing"
 	"time"
 
+	"github.com/concourse/cowvol/internal/tb"
 	"golang.org/x/sys/unix"
 )
 
-func must(t testing.TB, err error) {
+func must(t tb.TB, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
@@ -19,7 +19,7 @@ func must(t testing.TB, err error) {
 // LayerTree fills dir with every kind of entry a captured overlay layer can
 // hold, including a whiteout, an opaque dir and a tree deeper than PATH_MAX
 // (DeepTree, in deep/).
-func LayerTree(t testing.TB, dir string) {
+func LayerTree(t tb.TB, dir string) {
 	t.Helper()
 	p := func(name string) string { return filepath.Join(dir, name) }
 	// The root's own attributes belong to the volume too.

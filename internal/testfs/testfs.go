@@ -10,8 +10,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"testing"
 
+	"github.com/concourse/cowvol/internal/tb"
 	"golang.org/x/sys/unix"
 )
 
@@ -32,7 +32,7 @@ var mkfs = map[Kind][]string{
 
 // Need skips tb when it cannot mount: not root, or a tool missing. Under CI
 // (CI=true) it fails instead, because CI must run every test.
-func Need(tb testing.TB, tools ...string) {
+func Need(tb tb.TB, tools ...string) {
 	tb.Helper()
 	var missing []string
 	if os.Geteuid() != 0 {
@@ -55,7 +55,7 @@ func Need(tb testing.TB, tools ...string) {
 
 // Mount makes a fresh filesystem of kind and size bytes and returns where it
 // is mounted; everything is undone when tb ends.
-func Mount(tb testing.TB, kind Kind, size int64) string {
+func Mount(tb tb.TB, kind Kind, size int64) string {
 	tb.Helper()
 	return mustMount(tb, kind, size, false)
 }
@@ -67,12 +67,12 @@ func Mount(tb testing.TB, kind Kind, size int64) string {
 // long as the same pull once its blocks had been written). Benchmarks
 // that compare writers use it, so that none of them pays that and the
 // others not.
-func MountAllocated(tb testing.TB, kind Kind, size int64) string {
+func MountAllocated(tb tb.TB, kind Kind, size int64) string {
 	tb.Helper()
 	return mustMount(tb, kind, size, true)
 }
 
-func mustMount(tb testing.TB, kind Kind, size int64, allocate bool) string {
+func mustMount(tb tb.TB, kind Kind, size int64, allocate bool) string {
 	tb.Helper()
 	mnt, err := mount(tb, kind, size, nil, "", allocate)
 	if err != nil {
@@ -85,7 +85,7 @@ func mustMount(tb testing.TB, kind Kind, size int64, allocate bool) string {
 // with project quotas enforced, or skips tb where the kernel cannot (these
 // machines' kernels lack CONFIG_XFS_QUOTA, and CONFIG_QUOTA with
 // CONFIG_QFMT_V2 for ext4): the test runs wherever the kernel allows.
-func MountWithProjectQuota(tb testing.TB, kind Kind, size int64) string {
+func MountWithProjectQuota(tb tb.TB, kind Kind, size int64) string {
 	tb.Helper()
 	var extra []string
 	if kind == Ext4 {
@@ -100,7 +100,7 @@ func MountWithProjectQuota(tb testing.TB, kind Kind, size int64) string {
 
 // EnableBtrfsQuota turns quotas (qgroups) on for the btrfs mounted at mnt,
 // as an operator preparing a state dir for size limits does.
-func EnableBtrfsQuota(tb testing.TB, mnt string) {
+func EnableBtrfsQuota(tb tb.TB, mnt string) {
 	tb.Helper()
 	Need(tb, "btrfs")
 	if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
@@ -108,7 +108,7 @@ func EnableBtrfsQuota(tb testing.TB, mnt string) {
 	}
 }
 
-func mount(tb testing.TB, kind Kind, size int64, mkfsExtra []string, options string, allocate bool) (string, error) {
+func mount(tb tb.TB, kind Kind, size int64, mkfsExtra []string, options string, allocate bool) (string, error) {
 	tb.Helper()
 	Need(tb, mkfs[kind][0], "losetup")
 	base := tb.TempDir()
@@ -164,7 +164,7 @@ func mount(tb testing.TB, kind Kind, size int64, mkfsExtra []string, options str
 // its bottom a 64 KiB file with an xattr, a hardlink to it, a symlink and a
 // dir of mode 0700 owned by 1000: DeepInodes inodes beyond the chain's
 // dirs. It returns how many dirs the chain has.
-func DeepTree(tb testing.TB, root string) int {
+func DeepTree(tb tb.TB, root string) int {
 	tb.Helper()
 	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY, 0)
 	if err != nil {
@@ -211,7 +211,7 @@ const DeepInodes = 3
 
 // OpenBelow is how many of this process's descriptors are open on files
 // below dir.
-func OpenBelow(tb testing.TB, dir string) int {
+func OpenBelow(tb tb.TB, dir string) int {
 	tb.Helper()
 	fds, err := os.ReadDir("/proc/self/fd")
 	if err != nil {

@@ -4,7 +4,8 @@
 // single bbolt file so that each change is one fsynced transaction, with
 // indexes of what holds each volume's data, plus the layout of the state dir
 // and, per namespace, the order steps read lazily pulled inputs in (a hint
-// for the next lazy pull, readorder.go).
+// for the next lazy pull, readorder.go) and the current version of each
+// cache key (caches.go).
 //
 // It decides what may happen (find-or-create, who may read what, what is in
 // use, what may be evicted, what is an orphan) but never mounts anything and
@@ -147,7 +148,7 @@ var (
 	revisionKey  = []byte("revision")
 )
 
-var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket, imagesBucket}
+var allBuckets = [][]byte{volumesBucket, viewsBucket, metaBucket, childrenBucket, pinsBucket, failuresBucket, readOrdersBucket, imagesBucket, cachesBucket}
 
 // Store is the node's volume store. It is safe for concurrent use; bbolt
 // serialises writers.
@@ -393,29 +394,56 @@ func (s *Store) BadRecords() []string {
 // first; usable says which layers may be in it. Errors name only the
 // volume asked for: a layer below may belong to another namespace.
 func (s *Store) chain(vols *bolt.Bucket, r volume.Ref, usable func(v Volume, top bool) bool) (refs []volume.Ref, dirs []string, err error) {
-	for cur := r; !cur.IsZero(); {
-		v, ok, err := getJSON[Volume](vols, key(cur))
-		if err != nil {
-			return nil, nil, err
+	err = walkChain(vols, r, func(v Volume, ok bool) error {
+		top := len(refs) == 0
+		switch {
+		case !ok:
+			return fmt.Errorf("volume %q cannot be used: a layer it is built on is missing: %w", r.Handle, ErrUnusable)
+		case !usable(v, top) && v.State == volume.StateFilling:
+			return fmt.Errorf("volume %q is still arriving from a peer: %w", r.Handle, ErrNotReady)
+		case !usable(v, top):
+			return fmt.Errorf("volume %q cannot be used: a layer it is built on is %s: %w", r.Handle, v.State, ErrUnusable)
 		}
-		if !ok {
-			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is missing: %w", r.Handle, ErrUnusable)
-		}
-		if !usable(v, cur == r) {
-			if v.State == volume.StateFilling {
-				return nil, nil, fmt.Errorf("volume %q is still arriving from a peer: %w", r.Handle, ErrNotReady)
-			}
-			return nil, nil, fmt.Errorf("volume %q cannot be used: a layer it is built on is %s: %w", r.Handle, v.State, ErrUnusable)
-		}
-		refs = append(refs, cur)
+		refs = append(refs, v.Ref())
 		dirs = append(dirs, s.DataPath(v))
-		if len(refs) > 10000 {
-			return nil, nil, fmt.Errorf("chain of %q loops", r.Handle)
-		}
-		cur = v.Base
+		return nil
+	})
+	if errors.Is(err, errChainLoops) {
+		return nil, nil, fmt.Errorf("chain of %q loops", r.Handle)
+	}
+	if err != nil {
+		return nil, nil, err
 	}
 	return refs, dirs, nil
 }
+
+// errChainLoops: a chain ran deeper than maxChain layers.
+var errChainLoops = errors.New("a chain loops")
+
+// walkChain calls fn with each volume of the chain from r down, top first
+// (ok false, and the walk's end, where a layer is missing), until fn
+// returns an error, which it returns. A chain that loops ends after
+// maxChain layers with errChainLoops, which names no layer (one below r
+// may be another namespace's).
+func walkChain(vols *bolt.Bucket, r volume.Ref, fn func(v Volume, ok bool) error) error {
+	for i := 0; !r.IsZero(); i++ {
+		if i == maxChain {
+			return errChainLoops
+		}
+		v, ok, err := getJSON[Volume](vols, key(r))
+		if err != nil {
+			return err
+		}
+		if err := fn(v, ok); err != nil || !ok {
+			return err
+		}
+		r = v.Base
+	}
+	return nil
+}
+
+// maxChain bounds a walk down a chain (a node flattens long before).
+const maxChain = 10000
 
 // Chain returns the data dirs, top first, of a volume's chain whose data
 // is all here.

@@ -150,22 +150,58 @@ func (s *Store) remove(v Volume, remove Remover) error {
 	})
 }
 
-// Candidates are the volumes eviction may take, least recently used first:
+// Candidates are the volumes eviction may take, least recently used first
+// (a cache key's versions by the key's last use, then their own):
 // ready or failed, unpinned, held by nothing (a leaf nobody mounts). Taking
 // one may make its base a candidate.
 func (s *Store) Candidates(now time.Time) []Volume {
-	var out []Volume
+	type candidate struct {
+		Volume
+		key  string    // its cache key's, within its namespace ("": none)
+		used time.Time // what it ranks by
+	}
+	var cands []candidate
+	// A cache key's versions are used as one: its last use is the last
+	// use of any of them, so that a key in use keeps the versions a step
+	// may fall back to, and a cold key goes whole.
+	keyUsed := map[string]time.Time{}
 	_ = s.db.View(func(tx *bolt.Tx) error {
 		vols, _ := listJSON[Volume](tx.Bucket(volumesBucket))
 		for _, v := range vols {
+			k := cacheKeyOf(v)
+			if k != "" && v.LastUsed.After(keyUsed[k]) {
+				keyUsed[k] = v.LastUsed
+			}
 			if v.evictable(s.holdersOf(tx, v.Ref()), now) {
-				out = append(out, v)
+				cands = append(cands, candidate{Volume: v, key: k, used: v.LastUsed})
 			}
 		}
 		return nil
 	})
-	sort.SliceStable(out, func(i, j int) bool { return out[i].LastUsed.Before(out[j].LastUsed) })
+	for i := range cands {
+		if cands[i].key != "" {
+			cands[i].used = keyUsed[cands[i].key]
+		}
+	}
+	sort.SliceStable(cands, func(i, j int) bool {
+		a, b := cands[i], cands[j]
+		return a.used.Before(b.used) || a.used.Equal(b.used) && a.LastUsed.Before(b.LastUsed)
+	})
+	var out []Volume
+	for _, c := range cands {
+		out = append(out, c.Volume)
+	}
 	return out
+}
+
+// cacheKeyOf names the cache key v is a version of ("": none), within
+// its namespace.
+func cacheKeyOf(v Volume) string {
+	k := v.Properties[volume.PropertyCacheKey]
+	if k == "" || !volume.IsCacheHandleOf(v.Handle, k) {
+		return ""
+	}
+	return v.Namespace + "\x00" + k
 }
 
 // Due lists, in one scan of the store, the failed volumes (the reaper

@@ -72,6 +72,7 @@ var migrations = []migration{
 	{schema: "1", what: "volumes keyed by namespace/handle, their data under volumes/<namespace>/<handle>", migrate: (*Store).migrateTo1},
 	{schema: "2", what: "leases own creating volumes; children and pins indexed; the destroying and filling states; " +
 		"failures, readOrders and images buckets", migrate: (*Store).migrateTo2},
+	{schema: "3", what: "the caches bucket: each cache key's current version; views of a cache", migrate: (*Store).migrateTo3},
 }
 
 // schemaVersion is the metadata layout this code writes.
@@ -273,4 +274,10 @@ func (s *Store) migrateTo2() error {
 		}
 		return putSchema(tx, "2")
 	})
+}
+
+// migrateTo3 adds the caches bucket (Open made it): an older plugin would
+// not keep it, and would capture a cache's view without promoting it.
+func (s *Store) migrateTo3() error {
+	return s.db.Update(func(tx *bolt.Tx) error { return putSchema(tx, "3") })
 }

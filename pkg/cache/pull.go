@@ -28,8 +28,8 @@ func NewPullID() string {
 
 // ReservePull records a volume a pull will fill: creating, owned by the
 // pull, with the peer's metadata (lineage, scope, properties, TTL). A base
-// must be ready here already, and is held (as a child's base is) from now
-// on. The returned volume names the layer dir to fill. A volume marked
+// must be here already (ready, filling, or destroyed and still holding its
+// data), and is held (as a child's base is) from now on. The returned volume names the layer dir to fill. A volume marked
 // DestroyOnCommit (kept by the peer only as a base) commits destroyed.
 func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 	now := time.Now()
@@ -48,7 +48,11 @@ func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 			if err != nil {
 				return err
 			}
-			if !ok || !base.layerMountable(true) {
+			// A base the peer keeps only for what stacks on it was
+			// pulled destroyed, as the peer has it, just before: its
+			// data stays for this child (the puller holds it until
+			// then; the child's index entry holds it from now on).
+			if !ok || !base.layerMountable(false) {
 				return fmt.Errorf("base %s of %s is not ready here: %w", v.Base, v.Ref(), ErrNotReady)
 			}
 			if err := tx.Bucket(childrenBucket).Put(indexKey(v.Base.String(), v.Ref().String()), nil); err != nil {

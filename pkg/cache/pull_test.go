@@ -79,3 +79,27 @@ func TestPullReservations(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, volume.StateFailed, got.State)
 }
+
+// A layer its holder keeps only as a base (destroyed there) is pulled
+// destroyed, and what stacks on it is pulled over it: its data stays for
+// its child, and it is never a source of its own.
+func TestPullOverADestroyedBase(t *testing.T) {
+	s := openStore(t)
+	base, err := s.ReservePull(Volume{Namespace: "ci", Handle: "old-version", Scope: volume.ScopeNamespace, DestroyOnCommit: true}, "p1")
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(s.DataPath(base), 0o755))
+	got, err := s.CommitPull(base.Ref(), "p1", 10, 1, true)
+	require.NoError(t, err)
+	require.Equal(t, volume.StateDestroying, got.State, "destroyed, as its holder has it")
+	child, err := s.ReservePull(Volume{Namespace: "ci", Handle: "new-version", Base: base.Ref(), Scope: volume.ScopeNamespace}, "p2")
+	require.NoError(t, err, "stacked on the destroyed base")
+	require.Equal(t, []volume.Ref{child.Ref()}, s.Holders(base.Ref()).Children, "which its child holds from now on")
+	require.NoError(t, os.MkdirAll(s.DataPath(child), 0o755))
+	_, err = s.CommitPull(child.Ref(), "p2", 10, 1, true)
+	require.NoError(t, err)
+	dirs, err := s.Chain(child.Ref())
+	require.NoError(t, err)
+	require.Len(t, dirs, 2)
+	_, err = s.Publish(View{VolumeID: "v", Source: base.Ref(), Pod: pod("ci")})
+	require.ErrorIs(t, err, ErrNotFound, "the destroyed base is no source")
+}

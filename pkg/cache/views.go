@@ -71,6 +71,10 @@ type View struct {
 	// Pins are the source chain: in use while the view lives.
 	Pins  []volume.Ref `json:"pins,omitempty"`
 	State ViewState    `json:"state"`
+	// Cache is the cache the view is of (Key empty: none): its source is
+	// the key's current version when it was published (zero: none), its
+	// capture a new version, made current if the step succeeds.
+	Cache volume.Cache `json:"cache,omitzero"`
 	// Boot is the kernel boot the view was published in: a view from an
 	// earlier boot lost whatever had not reached the disk.
 	Boot      string    `json:"boot,omitempty"`
@@ -119,6 +123,12 @@ func (s *Store) Publish(v View) (View, error) {
 			return fmt.Errorf("step volume %q: %w", v.VolumeID, ErrExists)
 		}
 		v.Lowers, v.Pins = nil, nil
+		if v.Cache.Key != "" {
+			var err error
+			if v.Source, err = currentVersion(tx, v.Pod.Namespace, v.Cache.Key); err != nil {
+				return err
+			}
+		}
 		if !v.Source.IsZero() {
 			src, pins, lowers, err := s.sourceOf(vols, v)
 			if err != nil {
@@ -336,51 +346,61 @@ type Captured struct {
 func (s *Store) CommitCapture(volumeID string, c Captured) (Volume, error) {
 	var out Volume
 	err := s.db.Update(func(tx *bolt.Tx) error {
-		vols, views := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
-		view, ok, err := getJSON[View](views, []byte(volumeID))
-		if err != nil {
-			return err
-		}
-		if !ok || view.State != ViewCapturing {
-			return fmt.Errorf("step volume %q is not capturing: %w", volumeID, ErrWrongViewState)
-		}
-		ref := view.CaptureRef()
-		vol, ok, err := getJSON[Volume](vols, key(ref))
-		if err != nil {
-			return err
-		}
-		if !ok || !vol.ReservedBy(viewLease(volumeID)) {
-			return fmt.Errorf("capture handle %q is not reserved by %q: %w", view.Capture, volumeID, ErrExists)
-		}
-		if c.Diff {
-			vol.Base = view.Source
-			if err := tx.Bucket(childrenBucket).Put(indexKey(vol.Base.String(), ref.String()), nil); err != nil {
-				return err
-			}
-		}
-		vol.SizeBytes, vol.Inodes = c.Bytes, c.Inodes
-		if len(c.Properties) > 0 {
-			vol.Properties = maps.Clone(vol.Properties)
-			if vol.Properties == nil {
-				vol.Properties = map[string]string{}
-			}
-			maps.Copy(vol.Properties, c.Properties)
-		}
-		if err := vol.apply(EventCommit, viewLease(volumeID)); err != nil {
-			return err
-		}
-		now := time.Now()
-		vol.CreatedAt, vol.LastUsed = now, now
-		if err := putJSON(vols, key(ref), vol); err != nil {
-			return err
-		}
-		out = vol
-		if err := errors.Join(unpin(tx, view), bump(tx), tx.Bucket(failuresBucket).Delete(key(ref))); err != nil {
-			return err
-		}
-		return views.Delete([]byte(volumeID))
+		var err error
+		out, err = commitCapture(tx, volumeID, c, nil)
+		return err
 	})
 	return out, err
+}
+
+// commitCapture is CommitCapture in tx; beforeCommit, if any, may change
+// the volume (its base set) before it commits.
+func commitCapture(tx *bolt.Tx, volumeID string, c Captured, beforeCommit func(*Volume) error) (Volume, error) {
+	vols, views := tx.Bucket(volumesBucket), tx.Bucket(viewsBucket)
+	view, ok, err := getJSON[View](views, []byte(volumeID))
+	if err != nil {
+		return Volume{}, err
+	}
+	if !ok || view.State != ViewCapturing {
+		return Volume{}, fmt.Errorf("step volume %q is not capturing: %w", volumeID, ErrWrongViewState)
+	}
+	ref := view.CaptureRef()
+	vol, ok, err := getJSON[Volume](vols, key(ref))
+	if err != nil {
+		return Volume{}, err
+	}
+	if !ok || !vol.ReservedBy(viewLease(volumeID)) {
+		return Volume{}, fmt.Errorf("capture handle %q is not reserved by %q: %w", view.Capture, volumeID, ErrExists)
+	}
+	if c.Diff {
+		vol.Base = view.Source
+		if err := tx.Bucket(childrenBucket).Put(indexKey(vol.Base.String(), ref.String()), nil); err != nil {
+			return Volume{}, err
+		}
+	}
+	vol.SizeBytes, vol.Inodes = c.Bytes, c.Inodes
+	vol.Properties = maps.Clone(vol.Properties)
+	if vol.Properties == nil {
+		vol.Properties = map[string]string{}
+	}
+	maps.Copy(vol.Properties, c.Properties)
+	if beforeCommit != nil {
+		if err := beforeCommit(&vol); err != nil {
+			return Volume{}, err
+		}
+	}
+	if err := vol.apply(EventCommit, viewLease(volumeID)); err != nil {
+		return Volume{}, err
+	}
+	now := time.Now()
+	vol.CreatedAt, vol.LastUsed = now, now
+	if err := putJSON(vols, key(ref), vol); err != nil {
+		return Volume{}, err
+	}
+	if err := errors.Join(unpin(tx, view), bump(tx), tx.Bucket(failuresBucket).Delete(key(ref))); err != nil {
+		return Volume{}, err
+	}
+	return vol, views.Delete([]byte(volumeID))
 }
 
 // DropView forgets a step volume that is not being captured, releasing its

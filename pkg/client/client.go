@@ -174,7 +174,17 @@ func (c *Client) Place(ctx context.Context, inputs ...volume.Ref) ([]*controller
 // PlaceBest is Place answering only the best limit nodes (all: 0), as
 // many as PreferNodes uses (PreferredNodes) for a step pod's affinity.
 func (c *Client) PlaceBest(ctx context.Context, limit int, inputs ...volume.Ref) ([]*controllerv1.NodePlacement, error) {
-	resp, err := c.Cache.Place(ctx, &controllerv1.PlaceRequest{Inputs: controllerv1.RefsOf(inputs), Limit: int32(limit)})
+	return c.PlaceStep(ctx, limit, inputs, nil)
+}
+
+// PlaceStep is PlaceBest for a step that names caches too: each counts as
+// an input, the newest version of its key.
+func (c *Client) PlaceStep(ctx context.Context, limit int, inputs []volume.Ref, caches []volume.CacheRef) ([]*controllerv1.NodePlacement, error) {
+	req := &controllerv1.PlaceRequest{Inputs: controllerv1.RefsOf(inputs), Limit: int32(limit)}
+	for _, k := range caches {
+		req.Caches = append(req.Caches, &controllerv1.CacheRef{Namespace: k.Namespace, Key: k.Key})
+	}
+	resp, err := c.Cache.Place(ctx, req)
 	return resp.GetNodes(), err
 }
 
@@ -200,6 +210,21 @@ func (c *Client) Pin(ctx context.Context, until time.Time, vols ...volume.Ref) (
 func (c *Client) Unpin(ctx context.Context, vols ...volume.Ref) ([]*controllerv1.VolumeNodes, error) {
 	resp, err := c.Cache.PinVolumes(ctx, &controllerv1.PinVolumesRequest{Refs: controllerv1.RefsOf(vols), Unpin: true})
 	return resp.GetVolumes(), err
+}
+
+// Caches says where each cache key of namespace has its newest version
+// (with no keys: every key of namespace that has one), naming every node
+// that holds it.
+func (c *Client) Caches(ctx context.Context, namespace string, keys ...string) ([]*controllerv1.CacheLocation, error) {
+	resp, err := c.Cache.LookupCaches(ctx, &controllerv1.LookupCachesRequest{Namespace: namespace, Keys: keys})
+	return resp.GetCaches(), err
+}
+
+// ClearCaches clears cache keys of namespace on every node holding a
+// version of them.
+func (c *Client) ClearCaches(ctx context.Context, namespace string, keys ...string) ([]*controllerv1.ClearedCache, error) {
+	resp, err := c.Cache.ClearCaches(ctx, &controllerv1.ClearCachesRequest{Namespace: namespace, Keys: keys})
+	return resp.GetCaches(), err
 }
 
 // Nodes lists the nodes the controller knows.

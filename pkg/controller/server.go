@@ -297,6 +297,64 @@ func (s *cacheServer) LookupVolumes(ctx context.Context, req *controllerv1.Looku
 	return &controllerv1.LookupVolumesResponse{Volumes: locs}, nil
 }
 
+// LookupCaches answers a namespace's keys as the fleet holds them; a
+// namespace the caller may not read holds none.
+func (s *cacheServer) LookupCaches(ctx context.Context, req *controllerv1.LookupCachesRequest) (*controllerv1.LookupCachesResponse, error) {
+	ns, keys := req.GetNamespace(), req.GetKeys()
+	if err := volume.ValidateNamespace(ns); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if len(keys) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d keys in one call: at most %d", len(keys), maxLookup)
+	}
+	for _, k := range keys {
+		if err := volume.ValidateCacheKey(k); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	if err := checkMaxNodes(req.GetMaxNodes()); err != nil {
+		return nil, err
+	}
+	var found []fleet.CacheLocation
+	if CallerFrom(ctx).MayIn(ctx, "get")(ns) {
+		found = s.view.Caches(ns, keys, int(req.GetMaxNodes()), time.Now())
+	} else {
+		for _, k := range keys {
+			found = append(found, fleet.CacheLocation{Namespace: ns, Key: k})
+		}
+	}
+	return &controllerv1.LookupCachesResponse{Caches: toWireCaches(found)}, nil
+}
+
+// ClearCaches destroys every version of each key on every node holding
+// one; a node destroying its key's current version clears the key there.
+func (s *cacheServer) ClearCaches(ctx context.Context, req *controllerv1.ClearCachesRequest) (*controllerv1.ClearCachesResponse, error) {
+	ns, keys := req.GetNamespace(), req.GetKeys()
+	if err := volume.ValidateNamespace(ns); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if len(keys) == 0 || len(keys) > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d keys in one call: want 1 to %d", len(keys), maxLookup)
+	}
+	for _, k := range keys {
+		if err := volume.ValidateCacheKey(k); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	if err := need(ctx, "delete", ResourceVolumes, ns, "clear caches"); err != nil {
+		return nil, err
+	}
+	resp := &controllerv1.ClearCachesResponse{}
+	for _, k := range keys {
+		told := s.view.Destroy(s.view.CacheVersionRefs(ns, k))
+		s.metrics.Commands.WithLabelValues("destroy").Add(float64(len(told)))
+		resp.Caches = append(resp.Caches, &controllerv1.ClearedCache{Key: k, Versions: toWireVolumeNodes(told)})
+		klog.InfoS("Clearing a cache key on the nodes holding its versions", "namespace", ns, "key", k, "versions", len(told),
+			"caller", CallerFrom(ctx).User)
+	}
+	return resp, nil
+}
+
 // Page sizes of ListVolumes.
 const (
 	defaultListLimit = 500
@@ -344,8 +402,8 @@ func (s *cacheServer) ListVolumes(ctx context.Context, req *controllerv1.ListVol
 // Place ranks nodes by the inputs the caller may read; one it may not is
 // missing everywhere, as if it did not exist.
 func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest) (*controllerv1.PlaceResponse, error) {
-	if len(req.GetInputs()) > maxLookup {
-		return nil, status.Errorf(codes.InvalidArgument, "%d inputs in one call: at most %d", len(req.GetInputs()), maxLookup)
+	if n := len(req.GetInputs()) + len(req.GetCaches()); n > maxLookup {
+		return nil, status.Errorf(codes.InvalidArgument, "%d inputs and caches in one call: at most %d", n, maxLookup)
 	}
 	if req.GetLimit() < 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "limit %d: want 0 (every node) or more", req.GetLimit())
@@ -354,7 +412,13 @@ func (s *cacheServer) Place(ctx context.Context, req *controllerv1.PlaceRequest)
 	if err != nil {
 		return nil, code(err)
 	}
-	return &controllerv1.PlaceResponse{Nodes: toWirePlacements(s.view.Place(inputs, CallerFrom(ctx).MayIn(ctx, "get"), int(req.GetLimit()), time.Now()))}, nil
+	caches, err := cachesFromWire(req.GetCaches())
+	if err != nil {
+		return nil, code(err)
+	}
+	may, now := CallerFrom(ctx).MayIn(ctx, "get"), time.Now()
+	inputs = append(inputs, s.view.CacheInputs(caches, may, now)...)
+	return &controllerv1.PlaceResponse{Nodes: toWirePlacements(s.view.Place(inputs, may, int(req.GetLimit()), now))}, nil
 }
 
 func (s *cacheServer) ListNodes(ctx context.Context, _ *controllerv1.ListNodesRequest) (*controllerv1.ListNodesResponse, error) {

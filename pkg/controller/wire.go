@@ -23,6 +23,20 @@ func refFromWire(r *controllerv1.VolumeRef) (volume.Ref, error) {
 	return ref, nil
 }
 
+func cachesFromWire(caches []*controllerv1.CacheRef) ([]volume.CacheRef, error) {
+	out := make([]volume.CacheRef, len(caches))
+	for i, c := range caches {
+		if err := volume.ValidateNamespace(c.GetNamespace()); err != nil {
+			return nil, fmt.Errorf("cache: %w: %w", err, fleet.ErrInvalid)
+		}
+		if err := volume.ValidateCacheKey(c.GetKey()); err != nil {
+			return nil, fmt.Errorf("%w: %w", err, fleet.ErrInvalid)
+		}
+		out[i] = volume.CacheRef{Namespace: c.GetNamespace(), Key: c.GetKey()}
+	}
+	return out, nil
+}
+
 func refsFromWire(refs []*controllerv1.VolumeRef) ([]volume.Ref, error) {
 	out := make([]volume.Ref, len(refs))
 	for i, r := range refs {
@@ -103,6 +117,18 @@ func toWireVolumeNodes(vns []fleet.VolumeNodes) []*controllerv1.VolumeNodes {
 	out := make([]*controllerv1.VolumeNodes, len(vns))
 	for i, vn := range vns {
 		out[i] = &controllerv1.VolumeNodes{Ref: controllerv1.RefOf(vn.Ref), Nodes: vn.Nodes}
+	}
+	return out
+}
+
+func toWireCaches(cs []fleet.CacheLocation) []*controllerv1.CacheLocation {
+	out := make([]*controllerv1.CacheLocation, len(cs))
+	for i, c := range cs {
+		out[i] = &controllerv1.CacheLocation{Namespace: c.Namespace, Key: c.Key, Found: c.Found}
+		if c.Found {
+			out[i].Version, out[i].PromotedAt, out[i].PromotedBy = toWireLocation(c.Version), timestamppb.New(c.PromotedAt), c.PromotedBy
+			out[i].Versions, out[i].Bytes = int32(c.Versions), c.Bytes
+		}
 	}
 	return out
 }

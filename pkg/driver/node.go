@@ -89,7 +89,7 @@ func (n *nodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	err = n.engine.Publish(node.PublishRequest{
 		VolumeID: req.GetVolumeId(), Target: tp, Source: vr.Source, Capture: vr.Capture, Scope: vr.Scope,
 		Properties: vr.Properties, ReadOnly: vr.ReadOnly, Pod: vr.Pod, SizeLimit: vr.SizeLimit, TTL: vr.TTL,
-		Copies: vr.Copies, ReadProfile: vr.ReadProfile, OwnedByController: vr.OwnedByController,
+		Copies: vr.Copies, ReadProfile: vr.ReadProfile, OwnedByController: vr.OwnedByController, Cache: vr.Cache,
 	})
 	if err != nil {
 		return nil, engineError(err)

@@ -28,6 +28,10 @@ const (
 	AttrPropertyPrefix  = volume.AttrPropertyPrefix
 	AttrReadProfile     = volume.AttrReadProfile
 	AttrOwner           = volume.AttrOwner
+	AttrCache           = volume.AttrCache
+	AttrCachePromote    = volume.AttrCachePromote
+	AttrCacheMaxSize    = volume.AttrCacheMaxSize
+	AttrCacheFrom       = volume.AttrCacheFrom
 )
 
 var kubeletKeys = map[string]bool{
@@ -35,7 +39,7 @@ var kubeletKeys = map[string]bool{
 	volume.KeyServiceAccount: true, volume.KeySATokens: true,
 }
 
-const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, owner, readProfile, property.<key>"
+const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, owner, readProfile, property.<key>, cache, cachePromote, cacheMaxSize, cacheFrom"
 
 // Limits on caller-chosen strings.
 const (
@@ -61,6 +65,8 @@ type volumeRequest struct {
 	// OwnedByController: the captured volume belongs to the object that
 	// controls the pod.
 	OwnedByController bool
+	// Cache is the cache the volume is a view of (Key empty: none).
+	Cache volume.Cache
 }
 
 func invalid(format string, args ...any) error {
@@ -146,7 +152,7 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	if err := r.Pod.Validate(); err != nil {
 		return r, invalid("the kubelet's pod info is malformed: %v", err)
 	}
-	scopeSet := false
+	scopeSet, cacheSet := false, false
 	sourceNS := ""
 	for k, v := range vc {
 		switch {
@@ -194,6 +200,37 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 				return r, invalid("attribute readProfile: %v", err)
 			}
 			r.ReadProfile = v
+		case k == AttrCache:
+			if err := volume.ValidateCacheKey(v); err != nil {
+				return r, invalid("attribute cache: %v", err)
+			}
+			r.Cache.Key = v
+		case k == AttrCachePromote:
+			switch v {
+			case volume.CachePromoteOnSuccess:
+			case volume.CachePromoteAlways:
+				r.Cache.PromoteAlways = true
+			default:
+				return r, invalid("attribute cachePromote %s is invalid: want %s (the default) or %s", volume.Quote(v),
+					volume.CachePromoteOnSuccess, volume.CachePromoteAlways)
+			}
+			cacheSet = true
+		case k == AttrCacheFrom:
+			switch v {
+			case volume.CacheFromFleet:
+			case volume.CacheFromNode:
+				r.Cache.FromNode = true
+			default:
+				return r, invalid("attribute cacheFrom %s is invalid: want %s (the default: the newest version any node holds) or %s "+
+					"(this node's own, at once, where it has one)", volume.Quote(v), volume.CacheFromFleet, volume.CacheFromNode)
+			}
+			cacheSet = true
+		case k == AttrCacheMaxSize:
+			q, err := resource.ParseQuantity(v)
+			if err != nil || q.Sign() <= 0 {
+				return r, invalid("attribute cacheMaxSize %s is invalid: want a positive quantity such as 20Gi", volume.Quote(v))
+			}
+			r.Cache.MaxBytes, cacheSet = q.Value(), true
 		case k == AttrSizeLimit:
 			q, err := resource.ParseQuantity(v)
 			if err != nil || q.Sign() <= 0 {
@@ -216,7 +253,10 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 	if len(r.Properties) > volume.MaxProperties {
 		return r, invalid("%d properties given: at most %d", len(r.Properties), volume.MaxProperties)
 	}
-	if r.Capture == "" && (scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0 || r.OwnedByController) {
+	if err := validateCache(r, scopeSet, cacheSet, sourceNS); err != nil {
+		return r, err
+	}
+	if r.Capture == "" && r.Cache.Key == "" && (scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0 || r.OwnedByController) {
 		return r, invalid("attributes scope, ttl, copies, owner and property.* describe a captured volume: they need capture")
 	}
 	if r.ReadProfile != "" && r.Source.IsZero() {
@@ -231,8 +271,30 @@ func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
 			r.Source.Namespace = sourceNS
 		}
 	}
+	if volume.IsCacheHandle(r.Source.Handle) || volume.IsCacheHandle(r.Capture) {
+		return r, invalid("handles starting %s are a cache's versions: a step names a cache by its key (attribute cache)",
+			volume.Quote(volume.CacheHandlePrefix))
+	}
 	if r.Capture != "" && r.Source == (volume.Ref{Namespace: r.Pod.Namespace, Handle: r.Capture}) {
 		return r, invalid("capture handle %q equals the source: a cached volume is immutable", r.Capture)
 	}
 	return r, nil
+}
+
+// validateCache checks a cache volume's attributes against the others: its
+// source and capture are the key's versions, which cowvol chooses.
+func validateCache(r volumeRequest, scopeSet, cacheSet bool, sourceNS string) error {
+	if r.Cache.Key == "" {
+		if cacheSet {
+			return invalid("attributes cachePromote, cacheMaxSize and cacheFrom describe a cache volume: they need cache")
+		}
+		return nil
+	}
+	if !r.Source.IsZero() || r.Capture != "" || sourceNS != "" || scopeSet || r.Copies != 0 || r.OwnedByController ||
+		r.Properties != nil || r.ReadProfile != "" {
+		return invalid("attribute cache takes the key's current version as the step's volume and makes the step's view " +
+			"its next one: source, sourceNamespace, capture, scope, copies, owner, readProfile and property.* do not go with it " +
+			"(ttl, sizeLimit, cachePromote, cacheMaxSize and cacheFrom do)")
+	}
+	return nil
 }

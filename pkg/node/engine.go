@@ -82,6 +82,9 @@ type Config struct {
 	Pulls *pull.Config
 	// Pods answers what the API server knows of step pods (nil: none).
 	Pods Pods
+	// CacheVersions is how many versions of a cache key the node keeps,
+	// the current one among them (0: DefaultCacheVersions).
+	CacheVersions int
 	// CaptureWait is how long a publish waits for its source, a step's
 	// output on this node still being captured, to be ready before it
 	// answers Unavailable (0: DefaultCaptureWait).
@@ -128,6 +131,7 @@ type Engine struct {
 	quarantine             quarantine
 	watermarks             Watermarks
 	copies                 int // Config.Copies
+	cacheVersions          int // Config.CacheVersions
 	pressure               pressure
 	reaping                sync.Mutex
 	swept                  sweep // guarded by reaping
@@ -226,6 +230,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1), summing: make(chan struct{}, 1),
 		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks, copies: cfg.Copies,
+		cacheVersions: cmp.Or(cfg.CacheVersions, DefaultCacheVersions),
 	}
 	e.metrics = newMetrics(e, string(kind))
 	e.pullMetrics = pull.NewMetrics()

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -31,6 +32,39 @@ type fixture struct {
 	pods     string
 	n        int
 	stateDir string
+	// events are what the engine told pods and the node.
+	events recordedEvents
+}
+
+// recordedEvents keeps the Events the engine sends.
+type recordedEvents struct {
+	mu   sync.Mutex
+	sent []string // "pod reason: message"
+}
+
+func (r *recordedEvents) Event(pod volume.Pod, _, reason, message string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sent = append(r.sent, pod.Name+" "+reason+": "+message)
+}
+
+func (r *recordedEvents) NodeEvent(_, reason, message string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sent = append(r.sent, "node "+reason+": "+message)
+}
+
+// of lists the Events a pod got, each "reason: message".
+func (r *recordedEvents) of(pod string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, e := range r.sent {
+		if rest, ok := strings.CutPrefix(e, pod+" "); ok {
+			out = append(out, rest)
+		}
+	}
+	return out
 }
 
 // faultyMounter is the real mounter with injectable failures, for the error
@@ -137,7 +171,7 @@ func (f *fixture) teardown() {
 func (f *fixture) start() {
 	store, err := cache.Open(f.stateDir)
 	require.NoError(f.t, err)
-	engine, err := New(f.cfg, store, f.mounter, nil)
+	engine, err := New(f.cfg, store, f.mounter, &f.events)
 	require.NoError(f.t, err)
 	f.store, f.engine = store, engine
 }

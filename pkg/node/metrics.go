@@ -19,6 +19,13 @@ type metrics struct {
 	disk      *prometheus.GaugeVec
 	info      prometheus.Gauge
 	node      *nodeCollector
+	// Cache volumes' (caches.go).
+	cacheForks      *prometheus.CounterVec
+	cachePromotions prometheus.Counter
+	cacheDiscards   *prometheus.CounterVec
+	cacheRefusals   *prometheus.CounterVec
+	// cacheLookupErrors counts forks that could not ask the fleet.
+	cacheLookupErrors prometheus.Counter
 }
 
 func newMetrics(e *Engine, backend string) *metrics {
@@ -57,12 +64,33 @@ func newMetrics(e *Engine, backend string) *metrics {
 			Help:        "The node plugin's COW backend and how it enforces size limits (always 1).",
 			ConstLabels: prometheus.Labels{"backend": backend, "size_limits": limits},
 		}),
+		cacheForks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_cache_forks_total",
+			Help: "Cache volumes published, by the version they forked: local (the key's current version here), pulled (the fleet's newest, newer than this node's, pulled from the node that made it) or none (the key has none: an empty volume).",
+		}, []string{"found"}),
+		cachePromotions: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_cache_promotions_total", Help: "Cache volumes whose step's view became their key's current version.",
+		}),
+		cacheDiscards: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_cache_discards_total",
+			Help: "Cache volumes whose step's view was discarded and the key kept its version, by reason (failed, not-started, result-unknown, reboot, input-incomplete).",
+		}, []string{"reason"}),
+		cacheRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_cache_promotions_refused_total",
+			Help: "Cache versions captured but not made current, by reason (over-cap: over the volume's cacheMaxSize; cleared: the key was cleared while the step ran).",
+		}, []string{"reason"}),
+		cacheLookupErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cowvol_cache_lookup_errors_total",
+			Help: "Cache volumes published without the fleet's word on their key's newest version (the controller did not answer in time): each forked this node's own.",
+		}),
 		node: &nodeCollector{
-			engine:   e,
-			volumes:  prometheus.NewDesc("cowvol_cached_volumes", "Cached volumes on this node, by state.", []string{"state"}, nil),
-			bytes:    prometheus.NewDesc("cowvol_cached_bytes", "Bytes held by ready cached volumes' own layers.", nil, nil),
-			view:     prometheus.NewDesc("cowvol_step_volumes", "Step volumes published on this node, by state.", []string{"state"}, nil),
-			quarantd: prometheus.NewDesc("cowvol_quarantined_step_volumes", "Step volumes recovery could not settle, retried in the background.", nil, nil),
+			engine:     e,
+			volumes:    prometheus.NewDesc("cowvol_cached_volumes", "Cached volumes on this node, by state.", []string{"state"}, nil),
+			bytes:      prometheus.NewDesc("cowvol_cached_bytes", "Bytes held by ready cached volumes' own layers.", nil, nil),
+			view:       prometheus.NewDesc("cowvol_step_volumes", "Step volumes published on this node, by state.", []string{"state"}, nil),
+			quarantd:   prometheus.NewDesc("cowvol_quarantined_step_volumes", "Step volumes recovery could not settle, retried in the background.", nil, nil),
+			cacheBytes: prometheus.NewDesc("cowvol_cache_bytes", "Bytes held by ready cache versions' own layers, every key's.", nil, nil),
+			cacheKeys:  prometheus.NewDesc("cowvol_cache_keys", "Cache keys with a current version on this node.", nil, nil),
 		},
 	}
 	m.info.Set(1)
@@ -70,7 +98,8 @@ func newMetrics(e *Engine, backend string) *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.rotten, m.overHigh, m.disk, m.info, m.node}
+	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.rotten, m.overHigh, m.disk, m.info, m.node,
+		m.cacheForks, m.cachePromotions, m.cacheDiscards, m.cacheRefusals, m.cacheLookupErrors}
 }
 
 func (m *metrics) setDisk(d diskFill) {
@@ -85,6 +114,7 @@ func (m *metrics) setDisk(d diskFill) {
 type nodeCollector struct {
 	engine                         *Engine
 	volumes, bytes, view, quarantd *prometheus.Desc
+	cacheBytes, cacheKeys          *prometheus.Desc
 }
 
 func (c *nodeCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -92,15 +122,20 @@ func (c *nodeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.bytes
 	ch <- c.view
 	ch <- c.quarantd
+	ch <- c.cacheBytes
+	ch <- c.cacheKeys
 }
 
 func (c *nodeCollector) Collect(ch chan<- prometheus.Metric) {
 	byState := map[volume.State]int{}
-	var ready int64
+	var ready, cached int64
 	for _, v := range c.engine.store.List() {
 		byState[v.State]++
 		if v.State == volume.StateReady && v.SizeBytes > 0 {
 			ready += v.SizeBytes
+			if v.Properties[volume.PropertyCacheKey] != "" {
+				cached += v.SizeBytes
+			}
 		}
 	}
 	for _, st := range []volume.State{volume.StateCreating, volume.StateFilling, volume.StateReady, volume.StateFailed, volume.StateDestroying} {
@@ -115,4 +150,12 @@ func (c *nodeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.view, prometheus.GaugeValue, float64(byView[st]), string(st))
 	}
 	ch <- prometheus.MustNewConstMetric(c.quarantd, prometheus.GaugeValue, float64(c.engine.quarantine.size()))
+	ch <- prometheus.MustNewConstMetric(c.cacheBytes, prometheus.GaugeValue, float64(cached))
+	keys := 0
+	for _, k := range c.engine.store.Caches("") {
+		if k.Current != "" {
+			keys++
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(c.cacheKeys, prometheus.GaugeValue, float64(keys))
 }

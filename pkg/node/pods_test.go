@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -178,17 +179,29 @@ func TestOwnedByController(t *testing.T) {
 	require.Equal(t, wf, got)
 
 	// The owner sweep's destroy is checked against this node's record of
-	// the owner: another UID (a node that lied about the owner), or a
-	// volume that names none, is kept.
+	// the owner: another UID (a node that lied about the owner, or a
+	// controller's answer corrupted on the way), a volume that names none,
+	// the same handle in another namespace, is kept.
 	plain := f.volume("ci", "", "plain")
 	require.NoError(t, f.publish(plain))
 	require.NoError(t, f.unpublish(plain))
 	for _, tt := range []struct {
-		handle, uid string
-	}{{"owned", "00000000-0000-4000-8000-00000000000f"}, {"owned", ""}, {"plain", wf.UID}, {"missing", wf.UID}} {
-		did, err := f.engine.DestroyIfOwned(ref("ci", tt.handle), tt.uid)
-		require.NoError(t, err)
-		require.False(t, did, "%s, owner %q", tt.handle, tt.uid)
+		name       string
+		ns, handle string
+		uid        string
+	}{
+		{"another owner's UID", "ci", "owned", "00000000-0000-4000-8000-00000000000f"},
+		{"no UID", "ci", "owned", ""},
+		{"the UID in upper case", "ci", "owned", strings.ToUpper(wf.UID)},
+		{"the UID with a space", "ci", "owned", wf.UID + " "},
+		{"a prefix of the UID", "ci", "owned", wf.UID[:8]},
+		{"a volume that names no owner", "ci", "plain", wf.UID},
+		{"a volume this node lacks", "ci", "missing", wf.UID},
+		{"the handle in another namespace", "other", "owned", wf.UID},
+	} {
+		did, err := f.engine.DestroyIfOwned(ref(tt.ns, tt.handle), tt.uid)
+		require.NoError(t, err, tt.name)
+		require.False(t, did, tt.name)
 	}
 	kept, err := f.store.Get(ref("ci", "owned"))
 	require.NoError(t, err)

@@ -48,6 +48,10 @@ type PublishRequest struct {
 	// controls the pod, and goes when that object does (recorded in its
 	// properties at publish, while the pod surely exists).
 	OwnedByController bool
+	// Cache names the cache the volume is a view of (Key empty: none):
+	// its source is the key's current version, its capture a new one
+	// (caches.go); Source, Capture, Scope and Properties are the engine's.
+	Cache volume.Cache
 }
 
 // Publish makes a step volume and mounts it at its target: a new one, the
@@ -57,6 +61,12 @@ func (e *Engine) Publish(r PublishRequest) error {
 	limit, err := e.sizeLimit(r.SizeLimit, r.ReadOnly)
 	if err != nil {
 		return err
+	}
+	adopted := false
+	if r.Cache.Key != "" {
+		if adopted, err = e.forkCache(&r); err != nil {
+			return err
+		}
 	}
 	if err := e.refuseIfFull(r); err != nil {
 		return err
@@ -88,7 +98,7 @@ func (e *Engine) Publish(r PublishRequest) error {
 	want := cache.View{
 		VolumeID: r.VolumeID, Target: r.Target.Full, Source: r.Source, Capture: r.Capture,
 		Scope: r.Scope, Properties: r.Properties, ReadOnly: r.ReadOnly, Pod: r.Pod, SizeLimit: limit, TTL: r.TTL,
-		Copies: cmp.Or(r.Copies, e.copies), Backend: string(e.backend.Kind()), Boot: e.boot, UserNamespace: userns,
+		Copies: cmp.Or(r.Copies, e.copies), Backend: string(e.backend.Kind()), Boot: e.boot, UserNamespace: userns, Cache: r.Cache,
 	}
 	if userns && e.idmapBackend != nil {
 		want.Backend = string(e.idmapBackend.Kind())
@@ -124,6 +134,9 @@ func (e *Engine) Publish(r PublishRequest) error {
 		return err
 	}
 	e.puller.NoteReader(view, r.ReadProfile)
+	if view.Cache.Key != "" {
+		e.forked(view, adopted)
+	}
 	klog.V(2).InfoS("Published step volume", "volumeID", view.VolumeID, "target", view.Target,
 		"source", view.Source, "capture", view.Capture, "layers", len(view.Lowers), "readOnly", view.ReadOnly,
 		"sizeLimit", view.SizeLimit, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name), "backend", view.Backend,
@@ -383,7 +396,7 @@ func (e *Engine) ownsMount(v cache.View, st target.State) bool {
 func (e *Engine) republish(old, want cache.View) error {
 	same := old.Target == want.Target && old.Source == want.Source && old.Capture == want.Capture &&
 		old.ReadOnly == want.ReadOnly && old.Scope == want.Scope && old.SizeLimit == want.SizeLimit &&
-		old.TTL == want.TTL && old.Copies == want.Copies && maps.Equal(old.Properties, want.Properties)
+		old.TTL == want.TTL && old.Copies == want.Copies && maps.Equal(old.Properties, want.Properties) && old.Cache == want.Cache
 	if !same {
 		return fmt.Errorf("volume %s: %w", volume.Quote(old.VolumeID), ErrOtherAttributes)
 	}
@@ -520,14 +533,25 @@ func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
 		return elsewhere(view, tp.Full)
 	}
 	start := time.Now()
+	cached := view.Cache.Key != "" && view.Capture != ""
+	// Why a cache view earned no version: said once its view is gone, so
+	// that a teardown the kubelet retries says it once.
+	var cacheDiscard string
 	if view.Capture != "" && view.Boot != e.boot {
 		// The node rebooted under this step: what it wrote may be torn,
 		// so it is not captured. The scheduler sees the output missing.
 		klog.InfoS("Not capturing a step volume from before a reboot", "volumeID", view.VolumeID,
 			"capture", view.Capture, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name))
-		e.events.Event(view.Pod, EventWarning, "CaptureSkipped", fmt.Sprintf(
-			"Not captured into %q: the node rebooted while the step ran, so what it wrote may be incomplete", view.Capture))
+		if cached {
+			cacheDiscard = discardReboot
+		} else {
+			e.events.Event(view.Pod, EventWarning, "CaptureSkipped", fmt.Sprintf(
+				"Not captured into %q: the node rebooted while the step ran, so what it wrote may be incomplete", view.Capture))
+		}
 		view.Capture = ""
+	}
+	if view.Capture != "" && view.InputIncomplete && cached {
+		cacheDiscard, view.Capture = discardInputIncomplete, ""
 	}
 	if view.Capture != "" && view.InputIncomplete {
 		klog.InfoS("Not capturing a step volume whose input could not be read whole", "volumeID", view.VolumeID,
@@ -543,14 +567,34 @@ func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
 	}
 	// A view whose tree was never built ran no step: there is nothing to
 	// capture (a capturing view's tree may be gone into its layer).
-	if view.Capture == "" || view.State == cache.ViewPublishing || (view.State == cache.ViewPublished && !e.built(view)) {
+	ranNot := view.State == cache.ViewPublishing || (view.State == cache.ViewPublished && !e.built(view))
+	var props map[string]string
+	switch {
+	case view.Capture == "":
+	case ranNot && cached:
+		cacheDiscard = discardNotStarted
+	case ranNot:
+	case view.State == cache.ViewCapturing:
+		// Cut short after its verdict: it completes, as it was judged.
+		props = e.stepResult(view.Pod)
+	case cached:
+		if props, cacheDiscard = e.cacheVerdict(view); cacheDiscard != "" {
+			view.Capture = ""
+		}
+	default:
+		props = e.stepResult(view.Pod)
+	}
+	if view.Capture == "" || ranNot {
 		if err := e.discard(view, true); err != nil {
 			return err
+		}
+		if cacheDiscard != "" {
+			e.discarded(view, cacheDiscard)
 		}
 		klog.V(2).InfoS("Unpublished step volume", "volumeID", view.VolumeID, "duration", time.Since(start))
 		return nil
 	}
-	vol, err := e.capture(view)
+	vol, promotion, err := e.capture(view, props)
 	if err != nil {
 		e.metrics.captures.WithLabelValues("error").Inc()
 		klog.ErrorS(err, "Capture failed; the kubelet will retry", "volumeID", view.VolumeID, "capture", view.Capture)
@@ -559,6 +603,10 @@ func (e *Engine) Unpublish(volumeID string, tp target.Path) error {
 		return err
 	}
 	e.metrics.captures.WithLabelValues("ok").Inc()
+	if view.Cache.Key != "" {
+		e.promoted(view, vol, promotion, time.Since(start))
+		return nil
+	}
 	e.events.Event(view.Pod, EventNormal, "VolumeCaptured", capturedMessage(vol, time.Since(start)))
 	klog.V(2).InfoS("Captured step volume", "volumeID", view.VolumeID, "volume", vol.Ref(),
 		"parent", vol.Parent, "base", vol.Base, "pod", klog.KRef(view.Pod.Namespace, view.Pod.Name),
@@ -615,44 +663,56 @@ func capturedMessage(vol cache.Volume, took time.Duration) string {
 	return msg
 }
 
-// capture commits a view into its reserved handle. Each step is idempotent,
-// so a capture cut short (by a crash, or a failure) completes when the
-// kubelet calls again.
-func (e *Engine) capture(view cache.View) (cache.Volume, error) {
-	props := e.stepResult(view.Pod)
+// capture commits a view into its reserved handle, with props (how its
+// step ended) among its properties; a cache's view is promoted as it
+// commits. Each step is idempotent, so a capture cut short (by a crash,
+// or a failure) completes when the kubelet calls again.
+func (e *Engine) capture(view cache.View, props map[string]string) (cache.Volume, cache.Promoted, error) {
+	var promotion cache.Promoted
 	if err := e.store.SetViewState(view.VolumeID, cache.ViewPublished, cache.ViewCapturing); err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	b, err := e.backendOf(view)
 	if err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	if err := e.takeDown(view); err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	cache.CrashPoint("capture-unmounted")
 	reserved, err := e.store.CaptureTarget(view)
 	if err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	spec := e.spec(view, "")
 	layer := e.store.DataPath(reserved)
 	diff, err := overlay.Commit(b, spec, layer)
 	if err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	cache.CrashPoint("capture-renamed")
 	sealed, err := overlay.Seal(layer, e.allowSetuid)
 	if err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	if sealed.Cleared > 0 || sealed.Removed > 0 {
 		klog.InfoS("Made a captured layer safe for other steps", "volumeID", view.VolumeID, "capture", view.Capture,
 			"setuidOrCapsCleared", sealed.Cleared, "deviceNodesRemoved", sealed.Removed)
 	}
-	vol, err := e.store.CommitCapture(view.VolumeID, cache.Captured{Diff: diff, Bytes: sealed.Bytes, Inodes: sealed.Inodes, Properties: props})
+	captured := cache.Captured{Diff: diff, Bytes: sealed.Bytes, Inodes: sealed.Inodes, Properties: props}
+	var vol cache.Volume
+	if view.Cache.Key != "" {
+		cache.CrashPoint("cache-captured")
+		vol, promotion, err = e.store.CommitCacheVersion(view.VolumeID, captured,
+			cache.Promotion{Key: view.Cache.Key, By: view.Pod.Name, MaxBytes: view.Cache.MaxBytes})
+		if err == nil {
+			cache.CrashPoint("cache-promoted")
+		}
+	} else {
+		vol, err = e.store.CommitCapture(view.VolumeID, captured)
+	}
 	if err != nil {
-		return cache.Volume{}, err
+		return cache.Volume{}, promotion, err
 	}
 	cache.CrashPoint("capture-committed")
 	e.kick(e.syncer)
@@ -662,8 +722,10 @@ func (e *Engine) capture(view cache.View) (cache.Volume, error) {
 	}
 	e.tidy()
 	e.kick(e.reaper)
-	e.goBackground(func() { e.afterCapture(vol, true) })
-	return vol, nil
+	if promotion.Refused == "" { // a refused version is destroyed
+		e.goBackground(func() { e.afterCapture(vol, true) })
+	}
+	return vol, promotion, nil
 }
 
 // sumLayer computes and keeps a new volume's layer's file sums while its
@@ -774,6 +836,9 @@ func (e *Engine) afterCapture(vol cache.Volume, origin bool) {
 		e.goBackground(func() { e.vouchLater(vol) }) // (nor can it be flattened yet)
 	} else {
 		e.vouchFailed(vol, err)
+	}
+	if vol.Hidden() {
+		return // pulled only as the base of what stacks on it: no view is made of it
 	}
 	chain, err := e.store.Chain(vol.Ref())
 	if err != nil {

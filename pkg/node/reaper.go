@@ -28,15 +28,24 @@ const (
 
 // Destroy hides volumes at once (NotFound to new publishes) and frees their
 // data in the background as soon as nothing holds it. It never blocks on
-// the deletion, and a volume already gone counts as destroyed.
+// the deletion, and a volume already gone counts as destroyed. Destroying
+// a cache key's current version clears the key (ClearCache): the next step
+// starts empty, not from an older version, and no step running now is
+// promoted (how kubectl cowvol caches clear reaches every node).
 func (e *Engine) Destroy(refs ...volume.Ref) error {
 	var errs []error
 	for _, r := range refs {
+		key := e.currentVersionOf(r)
 		if err := e.store.Destroy(r); err != nil {
 			errs = append(errs, err)
 			continue
 		}
 		klog.V(2).InfoS("Destroyed a cached volume; its data goes once nothing holds it", "volume", r)
+		if key != "" {
+			if _, err := e.ClearCache(r.Namespace, key); err != nil {
+				errs = append(errs, err)
+			}
+		}
 	}
 	e.kick(e.reaper)
 	return errors.Join(errs...)

@@ -90,6 +90,9 @@ type NodeOptions struct {
 	// OutputCopies is how many nodes a captured volume that names no
 	// copies attribute is kept on.
 	OutputCopies int
+	// CacheVersions is how many versions of a cache key the node keeps,
+	// the current one among them.
+	CacheVersions int
 	// ControllerAddress is the controller's host:port that the node
 	// reports its cache to (empty: none); TokenFile holds the token the
 	// node presents, and TLSCAFile verifies the controller.
@@ -180,7 +183,7 @@ func Defaults() Options {
 		Node: NodeOptions{StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64,
 			KubeletDir:    "/var/lib/kubelet",
 			HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace,
-			OutputCopies: 1},
+			OutputCopies: 1, CacheVersions: node.DefaultCacheVersions},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
 			Copies:          fleet.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
@@ -311,6 +314,8 @@ func (n *NodeOptions) AddFlags(fs *flag.FlagSet) {
 		"a cached volume used (captured, pulled, mounted) more recently is not evicted, however full the disk: a step's output waits for the next step or its scheduler's pin, and captures are refused meanwhile")
 	fs.IntVar(&n.OutputCopies, "output-copies", n.OutputCopies, fmt.Sprintf(
 		"how many nodes a captured volume that names no copies attribute is kept on: the controller has other nodes pull it once it is captured (1 to %d; 1: the capturing node alone)", volume.MaxCopies))
+	fs.IntVar(&n.CacheVersions, "cache-versions", n.CacheVersions,
+		"how many versions of each cache key the node keeps, the current one among them (1 or more): older ones are destroyed as new ones are promoted, once no step reads them (docs/caches.md)")
 	fs.StringVar(&n.ControllerAddress, "controller-address", n.ControllerAddress,
 		"the controller's host:port to report this node's cache to (plaintext on loopback only; else --tls-ca-file)")
 	fs.StringVar(&n.TokenFile, "token-file", n.TokenFile,
@@ -402,7 +407,7 @@ func (o Options) engineConfig() node.Config {
 		KubeletDir: n.KubeletDir, DefaultSizeLimit: n.DefaultSizeLimit, MaxSizeLimit: n.MaxSizeLimit,
 		AllowSetuid: n.AllowSetuid, BootIDFile: n.bootIDFile,
 		Watermarks: node.Watermarks{High: n.HighWatermark, Low: n.LowWatermark, Grace: n.EvictionGrace},
-		Copies:     n.OutputCopies,
+		Copies:     n.OutputCopies, CacheVersions: n.CacheVersions,
 	}
 }
 
@@ -500,6 +505,9 @@ func (n NodeOptions) validate(endpoint string) []error {
 	}
 	if n.OutputCopies < 1 || n.OutputCopies > volume.MaxCopies {
 		errs = append(errs, fmt.Errorf("--output-copies %d is invalid: want 1 to %d", n.OutputCopies, volume.MaxCopies))
+	}
+	if n.CacheVersions < 1 {
+		errs = append(errs, fmt.Errorf("--cache-versions %d is invalid: a node keeps at least the current version of a key", n.CacheVersions))
 	}
 	if n.EvictionGrace < 0 {
 		errs = append(errs, fmt.Errorf("--eviction-grace %s is negative", n.EvictionGrace))

@@ -319,6 +319,11 @@ func (staticPeers) Vouched(context.Context, []volume.Ref) (map[volume.Ref]volume
 	return nil, nil
 }
 
+// NewestCacheVersion knows none: no controller gathers them.
+func (staticPeers) NewestCacheVersion(context.Context, string, string) (pull.CacheVersion, bool, error) {
+	return pull.CacheVersion{}, false, nil
+}
+
 // controllerLocator asks the controller which nodes hold a volume ready.
 type controllerLocator struct {
 	api    controllerv1.CacheClient
@@ -383,4 +388,28 @@ func (c controllerLocator) Vouched(ctx context.Context, refs []volume.Ref) (map[
 		}
 	}
 	return out, nil
+}
+
+// cacheLookupTimeout bounds the question a cache publish asks: a step
+// whose controller is slow to answer forks what the node holds instead.
+const cacheLookupTimeout = 2 * time.Second
+
+// NewestCacheVersion asks the controller for the fleet's newest version
+// of a cache key.
+func (c controllerLocator) NewestCacheVersion(ctx context.Context, namespace, key string) (pull.CacheVersion, bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, cacheLookupTimeout)
+	defer cancel()
+	resp, err := c.api.LookupCaches(ctx, &controllerv1.LookupCachesRequest{Namespace: namespace, Keys: []string{key}, MaxNodes: 1})
+	if err != nil {
+		return pull.CacheVersion{}, false, fmt.Errorf("asking the controller for cache %s: %w", volume.Quote(key), err)
+	}
+	if len(resp.GetCaches()) != 1 {
+		return pull.CacheVersion{}, false, fmt.Errorf("the controller answered %d caches for one key", len(resp.GetCaches()))
+	}
+	loc := resp.GetCaches()[0]
+	r := volume.Ref{Namespace: loc.GetVersion().GetRef().GetNamespace(), Handle: loc.GetVersion().GetRef().GetHandle()}
+	if !loc.GetFound() || r.Namespace != namespace || !volume.IsCacheHandleOf(r.Handle, key) || loc.GetPromotedAt().CheckValid() != nil {
+		return pull.CacheVersion{}, false, nil
+	}
+	return pull.CacheVersion{Ref: r, PromotedAt: loc.GetPromotedAt().AsTime(), PromotedBy: loc.GetPromotedBy()}, true, nil
 }

@@ -570,6 +570,9 @@ func (d *Driver) localityRunner() (runner, error) {
 		Making: func(inputs []volume.Ref, namespace string) []string {
 			return d.view.Making(inputs, func(ns string) bool { return ns == namespace }, time.Now())
 		},
+		CacheInputs: func(caches []volume.CacheRef) []volume.Ref {
+			return d.view.CacheInputs(caches, nil, time.Now()) // the pod's own namespace's keys only
+		},
 		Ready:      func() bool { return d.leader.refuse(controllerv1.Cache_Place_FullMethodName) == nil },
 		Registries: d.opts.Controller.LocalityRegistries,
 		Metrics:    d.locality,

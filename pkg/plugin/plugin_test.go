@@ -135,6 +135,7 @@ func TestOptionsValidate(t *testing.T) {
 		{"negative eviction grace", func(o *Options) { o.Node.EvictionGrace = -time.Second }, "--eviction-grace"},
 		{"no output copies", func(o *Options) { o.Node.OutputCopies = 0 }, "--output-copies"},
 		{"more output copies than allowed", func(o *Options) { o.Node.OutputCopies = 6 }, "--output-copies"},
+		{"no cache versions kept", func(o *Options) { o.Node.CacheVersions = 0 }, "--cache-versions"},
 		{"negative read orders memory", func(o *Options) { o.Mode, o.Controller.ReadOrdersMemory = ModeController, -1 }, "--read-orders-memory"},
 		{"negative await for reports", func(o *Options) { o.Mode, o.Controller.AwaitReportsFor = ModeAll, -time.Second }, "--await-reports-for"},
 		{"a node's options are not a controller's business", func(o *Options) { o.Mode, o.Node.StateDir = ModeController, "relative" }, ""},

@@ -95,11 +95,28 @@ type ReadOrderShare interface {
 	Find(ctx context.Context, namespace, name string) (files []string, from string, err error)
 }
 
-// Locator finds the peers holding a volume ready, best first, and what the
-// nodes that made volumes vouch for them with (none known: absent).
+// Locator finds the peers holding a volume ready, best first, what the
+// nodes that made volumes vouch for them with (none known: absent), and
+// the fleet's newest version of a cache key of a namespace (found false:
+// none is known).
 type Locator interface {
 	Holders(ctx context.Context, namespace string, r volume.Ref) ([]Peer, error)
 	Vouched(ctx context.Context, refs []volume.Ref) (map[volume.Ref]volume.Digests, error)
+	NewestCacheVersion(ctx context.Context, namespace, key string) (v CacheVersion, found bool, err error)
+}
+
+// CacheVersion is a version of a cache key, as the fleet knows it: when it
+// became its key's current version, and the pod whose step's view it was.
+type CacheVersion struct {
+	Ref        volume.Ref
+	PromotedAt time.Time
+	PromotedBy string
+}
+
+// NewestCacheVersion asks the fleet for the newest version of a cache key
+// of namespace.
+func (pl *Puller) NewestCacheVersion(ctx context.Context, namespace, key string) (CacheVersion, bool, error) {
+	return pl.cfg.Locator.NewestCacheVersion(ctx, namespace, key)
 }
 
 // Peer is a node that serves its volumes to pulls.
@@ -518,6 +535,12 @@ func (pl *Puller) pullFrom(p *pull, h Peer) (int, error) {
 	vouched, err := pl.cfg.Locator.Vouched(pl.ctx, refs)
 	if err != nil {
 		return 0, err
+	}
+	// A layer the peer keeps only as a base arrives destroyed, as it is
+	// there: held until the layer above it is reserved on it, lest the
+	// reaper free it in between.
+	for _, l := range missing {
+		defer pl.store.Hold(l.Ref, cache.HoldStream)()
 	}
 	for i := len(missing) - 1; i >= 0; i-- {
 		if err := pl.pullLayer(p, client, chain[0], missing[i], vouched[missing[i].Ref]); err != nil {

@@ -71,9 +71,10 @@ const (
 	// object of the same name and another UID is another object.
 	PropertyOwner    = ReservedPropertyPrefix + "owner"
 	PropertyOwnerUID = ReservedPropertyPrefix + "owner-uid"
-	// reservedProperties is how many of the above a volume may carry on
-	// top of MaxProperties of its own.
-	reservedProperties = 3
+	// reservedProperties is how many of the above (and a cache version's
+	// three, cachekey.go) a volume may carry on top of MaxProperties of
+	// its own.
+	reservedProperties = 6
 )
 
 // StepResult is how a step pod's containers ended.

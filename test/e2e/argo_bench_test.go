@@ -6,8 +6,10 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +20,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/ociimage"
+	"github.com/concourse/cowvol/internal/tb"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // BenchmarkArgoArtifacts is make bench-argo: one DAG run on the fleet
@@ -38,7 +42,7 @@ func BenchmarkArgoArtifacts(b *testing.B) {
 	if weed == "" {
 		b.Skip("COWVOL_E2E_WEED_BINARY is not set: make bench-argo builds SeaweedFS")
 	}
-	if argoBin() == "" {
+	if localcluster.ArgoBin() == "" {
 		b.Skip("COWVOL_E2E_ARGO_BIN is not set: make bench-argo builds Argo Workflows")
 	}
 	// A short path, not b.TempDir's: the kubelets' sockets below it must
@@ -53,8 +57,8 @@ func BenchmarkArgoArtifacts(b *testing.B) {
 	b.Setenv("TMPDIR", work)
 
 	f := startFleet(b, 3)
-	f.installCowvol()
-	f.installArgo()
+	f.InstallCowvol()
+	f.InstallArgo()
 	endpoint := f.installS3(weed)
 
 	var artifacts, volumes handoffRun
@@ -72,19 +76,27 @@ func BenchmarkArgoArtifacts(b *testing.B) {
 	fmt.Fprintf(&table, "  %-46s %10s %10s %9s\n", "", "artifacts", "cowvol", "ratio")
 	row("Workflow created to Succeeded", artifacts.took, volumes.took)
 	for _, step := range handoffSteps {
-		row("handoff: "+step+" (pod seen to first read)", artifacts.handoff[step], volumes.handoff[step])
+		row("handoff: "+step+" (pod seen to first read)", artifacts.steps[step].handoff(), volumes.steps[step].handoff())
 	}
 	// The comparator: what a step with no input takes from its pod seen
 	// to its first line (Argo's init container, the kubelet, the runtime).
-	row("no input: produce (pod seen to first line)", artifacts.handoff["produce"], volumes.handoff["produce"])
+	row("no input: produce (pod seen to first line)", artifacts.steps["produce"].handoff(), volumes.steps["produce"].handoff())
+	// Where the rest of the DAG's time goes: between steps, and in them.
+	for _, step := range handoffSteps {
+		row("gap: "+strings.Join(handoffDeps[step], ", ")+"'s last line to "+step+"'s pod", artifacts.gap(step), volumes.gap(step))
+	}
+	for _, step := range append([]string{"produce"}, handoffSteps...) {
+		row("ran: "+step+" (first read to last line)", artifacts.steps[step].done.Sub(artifacts.steps[step].firstRead),
+			volumes.steps[step].done.Sub(volumes.steps[step].firstRead))
+	}
 	fmt.Fprintf(&table, "  %-46s %10.0f %10.0f %8.1fx\n", "MiB sent over the bridge by the nodes",
 		float64(artifacts.sent)/(1<<20), float64(volumes.sent)/(1<<20), float64(artifacts.sent)/float64(max(volumes.sent, 1)))
 	fmt.Fprintf(&table, "  %-46s %10.0f %10s\n", "MiB on the S3 server's disk", float64(artifacts.s3Disk)/(1<<20), "-")
 	b.Log(table.String())
 	report(b, table.String())
 	b.ReportMetric(artifacts.took.Seconds()/volumes.took.Seconds(), "dag-x")
-	b.ReportMetric(artifacts.handoff["near"].Seconds()/volumes.handoff["near"].Seconds(), "same-node-x")
-	b.ReportMetric(artifacts.handoff["far"].Seconds()/volumes.handoff["far"].Seconds(), "cross-node-x")
+	b.ReportMetric(artifacts.steps["near"].handoff().Seconds()/volumes.steps["near"].handoff().Seconds(), "same-node-x")
+	b.ReportMetric(artifacts.steps["far"].handoff().Seconds()/volumes.steps["far"].handoff().Seconds(), "cross-node-x")
 }
 
 // handoffSteps are the DAG's steps that read an input.
@@ -92,35 +104,77 @@ var handoffSteps = []string{"near", "far", "gather"}
 
 // handoffRun is what one run of the DAG measured.
 type handoffRun struct {
-	took    time.Duration
-	handoff map[string]time.Duration
-	sent    int64  // bytes the nodes sent on their links
-	s3Disk  int64  // bytes under the S3 server's data dir after the run
-	sum     string // gather's digest of what near and far read
+	took   time.Duration
+	steps  map[string]stepTimes
+	sent   int64  // bytes the nodes sent on their links
+	s3Disk int64  // bytes under the S3 server's data dir after the run
+	sum    string // gather's digest of what near and far read
+}
+
+// stepTimes are when a step's pod was seen, and when its step first read
+// its input (produce: its first line) and wrote its last line.
+type stepTimes struct{ seen, firstRead, done time.Time }
+
+// handoff is the step's input handoff: its pod seen to its first read.
+func (s stepTimes) handoff() time.Duration { return s.firstRead.Sub(s.seen) }
+
+// handoffDeps are the DAG's dependencies, each step's on its inputs'.
+var handoffDeps = map[string][]string{"near": {"produce"}, "far": {"produce"}, "gather": {"near", "far"}}
+
+// gap is the time from the last of a step's dependencies' last line to
+// its pod seen: Argo's bookkeeping between steps, and with artifacts the
+// archive and upload of the outputs.
+func (r handoffRun) gap(step string) time.Duration {
+	var last time.Time
+	for _, dep := range handoffDeps[step] {
+		if d := r.steps[dep].done; d.After(last) {
+			last = d
+		}
+	}
+	return r.steps[step].seen.Sub(last)
+}
+
+// String is the run as the log shows it: durations and sizes in units.
+func (r handoffRun) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "took %s, %.0f MiB sent between nodes, %.0f MiB on the S3 disk, digest %s; steps (handoff, gap before, ran):",
+		r.took.Round(100*time.Millisecond), float64(r.sent)/(1<<20), float64(r.s3Disk)/(1<<20), r.sum)
+	for _, step := range slices.Sorted(maps.Keys(r.steps)) {
+		st, gap := r.steps[step], "-" // produce waits for nothing
+		if len(handoffDeps[step]) > 0 {
+			gap = r.gap(step).Round(100 * time.Millisecond).String()
+		}
+		fmt.Fprintf(&b, " %s %s %s %s;", step, st.handoff().Round(100*time.Millisecond), gap, st.done.Sub(st.firstRead).Round(100*time.Millisecond))
+	}
+	return b.String()
 }
 
 // The step scripts, the same in both runs. produce logs when it starts,
 // and writes the tree and the digest of its contents; a reader logs when
-// it first read its input
-// (busybox's date has no sub-second format; adjtimex reads the clock to the
-// microsecond), and near and far check all of it against produce's digest.
+// it first read its input, and near and far check all of it against
+// produce's digest; each logs when it ends. Stamps are read with adjtimex,
+// to the microsecond (busybox's date has no sub-second format).
 const (
 	firstRead   = `adjtimex | awk '/tv_sec/ {s = $2} /tv_usec/ {u = $2} END {printf "first-read %d.%06d\n", s, u}'`
+	lastLine    = `adjtimex | awk '/tv_sec/ {s = $2} /tv_usec/ {u = $2} END {printf "done %d.%06d\n", s, u}'`
 	treeDigest  = `find . -type f | sort | xargs cat | sha256sum | cut -d' ' -f1`
 	produceStep = `set -e
 ` + firstRead + `
 mktree /out/tree 50000 21475
-cd /out/tree && ` + treeDigest + ` > /out/sum`
+cd /out/tree && ` + treeDigest + ` > /out/sum
+` + lastLine
 	consumeStep = `set -e
 head -c 1 /in/sum > /dev/null
 ` + firstRead + `
 cd /in/tree && test "$(` + treeDigest + `)" = "$(cat /in/sum)"
-mkdir -p /out && cp /in/sum /out/sum`
+mkdir -p /out && cp /in/sum /out/sum
+` + lastLine
 	gatherStep = `set -e
 head -c 1 /near/sum > /dev/null
 ` + firstRead + `
 test "$(cat /near/sum)" = "$(cat /far/sum)"
-echo "sum $(cat /near/sum)"`
+echo "sum $(cat /near/sum)"
+` + lastLine
 )
 
 // handoffIO is how a run's steps pass their outputs: what each template
@@ -176,7 +230,7 @@ func handoffWorkflow(name string, io handoffIO) string {
 		return "\n        volumeMounts: [" + strings.Join(m, ", ") + "]"
 	}
 	step := func(script string) string {
-		return "\n        image: " + busyboxImage + "\n        imagePullPolicy: Never\n        command: [sh, -c]\n        args: [" + strconv.Quote(script) + "]"
+		return "\n        image: " + localcluster.BusyboxImage + "\n        imagePullPolicy: Never\n        command: [sh, -c]\n        args: [" + strconv.Quote(script) + "]"
 	}
 	return `apiVersion: argoproj.io/v1alpha1
 kind: Workflow
@@ -240,64 +294,56 @@ func gatherArgs(io handoffIO) string {
 // workflow's pods tells when each was first seen (creation timestamps have
 // whole seconds).
 func (f *fleet) runHandoff(name, workflow string, s3 bool) handoffRun {
-	t := f.t
+	t := f.T
 	seen := f.watchPods("ci", "workflows.argoproj.io/workflow="+name)
 	sentBefore := f.bridgeBytes()
-	f.mustKubectl(workflow, "create", "-n", "ci", "-f", "-")
+	f.MustKubectl(workflow, "create", "-n", "ci", "-f", "-")
 	start := time.Now()
 	var phase string
-	f.until(name+" to end", 20*time.Minute, func() bool {
-		out, err := f.kubectl("", "get", "workflow", name, "-n", "ci", "-o", "jsonpath={.status.phase}")
+	f.Until(name+" to end", 20*time.Minute, func() bool {
+		out, err := f.Kubectl("", "get", "workflow", name, "-n", "ci", "-o", "jsonpath={.status.phase}")
 		phase = out
 		return err == nil && (phase == "Succeeded" || phase == "Failed" || phase == "Error")
 	})
-	run := handoffRun{took: time.Since(start), handoff: map[string]time.Duration{}, sent: f.bridgeBytes() - sentBefore}
+	run := handoffRun{took: time.Since(start), steps: map[string]stepTimes{}, sent: f.bridgeBytes() - sentBefore}
 	if phase != "Succeeded" {
-		logs, _ := f.kubectl("", "logs", "-n", "ci", "-l", "workflows.argoproj.io/workflow="+name, "--all-containers", "--prefix", "--tail=20")
-		t.Fatalf("%s: %s\n%s", name, f.mustKubectl("", "get", "workflow", name, "-n", "ci", "-o",
+		logs, _ := f.Kubectl("", "logs", "-n", "ci", "-l", "workflows.argoproj.io/workflow="+name, "--all-containers", "--prefix", "--tail=20")
+		t.Fatalf("%s: %s\n%s", name, f.MustKubectl("", "get", "workflow", name, "-n", "ci", "-o",
 			`jsonpath={.status.message}{"\n"}{range .status.nodes.*}{.displayName}{"\t"}{.phase}{"\t"}{.message}{"\n"}{end}`), logs)
 	}
 	created := seen()
 	for step, pod := range f.argoPods(name) {
-		logs := f.mustKubectl("", "logs", "-n", "ci", pod.name, "-c", "main")
+		logs := f.MustKubectl("", "logs", "-n", "ci", pod.name, "-c", "main")
 		if step == "gather" {
 			_, sum, _ := strings.Cut(logs, "sum ")
 			run.sum, _, _ = strings.Cut(sum, "\n")
 		}
-		_, at, ok := strings.Cut(logs, "first-read ")
-		if !ok {
-			continue
-		}
-		at, _, _ = strings.Cut(at, "\n")
-		secs, err := strconv.ParseFloat(at, 64)
-		require.NoError(t, err, "%s's first read: %q", step, at)
-		read := time.Unix(0, int64(secs*1e9))
 		require.Contains(t, created, pod.name, "the watch saw %s", pod.name)
-		run.handoff[step] = read.Sub(created[pod.name])
+		run.steps[step] = stepTimes{seen: created[pod.name], firstRead: logStamp(t, logs, step, "first-read"), done: logStamp(t, logs, step, "done")}
 	}
 	for _, step := range append(handoffSteps, "produce") {
-		require.Contains(t, run.handoff, step, "%s logged its first read or line", step)
+		require.Contains(t, run.steps, step, "%s ran", step)
 	}
 	require.Len(t, run.sum, 64, "gather's digest")
 	if s3 {
-		out := f.mustKubectl("", "exec", "-n", "s3", "seaweedfs", "--", "du", "-sk", "/data")
+		out := f.MustKubectl("", "exec", "-n", "s3", "seaweedfs", "--", "du", "-sk", "/data")
 		kib, err := strconv.ParseInt(strings.Fields(out)[0], 10, 64)
 		require.NoError(t, err, "du: %q", out)
 		run.s3Disk = kib << 10
 	}
-	t.Logf("%s: %+v", name, run)
-	f.mustKubectl("", "delete", "workflow", name, "-n", "ci")
+	t.Logf("%s: %s", name, run)
+	f.MustKubectl("", "delete", "workflow", name, "-n", "ci")
 	return run
 }
 
 // watchPods watches the pods of namespace that selector selects, and
 // returns what stops the watch and says when each pod was first seen.
 func (f *fleet) watchPods(namespace, selector string) func() map[string]time.Time {
-	cmd := exec.Command(f.bin+"/kubectl", "--kubeconfig", f.kubeconfig, "get", "pods", "-n", namespace, "-l", selector,
+	cmd := exec.Command(f.Bin+"/kubectl", "--kubeconfig", f.Kubeconfig, "get", "pods", "-n", namespace, "-l", selector,
 		"--watch", "--no-headers", "-o", "custom-columns=NAME:.metadata.name")
 	out, err := cmd.StdoutPipe()
-	require.NoError(f.t, err)
-	require.NoError(f.t, cmd.Start())
+	require.NoError(f.T, err)
+	require.NoError(f.T, cmd.Start())
 	var mu sync.Mutex
 	seen := map[string]time.Time{}
 	done := make(chan struct{})
@@ -326,9 +372,9 @@ func (f *fleet) watchPods(namespace, selector string) func() map[string]time.Tim
 // bridgeBytes is what every node has sent on its link to the lab's bridge.
 func (f *fleet) bridgeBytes() int64 {
 	var sum int64
-	for _, n := range f.nodes {
-		out, err := exec.Command("nsenter", "--net=/run/netns/"+n.netns, "cat", "/proc/net/dev").Output()
-		require.NoError(f.t, err)
+	for _, n := range f.Nodes {
+		out, err := exec.Command("nsenter", "--net=/run/netns/"+n.Netns, "cat", "/proc/net/dev").Output()
+		require.NoError(f.T, err)
 		for _, line := range bytes.Split(out, []byte("\n")) {
 			name, counters, ok := strings.Cut(strings.TrimSpace(string(line)), ":")
 			if !ok || name != "eth0" {
@@ -336,7 +382,7 @@ func (f *fleet) bridgeBytes() int64 {
 			}
 			fields := strings.Fields(counters)
 			tx, err := strconv.ParseInt(fields[8], 10, 64)
-			require.NoError(f.t, err)
+			require.NoError(f.T, err)
 			sum += tx
 		}
 	}
@@ -352,19 +398,19 @@ const s3AccessKey, s3SecretKey = "cowvol-bench", "cowvol-bench-secret-key"
 // points Argo at its MinIO. It returns the gateway's address: the
 // Service's cluster IP (the fleet has no cluster DNS).
 func (f *fleet) installS3(weed string) string {
-	t := f.t
+	t := f.T
 	img := ociimage.Image{Name: "cowvol.test/seaweedfs:bench", Cmd: []string{"/bin/weed"}, Env: []string{"PATH=/bin"},
-		Files: append(busyboxFiles(t), ociimage.File{Path: "bin/weed", Mode: 0o755, Data: mustRead(t, weed)})}
-	f.importImageInto(f.nodes[2].containerd, img)
+		Files: append(localcluster.BusyboxFiles(t), ociimage.File{Path: "bin/weed", Mode: 0o755, Data: localcluster.MustRead(t, weed)})}
+	f.ImportImageInto(f.Nodes[2].Containerd, img)
 	config := fmt.Sprintf(`{"identities": [{"name": "argo", "credentials": [{"accessKey": %q, "secretKey": %q}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}`,
 		s3AccessKey, s3SecretKey)
-	f.mustKubectl("", "create", "namespace", "s3")
-	f.mustKubectl("", "create", "secret", "generic", "s3-config", "-n", "s3", "--from-literal=config.json="+config)
-	f.mustKubectl(`apiVersion: v1
+	f.MustKubectl("", "create", "namespace", "s3")
+	f.MustKubectl("", "create", "secret", "generic", "s3-config", "-n", "s3", "--from-literal=config.json="+config)
+	f.MustKubectl(`apiVersion: v1
 kind: Pod
 metadata: {name: seaweedfs, namespace: s3, labels: {app: seaweedfs}}
 spec:
-  nodeSelector: {kubernetes.io/hostname: `+f.nodes[2].name+`}
+  nodeSelector: {kubernetes.io/hostname: `+f.Nodes[2].Name+`}
   containers:
     - name: weed
       image: cowvol.test/seaweedfs:bench
@@ -387,14 +433,14 @@ spec:
   selector: {app: seaweedfs}
   ports: [{port: 8333}]
 `, "apply", "-f", "-")
-	f.until("the S3 server to be ready", 3*time.Minute, func() bool {
-		out, err := f.kubectl("", "get", "pod", "seaweedfs", "-n", "s3", "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
+	f.Until("the S3 server to be ready", 3*time.Minute, func() bool {
+		out, err := f.Kubectl("", "get", "pod", "seaweedfs", "-n", "s3", "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
 		return err == nil && out == "True"
 	})
-	endpoint := f.mustKubectl("", "get", "service", "seaweedfs", "-n", "s3", "-o", "jsonpath={.spec.clusterIP}") + ":8333"
-	f.mustKubectl("", "create", "secret", "generic", "s3-credentials", "-n", "ci",
+	endpoint := f.MustKubectl("", "get", "service", "seaweedfs", "-n", "s3", "-o", "jsonpath={.spec.clusterIP}") + ":8333"
+	f.MustKubectl("", "create", "secret", "generic", "s3-credentials", "-n", "ci",
 		"--from-literal=accessKey="+s3AccessKey, "--from-literal=secretKey="+s3SecretKey)
-	f.mustKubectl(`apiVersion: v1
+	f.MustKubectl(`apiVersion: v1
 kind: ConfigMap
 metadata:
   name: artifact-repositories
@@ -410,4 +456,15 @@ data:
       secretKeySecret: {name: s3-credentials, key: secretKey}
 `, "apply", "-f", "-")
 	return endpoint
+}
+
+// logStamp is the time a step's log line "label SECONDS.MICROS" says.
+func logStamp(t tb.TB, logs, step, label string) time.Time {
+	t.Helper()
+	_, at, ok := strings.Cut(logs, label+" ")
+	require.True(t, ok, "%s logged no %s: %q", step, label, logs)
+	at, _, _ = strings.Cut(at, "\n")
+	secs, err := strconv.ParseFloat(at, 64)
+	require.NoError(t, err, "%s's %s: %q", step, label, at)
+	return time.Unix(0, int64(secs*1e9))
 }

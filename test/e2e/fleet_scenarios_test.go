@@ -19,6 +19,7 @@ import (
 	"github.com/concourse/cowvol/examples/scheduler"
 	"github.com/concourse/cowvol/pkg/registry"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // fleetBuild: a get step on node-1 captures an input (files and a
@@ -27,7 +28,7 @@ import (
 // from node-1 across the bridge, reads the same bytes and runs the
 // program from it. Each step's time from bound to started is reported.
 func (f *fleet) fleetBuild() {
-	t := f.t
+	t := f.T
 	const files = 2000 // of 100 KiB: 200 MiB
 	f.createPodWith("ci", "get", fmt.Sprintf(`set -e; cd /out; mkdir -p bin data
 		cp /bin/busybox bin/echo; yes cowvol | head -c 102400 > /tmp/block
@@ -38,8 +39,8 @@ func (f *fleet) fleetBuild() {
 	ctx := context.Background()
 	ref := cowvolume.Ref{Namespace: "ci", Handle: "res-1"}
 	var first string
-	f.until("the controller to place a step on res-1", 30*time.Second, func() bool {
-		nodes, err := f.cache.Place(ctx, ref)
+	f.Until("the controller to place a step on res-1", 30*time.Second, func() bool {
+		nodes, err := f.Cache.Place(ctx, ref)
 		if err != nil || len(nodes) == 0 {
 			return false
 		}
@@ -56,8 +57,8 @@ func (f *fleet) fleetBuild() {
 	require.Equal(t, "node-3", f.podOn("ci", "far"))
 	require.Equal(t, near, far, "the step on node-3 read node-1's bytes")
 	require.Contains(t, far, fmt.Sprintf("\n%d\nran-from-the-input\n", files))
-	f.until("the controller to see res-1 on node-3 too", 30*time.Second, func() bool {
-		locs, err := f.cache.Lookup(ctx, ref)
+	f.Until("the controller to see res-1 on node-3 too", 30*time.Second, func() bool {
+		locs, err := f.Cache.Lookup(ctx, ref)
 		return err == nil && len(locs) == 1 && len(locs[0].Nodes) == 2
 	})
 	nearStart, farStart := f.startedAfterBound("ci", "near"), f.startedAfterBound("ci", "far")
@@ -74,13 +75,13 @@ func (f *fleet) fleetBuild() {
 // it alike and run the program from it. Their times from bound to
 // started are reported side by side.
 func (f *fleet) fleetLargeInput() {
-	t := f.t
+	t := f.T
 	const files, size = 50000, 21475 // 1.0 GiB
 	f.createPodWith("ci", "big-get", fmt.Sprintf("mktree /out %d %d", files, size),
 		[]podOpt{onNode("node-1")}, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "big")})
 	f.mustSucceed("ci", "big-get")
 	f.waitCapturedOn("node-1", "ci", "big")
-	ranked, err := f.cache.Place(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
+	ranked, err := f.Cache.Place(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
 	require.NoError(t, err)
 	require.NotEmpty(t, ranked)
 	require.Equal(t, "node-1", ranked[0].NodeId, "Place ranks the holder first")
@@ -109,7 +110,7 @@ func (f *fleet) fleetLargeInput() {
 		f.deletePod("ci", pod)
 	}
 	// Room for the scenarios that follow.
-	_, err = f.cache.Destroy(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
+	_, err = f.Cache.Destroy(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: "big"})
 	require.NoError(t, err)
 }
 
@@ -120,7 +121,7 @@ func (f *fleet) fleetLargeInput() {
 // the image's :cowvol tag): node-2's plugin brings the volume from node-1,
 // and the container's layer is the volume, its blob never fetched.
 func (f *fleet) fleetStepImage() {
-	t := f.t
+	t := f.T
 	f.createPodWith("ci", "img-get", rootfsImageScript, []podOpt{onNode("node-1")},
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "fleet-img")})
 	f.mustSucceed("ci", "img-get")
@@ -138,8 +139,8 @@ func (f *fleet) fleetStepImage() {
 	require.Equal(t, rootfsImageSays, f.mustSucceed("ci", "img-snap"))
 	snapTook := time.Since(start)
 	require.Contains(t, f.holders("ci", "fleet-img"), "node-2", "node-2's plugin brought the image's volume")
-	n2 := f.node("node-2")
-	out, err := exec.Command("ctr", "--address", n2.containerd, "-n", "k8s.io", "snapshots", "--snapshotter", "cowvol", "ls").CombinedOutput()
+	n2 := f.Node("node-2")
+	out, err := exec.Command("ctr", "--address", n2.Containerd, "-n", "k8s.io", "snapshots", "--snapshotter", "cowvol", "ls").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Greater(t, strings.Count(strings.TrimSpace(string(out)), "\n"), 0, "the container runs on the cowvol snapshotter: %s", out)
 	f.figure("step image from another node, loopback registry: created to done", took)
@@ -156,7 +157,7 @@ func (f *fleet) fleetStepImage() {
 // and is run again on another, and a package; then a CI's GC pins the
 // package and destroys the rest.
 func (f *fleet) schedulerBuild() {
-	t := f.t
+	t := f.T
 	r := f.runner()
 	steps := []scheduler.Step{
 		{Name: "get-a", Output: "src-a", Node: "node-1", Script: "echo alpha > /out/a"},
@@ -206,16 +207,16 @@ func (f *fleet) schedulerBuild() {
 	// The failed attempt's output was destroyed already.
 	gone = append(gone, strings.TrimSuffix(byStep["flaky"].Handle, "-2")+"-1")
 	require.NoError(t, r.Destroy(ctx, gone...))
-	f.until("the destroyed outputs to be gone from every node", time.Minute, func() bool {
+	f.Until("the destroyed outputs to be gone from every node", time.Minute, func() bool {
 		for _, h := range gone {
-			locs, err := f.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: h})
+			locs, err := f.Cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: h})
 			if err != nil || (len(locs) == 1 && len(locs[0].Nodes) != 0) {
 				return false
 			}
 		}
 		return true
 	})
-	locs, err := f.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: byStep["package"].Handle})
+	locs, err := f.Cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: byStep["package"].Handle})
 	require.NoError(t, err)
 	require.NotEmpty(t, locs[0].Nodes, "the pinned package stays")
 	report(t, fmt.Sprintf("fleet: the example scheduler ran a 7-step build over 3 nodes in %s: each unpinned step bound where Place ranked it first, "+
@@ -226,12 +227,12 @@ func (f *fleet) schedulerBuild() {
 // runner is the example scheduler, running steps in ci through the
 // fleet's API server and the scheduler's client of the Cache API.
 func (f *fleet) runner() *scheduler.Runner {
-	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
-	require.NoError(f.t, err)
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.Kubeconfig)
+	require.NoError(f.T, err)
 	kube, err := kubernetes.NewForConfig(cfg)
-	require.NoError(f.t, err)
-	return &scheduler.Runner{Kube: kube, Cache: f.cache, Namespace: "ci", Image: busyboxImage, ServiceAccount: stepsServiceAccount,
-		Timeout: 3 * time.Minute, Logf: f.t.Logf}
+	require.NoError(f.T, err)
+	return &scheduler.Runner{Kube: kube, Cache: f.Cache, Namespace: "ci", Image: localcluster.BusyboxImage, ServiceAccount: localcluster.StepsServiceAccount,
+		Timeout: 3 * time.Minute, Logf: f.T.Logf}
 }
 
 // chainBuild is a build of a get pinned to node and steps each reading
@@ -268,23 +269,17 @@ func (f *fleet) buildInBackground(name string, steps []scheduler.Step) (wait fun
 		case e := <-done:
 			return e.results, e.err
 		case <-time.After(10 * time.Minute):
-			f.t.Fatalf("build %s did not end in 10 minutes", name)
+			f.T.Fatalf("build %s did not end in 10 minutes", name)
 			return nil, nil
 		}
 	}
 }
 
-// leader is the controller replica the Lease names.
-func (f *fleet) leader() string {
-	out, _ := f.kubectl("", "get", "lease", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.spec.holderIdentity}")
-	return strings.TrimSpace(out)
-}
-
 // viewComplete says whether the controller the scheduler reaches knows
 // every node running and each of want's volumes on the nodes given.
 func (f *fleet) viewComplete(want map[cowvolume.Ref][]string) bool {
-	nodes, err := f.cache.Nodes(context.Background())
-	if err != nil || len(nodes) != len(f.nodes) {
+	nodes, err := f.Cache.Nodes(context.Background())
+	if err != nil || len(nodes) != len(f.Nodes) {
 		return false
 	}
 	for _, n := range nodes {
@@ -305,7 +300,7 @@ func (f *fleet) heldNow(refs ...cowvolume.Ref) map[cowvolume.Ref][]string {
 	held := map[cowvolume.Ref][]string{}
 	for _, ref := range refs {
 		nodes := f.holders(ref.Namespace, ref.Handle)
-		require.NotEmpty(f.t, nodes, "%s is held somewhere", ref)
+		require.NotEmpty(f.T, nodes, "%s is held somewhere", ref)
 		held[ref] = nodes
 	}
 	return held
@@ -317,22 +312,22 @@ func (f *fleet) heldNow(refs ...cowvolume.Ref) map[cowvolume.Ref][]string {
 // scheduler's client, through DialKube, follows it; the build ends with
 // the right outputs.
 func (f *fleet) fleetFailover() {
-	t := f.t
+	t := f.T
 	steps, want := chainBuild("node-2", 4)
 	wait := f.buildInBackground("fo", steps)
 	f.waitCapturedOn("node-2", "ci", "fo-get-s0-1")
 	known := f.heldNow(cowvolume.Ref{Namespace: "ci", Handle: "res-1"}, cowvolume.Ref{Namespace: "ci", Handle: "fo-get-s0-1"})
-	old := f.leader()
+	old := f.Leader()
 	require.NotEmpty(t, old)
 	deleted := time.Now()
-	f.mustKubectl("", "delete", "pod", "-n", "cowvol", old, "--wait=false")
+	f.MustKubectl("", "delete", "pod", "-n", "cowvol", old, "--wait=false")
 	var led time.Duration
-	f.until("another replica to lead", time.Minute, func() bool {
-		now := f.leader()
+	f.Until("another replica to lead", time.Minute, func() bool {
+		now := f.Leader()
 		led = time.Since(deleted)
 		return now != "" && now != old
 	})
-	f.until("the new leader's view to be complete", time.Minute, func() bool { return f.viewComplete(known) })
+	f.Until("the new leader's view to be complete", time.Minute, func() bool { return f.viewComplete(known) })
 	complete := time.Since(deleted)
 	results, err := wait()
 	require.NoError(t, err, "no step is lost to the leader's move")
@@ -352,19 +347,19 @@ func (f *fleet) fleetFailover() {
 // DaemonSet rolls node by node and the controller's replicas roll (its
 // leader moves), and no step fails.
 func (f *fleet) fleetUpgrade() {
-	t := f.t
+	t := f.T
 	// The new image: this one under another tag, in every node's runtime.
-	for _, n := range f.nodes {
-		run(t, "ctr", "--address", n.containerd, "-n", "k8s.io", "images", "tag", "--force", pluginImage, "cowvol.test/cowvol-plugin:e2e-next")
+	for _, n := range f.Nodes {
+		localcluster.Run(t, "ctr", "--address", n.Containerd, "-n", "k8s.io", "images", "tag", "--force", localcluster.PluginImage, "cowvol.test/cowvol-plugin:e2e-next")
 	}
 	steps, want := chainBuild("node-3", 6)
 	wait := f.buildInBackground("up", steps)
 	f.waitCapturedOn("node-3", "ci", "up-get-s0-1")
 	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
-	f.helmValues["image"] = map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e-next"}
+	f.HelmValues["image"] = map[string]any{"repository": "cowvol.test/cowvol-plugin", "tag": "e2e-next"}
 	start := time.Now()
-	f.helm(helm, "upgrade", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
-	f.waitFleetInstalled("e2e-next")
+	f.Helm(helm, "upgrade", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol")
+	f.WaitFleetInstalled("e2e-next")
 	rolled := time.Since(start)
 	results, err := wait()
 	require.NoError(t, err, "no step fails while cowvol rolls")
@@ -387,7 +382,7 @@ func (f *fleet) nodeState(node string) string {
 // nodeStatus is the state the controller gives node and the store it
 // reports.
 func (f *fleet) nodeStatus(node string) (state, store string) {
-	nodes, err := f.cache.Nodes(context.Background())
+	nodes, err := f.Cache.Nodes(context.Background())
 	if err != nil {
 		return "", ""
 	}
@@ -401,7 +396,7 @@ func (f *fleet) nodeStatus(node string) (state, store string) {
 
 // holders lists the nodes the controller says hold ns/handle ready.
 func (f *fleet) holders(ns, handle string) []string {
-	locs, err := f.cache.Lookup(context.Background(), cowvolume.Ref{Namespace: ns, Handle: handle})
+	locs, err := f.Cache.Lookup(context.Background(), cowvolume.Ref{Namespace: ns, Handle: handle})
 	if err != nil || len(locs) != 1 {
 		return nil
 	}
@@ -418,7 +413,7 @@ func (f *fleet) holders(ns, handle string) []string {
 // with its store, and the build ends with the right output. Killed again
 // and back with its store wiped, the node's old volumes are forgotten.
 func (f *fleet) fleetNodeDeath() {
-	t := f.t
+	t := f.T
 	sum := "find data -type f | sort | xargs md5sum | md5sum"
 	// 40 MiB the stream cannot compress, on node-1, which dies.
 	f.createPodWith("ci", "nd-src", "set -e; mktree /out 2000 20480; cd /out; "+sum,
@@ -431,90 +426,90 @@ func (f *fleet) fleetNodeDeath() {
 	blobSum := f.mustSucceed("ci", "nd-local")
 	f.waitCapturedOn("node-1", "ci", "nd-src")
 	f.waitCapturedOn("node-2", "ci", "nd-local")
-	victim, reader := f.node("node-1"), f.node("node-2")
+	victim, reader := f.Node("node-1"), f.Node("node-2")
 	// node-2's link slow: the lazy pull of 40 MiB takes about 40 s there,
 	// and node-1 dies mid-way.
-	reader.host.Throttle("8mbit")
-	defer reader.host.Unthrottle()
-	_, store := f.nodeStatus(victim.name)
+	reader.Host.Throttle("8mbit")
+	defer reader.Host.Unthrottle()
+	_, store := f.nodeStatus(victim.Name)
 	wait := f.buildInBackground("nd", []scheduler.Step{{Name: "read", Inputs: []string{"nd-src", "nd-local"},
 		Script: "set -eo pipefail; cd /in/nd-src; " + sum + "; md5sum < /in/nd-local/blob"}})
-	f.until("the step to read its input lazily on "+reader.name, 2*time.Minute, func() bool {
+	f.Until("the step to read its input lazily on "+reader.Name, 2*time.Minute, func() bool {
 		return f.phase("ci", "nd-read-1") == "Running"
 	})
-	require.Equal(t, reader.name, f.podOn("ci", "nd-read-1"), "Place ranked the node with the most input bytes first")
+	require.Equal(t, reader.Name, f.podOn("ci", "nd-read-1"), "Place ranked the node with the most input bytes first")
 	time.Sleep(3 * time.Second) // a few files in
 	killed := time.Now()
-	f.kill(victim)
+	f.Kill(victim)
 	var endedAfter, stalledAfter time.Duration
-	f.until("the step reading from the dead node to end", 3*time.Minute, func() bool {
+	f.Until("the step reading from the dead node to end", 3*time.Minute, func() bool {
 		endedAfter = time.Since(killed)
 		return f.phase("ci", "nd-read-1") != "Running"
 	})
-	f.until("the controller to mark "+victim.name+" stalled", 2*time.Minute, func() bool {
+	f.Until("the controller to mark "+victim.Name+" stalled", 2*time.Minute, func() bool {
 		stalledAfter = time.Since(killed)
-		return f.nodeState(victim.name) == "stalled"
+		return f.nodeState(victim.Name) == "stalled"
 	})
 	require.Empty(t, f.holders("ci", "nd-src"), "a stalled node's volumes are not offered")
 
 	// Back with its store: it serves its volumes again, and the step's
 	// second attempt, away from node-2, gets its input from it.
-	f.revive(victim, false)
-	f.until(victim.name+" back, serving its volumes", 2*time.Minute, func() bool {
-		st, s := f.nodeStatus(victim.name)
-		return st == "running" && s == store && slices.Contains(f.holders("ci", "nd-src"), victim.name)
+	f.Revive(victim, false)
+	f.Until(victim.Name+" back, serving its volumes", 2*time.Minute, func() bool {
+		st, s := f.nodeStatus(victim.Name)
+		return st == "running" && s == store && slices.Contains(f.holders("ci", "nd-src"), victim.Name)
 	})
 	results, err := wait()
 	require.NoError(t, err, "the build ends")
 	res := results[0]
 	require.Equal(t, 2, res.Attempts, "the step ran again")
 	require.Len(t, res.Failures, 1)
-	require.Equal(t, reader.name, res.Failures[0].Node)
+	require.Equal(t, reader.Name, res.Failures[0].Node)
 	require.Contains(t, res.Failures[0].Log, "Input/output error", "the read of what the dead node did not send fails with EIO")
-	require.NotEqual(t, reader.name, res.Node, "the step ran again on another node")
+	require.NotEqual(t, reader.Name, res.Node, "the step ran again on another node")
 	require.Equal(t, srcSum+blobSum, res.Log, "the step read the right bytes")
 
 	// Back with its store wiped: its old volumes are forgotten.
-	f.kill(victim)
-	f.revive(victim, true)
-	f.until(victim.name+" back with a new store, its old volumes forgotten", 2*time.Minute, func() bool {
-		st, s := f.nodeStatus(victim.name)
-		return st == "running" && s != store && !slices.Contains(f.holders("ci", "nd-src"), victim.name)
+	f.Kill(victim)
+	f.Revive(victim, true)
+	f.Until(victim.Name+" back with a new store, its old volumes forgotten", 2*time.Minute, func() bool {
+		st, s := f.nodeStatus(victim.Name)
+		return st == "running" && s != store && !slices.Contains(f.holders("ci", "nd-src"), victim.Name)
 	})
-	if res.Node != victim.name {
+	if res.Node != victim.Name {
 		require.Contains(t, f.holders("ci", "nd-src"), res.Node, "the copy the second attempt pulled stays")
 	}
 	rebooted := time.Now()
-	f.until(victim.name+"'s plugin to be registered with its kubelet again", 5*time.Minute, func() bool {
-		pods, err := f.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node", "--field-selector", "spec.nodeName="+victim.name,
+	f.Until(victim.Name+"'s plugin to be registered with its kubelet again", 5*time.Minute, func() bool {
+		pods, err := f.Kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node", "--field-selector", "spec.nodeName="+victim.Name,
 			"-o", "jsonpath={.items[*].status.containerStatuses[*].ready}")
 		if err != nil || pods != "true true" {
 			return false
 		}
-		ready, err := f.kubectl("", "get", "csinode", victim.name, "-o", "jsonpath={.spec.drivers[*].name}")
-		return err == nil && strings.Contains(ready, driverName)
+		ready, err := f.Kubectl("", "get", "csinode", victim.Name, "-o", "jsonpath={.spec.drivers[*].name}")
+		return err == nil && strings.Contains(ready, localcluster.DriverName)
 	})
-	t.Logf("%s's plugin was registered again %s after it came back with a wiped store", victim.name, time.Since(rebooted).Round(time.Second))
+	t.Logf("%s's plugin was registered again %s after it came back with a wiped store", victim.Name, time.Since(rebooted).Round(time.Second))
 	f.figure("node killed: to the step reading from it failing", endedAfter)
 	f.figure("node killed: to the controller marking it stalled", stalledAfter)
 	report(t, fmt.Sprintf("fleet: %s killed (every process, link down) while a step on %s lazily read a 40 MiB input only it held: "+
 		"the step failed with EIO %s after the kill, the controller marked %s stalled after %s; back with its store it served again and the step's "+
 		"second attempt (on %s) read the right bytes; back with a wiped store its old volumes were forgotten\n",
-		victim.name, reader.name, endedAfter.Round(time.Second), victim.name, stalledAfter.Round(time.Second), res.Node))
+		victim.Name, reader.Name, endedAfter.Round(time.Second), victim.Name, stalledAfter.Round(time.Second), res.Node))
 }
 
 // fleetDrain: a node drained during a build takes no new step, and a
 // volume only it holds stays pullable while it lands; uncordoned, it is
 // back in service.
 func (f *fleet) fleetDrain() {
-	t := f.t
+	t := f.T
 	ctx := context.Background()
 	f.createPodWith("ci", "before-drain", "echo held-by-node-1 > /out/f", []podOpt{onNode("node-1")},
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "drain-src")})
 	f.mustSucceed("ci", "before-drain")
 	f.waitCapturedOn("node-1", "ci", "drain-src")
-	f.mustKubectl("", "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=90s")
-	f.until("the controller to take node-1 out of service", 30*time.Second, func() bool {
+	f.MustKubectl("", "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=90s")
+	f.Until("the controller to take node-1 out of service", 30*time.Second, func() bool {
 		s := f.nodeState("node-1")
 		return s == "landing" || s == "landed"
 	})
@@ -522,9 +517,9 @@ func (f *fleet) fleetDrain() {
 	// The drain may have taken the controller's leader with it: a new
 	// one answers once the nodes have reported to it.
 	var placed []*controllerv1.NodePlacement
-	f.until("the controller to place a step", time.Minute, func() bool {
+	f.Until("the controller to place a step", time.Minute, func() bool {
 		var err error
-		placed, err = f.cache.Place(ctx, ref)
+		placed, err = f.Cache.Place(ctx, ref)
 		return err == nil
 	})
 	for _, p := range placed {
@@ -534,8 +529,8 @@ func (f *fleet) fleetDrain() {
 	f.createPodWith("ci", "during-drain", "cat /in/f", []podOpt{preferring("node-1")}, read)
 	require.Equal(t, "held-by-node-1\n", f.mustSucceed("ci", "during-drain"), "the draining node's volume is pulled")
 	require.NotEqual(t, "node-1", f.podOn("ci", "during-drain"))
-	f.mustKubectl("", "uncordon", "node-1")
-	f.until("the controller to put node-1 back in service", 30*time.Second, func() bool { return f.nodeState("node-1") == "running" })
+	f.MustKubectl("", "uncordon", "node-1")
+	f.Until("the controller to put node-1 back in service", 30*time.Second, func() bool { return f.nodeState("node-1") == "running" })
 	f.createPodWith("ci", "after-drain", "cat /in/f", []podOpt{preferring("node-1")}, read)
 	require.Equal(t, "held-by-node-1\n", f.mustSucceed("ci", "after-drain"))
 	require.Equal(t, "node-1", f.podOn("ci", "after-drain"))
@@ -546,7 +541,7 @@ func (f *fleet) fleetDrain() {
 // volume (as its own, or as ci's with sourceNamespace), is answered as it
 // is for a volume that does not exist, and never reads it.
 func (f *fleet) fleetTenancy() {
-	t := f.t
+	t := f.T
 	for _, node := range []string{"node-1", "node-2", "node-3"} {
 		for name, a := range map[string]map[string]string{
 			"own":     attrs("source", "drain-src"),
@@ -562,7 +557,7 @@ func (f *fleet) fleetTenancy() {
 		for _, name := range []string{"own", "as-ci", "missing"} {
 			pod := "steal-" + name + "-" + node
 			var msg string
-			f.until("the publish of "+pod+" to be refused", time.Minute, func() bool {
+			f.Until("the publish of "+pod+" to be refused", time.Minute, func() bool {
 				for _, line := range strings.Split(f.events("other", pod), "\n") {
 					if strings.HasPrefix(line, "FailedMount: ") {
 						msg = line
@@ -587,7 +582,7 @@ func (f *fleet) fleetTenancy() {
 // it there, for an input on each of two nodes. With the webhook out of
 // reach, a pod is still created, unplaced.
 func (f *fleet) fleetLocality() {
-	t := f.t
+	t := f.T
 	defer f.optInToLocality("ci")()
 	preferredNode := func(name string) string { return f.preferredNodes("ci", name) }
 	read := `set -e; cat /in/where`
@@ -607,9 +602,9 @@ func (f *fleet) fleetLocality() {
 
 	// Out of reach (a port the Service does not have): the pod is created
 	// all the same, with no preference.
-	f.mustKubectl("", "patch", "mutatingwebhookconfiguration", "cowvol-locality", "--type=json",
+	f.MustKubectl("", "patch", "mutatingwebhookconfiguration", "cowvol-locality", "--type=json",
 		"-p", `[{"op":"replace","path":"/webhooks/0/clientConfig/service/port","value":444}]`)
-	defer f.mustKubectl("", "patch", "mutatingwebhookconfiguration", "cowvol-locality", "--type=json",
+	defer f.MustKubectl("", "patch", "mutatingwebhookconfiguration", "cowvol-locality", "--type=json",
 		"-p", `[{"op":"replace","path":"/webhooks/0/clientConfig/service/port","value":443}]`)
 	f.createPodWith("ci", "loc-unplaced", read, []podOpt{unbound()},
 		volume{name: "in", mountPath: "/in", attrs: attrs("source", "loc-node-2"), readOnly: true})
@@ -621,13 +616,89 @@ func (f *fleet) fleetLocality() {
 // returns what takes the label off.
 func (f *fleet) optInToLocality(ns string) func() {
 	const label = "cowvol.concourse-ci.org/locality"
-	f.mustKubectl("", "label", "namespace", ns, label+"=enabled")
-	return func() { f.mustKubectl("", "label", "namespace", ns, label+"-") }
+	f.MustKubectl("", "label", "namespace", ns, label+"=enabled")
+	return func() { f.MustKubectl("", "label", "namespace", ns, label+"-") }
 }
 
 // preferredNodes are the nodes a pod prefers by name (the terms the
 // locality webhook adds), space-separated.
 func (f *fleet) preferredNodes(ns, pod string) string {
-	return f.mustKubectl("", "get", "pod", "-n", ns, pod, "-o",
+	return f.MustKubectl("", "get", "pod", "-n", ns, pod, "-o",
 		"jsonpath={.spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[*].preference.matchFields[0].values[0]}")
+}
+
+// fleetCaches runs three builds of a job, each on another node, with a
+// cache: the first starts empty, the second (warm, on a node that never
+// held the key) fails and leaves the cache as it was, the third (warm on a
+// third node) forks the first's version and succeeds. A fourth, which no
+// scheduler of ours placed, lands where the newest version is. The
+// controller lists the key, and clearing it reaches every node.
+func (f *fleet) fleetCaches() {
+	t := f.T
+	const key = "job/deps"
+	cached := volume{name: "c", mountPath: "/c", attrs: attrs("cache", key)}
+	ended := func(pod, event string) {
+		f.Until(pod+"'s "+event, time.Minute, func() bool {
+			return strings.Contains(f.events("ci", pod), event+`: Cache "`+key+`"`)
+		})
+	}
+	newest := func(pod string) *controllerv1.CacheLocation {
+		var loc *controllerv1.CacheLocation
+		f.Until("the controller to list "+pod+"'s version of "+key, time.Minute, func() bool {
+			locs, err := f.Cache.Caches(context.Background(), "ci", key)
+			if err != nil || len(locs) != 1 {
+				return false
+			}
+			loc = locs[0]
+			return loc.GetFound() && loc.GetPromotedBy() == pod
+		})
+		return loc
+	}
+	start := time.Now()
+	f.createPodWith("ci", "cache-build-1", `set -e; test -z "$(ls -A /c)"; echo 1 > /c/gen; echo started-empty`, []podOpt{onNode("node-1")}, cached)
+	require.Equal(t, "started-empty\n", f.mustSucceed("ci", "cache-build-1"))
+	ended("cache-build-1", "CachePromoted")
+	first := newest("cache-build-1")
+	require.Equal(t, []string{"node-1"}, first.GetVersion().GetNodes())
+
+	f.createPodWith("ci", "cache-build-2", `test "$(cat /c/gen)" = 1 && echo broken > /c/gen; exit 3`, []podOpt{onNode("node-2")}, cached)
+	phase, _ := f.waitDone("ci", "cache-build-2")
+	require.Equal(t, "Failed", phase)
+	ended("cache-build-2", "CacheDiscarded")
+
+	f.createPodWith("ci", "cache-build-3", `set -e; test "$(cat /c/gen)" = 1; echo 3 > /c/gen; echo forked-the-last-good-one`,
+		[]podOpt{onNode("node-3")}, cached)
+	require.Equal(t, "forked-the-last-good-one\n", f.mustSucceed("ci", "cache-build-3"))
+	ended("cache-build-3", "CachePromoted")
+	third := newest("cache-build-3")
+	require.Contains(t, third.GetVersion().GetNodes(), "node-3")
+	require.NotEqual(t, first.GetVersion().GetRef().GetHandle(), third.GetVersion().GetRef().GetHandle())
+	builds := time.Since(start)
+
+	restore := f.optInToLocality("ci")
+	f.createPodWith("ci", "cache-build-4", `set -e; test "$(cat /c/gen)" = 3; echo warm`, []podOpt{unbound()},
+		volume{name: "c", mountPath: "/c", attrs: attrs("cache", key), readOnly: true})
+	require.Equal(t, "warm\n", f.mustSucceed("ci", "cache-build-4"))
+	restore()
+	require.Equal(t, "node-3", f.preferredNodes("ci", "cache-build-4"), "the webhook preferred the newest version's holder")
+	require.Equal(t, "node-3", f.podOn("ci", "cache-build-4"))
+
+	cleared, err := f.Cache.ClearCaches(context.Background(), "ci", key)
+	require.NoError(t, err)
+	require.Len(t, cleared, 1)
+	f.createPodWith("ci", "cache-after-clear", `test -z "$(ls -A /c)" && echo empty`, []podOpt{onNode("node-1")}, cached)
+	f.Until("node-1 to clear "+key, time.Minute, func() bool {
+		// A step published before node-1's next heartbeat may still
+		// fork its version: run it again until it starts empty.
+		phase, out := f.waitDone("ci", "cache-after-clear")
+		if phase == "Succeeded" && out == "empty\n" {
+			return true
+		}
+		f.MustKubectl("", "delete", "pod", "-n", "ci", "cache-after-clear", "--wait")
+		f.createPodWith("ci", "cache-after-clear", `test -z "$(ls -A /c)" && echo empty`, []podOpt{onNode("node-1")}, cached)
+		return false
+	})
+	report(t, fmt.Sprintf("fleet: a cache's three builds on three nodes took %s: the second and third found the first's version "+
+		"(pulled from the node that made it), the second failed and left it as it was, a pod no scheduler of ours placed "+
+		"landed where the newest version is, and a clear reached every node\n", builds.Round(time.Second)))
 }

@@ -34,17 +34,17 @@ const (
 )
 
 func (c *cluster) startReplica(name string) *replica {
-	r := &replica{name: name, api: fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.t)), metrics: fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.t))}
-	r.p = plugintest.Start(c.t, plugintest.Config{Mode: "controller", Args: []string{
-		"--api-address=" + r.api, "--metrics-address=" + r.metrics, "--kubeconfig=" + c.kubeconfig, "--node-id=" + name,
+	r := &replica{name: name, api: fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.T)), metrics: fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(c.T))}
+	r.p = plugintest.Start(c.T, plugintest.Config{Mode: "controller", Args: []string{
+		"--api-address=" + r.api, "--metrics-address=" + r.metrics, "--kubeconfig=" + c.Kubeconfig, "--node-id=" + name,
 		"--leader-election", "--leader-election-namespace=cowvol", "--leader-election-lease=cowvol-controller-e2e",
 		"--leader-election-identity=" + name, "--leader-election-lease-duration=" + haLeaseDuration.String(),
 		"--leader-election-renew-deadline=" + haRenewDeadline.String(), "--leader-election-retry-period=" + haRetryPeriod.String(),
 	}})
 	var err error
 	r.cache, err = client.Dial(client.Options{Address: r.api})
-	require.NoError(c.t, err)
-	c.t.Cleanup(func() { r.cache.Close() })
+	require.NoError(c.T, err)
+	c.T.Cleanup(func() { r.cache.Close() })
 	return r
 }
 
@@ -65,7 +65,7 @@ func (r *replica) serves() error {
 }
 
 func (c *cluster) leaseHolder() string {
-	out, _ := c.kubectl("", "get", "lease", "-n", "cowvol", "cowvol-controller-e2e", "-o", "jsonpath={.spec.holderIdentity}")
+	out, _ := c.Kubectl("", "get", "lease", "-n", "cowvol", "cowvol-controller-e2e", "-o", "jsonpath={.spec.holderIdentity}")
 	return strings.TrimSpace(out)
 }
 
@@ -75,11 +75,11 @@ func (c *cluster) leaseHolder() string {
 // duration; a leader frozen past its lease loses it, and on waking exits
 // instead of serving on.
 func (c *cluster) controllerHA() {
-	t := c.t
+	t := c.T
 	a := c.startReplica("ctl-a")
-	c.until("ctl-a to lead", 30*time.Second, func() bool { return c.leaseHolder() == "ctl-a" && a.ready() == http.StatusOK })
+	c.Until("ctl-a to lead", 30*time.Second, func() bool { return c.leaseHolder() == "ctl-a" && a.ready() == http.StatusOK })
 	b := c.startReplica("ctl-b")
-	c.until("ctl-b to learn who leads", 30*time.Second, func() bool {
+	c.Until("ctl-b to learn who leads", 30*time.Second, func() bool {
 		err := b.serves()
 		return status.Code(err) == codes.Unavailable && strings.Contains(err.Error(), "the leader is ctl-a")
 	})
@@ -88,7 +88,7 @@ func (c *cluster) controllerHA() {
 
 	killed := time.Now()
 	a.p.Kill()
-	c.until("ctl-b to take over", 30*time.Second, func() bool { return b.serves() == nil })
+	c.Until("ctl-b to take over", 30*time.Second, func() bool { return b.serves() == nil })
 	takeover := time.Since(killed)
 	require.Equal(t, "ctl-b", c.leaseHolder())
 	require.Equal(t, http.StatusOK, b.ready())
@@ -97,12 +97,12 @@ func (c *cluster) controllerHA() {
 
 	// ctl-a comes back as a follower; then ctl-b freezes past its lease.
 	a.p.Restart()
-	c.until("the restarted ctl-a to follow ctl-b", 30*time.Second, func() bool {
+	c.Until("the restarted ctl-a to follow ctl-b", 30*time.Second, func() bool {
 		err := a.serves()
 		return status.Code(err) == codes.Unavailable && strings.Contains(err.Error(), "the leader is ctl-b")
 	})
 	require.NoError(t, syscall.Kill(b.p.PID(), syscall.SIGSTOP))
-	c.until("ctl-a to take over from the frozen ctl-b", 30*time.Second, func() bool { return a.serves() == nil })
+	c.Until("ctl-a to take over from the frozen ctl-b", 30*time.Second, func() bool { return a.serves() == nil })
 	require.NoError(t, syscall.Kill(b.p.PID(), syscall.SIGCONT))
 	require.NoError(t, b.p.Wait(30*time.Second), "a replica that lost its lease exits")
 	require.Contains(t, b.p.Log(), "lost the controller's leadership")

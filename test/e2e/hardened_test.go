@@ -12,6 +12,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/testfs"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // Pod options of hardened steps.
@@ -35,7 +36,7 @@ func noNewPrivileges(_, container map[string]any) {
 // in the pod's emptyDir "shared", and capuid, a euid with the file
 // capability cap_setuid.
 func plantSetuid(spec, _ map[string]any) {
-	spec["initContainers"] = []any{map[string]any{"name": "plant", "image": busyboxImage, "imagePullPolicy": "Never",
+	spec["initContainers"] = []any{map[string]any{"name": "plant", "image": localcluster.BusyboxImage, "imagePullPolicy": "Never",
 		"command": []string{"/bin/sh", "-c", "set -e; cp /bin/euid /shared/euid; chmod 4755 /shared/euid; " +
 			"cp /bin/euid /shared/capuid; /bin/euid -setcap /shared/capuid"},
 		"volumeMounts": []any{map[string]any{"name": "shared", "mountPath": "/shared"}}}}
@@ -48,11 +49,11 @@ func fsGroup(gid int) podOpt {
 // stepResults lists the step result kubectl cowvol shows for each of a
 // namespace's volumes.
 func (c *cluster) stepResults(ns string) map[string]string {
-	c.t.Helper()
+	c.T.Helper()
 	var list struct {
 		Items []struct{ Handle, StepResult string }
 	}
-	require.NoError(c.t, json.Unmarshal([]byte(c.kubectlCowvol("volumes", "-n", ns, "-o", "json")), &list))
+	require.NoError(c.T, json.Unmarshal([]byte(c.kubectlCowvol("volumes", "-n", ns, "-o", "json")), &list))
 	out := map[string]string{}
 	for _, v := range list.Items {
 		out[v.Handle] = v.StepResult
@@ -66,7 +67,7 @@ func (c *cluster) stepResults(ns string) map[string]string {
 // recursive read-only mounts, fsGroup, and setuid binaries or device nodes
 // planted in volumes.
 func TestHardenedSteps(t *testing.T) {
-	c := startClusterWith(t, testfs.XFS, "--cow-backend=overlay")
+	c := &cluster{localcluster.StartWith(t, testfs.XFS, "--cow-backend=overlay")}
 
 	c.scenario("a user-namespace task works through a chain, seeing and keeping node-side owners", func() {
 		c.createPod("ci", "userns-get", `set -e; cd /out
@@ -148,13 +149,13 @@ func TestHardenedSteps(t *testing.T) {
 		c.createPodWith("ci", "never", `true`, []podOpt{func(_, container map[string]any) {
 			container["image"] = "cowvol.test/missing:none"
 		}}, volume{name: "out", mountPath: "/out", attrs: attrs("source", "userns-res", "capture", "never-out")})
-		c.until("the image to be missing", time.Minute, func() bool {
-			out, _ := c.kubectl("", "get", "pod", "-n", "ci", "never", "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
+		c.Until("the image to be missing", time.Minute, func() bool {
+			out, _ := c.Kubectl("", "get", "pod", "-n", "ci", "never", "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
 			return out == "ErrImageNeverPull"
 		})
 		c.deletePod("ci", "never")
 		c.waitCaptured("never-out")
-		c.until("the controller to hear of the captures", 30*time.Second, func() bool {
+		c.Until("the controller to hear of the captures", 30*time.Second, func() bool {
 			r := c.stepResults("ci")
 			return r["failed-out"] != "" && r["never-out"] != ""
 		})

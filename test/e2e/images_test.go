@@ -14,7 +14,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"testing"
 	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -22,21 +21,17 @@ import (
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/ociimage"
+	"github.com/concourse/cowvol/internal/tb"
 	imagepkg "github.com/concourse/cowvol/pkg/image"
 	"github.com/concourse/cowvol/pkg/registry"
 	"github.com/concourse/cowvol/pkg/registry/credential"
 	"github.com/concourse/cowvol/pkg/snapshotter"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // imageRegistry is where the node plugin serves its volumes' images: the
 // address components/image-registry gives it and its policy guards.
 const imageRegistry = "127.0.0.1:7444"
-
-// stepsServiceAccount is the ServiceAccount step pods that run images
-// from the node's registry run as: the kubelet hands its credential
-// provider a token of the pod's ServiceAccount, and a pod without one pulls
-// nothing from the registry.
-const stepsServiceAccount = "steps"
 
 // withImage runs the step container on image, pulled if the node lacks it,
 // as the pod's ServiceAccount.
@@ -47,7 +42,7 @@ func withImage(image string) podOpt {
 func withImagePolicy(image, policy string) podOpt {
 	return func(spec, container map[string]any) {
 		container["image"], container["imagePullPolicy"] = image, policy
-		spec["serviceAccountName"] = stepsServiceAccount
+		spec["serviceAccountName"] = localcluster.StepsServiceAccount
 	}
 }
 
@@ -56,7 +51,7 @@ func withImagePolicy(image, policy string) podOpt {
 // read the registry itself can have.
 func withRegistryToken() podOpt {
 	return func(spec, container map[string]any) {
-		spec["serviceAccountName"] = stepsServiceAccount
+		spec["serviceAccountName"] = localcluster.StepsServiceAccount
 		spec["volumes"] = append(spec["volumes"].([]map[string]any), map[string]any{"name": "registry-token", "projected": map[string]any{
 			"sources": []any{map[string]any{"serviceAccountToken": map[string]any{"audience": credential.Audience, "expirationSeconds": 600, "path": "token"}}}}})
 		container["volumeMounts"] = append(container["volumeMounts"].([]map[string]any),
@@ -67,28 +62,28 @@ func withRegistryToken() podOpt {
 // runtimeManifest reads from the node's containerd the manifest of the
 // image it keeps as name, and its digest.
 func (c *cluster) runtimeManifest(name string) (string, ocispec.Manifest) {
-	c.t.Helper()
+	c.T.Helper()
 	// Standard output alone: ctr warns on standard error.
 	ctr := func(args ...string) string {
-		out, err := exec.Command("ctr", append([]string{"--address", c.containerd, "-n", "k8s.io"}, args...)...).Output()
+		out, err := exec.Command("ctr", append([]string{"--address", c.Containerd, "-n", "k8s.io"}, args...)...).Output()
 		var exit *exec.ExitError
 		if errors.As(err, &exit) {
 			err = fmt.Errorf("%w: %s", err, exit.Stderr)
 		}
-		require.NoError(c.t, err)
+		require.NoError(c.T, err)
 		return string(out)
 	}
 	lines := strings.Split(strings.TrimSpace(ctr("images", "ls", "name=="+name)), "\n")
-	require.Len(c.t, lines, 2, "the runtime keeps %s", name)
+	require.Len(c.T, lines, 2, "the runtime keeps %s", name)
 	target := strings.Fields(lines[1])[2]
 	var m ocispec.Manifest
-	require.NoError(c.t, json.Unmarshal([]byte(ctr("content", "get", target)), &m))
+	require.NoError(c.T, json.Unmarshal([]byte(ctr("content", "get", target)), &m))
 	return target, m
 }
 
 // registryGet asks the node's registry for path as a process on the node,
 // with token (empty: none), and answers the status and body.
-func registryGet(t testing.TB, path, token string) (int, string) {
+func registryGet(t tb.TB, path, token string) (int, string) {
 	t.Helper()
 	req, err := http.NewRequest(http.MethodGet, "http://"+imageRegistry+path, nil)
 	require.NoError(t, err)
@@ -107,8 +102,8 @@ func registryGet(t testing.TB, path, token string) (int, string) {
 // bound to the pod ns/pod on this node: what the kubelet hands the
 // credential provider for that pod.
 func (c *cluster) registryToken(ns, pod string) string {
-	c.t.Helper()
-	return strings.TrimSpace(c.mustKubectl("", "create", "token", stepsServiceAccount, "-n", ns, "--audience="+credential.Audience,
+	c.T.Helper()
+	return strings.TrimSpace(c.MustKubectl("", "create", "token", localcluster.StepsServiceAccount, "-n", ns, "--audience="+credential.Audience,
 		"--bound-object-kind=Pod", "--bound-object-name="+pod, "--duration=10m"))
 }
 
@@ -137,7 +132,7 @@ const (
 // the node's own loopback registry. A pod of another namespace naming them
 // is refused at admission, and by the registry when the policy lets it by.
 func (c *cluster) stepImages() {
-	t := c.t
+	t := c.T
 	c.createPod("ci", "get-image", rootfsImageScript, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-rootfs")})
 	c.mustSucceed("ci", "get-image")
 	c.waitCaptured("img-rootfs")
@@ -148,10 +143,10 @@ func (c *cluster) stepImages() {
 		time.Since(started).Round(100*time.Millisecond)))
 
 	// The image.tar an image-building step leaves: an OCI layout.
-	src := filepath.Join(c.work, "oci-build")
+	src := filepath.Join(c.Work, "oci-build")
 	require.NoError(t, os.MkdirAll(src, 0o755))
 	require.NoError(t, ociimage.Write(filepath.Join(src, "image.tar"), ociimage.Image{Name: "example.com/built:latest",
-		Files: append(busyboxFiles(t), ociimage.File{Path: "etc/made-by", Mode: 0o644, Data: []byte("oci-build\n")}),
+		Files: append(localcluster.BusyboxFiles(t), ociimage.File{Path: "etc/made-by", Mode: 0o644, Data: []byte("oci-build\n")}),
 		Cmd:   []string{"/bin/sh"}, Env: []string{"PATH=/bin"}}))
 	c.createPodFed("ci", "oci-build", src, "/src", `set -e; cp /src/image.tar /out/`,
 		volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-oci")})
@@ -164,13 +159,13 @@ func (c *cluster) stepImages() {
 
 	// Another namespace: the policy refuses ci's images however they are
 	// named; the registry refuses what the policy lets by.
-	c.mustKubectl("", "apply", "-f", "../../deploy/csi/components/image-registry/policy.yaml")
-	defer c.mustKubectl("", "delete", "-f", "../../deploy/csi/components/image-registry/policy.yaml")
+	c.MustKubectl("", "apply", "-f", "../../deploy/csi/components/image-registry/policy.yaml")
+	defer c.MustKubectl("", "delete", "-f", "../../deploy/csi/components/image-registry/policy.yaml")
 	judge := func(ns, image string) error {
-		_, err := c.kubectl(podJSON(ns, "judged", "true", nil, withImage(image)), "create", "--dry-run=server", "-f", "-")
+		_, err := c.Kubectl(podJSON(ns, "judged", "true", nil, withImage(image)), "create", "--dry-run=server", "-f", "-")
 		return err
 	}
-	c.until("the images policy to be in force", 60*time.Second, func() bool {
+	c.Until("the images policy to be in force", 60*time.Second, func() bool {
 		err := judge("other", imageRegistry+"/ci/img-rootfs:latest")
 		return err != nil && strings.Contains(err.Error(), `cowvol rule "images"`)
 	})
@@ -181,12 +176,12 @@ func (c *cluster) stepImages() {
 		require.Contains(t, err.Error(), "may only run images of the node registry under "+imageRegistry+"/other/", image)
 	}
 	require.NoError(t, judge("ci", imageRegistry+"/ci/img-rootfs:latest"), "ci runs its own image")
-	require.NoError(t, judge("other", busyboxImage), "other images are not the policy's")
+	require.NoError(t, judge("other", localcluster.BusyboxImage), "other images are not the policy's")
 	// Naming ci as the owner: admitted (the pod's namespace comes first),
 	// refused by the registry (img-rootfs is not shared).
 	c.createPodWith("other", "steal", "true", []podOpt{withImage(imageRegistry + "/other/ci/img-rootfs:latest")})
-	c.until("the pull of another namespace's image to fail", 60*time.Second, func() bool {
-		reason, _ := c.kubectl("", "get", "pod", "-n", "other", "steal", "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
+	c.Until("the pull of another namespace's image to fail", 60*time.Second, func() bool {
+		reason, _ := c.Kubectl("", "get", "pod", "-n", "other", "steal", "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
 		return reason == "ErrImagePull" || reason == "ImagePullBackOff"
 	})
 	require.Contains(t, c.events("other", "steal"), "not found")
@@ -202,7 +197,7 @@ func (c *cluster) stepImages() {
 // pulled for ci, by digest or by image ID. A volume shared with scope
 // cluster is still run by the namespace it was shared with.
 func (c *cluster) imagesTenancy() {
-	t := c.t
+	t := c.T
 	_, latest := c.runtimeManifest(imageRegistry + "/ci/img-rootfs:latest")
 	layer := latest.Layers[0].Digest.String()
 
@@ -210,11 +205,11 @@ func (c *cluster) imagesTenancy() {
 	// every answer for ci's image is the one for an image that is not
 	// there. The step namespaces admit no hostNetwork pod (Pod Security
 	// baseline), so the attacker's is one whose operator let it have one.
-	_, err := c.kubectl(podJSON("other", "attacker", "true", nil, onHostNetwork), "create", "-f", "-")
+	_, err := c.Kubectl(podJSON("other", "attacker", "true", nil, onHostNetwork), "create", "-f", "-")
 	require.ErrorContains(t, err, `violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)`)
-	c.mustKubectl("", "create", "namespace", hostNetworkTenant)
-	c.mustKubectl("", "label", "namespace", hostNetworkTenant, "pod-security.kubernetes.io/enforce=privileged")
-	c.mustKubectl("", "create", "serviceaccount", stepsServiceAccount, "-n", hostNetworkTenant)
+	c.MustKubectl("", "create", "namespace", hostNetworkTenant)
+	c.MustKubectl("", "label", "namespace", hostNetworkTenant, "pod-security.kubernetes.io/enforce=privileged")
+	c.MustKubectl("", "create", "serviceaccount", localcluster.StepsServiceAccount, "-n", hostNetworkTenant)
 	script := `T=$(cat /var/run/cowvol/token)
 		AUTH="Authorization: Basic $(printf 'serviceaccount-token:%s' "$T" | base64 | tr -d '\n')"
 		ask() {
@@ -270,7 +265,7 @@ func (c *cluster) imagesTenancy() {
 	require.Equal(t, http.StatusOK, code)
 	var provider []time.Duration
 	for range 5 {
-		cmd := exec.Command(credentialProviderBinary(t))
+		cmd := exec.Command(localcluster.CredentialProviderBinary(t))
 		cmd.Stdin = strings.NewReader(`{"apiVersion":"credentialprovider.kubelet.k8s.io/v1","kind":"CredentialProviderRequest",` +
 			`"image":"` + imageRegistry + `/ci/img-rootfs:latest","serviceAccountToken":"` + token + `"}`)
 		started = time.Now()
@@ -297,7 +292,7 @@ func (c *cluster) imagesTenancy() {
 	// pods by digest and by image ID: the kubelet makes each pull again
 	// with the pod's own credential (KubeletEnsureSecretPulledImages),
 	// which the registry refuses, or, told never to pull, runs nothing.
-	repoDigest := c.mustKubectl("", "get", "pod", "-n", "ci", "on-rootfs", "-o", "jsonpath={.status.containerStatuses[0].imageID}")
+	repoDigest := c.MustKubectl("", "get", "pod", "-n", "ci", "on-rootfs", "-o", "jsonpath={.status.containerStatuses[0].imageID}")
 	require.Contains(t, repoDigest, imageRegistry+"/ci/img-rootfs@sha256:")
 	imageID := latest.Config.Digest.String()
 	named := map[string]string{"by-digest-never": repoDigest, "by-digest-present": repoDigest, "by-id-never": imageID, "by-id-present": imageID}
@@ -309,8 +304,8 @@ func (c *cluster) imagesTenancy() {
 		c.createPodWith("other", pod, "cat /etc/made-by", []podOpt{withImagePolicy(image, policy)})
 	}
 	for pod := range named {
-		c.until("the kubelet to refuse "+pod, 2*time.Minute, func() bool {
-			reason, _ := c.kubectl("", "get", "pod", "-n", "other", pod, "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
+		c.Until("the kubelet to refuse "+pod, 2*time.Minute, func() bool {
+			reason, _ := c.Kubectl("", "get", "pod", "-n", "other", pod, "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
 			return reason == "ErrImageNeverPull" || reason == "ErrImagePull" || reason == "ImagePullBackOff"
 		})
 		require.Equal(t, "Pending", c.phase("other", pod), pod)
@@ -342,7 +337,7 @@ func (c *cluster) imagesTenancy() {
 // named by that digest; pulled as any tag and as :cowvol under the
 // runtime class, the registry serves neither, and nothing runs.
 func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
-	t := c.t
+	t := c.T
 	remote := taken.Layers[0]
 	for _, tt := range []struct {
 		handle string
@@ -351,7 +346,7 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 		{"replay-annotated", remote},
 		{"replay-digest", ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: remote.Digest, Size: 0}},
 	} {
-		src := filepath.Join(c.work, tt.handle)
+		src := filepath.Join(c.Work, tt.handle)
 		// The layer's blob an empty file, its digest the config's diff ID.
 		require.NoError(t, ociimage.WriteLayout(src, tt.layer, nil, tt.layer.Digest))
 		c.createPodFed("other", "write-"+tt.handle, src, "/src", `set -e; cp -r /src/. /out/`,
@@ -365,15 +360,15 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 				opts = append(opts, func(spec, _ map[string]any) { spec["runtimeClassName"] = "cowvol" })
 			}
 			c.createPodWith("other", pod, "cat /etc/made-by", opts)
-			c.until("the pull of "+pod+" to fail", 2*time.Minute, func() bool {
-				reason, _ := c.kubectl("", "get", "pod", "-n", "other", pod, "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
+			c.Until("the pull of "+pod+" to fail", 2*time.Minute, func() bool {
+				reason, _ := c.Kubectl("", "get", "pod", "-n", "other", pod, "-o", "jsonpath={.status.containerStatuses[0].state.waiting.reason}")
 				return reason == "ErrImagePull" || reason == "ImagePullBackOff"
 			})
 			require.Equal(t, "Pending", c.phase("other", pod))
 			c.deletePod("other", pod)
 		}
 	}
-	require.Contains(t, c.plugin.Log(), "Refused an image that names a remote layer")
+	require.Contains(t, c.Plugin.Log(), "Refused an image that names a remote layer")
 	report(t, "another namespace's images carrying the remote layer ci's pull was handed (its annotation, or its digest as diff ID) were refused by the registry, as any tag and as :cowvol under the runtime class\n")
 }
 
@@ -386,17 +381,17 @@ func (c *cluster) replayRemoteLayer(taken ocispec.Manifest) {
 // volume's images leave the runtime's list; once the pods are gone, the
 // volume is freed and no snapshot is left.
 func (c *cluster) stepImagesOnSnapshotter() {
-	t := c.t
+	t := c.T
 	// The node's containerd is configured as docs/step-images.md says, and the
 	// check the plugin runs at start says so; it would say what is wrong.
-	missing, err := snapshotter.Check(context.Background(), c.containerd, c.snapshotter)
+	missing, err := snapshotter.Check(context.Background(), c.Containerd, c.Snapshotter)
 	require.NoError(t, err)
 	require.Empty(t, missing)
-	missing, err = snapshotter.Check(context.Background(), c.containerd, "/run/elsewhere.sock")
+	missing, err = snapshotter.Check(context.Background(), c.Containerd, "/run/elsewhere.sock")
 	require.NoError(t, err)
 	require.Len(t, missing, 1)
 	require.Contains(t, missing[0], `not at "/run/elsewhere.sock"`)
-	c.mustKubectl("", "apply", "-f", "../../deploy/csi/components/image-snapshotter/runtimeclass.yaml")
+	c.MustKubectl("", "apply", "-f", "../../deploy/csi/components/image-snapshotter/runtimeclass.yaml")
 	image := imageRegistry + "/ci/img-rootfs:" + registry.RemoteTag
 	opts := []podOpt{withImage(image), func(spec, _ map[string]any) { spec["runtimeClassName"] = "cowvol" }}
 	started := time.Now()
@@ -414,28 +409,28 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	_, m := c.runtimeManifest(image)
 	require.Len(t, m.Layers, 1)
 	require.Contains(t, m.Layers[0].Annotations, imagepkg.RemoteLayerAnnotation)
-	content, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "content", "ls", "-q").CombinedOutput()
+	content, err := exec.Command("ctr", "--address", c.Containerd, "-n", "k8s.io", "content", "ls", "-q").CombinedOutput()
 	require.NoError(t, err, "%s", content)
 	require.NotContains(t, string(content), m.Layers[0].Digest.String(), "the remote layer was fetched")
 	c.replayRemoteLayer(m)
 
 	// Held while a container runs on it.
 	c.createPodWith("ci", "runs-on-image", "sleep 3600", opts)
-	c.until("the pod on the image volume to run", 2*time.Minute, func() bool { return c.phase("ci", "runs-on-image") == "Running" })
+	c.Until("the pod on the image volume to run", 2*time.Minute, func() bool { return c.phase("ci", "runs-on-image") == "Running" })
 	c.createPod("ci", "bystander", "echo x > /out/f", volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-bystander")})
 	c.mustSucceed("ci", "bystander")
 	c.waitCaptured("img-bystander")
-	volumes := filepath.Join(c.stateDir, "cowvol", "volumes", "ci")
+	volumes := filepath.Join(c.StateDir, "cowvol", "volumes", "ci")
 	// Eviction: the disk filled past the high watermark, the reaper takes
 	// what nothing holds (the bystander), not the volume a container
 	// runs on.
 	unfill := c.fillStateDir()
-	c.until("the reaper to evict the volume beside it", 2*time.Minute, func() bool {
+	c.Until("the reaper to evict the volume beside it", 2*time.Minute, func() bool {
 		_, err := os.Stat(filepath.Join(volumes, "img-bystander"))
 		return os.IsNotExist(err)
 	})
 	unfill()
-	v, err := c.plugin.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "img-rootfs"}})
+	v, err := c.Plugin.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "img-rootfs"}})
 	require.NoError(t, err, "the image volume a container runs on was evicted")
 	require.Equal(t, "ready", v.State)
 	require.NotEmpty(t, v.HoldingImages)
@@ -445,35 +440,35 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	c.createPod("ci", "bystander-2", "echo x > /out/f", volume{name: "out", mountPath: "/out", attrs: attrs("capture", "img-bystander-2")})
 	c.mustSucceed("ci", "bystander-2")
 	c.waitCaptured("img-bystander-2")
-	_, err = c.plugin.NodeAPI.DestroyVolumes(context.Background(), &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{
+	_, err = c.Plugin.NodeAPI.DestroyVolumes(context.Background(), &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{
 		{Namespace: "ci", Handle: "img-rootfs"}, {Namespace: "ci", Handle: "img-bystander-2"}}})
 	require.NoError(t, err)
-	c.until("the volume destroyed with it to be freed", time.Minute, func() bool {
+	c.Until("the volume destroyed with it to be freed", time.Minute, func() bool {
 		_, err := os.Stat(filepath.Join(volumes, "img-bystander-2"))
 		return os.IsNotExist(err)
 	})
 	require.DirExists(t, filepath.Join(volumes, "img-rootfs"), "the image volume a container runs on was freed")
-	madeBy := c.mustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by")
+	madeBy := c.MustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by")
 	require.Equal(t, "rootfs\n", madeBy)
 
 	// Destroyed, the volume's images leave the runtime (the pulled copy
 	// of stepImages too), even while a container runs on one.
 	ctr := func(args ...string) string {
-		out, err := exec.Command("ctr", append([]string{"--address", c.containerd, "-n", "k8s.io"}, args...)...).CombinedOutput()
+		out, err := exec.Command("ctr", append([]string{"--address", c.Containerd, "-n", "k8s.io"}, args...)...).CombinedOutput()
 		require.NoError(t, err, "%s", out)
 		return string(out)
 	}
-	c.until("the runtime to forget the destroyed volume's images", 2*time.Minute, func() bool {
+	c.Until("the runtime to forget the destroyed volume's images", 2*time.Minute, func() bool {
 		images := ctr("images", "ls", "-q")
 		// The CRI's record by image ID too, or containerd keeps it all.
 		return !strings.Contains(images, imageRegistry+"/ci/img-rootfs") && !strings.Contains(images, m.Config.Digest.String())
 	})
-	require.Equal(t, "rootfs\n", c.mustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by"))
+	require.Equal(t, "rootfs\n", c.MustKubectl("", "exec", "-n", "ci", "runs-on-image", "--", "cat", "/etc/made-by"))
 
 	c.deletePod("ci", "runs-on-image")
 	c.deletePod("ci", "on-snapshotter")
 	freed := time.Now()
-	c.until("the image volume to be freed once no container runs on it", 3*time.Minute, func() bool {
+	c.Until("the image volume to be freed once no container runs on it", 3*time.Minute, func() bool {
 		_, err := os.Stat(filepath.Join(volumes, "img-rootfs"))
 		return os.IsNotExist(err)
 	})
@@ -481,7 +476,7 @@ func (c *cluster) stepImagesOnSnapshotter() {
 	// collection (asked for here, as a synchronous lease delete does)
 	// takes its layer and every snapshot on it from the snapshotter (the
 	// pause image the class's sandboxes run on stays, pinned).
-	c.until("containerd to collect the image's snapshots on the cowvol snapshotter", time.Minute, func() bool {
+	c.Until("containerd to collect the image's snapshots on the cowvol snapshotter", time.Minute, func() bool {
 		ctr("leases", "create", "--id", "cowvol-e2e-collect")
 		ctr("leases", "delete", "--sync", "cowvol-e2e-collect")
 		return !strings.Contains(ctr("snapshots", "--snapshotter", "cowvol", "ls"), m.Layers[0].Digest.String())

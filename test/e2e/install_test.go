@@ -21,6 +21,7 @@ import (
 	"github.com/concourse/cowvol/internal/ociimage"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/plugin"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // pluginImageRuns runs the plugin's image, as make image builds it without
@@ -30,24 +31,24 @@ func (c *cluster) pluginImageRuns() {
 		"apiVersion": "v1", "kind": "Pod",
 		"metadata": map[string]any{"name": "plugin-image", "namespace": "ci"},
 		"spec": map[string]any{
-			"nodeName": nodeName, "restartPolicy": "Never",
+			"nodeName": localcluster.NodeName, "restartPolicy": "Never",
 			"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
 			"containers": []any{map[string]any{
-				"name": "cowvol", "image": pluginImage, "imagePullPolicy": "Never", "args": []string{"--version"},
+				"name": "cowvol", "image": localcluster.PluginImage, "imagePullPolicy": "Never", "args": []string{"--version"},
 			}},
 		},
 	}
 	b, err := json.Marshal(pod)
-	require.NoError(c.t, err)
-	c.mustKubectl(string(b), "create", "-f", "-")
+	require.NoError(c.T, err)
+	c.MustKubectl(string(b), "create", "-f", "-")
 	out := c.mustSucceed("ci", "plugin-image")
-	require.Equal(c.t, "cowvol-plugin e2e\n", out, "the image's entrypoint is make image's plugin")
+	require.Equal(c.T, "cowvol-plugin e2e\n", out, "the image's entrypoint is make image's plugin")
 	// One image for every architecture make image builds for: containerd
 	// ran this machine's.
-	images, err := exec.Command("ctr", "--address", c.containerd, "-n", "k8s.io", "images", "ls", "name=="+pluginImage).CombinedOutput()
-	require.NoError(c.t, err, "%s", images)
-	require.Contains(c.t, string(images), "linux/amd64,linux/arm64")
-	report(c.t, "the plugin image built without Docker (make image, linux/amd64 and linux/arm64) ran in containerd: "+strings.TrimSpace(out)+"\n")
+	images, err := exec.Command("ctr", "--address", c.Containerd, "-n", "k8s.io", "images", "ls", "name=="+localcluster.PluginImage).CombinedOutput()
+	require.NoError(c.T, err, "%s", images)
+	require.Contains(c.T, string(images), "linux/amd64,linux/arm64")
+	report(c.T, "the plugin image built without Docker (make image, linux/amd64 and linux/arm64) ran in containerd: "+strings.TrimSpace(out)+"\n")
 }
 
 // installOverlay is the overlay the e2e installs cowvol with, as a user's
@@ -57,10 +58,10 @@ func (c *cluster) pluginImageRuns() {
 // lacks (no CNI: host networking; no kube-proxy: the API server and the
 // controller on loopback).
 func (c *cluster) installOverlay(tag string, reg registration) string {
-	dir := filepath.Join(c.work, "overlay")
-	writeOverlay(c.t, dir, func(s string) string {
+	dir := filepath.Join(c.Work, "overlay")
+	writeOverlay(c.T, dir, func(s string) string {
 		for key, value := range installSettings(c) {
-			s = withSetting(c.t, s, key, value)
+			s = withSetting(c.T, s, key, value)
 		}
 		return s
 	}, func(rel func(string) string) string {
@@ -93,7 +94,7 @@ patches:
       - {op: add, path: /spec/strategy, value: {type: Recreate}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1"}}
       - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_PORT, value: "%[4]d"}}%[6]s
-`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.apiPort, tag, previousControllerPatch(tag), previousNodePatch(tag))
+`, rel("deploy/csi/base"), rel("deploy/csi/components/settings"), reg.component(rel), c.APIPort, tag, previousControllerPatch(tag), previousNodePatch(tag))
 	})
 	return dir
 }
@@ -166,38 +167,13 @@ func (r registration) component(rel func(string) string) string {
 	return ""
 }
 
-// registrarImage is the upstream sidecar's image, as the base names it.
-const registrarImage = "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.17.0"
-
-// importRegistrar imports the upstream node-driver-registrar, built from
-// its source by make e2e, under registrarImage into the node's runtime,
-// and says whether it could.
-func (c *cluster) importRegistrar() bool {
-	c.t.Helper()
-	return c.importRegistrarInto(c.containerd)
-}
-
-// importRegistrarInto is importRegistrar into the runtime at socket.
-func (c *cluster) importRegistrarInto(socket string) bool {
-	c.t.Helper()
-	path := os.Getenv("COWVOL_E2E_REGISTRAR_BINARY")
-	if path == "" {
-		return false
-	}
-	bin, err := os.ReadFile(path)
-	require.NoError(c.t, err)
-	c.importImageInto(socket, ociimage.Image{Name: registrarImage, Files: []ociimage.File{{Path: "csi-node-driver-registrar", Mode: 0o755, Data: bin}},
-		Entrypoint: []string{"/csi-node-driver-registrar"}})
-	return true
-}
-
 // installSettings are the settings the e2e changes, as a user would in
 // settings.yaml: this node's dirs, a default size limit its steps feel,
 // and Secrets of its own names.
 func installSettings(c *cluster) map[string]string {
 	return map[string]string{
-		"kubelet-dir":           c.kubeletDir,
-		"state-dir":             filepath.Join(c.stateDir, "cowvol"),
+		"kubelet-dir":           c.KubeletDir,
+		"state-dir":             filepath.Join(c.StateDir, "cowvol"),
 		"default-size-limit":    installDefaultSizeLimit,
 		"controller-tls-secret": "e2e-controller-tls",
 		"peer-ca-secret":        "e2e-peer-ca",
@@ -217,46 +193,30 @@ const upgradeFrom = "2e62b3c8f26656dbe7999c79605b95d900a67111"
 // clone must hold it, it fails instead, so that the upgrade is never
 // quietly untested.
 func (c *cluster) previousPlugin() []byte {
-	c.t.Helper()
+	c.T.Helper()
 	repo, err := filepath.Abs("../..")
-	require.NoError(c.t, err)
+	require.NoError(c.T, err)
 	if err := exec.Command("git", "-C", repo, "cat-file", "-e", upgradeFrom+"^{commit}").Run(); err != nil {
 		if os.Getenv("CI") == "true" {
-			c.t.Fatalf("the upgrade starts from commit %s, which this CI clone lacks: %v", upgradeFrom, err)
+			c.T.Fatalf("the upgrade starts from commit %s, which this CI clone lacks: %v", upgradeFrom, err)
 		}
-		c.t.Skipf("the upgrade starts from commit %s, which this clone lacks (a shallow clone?): %v", upgradeFrom, err)
+		c.T.Skipf("the upgrade starts from commit %s, which this clone lacks (a shallow clone?): %v", upgradeFrom, err)
 	}
-	src := filepath.Join(c.work, "previous")
-	require.NoError(c.t, os.MkdirAll(src, 0o755))
+	src := filepath.Join(c.Work, "previous")
+	require.NoError(c.T, os.MkdirAll(src, 0o755))
 	archive := exec.Command("sh", "-c", fmt.Sprintf("git -C %s archive %s | tar -x -C %s", repo, upgradeFrom, src))
 	if out, err := archive.CombinedOutput(); err != nil {
-		c.t.Fatalf("extracting %s: %v: %s", upgradeFrom, err, out)
+		c.T.Fatalf("extracting %s: %v: %s", upgradeFrom, err, out)
 	}
 	bin := filepath.Join(src, "cowvol-plugin")
 	build := exec.Command("go", "build", "-trimpath", "-ldflags", "-X main.version=previous", "-o", bin, "./cmd/cowvol-plugin")
 	build.Dir, build.Env = src, append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
-		c.t.Fatalf("building the plugin of %s: %v: %s", upgradeFrom, err, out)
+		c.T.Fatalf("building the plugin of %s: %v: %s", upgradeFrom, err, out)
 	}
 	b, err := os.ReadFile(bin)
-	require.NoError(c.t, err)
+	require.NoError(c.T, err)
 	return b
-}
-
-// importImage builds img and imports it into the node's containerd.
-func (c *cluster) importImage(img ociimage.Image) {
-	c.t.Helper()
-	c.importImageInto(c.containerd, img)
-}
-
-// importImageInto builds img and imports it into the containerd at socket.
-func (c *cluster) importImageInto(socket string, img ociimage.Image) {
-	c.t.Helper()
-	out := filepath.Join(c.work, "images", "extra.tar")
-	require.NoError(c.t, ociimage.Write(out, img))
-	if b, err := exec.Command("ctr", "--address", socket, "-n", "k8s.io", "images", "import", out).CombinedOutput(); err != nil {
-		c.t.Fatalf("importing %s: %v: %s", img.Name, err, b)
-	}
 }
 
 // TestInstall installs cowvol as a user does, kubectl apply -k of an
@@ -270,23 +230,23 @@ func (c *cluster) importImageInto(socket string, img ociimage.Image) {
 // new pods; the plugin killed, or hung until its liveness probe fails, the
 // kubelet restarts it and the pipeline goes on.
 func TestInstall(t *testing.T) {
-	c := startNode(t, true)
+	c := &cluster{localcluster.StartNode(t, true)}
 	certsPEM, err := os.ReadFile("/etc/ssl/certs/ca-certificates.crt")
 	require.NoError(t, err)
-	c.importImage(ociimage.Plugin("cowvol.test/cowvol-plugin:previous", "previous", c.previousPlugin(), nil, certsPEM))
+	c.ImportImage(ociimage.Plugin("cowvol.test/cowvol-plugin:previous", "previous", c.previousPlugin(), nil, certsPEM))
 	// The earlier image registers itself; the roll moves to the base as it
 	// comes, with the upstream sidecar (built by make e2e).
 	rolled := bySidecar
-	if !c.importRegistrar() {
+	if !c.ImportRegistrar() {
 		rolled = byPlugin
 		t.Log("COWVOL_E2E_REGISTRAR_BINARY is not set (make e2e builds the upstream node-driver-registrar): the roll keeps the plugin registering itself")
 	}
 	// A real node's kubelet dir is a shared mount: the plugin's mounts
 	// (Bidirectional) must reach the pods.
-	require.NoError(t, unix.Mount(c.kubeletDir, c.kubeletDir, "", unix.MS_BIND, ""))
-	require.NoError(t, unix.Mount("", c.kubeletDir, "", unix.MS_SHARED|unix.MS_REC, ""))
-	c.mustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml")
-	certs := filepath.Join(c.work, "certs")
+	require.NoError(t, unix.Mount(c.KubeletDir, c.KubeletDir, "", unix.MS_BIND, ""))
+	require.NoError(t, unix.Mount("", c.KubeletDir, "", unix.MS_SHARED|unix.MS_REC, ""))
+	c.MustKubectl("", "apply", "-f", "../../deploy/csi/base/namespace.yaml")
+	certs := filepath.Join(c.Work, "certs")
 	ctl := netlab.NewPKI(t, filepath.Join(certs, "controller"), "cowvol-controller.cowvol.svc", "127.0.0.1")
 	peer := netlab.NewPKI(t, filepath.Join(certs, "peer"), plugin.DefaultPeerServerName)
 	c.createInstallSecrets(ctl, peer)
@@ -294,8 +254,8 @@ func TestInstall(t *testing.T) {
 	// turns Ready and keeps the not-ready taint the kubelet registers it
 	// with, which would keep the scheduler and the DaemonSet controller
 	// away; a cluster with a network has no such taint to lift.
-	c.mustKubectl("", "taint", "nodes", nodeName, "node.kubernetes.io/not-ready:NoSchedule-")
-	t.Cleanup(c.deletePods) // before the plugin goes: it unpublishes them
+	c.MustKubectl("", "taint", "nodes", localcluster.NodeName, "node.kubernetes.io/not-ready:NoSchedule-")
+	t.Cleanup(c.DeletePods) // before the plugin goes: it unpublishes them
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, args := range [][]string{
@@ -305,20 +265,20 @@ func TestInstall(t *testing.T) {
 				{"logs", "-n", "cowvol", "-l", "app=cowvol-node", "--tail=40"},
 				{"logs", "-n", "cowvol", "-l", "app=cowvol-controller", "--tail=40"},
 			} {
-				out, _ := c.kubectl("", args...)
+				out, _ := c.Kubectl("", args...)
 				t.Logf("kubectl %s:\n%s", strings.Join(args, " "), out)
 			}
 		}
 	})
 	start := time.Now()
-	c.mustKubectl("", "apply", "-k", c.installOverlay("previous", byPlugin))
+	c.MustKubectl("", "apply", "-k", c.installOverlay("previous", byPlugin))
 	c.waitInstalled("previous", byPlugin)
 	report(t, fmt.Sprintf("kubectl apply -k of an overlay (commit %.7s's image): the plugin registered through %s and the controller led in %s\n",
 		upgradeFrom, byPlugin, time.Since(start).Round(100*time.Millisecond)))
-	c.createStepNamespaces(false)
-	c.until("the namespaces' ServiceAccounts", 30*time.Second, func() bool {
-		_, err1 := c.kubectl("", "get", "serviceaccount", "default", "-n", "ci")
-		_, err2 := c.kubectl("", "get", "serviceaccount", "default", "-n", "other")
+	c.CreateStepNamespaces(false)
+	c.Until("the namespaces' ServiceAccounts", 30*time.Second, func() bool {
+		_, err1 := c.Kubectl("", "get", "serviceaccount", "default", "-n", "ci")
+		_, err2 := c.Kubectl("", "get", "serviceaccount", "default", "-n", "other")
 		return err1 == nil && err2 == nil
 	})
 
@@ -333,18 +293,18 @@ func TestInstall(t *testing.T) {
 	c.createPod("ci", "reads-across-upgrade", `sleep 20; cat /in/version`,
 		volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
 	for _, pod := range []string{"across-upgrade", "reads-across-upgrade"} {
-		c.until(pod+" to start", 60*time.Second, func() bool { return c.phase("ci", pod) == "Running" })
+		c.Until(pod+" to start", 60*time.Second, func() bool { return c.phase("ci", pod) == "Running" })
 	}
-	readerUID := c.mustKubectl("", "get", "pod", "-n", "ci", "reads-across-upgrade", "-o", "jsonpath={.metadata.uid}")
+	readerUID := c.MustKubectl("", "get", "pod", "-n", "ci", "reads-across-upgrade", "-o", "jsonpath={.metadata.uid}")
 
 	// The roll: this commit's image.
 	start = time.Now()
-	c.mustKubectl("", "apply", "-k", c.installOverlay("e2e", rolled))
+	c.MustKubectl("", "apply", "-k", c.installOverlay("e2e", rolled))
 	c.waitInstalled("e2e", rolled)
 	report(t, fmt.Sprintf("rolled to this commit's image, registered through %s, in %s, a step running on a cowvol volume\n",
 		rolled, time.Since(start).Round(100*time.Millisecond)))
 	// The controller runs as the manifests say: nobody, no capabilities.
-	ctlPIDs := pidsWhere(func(cmdline string) bool {
+	ctlPIDs := localcluster.PidsWhere(func(cmdline string) bool {
 		return strings.HasPrefix(cmdline, "/cowvol-plugin\x00") && strings.Contains(cmdline, "--mode=controller")
 	})
 	require.Len(t, ctlPIDs, 1)
@@ -353,8 +313,8 @@ func TestInstall(t *testing.T) {
 	require.Regexp(t, `(?m)^Uid:\s+65534\s+65534\s+65534\s+65534$`, string(procStatus))
 	require.Regexp(t, `(?m)^CapEff:\s+0+$`, string(procStatus))
 	require.Regexp(t, `(?m)^NoNewPrivs:\s+1$`, string(procStatus))
-	uid := c.mustKubectl("", "get", "pod", "-n", "ci", "across-upgrade", "-o", "jsonpath={.metadata.uid}")
-	target := filepath.Join(c.kubeletDir, "pods", uid, "volumes", "kubernetes.io~csi", "w", "mount")
+	uid := c.MustKubectl("", "get", "pod", "-n", "ci", "across-upgrade", "-o", "jsonpath={.metadata.uid}")
+	target := filepath.Join(c.KubeletDir, "pods", uid, "volumes", "kubernetes.io~csi", "w", "mount")
 	require.NoError(t, os.WriteFile(filepath.Join(target, "go"), nil, 0o644), "the step's volume is still mounted after the roll")
 	c.mustSucceed("ci", "across-upgrade")
 	c.waitCapturedInstalled("ci", "across-upgrade")
@@ -364,8 +324,8 @@ func TestInstall(t *testing.T) {
 	// The read-only step the old plugin published ends too: the new one
 	// takes its volume down.
 	require.Equal(t, "v1\n", c.mustSucceed("ci", "reads-across-upgrade"))
-	readerTarget := filepath.Join(c.kubeletDir, "pods", readerUID, "volumes", "kubernetes.io~csi", "in", "mount")
-	c.until("the new plugin to unpublish the old one's read-only volume", 60*time.Second, func() bool {
+	readerTarget := filepath.Join(c.KubeletDir, "pods", readerUID, "volumes", "kubernetes.io~csi", "in", "mount")
+	c.Until("the new plugin to unpublish the old one's read-only volume", 60*time.Second, func() bool {
 		_, mounted, err := overlay.MountOf(readerTarget)
 		return err == nil && !mounted
 	})
@@ -401,8 +361,8 @@ func TestInstall(t *testing.T) {
 		for _, pid := range pids {
 			require.NoError(t, syscall.Kill(pid, sig))
 		}
-		c.until(fmt.Sprintf("the kubelet to restart the plugin (%s)", sig), 120*time.Second, func() bool {
-			out, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
+		c.Until(fmt.Sprintf("the kubelet to restart the plugin (%s)", sig), 120*time.Second, func() bool {
+			out, err := c.Kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
 				"-o", "jsonpath={.items[0].status.containerStatuses[0].restartCount} {.items[0].status.containerStatuses[0].ready}")
 			restarts, ready, _ := strings.Cut(out, " ")
 			n, _ := strconv.Atoi(restarts)
@@ -422,15 +382,9 @@ func TestInstall(t *testing.T) {
 // namespace cowvol: the controller's serving certificate, and the peer CA.
 func (c *cluster) createInstallSecrets(ctl, peer netlab.PKI) {
 	settings := installSettings(c)
-	c.mustKubectl("", "create", "secret", "generic", settings["controller-tls-secret"], "-n", "cowvol",
+	c.MustKubectl("", "create", "secret", "generic", settings["controller-tls-secret"], "-n", "cowvol",
 		"--from-file=tls.crt="+ctl.Cert, "--from-file=tls.key="+ctl.Key, "--from-file=ca.crt="+ctl.CA)
-	c.mustKubectl("", peerCASecret(settings["peer-ca-secret"], peer)...)
-}
-
-// peerCASecret is the kubectl command that makes the Secret of a peer CA:
-// the CA of p and its key.
-func peerCASecret(name string, p netlab.PKI) []string {
-	return []string{"create", "secret", "generic", name, "-n", "cowvol", "--from-file=tls.crt=" + p.CA, "--from-file=tls.key=" + p.CAKey}
+	c.MustKubectl("", localcluster.PeerCASecret(settings["peer-ca-secret"], peer)...)
 }
 
 // helmLifecycle moves the install to Helm, as a user would: the steps
@@ -440,20 +394,20 @@ func peerCASecret(name string, p netlab.PKI) []string {
 // rolls the node's pod and a step runs again; the uninstall leaves no
 // mount and no plugin.
 func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
-	t := c.t
+	t := c.T
 	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
 	if helm == "" {
 		t.Log("COWVOL_E2E_HELM_BINARY is not set (make e2e builds helm): the chart is not installed")
 		return
 	}
 	c.deleteSteps("ci", "other")
-	c.mustKubectl("", "delete", "-k", c.installOverlay("e2e", reg), "--timeout=180s")
-	c.until("the kustomize install to be gone", 3*time.Minute, func() bool {
-		_, err := c.kubectl("", "get", "namespace", "cowvol")
+	c.MustKubectl("", "delete", "-k", c.installOverlay("e2e", reg), "--timeout=180s")
+	c.Until("the kustomize install to be gone", 3*time.Minute, func() bool {
+		_, err := c.Kubectl("", "get", "namespace", "cowvol")
 		return err != nil && len(c.pluginContainerPIDs()) == 0
 	})
 
-	c.mustKubectl("", "create", "namespace", "cowvol")
+	c.MustKubectl("", "create", "namespace", "cowvol")
 	c.createInstallSecrets(ctl, peer)
 	settings := installSettings(c)
 	values := map[string]any{
@@ -468,12 +422,12 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 		"node": map[string]any{"hostNetwork": true, "extraArgs": []string{"--controller-address=127.0.0.1:7070"},
 			"extraEnv": c.apiServerEnv()},
 	}
-	valuesFile := filepath.Join(c.work, "helm-values.json")
+	valuesFile := filepath.Join(c.Work, "helm-values.json")
 	raw, err := json.Marshal(values)
 	require.NoError(t, err)
-	writeFile(t, valuesFile, string(raw))
+	localcluster.WriteFile(t, valuesFile, string(raw))
 	runHelm := func(args ...string) {
-		out, err := exec.Command(helm, append(args, "--kubeconfig", c.kubeconfig)...).CombinedOutput()
+		out, err := exec.Command(helm, append(args, "--kubeconfig", c.Kubeconfig)...).CombinedOutput()
 		require.NoError(t, err, "helm %s: %s", strings.Join(args, " "), out)
 	}
 	chart := "../../deploy/helm/cowvol"
@@ -487,8 +441,8 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 
 	start = time.Now()
 	runHelm("upgrade", "cowvol", chart, "--namespace", "cowvol", "-f", valuesFile, "--set", "highWatermark=85")
-	c.until("the node's pod to roll onto the upgrade", 2*time.Minute, func() bool {
-		out, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node", "-o",
+	c.Until("the node's pod to roll onto the upgrade", 2*time.Minute, func() bool {
+		out, err := c.Kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node", "-o",
 			`jsonpath={range .items[*]}{.spec.containers[0].env[?(@.name=="HIGH_WATERMARK")].value} {.status.containerStatuses[0].ready}{"\n"}{end}`)
 		return err == nil && strings.TrimSpace(out) == "85 true"
 	})
@@ -502,7 +456,7 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 	c.deleteSteps("ci")
 	start = time.Now()
 	runHelm("uninstall", "cowvol", "--namespace", "cowvol", "--wait", "--timeout", "3m")
-	c.until("the plugin to be gone", 2*time.Minute, func() bool { return len(c.pluginContainerPIDs()) == 0 })
+	c.Until("the plugin to be gone", 2*time.Minute, func() bool { return len(c.pluginContainerPIDs()) == 0 })
 	require.True(t, c.noStepVolumes(), "no step volume stays mounted")
 	report(t, fmt.Sprintf("helm install (registered through %s) %s, upgrade rolling the node %s, uninstall %s: a volume cached before the move read, a step captured, no mount left\n",
 		reg, installed.Round(100*time.Millisecond), upgraded.Round(100*time.Millisecond), time.Since(start).Round(100*time.Millisecond)))
@@ -511,27 +465,27 @@ func (c *cluster) helmLifecycle(reg registration, ctl, peer netlab.PKI) {
 // apiServerEnv is the environment that points in-cluster clients at this
 // node's API server, where no Service routes to it.
 func (c *cluster) apiServerEnv() []map[string]string {
-	return []map[string]string{{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"}, {"name": "KUBERNETES_SERVICE_PORT", "value": strconv.Itoa(c.apiPort)}}
+	return []map[string]string{{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"}, {"name": "KUBERNETES_SERVICE_PORT", "value": strconv.Itoa(c.APIPort)}}
 }
 
 // waitInstalled waits until the DaemonSet's pod runs the image of tag and
 // has registered the plugin with the kubelet, and the controller's
 // Deployment is available on that image.
 func (c *cluster) waitInstalled(tag string, reg registration) {
-	c.t.Helper()
+	c.T.Helper()
 	image := "cowvol.test/cowvol-plugin:" + tag
 	want := image + " true" // the plugin, ready
 	if reg == bySidecar {
-		want = image + " " + registrarImage + " true true" // and the sidecar
+		want = image + " " + localcluster.RegistrarImage + " true true" // and the sidecar
 	}
-	c.until("the DaemonSet's pod on "+tag+" to register the plugin with the kubelet through "+reg.String(), 120*time.Second, func() bool {
-		pods, err := c.kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
+	c.Until("the DaemonSet's pod on "+tag+" to register the plugin with the kubelet through "+reg.String(), 120*time.Second, func() bool {
+		pods, err := c.Kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node",
 			"-o", "jsonpath={range .items[*]}{.spec.containers[*].image} {.status.containerStatuses[*].ready}{\"\\n\"}{end}")
 		if err != nil || strings.TrimSpace(pods) != want {
 			return false
 		}
-		out, err := c.kubectl("", "get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
-		if err != nil || !strings.Contains(out, driverName) {
+		out, err := c.Kubectl("", "get", "csinode", localcluster.NodeName, "-o", "jsonpath={.spec.drivers[*].name}")
+		if err != nil || !strings.Contains(out, localcluster.DriverName) {
 			return false
 		}
 		if reg == byPlugin {
@@ -539,11 +493,11 @@ func (c *cluster) waitInstalled(tag string, reg registration) {
 		}
 		// The kubelet told the sidecar, not a plugin of the last pod,
 		// how its registration went (the sidecar exits if it failed).
-		logs, err := c.kubectl("", "logs", "-n", "cowvol", "-l", "app=cowvol-node", "-c", "node-driver-registrar", "--tail=-1")
+		logs, err := c.Kubectl("", "logs", "-n", "cowvol", "-l", "app=cowvol-node", "-c", "node-driver-registrar", "--tail=-1")
 		return err == nil && strings.Contains(logs, "Received NotifyRegistrationStatus call")
 	})
-	c.until("the controller's Deployment on "+tag+" to be available", 120*time.Second, func() bool {
-		out, err := c.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol",
+	c.Until("the controller's Deployment on "+tag+" to be available", 120*time.Second, func() bool {
+		out, err := c.Kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol",
 			"-o", "jsonpath={.status.updatedReplicas} {.status.availableReplicas} {.spec.template.spec.containers[0].image}")
 		return err == nil && out == "1 1 "+image
 	})
@@ -552,16 +506,16 @@ func (c *cluster) waitInstalled(tag string, reg registration) {
 // waitCapturedInstalled waits until the installed plugin's controller
 // lists a volume ready: the API server's view of the pipeline's outputs.
 func (c *cluster) waitCapturedInstalled(ns, handle string) {
-	c.t.Helper()
-	c.until("the capture of "+ns+"/"+handle, 60*time.Second, func() bool {
-		out, err := c.kubectl("", "get", "events", "-n", ns, "-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+	c.T.Helper()
+	c.Until("the capture of "+ns+"/"+handle, 60*time.Second, func() bool {
+		out, err := c.Kubectl("", "get", "events", "-n", ns, "-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
 		return err == nil && strings.Contains(out, fmt.Sprintf(`VolumeCaptured: Captured into cached volume %q`, handle))
 	})
 }
 
 // pluginContainerPIDs are the processes of the DaemonSet's plugin.
 func (c *cluster) pluginContainerPIDs() []int {
-	return pidsWhere(func(cmdline string) bool {
+	return localcluster.PidsWhere(func(cmdline string) bool {
 		return strings.HasPrefix(cmdline, "/cowvol-plugin\x00") && strings.Contains(cmdline, "--mode=node")
 	})
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/client"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // The RBAC an operator writes: a node's ServiceAccount may report, a
@@ -64,12 +65,12 @@ subjects: [{kind: ServiceAccount, name: scheduler, namespace: ci}]
 // and each call with a SubjectAccessReview, so ordinary RBAC decides who
 // may do what in which namespace.
 func (c *cluster) kubeAuth() {
-	t := c.t
+	t := c.T
 	ctx := context.Background()
-	c.mustKubectl(kubeAuthRBAC, "apply", "-f", "-")
+	c.MustKubectl(kubeAuthRBAC, "apply", "-f", "-")
 	addr := fmt.Sprintf("127.0.0.1:%d", plugintest.FreePort(t))
 	plugintest.Start(t, plugintest.Config{Mode: "controller", Args: []string{
-		"--api-address=" + addr, "--kubeconfig=" + c.kubeconfig, "--node-id=ctl-kube-auth", "--kube-auth",
+		"--api-address=" + addr, "--kubeconfig=" + c.Kubeconfig, "--node-id=ctl-kube-auth", "--kube-auth",
 		// The node's plugin reports to the cluster's controller, never to
 		// this one: it answers from the test's own reports at once.
 		"--await-reports-for=0s"}})
@@ -89,22 +90,22 @@ func (c *cluster) kubeAuth() {
 	}
 	ref := func(ns, handle string) cowvolume.Ref { return cowvolume.Ref{Namespace: ns, Handle: handle} }
 	token := func(ns, sa string) string {
-		return strings.TrimSpace(c.mustKubectl("", "create", "token", "-n", ns, sa))
+		return strings.TrimSpace(c.MustKubectl("", "create", "token", "-n", ns, sa))
 	}
 	// A node plugin's own token is bound to its pod, on its node: the
 	// API server's review names the node, and the token speaks for it
 	// alone. A pod of the node's ServiceAccount on this node (its token
 	// needs only the object) stands for the plugin's.
-	c.mustKubectl(fmt.Sprintf(`apiVersion: v1
+	c.MustKubectl(fmt.Sprintf(`apiVersion: v1
 kind: Pod
 metadata: {name: e2e-node-plugin, namespace: cowvol}
 spec:
   serviceAccountName: e2e-node
   nodeName: %s
   containers: [{name: pause, image: %q}]
-`, nodeName, pauseImage), "apply", "-f", "-")
-	uid := strings.TrimSpace(c.mustKubectl("", "get", "pod", "-n", "cowvol", "e2e-node-plugin", "-o", "jsonpath={.metadata.uid}"))
-	nodeToken := strings.TrimSpace(c.mustKubectl("", "create", "token", "-n", "cowvol", "e2e-node",
+`, localcluster.NodeName, localcluster.PauseImage), "apply", "-f", "-")
+	uid := strings.TrimSpace(c.MustKubectl("", "get", "pod", "-n", "cowvol", "e2e-node-plugin", "-o", "jsonpath={.metadata.uid}"))
+	nodeToken := strings.TrimSpace(c.MustKubectl("", "create", "token", "-n", "cowvol", "e2e-node",
 		"--bound-object-kind=Pod", "--bound-object-name=e2e-node-plugin", "--bound-object-uid="+uid))
 	unboundNodeToken, schedulerToken := token("cowvol", "e2e-node"), token("ci", "scheduler")
 	scheduler := dial(schedulerToken)
@@ -113,7 +114,7 @@ spec:
 	vol := func(ns, handle, scope string) *controllerv1.VolumeSummary {
 		return &controllerv1.VolumeSummary{Ref: &controllerv1.VolumeRef{Namespace: ns, Handle: handle}, State: "ready", SizeBytes: 1, Scope: scope}
 	}
-	inventory := &controllerv1.ReportRequest{NodeId: nodeName, StoreId: "s", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
+	inventory := &controllerv1.ReportRequest{NodeId: localcluster.NodeName, StoreId: "s", Revision: 1, Full: true, Upserts: []*controllerv1.VolumeSummary{
 		vol("ci", "mine", "namespace"), vol("other", "private", "namespace"), vol("other", "shared", "cluster")}}
 	_, err := registry(schedulerToken).Report(ctx, inventory)
 	require.Equal(t, codes.PermissionDenied, status.Code(err), "a scheduler may not report: %v", err)
@@ -146,10 +147,10 @@ spec:
 	require.Equal(t, codes.PermissionDenied, status.Code(err))
 	asked, err := scheduler.Destroy(ctx, ref("ci", "mine"))
 	require.NoError(t, err)
-	require.Equal(t, []string{nodeName}, asked[0].Nodes)
+	require.Equal(t, []string{localcluster.NodeName}, asked[0].Nodes)
 
 	// The operator's CLI presents the kubeconfig's own token (admin here).
-	require.Regexp(t, `(?m)^`+nodeName+`\s+running\s`, c.kubectlCowvolAt(addr, "nodes"))
-	c.mustKubectl("", "delete", "pod", "-n", "cowvol", "e2e-node-plugin", "--grace-period=1")
+	require.Regexp(t, `(?m)^`+localcluster.NodeName+`\s+running\s`, c.kubectlCowvolAt(addr, "nodes"))
+	c.MustKubectl("", "delete", "pod", "-n", "cowvol", "e2e-node-plugin", "--grace-period=1")
 	report(t, "kube-auth: a namespace's ServiceAccount sees its volumes and shared ones, is refused another's and cluster-wide calls; a node's token speaks for its pod's node alone; kubectl cowvol authenticates with the kubeconfig's token\n")
 }

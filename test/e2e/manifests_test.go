@@ -12,6 +12,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/concourse/cowvol/internal/tb"
+	"github.com/concourse/cowvol/test/localcluster"
 	"github.com/stretchr/testify/require"
 	"sigs.k8s.io/yaml"
 )
@@ -19,9 +21,9 @@ import (
 // renderKustomization renders the kustomization in dir with kubectl's own
 // kustomize, as kubectl apply -k would, and returns its objects by
 // "Kind/name".
-func renderKustomization(t testing.TB, dir string) (map[string]map[string]any, error) {
+func renderKustomization(t tb.TB, dir string) (map[string]map[string]any, error) {
 	t.Helper()
-	kubectl := filepath.Join(kubeBin(t), "kubectl")
+	kubectl := filepath.Join(localcluster.KubeBin(t), "kubectl")
 	out, err := exec.Command(kubectl, "kustomize", dir).CombinedOutput()
 	if err != nil {
 		return nil, &renderError{string(out)}
@@ -38,7 +40,7 @@ func renderKustomization(t testing.TB, dir string) (map[string]map[string]any, e
 
 // renderSnapshotterComponent renders the base with the image registry's
 // and the image snapshotter's components.
-func renderSnapshotterComponent(t testing.TB) map[string]map[string]any {
+func renderSnapshotterComponent(t tb.TB) map[string]map[string]any {
 	t.Helper()
 	dir := t.TempDir()
 	writeOverlay(t, dir, func(s string) string { return s }, func(rel func(string) string) string {
@@ -53,7 +55,7 @@ func renderSnapshotterComponent(t testing.TB) map[string]map[string]any {
 // renderChart renders deploy/helm/cowvol into namespace cowvol with
 // helm template, its values changed by args; it skips where make e2e did
 // not build helm.
-func renderChart(t testing.TB, args ...string) map[string]map[string]any {
+func renderChart(t tb.TB, args ...string) map[string]map[string]any {
 	t.Helper()
 	out, err := exec.Command(helmBinary(t), append([]string{"template", "cowvol", "../../deploy/helm/cowvol", "--namespace", "cowvol"}, args...)...).CombinedOutput()
 	require.NoError(t, err, "%s", out)
@@ -71,7 +73,7 @@ func renderChart(t testing.TB, args ...string) map[string]map[string]any {
 }
 
 // helmBinary is the helm make e2e builds; a test without it skips.
-func helmBinary(t testing.TB) string {
+func helmBinary(t tb.TB) string {
 	t.Helper()
 	helm := os.Getenv("COWVOL_E2E_HELM_BINARY")
 	if helm == "" {
@@ -81,7 +83,7 @@ func helmBinary(t testing.TB) string {
 }
 
 // chartRefusal is what helm template says when the chart refuses values.
-func chartRefusal(t testing.TB, args ...string) string {
+func chartRefusal(t tb.TB, args ...string) string {
 	t.Helper()
 	out, err := exec.Command(helmBinary(t), append([]string{"template", "cowvol", "../../deploy/helm/cowvol"}, args...)...).CombinedOutput()
 	require.Error(t, err, "the chart renders with %v", args)
@@ -93,7 +95,7 @@ type renderError struct{ out string }
 func (e *renderError) Error() string { return e.out }
 
 // withSetting sets key in a settings.yaml, which must have it once.
-func withSetting(t testing.TB, settings, key, value string) string {
+func withSetting(t tb.TB, settings, key, value string) string {
 	t.Helper()
 	line := regexp.MustCompile(`(?m)^  ` + regexp.QuoteMeta(key) + `: .*$`)
 	require.Len(t, line.FindAllString(settings, -1), 1, "settings.yaml's %s", key)
@@ -103,14 +105,14 @@ func withSetting(t testing.TB, settings, key, value string) string {
 // writeOverlay writes an overlay in dir as a user would: the example's
 // settings.yaml edited by edit, and the kustomization.yaml kustomization
 // makes, given how to name a dir of the repo from dir.
-func writeOverlay(t testing.TB, dir string, edit func(settings string) string, kustomization func(rel func(repoDir string) string) string) {
+func writeOverlay(t tb.TB, dir string, edit func(settings string) string, kustomization func(rel func(repoDir string) string) string) {
 	t.Helper()
 	repo, err := filepath.Abs("../..")
 	require.NoError(t, err)
 	example, err := os.ReadFile(filepath.Join(repo, "deploy/csi/overlays/example/settings.yaml"))
 	require.NoError(t, err)
-	writeFile(t, filepath.Join(dir, "settings.yaml"), edit(string(example)))
-	writeFile(t, filepath.Join(dir, "kustomization.yaml"), kustomization(func(p string) string {
+	localcluster.WriteFile(t, filepath.Join(dir, "settings.yaml"), edit(string(example)))
+	localcluster.WriteFile(t, filepath.Join(dir, "kustomization.yaml"), kustomization(func(p string) string {
 		r, err := filepath.Rel(dir, filepath.Join(repo, p))
 		require.NoError(t, err)
 		return r
@@ -120,7 +122,7 @@ func writeOverlay(t testing.TB, dir string, edit func(settings string) string, k
 // settingsOverlay writes an overlay of deploy/csi/base with the settings
 // component and the example's settings.yaml, edited by edit, and returns
 // its dir.
-func settingsOverlay(t testing.TB, edit func(settings string) string) string {
+func settingsOverlay(t tb.TB, edit func(settings string) string) string {
 	t.Helper()
 	dir := t.TempDir()
 	writeOverlay(t, dir, edit, func(rel func(string) string) string {
@@ -486,7 +488,7 @@ func TestManifests(t *testing.T) {
 }
 
 // toYAML is an object as YAML text, to look for what it says.
-func toYAML(t testing.TB, obj map[string]any) string {
+func toYAML(t tb.TB, obj map[string]any) string {
 	t.Helper()
 	require.NotNil(t, obj)
 	b, err := yaml.Marshal(obj)
@@ -497,7 +499,7 @@ func toYAML(t testing.TB, obj map[string]any) string {
 // servedMetrics are the metrics docs/metrics.md lists, which hack/gendocs
 // generates from their definitions (and TestMetrics holds to what a plugin
 // serves).
-func servedMetrics(t testing.TB) map[string]bool {
+func servedMetrics(t tb.TB) map[string]bool {
 	t.Helper()
 	b, err := os.ReadFile("../../docs/metrics.md")
 	require.NoError(t, err)

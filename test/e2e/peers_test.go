@@ -24,11 +24,11 @@ import (
 // run a program from it: the node's plugin pulls it from the other one (in
 // mode, lazy or eager) while the kubelet retries.
 func (c *cluster) pullFromAnotherNode(mode string) {
-	t := c.t
+	t := c.T
 	kubeletDir := t.TempDir()
 	other := plugintest.Start(t, plugintest.Config{
-		NodeID: "other-node", StateDir: filepath.Join(c.stateDir, "other-node"), KubeletDir: kubeletDir,
-		Args: []string{"--controller-address=" + c.controllerAddr, "--peer-address=" + plugintest.FreeAddr(t)},
+		NodeID: "other-node", StateDir: filepath.Join(c.StateDir, "other-node"), KubeletDir: kubeletDir,
+		Args: []string{"--controller-address=" + c.ControllerAddr, "--peer-address=" + plugintest.FreeAddr(t)},
 	})
 	defer other.Stop()
 	// A step on the other node: its output is captured there.
@@ -42,11 +42,11 @@ func (c *cluster) pullFromAnotherNode(mode string) {
 	}
 	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "blob"), big, 0o644))
 	require.NoError(t, os.MkdirAll(filepath.Join(v.Target, "bin"), 0o755))
-	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "bin", "euid"), c.buildStatic("euid", t.TempDir()), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(v.Target, "bin", "euid"), c.BuildStatic("euid", t.TempDir()), 0o755))
 	require.NoError(t, other.Unpublish(v))
 	ctx := context.Background()
-	c.until("the controller to see remote-v1 on the other node only", 30*time.Second, func() bool {
-		locs, err := c.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
+	c.Until("the controller to see remote-v1 on the other node only", 30*time.Second, func() bool {
+		locs, err := c.Cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
 		return err == nil && len(locs[0].Nodes) == 1 && locs[0].Nodes[0] == "other-node"
 	})
 	start := time.Now()
@@ -55,11 +55,11 @@ func (c *cluster) pullFromAnotherNode(mode string) {
 	out := c.mustSucceed("ci", "uses-remote")
 	require.Equal(t, fmt.Sprintf("package remote\n%d\n0\n%x  -\n", 64<<20, md5.Sum(big)), out,
 		"the pod reads the other node's bytes and runs its program")
-	c.until("the controller to see remote-v1 on both nodes", 30*time.Second, func() bool {
-		locs, err := c.cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
+	c.Until("the controller to see remote-v1 on both nodes", 30*time.Second, func() bool {
+		locs, err := c.Cache.Lookup(ctx, cowvolume.Ref{Namespace: "ci", Handle: "remote-v1"})
 		return err == nil && len(locs[0].Nodes) == 2
 	})
-	c.until("the pull's event on the pod", 30*time.Second, func() bool {
+	c.Until("the pull's event on the pod", 30*time.Second, func() bool {
 		return strings.Contains(c.events("ci", "uses-remote"), `VolumePulled: Pulled source volume "remote-v1" from node other-node`)
 	})
 	pulled, ok := c.pluginLine(`"Pulled a source volume from a peer"`, `volume="ci/remote-v1"`)

@@ -19,6 +19,7 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/client"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // controllerPod runs cowvol's controller as a pod (the binary from the
@@ -31,12 +32,12 @@ func (c *cluster) controllerPod(name, lease string, port int) {
 		"apiVersion": "v1", "kind": "Pod",
 		"metadata": map[string]any{"name": name, "namespace": "cowvol", "labels": map[string]any{"app": name}},
 		"spec": map[string]any{
-			"nodeName": nodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
+			"nodeName": localcluster.NodeName, "restartPolicy": "Never", "hostNetwork": true, "dnsPolicy": "Default",
 			"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
 			"containers": []any{map[string]any{
-				"name": "cowvol", "image": busyboxImage, "imagePullPolicy": "Never",
+				"name": "cowvol", "image": localcluster.BusyboxImage, "imagePullPolicy": "Never",
 				"command": []string{"/cowvol/bin/" + filepath.Base(bin), "--mode=controller", "--endpoint=unix:///tmp/csi.sock",
-					fmt.Sprintf("--api-address=127.0.0.1:%d", port), "--kubeconfig=/cowvol/kubeconfig/" + filepath.Base(c.kubeconfig),
+					fmt.Sprintf("--api-address=127.0.0.1:%d", port), "--kubeconfig=/cowvol/kubeconfig/" + filepath.Base(c.Kubeconfig),
 					"--leader-election", "--leader-election-namespace=cowvol", "--leader-election-lease=" + lease,
 					"--leader-election-identity=" + name,
 					// The node's plugin reports elsewhere: answer from the
@@ -49,15 +50,15 @@ func (c *cluster) controllerPod(name, lease string, port int) {
 			}},
 			"volumes": []any{
 				map[string]any{"name": "bin", "hostPath": map[string]any{"path": filepath.Dir(bin)}},
-				map[string]any{"name": "kubeconfig", "hostPath": map[string]any{"path": filepath.Dir(c.kubeconfig)}},
+				map[string]any{"name": "kubeconfig", "hostPath": map[string]any{"path": filepath.Dir(c.Kubeconfig)}},
 			},
 		},
 	}
 	raw, _ := json.Marshal(pod)
-	c.mustKubectl(string(raw), "apply", "-f", "-")
-	c.t.Cleanup(func() { _, _ = c.kubectl("", "delete", "pod", "-n", "cowvol", name, "--wait=false") })
-	c.until("the controller pod to lead", 60*time.Second, func() bool {
-		out, _ := c.kubectl("", "get", "lease", "-n", "cowvol", lease, "-o", "jsonpath={.spec.holderIdentity}")
+	c.MustKubectl(string(raw), "apply", "-f", "-")
+	c.T.Cleanup(func() { _, _ = c.Kubectl("", "delete", "pod", "-n", "cowvol", name, "--wait=false") })
+	c.Until("the controller pod to lead", 60*time.Second, func() bool {
+		out, _ := c.Kubectl("", "get", "lease", "-n", "cowvol", lease, "-o", "jsonpath={.spec.holderIdentity}")
 		return strings.TrimSpace(out) == name
 	})
 }
@@ -67,12 +68,12 @@ func (c *cluster) controllerPod(name, lease string, port int) {
 // Lease holder, for the Cache and the Registry APIs; so does kubectl cowvol
 // without --controller-address.
 func (c *cluster) reachThroughKubeconfig() {
-	t := c.t
+	t := c.T
 	ctx := context.Background()
 	const name, lease = "cowvol-controller-pf", "cowvol-controller-pf"
 	port := plugintest.FreePort(t)
 	c.controllerPod(name, lease, port)
-	cfg, err := clientcmd.BuildConfigFromFlags("", c.kubeconfig)
+	cfg, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
 	require.NoError(t, err)
 	via := client.KubeOptions{Namespace: "cowvol", Lease: lease, Port: port}
 
@@ -101,11 +102,11 @@ func (c *cluster) reachThroughKubeconfig() {
 
 	// A failover: the same client's next connection goes to the new
 	// leader (whose view is empty until nodes report).
-	c.mustKubectl("", "delete", "pod", "-n", "cowvol", name)
+	c.MustKubectl("", "delete", "pod", "-n", "cowvol", name)
 	c.controllerPod(name+"-2", lease, port)
-	c.until("the client to reach the new leader", 60*time.Second, func() bool {
+	c.Until("the client to reach the new leader", 60*time.Second, func() bool {
 		nodes, err := cache.Nodes(ctx)
 		return err == nil && len(nodes) == 0
 	})
-	c.mustKubectl("", "delete", "pod", "-n", "cowvol", name+"-2")
+	c.MustKubectl("", "delete", "pod", "-n", "cowvol", name+"-2")
 }

@@ -19,9 +19,11 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/tb"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/client"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // listFn prints every file under a dir with its checksum and every entry,
@@ -40,7 +42,7 @@ func attrs(kv ...string) map[string]string {
 
 // TestE2E brings up one node and plays a CI build's steps on it.
 func TestE2E(t *testing.T) {
-	c := startClusterWith(t, testfs.Btrfs, "--image-registry-address="+imageRegistry)
+	c := &cluster{localcluster.StartWith(t, testfs.Btrfs, "--image-registry-address="+imageRegistry)}
 
 	// get: a pod writes a repository into a captured output.
 	c.createPod("ci", "get", `set -e; cd /out
@@ -51,12 +53,12 @@ func TestE2E(t *testing.T) {
 	c.waitCaptured("res-v1")
 	// When does the kubelet unpublish a finished pod's volume? Compare
 	// the container's end with the plugin's capture.
-	finished, err := time.Parse(time.RFC3339, c.mustKubectl("", "get", "pod", "-n", "ci", "get",
+	finished, err := time.Parse(time.RFC3339, c.MustKubectl("", "get", "pod", "-n", "ci", "get",
 		"-o", "jsonpath={.status.containerStatuses[0].state.terminated.finishedAt}"))
 	require.NoError(t, err)
 	captured, ok := c.pluginLogTime(`"Captured step volume"`, `volume="ci/res-v1"`)
 	require.True(t, ok)
-	c.until("the capture's event on the pod", 30*time.Second, func() bool {
+	c.Until("the capture's event on the pod", 30*time.Second, func() bool {
 		return strings.Contains(c.events("ci", "get"), `VolumeCaptured: Captured into cached volume "res-v1"`)
 	})
 	report(t, fmt.Sprintf("the kubelet unpublished (and cowvol captured) a finished pod's volume %s after its container ended (finishedAt has 1 s resolution), without the pod being deleted\n",
@@ -106,6 +108,29 @@ func TestE2E(t *testing.T) {
 		require.Equal(t, "isolated\n", c.mustSucceed("ci", "twin-b"))
 	})
 
+	c.scenario("a cache is forked by each step and kept only when its step succeeds", func() {
+		cached := volume{name: "c", mountPath: "/c", attrs: attrs("cache", "deps/busybox")}
+		promotedOrDiscarded := func(pod, event string) {
+			c.Until(pod+"'s "+event, 30*time.Second, func() bool {
+				return strings.Contains(c.events("ci", pod), event+`: Cache "deps/busybox"`)
+			})
+		}
+		c.createPod("ci", "cache-1", `set -e; test -z "$(ls -A /c)"; echo 1 > /c/gen; echo started-empty`, cached)
+		require.Equal(t, "started-empty\n", c.mustSucceed("ci", "cache-1"))
+		promotedOrDiscarded("cache-1", "CachePromoted")
+		c.createPod("ci", "cache-fails", `test "$(cat /c/gen)" = 1 && echo broken > /c/gen; exit 3`, cached)
+		phase, _ := c.waitDone("ci", "cache-fails")
+		require.Equal(t, "Failed", phase)
+		promotedOrDiscarded("cache-fails", "CacheDiscarded")
+		c.createPod("ci", "cache-2", `set -e; test "$(cat /c/gen)" = 1; echo 2 > /c/gen; echo forked-the-good-one`, cached)
+		require.Equal(t, "forked-the-good-one\n", c.mustSucceed("ci", "cache-2"))
+		promotedOrDiscarded("cache-2", "CachePromoted")
+		c.createPod("other", "cache-other", `test -z "$(ls -A /c)" && echo a-key-of-its-own`, cached)
+		require.Equal(t, "a-key-of-its-own\n", c.mustSucceed("other", "cache-other"), "another namespace's key of the same name")
+		c.createPod("ci", "cache-read", `cat /c/gen`, volume{name: "c", mountPath: "/c", attrs: attrs("cache", "deps/busybox"), readOnly: true})
+		require.Equal(t, "2\n", c.mustSucceed("ci", "cache-read"))
+	})
+
 	c.scenario("a task cache is promoted only after success", func() {
 		// Build 1 fills the cache and succeeds: the scheduler promotes it.
 		c.createPod("ci", "build-1", `set -e; echo deps-1 > /cache/deps`,
@@ -128,7 +153,7 @@ func TestE2E(t *testing.T) {
 	c.scenario("namespaces: another's private volume is answered as missing, a shared one is readable by name", func() {
 		refused := func(pod string, a map[string]string, want string) {
 			c.createPod("other", pod, `cat /in/README.md`, volume{name: "in", mountPath: "/in", attrs: a, readOnly: true})
-			c.until("the refusal to show in "+pod+"'s events", 90*time.Second, func() bool {
+			c.Until("the refusal to show in "+pod+"'s events", 90*time.Second, func() bool {
 				return strings.Contains(c.events("other", pod), "NotFound")
 			})
 			require.Contains(t, c.events("other", pod), want)
@@ -177,8 +202,8 @@ func TestE2E(t *testing.T) {
 	c.scenario("the plugin is killed and restarted while pods run and while volumes are torn down", func() {
 		c.createPod("ci", "survivor", `set -e; echo before > /w/before; sleep 6; echo after > /w/after`,
 			volume{name: "w", mountPath: "/w", attrs: attrs("source", "res-v1", "capture", "survivor-v1")})
-		c.until("the survivor to run", 60*time.Second, func() bool { return c.phase("ci", "survivor") == "Running" })
-		c.plugin.Restart() // a SIGKILL, then a new process
+		c.Until("the survivor to run", 60*time.Second, func() bool { return c.phase("ci", "survivor") == "Running" })
+		c.Plugin.Restart() // a SIGKILL, then a new process
 		c.mustSucceed("ci", "survivor")
 		c.waitCaptured("survivor-v1")
 
@@ -186,9 +211,9 @@ func TestE2E(t *testing.T) {
 		// commit; the kubelet's retried unpublish completes the capture.
 		c.createPod("ci", "torn", `echo done > /w/result`,
 			volume{name: "w", mountPath: "/w", attrs: attrs("capture", "torn-v1")})
-		c.plugin.Restart("COWVOL_CRASH_AT=capture-renamed")
-		c.until("the plugin to crash mid-capture", 3*time.Minute, func() bool { return !c.plugin.Running() })
-		c.plugin.Restart()
+		c.Plugin.Restart("COWVOL_CRASH_AT=capture-renamed")
+		c.Until("the plugin to crash mid-capture", 3*time.Minute, func() bool { return !c.Plugin.Running() })
+		c.Plugin.Restart()
 		c.waitCaptured("torn-v1")
 
 		c.createPod("ci", "survivor-read", `cat /in/before /in/after /in/README.md; cat /r/result`,
@@ -224,7 +249,7 @@ func TestE2E(t *testing.T) {
 	c.scenario("the plugin serves only while the CSIDriver object makes the kubelet vouch for pods", func() {
 		// A driver without its CSIDriver object refuses to start.
 		out, err := exec.Command(plugintest.Binary(t), "--endpoint=unix://"+filepath.Join(t.TempDir(), "csi.sock"),
-			"--state-dir="+t.TempDir(), "--kubelet-dir="+t.TempDir(), "--kubeconfig="+c.kubeconfig,
+			"--state-dir="+t.TempDir(), "--kubelet-dir="+t.TempDir(), "--kubeconfig="+c.Kubeconfig,
 			"--driver-name=absent.cowvol.example.org").CombinedOutput()
 		require.Error(t, err)
 		require.Contains(t, string(out), "the CSIDriver object does not exist")
@@ -232,15 +257,15 @@ func TestE2E(t *testing.T) {
 		// then pass pod authors' attributes through), publishes are
 		// refused until it is switched back.
 		patch := func(v bool) {
-			c.mustKubectl("", "patch", "csidriver", driverName, "--type=merge", "-p", fmt.Sprintf(`{"spec":{"podInfoOnMount":%v}}`, v))
+			c.MustKubectl("", "patch", "csidriver", localcluster.DriverName, "--type=merge", "-p", fmt.Sprintf(`{"spec":{"podInfoOnMount":%v}}`, v))
 		}
 		patch(false)
-		c.until("the plugin to see the change", 60*time.Second, func() bool {
-			return strings.Contains(c.plugin.Log(), "Refusing publishes until the CSIDriver object is fixed")
+		c.Until("the plugin to see the change", 60*time.Second, func() bool {
+			return strings.Contains(c.Plugin.Log(), "Refusing publishes until the CSIDriver object is fixed")
 		})
 		c.createPod("ci", "unvouched", `cat /in/README.md`,
 			volume{name: "in", mountPath: "/in", attrs: attrs("source", "res-v1"), readOnly: true})
-		c.until("the refusal to show in the pod's events", 90*time.Second, func() bool {
+		c.Until("the refusal to show in the pod's events", 90*time.Second, func() bool {
 			return strings.Contains(c.events("ci", "unvouched"), "refusing to publish")
 		})
 		patch(true)
@@ -250,13 +275,13 @@ func TestE2E(t *testing.T) {
 	c.scenario("the controller knows what the node holds, places a step next to its input, and treats a cordoned Node as landing", func() {
 		ctx := context.Background()
 		res := cowvolume.Ref{Namespace: "ci", Handle: "res-v1"}
-		c.until("the controller to see res-v1 on the node", 30*time.Second, func() bool {
-			locs, err := c.cache.Lookup(ctx, res)
-			return err == nil && len(locs[0].Nodes) == 1 && locs[0].Nodes[0] == nodeName
+		c.Until("the controller to see res-v1 on the node", 30*time.Second, func() bool {
+			locs, err := c.Cache.Lookup(ctx, res)
+			return err == nil && len(locs[0].Nodes) == 1 && locs[0].Nodes[0] == localcluster.NodeName
 		})
-		placed, err := c.cache.Place(ctx, res)
+		placed, err := c.Cache.Place(ctx, res)
 		require.NoError(t, err)
-		require.Equal(t, nodeName, placed[0].NodeId)
+		require.Equal(t, localcluster.NodeName, placed[0].NodeId)
 		require.Positive(t, placed[0].InputBytesHeld)
 		report(t, "the scheduler's client places a step reading res-v1 on "+client.Describe(placed[0])+"\n")
 		// The step itself, its input built by the client as a scheduler would.
@@ -265,24 +290,24 @@ func TestE2E(t *testing.T) {
 		require.Equal(t, "# repo\n", c.mustSucceed("ci", "placed"))
 		// The operator's view: kubectl cowvol, as a kubectl plugin on PATH.
 		listing := c.kubectlCowvol("volumes", "-n", "ci", "-l", "version=v1")
-		require.Regexp(t, `(?m)^ci\s+res-v1\s+ready\s+succeeded\s+\S+\s+namespace\s+<none>\s+<none>\s+`+nodeName+`\s`, listing)
+		require.Regexp(t, `(?m)^ci\s+res-v1\s+ready\s+succeeded\s+\S+\s+namespace\s+<none>\s+<none>\s+`+localcluster.NodeName+`\s`, listing)
 		report(t, "kubectl cowvol volumes -n ci -l version=v1:\n"+listing)
-		require.Regexp(t, `(?m)^`+nodeName+`\s+running\s`, c.kubectlCowvol("nodes"))
+		require.Regexp(t, `(?m)^`+localcluster.NodeName+`\s+running\s`, c.kubectlCowvol("nodes"))
 
-		c.mustKubectl("", "cordon", nodeName)
-		c.until("the controller to treat the cordoned node as landing", 30*time.Second, func() bool {
-			resp, err := c.cache.Cache.ListNodes(ctx, &controllerv1.ListNodesRequest{})
+		c.MustKubectl("", "cordon", localcluster.NodeName)
+		c.Until("the controller to treat the cordoned node as landing", 30*time.Second, func() bool {
+			resp, err := c.Cache.Cache.ListNodes(ctx, &controllerv1.ListNodesRequest{})
 			return err == nil && len(resp.Nodes) == 1 && (resp.Nodes[0].State == "landed" || resp.Nodes[0].State == "landing")
 		})
-		c.until("the node to learn it at its next heartbeat", 30*time.Second, func() bool {
-			n, err := c.plugin.NodeAPI.GetNode(ctx, &nodev1.GetNodeRequest{})
+		c.Until("the node to learn it at its next heartbeat", 30*time.Second, func() bool {
+			n, err := c.Plugin.NodeAPI.GetNode(ctx, &nodev1.GetNodeRequest{})
 			return err == nil && strings.Contains(n.CapturesRefused, "schedule steps that capture elsewhere")
 		})
 		c.createPod("ci", "on-cordoned", `echo late > /out/f`, volume{name: "out", mountPath: "/out", attrs: attrs("capture", "cordoned-v1")})
-		c.until("the cordoned node to refuse the capture", 90*time.Second, func() bool {
+		c.Until("the cordoned node to refuse the capture", 90*time.Second, func() bool {
 			return strings.Contains(c.events("ci", "on-cordoned"), "schedule steps that capture elsewhere")
 		})
-		c.mustKubectl("", "uncordon", nodeName)
+		c.MustKubectl("", "uncordon", localcluster.NodeName)
 		c.mustSucceed("ci", "on-cordoned")
 		c.waitCaptured("cordoned-v1")
 	})
@@ -309,16 +334,16 @@ func TestE2E(t *testing.T) {
 
 	c.scenario("a node whose cache fills up says so on its Node object, and again when it recovers", func() {
 		nodeEvents := func() string {
-			out, _ := c.kubectl("", "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+nodeName,
+			out, _ := c.Kubectl("", "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+localcluster.NodeName,
 				"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
 			return out
 		}
 		unfill := c.fillStateDir()
-		c.until("the CacheFull event on the Node", 60*time.Second, func() bool {
+		c.Until("the CacheFull event on the Node", 60*time.Second, func() bool {
 			return strings.Contains(nodeEvents(), "CacheFull: cowvol refuses new captures")
 		})
 		unfill()
-		c.until("the CacheRecovered event on the Node", 60*time.Second, func() bool {
+		c.Until("the CacheRecovered event on the Node", 60*time.Second, func() bool {
 			return strings.Contains(nodeEvents(), "CacheRecovered")
 		})
 		report(t, "the Node's events: "+strings.ReplaceAll(strings.TrimSpace(nodeEvents()), "\n", " | ")+"\n")
@@ -341,7 +366,7 @@ func TestE2E(t *testing.T) {
 }
 
 // report logs a finding and leaves it where make e2e prints it.
-func report(t testing.TB, line string) {
+func report(t tb.TB, line string) {
 	t.Log(strings.TrimSpace(line))
 	if path := os.Getenv("COWVOL_E2E_REPORT"); path != "" {
 		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
@@ -358,34 +383,34 @@ func report(t testing.TB, line string) {
 // server judge step pods (server-side dry runs: admission runs, nothing is
 // made) in namespaces labelled for each rule, then removes it.
 func (c *cluster) admissionPolicy() {
-	t := c.t
-	dir := filepath.Join(c.work, "admission")
+	t := c.T
+	dir := filepath.Join(c.Work, "admission")
 	repo, err := filepath.Abs("../..")
 	require.NoError(t, err)
 	component, err := filepath.Rel(dir, filepath.Join(repo, "deploy/csi/components/admission-policy"))
 	require.NoError(t, err)
-	writeFile(t, filepath.Join(dir, "kustomization.yaml"), "components: ["+component+"]\n")
-	c.mustKubectl("", "apply", "-k", dir)
-	defer c.mustKubectl("", "delete", "-k", dir)
+	localcluster.WriteFile(t, filepath.Join(dir, "kustomization.yaml"), "components: ["+component+"]\n")
+	c.MustKubectl("", "apply", "-k", dir)
+	defer c.MustKubectl("", "delete", "-k", dir)
 	for ns, labels := range map[string][]string{
 		"adm-none":   nil,
 		"adm-ci":     {"cowvol.concourse-ci.org/volumes=allowed", "cowvol.concourse-ci.org/max-size-limit=10Mi"},
 		"adm-shared": {"cowvol.concourse-ci.org/volumes=allowed", "cowvol.concourse-ci.org/share=cluster"},
 		"adm-bad":    {"cowvol.concourse-ci.org/volumes=allowed", "cowvol.concourse-ci.org/max-size-limit=lots"},
 	} {
-		c.mustKubectl("", "create", "namespace", ns)
-		defer c.mustKubectl("", "delete", "namespace", ns, "--wait=false")
+		c.MustKubectl("", "create", "namespace", ns)
+		defer c.MustKubectl("", "delete", "namespace", ns, "--wait=false")
 		if labels != nil {
-			c.mustKubectl("", append([]string{"label", "namespace", ns}, labels...)...)
+			c.MustKubectl("", append([]string{"label", "namespace", ns}, labels...)...)
 		}
 	}
 	judge := func(ns string, vols ...volume) error {
-		_, err := c.kubectl(podJSON(ns, "judged", "true", vols), "create", "--dry-run=server", "-f", "-")
+		_, err := c.Kubectl(podJSON(ns, "judged", "true", vols), "create", "--dry-run=server", "-f", "-")
 		return err
 	}
 	out := func(a map[string]string) volume { return volume{name: "out", mountPath: "/out", attrs: a} }
 	// The policy takes a moment to be in force.
-	c.until("the policy to be in force", 60*time.Second, func() bool {
+	c.Until("the policy to be in force", 60*time.Second, func() bool {
 		err := judge("adm-none", out(attrs("capture", "x")))
 		return err != nil && strings.Contains(err.Error(), "cowvol rule")
 	})
@@ -420,11 +445,11 @@ func (c *cluster) admissionPolicy() {
 // fillStateDir fills the state dir's filesystem past the plugin's high
 // watermark (50%) with a file of its own, and returns what removes it.
 func (c *cluster) fillStateDir() (unfill func()) {
-	t := c.t
-	filler, err := os.Create(filepath.Join(c.stateDir, "filler"))
+	t := c.T
+	filler, err := os.Create(filepath.Join(c.StateDir, "filler"))
 	require.NoError(t, err)
 	for {
-		n, err := c.plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+		n, err := c.Plugin.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
 		require.NoError(t, err)
 		if n.UsedPercent > 55 {
 			break

@@ -33,7 +33,9 @@ import (
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/examples/scheduler"
+	"github.com/concourse/cowvol/internal/tb"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
+	"github.com/concourse/cowvol/test/localcluster"
 )
 
 // The soak's builds: a get writes soakFiles files of soakFileBytes (64
@@ -69,15 +71,15 @@ func TestSoak(t *testing.T) {
 		t.Skip("the soak runs under make soak (COWVOL_SOAK_MINUTES: how many minutes)")
 	}
 	f := startFleet(t, 3)
-	f.installCowvol()
+	f.InstallCowvol()
 	s := &soak{f: f, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)), faults: map[string]int{},
 		cordoned: map[string]bool{}, full: map[string]bool{}, sent: map[string]float64{}, killed: map[string]time.Time{}, pulls: map[string]bool{}, collected: map[string]bool{}}
 	s.sum = s.referenceSum()
 	t.Cleanup(func() { keepLogs(t, f) })
-	for _, n := range f.nodes {
-		n.host.Throttle(soakLink)
+	for _, n := range f.Nodes {
+		n.Host.Throttle(soakLink)
 	}
-	log, err := os.Create(filepath.Join(f.work, "logs", "soak.log"))
+	log, err := os.Create(filepath.Join(f.Work, "logs", "soak.log"))
 	require.NoError(t, err)
 	defer log.Close()
 	s.log = log
@@ -140,8 +142,8 @@ type soakOutcome struct {
 
 // soakBuild is build number i's steps: its get pinned to one node, its
 // reader to the next.
-func soakBuild(i int, nodes []fleetNode) []scheduler.Step {
-	get, far := nodes[i%len(nodes)].name, nodes[(i+1)%len(nodes)].name
+func soakBuild(i int, nodes []localcluster.Node) []scheduler.Step {
+	get, far := nodes[i%len(nodes)].Name, nodes[(i+1)%len(nodes)].Name
 	// Busybox's md5sum exits 0 when writing what it printed fails, so a
 	// step whose output's filesystem is full (the soak fills disks) lost
 	// lines and still succeeded: the sums reach the output through tee,
@@ -167,9 +169,9 @@ func soakBuild(i int, nodes []fleetNode) []scheduler.Step {
 // referenceSum writes the get's files here, with the same program, and
 // sums them as the steps do.
 func (s *soak) referenceSum() string {
-	t := s.f.t
+	t := s.f.T
 	dir := t.TempDir()
-	run(t, filepath.Join(s.f.work, "images", "mktree"), dir, strconv.Itoa(soakFiles), strconv.Itoa(soakFileBytes))
+	localcluster.Run(t, filepath.Join(s.f.Work, "images", "mktree"), dir, strconv.Itoa(soakFiles), strconv.Itoa(soakFileBytes))
 	var files []string
 	require.NoError(t, filepath.WalkDir(filepath.Join(dir, "data"), func(p string, d fs.DirEntry, err error) error {
 		if err == nil && d.Type().IsRegular() {
@@ -195,7 +197,7 @@ func (s *soak) referenceSum() string {
 // (zeros: a lazily pulled file read while nothing held its reader).
 func (s *soak) diagnose(handle string) string {
 	var got strings.Builder
-	if _, err := s.f.cache.Read(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: handle}, "sums", "file", "", &got, nil); err != nil {
+	if _, err := s.f.Cache.Read(context.Background(), cowvolume.Ref{Namespace: "ci", Handle: handle}, "sums", "file", "", &got, nil); err != nil {
 		return fmt.Sprintf("reading %s's sums: %v", handle, err)
 	}
 	holes := md5.Sum(make([]byte, soakFileBytes))
@@ -230,12 +232,12 @@ func (s *soak) want(build string, results []scheduler.Result) string {
 // wait returns how they ended.
 func (s *soak) runBuilds(ctx context.Context) (wait func() []soakOutcome) {
 	f := s.f
-	cfg, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
-	require.NoError(f.t, err)
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.Kubeconfig)
+	require.NoError(f.T, err)
 	kube, err := kubernetes.NewForConfig(cfg)
-	require.NoError(f.t, err)
+	require.NoError(f.T, err)
 	runner := func() *scheduler.Runner {
-		return &scheduler.Runner{Kube: kube, Cache: f.cache, Namespace: "ci", Image: busyboxImage,
+		return &scheduler.Runner{Kube: kube, Cache: f.Cache, Namespace: "ci", Image: localcluster.BusyboxImage,
 			Attempts: soakAttempts, Timeout: soakDeadline, KeepFor: time.Hour, Logf: s.logf}
 	}
 	var mu sync.Mutex
@@ -250,7 +252,7 @@ func (s *soak) runBuilds(ctx context.Context) (wait func() []soakOutcome) {
 				mu.Lock()
 				running[build] = true
 				mu.Unlock()
-				results, err := r.Run(context.Background(), build, soakBuild(i, f.nodes))
+				results, err := r.Run(context.Background(), build, soakBuild(i, f.Nodes))
 				var wrong string
 				if err == nil && results[len(results)-1].Log != s.want(build, results) {
 					wrong = s.diagnose(results[1].Handle)
@@ -374,7 +376,7 @@ func (s *soak) undoDue(now time.Time) {
 
 func (s *soak) undoAll() { s.undoDue(time.Now().Add(time.Hour)) }
 
-func (s *soak) anyNode() *fleetNode { return &s.f.nodes[s.rng.IntN(len(s.f.nodes))] }
+func (s *soak) anyNode() *localcluster.Node { return &s.f.Nodes[s.rng.IntN(len(s.f.Nodes))] }
 
 // killPlugin SIGKILLs cowvol's plugin on a node; its kubelet restarts it.
 func (s *soak) killPlugin() bool { return s.killPluginOn(s.anyNode()) }
@@ -382,12 +384,12 @@ func (s *soak) killPlugin() bool { return s.killPluginOn(s.anyNode()) }
 // killPluginOn SIGKILLs a node's plugin, unless it was killed in the last
 // pluginKillEvery: a plugin that dies every few seconds is an outage,
 // not a fault, and a pull from it would never finish.
-func (s *soak) killPluginOn(n *fleetNode) bool {
-	pid := nodePluginPid(n.cgroupRoot)
-	if pid == 0 || time.Since(s.killed[n.name]) < pluginKillEvery {
+func (s *soak) killPluginOn(n *localcluster.Node) bool {
+	pid := nodePluginPid(n.CgroupRoot)
+	if pid == 0 || time.Since(s.killed[n.Name]) < pluginKillEvery {
 		return false // restarting, or killed a moment ago
 	}
-	s.killed[n.name] = time.Now()
+	s.killed[n.Name] = time.Now()
 	return syscall.Kill(pid, syscall.SIGKILL) == nil
 }
 
@@ -396,7 +398,7 @@ const pluginKillEvery = 45 * time.Second
 // nodePluginPid is the pid of cowvol's node plugin among the processes of
 // a node's pods (0: none runs).
 func nodePluginPid(cgroupRoot string) int {
-	for _, pid := range cgroupPids("/sys/fs/cgroup/pids" + cgroupRoot) {
+	for _, pid := range localcluster.CgroupPids("/sys/fs/cgroup/pids" + cgroupRoot) {
 		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 		cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 		if strings.TrimSpace(string(comm)) == "cowvol-plugin" && strings.Contains(string(cmdline), "--mode=node\x00") {
@@ -410,8 +412,8 @@ func nodePluginPid(cgroupRoot string) int {
 // running on meanwhile.
 func (s *soak) restartKubelet() bool {
 	n := s.anyNode()
-	s.f.procs[n.proc("kubelet")].Stop(syscall.SIGTERM, 10*time.Second)
-	s.f.startKubeletOn(n.nodeHost, n.containerd)
+	s.f.Procs[n.Proc("kubelet")].Stop(syscall.SIGTERM, 10*time.Second)
+	s.f.StartKubeletOn(n.NodeHost, n.Containerd)
 	return true
 }
 
@@ -420,7 +422,7 @@ func (s *soak) restartKubelet() bool {
 // not list among its input's holders. Each step's pull is cut once: one
 // cut every time it is tried again would keep it from ever finishing.
 func (s *soak) killHolderMidPull() bool {
-	out, err := s.f.kubectl("", "get", "pods", "-n", "ci", "-o", "json")
+	out, err := s.f.Kubectl("", "get", "pods", "-n", "ci", "-o", "json")
 	if err != nil {
 		return false
 	}
@@ -457,7 +459,7 @@ func (s *soak) killHolderMidPull() bool {
 			if len(holders) == 0 || slices.Contains(holders, p.Spec.NodeName) {
 				continue
 			}
-			if !s.killPluginOn(s.f.node(holders[s.rng.IntN(len(holders))])) {
+			if !s.killPluginOn(s.f.Node(holders[s.rng.IntN(len(holders))])) {
 				return false
 			}
 			s.pulls[p.Metadata.Name] = true
@@ -471,11 +473,11 @@ func (s *soak) killHolderMidPull() bool {
 // did not make (its high watermark is 90%) for 15 to 30 seconds.
 func (s *soak) fillDisk() bool {
 	n := s.anyNode()
-	if s.full[n.name] {
+	if s.full[n.Name] {
 		return false
 	}
 	var st unix.Statfs_t
-	if unix.Statfs(n.state, &st) != nil {
+	if unix.Statfs(n.State, &st) != nil {
 		return false
 	}
 	total, free := int64(st.Blocks)*st.Bsize, int64(st.Bavail)*st.Bsize
@@ -483,7 +485,7 @@ func (s *soak) fillDisk() bool {
 	if size <= 0 {
 		return false
 	}
-	path := filepath.Join(n.state, "soak-ballast")
+	path := filepath.Join(n.State, "soak-ballast")
 	file, err := os.Create(path)
 	if err != nil {
 		return false
@@ -491,15 +493,15 @@ func (s *soak) fillDisk() bool {
 	err = unix.Fallocate(int(file.Fd()), 0, 0, size)
 	file.Close()
 	if err != nil {
-		s.logf("Filling %s: %v", n.name, err)
+		s.logf("Filling %s: %v", n.Name, err)
 		_ = os.Remove(path)
 		return false
 	}
-	s.full[n.name] = true
+	s.full[n.Name] = true
 	s.later(15*time.Second+time.Duration(s.rng.Int64N(int64(15*time.Second))), func() {
 		// Not the plugin's to remove: it must leave what it did not make.
-		require.NoError(s.f.t, os.Remove(path), "the ballast on %s", n.name)
-		delete(s.full, n.name)
+		require.NoError(s.f.T, os.Remove(path), "the ballast on %s", n.Name)
+		delete(s.full, n.Name)
 	})
 	return true
 }
@@ -507,12 +509,12 @@ func (s *soak) fillDisk() bool {
 // deleteLeader deletes the controller's leading replica's pod while the
 // other runs ready.
 func (s *soak) deleteLeader() bool {
-	ready, err := s.f.kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.status.readyReplicas}")
-	leader := s.f.leader()
+	ready, err := s.f.Kubectl("", "get", "deployment", "cowvol-controller", "-n", "cowvol", "-o", "jsonpath={.status.readyReplicas}")
+	leader := s.f.Leader()
 	if err != nil || ready != "2" || leader == "" {
 		return false
 	}
-	_, err = s.f.kubectl("", "delete", "pod", "-n", "cowvol", leader, "--wait=false")
+	_, err = s.f.Kubectl("", "delete", "pod", "-n", "cowvol", leader, "--wait=false")
 	return err == nil
 }
 
@@ -522,13 +524,13 @@ func (s *soak) cordon() bool {
 		return false
 	}
 	n := s.anyNode()
-	if _, err := s.f.kubectl("", "cordon", n.name); err != nil {
+	if _, err := s.f.Kubectl("", "cordon", n.Name); err != nil {
 		return false
 	}
-	s.cordoned[n.name] = true
+	s.cordoned[n.Name] = true
 	s.later(15*time.Second+time.Duration(s.rng.Int64N(int64(15*time.Second))), func() {
-		s.f.mustKubectl("", "uncordon", n.name)
-		delete(s.cordoned, n.name)
+		s.f.MustKubectl("", "uncordon", n.Name)
+		delete(s.cordoned, n.Name)
 	})
 	return true
 }
@@ -536,17 +538,17 @@ func (s *soak) cordon() bool {
 // scrapeSent adds what each node's peer server sent since it was last
 // read (a restarted plugin's counter starts again from 0).
 func (s *soak) scrapeSent() {
-	for _, n := range s.f.nodes {
-		now, ok := peerSentBytes(n.address)
+	for _, n := range s.f.Nodes {
+		now, ok := peerSentBytes(n.Address)
 		if !ok {
 			continue
 		}
-		last := s.sent[n.name]
+		last := s.sent[n.Name]
 		if now < last {
 			last = 0
 		}
 		s.moved += now - last
-		s.sent[n.name] = now
+		s.sent[n.Name] = now
 	}
 }
 
@@ -577,7 +579,7 @@ func peerSentBytes(address string) (float64, bool) {
 // check asserts on how the builds ended, then that nothing of them is
 // left on any node.
 func (s *soak) check(outcomes []soakOutcome) {
-	t := s.f.t
+	t := s.f.T
 	require.NotEmpty(t, outcomes)
 	for _, o := range outcomes {
 		for _, r := range o.results {
@@ -601,11 +603,11 @@ func (s *soak) check(outcomes []soakOutcome) {
 // volume, a step's view or mount, or a process of a pod that is gone.
 func (s *soak) checkNothingLeft() {
 	f := s.f
-	f.until("the step pods to be gone", 2*time.Minute, func() bool {
-		out, err := f.kubectl("", "get", "pods", "-n", "ci", "-o", "name")
+	f.Until("the step pods to be gone", 2*time.Minute, func() bool {
+		out, err := f.Kubectl("", "get", "pods", "-n", "ci", "-o", "name")
 		return err == nil && strings.TrimSpace(out) == ""
 	})
-	for _, n := range f.nodes {
+	for _, n := range f.Nodes {
 		var left []string
 		for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(time.Second) {
 			if left = soakLeft(f, n); len(left) == 0 || time.Now().After(deadline) {
@@ -621,28 +623,28 @@ func (s *soak) checkNothingLeft() {
 				break
 			}
 		}
-		require.NoError(f.t, err)
-		require.Empty(f.t, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s", n.name, kept)
-		require.Empty(f.t, kept, "%s's plugin keeps soak volumes, destroyed ones included", n.name)
-		out := f.mustKubectl("", "get", "pods", "-A", "--field-selector", "spec.nodeName="+n.name, "-o", "jsonpath={.items[*].metadata.uid}")
+		require.NoError(f.T, err)
+		require.Empty(f.T, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s", n.Name, kept)
+		require.Empty(f.T, kept, "%s's plugin keeps soak volumes, destroyed ones included", n.Name)
+		out := f.MustKubectl("", "get", "pods", "-A", "--field-selector", "spec.nodeName="+n.Name, "-o", "jsonpath={.items[*].metadata.uid}")
 		live := strings.Fields(out)
 		// Pod cgroups are kubepods/pod<uid> (guaranteed) and
 		// kubepods/<class>/pod<uid>.
-		pods, _ := filepath.Glob("/sys/fs/cgroup/pids" + n.cgroupRoot + "/kubepods*/pod*")
-		classed, _ := filepath.Glob("/sys/fs/cgroup/pids" + n.cgroupRoot + "/kubepods*/*/pod*")
+		pods, _ := filepath.Glob("/sys/fs/cgroup/pids" + n.CgroupRoot + "/kubepods*/pod*")
+		classed, _ := filepath.Glob("/sys/fs/cgroup/pids" + n.CgroupRoot + "/kubepods*/*/pod*")
 		for _, dir := range append(pods, classed...) {
 			uid := strings.TrimPrefix(filepath.Base(dir), "pod")
 			if slices.Contains(live, uid) {
 				continue
 			}
-			require.Empty(f.t, cgroupPids(dir), "processes of pod %s, gone, still run on %s", uid, n.name)
+			require.Empty(f.T, localcluster.CgroupPids(dir), "processes of pod %s, gone, still run on %s", uid, n.Name)
 		}
 	}
 }
 
 // keepLogs copies a failed soak's logs (the harness's and every pod's)
 // where the fleet's teardown leaves them.
-func keepLogs(t testing.TB, f *fleet) {
+func keepLogs(t tb.TB, f *fleet) {
 	if !t.Failed() {
 		return
 	}
@@ -650,9 +652,9 @@ func keepLogs(t testing.TB, f *fleet) {
 	if err != nil {
 		return
 	}
-	_ = os.CopyFS(filepath.Join(dir, "logs"), os.DirFS(filepath.Join(f.work, "logs")))
-	for _, n := range f.nodes {
-		_ = os.CopyFS(filepath.Join(dir, n.name), os.DirFS(filepath.Join(n.dir, "pod-logs")))
+	_ = os.CopyFS(filepath.Join(dir, "logs"), os.DirFS(filepath.Join(f.Work, "logs")))
+	for _, n := range f.Nodes {
+		_ = os.CopyFS(filepath.Join(dir, n.Name), os.DirFS(filepath.Join(n.Dir, "pod-logs")))
 	}
 	t.Logf("the soak's logs are kept in %s", dir)
 }
@@ -663,11 +665,11 @@ func keepLogs(t testing.TB, f *fleet) {
 // in the node's mount namespace, reached through its root; connect(2)
 // takes a path of at most 108 bytes, so the socket's dir is opened and
 // named as /proc/self/fd/N.
-func nodeKeeps(n fleetNode) (string, error) {
-	dir := strings.TrimSuffix(n.mountns, "ns/mnt") + "root" + filepath.Join(n.kubeletDir, "plugins", "cowvol.concourse-ci.org")
+func nodeKeeps(n localcluster.Node) (string, error) {
+	dir := strings.TrimSuffix(n.Mountns, "ns/mnt") + "root" + filepath.Join(n.KubeletDir, "plugins", "cowvol.concourse-ci.org")
 	fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return "", fmt.Errorf("opening %s's node API's dir: %w", n.name, err)
+		return "", fmt.Errorf("opening %s's node API's dir: %w", n.Name, err)
 	}
 	defer unix.Close(fd)
 	conn, err := grpc.NewClient(fmt.Sprintf("unix:///proc/self/fd/%d/node-api.sock", fd), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -679,7 +681,7 @@ func nodeKeeps(n fleetNode) (string, error) {
 	defer cancel()
 	list, err := nodev1.NewNodeAPIClient(conn).ListVolumes(ctx, &nodev1.ListVolumesRequest{Namespace: "ci", IncludeDestroyed: true, PageSize: 5000})
 	if err != nil {
-		return "", fmt.Errorf("listing %s's volumes through its node API: %w", n.name, err)
+		return "", fmt.Errorf("listing %s's volumes through its node API: %w", n.Name, err)
 	}
 	var kept strings.Builder
 	for _, v := range list.GetVolumes() {
@@ -694,9 +696,9 @@ func nodeKeeps(n fleetNode) (string, error) {
 // soakLeft is what the soak left on a node: the soak volumes the
 // controller lists there (in any state), the volume dirs and step views
 // in its state dir, and the CSI mounts in its mount namespace.
-func soakLeft(f *fleet, n fleetNode) []string {
+func soakLeft(f *fleet, n localcluster.Node) []string {
 	var left []string
-	vols, err := f.cache.List(context.Background(), &controllerv1.ListVolumesRequest{Namespace: "ci", NodeId: n.name})
+	vols, err := f.Cache.List(context.Background(), &controllerv1.ListVolumesRequest{Namespace: "ci", NodeId: n.Name})
 	if err != nil {
 		return []string{"listing its volumes: " + err.Error()}
 	}
@@ -706,12 +708,12 @@ func soakLeft(f *fleet, n fleetNode) []string {
 		}
 	}
 	for _, dir := range []string{"volumes/ci", "views"} {
-		entries, _ := os.ReadDir(filepath.Join(n.state, dir))
+		entries, _ := os.ReadDir(filepath.Join(n.State, dir))
 		for _, e := range entries {
 			left = append(left, dir+"/"+e.Name())
 		}
 	}
-	mountinfo, err := os.ReadFile(strings.TrimSuffix(n.mountns, "ns/mnt") + "mountinfo")
+	mountinfo, err := os.ReadFile(strings.TrimSuffix(n.Mountns, "ns/mnt") + "mountinfo")
 	if err != nil {
 		return append(left, "reading its mounts: "+err.Error())
 	}
@@ -762,5 +764,5 @@ func (s *soak) report(outcomes []soakOutcome, took time.Duration) {
 	}
 	row("volumes the GC found no build owned", len(s.collected))
 	row("GiB peers sent", fmt.Sprintf("%.1f", s.moved/(1<<30)))
-	report(s.f.t, b.String())
+	report(s.f.T, b.String())
 }

@@ -1543,6 +1543,372 @@ func (x *VolumeLocation) GetViewDigest() []byte {
 	return nil
 }
 
+type LookupCachesRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// At most 1,000 (none: every key of the namespace).
+	Keys []string `protobuf:"bytes,2,rep,name=keys,proto3" json:"keys,omitempty"`
+	// As LookupVolumesRequest's, for each key's newest version.
+	MaxNodes      int32 `protobuf:"varint,3,opt,name=max_nodes,json=maxNodes,proto3" json:"max_nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LookupCachesRequest) Reset() {
+	*x = LookupCachesRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LookupCachesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LookupCachesRequest) ProtoMessage() {}
+
+func (x *LookupCachesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LookupCachesRequest.ProtoReflect.Descriptor instead.
+func (*LookupCachesRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *LookupCachesRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *LookupCachesRequest) GetKeys() []string {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *LookupCachesRequest) GetMaxNodes() int32 {
+	if x != nil {
+		return x.MaxNodes
+	}
+	return 0
+}
+
+type LookupCachesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per key asked for, in order; with none asked for, one per key
+	// found, sorted by key.
+	Caches        []*CacheLocation `protobuf:"bytes,1,rep,name=caches,proto3" json:"caches,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LookupCachesResponse) Reset() {
+	*x = LookupCachesResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LookupCachesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LookupCachesResponse) ProtoMessage() {}
+
+func (x *LookupCachesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LookupCachesResponse.ProtoReflect.Descriptor instead.
+func (*LookupCachesResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *LookupCachesResponse) GetCaches() []*CacheLocation {
+	if x != nil {
+		return x.Caches
+	}
+	return nil
+}
+
+// CacheLocation is a cache key across the live nodes.
+type CacheLocation struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Key       string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	// Some live node holds a version of it ready that was made current.
+	Found bool `protobuf:"varint,3,opt,name=found,proto3" json:"found,omitempty"`
+	// The newest such version, by promoted_at: the fleet's current one.
+	Version    *VolumeLocation        `protobuf:"bytes,4,opt,name=version,proto3" json:"version,omitempty"`
+	PromotedAt *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=promoted_at,json=promotedAt,proto3" json:"promoted_at,omitempty"`
+	// The pod whose step's view the version was.
+	PromotedBy string `protobuf:"bytes,6,opt,name=promoted_by,json=promotedBy,proto3" json:"promoted_by,omitempty"`
+	// How many of its versions the live nodes hold ready.
+	Versions int32 `protobuf:"varint,7,opt,name=versions,proto3" json:"versions,omitempty"`
+	// What the newest version holds: its layer and those of the versions
+	// it was forked from, as far as the live nodes report them.
+	Bytes         int64 `protobuf:"varint,8,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CacheLocation) Reset() {
+	*x = CacheLocation{}
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CacheLocation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CacheLocation) ProtoMessage() {}
+
+func (x *CacheLocation) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CacheLocation.ProtoReflect.Descriptor instead.
+func (*CacheLocation) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *CacheLocation) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *CacheLocation) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CacheLocation) GetFound() bool {
+	if x != nil {
+		return x.Found
+	}
+	return false
+}
+
+func (x *CacheLocation) GetVersion() *VolumeLocation {
+	if x != nil {
+		return x.Version
+	}
+	return nil
+}
+
+func (x *CacheLocation) GetPromotedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PromotedAt
+	}
+	return nil
+}
+
+func (x *CacheLocation) GetPromotedBy() string {
+	if x != nil {
+		return x.PromotedBy
+	}
+	return ""
+}
+
+func (x *CacheLocation) GetVersions() int32 {
+	if x != nil {
+		return x.Versions
+	}
+	return 0
+}
+
+func (x *CacheLocation) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+type ClearCachesRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// 1 to 1,000 keys.
+	Keys          []string `protobuf:"bytes,2,rep,name=keys,proto3" json:"keys,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClearCachesRequest) Reset() {
+	*x = ClearCachesRequest{}
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClearCachesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClearCachesRequest) ProtoMessage() {}
+
+func (x *ClearCachesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClearCachesRequest.ProtoReflect.Descriptor instead.
+func (*ClearCachesRequest) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ClearCachesRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ClearCachesRequest) GetKeys() []string {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+type ClearCachesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per key, in order.
+	Caches        []*ClearedCache `protobuf:"bytes,1,rep,name=caches,proto3" json:"caches,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClearCachesResponse) Reset() {
+	*x = ClearCachesResponse{}
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClearCachesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClearCachesResponse) ProtoMessage() {}
+
+func (x *ClearCachesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClearCachesResponse.ProtoReflect.Descriptor instead.
+func (*ClearCachesResponse) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ClearCachesResponse) GetCaches() []*ClearedCache {
+	if x != nil {
+		return x.Caches
+	}
+	return nil
+}
+
+type ClearedCache struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// The key's versions, and the nodes told to destroy each.
+	Versions      []*VolumeNodes `protobuf:"bytes,2,rep,name=versions,proto3" json:"versions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClearedCache) Reset() {
+	*x = ClearedCache{}
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClearedCache) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClearedCache) ProtoMessage() {}
+
+func (x *ClearedCache) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClearedCache.ProtoReflect.Descriptor instead.
+func (*ClearedCache) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *ClearedCache) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *ClearedCache) GetVersions() []*VolumeNodes {
+	if x != nil {
+		return x.Versions
+	}
+	return nil
+}
+
 type ListVolumesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Only this namespace's volumes ("": every namespace the caller may
@@ -1567,7 +1933,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1579,7 +1945,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[22]
+	mi := &file_controller_v1_controller_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1592,7 +1958,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{22}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListVolumesRequest) GetNamespace() string {
@@ -1648,7 +2014,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1660,7 +2026,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[23]
+	mi := &file_controller_v1_controller_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1673,7 +2039,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{23}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*VolumeLocation {
@@ -1693,6 +2059,9 @@ func (x *ListVolumesResponse) GetNextPageToken() string {
 type PlaceRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Inputs []*VolumeRef           `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
+	// Cache keys the step names: each counts as an input, the key's newest
+	// version (as LookupCaches answers it; a key with none counts nothing).
+	Caches []*CacheRef `protobuf:"bytes,3,rep,name=caches,proto3" json:"caches,omitempty"`
 	// At most this many nodes, the best (0: every one that takes captures).
 	// A thousand-node fleet's whole ranking is a thousand placements, each
 	// with the inputs it lacks; pkg/client's PreferNodes uses ten.
@@ -1703,7 +2072,7 @@ type PlaceRequest struct {
 
 func (x *PlaceRequest) Reset() {
 	*x = PlaceRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1715,7 +2084,7 @@ func (x *PlaceRequest) String() string {
 func (*PlaceRequest) ProtoMessage() {}
 
 func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[24]
+	mi := &file_controller_v1_controller_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1728,7 +2097,7 @@ func (x *PlaceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceRequest.ProtoReflect.Descriptor instead.
 func (*PlaceRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{24}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PlaceRequest) GetInputs() []*VolumeRef {
@@ -1738,11 +2107,70 @@ func (x *PlaceRequest) GetInputs() []*VolumeRef {
 	return nil
 }
 
+func (x *PlaceRequest) GetCaches() []*CacheRef {
+	if x != nil {
+		return x.Caches
+	}
+	return nil
+}
+
 func (x *PlaceRequest) GetLimit() int32 {
 	if x != nil {
 		return x.Limit
 	}
 	return 0
+}
+
+type CacheRef struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Namespace     string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Key           string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CacheRef) Reset() {
+	*x = CacheRef{}
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CacheRef) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CacheRef) ProtoMessage() {}
+
+func (x *CacheRef) ProtoReflect() protoreflect.Message {
+	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CacheRef.ProtoReflect.Descriptor instead.
+func (*CacheRef) Descriptor() ([]byte, []int) {
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *CacheRef) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *CacheRef) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
 }
 
 type PlaceResponse struct {
@@ -1755,7 +2183,7 @@ type PlaceResponse struct {
 
 func (x *PlaceResponse) Reset() {
 	*x = PlaceResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1767,7 +2195,7 @@ func (x *PlaceResponse) String() string {
 func (*PlaceResponse) ProtoMessage() {}
 
 func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[25]
+	mi := &file_controller_v1_controller_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1780,7 +2208,7 @@ func (x *PlaceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PlaceResponse.ProtoReflect.Descriptor instead.
 func (*PlaceResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{25}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *PlaceResponse) GetNodes() []*NodePlacement {
@@ -1804,7 +2232,7 @@ type NodePlacement struct {
 
 func (x *NodePlacement) Reset() {
 	*x = NodePlacement{}
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1816,7 +2244,7 @@ func (x *NodePlacement) String() string {
 func (*NodePlacement) ProtoMessage() {}
 
 func (x *NodePlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[26]
+	mi := &file_controller_v1_controller_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1829,7 +2257,7 @@ func (x *NodePlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePlacement.ProtoReflect.Descriptor instead.
 func (*NodePlacement) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{26}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *NodePlacement) GetNodeId() string {
@@ -1868,7 +2296,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1880,7 +2308,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[27]
+	mi := &file_controller_v1_controller_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1893,7 +2321,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{27}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{34}
 }
 
 type ListNodesResponse struct {
@@ -1905,7 +2333,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1917,7 +2345,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[28]
+	mi := &file_controller_v1_controller_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1930,7 +2358,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{28}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ListNodesResponse) GetNodes() []*NodeStatus {
@@ -1951,7 +2379,7 @@ type SetNodeLifecycleRequest struct {
 
 func (x *SetNodeLifecycleRequest) Reset() {
 	*x = SetNodeLifecycleRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1963,7 +2391,7 @@ func (x *SetNodeLifecycleRequest) String() string {
 func (*SetNodeLifecycleRequest) ProtoMessage() {}
 
 func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[29]
+	mi := &file_controller_v1_controller_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1976,7 +2404,7 @@ func (x *SetNodeLifecycleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNodeLifecycleRequest.ProtoReflect.Descriptor instead.
 func (*SetNodeLifecycleRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{29}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *SetNodeLifecycleRequest) GetNodeId() string {
@@ -2013,7 +2441,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2025,7 +2453,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[30]
+	mi := &file_controller_v1_controller_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2038,7 +2466,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{30}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *NodeStatus) GetNodeId() string {
@@ -2126,7 +2554,7 @@ type ReadVolumeRequest struct {
 
 func (x *ReadVolumeRequest) Reset() {
 	*x = ReadVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	mi := &file_controller_v1_controller_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2138,7 +2566,7 @@ func (x *ReadVolumeRequest) String() string {
 func (*ReadVolumeRequest) ProtoMessage() {}
 
 func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[31]
+	mi := &file_controller_v1_controller_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2151,7 +2579,7 @@ func (x *ReadVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ReadVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{31}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ReadVolumeRequest) GetRef() *VolumeRef {
@@ -2196,7 +2624,7 @@ type DataChunk struct {
 
 func (x *DataChunk) Reset() {
 	*x = DataChunk{}
-	mi := &file_controller_v1_controller_proto_msgTypes[32]
+	mi := &file_controller_v1_controller_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2208,7 +2636,7 @@ func (x *DataChunk) String() string {
 func (*DataChunk) ProtoMessage() {}
 
 func (x *DataChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[32]
+	mi := &file_controller_v1_controller_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2221,7 +2649,7 @@ func (x *DataChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataChunk.ProtoReflect.Descriptor instead.
 func (*DataChunk) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{32}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DataChunk) GetData() []byte {
@@ -2258,7 +2686,7 @@ type WriteVolumeRequest struct {
 
 func (x *WriteVolumeRequest) Reset() {
 	*x = WriteVolumeRequest{}
-	mi := &file_controller_v1_controller_proto_msgTypes[33]
+	mi := &file_controller_v1_controller_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2270,7 +2698,7 @@ func (x *WriteVolumeRequest) String() string {
 func (*WriteVolumeRequest) ProtoMessage() {}
 
 func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[33]
+	mi := &file_controller_v1_controller_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2283,7 +2711,7 @@ func (x *WriteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WriteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{33}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *WriteVolumeRequest) GetPart() isWriteVolumeRequest_Part {
@@ -2345,7 +2773,7 @@ type NewVolume struct {
 
 func (x *NewVolume) Reset() {
 	*x = NewVolume{}
-	mi := &file_controller_v1_controller_proto_msgTypes[34]
+	mi := &file_controller_v1_controller_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2357,7 +2785,7 @@ func (x *NewVolume) String() string {
 func (*NewVolume) ProtoMessage() {}
 
 func (x *NewVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_controller_v1_controller_proto_msgTypes[34]
+	mi := &file_controller_v1_controller_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2370,7 +2798,7 @@ func (x *NewVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewVolume.ProtoReflect.Descriptor instead.
 func (*NewVolume) Descriptor() ([]byte, []int) {
-	return file_controller_v1_controller_proto_rawDescGZIP(), []int{34}
+	return file_controller_v1_controller_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *NewVolume) GetRef() *VolumeRef {
@@ -2543,7 +2971,32 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"viewDigest\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb9\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"d\n" +
+	"\x13LookupCachesRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04keys\x18\x02 \x03(\tR\x04keys\x12\x1b\n" +
+	"\tmax_nodes\x18\x03 \x01(\x05R\bmaxNodes\"S\n" +
+	"\x14LookupCachesResponse\x12;\n" +
+	"\x06caches\x18\x01 \x03(\v2#.cowvol.controller.v1.CacheLocationR\x06caches\"\xa5\x02\n" +
+	"\rCacheLocation\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\x12\x14\n" +
+	"\x05found\x18\x03 \x01(\bR\x05found\x12>\n" +
+	"\aversion\x18\x04 \x01(\v2$.cowvol.controller.v1.VolumeLocationR\aversion\x12;\n" +
+	"\vpromoted_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"promotedAt\x12\x1f\n" +
+	"\vpromoted_by\x18\x06 \x01(\tR\n" +
+	"promotedBy\x12\x1a\n" +
+	"\bversions\x18\a \x01(\x05R\bversions\x12\x14\n" +
+	"\x05bytes\x18\b \x01(\x03R\x05bytes\"F\n" +
+	"\x12ClearCachesRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04keys\x18\x02 \x03(\tR\x04keys\"Q\n" +
+	"\x13ClearCachesResponse\x12:\n" +
+	"\x06caches\x18\x01 \x03(\v2\".cowvol.controller.v1.ClearedCacheR\x06caches\"_\n" +
+	"\fClearedCache\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12=\n" +
+	"\bversions\x18\x02 \x03(\v2!.cowvol.controller.v1.VolumeNodesR\bversions\"\xb9\x01\n" +
 	"\x12ListVolumesRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x1a\n" +
@@ -2554,10 +3007,14 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\tmax_nodes\x18\x06 \x01(\x05R\bmaxNodes\"}\n" +
 	"\x13ListVolumesResponse\x12>\n" +
 	"\avolumes\x18\x01 \x03(\v2$.cowvol.controller.v1.VolumeLocationR\avolumes\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"]\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\x95\x01\n" +
 	"\fPlaceRequest\x127\n" +
-	"\x06inputs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x06inputs\x12\x14\n" +
-	"\x05limit\x18\x02 \x01(\x05R\x05limit\"J\n" +
+	"\x06inputs\x18\x01 \x03(\v2\x1f.cowvol.controller.v1.VolumeRefR\x06inputs\x126\n" +
+	"\x06caches\x18\x03 \x03(\v2\x1e.cowvol.controller.v1.CacheRefR\x06caches\x12\x14\n" +
+	"\x05limit\x18\x02 \x01(\x05R\x05limit\":\n" +
+	"\bCacheRef\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\"J\n" +
 	"\rPlaceResponse\x129\n" +
 	"\x05nodes\x18\x01 \x03(\v2#.cowvol.controller.v1.NodePlacementR\x05nodes\"\xac\x01\n" +
 	"\rNodePlacement\x12\x17\n" +
@@ -2619,7 +3076,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"SendReport\x12 .cowvol.controller.v1.ReportPart\x1a$.cowvol.controller.v1.ReportResponse(\x01\x12k\n" +
 	"\x0eShareReadOrder\x12+.cowvol.controller.v1.ShareReadOrderRequest\x1a,.cowvol.controller.v1.ShareReadOrderResponse\x12Z\n" +
 	"\fGetReadOrder\x12).cowvol.controller.v1.GetReadOrderRequest\x1a\x1f.cowvol.controller.v1.ReadOrder\x12z\n" +
-	"\x13SignPeerCertificate\x120.cowvol.controller.v1.SignPeerCertificateRequest\x1a1.cowvol.controller.v1.SignPeerCertificateResponse2\xf3\x06\n" +
+	"\x13SignPeerCertificate\x120.cowvol.controller.v1.SignPeerCertificateRequest\x1a1.cowvol.controller.v1.SignPeerCertificateResponse2\xbe\b\n" +
 	"\x05Cache\x12h\n" +
 	"\rLookupVolumes\x12*.cowvol.controller.v1.LookupVolumesRequest\x1a+.cowvol.controller.v1.LookupVolumesResponse\x12b\n" +
 	"\vListVolumes\x12(.cowvol.controller.v1.ListVolumesRequest\x1a).cowvol.controller.v1.ListVolumesResponse\x12P\n" +
@@ -2631,7 +3088,9 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x10SetNodeLifecycle\x12-.cowvol.controller.v1.SetNodeLifecycleRequest\x1a .cowvol.controller.v1.NodeStatus\x12X\n" +
 	"\n" +
 	"ReadVolume\x12'.cowvol.controller.v1.ReadVolumeRequest\x1a\x1f.cowvol.controller.v1.DataChunk0\x01\x12_\n" +
-	"\vWriteVolume\x12(.cowvol.controller.v1.WriteVolumeRequest\x1a$.cowvol.controller.v1.VolumeLocation(\x01B<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
+	"\vWriteVolume\x12(.cowvol.controller.v1.WriteVolumeRequest\x1a$.cowvol.controller.v1.VolumeLocation(\x01\x12e\n" +
+	"\fLookupCaches\x12).cowvol.controller.v1.LookupCachesRequest\x1a*.cowvol.controller.v1.LookupCachesResponse\x12b\n" +
+	"\vClearCaches\x12(.cowvol.controller.v1.ClearCachesRequest\x1a).cowvol.controller.v1.ClearCachesResponseB<Z:github.com/concourse/cowvol/api/controller/v1;controllerv1b\x06proto3"
 
 var (
 	file_controller_v1_controller_proto_rawDescOnce sync.Once
@@ -2645,7 +3104,7 @@ func file_controller_v1_controller_proto_rawDescGZIP() []byte {
 	return file_controller_v1_controller_proto_rawDescData
 }
 
-var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
+var file_controller_v1_controller_proto_msgTypes = make([]protoimpl.MessageInfo, 44)
 var file_controller_v1_controller_proto_goTypes = []any{
 	(*VolumeRef)(nil),                   // 0: cowvol.controller.v1.VolumeRef
 	(*VolumeSummary)(nil),               // 1: cowvol.controller.v1.VolumeSummary
@@ -2669,23 +3128,30 @@ var file_controller_v1_controller_proto_goTypes = []any{
 	(*LookupVolumesRequest)(nil),        // 19: cowvol.controller.v1.LookupVolumesRequest
 	(*LookupVolumesResponse)(nil),       // 20: cowvol.controller.v1.LookupVolumesResponse
 	(*VolumeLocation)(nil),              // 21: cowvol.controller.v1.VolumeLocation
-	(*ListVolumesRequest)(nil),          // 22: cowvol.controller.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),         // 23: cowvol.controller.v1.ListVolumesResponse
-	(*PlaceRequest)(nil),                // 24: cowvol.controller.v1.PlaceRequest
-	(*PlaceResponse)(nil),               // 25: cowvol.controller.v1.PlaceResponse
-	(*NodePlacement)(nil),               // 26: cowvol.controller.v1.NodePlacement
-	(*ListNodesRequest)(nil),            // 27: cowvol.controller.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),           // 28: cowvol.controller.v1.ListNodesResponse
-	(*SetNodeLifecycleRequest)(nil),     // 29: cowvol.controller.v1.SetNodeLifecycleRequest
-	(*NodeStatus)(nil),                  // 30: cowvol.controller.v1.NodeStatus
-	(*ReadVolumeRequest)(nil),           // 31: cowvol.controller.v1.ReadVolumeRequest
-	(*DataChunk)(nil),                   // 32: cowvol.controller.v1.DataChunk
-	(*WriteVolumeRequest)(nil),          // 33: cowvol.controller.v1.WriteVolumeRequest
-	(*NewVolume)(nil),                   // 34: cowvol.controller.v1.NewVolume
-	nil,                                 // 35: cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	nil,                                 // 36: cowvol.controller.v1.NewVolume.PropertiesEntry
-	(*durationpb.Duration)(nil),         // 37: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),       // 38: google.protobuf.Timestamp
+	(*LookupCachesRequest)(nil),         // 22: cowvol.controller.v1.LookupCachesRequest
+	(*LookupCachesResponse)(nil),        // 23: cowvol.controller.v1.LookupCachesResponse
+	(*CacheLocation)(nil),               // 24: cowvol.controller.v1.CacheLocation
+	(*ClearCachesRequest)(nil),          // 25: cowvol.controller.v1.ClearCachesRequest
+	(*ClearCachesResponse)(nil),         // 26: cowvol.controller.v1.ClearCachesResponse
+	(*ClearedCache)(nil),                // 27: cowvol.controller.v1.ClearedCache
+	(*ListVolumesRequest)(nil),          // 28: cowvol.controller.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),         // 29: cowvol.controller.v1.ListVolumesResponse
+	(*PlaceRequest)(nil),                // 30: cowvol.controller.v1.PlaceRequest
+	(*CacheRef)(nil),                    // 31: cowvol.controller.v1.CacheRef
+	(*PlaceResponse)(nil),               // 32: cowvol.controller.v1.PlaceResponse
+	(*NodePlacement)(nil),               // 33: cowvol.controller.v1.NodePlacement
+	(*ListNodesRequest)(nil),            // 34: cowvol.controller.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),           // 35: cowvol.controller.v1.ListNodesResponse
+	(*SetNodeLifecycleRequest)(nil),     // 36: cowvol.controller.v1.SetNodeLifecycleRequest
+	(*NodeStatus)(nil),                  // 37: cowvol.controller.v1.NodeStatus
+	(*ReadVolumeRequest)(nil),           // 38: cowvol.controller.v1.ReadVolumeRequest
+	(*DataChunk)(nil),                   // 39: cowvol.controller.v1.DataChunk
+	(*WriteVolumeRequest)(nil),          // 40: cowvol.controller.v1.WriteVolumeRequest
+	(*NewVolume)(nil),                   // 41: cowvol.controller.v1.NewVolume
+	nil,                                 // 42: cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	nil,                                 // 43: cowvol.controller.v1.NewVolume.PropertiesEntry
+	(*durationpb.Duration)(nil),         // 44: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),       // 45: google.protobuf.Timestamp
 }
 var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 0: cowvol.controller.v1.VolumeSummary.ref:type_name -> cowvol.controller.v1.VolumeRef
@@ -2697,68 +3163,78 @@ var file_controller_v1_controller_proto_depIdxs = []int32{
 	0,  // 6: cowvol.controller.v1.ReportResponse.destroy:type_name -> cowvol.controller.v1.VolumeRef
 	13, // 7: cowvol.controller.v1.ReportResponse.pins:type_name -> cowvol.controller.v1.PinCommand
 	0,  // 8: cowvol.controller.v1.ReportResponse.copy:type_name -> cowvol.controller.v1.VolumeRef
-	37, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
+	44, // 9: cowvol.controller.v1.ReportResponse.full_report_after:type_name -> google.protobuf.Duration
 	6,  // 10: cowvol.controller.v1.ReportResponse.destroy_owned:type_name -> cowvol.controller.v1.OwnedVolume
 	0,  // 11: cowvol.controller.v1.OwnedVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	38, // 12: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
+	45, // 12: cowvol.controller.v1.ReadOrder.recorded:type_name -> google.protobuf.Timestamp
 	7,  // 13: cowvol.controller.v1.ShareReadOrderRequest.order:type_name -> cowvol.controller.v1.ReadOrder
 	0,  // 14: cowvol.controller.v1.PinCommand.ref:type_name -> cowvol.controller.v1.VolumeRef
-	38, // 15: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
+	45, // 15: cowvol.controller.v1.PinCommand.until:type_name -> google.protobuf.Timestamp
 	0,  // 16: cowvol.controller.v1.DestroyVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	16, // 17: cowvol.controller.v1.DestroyVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 18: cowvol.controller.v1.VolumeNodes.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 19: cowvol.controller.v1.PinVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
-	38, // 20: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
+	45, // 20: cowvol.controller.v1.PinVolumesRequest.until:type_name -> google.protobuf.Timestamp
 	16, // 21: cowvol.controller.v1.PinVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeNodes
 	0,  // 22: cowvol.controller.v1.LookupVolumesRequest.refs:type_name -> cowvol.controller.v1.VolumeRef
 	21, // 23: cowvol.controller.v1.LookupVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
 	0,  // 24: cowvol.controller.v1.VolumeLocation.ref:type_name -> cowvol.controller.v1.VolumeRef
 	0,  // 25: cowvol.controller.v1.VolumeLocation.parent:type_name -> cowvol.controller.v1.VolumeRef
-	35, // 26: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
-	21, // 27: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
-	0,  // 28: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
-	26, // 29: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
-	0,  // 30: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
-	30, // 31: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
-	38, // 32: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
-	0,  // 33: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
-	34, // 34: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
-	0,  // 35: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
-	36, // 36: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
-	37, // 37: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
-	3,  // 38: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
-	4,  // 39: cowvol.controller.v1.Registry.SendReport:input_type -> cowvol.controller.v1.ReportPart
-	8,  // 40: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
-	12, // 41: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
-	10, // 42: cowvol.controller.v1.Registry.SignPeerCertificate:input_type -> cowvol.controller.v1.SignPeerCertificateRequest
-	19, // 43: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
-	22, // 44: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
-	24, // 45: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
-	27, // 46: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
-	14, // 47: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
-	17, // 48: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
-	29, // 49: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
-	31, // 50: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
-	33, // 51: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
-	5,  // 52: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
-	5,  // 53: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
-	9,  // 54: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
-	7,  // 55: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
-	11, // 56: cowvol.controller.v1.Registry.SignPeerCertificate:output_type -> cowvol.controller.v1.SignPeerCertificateResponse
-	20, // 57: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
-	23, // 58: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
-	25, // 59: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
-	28, // 60: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
-	15, // 61: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
-	18, // 62: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
-	30, // 63: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
-	32, // 64: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
-	21, // 65: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
-	52, // [52:66] is the sub-list for method output_type
-	38, // [38:52] is the sub-list for method input_type
-	38, // [38:38] is the sub-list for extension type_name
-	38, // [38:38] is the sub-list for extension extendee
-	0,  // [0:38] is the sub-list for field type_name
+	42, // 26: cowvol.controller.v1.VolumeLocation.properties:type_name -> cowvol.controller.v1.VolumeLocation.PropertiesEntry
+	24, // 27: cowvol.controller.v1.LookupCachesResponse.caches:type_name -> cowvol.controller.v1.CacheLocation
+	21, // 28: cowvol.controller.v1.CacheLocation.version:type_name -> cowvol.controller.v1.VolumeLocation
+	45, // 29: cowvol.controller.v1.CacheLocation.promoted_at:type_name -> google.protobuf.Timestamp
+	27, // 30: cowvol.controller.v1.ClearCachesResponse.caches:type_name -> cowvol.controller.v1.ClearedCache
+	16, // 31: cowvol.controller.v1.ClearedCache.versions:type_name -> cowvol.controller.v1.VolumeNodes
+	21, // 32: cowvol.controller.v1.ListVolumesResponse.volumes:type_name -> cowvol.controller.v1.VolumeLocation
+	0,  // 33: cowvol.controller.v1.PlaceRequest.inputs:type_name -> cowvol.controller.v1.VolumeRef
+	31, // 34: cowvol.controller.v1.PlaceRequest.caches:type_name -> cowvol.controller.v1.CacheRef
+	33, // 35: cowvol.controller.v1.PlaceResponse.nodes:type_name -> cowvol.controller.v1.NodePlacement
+	0,  // 36: cowvol.controller.v1.NodePlacement.missing:type_name -> cowvol.controller.v1.VolumeRef
+	37, // 37: cowvol.controller.v1.ListNodesResponse.nodes:type_name -> cowvol.controller.v1.NodeStatus
+	45, // 38: cowvol.controller.v1.NodeStatus.last_report:type_name -> google.protobuf.Timestamp
+	0,  // 39: cowvol.controller.v1.ReadVolumeRequest.ref:type_name -> cowvol.controller.v1.VolumeRef
+	41, // 40: cowvol.controller.v1.WriteVolumeRequest.volume:type_name -> cowvol.controller.v1.NewVolume
+	0,  // 41: cowvol.controller.v1.NewVolume.ref:type_name -> cowvol.controller.v1.VolumeRef
+	43, // 42: cowvol.controller.v1.NewVolume.properties:type_name -> cowvol.controller.v1.NewVolume.PropertiesEntry
+	44, // 43: cowvol.controller.v1.NewVolume.ttl:type_name -> google.protobuf.Duration
+	3,  // 44: cowvol.controller.v1.Registry.Report:input_type -> cowvol.controller.v1.ReportRequest
+	4,  // 45: cowvol.controller.v1.Registry.SendReport:input_type -> cowvol.controller.v1.ReportPart
+	8,  // 46: cowvol.controller.v1.Registry.ShareReadOrder:input_type -> cowvol.controller.v1.ShareReadOrderRequest
+	12, // 47: cowvol.controller.v1.Registry.GetReadOrder:input_type -> cowvol.controller.v1.GetReadOrderRequest
+	10, // 48: cowvol.controller.v1.Registry.SignPeerCertificate:input_type -> cowvol.controller.v1.SignPeerCertificateRequest
+	19, // 49: cowvol.controller.v1.Cache.LookupVolumes:input_type -> cowvol.controller.v1.LookupVolumesRequest
+	28, // 50: cowvol.controller.v1.Cache.ListVolumes:input_type -> cowvol.controller.v1.ListVolumesRequest
+	30, // 51: cowvol.controller.v1.Cache.Place:input_type -> cowvol.controller.v1.PlaceRequest
+	34, // 52: cowvol.controller.v1.Cache.ListNodes:input_type -> cowvol.controller.v1.ListNodesRequest
+	14, // 53: cowvol.controller.v1.Cache.DestroyVolumes:input_type -> cowvol.controller.v1.DestroyVolumesRequest
+	17, // 54: cowvol.controller.v1.Cache.PinVolumes:input_type -> cowvol.controller.v1.PinVolumesRequest
+	36, // 55: cowvol.controller.v1.Cache.SetNodeLifecycle:input_type -> cowvol.controller.v1.SetNodeLifecycleRequest
+	38, // 56: cowvol.controller.v1.Cache.ReadVolume:input_type -> cowvol.controller.v1.ReadVolumeRequest
+	40, // 57: cowvol.controller.v1.Cache.WriteVolume:input_type -> cowvol.controller.v1.WriteVolumeRequest
+	22, // 58: cowvol.controller.v1.Cache.LookupCaches:input_type -> cowvol.controller.v1.LookupCachesRequest
+	25, // 59: cowvol.controller.v1.Cache.ClearCaches:input_type -> cowvol.controller.v1.ClearCachesRequest
+	5,  // 60: cowvol.controller.v1.Registry.Report:output_type -> cowvol.controller.v1.ReportResponse
+	5,  // 61: cowvol.controller.v1.Registry.SendReport:output_type -> cowvol.controller.v1.ReportResponse
+	9,  // 62: cowvol.controller.v1.Registry.ShareReadOrder:output_type -> cowvol.controller.v1.ShareReadOrderResponse
+	7,  // 63: cowvol.controller.v1.Registry.GetReadOrder:output_type -> cowvol.controller.v1.ReadOrder
+	11, // 64: cowvol.controller.v1.Registry.SignPeerCertificate:output_type -> cowvol.controller.v1.SignPeerCertificateResponse
+	20, // 65: cowvol.controller.v1.Cache.LookupVolumes:output_type -> cowvol.controller.v1.LookupVolumesResponse
+	29, // 66: cowvol.controller.v1.Cache.ListVolumes:output_type -> cowvol.controller.v1.ListVolumesResponse
+	32, // 67: cowvol.controller.v1.Cache.Place:output_type -> cowvol.controller.v1.PlaceResponse
+	35, // 68: cowvol.controller.v1.Cache.ListNodes:output_type -> cowvol.controller.v1.ListNodesResponse
+	15, // 69: cowvol.controller.v1.Cache.DestroyVolumes:output_type -> cowvol.controller.v1.DestroyVolumesResponse
+	18, // 70: cowvol.controller.v1.Cache.PinVolumes:output_type -> cowvol.controller.v1.PinVolumesResponse
+	37, // 71: cowvol.controller.v1.Cache.SetNodeLifecycle:output_type -> cowvol.controller.v1.NodeStatus
+	39, // 72: cowvol.controller.v1.Cache.ReadVolume:output_type -> cowvol.controller.v1.DataChunk
+	21, // 73: cowvol.controller.v1.Cache.WriteVolume:output_type -> cowvol.controller.v1.VolumeLocation
+	23, // 74: cowvol.controller.v1.Cache.LookupCaches:output_type -> cowvol.controller.v1.LookupCachesResponse
+	26, // 75: cowvol.controller.v1.Cache.ClearCaches:output_type -> cowvol.controller.v1.ClearCachesResponse
+	60, // [60:76] is the sub-list for method output_type
+	44, // [44:60] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_controller_v1_controller_proto_init() }
@@ -2766,7 +3242,7 @@ func file_controller_v1_controller_proto_init() {
 	if File_controller_v1_controller_proto != nil {
 		return
 	}
-	file_controller_v1_controller_proto_msgTypes[33].OneofWrappers = []any{
+	file_controller_v1_controller_proto_msgTypes[40].OneofWrappers = []any{
 		(*WriteVolumeRequest_Volume)(nil),
 		(*WriteVolumeRequest_Data)(nil),
 	}
@@ -2776,7 +3252,7 @@ func file_controller_v1_controller_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_controller_v1_controller_proto_rawDesc), len(file_controller_v1_controller_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   37,
+			NumMessages:   44,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -323,6 +323,8 @@ const (
 	Cache_SetNodeLifecycle_FullMethodName = "/cowvol.controller.v1.Cache/SetNodeLifecycle"
 	Cache_ReadVolume_FullMethodName       = "/cowvol.controller.v1.Cache/ReadVolume"
 	Cache_WriteVolume_FullMethodName      = "/cowvol.controller.v1.Cache/WriteVolume"
+	Cache_LookupCaches_FullMethodName     = "/cowvol.controller.v1.Cache/LookupCaches"
+	Cache_ClearCaches_FullMethodName      = "/cowvol.controller.v1.Cache/ClearCaches"
 )
 
 // CacheClient is the client API for Cache service.
@@ -338,7 +340,8 @@ type CacheClient interface {
 	// handle) order.
 	ListVolumes(ctx context.Context, in *ListVolumesRequest, opts ...grpc.CallOption) (*ListVolumesResponse, error)
 	// Place ranks the live nodes for a step by the bytes of its inputs they
-	// already hold, then by free space, saying which inputs each lacks.
+	// already hold (its caches' newest versions among them), then by free
+	// space, saying which inputs each lacks.
 	Place(ctx context.Context, in *PlaceRequest, opts ...grpc.CallOption) (*PlaceResponse, error)
 	// ListNodes lists the nodes the controller knows.
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*ListNodesResponse, error)
@@ -364,6 +367,18 @@ type CacheClient interface {
 	// (an upload): the first message says what it is, the rest carry the
 	// tar's bytes. It answers once the volume is ready on a node.
 	WriteVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[WriteVolumeRequest, VolumeLocation], error)
+	// LookupCaches says, for cache keys of a namespace, the newest version
+	// the live nodes hold ready (by when it was made its key's current one)
+	// and which nodes hold it; with no keys, every key of the namespace that
+	// some live node holds a version of. A key of a namespace the caller may
+	// not read is answered as a key never used.
+	LookupCaches(ctx context.Context, in *LookupCachesRequest, opts ...grpc.CallOption) (*LookupCachesResponse, error)
+	// ClearCaches clears cache keys of a namespace on every node holding a
+	// version of them: each version is destroyed (gone from lookups at once,
+	// its data freed once no step reads it), the next step naming the key
+	// starts empty, and a step that was making a version is not promoted.
+	// Idempotent.
+	ClearCaches(ctx context.Context, in *ClearCachesRequest, opts ...grpc.CallOption) (*ClearCachesResponse, error)
 }
 
 type cacheClient struct {
@@ -476,6 +491,26 @@ func (c *cacheClient) WriteVolume(ctx context.Context, opts ...grpc.CallOption) 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Cache_WriteVolumeClient = grpc.ClientStreamingClient[WriteVolumeRequest, VolumeLocation]
 
+func (c *cacheClient) LookupCaches(ctx context.Context, in *LookupCachesRequest, opts ...grpc.CallOption) (*LookupCachesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LookupCachesResponse)
+	err := c.cc.Invoke(ctx, Cache_LookupCaches_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *cacheClient) ClearCaches(ctx context.Context, in *ClearCachesRequest, opts ...grpc.CallOption) (*ClearCachesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ClearCachesResponse)
+	err := c.cc.Invoke(ctx, Cache_ClearCaches_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CacheServer is the server API for Cache service.
 // All implementations must embed UnimplementedCacheServer
 // for forward compatibility.
@@ -489,7 +524,8 @@ type CacheServer interface {
 	// handle) order.
 	ListVolumes(context.Context, *ListVolumesRequest) (*ListVolumesResponse, error)
 	// Place ranks the live nodes for a step by the bytes of its inputs they
-	// already hold, then by free space, saying which inputs each lacks.
+	// already hold (its caches' newest versions among them), then by free
+	// space, saying which inputs each lacks.
 	Place(context.Context, *PlaceRequest) (*PlaceResponse, error)
 	// ListNodes lists the nodes the controller knows.
 	ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error)
@@ -515,6 +551,18 @@ type CacheServer interface {
 	// (an upload): the first message says what it is, the rest carry the
 	// tar's bytes. It answers once the volume is ready on a node.
 	WriteVolume(grpc.ClientStreamingServer[WriteVolumeRequest, VolumeLocation]) error
+	// LookupCaches says, for cache keys of a namespace, the newest version
+	// the live nodes hold ready (by when it was made its key's current one)
+	// and which nodes hold it; with no keys, every key of the namespace that
+	// some live node holds a version of. A key of a namespace the caller may
+	// not read is answered as a key never used.
+	LookupCaches(context.Context, *LookupCachesRequest) (*LookupCachesResponse, error)
+	// ClearCaches clears cache keys of a namespace on every node holding a
+	// version of them: each version is destroyed (gone from lookups at once,
+	// its data freed once no step reads it), the next step naming the key
+	// starts empty, and a step that was making a version is not promoted.
+	// Idempotent.
+	ClearCaches(context.Context, *ClearCachesRequest) (*ClearCachesResponse, error)
 	mustEmbedUnimplementedCacheServer()
 }
 
@@ -551,6 +599,12 @@ func (UnimplementedCacheServer) ReadVolume(*ReadVolumeRequest, grpc.ServerStream
 }
 func (UnimplementedCacheServer) WriteVolume(grpc.ClientStreamingServer[WriteVolumeRequest, VolumeLocation]) error {
 	return status.Errorf(codes.Unimplemented, "method WriteVolume not implemented")
+}
+func (UnimplementedCacheServer) LookupCaches(context.Context, *LookupCachesRequest) (*LookupCachesResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method LookupCaches not implemented")
+}
+func (UnimplementedCacheServer) ClearCaches(context.Context, *ClearCachesRequest) (*ClearCachesResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ClearCaches not implemented")
 }
 func (UnimplementedCacheServer) mustEmbedUnimplementedCacheServer() {}
 func (UnimplementedCacheServer) testEmbeddedByValue()               {}
@@ -717,6 +771,42 @@ func _Cache_WriteVolume_Handler(srv interface{}, stream grpc.ServerStream) error
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Cache_WriteVolumeServer = grpc.ClientStreamingServer[WriteVolumeRequest, VolumeLocation]
 
+func _Cache_LookupCaches_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LookupCachesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CacheServer).LookupCaches(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cache_LookupCaches_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CacheServer).LookupCaches(ctx, req.(*LookupCachesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Cache_ClearCaches_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ClearCachesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CacheServer).ClearCaches(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cache_ClearCaches_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CacheServer).ClearCaches(ctx, req.(*ClearCachesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Cache_ServiceDesc is the grpc.ServiceDesc for Cache service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -751,6 +841,14 @@ var Cache_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SetNodeLifecycle",
 			Handler:    _Cache_SetNodeLifecycle_Handler,
+		},
+		{
+			MethodName: "LookupCaches",
+			Handler:    _Cache_LookupCaches_Handler,
+		},
+		{
+			MethodName: "ClearCaches",
+			Handler:    _Cache_ClearCaches_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

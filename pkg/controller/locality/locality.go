@@ -65,6 +65,10 @@ type Config struct {
 	// engine starts the next step the moment the last one ends, before
 	// its output is captured (nil: none are asked).
 	Making func(inputs []volume.Ref, namespace string) []string
+	// CacheInputs are the newest versions of caches a pod names that live
+	// nodes hold (the fleet view's CacheInputs, for the pod's namespace):
+	// each counts as an input (nil: caches count nothing).
+	CacheInputs func(caches []volume.CacheRef) []volume.Ref
 	// Ready says whether the view may rank (false: a follower, or a
 	// leader whose view still settles): otherwise pods pass unplaced.
 	Ready func() bool
@@ -133,14 +137,21 @@ func Review(cfg Config, req *admissionv1.AdmissionRequest) (*admissionv1.Admissi
 	if namespace == "" {
 		namespace = pod.Namespace
 	}
-	inputs := Inputs(&pod, namespace, cfg.Registries)
+	inputs, caches := Inputs(&pod, namespace, cfg.Registries), Caches(&pod, namespace)
 	switch {
-	case len(inputs) == 0:
+	case len(inputs) == 0 && len(caches) == 0:
 		return resp, ResultNoInputs
 	case Bound(&pod):
 		return resp, ResultBound
 	case cfg.Ready != nil && !cfg.Ready():
 		return resp, ResultNotReady
+	}
+	if cfg.CacheInputs != nil && len(caches) > 0 {
+		inputs = append(inputs, cfg.CacheInputs(caches)...)
+		inputs = inputs[:min(len(inputs), MaxInputs)]
+	}
+	if len(inputs) == 0 {
+		return resp, ResultNoHolders // caches no node holds a version of
 	}
 	var making []string
 	if cfg.Making != nil {
@@ -192,6 +203,26 @@ func Inputs(pod *corev1.Pod, namespace string, registries []string) []volume.Ref
 			r.Namespace = ns
 		}
 		if r.Handle != "" && r.Validate() == nil && !add(r) {
+			break
+		}
+	}
+	return out
+}
+
+// Caches are the cache keys a pod of namespace names (volume.AttrCache),
+// each once, in the order named, at most MaxInputs; a key that is not a
+// valid one is passed over (the node refuses it at publish).
+func Caches(pod *corev1.Pod, namespace string) []volume.CacheRef {
+	var out []volume.CacheRef
+	for _, v := range pod.Spec.Volumes {
+		if v.CSI == nil || v.CSI.Driver != volume.DriverName {
+			continue
+		}
+		c := volume.CacheRef{Namespace: namespace, Key: v.CSI.VolumeAttributes[volume.AttrCache]}
+		if c.Key == "" || volume.ValidateCacheKey(c.Key) != nil || slices.Contains(out, c) {
+			continue
+		}
+		if out = append(out, c); len(out) == MaxInputs {
 			break
 		}
 	}

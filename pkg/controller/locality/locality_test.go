@@ -47,7 +47,18 @@ func configOf(v *fleet.View) Config {
 		Making: func(inputs []volume.Ref, namespace string) []string {
 			return v.Making(inputs, func(ns string) bool { return ns == namespace }, time.Now())
 		},
+		CacheInputs: func(caches []volume.CacheRef) []volume.Ref { return v.CacheInputs(caches, nil, time.Now()) },
 	}
+}
+
+// promoted is a version of a cache key, made current ago.
+func promoted(t *testing.T, ns, key string, size int64, ago time.Duration) fleet.Held {
+	h, err := volume.NewCacheHandle(key)
+	require.NoError(t, err)
+	held := ready(ns, h, size, "")
+	held.Properties = []fleet.Property{{Key: volume.PropertyCacheKey, Value: key},
+		{Key: volume.PropertyCachePromotedAt, Value: time.Now().Add(-ago).UTC().Format(time.RFC3339Nano)}}
+	return held
 }
 
 func csiVolume(name string, attrs map[string]string) corev1.Volume {
@@ -118,7 +129,8 @@ func TestReview(t *testing.T) {
 		"node-a": {ready("ci", "repo", 3<<30, ""), ready("ci", "img", 1<<30, ""), ready("other", "private", 50<<30, "")},
 		"node-b": {ready("ci", "deps", 1<<30, ""), ready("shared", "tools", 2<<30, volume.ScopeCluster)},
 		"node-c": {ready("ci", "repo", 3<<30, ""), ready("ci", "deps", 1<<30, "")},
-		"node-d": {},
+		"node-d": {promoted(t, "ci", "go-build", 2<<30, time.Hour)},
+		"node-f": {promoted(t, "ci", "go-build", 5<<30, 2*time.Hour), promoted(t, "other", "go-build", 9<<30, 0)},
 		"node-e": {{Ref: volume.Ref{Namespace: "ci", Handle: "being-made"}, State: volume.StateCreating, SizeBytes: -1},
 			{Ref: volume.Ref{Namespace: "ci", Handle: "repo"}, State: volume.StateCreating, SizeBytes: -1},
 			{Ref: volume.Ref{Namespace: "other", Handle: "private-made"}, State: volume.StateCreating, SizeBytes: -1}},
@@ -181,6 +193,18 @@ func TestReview(t *testing.T) {
 		{name: "another namespace's private volume beside an input of its own", pod: podWith(func(p *corev1.Pod) {
 			p.Spec.Volumes = []corev1.Volume{csiVolume("x", map[string]string{volume.AttrSource: "private", volume.AttrSourceNamespace: "other"}), source("deps", "deps")}
 		}), wantResult: ResultPreferred, want: []preference{{"node-b", 100}, {"node-c", 100}}},
+		{name: "a cache: the node holding its newest version, not a bigger older one", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{csiVolume("gocache", map[string]string{volume.AttrCache: "go-build"})}
+		}), wantResult: ResultPreferred, want: []preference{{"node-d", 100}}},
+		{name: "a cache beside a source", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{source("deps", "deps"), csiVolume("gocache", map[string]string{volume.AttrCache: "go-build"})}
+		}), wantResult: ResultPreferred, want: []preference{{"node-d", 100}, {"node-b", 50}, {"node-c", 50}}},
+		{name: "a cache no node holds a version of", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{csiVolume("c", map[string]string{volume.AttrCache: "never-used"})}
+		}), wantResult: ResultNoHolders},
+		{name: "a cache key that is not one", pod: podWith(func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{csiVolume("c", map[string]string{volume.AttrCache: "../x"})}
+		}), wantResult: ResultNoInputs},
 		{name: "a volume shared with the cluster", pod: podWith(func(p *corev1.Pod) {
 			p.Spec.Volumes = []corev1.Volume{csiVolume("x", map[string]string{volume.AttrSource: "tools", volume.AttrSourceNamespace: "shared"})}
 		}), wantResult: ResultPreferred, want: []preference{{"node-b", 100}}},

@@ -17,7 +17,7 @@ func NewMetrics() *Metrics {
 	return &Metrics{
 		reviews: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_controller_locality_reviews_total",
-			Help: "Pods the locality webhook reviewed, by result: preferred (given node preferences), no_inputs (names no cowvol source or image), bound (has a node of its own), no_holders (no live node holds an input), not_ready (a follower, or a view still settling), ignored (not a pod's create, or unreadable), bad_request.",
+			Help: "Pods the locality webhook reviewed, by result: preferred (given node preferences), no_inputs (names no cowvol source, cache or image), bound (has a node of its own), no_holders (no live node holds an input or a version of a cache it names), not_ready (a follower, or a view still settling), ignored (not a pod's create, or unreadable), bad_request.",
 		}, []string{"result"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "cowvol_controller_locality_review_duration_seconds",

@@ -1,10 +1,13 @@
 // Command scheduler runs one CI build through cowvol, as package scheduler
 // does: steps from a JSON file (a list of {name, inputs, output, script,
-// node}), placed by the controller's Cache API and run as pods by the
-// Kubernetes API. It prints each step's node, attempts and output.
+// node, caches}), placed by the controller's Cache API and run as pods by
+// the Kubernetes API. It prints each step's node, attempts and output.
 //
 //	scheduler --kubeconfig ~/.kube/config --controller cowvol.example:7070 --ca-file ca.crt \
-//	  --token-file token --namespace ci --image busybox:1.37 --build b42 --steps build.json
+//	  --token-file token --namespace ci --image golang:1.26 --build b42 --steps go-build.json
+//
+// go-build.json, beside this file's package, is a Go build whose module and
+// build caches are cowvol caches (docs/caches.md).
 package main
 
 import (

@@ -1,4 +1,4 @@
-// Command pause is the e2e harness's pod sandbox binary: it holds a pod's
+// Command pause is the local cluster's pod sandbox binary: it holds a pod's
 // namespaces open until it is told to stop, as registry.k8s.io/pause does.
 // It is built statically and packed into a local image, since no registry
 // is reachable from the test machine.

@@ -1,4 +1,4 @@
-// Command podnet is the e2e harness's CNI plugin. Its config's "subnet"
+// Command podnet is the local cluster's CNI plugin. Its config's "subnet"
 // chooses between two networks:
 //
 //   - none (the one-node cluster, whose node is the test's own network
@@ -98,11 +98,17 @@ func isolated(netns, ifname, id string) error {
 }
 
 // routed joins the pod to its node with an address of the node's subnet.
-func routed(conf netConf, netns, ifname, id string) error {
+func routed(conf netConf, netns, ifname, id string) (err error) {
 	addr, err := lease(conf, id)
 	if err != nil {
 		return err
 	}
+	// An ADD that fails holds no address: the runtime need not DEL it.
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, release(conf.DataDir, id))
+		}
+	}()
 	// Named for the container, within IFNAMSIZ; made in the pod's
 	// namespace and moved to the node's (this process's), where the
 	// runtime that runs podnet lives.
@@ -117,13 +123,13 @@ func routed(conf netConf, netns, ifname, id string) error {
 		{"route", "add", conf.Gateway, "dev", ifname, "scope", "link"},
 		{"route", "add", "default", "via", conf.Gateway, "dev", ifname},
 	}); err != nil {
-		return errors.Join(err, release(conf.DataDir, id))
+		return err
 	}
 	if err := ipIn("", [][]string{
 		{"link", "set", nodeEnd, "up"},
 		{"route", "replace", addr.String() + "/32", "dev", nodeEnd},
 	}); err != nil {
-		return errors.Join(err, release(conf.DataDir, id))
+		return err
 	}
 	return result(netns, ifname, addr.String()+"/32")
 }

@@ -1,6 +1,4 @@
-//go:build e2e
-
-package e2e
+package localcluster
 
 import (
 	"errors"
@@ -10,23 +8,23 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/tb"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
-func (c *cluster) teardown() {
-	t := c.t
+func (c *Cluster) teardown() {
+	t := c.T
 	if t.Failed() {
 		c.dumpLogs()
-		defer t.Logf("FAILED in scenario %q: its failure is logged above the processes' logs", c.current)
+		defer t.Logf("FAILED in scenario %q: its failure is logged above the processes' logs", c.Current)
 	}
 	c.stopAll("kubelet")
 	c.stopAll("kube-proxy")
-	for _, socket := range append([]string{c.containerd}, c.runtimes...) {
+	for _, socket := range append([]string{c.Containerd}, c.runtimes...) {
 		c.killShims(socket)
 	}
 	for _, name := range []string{"kube-scheduler", "kube-controller-manager", "containerd", "kube-apiserver", "etcd"} {
@@ -39,7 +37,7 @@ func (c *cluster) teardown() {
 	// Rounds: a shared kubelet dir (TestInstall's) holds each pod mount
 	// twice, one copy hidden under the other until that goes.
 	for round := 0; ; round++ {
-		mounts, err := overlay.MountsUnder(c.work)
+		mounts, err := overlay.MountsUnder(c.Work)
 		if err != nil {
 			t.Error(err)
 		}
@@ -47,7 +45,7 @@ func (c *cluster) teardown() {
 			break
 		}
 		if round == 5 {
-			t.Errorf("mounts left under %s: %v", c.work, mounts)
+			t.Errorf("mounts left under %s: %v", c.Work, mounts)
 			break
 		}
 		for _, mp := range mounts {
@@ -65,24 +63,24 @@ func (c *cluster) teardown() {
 	if after := linkNames(t); strings.Join(after, ",") != strings.Join(c.links, ",") {
 		t.Errorf("network devices changed: %v before, %v after", c.links, after)
 	}
-	for _, pid := range c.pidsMentioning(c.work) {
+	for _, pid := range c.pidsMentioning(c.Work) {
 		t.Errorf("process %d outlived the cluster", pid)
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
-	if err := os.RemoveAll(c.work); err != nil {
-		t.Errorf("removing %s: %v", c.work, err)
+	if err := os.RemoveAll(c.Work); err != nil {
+		t.Errorf("removing %s: %v", c.Work, err)
 	}
 }
 
 // pidsMentioning lists processes whose command line contains s: every
 // process of the cluster names its work dir (its data, config or socket).
-func (c *cluster) pidsMentioning(s string) []int {
-	return pidsWhere(func(cmdline string) bool { return strings.Contains(cmdline, s) })
+func (c *Cluster) pidsMentioning(s string) []int {
+	return PidsWhere(func(cmdline string) bool { return strings.Contains(cmdline, s) })
 }
 
-// pidsWhere lists the processes (but this one) whose command line, its
+// PidsWhere lists the processes (but this one) whose command line, its
 // arguments NUL-separated, match says.
-func pidsWhere(match func(cmdline string) bool) []int {
+func PidsWhere(match func(cmdline string) bool) []int {
 	var pids []int
 	entries, _ := os.ReadDir("/proc")
 	for _, e := range entries {
@@ -100,8 +98,8 @@ func pidsWhere(match func(cmdline string) bool) []int {
 
 // stopAll stops the process name and every node's process of that name
 // (name-<node>).
-func (c *cluster) stopAll(name string) {
-	for n, p := range c.procs {
+func (c *Cluster) stopAll(name string) {
+	for n, p := range c.Procs {
 		if n == name || strings.HasPrefix(n, name+"-") {
 			p.Stop(syscall.SIGTERM, 30*time.Second)
 		}
@@ -110,7 +108,7 @@ func (c *cluster) stopAll(name string) {
 
 // killShims kills the containerd shims of the containerd at socket (they
 // outlive it by design) by PID: they name its socket.
-func (c *cluster) killShims(socket string) {
+func (c *Cluster) killShims(socket string) {
 	if socket == "" {
 		return
 	}
@@ -131,7 +129,7 @@ func killCgroupProcs(cgroupRoots ...string) {
 		for _, r := range cgroupRoots {
 			dirs, _ := filepath.Glob("/sys/fs/cgroup/*" + r)
 			for _, dir := range dirs {
-				for _, pid := range cgroupPids(dir) {
+				for _, pid := range CgroupPids(dir) {
 					left = append(left, pid)
 					_ = syscall.Kill(pid, syscall.SIGKILL)
 				}
@@ -144,8 +142,8 @@ func killCgroupProcs(cgroupRoots ...string) {
 	}
 }
 
-// cgroupPids lists the processes in a cgroup and the cgroups below it.
-func cgroupPids(dir string) []int {
+// CgroupPids lists the processes in a cgroup and the cgroups below it.
+func CgroupPids(dir string) []int {
 	var pids []int
 	_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
 		if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
@@ -164,7 +162,7 @@ func cgroupPids(dir string) []int {
 
 // removeKubeCgroups removes the kubelet's cgroups (v1 and v2), and the
 // cgroup roots of nodes (their kubepods below), deepest first.
-func removeKubeCgroups(t testing.TB, cgroupRoots ...string) {
+func removeKubeCgroups(t tb.TB, cgroupRoots ...string) {
 	var dirs []string
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods*")
 	if v2, _ := filepath.Glob("/sys/fs/cgroup/kubepods*"); len(v2) > 0 {
