@@ -346,7 +346,7 @@ func (s *cacheServer) ClearCaches(ctx context.Context, req *controllerv1.ClearCa
 	}
 	resp := &controllerv1.ClearCachesResponse{}
 	for _, k := range keys {
-		told := s.view.Destroy(s.view.CacheVersionRefs(ns, k))
+		told := s.view.ClearCache(volume.CacheRef{Namespace: ns, Key: k}, time.Now())
 		s.metrics.Commands.WithLabelValues("destroy").Add(float64(len(told)))
 		resp.Caches = append(resp.Caches, &controllerv1.ClearedCache{Key: k, Versions: toWireVolumeNodes(told)})
 		klog.InfoS("Clearing a cache key on the nodes holding its versions", "namespace", ns, "key", k, "versions", len(told),

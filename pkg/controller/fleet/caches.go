@@ -165,21 +165,52 @@ func (v *View) chainBytes(e *entry, loc Location) int64 {
 // before).
 const maxChain = 1000
 
-// CacheVersionRefs lists every version of key in namespace that some node
-// reports, in any state, on any node: what clearing the key destroys.
-func (v *View) CacheVersionRefs(namespace, key string) []volume.Ref {
-	v.mu.RLock()
-	defer v.mu.RUnlock()
-	var out []volume.Ref
-	prefix := volume.CacheHandlePrefix + volume.CacheKeyHash(key) + "."
-	v.ordered.AscendGreaterOrEqual(&entry{ref: volume.Ref{Namespace: namespace, Handle: prefix}}, func(e *entry) bool {
-		if e.ref.Namespace != namespace || !strings.HasPrefix(e.ref.Handle, prefix) {
+// ClearCache destroys every version of a key that some node reports, in
+// any state, on any node, and says which nodes were told. It remembers the
+// clear for clearsKeptFor: a version promoted before now that a node
+// reports later (one it had not reported yet, or a copy it pulled before
+// it heard) is destroyed when it does, and never counts as the key's.
+func (v *View) ClearCache(c volume.CacheRef, now time.Time) []VolumeNodes {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for k, at := range v.clears {
+		if now.Sub(at) > clearsKeptFor {
+			delete(v.clears, k)
+		}
+	}
+	v.clears[c] = now
+	var refs []volume.Ref
+	prefix := volume.CacheHandlePrefix + volume.CacheKeyHash(c.Key) + "."
+	v.ordered.AscendGreaterOrEqual(&entry{ref: volume.Ref{Namespace: c.Namespace, Handle: prefix}}, func(e *entry) bool {
+		if e.ref.Namespace != c.Namespace || !strings.HasPrefix(e.ref.Handle, prefix) {
 			return false
 		}
-		if e.properties()[volume.PropertyCacheKey] == key {
-			out = append(out, e.ref)
+		if e.properties()[volume.PropertyCacheKey] == c.Key {
+			refs = append(refs, e.ref)
 		}
 		return true
 	})
-	return out
+	return v.commandLocked(refs, destroyOn)
+}
+
+// clearsKeptFor is how long the view remembers a key's clear: a node
+// silent for longer brings back its versions as they were, and a new
+// leader knows no clear at all. Either way a node that heard the clear
+// never forks a version promoted before it (pkg/node's catch-up).
+const clearsKeptFor = 7 * 24 * time.Hour
+
+// clearedBefore says e is a version of a key that was cleared after it was
+// promoted. The caller holds the lock.
+func (v *View) clearedBefore(e *entry) bool {
+	if len(v.clears) == 0 || !strings.HasPrefix(e.ref.Handle, volume.CacheHandlePrefix) {
+		return false
+	}
+	props := e.properties()
+	key := props[volume.PropertyCacheKey]
+	cleared, ok := v.clears[volume.CacheRef{Namespace: e.ref.Namespace, Key: key}]
+	if !ok || !volume.IsCacheHandleOf(e.ref.Handle, key) {
+		return false
+	}
+	at, err := time.Parse(time.RFC3339Nano, props[volume.PropertyCachePromotedAt])
+	return err == nil && at.Before(cleared)
 }

@@ -47,9 +47,10 @@ func TestCacheLookups(t *testing.T) {
 	other := cacheVersion(t, "go/build", "ready", t0.Add(30*time.Minute), "other/x")
 	other.Ref.Namespace = "other"
 
-	report := func(node string, at time.Time, held ...Held) {
-		_, err := v.Report(Report{NodeID: node, StoreID: "s-" + node, Revision: 1, Full: true, Upserts: held, PeerAddress: node + ":7443"}, at)
+	report := func(node string, at time.Time, held ...Held) Answer {
+		a, err := v.Report(Report{NodeID: node, StoreID: "s-" + node, Revision: 1, Full: true, Upserts: held, PeerAddress: node + ":7443"}, at)
 		require.NoError(t, err)
+		return a
 	}
 	report("silent", now.Add(-10*time.Minute), onSilent)
 	report("a", now, older, unpromoted, failed, npm, impostor, other, ahead)
@@ -77,16 +78,50 @@ func TestCacheLookups(t *testing.T) {
 
 	require.Equal(t, other.Ref, v.Caches("other", []string{"go/build"}, 0, now)[0].Version.Ref, "each namespace its own")
 
-	// Clearing the key destroys every version any node reports, whatever
-	// its state.
-	require.ElementsMatch(t, []volume.Ref{older.Ref, newest.Ref, unpromoted.Ref, failed.Ref, onSilent.Ref, ahead.Ref}, v.CacheVersionRefs("ci", "go/build"))
-	require.Empty(t, v.CacheVersionRefs("ci", "never"))
-
 	// Once b stops reporting, the older version is the newest a live node
 	// holds.
 	later := now.Add(2 * time.Minute)
-	report("a", later, older)
+	report("a", later, older, npm, other)
 	got = v.Caches("ci", []string{"go/build"}, 0, later)
 	require.Equal(t, older.Ref, got[0].Version.Ref)
 	require.Equal(t, []string{"a"}, got[0].Version.Nodes)
+
+	// Clearing the key destroys every version any node reports, on any
+	// node (silent and b too, which are stalled now), and leaves other
+	// keys and namespaces alone.
+	told := v.ClearCache(volume.CacheRef{Namespace: "ci", Key: "go/build"}, later)
+	var refs []volume.Ref
+	for _, vn := range told {
+		refs = append(refs, vn.Ref)
+		require.NotEmpty(t, vn.Nodes, "%s", vn.Ref)
+	}
+	require.ElementsMatch(t, []volume.Ref{older.Ref, newest.Ref, onSilent.Ref}, refs)
+	require.Empty(t, v.ClearCache(volume.CacheRef{Namespace: "ci", Key: "never"}, later))
+	require.False(t, v.Caches("ci", []string{"go/build"}, 0, later)[0].Found)
+	require.True(t, v.Caches("ci", []string{"npm"}, 0, later)[0].Found)
+	require.True(t, v.Caches("other", []string{"go/build"}, 0, later)[0].Found)
+
+	// A node that had not reported its version when the key was cleared
+	// (promoted before the clear) is told to destroy it when it does, and
+	// the version never counts; one promoted after the clear does, as
+	// does the same key of another namespace.
+	missed := cacheVersion(t, "go/build", "ready", later.Add(-time.Second), "ci/build-7")
+	a := report("c", later, missed)
+	require.Equal(t, []volume.Ref{missed.Ref}, a.Destroy)
+	require.False(t, v.Caches("ci", []string{"go/build"}, 0, later)[0].Found)
+	fresh := cacheVersion(t, "go/build", "ready", later.Add(time.Second), "ci/build-10")
+	otherMissed := cacheVersion(t, "go/build", "ready", later.Add(-time.Second), "other/y")
+	otherMissed.Ref.Namespace = "other"
+	a = report("c", later.Add(2*time.Second), missed, fresh, otherMissed)
+	require.Equal(t, []volume.Ref{missed.Ref}, a.Destroy)
+	got = v.Caches("ci", []string{"go/build"}, 0, later.Add(2*time.Second))
+	require.True(t, got[0].Found)
+	require.Equal(t, fresh.Ref, got[0].Version.Ref)
+	require.Equal(t, 1, got[0].Versions)
+
+	// The clear is forgotten after clearsKeptFor.
+	week := later.Add(clearsKeptFor + time.Minute)
+	v.ClearCache(volume.CacheRef{Namespace: "ci", Key: "npm"}, week)
+	back := cacheVersion(t, "go/build", "ready", later.Add(-2*time.Second), "ci/build-6")
+	require.Empty(t, report("d", week, back).Destroy)
 }

@@ -100,6 +100,10 @@ type View struct {
 	shortOfBudget map[*entry]struct{}
 	spent         []string
 	spentStale    bool
+	// clears are the cache keys cleared, each with when (this view's
+	// clock): a version promoted before then that a node reports later (it
+	// had not reported it when the key was cleared) is destroyed then.
+	clears map[volume.CacheRef]time.Time
 }
 
 // entry is one volume across the nodes that report it, with what is the
@@ -369,7 +373,8 @@ func (v *View) ForgetNode(node string) {
 func NewView(stalledAfter, forgetStalledAfter time.Duration) *View {
 	return &View{nodes: map[string]*nodeState{}, stalledAfter: stalledAfter, forgetStalledAfter: forgetStalledAfter,
 		cordoned: map[string]bool{}, byNamespace: map[string]map[string]*entry{}, ordered: btree.NewG(32, entryLess), shared: btree.NewG(32, entryLess),
-		lacking: map[*entry]*copying{}, copyLimits: noCopyLimits, copyUse: map[string]int{}, shortOfBudget: map[*entry]struct{}{}}
+		lacking: map[*entry]*copying{}, copyLimits: noCopyLimits, copyUse: map[string]int{}, shortOfBudget: map[*entry]struct{}{},
+		clears: map[volume.CacheRef]time.Time{}}
 }
 
 // AwaitReports makes the view incomplete (Unsettled says so) until each of
@@ -594,6 +599,9 @@ func (v *View) put(n *nodeState, u upsert) (e *entry, first bool) {
 		v.grant(e)
 	}
 	v.markLacking(e)
+	if v.clearedBefore(e) {
+		destroyOn(n, e) // it missed the key's clear
+	}
 	switch p := u.parent; {
 	case p.Handle == "":
 		e.parent = nil
@@ -820,8 +828,11 @@ func (v *View) pendingPins(n *nodeState) []PinCommand {
 // Destroy hides each volume from lookups at once and asks every node that
 // reported it to destroy it, saying which nodes were asked.
 func (v *View) Destroy(refs []volume.Ref) []VolumeNodes {
-	return v.command(refs, func(n *nodeState, e *entry) { n.destroy[e] = true })
+	return v.command(refs, destroyOn)
 }
+
+// destroyOn asks n to destroy e, which leaves every answer at once.
+func destroyOn(n *nodeState, e *entry) { n.destroy[e] = true }
 
 // DestroyIfOwned asks every node that reported each volume, in its next
 // answer, to destroy it if the node's own record names the owner whose UID
@@ -862,6 +873,11 @@ func (v *View) Pin(refs []volume.Ref, unpin bool, until time.Time) []VolumeNodes
 func (v *View) command(refs []volume.Ref, ask func(*nodeState, *entry)) []VolumeNodes {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	return v.commandLocked(refs, ask)
+}
+
+// commandLocked is command, for a caller that holds the lock.
+func (v *View) commandLocked(refs []volume.Ref, ask func(*nodeState, *entry)) []VolumeNodes {
 	out := make([]VolumeNodes, len(refs))
 	for i, r := range refs {
 		out[i].Ref = r
