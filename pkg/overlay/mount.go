@@ -7,8 +7,8 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
-	mountutils "k8s.io/mount-utils"
 )
 
 // Attrs are the mount attributes of a step volume. Every cowvol mount is
@@ -149,10 +149,12 @@ func overlayFD(lowers []string, upper, work string, a Attrs) (int, error) {
 		}
 	}
 	if upper != "" {
-		if err := unix.FsconfigSetString(fd, "upperdir", upper); err != nil {
+		// The kernel takes a backslash in these two (not in lowerdir+)
+		// as escaping the next byte, as in mount(2)'s option string.
+		if err := unix.FsconfigSetString(fd, "upperdir", escapeBackslashes(upper)); err != nil {
 			return -1, fsError(fd, "upperdir", err)
 		}
-		if err := unix.FsconfigSetString(fd, "workdir", work); err != nil {
+		if err := unix.FsconfigSetString(fd, "workdir", escapeBackslashes(work)); err != nil {
 			return -1, fsError(fd, "workdir", err)
 		}
 		if err := unix.FsconfigSetFlag(fd, volatileOption); err != nil {
@@ -173,6 +175,8 @@ func overlayFD(lowers []string, upper, work string, a Attrs) (int, error) {
 	}
 	return mfd, nil
 }
+
+func escapeBackslashes(path string) string { return strings.ReplaceAll(path, `\`, `\\`) }
 
 // moveMount attaches a detached mount at target. Without
 // MOVE_MOUNT_T_SYMLINKS the kernel does not follow a symlink there.
@@ -203,7 +207,7 @@ func fsError(fd int, step string, err error) error {
 
 func overlayLegacy(target string, lowers []string, upper, work string, a Attrs) error {
 	for _, p := range append([]string{upper, work}, lowers...) {
-		if strings.ContainsAny(p, ",:") {
+		if strings.ContainsAny(p, ",:\\") {
 			return fmt.Errorf("path %q cannot be passed to mount(2) for overlay", p)
 		}
 	}
@@ -333,43 +337,61 @@ func Holds(b Backend, s Spec, path, root string) bool {
 // lower dirs (top first) and upper dir; ok is false if what is on top is
 // not an overlay.
 func overlayAt(path string) (lowers []string, upper string, ok bool) {
-	infos, err := mountutils.ParseMountInfo("/proc/self/mountinfo")
+	infos, err := mountinfo.GetMounts(func(mi *mountinfo.Info) (skip, stop bool) { return mi.Mountpoint != path, false })
 	if err != nil {
 		return nil, "", false
 	}
 	for _, mi := range infos { // the last at path is the one on top
-		if mi.MountPoint != path {
-			continue
-		}
-		lowers, upper, ok = nil, "", mi.FsType == "overlay"
-		for _, o := range mi.SuperOptions {
-			switch k, v, _ := strings.Cut(o, "="); k {
+		lowers, upper, ok = nil, "", mi.FSType == "overlay"
+		for _, o := range strings.Split(mi.VFSOptions, ",") {
+			k, v, _ := strings.Cut(o, "=")
+			switch v = unescapeOctal(v); k {
 			case "lowerdir+": // the new mount API's, one per layer
 				lowers = append(lowers, v)
 			case "lowerdir":
 				lowers = append(lowers, strings.Split(v, ":")...)
-			case "upperdir":
-				upper = v
+			case "upperdir": // as it was given: escaped (escapeBackslashes)
+				upper = strings.ReplaceAll(v, `\\`, `\`)
 			}
 		}
 	}
 	return lowers, upper, ok
 }
 
+// unescapeOctal undoes mountinfo's escapes of a mount option's value: the
+// kernel writes a comma, a space, a tab, a newline or a backslash in one as
+// a backslash and three octal digits.
+func unescapeOctal(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) && isOctal(s[i+1]) && isOctal(s[i+2]) && isOctal(s[i+3]) {
+			b.WriteByte((s[i+1]-'0')<<6 | (s[i+2]-'0')<<3 | (s[i+3] - '0'))
+			i += 3
+			continue
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+func isOctal(c byte) bool { return c >= '0' && c <= '7' }
+
 // MountsUnder lists the mount points at or below dir from
 // /proc/self/mountinfo, most recent first: unmounting in this order takes a
 // mount down before the one it sits on.
 func MountsUnder(dir string) ([]string, error) {
-	infos, err := mountutils.ParseMountInfo("/proc/self/mountinfo")
+	infos, err := mountinfo.GetMounts(func(mi *mountinfo.Info) (skip, stop bool) {
+		return mi.Mountpoint != dir && !strings.HasPrefix(mi.Mountpoint, dir+"/"), false
+	})
 	if err != nil {
 		return nil, err
 	}
-	var out []string
+	out := make([]string, 0, len(infos))
 	for i := len(infos) - 1; i >= 0; i-- {
-		mp := infos[i].MountPoint
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			out = append(out, mp)
-		}
+		out = append(out, infos[i].Mountpoint)
 	}
 	return out, nil
 }

@@ -315,10 +315,13 @@ func TestProjectQuotaLimits(t *testing.T) {
 
 // Holds recognises each kind of step volume mount by what it holds, and
 // refuses one made for another volume: how a plugin with records from
-// before mount roots finds its mounts from a new mount namespace.
+// before mount roots finds its mounts from a new mount namespace. Its
+// paths hold what mountinfo escapes (a comma splits mount options, a space
+// splits fields): a state or kubelet dir may.
 func TestHoldsRecognisesItsMounts(t *testing.T) {
 	testfs.Need(t)
-	root := testfs.Mount(t, testfs.XFS, 1<<30)
+	root := filepath.Join(testfs.Mount(t, testfs.XFS, 1<<30), "state, with=odd\\names\ttoo")
+	require.NoError(t, os.Mkdir(root, 0o755))
 	m := NewSysMounter()
 	layer := func(name string) string {
 		d := filepath.Join(root, name)
@@ -353,6 +356,9 @@ func TestHoldsRecognisesItsMounts(t *testing.T) {
 			var st unix.Stat_t
 			require.NoError(t, unix.Stat(target, &st))
 			require.True(t, Holds(b, s, target, RootID(&st)), "its own mount")
+			mounts, err := MountsUnder(root)
+			require.NoError(t, err)
+			require.Contains(t, mounts, target)
 			other := s
 			other.Dir = filepath.Join(root, "another-view")
 			if len(s.Lowers) > 1 {
