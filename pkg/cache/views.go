@@ -379,8 +379,7 @@ func commitCapture(tx *bolt.Tx, volumeID string, c Captured, beforeCommit func(*
 		}
 	}
 	vol.SizeBytes, vol.Inodes = c.Bytes, c.Inodes
-	vol.Properties = maps.Clone(vol.Properties)
-	if vol.Properties == nil {
+	if vol.Properties == nil { // (decoded above: the map is this call's own)
 		vol.Properties = map[string]string{}
 	}
 	maps.Copy(vol.Properties, c.Properties)
