@@ -195,6 +195,65 @@ func TestCandidatesAndPins(t *testing.T) {
 	require.Contains(t, refs(s.Candidates(now.Add(2*time.Minute))), ref("ci", "pinned"), "a pin expires")
 }
 
+// The reaper destroys what a scan found due only if it still is when it
+// does: a pin, a step's view or a use that came since keeps the volume.
+func TestDestroyDueChecksAgain(t *testing.T) {
+	now := time.Now()
+	tests := []struct {
+		name string
+		why  Due
+		// since changes the store (and what the scan saw) after the scan.
+		since         func(t *testing.T, s *Store, seen *Volume)
+		wantDestroyed bool
+	}{
+		{"still evictable", DueWatermark, func(*testing.T, *Store, *Volume) {}, true},
+		{"pinned since the scan", DueWatermark, func(t *testing.T, s *Store, seen *Volume) {
+			_, err := s.SetPin(seen.Ref(), true, time.Time{})
+			require.NoError(t, err)
+		}, false},
+		{"a step's view took it since the scan", DueWatermark, func(t *testing.T, s *Store, seen *Volume) {
+			_, err := s.Publish(View{VolumeID: "reader", Source: seen.Ref(), Pod: pod("ci")})
+			require.NoError(t, err)
+		}, false},
+		{"used since the scan", DueWatermark, func(_ *testing.T, _ *Store, seen *Volume) {
+			seen.LastUsed = seen.LastUsed.Add(-time.Minute) // the scan saw an older use
+		}, false},
+		{"its TTL ran out", DueTTL, func(*testing.T, *Store, *Volume) {}, true},
+		{"pinned since its TTL ran out", DueTTL, func(t *testing.T, s *Store, seen *Volume) {
+			_, err := s.SetPin(seen.Ref(), true, now.Add(time.Hour))
+			require.NoError(t, err)
+		}, false},
+		{"failed", DueFailed, func(t *testing.T, s *Store, seen *Volume) {
+			require.NoError(t, s.MarkFailed(seen.Ref()))
+		}, true},
+		{"not failed", DueFailed, func(*testing.T, *Store, *Volume) {}, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := openStore(t)
+			v, err := s.Publish(View{VolumeID: "v", Capture: "vol", TTL: time.Minute, Pod: pod("ci")})
+			require.NoError(t, err)
+			require.NoError(t, s.SetMounted(v.VolumeID, 1, ""))
+			require.NoError(t, s.SetViewState(v.VolumeID, ViewPublished, ViewCapturing))
+			res, err := s.CaptureTarget(v)
+			require.NoError(t, err)
+			require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
+			seen, err := s.CommitCapture(v.VolumeID, Captured{})
+			require.NoError(t, err)
+			tc.since(t, s, &seen)
+			at := now.Add(2 * time.Minute) // past its TTL
+			destroyed, err := s.DestroyDue(seen, tc.why, at)
+			require.NoError(t, err)
+			require.Equal(t, tc.wantDestroyed, destroyed)
+			got, err := s.Get(seen.Ref())
+			require.NoError(t, err)
+			require.Equal(t, tc.wantDestroyed, got.Hidden(), "destroyed: %s", got.State)
+		})
+	}
+	_, err := openStore(t).DestroyDue(Volume{}, "whim", now)
+	require.Error(t, err)
+}
+
 func TestTTLExpiry(t *testing.T) {
 	s := openStore(t)
 	v, err := s.Publish(View{VolumeID: "v", Capture: "short", TTL: time.Hour, Pod: pod("ci")})
@@ -211,7 +270,8 @@ func TestTTLExpiry(t *testing.T) {
 	require.Empty(t, expired)
 	require.WithinDuration(t, now.Add(time.Hour), next, time.Minute, "the TTL runs out an hour after the capture")
 	_, expired, _ = s.Due(now.Add(2 * time.Hour))
-	require.Equal(t, []volume.Ref{ref("ci", "short")}, expired)
+	require.Len(t, expired, 1)
+	require.Equal(t, ref("ci", "short"), expired[0].Ref())
 	_, err = s.SetPin(ref("ci", "short"), true, now.Add(3*time.Hour))
 	require.NoError(t, err)
 	_, expired, next = s.Due(now.Add(2 * time.Hour))

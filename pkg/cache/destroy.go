@@ -26,10 +26,55 @@ func (s *Store) Destroy(r volume.Ref) error {
 }
 
 func (s *Store) destroy(r volume.Ref) error {
-	return s.db.Update(func(tx *bolt.Tx) error {
+	_, err := s.destroyIf(r, nil)
+	return err
+}
+
+// Why the reaper destroys a volume. Each is checked again as it does
+// (DestroyDue): the reaper picks from a scan, and a pin, a publish or a
+// use may come between the scan and the destroy.
+type Due string
+
+const (
+	// DueFailed: the volume failed.
+	DueFailed Due = "failed"
+	// DueTTL: its TTL ran out, unused and unpinned.
+	DueTTL Due = "ttl"
+	// DueWatermark: it may be evicted (ready, unpinned, held by nothing),
+	// and was not used since the scan saw it.
+	DueWatermark Due = "watermark"
+)
+
+// DestroyDue destroys the volume a scan saw as seen, as Destroy does, if it
+// is still due for why at now, and says whether it did.
+func (s *Store) DestroyDue(seen Volume, why Due, now time.Time) (destroyed bool, err error) {
+	var still func(tx *bolt.Tx, v Volume) bool
+	switch why {
+	case DueFailed:
+		still = func(_ *bolt.Tx, v Volume) bool { return v.State == volume.StateFailed }
+	case DueTTL:
+		still = func(_ *bolt.Tx, v Volume) bool { return v.expired(now) }
+	case DueWatermark:
+		still = func(tx *bolt.Tx, v Volume) bool {
+			return v.evictable(s.holdersOf(tx, v.Ref()), now) && !v.LastUsed.After(seen.LastUsed)
+		}
+	default:
+		return false, fmt.Errorf("destroying %s: no reason %q", seen.Ref(), why)
+	}
+	err = s.withRoom(func() (err error) {
+		destroyed, err = s.destroyIf(seen.Ref(), still)
+		return err
+	})
+	return destroyed, err
+}
+
+// destroyIf destroys r, if still (nil: always) says so of its record in the
+// same transaction, and says whether it did.
+func (s *Store) destroyIf(r volume.Ref, still func(tx *bolt.Tx, v Volume) bool) (destroyed bool, err error) {
+	err = s.db.Update(func(tx *bolt.Tx) error {
 		vols := tx.Bucket(volumesBucket)
 		v, ok, err := getJSON[Volume](vols, key(r))
-		if err != nil || !ok || v.Hidden() {
+		if err != nil || !ok || v.Hidden() || (still != nil && !still(tx, v)) {
 			return err
 		}
 		if err := v.apply(EventDestroy, Lease{}); err != nil {
@@ -38,8 +83,10 @@ func (s *Store) destroy(r volume.Ref) error {
 		if err := bump(tx); err != nil {
 			return err
 		}
+		destroyed = true
 		return putJSON(vols, key(r), v)
 	})
+	return destroyed, err
 }
 
 // holdersOf says what holds r's data, recorded and live.
@@ -208,13 +255,13 @@ func cacheKeyOf(v Volume) string {
 // destroys them) and the ones whose TTL ran out by now with no pin
 // protecting them; and says when the next TTL may run out (zero: none can
 // before the store changes).
-func (s *Store) Due(now time.Time) (failed, expired []volume.Ref, next time.Time) {
+func (s *Store) Due(now time.Time) (failed, expired []Volume, next time.Time) {
 	for _, v := range s.List() {
 		switch {
 		case v.State == volume.StateFailed:
-			failed = append(failed, v.Ref())
+			failed = append(failed, v)
 		case v.expired(now):
-			expired = append(expired, v.Ref())
+			expired = append(expired, v)
 		default:
 			if at, ok := v.expiresAt(); ok && (next.IsZero() || at.Before(next)) {
 				next = at

@@ -100,11 +100,11 @@ func (e *Engine) reapRound() {
 	// tick scan again.
 	rev := e.store.Revision()
 	failed, expired, next := e.store.Due(now)
-	for _, r := range failed {
-		e.destroyFor("failed", r)
+	for _, v := range failed {
+		e.destroyFor(cache.DueFailed, v, now)
 	}
-	for _, r := range expired {
-		e.destroyFor("ttl", r)
+	for _, v := range expired {
+		e.destroyFor(cache.DueTTL, v, now)
 	}
 	e.relievePressure(now)
 	left := e.freeReapable()
@@ -144,13 +144,21 @@ func (e *Engine) reapTick() {
 	}
 }
 
-func (e *Engine) destroyFor(reason string, r volume.Ref) {
-	if err := e.store.Destroy(r); err != nil {
-		klog.ErrorS(err, "Destroying a cached volume", "volume", r, "reason", reason)
-		return
+// destroyFor destroys v, which a scan at now found due for why, if it
+// still is, and says whether it did.
+func (e *Engine) destroyFor(why cache.Due, v cache.Volume, now time.Time) bool {
+	destroyed, err := e.store.DestroyDue(v, why, now)
+	if err != nil {
+		klog.ErrorS(err, "Destroying a cached volume", "volume", v.Ref(), "reason", why)
+		return false
 	}
-	e.metrics.evictions.WithLabelValues(reason).Inc()
-	klog.InfoS("Destroying a cached volume", "volume", r, "reason", reason)
+	if !destroyed {
+		klog.V(2).InfoS("Not destroying a cached volume: pinned, used or changed since the scan", "volume", v.Ref(), "reason", why)
+		return false
+	}
+	e.metrics.evictions.WithLabelValues(string(why)).Inc()
+	klog.InfoS("Destroying a cached volume", "volume", v.Ref(), "reason", why)
+	return true
 }
 
 // freeReapable deletes the data of every destroyed volume nothing holds,
@@ -270,14 +278,15 @@ func (e *Engine) relievePressure(now time.Time) {
 			cands := slices.DeleteFunc(e.store.Candidates(now), func(v cache.Volume) bool {
 				return now.Sub(v.LastUsed) < e.watermarks.Grace
 			})
-			if len(cands) == 0 {
-				break
-			}
+			destroyed := false
 			for _, v := range cands {
 				if needBytes <= 0 && needInodes <= 0 {
 					break
 				}
-				e.destroyFor("watermark", v.Ref())
+				if !e.destroyFor(cache.DueWatermark, v, now) {
+					continue
+				}
+				destroyed = true
 				if err := e.store.Reap(v.Ref(), overlay.RemoveTree); err != nil {
 					klog.ErrorS(err, "Freeing an evicted volume's data", "volume", v.Ref())
 					continue
@@ -286,6 +295,9 @@ func (e *Engine) relievePressure(now time.Time) {
 				needInodes -= max(v.Inodes, 0)
 				e.metrics.destroys.WithLabelValues("ok").Inc()
 				e.metrics.reclaimed.Add(float64(max(v.SizeBytes, 0)))
+			}
+			if !destroyed { // none left, or none still evictable: the next round looks again
+				break
 			}
 		}
 		if d, err = measureDisk(e.store.Dir()); err != nil {

@@ -139,17 +139,30 @@ func TestWakeAfterStream(t *testing.T) {
 // pinned.
 func TestTTLDestroysUnusedVolumes(t *testing.T) {
 	f := newFixture(t)
-	for _, h := range []string{"brief", "kept"} {
-		v := f.volume("ci", "", h)
-		v.TTL = 200 * time.Millisecond
-		require.NoError(t, f.publish(v))
-		require.NoError(t, f.unpublish(v))
+	// kept is pinned at once, well within its TTL (a slow machine may take
+	// a while between two calls); the reaper is then kicked past the TTL.
+	const keptTTL = time.Second
+	for _, v := range []struct {
+		handle string
+		ttl    time.Duration
+	}{{"kept", keptTTL}, {"brief", 200 * time.Millisecond}} {
+		r := f.volume("ci", "", v.handle)
+		r.TTL = v.ttl
+		require.NoError(t, f.publish(r))
+		require.NoError(t, f.unpublish(r))
+		if v.handle == "kept" {
+			_, err := f.engine.Pin(ref("ci", "kept"), time.Time{})
+			require.NoError(t, err)
+		}
 	}
-	_, err := f.engine.Pin(ref("ci", "kept"), time.Time{})
-	require.NoError(t, err)
+	keptSince := time.Now()
 	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("brief") }, 30*time.Second, 50*time.Millisecond)
+	for time.Since(keptSince) < 2*keptTTL {
+		f.engine.kick(f.engine.reaper)
+		time.Sleep(50 * time.Millisecond)
+	}
 	require.False(t, f.gone("kept"), "a pinned volume outlives its TTL")
-	_, err = f.engine.Unpin(ref("ci", "kept"))
+	_, err := f.engine.Unpin(ref("ci", "kept"))
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { f.engine.kick(f.engine.reaper); return f.gone("kept") }, 30*time.Second, 50*time.Millisecond)
 }
