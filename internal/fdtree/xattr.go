@@ -3,6 +3,7 @@ package fdtree
 import (
 	"errors"
 	"runtime"
+	"strings"
 	"sync/atomic"
 	"unsafe"
 
@@ -18,6 +19,56 @@ import (
 // CapsXattr holds a file's capabilities, which the kernel drops on a write
 // or a chown.
 const CapsXattr = "security.capability"
+
+// xattrPrefixes are the extended attributes that travel with a volume's
+// files (in its streams and its index): the overlay's own (whiteouts,
+// opaque dirs, redirects), users', and file capabilities (which a nosuid
+// mount disarms). Others (SELinux labels, ACLs) belong to the node, not
+// the volume.
+var xattrPrefixes = []string{"trusted.overlay.", "user.", CapsXattr}
+
+// XattrTravels says whether the extended attribute name travels with a
+// volume's file.
+func XattrTravels(name string) bool {
+	for _, p := range xattrPrefixes {
+		if strings.HasPrefix(name, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// Xattrs are the extended attributes that travel of name, in the
+// directory open as dir (nil: none, or a filesystem without xattrs).
+func Xattrs(dir int, name string) (map[string]string, error) {
+	size, err := ListXattrs(dir, name, nil)
+	if err != nil || size == 0 {
+		if errors.Is(err, unix.ENOTSUP) {
+			err = nil
+		}
+		return nil, err
+	}
+	buf := make([]byte, size)
+	if size, err = ListXattrs(dir, name, buf); err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for _, attr := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
+		if !XattrTravels(attr) {
+			continue
+		}
+		vsize, err := GetXattr(dir, name, attr, nil)
+		if err != nil {
+			return nil, err
+		}
+		val := make([]byte, vsize)
+		if vsize, err = GetXattr(dir, name, attr, val); err != nil {
+			return nil, err
+		}
+		out[attr] = string(val[:vsize])
+	}
+	return out, nil
+}
 
 // noXattrAt is set once the *xattrat calls are found missing or blocked.
 var noXattrAt atomic.Bool

@@ -32,21 +32,6 @@ import (
 	"github.com/concourse/cowvol/pkg/filesum"
 )
 
-// xattrPrefixes are the extended attributes that travel: the overlay's own
-// (whiteouts, opaque dirs, redirects), users', and file capabilities (which
-// a nosuid mount disarms). Others (SELinux labels, ACLs) belong to the
-// node, not the volume.
-var xattrPrefixes = []string{"trusted.overlay.", "user.", fdtree.CapsXattr}
-
-func xattrTravels(name string) bool {
-	for _, p := range xattrPrefixes {
-		if strings.HasPrefix(name, p) {
-			return true
-		}
-	}
-	return false
-}
-
 const paxXattr = "SCHILY.xattr."
 
 // Summary is what a stream carried: the tar bytes (before encoding), their
@@ -183,37 +168,6 @@ func parseHoles(rec string, body int64) (int64, [][2]int64, error) {
 		return 0, nil, refused("sparse map holds %d bytes, the entry %d", data, body)
 	}
 	return size, segments, nil
-}
-
-// readXattrs are the xattrs that travel of base, in the dir open as dir.
-func readXattrs(dir int, base string) (map[string]string, error) {
-	size, err := fdtree.ListXattrs(dir, base, nil)
-	if err != nil || size == 0 {
-		if errors.Is(err, unix.ENOTSUP) {
-			err = nil
-		}
-		return nil, err
-	}
-	buf := make([]byte, size)
-	if size, err = fdtree.ListXattrs(dir, base, buf); err != nil {
-		return nil, err
-	}
-	out := map[string]string{}
-	for _, name := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
-		if !xattrTravels(name) {
-			continue
-		}
-		vsize, err := fdtree.GetXattr(dir, base, name, nil)
-		if err != nil {
-			return nil, err
-		}
-		val := make([]byte, vsize)
-		if vsize, err = fdtree.GetXattr(dir, base, name, val); err != nil {
-			return nil, err
-		}
-		out[name] = string(val[:vsize])
-	}
-	return out, nil
 }
 
 // Limits bound what an extraction accepts.

@@ -405,7 +405,7 @@ func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry,
 	e := aheadEntry{hdr: hdr, name: name, file: -1}
 	if pk.shape != DataTar { // a DataTar's entries are names and data: the stub tree carried the rest
 		hdr.Mode, hdr.Uid, hdr.Gid, hdr.ModTime = int64(st.Mode&0o7777), int(st.Uid), int(st.Gid), time.Unix(st.Mtim.Unix())
-		xattrs, err := readXattrs(dir, base)
+		xattrs, err := fdtree.Xattrs(dir, base)
 		if err != nil {
 			return e, fmt.Errorf("%s: %w", name, err)
 		}

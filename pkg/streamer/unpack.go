@@ -536,7 +536,7 @@ func (x *extractor) setsXattr(name string) bool {
 // checkXattrs refuses xattrs that do not travel, or are too big.
 func (x *extractor) checkXattrs(name string, hdr *tar.Header) error {
 	for k, v := range hdr.PAXRecords {
-		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!xattrTravels(xattr) || len(v) > 64<<10 ||
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!fdtree.XattrTravels(xattr) || len(v) > 64<<10 ||
 			(x.strict && strings.HasPrefix(xattr, "trusted."))) {
 			return refused("%s: xattr %q", name, xattr)
 		}
