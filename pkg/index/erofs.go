@@ -1,0 +1,321 @@
+package index
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math/bits"
+	"sort"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// erofs.go writes the image: the superblock and its one device slot (the
+// blob), then every inode (64-byte extended ones, each with its inline
+// xattrs, then a regular file's chunk indexes or a symlink's target), then
+// the directories' blocks of entries. See the kernel's
+// Documentation/filesystems/erofs.rst and fs/erofs/erofs_fs.h.
+
+const (
+	blockBits = 12
+	blockSize = 1 << blockBits
+
+	erofsMagic       = 0xe0f5e1e2
+	superblockOffset = 1024
+	deviceSlotOffset = superblockOffset + 128 // right after the superblock
+	inodesOffset     = deviceSlotOffset + 128 // the root's inode first
+
+	incompatChunkedFile = 0x4
+	incompatDeviceTable = 0x8
+
+	layoutFlatPlain  = 0
+	layoutFlatInline = 2
+	layoutChunkBased = 4
+
+	chunkIndexes   = 0x20 // chunk format: 8-byte indexes with a device ID
+	maxChunkBits   = 22   // 4 MiB chunks at most (and so per-chunk checks)
+	nullBlock      = 0xffffffff
+	inodeSize      = 64
+	xattrHeader    = 12
+	direntSize     = 12
+	blobDeviceID   = 1
+	maxBlobBlocks  = 1<<32 - 2 // the last block address is nullBlock's
+	maxInlineBytes = blockSize - inodeSize
+)
+
+// xattrIndexes are the name prefixes EROFS stores an xattr's name under
+// (its short prefix table; longer ones are those the kernel adds).
+var xattrIndexes = []struct {
+	prefix string
+	index  uint8
+}{{"user.", 1}, {"trusted.", 4}, {"security.", 6}}
+
+// write lays out the tree below top and writes the image to w.
+func write(w io.Writer, top *node, layout *Layout) error {
+	if layout.Size/blockSize > maxBlobBlocks {
+		return fmt.Errorf("a blob of %d bytes: %w", layout.Size, ErrUnindexable)
+	}
+	// Number the inodes, parents before children, and count links.
+	var order []*node
+	seen := map[*node]bool{top: true}
+	order = append(order, top)
+	for i := 0; i < len(order); i++ {
+		for _, d := range order[i].entries {
+			d.n.nlink++
+			if !seen[d.n] {
+				seen[d.n] = true
+				order = append(order, d.n)
+			}
+		}
+	}
+	// Each inode's record: where it starts, and what follows it.
+	records := make([][]byte, len(order))
+	pos := int64(inodesOffset)
+	for i, n := range order {
+		n.ino = uint32(i + 1)
+		xattrs, err := xattrBody(n.xattrs)
+		if err != nil {
+			return err
+		}
+		tail := n.tail(xattrs, layout)
+		if n.st.Mode&unix.S_IFMT == unix.S_IFLNK && inodeSize+len(xattrs)+len(tail) > blockSize {
+			// Inline in the inode's block, or not at all (a data block
+			// of its own for a target this long is not written yet).
+			return fmt.Errorf("a symlink's target of %d bytes: %w", len(n.target), ErrUnindexable)
+		}
+		size := inodeSize + int64(len(xattrs))
+		if n.st.Mode&unix.S_IFMT == unix.S_IFREG && len(tail) > 0 {
+			size = roundUp(size, 8) // chunk indexes are 8-aligned
+		}
+		size += int64(len(tail))
+		if pos/blockSize != (pos+min(size, blockSize)-1)/blockSize {
+			pos = roundUp(pos, blockSize) // a record starts in the block it fits in
+		}
+		n.nid = uint64(pos / 32)
+		records[i] = tail
+		pos = roundUp(pos+size, 32)
+	}
+	// The directories' blocks follow the inodes.
+	block := uint32(roundUp(pos, blockSize) / blockSize)
+	dirBlocks := map[*node][]byte{}
+	for _, n := range order {
+		if n.st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			continue
+		}
+		data, err := dirData(n)
+		if err != nil {
+			return err
+		}
+		n.blkDir, n.dirLen = block, int64(len(data))
+		dirBlocks[n] = data
+		block += uint32(roundUp(int64(len(data)), blockSize) / blockSize)
+	}
+	if top.nid > 0xffff {
+		return fmt.Errorf("root nid %d: %w", top.nid, ErrUnindexable)
+	}
+	img := make([]byte, int64(block)*blockSize)
+	putSuperblock(img, top, uint64(len(order)), block, layout)
+	for i, n := range order {
+		at := int64(n.nid) * 32
+		xattrs, _ := xattrBody(n.xattrs)
+		n.putInode(img[at:], len(xattrs))
+		copy(img[at+inodeSize:], xattrs)
+		tailAt := at + inodeSize + int64(len(xattrs))
+		if n.st.Mode&unix.S_IFMT == unix.S_IFREG && len(records[i]) > 0 {
+			tailAt = roundUp(tailAt, 8)
+		}
+		copy(img[tailAt:], records[i])
+	}
+	for n, data := range dirBlocks {
+		copy(img[int64(n.blkDir)*blockSize:], data)
+	}
+	_, err := w.Write(img)
+	return err
+}
+
+// chunkBits is the chunk size of a regular file's data, as a shift past
+// the block size: the smallest power of two that holds it, at most
+// maxChunkBits. The file lies contiguous in the blob, so its chunks do.
+func chunkBits(size int64) uint16 {
+	b := bits.Len64(uint64(size - 1))
+	return uint16(min(max(b, blockBits), maxChunkBits) - blockBits)
+}
+
+// tail is what follows n's inode and xattrs: a regular file's chunk
+// indexes, or a symlink's target.
+func (n *node) tail(xattrs []byte, layout *Layout) []byte {
+	switch n.st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		if n.extent < 0 {
+			return nil
+		}
+		e := layout.Extents[n.extent]
+		chunk := int64(blockSize) << chunkBits(e.Size)
+		count := (e.Size + chunk - 1) / chunk
+		out := make([]byte, 8*count)
+		for i := range count {
+			binary.LittleEndian.PutUint16(out[8*i+2:], blobDeviceID)
+			binary.LittleEndian.PutUint32(out[8*i+4:], uint32((e.Offset+i*chunk)/blockSize))
+		}
+		return out
+	case unix.S_IFLNK:
+		return []byte(n.target)
+	}
+	return nil
+}
+
+// putInode writes n's extended inode at b.
+func (n *node) putInode(b []byte, xattrBytes int) {
+	le := binary.LittleEndian
+	format, size, data := uint16(1), uint64(0), uint32(0) // 1: extended
+	switch n.st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		format |= layoutChunkBased << 1
+		size = uint64(n.st.Size)
+		if n.st.Size > 0 {
+			data = uint32(chunkIndexes | chunkBits(n.st.Size))
+		} else {
+			data = uint32(chunkIndexes)
+		}
+	case unix.S_IFDIR:
+		format |= layoutFlatPlain << 1
+		size, data = uint64(n.dirLen), n.blkDir
+	case unix.S_IFLNK:
+		format |= layoutFlatInline << 1
+		size, data = uint64(len(n.target)), nullBlock
+	case unix.S_IFCHR, unix.S_IFBLK:
+		data = encodeDev(n.st.Rdev)
+	}
+	le.PutUint16(b[0:], format)
+	if xattrBytes > 0 {
+		le.PutUint16(b[2:], uint16((xattrBytes-xattrHeader)/4+1))
+	}
+	le.PutUint16(b[4:], uint16(n.st.Mode))
+	le.PutUint64(b[8:], size)
+	le.PutUint32(b[16:], data)
+	le.PutUint32(b[20:], n.ino)
+	le.PutUint32(b[24:], n.st.Uid)
+	le.PutUint32(b[28:], n.st.Gid)
+	le.PutUint64(b[32:], uint64(n.st.Mtim.Sec))
+	le.PutUint32(b[40:], uint32(n.st.Mtim.Nsec))
+	le.PutUint32(b[44:], n.nlink)
+}
+
+// encodeDev is the kernel's new_encode_dev.
+func encodeDev(rdev uint64) uint32 {
+	major, minor := unix.Major(rdev), unix.Minor(rdev)
+	return minor&0xff | major<<8 | (minor&^0xff)<<12
+}
+
+// xattrBody is an inode's inline xattrs: a header, then each entry
+// (name's length, prefix index, value's length, name, value), 4-aligned.
+func xattrBody(xattrs map[string]string) ([]byte, error) {
+	if len(xattrs) == 0 {
+		return nil, nil
+	}
+	names := make([]string, 0, len(xattrs))
+	for k := range xattrs {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	out := make([]byte, xattrHeader)
+	for _, name := range names {
+		var index uint8
+		var suffix string
+		for _, p := range xattrIndexes {
+			if s, ok := strings.CutPrefix(name, p.prefix); ok {
+				index, suffix = p.index, s
+				break
+			}
+		}
+		value := xattrs[name]
+		if index == 0 || len(suffix) > 255 || len(value) > 0xffff {
+			return nil, fmt.Errorf("xattr %q: %w", name, ErrUnindexable)
+		}
+		entry := []byte{uint8(len(suffix)), index, 0, 0}
+		binary.LittleEndian.PutUint16(entry[2:], uint16(len(value)))
+		entry = append(append(entry, suffix...), value...)
+		out = append(out, entry...)
+		out = append(out, make([]byte, roundUp(int64(len(entry)), 4)-int64(len(entry)))...)
+	}
+	if len(out) > maxInlineBytes {
+		return nil, fmt.Errorf("%d bytes of xattrs on one inode: %w", len(out), ErrUnindexable)
+	}
+	return out, nil
+}
+
+// dirData is a directory's blocks of entries. Each block holds the
+// entries (nid, name offset, file type) of a run of names, then those
+// names; the names are in byte order across the blocks, as lookups'
+// binary search needs.
+func dirData(n *node) ([]byte, error) {
+	var out []byte
+	for i := 0; i < len(n.entries); {
+		// As many entries as fit in a block.
+		j, used := i, 0
+		for j < len(n.entries) && used+direntSize+len(n.entries[j].name) <= blockSize {
+			used += direntSize + len(n.entries[j].name)
+			j++
+		}
+		if j == i {
+			return nil, fmt.Errorf("a name of %d bytes: %w", len(n.entries[i].name), ErrUnindexable)
+		}
+		block := make([]byte, blockSize)
+		nameAt := direntSize * (j - i)
+		for k, d := range n.entries[i:j] {
+			e := block[direntSize*k:]
+			binary.LittleEndian.PutUint64(e, d.n.nid)
+			binary.LittleEndian.PutUint16(e[8:], uint16(nameAt))
+			e[10] = fileType(d.n.st.Mode)
+			nameAt += copy(block[nameAt:], d.name)
+		}
+		if j < len(n.entries) {
+			out = append(out, block...)
+		} else {
+			out = append(out, block[:nameAt]...) // the last block as long as it is used
+		}
+		i = j
+	}
+	return out, nil
+}
+
+func fileType(mode uint32) uint8 {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		return 1
+	case unix.S_IFDIR:
+		return 2
+	case unix.S_IFCHR:
+		return 3
+	case unix.S_IFBLK:
+		return 4
+	case unix.S_IFIFO:
+		return 5
+	case unix.S_IFSOCK:
+		return 6
+	case unix.S_IFLNK:
+		return 7
+	}
+	return 0
+}
+
+// putSuperblock writes the superblock and the blob's device slot.
+func putSuperblock(img []byte, top *node, inodes uint64, blocks uint32, layout *Layout) {
+	le := binary.LittleEndian
+	sb := img[superblockOffset:]
+	le.PutUint32(sb[0:], erofsMagic)
+	sb[12] = blockBits
+	le.PutUint16(sb[14:], uint16(top.nid))
+	le.PutUint64(sb[16:], inodes)
+	le.PutUint64(sb[24:], uint64(top.st.Mtim.Sec))
+	le.PutUint32(sb[32:], uint32(top.st.Mtim.Nsec))
+	le.PutUint32(sb[36:], blocks)
+	// meta_blkaddr (40) and xattr_blkaddr (44) are 0: inodes count from
+	// the image's start, and no xattr is shared.
+	le.PutUint32(sb[80:], incompatChunkedFile|incompatDeviceTable)
+	le.PutUint16(sb[86:], 1)                    // extra_devices
+	le.PutUint16(sb[88:], deviceSlotOffset/128) // devt_slotoff
+	slot := img[deviceSlotOffset:]
+	le.PutUint32(slot[64:], uint32(layout.Size/blockSize))
+}

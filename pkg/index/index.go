@@ -1,0 +1,234 @@
+// Package index makes the index of a volume's layer: an EROFS image of the
+// layer's metadata (its tree, owners, modes, times, xattrs, hard links,
+// symlinks and devices) whose regular files' data lies in a blob, each file
+// at a block-aligned offset of its own. The blob is a layout, not a file:
+// the holder serves any range of it from the layer's own files (Blob), so
+// making an index reads no file data. A puller mounts the index with the
+// blob as its extra device (a sparse file it fills as ranges arrive), and a
+// step sees the whole tree at once, whatever its file count.
+//
+// It owns the image format and the layout. It never mounts (pkg/overlay
+// does), never touches the network (pkg/streamer) and never writes to the
+// layer it indexes.
+package index
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sort"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+)
+
+// Options say how a layer is indexed.
+type Options struct {
+	// KeepSetuid keeps regular files' setuid and setgid bits and file
+	// capabilities, as a stream's extraction does with --allow-setuid;
+	// otherwise they are cleared, as a capture clears them.
+	KeepSetuid bool
+}
+
+// Extent is where one regular file's data lies in the blob. Hard links
+// share one.
+type Extent struct {
+	// Path is the file's first name in the layer, slash-separated.
+	Path         string
+	Offset, Size int64
+}
+
+// Layout is the blob of an index: each regular file's extent, in offset
+// order, and the blob's size.
+type Layout struct {
+	Extents []Extent
+	Size    int64
+}
+
+// ErrUnindexable says a layer holds what an index cannot say (a file
+// larger than the blob can address, an xattr of a kind EROFS has no
+// prefix for that travels): the caller falls back to another way.
+var ErrUnindexable = errors.New("the layer cannot be indexed")
+
+// node is one inode of the tree being indexed.
+type node struct {
+	st      unix.Stat_t
+	xattrs  map[string]string
+	target  string  // a symlink's
+	entries []*dent // a directory's, sorted by name, "." and ".." included
+	extent  int     // a regular file's, in the layout (-1: none, empty)
+	// Where the image keeps it (erofs.go).
+	nid    uint64
+	nlink  uint32
+	ino    uint32
+	blkDir uint32 // a directory's first data block
+	dirLen int64  // a directory's data size
+}
+
+type dent struct {
+	name string
+	n    *node
+}
+
+// walk reads the layer open as root into a tree, with each regular file's
+// extent laid out in the blob in the order the walk meets them.
+func walk(root int, opt Options) (*node, *Layout, error) {
+	top := &node{extent: -1}
+	if err := unix.Fstat(root, &top.st); err != nil {
+		return nil, nil, err
+	}
+	xattrs, err := fdtree.Xattrs(root, ".")
+	if err != nil {
+		return nil, nil, fmt.Errorf("the root's xattrs: %w", err)
+	}
+	top.xattrs = xattrs
+	layout := &Layout{}
+	dirs := map[string]*node{"": top}
+	links := map[[2]uint64]*node{}
+	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+		parent := dirs[strings.TrimSuffix(e.Path[:len(e.Path)-len(e.Name)], "/")]
+		if parent == nil {
+			return false, fmt.Errorf("%s: its directory was not walked", e.Path)
+		}
+		id := [2]uint64{e.Stat.Dev, e.Stat.Ino}
+		if n := links[id]; n != nil && !e.IsDir() {
+			parent.entries = append(parent.entries, &dent{name: e.Name, n: n}) // a hard link
+			return false, nil
+		}
+		n := &node{st: e.Stat, extent: -1}
+		var err error
+		if n.xattrs, err = fdtree.Xattrs(e.Parent, e.Name); err != nil {
+			return false, fmt.Errorf("%s: xattrs: %w", e.Path, err)
+		}
+		switch e.Stat.Mode & unix.S_IFMT {
+		case unix.S_IFREG:
+			if !opt.KeepSetuid {
+				n.st.Mode &^= unix.S_ISUID | unix.S_ISGID
+				delete(n.xattrs, fdtree.CapsXattr)
+			}
+			if e.Stat.Size > 0 {
+				n.extent = len(layout.Extents)
+				layout.Extents = append(layout.Extents, Extent{Path: e.Path, Offset: layout.Size, Size: e.Stat.Size})
+				layout.Size += roundUp(e.Stat.Size, blockSize)
+			}
+		case unix.S_IFLNK:
+			if n.target, err = fdtree.Readlink(e.Parent, e.Name); err != nil {
+				return false, fmt.Errorf("%s: %w", e.Path, err)
+			}
+		case unix.S_IFDIR:
+			dirs[e.Path] = n
+		}
+		if e.Stat.Nlink > 1 && !e.IsDir() {
+			links[id] = n
+		}
+		parent.entries = append(parent.entries, &dent{name: e.Name, n: n})
+		return true, nil
+	}})
+	if err != nil {
+		return nil, nil, err
+	}
+	top.entries = append(top.entries, &dent{name: "..", n: top})
+	for _, d := range dirs {
+		for _, c := range d.entries {
+			if c.n.st.Mode&unix.S_IFMT == unix.S_IFDIR && c.name != ".." {
+				c.n.entries = append(c.n.entries, &dent{name: "..", n: d})
+			}
+		}
+		d.entries = append(d.entries, &dent{name: ".", n: d})
+	}
+	for _, d := range dirs {
+		sort.Slice(d.entries, func(i, j int) bool { return d.entries[i].name < d.entries[j].name })
+	}
+	return top, layout, nil
+}
+
+// Find is the extent holding the blob's byte off (-1: none, padding).
+func (l *Layout) Find(off int64) int {
+	i, _ := slices.BinarySearchFunc(l.Extents, off, func(e Extent, off int64) int {
+		switch {
+		case e.Offset+e.Size <= off:
+			return -1
+		case e.Offset > off:
+			return 1
+		}
+		return 0
+	})
+	if i < len(l.Extents) && l.Extents[i].Offset <= off && off < l.Extents[i].Offset+l.Extents[i].Size {
+		return i
+	}
+	return -1
+}
+
+func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
+
+// Build indexes the layer open as root: it writes the image to w and says
+// where each regular file's data lies in the blob. It reads the layer's
+// metadata, never its files' data.
+func Build(root int, w io.Writer, opt Options) (*Layout, error) {
+	top, layout, err := walk(root, opt)
+	if err != nil {
+		return nil, err
+	}
+	if err := write(w, top, layout); err != nil {
+		return nil, err
+	}
+	return layout, nil
+}
+
+// Blob reads the blob of Layout from the layer open as Root: each
+// extent's bytes from its file, zeros between the extents and past a file
+// that shrank (a layer is never written, but it is not trusted to be whole).
+type Blob struct {
+	Root   int
+	Layout *Layout
+}
+
+// ReadAt implements io.ReaderAt.
+func (b Blob) ReadAt(p []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, fmt.Errorf("blob offset %d: %w", off, unix.EINVAL)
+	}
+	n := 0
+	for n < len(p) {
+		at := off + int64(n)
+		if at >= b.Layout.Size {
+			return n, io.EOF
+		}
+		want := min(int64(len(p)-n), b.Layout.Size-at)
+		i := b.Layout.Find(at)
+		if i < 0 { // padding: zeros up to the next extent
+			next := b.Layout.Size
+			if j := sort.Search(len(b.Layout.Extents), func(j int) bool { return b.Layout.Extents[j].Offset > at }); j < len(b.Layout.Extents) {
+				next = b.Layout.Extents[j].Offset
+			}
+			clear(p[n : n+int(min(want, next-at))])
+			n += int(min(want, next-at))
+			continue
+		}
+		e := b.Layout.Extents[i]
+		want = min(want, e.Offset+e.Size-at)
+		got, err := b.readFile(e, p[n:n+int(want)], at-e.Offset)
+		clear(p[n+got : n+int(want)]) // a file shorter than it was
+		if err != nil {
+			return n, err
+		}
+		n += int(want)
+	}
+	return n, nil
+}
+
+func (b Blob) readFile(e Extent, p []byte, off int64) (int, error) {
+	fd, err := fdtree.OpenFileBeneath(b.Root, e.Path, unix.O_RDONLY)
+	if err != nil {
+		return 0, fmt.Errorf("%s: %w", e.Path, err)
+	}
+	defer unix.Close(fd)
+	got, err := fdtree.File(fd).ReadAt(p, off)
+	if errors.Is(err, io.EOF) {
+		err = nil
+	}
+	return got, err
+}

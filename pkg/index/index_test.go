@@ -1,0 +1,193 @@
+package index
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/testfs"
+)
+
+// mountIndex mounts the image at index, file-backed, with blob as its
+// extra device, read-only at target; skips where the kernel cannot.
+func mountIndex(t *testing.T, index, blob, target string) {
+	t.Helper()
+	fd, err := unix.Fsopen("erofs", unix.FSOPEN_CLOEXEC)
+	if errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENOSYS) {
+		t.Skipf("the kernel has no EROFS (or no fsopen): %v", err)
+	}
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	require.NoError(t, unix.FsconfigSetString(fd, "source", index))
+	require.NoError(t, unix.FsconfigSetString(fd, "device", blob))
+	if err := unix.FsconfigCreate(fd); err != nil {
+		msg := make([]byte, 512)
+		n, _ := unix.Read(fd, msg)
+		if errors.Is(err, unix.ENOTBLK) {
+			t.Skipf("the kernel mounts no EROFS image from a file: %v", err)
+		}
+		t.Fatalf("mounting the index: %v (%s)", err, msg[:max(n, 0)])
+	}
+	m, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_RDONLY)
+	require.NoError(t, err)
+	defer unix.Close(m)
+	require.NoError(t, unix.MoveMount(m, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH))
+	t.Cleanup(func() { require.NoError(t, unix.Unmount(target, unix.MNT_DETACH)) })
+}
+
+// index builds the index of the layer at dir into dir's sibling files and
+// fills a sparse blob from the layer as a puller would, range by range.
+func index(t *testing.T, layer, work string, opt Options) (indexPath, blobPath string, l *Layout) {
+	t.Helper()
+	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(root)
+	var img bytes.Buffer
+	l, err = Build(root, &img, opt)
+	require.NoError(t, err)
+	indexPath, blobPath = filepath.Join(work, "index"), filepath.Join(work, "blob")
+	require.NoError(t, os.WriteFile(indexPath, img.Bytes(), 0o600))
+	f, err := os.Create(blobPath)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(l.Size))
+	blob := Blob{Root: root, Layout: l}
+	buf := make([]byte, 1<<20)
+	zero := make([]byte, len(buf))
+	for off := int64(0); off < l.Size; off += int64(len(buf)) {
+		n, err := blob.ReadAt(buf[:min(int64(len(buf)), l.Size-off)], off)
+		require.NoError(t, err)
+		if !bytes.Equal(buf[:n], zero[:n]) { // holes stay holes
+			_, err = f.WriteAt(buf[:n], off)
+			require.NoError(t, err)
+		}
+	}
+	return indexPath, blobPath, l
+}
+
+// The index of a layer, mounted with its blob filled, is the layer: every
+// kind of entry a captured layer holds (hard links, a whiteout, an opaque
+// dir, xattrs, a fifo, a symlink, empty and sparse files, a tree deeper
+// than PATH_MAX), with owners, modes and times.
+func TestIndexIsTheLayer(t *testing.T) {
+	testfs.Need(t)
+	fs := testfs.Mount(t, testfs.XFS, 2<<30)
+	layer, mnt := filepath.Join(fs, "layer"), filepath.Join(fs, "mnt")
+	require.NoError(t, os.Mkdir(layer, 0o755))
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	testfs.LayerTree(t, layer)
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "empty"), nil, 0o600))
+	require.NoError(t, os.Mkdir(filepath.Join(layer, "empty-dir"), 0o700))
+	long := strings.Repeat("n", 255)
+	require.NoError(t, os.WriteFile(filepath.Join(layer, long), []byte("a long name"), 0o644))
+	require.NoError(t, os.Mkdir(filepath.Join(layer, "many"), 0o755))
+	for i := range 700 { // a directory of more than one block of entries
+		require.NoError(t, os.WriteFile(filepath.Join(layer, "many", strings.Repeat("x", i%40)+string(rune('a'+i%26))+strings.Repeat("y", i/26)), []byte{byte(i)}, 0o644))
+	}
+	require.NoError(t, unix.Mknod(filepath.Join(layer, "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "setuid"), []byte("x"), 0o755))
+	require.NoError(t, unix.Chmod(filepath.Join(layer, "setuid"), 0o4755))
+
+	indexPath, blobPath, l := index(t, layer, fs, Options{})
+	mountIndex(t, indexPath, blobPath, mnt)
+	want, got := testfs.Describe(t, layer), testfs.Describe(t, mnt)
+	require.Contains(t, want["setuid"], "mode=104755")
+	want["setuid"] = strings.Replace(want["setuid"], "mode=104755", "mode=100755", 1) // cleared, as a capture does
+	before, after, found := strings.Cut(want["cap"], " xattrs=security.capability=")
+	require.True(t, found)
+	_, mtime, _ := strings.Cut(after, " mtime=")
+	want["cap"] = before + " mtime=" + mtime // file capabilities are not kept either
+	require.Equal(t, want, got)
+	require.Positive(t, l.Size)
+	require.Equal(t, 0, l.Find(0))
+}
+
+// With KeepSetuid the bits and capabilities stay.
+func TestIndexKeepsSetuidWhenAsked(t *testing.T) {
+	testfs.Need(t)
+	fs := testfs.Mount(t, testfs.XFS, 1<<30)
+	layer, mnt := filepath.Join(fs, "layer"), filepath.Join(fs, "mnt")
+	require.NoError(t, os.Mkdir(layer, 0o755))
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "setuid"), []byte("x"), 0o755))
+	require.NoError(t, unix.Chmod(filepath.Join(layer, "setuid"), 0o4755))
+	require.NoError(t, unix.Setxattr(filepath.Join(layer, "setuid"), fdtree.CapsXattr, testCaps, 0))
+	indexPath, blobPath, _ := index(t, layer, fs, Options{KeepSetuid: true})
+	mountIndex(t, indexPath, blobPath, mnt)
+	var st unix.Stat_t
+	require.NoError(t, unix.Lstat(filepath.Join(mnt, "setuid"), &st))
+	require.Equal(t, uint32(unix.S_IFREG|0o4755), st.Mode)
+	caps := make([]byte, 64)
+	n, err := unix.Lgetxattr(filepath.Join(mnt, "setuid"), fdtree.CapsXattr, caps)
+	require.NoError(t, err)
+	require.Equal(t, testCaps, caps[:n])
+}
+
+// cap_net_bind_service+ep (VFS_CAP_REVISION_2).
+var testCaps = []byte{0x01, 0, 0, 0x02, 0x00, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+// The blob is each file's bytes at its extent and zeros between; reads
+// across extents and past the end say so.
+func TestBlobReadsTheLayer(t *testing.T) {
+	layer := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "a"), []byte("first"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "b"), bytes.Repeat([]byte("b"), blockSize+1), 0o644))
+	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(root)
+	var img bytes.Buffer
+	l, err := Build(root, &img, Options{})
+	require.NoError(t, err)
+	require.Equal(t, []Extent{{"a", 0, 5}, {"b", blockSize, blockSize + 1}}, l.Extents)
+	require.Equal(t, int64(3*blockSize), l.Size)
+	require.Equal(t, -1, l.Find(5), "padding")
+	require.Equal(t, 1, l.Find(2*blockSize))
+
+	blob := Blob{Root: root, Layout: l}
+	p := make([]byte, blockSize+4)
+	n, err := blob.ReadAt(p, 2)
+	require.NoError(t, err)
+	require.Equal(t, len(p), n)
+	want := append(append([]byte("rst"), make([]byte, blockSize-5)...), []byte("bbbbbb")...)
+	require.Equal(t, want, p)
+	n, err = blob.ReadAt(p, l.Size-2)
+	require.Equal(t, 2, n)
+	require.ErrorIs(t, err, io.EOF)
+	_, err = blob.ReadAt(p, -1)
+	require.Error(t, err)
+}
+
+// What an index cannot say is refused as ErrUnindexable, for the caller to
+// fall back: a symlink whose target does not fit in its inode's block, an
+// xattr EROFS has no prefix for.
+func TestUnindexable(t *testing.T) {
+	tests := []struct {
+		name string
+		make func(t *testing.T, dir string)
+	}{
+		{"a symlink of 4,050 bytes", func(t *testing.T, dir string) {
+			require.NoError(t, os.Symlink(strings.Repeat("a/", 2025), filepath.Join(dir, "long")))
+		}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			tc.make(t, dir)
+			root, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			require.NoError(t, err)
+			defer unix.Close(root)
+			_, err = Build(root, io.Discard, Options{})
+			require.ErrorIs(t, err, ErrUnindexable)
+		})
+	}
+	_, err := xattrBody(map[string]string{"system.posix_acl_access": "x"})
+	require.ErrorIs(t, err, ErrUnindexable)
+}
