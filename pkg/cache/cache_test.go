@@ -45,6 +45,21 @@ func ready(t *testing.T, s *Store, ns, handle string, source volume.Ref, scope v
 	return vol
 }
 
+// readyWithTTL captures an empty volume ci/handle whose TTL is ttl.
+func readyWithTTL(t *testing.T, s *Store, handle string, ttl time.Duration) Volume {
+	t.Helper()
+	v, err := s.Publish(View{VolumeID: "view-" + handle, Capture: handle, TTL: ttl, Pod: pod("ci")})
+	require.NoError(t, err)
+	require.NoError(t, s.SetMounted(v.VolumeID, 1, ""))
+	require.NoError(t, s.SetViewState(v.VolumeID, ViewPublished, ViewCapturing))
+	res, err := s.CaptureTarget(v)
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
+	vol, err := s.CommitCapture(v.VolumeID, Captured{})
+	require.NoError(t, err)
+	return vol
+}
+
 func TestPublishFindOrCreate(t *testing.T) {
 	s := openStore(t)
 	base := ready(t, s, "ci", "base", volume.Ref{}, volume.ScopeNamespace, nil)
@@ -231,15 +246,7 @@ func TestDestroyDueChecksAgain(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			s := openStore(t)
-			v, err := s.Publish(View{VolumeID: "v", Capture: "vol", TTL: time.Minute, Pod: pod("ci")})
-			require.NoError(t, err)
-			require.NoError(t, s.SetMounted(v.VolumeID, 1, ""))
-			require.NoError(t, s.SetViewState(v.VolumeID, ViewPublished, ViewCapturing))
-			res, err := s.CaptureTarget(v)
-			require.NoError(t, err)
-			require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
-			seen, err := s.CommitCapture(v.VolumeID, Captured{})
-			require.NoError(t, err)
+			seen := readyWithTTL(t, s, "vol", time.Minute)
 			tc.since(t, s, &seen)
 			at := now.Add(2 * time.Minute) // past its TTL
 			destroyed, err := s.DestroyDue(seen, tc.why, at)
@@ -256,15 +263,7 @@ func TestDestroyDueChecksAgain(t *testing.T) {
 
 func TestTTLExpiry(t *testing.T) {
 	s := openStore(t)
-	v, err := s.Publish(View{VolumeID: "v", Capture: "short", TTL: time.Hour, Pod: pod("ci")})
-	require.NoError(t, err)
-	require.NoError(t, s.SetMounted(v.VolumeID, 1, ""))
-	require.NoError(t, s.SetViewState(v.VolumeID, ViewPublished, ViewCapturing))
-	res, err := s.CaptureTarget(v)
-	require.NoError(t, err)
-	require.NoError(t, os.MkdirAll(s.DataPath(res), 0o755))
-	_, err = s.CommitCapture(v.VolumeID, Captured{})
-	require.NoError(t, err)
+	readyWithTTL(t, s, "short", time.Hour)
 	now := time.Now()
 	_, expired, next := s.Due(now)
 	require.Empty(t, expired)
@@ -272,7 +271,7 @@ func TestTTLExpiry(t *testing.T) {
 	_, expired, _ = s.Due(now.Add(2 * time.Hour))
 	require.Len(t, expired, 1)
 	require.Equal(t, ref("ci", "short"), expired[0].Ref())
-	_, err = s.SetPin(ref("ci", "short"), true, now.Add(3*time.Hour))
+	_, err := s.SetPin(ref("ci", "short"), true, now.Add(3*time.Hour))
 	require.NoError(t, err)
 	_, expired, next = s.Due(now.Add(2 * time.Hour))
 	require.Empty(t, expired, "a pin protects from the TTL")

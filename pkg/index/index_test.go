@@ -43,6 +43,18 @@ func mountIndex(t *testing.T, index, blob, target string) {
 	t.Cleanup(func() { require.NoError(t, unix.Unmount(target, unix.MNT_DETACH)) })
 }
 
+// layerAndMountPoint makes an XFS filesystem with an empty layer dir and a
+// mount point in it.
+func layerAndMountPoint(t *testing.T) (fs, layer, mnt string) {
+	t.Helper()
+	testfs.Need(t)
+	fs = testfs.Mount(t, testfs.XFS, 2<<30)
+	layer, mnt = filepath.Join(fs, "layer"), filepath.Join(fs, "mnt")
+	require.NoError(t, os.Mkdir(layer, 0o755))
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	return fs, layer, mnt
+}
+
 // index builds the index of the layer at dir into dir's sibling files and
 // fills a sparse blob from the layer as a puller would, range by range.
 func index(t *testing.T, layer, work string, opt Options) (indexPath, blobPath string, l *Layout) {
@@ -78,11 +90,7 @@ func index(t *testing.T, layer, work string, opt Options) (indexPath, blobPath s
 // dir, xattrs, a fifo, a symlink, empty and sparse files, a tree deeper
 // than PATH_MAX), with owners, modes and times.
 func TestIndexIsTheLayer(t *testing.T) {
-	testfs.Need(t)
-	fs := testfs.Mount(t, testfs.XFS, 2<<30)
-	layer, mnt := filepath.Join(fs, "layer"), filepath.Join(fs, "mnt")
-	require.NoError(t, os.Mkdir(layer, 0o755))
-	require.NoError(t, os.Mkdir(mnt, 0o755))
+	fs, layer, mnt := layerAndMountPoint(t)
 	testfs.LayerTree(t, layer)
 	require.NoError(t, os.WriteFile(filepath.Join(layer, "empty"), nil, 0o600))
 	require.NoError(t, os.Mkdir(filepath.Join(layer, "empty-dir"), 0o700))
@@ -112,11 +120,7 @@ func TestIndexIsTheLayer(t *testing.T) {
 
 // With KeepSetuid the bits and capabilities stay.
 func TestIndexKeepsSetuidWhenAsked(t *testing.T) {
-	testfs.Need(t)
-	fs := testfs.Mount(t, testfs.XFS, 1<<30)
-	layer, mnt := filepath.Join(fs, "layer"), filepath.Join(fs, "mnt")
-	require.NoError(t, os.Mkdir(layer, 0o755))
-	require.NoError(t, os.Mkdir(mnt, 0o755))
+	fs, layer, mnt := layerAndMountPoint(t)
 	require.NoError(t, os.WriteFile(filepath.Join(layer, "setuid"), []byte("x"), 0o755))
 	require.NoError(t, unix.Chmod(filepath.Join(layer, "setuid"), 0o4755))
 	require.NoError(t, unix.Setxattr(filepath.Join(layer, "setuid"), fdtree.CapsXattr, testCaps, 0))
