@@ -33,14 +33,18 @@ const (
 	layoutFlatInline = 2
 	layoutChunkBased = 4
 
-	chunkIndexes   = 0x20 // chunk format: 8-byte indexes with a device ID
-	maxChunkBits   = 22   // 4 MiB chunks at most (and so per-chunk checks)
-	nullBlock      = 0xffffffff
-	inodeSize      = 64
-	xattrHeader    = 12
-	direntSize     = 12
-	blobDeviceID   = 1
-	maxBlobBlocks  = 1<<32 - 2 // the last block address is nullBlock's
+	chunkIndexes  = 0x20 // chunk format: 8-byte indexes with a device ID
+	maxChunkBits  = 22   // 4 MiB chunks at most (and so per-chunk checks)
+	nullBlock     = 0xffffffff
+	inodeSize     = 64
+	xattrHeader   = 12
+	direntSize    = 12
+	blobDeviceID  = 1
+	maxBlobBlocks = 1<<32 - 2 // the last block address is nullBlock's
+	maxBlobBytes  = maxBlobBlocks * blockSize
+	// maxImageBytes bounds an index, which is made in memory: a million
+	// files make about 110 MB, and a file's chunk indexes 2 KiB a GiB.
+	maxImageBytes  = 1 << 30
 	maxInlineBytes = blockSize - inodeSize
 )
 
@@ -53,9 +57,6 @@ var xattrIndexes = []struct {
 
 // write lays out the tree below top and writes the image to w.
 func write(w io.Writer, top *node, layout *Layout) error {
-	if layout.Size/blockSize > maxBlobBlocks {
-		return fmt.Errorf("a blob of %d bytes: %w", layout.Size, ErrUnindexable)
-	}
 	// Number the inodes, parents before children, and count links.
 	var order []*node
 	seen := map[*node]bool{top: true}
@@ -94,7 +95,9 @@ func write(w io.Writer, top *node, layout *Layout) error {
 		}
 		n.nid = uint64(pos / 32)
 		records[i] = tail
-		pos = roundUp(pos+size, 32)
+		if pos = roundUp(pos+size, 32); pos > maxImageBytes {
+			return fmt.Errorf("an index of more than %d bytes: %w", pos, ErrUnindexable)
+		}
 	}
 	// The directories' blocks follow the inodes.
 	block := uint32(roundUp(pos, blockSize) / blockSize)
@@ -111,8 +114,8 @@ func write(w io.Writer, top *node, layout *Layout) error {
 		dirBlocks[n] = data
 		block += uint32(roundUp(int64(len(data)), blockSize) / blockSize)
 	}
-	if top.nid > 0xffff {
-		return fmt.Errorf("root nid %d: %w", top.nid, ErrUnindexable)
+	if int64(block)*blockSize > maxImageBytes {
+		return fmt.Errorf("an index of %d blocks: %w", block, ErrUnindexable)
 	}
 	img := make([]byte, int64(block)*blockSize)
 	putSuperblock(img, top, uint64(len(order)), block, layout)

@@ -109,6 +109,9 @@ func walk(root int, opt Options) (*node, *Layout, error) {
 				n.st.Mode &^= unix.S_ISUID | unix.S_ISGID
 				delete(n.xattrs, fdtree.CapsXattr)
 			}
+			if e.Stat.Size > maxBlobBytes-layout.Size { // (a step may make a sparse file of exabytes)
+				return false, fmt.Errorf("%s: %d bytes past a blob of %d: %w", e.Path, e.Stat.Size, layout.Size, ErrUnindexable)
+			}
 			if e.Stat.Size > 0 {
 				n.extent = len(layout.Extents)
 				layout.Extents = append(layout.Extents, Extent{Path: e.Path, Offset: layout.Size, Size: e.Stat.Size})

@@ -177,6 +177,14 @@ func TestUnindexable(t *testing.T) {
 		name string
 		make func(t *testing.T, dir string)
 	}{
+		{"sparse files past what a blob addresses (16 TiB)", func(t *testing.T, dir string) {
+			for _, name := range []string{"huge-1", "huge-2"} {
+				f, err := os.Create(filepath.Join(dir, name))
+				require.NoError(t, err)
+				require.NoError(t, f.Truncate(12<<40), "ext4 and XFS make sparse files of 12 TiB")
+				require.NoError(t, f.Close())
+			}
+		}},
 		{"a symlink of 4,050 bytes", func(t *testing.T, dir string) {
 			require.NoError(t, os.Symlink(strings.Repeat("a/", 2025), filepath.Join(dir, "long")))
 		}},
