@@ -73,19 +73,17 @@ type dent struct {
 	n    *node
 }
 
-// walk reads the layer open as root into a tree, with each regular file's
-// extent laid out in the blob in the order the walk meets them.
-func walk(root int, opt Options) (*node, *Layout, error) {
+// walk reads the layer open as root into a tree.
+func walk(root int, opt Options) (*node, error) {
 	top := &node{extent: -1}
 	if err := unix.Fstat(root, &top.st); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	xattrs, err := fdtree.Xattrs(root, ".")
 	if err != nil {
-		return nil, nil, fmt.Errorf("the root's xattrs: %w", err)
+		return nil, fmt.Errorf("the root's xattrs: %w", err)
 	}
 	top.xattrs = xattrs
-	layout := &Layout{}
 	dirs := map[string]*node{"": top}
 	links := map[[2]uint64]*node{}
 	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
@@ -95,7 +93,7 @@ func walk(root int, opt Options) (*node, *Layout, error) {
 		}
 		id := [2]uint64{e.Stat.Dev, e.Stat.Ino}
 		if n := links[id]; n != nil && !e.IsDir() {
-			parent.entries = append(parent.entries, &dent{name: e.Name, n: n}) // a hard link
+			parent.add(e.Name, n) // a hard link
 			return false, nil
 		}
 		n := &node{st: e.Stat, extent: -1}
@@ -109,14 +107,6 @@ func walk(root int, opt Options) (*node, *Layout, error) {
 				n.st.Mode &^= unix.S_ISUID | unix.S_ISGID
 				delete(n.xattrs, fdtree.CapsXattr)
 			}
-			if e.Stat.Size > maxBlobBytes-layout.Size { // (a step may make a sparse file of exabytes)
-				return false, fmt.Errorf("%s: %d bytes past a blob of %d: %w", e.Path, e.Stat.Size, layout.Size, ErrUnindexable)
-			}
-			if e.Stat.Size > 0 {
-				n.extent = len(layout.Extents)
-				layout.Extents = append(layout.Extents, Extent{Path: e.Path, Offset: layout.Size, Size: e.Stat.Size})
-				layout.Size += roundUp(e.Stat.Size, blockSize)
-			}
 		case unix.S_IFLNK:
 			if n.target, err = fdtree.Readlink(e.Parent, e.Name); err != nil {
 				return false, fmt.Errorf("%s: %w", e.Path, err)
@@ -127,25 +117,53 @@ func walk(root int, opt Options) (*node, *Layout, error) {
 		if e.Stat.Nlink > 1 && !e.IsDir() {
 			links[id] = n
 		}
-		parent.entries = append(parent.entries, &dent{name: e.Name, n: n})
+		parent.add(e.Name, n)
 		return true, nil
 	}})
-	if err != nil {
-		return nil, nil, err
-	}
-	top.entries = append(top.entries, &dent{name: "..", n: top})
-	for _, d := range dirs {
+	return top, err
+}
+
+// add names child in directory d.
+func (d *node) add(name string, child *node) {
+	d.entries = append(d.entries, &dent{name: name, n: child})
+}
+
+// seal finishes the tree below top: each directory's "." and "..", its
+// entries in byte order, and the blob's layout, each regular file's extent
+// in the order of a walk of the tree (depth first, names in byte order;
+// a hard link's at its first name). A puller that knows the tree (from
+// its metadata stream) lays out the same blob as the holder.
+func seal(top *node) (*Layout, error) {
+	layout := &Layout{}
+	var visit func(d *node, path string, parent *node) error
+	visit = func(d *node, path string, parent *node) error {
+		d.entries = append(d.entries, &dent{name: ".", n: d}, &dent{name: "..", n: parent})
+		slices.SortFunc(d.entries, func(a, b *dent) int { return strings.Compare(a.name, b.name) })
 		for _, c := range d.entries {
-			if c.n.st.Mode&unix.S_IFMT == unix.S_IFDIR && c.name != ".." {
-				c.n.entries = append(c.n.entries, &dent{name: "..", n: d})
+			if c.name == "." || c.name == ".." {
+				continue
+			}
+			name := path + c.name
+			switch n := c.n; n.st.Mode & unix.S_IFMT {
+			case unix.S_IFDIR:
+				if err := visit(n, name+"/", d); err != nil {
+					return err
+				}
+			case unix.S_IFREG:
+				if n.extent >= 0 || n.st.Size == 0 {
+					continue
+				}
+				if n.st.Size > maxBlobBytes-layout.Size { // (a step may make a sparse file of exabytes)
+					return fmt.Errorf("%s: %d bytes past a blob of %d: %w", name, n.st.Size, layout.Size, ErrUnindexable)
+				}
+				n.extent = len(layout.Extents)
+				layout.Extents = append(layout.Extents, Extent{Path: name, Offset: layout.Size, Size: n.st.Size})
+				layout.Size += roundUp(n.st.Size, blockSize)
 			}
 		}
-		d.entries = append(d.entries, &dent{name: ".", n: d})
+		return nil
 	}
-	for _, d := range dirs {
-		sort.Slice(d.entries, func(i, j int) bool { return d.entries[i].name < d.entries[j].name })
-	}
-	return top, layout, nil
+	return layout, visit(top, "", top)
 }
 
 // Find is the extent holding the blob's byte off (-1: none, padding).
@@ -171,7 +189,11 @@ func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
 // where each regular file's data lies in the blob. It reads the layer's
 // metadata, never its files' data.
 func Build(root int, w io.Writer, opt Options) (*Layout, error) {
-	top, layout, err := walk(root, opt)
+	top, err := walk(root, opt)
+	if err != nil {
+		return nil, err
+	}
+	layout, err := seal(top)
 	if err != nil {
 		return nil, err
 	}
