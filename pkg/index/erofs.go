@@ -70,8 +70,9 @@ func write(w io.Writer, top *node, layout *Layout) error {
 			}
 		}
 	}
-	// Each inode's record: where it starts, and what follows it.
-	records := make([][]byte, len(order))
+	// Each inode's record: where it starts, and its xattrs and tail.
+	type record struct{ xattrs, tail []byte }
+	records := make([]record, len(order))
 	pos := int64(inodesOffset)
 	for i, n := range order {
 		n.ino = uint32(i + 1)
@@ -79,7 +80,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 		if err != nil {
 			return err
 		}
-		tail := n.tail(xattrs, layout)
+		tail := n.tail(layout)
 		if n.st.Mode&unix.S_IFMT == unix.S_IFLNK && inodeSize+len(xattrs)+len(tail) > blockSize {
 			// Inline in the inode's block, or not at all (a data block
 			// of its own for a target this long is not written yet).
@@ -94,7 +95,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 			pos = roundUp(pos, blockSize) // a record starts in the block it fits in
 		}
 		n.nid = uint64(pos / 32)
-		records[i] = tail
+		records[i] = record{xattrs, tail}
 		if pos = roundUp(pos+size, 32); pos > maxImageBytes {
 			return fmt.Errorf("an index of more than %d bytes: %w", pos, ErrUnindexable)
 		}
@@ -120,15 +121,14 @@ func write(w io.Writer, top *node, layout *Layout) error {
 	img := make([]byte, int64(block)*blockSize)
 	putSuperblock(img, top, uint64(len(order)), block, layout)
 	for i, n := range order {
-		at := int64(n.nid) * 32
-		xattrs, _ := xattrBody(n.xattrs)
-		n.putInode(img[at:], len(xattrs))
-		copy(img[at+inodeSize:], xattrs)
-		tailAt := at + inodeSize + int64(len(xattrs))
-		if n.st.Mode&unix.S_IFMT == unix.S_IFREG && len(records[i]) > 0 {
+		at, r := int64(n.nid)*32, records[i]
+		n.putInode(img[at:], len(r.xattrs))
+		copy(img[at+inodeSize:], r.xattrs)
+		tailAt := at + inodeSize + int64(len(r.xattrs))
+		if n.st.Mode&unix.S_IFMT == unix.S_IFREG && len(r.tail) > 0 {
 			tailAt = roundUp(tailAt, 8)
 		}
-		copy(img[tailAt:], records[i])
+		copy(img[tailAt:], r.tail)
 	}
 	for n, data := range dirBlocks {
 		copy(img[int64(n.blkDir)*blockSize:], data)
@@ -147,7 +147,7 @@ func chunkBits(size int64) uint16 {
 
 // tail is what follows n's inode and xattrs: a regular file's chunk
 // indexes, or a symlink's target.
-func (n *node) tail(xattrs []byte, layout *Layout) []byte {
+func (n *node) tail(layout *Layout) []byte {
 	switch n.st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		if n.extent < 0 {
