@@ -48,9 +48,10 @@ type Layout struct {
 	Size    int64
 }
 
-// ErrUnindexable says a layer holds what an index cannot say (a file
-// larger than the blob can address, an xattr of a kind EROFS has no
-// prefix for that travels): the caller falls back to another way.
+// ErrUnindexable says a layer holds what an index cannot say (files past
+// what a blob addresses, an image too large to make in memory, a symlink
+// target too long to sit inline, an xattr EROFS has no prefix for): the
+// caller falls back to another way.
 var ErrUnindexable = errors.New("the layer cannot be indexed")
 
 // node is one inode of the tree being indexed.
@@ -168,19 +169,16 @@ func seal(top *node) (*Layout, error) {
 
 // Find is the extent holding the blob's byte off (-1: none, padding).
 func (l *Layout) Find(off int64) int {
-	i, _ := slices.BinarySearchFunc(l.Extents, off, func(e Extent, off int64) int {
-		switch {
-		case e.Offset+e.Size <= off:
-			return -1
-		case e.Offset > off:
-			return 1
-		}
-		return 0
-	})
-	if i < len(l.Extents) && l.Extents[i].Offset <= off && off < l.Extents[i].Offset+l.Extents[i].Size {
+	if i := l.from(off); i < len(l.Extents) && l.Extents[i].Offset <= off {
 		return i
 	}
 	return -1
+}
+
+// from is the first extent that ends past off: the one holding off if it
+// starts at or before it, else the next.
+func (l *Layout) from(off int64) int {
+	return sort.Search(len(l.Extents), func(i int) bool { return l.Extents[i].Offset+l.Extents[i].Size > off })
 }
 
 func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
@@ -223,11 +221,11 @@ func (b Blob) ReadAt(p []byte, off int64) (int, error) {
 			return n, io.EOF
 		}
 		want := min(int64(len(p)-n), b.Layout.Size-at)
-		i := b.Layout.Find(at)
-		if i < 0 { // padding: zeros up to the next extent
+		i := b.Layout.from(at)
+		if i == len(b.Layout.Extents) || b.Layout.Extents[i].Offset > at { // padding: zeros up to the next extent
 			next := b.Layout.Size
-			if j := sort.Search(len(b.Layout.Extents), func(j int) bool { return b.Layout.Extents[j].Offset > at }); j < len(b.Layout.Extents) {
-				next = b.Layout.Extents[j].Offset
+			if i < len(b.Layout.Extents) {
+				next = b.Layout.Extents[i].Offset
 			}
 			clear(p[n : n+int(min(want, next-at))])
 			n += int(min(want, next-at))
