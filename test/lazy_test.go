@@ -633,8 +633,10 @@ func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
 				go read(fmt.Sprintf("f-%02d", i))
 			}
 			time.Sleep(time.Second) // the readers of files not filled are held
-			b.p.Kill()
+			// Stamped before the kill: Kill returns once the process is
+			// reaped, after the keeper may have seen it go.
 			killed := time.Now()
+			b.p.Kill()
 			time.Sleep(time.Second)
 			go read(fmt.Sprintf("f-%02d", files-1)) // a reader while no plugin runs
 			time.Sleep(tc.down - time.Second)
