@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // Options say how a layer is indexed.
@@ -39,6 +40,13 @@ type Extent struct {
 	// Path is the file's first name in the layer, slash-separated.
 	Path         string
 	Offset, Size int64
+	// Data is the file's bytes where its Tree entry carried them (a
+	// stream's small files): the blob's range needs no fetch.
+	Data []byte
+	// Sum is what the file's bytes hash to, where its Tree entry said (a
+	// stream's files): what a range fetched into the blob is checked
+	// against. Zero from Build.
+	Sum filesum.Sum
 }
 
 // Layout is the blob of an index: each regular file's extent, in offset
@@ -58,7 +66,9 @@ var ErrUnindexable = errors.New("the layer cannot be indexed")
 type node struct {
 	st      unix.Stat_t
 	xattrs  map[string]string
-	target  string  // a symlink's
+	target  string // a symlink's
+	data    []byte // a regular file's, where its entry carried them
+	sum     filesum.Sum
 	entries []*dent // a directory's, sorted by name, "." and ".." included
 	extent  int     // a regular file's, in the layout (-1: none, empty)
 	// Where the image keeps it (erofs.go).
@@ -74,54 +84,43 @@ type dent struct {
 	n    *node
 }
 
-// walk reads the layer open as root into a tree.
+// walk reads the layer open as root into a tree, as a Tree learns one
+// from a stream.
 func walk(root int, opt Options) (*node, error) {
-	top := &node{extent: -1}
-	if err := unix.Fstat(root, &top.st); err != nil {
+	top := Entry{}
+	if err := unix.Fstat(root, &top.Stat); err != nil {
 		return nil, err
 	}
-	xattrs, err := fdtree.Xattrs(root, ".")
-	if err != nil {
+	var err error
+	if top.Xattrs, err = fdtree.Xattrs(root, "."); err != nil {
 		return nil, fmt.Errorf("the root's xattrs: %w", err)
 	}
-	top.xattrs = xattrs
-	dirs := map[string]*node{"": top}
-	links := map[[2]uint64]*node{}
+	t, err := NewTree(opt, top)
+	if err != nil {
+		return nil, err
+	}
+	firstNames := map[[2]uint64]string{} // of files with hard links
 	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
-		parent := dirs[strings.TrimSuffix(e.Path[:len(e.Path)-len(e.Name)], "/")]
-		if parent == nil {
-			return false, fmt.Errorf("%s: its directory was not walked", e.Path)
-		}
 		id := [2]uint64{e.Stat.Dev, e.Stat.Ino}
-		if n := links[id]; n != nil && !e.IsDir() {
-			parent.add(e.Name, n) // a hard link
-			return false, nil
+		if first, ok := firstNames[id]; ok && !e.IsDir() {
+			return false, t.Link(e.Path, first)
 		}
-		n := &node{st: e.Stat, extent: -1}
+		entry := Entry{Name: e.Path, Stat: e.Stat}
 		var err error
-		if n.xattrs, err = fdtree.Xattrs(e.Parent, e.Name); err != nil {
+		if entry.Xattrs, err = fdtree.Xattrs(e.Parent, e.Name); err != nil {
 			return false, fmt.Errorf("%s: xattrs: %w", e.Path, err)
 		}
-		switch e.Stat.Mode & unix.S_IFMT {
-		case unix.S_IFREG:
-			if !opt.KeepSetuid {
-				n.st.Mode &^= unix.S_ISUID | unix.S_ISGID
-				delete(n.xattrs, fdtree.CapsXattr)
-			}
-		case unix.S_IFLNK:
-			if n.target, err = fdtree.Readlink(e.Parent, e.Name); err != nil {
+		if e.Stat.Mode&unix.S_IFMT == unix.S_IFLNK {
+			if entry.Target, err = fdtree.Readlink(e.Parent, e.Name); err != nil {
 				return false, fmt.Errorf("%s: %w", e.Path, err)
 			}
-		case unix.S_IFDIR:
-			dirs[e.Path] = n
 		}
 		if e.Stat.Nlink > 1 && !e.IsDir() {
-			links[id] = n
+			firstNames[id] = e.Path
 		}
-		parent.add(e.Name, n)
-		return true, nil
+		return true, t.Add(entry)
 	}})
-	return top, err
+	return t.top, err
 }
 
 // add names child in directory d.
@@ -158,7 +157,7 @@ func seal(top *node) (*Layout, error) {
 					return fmt.Errorf("%s: %d bytes past a blob of %d: %w", name, n.st.Size, layout.Size, ErrUnindexable)
 				}
 				n.extent = len(layout.Extents)
-				layout.Extents = append(layout.Extents, Extent{Path: name, Offset: layout.Size, Size: n.st.Size})
+				layout.Extents = append(layout.Extents, Extent{Path: name, Offset: layout.Size, Size: n.st.Size, Data: n.data, Sum: n.sum})
 				layout.Size += roundUp(n.st.Size, blockSize)
 			}
 		}
@@ -191,6 +190,11 @@ func Build(root int, w io.Writer, opt Options) (*Layout, error) {
 	if err != nil {
 		return nil, err
 	}
+	return indexTree(top, w)
+}
+
+// indexTree seals the tree below top and writes its image to w.
+func indexTree(top *node, w io.Writer) (*Layout, error) {
 	layout, err := seal(top)
 	if err != nil {
 		return nil, err

@@ -150,7 +150,7 @@ func TestBlobReadsTheLayer(t *testing.T) {
 	var img bytes.Buffer
 	l, err := Build(root, &img, Options{})
 	require.NoError(t, err)
-	require.Equal(t, []Extent{{"a", 0, 5}, {"b", blockSize, blockSize + 1}}, l.Extents)
+	require.Equal(t, []Extent{{Path: "a", Size: 5}, {Path: "b", Offset: blockSize, Size: blockSize + 1}}, l.Extents)
 	require.Equal(t, int64(3*blockSize), l.Size)
 	require.Equal(t, -1, l.Find(5), "padding")
 	require.Equal(t, 1, l.Find(2*blockSize))

@@ -49,6 +49,16 @@ const (
 	MaxInlineBudget = 64 << 20
 )
 
+// take notes that the regular file name of a stub tree came whole with
+// size bytes, and refuses more than was asked for.
+func (in *Inline) take(name string, size int64) error {
+	if size > in.Max || size > in.Budget {
+		return refused("%s: %d bytes of data in a stub tree, which asked for files of at most %d, %d in all", name, size, in.Max, in.Budget)
+	}
+	in.Budget -= size
+	return nil
+}
+
 // Check says whether a puller's Inline is within bounds.
 func (in Inline) Check() error {
 	if in.Max < 0 || in.Max > MaxInlineFile || in.Budget < 0 || in.Budget > MaxInlineBudget {

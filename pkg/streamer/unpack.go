@@ -226,17 +226,6 @@ type extractor struct {
 // a small file carried whole (see Inline).
 func isStub(hdr *tar.Header) bool { return hdr.Size == 0 }
 
-// takeInline notes the regular file name of a stub tree that came whole
-// with size bytes, within what was asked for.
-func (x *extractor) takeInline(name string, size int64) error {
-	if size > x.inline.Max || size > x.inline.Budget {
-		return refused("%s: %d bytes of data in a stub tree, which asked for files of at most %d, %d in all", name, size, x.inline.Max, x.inline.Budget)
-	}
-	x.inline.Budget -= size
-	x.inlined = name
-	return nil
-}
-
 // close stops the makers and lets go of the cached parent.
 func (x *extractor) close() {
 	x.makers.stop()
@@ -431,11 +420,8 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	if err != nil {
 		return err
 	}
-	if err := x.checkXattrs(name, hdr); err != nil {
+	if err := checkEntry(name, hdr, x.strict); err != nil {
 		return err
-	}
-	if x.strict && hdr.Typeflag == tar.TypeChar {
-		return refused("%s: a whiteout (an upload is a whole tree, with nothing to white out)", name)
 	}
 	if err := x.makers.failed(); err != nil {
 		return err // a maker's failure ends the extraction
@@ -459,9 +445,10 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		place := x.regulars
 		x.regulars++
 		if x.stub != nil && !isStub(hdr) {
-			if err := x.takeInline(name, hdr.Size); err != nil {
+			if err := x.inline.take(name, hdr.Size); err != nil {
 				return err
 			}
+			x.inlined = name
 		}
 		if x.makers != nil && hdr.Size <= parallelFileMax {
 			data := bufpool.Get(int(hdr.Size)) // its segments' data: what the body holds
@@ -533,13 +520,17 @@ func (x *extractor) setsXattr(name string) bool {
 	return !x.unprivileged || strings.HasPrefix(name, "user.")
 }
 
-// checkXattrs refuses xattrs that do not travel, or are too big.
-func (x *extractor) checkXattrs(name string, hdr *tar.Header) error {
+// checkEntry refuses xattrs that do not travel, or are too big, and
+// what a strict stream may not carry.
+func checkEntry(name string, hdr *tar.Header, strict bool) error {
 	for k, v := range hdr.PAXRecords {
 		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!fdtree.XattrTravels(xattr) || len(v) > 64<<10 ||
-			(x.strict && strings.HasPrefix(xattr, "trusted."))) {
+			(strict && strings.HasPrefix(xattr, "trusted."))) {
 			return refused("%s: xattr %q", name, xattr)
 		}
+	}
+	if strict && hdr.Typeflag == tar.TypeChar {
+		return refused("%s: a whiteout (an upload is a whole tree, with nothing to white out)", name)
 	}
 	return nil
 }
@@ -552,7 +543,7 @@ func (x *extractor) rootEntry(hdr *tar.Header) error {
 	if x.made || x.rootHdr != nil || hdr.Typeflag != tar.TypeDir {
 		return refused("a root entry (%q) that is not the first, or not a dir", hdr.Name)
 	}
-	if err := x.checkXattrs(rootName, hdr); err != nil {
+	if err := checkEntry(rootName, hdr, x.strict); err != nil {
 		return err
 	}
 	x.rootHdr = hdr
@@ -634,13 +625,9 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 	// thousands of files. The descriptor writes whatever the mode.
 	var want filesum.Sum
 	if x.summed {
-		rec, ok := hdr.PAXRecords[paxSum]
-		if !ok {
-			return refused("%s: a layer's file with no sum", name)
-		}
 		var err error
-		if want, err = filesum.Parse(rec); err != nil {
-			return refused("%s: %v", name, err)
+		if want, err = entrySum(name, hdr); err != nil {
+			return err
 		}
 		x.listing.File(name, want)
 	}
@@ -676,6 +663,19 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 		err = cerr
 	}
 	return err
+}
+
+// entrySum is the sum a layer's regular file's entry carries.
+func entrySum(name string, hdr *tar.Header) (filesum.Sum, error) {
+	rec, ok := hdr.PAXRecords[paxSum]
+	if !ok {
+		return filesum.Sum{}, refused("%s: a layer's file with no sum", name)
+	}
+	sum, err := filesum.Parse(rec)
+	if err != nil {
+		return filesum.Sum{}, refused("%s: %v", name, err)
+	}
+	return sum, nil
 }
 
 // writeFile writes a file's body: its data segments where the sender sent

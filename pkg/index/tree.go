@@ -1,0 +1,157 @@
+package index
+
+import (
+	"fmt"
+	"io"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
+)
+
+// Tree is a layer's tree learnt entry by entry, as a puller learns it from
+// its holder's metadata stream: indexed as Build indexes the layer on disk,
+// the same tree gives the same image and the same blob, so that the puller
+// never mounts an image another node made (a crafted image is the kernel's
+// attack surface, a tree of entries is not). Entries come parents first,
+// as a walk meets them; nothing else about them is trusted.
+type Tree struct {
+	opt Options
+	top *node
+	// nodes are the entries added, by name ("" the root): what a child's
+	// parent and a hard link's target are looked up in.
+	nodes map[string]*node
+}
+
+// Entry is one entry of a Tree.
+type Entry struct {
+	// Name is slash-separated, relative and clean.
+	Name string
+	// Stat holds the entry's type and permission bits (Mode), owner,
+	// modification time, device and a regular file's size; its other
+	// fields are unused.
+	Stat   unix.Stat_t
+	Xattrs map[string]string
+	// Target is a symlink's.
+	Target string
+	// Data is a regular file's bytes, where the stream carried them
+	// whole (a small file): its extent needs no fetch (Extent.Data).
+	Data []byte
+	// Sum is what a regular file's bytes hash to, where known.
+	Sum filesum.Sum
+}
+
+// NewTree starts a tree whose root is root (its Name unused).
+func NewTree(opt Options, root Entry) (*Tree, error) {
+	if root.Stat.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return nil, fmt.Errorf("a root of mode %o, not a directory", root.Stat.Mode)
+	}
+	t := &Tree{opt: opt}
+	t.top = t.node(root)
+	t.nodes = map[string]*node{"": t.top}
+	return t, nil
+}
+
+// node makes e's node, with what opt keeps of its set-ID bits and
+// capabilities (as walk does from a layer on disk).
+func (t *Tree) node(e Entry) *node {
+	n := &node{st: e.Stat, xattrs: e.Xattrs, target: e.Target, data: e.Data, sum: e.Sum, extent: -1}
+	if n.st.Mode&unix.S_IFMT != unix.S_IFREG {
+		n.st.Size = 0 // a directory's and a symlink's are the image's
+	}
+	if !t.opt.KeepSetuid {
+		if n.st.Mode&unix.S_IFMT == unix.S_IFREG {
+			n.st.Mode &^= unix.S_ISUID | unix.S_ISGID
+		}
+		if _, ok := n.xattrs[fdtree.CapsXattr]; ok {
+			n.xattrs = cloneWithout(n.xattrs, fdtree.CapsXattr)
+		}
+	}
+	return n
+}
+
+func cloneWithout(m map[string]string, key string) map[string]string {
+	out := make(map[string]string, len(m))
+	for k, v := range m {
+		if k != key {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+// Add adds a directory, a regular file, a symlink, a fifo, a socket or a device
+// (a whiteout is a character device 0:0) below a directory added before.
+func (t *Tree) Add(e Entry) error {
+	switch e.Stat.Mode & unix.S_IFMT {
+	case unix.S_IFDIR, unix.S_IFLNK, unix.S_IFIFO, unix.S_IFCHR, unix.S_IFBLK, unix.S_IFSOCK:
+		if e.Data != nil {
+			return fmt.Errorf("%q: data in an entry that is not a regular file", e.Name)
+		}
+	case unix.S_IFREG:
+		if e.Stat.Size < 0 || (e.Data != nil && int64(len(e.Data)) != e.Stat.Size) {
+			return fmt.Errorf("%q: %d bytes of data for a size of %d", e.Name, len(e.Data), e.Stat.Size)
+		}
+	default:
+		return fmt.Errorf("%q: an entry of mode %o", e.Name, e.Stat.Mode)
+	}
+	if e.Stat.Mode&unix.S_IFMT != unix.S_IFLNK && e.Target != "" {
+		return fmt.Errorf("%q: a target for an entry that is not a symlink", e.Name)
+	}
+	parent, base, err := t.parent(e.Name)
+	if err != nil {
+		return err
+	}
+	n := t.node(e)
+	t.nodes[e.Name] = n
+	parent.add(base, n)
+	return nil
+}
+
+// Link names the regular file added as target once more, as name.
+func (t *Tree) Link(name, target string) error {
+	n := t.nodes[target]
+	if n == nil || n.st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return fmt.Errorf("%q: a hard link to %q, which is not a regular file added before it", name, target)
+	}
+	parent, base, err := t.parent(name)
+	if err != nil {
+		return err
+	}
+	t.nodes[name] = n
+	parent.add(base, n)
+	return nil
+}
+
+// parent is the directory name goes in, which holds nothing of that name
+// yet, and name's last component.
+func (t *Tree) parent(name string) (*node, string, error) {
+	dir, base := "", name
+	if i := strings.LastIndexByte(name, '/'); i >= 0 {
+		dir, base = name[:i], name[i+1:]
+	}
+	if base == "" || base == "." || base == ".." || len(base) > unix.NAME_MAX || strings.IndexByte(base, 0) >= 0 {
+		return nil, "", fmt.Errorf("entry name %q", name)
+	}
+	parent := t.nodes[dir]
+	if parent == nil || parent.st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return nil, "", fmt.Errorf("%q: its directory was not added before it", name)
+	}
+	if _, taken := t.nodes[name]; taken {
+		return nil, "", fmt.Errorf("%q: added twice", name)
+	}
+	return parent, base, nil
+}
+
+// Write writes the tree's image to w and says where each regular file's
+// data lies in the blob. A tree is written once.
+func (t *Tree) Write(w io.Writer) (*Layout, error) {
+	if t.top == nil {
+		return nil, fmt.Errorf("a tree written twice")
+	}
+	top := t.top
+	t.top, t.nodes = nil, nil
+	return indexTree(top, w)
+}

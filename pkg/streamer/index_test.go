@@ -1,0 +1,168 @@
+package streamer
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/index"
+)
+
+// The index a puller learns from a layer's stub tree is, byte for byte,
+// the index its holder builds from the layer on disk: the same image and
+// the same blob, so that the puller mounts an image it made itself and
+// fetches the holder's ranges. Each extent carries its file's sum, and
+// the small files the stream carried whole, their bytes.
+func TestIndexStubsIsTheLayersIndex(t *testing.T) {
+	testfs.Need(t)
+	fs := testfs.Mount(t, testfs.XFS, 1<<30)
+	layer := filepath.Join(fs, "layer")
+	require.NoError(t, os.Mkdir(layer, 0o755))
+	testfs.LayerTree(t, layer)
+	require.NoError(t, os.MkdirAll(filepath.Join(layer, "a/b"), 0o750))
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "a/b/small"), []byte("small and whole"), 0o644))
+	require.NoError(t, os.Link(filepath.Join(layer, "a/b/small"), filepath.Join(layer, "a/again")))
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "setuid"), []byte("x"), 0o755))
+	require.NoError(t, unix.Chmod(filepath.Join(layer, "setuid"), 0o4755))
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "empty"), nil, 0o600))
+	sums, err := filesum.OfTree(t.Context(), layer)
+	require.NoError(t, err)
+
+	for _, keepSetuid := range []bool{false, true} {
+		var stubs bytes.Buffer
+		inline := Inline{Max: 64, Budget: 1 << 20}
+		_, err = PackFirst(t.Context(), LayerFiles{Dir: layer, Sums: sums}, nil, &stubs, Raw, StubTar, inline)
+		require.NoError(t, err)
+		lim := DefaultLimits
+		lim.Summed, lim.KeepSetuid = true, keepSetuid
+		wire := stubs.Bytes()
+		tree, sum, err := IndexStubs(t.Context(), bytes.NewReader(wire), Raw, lim, inline)
+		require.NoError(t, err)
+		require.Equal(t, sums.Digest(), sum.Files, "the stub tree's table")
+		var fromStream, fromDisk bytes.Buffer
+		got, err := tree.Write(&fromStream)
+		require.NoError(t, err)
+
+		root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		require.NoError(t, err)
+		want, err := index.Build(root, &fromDisk, index.Options{KeepSetuid: keepSetuid})
+		unix.Close(root)
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(fromDisk.Bytes(), fromStream.Bytes()), "the image from the stream is the holder's (KeepSetuid %v)", keepSetuid)
+		require.Equal(t, want.Size, got.Size)
+		require.Len(t, got.Extents, len(want.Extents))
+		inlined := 0
+		for i, e := range got.Extents {
+			require.Equal(t, want.Extents[i].Path, e.Path)
+			require.Equal(t, want.Extents[i].Offset, e.Offset)
+			require.Equal(t, want.Extents[i].Size, e.Size)
+			require.Equal(t, sums[e.Path], e.Sum, e.Path)
+			if e.Data != nil {
+				inlined++
+				data, err := os.ReadFile(filepath.Join(layer, e.Path))
+				require.NoError(t, err)
+				require.Equal(t, data, e.Data, e.Path)
+			}
+			require.Equal(t, e.Size <= inline.Max, e.Data != nil, "%s: the small files come whole, no other", e.Path)
+		}
+		require.Positive(t, inlined)
+		unpacked, err := UnpackStubs(t.Context(), bytes.NewReader(wire), Raw, t.TempDir(), lim, inline, func(Stub) error { return nil })
+		require.NoError(t, err)
+		require.Equal(t, unpacked.Inlined, sum.Inlined, "the last file carried whole")
+	}
+}
+
+// A stub tree is learnt only as a packer writes it: anything an
+// extraction would refuse, or that would make the index another tree
+// than the holder's, is refused, and a small file whose bytes are not its
+// sum is corrupt.
+func TestIndexStubsRefuses(t *testing.T) {
+	root := entry{hdr: tar.Header{Name: rootName, Typeflag: tar.TypeDir, Mode: 0o755}}
+	dir := func(name string) entry {
+		return entry{hdr: tar.Header{Name: name + "/", Typeflag: tar.TypeDir, Mode: 0o755}}
+	}
+	stub := func(name string, size string) entry {
+		return entry{hdr: tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX,
+			PAXRecords: map[string]string{paxHoles: size}}}
+	}
+	sum, err := filesum.Of(strings.NewReader("whole"))
+	require.NoError(t, err)
+	summed := func(e entry, s string) entry {
+		e.hdr.Format = tar.FormatPAX
+		e.hdr.PAXRecords = map[string]string{paxSum: s}
+		return e
+	}
+	tests := []struct {
+		name    string
+		entries []entry
+		summed  bool
+		inline  Inline
+		wantErr string
+	}{
+		{name: "no root first", entries: []entry{file("f", "x")}, wantErr: "is not its root"},
+		{name: "a second root", entries: []entry{root, root}, wantErr: "not the first"},
+		{name: "nothing", wantErr: "an empty stub tree"},
+		{name: "dot-dot", entries: []entry{root, stub("../escaped", "1")}, wantErr: "entry name"},
+		{name: "absolute", entries: []entry{root, stub("/etc/passwd", "1")}, wantErr: "entry name"},
+		{name: "a parent not sent", entries: []entry{root, stub("d/f", "1")}, wantErr: "its directory was not added"},
+		{name: "a parent that is a file", entries: []entry{root, stub("f", "1"), stub("f/g", "1")}, wantErr: "its directory was not added"},
+		{name: "through a symlink", entries: []entry{root,
+			{hdr: tar.Header{Name: "link", Typeflag: tar.TypeSymlink, Linkname: "/etc"}}, stub("link/passwd", "1")}, wantErr: "its directory was not added"},
+		{name: "a name twice", entries: []entry{root, stub("f", "1"), dir("f")}, wantErr: "added twice"},
+		{name: "a name too long", entries: []entry{root, stub(strings.Repeat("n", 256), "1")}, wantErr: "entry name"},
+		{name: "a hard link to nothing yet", entries: []entry{root,
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "later"}}, stub("later", "1")}, wantErr: "not a regular file added before it"},
+		{name: "a hard link to a dir", entries: []entry{root, dir("d"),
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "d"}}}, wantErr: "not a regular file added before it"},
+		{name: "a hard link outside", entries: []entry{root,
+			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "../secret"}}}, wantErr: "hardlink to"},
+		{name: "a device node", entries: []entry{root,
+			{hdr: tar.Header{Name: "null", Typeflag: tar.TypeChar, Devmajor: 1, Devminor: 3}}}, wantErr: "device node 1:3"},
+		{name: "a block device", entries: []entry{root,
+			{hdr: tar.Header{Name: "sda", Typeflag: tar.TypeBlock, Devmajor: 8}}}, wantErr: "entry type"},
+		{name: "an xattr that does not travel", entries: []entry{root,
+			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Format: tar.FormatPAX,
+				PAXRecords: map[string]string{paxXattr + "security.selinux": "system_u:object_r:shadow_t:s0"}}}}, wantErr: `xattr "security.selinux"`},
+		{name: "an owner of no one", entries: []entry{root,
+			{hdr: tar.Header{Name: "f", Typeflag: tar.TypeReg, Uid: -1}}}, wantErr: "owner -1:0"},
+		{name: "data not asked for", entries: []entry{root, file("f", "whole")}, wantErr: "asked for files of at most 0"},
+		{name: "more data than asked for", entries: []entry{root, file("f", "whole")}, inline: Inline{Max: 4, Budget: 100},
+			wantErr: "asked for files of at most 4"},
+		{name: "a sparse map that is not the body", entries: []entry{root, stub("f", "100 0:4")}, wantErr: "sparse map holds 4 bytes"},
+		{name: "a file with no sum", entries: []entry{root, stub("f", "1")}, summed: true, wantErr: "no sum"},
+		{name: "a small file that is not its sum", entries: []entry{root, summed(file("f", "whoLe"), sum.String())}, summed: true,
+			inline: Inline{Max: 100, Budget: 100}, wantErr: "corrupt"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			lim := DefaultLimits
+			lim.Summed = tc.summed
+			_, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, tc.entries...)), Raw, lim, tc.inline)
+			require.ErrorContains(t, err, tc.wantErr)
+			if tc.wantErr == "corrupt" {
+				require.ErrorIs(t, err, ErrCorrupt)
+			} else {
+				require.ErrorIs(t, err, ErrRefused)
+			}
+		})
+	}
+	lim := DefaultLimits
+	lim.Summed = true
+	tree, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, root, summed(file("f", "whole"), sum.String()))), Raw, lim, Inline{Max: 100, Budget: 100})
+	require.NoError(t, err, "a small file that is its sum")
+	l, err := tree.Write(&bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, []byte("whole"), l.Extents[0].Data)
+	lim.Strict = true
+	_, _, err = IndexStubs(context.Background(), bytes.NewReader(craft(t, root)), Raw, lim, Inline{})
+	require.ErrorContains(t, err, "never strict", "an upload is extracted, not indexed")
+}
