@@ -1,6 +1,7 @@
 package index
 
 import (
+	"bufio"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -55,86 +56,127 @@ var xattrIndexes = []struct {
 	index  uint8
 }{{"user.", 1}, {"trusted.", 4}, {"security.", 6}}
 
-// write lays out the tree below top and writes the image to w.
+// write lays out the tree below top and writes the image to w, in one
+// pass in offset order: the image is never whole in memory (a million
+// files make about 110 MB of it), only the tree and each inode's xattrs.
 func write(w io.Writer, top *node, layout *Layout) error {
 	// Number the inodes, parents before children, and count links.
-	var order []*node
-	seen := map[*node]bool{top: true}
-	order = append(order, top)
+	order := []*node{top}
+	top.ino = 1
 	for i := 0; i < len(order); i++ {
 		for _, d := range order[i].entries {
 			d.n.nlink++
-			if !seen[d.n] {
-				seen[d.n] = true
+			if d.n.ino == 0 {
 				order = append(order, d.n)
+				d.n.ino = uint32(len(order))
 			}
 		}
 	}
-	// Each inode's record: where it starts, and its xattrs and tail.
-	type record struct{ xattrs, tail []byte }
-	records := make([]record, len(order))
+	// Where each inode's record starts: its inode, xattrs and tail.
+	xattrs := map[*node][]byte{}
 	pos := int64(inodesOffset)
-	for i, n := range order {
-		n.ino = uint32(i + 1)
-		xattrs, err := xattrBody(n.xattrs)
+	for _, n := range order {
+		body, err := xattrBody(n.xattrs)
 		if err != nil {
 			return err
 		}
-		tail := n.tail(layout)
-		if n.st.Mode&unix.S_IFMT == unix.S_IFLNK && inodeSize+len(xattrs)+len(tail) > blockSize {
+		if body != nil {
+			xattrs[n] = body
+		}
+		tail := n.tailSize(layout)
+		if n.st.Mode&unix.S_IFMT == unix.S_IFLNK && inodeSize+len(body)+int(tail) > blockSize {
 			// Inline in the inode's block, or not at all (a data block
 			// of its own for a target this long is not written yet).
 			return fmt.Errorf("a symlink's target of %d bytes: %w", len(n.target), ErrUnindexable)
 		}
-		size := inodeSize + int64(len(xattrs))
-		if n.st.Mode&unix.S_IFMT == unix.S_IFREG && len(tail) > 0 {
-			size = roundUp(size, 8) // chunk indexes are 8-aligned
-		}
-		size += int64(len(tail))
+		size := n.tailAt(len(body)) + tail
 		if pos/blockSize != (pos+min(size, blockSize)-1)/blockSize {
 			pos = roundUp(pos, blockSize) // a record starts in the block it fits in
 		}
 		n.nid = uint64(pos / 32)
-		records[i] = record{xattrs, tail}
 		if pos = roundUp(pos+size, 32); pos > maxImageBytes {
 			return fmt.Errorf("an index of more than %d bytes: %w", pos, ErrUnindexable)
 		}
 	}
 	// The directories' blocks follow the inodes.
 	block := uint32(roundUp(pos, blockSize) / blockSize)
-	dirBlocks := map[*node][]byte{}
 	for _, n := range order {
 		if n.st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			continue
 		}
-		data, err := dirData(n)
+		size, err := dirData(n, nil)
 		if err != nil {
 			return err
 		}
-		n.blkDir, n.dirLen = block, int64(len(data))
-		dirBlocks[n] = data
-		block += uint32(roundUp(int64(len(data)), blockSize) / blockSize)
-	}
-	if int64(block)*blockSize > maxImageBytes {
-		return fmt.Errorf("an index of %d blocks: %w", block, ErrUnindexable)
-	}
-	img := make([]byte, int64(block)*blockSize)
-	putSuperblock(img, top, uint64(len(order)), block, layout)
-	for i, n := range order {
-		at, r := int64(n.nid)*32, records[i]
-		n.putInode(img[at:], len(r.xattrs))
-		copy(img[at+inodeSize:], r.xattrs)
-		tailAt := at + inodeSize + int64(len(r.xattrs))
-		if n.st.Mode&unix.S_IFMT == unix.S_IFREG && len(r.tail) > 0 {
-			tailAt = roundUp(tailAt, 8)
+		n.blkDir, n.dirLen = block, size
+		block += uint32(roundUp(size, blockSize) / blockSize)
+		if int64(block)*blockSize > maxImageBytes {
+			return fmt.Errorf("an index of %d blocks: %w", block, ErrUnindexable)
 		}
-		copy(img[tailAt:], r.tail)
 	}
-	for n, data := range dirBlocks {
-		copy(img[int64(n.blkDir)*blockSize:], data)
+
+	iw := &imageWriter{w: bufio.NewWriterSize(w, 1<<20)}
+	head := make([]byte, inodesOffset)
+	putSuperblock(head, top, uint64(len(order)), block, layout)
+	iw.write(head)
+	record := make([]byte, 0, blockSize)
+	for _, n := range order {
+		body := xattrs[n]
+		record = record[:n.tailAt(len(body))]
+		clear(record)
+		n.putInode(record, len(body))
+		copy(record[inodeSize:], body)
+		record = n.appendTail(record, layout)
+		iw.pad(int64(n.nid) * 32)
+		iw.write(record)
 	}
-	_, err := w.Write(img)
-	return err
+	for _, n := range order {
+		if n.st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			iw.pad(int64(n.blkDir) * blockSize)
+			if _, err := dirData(n, iw.write); err != nil {
+				return err
+			}
+		}
+	}
+	iw.pad(int64(block) * blockSize)
+	if iw.err != nil {
+		return iw.err
+	}
+	return iw.w.Flush()
+}
+
+// imageWriter writes an image in offset order, zeros between what it is
+// given, and keeps the first error.
+type imageWriter struct {
+	w   *bufio.Writer
+	at  int64
+	err error
+}
+
+var zeroBlock [blockSize]byte
+
+func (iw *imageWriter) write(p []byte) {
+	if iw.err == nil {
+		_, iw.err = iw.w.Write(p)
+		iw.at += int64(len(p))
+	}
+}
+
+// pad writes zeros up to the image's offset to.
+func (iw *imageWriter) pad(to int64) {
+	for iw.err == nil && iw.at < to {
+		iw.write(zeroBlock[:min(to-iw.at, blockSize)])
+	}
+}
+
+// tailAt is where n's tail starts in its record, past its inode and
+// xattrBytes of xattrs: a regular file's chunk indexes are 8-aligned.
+func (n *node) tailAt(xattrBytes int) int64 {
+	at := int64(inodeSize + xattrBytes)
+	if n.st.Mode&unix.S_IFMT == unix.S_IFREG && n.extent >= 0 {
+		at = roundUp(at, 8)
+	}
+	return at
 }
 
 // chunkBits is the chunk size of a regular file's data, as a shift past
@@ -145,27 +187,47 @@ func chunkBits(size int64) uint16 {
 	return uint16(min(max(b, blockBits), maxChunkBits) - blockBits)
 }
 
-// tail is what follows n's inode and xattrs: a regular file's chunk
-// indexes, or a symlink's target.
-func (n *node) tail(layout *Layout) []byte {
+// chunks is the count of a regular file's chunk indexes: one per chunk
+// of its extent.
+func (e Extent) chunks() int64 {
+	chunk := int64(blockSize) << chunkBits(e.Size)
+	return (e.Size + chunk - 1) / chunk
+}
+
+// tailSize is the size of what follows n's inode and xattrs: a regular
+// file's chunk indexes, or a symlink's target.
+func (n *node) tailSize(layout *Layout) int64 {
+	switch n.st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		if n.extent >= 0 {
+			return 8 * layout.Extents[n.extent].chunks()
+		}
+	case unix.S_IFLNK:
+		return int64(len(n.target))
+	}
+	return 0
+}
+
+// appendTail appends n's tail to its record.
+func (n *node) appendTail(record []byte, layout *Layout) []byte {
 	switch n.st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		if n.extent < 0 {
-			return nil
+			return record
 		}
 		e := layout.Extents[n.extent]
 		chunk := int64(blockSize) << chunkBits(e.Size)
-		count := (e.Size + chunk - 1) / chunk
-		out := make([]byte, 8*count)
-		for i := range count {
-			binary.LittleEndian.PutUint16(out[8*i+2:], blobDeviceID)
-			binary.LittleEndian.PutUint32(out[8*i+4:], uint32((e.Offset+i*chunk)/blockSize))
+		var index [8]byte
+		binary.LittleEndian.PutUint16(index[2:], blobDeviceID)
+		for i := range e.chunks() {
+			binary.LittleEndian.PutUint32(index[4:], uint32((e.Offset+i*chunk)/blockSize))
+			record = append(record, index[:]...)
 		}
-		return out
+		return record
 	case unix.S_IFLNK:
-		return []byte(n.target)
+		return append(record, n.target...)
 	}
-	return nil
+	return record
 }
 
 // putInode writes n's extended inode at b.
@@ -248,12 +310,17 @@ func xattrBody(xattrs map[string]string) ([]byte, error) {
 	return out, nil
 }
 
-// dirData is a directory's blocks of entries. Each block holds the
-// entries (nid, name offset, file type) of a run of names, then those
-// names; the names are in byte order across the blocks, as lookups'
-// binary search needs.
-func dirData(n *node) ([]byte, error) {
-	var out []byte
+// dirData is the size of a directory's blocks of entries, each handed to
+// emit if it is not nil. Each block holds the entries (nid, name offset,
+// file type) of a run of names, then those names; the names are in byte
+// order across the blocks, as lookups' binary search needs. The last
+// block is as long as it is used.
+func dirData(n *node, emit func([]byte)) (int64, error) {
+	var size int64
+	var block []byte
+	if emit != nil {
+		block = make([]byte, blockSize)
+	}
 	for i := 0; i < len(n.entries); {
 		// As many entries as fit in a block.
 		j, used := i, 0
@@ -262,25 +329,33 @@ func dirData(n *node) ([]byte, error) {
 			j++
 		}
 		if j == i {
-			return nil, fmt.Errorf("a name of %d bytes: %w", len(n.entries[i].name), ErrUnindexable)
+			return 0, fmt.Errorf("a name of %d bytes: %w", len(n.entries[i].name), ErrUnindexable)
 		}
-		block := make([]byte, blockSize)
-		nameAt := direntSize * (j - i)
-		for k, d := range n.entries[i:j] {
-			e := block[direntSize*k:]
-			binary.LittleEndian.PutUint64(e, d.n.nid)
-			binary.LittleEndian.PutUint16(e[8:], uint16(nameAt))
-			e[10] = fileType(d.n.st.Mode)
-			nameAt += copy(block[nameAt:], d.name)
-		}
-		if j < len(n.entries) {
-			out = append(out, block...)
+		last := j == len(n.entries)
+		if last {
+			size += int64(used)
 		} else {
-			out = append(out, block[:nameAt]...) // the last block as long as it is used
+			size += blockSize
+		}
+		if emit != nil {
+			clear(block)
+			nameAt := direntSize * (j - i)
+			for k, d := range n.entries[i:j] {
+				e := block[direntSize*k:]
+				binary.LittleEndian.PutUint64(e, d.n.nid)
+				binary.LittleEndian.PutUint16(e[8:], uint16(nameAt))
+				e[10] = fileType(d.n.st.Mode)
+				nameAt += copy(block[nameAt:], d.name)
+			}
+			if last {
+				emit(block[:used])
+			} else {
+				emit(block)
+			}
 		}
 		i = j
 	}
-	return out, nil
+	return size, nil
 }
 
 func fileType(mode uint32) uint8 {
