@@ -43,8 +43,9 @@ const (
 	blobDeviceID  = 1
 	maxBlobBlocks = 1<<32 - 2 // the last block address is nullBlock's
 	maxBlobBytes  = maxBlobBlocks * blockSize
-	// maxImageBytes bounds an index, which is made in memory: a million
-	// files make about 110 MB, and a file's chunk indexes 2 KiB a GiB.
+	// maxImageBytes bounds an index, which a step waits for whole before
+	// its first read: a million files make about 110 MB, and a file's
+	// chunk indexes 2 KiB a GiB.
 	maxImageBytes  = 1 << 30
 	maxInlineBytes = blockSize - inodeSize
 )

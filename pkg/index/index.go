@@ -57,7 +57,7 @@ type Layout struct {
 }
 
 // ErrUnindexable says a layer holds what an index cannot say (files past
-// what a blob addresses, an image too large to make in memory, a symlink
+// what a blob addresses, an image over 1 GiB, a symlink
 // target too long to sit inline, an xattr EROFS has no prefix for): the
 // caller falls back to another way.
 var ErrUnindexable = errors.New("the layer cannot be indexed")
