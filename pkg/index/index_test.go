@@ -14,32 +14,18 @@ import (
 
 	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/overlay"
 )
 
 // mountIndex mounts the image at index, file-backed, with blob as its
 // extra device, read-only at target; skips where the kernel cannot.
 func mountIndex(t *testing.T, index, blob, target string) {
 	t.Helper()
-	fd, err := unix.Fsopen("erofs", unix.FSOPEN_CLOEXEC)
-	if errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENOSYS) {
-		t.Skipf("the kernel has no EROFS (or no fsopen): %v", err)
+	err := overlay.MountIndex(index, blob, target)
+	if errors.Is(err, overlay.ErrNoIndexMounts) {
+		t.Skip(err)
 	}
 	require.NoError(t, err)
-	defer unix.Close(fd)
-	require.NoError(t, unix.FsconfigSetString(fd, "source", index))
-	require.NoError(t, unix.FsconfigSetString(fd, "device", blob))
-	if err := unix.FsconfigCreate(fd); err != nil {
-		msg := make([]byte, 512)
-		n, _ := unix.Read(fd, msg)
-		if errors.Is(err, unix.ENOTBLK) {
-			t.Skipf("the kernel mounts no EROFS image from a file: %v", err)
-		}
-		t.Fatalf("mounting the index: %v (%s)", err, msg[:max(n, 0)])
-	}
-	m, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_RDONLY)
-	require.NoError(t, err)
-	defer unix.Close(m)
-	require.NoError(t, unix.MoveMount(m, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH))
 	t.Cleanup(func() { require.NoError(t, unix.Unmount(target, unix.MNT_DETACH)) })
 }
 
