@@ -28,7 +28,8 @@
 // stream's place, the background fill); write.go how a stub's data is put
 // in place; layer.go the Layer its caller drives; watch.go the watcher of
 // filled files; handle.go XFS's open by handle; keeper.go the process that
-// keeps the group, and its held readers, while the plugin restarts.
+// keeps the group, and its held readers, while the plugin restarts;
+// blob.go the blob of a mounted index, filled by extent.
 //
 // It owns the fanotify groups, the marks and the writes into stubs. It does
 // not know where bytes come from (a FetchFunc brings them), nor the cache's

@@ -174,6 +174,17 @@ func (l *Layout) Find(off int64) int {
 	return -1
 }
 
+// Touching are the extents [first, end) that hold a byte of the blob's
+// range of n bytes at off.
+func (l *Layout) Touching(off, n int64) (first, end int) {
+	first = l.from(off)
+	end = first
+	for end < len(l.Extents) && l.Extents[end].Offset < off+n {
+		end++
+	}
+	return first, end
+}
+
 // from is the first extent that ends past off: the one holding off if it
 // starts at or before it, else the next.
 func (l *Layout) from(off int64) int {
