@@ -1,0 +1,150 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/pull"
+	"github.com/concourse/cowvol/pkg/streamer"
+)
+
+// indexRounds is how many times each way is timed, taking turns.
+const indexRounds = 3
+
+// BenchmarkIndexedStubs: the puller's side of a lazy publish, from the
+// holder's stub tree (a StubTar with the small files whole, as a lazy
+// pull asks for it, packed once in memory) to a tree a step can open, for
+// volumes of 1 GiB in 100,000, 300,000 and 1,000,000 files. Today's way
+// extracts the stub tree (one stub file per file, on XFS; the pull's
+// fanotify marks, one per stub, are not counted, so it is a lower bound);
+// the index's way learns the tree from the same stream, writes its image,
+// makes the blob a sparse file, writes the small files into it and mounts
+// the image file-backed. Each way runs indexRounds times, taking turns,
+// after the page cache is dropped; the figures are the medians, and the
+// ratio is the index's over the stub tree's. It also reports the image's
+// size and what the index's way allocates.
+func BenchmarkIndexedStubs(b *testing.B) {
+	testfs.Need(b)
+	lim := streamer.DefaultLimits
+	lim.Summed = true
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "\n%-10s %10s %12s %12s %8s %10s %12s\n", "files", "stubs MB", "stub tree", "index", "ratio", "image MB", "index alloc")
+	for _, files := range []int{100_000, 300_000, 1_000_000} {
+		// A sub-benchmark each, so that each one's filesystems go when it
+		// ends.
+		b.Run(fmt.Sprintf("files=%d", files), func(b *testing.B) {
+			for range b.N {
+				indexedStubs(b, files, lim, &sb)
+			}
+		})
+	}
+	b.Log(sb.String())
+}
+
+// indexedStubs is one row of BenchmarkIndexedStubs.
+func indexedStubs(b *testing.B, files int, lim streamer.Limits, sb *strings.Builder) {
+	holder := testfs.Mount(b, testfs.XFS, 3<<30)
+	layer := filepath.Join(holder, "layer")
+	genTree(b, layer, files, 1<<30)
+	sums, err := filesum.OfTree(context.Background(), layer)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var wire bytes.Buffer
+	if _, err := streamer.PackFirst(context.Background(), streamer.LayerFiles{Dir: layer, Sums: sums}, nil, &wire, streamer.Raw, streamer.StubTar, pull.StubInline); err != nil {
+		b.Fatal(err)
+	}
+	puller := testfs.MountAllocated(b, testfs.XFS, 4<<30)
+	var stubs, indexes []time.Duration
+	var imageBytes int64
+	var alloc uint64
+	for round := range indexRounds {
+		dir := filepath.Join(puller, fmt.Sprintf("stubs-%d", round))
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			b.Fatal(err)
+		}
+		dropCaches(b)
+		start := time.Now()
+		if _, err := streamer.UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), streamer.Raw, dir, lim, pull.StubInline,
+			func(streamer.Stub) error { return nil }); err != nil {
+			b.Fatal(err)
+		}
+		stubs = append(stubs, time.Since(start))
+
+		work := filepath.Join(puller, fmt.Sprintf("index-%d", round))
+		if err := os.MkdirAll(filepath.Join(work, "mnt"), 0o700); err != nil {
+			b.Fatal(err)
+		}
+		dropCaches(b)
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		start = time.Now()
+		imageBytes = mountIndexFromStubs(b, wire.Bytes(), lim, work)
+		indexes = append(indexes, time.Since(start))
+		runtime.ReadMemStats(&after)
+		alloc = after.TotalAlloc - before.TotalAlloc
+		if err := unix.Unmount(filepath.Join(work, "mnt"), 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+	stub, idx := p50(stubs), p50(indexes)
+	fmt.Fprintf(sb, "%-10d %10.1f %12s %12s %7.3fx %10.1f %9.1f MB\n", files, float64(wire.Len())/(1<<20),
+		ms(stub), ms(idx), float64(idx)/float64(stub), float64(imageBytes)/(1<<20), float64(alloc)/(1<<20))
+	b.ReportMetric(idx.Seconds(), fmt.Sprintf("index-%dk-s", files/1000))
+	b.ReportMetric(stub.Seconds(), fmt.Sprintf("stubtree-%dk-s", files/1000))
+	b.ReportMetric(float64(idx)/float64(stub), fmt.Sprintf("index/stubtree-%dk", files/1000))
+}
+
+// mountIndexFromStubs learns the index from a stub tree's stream, writes
+// its image and a sparse blob holding the small files under work, and
+// mounts it at work/mnt, as a pull would. It returns the image's size.
+func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work string) int64 {
+	tree, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, pull.StubInline)
+	if err != nil {
+		b.Fatal(err)
+	}
+	image, err := os.Create(filepath.Join(work, "index"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer image.Close()
+	layout, err := tree.Write(image)
+	if err != nil {
+		b.Fatal(err)
+	}
+	blob, err := os.Create(filepath.Join(work, "blob"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer blob.Close()
+	if err := blob.Truncate(layout.Size); err != nil {
+		b.Fatal(err)
+	}
+	for _, e := range layout.Extents {
+		if e.Data != nil {
+			if _, err := blob.WriteAt(e.Data, e.Offset); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	if err := overlay.MountIndex(image.Name(), blob.Name(), filepath.Join(work, "mnt")); err != nil {
+		b.Fatal(err)
+	}
+	st, err := image.Stat()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return st.Size()
+}
