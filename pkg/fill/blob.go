@@ -179,16 +179,8 @@ func (b *Blob) Err() error {
 // run reads events until the group is closed.
 func (b *Blob) run() {
 	defer b.loop.Done()
-	buf := make([]byte, 64<<10)
-	for {
-		n, err := b.events.Read(buf)
-		if err != nil {
-			if !errors.Is(err, os.ErrClosed) {
-				klog.ErrorS(err, "Reading the fanotify events of an index's blob; its fills stop")
-			}
-			return
-		}
-		eachRangeEvent(buf[:n], b.dispatch)
+	if err := readEvents(b.events, func(buf []byte) { eachRangeEvent(buf, b.dispatch) }); err != nil {
+		klog.ErrorS(err, "Reading the fanotify events of an index's blob; its fills stop")
 	}
 }
 

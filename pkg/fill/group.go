@@ -266,16 +266,26 @@ func (g *Group) runKept(kc *keeperConn) {
 // hands it to the file's fill: it never blocks on a fetch.
 func (g *Group) run() {
 	defer g.loop.Done()
+	if err := readEvents(g.events, func(buf []byte) {
+		eachEvent(buf, func(fd int32) { g.dispatch(event{fd: fd, id: fd}) })
+	}); err != nil {
+		klog.ErrorS(err, "Reading fanotify events; lazy fills stop")
+	}
+}
+
+// readEvents hands each read of a fanotify group's events to handle until
+// the group is closed (nil) or a read fails.
+func readEvents(events *os.File, handle func(buf []byte)) error {
 	buf := make([]byte, 64<<10)
 	for {
-		n, err := g.events.Read(buf)
-		if err != nil {
-			if !errors.Is(err, os.ErrClosed) {
-				klog.ErrorS(err, "Reading fanotify events; lazy fills stop")
-			}
-			return
+		n, err := events.Read(buf)
+		if errors.Is(err, os.ErrClosed) {
+			return nil
 		}
-		eachEvent(buf[:n], func(fd int32) { g.dispatch(event{fd: fd, id: fd}) })
+		if err != nil {
+			return err
+		}
+		handle(buf[:n])
 	}
 }
 
