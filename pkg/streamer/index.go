@@ -160,7 +160,10 @@ func (x *indexer) file(name string, hdr *tar.Header, body io.Reader) (index.Entr
 	if isStub(hdr) {
 		return e, nil
 	}
-	if err := x.inline.take(name, hdr.Size); err != nil {
+	// Its size, not its body's: the data is made whole here, and a sparse
+	// map may say a size of terabytes over a body of a few bytes. A packer
+	// inlines by size too.
+	if err := x.inline.take(name, size); err != nil {
 		return e, err
 	}
 	x.inlined = name
