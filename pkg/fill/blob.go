@@ -2,13 +2,10 @@ package fill
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"sync"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -21,7 +18,7 @@ import (
 // blob.go fills the blob of a mounted index (pkg/index) on demand. A read
 // of a file of the index's mount makes the kernel read the blob, its extra
 // device, at the file's extent; the blob is marked for pre-content events
-// in a group of its own, each event says the range the kernel reads, and
+// in the node's group, each event says the range the kernel reads, and
 // the reader waits while every extent that range touches is fetched whole,
 // checked against its sum and written in place. Unlike a stub's, a
 // mapping of a file of the index raises events too: EROFS reads its blob
@@ -30,10 +27,14 @@ import (
 // fault on a mapping of its index itself: a Go thread held in a page fault
 // stalls the collector's stop of the world, and the answer with it.)
 //
-// What a Blob does not do yet, and a pull needs before it mounts one
-// under a step: outlive its process (a group closed lets its held readers
-// read the blob's holes, which is why stubs' group has a keeper), and
-// take its extents from a stream in the background.
+// A blob's readers are held in the group that holds stubs' readers, so
+// that the fill keeper keeps them across a restart of the plugin as it
+// keeps theirs (keeper.go; a group closed would let them read the blob's
+// holes), and a restarted plugin answers EIO to the readers of a blob it
+// does not know in a layer left unfinished, as it does those of stubs.
+
+// errBlobFailed: the Blob was failed (or closed), and fills nothing more.
+var errBlobFailed = errors.New("the blob was failed")
 
 // BlobFetch brings extent e's bytes whole: it writes them through w at
 // their offsets in the file (0 to e.Size), and may leave runs of zeros
@@ -43,13 +44,11 @@ type BlobFetch func(ctx context.Context, e index.Extent, w io.WriterAt) error
 // Blob holds the readers of an index's blob until the extents their reads
 // touch are in place.
 type Blob struct {
-	events *os.File // the group: read events, write answers
-	fd     int      // events' descriptor, for marks
-	// clone is a detached clone of the mount of the blob's dir, exempt
-	// from the group's events, and file the blob opened through it: the
-	// fills write and check through it.
-	clone  int
+	g *Group
+	// file is the blob, opened through the group's clone (its writes and
+	// reads raise no event), key how the group knows its events.
 	file   fdtree.File
+	key    fileKey
 	layout *index.Layout
 	fetch  BlobFetch
 	ctx    context.Context
@@ -57,11 +56,11 @@ type Blob struct {
 
 	mu     sync.Mutex
 	state  []extentState
-	left   int   // extents neither in place nor failed
-	err    error // the first failure
-	closed bool  // failed: no fill starts
+	byPath map[string]int // extents by path, made at the first Offer
+	left   int            // extents neither in place nor failed
+	err    error          // the first failure
+	closed bool           // failed: no fill starts
 	done   chan struct{}
-	loop   sync.WaitGroup
 	fills  sync.WaitGroup
 
 	closeOnce sync.Once
@@ -80,63 +79,43 @@ const (
 	extentFailed
 )
 
-// blobReader is a held read of the blob: its event's descriptor, and the
-// extents it waits for.
+// blobReader is a held read of the blob: its event, and the extents it
+// waits for.
 type blobReader struct {
-	fd       int32
+	ev       event
 	pending  int
 	answered bool
 }
 
-// OpenBlob holds the readers of the blob name in dir, whose extents layout
-// says, from now on: every extent that carries its data (Extent.Data) is
-// written in place at once, and every other one is fetched with fetch when
-// a read first touches it. dir is the caller's, made by it.
-func OpenBlob(dir, name string, layout *index.Layout, fetch BlobFetch) (*Blob, error) {
-	fd, err := unix.FanotifyInit(unix.FAN_CLASS_PRE_CONTENT|unix.FAN_CLOEXEC|unix.FAN_NONBLOCK|unix.FAN_UNLIMITED_QUEUE,
-		unix.O_RDONLY|unix.O_LARGEFILE)
+// OpenBlob holds the readers of the blob at path (below the group's root,
+// made by the caller, of layout.Size bytes), whose extents layout says,
+// from now on: every extent that carries its data (Extent.Data) is
+// written in place at once, and every other one is fetched with fetch
+// when a read first touches it, or offered by a stream (Offer).
+func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch) (*Blob, error) {
+	rel, err := g.below(path)
 	if err != nil {
-		return nil, fmt.Errorf("making a fanotify pre-content group: %w", err)
+		return nil, err
 	}
-	b := &Blob{fd: fd, clone: -1, file: -1, layout: layout, fetch: fetch, state: make([]extentState, len(layout.Extents)),
+	b := &Blob{g: g, file: -1, layout: layout, fetch: fetch, state: make([]extentState, len(layout.Extents)),
 		left: len(layout.Extents), done: make(chan struct{})}
-	if err := b.open(dir, name); err != nil {
-		for _, c := range []int{int(b.file), b.clone, fd} {
-			if c >= 0 {
-				unix.Close(c)
-			}
+	b.ctx, b.cancel = context.WithCancel(context.Background())
+	if err := b.open(rel); err != nil {
+		b.cancel()
+		if b.file >= 0 {
+			unix.Close(int(b.file))
 		}
 		return nil, err
 	}
-	b.events = os.NewFile(uintptr(fd), "fanotify")
-	b.ctx, b.cancel = context.WithCancel(context.Background())
-	b.loop.Add(1)
-	go b.run()
 	return b, nil
 }
 
-// open clones dir's mount, exempts the clone from the group's events,
-// opens the blob through it, writes the extents that carry their data and
-// marks the blob for the rest.
-func (b *Blob) open(dir, name string) error {
-	var err error
-	// The clone is dissolved with the fd open_tree gives; a mark takes no
-	// O_PATH fd, so it and the open use a real fd of the clone's root.
-	if b.clone, err = unix.OpenTree(unix.AT_FDCWD, dir, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC); err != nil {
-		return fmt.Errorf("cloning the mount of %s: %w", dir, err)
-	}
-	root, err := unix.Openat(b.clone, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+// open opens the blob through the group's clone, writes the extents that
+// carry their data and marks the blob for the rest.
+func (b *Blob) open(rel string) error {
+	file, err := fdtree.OpenFileBeneath(b.g.tree, rel, unix.O_RDWR)
 	if err != nil {
-		return err
-	}
-	defer unix.Close(root)
-	if err := unix.FanotifyMark(b.fd, unix.FAN_MARK_ADD|unix.FAN_MARK_MOUNT|unix.FAN_MARK_IGNORED_MASK|unix.FAN_MARK_IGNORED_SURV_MODIFY,
-		unix.FAN_PRE_ACCESS, root, ""); err != nil {
-		return fmt.Errorf("exempting the clone of %s from events: %w", dir, err)
-	}
-	file, err := unix.Openat(root, name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("the blob %s: %w", name, err)
+		return fmt.Errorf("the blob %s: %w", rel, err)
 	}
 	b.file = fdtree.File(file)
 	var st unix.Stat_t
@@ -144,8 +123,9 @@ func (b *Blob) open(dir, name string) error {
 		return err
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != b.layout.Size {
-		return fmt.Errorf("the blob %s: mode %o, %d bytes: want a regular file of %d", name, st.Mode, st.Size, b.layout.Size)
+		return fmt.Errorf("the blob %s: mode %o, %d bytes: want a regular file of %d", rel, st.Mode, st.Size, b.layout.Size)
 	}
+	b.key = fileKey{dev: st.Dev, ino: st.Ino}
 	for i, e := range b.layout.Extents {
 		if e.Data == nil {
 			continue
@@ -160,9 +140,20 @@ func (b *Blob) open(dir, name string) error {
 		close(b.done)
 		return nil
 	}
-	if err := unix.FanotifyMark(b.fd, unix.FAN_MARK_ADD, unix.FAN_PRE_ACCESS, file, ""); err != nil {
+	g := b.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return errors.New("the fill group is closed")
+	}
+	if _, dup := g.blobs[b.key]; dup {
+		return fmt.Errorf("the blob %s is held already", rel)
+	}
+	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_ADD, unix.FAN_PRE_ACCESS, file, ""); err != nil {
 		return fmt.Errorf("marking the blob for pre-content events: %w", err)
 	}
+	g.blobs[b.key] = b
+	delete(g.stale, b.key) // (an inode of a stale blob's, since freed)
 	return nil
 }
 
@@ -176,53 +167,14 @@ func (b *Blob) Err() error {
 	return b.err
 }
 
-// run reads events until the group is closed.
-func (b *Blob) run() {
-	defer b.loop.Done()
-	if err := readEvents(b.events, func(buf []byte) { eachRangeEvent(buf, b.dispatch) }); err != nil {
-		klog.ErrorS(err, "Reading the fanotify events of an index's blob; its fills stop")
-	}
-}
-
-// eachRangeEvent calls fn with the descriptor and the range of each
-// event read into buf (an event without a range info record, which a
-// pre-content event always has, covers the whole file).
-func eachRangeEvent(buf []byte, fn func(fd int32, off, n int64)) {
-	for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= len(buf); {
-		md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
-		if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > len(buf) || uint32(md.Metadata_len) > md.Event_len {
-			klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
-			return
-		}
-		info := buf[off+int(md.Metadata_len) : off+int(md.Event_len)]
-		off += int(md.Event_len)
-		if md.Fd < 0 {
-			continue
-		}
-		at, n := int64(0), int64(-1)
-		// Each info record: type (1 byte), pad (1), length (2), then its
-		// body; a range's is pad (4), offset (8), count (8).
-		for len(info) >= 4 {
-			kind, size := info[0], int(binary.NativeEndian.Uint16(info[2:]))
-			if size < 4 || size > len(info) {
-				break
-			}
-			if kind == unix.FAN_EVENT_INFO_TYPE_RANGE && size >= 24 {
-				at, n = int64(binary.NativeEndian.Uint64(info[8:])), int64(binary.NativeEndian.Uint64(info[16:]))
-			}
-			info = info[size:]
-		}
-		fn(md.Fd, at, n)
-	}
-}
-
-// dispatch answers a read of n bytes of the blob at off (n < 0: all of
-// it) once every extent it touches is in place, EIO if one failed.
-func (b *Blob) dispatch(fd int32, off, n int64) {
+// dispatch answers ev, a read of the blob, once every extent its range
+// touches is in place, EIO if one failed.
+func (b *Blob) dispatch(ev event) {
+	off, n := ev.off, ev.n
 	if n < 0 || off < 0 || n > b.layout.Size {
 		off, n = 0, b.layout.Size
 	}
-	r := &blobReader{fd: fd}
+	r := &blobReader{ev: ev}
 	b.mu.Lock()
 	first, end := b.layout.Touching(off, n)
 	failed := b.closed
@@ -237,7 +189,7 @@ func (b *Blob) dispatch(fd int32, off, n int64) {
 		case extentMissing:
 			s.state = extentFetching
 			b.fills.Add(1)
-			go b.fill(i)
+			go b.fill(i, nil)
 		}
 		s.waiters = append(s.waiters, r)
 		r.pending++
@@ -246,30 +198,82 @@ func (b *Blob) dispatch(fd int32, off, n int64) {
 	case failed:
 		r.answered = true
 		b.mu.Unlock()
-		b.respond(fd, denyEIO)
+		b.g.respond(ev, denyEIO)
 	case r.pending == 0:
 		r.answered = true
 		b.mu.Unlock()
-		b.respond(fd, unix.FAN_ALLOW)
+		b.g.respond(ev, unix.FAN_ALLOW)
 	default:
 		b.mu.Unlock()
 	}
 }
 
-// fill fetches extent i whole, checks it and answers its waiters.
-func (b *Blob) fill(i int) {
+// Offer fills the extent of the file path from write, which writes its
+// bytes through w at their offsets in the file, unless it is in place or
+// being filled already (then write is not called, and Offer returns nil):
+// how a stream of the whole layer fills what readers have not asked for.
+// If write fails, or what it wrote is not the extent's sum, fetch brings
+// the extent instead. It returns once the extent is settled, with an error
+// once the blob failed.
+func (b *Blob) Offer(path string, write func(w io.WriterAt) error) error {
+	b.mu.Lock()
+	if b.byPath == nil {
+		b.byPath = make(map[string]int, len(b.layout.Extents))
+		for i, e := range b.layout.Extents {
+			b.byPath[e.Path] = i
+		}
+	}
+	i, ok := b.byPath[path]
+	mine := ok && !b.closed && b.state[i].state == extentMissing
+	if mine {
+		b.state[i].state = extentFetching
+		b.fills.Add(1)
+	}
+	err := b.err
+	if err == nil && b.closed {
+		err = errBlobFailed
+	}
+	b.mu.Unlock()
+	if mine {
+		b.fill(i, write)
+		err = b.Err()
+	}
+	return err
+}
+
+// fill brings extent i whole (from write if not nil and it can, else with
+// the Blob's fetch), checks it and answers its waiters.
+func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 	defer b.fills.Done()
 	e := b.layout.Extents[i]
-	err := b.fetch(b.ctx, e, extentWriter{file: b.file, extent: e})
-	if err == nil && e.Sum != (filesum.Sum{}) {
-		// As written, read back through the clone: a wrong byte never
-		// reaches a reader.
-		err = filesum.Check(io.NewSectionReader(b.file, e.Offset, e.Size), e.Sum)
+	w := extentWriter{file: b.file, extent: e}
+	err := errors.New("no stream")
+	if write != nil {
+		if err = write(w); err == nil {
+			err = b.check(e)
+		}
+		if err != nil && b.ctx.Err() == nil {
+			klog.V(2).InfoS("An extent offered by a stream did not arrive whole; fetching it", "path", e.Path, "err", err)
+		}
+	}
+	if err != nil && b.ctx.Err() == nil {
+		if err = b.fetch(b.ctx, e, w); err == nil {
+			err = b.check(e)
+		}
 	}
 	if err != nil {
 		err = fmt.Errorf("%s: %w", e.Path, err)
 	}
 	b.finish(i, err)
+}
+
+// check reads extent e back as written, through the clone, against its
+// sum: a wrong byte never reaches a reader.
+func (b *Blob) check(e index.Extent) error {
+	if e.Sum == (filesum.Sum{}) {
+		return nil
+	}
+	return filesum.Check(io.NewSectionReader(b.file, e.Offset, e.Size), e.Sum)
 }
 
 // finish records how extent i's fill ended and answers the readers it
@@ -287,49 +291,58 @@ func (b *Blob) finish(i int, err error) {
 		}
 		klog.ErrorS(err, "Filling an extent of an index's blob failed; its readers get EIO")
 	}
-	var allow, deny []int32
+	var allow, deny []event
 	for _, r := range waiters {
 		r.pending--
 		switch {
 		case r.answered:
 		case err != nil:
 			r.answered = true
-			deny = append(deny, r.fd)
+			deny = append(deny, r.ev)
 		case r.pending == 0:
 			r.answered = true
-			allow = append(allow, r.fd)
+			allow = append(allow, r.ev)
 		}
 	}
-	// Once all are in place, readers need not wait for this process; a
-	// failed extent keeps the mark, which answers its readers EIO.
-	if b.left--; b.left == 0 && b.err == nil {
-		if merr := unix.FanotifyMark(b.fd, unix.FAN_MARK_REMOVE, unix.FAN_PRE_ACCESS, int(b.file), ""); merr != nil {
-			klog.ErrorS(merr, "Unmarking a filled index's blob")
-		}
-	}
+	b.left--
+	filled := b.left == 0 && b.err == nil
 	if b.left == 0 {
 		close(b.done)
 	}
 	b.mu.Unlock()
-	for _, fd := range allow {
-		b.respond(fd, unix.FAN_ALLOW)
+	// Once all are in place, readers need not wait for this process; a
+	// failed extent keeps the mark, which answers its readers EIO.
+	if filled {
+		b.unmark()
 	}
-	for _, fd := range deny {
-		b.respond(fd, denyEIO)
+	for _, ev := range allow {
+		b.g.respond(ev, unix.FAN_ALLOW)
+	}
+	for _, ev := range deny {
+		b.g.respond(ev, denyEIO)
 	}
 }
 
-func (b *Blob) respond(fd int32, answer uint32) {
-	resp := unix.FanotifyResponse{Fd: fd, Response: answer}
-	if _, err := b.events.Write((*[unsafe.Sizeof(resp)]byte)(unsafe.Pointer(&resp))[:]); err != nil && !errors.Is(err, os.ErrClosed) {
-		klog.ErrorS(err, "Answering a held reader of an index's blob")
+// unmark drops the blob's mark and the group's knowledge of it: its
+// readers go through from now on.
+func (b *Blob) unmark() {
+	g := b.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.blobs[b.key] != b {
+		return
 	}
-	unix.Close(int(fd))
+	delete(g.blobs, b.key)
+	if g.closed {
+		return // its marks went with it
+	}
+	if err := unix.FanotifyMark(g.fd, unix.FAN_MARK_REMOVE, unix.FAN_PRE_ACCESS, int(b.file), ""); err != nil {
+		klog.ErrorS(err, "Unmarking a filled index's blob")
+	}
 }
 
 // Fail stops the fills under way and answers every held reader EIO, and
-// every later reader of an extent not in place. The group stays: its
-// readers are held (and failed) until Close.
+// every later reader of an extent not in place, until Close.
 func (b *Blob) Fail() {
 	b.mu.Lock()
 	b.closed = true
@@ -338,16 +351,15 @@ func (b *Blob) Fail() {
 	b.fills.Wait() // each failed, its readers answered
 }
 
-// Close fails the blob and closes the group. The index is to be unmounted
-// and its files closed before: once the group is closed, a read of the
-// blob is no longer held, and reads its holes. A second Close returns the
-// first's error.
+// Close fails the blob and lets go of it: its mark goes, and a read of
+// it is no longer held, and reads its holes. The index is to be
+// unmounted, and its files closed, before a blob not filled is closed. A
+// second Close returns the first's error.
 func (b *Blob) Close() error {
 	b.closeOnce.Do(func() {
 		b.Fail()
-		err := b.events.Close()
-		b.loop.Wait()
-		b.closeErr = errors.Join(err, unix.Close(int(b.file)), unix.Close(b.clone))
+		b.unmark()
+		b.closeErr = unix.Close(int(b.file))
 	})
 	return b.closeErr
 }

@@ -28,26 +28,43 @@ import (
 // indexed is a layer, its index mounted with a blob no byte of which is
 // there yet, and the Blob that fills it.
 type indexed struct {
-	layer, mnt string
-	layout     *index.Layout
-	blob       *Blob
+	fs, layer, mnt, work string
+	layout               *index.Layout
+	blob                 *Blob
+	// layerBytes writes an extent's bytes from the layer, zeros left as
+	// holes.
+	layerBytes BlobFetch
 	mu         sync.Mutex
 	fetched    map[string]int // by extent path
 }
 
-// newIndexed indexes the layer makeLayer makes (each extent with its sum, as a
-// pull's index has), mounts it, and fills its blob from the layer with
-// fetch (nil: the layer's bytes, zeros left as holes).
+// newIndexed indexes the layer makeLayer makes, fills its blob from the
+// layer with fetch (nil: the layer's bytes), in a group of its own, and
+// mounts it.
 func newIndexed(t *testing.T, makeLayer func(layer string), fetch func(ix *indexed) BlobFetch) *indexed {
+	t.Helper()
+	ix := buildIndexed(t, makeLayer)
+	g, err := Open(ix.fs, time.Minute)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, g.Close()) }) // after the Blob's Close
+	ix.hold(t, g, fetch)
+	ix.mount(t)
+	return ix
+}
+
+// buildIndexed indexes the layer makeLayer makes (each extent with its
+// sum, as a pull's index has) into an image and an empty blob beside it,
+// on an XFS of its own.
+func buildIndexed(t *testing.T, makeLayer func(layer string)) *indexed {
 	t.Helper()
 	testfs.Need(t)
 	fs := testfs.Mount(t, testfs.XFS, 1<<30)
 	if err := Supported(fs); err != nil {
 		t.Skip(err)
 	}
-	ix := &indexed{layer: filepath.Join(fs, "layer"), mnt: filepath.Join(fs, "mnt"), fetched: map[string]int{}}
-	work := filepath.Join(fs, "work")
-	for _, d := range []string{ix.layer, ix.mnt, work} {
+	ix := &indexed{fs: fs, layer: filepath.Join(fs, "layer"), mnt: filepath.Join(fs, "mnt"), work: filepath.Join(fs, "work"),
+		fetched: map[string]int{}}
+	for _, d := range []string{ix.layer, ix.mnt, ix.work} {
 		require.NoError(t, os.Mkdir(d, 0o755))
 	}
 	makeLayer(ix.layer)
@@ -62,14 +79,14 @@ func newIndexed(t *testing.T, makeLayer func(layer string), fetch func(ix *index
 	for i := range ix.layout.Extents {
 		ix.layout.Extents[i].Sum = sums[ix.layout.Extents[i].Path]
 	}
-	require.NoError(t, os.WriteFile(filepath.Join(work, "index"), img.Bytes(), 0o600))
-	f, err := os.Create(filepath.Join(work, "blob"))
+	require.NoError(t, os.WriteFile(filepath.Join(ix.work, "index"), img.Bytes(), 0o600))
+	f, err := os.Create(filepath.Join(ix.work, "blob"))
 	require.NoError(t, err)
 	require.NoError(t, f.Truncate(ix.layout.Size))
 	require.NoError(t, f.Close())
 
 	from := index.Blob{Root: root, Layout: ix.layout}
-	layerBytes := BlobFetch(func(_ context.Context, e index.Extent, w io.WriterAt) error {
+	ix.layerBytes = func(_ context.Context, e index.Extent, w io.WriterAt) error {
 		buf := make([]byte, 1<<20)
 		for off := int64(0); off < e.Size; off += int64(len(buf)) {
 			p := buf[:min(int64(len(buf)), e.Size-off)]
@@ -84,26 +101,39 @@ func newIndexed(t *testing.T, makeLayer func(layer string), fetch func(ix *index
 			}
 		}
 		return nil
-	})
+	}
+	return ix
+}
+
+// hold has g hold the readers of ix's blob, which fetch fills (nil: the
+// layer's bytes), each fetch counted.
+func (ix *indexed) hold(t *testing.T, g *Group, fetch func(ix *indexed) BlobFetch) {
+	t.Helper()
+	fetchBytes := ix.layerBytes
 	if fetch != nil {
-		layerBytes = fetch(ix)
+		fetchBytes = fetch(ix)
 	}
 	counted := func(ctx context.Context, e index.Extent, w io.WriterAt) error {
 		ix.mu.Lock()
 		ix.fetched[e.Path]++
 		ix.mu.Unlock()
-		return layerBytes(ctx, e, w)
+		return fetchBytes(ctx, e, w)
 	}
-	ix.blob, err = OpenBlob(work, "blob", ix.layout, counted)
+	var err error
+	ix.blob, err = g.OpenBlob(filepath.Join(ix.work, "blob"), ix.layout, counted)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, ix.blob.Close()) })
-	err = overlay.MountIndex(filepath.Join(work, "index"), filepath.Join(work, "blob"), ix.mnt)
+}
+
+// mount mounts ix's index, to be unmounted before its Blob is closed.
+func (ix *indexed) mount(t *testing.T) {
+	t.Helper()
+	err := overlay.MountIndex(filepath.Join(ix.work, "index"), filepath.Join(ix.work, "blob"), ix.mnt)
 	if errors.Is(err, overlay.ErrNoIndexMounts) {
 		t.Skip(err)
 	}
 	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, unix.Unmount(ix.mnt, unix.MNT_DETACH)) }) // before the Blob's Close
-	return ix
+	t.Cleanup(func() { require.NoError(t, unix.Unmount(ix.mnt, unix.MNT_DETACH)) })
 }
 
 func (ix *indexed) fetches(path string) int {
@@ -257,4 +287,160 @@ func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
 	data, err = os.ReadFile(filepath.Join(ix.mnt, "good"))
 	require.NoError(t, err, "what was in place before stays readable")
 	require.Equal(t, "the bytes of good", string(data))
+}
+
+// A stream of the whole layer fills the extents no reader asked for: an
+// extent offered is written and checked, one in place or being filled is
+// not written again, and one whose offered bytes are not its sum is
+// fetched instead. A reader of an offered file reads with no fetch.
+func TestBlobTakesExtentsFromAStream(t *testing.T) {
+	ix := newIndexed(t, func(layer string) {
+		for _, name := range []string{"a", "b", "c"} {
+			require.NoError(t, os.WriteFile(filepath.Join(layer, name), []byte("the bytes of "+name), 0o644))
+		}
+	}, nil)
+	offer := func(path, data string) (written bool, err error) {
+		err = ix.blob.Offer(path, func(w io.WriterAt) error {
+			written = true
+			_, err := w.WriteAt([]byte(data), 0)
+			return err
+		})
+		return written, err
+	}
+	written, err := offer("a", "the bytes of a")
+	require.NoError(t, err)
+	require.True(t, written)
+	written, err = offer("a", "the bytes of a")
+	require.NoError(t, err)
+	require.False(t, written, "an extent in place is not written again")
+	written, err = offer("b", "the bytes of B")
+	require.NoError(t, err, "a wrong offer is fetched instead")
+	require.True(t, written)
+	require.Equal(t, 1, ix.fetches("b"))
+	written, err = offer("nowhere", "x")
+	require.NoError(t, err)
+	require.False(t, written, "a path with no extent")
+	_, err = offer("a", strings.Repeat("x", 100))
+	require.NoError(t, err, "(in place: not written)")
+
+	for _, name := range []string{"a", "b", "c"} {
+		data, err := os.ReadFile(filepath.Join(ix.mnt, name))
+		require.NoError(t, err)
+		require.Equal(t, "the bytes of "+name, string(data))
+	}
+	require.Zero(t, ix.fetches("a"), "offered, not fetched")
+	require.Equal(t, 1, ix.fetches("c"), "not offered: fetched for its reader")
+	select {
+	case <-ix.blob.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("every extent is in place, and the blob is not done")
+	}
+	require.NoError(t, ix.blob.Err())
+	ix.blob.Fail()
+	_, err = offer("c", "the bytes of c")
+	require.Error(t, err, "a failed blob takes nothing")
+}
+
+// A blob's readers outlive the plugin that held them: its group is the
+// node's, which the fill keeper keeps, so a reader held when the plugin is
+// SIGKILLed stays held (the kernel would let it read the blob's holes
+// were the group closed), and the next plugin answers it EIO if the blob's
+// layer is one left unfinished, as it does the later readers, until it
+// holds the blob again and fills it.
+func TestABlobsReadersOutliveTheirPlugin(t *testing.T) {
+	if root := os.Getenv("COWVOL_BLOB_ROOT"); root != "" {
+		holdBlobAndWait(root, os.Getenv("COWVOL_BLOB_KEEPER"), os.Getenv("COWVOL_BLOB_LAYER"), os.Getenv("COWVOL_BLOB"))
+		return
+	}
+	ix := buildIndexed(t, func(layer string) {
+		require.NoError(t, os.WriteFile(filepath.Join(layer, "f"), []byte("the bytes of f"), 0o644))
+		require.NoError(t, os.WriteFile(filepath.Join(layer, "g"), []byte("the bytes of g"), 0o644))
+	})
+	sock := filepath.Join(t.TempDir(), "keeper.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- ServeKeeper(ctx, sock, time.Minute) }()
+	defer func() {
+		cancel()
+		require.NoError(t, <-served)
+	}()
+
+	plugin := exec.Command(os.Args[0], "-test.run", "^TestABlobsReadersOutliveTheirPlugin$")
+	plugin.Env = append(os.Environ(), "COWVOL_BLOB_ROOT="+ix.fs, "COWVOL_BLOB_KEEPER="+sock, "COWVOL_BLOB_LAYER="+ix.layer,
+		"COWVOL_BLOB="+filepath.Join(ix.work, "blob"))
+	out, err := plugin.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, plugin.Start())
+	line := make([]byte, 8)
+	_, err = io.ReadFull(out, line)
+	require.NoError(t, err, "the plugin never held the blob")
+	require.Equal(t, "holding\n", string(line))
+	ix.mount(t)
+
+	read := func(name string) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			data, err := os.ReadFile(filepath.Join(ix.mnt, name))
+			if err == nil && string(data) != "the bytes of "+name {
+				err = fmt.Errorf("read %q", data)
+			}
+			done <- err
+		}()
+		return done
+	}
+	held := read("f")
+	held2 := read("f")
+	require.NoError(t, plugin.Process.Kill())
+	_ = plugin.Wait()
+	select {
+	case err := <-held:
+		t.Fatalf("a reader went on when its plugin died: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+
+	g, err := OpenKept(ix.fs, time.Minute, Kept{Socket: sock, Unfinished: func() []string { return []string{ix.work} }})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, g.Close()) }()
+	for _, r := range []<-chan error{held, held2, read("g")} {
+		select {
+		case err := <-r:
+			require.ErrorIs(t, err, syscall.EIO, "a blob left unfinished gives EIO, never its holes")
+		case <-time.After(10 * time.Second):
+			t.Fatal("the next plugin left a reader of a blob left unfinished held")
+		}
+	}
+	ix.hold(t, g, nil)
+	require.NoError(t, <-read("f"), "held again, the blob is filled")
+	require.Equal(t, 1, ix.fetches("f"))
+}
+
+// holdBlobAndWait is the plugin of TestABlobsReadersOutliveTheirPlugin: it
+// holds the readers of the blob of the index of layer, in the group kept
+// by the keeper at socket, with a fetch that never ends, and waits to be
+// killed.
+func holdBlobAndWait(root, socket, layer, blob string) {
+	fail := func(err error) {
+		fmt.Println(err)
+		os.Exit(3)
+	}
+	g, err := OpenKept(root, time.Hour, Kept{Socket: socket})
+	if err != nil {
+		fail(err)
+	}
+	dir, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		fail(err)
+	}
+	layout, err := index.Build(dir, io.Discard, index.Options{})
+	if err != nil {
+		fail(err)
+	}
+	if _, err := g.OpenBlob(blob, layout, func(ctx context.Context, _ index.Extent, _ io.WriterAt) error {
+		<-ctx.Done()
+		return ctx.Err()
+	}); err != nil {
+		fail(err)
+	}
+	fmt.Println("holding")
+	select {}
 }

@@ -1,6 +1,7 @@
 package fill
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -94,6 +95,8 @@ type Group struct {
 	answering sync.RWMutex
 	// layers are those not released, whose watchers Close closes.
 	layers map[*Layer]bool
+	// blobs are the index blobs whose readers are held, by key.
+	blobs map[fileKey]*Blob
 }
 
 var errStopping = errors.New("the plugin is stopping")
@@ -171,7 +174,8 @@ func OpenKept(root string, stall time.Duration, k Kept) (*Group, error) {
 		return nil, err
 	}
 	g := &Group{events: os.NewFile(uintptr(fd), "fanotify"), fd: fd, clone: clone, tree: tree, root: filepath.Clean(root), stall: stall,
-		files: map[fileKey]*file{}, stale: map[fileKey]struct{}{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{}}
+		files: map[fileKey]*file{}, stale: map[fileKey]struct{}{}, putSlots: make(chan struct{}, runtime.GOMAXPROCS(0)), layers: map[*Layer]bool{},
+		blobs: map[fileKey]*Blob{}}
 	if inherited && k.Unfinished != nil {
 		g.stale = filesIn(k.Unfinished())
 	}
@@ -199,9 +203,12 @@ func (g *Group) Close() error {
 	for _, f := range g.files {
 		open = append(open, f)
 	}
-	layers := g.layers
-	g.layers = nil
+	layers, blobs := g.layers, g.blobs
+	g.layers, g.blobs = nil, nil
 	g.mu.Unlock()
+	for _, b := range blobs {
+		b.Fail()
+	}
 	for _, f := range open {
 		f.layer.cancel(errStopping)
 		g.finish(f, errStopping)
@@ -223,8 +230,13 @@ func (g *Group) Close() error {
 
 // event is a held reader: fd is this process's descriptor of the file it
 // reached, id how the group knows the event (fd itself where this process
-// reads the group; the keeper's descriptor where the keeper does).
-type event struct{ fd, id int32 }
+// reads the group; the keeper's descriptor where the keeper does), and off
+// and n the range it reads (n < 0: the whole file; an open's event has
+// none).
+type event struct {
+	fd, id int32
+	off, n int64
+}
 
 // runKept dispatches the events the keeper hands over until the group is
 // closed. Should the keeper go, this process reads the group itself from
@@ -247,8 +259,8 @@ func (g *Group) runKept(kc *keeperConn) {
 			kc.c.Close()
 			g.run()
 			return
-		case op == opEvent && len(fields) == 1 && fd >= 0:
-			g.dispatch(event{fd: int32(fd), id: int32(uint32(fields[0]))})
+		case op == opEvent && len(fields) == 3 && fd >= 0:
+			g.dispatch(event{fd: int32(fd), id: int32(uint32(fields[0])), off: int64(fields[1]), n: int64(fields[2])})
 		case op == opSync && len(fields) == 1:
 			select {
 			case kc.synced <- fields[0]:
@@ -267,7 +279,7 @@ func (g *Group) runKept(kc *keeperConn) {
 func (g *Group) run() {
 	defer g.loop.Done()
 	if err := readEvents(g.events, func(buf []byte) {
-		eachEvent(buf, func(fd int32) { g.dispatch(event{fd: fd, id: fd}) })
+		eachEvent(buf, func(ev event) { g.dispatch(ev) })
 	}); err != nil {
 		klog.ErrorS(err, "Reading fanotify events; lazy fills stop")
 	}
@@ -289,19 +301,36 @@ func readEvents(events *os.File, handle func(buf []byte)) error {
 	}
 }
 
-// eachEvent calls fn with the descriptor of each event read into buf
-// (events without one, a queue overflow's, are skipped).
-func eachEvent(buf []byte, fn func(fd int32)) {
+// eachEvent calls fn with each event read into buf: its descriptor (the
+// group knows it by it) and the range it reads, if it has a range info
+// record, as a pre-content event does (else the whole file). Events
+// without a descriptor, a queue overflow's, are skipped.
+func eachEvent(buf []byte, fn func(ev event)) {
 	for off := 0; off+unix.FAN_EVENT_METADATA_LEN <= len(buf); {
 		md := (*unix.FanotifyEventMetadata)(unsafe.Pointer(&buf[off]))
-		if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > len(buf) {
+		if md.Event_len < unix.FAN_EVENT_METADATA_LEN || off+int(md.Event_len) > len(buf) || uint32(md.Metadata_len) > md.Event_len {
 			klog.ErrorS(nil, "A malformed fanotify event", "length", md.Event_len)
 			return
 		}
+		info := buf[off+int(md.Metadata_len) : off+int(md.Event_len)]
 		off += int(md.Event_len)
-		if md.Fd >= 0 {
-			fn(md.Fd)
+		if md.Fd < 0 {
+			continue
 		}
+		ev := event{fd: md.Fd, id: md.Fd, n: -1}
+		// Each info record: type (1 byte), pad (1), length (2), then its
+		// body; a range's is pad (4), offset (8), count (8).
+		for len(info) >= 4 {
+			kind, size := info[0], int(binary.NativeEndian.Uint16(info[2:]))
+			if size < 4 || size > len(info) {
+				break
+			}
+			if kind == unix.FAN_EVENT_INFO_TYPE_RANGE && size >= 24 {
+				ev.off, ev.n = int64(binary.NativeEndian.Uint64(info[8:])), int64(binary.NativeEndian.Uint64(info[16:]))
+			}
+			info = info[size:]
+		}
+		fn(ev)
 	}
 }
 
@@ -314,6 +343,11 @@ func (g *Group) dispatch(ev event) {
 		return
 	}
 	g.mu.Lock()
+	if b := g.blobs[key]; b != nil {
+		g.mu.Unlock()
+		b.dispatch(ev)
+		return
+	}
 	f := g.files[key]
 	if f != nil && f.layer.watch != nil {
 		// Readers seen by the layer's watcher whose opens came first

@@ -33,7 +33,7 @@ const (
 	opGroup  = 'G' // keeper: [group fd]
 	opNone   = 'N' // keeper: none kept yet
 	opPut    = 'P' // plugin: [group fd] keep this one
-	opEvent  = 'E' // keeper: id int32 [event fd]: a held reader
+	opEvent  = 'E' // keeper: id int32, offset, count int64 [event fd]: a held reader, the range it reads
 	opAnswer = 'A' // plugin: id int32, response uint32
 	opSync   = 'S' // either: seq uint64, sent back once every answer before it is written
 )
@@ -55,7 +55,7 @@ func sendPacket(c *net.UnixConn, fd int, op byte, fields ...uint64) error {
 // readPacket reads one message: its op, its fields and the descriptor
 // beside it (-1: none; any more are closed).
 func readPacket(c *net.UnixConn) (op byte, fields []uint64, fd int, err error) {
-	b, oob := make([]byte, 1+2*8), make([]byte, unix.CmsgSpace(4*4))
+	b, oob := make([]byte, 1+3*8), make([]byte, unix.CmsgSpace(4*4))
 	n, oobn, _, _, err := c.ReadMsgUnix(b, oob)
 	if err == nil && n == 0 {
 		err = errors.New("closed")
@@ -104,7 +104,7 @@ type Keeper struct {
 	plugin  *net.UnixConn
 	// pending are the events read and not answered, by the keeper's
 	// descriptor of each (the group knows them by it).
-	pending map[int32]struct{}
+	pending map[int32]event
 	// expired: no plugin came back within the grace; readers get EIO at
 	// once until one does. losses counts the plugins gone, so that the
 	// timer of an earlier loss does nothing.
@@ -127,7 +127,7 @@ func ServeKeeper(ctx context.Context, socket string, grace time.Duration) error 
 	if err := os.Chmod(socket, 0o600); err != nil {
 		return err
 	}
-	k := &Keeper{grace: grace, pending: map[int32]struct{}{}}
+	k := &Keeper{grace: grace, pending: map[int32]event{}}
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
 	klog.InfoS("Keeping the fanotify group of lazy fills for the plugin", "socket", socket, "grace", grace)
@@ -195,8 +195,8 @@ func (k *Keeper) hello(c *net.UnixConn) {
 	if err := sendPacket(c, k.groupFD, opGroup); err != nil {
 		return // (its serve sees it gone)
 	}
-	for id := range k.pending {
-		if err := sendPacket(c, int(id), opEvent, uint64(uint32(id))); err != nil {
+	for _, ev := range k.pending {
+		if err := sendEvent(c, ev); err != nil {
 			return
 		}
 	}
@@ -233,17 +233,22 @@ func (k *Keeper) read(group *os.File) {
 	}
 }
 
-func (k *Keeper) event(fd int32) {
+func (k *Keeper) event(ev event) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.expired {
-		k.respond(fd, denyEIO)
+		k.respond(ev.fd, denyEIO)
 		return
 	}
-	k.pending[fd] = struct{}{}
+	k.pending[ev.fd] = ev
 	if k.plugin != nil {
-		_ = sendPacket(k.plugin, int(fd), opEvent, uint64(uint32(fd))) // (a plugin gone gets it again from hello)
+		_ = sendEvent(k.plugin, ev) // (a plugin gone gets it again from hello)
 	}
+}
+
+// sendEvent hands the plugin c a held reader.
+func sendEvent(c *net.UnixConn, ev event) error {
+	return sendPacket(c, int(ev.fd), opEvent, uint64(uint32(ev.id)), uint64(ev.off), uint64(ev.n))
 }
 
 // answer writes the plugin's answer to a held reader.
@@ -285,7 +290,7 @@ func (k *Keeper) gone(c *net.UnixConn) {
 		if k.plugin != nil || k.losses != loss {
 			return
 		}
-		klog.InfoS("No plugin came back within the grace: readers of stubs not filled get EIO until one does", "heldReaders", len(k.pending))
+		klog.InfoS("No plugin came back within the grace: readers of stubs and blobs not filled get EIO until one does", "heldReaders", len(k.pending))
 		k.expired = true
 		for fd := range k.pending {
 			k.respond(fd, denyEIO)

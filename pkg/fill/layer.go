@@ -77,12 +77,12 @@ type FetchManyFunc func(ctx context.Context, rels []string, each func(rel string
 // whose files fetch brings, one at a time, and fetchMany (if not nil) many
 // at a time, for read-ahead.
 func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (*Layer, error) {
-	rel, err := filepath.Rel(g.root, filepath.Clean(dir))
-	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") || filepath.IsAbs(rel) {
-		return nil, fmt.Errorf("layer dir %s is not below %s", dir, g.root)
+	rel, err := g.below(dir)
+	if err != nil {
+		return nil, err
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
-	l := &Layer{g: g, dir: filepath.ToSlash(rel), fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
+	l := &Layer{g: g, dir: rel, fetch: fetch, fetchMany: fetchMany, ctx: ctx, cancel: cancel,
 		byRel: map[string]*file{}, dirs: map[string][]*file{}, ahead: map[string]*readAhead{}, done: make(chan struct{})}
 	if l.watch, err = newWatcher(l); err != nil {
 		klog.ErrorS(err, "Readers of a lazy layer's filled files are held, not watched", "layer", dir)
@@ -96,6 +96,15 @@ func (g *Group) NewLayer(dir string, fetch FetchFunc, fetchMany FetchManyFunc) (
 	}
 	g.layers[l] = true
 	return l, nil
+}
+
+// below is path below the group's root, slash-separated.
+func (g *Group) below(path string) (string, error) {
+	rel, err := filepath.Rel(g.root, filepath.Clean(path))
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") || filepath.IsAbs(rel) {
+		return "", fmt.Errorf("%s is not below %s", path, g.root)
+	}
+	return filepath.ToSlash(rel), nil
 }
 
 // watchFilled has f's readers seen by the layer's watcher: see
