@@ -50,11 +50,19 @@ type treeCopier struct {
 	// root's is dst[0].
 	dst []int
 
-	// realFile lets a copy of a merged overlay read each regular file's
-	// data from the layer that provides it: extents can be cloned from an
-	// XFS or btrfs file, never through an overlay one. nil: the file
+	// realData lets a copy read each regular file's data from where it
+	// really lies: a merged overlay's from the layer that provides it, an
+	// index's from its blob. Extents can be cloned from an XFS or btrfs
+	// file, never through an overlay or an EROFS one. nil: the file
 	// itself.
-	realFile func(rel string) (*os.File, error)
+	realData func(rel string) (fileData, error)
+}
+
+// fileData is where a regular file's data lies: in file, from at (a
+// file closed once copied; none: the file itself).
+type fileData struct {
+	file *os.File
+	at   int64
 }
 
 // deferredLink is a hardlink made after the walk: the first name's path
@@ -89,8 +97,9 @@ func CopyLayers(ctx context.Context, m Mounter, lowers []string, mnt, dst string
 	if err := m.Overlay(mnt, lowers, "", "", Attrs{ReadOnly: true}); err != nil {
 		return CopyStats{}, err
 	}
-	stats, err := copyTree(ctx, mnt, dst, reflink, func(rel string) (*os.File, error) {
-		return providingFile(roots, rel)
+	stats, err := copyTree(ctx, mnt, dst, reflink, func(rel string) (fileData, error) {
+		f, err := providingFile(roots, rel)
+		return fileData{file: f}, err
 	})
 	if uerr := m.Unmount(mnt); uerr != nil {
 		return stats, errors.Join(err, uerr)
@@ -130,7 +139,7 @@ func providingFile(roots []int, rel string) (*os.File, error) {
 
 // copyTree copies src into dst; dst may already exist as an empty dir (a
 // fresh btrfs subvolume), in which case it takes src's root attributes.
-func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(string) (*os.File, error)) (CopyStats, error) {
+func copyTree(ctx context.Context, src, dst string, reflink bool, realData func(string) (fileData, error)) (CopyStats, error) {
 	srcRoot, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return CopyStats{}, fmt.Errorf("reading %s: %w", src, err)
@@ -147,7 +156,7 @@ func copyTree(ctx context.Context, src, dst string, reflink bool, realFile func(
 	workers, wctx := errgroup.WithContext(ctx)
 	workers.SetLimit(copyWorkers)
 	c := &treeCopier{ctx: wctx, reflink: reflink, workers: workers, seen: map[[2]uint64]string{},
-		dst: []int{dstRoot}, realFile: realFile}
+		dst: []int{dstRoot}, realData: realData}
 	walkErr := fdtree.Walk(srcRoot, fdtree.Visitor{Visit: c.visit, Leave: c.leave})
 	for _, fd := range c.dst[1:] { // left open by a walk that failed
 		unix.Close(fd)
@@ -243,15 +252,15 @@ func (c *treeCopier) file(e *fdtree.Entry, parent int) error {
 		return fmt.Errorf("%s: %w", e.Path, err)
 	}
 	out := os.NewFile(uintptr(outFd), e.Path)
-	data := in
-	if c.realFile != nil {
-		real, err := c.realFile(e.Path)
+	data := fileData{file: in}
+	if c.realData != nil {
+		real, err := c.realData(e.Path)
 		if err != nil {
 			in.Close()
 			out.Close()
 			return fmt.Errorf("%s: %w", e.Path, err)
 		}
-		if real != nil {
+		if real.file != nil {
 			data = real
 		}
 	}
@@ -259,8 +268,8 @@ func (c *treeCopier) file(e *fdtree.Entry, parent int) error {
 	c.workers.Go(func() error {
 		defer in.Close()
 		defer out.Close()
-		if data != in {
-			defer data.Close()
+		if data.file != in {
+			defer data.file.Close()
 		}
 		if err := c.fill(data, out, st.Size); err != nil {
 			return fmt.Errorf("copying %s: %w", e.Path, err)
@@ -273,17 +282,38 @@ func (c *treeCopier) file(e *fdtree.Entry, parent int) error {
 	return nil
 }
 
-// fill gives out in's data: its extents cloned where it can, else copied
-// with its holes kept.
-func (c *treeCopier) fill(in, out *os.File, size int64) error {
-	if c.reflink && size > 0 {
-		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err == nil {
-			c.cloned.Add(1)
-			return nil
-		}
+// fill gives out the size bytes of data: their extents cloned where it
+// can, else copied with their holes kept.
+func (c *treeCopier) fill(data fileData, out *os.File, size int64) error {
+	if c.reflink && size > 0 && cloneData(data, out, size) == nil {
+		c.cloned.Add(1)
+		return nil
 	}
 	c.copied.Add(1)
-	return copySparse(in, out, size)
+	return copySparse(data, out, size)
+}
+
+// cloneData clones size bytes of data into out. A range within a file
+// (an index's blob) is cloned in whole blocks, to its block's end or the
+// file's, the tail then cut: a clone's end must be either.
+func cloneData(data fileData, out *os.File, size int64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(data.file.Fd()), &st); err != nil {
+		return err
+	}
+	if data.at == 0 && st.Size == size {
+		return unix.IoctlFileClone(int(out.Fd()), int(data.file.Fd()))
+	}
+	n := min((size+st.Blksize-1)/st.Blksize*st.Blksize, st.Size-data.at)
+	if n < size {
+		return fmt.Errorf("%d bytes at %d of a file of %d: %w", size, data.at, st.Size, unix.EINVAL)
+	}
+	err := unix.IoctlFileCloneRange(int(out.Fd()), &unix.FileCloneRange{Src_fd: int64(data.file.Fd()), Src_offset: uint64(data.at),
+		Src_length: uint64(n)})
+	if err == nil && n != size {
+		err = out.Truncate(size)
+	}
+	return err
 }
 
 // link makes the hardlinks found on the walk, and puts back the times of
@@ -359,23 +389,29 @@ func entryAttrs(e *fdtree.Entry, parent int) error {
 	return nil
 }
 
-// copySparse copies the data segments of in and leaves its holes as holes.
-func copySparse(in, out *os.File, size int64) error {
-	ifd := int(in.Fd())
+// copySparse copies the data segments of size bytes of data and leaves
+// its holes as holes. It uses no file offset (an index's blob is one
+// file for many copies at once).
+func copySparse(data fileData, out *os.File, size int64) error {
+	ifd := int(data.file.Fd())
 	var off int64
 	for off < size {
-		data, err := unix.Seek(ifd, off, unix.SEEK_DATA)
+		seg, err := unix.Seek(ifd, data.at+off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
 			break // only a hole is left
 		}
 		if err != nil {
-			return plainCopy(in, out)
+			return copyRange(data, out, 0, size) // no SEEK_DATA: all of it
 		}
-		hole, err := unix.Seek(ifd, data, unix.SEEK_HOLE)
+		if seg -= data.at; seg >= size {
+			break
+		}
+		hole, err := unix.Seek(ifd, data.at+seg, unix.SEEK_HOLE)
 		if err != nil {
 			return err
 		}
-		if err := copyRange(in, out, data, hole-data); err != nil {
+		hole = min(hole-data.at, size)
+		if err := copyRange(data, out, seg, hole-seg); err != nil {
 			return err
 		}
 		off = hole
@@ -383,15 +419,16 @@ func copySparse(in, out *os.File, size int64) error {
 	return out.Truncate(size)
 }
 
-// copyRange copies n bytes at off in the kernel where it can, and through
-// user space where copy_file_range refuses (across filesystem types).
-func copyRange(in, out *os.File, off, n int64) error {
+// copyRange copies n bytes at off of the data to off in out, in the
+// kernel where it can, and through user space where copy_file_range
+// refuses (across filesystem types).
+func copyRange(data fileData, out *os.File, off, n int64) error {
 	for n > 0 {
-		src, dst := off, off
-		w, err := unix.CopyFileRange(int(in.Fd()), &src, int(out.Fd()), &dst, int(n), 0)
+		src, dst := data.at+off, off
+		w, err := unix.CopyFileRange(int(data.file.Fd()), &src, int(out.Fd()), &dst, int(n), 0)
 		switch {
 		case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EOPNOTSUPP):
-			_, err = io.Copy(io.NewOffsetWriter(out, off), io.NewSectionReader(in, off, n))
+			_, err = io.Copy(io.NewOffsetWriter(out, off), io.NewSectionReader(data.file, data.at+off, n))
 			return err
 		case err != nil:
 			return err
@@ -402,14 +439,6 @@ func copyRange(in, out *os.File, off, n int64) error {
 		n -= int64(w)
 	}
 	return nil
-}
-
-func plainCopy(in, out *os.File) error {
-	if _, err := in.Seek(0, io.SeekStart); err != nil {
-		return err
-	}
-	_, err := io.Copy(out, in)
-	return err
 }
 
 // xattrs reads and writes one entry's extended attributes: through its

@@ -1,0 +1,125 @@
+package overlay
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/index"
+)
+
+// An index whose blob is whole becomes a plain tree of its own: the
+// entries, bytes, owners, modes, times, xattrs, links and holes the mount
+// shows, each file's data cloned from the blob where the filesystem
+// clones (not a byte copied on XFS), and copied where it does not (ext4).
+func TestCopyIndex(t *testing.T) {
+	for _, kind := range []testfs.Kind{testfs.XFS, testfs.Ext4} {
+		t.Run(string(kind), func(t *testing.T) {
+			testfs.Need(t)
+			fs := testfs.Mount(t, kind, 1<<30)
+			layer, work, mnt := filepath.Join(fs, "layer"), filepath.Join(fs, "work"), filepath.Join(fs, "mnt")
+			for _, d := range []string{layer, work, mnt} {
+				require.NoError(t, os.Mkdir(d, 0o755))
+			}
+			testfs.LayerTree(t, layer)
+			require.NoError(t, os.WriteFile(filepath.Join(layer, "tail"), bytes.Repeat([]byte("t"), 5000), 0o640))
+			require.NoError(t, os.Link(filepath.Join(layer, "tail"), filepath.Join(layer, "sub", "tail-again")))
+			sparse, err := os.Create(filepath.Join(layer, "holes"))
+			require.NoError(t, err)
+			_, err = sparse.WriteAt([]byte("head"), 0)
+			require.NoError(t, err)
+			_, err = sparse.WriteAt([]byte("middle"), 3<<20)
+			require.NoError(t, err)
+			require.NoError(t, sparse.Truncate(4<<20+10))
+			require.NoError(t, sparse.Close())
+
+			image, blob, layout := indexWhole(t, layer, work)
+			err = MountIndex(image, blob, mnt)
+			if errors.Is(err, ErrNoIndexMounts) {
+				t.Skip(err)
+			}
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, unix.Unmount(mnt, unix.MNT_DETACH)) })
+
+			at, withData := map[string]int64{}, 0
+			for _, e := range layout.Extents {
+				at[e.Path] = e.Offset
+				if e.Size > 0 {
+					withData++
+				}
+			}
+			dst := filepath.Join(fs, "copy")
+			stats, err := CopyIndex(t.Context(), mnt, blob, at, dst)
+			require.NoError(t, err)
+			require.Equal(t, testfs.Describe(t, mnt), testfs.Describe(t, dst))
+			require.Equal(t, extraNames(t, layer), stats.Links, "each file's names after its first, linked")
+			if kind == testfs.XFS {
+				require.Equal(t, int64(withData), stats.Cloned, "every file with data cloned from the blob")
+			} else {
+				require.Zero(t, stats.Cloned)
+			}
+			var st unix.Stat_t
+			require.NoError(t, unix.Stat(filepath.Join(dst, "holes"), &st))
+			require.Less(t, st.Blocks*512, int64(1<<20), "holes stay holes")
+		})
+	}
+}
+
+// indexWhole builds the index of layer into work, with its blob whole and
+// its holes left holes.
+func indexWhole(t *testing.T, layer, work string) (image, blob string, layout *index.Layout) {
+	t.Helper()
+	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(root)
+	var img bytes.Buffer
+	layout, err = index.Build(root, &img, index.Options{})
+	require.NoError(t, err)
+	image, blob = filepath.Join(work, "index"), filepath.Join(work, "blob")
+	require.NoError(t, os.WriteFile(image, img.Bytes(), 0o600))
+	f, err := os.Create(blob)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(layout.Size))
+	from := index.Blob{Root: root, Layout: layout}
+	buf := make([]byte, 64<<10)
+	for off := int64(0); off < layout.Size; off += int64(len(buf)) {
+		p := buf[:min(int64(len(buf)), layout.Size-off)]
+		_, err := from.ReadAt(p, off)
+		if errors.Is(err, io.EOF) {
+			err = nil
+		}
+		require.NoError(t, err)
+		if bytes.Count(p, []byte{0}) != len(p) {
+			_, err = f.WriteAt(p, off)
+			require.NoError(t, err)
+		}
+	}
+	return image, blob, layout
+}
+
+// extraNames counts the names of the regular files under dir after each
+// one's first (a walk by descriptors: the layer's paths are long).
+func extraNames(t *testing.T, dir string) int64 {
+	t.Helper()
+	root, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(root)
+	names, inodes := int64(0), map[uint64]bool{}
+	require.NoError(t, fdtree.Walk(root, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+		if e.Stat.Mode&unix.S_IFMT == unix.S_IFREG {
+			names++
+			inodes[e.Stat.Ino] = true
+		}
+		return true, nil
+	}}))
+	return names - int64(len(inodes))
+}
