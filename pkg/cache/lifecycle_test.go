@@ -3,6 +3,7 @@ package cache
 import (
 	"errors"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -288,4 +289,44 @@ func TestWaitingOnLiveHoldsLooksPastRecordedHolds(t *testing.T) {
 	defer release()
 	require.NoError(t, s.Destroy(ref("ci", "parent")))
 	require.False(t, s.WaitingOnLiveHolds())
+}
+
+// A volume pulled as an index is ready only as the plain layer made of
+// it, in the transaction that makes it ready; its index (the dir beside
+// its layer) stays while the layer does, is pruned with it once no view
+// mounts it, and is never taken for an orphan by recovery.
+func TestAVolumePulledAsAnIndexIsFilledAsAPlainLayer(t *testing.T) {
+	s := openStore(t)
+	v := pullLazily(t, s, "ci", "indexed", volume.Ref{})
+	indexed := s.DataPath(v)
+	require.NoError(t, os.MkdirAll(IndexDir(indexed), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(IndexDir(indexed), "blob"), []byte("x"), 0o600))
+	rep, err := s.Recover(os.RemoveAll, false)
+	require.NoError(t, err)
+	require.Zero(t, rep.RemovedOrphans, "an index goes with its layer")
+	require.DirExists(t, IndexDir(indexed))
+	v = pullLazily(t, s, "ci", "again", volume.Ref{}) // (recovery failed the first)
+	indexed = s.DataPath(v)
+	require.NoError(t, os.MkdirAll(IndexDir(indexed), 0o755))
+	view, err := s.Publish(View{VolumeID: "reader", Source: v.Ref(), Pod: pod("ci")})
+	require.NoError(t, err)
+	require.Equal(t, []string{indexed}, view.Lowers)
+
+	require.NoError(t, os.MkdirAll(s.LayerPath(v.Ref(), "plain"), 0o755))
+	v, err = s.FilledAs(v.Ref(), "plain")
+	require.NoError(t, err)
+	require.Equal(t, volume.StateReady, v.State)
+	require.Equal(t, "plain", v.Layer)
+	require.Equal(t, s.LayerPath(v.Ref(), "plain"), s.DataPath(v))
+	require.NoError(t, s.PruneLayers(os.RemoveAll))
+	require.DirExists(t, IndexDir(indexed), "kept while a view mounts the index")
+	_, err = s.DropView("reader")
+	require.NoError(t, err)
+	require.NoError(t, s.PruneLayers(os.RemoveAll))
+	require.NoDirExists(t, indexed)
+	require.NoDirExists(t, IndexDir(indexed))
+	require.DirExists(t, s.DataPath(v))
+	cur, err := s.Get(v.Ref())
+	require.NoError(t, err)
+	require.Empty(t, cur.OldLayers)
 }

@@ -104,11 +104,22 @@ func (s *Store) CommitPullFilling(r volume.Ref, pullID string, bytes int64) (Vol
 
 // Filled makes a filling volume ready (destroying if it was destroyed
 // meanwhile), its data synced by the caller.
-func (s *Store) Filled(r volume.Ref) (Volume, error) {
+func (s *Store) Filled(r volume.Ref) (Volume, error) { return s.FilledAs(r, "") }
+
+// FilledAs is Filled with the volume's data in layer now (in place under
+// its dir, synced; "": where it was), in the same transaction: a volume
+// pulled as an index is ready only as the plain layer made of it, never as
+// the mount a reboot takes away. The layer it replaces is pruned once no
+// view mounts it.
+func (s *Store) FilledAs(r volume.Ref, layer string) (Volume, error) {
 	var out Volume
 	err := s.update(r, func(v *Volume) error {
 		if err := v.apply(EventFilled, Lease{}); err != nil {
 			return err
+		}
+		if layer != "" && layer != v.Layer {
+			v.OldLayers = append(v.OldLayers, v.Layer)
+			v.Layer = layer
 		}
 		v.Synced = true
 		out = *v

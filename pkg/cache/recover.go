@@ -84,6 +84,9 @@ func (s *Store) PruneLayers(remove Remover) error {
 			if err := os.Remove(s.sumsPath(v.Ref(), old)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 				errs = append(errs, err)
 			}
+			if err := remove(IndexDir(p)); err != nil {
+				errs = append(errs, err)
+			}
 			gone = append(gone, old)
 		}
 		if len(gone) == 0 {
@@ -199,8 +202,8 @@ func (s *Store) removeOrphans(known map[volume.Ref]Volume, remove Remover) (int,
 			}
 			for _, l := range layers {
 				layer := l.Name()
-				if of := layerOfSums(layer); of != "" {
-					layer = of // a layer's sums go with it
+				if of := layerBeside(layer); of != "" {
+					layer = of // a layer's sums and index go with it
 				}
 				if layer != v.Layer && !slices.Contains(v.OldLayers, layer) {
 					drop(s.LayerPath(v.Ref(), l.Name()))

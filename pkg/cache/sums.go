@@ -33,14 +33,23 @@ const (
 	sumsKeptFor = 10 * time.Minute
 )
 
-// layerOfSums is the layer a file beside a volume's layers keeps the sums
-// of ("" for none).
-func layerOfSums(name string) string {
-	layer, ok := strings.CutSuffix(name, sumsSuffix)
-	if !ok {
-		return ""
+// indexSuffix names the dir beside a layer pulled as an index that holds
+// the index's image and blob (the layer's dir is where it is mounted).
+const indexSuffix = ".index"
+
+// IndexDir is where the image and blob of the index mounted at the layer
+// dir at layerPath lie: beside it, so that they go with it as its sums do.
+func IndexDir(layerPath string) string { return layerPath + indexSuffix }
+
+// layerBeside is the layer whose sums or index an entry beside a volume's
+// layers is ("" for none).
+func layerBeside(name string) string {
+	for _, suffix := range []string{sumsSuffix, indexSuffix} {
+		if layer, ok := strings.CutSuffix(name, suffix); ok {
+			return layer
+		}
 	}
-	return layer
+	return ""
 }
 
 func newSumsCache() *ttlcache.Cache[string, filesum.Table] {

@@ -123,3 +123,37 @@ func extraNames(t *testing.T, dir string) int64 {
 	}}))
 	return names - int64(len(inodes))
 }
+
+// A tree with an index mounted in it goes whole: the index is detached
+// first (it is read-only, nothing under it is deleted), while any other
+// mount under a tree being removed still stops the removal.
+func TestRemoveTreeDetachesItsIndexes(t *testing.T) {
+	testfs.Need(t)
+	fs := testfs.Mount(t, testfs.XFS, 1<<30)
+	layer, tree := filepath.Join(fs, "layer"), filepath.Join(fs, "tree")
+	for _, d := range []string{layer, filepath.Join(tree, "layer.index"), filepath.Join(tree, "layer")} {
+		require.NoError(t, os.MkdirAll(d, 0o755))
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "f"), []byte("kept"), 0o644))
+	image, blob, _ := indexWhole(t, layer, filepath.Join(tree, "layer.index"))
+	err := MountIndex(image, blob, filepath.Join(tree, "layer"))
+	if errors.Is(err, ErrNoIndexMounts) {
+		t.Skip(err)
+	}
+	require.NoError(t, err)
+	require.NoError(t, RemoveTree(tree))
+	_, err = os.Lstat(tree)
+	require.ErrorIs(t, err, os.ErrNotExist)
+	mounts, err := MountsUnder(tree)
+	require.NoError(t, err)
+	require.Empty(t, mounts)
+
+	bound := filepath.Join(fs, "bound")
+	require.NoError(t, os.MkdirAll(filepath.Join(bound, "in"), 0o755))
+	require.NoError(t, unix.Mount(layer, filepath.Join(bound, "in"), "", unix.MS_BIND, ""))
+	t.Cleanup(func() { _ = unix.Unmount(filepath.Join(bound, "in"), unix.MNT_DETACH) })
+	require.ErrorContains(t, RemoveTree(bound), "is mounted", "a bind mount is not a layer's index")
+	data, err := os.ReadFile(filepath.Join(layer, "f"))
+	require.NoError(t, err)
+	require.Equal(t, "kept", string(data))
+}

@@ -379,6 +379,24 @@ func unescapeOctal(s string) string {
 
 func isOctal(c byte) bool { return c >= '0' && c <= '7' }
 
+// detachIndexes detaches the indexes (EROFS, read-only: nothing under
+// one could be deleted) mounted at or below dir, most recent first.
+func detachIndexes(dir string) error {
+	infos, err := mountinfo.GetMounts(func(mi *mountinfo.Info) (skip, stop bool) {
+		under := mi.Mountpoint == dir || strings.HasPrefix(mi.Mountpoint, dir+"/")
+		return !under || mi.FSType != "erofs", false
+	})
+	if err != nil {
+		return err
+	}
+	for i := len(infos) - 1; i >= 0; i-- {
+		if err := unix.Unmount(infos[i].Mountpoint, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("detaching the index mounted at %s: %w", infos[i].Mountpoint, err)
+		}
+	}
+	return nil
+}
+
 // MountsUnder lists the mount points at or below dir from
 // /proc/self/mountinfo, most recent first: unmounting in this order takes a
 // mount down before the one it sits on.

@@ -600,7 +600,8 @@ func (u *usage) dir(fd int) error {
 // RemoveTree deletes a tree, destroying btrfs subvolumes with one ioctl
 // instead of unlinking their files. It refuses to descend into a mount
 // point: a mount found under a tree being deleted is a bug to report, not
-// data to delete. It walks from file descriptors, so a tree of any depth
+// data to delete; but an index mounted in it (a layer pulled as an index:
+// MountIndex) is the layer's own, and read-only, and is detached first. It walks from file descriptors, so a tree of any depth
 // goes, however long its paths. A missing path is done.
 func RemoveTree(path string) error {
 	var st unix.Stat_t
@@ -608,6 +609,9 @@ func RemoveTree(path string) error {
 		if errors.Is(err, unix.ENOENT) {
 			return nil
 		}
+		return err
+	}
+	if err := detachIndexes(path); err != nil {
 		return err
 	}
 	if mounts, err := MountsUnder(path); err != nil {
