@@ -51,7 +51,10 @@ type Blob struct {
 	key    fileKey
 	layout *index.Layout
 	fetch  BlobFetch
-	ctx    context.Context
+	// corrupt, if not nil, is told of bytes that were not an extent's
+	// sum (then fetched again).
+	corrupt CorruptFunc
+	ctx     context.Context
 	cancel context.CancelFunc
 
 	mu     sync.Mutex
@@ -60,7 +63,8 @@ type Blob struct {
 	left   int            // extents neither in place nor failed
 	err    error          // the first failure
 	closed bool           // failed: no fill starts
-	done   chan struct{}
+	done   chan struct{}  // closed once all are in place, or one failed
+	ended  bool           // done is closed
 	fills  sync.WaitGroup
 
 	closeOnce sync.Once
@@ -91,13 +95,15 @@ type blobReader struct {
 // made by the caller, of layout.Size bytes), whose extents layout says,
 // from now on: every extent that carries its data (Extent.Data) is
 // written in place at once, and every other one is fetched with fetch
-// when a read first touches it, or offered by a stream (Offer).
-func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch) (*Blob, error) {
+// when a read first touches it, or offered by a stream (Offer), or
+// prefetched (Prefetch). Bytes that are not an extent's sum are told to
+// corrupt (if not nil) and fetched again, a few times at most.
+func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch, corrupt CorruptFunc) (*Blob, error) {
 	rel, err := g.below(path)
 	if err != nil {
 		return nil, err
 	}
-	b := &Blob{g: g, file: -1, layout: layout, fetch: fetch, state: make([]extentState, len(layout.Extents)),
+	b := &Blob{g: g, file: -1, layout: layout, fetch: fetch, corrupt: corrupt, state: make([]extentState, len(layout.Extents)),
 		left: len(layout.Extents), done: make(chan struct{})}
 	b.ctx, b.cancel = context.WithCancel(context.Background())
 	if err := b.open(rel); err != nil {
@@ -137,7 +143,7 @@ func (b *Blob) open(rel string) error {
 		b.left--
 	}
 	if b.left == 0 {
-		close(b.done)
+		b.end()
 		return nil
 	}
 	g := b.g
@@ -157,7 +163,8 @@ func (b *Blob) open(rel string) error {
 	return nil
 }
 
-// Done is closed once every extent is in place or failed.
+// Done is closed once every extent is in place, or one failed (then Err
+// says why).
 func (b *Blob) Done() <-chan struct{} { return b.done }
 
 // Err is the first extent's failure (nil: none yet).
@@ -230,9 +237,6 @@ func (b *Blob) Offer(path string, write func(w io.WriterAt) error) error {
 		b.fills.Add(1)
 	}
 	err := b.err
-	if err == nil && b.closed {
-		err = errBlobFailed
-	}
 	b.mu.Unlock()
 	if mine {
 		b.fill(i, write)
@@ -240,6 +244,11 @@ func (b *Blob) Offer(path string, write func(w io.WriterAt) error) error {
 	}
 	return err
 }
+
+// blobFetchTries is how many times an extent is fetched whose bytes were
+// not its sum: each time from another holder (the source's CorruptFunc
+// drops the one that sent them).
+const blobFetchTries = 3
 
 // fill brings extent i whole (from write if not nil and it can, else with
 // the Blob's fetch), checks it and answers its waiters.
@@ -252,19 +261,68 @@ func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 		if err = write(w); err == nil {
 			err = b.check(e)
 		}
-		if err != nil && b.ctx.Err() == nil {
-			klog.V(2).InfoS("An extent offered by a stream did not arrive whole; fetching it", "path", e.Path, "err", err)
-		}
+		b.tell(e, FromStream, err)
 	}
-	if err != nil && b.ctx.Err() == nil {
+	for try := 0; err != nil && try < blobFetchTries && b.ctx.Err() == nil; try++ {
 		if err = b.fetch(b.ctx, e, w); err == nil {
 			err = b.check(e)
 		}
+		if !errors.Is(err, filesum.ErrMismatch) {
+			break
+		}
+		b.tell(e, FromHolder, err)
 	}
 	if err != nil {
 		err = fmt.Errorf("%s: %w", e.Path, err)
 	}
 	b.finish(i, err)
+}
+
+// tell says what came of an extent's bytes from a source of kind from
+// that failed: wrong bytes to the CorruptFunc, the rest to the log.
+func (b *Blob) tell(e index.Extent, from string, err error) {
+	switch {
+	case err == nil || b.ctx.Err() != nil:
+	case errors.Is(err, filesum.ErrMismatch) && b.corrupt != nil:
+		b.corrupt(e.Path, from, err)
+	default:
+		klog.V(2).InfoS("An extent of an index's blob did not arrive whole; fetching it", "path", e.Path, "from", from, "err", err)
+	}
+}
+
+// Prefetch fetches every extent neither in place nor being filled,
+// workers at once, in the blob's order, and returns once they are settled
+// or the blob failed: what no reader asked for and no stream brought.
+func (b *Blob) Prefetch(workers int) {
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				b.fill(i, nil)
+			}
+		}()
+	}
+	for i := range b.layout.Extents {
+		b.mu.Lock()
+		stop := b.closed || b.err != nil
+		mine := !stop && b.state[i].state == extentMissing
+		if mine {
+			b.state[i].state = extentFetching
+			b.fills.Add(1)
+		}
+		b.mu.Unlock()
+		if stop {
+			break
+		}
+		if mine {
+			next <- i
+		}
+	}
+	close(next)
+	wg.Wait()
 }
 
 // check reads extent e back as written, through the clone, against its
@@ -306,8 +364,8 @@ func (b *Blob) finish(i int, err error) {
 	}
 	b.left--
 	filled := b.left == 0 && b.err == nil
-	if b.left == 0 {
-		close(b.done)
+	if b.left == 0 || err != nil {
+		b.end()
 	}
 	b.mu.Unlock()
 	// Once all are in place, readers need not wait for this process; a
@@ -320,6 +378,14 @@ func (b *Blob) finish(i int, err error) {
 	}
 	for _, ev := range deny {
 		b.g.respond(ev, denyEIO)
+	}
+}
+
+// end closes done, once. The caller holds mu, or is OpenBlob.
+func (b *Blob) end() {
+	if !b.ended {
+		b.ended = true
+		close(b.done)
 	}
 }
 
@@ -346,6 +412,10 @@ func (b *Blob) unmark() {
 func (b *Blob) Fail() {
 	b.mu.Lock()
 	b.closed = true
+	if b.err == nil {
+		b.err = errBlobFailed
+	}
+	b.end()
 	b.mu.Unlock()
 	b.cancel()
 	b.fills.Wait() // each failed, its readers answered

@@ -35,7 +35,21 @@ type indexed struct {
 	// holes.
 	layerBytes BlobFetch
 	mu         sync.Mutex
-	fetched    map[string]int // by extent path
+	fetched    map[string]int      // by extent path
+	corrupted  map[string][]string // by extent path: where wrong bytes came from
+}
+
+// corrupt is ix's Blob's CorruptFunc.
+func (ix *indexed) corrupt(path, from string, _ error) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.corrupted[path] = append(ix.corrupted[path], from)
+}
+
+func (ix *indexed) corruptions(path string) []string {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.corrupted[path]
 }
 
 // newIndexed indexes the layer makeLayer makes, fills its blob from the
@@ -63,7 +77,7 @@ func buildIndexed(t *testing.T, makeLayer func(layer string)) *indexed {
 		t.Skip(err)
 	}
 	ix := &indexed{fs: fs, layer: filepath.Join(fs, "layer"), mnt: filepath.Join(fs, "mnt"), work: filepath.Join(fs, "work"),
-		fetched: map[string]int{}}
+		fetched: map[string]int{}, corrupted: map[string][]string{}}
 	for _, d := range []string{ix.layer, ix.mnt, ix.work} {
 		require.NoError(t, os.Mkdir(d, 0o755))
 	}
@@ -120,7 +134,7 @@ func (ix *indexed) hold(t *testing.T, g *Group, fetch func(ix *indexed) BlobFetc
 		return fetchBytes(ctx, e, w)
 	}
 	var err error
-	ix.blob, err = g.OpenBlob(filepath.Join(ix.work, "blob"), ix.layout, counted)
+	ix.blob, err = g.OpenBlob(filepath.Join(ix.work, "blob"), ix.layout, counted, ix.corrupt)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, ix.blob.Close()) })
 }
@@ -231,7 +245,8 @@ func withoutCaps(t *testing.T, described string) string {
 }
 
 // A wrong byte never reaches a reader: an extent whose fetched bytes are
-// not its sum is failed, and its readers get EIO, now and later, while
+// not its sum, fetched again a few times, is failed (and the Blob done),
+// and its readers get EIO, now and later, while
 // other files read; a fetch that fails gives EIO, not a hang; and readers
 // held when the Blob fails get EIO, as do those that come after.
 func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
@@ -261,8 +276,14 @@ func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
 		_, err := os.ReadFile(filepath.Join(ix.mnt, "rotten"))
 		require.ErrorIs(t, err, syscall.EIO)
 	}
-	require.Equal(t, 1, ix.fetches("rotten"), "a failed extent is not fetched again")
+	require.Equal(t, blobFetchTries, ix.fetches("rotten"), "wrong bytes are fetched again, a few times; a failed extent never again")
+	require.Equal(t, []string{FromHolder, FromHolder, FromHolder}, ix.corruptions("rotten"), "each time told")
 	require.ErrorIs(t, ix.blob.Err(), filesum.ErrMismatch)
+	select {
+	case <-ix.blob.Done():
+	default:
+		t.Fatal("a blob with a failed extent is not done")
+	}
 	_, err := os.ReadFile(filepath.Join(ix.mnt, "lost"))
 	require.ErrorIs(t, err, syscall.EIO)
 	data, err := os.ReadFile(filepath.Join(ix.mnt, "good"))
@@ -292,7 +313,8 @@ func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
 // A stream of the whole layer fills the extents no reader asked for: an
 // extent offered is written and checked, one in place or being filled is
 // not written again, and one whose offered bytes are not its sum is
-// fetched instead. A reader of an offered file reads with no fetch.
+// fetched instead; a prefetch brings the rest. A reader of a file
+// offered or prefetched reads with no fetch.
 func TestBlobTakesExtentsFromAStream(t *testing.T) {
 	ix := newIndexed(t, func(layer string) {
 		for _, name := range []string{"a", "b", "c"} {
@@ -317,24 +339,27 @@ func TestBlobTakesExtentsFromAStream(t *testing.T) {
 	require.NoError(t, err, "a wrong offer is fetched instead")
 	require.True(t, written)
 	require.Equal(t, 1, ix.fetches("b"))
+	require.Equal(t, []string{FromStream}, ix.corruptions("b"), "told")
 	written, err = offer("nowhere", "x")
 	require.NoError(t, err)
 	require.False(t, written, "a path with no extent")
 	_, err = offer("a", strings.Repeat("x", 100))
 	require.NoError(t, err, "(in place: not written)")
 
+	ix.blob.Prefetch(2)
+	select {
+	case <-ix.blob.Done():
+	default:
+		t.Fatal("every extent is in place, and the blob is not done")
+	}
+	require.Equal(t, 1, ix.fetches("c"), "not offered: prefetched")
 	for _, name := range []string{"a", "b", "c"} {
 		data, err := os.ReadFile(filepath.Join(ix.mnt, name))
 		require.NoError(t, err)
 		require.Equal(t, "the bytes of "+name, string(data))
 	}
 	require.Zero(t, ix.fetches("a"), "offered, not fetched")
-	require.Equal(t, 1, ix.fetches("c"), "not offered: fetched for its reader")
-	select {
-	case <-ix.blob.Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("every extent is in place, and the blob is not done")
-	}
+	require.Equal(t, 1, ix.fetches("c"), "read with no fetch")
 	require.NoError(t, ix.blob.Err())
 	ix.blob.Fail()
 	_, err = offer("c", "the bytes of c")
@@ -438,7 +463,7 @@ func holdBlobAndWait(root, socket, layer, blob string) {
 	if _, err := g.OpenBlob(blob, layout, func(ctx context.Context, _ index.Extent, _ io.WriterAt) error {
 		<-ctx.Done()
 		return ctx.Err()
-	}); err != nil {
+	}, nil); err != nil {
 		fail(err)
 	}
 	fmt.Println("holding")
