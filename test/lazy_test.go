@@ -284,20 +284,25 @@ func TestLazyPullWithItsHolderHung(t *testing.T) {
 // failed (its readers, let go by the kernel, may have read holes), and the
 // step that mounted it captures nothing.
 func TestLazyPullerKilledMidFill(t *testing.T) {
-	a, b, _ := lazyNodes(t)
-	a.step("", "src", func(dir string) {
-		for i := range 48 {
-			randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
-		}
-	})
-	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
-	require.NoError(t, b.publishWaiting(v))
-	write(t, v.Target, "result", "built")
-	b.p.Restart()
-	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
-	b.umount(v)
-	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input may have read holes captures nothing")
-	b.noLeaks(t)
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) {
+			a, b, _ := lazyNodesAs(t, form, 0)
+			a.step("", "src", func(dir string) {
+				for i := range 48 {
+					randomFile(t, dir, fmt.Sprintf("f-%02d", i), 4<<20, uint64(i+1))
+				}
+			})
+			v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
+			require.NoError(t, b.publishWaiting(v))
+			write(t, v.Target, "result", "built")
+			b.p.Restart()
+			require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
+			b.umount(v)
+			require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input may have read holes captures nothing")
+			eventually(t, "the failed volume's data freed", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
+			b.noLeaks(t)
+		})
+	}
 }
 
 // The same with the step's output in a volume of its own, as a scheduler's
@@ -604,74 +609,80 @@ func TestLazyReadersHeldAcrossAPluginRestart(t *testing.T) {
 		{name: "a step with an output", withOutput: true, grace: time.Hour, down: 3 * time.Second},
 		{name: "no plugin back within the grace", grace: 2 * time.Second, down: 6 * time.Second},
 	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			keeper := startFillKeeper(t, tc.grace)
-			// 48 files of 4 MiB at 4 MiB a second: most are not filled
-			// when the link freezes.
-			a, b, proxy := lazyNodesAt(t, 4<<20, "--fill-keeper-socket="+keeper, "--pull-wait=10m")
-			const files = 48
-			sums := a.captureRandom("src", files, 4<<20)
-			attrs := map[string]string{driver.AttrSource: "src"}
-			if tc.withOutput {
-				attrs[driver.AttrCapture] = "out"
-			}
-			v := b.volume(attrs, !tc.withOutput)
-			require.NoError(t, b.publishWaiting(v))
-			proxy.Freeze()
-
-			type result struct {
-				name string
-				err  error
-				at   time.Time
-			}
-			results := make(chan result, files+1)
-			read := func(name string) {
-				results <- result{name, readsAs(filepath.Join(v.Target, name), sums[name]), time.Now()}
-			}
-			for i := range files - 1 {
-				go read(fmt.Sprintf("f-%02d", i))
-			}
-			time.Sleep(time.Second) // the readers of files not filled are held
-			// Stamped before the kill: Kill returns once the process is
-			// reaped, after the keeper may have seen it go.
-			killed := time.Now()
-			b.p.Kill()
-			time.Sleep(time.Second)
-			go read(fmt.Sprintf("f-%02d", files-1)) // a reader while no plugin runs
-			time.Sleep(tc.down - time.Second)
-			restarted := time.Now()
-			b.p.Restart()
-
-			eio := 0
-			for range files {
-				var r result
-				select {
-				case r = <-results:
-				case <-time.After(2 * time.Minute):
-					t.Fatal("readers still held two minutes after the plugin came back")
-				}
-				if r.err == nil {
-					continue
-				}
-				require.ErrorIs(t, r.err, syscall.EIO, "%s: only the file's data or EIO", r.name)
-				eio++
-				require.True(t, r.at.After(killed.Add(tc.grace)) || r.at.After(restarted),
-					"%s answered EIO %s after the plugin died: held until the next plugin or the keeper's grace", r.name, r.at.Sub(killed))
-				if tc.grace < tc.down {
-					require.True(t, r.at.Before(restarted), "%s: the keeper answers once its grace passed", r.name)
-				}
-			}
-			require.Greater(t, eio, files/2, "most files were not filled when the link froze")
-			require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
-			if tc.withOutput {
-				write(t, v.Target, "result", "built from what could be read")
-			}
-			proxy.Cut()
-			b.umount(v)
-			require.Equal(t, "gone", volumeState(t, b, "out"), "nothing captured from a step whose input was not whole")
-		})
+	for _, form := range pullForms {
+		for _, tc := range tests {
+			t.Run(form.name+"/"+tc.name, func(t *testing.T) { lazyReadersHeldAcrossAPluginRestart(t, form, tc.withOutput, tc.grace, tc.down) })
+		}
 	}
+}
+
+// lazyReadersHeldAcrossAPluginRestart is a case of
+// TestLazyReadersHeldAcrossAPluginRestart.
+func lazyReadersHeldAcrossAPluginRestart(t *testing.T, form pullForm, withOutput bool, grace, down time.Duration) {
+	keeper := startFillKeeper(t, grace)
+	// 48 files of 4 MiB at 4 MiB a second: most are not filled
+	// when the link freezes.
+	a, b, proxy := lazyNodesAs(t, form, 4<<20, "--fill-keeper-socket="+keeper, "--pull-wait=10m")
+	const files = 48
+	sums := a.captureRandom("src", files, 4<<20)
+	attrs := map[string]string{driver.AttrSource: "src"}
+	if withOutput {
+		attrs[driver.AttrCapture] = "out"
+	}
+	v := b.volume(attrs, !withOutput)
+	require.NoError(t, b.publishWaiting(v))
+	proxy.Freeze()
+
+	type result struct {
+		name string
+		err  error
+		at   time.Time
+	}
+	results := make(chan result, files+1)
+	read := func(name string) {
+		results <- result{name, readsAs(filepath.Join(v.Target, name), sums[name]), time.Now()}
+	}
+	for i := range files - 1 {
+		go read(fmt.Sprintf("f-%02d", i))
+	}
+	time.Sleep(time.Second) // the readers of files not filled are held
+	// Stamped before the kill: Kill returns once the process is
+	// reaped, after the keeper may have seen it go.
+	killed := time.Now()
+	b.p.Kill()
+	time.Sleep(time.Second)
+	go read(fmt.Sprintf("f-%02d", files-1)) // a reader while no plugin runs
+	time.Sleep(down - time.Second)
+	restarted := time.Now()
+	b.p.Restart()
+
+	eio := 0
+	for range files {
+		var r result
+		select {
+		case r = <-results:
+		case <-time.After(2 * time.Minute):
+			t.Fatal("readers still held two minutes after the plugin came back")
+		}
+		if r.err == nil {
+			continue
+		}
+		require.ErrorIs(t, r.err, syscall.EIO, "%s: only the file's data or EIO", r.name)
+		eio++
+		require.True(t, r.at.After(killed.Add(grace)) || r.at.After(restarted),
+			"%s answered EIO %s after the plugin died: held until the next plugin or the keeper's grace", r.name, r.at.Sub(killed))
+		if grace < down {
+			require.True(t, r.at.Before(restarted), "%s: the keeper answers once its grace passed", r.name)
+		}
+	}
+	require.Greater(t, eio, files/2, "most files were not filled when the link froze")
+	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "src"), "a volume whose filler died is not ready")
+	if withOutput {
+		write(t, v.Target, "result", "built from what could be read")
+	}
+	proxy.Cut()
+	b.umount(v)
+	require.Equal(t, "gone", volumeState(t, b, "out"), "nothing captured from a step whose input was not whole")
 }
 
 // A holder whose plugin restarts (SIGKILLed, as a crash or a roll of the

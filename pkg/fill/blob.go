@@ -55,7 +55,7 @@ type Blob struct {
 	// sum (then fetched again).
 	corrupt CorruptFunc
 	ctx     context.Context
-	cancel context.CancelFunc
+	cancel  context.CancelFunc
 
 	mu     sync.Mutex
 	state  []extentState

@@ -420,18 +420,34 @@ func (g *Group) unknown(ev event, key fileKey) {
 }
 
 // filesIn are the regular files under dirs (by key), following no
-// symlink; a dir that cannot be read adds what was read of it.
+// symlink and staying on each dir's filesystem (a layer's index is mounted
+// at its dir: its files are the index's, never marked); a dir that cannot
+// be read adds what was read of it.
 func filesIn(dirs []string) map[fileKey]struct{} {
 	out := map[fileKey]struct{}{}
 	for _, d := range dirs {
+		var root unix.Stat_t
+		var sfs unix.Statfs_t
+		if unix.Lstat(d, &root) != nil || unix.Statfs(d, &sfs) != nil || sfs.Type == unix.EROFS_SUPER_MAGIC_V1 {
+			continue // (an index mounted at the dir)
+		}
 		_ = filepath.WalkDir(d, func(_ string, e fs.DirEntry, err error) error {
-			if err != nil || !e.Type().IsRegular() {
+			if err != nil || (!e.Type().IsRegular() && !e.IsDir()) {
 				return nil
 			}
-			if info, err := e.Info(); err == nil {
-				if st, ok := info.Sys().(*syscall.Stat_t); ok {
-					out[fileKey{dev: st.Dev, ino: st.Ino}] = struct{}{}
+			info, err := e.Info()
+			if err != nil {
+				return nil
+			}
+			st, ok := info.Sys().(*syscall.Stat_t)
+			switch {
+			case !ok:
+			case st.Dev != root.Dev:
+				if e.IsDir() {
+					return filepath.SkipDir
 				}
+			case e.Type().IsRegular():
+				out[fileKey{dev: st.Dev, ino: st.Ino}] = struct{}{}
 			}
 			return nil
 		})

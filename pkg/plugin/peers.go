@@ -66,6 +66,9 @@ type PeerOptions struct {
 	// FillKeeper is the socket of the process that keeps lazy fills'
 	// fanotify group across plugin restarts ("": none).
 	FillKeeper string
+	// PullIndex has lazy pulls mount an index in place of a stub per
+	// file, where the kernel can.
+	PullIndex bool
 }
 
 // DefaultPeerServerName is the name in the peer certificate a deployment
@@ -121,6 +124,11 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 		"the socket of `cowvol-plugin fill-keeper`, which keeps the fanotify group of lazy fills while this plugin restarts: "+
 			"a step reading a file not filled yet waits for the next plugin (the keeper's --grace) or gets EIO, never the file's holes (empty: none; "+
 			"a plugin's death then lets such readers through)")
+	fs.BoolVar(&p.PullIndex, "pull-index", p.PullIndex,
+		"have a lazy pull mount an index of the source (an EROFS image learnt from the holder's tree, file-backed, whose data arrives by extent "+
+			"as it is read) in place of a stub file per file, so that a volume of any file count is ready at once; needs a kernel that mounts "+
+			"EROFS from regular files (6.12+), else stub trees, as the node's pull mode says. Being built: read orders are not recorded "+
+			"over an index yet")
 	fs.Var(quantityFlag{&p.SwarmMinSize}, "swarm-min-size",
 		"the smallest layer a node serving peers (--peer-address) pulls whole as a member of its swarm: from the node that asked its holder "+
 			"just before it, relaying it as it arrives to the one after, so that its holder's link carries it once however many nodes pull it "+
@@ -240,7 +248,7 @@ func (o Options) pullConfig(ctl grpc.ClientConnInterface, link *peerLink) *pull.
 		relay = o.Peers.advertised()
 	}
 	return &pull.Config{Locator: loc, Dial: link.dialer(o.Peers.PullWait), Encoding: enc, Wait: o.Peers.PullWait, Mode: mode, ReadOrderRefresh: o.Peers.ReadOrderRefresh,
-		RelayAddress: relay, SwarmMinBytes: o.Peers.SwarmMinSize, FillKeeper: o.Peers.FillKeeper,
+		RelayAddress: relay, SwarmMinBytes: o.Peers.SwarmMinSize, FillKeeper: o.Peers.FillKeeper, Index: o.Peers.PullIndex,
 		ReadOrders: orders, Limits: streamer.Limits{Bytes: o.Peers.SizeLimit, Entries: streamer.DefaultLimits.Entries, KeepSetuid: o.Node.AllowSetuid}}
 }
 

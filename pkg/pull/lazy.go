@@ -32,16 +32,21 @@ var StubInline = streamer.Inline{Max: 8 << 10, Budget: 16 << 20}
 // lazyPulls are the layers being filled, and the group holding their
 // readers (nil: the node pulls eagerly).
 type lazyPulls struct {
-	group  *fill.Group
+	group *fill.Group
+	// index: layers arrive as indexes, not stub trees (Config.Index, where
+	// the kernel can).
+	index  bool
 	mu     sync.Mutex
 	layers map[volume.Ref]*lazyFill
 }
 
-// lazyFill is a layer being filled, and who mounts it meanwhile (under
-// lazyPulls.mu): the namespaces of their pods, and the read profiles they
-// named, under which the order its readers reach its files is recorded.
+// lazyFill is a layer being filled (its stubs, or the blob of its index),
+// and who mounts it meanwhile (under lazyPulls.mu): the namespaces of
+// their pods, and the read profiles they named, under which the order its
+// readers reach its files is recorded (of stubs only).
 type lazyFill struct {
 	layer      *fill.Layer
+	blob       *fill.Blob
 	namespaces map[string]bool
 	profiles   map[string]bool
 }
@@ -95,7 +100,7 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 		// 50,000 names to decode.
 		order := pl.readOrder(namespace, profiles)
 		first := layer.Streaming(order)
-		err := src.stream(pl.ctx, layer, first)
+		err := src.stream(pl.ctx, layer.Offer, first)
 		layer.StreamEnded()
 		if err != nil && pl.ctx.Err() == nil {
 			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
@@ -110,7 +115,15 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 			release()
 			return // the group's Close fails what is left; recovery fails the volume
 		}
-		pl.fillEnded(r, fl, pods, start)
+		pl.fillEnded(r, fl, pods, start, func() (cache.Volume, error) {
+			if err := layer.Err(); err != nil {
+				return cache.Volume{}, err
+			}
+			if err := overlay.SyncFS(pl.store.VolumeDir(r)); err != nil {
+				return cache.Volume{}, err
+			}
+			return pl.store.Filled(r)
+		})
 		// Let go before waking the reaper: a round woken first finds the
 		// data of a volume destroyed while it filled still held.
 		release()
@@ -118,19 +131,14 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 	})
 }
 
-// fillEnded records how a fill ended: a filled volume is ready once its
-// data is synced, one that could not be filled is failed (and its pods
-// are told).
-func (pl *Puller) fillEnded(r volume.Ref, fl *lazyFill, pods []volume.Pod, start time.Time) {
+// fillEnded records how a fill ended: a volume that filled makes itself
+// ready (filled: its data synced, it is recorded ready), one that could
+// not be filled is failed (and its pods are told).
+func (pl *Puller) fillEnded(r volume.Ref, fl *lazyFill, pods []volume.Pod, start time.Time, filled func() (cache.Volume, error)) {
 	// Before it is served: a peer's pull of it must not count as its
 	// readers'.
 	pl.recordReadOrder(r, fl)
-	err := fl.layer.Err()
-	if err == nil {
-		if err = overlay.SyncFS(pl.store.VolumeDir(r)); err == nil {
-			_, err = pl.store.Filled(r)
-		}
-	}
+	_, err := filled()
 	if err == nil {
 		pl.Release(r)
 		pl.metrics.fills.WithLabelValues("ok").Inc()
@@ -158,7 +166,13 @@ func (pl *Puller) Release(r volume.Ref) {
 	fl := pl.lazy.layers[r]
 	delete(pl.lazy.layers, r)
 	pl.lazy.mu.Unlock()
-	if fl != nil {
+	switch {
+	case fl == nil:
+	case fl.blob != nil:
+		if err := fl.blob.Close(); err != nil {
+			klog.ErrorS(err, "Letting go of the blob of an index", "volume", r)
+		}
+	default:
 		fl.layer.Release()
 	}
 }
@@ -176,7 +190,7 @@ func (pl *Puller) NoteReader(view cache.View, profile string) {
 	for _, r := range view.Pins {
 		if fl := pl.lazy.layers[r]; fl != nil {
 			fl.namespaces[view.Pod.Namespace] = true
-			if profile != "" {
+			if profile != "" && fl.layer != nil {
 				fl.profiles[profile] = true
 				if pl.recordsReadOrder(view.Pod.Namespace, profile) {
 					fl.layer.RecordReaches()

@@ -7,6 +7,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -78,6 +79,15 @@ func (pl *Puller) openLazy(asked, mode Mode, why, stateDir string) error {
 		return nil
 	}
 	pl.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
+	if pl.cfg.Index {
+		if err := IndexSupported(stateDir); err != nil {
+			klog.ErrorS(err, "Lazy pulls make stub trees: the node cannot mount a layer's index")
+			pl.why += "; as stub trees, not indexes: " + err.Error()
+		} else {
+			pl.lazy.index = true
+			pl.why += "; as indexes mounted file-backed (EROFS), not stub trees"
+		}
+	}
 	return nil
 }
 
@@ -109,14 +119,15 @@ func (pl *Puller) openGroup(stateDir string) (*fill.Group, error) {
 	}
 }
 
-// unfinishedLayers are the data dirs of the volumes not known whole: a
-// previous plugin's lazy fills left stubs in them that no one will fill
-// (recovery fails a volume that was filling).
+// unfinishedLayers are the data dirs of the volumes not known whole, and
+// the index dirs beside them: a previous plugin's lazy fills left stubs or
+// blobs in them that no one will fill (recovery fails a volume that was
+// filling).
 func (pl *Puller) unfinishedLayers() []string {
 	var dirs []string
 	for _, v := range pl.store.List() {
 		if v.State != volume.StateReady && v.Layer != "" {
-			dirs = append(dirs, pl.store.DataPath(v))
+			dirs = append(dirs, pl.store.DataPath(v), cache.IndexDir(pl.store.DataPath(v)))
 		}
 	}
 	return dirs

@@ -12,7 +12,8 @@
 //
 // Its rooms: pull.go the running pulls (joined, waited for, layer by layer
 // from one holder after another); lazy.go a lazily pulled layer, from its
-// stub tree to its fill behind; source.go the holders a lazy layer's files
+// stub tree to its fill behind; index.go a lazily pulled layer made an
+// index and mounted, filled by extent, then made a plain layer; source.go the holders a lazy layer's files
 // come from, failing over, on a bulk lane (the stream) and an urgent one
 // (what readers wait for); readorder.go what is recorded of the order
 // steps read, and streamed first next time; receive.go a layer made a
@@ -83,6 +84,9 @@ type Config struct {
 	// fanotify group (and its held readers) while this plugin restarts
 	// ("": none; see fill.Kept).
 	FillKeeper string
+	// Index has a lazy pull mount an index of the layer in place of a
+	// stub per file, where the kernel can (index.go; IndexSupported).
+	Index bool
 }
 
 // ReadOrderShare is where nodes leave the read orders they record for each
@@ -559,9 +563,12 @@ func (pl *Puller) pullLayer(p *pull, client *streamer.Client, top, l streamer.La
 	progress := func(n int64) { p.received.Add(n) }
 	var vol cache.Volume
 	var err error
-	if pl.lazy != nil && !p.whole {
+	switch {
+	case pl.lazy != nil && !p.whole && pl.lazy.index:
+		vol, err = pl.pullIndex(p, client, top, l, want, progress)
+	case pl.lazy != nil && !p.whole:
 		vol, err = pl.pullStubs(p, client, top, l, want, progress)
-	} else {
+	default:
 		vol, err = pl.receiveWhole(p, client, top, l, want, progress)
 	}
 	if errors.Is(err, cache.ErrExists) {

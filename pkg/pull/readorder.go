@@ -29,8 +29,8 @@ func (pl *Puller) recordsReadOrder(namespace string, profiles ...string) bool {
 // one namespace: a record under one namespace's name must tell nothing of
 // what another's steps read.
 func (pl *Puller) recordReadOrder(r volume.Ref, fl *lazyFill) {
-	if !fl.layer.Recording() {
-		return // every record is fresh: what was reached is only what readers waited for
+	if fl.layer == nil || !fl.layer.Recording() {
+		return // every record is fresh (what was reached is only what readers waited for), or an index's (not recorded yet)
 	}
 	reached := fl.layer.Reached()
 	pl.lazy.mu.Lock()

@@ -1,6 +1,8 @@
 package pull
 
 import (
+	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -48,7 +50,8 @@ const (
 // Receive makes a cached volume of a layer that arrives from
 // elsewhere (a pull, an upload), vouched for with vouch (those its pull is
 // checked against; none for an upload): reserved under the lease id, filled by fill
-// in staging out of sight (tree; data is where it will live), synced as
+// in staging out of sight (tree, and its index beside it if it makes one;
+// data is where it will live), synced as
 // when says, moved into place and committed in one transaction. Anything
 // short of that leaves no trace: the reservation and the staging go (and a
 // crash leaves them to recovery).
@@ -100,6 +103,10 @@ func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, vouch volu
 		return cache.Volume{}, err
 	}
 	if err := os.Rename(tree, data); err != nil {
+		return cache.Volume{}, err
+	}
+	// A layer received as an index has it beside it (IndexDir).
+	if err := os.Rename(cache.IndexDir(tree), cache.IndexDir(data)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return cache.Volume{}, err
 	}
 	if when == SyncBefore {

@@ -12,6 +12,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/fill"
+	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
@@ -221,12 +222,19 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 	return nil
 }
 
-// stream fills the layer's files from one stream of the whole layer from
-// the current holder (or the member before this node in the stream's
-// swarm), first those first names in that order; files readers are filling
-// already are skipped. A stream that breaks off moves on from its holder;
-// one that a relay broke off does not (the rest comes file by file).
-func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []string) error {
+// fetchExtent writes extent e of an index's blob whole (a fill.BlobFetch):
+// its file's data, as fetch does.
+func (s *lazySource) fetchExtent(ctx context.Context, e index.Extent, w io.WriterAt) error {
+	return s.fetch(ctx, e.Path, e.Size, w)
+}
+
+// stream offers the layer's files to offer (a stub layer's or an index's
+// blob's Offer), from one stream of the whole layer from the current
+// holder (or the member before this node in the stream's swarm), first
+// those first names in that order; files readers are filling already are
+// skipped. A stream that breaks off moves on from its holder; one that a
+// relay broke off does not (the rest comes file by file).
+func (s *lazySource) stream(ctx context.Context, offer func(rel string, write func(w io.WriterAt) error) error, first []string) error {
 	client, peer, err := s.current(ctx, bulkLane)
 	if err != nil {
 		return err
@@ -235,7 +243,7 @@ func (s *lazySource) stream(ctx context.Context, layer *fill.Layer, first []stri
 	ls := streamer.LayerStream{Namespace: s.namespace, Ref: s.layer.Ref, Via: s.top.Ref, Encoding: cfg.Encoding, Shape: streamer.DataTar,
 		Inline: s.inlined, First: first}
 	err = s.pl.inSwarm(client, ls, s.top, s.layer, false, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) error {
-		sum, err := from.PullLayerFiles(ctx, ls, sw, nil, cfg.Limits, s.counted(layer.Offer))
+		sum, err := from.PullLayerFiles(ctx, ls, sw, nil, cfg.Limits, s.counted(offer))
 		if err == nil {
 			err = done(sum)
 		}

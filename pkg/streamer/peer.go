@@ -21,6 +21,7 @@ import (
 
 	peerv1 "github.com/concourse/cowvol/api/peer/v1"
 	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -655,6 +656,25 @@ func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, 
 		lim.Summed, lim.Swarmed = true, sw.swarmed()
 		return UnpackStubs(ctx, in, s.Encoding, dir, lim, s.Inline, stub)
 	})
+}
+
+// PullLayerIndex pulls a layer's stub tree as PullLayerStubs does (s's
+// shape is StubTar), but makes nothing on disk: it learns the tree into an
+// index.Tree (see IndexStubs), which the caller writes as the image it
+// mounts.
+func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64)) (*index.Tree, Summary, error) {
+	var tree *index.Tree
+	sum, err := c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+		lim.Summed, lim.Swarmed = true, sw.swarmed()
+		var err error
+		var sum Summary
+		tree, sum, err = IndexStubs(ctx, in, s.Encoding, lim, s.Inline)
+		return sum, err
+	})
+	if err != nil {
+		return nil, sum, err
+	}
+	return tree, sum, nil
 }
 
 // PullLayerFiles streams a volume's own layer's files' data (s's shape is

@@ -1,0 +1,281 @@
+package pull
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/fill"
+	"github.com/concourse/cowvol/pkg/index"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/streamer"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// index.go: a lazily pulled layer made an index (pkg/index) where the
+// node asks for it and can (--pull-index): the holder's stub tree is learnt
+// into an EROFS image instead of being made a stub per file, and the image
+// is mounted file-backed at the layer's dir, with a sparse blob beside it
+// (cache.IndexDir) whose extents a fill.Blob fetches when a reader reaches
+// them, a stream of the layer fills behind, and a prefetch completes. Once
+// the blob is whole the layer is copied out of the index into a plain one
+// (blocks cloned from the blob), which the volume is made ready as; the
+// index goes once no view mounts it. A reboot finds no mount, and the
+// volume, still filling, is failed by recovery as a stub layer's is.
+
+// The index's files, in the dir beside its layer.
+const (
+	indexImage = "image"
+	indexBlob  = "blob"
+)
+
+// plainLayerPrefix starts the names of the layers made of whole indexes.
+const plainLayerPrefix = "p"
+
+// IndexSupported says whether the node can mount a pulled layer's index:
+// the kernel mounts an EROFS image from a regular file with a regular file
+// as its blob (a probe index of one file, made under stateDir, mounted and
+// read back). The error says why not.
+func IndexSupported(stateDir string) error {
+	dir, err := os.MkdirTemp(stateDir, ".index-probe-")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err := overlay.RemoveTree(dir); err != nil {
+			klog.ErrorS(err, "Removing the index probe", "dir", dir)
+		}
+	}()
+	tree, err := index.NewTree(index.Options{}, index.Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+	if err == nil {
+		err = tree.Add(index.Entry{Name: "probe", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 5}, Data: []byte("probe")})
+	}
+	if err != nil {
+		return err
+	}
+	layout, err := writeIndex(tree, filepath.Join(dir, "index"))
+	if err != nil {
+		return err
+	}
+	blob, err := os.OpenFile(filepath.Join(dir, "index", indexBlob), os.O_WRONLY, 0)
+	if err == nil {
+		_, err = blob.WriteAt(layout.Extents[0].Data, layout.Extents[0].Offset)
+		err = errors.Join(err, blob.Close())
+	}
+	if err != nil {
+		return err
+	}
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o700); err != nil {
+		return err
+	}
+	if err := overlay.MountIndex(filepath.Join(dir, "index", indexImage), filepath.Join(dir, "index", indexBlob), mnt); err != nil {
+		return err
+	}
+	got, err := os.ReadFile(filepath.Join(mnt, "probe"))
+	if err == nil && string(got) != "probe" {
+		err = fmt.Errorf("the probe index read %q", got)
+	}
+	return err
+}
+
+// writeIndex writes the image of tree and an empty blob of its size into
+// dir, which it makes.
+func writeIndex(tree *index.Tree, dir string) (*index.Layout, error) {
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, err
+	}
+	image, err := os.OpenFile(filepath.Join(dir, indexImage), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	layout, err := tree.Write(image)
+	if cerr := image.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("writing the index's image: %w", err)
+	}
+	blob, err := os.OpenFile(filepath.Join(dir, indexBlob), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	err = blob.Truncate(layout.Size)
+	if cerr := blob.Close(); err == nil {
+		err = cerr
+	}
+	return layout, err
+}
+
+// pullIndex pulls a layer's stub tree as an index, mounted at the layer's
+// dir with its blob held (readers of what is not here wait for it), and
+// makes it a filling volume whose data is fetched behind.
+func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
+	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
+	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
+		Inline: StubInline}
+	var layout *index.Layout
+	var blob *fill.Blob
+	var vol cache.Volume
+	err := pl.inSwarm(client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
+		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, _ string) (streamer.Summary, error) {
+			t, sum, err := from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress)
+			if err == nil {
+				err = pl.checkVouched(l, want, sum)
+			}
+			if err == nil {
+				err = done(sum)
+			}
+			if err == nil {
+				layout, err = writeIndex(t, cache.IndexDir(tree))
+			}
+			if sum.Inlined != "" {
+				src.inlined = streamer.Inline{Max: StubInline.Max, Through: sum.Inlined}
+			}
+			return sum, err
+		}, func(v cache.Volume, id, data string, _ bool) (cache.Volume, error) {
+			var err error
+			if blob, err = pl.mountIndex(data, layout, src); err != nil {
+				return cache.Volume{}, err
+			}
+			committed, err := pl.store.CommitPullFilling(v.Ref(), id, l.SizeBytes)
+			if err != nil {
+				pl.unmountIndex(data, blob)
+				blob = nil
+			}
+			return committed, err
+		}, SyncBehind)
+		return err
+	})
+	if err != nil {
+		return cache.Volume{}, err
+	}
+	pl.mu.Lock()
+	pods := append([]volume.Pod(nil), p.pods...)
+	pl.mu.Unlock()
+	pl.fillIndexInBackground(vol.Ref(), blob, layout, src, pods)
+	return vol, nil
+}
+
+// mountIndex holds the readers of the blob of the index beside the layer
+// dir data and mounts the index at data.
+func (pl *Puller) mountIndex(data string, layout *index.Layout, src *lazySource) (*fill.Blob, error) {
+	dir := cache.IndexDir(data)
+	blob, err := pl.lazy.group.OpenBlob(filepath.Join(dir, indexBlob), layout, src.fetchExtent, src.corrupt)
+	if err != nil {
+		return nil, err
+	}
+	if err := overlay.MountIndex(filepath.Join(dir, indexImage), filepath.Join(dir, indexBlob), data); err != nil {
+		if cerr := blob.Close(); cerr != nil {
+			klog.ErrorS(cerr, "Letting go of an index's blob that did not mount", "dir", dir)
+		}
+		return nil, err
+	}
+	return blob, nil
+}
+
+// unmountIndex takes down an index mounted at data that no step saw, and
+// lets go of its blob.
+func (pl *Puller) unmountIndex(data string, blob *fill.Blob) {
+	if err := unix.Unmount(data, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
+		klog.ErrorS(err, "Unmounting an index no step saw", "dir", data)
+	}
+	if err := blob.Close(); err != nil {
+		klog.ErrorS(err, "Letting go of the blob of an index no step saw", "dir", data)
+	}
+}
+
+// fillIndexInBackground fills a volume pulled as an index: one stream of
+// the layer offers every extent no reader asked for, what it did not bring
+// is prefetched, and once the blob is whole the volume is made ready as a
+// plain layer (plainLayer), or failed.
+func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *index.Layout, src *lazySource, pods []volume.Pod) {
+	release := pl.store.Hold(r, cache.HoldFill)
+	fl := &lazyFill{blob: blob, namespaces: map[string]bool{}, profiles: map[string]bool{}}
+	pl.lazy.mu.Lock()
+	pl.lazy.layers[r] = fl
+	pl.lazy.mu.Unlock()
+	src.tell(pods)
+	start := time.Now()
+	pl.goBackground(func() {
+		if err := src.stream(pl.ctx, blob.Offer, nil); err != nil && pl.ctx.Err() == nil {
+			klog.InfoS("Streaming a layer pulled as an index stopped; fetching the rest extent by extent", "volume", r, "err", err)
+		}
+		blob.Prefetch(prefetchWorkers)
+	})
+	pl.goBackground(func() {
+		defer src.close()
+		select {
+		case <-blob.Done():
+		case <-pl.ctx.Done():
+			release()
+			return // the group's Close fails what is left; recovery fails the volume
+		}
+		pl.fillEnded(r, fl, pods, start, func() (cache.Volume, error) {
+			if err := blob.Err(); err != nil {
+				return cache.Volume{}, err
+			}
+			layer, err := pl.plainLayer(r, layout)
+			if err != nil {
+				return cache.Volume{}, err
+			}
+			vol, err := pl.store.FilledAs(r, layer)
+			if err != nil {
+				return vol, errors.Join(err, overlay.RemoveTree(pl.store.LayerPath(r, layer)))
+			}
+			return vol, nil
+		})
+		release()
+		pl.notify.FillEnded()
+	})
+}
+
+// plainLayer copies the whole index of r's layer into a new layer of its
+// own, synced, in place under its dir (out of sight until the volume is
+// filled as it), and names it.
+func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout) (string, error) {
+	v, err := pl.store.Get(r)
+	if err != nil {
+		return "", err
+	}
+	data := pl.store.DataPath(v)
+	work, err := os.MkdirTemp(pl.store.StagingDir(), "index-")
+	if err != nil {
+		return "", err
+	}
+	defer func() {
+		if err := overlay.RemoveTree(work); err != nil {
+			klog.ErrorS(err, "Removing the staging of a layer made of an index", "dir", work)
+		}
+	}()
+	at := make(map[string]int64, len(layout.Extents))
+	for _, e := range layout.Extents {
+		at[e.Path] = e.Offset
+	}
+	start := time.Now()
+	tree := filepath.Join(work, "tree")
+	stats, err := overlay.CopyIndex(pl.ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), at, tree)
+	if err == nil {
+		err = overlay.SyncFS(tree)
+	}
+	if err != nil {
+		return "", fmt.Errorf("copying the whole index into a layer: %w", err)
+	}
+	layer := fmt.Sprintf("%s%x", plainLayerPrefix, time.Now().UnixNano())
+	dst := pl.store.LayerPath(r, layer)
+	if err := os.Rename(tree, dst); err != nil {
+		return "", err
+	}
+	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
+		return "", errors.Join(err, overlay.RemoveTree(dst))
+	}
+	klog.InfoS("Made a layer of a whole index", "volume", r, "files", stats.Files, "cloned", stats.Cloned, "copied", stats.Copied,
+		"duration", time.Since(start))
+	return layer, nil
+}
