@@ -42,6 +42,17 @@ func newEnv(t *testing.T, cfg plugintest.Config) *env {
 	}
 	metrics := plugintest.FreeAddr(t)
 	cfg.Args = append([]string{"--metrics-address=" + metrics}, cfg.Args...)
+	// A plugin that stops leaves the indexes of the volumes it pulled as
+	// indexes and did not fill mounted, for the views over them (a
+	// restarted plugin fails those volumes, and its reaper takes their
+	// indexes down); once the test and its plugin end they go, as a
+	// reboot would take them. (Registered before the plugin: its stop
+	// comes first.)
+	t.Cleanup(func() {
+		for _, mp := range erofsMountsUnder(t, cfg.StateDir) {
+			_ = unix.Unmount(mp, unix.MNT_DETACH)
+		}
+	})
 	return &env{t: t, p: plugintest.Start(t, cfg), metrics: metrics}
 }
 

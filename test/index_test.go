@@ -34,15 +34,27 @@ func indexNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
 	return lazyNodesAs(t, pullForm{name: "index", index: true}, 0)
 }
 
-// lazyNodesAs are lazyNodesAt whose B pulls in form; an index form is
-// skipped where B's kernel cannot mount one.
+// lazyNodesAs are lazyNodesAt whose B pulls in form.
 func lazyNodesAs(t *testing.T, form pullForm, rate int, bArgs ...string) (a, b *env, proxy *cuttableProxy) {
 	t.Helper()
+	a, b, proxy = lazyNodesAt(t, rate, append(form.args(), bArgs...)...)
+	form.require(t, b)
+	return a, b, proxy
+}
+
+// args are the plugin's flags for form.
+func (form pullForm) args() []string {
 	if form.index {
-		bArgs = append([]string{"--pull-index"}, bArgs...)
+		return []string{"--pull-index"}
 	}
-	a, b, proxy = lazyNodesAt(t, rate, bArgs...)
-	node, err := b.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
+	return nil
+}
+
+// require checks that e pulls lazily in form; an index form is skipped
+// where e's kernel cannot mount one.
+func (form pullForm) require(t *testing.T, e *env) {
+	t.Helper()
+	node, err := e.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
 	require.NoError(t, err)
 	require.Equal(t, "lazy", node.PullMode, node.PullModeReason)
 	if indexes := strings.Contains(node.PullModeReason, "as indexes"); indexes != form.index {
@@ -51,7 +63,6 @@ func lazyNodesAs(t *testing.T, form pullForm, rate int, bArgs ...string) (a, b *
 		}
 		t.Fatalf("a node not asked for indexes pulls them: %s", node.PullModeReason)
 	}
-	return a, b, proxy
 }
 
 // A source held only on A is published on B as an index mounted under the
@@ -151,4 +162,37 @@ func erofsMountsUnder(t *testing.T, dir string) []string {
 		}
 	}
 	return out
+}
+
+// A volume destroyed while it is being filled (as an index or stubs)
+// keeps working for the step that mounts it: every file it reads is A's;
+// once the step lets go and the fill ends, it is gone, its data freed (an
+// index with it), and nothing leaks.
+func TestLazyPullRacingADestroy(t *testing.T) {
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) {
+			// 24 files of 1 MiB at 8 MiB a second: most are still on
+			// their way when the volume is destroyed.
+			a, b, _ := lazyNodesAs(t, form, 8<<20)
+			sums := a.captureRandom("src", 24, 1<<20)
+			v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+			require.NoError(t, b.publishWaiting(v))
+			resp, err := b.p.NodeAPI.DestroyVolumes(context.Background(), &nodev1.DestroyVolumesRequest{Refs: []*nodev1.VolumeRef{vref("ci", "src")}})
+			require.NoError(t, err)
+			require.Empty(t, resp.Results[0].Error)
+			for name, sum := range sums {
+				require.NoError(t, readsAs(filepath.Join(v.Target, name), sum), "the step reads A's %s", name)
+			}
+			b.umount(v)
+			eventually(t, "the destroyed volume's data to go", func() bool {
+				if volumeState(t, b, "src") != "gone" {
+					return false
+				}
+				entries, err := os.ReadDir(filepath.Join(b.p.StateDir, "volumes", "ci"))
+				return errors.Is(err, os.ErrNotExist) || len(entries) == 0
+			})
+			require.Empty(t, erofsMountsUnder(t, b.p.StateDir))
+			b.noLeaks(t)
+		})
+	}
 }

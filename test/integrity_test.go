@@ -97,8 +97,15 @@ func TestHolderRotReachesNoStep(t *testing.T) {
 
 // A relay (here a proxy on the holder's link) that flips a byte of a lazy
 // layer's stream has the file fetched alone; one that flips it there too
-// leaves the reader EIO: no step reads the flipped byte.
+// leaves the reader EIO: no step reads the flipped byte, over stubs or an
+// index.
 func TestLazyPullRefusesAFlippedByte(t *testing.T) {
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) { lazyPullRefusesAFlippedByte(t, form) })
+	}
+}
+
+func lazyPullRefusesAFlippedByte(t *testing.T, form pullForm) {
 	testfs.Need(t, "mkfs.xfs")
 	peerAddr := plugintest.FreeAddr(t)
 	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
@@ -112,7 +119,8 @@ func TestLazyPullRefusesAFlippedByte(t *testing.T) {
 	// 64 KiB: the stream's copy of f, and each fetch of f alone.
 	proxy := corruptingProxy(t, peerAddr, marker, 64<<10)
 	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
-		Args: []string{"--peers=node-a=" + proxy, "--stream-encoding=raw", "--pull-wait=1s", "--pull-mode=lazy"}})
+		Args: append([]string{"--peers=node-a=" + proxy, "--stream-encoding=raw", "--pull-wait=1s", "--pull-mode=lazy"}, form.args()...)})
+	form.require(t, b)
 	v := b.volume(map[string]string{driver.AttrSource: "victim"}, true)
 	require.NoError(t, b.publishWaiting(v))
 	if _, err := os.Stat(filepath.Join(v.Target, "f")); err == nil {

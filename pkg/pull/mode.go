@@ -79,16 +79,24 @@ func (pl *Puller) openLazy(asked, mode Mode, why, stateDir string) error {
 		return nil
 	}
 	pl.lazy = &lazyPulls{group: g, layers: map[volume.Ref]*lazyFill{}}
-	if pl.cfg.Index {
-		if err := IndexSupported(stateDir); err != nil {
-			klog.ErrorS(err, "Lazy pulls make stub trees: the node cannot mount a layer's index")
-			pl.why += "; as stub trees, not indexes: " + err.Error()
-		} else {
-			pl.lazy.index = true
-			pl.why += "; as indexes mounted file-backed (EROFS), not stub trees"
-		}
-	}
+	var form string
+	pl.lazy.index, form = chooseIndex(pl.cfg.Index, func() error { return IndexSupported(stateDir) })
+	pl.why += form
 	return nil
+}
+
+// chooseIndex says whether lazy pulls mount indexes (asked for, and probe
+// finds the node can) or make stub trees, and what the pull mode's reason
+// says of it ("" where indexes were not asked for).
+func chooseIndex(asked bool, probe func() error) (bool, string) {
+	if !asked {
+		return false, ""
+	}
+	if err := probe(); err != nil {
+		klog.ErrorS(err, "Lazy pulls make stub trees: the node cannot mount a layer's index")
+		return false, "; as stub trees, not indexes: " + err.Error()
+	}
+	return true, "; as indexes mounted file-backed (EROFS), not stub trees"
 }
 
 // keeperWait is how long a starting plugin tries to reach its fill keeper
