@@ -86,9 +86,10 @@ func TestKubectlCowvol(t *testing.T) {
 	})
 
 	nodes := must("nodes")
-	require.Regexp(t, `(?m)^NAME\s+STATE\s+STORE\s+VOLUMES\s+BYTES\s+FREE\s+LAST HEARTBEAT$`, nodes)
+	require.Regexp(t, `(?m)^NAME\s+STATE\s+STORE\s+VOLUMES\s+BYTES\s+FREE\s+PULLS\s+LAST HEARTBEAT$`, nodes)
 	require.Regexp(t, `(?m)^node-a\s+running\s+\S+\s+2\s+`, nodes)
 	require.Regexp(t, `(?m)^node-b\s+running\s+\S+\s+1\s+`, nodes)
+	require.Regexp(t, `(?m)^node-a\s.*\s(eager|lazy \(stubs\)|lazy \(index\))\s+\S+ ago$`, nodes, "how each node pulls, as it reported")
 
 	var listed struct {
 		Items []struct {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -73,6 +74,9 @@ type Node struct {
 	OverHighWatermark bool      `json:"overHighWatermark"`
 	LastReport        time.Time `json:"lastReport"`
 	Revision          uint64    `json:"revision"`
+	// PullMode is how the node pulls the sources it lacks: eager, lazy
+	// (stubs) or lazy (index).
+	PullMode string `json:"pullMode,omitempty"`
 }
 
 type nodeTable struct {
@@ -85,13 +89,13 @@ func nodeRows(in []*controllerv1.NodeStatus, now time.Time) nodeTable {
 	for _, n := range in {
 		t.nodes = append(t.nodes, Node{Name: n.GetNodeId(), State: n.GetState(), StoreID: n.GetStoreId(), Volumes: n.GetVolumes(),
 			Bytes: n.GetBytes(), BytesFree: n.GetBytesFree(), OverHighWatermark: n.GetOverHighWatermark(),
-			LastReport: n.GetLastReport().AsTime(), Revision: n.GetRevision()})
+			LastReport: n.GetLastReport().AsTime(), Revision: n.GetRevision(), PullMode: n.GetPullMode()})
 	}
 	return t
 }
 
 func (t nodeTable) header() []string {
-	return []string{"NAME", "STATE", "STORE", "VOLUMES", "BYTES", "FREE", "LAST HEARTBEAT"}
+	return []string{"NAME", "STATE", "STORE", "VOLUMES", "BYTES", "FREE", "PULLS", "LAST HEARTBEAT"}
 }
 func (t nodeTable) items() any { return t.nodes }
 func (t nodeTable) cells() [][]string {
@@ -101,7 +105,7 @@ func (t nodeTable) cells() [][]string {
 		if n.OverHighWatermark {
 			free += " (full)"
 		}
-		out = append(out, []string{n.Name, n.State, n.StoreID, fmt.Sprint(n.Volumes), bytes(n.Bytes), free,
+		out = append(out, []string{n.Name, n.State, n.StoreID, fmt.Sprint(n.Volumes), bytes(n.Bytes), free, cmp.Or(n.PullMode, "<none>"),
 			duration.HumanDuration(t.now.Sub(n.LastReport)) + " ago"})
 	}
 	return out

@@ -124,7 +124,7 @@ func decodeReport(raw []byte) (fleet.Report, error) {
 	err = eachField(raw, func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error {
 		var err error
 		switch {
-		case typ == protowire.BytesType && (num == 1 || num == 2 || num == 11):
+		case typ == protowire.BytesType && (num == 1 || num == 2 || num == 11 || num == 12):
 			var s string
 			if s, err = stringField(num, v); err != nil {
 				return err
@@ -135,8 +135,12 @@ func decodeReport(raw []byte) (fleet.Report, error) {
 				r.NodeID = s
 			case 2:
 				r.StoreID = s
-			default:
+			case 11:
 				r.PeerAddress = s
+			default:
+				if err = checkPullMode(s); err == nil {
+					r.PullMode = s
+				}
 			}
 		case typ == protowire.VarintType && num == 3:
 			r.Revision = n
@@ -335,6 +339,19 @@ func malformed(w int) error {
 
 // stringField is a string field's bytes as a string sharing them (they
 // must not change), refused unless UTF-8 as protobuf refuses it.
+// maxPullMode bounds what a node may say of how it pulls.
+const maxPullMode = 32
+
+// checkPullMode takes a node's word on how it pulls only as a few words of
+// lower-case letters, spaces and parentheses: it is printed to operators
+// (kubectl cowvol nodes), and a node may be an attacker's.
+func checkPullMode(s string) error {
+	if len(s) > maxPullMode || strings.ContainsFunc(s, func(r rune) bool { return (r < 'a' || r > 'z') && r != ' ' && r != '(' && r != ')' }) {
+		return fmt.Errorf("a report's pull mode %q is not a few lower-case words: %w", s, fleet.ErrInvalid)
+	}
+	return nil
+}
+
 func stringField(num protowire.Number, v []byte) (string, error) {
 	s := unsafe.String(unsafe.SliceData(v), len(v))
 	if !utf8.ValidString(s) {

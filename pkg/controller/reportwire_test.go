@@ -3,6 +3,7 @@ package controller
 import (
 	"bytes"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -20,7 +21,10 @@ import (
 func reportFromMessage(req *controllerv1.ReportRequest) (fleet.Report, error) {
 	r := fleet.Report{NodeID: req.GetNodeId(), StoreID: req.GetStoreId(), Revision: req.GetRevision(), BaseRevision: req.GetBaseRevision(),
 		Full: req.GetFull(), BytesFree: req.GetBytesFree(), OverHighWatermark: req.GetOverHighWatermark(),
-		StepVolumes: req.GetStepVolumes(), PeerAddress: req.GetPeerAddress(), Upserts: make([]fleet.Held, len(req.GetUpserts()))}
+		StepVolumes: req.GetStepVolumes(), PeerAddress: req.GetPeerAddress(), PullMode: req.GetPullMode(), Upserts: make([]fleet.Held, len(req.GetUpserts()))}
+	if err := checkPullMode(r.PullMode); err != nil {
+		return fleet.Report{}, err
+	}
 	// Every volume's properties in one array: a full report of 10,000
 	// volumes is otherwise 10,000 small allocations more than the
 	// message's own, on the path every node's report takes.
@@ -69,7 +73,10 @@ func FuzzDecodeReport(f *testing.F) {
 	for _, req := range []*controllerv1.ReportRequest{
 		{},
 		{NodeId: "n", StoreId: "s", Revision: 9, Full: true, BaseRevision: 8, Upserts: []*controllerv1.VolumeSummary{good, {Ref: wireRef("ci", "c")}},
-			Deletes: []*controllerv1.VolumeRef{wireRef("ci", "d")}, BytesFree: -5, OverHighWatermark: true, StepVolumes: 3, PeerAddress: "10.0.0.1:7071"},
+			Deletes: []*controllerv1.VolumeRef{wireRef("ci", "d")}, BytesFree: -5, OverHighWatermark: true, StepVolumes: 3, PeerAddress: "10.0.0.1:7071",
+			PullMode: "lazy (index)"},
+		{NodeId: "n", StoreId: "s", PullMode: "lazy\x1b[31m"}, // a terminal's escape, printed to an operator
+		{NodeId: "n", StoreId: "s", PullMode: strings.Repeat("lazy ", 10)},
 	} {
 		raw, err := proto.Marshal(req)
 		require.NoError(f, err)

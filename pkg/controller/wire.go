@@ -110,7 +110,7 @@ func toWirePlacements(ps []fleet.Placement) []*controllerv1.NodePlacement {
 func toWireNodeStatus(s fleet.NodeStatus) *controllerv1.NodeStatus {
 	return &controllerv1.NodeStatus{NodeId: s.NodeID, StoreId: s.StoreID, State: s.State, LastReport: timestamppb.New(s.LastReport),
 		Revision: s.Revision, Volumes: s.Volumes, Bytes: s.Bytes, BytesFree: s.BytesFree, OverHighWatermark: s.OverHighWatermark,
-		PeerAddress: s.PeerAddress}
+		PeerAddress: s.PeerAddress, PullMode: s.PullMode}
 }
 
 func toWireVolumeNodes(vns []fleet.VolumeNodes) []*controllerv1.VolumeNodes {

@@ -291,6 +291,15 @@ func (e *Engine) PullMode() (pull.Mode, string) {
 	return e.puller.Mode()
 }
 
+// PullLabel says how the node pulls sources it lacks in a word or two
+// ("" where it pulls none): see pull.Puller.Label.
+func (e *Engine) PullLabel() string {
+	if e.puller == nil {
+		return ""
+	}
+	return e.puller.Label()
+}
+
 // Go runs fn in the background until the engine stops; Close waits for it.
 func (e *Engine) Go(fn func(ctx context.Context)) { e.goBackground(func() { fn(e.bgCtx) }) }
 

@@ -224,6 +224,18 @@ func (pl *Puller) Close() {
 // Mode says how the node pulls sources it lacks, and why.
 func (pl *Puller) Mode() (Mode, string) { return pl.mode, pl.why }
 
+// Label says how the node pulls sources it lacks in a word or two, as
+// operators see it: eager, lazy (stubs) or lazy (index).
+func (pl *Puller) Label() string {
+	switch {
+	case pl.lazy == nil:
+		return string(pl.mode)
+	case pl.lazy.index:
+		return string(pl.mode) + " (index)"
+	}
+	return string(pl.mode) + " (stubs)"
+}
+
 func (pl *Puller) goBackground(fn func()) {
 	pl.bg.Add(1)
 	go func() {

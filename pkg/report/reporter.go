@@ -146,7 +146,7 @@ func (r *Reporter) round(ctx context.Context) error {
 		req := &controllerv1.ReportRequest{NodeId: r.nodeID, StoreId: r.engine.StoreID(), Revision: rev, Full: kind == reportFull,
 			BaseRevision: r.acked, OverHighWatermark: full.OverHighWatermark, StepVolumes: int32(full.StepVolumes),
 			BytesFree:   max(0, full.BytesTotal*int64(full.Watermarks.High)/100-(full.BytesTotal-full.BytesFree)),
-			PeerAddress: r.peerAddress}
+			PeerAddress: r.peerAddress, PullMode: r.engine.PullLabel()}
 		// Every field of a volume's summary changes only with the store's
 		// revision: with none since the acknowledged one, what was sent
 		// is what the node holds.

@@ -305,7 +305,10 @@ type ReportRequest struct {
 	// Step volumes published on the node now.
 	StepVolumes int32 `protobuf:"varint,10,opt,name=step_volumes,json=stepVolumes,proto3" json:"step_volumes,omitempty"`
 	// Where the node serves its volumes to peers ("" if it does not).
-	PeerAddress   string `protobuf:"bytes,11,opt,name=peer_address,json=peerAddress,proto3" json:"peer_address,omitempty"`
+	PeerAddress string `protobuf:"bytes,11,opt,name=peer_address,json=peerAddress,proto3" json:"peer_address,omitempty"`
+	// How the node pulls the sources it lacks, in a word or two: eager,
+	// lazy (stubs), lazy (index); "" if it pulls none.
+	PullMode      string `protobuf:"bytes,12,opt,name=pull_mode,json=pullMode,proto3" json:"pull_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -413,6 +416,13 @@ func (x *ReportRequest) GetStepVolumes() int32 {
 func (x *ReportRequest) GetPeerAddress() string {
 	if x != nil {
 		return x.PeerAddress
+	}
+	return ""
+}
+
+func (x *ReportRequest) GetPullMode() string {
+	if x != nil {
+		return x.PullMode
 	}
 	return ""
 }
@@ -2435,8 +2445,10 @@ type NodeStatus struct {
 	BytesFree         int64                  `protobuf:"varint,8,opt,name=bytes_free,json=bytesFree,proto3" json:"bytes_free,omitempty"`
 	OverHighWatermark bool                   `protobuf:"varint,9,opt,name=over_high_watermark,json=overHighWatermark,proto3" json:"over_high_watermark,omitempty"`
 	PeerAddress       string                 `protobuf:"bytes,10,opt,name=peer_address,json=peerAddress,proto3" json:"peer_address,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// As the node last reported it (ReportRequest.pull_mode).
+	PullMode      string `protobuf:"bytes,11,opt,name=pull_mode,json=pullMode,proto3" json:"pull_mode,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NodeStatus) Reset() {
@@ -2535,6 +2547,13 @@ func (x *NodeStatus) GetOverHighWatermark() bool {
 func (x *NodeStatus) GetPeerAddress() string {
 	if x != nil {
 		return x.PeerAddress
+	}
+	return ""
+}
+
+func (x *NodeStatus) GetPullMode() string {
+	if x != nil {
+		return x.PullMode
 	}
 	return ""
 }
@@ -2873,7 +2892,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"first_hand\x18\r \x01(\bR\tfirstHand\"2\n" +
 	"\bProperty\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value\"\xa7\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value\"\xc4\x03\n" +
 	"\rReportRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
 	"\bstore_id\x18\x02 \x01(\tR\astoreId\x12\x1a\n" +
@@ -2887,7 +2906,8 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fstep_volumes\x18\n" +
 	" \x01(\x05R\vstepVolumes\x12!\n" +
-	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\" \n" +
+	"\fpeer_address\x18\v \x01(\tR\vpeerAddress\x12\x1b\n" +
+	"\tpull_mode\x18\f \x01(\tR\bpullMode\" \n" +
 	"\n" +
 	"ReportPart\x12\x12\n" +
 	"\x04data\x18\x01 \x01(\fR\x04data\"\xe4\x03\n" +
@@ -3028,7 +3048,7 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"\x05nodes\x18\x01 \x03(\v2 .cowvol.controller.v1.NodeStatusR\x05nodes\"J\n" +
 	"\x17SetNodeLifecycleRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x16\n" +
-	"\x06action\x18\x02 \x01(\tR\x06action\"\xd1\x02\n" +
+	"\x06action\x18\x02 \x01(\tR\x06action\"\xee\x02\n" +
 	"\n" +
 	"NodeStatus\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x19\n" +
@@ -3043,7 +3063,8 @@ const file_controller_v1_controller_proto_rawDesc = "" +
 	"bytes_free\x18\b \x01(\x03R\tbytesFree\x12.\n" +
 	"\x13over_high_watermark\x18\t \x01(\bR\x11overHighWatermark\x12!\n" +
 	"\fpeer_address\x18\n" +
-	" \x01(\tR\vpeerAddress\"\x8e\x01\n" +
+	" \x01(\tR\vpeerAddress\x12\x1b\n" +
+	"\tpull_mode\x18\v \x01(\tR\bpullMode\"\x8e\x01\n" +
 	"\x11ReadVolumeRequest\x121\n" +
 	"\x03ref\x18\x01 \x01(\v2\x1f.cowvol.controller.v1.VolumeRefR\x03ref\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x16\n" +

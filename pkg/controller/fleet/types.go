@@ -25,6 +25,9 @@ type Report struct {
 	OverHighWatermark bool
 	StepVolumes       int32
 	PeerAddress       string
+	// PullMode is how the node pulls the sources it lacks, in a word or
+	// two (CheckPullMode).
+	PullMode string
 }
 
 // Held is a node's word on one volume it holds: its copy's state, size,
@@ -125,6 +128,7 @@ type NodeStatus struct {
 	Bytes, BytesFree  int64
 	OverHighWatermark bool
 	PeerAddress       string
+	PullMode          string
 }
 
 // VolumeNodes says which nodes a command about a volume went to.

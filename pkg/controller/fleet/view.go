@@ -309,8 +309,10 @@ type nodeState struct {
 	syncs     uint16
 	bytesFree int64
 	over      bool
-	// peerAddress is where the node serves its volumes to pulling peers.
+	// peerAddress is where the node serves its volumes to pulling peers,
+	// and pullMode how it pulls what it lacks.
 	peerAddress string
+	pullMode    string
 	// What schedulers asked of the node, until its reports show it done.
 	destroy map[*entry]bool
 	pins    map[*entry]PinCommand
@@ -509,7 +511,7 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 		v.nodes[n.id] = n
 	}
 	n.lastReport, n.bytesFree, n.over, n.stepVolumes = now, req.BytesFree, req.OverHighWatermark, req.StepVolumes
-	n.peerAddress = req.PeerAddress
+	n.peerAddress, n.pullMode = req.PeerAddress, req.PullMode
 	n.stallSeen = false
 	switch {
 	case req.Full:
@@ -922,7 +924,7 @@ func (v *View) PeerAddress(nodeID string) string {
 func (v *View) status(n *nodeState, now time.Time) NodeStatus {
 	st := NodeStatus{NodeID: n.id, StoreID: n.storeID, State: v.state(n, now), Revision: n.revision,
 		Volumes: int32(len(n.held)), Bytes: n.bytes, BytesFree: n.bytesFree, OverHighWatermark: n.over,
-		LastReport: n.lastReport, PeerAddress: n.peerAddress}
+		LastReport: n.lastReport, PeerAddress: n.peerAddress, PullMode: n.pullMode}
 	return st
 }
 
