@@ -14,7 +14,10 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -257,4 +260,88 @@ func wholeIndex(b *testing.B, layer, work string) map[string]int64 {
 		at[e.Path] = e.Offset
 	}
 	return at
+}
+
+// BenchmarkIndexPublish: node B lacks a volume node A holds (1 GiB in
+// 100,000 and 300,000 files; two plugins on loopback). B's lazy publish,
+// the moment its step may start, as a stub tree (today's way) and as an
+// index (--pull-index), indexRounds times each, taking turns, each on a
+// fresh B (a new state dir, page caches dropped); then how long until the
+// volume is ready (every byte here, and for the index the plain layer made
+// of it), and B's peak RSS over the whole pull. Medians; the ratios are the
+// index's over the stub tree's.
+func BenchmarkIndexPublish(b *testing.B) {
+	testfs.Need(b)
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "\n%-10s %-6s %12s %12s %12s\n", "files", "form", "publish", "ready", "peak RSS")
+	for _, files := range []int{100_000, 300_000} {
+		b.Run(fmt.Sprintf("files=%d", files), func(b *testing.B) {
+			for range b.N {
+				indexPublish(b, files, &sb)
+			}
+		})
+	}
+	fmt.Print(sb.String())
+}
+
+// indexPublish is one size of BenchmarkIndexPublish.
+func indexPublish(b *testing.B, files int, sb *strings.Builder) {
+	peerA := plugintest.FreeAddr(b)
+	a := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "a", StateDir: testfs.Mount(b, testfs.XFS, 8<<30),
+		Args: []string{"--peer-address=" + peerA}})}
+	a.capture("", "tree", func(dir string) { genTree(b, dir, files, 1<<30) })
+	a.settle()
+	diskB := testfs.Mount(b, testfs.XFS, 8<<30)
+	forms := []struct {
+		name string
+		args []string
+	}{{"stubs", nil}, {"index", []string{"--pull-index"}}}
+	publish, ready := make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms))
+	peak := make([]int64, len(forms))
+	for round := range indexRounds {
+		for i, form := range forms {
+			state := filepath.Join(diskB, fmt.Sprintf("%s-%d", form.name, round))
+			bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b", StateDir: state,
+				KubeletDir: state + "-kubelet", Args: append([]string{"--peers=a=" + peerA, "--pull-mode=lazy", "--pull-wait=30m"}, form.args...)})}
+			if form.args != nil && !strings.Contains(bn.p.Log(), "as indexes") {
+				b.Fatalf("B does not pull indexes: %s", bn.p.Log())
+			}
+			dropCaches(b)
+			resetPeak(b, bn.p.PID())
+			v := bn.volume(map[string]string{driver.AttrSource: "tree"}, true)
+			start := time.Now()
+			publish[i] = append(publish[i], bn.timed(bn.p.Publish, v))
+			for {
+				got, err := bn.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "tree"}})
+				if err != nil {
+					b.Fatal(err)
+				}
+				if got.State == "ready" {
+					break
+				}
+				if got.State != "filling" {
+					b.Fatalf("the pulled volume is %s", got.State)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			ready[i] = append(ready[i], time.Since(start))
+			peak[i] = max(peak[i], vmKiB(b, bn.p.PID(), "VmHWM"))
+			bn.timed(bn.p.Unpublish, v)
+			bn.p.Stop()
+			for _, dir := range []string{state, state + "-kubelet"} {
+				if err := overlay.RemoveTree(dir); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+	}
+	for i, form := range forms {
+		fmt.Fprintf(sb, "%-10d %-6s %12s %12s %9.1f MiB\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])), float64(peak[i])/1024)
+	}
+	pubRatio, readyRatio := float64(p50(publish[1]))/float64(p50(publish[0])), float64(p50(ready[1]))/float64(p50(ready[0]))
+	fmt.Fprintf(sb, "%-10d %-6s %11.3fx %11.3fx\n", files, "ratio", pubRatio, readyRatio)
+	b.ReportMetric(p50(publish[1]).Seconds(), fmt.Sprintf("index-publish-%dk-s", files/1000))
+	b.ReportMetric(p50(publish[0]).Seconds(), fmt.Sprintf("stubs-publish-%dk-s", files/1000))
+	b.ReportMetric(pubRatio, fmt.Sprintf("index/stubs-publish-%dk", files/1000))
+	b.ReportMetric(readyRatio, fmt.Sprintf("index/stubs-ready-%dk", files/1000))
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -349,13 +350,20 @@ func TestLazyPullerKilledMidFillOutputApart(t *testing.T) {
 // A lazy pull records the order its step opens files in under the step's
 // read profile, and the next lazy pull under that name (the next build's
 // new version of the input) fetches those files first: over a slow link,
-// they are here while most of the rest is still on its way.
+// they are here while most of the rest is still on its way. As stubs or an
+// index alike.
 func TestLazyPullReadsInTheRecordedOrder(t *testing.T) {
-	a, b, _ := lazyNodesAt(t, 6<<20)
-	o := newOrderedInputs(t, a)
-	o.readUnder(b, "v1", "main/unit/repo")
-	o.arriveInOrder(b, "v2", "main/unit/repo")
-	b.noLeaks(t)
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) {
+			a, b, _ := lazyNodesAs(t, form, 6<<20)
+			o := newOrderedInputs(t, a)
+			o.form = form
+			o.readUnder(b, "v1", "main/unit/repo")
+			o.arriveInOrder(b, "v2", "main/unit/repo")
+			eventually(t, "the indexes unmounted", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
+			b.noLeaks(t)
+		})
+	}
 }
 
 // The order one node recorded reaches the others through the controller:
@@ -403,6 +411,7 @@ type orderedInputs struct {
 	t              *testing.T
 	walked, read   []string
 	files, fileLen int
+	form           pullForm // how the puller pulls (stubs unless said)
 }
 
 func newOrderedInputs(t *testing.T, holder *env) *orderedInputs {
@@ -445,6 +454,9 @@ func (o *orderedInputs) arriveInOrder(n *env, handle, profile string) {
 	v := n.volume(map[string]string{driver.AttrSource: handle, driver.AttrReadProfile: profile}, true)
 	require.NoError(t, n.publishWaiting(v))
 	filled := func(name string) bool {
+		if o.form.index {
+			return o.extentFilled(n, handle, name)
+		}
 		stubs, err := filepath.Glob(filepath.Join(n.p.StateDir, "volumes", "ci", handle, "*", name))
 		require.NoError(t, err)
 		require.Len(t, stubs, 1, name)
@@ -469,6 +481,29 @@ func (o *orderedInputs) arriveInOrder(n *env, handle, profile string) {
 	require.Less(t, others, (o.files-3)/2, "the files read first last time come before most others")
 	eventually(t, handle+" to be filled", func() bool { return volumeState(t, n, handle) == "ready" })
 	n.umount(v)
+}
+
+// extentFilled says whether the data of name, of handle pulled on n as an
+// index, is in its blob: the blob holds the files' data in the order of
+// their names, each at a block-aligned extent of its own, from its start
+// (the files are all of one size, a whole number of blocks: checked), and
+// an extent not filled is a hole.
+func (o *orderedInputs) extentFilled(n *env, handle, name string) bool {
+	t := o.t
+	blobs, err := filepath.Glob(filepath.Join(n.p.StateDir, "volumes", "ci", handle, "*.index", "blob"))
+	require.NoError(t, err)
+	require.Len(t, blobs, 1)
+	f, err := os.Open(blobs[0])
+	require.NoError(t, err)
+	defer f.Close()
+	st, err := f.Stat()
+	require.NoError(t, err)
+	require.Equal(t, int64(o.files*o.fileLen), st.Size(), "the files' extents, end to end")
+	sorted := slices.Sorted(slices.Values(o.walked))
+	at := int64(slices.Index(sorted, name) * o.fileLen)
+	hole, err := unix.Seek(int(f.Fd()), at, unix.SEEK_HOLE) // a seek reads nothing: not held
+	require.NoError(t, err)
+	return hole >= at+int64(o.fileLen)
 }
 
 // The data a lazy pull will fetch is bounded as an eager pull's stream is

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -57,9 +59,15 @@ type Blob struct {
 	ctx     context.Context
 	cancel  context.CancelFunc
 
-	mu     sync.Mutex
-	state  []extentState
-	byPath map[string]int // extents by path, made at the first Offer
+	// recording: the first reads of each extent are noted (reached, in
+	// order; seen by extent), see RecordReaches.
+	recording atomic.Bool
+
+	mu      sync.Mutex
+	reached []string
+	seen    []bool
+	state   []extentState
+	byPath  map[string]int // extents by path, made at the first Offer
 	left   int            // extents neither in place nor failed
 	err    error          // the first failure
 	closed bool           // failed: no fill starts
@@ -184,6 +192,9 @@ func (b *Blob) dispatch(ev event) {
 	r := &blobReader{ev: ev}
 	b.mu.Lock()
 	first, end := b.layout.Touching(off, n)
+	if b.recording.Load() {
+		b.reach(first, end)
+	}
 	failed := b.closed
 	for i := first; i < end && !failed; i++ {
 		s := &b.state[i]
@@ -212,6 +223,39 @@ func (b *Blob) dispatch(ev event) {
 		b.g.respond(ev, unix.FAN_ALLOW)
 	default:
 		b.mu.Unlock()
+	}
+}
+
+// RecordReaches has the Blob note, from now on, the files whose extents
+// readers reach first, in that order (Reached): what a read profile
+// records, and a later pull streams first. A read reaches the extents its
+// range touches, the kernel's read-ahead of the blob included.
+func (b *Blob) RecordReaches() { b.recording.Store(true) }
+
+// Recording says RecordReaches was called.
+func (b *Blob) Recording() bool { return b.recording.Load() }
+
+// Reached is the files whose extents readers reached since RecordReaches,
+// in the order of their first reads, up to the reads answered before the
+// call. Once every extent is in place its readers raise no event, and are
+// not seen.
+func (b *Blob) Reached() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return slices.Clone(b.reached)
+}
+
+// reach notes the first reads of extents first to end. The caller holds
+// mu.
+func (b *Blob) reach(first, end int) {
+	if b.seen == nil {
+		b.seen = make([]bool, len(b.layout.Extents))
+	}
+	for i := first; i < end; i++ {
+		if !b.seen[i] {
+			b.seen[i] = true
+			b.reached = append(b.reached, b.layout.Extents[i].Path)
+		}
 	}
 }
 

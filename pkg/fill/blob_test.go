@@ -159,8 +159,9 @@ func (ix *indexed) fetches(path string) int {
 // An index mounted with an empty blob reads as its layer: each file's
 // extent is fetched when a read first reaches it, once, and a file mapped
 // through the mount is filled too (a stub's mapping through an overlay
-// raises no event; the blob's reads by EROFS do). Once every extent is in
-// place the Blob is done.
+// raises no event; the blob's reads by EROFS do). The files readers reach
+// are noted in order once asked. Once every extent is in place the Blob
+// is done.
 func TestBlobFillsAnIndexOnDemand(t *testing.T) {
 	if name := os.Getenv("COWVOL_MAP_FILE"); name != "" {
 		mapAndSum(name)
@@ -182,10 +183,13 @@ func TestBlobFillsAnIndexOnDemand(t *testing.T) {
 		}
 	}, nil)
 
+	require.False(t, ix.blob.Recording())
+	ix.blob.RecordReaches()
 	data, err := os.ReadFile(filepath.Join(ix.mnt, "sub/file"))
 	require.NoError(t, err)
 	require.Equal(t, "data", string(data))
 	require.Equal(t, 1, ix.fetches("sub/file"))
+	require.Equal(t, "sub/file", ix.blob.Reached()[0], "the first file a reader reached, first")
 	require.Zero(t, ix.fetches("big"), "a file no one read is not fetched")
 
 	// Mapped, not read: its pages come through the blob's reads. Another

@@ -127,8 +127,7 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&p.PullIndex, "pull-index", p.PullIndex,
 		"have a lazy pull mount an index of the source (an EROFS image learnt from the holder's tree, file-backed, whose data arrives by extent "+
 			"as it is read) in place of a stub file per file, so that a volume of any file count is ready at once; needs a kernel that mounts "+
-			"EROFS from regular files (6.12+), else stub trees, as the node's pull mode says. Being built: read orders are not recorded "+
-			"over an index yet")
+			"EROFS from regular files (6.12+), else stub trees, as the node's pull mode says (kubectl cowvol nodes)")
 	fs.Var(quantityFlag{&p.SwarmMinSize}, "swarm-min-size",
 		"the smallest layer a node serving peers (--peer-address) pulls whole as a member of its swarm: from the node that asked its holder "+
 			"just before it, relaying it as it arrives to the one after, so that its holder's link carries it once however many nodes pull it "+

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -157,9 +158,9 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 		return cache.Volume{}, err
 	}
 	pl.mu.Lock()
-	pods := append([]volume.Pod(nil), p.pods...)
+	pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
 	pl.mu.Unlock()
-	pl.fillIndexInBackground(vol.Ref(), blob, layout, src, pods)
+	pl.fillIndexInBackground(vol.Ref(), blob, layout, src, p.key.namespace, pods, profiles)
 	return vol, nil
 }
 
@@ -191,48 +192,32 @@ func (pl *Puller) unmountIndex(data string, blob *fill.Blob) {
 	}
 }
 
-// fillIndexInBackground fills a volume pulled as an index: one stream of
-// the layer offers every extent no reader asked for, what it did not bring
+// fillIndexInBackground fills a volume pulled as an index (see
+// fillBehind): one stream of the layer offers every extent no reader asked
+// for, the files of the recorded read order first, what it did not bring
 // is prefetched, and once the blob is whole the volume is made ready as a
-// plain layer (plainLayer), or failed.
-func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *index.Layout, src *lazySource, pods []volume.Pod) {
-	release := pl.store.Hold(r, cache.HoldFill)
-	fl := &lazyFill{blob: blob, namespaces: map[string]bool{}, profiles: map[string]bool{}}
-	pl.lazy.mu.Lock()
-	pl.lazy.layers[r] = fl
-	pl.lazy.mu.Unlock()
-	src.tell(pods)
-	start := time.Now()
-	pl.goBackground(func() {
-		if err := src.stream(pl.ctx, blob.Offer, nil); err != nil && pl.ctx.Err() == nil {
+// plain layer (plainLayer).
+func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *index.Layout, src *lazySource, namespace string,
+	pods []volume.Pod, profiles []string) {
+	fl := &lazyFill{blob: blob, reaches: blob, namespaces: map[string]bool{}, profiles: map[string]bool{}}
+	pl.fillBehind(r, fl, src, namespace, pods, profiles, blob.Done(), func(order []string) {
+		if err := src.stream(pl.ctx, blob.Offer, order); err != nil && pl.ctx.Err() == nil {
 			klog.InfoS("Streaming a layer pulled as an index stopped; fetching the rest extent by extent", "volume", r, "err", err)
 		}
 		blob.Prefetch(prefetchWorkers)
-	})
-	pl.goBackground(func() {
-		defer src.close()
-		select {
-		case <-blob.Done():
-		case <-pl.ctx.Done():
-			release()
-			return // the group's Close fails what is left; recovery fails the volume
+	}, func() (cache.Volume, error) {
+		if err := blob.Err(); err != nil {
+			return cache.Volume{}, err
 		}
-		pl.fillEnded(r, fl, pods, start, func() (cache.Volume, error) {
-			if err := blob.Err(); err != nil {
-				return cache.Volume{}, err
-			}
-			layer, err := pl.plainLayer(r, layout)
-			if err != nil {
-				return cache.Volume{}, err
-			}
-			vol, err := pl.store.FilledAs(r, layer)
-			if err != nil {
-				return vol, errors.Join(err, overlay.RemoveTree(pl.store.LayerPath(r, layer)))
-			}
-			return vol, nil
-		})
-		release()
-		pl.notify.FillEnded()
+		layer, err := pl.plainLayer(r, layout)
+		if err != nil {
+			return cache.Volume{}, err
+		}
+		vol, err := pl.store.FilledAs(r, layer)
+		if err != nil {
+			return vol, errors.Join(err, overlay.RemoveTree(pl.store.LayerPath(r, layer)))
+		}
+		return vol, nil
 	})
 }
 

@@ -43,10 +43,11 @@ type lazyPulls struct {
 // lazyFill is a layer being filled (its stubs, or the blob of its index),
 // and who mounts it meanwhile (under lazyPulls.mu): the namespaces of
 // their pods, and the read profiles they named, under which the order its
-// readers reach its files is recorded (of stubs only).
+// readers reach its files is recorded (by reaches: the layer or the blob).
 type lazyFill struct {
 	layer      *fill.Layer
 	blob       *fill.Blob
+	reaches    reachRecorder
 	namespaces map[string]bool
 	profiles   map[string]bool
 }
@@ -74,31 +75,16 @@ func (pl *Puller) stubMarker(src *lazySource, data string) (*fill.Layer, streame
 	}, nil
 }
 
-// fillInBackground fetches a filling volume's data, first the files read
-// in the order recorded under the pods' read profiles in namespace (how
-// steps read it before), and records how that ended: ready once
-// all of it is here and synced, failed if any of it could not be fetched
-// (its readers got EIO; a step over it captures nothing ready). If the pods
-// that asked for it name read profiles, the order their readers reach
-// files in is recorded from the first fill.
+// fillInBackground fetches a filling volume's stubs' data, first the
+// files read in the order recorded under the pods' read profiles in
+// namespace (how steps read it before), and records how that ended (see
+// fillBehind): ready once all of it is here and synced.
 func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, namespace string, pods []volume.Pod, profiles []string) {
-	release := pl.store.Hold(r, cache.HoldFill)
-	fl := &lazyFill{layer: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
-	if pl.recordsReadOrder(namespace, profiles...) {
-		layer.RecordReaches() // before the first fill: the pods that asked read from the start
-	}
-	pl.lazy.mu.Lock()
-	pl.lazy.layers[r] = fl
-	pl.lazy.mu.Unlock()
-	src.tell(pods)
-	start := time.Now()
-	pl.goBackground(func() {
+	fl := &lazyFill{layer: layer, reaches: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
+	pl.fillBehind(r, fl, src, namespace, pods, profiles, layer.Done(), func(order []string) {
 		// One stream of the whole layer fills what no reader asked for
 		// at the speed of an eager pull; what it did not fill (a holder
-		// gone mid-way) is fetched file by file, from any holder. The
-		// recorded order is read here, off the publish's path: up to
-		// 50,000 names to decode.
-		order := pl.readOrder(namespace, profiles)
+		// gone mid-way) is fetched file by file, from any holder.
 		first := layer.Streaming(order)
 		err := src.stream(pl.ctx, layer.Offer, first)
 		layer.StreamEnded()
@@ -106,24 +92,45 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 			klog.InfoS("Streaming a lazily pulled layer stopped; fetching the rest file by file", "volume", r, "err", err)
 		}
 		layer.Prefetch(order, prefetchWorkers)
+	}, func() (cache.Volume, error) {
+		if err := layer.Err(); err != nil {
+			return cache.Volume{}, err
+		}
+		if err := overlay.SyncFS(pl.store.VolumeDir(r)); err != nil {
+			return cache.Volume{}, err
+		}
+		return pl.store.Filled(r)
 	})
+}
+
+// fillBehind fills a lazily pulled volume in the background: fetch brings
+// its data (first the files of the order recorded under the pods' read
+// profiles in namespace, which it is given: read here, off the publish's
+// path, up to 50,000 names to decode), and once done is closed, filled
+// makes it ready, or it is failed (fillEnded). If the pods that asked for
+// it name read profiles, the order their readers reach files in is
+// recorded from the first fill.
+func (pl *Puller) fillBehind(r volume.Ref, fl *lazyFill, src *lazySource, namespace string, pods []volume.Pod, profiles []string,
+	done <-chan struct{}, fetch func(order []string), filled func() (cache.Volume, error)) {
+	release := pl.store.Hold(r, cache.HoldFill)
+	if pl.recordsReadOrder(namespace, profiles...) {
+		fl.reaches.RecordReaches() // before the first fill: the pods that asked read from the start
+	}
+	pl.lazy.mu.Lock()
+	pl.lazy.layers[r] = fl
+	pl.lazy.mu.Unlock()
+	src.tell(pods)
+	start := time.Now()
+	pl.goBackground(func() { fetch(pl.readOrder(namespace, profiles)) })
 	pl.goBackground(func() {
 		defer src.close()
 		select {
-		case <-layer.Done():
+		case <-done:
 		case <-pl.ctx.Done():
 			release()
 			return // the group's Close fails what is left; recovery fails the volume
 		}
-		pl.fillEnded(r, fl, pods, start, func() (cache.Volume, error) {
-			if err := layer.Err(); err != nil {
-				return cache.Volume{}, err
-			}
-			if err := overlay.SyncFS(pl.store.VolumeDir(r)); err != nil {
-				return cache.Volume{}, err
-			}
-			return pl.store.Filled(r)
-		})
+		pl.fillEnded(r, fl, pods, start, filled)
 		// Let go before waking the reaper: a round woken first finds the
 		// data of a volume destroyed while it filled still held.
 		release()
@@ -190,10 +197,10 @@ func (pl *Puller) NoteReader(view cache.View, profile string) {
 	for _, r := range view.Pins {
 		if fl := pl.lazy.layers[r]; fl != nil {
 			fl.namespaces[view.Pod.Namespace] = true
-			if profile != "" && fl.layer != nil {
+			if profile != "" {
 				fl.profiles[profile] = true
 				if pl.recordsReadOrder(view.Pod.Namespace, profile) {
-					fl.layer.RecordReaches()
+					fl.reaches.RecordReaches()
 				}
 			}
 		}

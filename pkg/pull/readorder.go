@@ -11,6 +11,14 @@ import (
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
+// reachRecorder records the order readers reach a filling layer's files
+// in: its stubs' (fill.Layer) or its index's blob's (fill.Blob).
+type reachRecorder interface {
+	RecordReaches()
+	Recording() bool
+	Reached() []string
+}
+
 // recordsReadOrder says whether a lazy pull read under profiles records
 // the order its readers reach files in: where one of them has no record,
 // or one older than ReadOrderRefresh.
@@ -29,10 +37,10 @@ func (pl *Puller) recordsReadOrder(namespace string, profiles ...string) bool {
 // one namespace: a record under one namespace's name must tell nothing of
 // what another's steps read.
 func (pl *Puller) recordReadOrder(r volume.Ref, fl *lazyFill) {
-	if fl.layer == nil || !fl.layer.Recording() {
-		return // every record is fresh (what was reached is only what readers waited for), or an index's (not recorded yet)
+	if !fl.reaches.Recording() {
+		return // every record is fresh: what was reached is only what readers waited for
 	}
-	reached := fl.layer.Reached()
+	reached := fl.reaches.Reached()
 	pl.lazy.mu.Lock()
 	var namespace string
 	for ns := range fl.namespaces {
