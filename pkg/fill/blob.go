@@ -68,12 +68,12 @@ type Blob struct {
 	seen    []bool
 	state   []extentState
 	byPath  map[string]int // extents by path, made at the first Offer
-	left   int            // extents neither in place nor failed
-	err    error          // the first failure
-	closed bool           // failed: no fill starts
-	done   chan struct{}  // closed once all are in place, or one failed
-	ended  bool           // done is closed
-	fills  sync.WaitGroup
+	left    int            // extents neither in place nor failed
+	err     error          // the first failure
+	closed  bool           // failed: no fill starts
+	done    chan struct{}  // closed once all are in place, or one failed
+	ended   bool           // done is closed
+	fills   sync.WaitGroup
 
 	closeOnce sync.Once
 	closeErr  error
