@@ -243,11 +243,18 @@ func writeLayout(t *testing.T, dir string, diffID digest.Digest, annotations map
 // volume only another node holds runs on this node's snapshotter while the
 // volume still arrives lazily over a slow link, its tree first and its
 // data behind: the container reads each file it opens as it is filled, the
-// volume is held while it fills, and it ends an ordinary ready volume.
+// volume is held while it fills, and it ends an ordinary ready volume. As
+// stubs or an index alike.
 func TestImageSnapshotterOnAnImageArrivingLazily(t *testing.T) {
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) { imageSnapshotterOnAnImageArrivingLazily(t, form) })
+	}
+}
+
+func imageSnapshotterOnAnImageArrivingLazily(t *testing.T, form pullForm) {
 	addr := plugintest.FreeAddr(t)
 	sock := filepath.Join(t.TempDir(), "sn.sock")
-	a, b, _ := lazyNodesAt(t, 512<<10, "--image-registry-address="+addr, "--image-registry-auth=grace",
+	a, b, _ := lazyNodesAs(t, form, 512<<10, "--image-registry-address="+addr, "--image-registry-auth=grace",
 		"--image-snapshotter-endpoint=unix://"+sock)
 	a.step("", "img", func(dir string) {
 		writeRootfsImage(t, dir, "from node-a")
