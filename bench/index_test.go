@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -15,11 +14,11 @@ import (
 	"golang.org/x/sys/unix"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/indextest"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/filesum"
-	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/streamer"
@@ -44,14 +43,21 @@ func BenchmarkIndexedStubs(b *testing.B) {
 	testfs.Need(b)
 	lim := streamer.DefaultLimits
 	lim.Summed = true
+	byFileCount(b, []int{100_000, 300_000, 1_000_000},
+		fmt.Sprintf("%-10s %10s %12s %12s %8s %10s %12s", "files", "stubs MB", "stub tree", "index", "ratio", "image MB", "index alloc"),
+		func(b *testing.B, files int, sb *strings.Builder) { indexedStubs(b, files, lim, sb) })
+}
+
+// byFileCount runs row for each count of files, as a sub-benchmark each
+// (so that each one's filesystems go when it ends), and prints the table
+// their rows make under header.
+func byFileCount(b *testing.B, counts []int, header string, row func(b *testing.B, files int, sb *strings.Builder)) {
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "\n%-10s %10s %12s %12s %8s %10s %12s\n", "files", "stubs MB", "stub tree", "index", "ratio", "image MB", "index alloc")
-	for _, files := range []int{100_000, 300_000, 1_000_000} {
-		// A sub-benchmark each, so that each one's filesystems go when it
-		// ends.
+	fmt.Fprintf(&sb, "\n%s\n", header)
+	for _, files := range counts {
 		b.Run(fmt.Sprintf("files=%d", files), func(b *testing.B) {
 			for range b.N {
-				indexedStubs(b, files, lim, &sb)
+				row(b, files, &sb)
 			}
 		})
 	}
@@ -167,16 +173,7 @@ func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work st
 // the plain tree's.
 func BenchmarkIndexToLayer(b *testing.B) {
 	testfs.Need(b)
-	var sb strings.Builder
-	fmt.Fprintf(&sb, "\n%-10s %12s %12s %8s %10s\n", "files", "plain tree", "index", "ratio", "cloned")
-	for _, files := range []int{100_000, 300_000} {
-		b.Run(fmt.Sprintf("files=%d", files), func(b *testing.B) {
-			for range b.N {
-				indexToLayer(b, files, &sb)
-			}
-		})
-	}
-	fmt.Print(sb.String())
+	byFileCount(b, []int{100_000, 300_000}, fmt.Sprintf("%-10s %12s %12s %8s %10s", "files", "plain tree", "index", "ratio", "cloned"), indexToLayer)
 }
 
 // indexToLayer is one row of BenchmarkIndexToLayer.
@@ -187,9 +184,10 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 	if err := os.MkdirAll(filepath.Join(work, "mnt"), 0o700); err != nil {
 		b.Fatal(err)
 	}
-	at := wholeIndex(b, layer, work)
+	image, blob, layout := indextest.Whole(b, layer, work)
+	at := layout.Offsets()
 	mnt := filepath.Join(work, "mnt")
-	if err := overlay.MountIndex(filepath.Join(work, "index"), filepath.Join(work, "blob"), mnt); err != nil {
+	if err := overlay.MountIndex(image, blob, mnt); err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { _ = unix.Unmount(mnt, unix.MNT_DETACH) })
@@ -210,7 +208,7 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 		dst = filepath.Join(fs, fmt.Sprintf("index-%d", round))
 		dropCaches(b)
 		start = time.Now()
-		stats, err := overlay.CopyIndex(context.Background(), mnt, filepath.Join(work, "blob"), at, dst)
+		stats, err := overlay.CopyIndex(context.Background(), mnt, blob, at, dst)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -227,41 +225,6 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 	b.ReportMetric(float64(idx)/float64(plain), fmt.Sprintf("index/plain-%dk", files/1000))
 }
 
-// wholeIndex builds the index of layer into work/index with its blob
-// whole at work/blob, and returns where each file's data starts in it.
-func wholeIndex(b *testing.B, layer, work string) map[string]int64 {
-	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer unix.Close(root)
-	image, err := os.Create(filepath.Join(work, "index"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer image.Close()
-	layout, err := index.Build(root, image, index.Options{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	blob, err := os.Create(filepath.Join(work, "blob"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer blob.Close()
-	if err := blob.Truncate(layout.Size); err != nil {
-		b.Fatal(err)
-	}
-	if _, err := io.Copy(io.NewOffsetWriter(blob, 0), io.NewSectionReader(index.Blob{Root: root, Layout: layout}, 0, layout.Size)); err != nil {
-		b.Fatal(err)
-	}
-	at := make(map[string]int64, len(layout.Extents))
-	for _, e := range layout.Extents {
-		at[e.Path] = e.Offset
-	}
-	return at
-}
-
 // BenchmarkIndexPublish: node B lacks a volume node A holds (1 GiB in
 // 100,000 and 300,000 files; two plugins on loopback). B's lazy publish,
 // the moment its step may start, as a stub tree (today's way) and as an
@@ -272,16 +235,7 @@ func wholeIndex(b *testing.B, layer, work string) map[string]int64 {
 // index's over the stub tree's.
 func BenchmarkIndexPublish(b *testing.B) {
 	testfs.Need(b)
-	var sb strings.Builder
-	fmt.Fprintf(&sb, "\n%-10s %-6s %12s %12s %12s\n", "files", "form", "publish", "ready", "peak RSS")
-	for _, files := range []int{100_000, 300_000} {
-		b.Run(fmt.Sprintf("files=%d", files), func(b *testing.B) {
-			for range b.N {
-				indexPublish(b, files, &sb)
-			}
-		})
-	}
-	fmt.Print(sb.String())
+	byFileCount(b, []int{100_000, 300_000}, fmt.Sprintf("%-10s %-6s %12s %12s %12s", "files", "form", "publish", "ready", "peak RSS"), indexPublish)
 }
 
 // indexPublish is one size of BenchmarkIndexPublish.

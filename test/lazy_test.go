@@ -149,14 +149,21 @@ func volumeState(t *testing.T, e *env, handle string) string {
 	return got.State
 }
 
-// A source held only on A is published on B at once, over stubs: the step
-// reads A's bytes, runs a program from it, and writes its output; the data
-// arrives behind, and the volume becomes an ordinary ready one.
+// A source held only on A is published on B at once, over stubs or an
+// index: the step reads A's bytes, runs a program from it, writes over it
+// and captures its output; the data arrives behind, and the volume becomes
+// an ordinary ready one (an index's copied into a plain layer, the index
+// unmounted once nothing mounts it).
 func TestLazyPull(t *testing.T) {
-	a, b, _ := lazyNodes(t)
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) { lazyPull(t, form) })
+	}
+}
+
+func lazyPull(t *testing.T, form pullForm) {
+	a, b, _ := lazyNodesAs(t, form, 0)
 	node, err := b.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
 	require.NoError(t, err)
-	require.Equal(t, "lazy", node.PullMode, node.PullModeReason)
 	require.Contains(t, node.PullModeReason, "fanotify")
 
 	truePath, err := exec.LookPath("true")
@@ -175,6 +182,9 @@ func TestLazyPull(t *testing.T) {
 
 	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
 	require.NoError(t, b.publishWaiting(v))
+	if form.index {
+		require.Len(t, erofsMountsUnder(t, b.p.StateDir), 1, "the source is an index mounted under the step's overlay")
+	}
 	out, err := exec.Command(filepath.Join(v.Target, "true")).CombinedOutput()
 	require.NoError(t, err, "running a program from a lazy input: %s", out)
 	for i := range 8 {
@@ -182,8 +192,16 @@ func TestLazyPull(t *testing.T) {
 		require.Equal(t, fileDigestOf(t, &peerNode{env: a}, "src", name), fileDigest(t, filepath.Join(v.Target, name)), "the step reads A's %s", name)
 	}
 	write(t, v.Target, "result", "built")
+	write(t, v.Target, "big-0", "written over")
+	require.NoError(t, os.Remove(filepath.Join(v.Target, "big-1")))
 	b.umount(v)
 	require.Equal(t, "ready", volumeState(t, b, "out"), "the step's output is captured")
+	b.read("out", func(dir string) {
+		require.Equal(t, "written over", readFile(t, dir, "big-0"))
+		_, err := os.Stat(filepath.Join(dir, "big-1"))
+		require.ErrorIs(t, err, os.ErrNotExist)
+		require.Equal(t, fileDigestOf(t, &peerNode{env: a}, "src", "big-2"), fileDigest(t, filepath.Join(dir, "big-2")))
+	})
 
 	eventually(t, "the lazily pulled volume to be ready", func() bool { return volumeState(t, b, "src") == "ready" })
 	got, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "src")})
@@ -196,36 +214,41 @@ func TestLazyPull(t *testing.T) {
 	eventually(t, "the fill counted", func() bool {
 		return metricValue(t, b, `cowvol_lazy_fills_total{result="ok"}`) > 0
 	})
+	eventually(t, "no index mounted once nothing mounts it", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
 	b.noLeaks(t)
 }
 
 // A holder cut off mid-fill, with no other: each file a reader opens is
-// either all there or answers EIO (never holes), the volume fails, and the
-// step over it captures nothing.
+// either all there or answers EIO (never holes, of a stub or of an
+// index's blob), the volume fails, and the step over it captures nothing.
 func TestLazyPullWithItsHolderGone(t *testing.T) {
-	a, b, proxy := lazyNodes(t)
-	sums := a.captureRandom("src", 48, 4<<20)
-	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
-	require.NoError(t, b.publishWaiting(v))
-	proxy.Cut()
-	start := time.Now()
-	eio := 0
-	for name, sum := range sums {
-		err := readsAs(filepath.Join(v.Target, name), sum)
-		if errors.Is(err, syscall.EIO) {
-			eio++
-			continue
-		}
-		require.NoError(t, err)
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) {
+			a, b, proxy := lazyNodesAs(t, form, 0)
+			sums := a.captureRandom("src", 48, 4<<20)
+			v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
+			require.NoError(t, b.publishWaiting(v))
+			proxy.Cut()
+			start := time.Now()
+			eio := 0
+			for name, sum := range sums {
+				err := readsAs(filepath.Join(v.Target, name), sum)
+				if errors.Is(err, syscall.EIO) {
+					eio++
+					continue
+				}
+				require.NoError(t, err)
+			}
+			require.Positive(t, eio, "192 MiB crossed a cut link")
+			require.Less(t, time.Since(start), time.Minute, "readers are not held for long")
+			eventually(t, "the volume that cannot be filled to fail", func() bool {
+				s := volumeState(t, b, "src")
+				return s == "failed" || s == "gone"
+			})
+			b.umount(v)
+			require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input was incomplete captures nothing")
+		})
 	}
-	require.Positive(t, eio, "192 MiB crossed a cut link")
-	require.Less(t, time.Since(start), time.Minute, "readers are not held for long")
-	eventually(t, "the volume that cannot be filled to fail", func() bool {
-		s := volumeState(t, b, "src")
-		return s == "failed" || s == "gone"
-	})
-	b.umount(v)
-	require.Equal(t, "gone", volumeState(t, b, "out"), "a step whose input was incomplete captures nothing")
 }
 
 // A holder that hangs mid-fill (alive, its connections open, sending

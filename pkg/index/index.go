@@ -166,6 +166,16 @@ func seal(top *node) (*Layout, error) {
 	return layout, visit(top, "", top)
 }
 
+// Offsets says where each file's data starts in the blob, by its first
+// name (Extent.Path).
+func (l *Layout) Offsets() map[string]int64 {
+	at := make(map[string]int64, len(l.Extents))
+	for _, e := range l.Extents {
+		at[e.Path] = e.Offset
+	}
+	return at
+}
+
 // Find is the extent holding the blob's byte off (-1: none, padding).
 func (l *Layout) Find(off int64) int {
 	if i := l.from(off); i < len(l.Extents) && l.Extents[i].Offset <= off {

@@ -3,7 +3,6 @@ package overlay
 import (
 	"bytes"
 	"errors"
-	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -12,8 +11,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/indextest"
 	"github.com/concourse/cowvol/internal/testfs"
-	"github.com/concourse/cowvol/pkg/index"
 )
 
 // An index whose blob is whole becomes a plain tree of its own: the
@@ -41,7 +40,7 @@ func TestCopyIndex(t *testing.T) {
 			require.NoError(t, sparse.Truncate(4<<20+10))
 			require.NoError(t, sparse.Close())
 
-			image, blob, layout := indexWhole(t, layer, work)
+			image, blob, layout := indextest.Whole(t, layer, work)
 			err = MountIndex(image, blob, mnt)
 			if errors.Is(err, ErrNoIndexMounts) {
 				t.Skip(err)
@@ -49,9 +48,8 @@ func TestCopyIndex(t *testing.T) {
 			require.NoError(t, err)
 			t.Cleanup(func() { require.NoError(t, unix.Unmount(mnt, unix.MNT_DETACH)) })
 
-			at, withData := map[string]int64{}, 0
+			at, withData := layout.Offsets(), 0
 			for _, e := range layout.Extents {
-				at[e.Path] = e.Offset
 				if e.Size > 0 {
 					withData++
 				}
@@ -71,39 +69,6 @@ func TestCopyIndex(t *testing.T) {
 			require.Less(t, st.Blocks*512, int64(1<<20), "holes stay holes")
 		})
 	}
-}
-
-// indexWhole builds the index of layer into work, with its blob whole and
-// its holes left holes.
-func indexWhole(t *testing.T, layer, work string) (image, blob string, layout *index.Layout) {
-	t.Helper()
-	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	defer unix.Close(root)
-	var img bytes.Buffer
-	layout, err = index.Build(root, &img, index.Options{})
-	require.NoError(t, err)
-	image, blob = filepath.Join(work, "index"), filepath.Join(work, "blob")
-	require.NoError(t, os.WriteFile(image, img.Bytes(), 0o600))
-	f, err := os.Create(blob)
-	require.NoError(t, err)
-	defer f.Close()
-	require.NoError(t, f.Truncate(layout.Size))
-	from := index.Blob{Root: root, Layout: layout}
-	buf := make([]byte, 64<<10)
-	for off := int64(0); off < layout.Size; off += int64(len(buf)) {
-		p := buf[:min(int64(len(buf)), layout.Size-off)]
-		_, err := from.ReadAt(p, off)
-		if errors.Is(err, io.EOF) {
-			err = nil
-		}
-		require.NoError(t, err)
-		if bytes.Count(p, []byte{0}) != len(p) {
-			_, err = f.WriteAt(p, off)
-			require.NoError(t, err)
-		}
-	}
-	return image, blob, layout
 }
 
 // extraNames counts the names of the regular files under dir after each
@@ -135,7 +100,7 @@ func TestRemoveTreeDetachesItsIndexes(t *testing.T) {
 		require.NoError(t, os.MkdirAll(d, 0o755))
 	}
 	require.NoError(t, os.WriteFile(filepath.Join(layer, "f"), []byte("kept"), 0o644))
-	image, blob, _ := indexWhole(t, layer, filepath.Join(tree, "layer.index"))
+	image, blob, _ := indextest.Whole(t, layer, filepath.Join(tree, "layer.index"))
 	err := MountIndex(image, blob, filepath.Join(tree, "layer"))
 	if errors.Is(err, ErrNoIndexMounts) {
 		t.Skip(err)

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -157,9 +156,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 	if err != nil {
 		return cache.Volume{}, err
 	}
-	pl.mu.Lock()
-	pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
-	pl.mu.Unlock()
+	pods, profiles := pl.askers(p)
 	pl.fillIndexInBackground(vol.Ref(), blob, layout, src, p.key.namespace, pods, profiles)
 	return vol, nil
 }
@@ -239,13 +236,9 @@ func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout) (string, error)
 			klog.ErrorS(err, "Removing the staging of a layer made of an index", "dir", work)
 		}
 	}()
-	at := make(map[string]int64, len(layout.Extents))
-	for _, e := range layout.Extents {
-		at[e.Path] = e.Offset
-	}
 	start := time.Now()
 	tree := filepath.Join(work, "tree")
-	stats, err := overlay.CopyIndex(pl.ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), at, tree)
+	stats, err := overlay.CopyIndex(pl.ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), layout.Offsets(), tree)
 	if err == nil {
 		err = overlay.SyncFS(tree)
 	}

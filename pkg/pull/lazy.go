@@ -2,7 +2,6 @@ package pull
 
 import (
 	"fmt"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -249,9 +248,7 @@ func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.La
 	if err != nil {
 		return cache.Volume{}, err
 	}
-	pl.mu.Lock()
-	pods, profiles := slices.Clone(p.pods), slices.Clone(p.profiles)
-	pl.mu.Unlock()
+	pods, profiles := pl.askers(p)
 	pl.fillInBackground(vol.Ref(), layer, src, p.key.namespace, pods, profiles)
 	return vol, nil
 }

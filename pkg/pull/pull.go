@@ -268,6 +268,14 @@ type pull struct {
 	whole bool
 }
 
+// askers are the pods that asked for p so far, and the read profiles they
+// named.
+func (pl *Puller) askers(p *pull) ([]volume.Pod, []string) {
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	return slices.Clone(p.pods), slices.Clone(p.profiles)
+}
+
 // source says where the pull is coming from.
 func (p *pull) source() string {
 	if f := p.from.Load(); f != nil {
