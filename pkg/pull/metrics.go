@@ -40,7 +40,7 @@ func NewMetrics() *Metrics {
 		}, []string{"from"}),
 		corrupt: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_pull_corrupt_total",
-			Help: "Files and layers peers sent that were not what their volume was captured with (their sums), caught before any reader saw them, by where they came from: the stream of a lazy layer (stream, from its holder or a relay), a file fetched alone from a holder (holder), or a layer or stub tree pulled whole (layer: the pull moves to the next holder).",
+			Help: "Files and layers peers sent that were not what their volume was captured with (their sums, or the wire's checksum of a file fetched alone), caught before any reader saw them, by where they came from: the stream of a lazy layer (stream, from its holder or a relay), a file fetched alone from a holder (holder), or a layer or stub tree pulled whole (layer: the pull moves to the next holder).",
 		}, []string{"from"}),
 		vouches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_pull_vouch_checks_total",

@@ -210,6 +210,11 @@ func (s *lazySource) fetch(ctx context.Context, rel string, size int64, w io.Wri
 		if ctx.Err() != nil || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 			return err
 		}
+		if errors.Is(err, streamer.ErrCorrupt) {
+			// Caught by the wire's own checksum, before any sum: bytes
+			// not the volume's all the same.
+			s.pl.metrics.corrupt.WithLabelValues(fill.FromHolder).Inc()
+		}
 		klog.ErrorS(err, "Fetching a lazily pulled file failed; trying another holder", "volume", s.layer.Ref, "file", rel, "peer", peer)
 		if s.lose(peer) { // asked again, and failed again: not at once once more
 			select {
