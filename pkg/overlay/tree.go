@@ -304,7 +304,8 @@ func cloneData(data fileData, out *os.File, size int64) error {
 	if data.at == 0 && st.Size == size {
 		return unix.IoctlFileClone(int(out.Fd()), int(data.file.Fd()))
 	}
-	n := min((size+st.Blksize-1)/st.Blksize*st.Blksize, st.Size-data.at)
+	blk := int64(st.Blksize) // (an int32 on some architectures)
+	n := min((size+blk-1)/blk*blk, st.Size-data.at)
 	if n < size {
 		return fmt.Errorf("%d bytes at %d of a file of %d: %w", size, data.at, st.Size, unix.EINVAL)
 	}
