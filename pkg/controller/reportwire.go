@@ -138,9 +138,7 @@ func decodeReport(raw []byte) (fleet.Report, error) {
 			case 11:
 				r.PeerAddress = s
 			default:
-				if err = checkPullMode(s); err == nil {
-					r.PullMode = s
-				}
+				r.PullMode = s // checked once read: a later field 12 replaces it
 			}
 		case typ == protowire.VarintType && num == 3:
 			r.Revision = n
@@ -167,6 +165,9 @@ func decodeReport(raw []byte) (fleet.Report, error) {
 		}
 		return err
 	})
+	if err == nil {
+		err = checkPullMode(r.PullMode)
+	}
 	if err != nil {
 		return fleet.Report{}, err
 	}

@@ -97,6 +97,10 @@ func FuzzDecodeReport(f *testing.F) {
 		return b
 	}())
 	f.Add(merged)
+	// A pull mode said twice: the last is the one read, so a bad first one
+	// is no fault.
+	twice := protowire.AppendString(protowire.AppendTag(nil, 12, protowire.BytesType), "0000000000000")
+	f.Add(protowire.AppendString(protowire.AppendTag(twice, 12, protowire.BytesType), "eager"))
 	f.Add([]byte{0x32, 0x05, 0x0a, 0x03, 0x12, 0x01, 0xff}) // a handle that is not UTF-8
 	for _, digests := range [][2][]byte{{make([]byte, 31), make([]byte, 32)}, {make([]byte, 32), nil}} {
 		raw, err := proto.Marshal(&controllerv1.ReportRequest{NodeId: "n", StoreId: "s", Upserts: []*controllerv1.VolumeSummary{
