@@ -62,6 +62,10 @@ func CopyIndex(ctx context.Context, mnt, blob string, at map[string]int64, dst s
 		return CopyStats{}, fmt.Errorf("the blob of %s: %w", mnt, err)
 	}
 	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return CopyStats{}, err
+	}
 	return copyTree(ctx, mnt, dst, true, func(rel string) (fileData, error) {
 		off, ok := at[rel]
 		if !ok {
@@ -74,6 +78,6 @@ func CopyIndex(ctx context.Context, mnt, blob string, at map[string]int64, dst s
 			return fileData{}, err
 		}
 		unix.CloseOnExec(own)
-		return fileData{file: os.NewFile(uintptr(own), blob), at: off}, nil
+		return fileData{file: os.NewFile(uintptr(own), blob), at: off, fileSize: st.Size, blockSize: int64(st.Blksize)}, nil // (Blksize: an int32 on some architectures)
 	})
 }

@@ -59,10 +59,13 @@ type treeCopier struct {
 }
 
 // fileData is where a regular file's data lies: in file, from at (a
-// file closed once copied; none: the file itself).
+// file closed once copied; none: the file itself). A range of a larger
+// file (an index's blob) says that file's size and block size, stated
+// once for all its ranges; blockSize 0: the data is all of file.
 type fileData struct {
-	file *os.File
-	at   int64
+	file                *os.File
+	at                  int64
+	fileSize, blockSize int64
 }
 
 // deferredLink is a hardlink made after the walk: the first name's path
@@ -293,29 +296,31 @@ func (c *treeCopier) fill(data fileData, out *os.File, size int64) error {
 	return copySparse(data, out, size)
 }
 
-// cloneData clones size bytes of data into out. A range within a file
-// (an index's blob) is cloned in whole blocks, to its block's end or the
-// file's, the tail then cut: a clone's end must be either.
+// cloneData clones size bytes of data into out. Of a range within a file
+// (an index's blob), the whole blocks are cloned and the last block's part
+// is copied: a clone to the block's end then cut would unshare that block,
+// read back cold, once a file.
 func cloneData(data fileData, out *os.File, size int64) error {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(data.file.Fd()), &st); err != nil {
-		return err
-	}
-	if data.at == 0 && st.Size == size {
+	if data.blockSize == 0 {
 		return unix.IoctlFileClone(int(out.Fd()), int(data.file.Fd()))
 	}
-	blk := int64(st.Blksize) // (an int32 on some architectures)
-	n := min((size+blk-1)/blk*blk, st.Size-data.at)
-	if n < size {
-		return fmt.Errorf("%d bytes at %d of a file of %d: %w", size, data.at, st.Size, unix.EINVAL)
+	if data.at < 0 || size > data.fileSize-data.at {
+		return fmt.Errorf("%d bytes at %d of a file of %d: %w", size, data.at, data.fileSize, unix.EINVAL)
 	}
-	err := unix.IoctlFileCloneRange(int(out.Fd()), &unix.FileCloneRange{Src_fd: int64(data.file.Fd()), Src_offset: uint64(data.at),
-		Src_length: uint64(n)})
-	if err == nil && n != size {
-		err = out.Truncate(size)
+	whole := size / data.blockSize * data.blockSize
+	if whole == 0 {
+		return errNoWholeBlock
 	}
-	return err
+	if err := unix.IoctlFileCloneRange(int(out.Fd()), &unix.FileCloneRange{Src_fd: int64(data.file.Fd()),
+		Src_offset: uint64(data.at), Src_length: uint64(whole)}); err != nil {
+		return err
+	}
+	return copyRange(data, out, whole, size-whole)
 }
+
+// errNoWholeBlock: a range shorter than a block has nothing to clone; it
+// is copied.
+var errNoWholeBlock = errors.New("less than a block")
 
 // link makes the hardlinks found on the walk, and puts back the times of
 // the dirs they landed in.
