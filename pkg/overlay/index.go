@@ -62,6 +62,11 @@ func CopyIndex(ctx context.Context, mnt, blob string, at map[string]int64, dst s
 		return CopyStats{}, fmt.Errorf("the blob of %s: %w", mnt, err)
 	}
 	defer unix.Close(fd)
+	// Written back first, at once: a clone of a range not written back
+	// yet writes that range back, alone, and waits for it.
+	if err := unix.Fdatasync(fd); err != nil {
+		return CopyStats{}, fmt.Errorf("the blob of %s: %w", mnt, err)
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return CopyStats{}, err
