@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"strings"
 	"testing"
@@ -20,7 +21,6 @@ import (
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
-	"github.com/concourse/cowvol/pkg/pull"
 	"github.com/concourse/cowvol/pkg/streamer"
 )
 
@@ -74,7 +74,7 @@ func indexedStubs(b *testing.B, files int, lim streamer.Limits, sb *strings.Buil
 		b.Fatal(err)
 	}
 	var wire bytes.Buffer
-	if _, err := streamer.PackFirst(context.Background(), streamer.LayerFiles{Dir: layer, Sums: sums}, nil, &wire, streamer.Raw, streamer.StubTar, pull.StubInline); err != nil {
+	if _, err := streamer.PackFirst(context.Background(), streamer.LayerFiles{Dir: layer, Sums: sums}, nil, &wire, streamer.Raw, streamer.StubTar, streamer.StubInline); err != nil {
 		b.Fatal(err)
 	}
 	puller := testfs.MountAllocated(b, testfs.XFS, 4<<30)
@@ -88,7 +88,7 @@ func indexedStubs(b *testing.B, files int, lim streamer.Limits, sb *strings.Buil
 		}
 		dropCaches(b)
 		start := time.Now()
-		if _, err := streamer.UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), streamer.Raw, dir, lim, pull.StubInline,
+		if _, err := streamer.UnpackStubs(context.Background(), bytes.NewReader(wire.Bytes()), streamer.Raw, dir, lim, streamer.StubInline,
 			func(streamer.Stub) error { return nil }); err != nil {
 			b.Fatal(err)
 		}
@@ -125,7 +125,7 @@ func indexedStubs(b *testing.B, files int, lim streamer.Limits, sb *strings.Buil
 // its image and a sparse blob holding the small files under work, and
 // mounts it at work/mnt, as a pull would. It returns the image's size.
 func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work string) int64 {
-	tree, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, pull.StubInline)
+	tree, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, streamer.StubInline)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -228,15 +228,22 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 // BenchmarkIndexPublish: node B lacks a volume node A holds (1 GiB in
 // 100,000 and 300,000 files; two plugins on loopback). B's lazy publish,
 // the moment its step may start, as a stub tree (today's way) and as an
-// index (--pull-index), indexRounds times each, taking turns, each on a
-// fresh B (a new state dir, page caches dropped); then how long until the
-// volume is ready (every byte here, and for the index the plain layer made
-// of it), and B's peak RSS over the whole pull. Medians; the ratios are the
-// index's over the stub tree's.
+// index (--pull-index), both served from the stub tree A kept after the
+// capture, and as an index again with A's kept stream set aside (A walks
+// its layer, as before it kept them), indexRounds times each, taking
+// turns, each on a fresh B (a new state dir, page caches dropped); then
+// how long until the volume is ready (every byte here, and for the index
+// the plain layer made of it), and B's peak RSS over the whole pull.
+// Medians; the ratios are the index's over the stub tree's, and the kept
+// stream's over the walk's. Also what keeping the stub tree cost A: its
+// time after the capture and its size a file.
 func BenchmarkIndexPublish(b *testing.B) {
 	testfs.Need(b)
-	byFileCount(b, []int{100_000, 300_000}, fmt.Sprintf("%-10s %-6s %12s %12s %12s", "files", "form", "publish", "ready", "peak RSS"), indexPublish)
+	byFileCount(b, []int{100_000, 300_000}, fmt.Sprintf("%-10s %-7s %12s %12s %12s", "files", "form", "publish", "ready", "peak RSS"), indexPublish)
 }
+
+// keptLog is the plugin's line for a stub tree it kept.
+var keptLog = regexp.MustCompile(`"Kept a layer's stub tree" .* duration="([^"]+)"`)
 
 // indexPublish is one size of BenchmarkIndexPublish.
 func indexPublish(b *testing.B, files int, sb *strings.Builder) {
@@ -244,16 +251,38 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 	a := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "a", StateDir: testfs.Mount(b, testfs.XFS, 8<<30),
 		Args: []string{"--peer-address=" + peerA}})}
 	a.capture("", "tree", func(dir string) { genTree(b, dir, files, 1<<30) })
+	var keptFor string
+	for deadline := time.Now().Add(10 * time.Minute); keptFor == ""; time.Sleep(100 * time.Millisecond) {
+		if m := keptLog.FindStringSubmatch(a.p.Log()); m != nil {
+			keptFor = m[1]
+		} else if time.Now().After(deadline) {
+			b.Fatalf("A kept no stub tree: %s", a.p.Log())
+		}
+	}
+	kept, err := filepath.Glob(filepath.Join(a.p.StateDir, "volumes", "ci", "tree", "*.stubs"))
+	if err != nil || len(kept) != 1 {
+		b.Fatalf("A's kept stub tree: %v %v", kept, err)
+	}
+	keptSt, err := os.Stat(kept[0])
+	if err != nil {
+		b.Fatal(err)
+	}
 	a.settle()
 	diskB := testfs.Mount(b, testfs.XFS, 8<<30)
 	forms := []struct {
-		name string
-		args []string
-	}{{"stubs", nil}, {"index", []string{"--pull-index"}}}
+		name   string
+		args   []string
+		walked bool // A's kept stream set aside
+	}{{"stubs", nil, false}, {"index", []string{"--pull-index"}, false}, {"walked", []string{"--pull-index"}, true}}
 	publish, ready := make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms))
 	peak := make([]int64, len(forms))
 	for round := range indexRounds {
 		for i, form := range forms {
+			if form.walked {
+				if err := os.Rename(kept[0], kept[0]+".aside"); err != nil {
+					b.Fatal(err)
+				}
+			}
 			state := filepath.Join(diskB, fmt.Sprintf("%s-%d", form.name, round))
 			bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b", StateDir: state,
 				KubeletDir: state + "-kubelet", Args: append([]string{"--peers=a=" + peerA, "--pull-mode=lazy", "--pull-wait=30m"}, form.args...)})}
@@ -287,15 +316,25 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 					b.Fatal(err)
 				}
 			}
+			if form.walked {
+				if err := os.Rename(kept[0]+".aside", kept[0]); err != nil {
+					b.Fatal(err)
+				}
+			}
 		}
 	}
 	for i, form := range forms {
-		fmt.Fprintf(sb, "%-10d %-6s %12s %12s %9.1f MiB\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])), float64(peak[i])/1024)
+		fmt.Fprintf(sb, "%-10d %-7s %12s %12s %9.1f MiB\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])), float64(peak[i])/1024)
 	}
-	pubRatio, readyRatio := float64(p50(publish[1]))/float64(p50(publish[0])), float64(p50(ready[1]))/float64(p50(ready[0]))
-	fmt.Fprintf(sb, "%-10d %-6s %11.3fx %11.3fx\n", files, "ratio", pubRatio, readyRatio)
+	ratio := func(x, y []time.Duration) float64 { return float64(p50(x)) / float64(p50(y)) }
+	pubRatio, readyRatio := ratio(publish[1], publish[0]), ratio(ready[1], ready[0])
+	keptRatio := ratio(publish[1], publish[2])
+	fmt.Fprintf(sb, "%-10d %-7s %11.3fx %11.3fx   index/stubs\n", files, "ratio", pubRatio, readyRatio)
+	fmt.Fprintf(sb, "%-10d %-7s %11.3fx %11.3fx   index: kept/walked\n", files, "ratio", keptRatio, ratio(ready[1], ready[2]))
+	fmt.Fprintf(sb, "%-10d kept by A in %s, %.1f bytes a file\n", files, keptFor, float64(keptSt.Size())/float64(files))
 	b.ReportMetric(p50(publish[1]).Seconds(), fmt.Sprintf("index-publish-%dk-s", files/1000))
 	b.ReportMetric(p50(publish[0]).Seconds(), fmt.Sprintf("stubs-publish-%dk-s", files/1000))
 	b.ReportMetric(pubRatio, fmt.Sprintf("index/stubs-publish-%dk", files/1000))
 	b.ReportMetric(readyRatio, fmt.Sprintf("index/stubs-ready-%dk", files/1000))
+	b.ReportMetric(keptRatio, fmt.Sprintf("kept/walked-publish-%dk", files/1000))
 }

@@ -41,13 +41,14 @@ func (form pullForm) args() []string {
 	return nil
 }
 
-// require checks that e pulls lazily in form; an index form is skipped
-// where e's kernel cannot mount one.
+// require checks that e pulls lazily in form, filling through fanotify;
+// an index form is skipped where e's kernel cannot mount one.
 func (form pullForm) require(t *testing.T, e *env) {
 	t.Helper()
 	node, err := e.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
 	require.NoError(t, err)
 	require.Equal(t, "lazy", node.PullMode, node.PullModeReason)
+	require.Contains(t, node.PullModeReason, "fanotify")
 	if indexes := strings.Contains(node.PullModeReason, "as indexes"); indexes != form.index {
 		if form.index {
 			t.Skipf("the node pulls stub trees: %s", node.PullModeReason)

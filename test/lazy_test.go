@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -153,7 +154,9 @@ func volumeState(t *testing.T, e *env, handle string) string {
 // index: the step reads A's bytes, runs a program from it, writes over it
 // and captures its output; the data arrives behind, and the volume becomes
 // an ordinary ready one (an index's copied into a plain layer, the index
-// unmounted once nothing mounts it).
+// unmounted once nothing mounts it). The tree B publishes is the stub
+// tree A kept after the capture (it has enough files to be kept); once
+// filled, B keeps its own for the peers that pull from it.
 func TestLazyPull(t *testing.T) {
 	for _, form := range pullForms {
 		t.Run(form.name, func(t *testing.T) { lazyPull(t, form) })
@@ -162,10 +165,6 @@ func TestLazyPull(t *testing.T) {
 
 func lazyPull(t *testing.T, form pullForm) {
 	a, b, _ := lazyNodesAs(t, form, 0)
-	node, err := b.p.NodeAPI.GetNode(context.Background(), &nodev1.GetNodeRequest{})
-	require.NoError(t, err)
-	require.Contains(t, node.PullModeReason, "fanotify")
-
 	truePath, err := exec.LookPath("true")
 	require.NoError(t, err)
 	prog, err := os.ReadFile(truePath)
@@ -177,14 +176,22 @@ func lazyPull(t *testing.T, form pullForm) {
 		for i := range 8 {
 			randomFile(t, dir, fmt.Sprintf("big-%d", i), 4<<20, uint64(i+1))
 		}
+		require.NoError(t, os.Mkdir(filepath.Join(dir, "many"), 0o755))
+		for i := range keptStubsMin {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "many", strconv.Itoa(i)), []byte(strconv.Itoa(i*i)), 0o644))
+		}
 	})
 	a.read("src", func(dir string) { want = testfs.Describe(t, dir) })
+	eventually(t, "A to keep the source's stub tree", func() bool { return keptStubs(t, a, "src") })
 
 	v := b.volume(map[string]string{driver.AttrSource: "src", driver.AttrCapture: "out"}, false)
 	require.NoError(t, b.publishWaiting(v))
 	if form.index {
 		require.Len(t, erofsMountsUnder(t, b.p.StateDir), 1, "the source is an index mounted under the step's overlay")
 	}
+	require.Equal(t, 1.0, metricValue(t, a, `cowvol_peer_stub_trees_served_total{source="kept"}`), "B published A's kept stub tree")
+	require.Zero(t, metricValue(t, a, `cowvol_peer_stub_trees_served_total{source="walked"}`))
+	require.Equal(t, strconv.Itoa(77*77), readFile(t, filepath.Join(v.Target, "many"), "77"))
 	out, err := exec.Command(filepath.Join(v.Target, "true")).CombinedOutput()
 	require.NoError(t, err, "running a program from a lazy input: %s", out)
 	for i := range 8 {
@@ -215,7 +222,21 @@ func lazyPull(t *testing.T, form pullForm) {
 		return metricValue(t, b, `cowvol_lazy_fills_total{result="ok"}`) > 0
 	})
 	eventually(t, "no index mounted once nothing mounts it", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
+	eventually(t, "B to keep the filled source's stub tree", func() bool { return keptStubs(t, b, "src") })
 	b.noLeaks(t)
+}
+
+// keptStubsMin is the fewest files a layer has for its node to keep its
+// stub tree (pkg/node's).
+const keptStubsMin = 4096
+
+// keptStubs says whether e keeps the stub tree of its volume handle's
+// layer (pkg/cache: <layer>.stubs beside it).
+func keptStubs(t *testing.T, e *env, handle string) bool {
+	t.Helper()
+	matches, err := filepath.Glob(filepath.Join(e.p.StateDir, "volumes", "ci", handle, "*.stubs"))
+	require.NoError(t, err)
+	return len(matches) > 0
 }
 
 // A holder cut off mid-fill, with no other: each file a reader opens is

@@ -395,6 +395,10 @@ func TestReplaceAndPruneLayers(t *testing.T) {
 	v, err := s.Publish(View{VolumeID: "reader", Source: ref("ci", "b"), Pod: pod("ci")})
 	require.NoError(t, err)
 	require.NoError(t, os.MkdirAll(s.LayerPath(ref("ci", "b"), "flat"), 0o755))
+	besideOld := []string{s.StubsPath(b), s.DataPath(b) + sumsSuffix}
+	for _, p := range besideOld {
+		require.NoError(t, os.WriteFile(p, []byte("the old layer's"), 0o600))
+	}
 	require.NoError(t, s.ReplaceLayer(ref("ci", "b"), "flat"))
 	dirs, err := s.Chain(ref("ci", "b"))
 	require.NoError(t, err)
@@ -410,6 +414,10 @@ func TestReplaceAndPruneLayers(t *testing.T) {
 	require.NoError(t, s.PruneLayers(os.RemoveAll))
 	_, err = os.Stat(s.DataPath(b))
 	require.ErrorIs(t, err, os.ErrNotExist)
+	for _, p := range besideOld {
+		_, err = os.Stat(p)
+		require.ErrorIs(t, err, os.ErrNotExist, "what was beside the old layer goes with it")
+	}
 	cur, err := s.Get(ref("ci", "b"))
 	require.NoError(t, err)
 	require.Empty(t, cur.OldLayers)

@@ -81,8 +81,10 @@ func (s *Store) PruneLayers(remove Remover) error {
 				errs = append(errs, err)
 				continue
 			}
-			if err := os.Remove(s.sumsPath(v.Ref(), old)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				errs = append(errs, err)
+			for _, beside := range []string{p + sumsSuffix, p + stubsSuffix} {
+				if err := os.Remove(beside); err != nil && !errors.Is(err, fs.ErrNotExist) {
+					errs = append(errs, err)
+				}
 			}
 			if err := remove(IndexDir(p)); err != nil {
 				errs = append(errs, err)

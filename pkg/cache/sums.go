@@ -37,14 +37,21 @@ const (
 // the index's image and blob (the layer's dir is where it is mounted).
 const indexSuffix = ".index"
 
+// stubsSuffix names the file beside a layer that keeps its stub tree as a
+// stream (streamer.KeepStubs), which pulls of its stubs are served from.
+const stubsSuffix = ".stubs"
+
+// StubsPath is where v's layer's stub tree is kept, if it is.
+func (s *Store) StubsPath(v Volume) string { return s.DataPath(v) + stubsSuffix }
+
 // IndexDir is where the image and blob of the index mounted at the layer
 // dir at layerPath lie: beside it, so that they go with it as its sums do.
 func IndexDir(layerPath string) string { return layerPath + indexSuffix }
 
-// layerBeside is the layer whose sums or index an entry beside a volume's
-// layers is ("" for none).
+// layerBeside is the layer whose sums, index or kept stub tree an entry
+// beside a volume's layers is ("" for none).
 func layerBeside(name string) string {
-	for _, suffix := range []string{sumsSuffix, indexSuffix} {
+	for _, suffix := range []string{sumsSuffix, indexSuffix, stubsSuffix} {
 		if layer, ok := strings.CutSuffix(name, suffix); ok {
 			return layer
 		}

@@ -31,13 +31,22 @@ func TestLayerSumsAreKeptWithTheirLayer(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, again, "the capture's sums, not the disk's now")
 
-	stray := s.sumsPath(v.Ref(), "not-a-layer")
-	require.NoError(t, os.WriteFile(stray, []byte("x"), 0o600))
+	kept := s.StubsPath(v)
+	require.NoError(t, os.WriteFile(kept, []byte("its stub tree"), 0o600))
+	for _, stray := range []string{
+		s.sumsPath(v.Ref(), "not-a-layer"),
+		s.LayerPath(v.Ref(), "not-a-layer") + stubsSuffix,
+		kept + ".tmp123", // a kept stub tree a crash left half written
+	} {
+		require.NoError(t, os.WriteFile(stray, []byte("x"), 0o600))
+	}
 	rep, err := s.Recover(os.RemoveAll, false)
 	require.NoError(t, err)
-	require.Equal(t, 1, rep.RemovedOrphans, "the sums of no layer")
-	_, err = os.Stat(s.sumsPath(v.Ref(), v.Layer))
-	require.NoError(t, err, "the layer's own sums stay")
+	require.Equal(t, 3, rep.RemovedOrphans, "the sums and stub tree of no layer, and a stub tree half kept")
+	for _, own := range []string{s.sumsPath(v.Ref(), v.Layer), kept} {
+		_, err = os.Stat(own)
+		require.NoError(t, err, "the layer's own sums and stub tree stay")
+	}
 }
 
 // Sums that cannot be written (a full disk, here a dir in their place) are

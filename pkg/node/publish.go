@@ -756,10 +756,11 @@ func (e *Engine) sumLayer(vol cache.Volume, origin bool) error {
 		klog.V(2).InfoS("Computing a captured layer's file sums failed; a peer's first pull computes them", "volume", vol.Ref(), "err", err)
 		return nil
 	}
-	if !origin || v.Vouch.Known() {
-		return nil
+	if origin && !v.Vouch.Known() {
+		err = e.vouch(v, own)
 	}
-	return e.vouch(v, own)
+	e.keepStubs(v, own)
+	return err
 }
 
 // How often, and how long, a volume captured over a base still arriving

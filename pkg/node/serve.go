@@ -3,7 +3,9 @@ package node
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -120,7 +122,7 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.Lay
 		release()
 		return streamer.LayerFiles{}, nil, err
 	}
-	return streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums}, func() {
+	return streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums, Kept: h.e.store.StubsPath(v)}, func() {
 		release()
 		h.e.streamEnded(r)
 	}, nil
@@ -185,4 +187,48 @@ func wakeAfterStream(v cache.Volume, err error, overHigh bool) (reap, tidy bool)
 		return true, true // unsure: a round too many costs a scan
 	}
 	return v.State != volume.StateReady || overHigh, len(v.OldLayers) > 0
+}
+
+// keptStubsMin is the fewest regular files a layer has for its stub tree
+// to be kept (streamer.KeepStubs): below it, a holder walks the tree in
+// well under 0.1 s, cold, and a kept stream would be disk spent for
+// nothing.
+const keptStubsMin = 4096
+
+// keepStubs keeps the stub tree of v's layer (whose file sums are sums) as
+// a stream beside it, if it is big enough and not kept yet: what the pulls
+// of its stubs (lazy and index pulls) are served from, without the walk
+// that was most of their publish. The layer is held while it is read.
+func (e *Engine) keepStubs(v cache.Volume, sums filesum.Table) {
+	path := e.store.StubsPath(v)
+	if len(sums) < keptStubsMin {
+		return
+	}
+	if _, err := os.Stat(path); err == nil {
+		return
+	}
+	release := e.store.Hold(v.Ref(), cache.HoldStream)
+	defer func() {
+		release()
+		e.streamEnded(v.Ref())
+	}()
+	if cur, err := e.store.Get(v.Ref()); err != nil || cur.State != volume.StateReady || cur.Layer != v.Layer {
+		return // destroyed, failed or flattened meanwhile
+	}
+	start := time.Now()
+	sum, err := streamer.KeepStubs(e.bgCtx, streamer.LayerFiles{Dir: e.store.DataPath(v), Sums: sums}, streamer.StubInline, path)
+	switch {
+	case errors.Is(err, streamer.ErrRotten):
+		peerHolder{e}.Rotten(v.Ref(), err)
+	case err != nil:
+		klog.ErrorS(err, "Keeping a layer's stub tree failed; pulls of its stubs walk the layer", "volume", v.Ref())
+	default:
+		st, _ := os.Stat(path)
+		var kept int64
+		if st != nil {
+			kept = st.Size()
+		}
+		klog.V(2).InfoS("Kept a layer's stub tree", "volume", v.Ref(), "entries", sum.Entries, "tarBytes", sum.Bytes, "keptBytes", kept,
+			"duration", time.Since(start))
+	}
 }

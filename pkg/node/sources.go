@@ -148,5 +148,12 @@ func (n pullNotifier) Committed(vol cache.Volume, synced bool) {
 	n.e.goBackground(func() { n.e.afterCapture(vol, n.origin) })
 }
 
-// FillEnded wakes the reaper: a filled or failed layer may free data.
-func (n pullNotifier) FillEnded() { n.e.kick(n.e.reaper) }
+// FillEnded wakes the reaper (a filled or failed layer may free data) and
+// keeps a filled layer's stub tree, as a capture's is kept, for the peers
+// that pull it from here.
+func (n pullNotifier) FillEnded(r volume.Ref) {
+	n.e.kick(n.e.reaper)
+	if v, err := n.e.store.Get(r); err == nil && v.State == volume.StateReady {
+		n.e.goBackground(func() { _ = n.e.sumLayer(v, false) })
+	}
+}

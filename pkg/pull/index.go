@@ -119,7 +119,7 @@ func writeIndex(tree *index.Tree, dir string) (*index.Layout, error) {
 func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
-		Inline: StubInline}
+		Inline: streamer.StubInline}
 	var layout *index.Layout
 	var blob *fill.Blob
 	var vol cache.Volume
@@ -136,7 +136,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 				layout, err = writeIndex(t, cache.IndexDir(tree))
 			}
 			if sum.Inlined != "" {
-				src.inlined = streamer.Inline{Max: StubInline.Max, Through: sum.Inlined}
+				src.inlined = streamer.Inline{Max: streamer.StubInline.Max, Through: sum.Inlined}
 			}
 			return sum, err
 		}, func(v cache.Volume, id, data string, _ bool) (cache.Volume, error) {

@@ -20,14 +20,6 @@ import (
 // once: enough to keep a link busy with small files.
 const prefetchWorkers = 8
 
-// StubInline is which small files a lazy pull's stub tree carries whole:
-// those of at most 8 KiB, in the walk's order, 16 MiB of them at most. A
-// file that small costs a node less CPU to receive whole than to make as a
-// stub, mark, and fill later (about 20 us a file here, the time 8 KiB take
-// on the wire), and it is there before the step starts; the budget keeps
-// the publish flat in the size (16 MiB is some 40 ms of a publish here).
-var StubInline = streamer.Inline{Max: 8 << 10, Budget: 16 << 20}
-
 // lazyPulls are the layers being filled, and the group holding their
 // readers (nil: the node pulls eagerly).
 type lazyPulls struct {
@@ -133,7 +125,7 @@ func (pl *Puller) fillBehind(r volume.Ref, fl *lazyFill, src *lazySource, namesp
 		// Let go before waking the reaper: a round woken first finds the
 		// data of a volume destroyed while it filled still held.
 		release()
-		pl.notify.FillEnded()
+		pl.notify.FillEnded(r)
 	})
 }
 
@@ -207,14 +199,14 @@ func (pl *Puller) NoteReader(view cache.View, profile string) {
 }
 
 // pullStubs pulls a layer's tree with its files as stubs (but the small
-// ones it carries whole: StubInline), each marked as it is made so that
+// ones it carries whole: streamer.StubInline), each marked as it is made so that
 // its readers wait for its data, and makes it a filling
 // volume whose data is fetched behind. The layer is mountable only once
 // every mark is in place.
 func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
-		Inline: StubInline}
+		Inline: streamer.StubInline}
 	var layer *fill.Layer
 	var vol cache.Volume
 	err := pl.inSwarm(client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
@@ -232,7 +224,7 @@ func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.La
 				err = done(sum)
 			}
 			if sum.Inlined != "" {
-				src.inlined = streamer.Inline{Max: StubInline.Max, Through: sum.Inlined}
+				src.inlined = streamer.Inline{Max: streamer.StubInline.Max, Through: sum.Inlined}
 			}
 			return sum, err
 		}, func(v cache.Volume, id, _ string, _ bool) (cache.Volume, error) {

@@ -144,7 +144,7 @@ type Notifier interface {
 	Committed(vol cache.Volume, synced bool)
 	// FillEnded says a lazily pulled layer's fill ended, filled or
 	// failed: what held other volumes' data may have let go.
-	FillEnded()
+	FillEnded(r volume.Ref)
 }
 
 // Event types, as Kubernetes has them.

@@ -10,6 +10,7 @@ type Metrics struct {
 	sentWire *prometheus.CounterVec
 	joins    *prometheus.CounterVec
 	relays   *prometheus.CounterVec
+	stubs    *prometheus.CounterVec
 }
 
 // NewMetrics makes the streamer's metrics.
@@ -31,12 +32,16 @@ func NewMetrics() *Metrics {
 			Name: "cowvol_swarm_relayed_layers_total",
 			Help: "Layer streams this node relayed, as it pulled them, to the next member of their swarm, by result (ok, error); their bytes count in cowvol_peer_sent_bytes_total.",
 		}, []string{"result"}),
+		stubs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_peer_stub_trees_served_total",
+			Help: "Stub trees (what lazy and index pulls publish from) streamed to pulling peers, by source: kept (made once, beside the layer) or walked (packed from the layer as asked).",
+		}, []string{"source"}),
 	}
 }
 
 // Collectors are the metrics to register.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.layers, m.sentWire, m.joins, m.relays}
+	return []prometheus.Collector{m.layers, m.sentWire, m.joins, m.relays, m.stubs}
 }
 
 // result is a served stream's result label.
@@ -72,4 +77,15 @@ func (m *Metrics) relayed(enc Encoding, sent int64, err error) {
 	}
 	m.relays.WithLabelValues(result(err)).Inc()
 	m.sentWire.WithLabelValues(string(enc)).Add(float64(sent))
+}
+
+func (m *Metrics) stubTree(kept bool) {
+	if m == nil {
+		return
+	}
+	source := "walked"
+	if kept {
+		source = "kept"
+	}
+	m.stubs.WithLabelValues(source).Inc()
 }

@@ -85,6 +85,9 @@ type Holder interface {
 type LayerFiles struct {
 	Dir  string
 	Sums filesum.Table
+	// Kept is where the layer's stub tree may be kept as a stream
+	// (KeepStubs): a pull of its stubs is served from there if it is.
+	Kept string
 	// swarm: the stream is a swarm's, its digest SHA-256 (see counter).
 	swarm bool
 }
@@ -332,12 +335,13 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 	start := time.Now()
 	w := &chunkWriter{stream: stream}
 	var sum Summary
+	kept := false
 	if len(p.files) > 0 {
 		if sum, err = PackFiles(stream.Context(), layer, p.files, w, p.enc, p.shape); errors.Is(err, ErrNoPath) || errors.Is(err, ErrWrongKind) {
 			return status.Error(codes.InvalidArgument, err.Error()) // the puller asked for what its stubs do not have
 		}
 	} else {
-		sum, err = PackFirst(stream.Context(), layer, p.first, w, p.enc, p.shape, p.inline)
+		sum, kept, err = s.packFirst(stream.Context(), layer, p, w)
 	}
 	if recording != nil {
 		s.swarms.ended(recording, sum, err)
@@ -351,8 +355,25 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 		return holderError(err)
 	}
 	klog.V(2).InfoS("Served a layer to a peer", "volume", p.ref, "namespace", p.namespace, "encoding", p.enc, "stubs", req.GetStubs(),
-		"tarBytes", sum.Bytes, "wireBytes", w.sent, "entries", sum.Entries, "duration", time.Since(start))
+		"kept", kept, "tarBytes", sum.Bytes, "wireBytes", w.sent, "entries", sum.Entries, "duration", time.Since(start))
 	return stream.Send(trailerChunk(sum))
+}
+
+// packFirst streams the layer as p asks (PackFirst), a stub tree from
+// where it is kept if it is (kept says so).
+func (s *Server) packFirst(ctx context.Context, layer LayerFiles, p pullRequest, w io.Writer) (sum Summary, kept bool, err error) {
+	if p.shape == StubTar && layer.Kept != "" {
+		sum, err = ServeKept(layer.Kept, p.inline, w, p.enc, layer.swarm)
+		if !errors.Is(err, ErrNotKept) {
+			s.metrics.stubTree(true)
+			return sum, true, err
+		}
+	}
+	if p.shape == StubTar {
+		s.metrics.stubTree(false)
+	}
+	sum, err = PackFirst(ctx, layer, p.first, w, p.enc, p.shape, p.inline)
+	return sum, false, err
 }
 
 // maxReadahead is the most files one PullLayer of named files sends.

@@ -1,0 +1,142 @@
+package streamer
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/filesum"
+)
+
+// keptLayer is a layer of every kind of entry and some small and large
+// files, with its sums.
+func keptLayer(t *testing.T) LayerFiles {
+	t.Helper()
+	dir := filepath.Join(testfs.Mount(t, testfs.XFS, 1<<30), "layer")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	testfs.LayerTree(t, dir)
+	for i := range 40 {
+		data := bytes.Repeat([]byte{byte(i)}, 1000*i)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, fmt.Sprintf("f-%02d", i)), data, 0o644))
+	}
+	sums, err := filesum.OfTree(t.Context(), dir)
+	require.NoError(t, err)
+	return LayerFiles{Dir: dir, Sums: sums}
+}
+
+// decoded is a stream in enc, decoded.
+func decoded(t *testing.T, wire []byte, enc Encoding) []byte {
+	t.Helper()
+	r, release, err := enc.reader(bytes.NewReader(wire))
+	require.NoError(t, err)
+	defer release()
+	raw, err := io.ReadAll(r)
+	require.NoError(t, err)
+	return raw
+}
+
+// A kept stub tree is served as the very stream a walk of its layer
+// makes, in any encoding, with the summary (size, entries, digest of a
+// swarm's stream or not) the walk's trailer would say.
+func TestServeKeptIsTheWalksStream(t *testing.T) {
+	layer := keptLayer(t)
+	inline := Inline{Max: 8 << 10, Budget: 100 << 10}
+	path := filepath.Join(t.TempDir(), "layer.stubs")
+	kept, err := KeepStubs(t.Context(), layer, inline, path)
+	require.NoError(t, err)
+	require.Positive(t, kept.Entries)
+	for _, enc := range []Encoding{S2, Raw, Zstd, Gzip} {
+		for _, swarm := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s swarm=%v", enc, swarm), func(t *testing.T) {
+				walked := layer
+				walked.swarm = swarm
+				var want, got bytes.Buffer
+				wantSum, err := PackFirst(t.Context(), walked, nil, &want, enc, StubTar, inline)
+				require.NoError(t, err)
+				gotSum, err := ServeKept(path, inline, &got, enc, swarm)
+				require.NoError(t, err)
+				require.Equal(t, wantSum, gotSum)
+				require.Equal(t, decoded(t, want.Bytes(), enc), decoded(t, got.Bytes(), enc))
+			})
+		}
+	}
+	matches, err := filepath.Glob(path + "*")
+	require.NoError(t, err)
+	require.Equal(t, []string{path}, matches, "nothing left aside")
+}
+
+// A request the kept stream does not serve, or a kept stream that does
+// not read whole, sends nothing and answers ErrNotKept; one that does not
+// read whole is removed, and a file no stream is kept in is left alone.
+func TestServeKeptRefuses(t *testing.T) {
+	layer := keptLayer(t)
+	inline := Inline{Max: 8 << 10, Budget: 100 << 10}
+	src := filepath.Join(t.TempDir(), "layer.stubs")
+	_, err := KeepStubs(t.Context(), layer, inline, src)
+	require.NoError(t, err)
+	good, err := os.ReadFile(src)
+	require.NoError(t, err)
+	tail := len(keptMagic) + 8 + 4
+	footerAt := len(good) - tail - int(binary.LittleEndian.Uint32(good[len(good)-tail:]))
+
+	flip := func(at int) func([]byte) []byte {
+		return func(b []byte) []byte { b[at] ^= 0x10; return b }
+	}
+	tests := []struct {
+		name    string
+		file    func([]byte) []byte // nil: no file
+		inline  Inline
+		removed bool
+	}{
+		{name: "nothing kept", inline: inline},
+		{name: "another inline", file: func(b []byte) []byte { return b }, inline: Inline{Max: inline.Max, Budget: inline.Budget + 1}},
+		{name: "a byte of the stream rotted", file: flip(footerAt / 2), inline: inline, removed: true},
+		{name: "its first byte rotted", file: flip(0), inline: inline, removed: true},
+		{name: "the footer rotted", file: flip(footerAt + 3), inline: inline, removed: true},
+		{name: "the footer's length rotted", file: flip(len(good) - tail + 1), inline: inline, removed: true},
+		{name: "the footer's digest rotted", file: flip(len(good) - tail + 5), inline: inline, removed: true},
+		{name: "the magic rotted", file: flip(len(good) - 1), inline: inline, removed: true},
+		{name: "cut short", file: func(b []byte) []byte { return b[:len(b)/2] }, inline: inline, removed: true},
+		{name: "cut to the footer", file: func(b []byte) []byte { return b[footerAt:] }, inline: inline, removed: true},
+		{name: "empty", file: func([]byte) []byte { return nil }, inline: inline, removed: true},
+		{name: "grown", file: func(b []byte) []byte { return append([]byte("x"), b...) }, inline: inline, removed: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "layer.stubs")
+			if tc.file != nil {
+				require.NoError(t, os.WriteFile(path, tc.file(bytes.Clone(good)), 0o600))
+			}
+			var wire bytes.Buffer
+			_, err := ServeKept(path, tc.inline, &wire, S2, false)
+			require.ErrorIs(t, err, ErrNotKept)
+			require.Zero(t, wire.Len(), "nothing sent")
+			_, err = os.Stat(path)
+			if tc.removed || tc.file == nil {
+				require.ErrorIs(t, err, os.ErrNotExist)
+			} else {
+				require.NoError(t, err, "a stream kept for another request stays")
+			}
+		})
+	}
+}
+
+// A layer that rotted since its sums were taken is not kept: the kept
+// stream carries its small files, and must carry what was captured.
+func TestKeepStubsOfARottenLayer(t *testing.T) {
+	layer := keptLayer(t)
+	require.NoError(t, os.WriteFile(filepath.Join(layer.Dir, "f-03"), bytes.Repeat([]byte{4}, 3000), 0o644))
+	path := filepath.Join(t.TempDir(), "layer.stubs")
+	_, err := KeepStubs(t.Context(), layer, Inline{Max: 8 << 10, Budget: 100 << 10}, path)
+	require.ErrorIs(t, err, ErrRotten)
+	matches, err := filepath.Glob(path + "*")
+	require.NoError(t, err)
+	require.Empty(t, matches, "nothing kept, nothing left aside")
+}
