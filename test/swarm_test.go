@@ -129,6 +129,34 @@ func TestSwarmPulls(t *testing.T) {
 		require.Equal(t, served+2, metricValue(t, a.env, servedOK), "the holder sent one stub tree and one stream of data")
 	})
 
+	t.Run("an eager and a lazy puller: the data crosses the holder's link once", func(t *testing.T) {
+		want := captured("mixed", 4, 0)
+		eager, lazy := pullers[2], f.node("node-g", testfs.XFS, 1<<30, swarm, "--pull-mode=lazy")
+		served := metricValue(t, a.env, servedOK)
+		relayed := metricValue(t, a.env, `cowvol_swarm_joins_total{from="relay"}`)
+		var wg sync.WaitGroup
+		var got testfs.Tree
+		errs := make([]error, 2)
+		wg.Add(2)
+		go func() { defer wg.Done(); got, errs[0] = publish(eager, "mixed") }()
+		go func() {
+			defer wg.Done()
+			v := lazy.volume(map[string]string{driver.AttrSource: "mixed"}, true)
+			if errs[1] = lazy.publishWaiting(v); errs[1] == nil {
+				lazy.umount(v)
+			}
+		}()
+		wg.Wait()
+		require.NoError(t, errs[0])
+		require.NoError(t, errs[1])
+		require.Equal(t, want, got, "the eager copy is the holder's")
+		eventually(t, "the lazily pulled volume filled", func() bool { return volumeState(t, lazy.env, "mixed") == "ready" })
+		lazy.read("mixed", func(dir string) { require.Equal(t, want, testfs.Describe(t, dir)) })
+		require.Equal(t, served+2, metricValue(t, a.env, servedOK), "the holder sent the lazy puller's stub tree, and the layer once")
+		require.Equal(t, relayed+1, metricValue(t, a.env, `cowvol_swarm_joins_total{from="relay"}`), "one puller took the other's stream")
+		require.Zero(t, pulls(eager, "relay_failed")+pulls(lazy, "relay_failed"))
+	})
+
 	t.Run("a relay that dies mid-stream sends its puller to the holder", func(t *testing.T) {
 		want := captured("wide-2", 2, 0)
 		b, c := pullers[0], pullers[1]

@@ -239,6 +239,14 @@ func (s *lazySource) fetchExtent(ctx context.Context, e index.Extent, w io.Write
 // those first names in that order; files readers are filling already are
 // skipped. A stream that breaks off moves on from its holder; one that a
 // relay broke off does not (the rest comes file by file).
+//
+// In a swarm, with no read order, the stream is the one an eager pull
+// takes (the whole layer in the walk's order, the small files the stub
+// tree carried too): one swarm for the layer whatever its members' pull
+// modes, so that the holder sends it once, for about 120 bytes an entry of
+// metadata more and the small files again. A read order keeps a stream of
+// its own (an eager puller cannot take files before their dirs): the
+// order is what its readers wait on.
 func (s *lazySource) stream(ctx context.Context, offer func(rel string, write func(w io.WriterAt) error) error, first []string) error {
 	client, peer, err := s.current(ctx, bulkLane)
 	if err != nil {
@@ -247,6 +255,9 @@ func (s *lazySource) stream(ctx context.Context, offer func(rel string, write fu
 	cfg := s.pl.cfg
 	ls := streamer.LayerStream{Namespace: s.namespace, Ref: s.layer.Ref, Via: s.top.Ref, Encoding: cfg.Encoding, Shape: streamer.DataTar,
 		Inline: s.inlined, First: first}
+	if len(first) == 0 && s.pl.swarms(s.layer) {
+		ls.Shape, ls.Inline = streamer.SparseTar, streamer.Inline{}
+	}
 	err = s.pl.inSwarm(client, ls, s.top, s.layer, false, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) error {
 		sum, err := from.PullLayerFiles(ctx, ls, sw, nil, cfg.Limits, s.counted(offer))
 		if err == nil {

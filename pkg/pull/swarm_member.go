@@ -117,12 +117,18 @@ func (pl *Puller) inSwarm(holder *streamer.Client, s streamer.LayerStream, top, 
 	})
 }
 
+// swarms says whether this node pulls l's streams as a member of their
+// swarms: it serves peers, and l is at least SwarmMinBytes.
+func (pl *Puller) swarms(l streamer.Layer) bool {
+	return pl.cfg.RelayAddress != "" && pl.cfg.SwarmMinBytes > 0 && l.SizeBytes >= pl.cfg.SwarmMinBytes
+}
+
 // joinSwarm makes this node a member of the swarm of stream s at the
 // layer's holder, if the layer is large enough and the node serves peers:
 // a copy of the stream to relay, and the source to pull from. The zero
 // member (no swarm) pulls from the holder as before.
 func (pl *Puller) joinSwarm(holder *streamer.Client, s streamer.LayerStream, top, l streamer.Layer) swarmMember {
-	if pl.cfg.RelayAddress == "" || pl.cfg.SwarmMinBytes <= 0 || l.SizeBytes < pl.cfg.SwarmMinBytes {
+	if !pl.swarms(l) {
 		return swarmMember{}
 	}
 	token := streamer.NewRelayToken()
