@@ -49,11 +49,14 @@ func TestCopyIndex(t *testing.T) {
 			t.Cleanup(func() { require.NoError(t, unix.Unmount(mnt, unix.MNT_DETACH)) })
 
 			// A file of a block or more is cloned (its last block's part
-			// copied), a smaller one copied.
+			// copied), a smaller one copied: a block of the blob's, as
+			// CopyIndex takes it.
+			var blobSt unix.Stat_t
+			require.NoError(t, unix.Stat(blob, &blobSt))
 			at, withBlocks, underABlock := layout.Offsets(), 0, 0
 			for _, e := range layout.Extents {
 				switch {
-				case e.Size >= 4096:
+				case e.Size >= int64(blobSt.Blksize):
 					withBlocks++
 				case e.Size > 0:
 					underABlock++
