@@ -101,7 +101,8 @@ func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
 // it).
 //
 // The layer's file sums go with it: kept since its capture (or its pull),
-// or computed now, held, if this is the first a peer asks for them.
+// or computed now, held, if this is the first a peer asks for them; and
+// where its stub tree is kept, if it is (keepStubs).
 func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.LayerFiles, func(), error) {
 	// Hold first, then look: the reaper looks at holds after the state,
 	// so a volume seen servable here cannot be freed under the stream.
