@@ -226,6 +226,29 @@ func lazyPull(t *testing.T, form pullForm) {
 	b.noLeaks(t)
 }
 
+// A layer whose stub tree its holder does not keep (made before trees were
+// kept, or its kept tree lost) is walked for the first pull of its stubs,
+// and kept from then on.
+func TestLazyPullOfATreeNotKept(t *testing.T) {
+	a, b, _ := lazyNodes(t)
+	a.step("", "src", func(dir string) {
+		for i := range keptStubsMin {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, strconv.Itoa(i)), []byte(strconv.Itoa(i*i)), 0o644))
+		}
+	})
+	eventually(t, "A to keep the source's stub tree", func() bool { return keptStubs(t, a, "src") })
+	kept, err := filepath.Glob(filepath.Join(a.p.StateDir, "volumes", "ci", "src", "*.stubs"))
+	require.NoError(t, err)
+	require.NoError(t, os.Remove(kept[0]))
+
+	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+	require.NoError(t, b.publishWaiting(v))
+	require.Equal(t, 1.0, metricValue(t, a, `cowvol_peer_stub_trees_served_total{source="walked"}`))
+	require.Equal(t, strconv.Itoa(77*77), readFile(t, v.Target, "77"))
+	b.umount(v)
+	eventually(t, "A to keep the tree it walked", func() bool { return keptStubs(t, a, "src") })
+}
+
 // keptStubsMin is the fewest files a layer has for its node to keep its
 // stub tree (pkg/node's).
 const keptStubsMin = 4096

@@ -102,7 +102,8 @@ func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
 //
 // The layer's file sums go with it: kept since its capture (or its pull),
 // or computed now, held, if this is the first a peer asks for them; and
-// where its stub tree is kept, if it is (keepStubs).
+// where its stub tree is kept, if it is (keepStubs), or is kept once a
+// pull of its stubs has walked it.
 func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.LayerFiles, func(), error) {
 	// Hold first, then look: the reaper looks at holds after the state,
 	// so a volume seen servable here cannot be freed under the stream.
@@ -123,7 +124,11 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.Lay
 		release()
 		return streamer.LayerFiles{}, nil, err
 	}
-	return streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums, Kept: h.e.store.StubsPath(v)}, func() {
+	// A layer whose tree was not kept after it was made (made before
+	// trees were kept, flattened, or its kept tree removed) is kept once
+	// a pull of its stubs has walked it.
+	walked := func() { h.e.goBackground(func() { _ = h.e.sumLayer(v, false) }) }
+	return streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums, Kept: h.e.store.StubsPath(v), Walked: walked}, func() {
 		release()
 		h.e.streamEnded(r)
 	}, nil

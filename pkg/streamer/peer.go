@@ -88,6 +88,9 @@ type LayerFiles struct {
 	// Kept is where the layer's stub tree may be kept as a stream
 	// (KeepStubs): a pull of its stubs is served from there if it is.
 	Kept string
+	// Walked (if set) is told that a pull of the layer's stubs walked the
+	// layer, nothing kept serving it: the holder may keep it now.
+	Walked func()
 	// swarm: the stream is a swarm's, its digest SHA-256 (see counter).
 	swarm bool
 }
@@ -369,10 +372,13 @@ func (s *Server) packFirst(ctx context.Context, layer LayerFiles, p pullRequest,
 			return sum, true, err
 		}
 	}
+	sum, err = PackFirst(ctx, layer, p.first, w, p.enc, p.shape, p.inline)
 	if p.shape == StubTar {
 		s.metrics.stubTree(false)
+		if layer.Walked != nil {
+			layer.Walked()
+		}
 	}
-	sum, err = PackFirst(ctx, layer, p.first, w, p.enc, p.shape, p.inline)
 	return sum, false, err
 }
 
