@@ -226,6 +226,8 @@ func (e *Engine) keepStubs(v cache.Volume, sums filesum.Table) {
 	switch {
 	case errors.Is(err, streamer.ErrRotten):
 		peerHolder{e}.Rotten(v.Ref(), err)
+	case e.bgCtx.Err() != nil:
+		// Stopping: the next start keeps it, once a pull walks it.
 	case err != nil:
 		klog.ErrorS(err, "Keeping a layer's stub tree failed; pulls of its stubs walk the layer", "volume", v.Ref())
 	default:
