@@ -31,6 +31,21 @@ func keptLayer(t *testing.T) LayerFiles {
 	return LayerFiles{Dir: dir, Sums: sums}
 }
 
+// keptInline is the Inline the tests keep stub trees with.
+var keptInline = Inline{Max: 8 << 10, Budget: 100 << 10}
+
+// keepLayer keeps a keptLayer's stub tree, and returns the layer and
+// where its tree is kept.
+func keepLayer(t *testing.T) (LayerFiles, string) {
+	t.Helper()
+	layer := keptLayer(t)
+	path := filepath.Join(t.TempDir(), "layer.stubs")
+	kept, err := KeepStubs(t.Context(), layer, keptInline, path)
+	require.NoError(t, err)
+	require.Positive(t, kept.Entries)
+	return layer, path
+}
+
 // decoded is a stream in enc, decoded.
 func decoded(t *testing.T, wire []byte, enc Encoding) []byte {
 	t.Helper()
@@ -46,12 +61,8 @@ func decoded(t *testing.T, wire []byte, enc Encoding) []byte {
 // makes, in any encoding, with the summary (size, entries, digest of a
 // swarm's stream or not) the walk's trailer would say.
 func TestServeKeptIsTheWalksStream(t *testing.T) {
-	layer := keptLayer(t)
-	inline := Inline{Max: 8 << 10, Budget: 100 << 10}
-	path := filepath.Join(t.TempDir(), "layer.stubs")
-	kept, err := KeepStubs(t.Context(), layer, inline, path)
-	require.NoError(t, err)
-	require.Positive(t, kept.Entries)
+	layer, path := keepLayer(t)
+	inline := keptInline
 	for _, enc := range []Encoding{S2, Raw, Zstd, Gzip} {
 		for _, swarm := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s swarm=%v", enc, swarm), func(t *testing.T) {
@@ -76,11 +87,8 @@ func TestServeKeptIsTheWalksStream(t *testing.T) {
 // not read whole, sends nothing and answers ErrNotKept; one that does not
 // read whole is removed, and a file no stream is kept in is left alone.
 func TestServeKeptRefuses(t *testing.T) {
-	layer := keptLayer(t)
-	inline := Inline{Max: 8 << 10, Budget: 100 << 10}
-	src := filepath.Join(t.TempDir(), "layer.stubs")
-	_, err := KeepStubs(t.Context(), layer, inline, src)
-	require.NoError(t, err)
+	_, src := keepLayer(t)
+	inline := keptInline
 	good, err := os.ReadFile(src)
 	require.NoError(t, err)
 	tail := len(keptMagic) + 8 + 4
@@ -134,7 +142,7 @@ func TestKeepStubsOfARottenLayer(t *testing.T) {
 	layer := keptLayer(t)
 	require.NoError(t, os.WriteFile(filepath.Join(layer.Dir, "f-03"), bytes.Repeat([]byte{4}, 3000), 0o644))
 	path := filepath.Join(t.TempDir(), "layer.stubs")
-	_, err := KeepStubs(t.Context(), layer, Inline{Max: 8 << 10, Budget: 100 << 10}, path)
+	_, err := KeepStubs(t.Context(), layer, keptInline, path)
 	require.ErrorIs(t, err, ErrRotten)
 	matches, err := filepath.Glob(path + "*")
 	require.NoError(t, err)
