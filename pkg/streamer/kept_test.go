@@ -2,14 +2,18 @@ package streamer
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/filesum"
@@ -147,4 +151,42 @@ func TestKeepStubsOfARottenLayer(t *testing.T) {
 	matches, err := filepath.Glob(path + "*")
 	require.NoError(t, err)
 	require.Empty(t, matches, "nothing kept, nothing left aside")
+}
+
+// Whatever lies where a stub tree is kept, ServeKept does not crash, and
+// when it answers ErrNotKept it has sent nothing: a holder then walks the
+// layer instead, and the puller must get one stream, not the start of two.
+func FuzzServeKept(f *testing.F) {
+	// Each refused file is logged: tens of thousands of lines otherwise.
+	klog.LogToStderr(false)
+	klog.SetOutput(io.Discard)
+	dir := filepath.Join(f.TempDir(), "layer")
+	require.NoError(f, os.MkdirAll(filepath.Join(dir, "d"), 0o755))
+	for i := range 20 {
+		require.NoError(f, os.WriteFile(filepath.Join(dir, "d", strconv.Itoa(i)), bytes.Repeat([]byte{byte(i)}, 600*i), 0o644))
+	}
+	sums, err := filesum.OfTree(context.Background(), dir)
+	require.NoError(f, err)
+	path := filepath.Join(f.TempDir(), "layer.stubs")
+	_, err = KeepStubs(context.Background(), LayerFiles{Dir: dir, Sums: sums}, keptInline, path)
+	require.NoError(f, err)
+	good, err := os.ReadFile(path)
+	require.NoError(f, err)
+	f.Add(good, false)
+	f.Add(good, true)
+	f.Add(good[:len(good)-1], false)
+	f.Add(good[len(good)/2:], true)
+	f.Fuzz(func(t *testing.T, file []byte, raw bool) {
+		path := filepath.Join(t.TempDir(), "layer.stubs")
+		require.NoError(t, os.WriteFile(path, file, 0o600))
+		enc := S2
+		if raw {
+			enc = Raw
+		}
+		var wire bytes.Buffer
+		_, err := ServeKept(path, keptInline, &wire, enc, false)
+		if errors.Is(err, ErrNotKept) {
+			require.Zero(t, wire.Len(), "sent something, then said nothing was kept")
+		}
+	})
 }
