@@ -124,11 +124,14 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.Lay
 		release()
 		return streamer.LayerFiles{}, nil, err
 	}
-	// A layer whose tree was not kept after it was made (made before
-	// trees were kept, flattened, or its kept tree removed) is kept once
-	// a pull of its stubs has walked it.
-	walked := func() { h.e.goBackground(func() { _ = h.e.sumLayer(v, false) }) }
-	return streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums, Kept: h.e.store.StubsPath(v), Walked: walked}, func() {
+	layer := streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums, Kept: h.e.store.StubsPath(v)}
+	if keepsStubs(sums) {
+		// A layer whose tree was not kept after it was made (made
+		// before trees were kept, flattened, or its kept tree removed)
+		// is kept once a pull of its stubs has walked it.
+		layer.Walked = func() { h.e.goBackground(func() { _ = h.e.sumLayer(v, false) }) }
+	}
+	return layer, func() {
 		release()
 		h.e.streamEnded(r)
 	}, nil
@@ -201,13 +204,17 @@ func wakeAfterStream(v cache.Volume, err error, overHigh bool) (reap, tidy bool)
 // nothing.
 const keptStubsMin = 4096
 
+// keepsStubs says whether the stub tree of a layer whose file sums are
+// sums is kept.
+func keepsStubs(sums filesum.Table) bool { return len(sums) >= keptStubsMin }
+
 // keepStubs keeps the stub tree of v's layer (whose file sums are sums) as
 // a stream beside it, if it is big enough and not kept yet: what the pulls
 // of its stubs (lazy and index pulls) are served from, without the walk
 // that was most of their publish. The layer is held while it is read.
 func (e *Engine) keepStubs(v cache.Volume, sums filesum.Table) {
 	path := e.store.StubsPath(v)
-	if len(sums) < keptStubsMin {
+	if !keepsStubs(sums) {
 		return
 	}
 	if _, err := os.Stat(path); err == nil {
