@@ -25,6 +25,15 @@ type pullForm struct {
 
 var pullForms = []pullForm{{name: "stubs"}, {name: "index", index: true}}
 
+// stubTree is the form of stub tree the form's puller asks for, as the
+// holder's metrics say it.
+func (f pullForm) stubTree() string {
+	if f.index {
+		return "records"
+	}
+	return "tar"
+}
+
 // lazyNodesAs are lazyNodesAt whose B pulls in form.
 func lazyNodesAs(t *testing.T, form pullForm, rate int, bArgs ...string) (a, b *env, proxy *cuttableProxy) {
 	t.Helper()

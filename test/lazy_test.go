@@ -189,8 +189,9 @@ func lazyPull(t *testing.T, form pullForm) {
 	if form.index {
 		require.Len(t, erofsMountsUnder(t, b.p.StateDir), 1, "the source is an index mounted under the step's overlay")
 	}
-	require.Equal(t, 1.0, metricValue(t, a, `cowvol_peer_stub_trees_served_total{source="kept"}`), "B published A's kept stub tree")
-	require.Zero(t, metricValue(t, a, `cowvol_peer_stub_trees_served_total{source="walked"}`))
+	require.Equal(t, 1.0, metricValue(t, a, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="kept"}`, form.stubTree())),
+		"B published A's kept stub tree, as %s", form.stubTree())
+	require.Zero(t, metricValue(t, a, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="walked"}`, form.stubTree())))
 	require.Equal(t, strconv.Itoa(77*77), readFile(t, filepath.Join(v.Target, "many"), "77"))
 	out, err := exec.Command(filepath.Join(v.Target, "true")).CombinedOutput()
 	require.NoError(t, err, "running a program from a lazy input: %s", out)
@@ -230,7 +231,13 @@ func lazyPull(t *testing.T, form pullForm) {
 // kept, or its kept tree lost) is walked for the first pull of its stubs,
 // and kept from then on.
 func TestLazyPullOfATreeNotKept(t *testing.T) {
-	a, b, _ := lazyNodes(t)
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) { lazyPullOfATreeNotKept(t, form) })
+	}
+}
+
+func lazyPullOfATreeNotKept(t *testing.T, form pullForm) {
+	a, b, _ := lazyNodesAs(t, form, 0)
 	a.step("", "src", func(dir string) {
 		for i := range keptStubsMin {
 			require.NoError(t, os.WriteFile(filepath.Join(dir, strconv.Itoa(i)), []byte(strconv.Itoa(i*i)), 0o644))
@@ -243,7 +250,7 @@ func TestLazyPullOfATreeNotKept(t *testing.T) {
 
 	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
 	require.NoError(t, b.publishWaiting(v))
-	require.Equal(t, 1.0, metricValue(t, a, `cowvol_peer_stub_trees_served_total{source="walked"}`))
+	require.Equal(t, 1.0, metricValue(t, a, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="walked"}`, form.stubTree())))
 	require.Equal(t, strconv.Itoa(77*77), readFile(t, v.Target, "77"))
 	b.umount(v)
 	eventually(t, "A to keep the tree it walked", func() bool { return keptStubs(t, a, "src") })

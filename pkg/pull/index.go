@@ -118,7 +118,7 @@ func writeIndex(tree *index.Tree, dir string) (*index.Layout, error) {
 // makes it a filling volume whose data is fetched behind.
 func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
-	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
+	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubRecords,
 		Inline: streamer.StubInline}
 	var layout *index.Layout
 	var blob *fill.Blob

@@ -2,6 +2,7 @@ package streamer
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -16,10 +17,12 @@ import (
 	"github.com/concourse/cowvol/pkg/index"
 )
 
-// IndexStubs reads a StubTar stream as UnpackStubs does, but makes nothing
-// on disk: it learns the tree into an index.Tree, which its caller writes
-// as the image it mounts, whatever the tree's file count. It checks every
-// entry as an extraction does (names, xattrs, links to files before them,
+// IndexStubs reads a stub tree, a StubRecords stream or a StubTar one (a
+// holder that knows no records sends the tar; their first bytes tell
+// them apart), as UnpackStubs reads a StubTar, but makes nothing on disk:
+// it learns the tree into an index.Tree, which its caller writes as the
+// image it mounts, whatever the tree's file count. It checks every entry
+// as an extraction does (names, xattrs, links to files before them,
 // devices, the small files inline asked for and their sums), and takes
 // only a packer's stream, its root first. The tree's small files carry
 // their data, and its regular files their sums where lim.Summed.
@@ -28,7 +31,15 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 		return nil, Summary{}, errors.New("a stub tree is a peer's stream, never strict")
 	}
 	x := &indexer{lim: lim, inline: inline}
-	sum, err := readArchive(ctx, r, enc, lim, x.entry)
+	sum, err := readDecoded(r, enc, lim, func(in io.Reader) (int64, error) {
+		br, release := fromPool[*bufio.Reader](&bufReaders, in)
+		defer release()
+		if magic, err := br.Peek(len(recordsMagic)); err == nil && string(magic) == recordsMagic {
+			_, _ = br.Discard(len(recordsMagic))
+			return x.records(ctx, br)
+		}
+		return readTar(ctx, br, lim, x.entry)
+	})
 	if err == nil && x.tree == nil {
 		err = refused("an empty stub tree")
 	}
@@ -51,20 +62,100 @@ type indexer struct {
 	listing filesum.Listing
 }
 
+// records learns the records of br, past their magic, to their end.
+func (x *indexer) records(ctx context.Context, br *bufio.Reader) (int64, error) {
+	rr := recordReader{r: br}
+	var entries int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return 0, err
+		}
+		rec, err := rr.next()
+		if errors.Is(err, io.EOF) {
+			return entries, nil
+		}
+		if err != nil {
+			return 0, err
+		}
+		if entries++; entries > x.lim.Entries {
+			return 0, refused("more than %d entries", x.lim.Entries)
+		}
+		if err := x.record(rec); err != nil {
+			return 0, err
+		}
+	}
+}
+
+// record learns one record, checked as entry checks a tar's.
+func (x *indexer) record(rec *record) error {
+	name := rec.name
+	if x.tree == nil && name == "" && rec.kind == recDir {
+		name = rootName
+	} else if err := x.started(name); err != nil {
+		return err
+	} else if name, err := cleanName(name); err != nil || name != rec.name {
+		return refused("entry name %q", rec.name)
+	}
+	if rec.kind == recLink {
+		target, err := cleanName(rec.target)
+		if err != nil || target != rec.target {
+			return refused("%s: hardlink to %q", name, rec.target)
+		}
+		return x.link(name, target)
+	}
+	for k, v := range rec.xattrs {
+		if err := checkXattr(name, k, v, false); err != nil {
+			return err
+		}
+	}
+	e := index.Entry{Name: name, Xattrs: rec.xattrs}
+	e.Stat.Uid, e.Stat.Gid = rec.uid, rec.gid
+	e.Stat.Mtim = unix.NsecToTimespec(rec.mtime)
+	switch rec.kind {
+	case recDir:
+		e.Stat.Mode = unix.S_IFDIR | rec.mode
+		if name == rootName {
+			return x.root(e)
+		}
+	case recFile, recStub:
+		e.Stat.Mode, e.Stat.Size, e.Sum = unix.S_IFREG|rec.mode, rec.size, rec.sum
+		if !rec.summed && x.lim.Summed {
+			return refused("%s: a layer's file with no sum", name)
+		}
+		var data func([]byte) error
+		if rec.kind == recFile {
+			data = func(b []byte) error { copy(b, rec.data); return nil }
+		}
+		if err := x.regular(&e, data); err != nil {
+			return err
+		}
+	case recSymlink:
+		e.Stat.Mode, e.Target = unix.S_IFLNK|0o777, rec.target // a symlink's mode is never set
+	case recWhiteout:
+		if rec.major != 0 || rec.minor != 0 {
+			return refused("%s: device node %d:%d (only whiteouts, 0:0, are moved)", name, rec.major, rec.minor)
+		}
+		e.Stat.Mode = unix.S_IFCHR | rec.mode
+	case recFifo:
+		e.Stat.Mode = unix.S_IFIFO | rec.mode
+	}
+	return x.add(e)
+}
+
+// entry learns one entry of a StubTar.
 func (x *indexer) entry(hdr *tar.Header, body io.Reader) error {
-	if x.tree == nil {
-		if hdr.Name != rootName || hdr.Typeflag != tar.TypeDir {
-			return refused("a stub tree whose first entry, %q, is not its root", hdr.Name)
+	if hdr.Name == rootName {
+		if hdr.Typeflag != tar.TypeDir {
+			return refused("a root entry (%q) that is not a dir", hdr.Name)
 		}
 		root, err := x.entryOf(rootName, hdr, unix.S_IFDIR)
 		if err != nil {
 			return err
 		}
-		x.tree, err = index.NewTree(index.Options{KeepSetuid: x.lim.KeepSetuid}, root)
-		return err
+		return x.root(root)
 	}
-	if hdr.Name == rootName {
-		return refused("a root entry (%q) that is not the first", hdr.Name)
+	if err := x.started(hdr.Name); err != nil {
+		return err
 	}
 	name, err := cleanName(hdr.Name)
 	if err != nil {
@@ -84,13 +175,7 @@ func (x *indexer) entry(hdr *tar.Header, body io.Reader) error {
 		if err != nil {
 			return refused("%s: hardlink to %q", name, hdr.Linkname)
 		}
-		if err := x.tree.Link(name, target); err != nil {
-			return refused("%v", err)
-		}
-		if x.lim.Summed {
-			x.listing.Link(name, target)
-		}
-		return nil
+		return x.link(name, target)
 	case tar.TypeChar:
 		if hdr.Devmajor != 0 || hdr.Devminor != 0 {
 			return refused("%s: device node %d:%d (only whiteouts, 0:0, are moved)", name, hdr.Devmajor, hdr.Devminor)
@@ -104,8 +189,70 @@ func (x *indexer) entry(hdr *tar.Header, body io.Reader) error {
 	if err != nil {
 		return err
 	}
+	return x.add(e)
+}
+
+// root starts the tree at its root, the stream's first entry.
+func (x *indexer) root(e index.Entry) error {
+	if x.tree != nil {
+		return refused("a root entry (%q) that is not the first", rootName)
+	}
+	var err error
+	x.tree, err = index.NewTree(index.Options{KeepSetuid: x.lim.KeepSetuid}, e)
+	return err
+}
+
+// started refuses an entry before the root: every entry but the root
+// checks it first.
+func (x *indexer) started(name string) error {
+	if x.tree == nil {
+		return refused("a stub tree whose first entry, %q, is not its root", name)
+	}
+	return nil
+}
+
+func (x *indexer) add(e index.Entry) error {
 	if err := x.tree.Add(e); err != nil {
 		return refused("%v", err)
+	}
+	return nil
+}
+
+// link learns name as a hard link to target, a file before it.
+func (x *indexer) link(name, target string) error {
+	if err := x.tree.Link(name, target); err != nil {
+		return refused("%v", err)
+	}
+	if x.lim.Summed {
+		x.listing.Link(name, target)
+	}
+	return nil
+}
+
+// regular learns the regular file e says (its size and sum set), with its
+// data written by data where the stream carried it whole (nil: a stub).
+func (x *indexer) regular(e *index.Entry, data func([]byte) error) error {
+	if x.lim.Summed {
+		x.listing.File(e.Name, e.Sum)
+	}
+	if data == nil {
+		return nil
+	}
+	// Its size, not its body's: the data is made whole here, and a sparse
+	// map may say a size of terabytes over a body of a few bytes. A packer
+	// inlines by size too.
+	if err := x.inline.take(e.Name, e.Stat.Size); err != nil {
+		return err
+	}
+	x.inlined = e.Name
+	e.Data = make([]byte, e.Stat.Size) // at most inline.Max: holes read as zeros
+	if err := data(e.Data); err != nil {
+		return fmt.Errorf("%s: %w", e.Name, err)
+	}
+	if x.lim.Summed {
+		if err := filesum.Check(bytes.NewReader(e.Data), e.Sum); errors.Is(err, filesum.ErrMismatch) {
+			return fmt.Errorf("%w: %s: %w", ErrCorrupt, e.Name, err)
+		}
 	}
 	return nil
 }
@@ -155,28 +302,17 @@ func (x *indexer) file(name string, hdr *tar.Header, body io.Reader) (index.Entr
 		if e.Sum, err = entrySum(name, hdr); err != nil {
 			return e, err
 		}
-		x.listing.File(name, e.Sum)
 	}
-	if isStub(hdr) {
-		return e, nil
-	}
-	// Its size, not its body's: the data is made whole here, and a sparse
-	// map may say a size of terabytes over a body of a few bytes. A packer
-	// inlines by size too.
-	if err := x.inline.take(name, size); err != nil {
-		return e, err
-	}
-	x.inlined = name
-	e.Data = make([]byte, size) // at most inline.Max: holes read as zeros
-	for _, s := range segments {
-		if _, err := io.ReadFull(body, e.Data[s[0]:s[0]+s[1]]); err != nil {
-			return e, fmt.Errorf("%s: %w", name, err)
+	var data func([]byte) error
+	if !isStub(hdr) {
+		data = func(b []byte) error {
+			for _, s := range segments {
+				if _, err := io.ReadFull(body, b[s[0]:s[0]+s[1]]); err != nil {
+					return err
+				}
+			}
+			return nil
 		}
 	}
-	if x.lim.Summed {
-		if err := filesum.Check(bytes.NewReader(e.Data), e.Sum); errors.Is(err, filesum.ErrMismatch) {
-			return e, fmt.Errorf("%w: %s: %w", ErrCorrupt, name, err)
-		}
-	}
-	return e, nil
+	return e, x.regular(&e, data)
 }

@@ -37,10 +37,19 @@ func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 	sums, err := filesum.OfTree(t.Context(), layer)
 	require.NoError(t, err)
 
-	for _, keepSetuid := range []bool{false, true} {
+	var tarInlined string
+	for _, form := range []struct {
+		shape      Shape
+		keepSetuid bool
+	}{{StubTar, false}, {StubTar, true}, {StubRecords, false}, {StubRecords, true}} {
+		keepSetuid := form.keepSetuid
 		var stubs bytes.Buffer
 		inline := Inline{Max: 64, Budget: 1 << 20}
-		_, err = PackFirst(t.Context(), LayerFiles{Dir: layer, Sums: sums}, nil, &stubs, Raw, StubTar, inline)
+		if form.shape == StubRecords {
+			_, err = PackRecords(t.Context(), LayerFiles{Dir: layer, Sums: sums}, &stubs, Raw, inline)
+		} else {
+			_, err = PackFirst(t.Context(), LayerFiles{Dir: layer, Sums: sums}, nil, &stubs, Raw, StubTar, inline)
+		}
 		require.NoError(t, err)
 		lim := DefaultLimits
 		lim.Summed, lim.KeepSetuid = true, keepSetuid
@@ -57,7 +66,7 @@ func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 		want, err := index.Build(root, &fromDisk, index.Options{KeepSetuid: keepSetuid})
 		unix.Close(root)
 		require.NoError(t, err)
-		require.True(t, bytes.Equal(fromDisk.Bytes(), fromStream.Bytes()), "the image from the stream is the holder's (KeepSetuid %v)", keepSetuid)
+		require.True(t, bytes.Equal(fromDisk.Bytes(), fromStream.Bytes()), "the image from the %s is the holder's (KeepSetuid %v)", form.shape, keepSetuid)
 		require.Equal(t, want.Size, got.Size)
 		require.Len(t, got.Extents, len(want.Extents))
 		inlined := 0
@@ -75,9 +84,15 @@ func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 			require.Equal(t, e.Size <= inline.Max, e.Data != nil, "%s: the small files come whole, no other", e.Path)
 		}
 		require.Positive(t, inlined)
+		if form.shape == StubRecords {
+			require.Equal(t, recordsMagic, string(wire[:len(recordsMagic)]))
+			require.Equal(t, tarInlined, sum.Inlined, "the last file carried whole, as the tar says")
+			continue
+		}
 		unpacked, err := UnpackStubs(t.Context(), bytes.NewReader(wire), Raw, t.TempDir(), lim, inline, func(Stub) error { return nil })
 		require.NoError(t, err)
 		require.Equal(t, unpacked.Inlined, sum.Inlined, "the last file carried whole")
+		tarInlined = sum.Inlined
 	}
 }
 

@@ -19,22 +19,23 @@ import (
 	"github.com/concourse/cowvol/internal/bufpool"
 )
 
-// kept.go: a layer's stub tree kept as a stream. A pull of a layer's stubs
-// (a lazy pull, an index pull) asks the holder for the same StubTar every
-// time, and making it walks the whole tree: at 100,000 files that walk was
-// 2.5 s of a publish's 2.8 s, cold or warm (open, stat and listxattr of
-// every entry). KeepStubs makes the stream once, off any pull's path, into
-// a file the holder names beside the layer; ServeKept sends it from there.
-// A layer does not change once captured, so its kept stream stays right,
-// and it goes with the layer as its sums do (the store's business, not
-// this file's).
+// kept.go: a layer's stub tree kept as streams. A pull of a layer's stubs
+// asks the holder for the same stream every time, a StubTar (a lazy pull)
+// or its records (StubRecords, an index pull), and making it walks the
+// whole tree: at 100,000 files that walk was 2.5 s of a publish's 2.8 s,
+// cold or warm (open, stat and listxattr of every entry). KeepStubs makes
+// both once, off any pull's path, into a file the holder names beside the
+// layer; ServeKept sends either from there. A layer does not change once
+// captured, so its kept streams stay right, and they go with the layer as
+// its sums do (the store's business, not this file's).
 //
-// The file is the stream s2-encoded (what pullers ask for, sent as it
-// lies), then a footer: what the stream's trailer says (its size, its
-// entries and its digests, both kinds) and the Inline it was made with,
-// which a request must match. The footer also holds the XXH64 of the s2
-// bytes, checked before a byte is sent: a kept stream that rotted on disk
-// is dropped and the tree packed as before, and never half sent. Last come
+// The file is the StubTar s2-encoded, then its records s2-encoded (what
+// pullers ask for, sent as they lie), then a footer: for each, where it
+// lies and what its trailer says (its size, its entries and its digests,
+// both kinds); and the Inline they were made with, which a request must
+// match. The footer also holds the XXH64 of each one's s2 bytes, checked
+// before a byte of it is sent: a kept stream that rotted on disk is
+// dropped and the tree packed as before, and never half sent. Last come
 // the footer's length, its own XXH64 and keptMagic.
 
 // StubInline is which small files a pull's stub tree carries whole: those
@@ -50,8 +51,12 @@ var StubInline = Inline{Max: 8 << 10, Budget: 16 << 20}
 // Inline, or the one kept did not read whole): pack the tree instead.
 var ErrNotKept = errors.New("no kept stub tree serves this request")
 
-// keptMagic ends a kept stream's file.
-const keptMagic = "cowvolK1"
+// keptMagic ends a kept stream's file. keptMagicV1 ended those of a file
+// with the StubTar alone, which is replaced.
+const (
+	keptMagic   = "cowvolK2"
+	keptMagicV1 = "cowvolK1"
+)
 
 // maxKeptFooter bounds the footer a reader takes (it is a few hundred
 // bytes).
@@ -59,22 +64,29 @@ const maxKeptFooter = 4096
 
 // keptFooter is what a kept stream's file says of it.
 type keptFooter struct {
-	InlineMax    int64  `json:"inlineMax"`
-	InlineBudget int64  `json:"inlineBudget"`
-	Bytes        int64  `json:"bytes"`   // the tar's, decoded
-	Entries      int64  `json:"entries"` // the tar's
-	XXH64        string `json:"xxh64"`   // the tar's digests, as a trailer says them
-	SHA256       string `json:"sha256"`
-	Body         int64  `json:"body"`      // the s2 bytes before the footer
-	BodyXXH64    string `json:"bodyXXH64"` // theirs
+	InlineMax    int64      `json:"inlineMax"`
+	InlineBudget int64      `json:"inlineBudget"`
+	Tar          keptStream `json:"tar"`
+	Records      keptStream `json:"records"`
+}
+
+// keptStream is one stream of a kept file.
+type keptStream struct {
+	Offset    int64  `json:"offset"`    // of its s2 bytes in the file
+	Body      int64  `json:"body"`      // how many
+	BodyXXH64 string `json:"bodyXXH64"` // theirs
+	Bytes     int64  `json:"bytes"`     // the stream's, decoded
+	Entries   int64  `json:"entries"`
+	XXH64     string `json:"xxh64"` // the stream's digests, as a trailer says them
+	SHA256    string `json:"sha256"`
 }
 
 // KeepStubs packs layer's stub tree (StubTar, the small files inline
-// carries whole) into a new file at path, replacing any there: written
-// aside, synced, then renamed, so that path is whole or absent (a file
-// left aside by a crash is named path.tmp*). It returns the stream's
-// summary (its SHA-256). A file of the layer whose bytes are not its
-// sum's fails it with ErrRotten.
+// carries whole) and its records (StubRecords) into a new file at path,
+// replacing any there: written aside, synced, then renamed, so that path
+// is whole or absent (a file left aside by a crash is named path.tmp*).
+// It returns the StubTar's summary (its SHA-256). A file of the layer
+// whose bytes are not its sum's fails it with ErrRotten.
 func KeepStubs(ctx context.Context, layer LayerFiles, inline Inline, path string) (Summary, error) {
 	f, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".tmp*")
 	if err != nil {
@@ -86,25 +98,26 @@ func KeepStubs(ctx context.Context, layer LayerFiles, inline Inline, path string
 			os.Remove(f.Name())
 		}
 	}()
-	body := newCounter(false)
-	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, io.MultiWriter(f, body))
-	defer releaseBuffer()
-	sw, release := fromPool[*s2.Writer](&s2Writers, io.Writer(bw))
-	defer release()
-	tar := newCounter(false)
-	layer.swarm = true // the pack's digest is the SHA-256; tar's the XXH64
-	sum, err := PackFirst(ctx, layer, nil, io.MultiWriter(sw, tar), Raw, StubTar, inline)
-	if err == nil {
-		err = sw.Close()
-	}
-	if err == nil {
-		err = bw.Flush()
-	}
+	layer.swarm = true // the digests returned are SHA-256s; the XXH64s counted beside
+	foot := keptFooter{InlineMax: inline.Max, InlineBudget: inline.Budget}
+	var sum Summary
+	foot.Tar, err = keepStream(f, 0, func(raw io.Writer) (Summary, error) {
+		sum, err = PackFirst(ctx, layer, nil, raw, Raw, StubTar, inline)
+		return sum, err
+	})
 	if err != nil {
 		return Summary{}, err
 	}
-	footer, err := json.Marshal(keptFooter{InlineMax: inline.Max, InlineBudget: inline.Budget, Bytes: sum.Bytes, Entries: sum.Entries,
-		XXH64: tar.summary(0).Digest, SHA256: sum.Digest, Body: body.n, BodyXXH64: body.summary(0).Digest})
+	// The records are made of the tar just kept, read back: one walk.
+	foot.Records, err = keepStream(f, foot.Tar.Body, func(raw io.Writer) (Summary, error) {
+		sr, release := fromPool[*s2.Reader](&s2Readers, io.Reader(io.NewSectionReader(f, 0, foot.Tar.Body)))
+		defer release()
+		return toRecords(ctx, sr, raw, true)
+	})
+	if err != nil {
+		return Summary{}, err
+	}
+	footer, err := json.Marshal(foot)
 	if err != nil {
 		return Summary{}, err
 	}
@@ -125,15 +138,38 @@ func KeepStubs(ctx context.Context, layer LayerFiles, inline Inline, path string
 	return sum, nil
 }
 
-// ServeKept sends the stub tree kept at path (KeepStubs) to w, encoded
-// with enc, if it was made with inline (the request's), and returns its
-// summary with the digest a stream of a swarm (SHA-256) or not (XXH64)
-// has: what PackFirst of the layer as a StubTar would. Its s2 bytes are
-// checked first, and sent as they lie if enc is s2. ErrNotKept says
-// nothing was sent: pack the tree instead. A kept stream that does not
-// read whole is removed, and said in the log; whoever keeps them keeps
-// the next.
-func ServeKept(path string, inline Inline, w io.Writer, enc Encoding, swarm bool) (Summary, error) {
+// keepStream appends to f, at offset, the stream write writes (raw, and
+// summarises with its SHA-256) s2-encoded, and says what it kept.
+func keepStream(f *os.File, offset int64, write func(raw io.Writer) (Summary, error)) (keptStream, error) {
+	body := newCounter(false)
+	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, io.MultiWriter(f, body))
+	defer releaseBuffer()
+	sw, release := fromPool[*s2.Writer](&s2Writers, io.Writer(bw))
+	defer release()
+	xxh := newCounter(false)
+	sum, err := write(io.MultiWriter(sw, xxh))
+	if err == nil {
+		err = sw.Close()
+	}
+	if err == nil {
+		err = bw.Flush()
+	}
+	if err != nil {
+		return keptStream{}, err
+	}
+	return keptStream{Offset: offset, Body: body.n, BodyXXH64: body.summary(0).Digest, Bytes: sum.Bytes, Entries: sum.Entries,
+		XXH64: xxh.summary(0).Digest, SHA256: sum.Digest}, nil
+}
+
+// ServeKept sends the stub tree kept at path (KeepStubs) as shape says
+// (StubTar or StubRecords) to w, encoded with enc, if it was made with
+// inline (the request's), and returns its summary with the digest a
+// stream of a swarm (SHA-256) or not (XXH64) has: what packing it would.
+// Its s2 bytes are checked first, and sent as they lie if enc is s2.
+// ErrNotKept says nothing was sent: pack the tree instead. A kept file
+// that does not read whole is removed, and said in the log; whoever
+// keeps them keeps the next.
+func ServeKept(path string, inline Inline, shape Shape, w io.Writer, enc Encoding, swarm bool) (Summary, error) {
 	f, err := os.Open(path)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Summary{}, ErrNotKept
@@ -144,14 +180,25 @@ func ServeKept(path string, inline Inline, w io.Writer, enc Encoding, swarm bool
 	}
 	defer f.Close()
 	foot, err := readKept(f)
+	if errors.Is(err, errKeptV1) {
+		klog.V(2).InfoS("A layer's stub tree kept by an earlier version is removed; it is kept again once a pull walks the layer", "path", path)
+		if err := os.Remove(path); err != nil {
+			klog.ErrorS(err, "Removing a stub tree kept by an earlier version", "path", path)
+		}
+		return Summary{}, ErrNotKept
+	}
 	if err == nil && (foot.InlineMax != inline.Max || foot.InlineBudget != inline.Budget || inline.Through != "") {
 		return Summary{}, ErrNotKept
 	}
+	kept := foot.Tar
+	if shape == StubRecords {
+		kept = foot.Records
+	}
 	buf := bufpool.Get(streamBuffer)
 	defer bufpool.Put(buf)
-	body := io.NewSectionReader(f, 0, foot.Body)
+	body := io.NewSectionReader(f, kept.Offset, kept.Body)
 	if err == nil {
-		err = checkKept(body, foot, buf)
+		err = checkKept(body, kept, buf)
 	}
 	if err != nil {
 		klog.ErrorS(err, "A layer's kept stub tree does not read whole: it is removed, and the tree packed from the layer", "path", path)
@@ -160,9 +207,9 @@ func ServeKept(path string, inline Inline, w io.Writer, enc Encoding, swarm bool
 		}
 		return Summary{}, ErrNotKept
 	}
-	sum := Summary{Bytes: foot.Bytes, Entries: foot.Entries, Digest: foot.XXH64}
+	sum := Summary{Bytes: kept.Bytes, Entries: kept.Entries, Digest: kept.XXH64}
 	if swarm {
-		sum.Digest = foot.SHA256
+		sum.Digest = kept.SHA256
 	}
 	if enc == S2 {
 		_, err := io.CopyBuffer(w, body, buf)
@@ -170,42 +217,35 @@ func ServeKept(path string, inline Inline, w io.Writer, enc Encoding, swarm bool
 	}
 	sr, releaseReader := fromPool[*s2.Reader](&s2Readers, io.Reader(body))
 	defer releaseReader()
-	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, w)
-	defer releaseBuffer()
-	ew, release, err := enc.writer(bw)
-	if err != nil {
-		return Summary{}, err
-	}
-	defer release()
-	n, err := io.CopyBuffer(ew, sr, buf)
-	switch {
-	case err != nil:
-	case n != foot.Bytes:
-		err = fmt.Errorf("%s: %d bytes decoded, kept as %d", path, n, foot.Bytes)
-	default:
-		if err = ew.Close(); err == nil {
-			err = bw.Flush()
+	err = encodeTo(w, enc, func(raw io.Writer) error {
+		n, err := io.CopyBuffer(raw, sr, buf)
+		if err == nil && n != kept.Bytes {
+			err = fmt.Errorf("%s: %d bytes decoded, kept as %d", path, n, kept.Bytes)
 		}
-	}
+		return err
+	})
 	return sum, err
 }
 
 // checkKept checks a kept stream's s2 bytes (body, read with buf) against
 // its footer's digest of them, and leaves body at its start.
-func checkKept(body *io.SectionReader, foot keptFooter, buf []byte) error {
+func checkKept(body *io.SectionReader, kept keptStream, buf []byte) error {
 	check := newCounter(false)
 	if _, err := io.CopyBuffer(check, body, buf); err != nil {
 		return err
 	}
-	if got := check.summary(0).Digest; got != foot.BodyXXH64 {
-		return fmt.Errorf("its bytes are %s, kept as %s", got, foot.BodyXXH64)
+	if got := check.summary(0).Digest; got != kept.BodyXXH64 {
+		return fmt.Errorf("its bytes are %s, kept as %s", got, kept.BodyXXH64)
 	}
 	_, err := body.Seek(0, io.SeekStart)
 	return err
 }
 
-// readKept reads the footer of the kept stream open as f, checking that
-// it says a body that fills the file up to it.
+// errKeptV1: a file an earlier version kept (the StubTar alone).
+var errKeptV1 = errors.New("a stub tree kept by an earlier version")
+
+// readKept reads the footer of the kept file open as f, checking that it
+// says streams that fill the file up to it.
 func readKept(f *os.File) (keptFooter, error) {
 	var foot keptFooter
 	st, err := f.Stat()
@@ -220,7 +260,11 @@ func readKept(f *os.File) (keptFooter, error) {
 	if _, err := f.ReadAt(end, st.Size()-tail); err != nil {
 		return foot, err
 	}
-	if string(end[12:]) != keptMagic {
+	switch string(end[12:]) {
+	case keptMagic:
+	case keptMagicV1:
+		return foot, errKeptV1
+	default:
 		return foot, errors.New("not a kept stream")
 	}
 	size := int64(binary.LittleEndian.Uint32(end[:4]))
@@ -237,9 +281,29 @@ func readKept(f *os.File) (keptFooter, error) {
 	if err := json.Unmarshal(raw, &foot); err != nil {
 		return foot, err
 	}
-	if foot.Body != st.Size()-tail-size || foot.Bytes < 0 || foot.Entries < 0 {
-		return foot, fmt.Errorf("a footer that says a body of %d bytes, %d bytes of tar, %d entries, in a file of %d",
-			foot.Body, foot.Bytes, foot.Entries, st.Size())
+	t, r := foot.Tar, foot.Records
+	if t.Offset != 0 || t.Body < 0 || r.Offset != t.Body || r.Body < 0 || r.Offset+r.Body != st.Size()-tail-size ||
+		t.Bytes < 0 || t.Entries < 0 || r.Bytes < 0 || r.Entries < 0 {
+		return foot, fmt.Errorf("a footer that says streams of %d and %d bytes at %d and %d (%d and %d bytes decoded, %d and %d entries), in a file of %d",
+			t.Body, r.Body, t.Offset, r.Offset, t.Bytes, r.Bytes, t.Entries, r.Entries, st.Size())
 	}
 	return foot, nil
+}
+
+// encodeTo writes to w, encoded with enc, what write writes to raw.
+func encodeTo(w io.Writer, enc Encoding, write func(raw io.Writer) error) error {
+	bw, releaseBuffer := fromPool[*bufio.Writer](&bufWriters, w)
+	defer releaseBuffer()
+	ew, release, err := enc.writer(bw)
+	if err != nil {
+		return err
+	}
+	defer release()
+	if err := write(ew); err != nil {
+		return err
+	}
+	if err := ew.Close(); err != nil {
+		return err
+	}
+	return bw.Flush()
 }

@@ -67,19 +67,27 @@ func decoded(t *testing.T, wire []byte, enc Encoding) []byte {
 func TestServeKeptIsTheWalksStream(t *testing.T) {
 	layer, path := keepLayer(t)
 	inline := keptInline
-	for _, enc := range []Encoding{S2, Raw, Zstd, Gzip} {
-		for _, swarm := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s swarm=%v", enc, swarm), func(t *testing.T) {
-				walked := layer
-				walked.swarm = swarm
-				var want, got bytes.Buffer
-				wantSum, err := PackFirst(t.Context(), walked, nil, &want, enc, StubTar, inline)
-				require.NoError(t, err)
-				gotSum, err := ServeKept(path, inline, &got, enc, swarm)
-				require.NoError(t, err)
-				require.Equal(t, wantSum, gotSum)
-				require.Equal(t, decoded(t, want.Bytes(), enc), decoded(t, got.Bytes(), enc))
-			})
+	for _, shape := range []Shape{StubTar, StubRecords} {
+		for _, enc := range []Encoding{S2, Raw, Zstd, Gzip} {
+			for _, swarm := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s %s swarm=%v", shape, enc, swarm), func(t *testing.T) {
+					walked := layer
+					walked.swarm = swarm
+					var want, got bytes.Buffer
+					var wantSum Summary
+					var err error
+					if shape == StubRecords {
+						wantSum, err = PackRecords(t.Context(), walked, &want, enc, inline)
+					} else {
+						wantSum, err = PackFirst(t.Context(), walked, nil, &want, enc, StubTar, inline)
+					}
+					require.NoError(t, err)
+					gotSum, err := ServeKept(path, inline, shape, &got, enc, swarm)
+					require.NoError(t, err)
+					require.Equal(t, wantSum, gotSum)
+					require.Equal(t, decoded(t, want.Bytes(), enc), decoded(t, got.Bytes(), enc))
+				})
+			}
 		}
 	}
 	matches, err := filepath.Glob(path + "*")
@@ -97,6 +105,12 @@ func TestServeKeptRefuses(t *testing.T) {
 	require.NoError(t, err)
 	tail := len(keptMagic) + 8 + 4
 	footerAt := len(good) - tail - int(binary.LittleEndian.Uint32(good[len(good)-tail:]))
+	f, err := os.Open(src)
+	require.NoError(t, err)
+	foot, err := readKept(f)
+	require.NoError(t, f.Close())
+	require.NoError(t, err)
+	recordsAt := int(foot.Records.Offset)
 
 	flip := func(at int) func([]byte) []byte {
 		return func(b []byte) []byte { b[at] ^= 0x10; return b }
@@ -105,11 +119,16 @@ func TestServeKeptRefuses(t *testing.T) {
 		name    string
 		file    func([]byte) []byte // nil: no file
 		inline  Inline
+		shape   Shape // StubTar where unset
 		removed bool
 	}{
 		{name: "nothing kept", inline: inline},
 		{name: "another inline", file: func(b []byte) []byte { return b }, inline: Inline{Max: inline.Max, Budget: inline.Budget + 1}},
-		{name: "a byte of the stream rotted", file: flip(footerAt / 2), inline: inline, removed: true},
+		{name: "a byte of the tar rotted", file: flip(recordsAt / 2), inline: inline, removed: true},
+		{name: "a byte of the records rotted", file: flip((recordsAt + footerAt) / 2), inline: inline, shape: StubRecords, removed: true},
+		{name: "the records' first byte rotted", file: flip(recordsAt), inline: inline, shape: StubRecords, removed: true},
+		{name: "kept by an earlier version", file: func(b []byte) []byte { return append(b[:len(b)-len(keptMagicV1)], keptMagicV1...) },
+			inline: inline, removed: true},
 		{name: "its first byte rotted", file: flip(0), inline: inline, removed: true},
 		{name: "the footer rotted", file: flip(footerAt + 3), inline: inline, removed: true},
 		{name: "the footer's length rotted", file: flip(len(good) - tail + 1), inline: inline, removed: true},
@@ -126,8 +145,12 @@ func TestServeKeptRefuses(t *testing.T) {
 			if tc.file != nil {
 				require.NoError(t, os.WriteFile(path, tc.file(bytes.Clone(good)), 0o600))
 			}
+			shape := tc.shape
+			if shape == PlainTar {
+				shape = StubTar
+			}
 			var wire bytes.Buffer
-			_, err := ServeKept(path, tc.inline, &wire, S2, false)
+			_, err := ServeKept(path, tc.inline, shape, &wire, S2, false)
 			require.ErrorIs(t, err, ErrNotKept)
 			require.Zero(t, wire.Len(), "nothing sent")
 			_, err = os.Stat(path)
@@ -172,19 +195,23 @@ func FuzzServeKept(f *testing.F) {
 	require.NoError(f, err)
 	good, err := os.ReadFile(path)
 	require.NoError(f, err)
-	f.Add(good, false)
-	f.Add(good, true)
-	f.Add(good[:len(good)-1], false)
-	f.Add(good[len(good)/2:], true)
-	f.Fuzz(func(t *testing.T, file []byte, raw bool) {
+	f.Add(good, false, false)
+	f.Add(good, true, true)
+	f.Add(good[:len(good)-1], false, true)
+	f.Add(good[len(good)/2:], true, false)
+	f.Fuzz(func(t *testing.T, file []byte, raw, records bool) {
 		path := filepath.Join(t.TempDir(), "layer.stubs")
 		require.NoError(t, os.WriteFile(path, file, 0o600))
 		enc := S2
 		if raw {
 			enc = Raw
 		}
+		shape := StubTar
+		if records {
+			shape = StubRecords
+		}
 		var wire bytes.Buffer
-		_, err := ServeKept(path, keptInline, &wire, enc, false)
+		_, err := ServeKept(path, keptInline, shape, &wire, enc, false)
 		if errors.Is(err, ErrNotKept) {
 			require.Zero(t, wire.Len(), "sent something, then said nothing was kept")
 		}

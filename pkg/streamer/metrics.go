@@ -34,8 +34,8 @@ func NewMetrics() *Metrics {
 		}, []string{"result"}),
 		stubs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_peer_stub_trees_served_total",
-			Help: "Stub trees (what lazy and index pulls publish from) streamed to pulling peers, by source: kept (made once, beside the layer) or walked (packed from the layer as asked).",
-		}, []string{"source"}),
+			Help: "Stub trees (what lazy and index pulls publish from) streamed to pulling peers, by source: kept (made once, beside the layer) or walked (packed from the layer as asked); and by form: tar (a lazy pull's) or records (an index pull's).",
+		}, []string{"source", "form"}),
 	}
 }
 
@@ -79,13 +79,16 @@ func (m *Metrics) relayed(enc Encoding, sent int64, err error) {
 	m.sentWire.WithLabelValues(string(enc)).Add(float64(sent))
 }
 
-func (m *Metrics) stubTree(kept bool) {
+func (m *Metrics) stubTree(kept bool, shape Shape) {
 	if m == nil {
 		return
 	}
-	source := "walked"
+	source, form := "walked", "tar"
 	if kept {
 		source = "kept"
 	}
-	m.stubs.WithLabelValues(source).Inc()
+	if shape == StubRecords {
+		form = "records"
+	}
+	m.stubs.WithLabelValues(source, form).Inc()
 }

@@ -287,6 +287,10 @@ func parsePull(req *peerv1.PullLayerRequest) (pullRequest, error) {
 	switch {
 	case req.GetStubs() && req.GetDataOnly():
 		return pullRequest{}, status.Error(codes.InvalidArgument, "data_only fills stubs: not with stubs")
+	case req.GetRecords() && !req.GetStubs():
+		return pullRequest{}, status.Error(codes.InvalidArgument, "records are a stub tree's form: only with stubs")
+	case req.GetRecords():
+		p.shape = StubRecords
 	case req.GetStubs():
 		p.shape = StubTar
 	case req.GetDataOnly():
@@ -365,16 +369,20 @@ func (s *Server) PullLayer(req *peerv1.PullLayerRequest, stream grpc.ServerStrea
 // packFirst streams the layer as p asks (PackFirst), a stub tree from
 // where it is kept if it is (kept says so).
 func (s *Server) packFirst(ctx context.Context, layer LayerFiles, p pullRequest, w io.Writer) (sum Summary, kept bool, err error) {
-	if p.shape == StubTar && layer.Kept != "" {
-		sum, err = ServeKept(layer.Kept, p.inline, w, p.enc, layer.swarm)
+	if p.shape.stubs() && layer.Kept != "" {
+		sum, err = ServeKept(layer.Kept, p.inline, p.shape, w, p.enc, layer.swarm)
 		if !errors.Is(err, ErrNotKept) {
-			s.metrics.stubTree(true)
+			s.metrics.stubTree(true, p.shape)
 			return sum, true, err
 		}
 	}
-	sum, err = PackFirst(ctx, layer, p.first, w, p.enc, p.shape, p.inline)
-	if p.shape == StubTar {
-		s.metrics.stubTree(false)
+	if p.shape == StubRecords {
+		sum, err = PackRecords(ctx, layer, w, p.enc, p.inline)
+	} else {
+		sum, err = PackFirst(ctx, layer, p.first, w, p.enc, p.shape, p.inline)
+	}
+	if p.shape.stubs() {
+		s.metrics.stubTree(false, p.shape)
 		if layer.Walked != nil {
 			layer.Walked()
 		}
@@ -621,8 +629,9 @@ type LayerStream struct {
 	Encoding  Encoding
 	// Shape is SparseTar (the whole layer), StubTar (its tree with the
 	// files as stubs, but the small ones Inline's Max and Budget carry
-	// whole) or DataTar (its files' data, First first, leaving out those a
-	// stub tree carried: Inline's Max and Through).
+	// whole), StubRecords (the same tree as records) or DataTar (its
+	// files' data, First first, leaving out those a stub tree carried:
+	// Inline's Max and Through).
 	Shape  Shape
 	Inline Inline
 	First  []string
@@ -631,9 +640,10 @@ type LayerStream struct {
 // request is the PullLayer of s (of names only, if any), in sw's swarm.
 func (s LayerStream) request(sw Swarmed, names []string) *peerv1.PullLayerRequest {
 	req := &peerv1.PullLayerRequest{Namespace: s.Namespace, Volume: toPeerRef(s.Ref), Via: toPeerRef(s.Via), Encoding: string(s.Encoding),
-		Stubs: s.Shape == StubTar, DataOnly: s.Shape == DataTar, First: s.First, Files: names, Swarm: sw.Swarm, RelayToken: sw.RelayToken}
+		Stubs: s.Shape.stubs(), Records: s.Shape == StubRecords, DataOnly: s.Shape == DataTar, First: s.First, Files: names, Swarm: sw.Swarm,
+		RelayToken: sw.RelayToken}
 	switch {
-	case s.Shape == StubTar:
+	case s.Shape.stubs():
 		req.InlineMax, req.InlineBudget = s.Inline.Max, s.Inline.Budget
 	case s.Inline.Through != "":
 		req.InlineMax, req.InlinedThrough = s.Inline.Max, s.Inline.Through
@@ -686,9 +696,9 @@ func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, 
 }
 
 // PullLayerIndex pulls a layer's stub tree as PullLayerStubs does (s's
-// shape is StubTar), but makes nothing on disk: it learns the tree into an
-// index.Tree (see IndexStubs), which the caller writes as the image it
-// mounts.
+// shape is StubRecords, or StubTar), but makes nothing on disk: it learns
+// the tree into an index.Tree (see IndexStubs), which the caller writes as
+// the image it mounts.
 func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64)) (*index.Tree, Summary, error) {
 	var tree *index.Tree
 	sum, err := c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {

@@ -27,7 +27,20 @@ const (
 	// modes, times or xattrs. What fills a lazy pull's stubs (Files), which
 	// have all that already; the holder reads and sends no more.
 	DataTar
+	// StubRecords: what a StubTar says, as index records (records.go),
+	// not a tar: what an index pull learns a tree from.
+	StubRecords
 )
+
+func (s Shape) String() string {
+	if names := []string{"plain", "sparse", "stubs", "data", "records"}; int(s) < len(names) {
+		return names[s]
+	}
+	return fmt.Sprintf("shape %d", int(s))
+}
+
+// stubs says the shape is a stub tree's, whichever form.
+func (s Shape) stubs() bool { return s == StubTar || s == StubRecords }
 
 // Inline is which small regular files travel whole. In a StubTar: those
 // of at most Max bytes, in the walk's order, until one would take their

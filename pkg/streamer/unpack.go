@@ -105,6 +105,13 @@ func Files(ctx context.Context, r io.Reader, enc Encoding, lim Limits, file func
 // readArchive reads a tar stream encoded with enc from r to its end,
 // within lim, handing each entry to entry.
 func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, entry func(hdr *tar.Header, body io.Reader) error) (Summary, error) {
+	return readDecoded(r, enc, lim, func(in io.Reader) (int64, error) { return readTar(ctx, in, lim, entry) })
+}
+
+// readDecoded decodes r (enc), bounds it at lim.Bytes and hands it to
+// read, counting what read reads of it: the stream's summary, with the
+// entries read says.
+func readDecoded(r io.Reader, enc Encoding, lim Limits, read func(in io.Reader) (entries int64, err error)) (Summary, error) {
 	br, releaseBuffer := fromPool[*bufio.Reader](&bufReaders, r)
 	defer releaseBuffer()
 	dr, release, err := enc.reader(br)
@@ -114,31 +121,38 @@ func readArchive(ctx context.Context, r io.Reader, enc Encoding, lim Limits, ent
 	defer release() // before br goes back
 	c := newCounter(lim.Swarmed)
 	limited := &limitReader{r: dr, left: lim.Bytes}
-	tr := tarStream(io.TeeReader(limited, c), lim)
+	entries, err := read(io.TeeReader(limited, c))
+	if err != nil {
+		return Summary{}, limited.explain(err)
+	}
+	return c.summary(entries), nil
+}
+
+// readTar hands each entry of the tar stream in to entry, and reads in to
+// its end: the end-of-archive blocks and padding count in the digest too.
+func readTar(ctx context.Context, in io.Reader, lim Limits, entry func(hdr *tar.Header, body io.Reader) error) (int64, error) {
+	tr := tarStream(in, lim)
 	var entries int64
 	for {
 		if err := ctx.Err(); err != nil {
-			return Summary{}, err
+			return 0, err
 		}
 		hdr, err := tr.Next()
 		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {
-			return Summary{}, limited.explain(err)
+			return 0, err
 		}
 		if entries++; entries > lim.Entries {
-			return Summary{}, refused("more than %d entries", lim.Entries)
+			return 0, refused("more than %d entries", lim.Entries)
 		}
 		if err := entry(hdr, tr); err != nil {
-			return Summary{}, limited.explain(err)
+			return 0, err
 		}
 	}
-	// The end-of-archive blocks and padding count in the digest too.
-	if _, err := io.Copy(io.Discard, io.TeeReader(limited, c)); err != nil {
-		return Summary{}, limited.explain(err)
-	}
-	return c.summary(entries), nil
+	_, err := io.Copy(io.Discard, in)
+	return entries, err
 }
 
 // tarStream reads the entries of a tar stream: an upload's, which any tar
@@ -524,13 +538,23 @@ func (x *extractor) setsXattr(name string) bool {
 // what a strict stream may not carry.
 func checkEntry(name string, hdr *tar.Header, strict bool) error {
 	for k, v := range hdr.PAXRecords {
-		if xattr, ok := strings.CutPrefix(k, paxXattr); ok && (!fdtree.XattrTravels(xattr) || len(v) > 64<<10 ||
-			(strict && strings.HasPrefix(xattr, "trusted."))) {
-			return refused("%s: xattr %q", name, xattr)
+		if xattr, ok := strings.CutPrefix(k, paxXattr); ok {
+			if err := checkXattr(name, xattr, v, strict); err != nil {
+				return err
+			}
 		}
 	}
 	if strict && hdr.Typeflag == tar.TypeChar {
 		return refused("%s: a whiteout (an upload is a whole tree, with nothing to white out)", name)
+	}
+	return nil
+}
+
+// checkXattr refuses an xattr that does not travel with a layer, or that
+// a strict extraction does not take.
+func checkXattr(name, xattr, value string, strict bool) error {
+	if !fdtree.XattrTravels(xattr) || len(value) > 64<<10 || (strict && strings.HasPrefix(xattr, "trusted.")) {
+		return refused("%s: xattr %q", name, xattr)
 	}
 	return nil
 }

@@ -708,7 +708,13 @@ type PullLayerRequest struct {
 	// To a relay: its copy of the stream it is pulling, named by the token
 	// it joined the swarm with, from the start and as it grows, then the
 	// holder's trailer as the relay received it. No files, no swarm.
-	RelayToken    string `protobuf:"bytes,13,opt,name=relay_token,json=relayToken,proto3" json:"relay_token,omitempty"`
+	RelayToken string `protobuf:"bytes,13,opt,name=relay_token,json=relayToken,proto3" json:"relay_token,omitempty"`
+	// With stubs: the tree as cowvol's index records (a stream that starts
+	// "cowvolR1"), not a tar: what an index pull learns a tree from, a
+	// record of some 50 bytes where a tar spends 1.5 KB on a file. A holder
+	// that knows nothing of records sends the tar, which the puller tells
+	// by its first bytes.
+	Records       bool `protobuf:"varint,14,opt,name=records,proto3" json:"records,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -832,6 +838,13 @@ func (x *PullLayerRequest) GetRelayToken() string {
 		return x.RelayToken
 	}
 	return ""
+}
+
+func (x *PullLayerRequest) GetRecords() bool {
+	if x != nil {
+		return x.Records
+	}
+	return false
 }
 
 type ReadLayerFileRequest struct {
@@ -1128,7 +1141,7 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdestroyed\x18\b \x01(\bR\tdestroyed\x1a=\n" +
 	"\x0fPropertiesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc9\x03\n" +
 	"\x10PullLayerRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12\x1a\n" +
@@ -1145,7 +1158,8 @@ const file_peer_v1_peer_proto_rawDesc = "" +
 	"\tdata_only\x18\v \x01(\bR\bdataOnly\x12\x14\n" +
 	"\x05swarm\x18\f \x01(\tR\x05swarm\x12\x1f\n" +
 	"\vrelay_token\x18\r \x01(\tR\n" +
-	"relayToken\"\xd8\x01\n" +
+	"relayToken\x12\x18\n" +
+	"\arecords\x18\x0e \x01(\bR\arecords\"\xd8\x01\n" +
 	"\x14ReadLayerFileRequest\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x121\n" +
 	"\x06volume\x18\x02 \x01(\v2\x19.cowvol.peer.v1.VolumeRefR\x06volume\x12+\n" +
