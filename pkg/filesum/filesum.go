@@ -10,6 +10,7 @@ package filesum
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
@@ -203,8 +204,21 @@ func recordOf(path string, sum Sum) record {
 	return r
 }
 
+// compareRecords orders records as bytes.Compare does, the first eight
+// bytes (of a path's hash: they differ but for one pair in 2^64) first.
+func compareRecords(a, b *record) int {
+	if x, y := binary.BigEndian.Uint64(a[:8]), binary.BigEndian.Uint64(b[:8]); x != y {
+		return cmp.Compare(x, y)
+	}
+	return bytes.Compare(a[:], b[:])
+}
+
+func sortRecords(records []record) {
+	slices.SortFunc(records, func(a, b record) int { return compareRecords(&a, &b) })
+}
+
 func digestOf(records []record) Sum {
-	slices.SortFunc(records, func(a, b record) int { return bytes.Compare(a[:], b[:]) })
+	sortRecords(records)
 	h := sha256.New()
 	h.Write([]byte("cowvol file table v1\n"))
 	for i := range records {
@@ -270,10 +284,13 @@ func (l *Listing) Link(path, target string) {
 func (l *Listing) Digest() (Sum, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	all := make([]record, len(l.files), len(l.files)+len(l.links))
+	copy(all, l.files)
+	if len(l.links) == 0 {
+		return digestOf(all), nil
+	}
 	files := slices.Clone(l.files)
-	slices.SortFunc(files, func(a, b record) int { return bytes.Compare(a[:], b[:]) })
-	all := make([]record, len(files), len(files)+len(l.links))
-	copy(all, files)
+	sortRecords(files)
 	for _, link := range l.links {
 		i, ok := slices.BinarySearchFunc(files, link[1], func(r record, target [sha256.Size]byte) int {
 			return bytes.Compare(r[:sha256.Size], target[:])

@@ -17,7 +17,7 @@ import (
 // made so far, a name and what the kind needs (a size, a target, the file
 // a hard link names, an xattr).
 func fuzzTree(data []byte) *node {
-	top := &node{st: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}, extent: -1}
+	top := &node{st: attrs{Mode: unix.S_IFDIR | 0o755}, extent: -1}
 	dirs, files := []*node{top}, []*node{}
 	next := func() byte {
 		if len(data) == 0 {
@@ -44,7 +44,7 @@ func fuzzTree(data []byte) *node {
 		if taken {
 			continue
 		}
-		n := &node{extent: -1, st: unix.Stat_t{Uid: uint32(next()) << 10, Gid: uint32(next()), Mode: 0o640 | uint32(next()&0o7)}}
+		n := &node{extent: -1, st: attrs{Uid: uint32(next()) << 10, Gid: uint32(next()), Mode: 0o640 | uint32(next()&0o7)}}
 		n.st.Mtim.Sec, n.st.Mtim.Nsec = int64(next())<<24, int64(next())<<20
 		if next()%3 == 0 {
 			n.xattrs = map[string]string{"user.k" + string(name[:1]): string(name), "trusted.overlay.opaque": "y"}

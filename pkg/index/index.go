@@ -64,12 +64,12 @@ var ErrUnindexable = errors.New("the layer cannot be indexed")
 
 // node is one inode of the tree being indexed.
 type node struct {
-	st      unix.Stat_t
+	st      attrs
 	xattrs  map[string]string
 	target  string // a symlink's
 	data    []byte // a regular file's, where its entry carried them
 	sum     filesum.Sum
-	entries []*dent // a directory's, sorted by name, "." and ".." included
+	entries []dent // a directory's, sorted by name, "." and ".." included
 	extent  int     // a regular file's, in the layout (-1: none, empty)
 	// Where the image keeps it (erofs.go).
 	nid    uint64
@@ -77,6 +77,15 @@ type node struct {
 	ino    uint32
 	blkDir uint32 // a directory's first data block
 	dirLen int64  // a directory's data size
+}
+
+// attrs are what an image keeps of an entry's stat: a third of a
+// unix.Stat_t, which a tree of a million entries feels.
+type attrs struct {
+	Mode, Uid, Gid uint32
+	Size           int64
+	Rdev           uint64
+	Mtim           unix.Timespec
 }
 
 type dent struct {
@@ -125,7 +134,7 @@ func walk(root int, opt Options) (*node, error) {
 
 // add names child in directory d.
 func (d *node) add(name string, child *node) {
-	d.entries = append(d.entries, &dent{name: name, n: child})
+	d.entries = append(d.entries, dent{name: name, n: child})
 }
 
 // seal finishes the tree below top: each directory's "." and "..", its
@@ -137,8 +146,8 @@ func seal(top *node) (*Layout, error) {
 	layout := &Layout{}
 	var visit func(d *node, path string, parent *node) error
 	visit = func(d *node, path string, parent *node) error {
-		d.entries = append(d.entries, &dent{name: ".", n: d}, &dent{name: "..", n: parent})
-		slices.SortFunc(d.entries, func(a, b *dent) int { return strings.Compare(a.name, b.name) })
+		d.entries = append(d.entries, dent{name: ".", n: d}, dent{name: "..", n: parent})
+		slices.SortFunc(d.entries, func(a, b dent) int { return strings.Compare(a.name, b.name) })
 		for _, c := range d.entries {
 			if c.name == "." || c.name == ".." {
 				continue

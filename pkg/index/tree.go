@@ -57,7 +57,8 @@ func NewTree(opt Options, root Entry) (*Tree, error) {
 // node makes e's node, with what opt keeps of its set-ID bits and
 // capabilities (as walk does from a layer on disk).
 func (t *Tree) node(e Entry) *node {
-	n := &node{st: e.Stat, xattrs: e.Xattrs, target: e.Target, data: e.Data, sum: e.Sum, extent: -1}
+	st := attrs{Mode: e.Stat.Mode, Uid: e.Stat.Uid, Gid: e.Stat.Gid, Size: e.Stat.Size, Rdev: e.Stat.Rdev, Mtim: e.Stat.Mtim}
+	n := &node{st: st, xattrs: e.Xattrs, target: e.Target, data: e.Data, sum: e.Sum, extent: -1}
 	if n.st.Mode&unix.S_IFMT != unix.S_IFREG {
 		n.st.Size = 0 // a directory's and a symlink's are the image's
 	}

@@ -762,3 +762,21 @@ func TestPackReadsAhead(t *testing.T) {
 		})
 	}
 }
+
+// An entry's name is relative and clean, or refused: a dir's one trailing
+// slash is the only slack taken.
+func TestCleanName(t *testing.T) {
+	for _, tc := range []struct{ name, want string }{
+		{"a", "a"}, {"a/b", "a/b"}, {"a/b/", "a/b"}, {".a", ".a"}, {"a..b/..c", "a..b/..c"}, {"...", "..."},
+		{"", ""}, {".", ""}, {"./", ""}, {"/", ""}, {"/a", ""}, {"a//b", ""}, {"a//", ""}, {"a/./b", ""}, {"a/.", ""},
+		{"a/..", ""}, {"../a", ""}, {"a/../b", ""}, {"a\x00b", ""}, {string(make([]byte, maxNameLen+1)), ""},
+	} {
+		got, err := cleanName(tc.name)
+		if tc.want == "" {
+			require.ErrorIs(t, err, ErrRefused, "%q", tc.name)
+			continue
+		}
+		require.NoError(t, err, "%q", tc.name)
+		require.Equal(t, tc.want, got)
+	}
+}

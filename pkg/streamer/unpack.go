@@ -383,12 +383,16 @@ func cleanName(name string) (string, error) {
 	if n == "" || n == "." || strings.HasPrefix(n, "/") || strings.ContainsRune(n, 0) || len(n) > maxNameLen {
 		return "", refused("entry name %q", name)
 	}
-	for _, part := range strings.Split(n, "/") {
+	for rest := n; ; {
+		part, more, found := strings.Cut(rest, "/")
 		if part == "" || part == "." || part == ".." {
 			return "", refused("entry name %q", name)
 		}
+		if !found {
+			return n, nil
+		}
+		rest = more
 	}
-	return n, nil
 }
 
 // parent is the directory holding name, opened beneath root as
