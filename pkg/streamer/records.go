@@ -173,7 +173,8 @@ func (rw *recordWriter) entry(hdr *tar.Header, body io.Reader) error {
 			if size > MaxInlineFile {
 				return fmt.Errorf("%s: %d bytes inline", name, size)
 			}
-			rw.data = append(rw.data[:0], make([]byte, size)...) // holes read as zeros
+			rw.data = slices.Grow(rw.data[:0], int(size))[:size]
+			clear(rw.data) // holes read as zeros
 			for _, s := range segments {
 				if _, err := io.ReadFull(body, rw.data[s[0]:s[0]+s[1]]); err != nil {
 					return fmt.Errorf("%s: %w", name, err)
@@ -239,7 +240,7 @@ func toRecords(ctx context.Context, tarStream io.Reader, w io.Writer, swarm bool
 	if err != nil {
 		return Summary{}, err
 	}
-	own := Limits{Bytes: math.MaxInt64, Entries: math.MaxInt64, KeepSetuid: true}
+	own := Limits{Bytes: math.MaxInt64, Entries: math.MaxInt64} // the holder's own tar
 	if _, err := readArchive(ctx, tarStream, Raw, own, rw.entry); err != nil {
 		return Summary{}, err
 	}
