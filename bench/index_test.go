@@ -271,9 +271,9 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 	diskB := testfs.Mount(b, testfs.XFS, 8<<30)
 	forms := []struct {
 		name   string
-		args   []string
+		index  bool
 		walked bool // A's kept stream set aside
-	}{{"stubs", nil, false}, {"index", []string{"--pull-index"}, false}, {"walked", []string{"--pull-index"}, true}}
+	}{{"stubs", false, false}, {"index", true, false}, {"walked", true, true}}
 	publish, ready := make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms))
 	peak := make([]int64, len(forms))
 	for round := range indexRounds {
@@ -285,9 +285,10 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 			}
 			state := filepath.Join(diskB, fmt.Sprintf("%s-%d", form.name, round))
 			bn := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "b", StateDir: state,
-				KubeletDir: state + "-kubelet", Args: append([]string{"--peers=a=" + peerA, "--pull-mode=lazy", "--pull-wait=30m"}, form.args...)})}
-			if form.args != nil && !strings.Contains(bn.p.Log(), "as indexes") {
-				b.Fatalf("B does not pull indexes: %s", bn.p.Log())
+				KubeletDir: state + "-kubelet", Args: []string{"--peers=a=" + peerA, "--pull-mode=lazy", "--pull-wait=30m",
+					fmt.Sprintf("--pull-index=%v", form.index)}})}
+			if form.index != strings.Contains(bn.p.Log(), "as indexes") {
+				b.Fatalf("B does not pull as %s: %s", form.name, bn.p.Log())
 			}
 			dropCaches(b)
 			resetPeak(b, bn.p.PID())

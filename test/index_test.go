@@ -47,7 +47,7 @@ func (form pullForm) args() []string {
 	if form.index {
 		return []string{"--pull-index"}
 	}
-	return nil
+	return []string{"--pull-index=false"}
 }
 
 // require checks that e pulls lazily in form, filling through fanotify;
