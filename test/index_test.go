@@ -50,6 +50,16 @@ func (form pullForm) args() []string {
 	return []string{"--pull-index=false"}
 }
 
+// settled waits, for an index form, until e has no index mounted: a
+// volume pulled as one is made a plain layer once whole, and its index
+// taken down once no view mounts it, after the step's volume is gone.
+func (form pullForm) settled(t *testing.T, e *env) {
+	t.Helper()
+	if form.index {
+		eventually(t, "no index mounted once nothing mounts it", func() bool { return len(erofsMountsUnder(t, e.p.StateDir)) == 0 })
+	}
+}
+
 // require checks that e pulls lazily in form, filling through fanotify;
 // an index form is skipped where e's kernel cannot mount one.
 func (form pullForm) require(t *testing.T, e *env) {

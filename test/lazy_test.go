@@ -584,7 +584,13 @@ func (o *orderedInputs) extentFilled(n *env, handle, name string) bool {
 // (--stream-size-limit), by the sizes the holder gave the stubs: a layer
 // over the limit is refused before it is mountable, and leaves nothing.
 func TestLazyPullWithinTheStreamLimit(t *testing.T) {
-	a, b, _ := lazyNodesAt(t, 0, "--stream-size-limit=6Mi")
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) { lazyPullWithinTheStreamLimit(t, form) })
+	}
+}
+
+func lazyPullWithinTheStreamLimit(t *testing.T, form pullForm) {
+	a, b, _ := lazyNodesAs(t, form, 0, "--stream-size-limit=6Mi")
 	a.step("", "small", func(dir string) { randomFile(t, dir, "f", 4<<20, 1) })
 	a.step("", "big", func(dir string) {
 		for i := range 2 {
@@ -599,7 +605,8 @@ func TestLazyPullWithinTheStreamLimit(t *testing.T) {
 	err := b.publishWaiting(v)
 	require.Equal(t, codes.Unavailable, code(err), "as an eager pull past the limit: retried, with a backoff: %v", err)
 	require.Contains(t, err.Error(), "stream size limit")
-	require.Equal(t, "gone", volumeState(t, b, "big"), "no stubs are left")
+	require.Equal(t, "gone", volumeState(t, b, "big"), "no stubs or index are left")
+	form.settled(t, b)
 	b.noLeaks(t)
 }
 

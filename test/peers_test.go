@@ -619,23 +619,29 @@ func TestPullCrashPoints(t *testing.T) {
 	a.step("", "src", func(dir string) { testfs.LayerTree(t, dir) })
 	var want testfs.Tree
 	a.read("src", func(dir string) { want = testfs.Describe(t, dir) })
-	for _, point := range []string{"pull-extracted", "pull-renamed"} {
-		t.Run(point, func(t *testing.T) {
-			b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b",
-				Args: []string{"--peers=node-a=" + peerAddr, "--pull-wait=1s"}})
-			b.p.Restart("COWVOL_CRASH_AT=" + point)
-			v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
-			require.Error(t, b.publishWaiting(v), "the plugin dies in the pull")
-			require.NoError(t, b.p.Wait(10*time.Second), "the plugin stopped at the crash point")
-			b.p.Restart()
-			_, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "src")})
-			require.Equal(t, codes.NotFound, code(err), "the half-pulled volume was dropped")
-			leftover, _ := os.ReadDir(filepath.Join(b.p.StateDir, "volumes", "ci"))
-			require.Empty(t, leftover)
-			require.NoError(t, b.publishWaiting(v), "the retry pulls again")
-			require.Equal(t, want, testfs.Describe(t, v.Target))
-			b.umount(v)
-			b.noLeaks(t)
-		})
+	for _, form := range pullForms {
+		for _, point := range []string{"pull-extracted", "pull-renamed"} {
+			t.Run(form.name+" "+point, func(t *testing.T) { pullCrashPoint(t, peerAddr, want, form, point) })
+		}
 	}
+}
+
+func pullCrashPoint(t *testing.T, peerAddr string, want testfs.Tree, form pullForm, point string) {
+	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b",
+		Args: append([]string{"--peers=node-a=" + peerAddr, "--pull-wait=1s"}, form.args()...)})
+	form.require(t, b)
+	b.p.Restart("COWVOL_CRASH_AT=" + point)
+	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+	require.Error(t, b.publishWaiting(v), "the plugin dies in the pull")
+	require.NoError(t, b.p.Wait(10*time.Second), "the plugin stopped at the crash point")
+	b.p.Restart()
+	_, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "src")})
+	require.Equal(t, codes.NotFound, code(err), "the half-pulled volume was dropped")
+	leftover, _ := os.ReadDir(filepath.Join(b.p.StateDir, "volumes", "ci"))
+	require.Empty(t, leftover)
+	require.NoError(t, b.publishWaiting(v), "the retry pulls again")
+	require.Equal(t, want, testfs.Describe(t, v.Target))
+	b.umount(v)
+	form.settled(t, b)
+	b.noLeaks(t)
 }

@@ -175,6 +175,16 @@ func seal(top *node) (*Layout, error) {
 	return layout, visit(top, "", top)
 }
 
+// Data is how many bytes of data the files hold: the blob's size, less
+// the padding to each extent's last block.
+func (l *Layout) Data() int64 {
+	var n int64
+	for _, e := range l.Extents {
+		n += e.Size
+	}
+	return n
+}
+
 // Offsets says where each file's data starts in the blob, by its first
 // name (Extent.Path).
 func (l *Layout) Offsets() map[string]int64 {

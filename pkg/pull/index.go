@@ -135,6 +135,9 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 			if err == nil {
 				layout, err = writeIndex(t, cache.IndexDir(tree))
 			}
+			if err == nil && layout.Data() > pl.cfg.Limits.Bytes {
+				err = overLimit(l.Ref, pl.cfg.Limits.Bytes) // bounded as a stub tree's stubs are
+			}
 			if sum.Inlined != "" {
 				src.inlined = streamer.Inline{Max: streamer.StubInline.Max, Through: sum.Inlined}
 			}

@@ -58,12 +58,18 @@ func (pl *Puller) stubMarker(src *lazySource, data string) (*fill.Layer, streame
 	limit := pl.cfg.Limits.Bytes
 	return layer, func(s streamer.Stub) error {
 		if total.Add(s.Size) > limit {
-			return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", src.layer.Ref, limit, streamer.ErrRefused)
+			return overLimit(src.layer.Ref, limit)
 		}
 		return layer.Add(s.FD, fill.Stub{Rel: s.Name, Size: s.Size, Place: s.Place, Caps: s.Caps,
 			Dev: s.Dev, Ino: s.Ino, Times: [2]unix.Timespec{s.Mtime, s.Mtime}, // a stream's entries' atime is their mtime
 			Sum: s.Sum})
 	}, nil
+}
+
+// overLimit refuses a lazy pull of layer r, whose files hold more data
+// than limit (the stream size limit) bytes.
+func overLimit(r volume.Ref, limit int64) error {
+	return fmt.Errorf("%s: its files hold more than the stream size limit (%d bytes): %w", r, limit, streamer.ErrRefused)
 }
 
 // fillInBackground fetches a filling volume's stubs' data, first the
