@@ -70,7 +70,7 @@ type node struct {
 	data    []byte // a regular file's, where its entry carried them
 	sum     filesum.Sum
 	entries []dent // a directory's, sorted by name, "." and ".." included
-	extent  int     // a regular file's, in the layout (-1: none, empty)
+	extent  int    // a regular file's, in the layout (-1: none, empty)
 	// Where the image keeps it (erofs.go).
 	nid    uint64
 	nlink  uint32
