@@ -418,17 +418,10 @@ func (d *decoder) uvarint() uint64 {
 	return v
 }
 
+// varint is a zig-zag uvarint, as binary.AppendVarint writes it.
 func (d *decoder) varint() int64 {
-	if d.err != nil {
-		return 0
-	}
-	v, n := binary.Varint(d.b)
-	if n <= 0 {
-		d.fail("a malformed number")
-		return 0
-	}
-	d.b = d.b[n:]
-	return v
+	u := d.uvarint()
+	return int64(u>>1) ^ -int64(u&1)
 }
 
 // bounded is a uvarint of at most limit, what says what it is.
