@@ -403,7 +403,8 @@ func TestPullsBetweenNodes(t *testing.T) {
 		require.Equal(t, codes.InvalidArgument, code(read("ci", ciBase, nil, "../private/random")), "a path out of the layer")
 
 		// A read order only orders a stream of the whole layer's data,
-		// bounded; names that are not its files are skipped.
+		// bounded; names that are not its files are skipped. Records are
+		// a stub tree's form, of nothing else.
 		ordered := func(req *peerv1.PullLayerRequest) error {
 			conn, err := grpc.NewClient(a.peerAddr, grpc.WithTransportCredentials(asPeer))
 			require.NoError(t, err)
@@ -423,6 +424,8 @@ func TestPullsBetweenNodes(t *testing.T) {
 			"out of the layer": {First: []string{"../private/random"}},
 			"too many":         {First: make([]string, 50_001)},
 			"data of stubs":    {Stubs: true, DataOnly: true},
+			"records of data":  {Records: true},
+			"records of files": {Records: true, Files: []string{"random"}},
 		} {
 			require.Equal(t, codes.InvalidArgument, code(ordered(req)), name)
 		}
