@@ -95,7 +95,7 @@ test: build
 	# What a holder finds where it keeps a stub tree: served whole, or nothing sent.
 	$(GO) test -run '^$$' -fuzz FuzzServeKept -fuzztime 20000x -parallel 2 ./pkg/streamer
 	# A holder's index records, as an index pull learns them.
-	$(GO) test -run '^$$' -fuzz FuzzIndexRecords -fuzztime 50000x -parallel 2 ./pkg/streamer
+	$(GO) test -run '^$$' -fuzz FuzzIndexRecords -fuzztime 20000x -parallel 2 ./pkg/streamer
 	# The index's EROFS images of random trees against go-erofs's reader.
 	$(GO) test -run '^$$' -fuzz FuzzImage -fuzztime 3000x -parallel 2 ./pkg/index
 	# The controller's reading of nodes' reports against the generated types'.
