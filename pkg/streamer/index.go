@@ -65,25 +65,7 @@ type indexer struct {
 // records learns the records of br, past their magic, to their end.
 func (x *indexer) records(ctx context.Context, br *bufio.Reader) (int64, error) {
 	rr := recordReader{r: br}
-	var entries int64
-	for {
-		if err := ctx.Err(); err != nil {
-			return 0, err
-		}
-		rec, err := rr.next()
-		if errors.Is(err, io.EOF) {
-			return entries, nil
-		}
-		if err != nil {
-			return 0, err
-		}
-		if entries++; entries > x.lim.Entries {
-			return 0, refused("more than %d entries", x.lim.Entries)
-		}
-		if err := x.record(rec); err != nil {
-			return 0, err
-		}
-	}
+	return eachEntry(ctx, x.lim.Entries, rr.next, x.record)
 }
 
 // record learns one record, checked as entry checks a tar's.

@@ -132,27 +132,36 @@ func readDecoded(r io.Reader, enc Encoding, lim Limits, read func(in io.Reader) 
 // its end: the end-of-archive blocks and padding count in the digest too.
 func readTar(ctx context.Context, in io.Reader, lim Limits, entry func(hdr *tar.Header, body io.Reader) error) (int64, error) {
 	tr := tarStream(in, lim)
+	entries, err := eachEntry(ctx, lim.Entries, tr.Next, func(hdr *tar.Header) error { return entry(hdr, tr) })
+	if err != nil {
+		return 0, err
+	}
+	_, err = io.Copy(io.Discard, in)
+	return entries, err
+}
+
+// eachEntry hands each entry next reads to entry until next says io.EOF,
+// refusing more than limit of them, and says how many there were.
+func eachEntry[E any](ctx context.Context, limit int64, next func() (E, error), entry func(E) error) (int64, error) {
 	var entries int64
 	for {
 		if err := ctx.Err(); err != nil {
 			return 0, err
 		}
-		hdr, err := tr.Next()
+		e, err := next()
 		if errors.Is(err, io.EOF) {
-			break
+			return entries, nil
 		}
 		if err != nil {
 			return 0, err
 		}
-		if entries++; entries > lim.Entries {
-			return 0, refused("more than %d entries", lim.Entries)
+		if entries++; entries > limit {
+			return 0, refused("more than %d entries", limit)
 		}
-		if err := entry(hdr, tr); err != nil {
+		if err := entry(e); err != nil {
 			return 0, err
 		}
 	}
-	_, err := io.Copy(io.Discard, in)
-	return entries, err
 }
 
 // tarStream reads the entries of a tar stream: an upload's, which any tar
