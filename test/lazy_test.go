@@ -307,8 +307,14 @@ func TestLazyPullWithItsHolderGone(t *testing.T) {
 // all there or answers EIO within about --pull-wait, whether the
 // background stream, a read-ahead or a reader's own fetch was bringing it.
 func TestLazyPullWithItsHolderHung(t *testing.T) {
+	for _, form := range pullForms {
+		t.Run(form.name, func(t *testing.T) { lazyPullWithItsHolderHung(t, form) })
+	}
+}
+
+func lazyPullWithItsHolderHung(t *testing.T, form pullForm) {
 	// Slow enough to freeze mid-stream; a shorter wait than a slow link's.
-	a, b, proxy := lazyNodesAt(t, 8<<20, "--pull-wait=5s")
+	a, b, proxy := lazyNodesAs(t, form, 8<<20, "--pull-wait=5s")
 	const files = 24
 	a.step("", "src", func(dir string) {
 		for i := range files {

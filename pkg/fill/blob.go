@@ -195,16 +195,16 @@ func (b *Blob) dispatch(ev event) {
 	if b.recording.Load() {
 		b.reach(first, end)
 	}
-	failed := b.closed
+	failed := false
 	for i := first; i < end && !failed; i++ {
 		s := &b.state[i]
-		switch s.state {
-		case extentInPlace:
+		switch {
+		case s.state == extentInPlace:
 			continue
-		case extentFailed:
+		case s.state == extentFailed || b.closed:
 			failed = true
 			continue
-		case extentMissing:
+		case s.state == extentMissing:
 			s.state = extentFetching
 			b.fills.Add(1)
 			go b.fill(i, nil)
@@ -295,7 +295,8 @@ func (b *Blob) Offer(path string, write func(w io.WriterAt) error) error {
 const blobFetchTries = 3
 
 // fill brings extent i whole (from write if not nil and it can, else with
-// the Blob's fetch), checks it and answers its waiters.
+// the Blob's fetch, failed once it writes nothing for the group's stall,
+// as a stub's is), checks it and answers its waiters.
 func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 	defer b.fills.Done()
 	e := b.layout.Extents[i]
@@ -308,7 +309,8 @@ func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 		b.tell(e, FromStream, err)
 	}
 	for try := 0; err != nil && try < blobFetchTries && b.ctx.Err() == nil; try++ {
-		if err = b.fetch(b.ctx, e, w); err == nil {
+		err = fetchWatched(b.ctx, b.g.stall, w, func(ctx context.Context, w io.WriterAt) error { return b.fetch(ctx, e, w) })
+		if err == nil {
 			err = b.check(e)
 		}
 		if !errors.Is(err, filesum.ErrMismatch) {
@@ -386,14 +388,14 @@ func (b *Blob) finish(i int, err error) {
 	waiters := s.waiters
 	s.waiters = nil
 	s.state = extentInPlace
+	var allow, deny []event
 	if err != nil {
 		s.state = extentFailed
-		if b.err == nil {
-			b.err = err
+		if !b.closed {
+			klog.ErrorS(err, "Filling an extent of an index's blob failed; its readers, and every later one of what is not here, get EIO")
 		}
-		klog.ErrorS(err, "Filling an extent of an index's blob failed; its readers get EIO")
+		deny = b.failLocked(err)
 	}
-	var allow, deny []event
 	for _, r := range waiters {
 		r.pending--
 		switch {
@@ -408,10 +410,13 @@ func (b *Blob) finish(i int, err error) {
 	}
 	b.left--
 	filled := b.left == 0 && b.err == nil
-	if b.left == 0 || err != nil {
+	if b.left == 0 {
 		b.end()
 	}
 	b.mu.Unlock()
+	if err != nil {
+		b.cancel() // the fills under way are of a blob that cannot be whole
+	}
 	// Once all are in place, readers need not wait for this process; a
 	// failed extent keeps the mark, which answers its readers EIO.
 	if filled {
@@ -455,14 +460,38 @@ func (b *Blob) unmark() {
 // every later reader of an extent not in place, until Close.
 func (b *Blob) Fail() {
 	b.mu.Lock()
-	b.closed = true
-	if b.err == nil {
-		b.err = errBlobFailed
-	}
-	b.end()
+	deny := b.failLocked(errBlobFailed)
 	b.mu.Unlock()
 	b.cancel()
-	b.fills.Wait() // each failed, its readers answered
+	for _, ev := range deny {
+		b.g.respond(ev, denyEIO)
+	}
+	b.fills.Wait()
+}
+
+// failLocked fails the blob with err (unless it failed already): no fill
+// starts, and done is closed. One extent that cannot be filled fails the
+// blob, as one stub fails its layer: the volume cannot be whole, so no
+// reader waits for the fills still under way (a hung holder would hold
+// each for its own --pull-wait). It returns the held readers, each now
+// answered, for the caller to deny once mu is let go; the fills under way
+// find theirs answered. The caller holds mu.
+func (b *Blob) failLocked(err error) []event {
+	b.closed = true
+	if b.err == nil {
+		b.err = err
+	}
+	b.end()
+	var deny []event
+	for i := range b.state {
+		for _, r := range b.state[i].waiters {
+			if !r.answered {
+				r.answered = true
+				deny = append(deny, r.ev)
+			}
+		}
+	}
+	return deny
 }
 
 // Close fails the blob and lets go of it: its mark goes, and a read of

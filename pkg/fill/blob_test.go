@@ -57,8 +57,15 @@ func (ix *indexed) corruptions(path string) []string {
 // mounts it.
 func newIndexed(t *testing.T, makeLayer func(layer string), fetch func(ix *indexed) BlobFetch) *indexed {
 	t.Helper()
+	return newIndexedStalling(t, time.Minute, makeLayer, fetch)
+}
+
+// newIndexedStalling is newIndexed in a group that fails a fetch that
+// writes nothing for stall.
+func newIndexedStalling(t *testing.T, stall time.Duration, makeLayer func(layer string), fetch func(ix *indexed) BlobFetch) *indexed {
+	t.Helper()
 	ix := buildIndexed(t, makeLayer)
-	g, err := Open(ix.fs, time.Minute)
+	g, err := Open(ix.fs, stall)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, g.Close()) }) // after the Blob's Close
 	ix.hold(t, g, fetch)
@@ -249,12 +256,14 @@ func withoutCaps(t *testing.T, described string) string {
 }
 
 // A wrong byte never reaches a reader: an extent whose fetched bytes are
-// not its sum, fetched again a few times, is failed (and the Blob done),
-// and its readers get EIO, now and later, while
-// other files read; a fetch that fails gives EIO, not a hang; and readers
-// held when the Blob fails get EIO, as do those that come after.
+// not its sum, fetched again a few times, is failed, and with it the Blob
+// (done): the volume cannot be whole. Its readers get EIO, and so at once
+// do the readers held for other extents (their fetches are stopped: a
+// hung holder holds nobody for its --pull-wait) and every later reader of
+// an extent not in place (with no fetch); what was in place reads on.
 func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
 	entered := make(chan struct{}, 1)
+	stopped := make(chan struct{})
 	ix := newIndexed(t, func(layer string) {
 		for _, name := range []string{"good", "rotten", "lost", "held"} {
 			require.NoError(t, os.WriteFile(filepath.Join(layer, name), []byte("the bytes of "+name), 0o644))
@@ -265,17 +274,31 @@ func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
 			case "rotten":
 				_, err := w.WriteAt([]byte("the bytes of rottEn"), 0)
 				return err
-			case "lost":
-				return errors.New("the holder went")
 			case "held":
 				entered <- struct{}{}
 				<-ctx.Done()
+				close(stopped)
 				return ctx.Err()
 			}
 			_, err := w.WriteAt([]byte("the bytes of "+e.Path), 0)
 			return err
 		}
 	})
+	data, err := os.ReadFile(filepath.Join(ix.mnt, "good"))
+	require.NoError(t, err)
+	require.Equal(t, "the bytes of good", string(data))
+	read := make(chan error, 1)
+	go func() {
+		_, err := os.ReadFile(filepath.Join(ix.mnt, "held"))
+		read <- err
+	}()
+	<-entered
+	select {
+	case err := <-read:
+		t.Fatalf("a reader went on before its extent was here: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+
 	for range 2 {
 		_, err := os.ReadFile(filepath.Join(ix.mnt, "rotten"))
 		require.ErrorIs(t, err, syscall.EIO)
@@ -288,28 +311,90 @@ func TestBlobRefusesWhatIsNotTheLayer(t *testing.T) {
 	default:
 		t.Fatal("a blob with a failed extent is not done")
 	}
-	_, err := os.ReadFile(filepath.Join(ix.mnt, "lost"))
+	select {
+	case err := <-read:
+		require.ErrorIs(t, err, syscall.EIO, "a reader held for another extent is let go with the blob")
+	case <-time.After(30 * time.Second):
+		t.Fatal("a reader is held for an extent of a blob that failed")
+	}
+	<-stopped // its fetch too
+	_, err = os.ReadFile(filepath.Join(ix.mnt, "lost"))
 	require.ErrorIs(t, err, syscall.EIO)
-	data, err := os.ReadFile(filepath.Join(ix.mnt, "good"))
-	require.NoError(t, err)
+	require.Zero(t, ix.fetches("lost"), "a failed blob fetches nothing more")
+	data, err = os.ReadFile(filepath.Join(ix.mnt, "good"))
+	require.NoError(t, err, "what was in place before stays readable")
 	require.Equal(t, "the bytes of good", string(data))
+}
 
+// A holder that hangs holds no reader for long: a fetch that writes
+// nothing for the group's stall (part-way, or before its first byte, as
+// a dial that is never answered) fails, and its reader gets EIO.
+func TestBlobFetchThatStallsFails(t *testing.T) {
+	for _, sent := range []int{0, 4} {
+		t.Run(fmt.Sprintf("sent=%d", sent), func(t *testing.T) {
+			ix := newIndexedStalling(t, 300*time.Millisecond, func(layer string) {
+				require.NoError(t, os.WriteFile(filepath.Join(layer, "hung"), []byte("the bytes of hung"), 0o644))
+			}, func(*indexed) BlobFetch {
+				return func(ctx context.Context, e index.Extent, w io.WriterAt) error {
+					if _, err := w.WriteAt([]byte("the bytes of hung")[:sent], 0); err != nil {
+						return err
+					}
+					<-ctx.Done()
+					return ctx.Err()
+				}
+			})
+			read := make(chan error, 1)
+			go func() {
+				_, err := os.ReadFile(filepath.Join(ix.mnt, "hung"))
+				read <- err
+			}()
+			select {
+			case err := <-read:
+				require.ErrorIs(t, err, syscall.EIO)
+			case <-time.After(30 * time.Second):
+				t.Fatal("a reader is held by a fetch that writes nothing")
+			}
+			require.ErrorContains(t, ix.blob.Err(), "no data for 300ms")
+		})
+	}
+}
+
+// Readers held when the Blob is failed get EIO, as do those that come after, until it is
+// closed, while what was in place reads on.
+func TestBlobFailedLetsGoOfItsReaders(t *testing.T) {
+	entered := make(chan struct{}, 1)
+	ix := newIndexed(t, func(layer string) {
+		for _, name := range []string{"good", "held", "later"} {
+			require.NoError(t, os.WriteFile(filepath.Join(layer, name), []byte("the bytes of "+name), 0o644))
+		}
+	}, func(*indexed) BlobFetch {
+		return func(ctx context.Context, e index.Extent, w io.WriterAt) error {
+			if e.Path == "held" {
+				entered <- struct{}{}
+				<-ctx.Done()
+				return ctx.Err()
+			}
+			_, err := w.WriteAt([]byte("the bytes of "+e.Path), 0)
+			return err
+		}
+	})
+	_, err := os.ReadFile(filepath.Join(ix.mnt, "good"))
+	require.NoError(t, err)
 	read := make(chan error, 1)
 	go func() {
 		_, err := os.ReadFile(filepath.Join(ix.mnt, "held"))
 		read <- err
 	}()
 	<-entered
-	select {
-	case err := <-read:
-		t.Fatalf("a reader went on before its extent was here: %v", err)
-	case <-time.After(200 * time.Millisecond):
-	}
 	ix.blob.Fail()
 	require.ErrorIs(t, <-read, syscall.EIO)
-	_, err = os.ReadFile(filepath.Join(ix.mnt, "held"))
-	require.ErrorIs(t, err, syscall.EIO, "a failed blob holds and fails its readers until it is closed")
-	data, err = os.ReadFile(filepath.Join(ix.mnt, "good"))
+	require.ErrorIs(t, ix.blob.Err(), errBlobFailed)
+	for _, name := range []string{"held", "later"} {
+		_, err = os.ReadFile(filepath.Join(ix.mnt, name))
+		require.ErrorIs(t, err, syscall.EIO, "a failed blob holds and fails its readers until it is closed: %s", name)
+	}
+	require.Zero(t, ix.fetches("later"))
+	data, err := os.ReadFile(filepath.Join(ix.mnt, "good"))
 	require.NoError(t, err, "what was in place before stays readable")
 	require.Equal(t, "the bytes of good", string(data))
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"time"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -238,17 +237,9 @@ func (f *file) check(w io.WriterAt) error {
 
 // fetchOnce brings f's data from its layer's FetchFunc.
 func (f *file) fetchOnce(ctx context.Context, w io.WriterAt) error {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	pw := &progressWriter{w: w, last: time.Now()}
-	defer pw.watch(cancel, f.layer.g.stall)()
-	if err := f.layer.fetch(ctx, f.rel, f.size, pw); err != nil {
-		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
-			return cause
-		}
-		return err
-	}
-	return nil
+	return fetchWatched(ctx, f.layer.g.stall, w, func(ctx context.Context, w io.WriterAt) error {
+		return f.layer.fetch(ctx, f.rel, f.size, w)
+	})
 }
 
 // orFetch is f's data as write (part of a stream of many files) brings

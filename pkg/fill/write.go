@@ -426,6 +426,23 @@ func allZero(b []byte) bool {
 	return true
 }
 
+// fetchWatched runs fetch writing through w, failed once it writes
+// nothing for stall (then with that as its error): a holder that hangs,
+// or a dial of one that never answers, holds no reader for longer.
+func fetchWatched(ctx context.Context, stall time.Duration, w io.WriterAt, fetch func(ctx context.Context, w io.WriterAt) error) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	pw := &progressWriter{w: w, last: time.Now()}
+	defer pw.watch(cancel, stall)()
+	if err := fetch(ctx, pw); err != nil {
+		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+			return cause
+		}
+		return err
+	}
+	return nil
+}
+
 // watch cancels the fetch once nothing was written for stall, and
 // returns the func that stops watching. A timer, not a goroutine: most
 // fetches are of small files, done long before it fires.
