@@ -459,9 +459,9 @@ func TestLazyPullReadsInTheFleetsOrder(t *testing.T) {
 		Args: []string{"--controller-address=" + f.addr, "--peer-address=" + peerAddr, "--peer-advertise-address=" + proxy.addr}})
 	lazyNode := func(id string) *env {
 		return newEnv(t, plugintest.Config{Backend: "overlay", NodeID: id, StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
-			Args: []string{"--controller-address=" + f.addr, "--pull-wait=30s", "--pull-mode=lazy"}})
+			Args: []string{"--controller-address=" + f.addr, "--pull-wait=30s", "--pull-mode=lazy", "--pull-index=false"}})
 	}
-	b, c := lazyNode("node-b"), lazyNode("node-c")
+	b, c := lazyNode("node-b"), lazyNode("node-c") // stub trees, as newOrderedInputs reads them
 	o := newOrderedInputs(t, a)
 	for _, handle := range []string{"v1", "v2"} {
 		eventually(t, "the controller to know where "+handle+" is", func() bool {

@@ -195,7 +195,7 @@ func Defaults() Options {
 		Peers: PeerOptions{ServerName: DefaultPeerServerName, Encoding: string(streamer.S2),
 			SizeLimit: streamer.DefaultLimits.Bytes, PullWait: pull.DefaultWait, PullMode: string(pull.Auto),
 			ReadOrderRefresh: pull.DefaultReadOrderRefresh, SwarmMinSize: pull.DefaultSwarmMinBytes,
-			CertLifetime: 24 * time.Hour},
+			CertLifetime: 24 * time.Hour, PullIndex: true},
 	}
 }
 

@@ -67,7 +67,7 @@ type PeerOptions struct {
 	// fanotify group across plugin restarts ("": none).
 	FillKeeper string
 	// PullIndex has lazy pulls mount an index in place of a stub per
-	// file, where the kernel can.
+	// file, where the kernel can (the default).
 	PullIndex bool
 }
 
@@ -126,8 +126,8 @@ func (p *PeerOptions) AddFlags(fs *flag.FlagSet) {
 			"a plugin's death then lets such readers through)")
 	fs.BoolVar(&p.PullIndex, "pull-index", p.PullIndex,
 		"have a lazy pull mount an index of the source (an EROFS image learnt from the holder's tree, file-backed, whose data arrives by extent "+
-			"as it is read) in place of a stub file per file, so that a volume of any file count is ready at once; needs a kernel that mounts "+
-			"EROFS from regular files (6.12+), else stub trees, as the node's pull mode says (kubectl cowvol nodes)")
+			"as it is read) in place of a stub file per file, so that a volume of any file count is ready at once; where the kernel cannot "+
+			"mount EROFS from regular files (before 6.12), or with --pull-index=false, stub trees, as the node's pull mode says (kubectl cowvol nodes)")
 	fs.Var(quantityFlag{&p.SwarmMinSize}, "swarm-min-size",
 		"the smallest layer a node serving peers (--peer-address) pulls whole as a member of its swarm: from the node that asked its holder "+
 			"just before it, relaying it as it arrives to the one after, so that its holder's link carries it once however many nodes pull it "+

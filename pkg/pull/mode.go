@@ -93,7 +93,7 @@ func chooseIndex(asked bool, probe func() error) (bool, string) {
 		return false, ""
 	}
 	if err := probe(); err != nil {
-		klog.ErrorS(err, "Lazy pulls make stub trees: the node cannot mount a layer's index")
+		klog.InfoS("Lazy pulls make stub trees: the node cannot mount a layer's index", "reason", err.Error())
 		return false, "; as stub trees, not indexes: " + err.Error()
 	}
 	return true, "; as indexes mounted file-backed (EROFS), not stub trees"

@@ -15,6 +15,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/pull"
 	cowvolume "github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -67,6 +68,9 @@ func (c *cluster) pullFromAnotherNode(mode string) {
 	modeLine, ok := c.pluginLine(`"Pulls of sources this node lacks"`)
 	require.True(t, ok, "the plugin says how it pulls")
 	require.Contains(t, modeLine, `mode="`+mode+`"`)
+	if mode == "lazy" && pull.IndexSupported(c.StateDir) == nil {
+		require.Contains(t, modeLine, "as indexes mounted file-backed", "a lazy pull mounts an index by default where the kernel can")
+	}
 	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s; %s)\n",
 		time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(pulled[strings.Index(pulled, "Pulled"):]),
 		strings.TrimSpace(modeLine[strings.Index(modeLine, "mode="):])))
