@@ -66,26 +66,25 @@ type Blob struct {
 	mu      sync.Mutex
 	reached []string
 	seen    []bool
+	// state is each extent's, and waiters the readers of those being
+	// fetched: a byte an extent, not a list, for a blob of a million.
 	state   []extentState
-	byPath  map[string]int // extents by path, made at the first Offer
-	left    int            // extents neither in place nor failed
-	err     error          // the first failure
-	closed  bool           // failed: no fill starts
-	done    chan struct{}  // closed once all are in place, or one failed
-	ended   bool           // done is closed
+	waiters map[int][]*blobReader
+	left    int           // extents neither in place nor failed
+	err     error         // the first failure
+	closed  bool          // failed: no fill starts
+	done    chan struct{} // closed once all are in place, or one failed
+	ended   bool          // done is closed
 	fills   sync.WaitGroup
 
 	closeOnce sync.Once
 	closeErr  error
 }
 
-type extentState struct {
-	state   uint8
-	waiters []*blobReader
-}
+type extentState uint8
 
 const (
-	extentMissing uint8 = iota
+	extentMissing extentState = iota
 	extentFetching
 	extentInPlace
 	extentFailed
@@ -102,7 +101,8 @@ type blobReader struct {
 // OpenBlob holds the readers of the blob at path (below the group's root,
 // made by the caller, of layout.Size bytes), whose extents layout says,
 // from now on: every extent that carries its data (Extent.Data) is
-// written in place at once, and every other one is fetched with fetch
+// written in place at once (and its Data dropped from layout), and every
+// other one is fetched with fetch
 // when a read first touches it, or offered by a stream (Offer), or
 // prefetched (Prefetch). Bytes that are not an extent's sum are told to
 // corrupt (if not nil) and fetched again, a few times at most.
@@ -112,7 +112,7 @@ func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch, cor
 		return nil, err
 	}
 	b := &Blob{g: g, file: -1, layout: layout, fetch: fetch, corrupt: corrupt, state: make([]extentState, len(layout.Extents)),
-		left: len(layout.Extents), done: make(chan struct{})}
+		waiters: map[int][]*blobReader{}, left: len(layout.Extents), done: make(chan struct{})}
 	b.ctx, b.cancel = context.WithCancel(context.Background())
 	if err := b.open(rel); err != nil {
 		b.cancel()
@@ -125,7 +125,9 @@ func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch, cor
 }
 
 // open opens the blob through the group's clone, writes the extents that
-// carry their data and marks the blob for the rest.
+// carry their data (and lets go of it: the layout is the fill's, and a
+// small file's bytes need not live as long) and marks the blob for the
+// rest.
 func (b *Blob) open(rel string) error {
 	file, err := fdtree.OpenFileBeneath(b.g.tree, rel, unix.O_RDWR)
 	if err != nil {
@@ -147,7 +149,8 @@ func (b *Blob) open(rel string) error {
 		if _, err := b.file.WriteAt(e.Data, e.Offset); err != nil {
 			return fmt.Errorf("%s: %w", e.Path, err)
 		}
-		b.state[i].state = extentInPlace
+		b.layout.Extents[i].Data = nil
+		b.state[i] = extentInPlace
 		b.left--
 	}
 	if b.left == 0 {
@@ -197,19 +200,18 @@ func (b *Blob) dispatch(ev event) {
 	}
 	failed := false
 	for i := first; i < end && !failed; i++ {
-		s := &b.state[i]
-		switch {
-		case s.state == extentInPlace:
+		switch s := b.state[i]; {
+		case s == extentInPlace:
 			continue
-		case s.state == extentFailed || b.closed:
+		case s == extentFailed || b.closed:
 			failed = true
 			continue
-		case s.state == extentMissing:
-			s.state = extentFetching
+		case s == extentMissing:
+			b.state[i] = extentFetching
 			b.fills.Add(1)
 			go b.fill(i, nil)
 		}
-		s.waiters = append(s.waiters, r)
+		b.waiters[i] = append(b.waiters[i], r)
 		r.pending++
 	}
 	switch {
@@ -267,17 +269,11 @@ func (b *Blob) reach(first, end int) {
 // the extent instead. It returns once the extent is settled, with an error
 // once the blob failed.
 func (b *Blob) Offer(path string, write func(w io.WriterAt) error) error {
+	i := b.layout.Lookup(path)
 	b.mu.Lock()
-	if b.byPath == nil {
-		b.byPath = make(map[string]int, len(b.layout.Extents))
-		for i, e := range b.layout.Extents {
-			b.byPath[e.Path] = i
-		}
-	}
-	i, ok := b.byPath[path]
-	mine := ok && !b.closed && b.state[i].state == extentMissing
+	mine := i >= 0 && !b.closed && b.state[i] == extentMissing
 	if mine {
-		b.state[i].state = extentFetching
+		b.state[i] = extentFetching
 		b.fills.Add(1)
 	}
 	err := b.err
@@ -354,9 +350,9 @@ func (b *Blob) Prefetch(workers int) {
 	for i := range b.layout.Extents {
 		b.mu.Lock()
 		stop := b.closed || b.err != nil
-		mine := !stop && b.state[i].state == extentMissing
+		mine := !stop && b.state[i] == extentMissing
 		if mine {
-			b.state[i].state = extentFetching
+			b.state[i] = extentFetching
 			b.fills.Add(1)
 		}
 		b.mu.Unlock()
@@ -384,13 +380,12 @@ func (b *Blob) check(e index.Extent) error {
 // was the last one of, or fails those it was one of.
 func (b *Blob) finish(i int, err error) {
 	b.mu.Lock()
-	s := &b.state[i]
-	waiters := s.waiters
-	s.waiters = nil
-	s.state = extentInPlace
+	waiters := b.waiters[i]
+	delete(b.waiters, i)
+	b.state[i] = extentInPlace
 	var allow, deny []event
 	if err != nil {
-		s.state = extentFailed
+		b.state[i] = extentFailed
 		if !b.closed {
 			klog.ErrorS(err, "Filling an extent of an index's blob failed; its readers, and every later one of what is not here, get EIO")
 		}
@@ -483,8 +478,8 @@ func (b *Blob) failLocked(err error) []event {
 	}
 	b.end()
 	var deny []event
-	for i := range b.state {
-		for _, r := range b.state[i].waiters {
+	for _, waiters := range b.waiters {
+		for _, r := range waiters {
 			if !r.answered {
 				r.answered = true
 				deny = append(deny, r.ev)

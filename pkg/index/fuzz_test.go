@@ -123,6 +123,9 @@ func FuzzImage(f *testing.F) {
 		top := fuzzTree(data)
 		layout, err := seal(top)
 		require.NoError(t, err)
+		for i, e := range layout.Extents {
+			require.Equal(t, i, layout.Lookup(e.Path), "the extents lie in path order: %q", e.Path)
+		}
 		var img bytes.Buffer
 		if err := write(&img, top, layout); errors.Is(err, ErrUnindexable) {
 			return

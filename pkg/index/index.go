@@ -13,6 +13,7 @@
 package index
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -185,14 +186,43 @@ func (l *Layout) Data() int64 {
 	return n
 }
 
-// Offsets says where each file's data starts in the blob, by its first
-// name (Extent.Path).
-func (l *Layout) Offsets() map[string]int64 {
-	at := make(map[string]int64, len(l.Extents))
-	for _, e := range l.Extents {
-		at[e.Path] = e.Offset
+// Lookup is the extent of the file whose first name (Extent.Path) is
+// path, -1 if none: a search of the extents, which lie in path order
+// (comparePaths), not a map, which a fill of a million files would hold
+// as 50 MB more.
+func (l *Layout) Lookup(path string) int {
+	if i, found := slices.BinarySearchFunc(l.Extents, path, func(e Extent, path string) int { return comparePaths(e.Path, path) }); found {
+		return i
 	}
-	return at
+	return -1
+}
+
+// Offset says where the data of the file whose first name is path starts
+// in the blob, if it has an extent.
+func (l *Layout) Offset(path string) (int64, bool) {
+	if i := l.Lookup(path); i >= 0 {
+		return l.Extents[i].Offset, true
+	}
+	return 0, false
+}
+
+// comparePaths orders slash-separated paths as seal's walk meets them:
+// depth first, each directory's names in byte order. That is byte order
+// with "/" before every other byte: a name ends there, and a name sorts
+// before the longer names it starts.
+func comparePaths(a, b string) int {
+	for i := range min(len(a), len(b)) {
+		switch x, y := a[i], b[i]; {
+		case x == y:
+		case x == '/':
+			return -1
+		case y == '/':
+			return 1
+		default:
+			return cmp.Compare(x, y)
+		}
+	}
+	return cmp.Compare(len(a), len(b))
 }
 
 // Find is the extent holding the blob's byte off (-1: none, padding).

@@ -189,3 +189,37 @@ func TestUnindexable(t *testing.T) {
 	_, err := xattrBody(map[string]string{"system.posix_acl_access": "x"})
 	require.ErrorIs(t, err, ErrUnindexable)
 }
+
+// Lookup finds each file's extent by its first name, in a tree whose
+// names sort differently as whole paths than as the walk meets them
+// ("a.c" before "a/b" by bytes, after it in the walk), and finds nothing
+// for any other name.
+func TestLayoutLookup(t *testing.T) {
+	layer := t.TempDir()
+	for _, f := range []string{"a/b", "a.c", "a-d", "a/b.x/y", "a/b-x", "ab", "a/ü", "z", "a/b.x/y2", " a", "dir/a/b"} {
+		require.NoError(t, os.MkdirAll(filepath.Join(layer, filepath.Dir(f)), 0o755))
+		if f == "a/b.x/y" {
+			require.NoError(t, os.Link(filepath.Join(layer, "a/b"), filepath.Join(layer, f)))
+			continue
+		}
+		require.NoError(t, os.WriteFile(filepath.Join(layer, f), []byte(f), 0o644))
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "empty"), nil, 0o644))
+	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(root)
+	layout, err := Build(root, io.Discard, Options{})
+	require.NoError(t, err)
+	require.Len(t, layout.Extents, 10, "every file with data, a hard link's once")
+	for i, e := range layout.Extents {
+		require.Equal(t, i, layout.Lookup(e.Path), e.Path)
+		off, ok := layout.Offset(e.Path)
+		require.True(t, ok)
+		require.Equal(t, e.Offset, off)
+	}
+	for _, name := range []string{"a/b.x/y", "empty", "a", "a/", "dir", "dir/a", "b", "", "zz", "a/b/c"} {
+		require.Equal(t, -1, layout.Lookup(name), "%q has no extent", name)
+		_, ok := layout.Offset(name)
+		require.False(t, ok, name)
+	}
+}

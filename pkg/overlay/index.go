@@ -51,12 +51,12 @@ func MountIndex(image, blob, target string) error {
 // CopyIndex makes dst a tree of its own with what the index mounted at
 // mnt holds, each regular file's data cloned from the file blob, the
 // index's extra device, where at says its data starts (by the file's
-// first name; a file it does not name is copied from the mount): how a
+// first name; a file it has no offset for is copied from the mount): how a
 // volume pulled as an index becomes a plain layer once its blob is whole,
 // in block clones on a filesystem that has them (a copy elsewhere). The
 // blob is read, never changed, and is to be whole: a read of a hole the
 // index's fill has not filled yet would be held.
-func CopyIndex(ctx context.Context, mnt, blob string, at map[string]int64, dst string) (CopyStats, error) {
+func CopyIndex(ctx context.Context, mnt, blob string, at func(rel string) (int64, bool), dst string) (CopyStats, error) {
 	fd, err := unix.Open(blob, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return CopyStats{}, fmt.Errorf("the blob of %s: %w", mnt, err)
@@ -72,7 +72,7 @@ func CopyIndex(ctx context.Context, mnt, blob string, at map[string]int64, dst s
 		return CopyStats{}, err
 	}
 	return copyTree(ctx, mnt, dst, true, func(rel string) (fileData, error) {
-		off, ok := at[rel]
+		off, ok := at(rel)
 		if !ok {
 			return fileData{}, nil
 		}

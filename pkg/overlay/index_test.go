@@ -53,7 +53,7 @@ func TestCopyIndex(t *testing.T) {
 			// CopyIndex takes it.
 			var blobSt unix.Stat_t
 			require.NoError(t, unix.Stat(blob, &blobSt))
-			at, withBlocks, underABlock := layout.Offsets(), 0, 0
+			withBlocks, underABlock := 0, 0
 			for _, e := range layout.Extents {
 				switch {
 				case e.Size >= int64(blobSt.Blksize):
@@ -63,7 +63,7 @@ func TestCopyIndex(t *testing.T) {
 				}
 			}
 			dst := filepath.Join(fs, "copy")
-			stats, err := CopyIndex(t.Context(), mnt, blob, at, dst)
+			stats, err := CopyIndex(t.Context(), mnt, blob, layout.Offset, dst)
 			require.NoError(t, err)
 			require.Equal(t, testfs.Describe(t, mnt), testfs.Describe(t, dst))
 			require.Equal(t, extraNames(t, layer), stats.Links, "each file's names after its first, linked")

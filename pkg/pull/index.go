@@ -241,7 +241,7 @@ func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout) (string, error)
 	}()
 	start := time.Now()
 	tree := filepath.Join(work, "tree")
-	stats, err := overlay.CopyIndex(pl.ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), layout.Offsets(), tree)
+	stats, err := overlay.CopyIndex(pl.ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), layout.Offset, tree)
 	if err == nil {
 		err = overlay.SyncFS(tree)
 	}
