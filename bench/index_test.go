@@ -185,7 +185,7 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 		b.Fatal(err)
 	}
 	image, blob, layout := indextest.Whole(b, layer, work)
-	at := layout.Offsets()
+	at := layout.Offset
 	mnt := filepath.Join(work, "mnt")
 	if err := overlay.MountIndex(image, blob, mnt); err != nil {
 		b.Fatal(err)
