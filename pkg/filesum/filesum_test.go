@@ -109,6 +109,9 @@ func TestDigest(t *testing.T) {
 		got, err := l.Digest()
 		require.NoError(t, err)
 		require.Equal(t, want, got)
+		again, err := l.Digest()
+		require.NoError(t, err)
+		require.Equal(t, want, again, "a listing digested (sorted in place) says the same again")
 	}
 
 	for name, other := range map[string]Table{
