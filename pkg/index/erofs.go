@@ -65,7 +65,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 	order := []*node{top}
 	top.ino = 1
 	for i := 0; i < len(order); i++ {
-		for _, d := range order[i].entries {
+		for _, d := range order[i].entries() {
 			d.n.nlink++
 			if d.n.ino == 0 {
 				order = append(order, d.n)
@@ -88,13 +88,13 @@ func write(w io.Writer, top *node, layout *Layout) error {
 		if n.st.Mode&unix.S_IFMT == unix.S_IFLNK && inodeSize+len(body)+int(tail) > blockSize {
 			// Inline in the inode's block, or not at all (a data block
 			// of its own for a target this long is not written yet).
-			return fmt.Errorf("a symlink's target of %d bytes: %w", len(n.target), ErrUnindexable)
+			return fmt.Errorf("a symlink's target of %d bytes: %w", len(n.data), ErrUnindexable)
 		}
 		size := n.tailAt(len(body)) + tail
 		if pos/blockSize != (pos+min(size, blockSize)-1)/blockSize {
 			pos = roundUp(pos, blockSize) // a record starts in the block it fits in
 		}
-		n.nid = uint64(pos / 32)
+		n.nid = uint32(pos / 32)
 		if pos = roundUp(pos+size, 32); pos > maxImageBytes {
 			return fmt.Errorf("an index of more than %d bytes: %w", pos, ErrUnindexable)
 		}
@@ -109,7 +109,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 		if err != nil {
 			return err
 		}
-		n.blkDir, n.dirLen = block, size
+		n.dir.block, n.dir.size = block, size
 		block += uint32(roundUp(size, blockSize) / blockSize)
 		if int64(block)*blockSize > maxImageBytes {
 			return fmt.Errorf("an index of %d blocks: %w", block, ErrUnindexable)
@@ -133,7 +133,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 	}
 	for _, n := range order {
 		if n.st.Mode&unix.S_IFMT == unix.S_IFDIR {
-			iw.pad(int64(n.blkDir) * blockSize)
+			iw.pad(int64(n.dir.block) * blockSize)
 			if _, err := dirData(n, iw.write); err != nil {
 				return err
 			}
@@ -204,7 +204,7 @@ func (n *node) tailSize(layout *Layout) int64 {
 			return 8 * layout.Extents[n.extent].chunks()
 		}
 	case unix.S_IFLNK:
-		return int64(len(n.target))
+		return int64(len(n.data))
 	}
 	return 0
 }
@@ -226,7 +226,7 @@ func (n *node) appendTail(record []byte, layout *Layout) []byte {
 		}
 		return record
 	case unix.S_IFLNK:
-		return append(record, n.target...)
+		return append(record, n.data...)
 	}
 	return record
 }
@@ -246,10 +246,10 @@ func (n *node) putInode(b []byte, xattrBytes int) {
 		}
 	case unix.S_IFDIR:
 		format |= layoutFlatPlain << 1
-		size, data = uint64(n.dirLen), n.blkDir
+		size, data = uint64(n.dir.size), n.dir.block
 	case unix.S_IFLNK:
 		format |= layoutFlatInline << 1
-		size, data = uint64(len(n.target)), nullBlock
+		size, data = uint64(len(n.data)), nullBlock
 	case unix.S_IFCHR, unix.S_IFBLK:
 		data = encodeDev(n.st.Rdev)
 	}
@@ -263,8 +263,8 @@ func (n *node) putInode(b []byte, xattrBytes int) {
 	le.PutUint32(b[20:], n.ino)
 	le.PutUint32(b[24:], n.st.Uid)
 	le.PutUint32(b[28:], n.st.Gid)
-	le.PutUint64(b[32:], uint64(n.st.Mtim.Sec))
-	le.PutUint32(b[40:], uint32(n.st.Mtim.Nsec))
+	le.PutUint64(b[32:], uint64(n.st.MtimSec))
+	le.PutUint32(b[40:], n.st.MtimNsec)
 	le.PutUint32(b[44:], n.nlink)
 }
 
@@ -317,22 +317,23 @@ func xattrBody(xattrs map[string]string) ([]byte, error) {
 // order across the blocks, as lookups' binary search needs. The last
 // block is as long as it is used.
 func dirData(n *node, emit func([]byte)) (int64, error) {
+	entries := n.entries()
 	var size int64
 	var block []byte
 	if emit != nil {
 		block = make([]byte, blockSize)
 	}
-	for i := 0; i < len(n.entries); {
+	for i := 0; i < len(entries); {
 		// As many entries as fit in a block.
 		j, used := i, 0
-		for j < len(n.entries) && used+direntSize+len(n.entries[j].name) <= blockSize {
-			used += direntSize + len(n.entries[j].name)
+		for j < len(entries) && used+direntSize+len(entries[j].name) <= blockSize {
+			used += direntSize + len(entries[j].name)
 			j++
 		}
 		if j == i {
-			return 0, fmt.Errorf("a name of %d bytes: %w", len(n.entries[i].name), ErrUnindexable)
+			return 0, fmt.Errorf("a name of %d bytes: %w", len(entries[i].name), ErrUnindexable)
 		}
-		last := j == len(n.entries)
+		last := j == len(entries)
 		if last {
 			size += int64(used)
 		} else {
@@ -341,9 +342,9 @@ func dirData(n *node, emit func([]byte)) (int64, error) {
 		if emit != nil {
 			clear(block)
 			nameAt := direntSize * (j - i)
-			for k, d := range n.entries[i:j] {
+			for k, d := range entries[i:j] {
 				e := block[direntSize*k:]
-				binary.LittleEndian.PutUint64(e, d.n.nid)
+				binary.LittleEndian.PutUint64(e, uint64(d.n.nid))
 				binary.LittleEndian.PutUint16(e[8:], uint16(nameAt))
 				e[10] = fileType(d.n.st.Mode)
 				nameAt += copy(block[nameAt:], d.name)
@@ -387,8 +388,8 @@ func putSuperblock(img []byte, top *node, inodes uint64, blocks uint32, layout *
 	sb[12] = blockBits
 	le.PutUint16(sb[14:], uint16(top.nid))
 	le.PutUint64(sb[16:], inodes)
-	le.PutUint64(sb[24:], uint64(top.st.Mtim.Sec))
-	le.PutUint32(sb[32:], uint32(top.st.Mtim.Nsec))
+	le.PutUint64(sb[24:], uint64(top.st.MtimSec))
+	le.PutUint32(sb[32:], top.st.MtimNsec)
 	le.PutUint32(sb[36:], blocks)
 	// meta_blkaddr (40) and xattr_blkaddr (44) are 0: inodes count from
 	// the image's start, and no xattr is shared.

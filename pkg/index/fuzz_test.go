@@ -38,14 +38,14 @@ func fuzzTree(data []byte) *node {
 			continue
 		}
 		taken := false
-		for _, d := range parent.entries {
+		for _, d := range parent.entries() {
 			taken = taken || d.name == string(name)
 		}
 		if taken {
 			continue
 		}
 		n := &node{extent: -1, st: attrs{Uid: uint32(next()) << 10, Gid: uint32(next()), Mode: 0o640 | uint32(next()&0o7)}}
-		n.st.Mtim.Sec, n.st.Mtim.Nsec = int64(next())<<24, int64(next())<<20
+		n.st.MtimSec, n.st.MtimNsec = int64(next())<<24, uint32(next())<<20
 		if next()%3 == 0 {
 			n.xattrs = map[string]string{"user.k" + string(name[:1]): string(name), "trusted.overlay.opaque": "y"}
 		}
@@ -59,7 +59,7 @@ func fuzzTree(data []byte) *node {
 			files = append(files, n)
 		case 2:
 			n.st.Mode |= unix.S_IFLNK
-			n.target = string(bytes.Repeat(name, 1+int(next())%8))
+			n.data = bytes.Repeat(name, 1+int(next())%8)
 		case 3:
 			if len(files) == 0 {
 				continue
@@ -148,13 +148,13 @@ func FuzzImage(f *testing.F) {
 				names = append(names, e.Name())
 			}
 			var want []string
-			for _, c := range d.entries {
+			for _, c := range d.entries() {
 				if c.name != "." && c.name != ".." {
 					want = append(want, c.name)
 				}
 			}
 			require.Equal(t, want, names, dir)
-			for _, c := range d.entries {
+			for _, c := range d.entries() {
 				if c.name == "." || c.name == ".." {
 					continue
 				}
@@ -165,8 +165,8 @@ func FuzzImage(f *testing.F) {
 				n := c.n
 				require.Equal(t, n.st.Uid, st.UID, p)
 				require.Equal(t, n.st.Gid, st.GID, p)
-				require.Equal(t, uint64(n.st.Mtim.Sec), st.Mtime, p)
-				require.Equal(t, uint32(n.st.Mtim.Nsec), st.MtimeNs, p)
+				require.Equal(t, uint64(n.st.MtimSec), st.Mtime, p)
+				require.Equal(t, n.st.MtimNsec, st.MtimeNs, p)
 				require.Equal(t, fs.FileMode(n.st.Mode&0o777), fi.Mode().Perm(), p)
 				require.Equal(t, int(n.nlink), st.Nlink, p)
 				if len(n.xattrs) > 0 {
@@ -192,7 +192,7 @@ func FuzzImage(f *testing.F) {
 				case unix.S_IFLNK:
 					target, err := lstat.ReadLink(p)
 					require.NoError(t, err, p)
-					require.Equal(t, n.target, target, p)
+					require.Equal(t, string(n.data), target, p)
 				case unix.S_IFCHR:
 					require.Equal(t, uint32(unix.Major(n.st.Rdev)), unix.Major(uint64(st.Rdev)), p)
 					require.Equal(t, uint32(unix.Minor(n.st.Rdev)), unix.Minor(uint64(st.Rdev)), p)

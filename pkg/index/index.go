@@ -63,30 +63,50 @@ type Layout struct {
 // caller falls back to another way.
 var ErrUnindexable = errors.New("the layer cannot be indexed")
 
-// node is one inode of the tree being indexed.
+// node is one inode of the tree being indexed: 128 bytes, as a tree of
+// a million of them is what a pull of a million files holds until its
+// image is written.
 type node struct {
-	st      attrs
-	xattrs  map[string]string
-	target  string // a symlink's
-	data    []byte // a regular file's, where its entry carried them
-	sum     filesum.Sum
-	entries []dent // a directory's, sorted by name, "." and ".." included
-	extent  int    // a regular file's, in the layout (-1: none, empty)
+	st     attrs
+	xattrs map[string]string
+	// data is a regular file's bytes, where its entry carried them, or a
+	// symlink's target.
+	data   []byte
+	sum    filesum.Sum
+	dir    *dir  // a directory's, made by its first entry or seal
+	extent int32 // a regular file's, in the layout (-1: none, empty)
 	// Where the image keeps it (erofs.go).
-	nid    uint64
-	nlink  uint32
-	ino    uint32
-	blkDir uint32 // a directory's first data block
-	dirLen int64  // a directory's data size
+	nid   uint32 // (an image is at most 1 GiB: 2^25 slots of 32 bytes)
+	nlink uint32
+	ino   uint32
 }
 
-// attrs are what an image keeps of an entry's stat: a third of a
-// unix.Stat_t, which a tree of a million entries feels.
+// dir is what a directory's node holds more.
+type dir struct {
+	entries []dent // sorted by name, "." and ".." included, once sealed
+	// byName finds entries by name, made by the first lookup: a
+	// directory a hard link names a file of.
+	byName map[string]*node
+	block  uint32 // its first data block
+	size   int64  // its data's
+}
+
+// attrs are what an image keeps of an entry's stat: 40 bytes of a
+// 144-byte unix.Stat_t.
 type attrs struct {
 	Mode, Uid, Gid uint32
+	MtimNsec       uint32
+	MtimSec        int64
 	Size           int64
 	Rdev           uint64
-	Mtim           unix.Timespec
+}
+
+// entries are a directory's (none for any other node).
+func (n *node) entries() []dent {
+	if n.dir == nil {
+		return nil
+	}
+	return n.dir.entries
 }
 
 type dent struct {
@@ -96,7 +116,7 @@ type dent struct {
 
 // walk reads the layer open as root into a tree, as a Tree learns one
 // from a stream.
-func walk(root int, opt Options) (*node, error) {
+func walk(root int, opt Options) (*Tree, error) {
 	top := Entry{}
 	if err := unix.Fstat(root, &top.Stat); err != nil {
 		return nil, err
@@ -130,12 +150,35 @@ func walk(root int, opt Options) (*node, error) {
 		}
 		return true, t.Add(entry)
 	}})
-	return t.top, err
+	return t, err
 }
 
 // add names child in directory d.
 func (d *node) add(name string, child *node) {
-	d.entries = append(d.entries, dent{name: name, n: child})
+	if d.dir == nil {
+		d.dir = &dir{}
+	}
+	d.dir.entries = append(d.dir.entries, dent{name: name, n: child})
+	if _, taken := d.dir.byName[name]; d.dir.byName != nil && !taken {
+		d.dir.byName[name] = child
+	}
+}
+
+// lookup is the node directory d names name (nil: none; the first, if
+// added twice).
+func (d *node) lookup(name string) *node {
+	if d.dir == nil {
+		return nil
+	}
+	if d.dir.byName == nil {
+		d.dir.byName = make(map[string]*node, len(d.dir.entries))
+		for _, e := range d.dir.entries {
+			if _, taken := d.dir.byName[e.name]; !taken {
+				d.dir.byName[e.name] = e.n
+			}
+		}
+	}
+	return d.dir.byName[name]
 }
 
 // seal finishes the tree below top: each directory's "." and "..", its
@@ -147,9 +190,14 @@ func seal(top *node) (*Layout, error) {
 	layout := &Layout{}
 	var visit func(d *node, path string, parent *node) error
 	visit = func(d *node, path string, parent *node) error {
-		d.entries = append(d.entries, dent{name: ".", n: d}, dent{name: "..", n: parent})
-		slices.SortFunc(d.entries, func(a, b dent) int { return strings.Compare(a.name, b.name) })
-		for _, c := range d.entries {
+		d.add(".", d)
+		d.add("..", parent)
+		d.dir.byName = nil
+		slices.SortFunc(d.dir.entries, func(a, b dent) int { return strings.Compare(a.name, b.name) })
+		for i, c := range d.dir.entries {
+			if i > 0 && c.name == d.dir.entries[i-1].name {
+				return fmt.Errorf("%q: added twice", path+c.name)
+			}
 			if c.name == "." || c.name == ".." {
 				continue
 			}
@@ -166,7 +214,7 @@ func seal(top *node) (*Layout, error) {
 				if n.st.Size > maxBlobBytes-layout.Size { // (a step may make a sparse file of exabytes)
 					return fmt.Errorf("%s: %d bytes past a blob of %d: %w", name, n.st.Size, layout.Size, ErrUnindexable)
 				}
-				n.extent = len(layout.Extents)
+				n.extent = int32(len(layout.Extents))
 				layout.Extents = append(layout.Extents, Extent{Path: name, Offset: layout.Size, Size: n.st.Size, Data: n.data, Sum: n.sum})
 				layout.Size += roundUp(n.st.Size, blockSize)
 			}
@@ -256,23 +304,11 @@ func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
 // where each regular file's data lies in the blob. It reads the layer's
 // metadata, never its files' data.
 func Build(root int, w io.Writer, opt Options) (*Layout, error) {
-	top, err := walk(root, opt)
+	t, err := walk(root, opt)
 	if err != nil {
 		return nil, err
 	}
-	return indexTree(top, w)
-}
-
-// indexTree seals the tree below top and writes its image to w.
-func indexTree(top *node, w io.Writer) (*Layout, error) {
-	layout, err := seal(top)
-	if err != nil {
-		return nil, err
-	}
-	if err := write(w, top, layout); err != nil {
-		return nil, err
-	}
-	return layout, nil
+	return t.Write(w)
 }
 
 // Blob reads the blob of Layout from the layer open as Root: each

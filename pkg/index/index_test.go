@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -222,4 +223,10 @@ func TestLayoutLookup(t *testing.T) {
 		_, ok := layout.Offset(name)
 		require.False(t, ok, name)
 	}
+}
+
+// A node is what a pull holds of each entry until its image is written:
+// a million of them must not grow unnoticed.
+func TestNodeSize(t *testing.T) {
+	require.LessOrEqual(t, unsafe.Sizeof(node{}), uintptr(128))
 }

@@ -20,9 +20,13 @@ import (
 type Tree struct {
 	opt Options
 	top *node
-	// nodes are the entries added, by name ("" the root): what a child's
-	// parent and a hard link's target are looked up in.
-	nodes map[string]*node
+	// dirs are the directories added, by name ("" the root): what a
+	// child's parent is looked up in. Not every entry: a map of a
+	// million paths is most of what a tree of a million files holds. A
+	// hard link's target is looked up in its directory (dir.byName), a
+	// name added twice found once the tree is sealed.
+	dirs   map[string]*node
+	layout *Layout // once sealed
 }
 
 // Entry is one entry of a Tree.
@@ -50,15 +54,19 @@ func NewTree(opt Options, root Entry) (*Tree, error) {
 	}
 	t := &Tree{opt: opt}
 	t.top = t.node(root)
-	t.nodes = map[string]*node{"": t.top}
+	t.dirs = map[string]*node{"": t.top}
 	return t, nil
 }
 
 // node makes e's node, with what opt keeps of its set-ID bits and
 // capabilities (as walk does from a layer on disk).
 func (t *Tree) node(e Entry) *node {
-	st := attrs{Mode: e.Stat.Mode, Uid: e.Stat.Uid, Gid: e.Stat.Gid, Size: e.Stat.Size, Rdev: e.Stat.Rdev, Mtim: e.Stat.Mtim}
-	n := &node{st: st, xattrs: e.Xattrs, target: e.Target, data: e.Data, sum: e.Sum, extent: -1}
+	st := attrs{Mode: e.Stat.Mode, Uid: e.Stat.Uid, Gid: e.Stat.Gid, MtimSec: e.Stat.Mtim.Sec, MtimNsec: uint32(e.Stat.Mtim.Nsec),
+		Size: e.Stat.Size, Rdev: e.Stat.Rdev}
+	n := &node{st: st, xattrs: e.Xattrs, data: e.Data, sum: e.Sum, extent: -1}
+	if e.Target != "" {
+		n.data = []byte(e.Target)
+	}
 	if n.st.Mode&unix.S_IFMT != unix.S_IFREG {
 		n.st.Size = 0 // a directory's and a symlink's are the image's
 	}
@@ -106,14 +114,22 @@ func (t *Tree) Add(e Entry) error {
 		return err
 	}
 	n := t.node(e)
-	t.nodes[e.Name] = n
+	if n.st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		if _, taken := t.dirs[e.Name]; taken {
+			return fmt.Errorf("%q: added twice", e.Name)
+		}
+		t.dirs[e.Name] = n
+	}
 	parent.add(base, n)
 	return nil
 }
 
 // Link names the regular file added as target once more, as name.
 func (t *Tree) Link(name, target string) error {
-	n := t.nodes[target]
+	var n *node
+	if d, base, ok := splitName(target); ok && t.dirs[d] != nil {
+		n = t.dirs[d].lookup(base)
+	}
 	if n == nil || n.st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return fmt.Errorf("%q: a hard link to %q, which is not a regular file added before it", name, target)
 	}
@@ -121,38 +137,65 @@ func (t *Tree) Link(name, target string) error {
 	if err != nil {
 		return err
 	}
-	t.nodes[name] = n
 	parent.add(base, n)
 	return nil
 }
 
-// parent is the directory name goes in, which holds nothing of that name
-// yet, and name's last component.
+// parent is the directory name goes in, and name's last component,
+// which the directory keeps as a string of its own: the whole name, one
+// the caller made, need not live as long as the tree.
 func (t *Tree) parent(name string) (*node, string, error) {
-	dir, base := "", name
+	dir, base, ok := splitName(name)
+	if !ok {
+		return nil, "", fmt.Errorf("entry name %q", name)
+	}
+	parent := t.dirs[dir]
+	if parent == nil {
+		return nil, "", fmt.Errorf("%q: its directory was not added before it", name)
+	}
+	return parent, strings.Clone(base), nil
+}
+
+// splitName is a name's directory and last component, which must be a
+// name a directory can hold.
+func splitName(name string) (dir, base string, ok bool) {
+	dir, base = "", name
 	if i := strings.LastIndexByte(name, '/'); i >= 0 {
 		dir, base = name[:i], name[i+1:]
 	}
-	if base == "" || base == "." || base == ".." || len(base) > unix.NAME_MAX || strings.IndexByte(base, 0) >= 0 {
-		return nil, "", fmt.Errorf("entry name %q", name)
-	}
-	parent := t.nodes[dir]
-	if parent == nil || parent.st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return nil, "", fmt.Errorf("%q: its directory was not added before it", name)
-	}
-	if _, taken := t.nodes[name]; taken {
-		return nil, "", fmt.Errorf("%q: added twice", name)
-	}
-	return parent, base, nil
+	ok = base != "" && base != "." && base != ".." && len(base) <= unix.NAME_MAX && strings.IndexByte(base, 0) < 0
+	return dir, base, ok
 }
 
-// Write writes the tree's image to w and says where each regular file's
-// data lies in the blob. A tree is written once.
-func (t *Tree) Write(w io.Writer) (*Layout, error) {
+// Seal says the tree is whole: each directory's entries are sorted, a
+// name added twice to one is refused, and the blob is laid out. Nothing
+// is added after it.
+func (t *Tree) Seal() (*Layout, error) {
+	if t.layout != nil {
+		return t.layout, nil
+	}
 	if t.top == nil {
-		return nil, fmt.Errorf("a tree written twice")
+		return nil, fmt.Errorf("a tree written already")
+	}
+	layout, err := seal(t.top)
+	if err != nil {
+		return nil, err
+	}
+	t.dirs, t.layout = nil, layout
+	return layout, nil
+}
+
+// Write writes the tree's image to w (sealing it first) and says where
+// each regular file's data lies in the blob. A tree is written once.
+func (t *Tree) Write(w io.Writer) (*Layout, error) {
+	layout, err := t.Seal()
+	if err != nil {
+		return nil, err
 	}
 	top := t.top
-	t.top, t.nodes = nil, nil
-	return indexTree(top, w)
+	t.top = nil
+	if err := write(w, top, layout); err != nil {
+		return nil, err
+	}
+	return layout, nil
 }
