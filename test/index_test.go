@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,6 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
+	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
@@ -122,4 +125,35 @@ func TestLazyPullRacingADestroy(t *testing.T) {
 			b.noLeaks(t)
 		})
 	}
+}
+
+// A layer an index cannot say (here a symlink whose 4,050-byte target
+// does not fit in its inode's block; btrfs holds one, XFS does not) is
+// pulled as a stub tree by a node that mounts indexes: its holder is
+// asked for the tree both ways, and the step reads it whole.
+func TestLazyPullOfALayerNoIndexCanSay(t *testing.T) {
+	testfs.Need(t, "mkfs.btrfs")
+	peerAddr := plugintest.FreeAddr(t)
+	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.Btrfs, 1<<30),
+		Args: []string{"--peer-address=" + peerAddr}})
+	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.Btrfs, 1<<30),
+		Args: []string{"--peers=node-a=" + peerAddr, "--pull-wait=1s", "--pull-mode=lazy", "--pull-index"}})
+	pullForm{name: "index", index: true}.require(t, b)
+	target := strings.Repeat("a/", 2025)
+	a.step("", "src", func(dir string) {
+		require.NoError(t, os.Symlink(target, filepath.Join(dir, "long")))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "f"), []byte("the bytes of f"), 0o644))
+	})
+	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+	require.NoError(t, b.publishWaiting(v))
+	got, err := os.Readlink(filepath.Join(v.Target, "long"))
+	require.NoError(t, err)
+	require.Equal(t, target, got)
+	require.Equal(t, "the bytes of f", readFile(t, v.Target, "f"))
+	for _, shape := range []string{"records", "tar"} {
+		require.Equal(t, 1.0, metricValue(t, a, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="walked"}`, shape)), shape)
+	}
+	b.umount(v)
+	eventually(t, "the volume to be ready", func() bool { return volumeState(t, b, "src") == "ready" })
+	b.noLeaks(t)
 }

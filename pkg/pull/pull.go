@@ -36,6 +36,7 @@ import (
 
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
@@ -586,6 +587,11 @@ func (pl *Puller) pullLayer(p *pull, client *streamer.Client, top, l streamer.La
 	switch {
 	case pl.lazy != nil && !p.whole && pl.lazy.index:
 		vol, err = pl.pullIndex(p, client, top, l, want, progress)
+		if errors.Is(err, index.ErrUnindexable) {
+			// Nothing of it was kept: its stub tree is made instead.
+			klog.InfoS("Pulling a layer an index cannot say as a stub tree", "volume", l.Ref, "for", p.key.ref, "why", err)
+			vol, err = pl.pullStubs(p, client, top, l, want, progress)
+		}
 	case pl.lazy != nil && !p.whole:
 		vol, err = pl.pullStubs(p, client, top, l, want, progress)
 	default:
