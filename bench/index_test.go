@@ -2,12 +2,15 @@ package bench
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -233,13 +236,28 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 // its layer, as before it kept them), indexRounds times each, taking
 // turns, each on a fresh B (a new state dir, page caches dropped); then
 // how long until the volume is ready (every byte here, and for the index
-// the plain layer made of it), and B's peak RSS over the whole pull.
-// Medians; the ratios are the index's over the stub tree's, and the kept
+// the plain layer made of it), and B's peak RSS by the publish's end (the
+// learnt tree's, mostly) and over the whole pull. Medians; the ratios are the index's over the stub tree's, and the kept
 // stream's over the walk's. Also what keeping the stub tree cost A: its
 // time after the capture and its size a file.
+//
+// COWVOL_INDEX_PUBLISH_FILES (a comma-separated list; 1000000 takes a
+// quarter of an hour a round), _FORMS (of stubs, index and walked) and
+// _ROUNDS choose other runs.
 func BenchmarkIndexPublish(b *testing.B) {
 	testfs.Need(b)
-	byFileCount(b, []int{100_000, 300_000}, fmt.Sprintf("%-10s %-7s %12s %12s %12s", "files", "form", "publish", "ready", "peak RSS"), indexPublish)
+	counts := []int{100_000, 300_000}
+	if s := os.Getenv("COWVOL_INDEX_PUBLISH_FILES"); s != "" {
+		counts = nil
+		for _, f := range strings.Split(s, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil {
+				b.Fatalf("COWVOL_INDEX_PUBLISH_FILES: %v", err)
+			}
+			counts = append(counts, n)
+		}
+	}
+	byFileCount(b, counts, fmt.Sprintf("%-10s %-7s %12s %12s %16s %12s", "files", "form", "publish", "ready", "RSS at publish", "peak RSS"), indexPublish)
 }
 
 // keptLog is the plugin's line for a stub tree it kept.
@@ -274,10 +292,20 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 		index  bool
 		walked bool // A's kept stream set aside
 	}{{"stubs", false, false}, {"index", true, false}, {"walked", true, true}}
+	chosen := strings.Split(cmp.Or(os.Getenv("COWVOL_INDEX_PUBLISH_FORMS"), "stubs,index,walked"), ",")
+	rounds := indexRounds
+	if s := os.Getenv("COWVOL_INDEX_PUBLISH_ROUNDS"); s != "" {
+		if rounds, err = strconv.Atoi(s); err != nil {
+			b.Fatalf("COWVOL_INDEX_PUBLISH_ROUNDS: %v", err)
+		}
+	}
 	publish, ready := make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms))
-	peak := make([]int64, len(forms))
-	for round := range indexRounds {
+	peak, atPublish := make([]int64, len(forms)), make([]int64, len(forms))
+	for round := range rounds {
 		for i, form := range forms {
+			if !slices.Contains(chosen, form.name) {
+				continue
+			}
 			if form.walked {
 				if err := os.Rename(kept[0], kept[0]+".aside"); err != nil {
 					b.Fatal(err)
@@ -295,6 +323,7 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 			v := bn.volume(map[string]string{driver.AttrSource: "tree"}, true)
 			start := time.Now()
 			publish[i] = append(publish[i], bn.timed(bn.p.Publish, v))
+			atPublish[i] = max(atPublish[i], vmKiB(b, bn.p.PID(), "VmHWM"))
 			for {
 				got, err := bn.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: &nodev1.VolumeRef{Namespace: "ci", Handle: "tree"}})
 				if err != nil {
@@ -325,17 +354,29 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 		}
 	}
 	for i, form := range forms {
-		fmt.Fprintf(sb, "%-10d %-7s %12s %12s %9.1f MiB\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])), float64(peak[i])/1024)
+		if len(publish[i]) > 0 {
+			fmt.Fprintf(sb, "%-10d %-7s %12s %12s %12.1f MiB %8.1f MiB\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])),
+				float64(atPublish[i])/1024, float64(peak[i])/1024)
+		}
 	}
 	ratio := func(x, y []time.Duration) float64 { return float64(p50(x)) / float64(p50(y)) }
-	pubRatio, readyRatio := ratio(publish[1], publish[0]), ratio(ready[1], ready[0])
-	keptRatio := ratio(publish[1], publish[2])
-	fmt.Fprintf(sb, "%-10d %-7s %11.3fx %11.3fx   index/stubs\n", files, "ratio", pubRatio, readyRatio)
-	fmt.Fprintf(sb, "%-10d %-7s %11.3fx %11.3fx   index: kept/walked\n", files, "ratio", keptRatio, ratio(ready[1], ready[2]))
+	const stubs, index, walked = 0, 1, 2
+	for _, r := range []struct {
+		of, to int
+		name   string
+	}{{index, stubs, "index/stubs"}, {index, walked, "kept/walked"}} {
+		if len(publish[r.of]) == 0 || len(publish[r.to]) == 0 {
+			continue
+		}
+		pub, rdy := ratio(publish[r.of], publish[r.to]), ratio(ready[r.of], ready[r.to])
+		fmt.Fprintf(sb, "%-10d %-7s %11.3fx %11.3fx   %s\n", files, "ratio", pub, rdy, r.name)
+		b.ReportMetric(pub, fmt.Sprintf("%s-publish-%dk", r.name, files/1000))
+		b.ReportMetric(rdy, fmt.Sprintf("%s-ready-%dk", r.name, files/1000))
+	}
 	fmt.Fprintf(sb, "%-10d kept by A in %s, %.1f bytes a file\n", files, keptFor, float64(keptSt.Size())/float64(files))
-	b.ReportMetric(p50(publish[1]).Seconds(), fmt.Sprintf("index-publish-%dk-s", files/1000))
-	b.ReportMetric(p50(publish[0]).Seconds(), fmt.Sprintf("stubs-publish-%dk-s", files/1000))
-	b.ReportMetric(pubRatio, fmt.Sprintf("index/stubs-publish-%dk", files/1000))
-	b.ReportMetric(readyRatio, fmt.Sprintf("index/stubs-ready-%dk", files/1000))
-	b.ReportMetric(keptRatio, fmt.Sprintf("kept/walked-publish-%dk", files/1000))
+	for i, form := range forms {
+		if len(publish[i]) > 0 {
+			b.ReportMetric(p50(publish[i]).Seconds(), fmt.Sprintf("%s-publish-%dk-s", form.name, files/1000))
+		}
+	}
 }
