@@ -359,8 +359,8 @@ func TestBlobFetchThatStallsFails(t *testing.T) {
 	}
 }
 
-// Readers held when the Blob is failed get EIO, as do those that come after, until it is
-// closed, while what was in place reads on.
+// Readers held when the Blob is failed get EIO, as do those that come
+// after, until it is closed, while what was in place reads on.
 func TestBlobFailedLetsGoOfItsReaders(t *testing.T) {
 	entered := make(chan struct{}, 1)
 	ix := newIndexed(t, func(layer string) {
