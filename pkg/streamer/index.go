@@ -43,15 +43,16 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 	if err == nil && x.tree == nil {
 		err = refused("an empty stub tree")
 	}
+	if err == nil && lim.Summed {
+		sum.Files, err = x.listing.Digest()
+		x.listing = filesum.Listing{} // (64 bytes a file) not held with the layout Seal makes
+	}
 	if err == nil {
 		// Sealed here, where a peer's stream is refused: a name twice is
 		// found once the whole tree is known.
 		if _, err = x.tree.Seal(); err != nil && !errors.Is(err, index.ErrUnindexable) {
 			err = refused("%v", err)
 		}
-	}
-	if err == nil && lim.Summed {
-		sum.Files, err = x.listing.Digest()
 	}
 	if err != nil {
 		return nil, Summary{}, err
