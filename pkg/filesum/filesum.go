@@ -222,13 +222,15 @@ func sortRecords(records []record) {
 // hashed as the halves are merged.
 func digestOf(records []record) Sum {
 	a, b := records, []record(nil)
-	if len(records) >= 1<<14 {
+	if len(records) < 1<<14 {
+		sortRecords(a)
+	} else {
 		a, b = records[:len(records)/2], records[len(records)/2:]
+		var wg sync.WaitGroup
+		wg.Go(func() { sortRecords(b) })
+		sortRecords(a)
+		wg.Wait()
 	}
-	var wg sync.WaitGroup
-	wg.Go(func() { sortRecords(b) })
-	sortRecords(a)
-	wg.Wait()
 	h := sha256.New()
 	h.Write([]byte("cowvol file table v1\n"))
 	for len(a) > 0 || len(b) > 0 {
