@@ -115,10 +115,7 @@ func (t *Tree) Add(e Entry) error {
 	}
 	n := t.node(e)
 	if n.st.Mode&unix.S_IFMT == unix.S_IFDIR {
-		if _, taken := t.dirs[e.Name]; taken {
-			return fmt.Errorf("%q: added twice", e.Name)
-		}
-		t.dirs[e.Name] = n
+		t.dirs[e.Name] = n // (a directory added twice is refused by Seal, as any name)
 	}
 	parent.add(base, n)
 	return nil
