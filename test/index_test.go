@@ -13,7 +13,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
-	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -132,13 +131,9 @@ func TestLazyPullRacingADestroy(t *testing.T) {
 // pulled as a stub tree by a node that mounts indexes: its holder is
 // asked for the tree both ways, and the step reads it whole.
 func TestLazyPullOfALayerNoIndexCanSay(t *testing.T) {
-	testfs.Need(t, "mkfs.btrfs")
-	peerAddr := plugintest.FreeAddr(t)
-	a := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.Btrfs, 1<<30),
-		Args: []string{"--peer-address=" + peerAddr}})
-	b := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.Btrfs, 1<<30),
-		Args: []string{"--peers=node-a=" + peerAddr, "--pull-wait=1s", "--pull-mode=lazy", "--pull-index"}})
-	pullForm{name: "index", index: true}.require(t, b)
+	form := pullForm{name: "index", index: true}
+	a, b, _ := lazyNodesOn(t, testfs.Btrfs, 0, form.args()...)
+	form.require(t, b)
 	target := strings.Repeat("a/", 2025)
 	a.step("", "src", func(dir string) {
 		require.NoError(t, os.Symlink(target, filepath.Join(dir, "long")))

@@ -127,16 +127,22 @@ func lazyNodes(t *testing.T) (a, b *env, proxy *cuttableProxy) {
 // stream's data on the one connection: B waits 30 s for data, not 1 s.
 func lazyNodesAt(t *testing.T, rate int, bArgs ...string) (a, b *env, proxy *cuttableProxy) {
 	t.Helper()
-	testfs.Need(t, "mkfs.xfs")
+	return lazyNodesOn(t, testfs.XFS, rate, bArgs...)
+}
+
+// lazyNodesOn are lazyNodesAt with both state dirs on a filesystem of kind.
+func lazyNodesOn(t *testing.T, kind testfs.Kind, rate int, bArgs ...string) (a, b *env, proxy *cuttableProxy) {
+	t.Helper()
+	testfs.Need(t, "mkfs."+string(kind))
 	peerAddr := plugintest.FreeAddr(t)
-	a = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+	a = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-a", StateDir: testfs.Mount(t, kind, 1<<30),
 		Args: []string{"--peer-address=" + peerAddr}})
 	proxy = newCuttableProxy(t, peerAddr, rate)
 	wait := "1s"
 	if rate > 0 {
 		wait = "30s"
 	}
-	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+	b = newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-b", StateDir: testfs.Mount(t, kind, 1<<30),
 		Args: append([]string{"--peers=node-a=" + proxy.addr, "--pull-wait=" + wait, "--pull-mode=lazy"}, bArgs...)})
 	return a, b, proxy
 }
