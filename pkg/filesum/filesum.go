@@ -20,6 +20,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
 
@@ -217,34 +218,73 @@ func sortRecords(records []record) {
 	slices.SortFunc(records, func(a, b record) int { return compareRecords(&a, &b) })
 }
 
-// digestOf is the digest of records in sorted order: sorted in place, in
-// two halves at once (a pull of a million files waits on this sort), and
-// hashed as the halves are merged.
-func digestOf(records []record) Sum {
-	a, b := records, []record(nil)
-	if len(records) < 1<<14 {
-		sortRecords(a)
-	} else {
-		a, b = records[:len(records)/2], records[len(records)/2:]
-		var wg sync.WaitGroup
-		wg.Go(func() { sortRecords(b) })
-		sortRecords(a)
-		wg.Wait()
+// digestOf is the digest of the records of runs in sorted order: each
+// run sorted in place, as many at once as there are CPUs (a pull of a
+// million files waits on this sort), and hashed as the runs are merged.
+func digestOf(runs ...[]record) Sum {
+	work := make(chan []record)
+	var wg sync.WaitGroup
+	for range min(len(runs), runtime.GOMAXPROCS(0)) - 1 {
+		wg.Go(func() {
+			for run := range work {
+				sortRecords(run)
+			}
+		})
 	}
-	h := sha256.New()
-	h.Write([]byte("cowvol file table v1\n"))
-	for len(a) > 0 || len(b) > 0 {
-		if len(b) == 0 || len(a) > 0 && compareRecords(&a[0], &b[0]) <= 0 {
-			h.Write(a[0][:])
-			a = a[1:]
-		} else {
-			h.Write(b[0][:])
-			b = b[1:]
+	for _, run := range runs {
+		select {
+		case work <- run:
+		default: // every worker busy: sort it here
+			sortRecords(run)
 		}
 	}
+	close(work)
+	wg.Wait()
+	h := sha256.New()
+	h.Write([]byte("cowvol file table v1\n"))
+	mergeRuns(runs, func(r *record) { h.Write(r[:]) })
 	var s Sum
 	h.Sum(s[:0])
 	return s
+}
+
+// mergeRuns calls emit with the records of sorted runs in sorted order:
+// a heap of the runs by their first record.
+func mergeRuns(runs [][]record, emit func(*record)) {
+	heads := make([][]record, 0, len(runs))
+	for _, run := range runs {
+		if len(run) > 0 {
+			heads = append(heads, run)
+		}
+	}
+	less := func(i, j int) bool { return compareRecords(&heads[i][0], &heads[j][0]) < 0 }
+	down := func(i int) {
+		for {
+			least := i
+			if c := 2*i + 1; c < len(heads) && less(c, least) {
+				least = c
+			}
+			if c := 2*i + 2; c < len(heads) && less(c, least) {
+				least = c
+			}
+			if least == i {
+				return
+			}
+			heads[i], heads[least] = heads[least], heads[i]
+			i = least
+		}
+	}
+	for i := len(heads)/2 - 1; i >= 0; i-- {
+		down(i)
+	}
+	for len(heads) > 0 {
+		emit(&heads[0][0])
+		if heads[0] = heads[0][1:]; len(heads[0]) == 0 {
+			heads[0] = heads[len(heads)-1]
+			heads = heads[:len(heads)-1]
+		}
+		down(0)
+	}
 }
 
 // Digest is the table's digest.
@@ -253,7 +293,18 @@ func (t Table) Digest() Sum {
 	for p, sum := range t {
 		records = append(records, recordOf(p, sum))
 	}
-	return digestOf(records)
+	return digestOf(runsOf(records)...)
+}
+
+// runsOf cuts records into runs of listingRun, which digestOf sorts at
+// once.
+func runsOf(records []record) [][]record {
+	var runs [][]record
+	for len(records) > listingRun {
+		runs = append(runs, records[:listingRun:listingRun])
+		records = records[listingRun:]
+	}
+	return append(runs, records)
 }
 
 // LayerDigest is the digest of a layer that is a diff over the volume
@@ -274,18 +325,28 @@ func LayerDigest(base string, table Sum) Sum {
 // Listing gathers a table's digest from a stream's files as they come (any
 // order, from several goroutines): each regular file with its sum, each
 // hardlink with the file it names, which takes that file's sum under its
-// own path, as a walk of the tree finds it.
+// own path, as a walk of the tree finds it. Its files are kept in runs of
+// a fixed size, not one slice: a million files are 64 MB, which a slice
+// that grows by doubling would copy again and again, and hold twice over
+// as it does, at the peak of a pull.
 type Listing struct {
 	mu    sync.Mutex
-	files []record
+	files [][]record             // runs of listingRun, each full but the last
 	links [][2][sha256.Size]byte // the link's path's hash, its target's
 }
+
+// listingRun is how many files a Listing keeps in one run: 1 MiB of them.
+const listingRun = 1 << 14
 
 // File lists a regular file.
 func (l *Listing) File(path string, sum Sum) {
 	r := recordOf(path, sum)
 	l.mu.Lock()
-	l.files = append(l.files, r)
+	if n := len(l.files); n == 0 || len(l.files[n-1]) == listingRun {
+		l.files = append(l.files, make([]record, 0, listingRun))
+	}
+	last := &l.files[len(l.files)-1]
+	*last = append(*last, r)
 	l.mu.Unlock()
 }
 
@@ -305,22 +366,34 @@ func (l *Listing) Digest() (Sum, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if len(l.links) == 0 {
-		return digestOf(l.files), nil
+		return digestOf(l.files...), nil
 	}
-	sortRecords(l.files)
-	all := make([]record, len(l.files), len(l.files)+len(l.links))
-	copy(all, l.files)
+	for _, run := range l.files {
+		sortRecords(run)
+	}
+	linked := make([]record, 0, len(l.links))
 	for _, link := range l.links {
-		i, ok := slices.BinarySearchFunc(l.files, link[1], func(r record, target [sha256.Size]byte) int {
-			return bytes.Compare(r[:sha256.Size], target[:])
-		})
+		target, ok := l.lookup(link[1])
 		if !ok {
 			return Sum{}, errors.New("a hardlink to a file the stream did not carry")
 		}
 		var r record
 		copy(r[:sha256.Size], link[0][:])
-		copy(r[sha256.Size:], l.files[i][sha256.Size:])
-		all = append(all, r)
+		copy(r[sha256.Size:], target[sha256.Size:])
+		linked = append(linked, r)
 	}
-	return digestOf(all), nil
+	return digestOf(append(slices.Clip(l.files), linked)...), nil
+}
+
+// lookup is the record of the file whose path hashes to path, in runs
+// sorted already.
+func (l *Listing) lookup(path [sha256.Size]byte) (*record, bool) {
+	for _, run := range l.files {
+		if i, ok := slices.BinarySearchFunc(run, path, func(r record, target [sha256.Size]byte) int {
+			return bytes.Compare(r[:sha256.Size], target[:])
+		}); ok {
+			return &run[i], true
+		}
+	}
+	return nil, false
 }

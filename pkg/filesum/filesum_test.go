@@ -139,9 +139,9 @@ func TestDigest(t *testing.T) {
 	require.NotEqual(t, LayerDigest("ns/base", want), LayerDigest("ns/base", Table{}.Digest()))
 }
 
-// A table of many files is hashed in its sorted order, though its halves
+// A table of many files is hashed in its sorted order, though its runs
 // are sorted apart and merged: the same digest as one sort's, whatever
-// order the files came in.
+// order the files came in, in runs of any length.
 func TestDigestOfMany(t *testing.T) {
 	table := Table{}
 	for i := range 40_000 {
@@ -161,5 +161,24 @@ func TestDigestOfMany(t *testing.T) {
 	h.Sum(want[:0])
 	require.Equal(t, want, table.Digest())
 	slices.Reverse(records)
-	require.Equal(t, want, digestOf(records), "sorted")
+	require.Equal(t, want, digestOf(slices.Clone(records)), "one run")
+	require.Equal(t, want, digestOf(records[:7], records[7:7], records[7:30_000], records[30_000:]), "runs of any length")
+	listing := &Listing{}
+	for p, sum := range table {
+		listing.File(p, sum)
+	}
+	require.Greater(t, len(listing.files), 2, "a listing of runs")
+	got, err := listing.Digest()
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+
+	// A link finds its target in whichever run holds it.
+	for i := range 3 {
+		target := fmt.Sprintf("d-%d/f-%d", i*13_001%97, i*13_001)
+		table[fmt.Sprintf("links/%d", i)] = table[target]
+		listing.Link(fmt.Sprintf("links/%d", i), target)
+	}
+	got, err = listing.Digest()
+	require.NoError(t, err)
+	require.Equal(t, table.Digest(), got)
 }
