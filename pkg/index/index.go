@@ -185,9 +185,11 @@ func (d *node) lookup(name string) *node {
 // entries in byte order, and the blob's layout, each regular file's extent
 // in the order of a walk of the tree (depth first, names in byte order;
 // a hard link's at its first name). A puller that knows the tree (from
-// its metadata stream) lays out the same blob as the holder.
-func seal(top *node) (*Layout, error) {
-	layout := &Layout{}
+// its metadata stream) lays out the same blob as the holder. files is how
+// many regular files with data the tree holds: room made for their
+// extents at once.
+func seal(top *node, files int) (*Layout, error) {
+	layout := &Layout{Extents: make([]Extent, 0, files)}
 	var visit func(d *node, path string, parent *node) error
 	visit = func(d *node, path string, parent *node) error {
 		d.add(".", d)
@@ -201,16 +203,16 @@ func seal(top *node) (*Layout, error) {
 			if c.name == "." || c.name == ".." {
 				continue
 			}
-			name := path + c.name
 			switch n := c.n; n.st.Mode & unix.S_IFMT {
 			case unix.S_IFDIR:
-				if err := visit(n, name+"/", d); err != nil {
+				if err := visit(n, path+c.name+"/", d); err != nil {
 					return err
 				}
 			case unix.S_IFREG:
 				if n.extent >= 0 || n.st.Size == 0 {
 					continue
 				}
+				name := path + c.name
 				if n.st.Size > maxBlobBytes-layout.Size { // (a step may make a sparse file of exabytes)
 					return fmt.Errorf("%s: %d bytes past a blob of %d: %w", name, n.st.Size, layout.Size, ErrUnindexable)
 				}

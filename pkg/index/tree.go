@@ -25,7 +25,10 @@ type Tree struct {
 	// million paths is most of what a tree of a million files holds. A
 	// hard link's target is looked up in its directory (dir.byName), a
 	// name added twice found once the tree is sealed.
-	dirs   map[string]*node
+	dirs map[string]*node
+	// files counts the regular files with data added: the extents a
+	// seal lays out, made at once, not grown by doubling.
+	files  int
 	layout *Layout // once sealed
 }
 
@@ -114,8 +117,13 @@ func (t *Tree) Add(e Entry) error {
 		return err
 	}
 	n := t.node(e)
-	if n.st.Mode&unix.S_IFMT == unix.S_IFDIR {
+	switch n.st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
 		t.dirs[e.Name] = n // (a directory added twice is refused by Seal, as any name)
+	case unix.S_IFREG:
+		if n.st.Size > 0 {
+			t.files++
+		}
 	}
 	parent.add(base, n)
 	return nil
@@ -174,7 +182,7 @@ func (t *Tree) Seal() (*Layout, error) {
 	if t.top == nil {
 		return nil, fmt.Errorf("a tree written already")
 	}
-	layout, err := seal(t.top)
+	layout, err := seal(t.top, t.files)
 	if err != nil {
 		return nil, err
 	}
