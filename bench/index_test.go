@@ -149,11 +149,9 @@ func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work st
 	if err := blob.Truncate(layout.Size); err != nil {
 		b.Fatal(err)
 	}
-	for _, e := range layout.Extents {
-		if e.Data != nil {
-			if _, err := blob.WriteAt(e.Data, e.Offset); err != nil {
-				b.Fatal(err)
-			}
+	for i, data := range layout.TakeInline() {
+		if _, err := blob.WriteAt(data, layout.Extents[i].Offset); err != nil {
+			b.Fatal(err)
 		}
 	}
 	if err := overlay.MountIndex(image.Name(), blob.Name(), filepath.Join(work, "mnt")); err != nil {

@@ -100,8 +100,8 @@ type blobReader struct {
 
 // OpenBlob holds the readers of the blob at path (below the group's root,
 // made by the caller, of layout.Size bytes), whose extents layout says,
-// from now on: every extent that carries its data (Extent.Data) is
-// written in place at once (and its Data dropped from layout), and every
+// from now on: every extent that carries its data (Layout.Inline) is
+// written in place at once (and its data dropped from layout), and every
 // other one is fetched with fetch
 // when a read first touches it, or offered by a stream (Offer), or
 // prefetched (Prefetch). Bytes that are not an extent's sum are told to
@@ -142,14 +142,10 @@ func (b *Blob) open(rel string) error {
 		return fmt.Errorf("the blob %s: mode %o, %d bytes: want a regular file of %d", rel, st.Mode, st.Size, b.layout.Size)
 	}
 	b.key = fileKey{dev: st.Dev, ino: st.Ino}
-	for i, e := range b.layout.Extents {
-		if e.Data == nil {
-			continue
+	for i, data := range b.layout.TakeInline() {
+		if _, err := b.file.WriteAt(data, b.layout.Extents[i].Offset); err != nil {
+			return fmt.Errorf("%s: %w", b.layout.Extents[i].Path, err)
 		}
-		if _, err := b.file.WriteAt(e.Data, e.Offset); err != nil {
-			return fmt.Errorf("%s: %w", e.Path, err)
-		}
-		b.layout.Extents[i].Data = nil
 		b.state[i] = extentInPlace
 		b.left--
 	}

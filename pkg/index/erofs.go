@@ -77,7 +77,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 	xattrs := map[*node][]byte{}
 	pos := int64(inodesOffset)
 	for _, n := range order {
-		body, err := xattrBody(n.xattrs)
+		body, err := xattrBody(n.xattrs())
 		if err != nil {
 			return err
 		}
@@ -88,7 +88,7 @@ func write(w io.Writer, top *node, layout *Layout) error {
 		if n.st.Mode&unix.S_IFMT == unix.S_IFLNK && inodeSize+len(body)+int(tail) > blockSize {
 			// Inline in the inode's block, or not at all (a data block
 			// of its own for a target this long is not written yet).
-			return fmt.Errorf("a symlink's target of %d bytes: %w", len(n.data), ErrUnindexable)
+			return fmt.Errorf("a symlink's target of %d bytes: %w", len(n.data()), ErrUnindexable)
 		}
 		size := n.tailAt(len(body)) + tail
 		if pos/blockSize != (pos+min(size, blockSize)-1)/blockSize {
@@ -204,7 +204,7 @@ func (n *node) tailSize(layout *Layout) int64 {
 			return 8 * layout.Extents[n.extent].chunks()
 		}
 	case unix.S_IFLNK:
-		return int64(len(n.data))
+		return int64(len(n.data()))
 	}
 	return 0
 }
@@ -226,7 +226,7 @@ func (n *node) appendTail(record []byte, layout *Layout) []byte {
 		}
 		return record
 	case unix.S_IFLNK:
-		return append(record, n.data...)
+		return append(record, n.data()...)
 	}
 	return record
 }
@@ -249,7 +249,7 @@ func (n *node) putInode(b []byte, xattrBytes int) {
 		size, data = uint64(n.dir.size), n.dir.block
 	case unix.S_IFLNK:
 		format |= layoutFlatInline << 1
-		size, data = uint64(len(n.data)), nullBlock
+		size, data = uint64(len(n.data())), nullBlock
 	case unix.S_IFCHR, unix.S_IFBLK:
 		data = encodeDev(n.st.Rdev)
 	}

@@ -47,7 +47,7 @@ func fuzzTree(data []byte) *node {
 		n := &node{extent: -1, st: attrs{Uid: uint32(next()) << 10, Gid: uint32(next()), Mode: 0o640 | uint32(next()&0o7)}}
 		n.st.MtimSec, n.st.MtimNsec = int64(next())<<24, uint32(next())<<20
 		if next()%3 == 0 {
-			n.xattrs = map[string]string{"user.k" + string(name[:1]): string(name), "trusted.overlay.opaque": "y"}
+			n.rare = &rare{xattrs: map[string]string{"user.k" + string(name[:1]): string(name), "trusted.overlay.opaque": "y"}}
 		}
 		switch kind {
 		case 0:
@@ -59,7 +59,7 @@ func fuzzTree(data []byte) *node {
 			files = append(files, n)
 		case 2:
 			n.st.Mode |= unix.S_IFLNK
-			n.data = bytes.Repeat(name, 1+int(next())%8)
+			n.rare = &rare{xattrs: n.xattrs(), data: bytes.Repeat(name, 1+int(next())%8)}
 		case 3:
 			if len(files) == 0 {
 				continue
@@ -169,8 +169,8 @@ func FuzzImage(f *testing.F) {
 				require.Equal(t, n.st.MtimNsec, st.MtimeNs, p)
 				require.Equal(t, fs.FileMode(n.st.Mode&0o777), fi.Mode().Perm(), p)
 				require.Equal(t, int(n.nlink), st.Nlink, p)
-				if len(n.xattrs) > 0 {
-					require.Equal(t, n.xattrs, st.Xattrs, p)
+				if len(n.xattrs()) > 0 {
+					require.Equal(t, n.xattrs(), st.Xattrs, p)
 				}
 				if ino, ok := inos[n]; ok {
 					require.Equal(t, ino, st.Ino, "%s: a hard link is one inode", p)
@@ -192,7 +192,7 @@ func FuzzImage(f *testing.F) {
 				case unix.S_IFLNK:
 					target, err := lstat.ReadLink(p)
 					require.NoError(t, err, p)
-					require.Equal(t, string(n.data), target, p)
+					require.Equal(t, string(n.data()), target, p)
 				case unix.S_IFCHR:
 					require.Equal(t, uint32(unix.Major(n.st.Rdev)), unix.Major(uint64(st.Rdev)), p)
 					require.Equal(t, uint32(unix.Minor(n.st.Rdev)), unix.Minor(uint64(st.Rdev)), p)

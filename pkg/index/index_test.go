@@ -225,8 +225,10 @@ func TestLayoutLookup(t *testing.T) {
 	}
 }
 
-// A node is what a pull holds of each entry until its image is written:
-// a million of them must not grow unnoticed.
+// A node is what a pull holds of each entry until its image is written,
+// and an extent what it holds of each file until the blob is whole: a
+// million of them must not grow unnoticed.
 func TestNodeSize(t *testing.T) {
-	require.LessOrEqual(t, unsafe.Sizeof(node{}), uintptr(128))
+	require.LessOrEqual(t, unsafe.Sizeof(node{}), uintptr(112), "a node in the allocator's class of 112 bytes")
+	require.LessOrEqual(t, unsafe.Sizeof(Extent{}), uintptr(64))
 }

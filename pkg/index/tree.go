@@ -44,7 +44,7 @@ type Entry struct {
 	// Target is a symlink's.
 	Target string
 	// Data is a regular file's bytes, where the stream carried them
-	// whole (a small file): its extent needs no fetch (Extent.Data).
+	// whole (a small file): its extent needs no fetch (Layout.Inline).
 	Data []byte
 	// Sum is what a regular file's bytes hash to, where known.
 	Sum filesum.Sum
@@ -66,10 +66,12 @@ func NewTree(opt Options, root Entry) (*Tree, error) {
 func (t *Tree) node(e Entry) *node {
 	st := attrs{Mode: e.Stat.Mode, Uid: e.Stat.Uid, Gid: e.Stat.Gid, MtimSec: e.Stat.Mtim.Sec, MtimNsec: uint32(e.Stat.Mtim.Nsec),
 		Size: e.Stat.Size, Rdev: e.Stat.Rdev}
-	n := &node{st: st, xattrs: e.Xattrs, data: e.Data, sum: e.Sum, extent: -1}
+	n := &node{st: st, sum: e.Sum, extent: -1}
+	data := e.Data
 	if e.Target != "" {
-		n.data = []byte(e.Target)
+		data = []byte(e.Target)
 	}
+	xattrs := e.Xattrs
 	if n.st.Mode&unix.S_IFMT != unix.S_IFREG {
 		n.st.Size = 0 // a directory's and a symlink's are the image's
 	}
@@ -77,9 +79,12 @@ func (t *Tree) node(e Entry) *node {
 		if n.st.Mode&unix.S_IFMT == unix.S_IFREG {
 			n.st.Mode &^= unix.S_ISUID | unix.S_ISGID
 		}
-		if _, ok := n.xattrs[fdtree.CapsXattr]; ok {
-			n.xattrs = cloneWithout(n.xattrs, fdtree.CapsXattr)
+		if _, ok := xattrs[fdtree.CapsXattr]; ok {
+			xattrs = cloneWithout(xattrs, fdtree.CapsXattr)
 		}
+	}
+	if len(xattrs) > 0 || data != nil {
+		n.rare = &rare{xattrs: xattrs, data: data}
 	}
 	return n
 }

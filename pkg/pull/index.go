@@ -65,7 +65,7 @@ func IndexSupported(stateDir string) error {
 	}
 	blob, err := os.OpenFile(filepath.Join(dir, "index", indexBlob), os.O_WRONLY, 0)
 	if err == nil {
-		_, err = blob.WriteAt(layout.Extents[0].Data, layout.Extents[0].Offset)
+		_, err = blob.WriteAt(layout.Inline(0), layout.Extents[0].Offset)
 		err = errors.Join(err, blob.Close())
 	}
 	if err != nil {

@@ -75,13 +75,13 @@ func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 			require.Equal(t, want.Extents[i].Offset, e.Offset)
 			require.Equal(t, want.Extents[i].Size, e.Size)
 			require.Equal(t, sums[e.Path], e.Sum, e.Path)
-			if e.Data != nil {
+			if got.Inline(i) != nil {
 				inlined++
 				data, err := os.ReadFile(filepath.Join(layer, e.Path))
 				require.NoError(t, err)
-				require.Equal(t, data, e.Data, e.Path)
+				require.Equal(t, data, got.Inline(i), e.Path)
 			}
-			require.Equal(t, e.Size <= inline.Max, e.Data != nil, "%s: the small files come whole, no other", e.Path)
+			require.Equal(t, e.Size <= inline.Max, got.Inline(i) != nil, "%s: the small files come whole, no other", e.Path)
 		}
 		require.Positive(t, inlined)
 		if form.shape == StubRecords {
@@ -179,7 +179,7 @@ func TestIndexStubsRefuses(t *testing.T) {
 	require.NoError(t, err, "a small file that is its sum")
 	l, err := tree.Write(&bytes.Buffer{})
 	require.NoError(t, err)
-	require.Equal(t, []byte("whole"), l.Extents[0].Data)
+	require.Equal(t, []byte("whole"), l.Inline(0))
 	lim.Strict = true
 	_, _, err = IndexStubs(context.Background(), bytes.NewReader(craft(t, root)), Raw, lim, Inline{})
 	require.ErrorContains(t, err, "never strict", "an upload is extracted, not indexed")

@@ -175,7 +175,7 @@ func TestIndexRecordsRefuses(t *testing.T) {
 	require.Equal(t, "f", got.Inlined)
 	l, err := tree.Write(&bytes.Buffer{})
 	require.NoError(t, err)
-	require.Equal(t, []byte("whole"), l.Extents[0].Data)
+	require.Equal(t, []byte("whole"), l.Inline(0))
 }
 
 // A layer whose file rotted since its sums were taken is not made
