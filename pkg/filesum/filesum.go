@@ -242,7 +242,16 @@ func digestOf(runs ...[]record) Sum {
 	wg.Wait()
 	h := sha256.New()
 	h.Write([]byte("cowvol file table v1\n"))
-	mergeRuns(runs, func(r *record) { h.Write(r[:]) })
+	// Written to the hash 32 KiB at a time: a write per record costs more
+	// than the hashing of its 64 bytes.
+	buf := make([]byte, 0, 512*len(record{}))
+	mergeRuns(runs, func(r *record) {
+		if buf = append(buf, r[:]...); len(buf) == cap(buf) {
+			h.Write(buf)
+			buf = buf[:0]
+		}
+	})
+	h.Write(buf)
 	var s Sum
 	h.Sum(s[:0])
 	return s
@@ -338,7 +347,8 @@ type Listing struct {
 // listingRun is how many files a Listing keeps in one run: 1 MiB of them.
 const listingRun = 1 << 14
 
-// File lists a regular file.
+// File lists a regular file. A run it fills it sorts (Digest finds it
+// sorted): a pull's sorting is done as its files come, not after.
 func (l *Listing) File(path string, sum Sum) {
 	r := recordOf(path, sum)
 	l.mu.Lock()
@@ -347,7 +357,63 @@ func (l *Listing) File(path string, sum Sum) {
 	}
 	last := &l.files[len(l.files)-1]
 	*last = append(*last, r)
+	full := *last
 	l.mu.Unlock()
+	if len(full) == listingRun {
+		sortRecords(full) // (no File appends to a full run, and Digest comes after every File)
+	}
+}
+
+// Lister lists files into a Listing from a goroutine of its own, in
+// batches: a stream's reader hands each file over and moves on, the
+// hashing of its path done beside it.
+type Lister struct {
+	l     *Listing
+	batch []listed
+	work  chan []listed
+	done  chan struct{}
+}
+
+type listed struct {
+	path string
+	sum  Sum
+}
+
+// listerBatch is how many files a Lister hands over at once.
+const listerBatch = 1024
+
+// Lister starts a Lister into l. Close it before l's Digest.
+func (l *Listing) Lister() *Lister {
+	work := make(chan []listed, 4)
+	ls := &Lister{l: l, work: work, done: make(chan struct{})}
+	go func() {
+		defer close(ls.done)
+		for batch := range work {
+			for _, f := range batch {
+				l.File(f.path, f.sum)
+			}
+		}
+	}()
+	return ls
+}
+
+// File lists a regular file, as Listing.File does.
+func (ls *Lister) File(path string, sum Sum) {
+	if ls.batch = append(ls.batch, listed{path, sum}); len(ls.batch) == listerBatch {
+		ls.work <- ls.batch
+		ls.batch = make([]listed, 0, listerBatch)
+	}
+}
+
+// Close lists what is left and returns once every file is listed.
+func (ls *Lister) Close() {
+	if ls.work == nil {
+		return
+	}
+	ls.work <- ls.batch
+	close(ls.work)
+	ls.work = nil
+	<-ls.done
 }
 
 // Link lists a hardlink at path to the regular file at target.

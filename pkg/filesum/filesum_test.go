@@ -172,6 +172,19 @@ func TestDigestOfMany(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, got)
 
+	// A Lister lists on a goroutine of its own: what it was given, once
+	// closed (twice is once).
+	listed := &Listing{}
+	lister := listed.Lister()
+	for p, sum := range table {
+		lister.File(p, sum)
+	}
+	lister.Close()
+	lister.Close()
+	got, err = listed.Digest()
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+
 	// A link finds its target in whichever run holds it.
 	for i := range 3 {
 		target := fmt.Sprintf("d-%d/f-%d", i*13_001%97, i*13_001)

@@ -31,6 +31,10 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 		return nil, Summary{}, errors.New("a stub tree is a peer's stream, never strict")
 	}
 	x := &indexer{lim: lim, inline: inline}
+	if lim.Summed {
+		x.lister = x.listing.Lister()
+		defer x.lister.Close()
+	}
 	sum, err := readDecoded(r, enc, lim, func(in io.Reader) (int64, error) {
 		br, release := fromPool[*bufio.Reader](&bufReaders, in)
 		defer release()
@@ -44,6 +48,7 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 		err = refused("an empty stub tree")
 	}
 	if err == nil && lim.Summed {
+		x.lister.Close()
 		sum.Files, err = x.listing.Digest()
 		x.listing = filesum.Listing{} // (64 bytes a file) not held with the layout Seal makes
 	}
@@ -68,6 +73,7 @@ type indexer struct {
 	inline  Inline
 	inlined string
 	listing filesum.Listing
+	lister  *filesum.Lister // into listing, where lim.Summed
 }
 
 // records learns the records of br, past their magic, to their end.
@@ -223,7 +229,7 @@ func (x *indexer) link(name, target string) error {
 // data written by data where the stream carried it whole (nil: a stub).
 func (x *indexer) regular(e *index.Entry, data func([]byte) error) error {
 	if x.lim.Summed {
-		x.listing.File(e.Name, e.Sum)
+		x.lister.File(e.Name, e.Sum)
 	}
 	if data == nil {
 		return nil
