@@ -18,11 +18,13 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/kubeletsim"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/overlay"
 )
 
 // The cached volume of the issue: 50,000 files, 1 GiB.
@@ -61,6 +63,29 @@ func writeTree(b *testing.B, root string, files int, bytes int64, contents func(
 		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%05d", i)), contents(i, size), 0o644); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// discard stops the node's plugin and removes its state dir, as a node
+// gone for good leaves it: what its plugin left mounted there (an index
+// whose janitor had not run yet, taken down by the next start's
+// recovery) is unmounted first, as a reboot would.
+func (n *node) discard() {
+	n.p.Stop()
+	if err := n.p.Wait(time.Minute); err != nil {
+		n.b.Fatal(err)
+	}
+	mounts, err := overlay.MountsUnder(n.p.StateDir)
+	if err != nil {
+		n.b.Fatal(err)
+	}
+	for _, mp := range mounts { // (most recent first: each before the one it sits on)
+		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
+			n.b.Fatal(err)
+		}
+	}
+	if err := os.RemoveAll(n.p.StateDir); err != nil {
+		n.b.Fatal(err)
 	}
 }
 

@@ -79,11 +79,8 @@ func BenchmarkCache(b *testing.B) {
 		tree := layerDir(b, n.p.StateDir, firstVersion(b, n.p.StateDir))
 		s3 := startS3(b, weed)
 		save := timedShell(b, fmt.Sprintf("tar -C %s -cf - . | curl -sf -T - http://%s/cache/deps.tar", tree, s3))
-		n.p.Stop()
 		// The tree is in S3 now: free its room for the restore.
-		if err := os.RemoveAll(n.p.StateDir); err != nil {
-			b.Fatal(err)
-		}
+		n.discard()
 		if out, err := exec.Command("fstrim", xfs).CombinedOutput(); err != nil {
 			b.Fatalf("fstrim: %v: %s", err, out)
 		}

@@ -103,10 +103,7 @@ func BenchmarkLazyPull(b *testing.B) {
 				}
 				n.timed(n.p.Unpublish, v)
 				if n != a {
-					n.p.Stop()
-					if err := os.RemoveAll(n.p.StateDir); err != nil {
-						b.Fatal(err)
-					}
+					n.discard()
 				}
 				return took
 			}
@@ -167,10 +164,7 @@ func BenchmarkLazyPull(b *testing.B) {
 						}
 						time.Sleep(50 * time.Millisecond)
 					}
-					recorder.p.Stop()
-					if err := os.RemoveAll(recorder.p.StateDir); err != nil {
-						b.Fatal(err)
-					}
+					recorder.discard()
 				}
 				bn := start()
 				v := bn.volume(attrs, true)
