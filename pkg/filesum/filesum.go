@@ -26,6 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/batch"
 	"github.com/concourse/cowvol/internal/fdtree"
 )
 
@@ -344,8 +345,9 @@ type Listing struct {
 	links [][2][sha256.Size]byte // the link's path's hash, its target's
 }
 
-// listingRun is how many files a Listing keeps in one run: 1 MiB of them.
-const listingRun = 1 << 14
+// listingRun is how many files a Listing keeps in one run: 4 MiB of them,
+// 16 runs a million files for Digest's merge to choose between.
+const listingRun = 1 << 16
 
 // File lists a regular file. A run it fills it sorts (Digest finds it
 // sorted): a pull's sorting is done as its files come, not after.
@@ -367,54 +369,27 @@ func (l *Listing) File(path string, sum Sum) {
 // Lister lists files into a Listing from a goroutine of its own, in
 // batches: a stream's reader hands each file over and moves on, the
 // hashing of its path done beside it.
-type Lister struct {
-	l     *Listing
-	batch []listed
-	work  chan []listed
-	done  chan struct{}
-}
+type Lister struct{ w *batch.Worker[listed] }
 
 type listed struct {
 	path string
 	sum  Sum
 }
 
-// listerBatch is how many files a Lister hands over at once.
-const listerBatch = 1024
-
 // Lister starts a Lister into l. Close it before l's Digest.
 func (l *Listing) Lister() *Lister {
-	work := make(chan []listed, 4)
-	ls := &Lister{l: l, work: work, done: make(chan struct{})}
-	go func() {
-		defer close(ls.done)
-		for batch := range work {
-			for _, f := range batch {
-				l.File(f.path, f.sum)
-			}
+	return &Lister{w: batch.Start(1024, func(files []listed) {
+		for _, f := range files {
+			l.File(f.path, f.sum)
 		}
-	}()
-	return ls
+	})}
 }
 
 // File lists a regular file, as Listing.File does.
-func (ls *Lister) File(path string, sum Sum) {
-	if ls.batch = append(ls.batch, listed{path, sum}); len(ls.batch) == listerBatch {
-		ls.work <- ls.batch
-		ls.batch = make([]listed, 0, listerBatch)
-	}
-}
+func (ls *Lister) File(path string, sum Sum) { ls.w.Add(listed{path, sum}) }
 
-// Close lists what is left and returns once every file is listed.
-func (ls *Lister) Close() {
-	if ls.work == nil {
-		return
-	}
-	ls.work <- ls.batch
-	close(ls.work)
-	ls.work = nil
-	<-ls.done
-}
+// Close returns once every file handed over is listed. Twice is once.
+func (ls *Lister) Close() { ls.w.Close() }
 
 // Link lists a hardlink at path to the regular file at target.
 func (l *Listing) Link(path, target string) {

@@ -144,7 +144,7 @@ func TestDigest(t *testing.T) {
 // order the files came in, in runs of any length.
 func TestDigestOfMany(t *testing.T) {
 	table := Table{}
-	for i := range 40_000 {
+	for i := range 3*listingRun + 40 {
 		table[fmt.Sprintf("d-%d/f-%d", i%97, i)] = Sum{byte(i), byte(i >> 8)}
 	}
 	records := make([]record, 0, len(table))
@@ -162,7 +162,7 @@ func TestDigestOfMany(t *testing.T) {
 	require.Equal(t, want, table.Digest())
 	slices.Reverse(records)
 	require.Equal(t, want, digestOf(slices.Clone(records)), "one run")
-	require.Equal(t, want, digestOf(records[:7], records[7:7], records[7:30_000], records[30_000:]), "runs of any length")
+	require.Equal(t, want, digestOf(records[:7], records[7:7], records[7:100_000], records[100_000:]), "runs of any length")
 	listing := &Listing{}
 	for p, sum := range table {
 		listing.File(p, sum)
