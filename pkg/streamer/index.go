@@ -4,15 +4,19 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/batch"
 	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/index"
 )
@@ -35,6 +39,11 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 		x.lister = x.listing.Lister()
 		defer x.lister.Close()
 	}
+	defer func() {
+		if x.adder != nil {
+			x.adder.Close()
+		}
+	}()
 	sum, err := readDecoded(r, enc, lim, func(in io.Reader) (int64, error) {
 		br, release := fromPool[*bufio.Reader](&bufReaders, in)
 		defer release()
@@ -47,17 +56,31 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 	if err == nil && x.tree == nil {
 		err = refused("an empty stub tree")
 	}
-	if err == nil && lim.Summed {
-		x.lister.Close()
-		sum.Files, err = x.listing.Digest()
-		x.listing = filesum.Listing{} // (64 bytes a file) not held with the layout Seal makes
+	if err == nil {
+		x.adder.Close()
+		if failed := x.failed.Load(); failed != nil {
+			err = *failed
+		}
 	}
 	if err == nil {
+		// The listing's digest is taken while the tree is sealed: a pull
+		// of a million files waits on both.
+		var digestErr error
+		var digesting sync.WaitGroup
+		if lim.Summed {
+			x.lister.Close()
+			digesting.Go(func() {
+				sum.Files, digestErr = x.listing.Digest()
+				x.listing = filesum.Listing{} // (64 bytes a file) not held with the layout Seal makes
+			})
+		}
 		// Sealed here, where a peer's stream is refused: a name twice is
 		// found once the whole tree is known.
 		if _, err = x.tree.Seal(); err != nil && !errors.Is(err, index.ErrUnindexable) {
 			err = refused("%v", err)
 		}
+		digesting.Wait()
+		err = cmp.Or(digestErr, err)
 	}
 	if err != nil {
 		return nil, Summary{}, err
@@ -68,7 +91,12 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 
 // indexer learns a stub tree's entries into an index.Tree.
 type indexer struct {
-	tree    *index.Tree
+	tree *index.Tree
+	// adder adds the entries read and checked to tree on a goroutine of
+	// its own, while the next ones are read and checked; failed is its
+	// first error, which stops it and the reading.
+	adder   *batch.Worker[learnt]
+	failed  atomic.Pointer[error]
 	lim     Limits
 	inline  Inline
 	inlined string
@@ -194,7 +222,9 @@ func (x *indexer) root(e index.Entry) error {
 		return refused("a root entry (%q) that is not the first", rootName)
 	}
 	var err error
-	x.tree, err = index.NewTree(index.Options{KeepSetuid: x.lim.KeepSetuid}, e)
+	if x.tree, err = index.NewTree(index.Options{KeepSetuid: x.lim.KeepSetuid}, e); err == nil {
+		x.adder = batch.Start(learntBatch, x.learn)
+	}
 	return err
 }
 
@@ -207,22 +237,56 @@ func (x *indexer) started(name string) error {
 	return nil
 }
 
+// learnt is an entry read and checked, for the adder: a hard link to
+// linkTo if that is set.
+type learnt struct {
+	e      index.Entry
+	linkTo string
+}
+
+// learntBatch is how many entries the adder is handed at once.
+const learntBatch = 256
+
+// add hands e to the adder, unless it failed.
 func (x *indexer) add(e index.Entry) error {
-	if err := x.tree.Add(e); err != nil {
-		return refused("%v", err)
+	if failed := x.failed.Load(); failed != nil {
+		return *failed
 	}
+	x.adder.Add(learnt{e: e})
 	return nil
 }
 
 // link learns name as a hard link to target, a file before it.
 func (x *indexer) link(name, target string) error {
-	if err := x.tree.Link(name, target); err != nil {
-		return refused("%v", err)
+	if failed := x.failed.Load(); failed != nil {
+		return *failed
 	}
+	x.adder.Add(learnt{e: index.Entry{Name: name}, linkTo: target})
 	if x.lim.Summed {
 		x.listing.Link(name, target)
 	}
 	return nil
+}
+
+// learn adds a batch of entries to the tree, on the adder's goroutine,
+// until one fails.
+func (x *indexer) learn(batch []learnt) {
+	if x.failed.Load() != nil {
+		return
+	}
+	for _, l := range batch {
+		var err error
+		if l.linkTo != "" {
+			err = x.tree.Link(l.e.Name, l.linkTo)
+		} else {
+			err = x.tree.Add(l.e)
+		}
+		if err != nil {
+			err = refused("%v", err)
+			x.failed.Store(&err)
+			return
+		}
+	}
 }
 
 // regular learns the regular file e says (its size and sum set), with its
