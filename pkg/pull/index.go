@@ -117,13 +117,13 @@ func writeIndex(tree *index.Tree, dir string) (*index.Layout, error) {
 // dir with its blob held (readers of what is not here wait for it), and
 // makes it a filling volume whose data is fetched behind.
 func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
-	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
+	src := newLazySource(pl, p.key.namespace, l, top)
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubRecords,
 		Inline: streamer.StubInline}
 	var layout *index.Layout
 	var blob *fill.Blob
 	var vol cache.Volume
-	err := pl.inSwarm(client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
+	err := pl.inSwarm(pl.ctx, client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
 		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, _ string) (streamer.Summary, error) {
 			t, sum, err := from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress)
 			if err == nil {

@@ -210,12 +210,12 @@ func (pl *Puller) NoteReader(view cache.View, profile string) {
 // volume whose data is fetched behind. The layer is mountable only once
 // every mark is in place.
 func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
-	src := &lazySource{pl: pl, namespace: p.key.namespace, layer: l, top: top}
+	src := newLazySource(pl, p.key.namespace, l, top)
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
 		Inline: streamer.StubInline}
 	var layer *fill.Layer
 	var vol cache.Volume
-	err := pl.inSwarm(client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
+	err := pl.inSwarm(pl.ctx, client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
 		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, data string) (streamer.Summary, error) {
 			var mark streamer.StubFunc
 			var err error

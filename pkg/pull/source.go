@@ -44,6 +44,20 @@ type lazySource struct {
 	lost   map[string]time.Time
 	// pods are those the pull was made for, told of wrong bytes.
 	pods []volume.Pod
+
+	// ended is done once the fill the source serves ended (close): what
+	// a stream still under way then fails of is not its holder's or
+	// relay's doing.
+	ended context.Context
+	end   context.CancelFunc
+}
+
+// newLazySource is the source of layer l of top's chain, pulled for
+// namespace.
+func newLazySource(pl *Puller, namespace string, l, top streamer.Layer) *lazySource {
+	s := &lazySource{pl: pl, namespace: namespace, layer: l, top: top}
+	s.ended, s.end = context.WithCancel(context.Background())
+	return s
 }
 
 // A lane is one connection to the holder.
@@ -248,6 +262,9 @@ func (s *lazySource) fetchExtent(ctx context.Context, e index.Extent, w io.Write
 // its own (an eager puller cannot take files before their dirs): the
 // order is what its readers wait on.
 func (s *lazySource) stream(ctx context.Context, offer func(rel string, write func(w io.WriterAt) error) error, first []string) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(s.ended, cancel)()
 	client, peer, err := s.current(ctx, bulkLane)
 	if err != nil {
 		return err
@@ -258,7 +275,7 @@ func (s *lazySource) stream(ctx context.Context, offer func(rel string, write fu
 	if len(first) == 0 && s.pl.swarms(s.layer) {
 		ls.Shape, ls.Inline = streamer.SparseTar, streamer.Inline{}
 	}
-	err = s.pl.inSwarm(client, ls, s.top, s.layer, false, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) error {
+	err = s.pl.inSwarm(ctx, client, ls, s.top, s.layer, false, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) error {
 		sum, err := from.PullLayerFiles(ctx, ls, sw, nil, cfg.Limits, s.counted(offer))
 		if err == nil {
 			err = done(sum)
@@ -324,8 +341,12 @@ func (s *lazySource) corrupt(rel, from string, err error) {
 	}
 }
 
-// close lets go of the source's connections.
+// close lets go of the source's connections, once the fill it serves
+// ended: a stream under way is cancelled first, so that it does not count
+// its connection's close against the relay it came from (it may be
+// checking its whole stream against the holder's digest).
 func (s *lazySource) close() {
+	s.end()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closeLanes()

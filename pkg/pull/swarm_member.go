@@ -81,19 +81,21 @@ type swarmPull func(from *streamer.Client, sw streamer.Swarmed, done func(stream
 // stream's swarm where the node joins one (it serves peers, and the layer
 // is at least SwarmMinBytes), from the member before it, relaying what
 // arrives to the member after; else, or if that fails and retry says so,
-// from holder.
-func (pl *Puller) inSwarm(holder *streamer.Client, s streamer.LayerStream, top, l streamer.Layer, retry bool, run swarmPull) error {
+// from holder. A pull that fails once ctx is done (its fill ended, or the
+// plugin stops) is not the relay's failure: it is neither counted as one
+// nor retried.
+func (pl *Puller) inSwarm(ctx context.Context, holder *streamer.Client, s streamer.LayerStream, top, l streamer.Layer, retry bool, run swarmPull) error {
 	m := pl.joinSwarm(holder, s, top, l)
 	if m.spool != nil {
 		defer m.spool.Retire(RelayGrace)
 	}
 	if m.upAddr != "" {
-		err := pl.pullFromRelay(holder, s, m, run)
+		err := pl.pullFromRelay(ctx, holder, s, m, run)
 		switch {
 		case err == nil:
 			pl.metrics.swarmPull("relay")
 			return nil
-		case local(err) || errors.Is(err, cache.ErrExists) || pl.ctx.Err() != nil:
+		case local(err) || errors.Is(err, cache.ErrExists) || ctx.Err() != nil:
 			return err // the holder would not do better
 		}
 		pl.metrics.swarmPull("relay_failed")
@@ -159,7 +161,7 @@ func (pl *Puller) joinSwarm(holder *streamer.Client, s streamer.LayerStream, top
 
 // pullFromRelay runs a pull of stream s from the member before this one,
 // and checks what arrived against the holder's own stream.
-func (pl *Puller) pullFromRelay(holder *streamer.Client, s streamer.LayerStream, m swarmMember, run swarmPull) error {
+func (pl *Puller) pullFromRelay(ctx context.Context, holder *streamer.Client, s streamer.LayerStream, m swarmMember, run swarmPull) error {
 	client, conn, err := pl.cfg.Dial(m.upNode, m.upAddr)
 	if err != nil {
 		return err
@@ -169,7 +171,7 @@ func (pl *Puller) pullFromRelay(holder *streamer.Client, s streamer.LayerStream,
 		// The member before is trusted as far as the holder's digest:
 		// the first stream has ended by now (this one came after it),
 		// and the wait covers a holder slow to say so.
-		ctx, cancel := context.WithTimeout(pl.ctx, pl.cfg.Wait)
+		ctx, cancel := context.WithTimeout(ctx, pl.cfg.Wait)
 		defer cancel()
 		want, err := holder.SwarmDigest(ctx, s.Namespace, s.Ref, s.Via, m.swarm)
 		if err != nil {
@@ -189,7 +191,7 @@ func (pl *Puller) pullFromRelay(holder *streamer.Client, s streamer.LayerStream,
 func (pl *Puller) receiveWhole(p *pull, holder *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.SparseTar}
 	var vol cache.Volume
-	err := pl.inSwarm(holder, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
+	err := pl.inSwarm(pl.ctx, holder, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
 		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, _ string) (streamer.Summary, error) {
 			sum, err := from.PullLayer(pl.ctx, s, sw, tree, pl.cfg.Limits, progress)
 			if err == nil {
