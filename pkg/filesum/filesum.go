@@ -219,10 +219,9 @@ func sortRecords(records []record) {
 	slices.SortFunc(records, func(a, b record) int { return compareRecords(&a, &b) })
 }
 
-// digestOf is the digest of the records of runs in sorted order: each
-// run sorted in place, as many at once as there are CPUs (a pull of a
-// million files waits on this sort), and hashed as the runs are merged.
-func digestOf(runs ...[]record) Sum {
+// sortRuns sorts each of runs in place, as many at once as there are
+// CPUs.
+func sortRuns(runs ...[]record) {
 	work := make(chan []record)
 	var wg sync.WaitGroup
 	for range min(len(runs), runtime.GOMAXPROCS(0)) - 1 {
@@ -241,6 +240,11 @@ func digestOf(runs ...[]record) Sum {
 	}
 	close(work)
 	wg.Wait()
+}
+
+// digestOf is the digest of the records of runs, each sorted, in sorted
+// order: hashed as the runs are merged.
+func digestOf(runs ...[]record) Sum {
 	h := sha256.New()
 	h.Write([]byte("cowvol file table v1\n"))
 	// Written to the hash 32 KiB at a time: a write per record costs more
@@ -303,10 +307,12 @@ func (t Table) Digest() Sum {
 	for p, sum := range t {
 		records = append(records, recordOf(p, sum))
 	}
-	return digestOf(runsOf(records)...)
+	runs := runsOf(records)
+	sortRuns(runs...)
+	return digestOf(runs...)
 }
 
-// runsOf cuts records into runs of listingRun, which digestOf sorts at
+// runsOf cuts records into runs of listingRun, which sortRuns sorts at
 // once.
 func runsOf(records []record) [][]record {
 	var runs [][]record
@@ -402,15 +408,16 @@ func (l *Listing) Link(path, target string) {
 // Digest is the digest of the table listed. A link to a file not listed
 // fails it (an extraction refuses such a link before). It sorts the
 // files listed in place, which lists them no differently: a listing of a
-// million files is 64 MB, not to be copied at the peak of a pull.
+// million files is 64 MB, not to be copied at the peak of a pull. Only
+// the last run is sorted here: File sorted every full one.
 func (l *Listing) Digest() (Sum, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if n := len(l.files); n > 0 && len(l.files[n-1]) < listingRun {
+		sortRecords(l.files[n-1])
+	}
 	if len(l.links) == 0 {
 		return digestOf(l.files...), nil
-	}
-	for _, run := range l.files {
-		sortRecords(run)
 	}
 	linked := make([]record, 0, len(l.links))
 	for _, link := range l.links {
@@ -423,6 +430,7 @@ func (l *Listing) Digest() (Sum, error) {
 		copy(r[sha256.Size:], target[sha256.Size:])
 		linked = append(linked, r)
 	}
+	sortRecords(linked)
 	return digestOf(append(slices.Clip(l.files), linked)...), nil
 }
 
