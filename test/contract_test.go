@@ -38,7 +38,8 @@ func (e *env) captureIn(ns, handle string, extra map[string]string) {
 // code; every request that succeeds is repeated and must succeed again.
 func TestPublishContract(t *testing.T) {
 	testfs.Need(t)
-	e := newEnv(t, plugintest.Config{Backend: "overlay"})
+	// A source being captured is waited for this long before Unavailable.
+	e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--capture-wait=1s"}})
 	e.captureIn("ci", "src-ns", nil)
 	e.captureIn("other", "src-cluster", map[string]string{driver.AttrScope: "cluster"})
 	e.captureIn("ci", "taken", nil)

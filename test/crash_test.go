@@ -56,7 +56,9 @@ func TestCrashPoints(t *testing.T) {
 	}
 	for _, pt := range points {
 		t.Run(pt.name, func(t *testing.T) {
-			e := newEnv(t, plugintest.Config{Backend: "overlay"})
+			// A publish of the half-made output waits this long before it
+			// is refused.
+			e := newEnv(t, plugintest.Config{Backend: "overlay", Args: []string{"--capture-wait=1s"}})
 			e.step("", "base", func(dir string) {
 				write(t, dir, "keep", "base data")
 				write(t, dir, "drop", "deleted by the step")

@@ -626,7 +626,9 @@ func lazyPullWithinTheStreamLimit(t *testing.T, form pullForm) {
 // them before it starts, even with the holder gone right after the
 // publish, while a large file is a stub that its holder's loss fails.
 func TestLazyPullCarriesSmallFilesWithTheTree(t *testing.T) {
-	a, b, proxy := lazyNodesAt(t, 1<<20) // a large file takes seconds: the cut comes first
+	// A large file takes seconds, so the cut comes first; its reader
+	// gets EIO once the holder has been gone for the pull's wait.
+	a, b, proxy := lazyNodesAt(t, 1<<20, "--pull-wait=5s")
 	a.step("", "src", func(dir string) {
 		for i := range 20 {
 			randomFile(t, dir, fmt.Sprintf("small-%02d", i), 1000+i*300, uint64(i+1))

@@ -87,6 +87,9 @@ type NodeOptions struct {
 	HighWatermark, LowWatermark int
 	// EvictionGrace spares from eviction a volume used more recently.
 	EvictionGrace time.Duration
+	// CaptureWait is how long a publish whose source is a step's output
+	// still being captured here waits for it before answering Unavailable.
+	CaptureWait time.Duration
 	// OutputCopies is how many nodes a captured volume that names no
 	// copies attribute is kept on.
 	OutputCopies int
@@ -183,7 +186,7 @@ func Defaults() Options {
 		Node: NodeOptions{StateDir: "/var/lib/cowvol", Backend: "auto", FlattenDepth: 64,
 			KubeletDir:    "/var/lib/kubelet",
 			HighWatermark: node.DefaultWatermarks.High, LowWatermark: node.DefaultWatermarks.Low, EvictionGrace: node.DefaultWatermarks.Grace,
-			OutputCopies: 1, CacheVersions: node.DefaultCacheVersions},
+			CaptureWait: node.DefaultCaptureWait, OutputCopies: 1, CacheVersions: node.DefaultCacheVersions},
 		Images: ImageOptions{RegistryAuth: registry.AuthRequired},
 		Controller: ControllerOptions{StalledAfter: 30 * time.Second, ForgetStalledAfter: 10 * time.Minute, FullReportsAtOnce: 4,
 			Copies:          fleet.CopyLimits{Max: volume.MaxCopies, PerNamespace: 1000},
@@ -312,6 +315,8 @@ func (n *NodeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&n.LowWatermark, "low-watermark", n.LowWatermark, "percent of the state dir's filesystem that eviction brings it under")
 	fs.DurationVar(&n.EvictionGrace, "eviction-grace", n.EvictionGrace,
 		"a cached volume used (captured, pulled, mounted) more recently is not evicted, however full the disk: a step's output waits for the next step or its scheduler's pin, and captures are refused meanwhile")
+	fs.DurationVar(&n.CaptureWait, "capture-wait", n.CaptureWait,
+		"how long a publish whose source is a step's output still being captured on this node waits for it before answering Unavailable (the kubelet retries)")
 	fs.IntVar(&n.OutputCopies, "output-copies", n.OutputCopies, fmt.Sprintf(
 		"how many nodes a captured volume that names no copies attribute is kept on: the controller has other nodes pull it once it is captured (1 to %d; 1: the capturing node alone)", volume.MaxCopies))
 	fs.IntVar(&n.CacheVersions, "cache-versions", n.CacheVersions,
@@ -405,7 +410,7 @@ func (o Options) engineConfig() node.Config {
 	return node.Config{
 		NodeID: o.NodeID, StateDir: n.StateDir, Backend: n.Backend, FlattenDepth: n.FlattenDepth,
 		KubeletDir: n.KubeletDir, DefaultSizeLimit: n.DefaultSizeLimit, MaxSizeLimit: n.MaxSizeLimit,
-		AllowSetuid: n.AllowSetuid, BootIDFile: n.bootIDFile,
+		AllowSetuid: n.AllowSetuid, BootIDFile: n.bootIDFile, CaptureWait: n.CaptureWait,
 		Watermarks: node.Watermarks{High: n.HighWatermark, Low: n.LowWatermark, Grace: n.EvictionGrace},
 		Copies:     n.OutputCopies, CacheVersions: n.CacheVersions,
 	}
@@ -508,6 +513,9 @@ func (n NodeOptions) validate(endpoint string) []error {
 	}
 	if n.CacheVersions < 1 {
 		errs = append(errs, fmt.Errorf("--cache-versions %d is invalid: a node keeps at least the current version of a key", n.CacheVersions))
+	}
+	if n.CaptureWait <= 0 {
+		errs = append(errs, errors.New("--capture-wait must be positive"))
 	}
 	if n.EvictionGrace < 0 {
 		errs = append(errs, fmt.Errorf("--eviction-grace %s is negative", n.EvictionGrace))

@@ -29,6 +29,7 @@ func TestFlagsDefaultToDefaults(t *testing.T) {
 	require.Equal(t, "90", fs.Lookup("high-watermark").DefValue)
 	require.Equal(t, "1Ti", fs.Lookup("stream-size-limit").DefValue)
 	require.Equal(t, "20s", fs.Lookup("pull-wait").DefValue)
+	require.Equal(t, "20s", fs.Lookup("capture-wait").DefValue)
 	require.NoError(t, fs.Parse([]string{"--mode=all", "--high-watermark=70", "--stream-size-limit=2Gi", "--peers=a=h:1,b=h:2", "--peers=c=h:3"}))
 	require.Equal(t, ModeAll, o.Mode)
 	require.Equal(t, 70, o.Node.HighWatermark)
@@ -133,6 +134,7 @@ func TestOptionsValidate(t *testing.T) {
 		}, "shorter"},
 		{"high over 100", func(o *Options) { o.Node.HighWatermark, o.Node.LowWatermark = 101, 80 }, "watermarks"},
 		{"negative eviction grace", func(o *Options) { o.Node.EvictionGrace = -time.Second }, "--eviction-grace"},
+		{"no capture wait", func(o *Options) { o.Node.CaptureWait = 0 }, "--capture-wait"},
 		{"no output copies", func(o *Options) { o.Node.OutputCopies = 0 }, "--output-copies"},
 		{"more output copies than allowed", func(o *Options) { o.Node.OutputCopies = 6 }, "--output-copies"},
 		{"no cache versions kept", func(o *Options) { o.Node.CacheVersions = 0 }, "--cache-versions"},
