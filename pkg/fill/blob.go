@@ -292,19 +292,28 @@ const blobFetchTries = 3
 func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 	defer b.fills.Done()
 	e := b.layout.Extents[i]
-	w := extentWriter{file: b.file, extent: e}
+	fresh := true // the extent is a hole until a try writes it
+	attempt := func(write func(w io.WriterAt) error) error {
+		var w io.WriterAt = extentWriter{file: b.file, extent: e}
+		var landing *filesum.Landing
+		if fresh {
+			landing = filesum.NewLanding(w)
+			w, fresh = landing, false
+		}
+		if err := write(w); err != nil {
+			return err
+		}
+		return b.check(e, landing)
+	}
 	err := errors.New("no stream")
 	if write != nil {
-		if err = write(w); err == nil {
-			err = b.check(e)
-		}
+		err = attempt(write)
 		b.tell(e, FromStream, err)
 	}
 	for try := 0; err != nil && try < blobFetchTries && b.ctx.Err() == nil; try++ {
-		err = fetchWatched(b.ctx, b.g.stall, w, func(ctx context.Context, w io.WriterAt) error { return b.fetch(ctx, e, w) })
-		if err == nil {
-			err = b.check(e)
-		}
+		err = attempt(func(w io.WriterAt) error {
+			return fetchWatched(b.ctx, b.g.stall, w, func(ctx context.Context, w io.WriterAt) error { return b.fetch(ctx, e, w) })
+		})
 		if !errors.Is(err, filesum.ErrMismatch) {
 			break
 		}
@@ -363,13 +372,19 @@ func (b *Blob) Prefetch(workers int) {
 	wg.Wait()
 }
 
-// check reads extent e back as written, through the clone, against its
-// sum: a wrong byte never reaches a reader.
-func (b *Blob) check(e index.Extent) error {
+// check says whether extent e, as written, is its sum: a wrong byte never
+// reaches a reader. Where the try that wrote it was the first (landing not
+// nil), its bytes were summed as they were written, unless they came out
+// of order; else, or then, the extent is read back through the clone.
+func (b *Blob) check(e index.Extent, landing *filesum.Landing) error {
 	if e.Sum == (filesum.Sum{}) {
 		return nil
 	}
-	return filesum.Check(io.NewSectionReader(b.file, e.Offset, e.Size), e.Sum)
+	back := io.NewSectionReader(b.file, e.Offset, e.Size)
+	if landing == nil {
+		return filesum.Check(back, e.Sum)
+	}
+	return landing.Check(e.Size, e.Sum, back)
 }
 
 // finish records how extent i's fill ended and answers the readers it

@@ -668,22 +668,29 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 		}
 		x.listing.File(name, want)
 	}
-	// Read and written: a summed file's bytes are read back for their sum.
+	// Read and written: a file whose bytes did not come in order is read
+	// back for its sum.
 	fd, err := unix.Openat(dirfd, base, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, uint32(hdr.Mode&0o777))
 	if err != nil {
 		return err
 	}
 	var made unix.Stat_t // the owner and mode the making gave (umask, a set-group-ID dir)
 	err = unix.Fstat(fd, &made)
+	stub := x.stub != nil && isStub(hdr)
+	var landing *filesum.Landing
+	var w io.WriterAt = fdtree.File(fd)
+	if x.summed && !stub {
+		landing = filesum.NewLanding(w) // the file was just made: all zeros
+		w = landing
+	}
 	var size int64
 	if err == nil {
-		size, err = writeFile(fdtree.File(fd), body, hdr, c)
+		size, err = writeFile(fd, w, body, hdr, c)
 	}
-	stub := x.stub != nil && isStub(hdr)
-	if err == nil && x.summed && !stub {
+	if err == nil && landing != nil {
 		// The bytes as they landed, holes and all, before the file is
 		// anyone's: a wrong one fails the extraction.
-		if err = filesum.Check(io.NewSectionReader(fdtree.File(fd), 0, size), want); errors.Is(err, filesum.ErrMismatch) {
+		if err = landing.Check(size, want, io.NewSectionReader(fdtree.File(fd), 0, size)); errors.Is(err, filesum.ErrMismatch) {
 			err = fmt.Errorf("%w: %s: %w", ErrCorrupt, name, err)
 		}
 	}
@@ -715,10 +722,10 @@ func entrySum(name string, hdr *tar.Header) (filesum.Sum, error) {
 	return sum, nil
 }
 
-// writeFile writes a file's body: its data segments where the sender sent
-// only those, each with runs of zeros left as holes. It returns the file's
-// size.
-func writeFile(f fdtree.File, body io.Reader, hdr *tar.Header, c copier) (int64, error) {
+// writeFile writes a file's body through w, into the file open as fd: its
+// data segments where the sender sent only those, each with runs of zeros
+// left as holes. It returns the file's size.
+func writeFile(fd int, w io.WriterAt, body io.Reader, hdr *tar.Header, c copier) (int64, error) {
 	segments, size := [][2]int64{{0, hdr.Size}}, hdr.Size
 	if rec, ok := hdr.PAXRecords[paxHoles]; ok {
 		var err error
@@ -728,7 +735,7 @@ func writeFile(f fdtree.File, body io.Reader, hdr *tar.Header, c copier) (int64,
 	}
 	var end int64 // past the last byte written
 	for _, s := range segments {
-		written, err := c.writeSparse(f, body, s[0], s[1])
+		written, err := c.writeSparse(w, body, s[0], s[1])
 		if err != nil {
 			return 0, err
 		}
@@ -737,7 +744,7 @@ func writeFile(f fdtree.File, body io.Reader, hdr *tar.Header, c copier) (int64,
 	if end == size {
 		return size, nil // a truncate costs a journal transaction per file
 	}
-	return size, unix.Ftruncate(int(f), size)
+	return size, unix.Ftruncate(fd, size)
 }
 
 // fileAttrs gives a regular file its owner, mode, xattrs and times
@@ -780,7 +787,7 @@ const holeBlock = 64 << 10
 // writeSparse copies n bytes of r into f at off, leaving runs of zeros as
 // holes: a sparse file stays sparse, whatever the sender's filesystem. It
 // says where the last byte it wrote ends.
-func (c copier) writeSparse(f fdtree.File, r io.Reader, off, n int64) (int64, error) {
+func (c copier) writeSparse(f io.WriterAt, r io.Reader, off, n int64) (int64, error) {
 	buf, zero := c.buf, c.zero
 	var written int64
 	for end := off + n; off < end; {
