@@ -199,17 +199,11 @@ func TestBlobFillsAnIndexOnDemand(t *testing.T) {
 	require.Equal(t, "sub/file", ix.blob.Reached()[0], "the first file a reader reached, first")
 	require.Zero(t, ix.fetches("big"), "a file no one read is not fetched")
 
-	// Mapped, not read: its pages come through the blob's reads. Another
-	// process maps it: a thread of this one faulting on a held page would
-	// hold up the garbage collector's stop of the world, and with it the
-	// goroutine that answers.
-	mapper := exec.Command(os.Args[0], "-test.run", "^TestBlobFillsAnIndexOnDemand$")
-	mapper.Env = append(os.Environ(), "COWVOL_MAP_FILE="+filepath.Join(ix.mnt, "big"))
-	mapped, err := mapper.Output()
-	require.NoError(t, err, "the mapper: %s", mapped)
+	// Mapped, not read: its pages come through the blob's reads.
 	want, err := os.ReadFile(filepath.Join(ix.layer, "big"))
 	require.NoError(t, err)
-	require.Equal(t, fmt.Sprintf("%x", sha256.Sum256(want)), strings.TrimSpace(string(mapped)), "a mapped file reads its bytes")
+	require.Equal(t, fmt.Sprintf("%x", sha256.Sum256(want)), mappedSum(t, "TestBlobFillsAnIndexOnDemand", filepath.Join(ix.mnt, "big")),
+		"a mapped file reads its bytes")
 	require.Equal(t, 1, ix.fetches("big"))
 
 	wantTree, got := testfs.Describe(t, ix.layer), testfs.Describe(t, ix.mnt)
@@ -224,6 +218,20 @@ func TestBlobFillsAnIndexOnDemand(t *testing.T) {
 	for _, e := range ix.layout.Extents {
 		require.LessOrEqual(t, ix.fetches(e.Path), 1, "%s fetched again", e.Path)
 	}
+}
+
+// mappedSum is the SHA-256 of the file at path as a mapping of it reads
+// it in another process: the test named test, run again, which calls
+// mapAndSum. A thread of this process faulting on a page of a file it
+// answers for would hold up the garbage collector's stop of the world,
+// and with it the goroutine that answers.
+func mappedSum(t *testing.T, test, path string) string {
+	t.Helper()
+	mapper := exec.Command(os.Args[0], "-test.run", "^"+test+"$")
+	mapper.Env = append(os.Environ(), "COWVOL_MAP_FILE="+path)
+	out, err := mapper.Output()
+	require.NoError(t, err, "the mapper: %s", out)
+	return strings.TrimSpace(string(out))
 }
 
 // mapAndSum prints the SHA-256 of the file name as a mapping of it reads
