@@ -296,10 +296,11 @@ func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 	attempt := func(write func(w io.WriterAt) error) error {
 		var w io.WriterAt = extentWriter{file: b.file, extent: e}
 		var landing *filesum.Landing
-		if fresh {
+		if fresh && e.Sum != (filesum.Sum{}) { // (an extent with no sum is not checked)
 			landing = filesum.NewLanding(w)
-			w, fresh = landing, false
+			w = landing
 		}
+		fresh = false
 		if err := write(w); err != nil {
 			return err
 		}
