@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -27,6 +28,7 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // cuttableProxy forwards TCP to a holder until Cut, which drops every
@@ -230,6 +232,18 @@ func lazyPull(t *testing.T, form pullForm) {
 	})
 	eventually(t, "no index mounted once nothing mounts it", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
 	eventually(t, "B to keep the filled source's stub tree", func() bool { return keptStubs(t, b, "src") })
+	// B's layer keeps A's table of sums (an index's copy kept the sums its
+	// extents were checked against), which is what it holds.
+	_, sumsA := layerFile(t, a, "src", "true")
+	_, sumsB := layerFile(t, b, "src", "true")
+	tableA, err := filesum.ReadFile(sumsA)
+	require.NoError(t, err)
+	tableB, err := filesum.ReadFile(sumsB)
+	require.NoError(t, err)
+	require.Equal(t, tableA, tableB)
+	read, err := filesum.OfTree(t.Context(), strings.TrimSuffix(sumsB, ".sums"))
+	require.NoError(t, err)
+	require.Equal(t, read, tableB)
 	b.noLeaks(t)
 }
 

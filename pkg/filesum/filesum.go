@@ -81,12 +81,25 @@ func Check(r io.Reader, want Sum) error {
 // OfTree computes the table of the tree at root: every regular file's sum,
 // read through a descriptor opened beneath its dir.
 func OfTree(ctx context.Context, root string) (Table, error) {
+	return OfTreeKnowing(ctx, root, nil)
+}
+
+// emptySum is the sum of a file of no bytes, which is not read.
+var emptySum = Sum(sha256.Sum256(nil))
+
+// OfTreeKnowing is OfTree taking a file's sum from known (if not nil) where
+// it knows one, by any of the file's names, instead of reading the file:
+// the sums a pull checked the bytes against as they landed, which a copy
+// of them carries. A file known under none of the names walked before it
+// is read. The caller answers for known: its sums are not checked here.
+func OfTreeKnowing(ctx context.Context, root string, known func(path string) (Sum, bool)) (Table, error) {
 	rootFD, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("opening %s: %w", root, err)
 	}
 	defer unix.Close(rootFD)
 	t := Table{}
+	linked := map[[2]uint64]Sum{} // the sums of files of several names, by inode
 	err = fdtree.Walk(rootFD, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 		if err := ctx.Err(); err != nil {
 			return false, err
@@ -94,18 +107,21 @@ func OfTree(ctx context.Context, root string) (Table, error) {
 		if e.Stat.Mode&unix.S_IFMT != unix.S_IFREG {
 			return true, nil
 		}
-		fd, err := unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NOATIME, 0)
-		if errors.Is(err, unix.EPERM) { // O_NOATIME on a file of another owner
-			fd, err = unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		inode := [2]uint64{e.Stat.Dev, e.Stat.Ino}
+		sum, ok := emptySum, e.Stat.Size == 0
+		if !ok && e.Stat.Nlink > 1 {
+			sum, ok = linked[inode]
 		}
-		if err != nil {
-			return false, fmt.Errorf("%s: %w", e.Path, err)
+		if !ok && known != nil {
+			sum, ok = known(e.Path)
 		}
-		f := os.NewFile(uintptr(fd), e.Path)
-		sum, err := Of(f)
-		f.Close()
-		if err != nil {
-			return false, fmt.Errorf("%s: %w", e.Path, err)
+		if !ok {
+			if sum, err = fileSum(e); err != nil {
+				return false, err
+			}
+		}
+		if e.Stat.Nlink > 1 {
+			linked[inode] = sum
 		}
 		t[e.Path] = sum
 		return true, nil
@@ -114,6 +130,24 @@ func OfTree(ctx context.Context, root string) (Table, error) {
 		return nil, err
 	}
 	return t, nil
+}
+
+// fileSum reads the regular file e and sums it.
+func fileSum(e *fdtree.Entry) (Sum, error) {
+	fd, err := unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NOATIME, 0)
+	if errors.Is(err, unix.EPERM) { // O_NOATIME on a file of another owner
+		fd, err = unix.Openat(e.Parent, e.Name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	}
+	if err != nil {
+		return Sum{}, fmt.Errorf("%s: %w", e.Path, err)
+	}
+	f := os.NewFile(uintptr(fd), e.Path)
+	defer f.Close()
+	sum, err := Of(f)
+	if err != nil {
+		return Sum{}, fmt.Errorf("%s: %w", e.Path, err)
+	}
+	return sum, nil
 }
 
 // The file a table is kept in: a header, then each file as its sum, its

@@ -58,6 +58,49 @@ func TestTable(t *testing.T) {
 	}
 }
 
+// A table made knowing some sums takes them instead of reading the files
+// (a sum known wrong shows it was not read), under every name of a file
+// known by one, and reads the rest: knowing the right sums, it is the
+// table read whole.
+func TestTableKnowing(t *testing.T) {
+	root := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(root, "d"), 0o755))
+	for name, data := range map[string]string{"a": "alpha", "d/b": "beta", "d/empty": "", "z": "zeta"} {
+		require.NoError(t, os.WriteFile(filepath.Join(root, name), []byte(data), 0o644))
+	}
+	for _, link := range []string{"d/link", "y"} { // d/link walked first of the three names
+		require.NoError(t, os.Link(filepath.Join(root, "z"), filepath.Join(root, link)))
+	}
+	read, err := OfTree(t.Context(), root)
+	require.NoError(t, err)
+	require.Len(t, read, 6)
+	require.Equal(t, read["z"], read["y"])
+
+	var asked []string
+	knowing := func(known Table) func(string) (Sum, bool) {
+		return func(p string) (Sum, bool) {
+			asked = append(asked, p)
+			s, ok := known[p]
+			return s, ok
+		}
+	}
+	same, err := OfTreeKnowing(t.Context(), root, knowing(Table{"a": read["a"], "y": read["y"]}))
+	require.NoError(t, err)
+	require.Equal(t, read, same)
+	require.NotContains(t, asked, "d/empty", "a file of no bytes is summed without asking")
+
+	wrong := Sum{1}
+	asked = nil
+	taken, err := OfTreeKnowing(t.Context(), root, knowing(Table{"a": wrong, "d/link": wrong}))
+	require.NoError(t, err)
+	require.Equal(t, wrong, taken["a"])
+	require.Equal(t, read["d/b"], taken["d/b"])
+	for _, name := range []string{"d/link", "y", "z"} {
+		require.Equal(t, wrong, taken[name], "%s: a name of the file known as d/link", name)
+	}
+	require.NotContains(t, asked, "y", "the file was known by the name walked first")
+}
+
 // What a layer's sums cost: a tree of 20,000 files, 1 GiB in all, on
 // tmpfs (the page cache, as a layer a step just wrote is), read and summed
 // once. The figure is the bytes summed a second, against reading them

@@ -1,6 +1,7 @@
 package pull
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -121,6 +123,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubRecords,
 		Inline: streamer.StubInline}
 	var layout *index.Layout
+	var files filesum.Sum // the digest of the layer's table, as its records said
 	var blob *fill.Blob
 	var vol cache.Volume
 	err := pl.inSwarm(pl.ctx, client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
@@ -133,6 +136,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 				err = done(sum)
 			}
 			if err == nil {
+				files = sum.Files
 				layout, err = writeIndex(t, cache.IndexDir(tree))
 			}
 			if err == nil && layout.Data() > pl.cfg.Limits.Bytes {
@@ -160,7 +164,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 		return cache.Volume{}, err
 	}
 	pods, profiles := pl.askers(p)
-	pl.fillIndexInBackground(vol.Ref(), blob, layout, src, p.key.namespace, pods, profiles)
+	pl.fillIndexInBackground(vol.Ref(), blob, layout, files, src, p.key.namespace, pods, profiles)
 	return vol, nil
 }
 
@@ -196,8 +200,9 @@ func (pl *Puller) unmountIndex(data string, blob *fill.Blob) {
 // fillBehind): one stream of the layer offers every extent no reader asked
 // for, the files of the recorded read order first, what it did not bring
 // is prefetched, and once the blob is whole the volume is made ready as a
-// plain layer (plainLayer).
-func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *index.Layout, src *lazySource, namespace string,
+// plain layer (plainLayer), with the file sums its extents were checked
+// against kept as its own (files: their table's digest).
+func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *index.Layout, files filesum.Sum, src *lazySource, namespace string,
 	pods []volume.Pod, profiles []string) {
 	fl := &lazyFill{blob: blob, reaches: blob, namespaces: map[string]bool{}, profiles: map[string]bool{}}
 	pl.fillBehind(r, fl, src, namespace, pods, profiles, blob.Done(), func(order []string) {
@@ -209,7 +214,7 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		if err := blob.Err(); err != nil {
 			return cache.Volume{}, err
 		}
-		layer, err := pl.plainLayer(r, layout)
+		layer, sums, err := pl.plainLayer(r, layout, files)
 		if err != nil {
 			return cache.Volume{}, err
 		}
@@ -217,22 +222,31 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		if err != nil {
 			return vol, errors.Join(err, overlay.RemoveTree(pl.store.LayerPath(r, layer)))
 		}
+		if sums != nil {
+			if err := pl.store.KeepLayerSums(r, layer, sums); err != nil {
+				klog.ErrorS(err, "Keeping the file sums of a layer made of an index failed; they are computed from it when asked", "volume", r)
+			}
+		}
 		return vol, nil
 	})
 }
 
 // plainLayer copies the whole index of r's layer into a new layer of its
 // own, synced, in place under its dir (out of sight until the volume is
-// filled as it), and names it.
-func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout) (string, error) {
+// filled as it), and names it. It says the new layer's file sums too, as
+// the blob's extents were checked against (nil where no digest of their
+// table, files, is known): the layer is not read back to sum it, and its
+// table is the one the volume was captured with, not what the disk holds.
+// A copy whose table is not files is refused.
+func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout, files filesum.Sum) (string, filesum.Table, error) {
 	v, err := pl.store.Get(r)
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	data := pl.store.DataPath(v)
 	work, err := os.MkdirTemp(pl.store.StagingDir(), "index-")
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	defer func() {
 		if err := overlay.RemoveTree(work); err != nil {
@@ -246,17 +260,46 @@ func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout) (string, error)
 		err = overlay.SyncFS(tree)
 	}
 	if err != nil {
-		return "", fmt.Errorf("copying the whole index into a layer: %w", err)
+		return "", nil, fmt.Errorf("copying the whole index into a layer: %w", err)
+	}
+	sums, err := layerSums(pl.ctx, tree, layout, files)
+	if err != nil {
+		return "", nil, err
 	}
 	layer := fmt.Sprintf("%s%x", plainLayerPrefix, time.Now().UnixNano())
 	dst := pl.store.LayerPath(r, layer)
 	if err := os.Rename(tree, dst); err != nil {
-		return "", err
+		return "", nil, err
 	}
 	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
-		return "", errors.Join(err, overlay.RemoveTree(dst))
+		return "", nil, errors.Join(err, overlay.RemoveTree(dst))
 	}
 	klog.InfoS("Made a layer of a whole index", "volume", r, "files", stats.Files, "cloned", stats.Cloned, "copied", stats.Copied,
-		"duration", time.Since(start))
-	return layer, nil
+		"sums", len(sums), "duration", time.Since(start))
+	return layer, sums, nil
+}
+
+// layerSums is the table of the layer tree copied out of an index of
+// layout: each file's sum as its extent says (checked as it arrived), a
+// file of no bytes's, or read where the layout knows none. The table must
+// be the one its records carried, whose digest is files; nil if that is
+// unknown (the layer is summed when a peer first asks, as before).
+func layerSums(ctx context.Context, tree string, layout *index.Layout, files filesum.Sum) (filesum.Table, error) {
+	if files == (filesum.Sum{}) {
+		return nil, nil
+	}
+	table, err := filesum.OfTreeKnowing(ctx, tree, func(path string) (filesum.Sum, bool) {
+		i := layout.Lookup(path)
+		if i < 0 || layout.Extents[i].Sum == (filesum.Sum{}) {
+			return filesum.Sum{}, false
+		}
+		return layout.Extents[i].Sum, true
+	})
+	if err != nil {
+		return nil, fmt.Errorf("the file sums of a layer made of an index: %w", err)
+	}
+	if table.Digest() != files {
+		return nil, fmt.Errorf("a layer made of an index does not hold the files its records said (%d files): %w", len(table), filesum.ErrMismatch)
+	}
+	return table, nil
 }

@@ -2,12 +2,16 @@ package pull
 
 import (
 	"errors"
+	"maps"
 	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -55,4 +59,43 @@ func TestIndexSupported(t *testing.T) {
 	left, err := os.ReadDir(dir)
 	require.NoError(t, err)
 	require.Empty(t, left)
+}
+
+// A layer copied out of a whole index is summed from its layout's sums,
+// not read (a sum the layout says wrong shows it was taken), and only
+// where the table comes out as the digest its records carried: else the
+// copy is refused; with no digest known it is left to be read when asked.
+func TestLayerSumsOfAnIndexCopy(t *testing.T) {
+	tree := t.TempDir()
+	for name, data := range map[string]string{"a": "alpha", "b": "beta", "empty": ""} {
+		require.NoError(t, os.WriteFile(filepath.Join(tree, name), []byte(data), 0o644))
+	}
+	require.NoError(t, os.Link(filepath.Join(tree, "b"), filepath.Join(tree, "c")))
+	read, err := filesum.OfTree(t.Context(), tree)
+	require.NoError(t, err)
+	rotted := maps.Clone(read)
+	rotted["b"], rotted["c"] = filesum.Sum{1}, filesum.Sum{1}
+	layout := func(sums filesum.Table) *index.Layout {
+		return &index.Layout{Extents: []index.Extent{{Path: "a", Size: 5, Sum: sums["a"]}, {Path: "b", Offset: 5, Size: 4, Sum: sums["b"]}}}
+	}
+	tests := []struct {
+		name    string
+		layout  *index.Layout
+		files   filesum.Sum
+		want    filesum.Table
+		wantErr error
+	}{
+		{name: "the records' table", layout: layout(read), files: read.Digest(), want: read},
+		{name: "a layout that does not say every sum", layout: layout(filesum.Table{"a": read["a"]}), files: read.Digest(), want: read},
+		{name: "sums taken, not read", layout: layout(rotted), files: rotted.Digest(), want: rotted},
+		{name: "not the records' table", layout: layout(rotted), files: read.Digest(), wantErr: filesum.ErrMismatch},
+		{name: "no digest known", layout: layout(read)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := layerSums(t.Context(), tree, tc.layout, tc.files)
+			require.ErrorIs(t, err, tc.wantErr)
+			require.Equal(t, tc.want, got)
+		})
+	}
 }
