@@ -64,8 +64,12 @@ func newSumsCache() *ttlcache.Cache[string, filesum.Table] {
 }
 
 func (s *Store) sumsPath(r volume.Ref, layer string) string {
-	return s.LayerPath(r, layer) + sumsSuffix
+	return SumsFile(s.LayerPath(r, layer))
 }
+
+// SumsFile is where the file sums of the layer dir at layerPath are kept:
+// beside it, as IndexDir is.
+func SumsFile(layerPath string) string { return layerPath + sumsSuffix }
 
 // LayerSums answers the file sums of v's own layer: those kept, or computed
 // now from the layer and kept (once, whoever else asks meanwhile). The

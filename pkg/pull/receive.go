@@ -90,6 +90,13 @@ func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, vouch volu
 	if err != nil {
 		return cache.Volume{}, err
 	}
+	// Sums the extraction checked every file against are kept, not read
+	// back later (Limits.Tabled).
+	if sum.Table != nil {
+		if err := sum.Table.WriteFile(cache.SumsFile(tree)); err != nil {
+			return cache.Volume{}, err
+		}
+	}
 	cache.CrashPoint("pull-extracted")
 	// A reboot must not find a torn volume ready: it is on disk before
 	// it is committed, or committed unsynced (and failed by a reboot
@@ -105,9 +112,12 @@ func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, vouch volu
 	if err := os.Rename(tree, data); err != nil {
 		return cache.Volume{}, err
 	}
-	// A layer received as an index has it beside it (IndexDir).
-	if err := os.Rename(cache.IndexDir(tree), cache.IndexDir(data)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return cache.Volume{}, err
+	// A layer received as an index has it beside it (IndexDir), and one
+	// received with its table its sums (SumsFile).
+	for _, beside := range []func(string) string{cache.IndexDir, cache.SumsFile} {
+		if err := os.Rename(beside(tree), beside(data)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return cache.Volume{}, err
+		}
 	}
 	if when == SyncBefore {
 		if err := overlay.SyncDir(filepath.Dir(data)); err != nil {

@@ -190,10 +190,12 @@ func (pl *Puller) pullFromRelay(ctx context.Context, holder *streamer.Client, s 
 // whole layer, in its swarm where it has one.
 func (pl *Puller) receiveWhole(p *pull, holder *streamer.Client, top, l streamer.Layer, want volume.Digests, progress func(int64)) (cache.Volume, error) {
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.SparseTar}
+	lim := pl.cfg.Limits
+	lim.Tabled = true // the layer's sums kept as they were checked, not read back after
 	var vol cache.Volume
 	err := pl.inSwarm(pl.ctx, holder, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
 		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, _ string) (streamer.Summary, error) {
-			sum, err := from.PullLayer(pl.ctx, s, sw, tree, pl.cfg.Limits, progress)
+			sum, err := from.PullLayer(pl.ctx, s, sw, tree, lim, progress)
 			if err == nil {
 				err = pl.checkVouched(l, want, sum)
 			}

@@ -48,6 +48,9 @@ type Summary struct {
 	// Inlined is, for UnpackStubs, the last file the stub tree carried
 	// whole (see Inline.Through); empty: none.
 	Inlined string
+	// Table is, for an extraction Limits.Tabled, the sums of the files
+	// it made: the table filesum.OfTree would compute of its tree.
+	Table filesum.Table
 }
 
 // counter hashes and counts the tar bytes as they pass. Between a holder
@@ -194,6 +197,12 @@ type Limits struct {
 	// (Stub.Sum), and a file without one is refused: no byte a peer sent
 	// is kept unchecked.
 	Summed bool
+	// Tabled: a Summed extraction also says the sums it checked the
+	// files against, by path (Summary.Table): the table of the layer it
+	// made, which then need not be read back to be known. (A map of the
+	// layer's files, held until the extraction ends: asked for only where
+	// the table is kept.)
+	Tabled bool
 }
 
 // DefaultLimits are generous for CI volumes and fatal to a decompression

@@ -50,6 +50,12 @@ func TestSummedLayers(t *testing.T) {
 	sum, err := Unpack(context.Background(), bytes.NewReader(whole), Raw, t.TempDir(), summed)
 	require.NoError(t, err)
 	require.Equal(t, sums.Digest(), sum.Files, "the digest of the table the stream carried, the hardlink's name with its file's sum")
+	require.Nil(t, sum.Table, "a table only where asked")
+	tabled := summed
+	tabled.Tabled = true
+	sum, err = Unpack(context.Background(), bytes.NewReader(whole), Raw, t.TempDir(), tabled)
+	require.NoError(t, err)
+	require.Equal(t, sums, sum.Table, "the table itself, where asked")
 
 	var mu sync.Mutex
 	got := filesum.Table{}
@@ -62,6 +68,10 @@ func TestSummedLayers(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, sums.Digest(), sum.Files, "the stub tree's table")
 	require.Equal(t, filesum.Table{"d/big": sums["d/big"]}, got, "the stub's sum")
+	require.Nil(t, sum.Table)
+	sum, err = UnpackStubs(context.Background(), bytes.NewReader(pack(StubTar, layer)), Raw, t.TempDir(), tabled, inline, func(Stub) error { return nil })
+	require.NoError(t, err)
+	require.Nil(t, sum.Table, "no table of stubs, which do not hold their sums' bytes yet")
 
 	flipped := bytes.Clone(whole)
 	i := bytes.Index(flipped, []byte("0123456789abcdef"))

@@ -50,6 +50,9 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	defer unix.Close(root)
 	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict, summed: lim.Summed,
 		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0, stub: stub, inline: inline}
+	if lim.Summed && lim.Tabled && stub == nil { // (a stub's sum is not what it holds yet)
+		x.table = filesum.Table{}
+	}
 	x.startMakers(makersPerExtraction())
 	defer x.close()
 	sum, err := readArchive(ctx, r, enc, lim, x.entry)
@@ -59,6 +62,7 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	sum.Inlined = x.inlined
 	if err == nil && x.summed {
 		sum.Files, err = x.listing.Digest()
+		sum.Table = x.table
 	}
 	if err != nil {
 		return Summary{}, err
@@ -226,9 +230,12 @@ type extractor struct {
 	strict     bool
 	keepSetuid bool
 	// summed: every regular file carries its sum (Limits.Summed);
-	// listing gathers them, for the digest of the layer's table.
+	// listing gathers them, for the digest of the layer's table, and
+	// table (if not nil: Limits.Tabled) by path.
 	summed  bool
 	listing filesum.Listing
+	tableMu sync.Mutex
+	table   filesum.Table
 	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
 	// the files and sets only user.* xattrs.
 	unprivileged bool
@@ -243,6 +250,26 @@ type extractor struct {
 	// and inline what it asked for (see Inline).
 	inlined string
 	inline  Inline
+}
+
+// tableFile puts the regular file name in the table, if one is made, with
+// the sum its bytes were checked against.
+func (x *extractor) tableFile(name string, sum filesum.Sum) {
+	if x.table != nil {
+		x.tableMu.Lock()
+		x.table[name] = sum
+		x.tableMu.Unlock()
+	}
+}
+
+// tableLink puts the hardlink name in the table, if one is made, with
+// the sum of the file target it names, made before it.
+func (x *extractor) tableLink(name, target string) {
+	if x.table != nil {
+		x.tableMu.Lock()
+		x.table[name] = x.table[target]
+		x.tableMu.Unlock()
+	}
 }
 
 // isStub says a regular file of a StubTar came with no data: a stub, not
@@ -517,6 +544,7 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		}
 		if x.summed {
 			x.listing.Link(name, target)
+			x.tableLink(name, target)
 		}
 		return nil // the first name's attributes are the file's
 	case tar.TypeChar:
@@ -667,6 +695,7 @@ func (x *extractor) makeFile(dirfd int, base, name string, place int, hdr *tar.H
 			return err
 		}
 		x.listing.File(name, want)
+		x.tableFile(name, want)
 	}
 	// Read and written: a file whose bytes did not come in order is read
 	// back for its sum.
