@@ -166,6 +166,19 @@ const (
 // Call it before the first Add.
 func (l *Layer) CheckSums(corrupt CorruptFunc) { l.corrupt = corrupt }
 
+// Sum is the sum the data of the stub rel (or of a file it is a link of)
+// is checked against, if the layer checks sums and its stub says one: a
+// filled layer's files' sums, known without reading them.
+func (l *Layer) Sum(rel string) (filesum.Sum, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	f := l.byRel[rel]
+	if f == nil || l.corrupt == nil || f.sum == (filesum.Sum{}) {
+		return filesum.Sum{}, false
+	}
+	return f.sum, true
+}
+
 // Add holds readers of the stub s, open as fd (any flags; fd stays the
 // caller's). An empty file needs nothing and is not held.
 func (l *Layer) Add(fd int, s Stub) error {

@@ -91,4 +91,9 @@ func TestCheckedSumsNeverShowWrongBytes(t *testing.T) {
 	require.Contains(t, corrupt, told{"once", FromHolder})
 	require.Contains(t, corrupt, told{"big", FromHolder})
 	require.Contains(t, corrupt, told{"offered", FromStream})
+	sum, ok := l.Sum("big")
+	require.True(t, ok)
+	require.Equal(t, filesum.Sum(sha256.Sum256(s.files["big"])), sum, "the sum a stub's data was checked against")
+	_, ok = l.Sum("no such stub")
+	require.False(t, ok)
 }

@@ -286,6 +286,15 @@ func (l *Layout) Lookup(path string) int {
 	return -1
 }
 
+// Sum says what the data of the file whose first name is path hashes to,
+// if it has an extent whose Tree entry said (see Extent.Sum).
+func (l *Layout) Sum(path string) (filesum.Sum, bool) {
+	if i := l.Lookup(path); i >= 0 && l.Extents[i].Sum != (filesum.Sum{}) {
+		return l.Extents[i].Sum, true
+	}
+	return filesum.Sum{}, false
+}
+
 // Offset says where the data of the file whose first name is path starts
 // in the blob, if it has an extent.
 func (l *Layout) Offset(path string) (int64, bool) {

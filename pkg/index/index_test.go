@@ -15,6 +15,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -217,12 +218,18 @@ func TestLayoutLookup(t *testing.T) {
 		off, ok := layout.Offset(e.Path)
 		require.True(t, ok)
 		require.Equal(t, e.Offset, off)
+		_, ok = layout.Sum(e.Path)
+		require.False(t, ok, "Build says no sums")
 	}
 	for _, name := range []string{"a/b.x/y", "empty", "a", "a/", "dir", "dir/a", "b", "", "zz", "a/b/c"} {
 		require.Equal(t, -1, layout.Lookup(name), "%q has no extent", name)
 		_, ok := layout.Offset(name)
 		require.False(t, ok, name)
 	}
+	layout.Extents[3].Sum = filesum.Sum{3}
+	sum, ok := layout.Sum(layout.Extents[3].Path)
+	require.True(t, ok)
+	require.Equal(t, filesum.Sum{3}, sum, "an extent's sum, by its file's first name")
 }
 
 // A node is what a pull holds of each entry until its image is written,

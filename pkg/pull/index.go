@@ -262,7 +262,7 @@ func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout, files filesum.S
 	if err != nil {
 		return "", nil, fmt.Errorf("copying the whole index into a layer: %w", err)
 	}
-	sums, err := layerSums(pl.ctx, tree, layout, files)
+	sums, err := layerSums(pl.ctx, tree, layout.Sum, files)
 	if err != nil {
 		return "", nil, err
 	}
@@ -279,27 +279,22 @@ func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout, files filesum.S
 	return layer, sums, nil
 }
 
-// layerSums is the table of the layer tree copied out of an index of
-// layout: each file's sum as its extent says (checked as it arrived), a
-// file of no bytes's, or read where the layout knows none. The table must
-// be the one its records carried, whose digest is files; nil if that is
-// unknown (the layer is summed when a peer first asks, as before).
-func layerSums(ctx context.Context, tree string, layout *index.Layout, files filesum.Sum) (filesum.Table, error) {
+// layerSums is the table of a lazily pulled layer's tree, filled: each
+// file's sum as known says (the sum its data was checked against as it
+// arrived: an index's extent's, a stub's), a file of no bytes's, or read
+// where known says none. The table must be the one the layer's stub tree
+// carried, whose digest is files; nil if that is unknown (the layer is
+// summed when first asked, as before).
+func layerSums(ctx context.Context, tree string, known func(path string) (filesum.Sum, bool), files filesum.Sum) (filesum.Table, error) {
 	if files == (filesum.Sum{}) {
 		return nil, nil
 	}
-	table, err := filesum.OfTreeKnowing(ctx, tree, func(path string) (filesum.Sum, bool) {
-		i := layout.Lookup(path)
-		if i < 0 || layout.Extents[i].Sum == (filesum.Sum{}) {
-			return filesum.Sum{}, false
-		}
-		return layout.Extents[i].Sum, true
-	})
+	table, err := filesum.OfTreeKnowing(ctx, tree, known)
 	if err != nil {
-		return nil, fmt.Errorf("the file sums of a layer made of an index: %w", err)
+		return nil, fmt.Errorf("the file sums of a lazily pulled layer: %w", err)
 	}
 	if table.Digest() != files {
-		return nil, fmt.Errorf("a layer made of an index does not hold the files its records said (%d files): %w", len(table), filesum.ErrMismatch)
+		return nil, fmt.Errorf("a lazily pulled layer does not hold the files its stub tree said (%d files): %w", len(table), filesum.ErrMismatch)
 	}
 	return table, nil
 }

@@ -61,10 +61,11 @@ func TestIndexSupported(t *testing.T) {
 	require.Empty(t, left)
 }
 
-// A layer copied out of a whole index is summed from its layout's sums,
-// not read (a sum the layout says wrong shows it was taken), and only
-// where the table comes out as the digest its records carried: else the
-// copy is refused; with no digest known it is left to be read when asked.
+// A lazily pulled layer, filled (here: copied out of a whole index), is
+// summed from the sums its data was checked against (here: its layout's),
+// not read (a sum said wrong shows it was taken), and only where the table
+// comes out as the digest its stub tree carried: else the layer is
+// refused; with no digest known it is left to be read when asked.
 func TestLayerSumsOfAnIndexCopy(t *testing.T) {
 	tree := t.TempDir()
 	for name, data := range map[string]string{"a": "alpha", "b": "beta", "empty": ""} {
@@ -93,7 +94,7 @@ func TestLayerSumsOfAnIndexCopy(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := layerSums(t.Context(), tree, tc.layout, tc.files)
+			got, err := layerSums(t.Context(), tree, tc.layout.Sum, tc.files)
 			require.ErrorIs(t, err, tc.wantErr)
 			require.Equal(t, tc.want, got)
 		})

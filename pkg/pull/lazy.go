@@ -10,6 +10,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/fill"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
@@ -75,8 +76,11 @@ func overLimit(r volume.Ref, limit int64) error {
 // fillInBackground fetches a filling volume's stubs' data, first the
 // files read in the order recorded under the pods' read profiles in
 // namespace (how steps read it before), and records how that ended (see
-// fillBehind): ready once all of it is here and synced.
-func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySource, namespace string, pods []volume.Pod, profiles []string) {
+// fillBehind): ready once all of it is here and synced, with the file sums
+// its stubs were checked against kept as its own (files: their table's
+// digest).
+func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, files filesum.Sum, src *lazySource, namespace string, pods []volume.Pod,
+	profiles []string) {
 	fl := &lazyFill{layer: layer, reaches: layer, namespaces: map[string]bool{}, profiles: map[string]bool{}}
 	pl.fillBehind(r, fl, src, namespace, pods, profiles, layer.Done(), func(order []string) {
 		// One stream of the whole layer fills what no reader asked for
@@ -96,7 +100,21 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, src *lazySou
 		if err := overlay.SyncFS(pl.store.VolumeDir(r)); err != nil {
 			return cache.Volume{}, err
 		}
-		return pl.store.Filled(r)
+		v, err := pl.store.Get(r)
+		if err != nil {
+			return cache.Volume{}, err
+		}
+		sums, err := layerSums(pl.ctx, pl.store.DataPath(v), layer.Sum, files)
+		if err != nil {
+			return cache.Volume{}, err
+		}
+		vol, err := pl.store.Filled(r)
+		if err == nil && sums != nil {
+			if err := pl.store.KeepLayerSums(r, vol.Layer, sums); err != nil {
+				klog.ErrorS(err, "Keeping the file sums of a lazily pulled layer failed; they are computed from it when asked", "volume", r)
+			}
+		}
+		return vol, err
 	})
 }
 
@@ -214,6 +232,7 @@ func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.La
 	s := streamer.LayerStream{Namespace: p.key.namespace, Ref: l.Ref, Via: p.key.ref, Encoding: pl.cfg.Encoding, Shape: streamer.StubTar,
 		Inline: streamer.StubInline}
 	var layer *fill.Layer
+	var files filesum.Sum // the digest of the layer's table, as its stub tree said
 	var vol cache.Volume
 	err := pl.inSwarm(pl.ctx, client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
 		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, data string) (streamer.Summary, error) {
@@ -229,6 +248,7 @@ func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.La
 			if err == nil {
 				err = done(sum)
 			}
+			files = sum.Files
 			if sum.Inlined != "" {
 				src.inlined = streamer.Inline{Max: streamer.StubInline.Max, Through: sum.Inlined}
 			}
@@ -247,7 +267,7 @@ func (pl *Puller) pullStubs(p *pull, client *streamer.Client, top, l streamer.La
 		return cache.Volume{}, err
 	}
 	pods, profiles := pl.askers(p)
-	pl.fillInBackground(vol.Ref(), layer, src, p.key.namespace, pods, profiles)
+	pl.fillInBackground(vol.Ref(), layer, files, src, p.key.namespace, pods, profiles)
 	return vol, nil
 }
 
