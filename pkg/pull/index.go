@@ -222,11 +222,7 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		if err != nil {
 			return vol, errors.Join(err, overlay.RemoveTree(pl.store.LayerPath(r, layer)))
 		}
-		if sums != nil {
-			if err := pl.store.KeepLayerSums(r, layer, sums); err != nil {
-				klog.ErrorS(err, "Keeping the file sums of a layer made of an index failed; they are computed from it when asked", "volume", r)
-			}
-		}
+		pl.keepSums(r, layer, sums)
 		return vol, nil
 	})
 }
@@ -297,4 +293,16 @@ func layerSums(ctx context.Context, tree string, known func(path string) (filesu
 		return nil, fmt.Errorf("a lazily pulled layer does not hold the files its stub tree said (%d files): %w", len(table), filesum.ErrMismatch)
 	}
 	return table, nil
+}
+
+// keepSums keeps sums (layerSums'; nil: none known) as the file sums of
+// r's layer, now filled. A failure costs only a read of the layer, when
+// they are first asked for.
+func (pl *Puller) keepSums(r volume.Ref, layer string, sums filesum.Table) {
+	if sums == nil {
+		return
+	}
+	if err := pl.store.KeepLayerSums(r, layer, sums); err != nil {
+		klog.ErrorS(err, "Keeping the file sums of a lazily pulled layer failed; they are computed from it when asked", "volume", r, "layer", layer)
+	}
 }

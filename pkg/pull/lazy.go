@@ -109,10 +109,8 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, files filesu
 			return cache.Volume{}, err
 		}
 		vol, err := pl.store.Filled(r)
-		if err == nil && sums != nil {
-			if err := pl.store.KeepLayerSums(r, vol.Layer, sums); err != nil {
-				klog.ErrorS(err, "Keeping the file sums of a lazily pulled layer failed; they are computed from it when asked", "volume", r)
-			}
+		if err == nil {
+			pl.keepSums(r, vol.Layer, sums)
 		}
 		return vol, err
 	})
