@@ -5,8 +5,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-
-	"github.com/concourse/cowvol/pkg/cache"
 )
 
 // A lazy pull records its readers' order where one of its read profiles
@@ -14,9 +12,7 @@ import (
 // fresh record is not recorded again, which would cost each of the step's
 // opens a notification.
 func TestRecordsReadOrder(t *testing.T) {
-	store, err := cache.Open(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(func() { store.Close() })
+	store := openStore(t)
 	pl := &Puller{store: store}
 	require.NoError(t, store.RecordReadOrder("ci", "fresh", []string{"a"}))
 	time.Sleep(5 * time.Millisecond)

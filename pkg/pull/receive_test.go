@@ -20,9 +20,7 @@ import (
 // was not); one that said none keeps none, its sums read from the layer
 // when asked; and one that failed leaves neither.
 func TestReceiveKeepsTheTableItChecked(t *testing.T) {
-	store, err := cache.Open(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(func() { store.Close() })
+	store := openStore(t)
 	said := filesum.Table{"file": filesum.Sum{1}} // not "data"'s sum: taken, not read
 	tests := []struct {
 		name    string
@@ -68,4 +66,13 @@ func TestReceiveKeepsTheTableItChecked(t *testing.T) {
 			require.Equal(t, tc.want, kept, "kept beside the layer")
 		})
 	}
+}
+
+// openStore opens a node store in a dir of the test's, closed after it.
+func openStore(t *testing.T) *cache.Store {
+	t.Helper()
+	store, err := cache.Open(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { store.Close() })
+	return store
 }
