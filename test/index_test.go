@@ -11,10 +11,13 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/testfs"
+	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -150,5 +153,65 @@ func TestLazyPullOfALayerNoIndexCanSay(t *testing.T) {
 	}
 	b.umount(v)
 	eventually(t, "the volume to be ready", func() bool { return volumeState(t, b, "src") == "ready" })
+	b.noLeaks(t)
+}
+
+// A volume ready as its whole index whose mount went (a reboot, a
+// restarted plugin's new mount namespace) is mounted again before any
+// view is made over it, and reads A's bytes; once nothing mounts it, it is
+// made a plain layer (copied from the mount: the new process never learnt
+// where the blob holds each file) that keeps A's sums. One whose index is
+// lost is failed, never shown empty.
+func TestAWholeIndexAcrossARestart(t *testing.T) {
+	form := pullForm{name: "index", index: true}
+	a, b, _ := lazyNodesAs(t, form, 0)
+	sums := a.captureRandom("src", 16, 1<<20)
+	a.captureRandom("lost", 4, 1<<20)
+	keep := b.mount(map[string]string{driver.AttrSource: "src"}, true)
+	lost := b.mount(map[string]string{driver.AttrSource: "lost"}, true)
+	for name, sum := range sums {
+		require.NoError(t, readsAs(filepath.Join(keep.Target, name), sum))
+	}
+	for _, h := range []string{"src", "lost"} {
+		eventually(t, h+" to be ready", func() bool { return volumeState(t, b, h) == "ready" })
+	}
+	require.Len(t, erofsMountsUnder(t, b.p.StateDir), 2, "both ready as their indexes while steps mount them")
+	lostFile, _ := layerFile(t, b, "lost", "f-00")
+	lostLayer := filepath.Dir(lostFile)
+
+	b.p.Kill()
+	for _, mp := range erofsMountsUnder(t, b.p.StateDir) {
+		require.NoError(t, unix.Unmount(mp, unix.MNT_DETACH))
+	}
+	require.NoError(t, os.Remove(filepath.Join(cache.IndexDir(lostLayer), "image")))
+	b.p.Restart()
+	require.Len(t, erofsMountsUnder(t, b.p.StateDir), 1, "the index mounted again by recovery")
+	require.Contains(t, []string{"failed", "gone"}, volumeState(t, b, "lost"), "a lost index fails its volume")
+	b.read("src", func(dir string) {
+		for name, sum := range sums {
+			require.NoError(t, readsAs(filepath.Join(dir, name), sum), "a new step reads A's %s", name)
+		}
+	})
+	for name, sum := range sums {
+		require.NoError(t, readsAs(filepath.Join(keep.Target, name), sum), "the step that mounted it before still reads A's %s", name)
+	}
+	b.umount(keep)
+	b.umount(lost)
+
+	eventually(t, "no index mounted once nothing mounts it", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
+	require.Equal(t, 1.0, metricValue(t, b, `cowvol_index_copies_total{result="ok"}`))
+	require.Equal(t, "ready", volumeState(t, b, "src"))
+	b.read("src", func(dir string) {
+		for name, sum := range sums {
+			require.NoError(t, readsAs(filepath.Join(dir, name), sum), "its plain layer holds A's %s", name)
+		}
+	})
+	_, sumsA := layerFile(t, a, "src", "f-00")
+	_, sumsB := layerFile(t, b, "src", "f-00")
+	tableA, err := filesum.ReadFile(sumsA)
+	require.NoError(t, err)
+	tableB, err := filesum.ReadFile(sumsB)
+	require.NoError(t, err)
+	require.Equal(t, tableA, tableB, "the copy keeps the sums the index's extents were checked against")
 	b.noLeaks(t)
 }

@@ -161,8 +161,9 @@ func volumeState(t *testing.T, e *env, handle string) string {
 // A source held only on A is published on B at once, over stubs or an
 // index: the step reads A's bytes, runs a program from it, writes over it
 // and captures its output; the data arrives behind, and the volume becomes
-// an ordinary ready one (an index's copied into a plain layer, the index
-// unmounted once nothing mounts it). The tree B publishes is the stub
+// an ordinary ready one (an index's ready as the index while a step
+// mounts it, then copied into a plain layer and unmounted once nothing
+// does). The tree B publishes is the stub
 // tree A kept after the capture (it has enough files to be kept); once
 // filled, B keeps its own for the peers that pull from it.
 func TestLazyPull(t *testing.T) {
@@ -197,6 +198,7 @@ func lazyPull(t *testing.T, form pullForm) {
 	if form.index {
 		require.Len(t, erofsMountsUnder(t, b.p.StateDir), 1, "the source is an index mounted under the step's overlay")
 	}
+	reader := b.mount(map[string]string{driver.AttrSource: "src"}, true) // mounts it until it is ready
 	require.Equal(t, 1.0, metricValue(t, a, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="kept"}`, form.stubTree())),
 		"B published A's kept stub tree, as %s", form.stubTree())
 	require.Zero(t, metricValue(t, a, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="walked"}`, form.stubTree())))
@@ -223,6 +225,17 @@ func lazyPull(t *testing.T, form pullForm) {
 	got, err := b.p.NodeAPI.GetVolume(context.Background(), &nodev1.GetVolumeRequest{Ref: vref("ci", "src")})
 	require.NoError(t, err)
 	require.True(t, got.Synced)
+	if form.index {
+		// Ready as its index, no copy made, while a step mounts it: one
+		// layer, the index, with A's sums kept beside it.
+		file, sums := layerFile(t, b, "src", "true")
+		var st syscall.Statfs_t
+		require.NoError(t, syscall.Statfs(file, &st))
+		require.EqualValues(t, 0xe0f5e1e2, st.Type, "ready as its index while a step mounts it")
+		require.FileExists(t, sums)
+		b.read("src", func(dir string) { require.Equal(t, want, testfs.Describe(t, dir)) })
+	}
+	b.umount(reader)
 	// Once filled, it is A's tree to the last time stamp (a stat while a
 	// file is being filled shows the fill's mtime).
 	b.read("src", func(dir string) { require.Equal(t, want, testfs.Describe(t, dir)) })

@@ -291,11 +291,12 @@ func TestWaitingOnLiveHoldsLooksPastRecordedHolds(t *testing.T) {
 	require.False(t, s.WaitingOnLiveHolds())
 }
 
-// A volume pulled as an index is ready only as the plain layer made of
-// it, in the transaction that makes it ready; its index (the dir beside
-// its layer) stays while the layer does, is pruned with it once no view
-// mounts it, and is never taken for an orphan by recovery.
-func TestAVolumePulledAsAnIndexIsFilledAsAPlainLayer(t *testing.T) {
+// A volume pulled as an index is ready as its index; its plain copy is
+// swapped in for it later, in one transaction that leaves its base alone
+// and takes only the layer it copied; its index (the dir beside its layer)
+// stays while the layer does, is pruned with it once no view mounts it,
+// and is never taken for an orphan by recovery.
+func TestAVolumePulledAsAnIndexIsSwappedForItsPlainCopy(t *testing.T) {
 	s := openStore(t)
 	v := pullLazily(t, s, "ci", "indexed", volume.Ref{})
 	indexed := s.DataPath(v)
@@ -305,19 +306,28 @@ func TestAVolumePulledAsAnIndexIsFilledAsAPlainLayer(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, rep.RemovedOrphans, "an index goes with its layer")
 	require.DirExists(t, IndexDir(indexed))
-	v = pullLazily(t, s, "ci", "again", volume.Ref{}) // (recovery failed the first)
+	base := pullLazily(t, s, "ci", "base", volume.Ref{}) // (recovery failed the first)
+	_, err = s.Filled(base.Ref())
+	require.NoError(t, err)
+	v = pullLazily(t, s, "ci", "again", base.Ref())
 	indexed = s.DataPath(v)
 	require.NoError(t, os.MkdirAll(IndexDir(indexed), 0o755))
+	require.ErrorIs(t, s.SwapLayer(v.Ref(), v.Layer, "plain"), ErrUnusable, "a volume still filling keeps its index")
 	view, err := s.Publish(View{VolumeID: "reader", Source: v.Ref(), Pod: pod("ci")})
 	require.NoError(t, err)
-	require.Equal(t, []string{indexed}, view.Lowers)
+	require.Contains(t, view.Lowers, indexed)
 
-	require.NoError(t, os.MkdirAll(s.LayerPath(v.Ref(), "plain"), 0o755))
-	v, err = s.FilledAs(v.Ref(), "plain")
+	v, err = s.Filled(v.Ref())
 	require.NoError(t, err)
 	require.Equal(t, volume.StateReady, v.State)
+	require.Equal(t, indexed, s.DataPath(v), "ready as its index")
+	require.NoError(t, os.MkdirAll(s.LayerPath(v.Ref(), "plain"), 0o755))
+	require.ErrorIs(t, s.SwapLayer(v.Ref(), "other", "plain"), ErrUnusable, "only the layer copied is swapped")
+	require.NoError(t, s.SwapLayer(v.Ref(), v.Layer, "plain"))
+	v, err = s.Get(v.Ref())
+	require.NoError(t, err)
 	require.Equal(t, "plain", v.Layer)
-	require.Equal(t, s.LayerPath(v.Ref(), "plain"), s.DataPath(v))
+	require.Equal(t, base.Ref(), v.Base, "a copy of one layer rests on the same base")
 	require.NoError(t, s.PruneLayers(os.RemoveAll))
 	require.DirExists(t, IndexDir(indexed), "kept while a view mounts the index")
 	_, err = s.DropView("reader")

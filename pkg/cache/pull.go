@@ -103,29 +103,37 @@ func (s *Store) CommitPullFilling(r volume.Ref, pullID string, bytes int64) (Vol
 }
 
 // Filled makes a filling volume ready (destroying if it was destroyed
-// meanwhile), its data synced by the caller.
-func (s *Store) Filled(r volume.Ref) (Volume, error) { return s.FilledAs(r, "") }
-
-// FilledAs is Filled with the volume's data in layer now (in place under
-// its dir, synced; "": where it was), in the same transaction: a volume
-// pulled as an index is ready only as the plain layer made of it, never as
-// the mount a reboot takes away. The layer it replaces is pruned once no
-// view mounts it.
-func (s *Store) FilledAs(r volume.Ref, layer string) (Volume, error) {
+// meanwhile), its data synced by the caller, where it is: a volume pulled
+// as an index is ready as its index, mounted (the node remounts it after a
+// reboot), until SwapLayer puts a plain copy in its place.
+func (s *Store) Filled(r volume.Ref) (Volume, error) {
 	var out Volume
 	err := s.update(r, func(v *Volume) error {
 		if err := v.apply(EventFilled, Lease{}); err != nil {
 			return err
-		}
-		if layer != "" && layer != v.Layer {
-			v.OldLayers = append(v.OldLayers, v.Layer)
-			v.Layer = layer
 		}
 		v.Synced = true
 		out = *v
 		return nil
 	}, func(tx *bolt.Tx, _ *Volume) error { return tx.Bucket(failuresBucket).Delete(key(r)) })
 	return out, err
+}
+
+// SwapLayer makes layer (in place under the volume's dir, synced) the
+// data of the ready volume r in place of from, which holds the same files
+// in another form (a whole index's plain copy): its base stays, and from
+// is pruned once no view mounts it. A volume whose layer is no longer
+// from (flattened, swapped already), or that is not ready, is left alone:
+// ErrUnusable.
+func (s *Store) SwapLayer(r volume.Ref, from, layer string) error {
+	return s.update(r, func(v *Volume) error {
+		if v.State != volume.StateReady || v.Layer != from {
+			return fmt.Errorf("volume %s is %s with layer %q, not ready with %q: %w", r, v.State, v.Layer, from, ErrUnusable)
+		}
+		v.OldLayers = append(v.OldLayers, v.Layer)
+		v.Layer = layer
+		return nil
+	})
 }
 
 // AbortPull forgets a volume a pull could not finish, and its data. A

@@ -52,6 +52,12 @@ func Parse(s string) (Sum, error) {
 // the layer.
 type Table map[string]Sum
 
+// Sum is the sum the table has for path, if any.
+func (t Table) Sum(path string) (Sum, bool) {
+	s, ok := t[path]
+	return s, ok
+}
+
 // ErrMismatch says bytes are not what their sum says.
 var ErrMismatch = errors.New("not the bytes the volume was captured with")
 

@@ -139,6 +139,11 @@ type Engine struct {
 	// pulls nothing), and pullMetrics count what it does.
 	puller      *pull.Puller
 	pullMetrics *pull.Metrics
+	// indexes are the volumes ready as whole indexes (indexes.go), and
+	// indexCopier is kicked to make the idle ones plain layers.
+	indexes           *pull.WholeIndexes
+	indexCopier       chan struct{}
+	indexCopyFailures indexCopyFailures
 	// refusal says why captures are refused ("" or nil: they are not).
 	refusal atomic.Pointer[string]
 	// copyLimits are the controller's last word on copies (nil: none yet).
@@ -229,14 +234,14 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		limiter: limiter, limitsOff: limitsOff, defaultLimit: cfg.DefaultSizeLimit, maxLimit: cfg.MaxSizeLimit,
 		usage: usageCache{entries: map[string]*usageEntry{}}, quarantine: quarantine{views: map[string]string{}},
 		bgCtx: ctx, bgCancel: cancel, janitor: make(chan struct{}, 1), syncer: make(chan struct{}, 1), summing: make(chan struct{}, 1),
-		reaper: make(chan struct{}, 1), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks, copies: cfg.Copies,
+		reaper: make(chan struct{}, 1), indexCopier: make(chan struct{}, 1), indexes: pull.NewWholeIndexes(store), recorder: make(chan struct{}, 1), trees: trees, planter: make(chan struct{}, 1), boot: strings.TrimSpace(string(boot)), watermarks: cfg.Watermarks, copies: cfg.Copies,
 		cacheVersions: cmp.Or(cfg.CacheVersions, DefaultCacheVersions),
 	}
 	e.metrics = newMetrics(e, string(kind))
 	e.pullMetrics = pull.NewMetrics()
 	if cfg.Pulls != nil {
 		if e.puller, err = pull.New(*cfg.Pulls, pull.Deps{Store: store, Backend: kind, NodeID: cfg.NodeID,
-			Notifier: e.notifier(), Metrics: e.pullMetrics}, cfg.StateDir); err != nil {
+			Notifier: e.notifier(), Metrics: e.pullMetrics, Indexes: e.indexes}, cfg.StateDir); err != nil {
 			return nil, err
 		}
 	}
@@ -247,6 +252,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	e.onKick(e.janitor, e.tidyRound)
 	e.onKick(e.syncer, e.syncRound)
 	e.onKick(e.recorder, e.recordMountsRound)
+	e.onKickAfter(e.indexCopier, indexCopyDelay, e.copyIdleIndexes)
 	if e.trees != nil {
 		e.onKickAfter(e.planter, afterPublish, e.plantTrees)
 		e.kick(e.planter)
@@ -258,13 +264,18 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 	return e, nil
 }
 
-// Close stops background work and waits for it; the store stays open.
+// Close stops background work and waits for it, and detaches the whole
+// indexes it mounted (the views over them keep theirs); the store stays
+// open.
 func (e *Engine) Close() {
 	e.bgCancel()
 	if e.puller != nil {
 		e.puller.Close()
 	}
 	e.bg.Wait()
+	if n := e.indexes.Unmount(); n > 0 {
+		klog.InfoS("Detached the whole indexes of ready volumes; the next start mounts them again", "count", n)
+	}
 }
 
 // StoreID is the identity of the node's store: a wiped state dir has a new
@@ -386,6 +397,7 @@ func (e *Engine) tidyRound() {
 	if err := e.store.PruneLayers(overlay.RemoveTree); err != nil {
 		klog.ErrorS(err, "Pruning replaced layers")
 	}
+	e.kick(e.indexCopier) // a view gone may leave a whole index idle
 }
 
 // backendOf returns the backend that built a view: a restarted plugin may

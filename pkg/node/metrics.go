@@ -9,16 +9,18 @@ import (
 
 // metrics are the engine's Prometheus metrics; the caller registers them.
 type metrics struct {
-	captures  *prometheus.CounterVec
-	flattens  *prometheus.CounterVec
-	evictions *prometheus.CounterVec
-	destroys  *prometheus.CounterVec
-	reclaimed prometheus.Counter
-	rotten    prometheus.Counter
-	overHigh  prometheus.Gauge
-	disk      *prometheus.GaugeVec
-	info      prometheus.Gauge
-	node      *nodeCollector
+	captures *prometheus.CounterVec
+	flattens *prometheus.CounterVec
+	// indexCopies are whole indexes made plain layers (indexes.go).
+	indexCopies *prometheus.CounterVec
+	evictions   *prometheus.CounterVec
+	destroys    *prometheus.CounterVec
+	reclaimed   prometheus.Counter
+	rotten      prometheus.Counter
+	overHigh    prometheus.Gauge
+	disk        *prometheus.GaugeVec
+	info        prometheus.Gauge
+	node        *nodeCollector
 	// Cache volumes' (caches.go).
 	cacheForks      *prometheus.CounterVec
 	cachePromotions prometheus.Counter
@@ -39,6 +41,10 @@ func newMetrics(e *Engine, backend string) *metrics {
 		}, []string{"result"}),
 		flattens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_flattens_total", Help: "Deep layer chains flattened into a root layer, by result.",
+		}, []string{"result"}),
+		indexCopies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cowvol_index_copies_total",
+			Help: "Volumes pulled as indexes, ready as their index mounts, made plain layers once no step mounted them, by result.",
 		}, []string{"result"}),
 		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cowvol_evictions_total", Help: "Cached volumes the node destroyed on its own, by reason (watermark, ttl, failed).",
@@ -98,7 +104,7 @@ func newMetrics(e *Engine, backend string) *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.captures, m.flattens, m.evictions, m.destroys, m.reclaimed, m.rotten, m.overHigh, m.disk, m.info, m.node,
+	return []prometheus.Collector{m.captures, m.flattens, m.indexCopies, m.evictions, m.destroys, m.reclaimed, m.rotten, m.overHigh, m.disk, m.info, m.node,
 		m.cacheForks, m.cachePromotions, m.cacheDiscards, m.cacheRefusals, m.cacheLookupErrors}
 }
 

@@ -15,6 +15,9 @@ import (
 )
 
 // recover reconciles what a previous process left, before any RPC is served:
+//   - a ready volume's whole index whose mount is gone (a reboot, a new
+//     mount namespace) is mounted again first, before a view is made over
+//     it (one that cannot be is failed);
 //   - a half-published view an older plugin recorded as publishing is taken
 //     down and forgotten (the kubelet will publish it again);
 //   - a published view whose target is still mounted is adopted as is, one
@@ -37,6 +40,7 @@ func (e *Engine) recover() error {
 		return err
 	}
 	rebooted := previousBoot != "" && previousBoot != e.boot
+	remounted := e.indexes.Remount()
 	keep := map[string]bool{}
 	counts := map[string]int{}
 	for _, v := range e.store.ListViews() {
@@ -60,7 +64,7 @@ func (e *Engine) recover() error {
 	for _, bad := range rep.BadRecords {
 		klog.ErrorS(nil, "A metadata record does not decode: it is left alone and never served", "record", bad)
 	}
-	klog.InfoS("Recovered the state dir", "stateDir", e.store.Dir(), "rebooted", rebooted,
+	klog.InfoS("Recovered the state dir", "stateDir", e.store.Dir(), "rebooted", rebooted, "indexesRemounted", remounted,
 		"viewsFromLastBoot", counts["fromLastBoot"],
 		"viewsAdopted", counts["adopted"], "viewsRemounted", counts["remounted"],
 		"viewsDropped", counts["dropped"], "viewsCapturing", counts["capturing"], "viewsOrphaned", counts["orphaned"], "viewsUnbuilt", counts["unbuilt"],

@@ -148,19 +148,17 @@ func (n pullNotifier) Committed(vol cache.Volume, synced bool) {
 	n.e.goBackground(func() { n.e.afterCapture(vol, n.origin) })
 }
 
-// FillEnded wakes the reaper (a filled or failed layer may free data) and,
-// for a volume pulled as an index and now a plain layer, the janitor (the
-// index goes once no view mounts it, and the steps may all have left),
-// and keeps a filled layer's stub tree, as a capture's is kept, for the
-// peers that pull it from here.
+// FillEnded wakes the reaper (a filled or failed layer may free data) and
+// the index copier (a volume ready as its whole index is made a plain
+// layer once no view mounts it, and the steps may all have left), and
+// keeps a filled layer's stub tree, as a capture's is kept, for the peers
+// that pull it from here.
 func (n pullNotifier) FillEnded(r volume.Ref) {
 	n.e.kick(n.e.reaper)
 	v, err := n.e.store.Get(r)
 	if err != nil || v.State != volume.StateReady {
 		return
 	}
-	if len(v.OldLayers) > 0 {
-		n.e.tidy() // an index made a plain layer goes once no view mounts it: maybe none does now
-	}
+	n.e.kick(n.e.indexCopier)
 	n.e.goBackground(func() { _ = n.e.sumLayer(v, false) })
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"time"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -26,19 +25,16 @@ import (
 // is mounted file-backed at the layer's dir, with a sparse blob beside it
 // (cache.IndexDir) whose extents a fill.Blob fetches when a reader reaches
 // them, a stream of the layer fills behind, and a prefetch completes. Once
-// the blob is whole the layer is copied out of the index into a plain one
-// (blocks cloned from the blob), which the volume is made ready as; the
-// index goes once no view mounts it. A reboot finds no mount, and the
-// volume, still filling, is failed by recovery as a stub layer's is.
+// the blob is whole and synced the volume is ready as its index
+// (WholeIndexes), copied into a plain layer later, once no view mounts it.
+// A restart that finds the volume still filling fails it, as a stub
+// layer's.
 
 // The index's files, in the dir beside its layer.
 const (
 	indexImage = "image"
 	indexBlob  = "blob"
 )
-
-// plainLayerPrefix starts the names of the layers made of whole indexes.
-const plainLayerPrefix = "p"
 
 // IndexSupported says whether the node can mount a pulled layer's index:
 // the kernel mounts an EROFS image from a regular file with a regular file
@@ -199,9 +195,10 @@ func (pl *Puller) unmountIndex(data string, blob *fill.Blob) {
 // fillIndexInBackground fills a volume pulled as an index (see
 // fillBehind): one stream of the layer offers every extent no reader asked
 // for, the files of the recorded read order first, what it did not bring
-// is prefetched, and once the blob is whole the volume is made ready as a
-// plain layer (plainLayer), with the file sums its extents were checked
-// against kept as its own (files: their table's digest).
+// is prefetched, and once the blob is whole the volume is made ready as
+// its index, synced, with the file sums its extents were checked against
+// kept as its own (files: their table's digest); WholeIndexes copies it
+// into a plain layer once no view mounts it.
 func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *index.Layout, files filesum.Sum, src *lazySource, namespace string,
 	pods []volume.Pod, profiles []string) {
 	fl := &lazyFill{blob: blob, reaches: blob, namespaces: map[string]bool{}, profiles: map[string]bool{}}
@@ -214,65 +211,26 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		if err := blob.Err(); err != nil {
 			return cache.Volume{}, err
 		}
-		layer, sums, err := pl.plainLayer(r, layout, files)
+		v, err := pl.store.Get(r)
 		if err != nil {
 			return cache.Volume{}, err
 		}
-		vol, err := pl.store.FilledAs(r, layer)
-		if err != nil {
-			return vol, errors.Join(err, overlay.RemoveTree(pl.store.LayerPath(r, layer)))
+		data := pl.store.DataPath(v)
+		if err := syncIndex(cache.IndexDir(data)); err != nil {
+			return cache.Volume{}, err
 		}
-		pl.keepSums(r, layer, sums)
+		sums, err := layerSums(pl.ctx, data, layout.Sum, files)
+		if err != nil {
+			return cache.Volume{}, err
+		}
+		vol, err := pl.store.Filled(r)
+		if err != nil {
+			return vol, err
+		}
+		keepSums(pl.store, r, v.Layer, sums)
+		pl.indexes.learnt(data, layout)
 		return vol, nil
 	})
-}
-
-// plainLayer copies the whole index of r's layer into a new layer of its
-// own, synced, in place under its dir (out of sight until the volume is
-// filled as it), and names it. It says the new layer's file sums too, as
-// the blob's extents were checked against (nil where no digest of their
-// table, files, is known): the layer is not read back to sum it, and its
-// table is the one the volume was captured with, not what the disk holds.
-// A copy whose table is not files is refused.
-func (pl *Puller) plainLayer(r volume.Ref, layout *index.Layout, files filesum.Sum) (string, filesum.Table, error) {
-	v, err := pl.store.Get(r)
-	if err != nil {
-		return "", nil, err
-	}
-	data := pl.store.DataPath(v)
-	work, err := os.MkdirTemp(pl.store.StagingDir(), "index-")
-	if err != nil {
-		return "", nil, err
-	}
-	defer func() {
-		if err := overlay.RemoveTree(work); err != nil {
-			klog.ErrorS(err, "Removing the staging of a layer made of an index", "dir", work)
-		}
-	}()
-	start := time.Now()
-	tree := filepath.Join(work, "tree")
-	stats, err := overlay.CopyIndex(pl.ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), layout.Offset, tree)
-	if err == nil {
-		err = overlay.SyncFS(tree)
-	}
-	if err != nil {
-		return "", nil, fmt.Errorf("copying the whole index into a layer: %w", err)
-	}
-	sums, err := layerSums(pl.ctx, tree, layout.Sum, files)
-	if err != nil {
-		return "", nil, err
-	}
-	layer := fmt.Sprintf("%s%x", plainLayerPrefix, time.Now().UnixNano())
-	dst := pl.store.LayerPath(r, layer)
-	if err := os.Rename(tree, dst); err != nil {
-		return "", nil, err
-	}
-	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
-		return "", nil, errors.Join(err, overlay.RemoveTree(dst))
-	}
-	klog.InfoS("Made a layer of a whole index", "volume", r, "files", stats.Files, "cloned", stats.Cloned, "copied", stats.Copied,
-		"sums", len(sums), "duration", time.Since(start))
-	return layer, sums, nil
 }
 
 // layerSums is the table of a lazily pulled layer's tree, filled: each
@@ -298,11 +256,11 @@ func layerSums(ctx context.Context, tree string, known func(path string) (filesu
 // keepSums keeps sums (layerSums'; nil: none known) as the file sums of
 // r's layer, now filled. A failure costs only a read of the layer, when
 // they are first asked for.
-func (pl *Puller) keepSums(r volume.Ref, layer string, sums filesum.Table) {
+func keepSums(store *cache.Store, r volume.Ref, layer string, sums filesum.Table) {
 	if sums == nil {
 		return
 	}
-	if err := pl.store.KeepLayerSums(r, layer, sums); err != nil {
+	if err := store.KeepLayerSums(r, layer, sums); err != nil {
 		klog.ErrorS(err, "Keeping the file sums of a lazily pulled layer failed; they are computed from it when asked", "volume", r, "layer", layer)
 	}
 }

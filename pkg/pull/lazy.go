@@ -110,7 +110,7 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, files filesu
 		}
 		vol, err := pl.store.Filled(r)
 		if err == nil {
-			pl.keepSums(r, vol.Layer, sums)
+			keepSums(pl.store, r, vol.Layer, sums)
 		}
 		return vol, err
 	})

@@ -13,7 +13,8 @@
 // Its rooms: pull.go the running pulls (joined, waited for, layer by layer
 // from one holder after another); lazy.go a lazily pulled layer, from its
 // stub tree to its fill behind; index.go a lazily pulled layer made an
-// index and mounted, filled by extent, then made a plain layer; source.go the holders a lazy layer's files
+// index and mounted, filled by extent, ready as the index once whole;
+// wholeindex.go whole indexes mounted again and made plain layers; source.go the holders a lazy layer's files
 // come from, failing over, on a bulk lane (the stream) and an urgent one
 // (what readers wait for); readorder.go what is recorded of the order
 // steps read, and streamed first next time; receive.go a layer made a
@@ -161,6 +162,9 @@ type Deps struct {
 	NodeID   string       // this node, which is never asked for a volume
 	Notifier Notifier
 	Metrics  *Metrics
+	// Indexes learn the layouts of the indexes pulled whole, for their
+	// plain copies.
+	Indexes *WholeIndexes
 }
 
 // Puller runs the node's pulls.
@@ -171,6 +175,7 @@ type Puller struct {
 	nodeID  string
 	notify  Notifier
 	metrics *Metrics
+	indexes *WholeIndexes
 	// mode is how sources arrive, and why; lazy holds the layers being
 	// filled (nil: the node pulls eagerly).
 	mode Mode
@@ -195,7 +200,7 @@ func New(cfg Config, deps Deps, stateDir string) (*Puller, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	pl := &Puller{cfg: cfg, store: deps.Store, kind: deps.Backend, nodeID: deps.NodeID, notify: deps.Notifier,
-		metrics: deps.Metrics, ctx: ctx, cancel: cancel, running: map[pullKey]*pull{},
+		metrics: deps.Metrics, indexes: deps.Indexes, ctx: ctx, cancel: cancel, running: map[pullKey]*pull{},
 		relays: relays{byToken: map[string]*relayed{}}}
 	mode, why, err := ChooseMode(cfg.Mode, deps.Backend, stateDir)
 	if err == nil {

@@ -1,0 +1,242 @@
+package pull
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/filesum"
+	"github.com/concourse/cowvol/pkg/index"
+	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/volume"
+)
+
+// WholeIndexes are the ready volumes whose layer is a whole index: pulled
+// as one (index.go), their blob filled and synced, mounted at the layer's
+// dir. A volume is ready as its index the moment its blob is whole, so
+// that the steps reading it are not made to wait on (or compete with) a
+// copy of it. The node mounts them again where the mount went (a reboot,
+// a restarted plugin's new mount namespace: Remount), and copies each
+// into a plain layer once no view mounts it (MakePlain), so that a node
+// does not keep a mount per volume it ever pulled and flattens clone
+// plain files. It owns the index's files once whole; not the volume's
+// metadata beyond swapping its layer, not the views.
+type WholeIndexes struct {
+	store *cache.Store
+	mu    sync.Mutex
+	// layouts are the layouts this process learnt of the whole indexes
+	// it pulled, by layer dir, until each is made plain: what says where
+	// each file's data lies in its blob, so that the copy clones it. An
+	// index not in it (pulled by an earlier process) is copied from its
+	// mount.
+	layouts map[string]*index.Layout
+}
+
+// NewWholeIndexes tracks the whole indexes of store's volumes.
+func NewWholeIndexes(store *cache.Store) *WholeIndexes {
+	return &WholeIndexes{store: store, layouts: map[string]*index.Layout{}}
+}
+
+// IsIndex says whether data, a volume's layer dir, is an index (the dir
+// of its image and blob is beside it).
+func IsIndex(data string) bool {
+	st, err := os.Lstat(cache.IndexDir(data))
+	return err == nil && st.IsDir()
+}
+
+// indexMounted says whether an index is mounted at data.
+func indexMounted(data string) bool {
+	var st unix.Statfs_t
+	return unix.Statfs(data, &st) == nil && st.Type == unix.EROFS_SUPER_MAGIC_V1
+}
+
+// learnt keeps the layout of the whole index at data for its copy.
+func (w *WholeIndexes) learnt(data string, layout *index.Layout) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.layouts[data] = layout
+}
+
+// Remount mounts again every ready volume's whole index whose mount is
+// gone, before any view is made over it: an unmounted index's layer dir is
+// an empty dir, which a view must never show for the volume. A volume
+// whose index cannot be mounted is marked failed (its image or blob lost
+// or torn: its data is not here), and the rest go on. It says how many it
+// mounted.
+func (w *WholeIndexes) Remount() (mounted int) {
+	for _, v := range w.store.List() {
+		data := w.store.DataPath(v)
+		if v.State != volume.StateReady || v.Layer == "" || !IsIndex(data) || indexMounted(data) {
+			continue
+		}
+		dir := cache.IndexDir(data)
+		if err := overlay.MountIndex(filepath.Join(dir, indexImage), filepath.Join(dir, indexBlob), data); err != nil {
+			klog.ErrorS(err, "Mounting a ready volume's whole index again failed; the volume is marked failed", "volume", v.Ref())
+			if merr := w.store.MarkFailed(v.Ref()); merr != nil {
+				klog.ErrorS(merr, "Marking a volume whose index does not mount failed", "volume", v.Ref())
+			}
+			continue
+		}
+		mounted++
+	}
+	return mounted
+}
+
+// Unmount detaches every ready volume's whole index mount, as a stopping
+// node leaves its state dir: the views made over one keep it (an overlay
+// holds its own clone of each lower's mount), and the next start mounts
+// it again (Remount). It says how many it detached.
+func (w *WholeIndexes) Unmount() (detached int) {
+	for _, v := range w.store.List() {
+		data := w.store.DataPath(v)
+		if v.State != volume.StateReady || v.Layer == "" || !IsIndex(data) || !indexMounted(data) {
+			continue
+		}
+		if err := unix.Unmount(data, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
+			klog.ErrorS(err, "Detaching a whole index as the node stops", "volume", v.Ref())
+			continue
+		}
+		detached++
+	}
+	return detached
+}
+
+// Idle lists the ready volumes whose layer is a whole index that no view
+// mounts and no step image runs on, and forgets the layouts of indexes
+// that are gone.
+func (w *WholeIndexes) Idle() []cache.Volume {
+	mounted := map[string]bool{}
+	for _, view := range w.store.ListViews() {
+		for _, l := range view.Lowers {
+			mounted[l] = true
+		}
+	}
+	var idle []cache.Volume
+	present := map[string]bool{}
+	for _, v := range w.store.List() {
+		data := w.store.DataPath(v)
+		if v.State != volume.StateReady || v.Layer == "" || !IsIndex(data) {
+			continue
+		}
+		present[data] = true
+		if !mounted[data] && len(w.store.Holders(v.Ref()).Images) == 0 {
+			idle = append(idle, v)
+		}
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for data := range w.layouts {
+		if !present[data] {
+			delete(w.layouts, data)
+		}
+	}
+	return idle
+}
+
+// plainLayerPrefix starts the names of the layers made of whole indexes.
+const plainLayerPrefix = "p"
+
+// MakePlain copies the ready volume v's layer, a whole index, into a
+// plain layer of its own, synced, and swaps it in (cache.SwapLayer); the
+// index goes once no view mounts it (cache.Store.PruneLayers). Each file's
+// data is cloned from the blob where this process learnt the index's
+// layout, and copied from the mount where not. The copy keeps the index's
+// file sums, refused unless its files are the ones the table names; it is
+// not read back to sum it. The caller holds v. A volume changed meanwhile
+// is left alone (cache.ErrUnusable).
+func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.CopyStats, error) {
+	data := w.store.DataPath(v)
+	w.mu.Lock()
+	layout := w.layouts[data]
+	w.mu.Unlock()
+	at := func(string) (int64, bool) { return 0, false }
+	if layout != nil {
+		at = layout.Offset
+	}
+	var known func(string) (filesum.Sum, bool)
+	var files filesum.Sum
+	if table, err := w.store.LayerSums(v); err == nil {
+		known, files = table.Sum, table.Digest()
+	} else {
+		klog.V(2).InfoS("A whole index's kept sums could not be read; its plain copy is summed when first asked", "volume", v.Ref(), "err", err)
+	}
+	work, err := os.MkdirTemp(w.store.StagingDir(), "index-")
+	if err != nil {
+		return overlay.CopyStats{}, err
+	}
+	defer func() {
+		if err := overlay.RemoveTree(work); err != nil {
+			klog.ErrorS(err, "Removing the staging of a layer made of an index", "dir", work)
+		}
+	}()
+	tree := filepath.Join(work, "tree")
+	stats, err := overlay.CopyIndex(ctx, data, filepath.Join(cache.IndexDir(data), indexBlob), at, tree)
+	if err == nil {
+		err = overlay.SyncFS(tree)
+	}
+	if err != nil {
+		return stats, fmt.Errorf("copying a whole index into a layer: %w", err)
+	}
+	sums, err := layerSums(ctx, tree, known, files)
+	if err != nil {
+		return stats, err
+	}
+	layer := fmt.Sprintf("%s%x", plainLayerPrefix, time.Now().UnixNano())
+	dst := w.store.LayerPath(v.Ref(), layer)
+	if err := os.Rename(tree, dst); err != nil {
+		return stats, err
+	}
+	plain := v
+	plain.Layer = layer
+	// The stub tree kept for the index's peers is the copy's too: the same
+	// names, stats and sums.
+	if err := os.Link(w.store.StubsPath(v), w.store.StubsPath(plain)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		klog.ErrorS(err, "Keeping a whole index's stub tree for its plain copy failed; a peer's pull walks the copy", "volume", v.Ref())
+	}
+	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
+		return stats, errors.Join(err, overlay.RemoveTree(dst), removeMissing(w.store.StubsPath(plain)))
+	}
+	if err := w.store.SwapLayer(v.Ref(), v.Layer, layer); err != nil {
+		return stats, errors.Join(err, overlay.RemoveTree(dst), removeMissing(w.store.StubsPath(plain)))
+	}
+	keepSums(w.store, v.Ref(), layer, sums)
+	w.mu.Lock()
+	delete(w.layouts, data)
+	w.mu.Unlock()
+	return stats, nil
+}
+
+// removeMissing removes path, which may be missing.
+func removeMissing(path string) error {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// syncIndex writes a whole index's image and blob, in dir, to disk: a
+// volume is recorded ready as its index only once a reboot cannot tear it.
+func syncIndex(dir string) error {
+	for _, name := range []string{indexImage, indexBlob} {
+		f, err := os.Open(filepath.Join(dir, name))
+		if err != nil {
+			return err
+		}
+		err = f.Sync()
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("syncing a whole index's %s: %w", name, err)
+		}
+	}
+	return overlay.SyncDir(dir)
+}
