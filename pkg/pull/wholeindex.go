@@ -238,5 +238,8 @@ func syncIndex(dir string) error {
 			return fmt.Errorf("syncing a whole index's %s: %w", name, err)
 		}
 	}
-	return overlay.SyncDir(dir)
+	if err := overlay.SyncDir(dir); err != nil {
+		return err
+	}
+	return overlay.SyncDir(filepath.Dir(dir)) // where the index's dir is named
 }
