@@ -72,6 +72,27 @@ func renderChart(t tb.TB, args ...string) map[string]map[string]any {
 	return objects
 }
 
+// stateDirMount is the node plugin's mount of its state dir in objects.
+func stateDirMount(t tb.TB, objects map[string]map[string]any) map[string]any {
+	t.Helper()
+	ds := objects["DaemonSet/cowvol-node"]
+	require.NotNil(t, ds)
+	containers := ds["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)["containers"].([]any)
+	for _, c := range containers {
+		c := c.(map[string]any)
+		if c["name"] != "cowvol" {
+			continue
+		}
+		for _, m := range c["volumeMounts"].([]any) {
+			if m := m.(map[string]any); m["name"] == "state-dir" {
+				return m
+			}
+		}
+	}
+	t.Fatal("the node plugin does not mount its state dir")
+	return nil
+}
+
 // helmBinary is the helm make e2e builds; a test without it skips.
 func helmBinary(t tb.TB) string {
 	t.Helper()
@@ -383,7 +404,15 @@ func TestManifests(t *testing.T) {
 
 	t.Run("the Helm chart's snapshotter is the component's", func(t *testing.T) {
 		got := renderChart(t, "--set", "images.registry.enabled=true", "--set", "images.snapshotter.enabled=true")
-		require.Equal(t, renderSnapshotterComponent(t)["RuntimeClass/cowvol"], got["RuntimeClass/cowvol"])
+		component := renderSnapshotterComponent(t)
+		require.Equal(t, component["RuntimeClass/cowvol"], got["RuntimeClass/cowvol"])
+		// containerd mounts the layer dirs the snapshotter names: the
+		// plugin's mounts in its state dir (a volume pulled as an index)
+		// must reach the host.
+		for what, objects := range map[string]map[string]map[string]any{"chart": got, "component": component} {
+			require.Equal(t, "Bidirectional", stateDirMount(t, objects)["mountPropagation"], what)
+		}
+		require.Nil(t, stateDirMount(t, renderChart(t))["mountPropagation"], "without the snapshotter, the state dir is the plugin's own")
 		node, _ := yaml.Marshal(got["DaemonSet/cowvol-node"])
 		for _, want := range []string{"- --image-snapshotter-endpoint=unix:///run/cowvol/snapshotter.sock", "mountPath: /run/cowvol",
 			"path: /run/cowvol", "- --state-dir=/var/lib/cowvol", "mountPath: /var/lib/cowvol"} {
