@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -36,6 +37,23 @@ func layerFile(t *testing.T, e *env, handle, name string) (file, sums string) {
 		layer = filepath.Dir(layer)
 	}
 	return matches[0], layer + ".sums"
+}
+
+// requireKeptSums checks that puller keeps, beside its layer of handle
+// (the one holding name), the table of file sums holder keeps beside its
+// own, and that it is what puller's layer holds.
+func requireKeptSums(t *testing.T, holder, puller *env, handle, name string) {
+	t.Helper()
+	_, sumsHolder := layerFile(t, holder, handle, name)
+	_, sumsPuller := layerFile(t, puller, handle, name)
+	want, err := filesum.ReadFile(sumsHolder)
+	require.NoError(t, err)
+	kept, err := filesum.ReadFile(sumsPuller)
+	require.NoError(t, err)
+	require.Equal(t, want, kept, "the puller keeps the holder's sums")
+	read, err := filesum.OfTree(t.Context(), strings.TrimSuffix(sumsPuller, ".sums"))
+	require.NoError(t, err)
+	require.Equal(t, read, kept, "what the puller's layer holds")
 }
 
 // rot flips one bit of a file in place, keeping its size and times: what a

@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -28,7 +27,6 @@ import (
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/driver"
-	"github.com/concourse/cowvol/pkg/filesum"
 )
 
 // cuttableProxy forwards TCP to a holder until Cut, which drops every
@@ -247,16 +245,7 @@ func lazyPull(t *testing.T, form pullForm) {
 	eventually(t, "B to keep the filled source's stub tree", func() bool { return keptStubs(t, b, "src") })
 	// B's layer keeps A's table of sums (an index's copy kept the sums its
 	// extents were checked against), which is what it holds.
-	_, sumsA := layerFile(t, a, "src", "true")
-	_, sumsB := layerFile(t, b, "src", "true")
-	tableA, err := filesum.ReadFile(sumsA)
-	require.NoError(t, err)
-	tableB, err := filesum.ReadFile(sumsB)
-	require.NoError(t, err)
-	require.Equal(t, tableA, tableB)
-	read, err := filesum.OfTree(t.Context(), strings.TrimSuffix(sumsB, ".sums"))
-	require.NoError(t, err)
-	require.Equal(t, read, tableB)
+	requireKeptSums(t, a, b, "src", "true")
 	b.noLeaks(t)
 }
 
