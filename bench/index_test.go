@@ -233,8 +233,8 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 // capture, and as an index again with A's kept stream set aside (A walks
 // its layer, as before it kept them), indexRounds times each, taking
 // turns, each on a fresh B (a new state dir, page caches dropped); then
-// how long until the volume is ready (every byte here, and for the index
-// the plain layer made of it), and B's peak RSS by the publish's end (the
+// how long until the volume is ready (every byte here; an index is ready
+// as it is, made a plain layer later, once idle), and B's peak RSS by the publish's end (the
 // learnt tree's, mostly) and over the whole pull. Medians; the ratios are the index's over the stub tree's, and the kept
 // stream's over the walk's. Also what keeping the stub tree cost A: its
 // time after the capture and its size a file.

@@ -45,9 +45,9 @@ func NewWholeIndexes(store *cache.Store) *WholeIndexes {
 	return &WholeIndexes{store: store, layouts: map[string]*index.Layout{}}
 }
 
-// IsIndex says whether data, a volume's layer dir, is an index (the dir
+// isIndex says whether data, a volume's layer dir, is an index (the dir
 // of its image and blob is beside it).
-func IsIndex(data string) bool {
+func isIndex(data string) bool {
 	st, err := os.Lstat(cache.IndexDir(data))
 	return err == nil && st.IsDir()
 }
@@ -65,6 +65,17 @@ func (w *WholeIndexes) learnt(data string, layout *index.Layout) {
 	w.layouts[data] = layout
 }
 
+// ready lists the ready volumes whose layer is an index, by layer dir.
+func (w *WholeIndexes) ready() map[string]cache.Volume {
+	out := map[string]cache.Volume{}
+	for _, v := range w.store.List() {
+		if data := w.store.DataPath(v); v.State == volume.StateReady && v.Layer != "" && isIndex(data) {
+			out[data] = v
+		}
+	}
+	return out
+}
+
 // Remount mounts again every ready volume's whole index whose mount is
 // gone, before any view is made over it: an unmounted index's layer dir is
 // an empty dir, which a view must never show for the volume. A volume
@@ -72,9 +83,8 @@ func (w *WholeIndexes) learnt(data string, layout *index.Layout) {
 // or torn: its data is not here), and the rest go on. It says how many it
 // mounted.
 func (w *WholeIndexes) Remount() (mounted int) {
-	for _, v := range w.store.List() {
-		data := w.store.DataPath(v)
-		if v.State != volume.StateReady || v.Layer == "" || !IsIndex(data) || indexMounted(data) {
+	for data, v := range w.ready() {
+		if indexMounted(data) {
 			continue
 		}
 		dir := cache.IndexDir(data)
@@ -95,9 +105,8 @@ func (w *WholeIndexes) Remount() (mounted int) {
 // holds its own clone of each lower's mount), and the next start mounts
 // it again (Remount). It says how many it detached.
 func (w *WholeIndexes) Unmount() (detached int) {
-	for _, v := range w.store.List() {
-		data := w.store.DataPath(v)
-		if v.State != volume.StateReady || v.Layer == "" || !IsIndex(data) || !indexMounted(data) {
+	for data, v := range w.ready() {
+		if !indexMounted(data) {
 			continue
 		}
 		if err := unix.Unmount(data, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
@@ -119,14 +128,9 @@ func (w *WholeIndexes) Idle() []cache.Volume {
 			mounted[l] = true
 		}
 	}
+	ready := w.ready()
 	var idle []cache.Volume
-	present := map[string]bool{}
-	for _, v := range w.store.List() {
-		data := w.store.DataPath(v)
-		if v.State != volume.StateReady || v.Layer == "" || !IsIndex(data) {
-			continue
-		}
-		present[data] = true
+	for data, v := range ready {
 		if !mounted[data] && len(w.store.Holders(v.Ref()).Images) == 0 {
 			idle = append(idle, v)
 		}
@@ -134,7 +138,7 @@ func (w *WholeIndexes) Idle() []cache.Volume {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for data := range w.layouts {
-		if !present[data] {
+		if _, ok := ready[data]; !ok {
 			delete(w.layouts, data)
 		}
 	}
