@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
+	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/driver"
@@ -207,4 +208,40 @@ func TestAWholeIndexAcrossARestart(t *testing.T) {
 	})
 	requireKeptSums(t, a, b, "src", "f-00") // the copy keeps the sums the index's extents were checked against
 	b.noLeaks(t)
+}
+
+// A volume ready as its whole index is served to peers as any ready
+// volume, read through its mount: a node that pulls it eagerly and one
+// that pulls it as an index of its own, from it alone, read A's bytes and
+// keep A's sums, while a step there still mounts it.
+func TestAWholeIndexServedToPeers(t *testing.T) {
+	form := pullForm{name: "index", index: true}
+	bAddr := plugintest.FreeAddr(t)
+	a, b, _ := lazyNodesAs(t, form, 0, "--peer-address="+bAddr)
+	sums := a.captureRandom("src", 16, 1<<20)
+	keep := b.mount(map[string]string{driver.AttrSource: "src"}, true)
+	for name, sum := range sums {
+		require.NoError(t, readsAs(filepath.Join(keep.Target, name), sum))
+	}
+	eventually(t, "B to hold it ready", func() bool { return volumeState(t, b, "src") == "ready" })
+	a.p.Stop() // B alone holds it
+
+	for _, mode := range []struct{ name, args string }{{"eagerly", "--pull-mode=eager"}, {"as an index", "--pull-index"}} {
+		t.Run(mode.name, func(t *testing.T) {
+			c := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-c", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+				Args: []string{"--peers=node-b=" + bAddr, "--pull-wait=1s", "--pull-mode=lazy", mode.args}})
+			v := c.volume(map[string]string{driver.AttrSource: "src"}, true)
+			require.NoError(t, c.publishWaiting(v))
+			for name, sum := range sums {
+				require.NoError(t, readsAs(filepath.Join(v.Target, name), sum), "C reads A's %s from B's index", name)
+			}
+			c.umount(v)
+			eventually(t, "C to hold it ready", func() bool { return volumeState(t, c, "src") == "ready" })
+			requireKeptSums(t, b, c, "src", "f-00")
+			require.NotEmpty(t, erofsMountsUnder(t, b.p.StateDir), "served while B is ready as its index")
+			c.p.Stop()
+		})
+	}
+	b.umount(keep)
+	form.settled(t, b)
 }
