@@ -899,7 +899,7 @@ func (e *Engine) flatten(r volume.Ref, chain []string) (overlay.CopyStats, error
 	if err := os.Rename(tree, dst); err != nil {
 		return stats, err
 	}
-	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
+	if err := overlay.Sync(filepath.Dir(dst)); err != nil {
 		return stats, err
 	}
 	if err := e.store.ReplaceLayer(r, layer); err != nil {

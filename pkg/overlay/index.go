@@ -48,6 +48,19 @@ func MountIndex(image, blob, target string) error {
 	return moveMount(mfd, target)
 }
 
+// UnmountIndex detaches the index mounted at target (MountIndex), not
+// following target if it is a symlink: the views made over it keep their
+// own clones of it.
+func UnmountIndex(target string) error {
+	return unix.Unmount(target, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW)
+}
+
+// IndexMounted says whether an index is mounted at path.
+func IndexMounted(path string) bool {
+	var st unix.Statfs_t
+	return unix.Statfs(path, &st) == nil && st.Type == unix.EROFS_SUPER_MAGIC_V1
+}
+
 // CopyIndex makes dst a tree of its own with what the index mounted at
 // mnt holds, each regular file's data cloned from the file blob, the
 // index's extra device, where at says its data starts (by the file's

@@ -390,7 +390,7 @@ func detachIndexes(dir string) error {
 		return err
 	}
 	for i := len(infos) - 1; i >= 0; i-- {
-		if err := unix.Unmount(infos[i].Mountpoint, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) {
+		if err := UnmountIndex(infos[i].Mountpoint); err != nil && !errors.Is(err, unix.EINVAL) {
 			return fmt.Errorf("detaching the index mounted at %s: %w", infos[i].Mountpoint, err)
 		}
 	}

@@ -151,9 +151,9 @@ func SyncFS(path string) error {
 	return unix.Syncfs(int(f.Fd()))
 }
 
-// SyncDir fsyncs a dir, making renames in it durable.
-func SyncDir(dir string) error {
-	f, err := os.Open(dir)
+// Sync fsyncs a file, or a dir (making renames in it durable).
+func Sync(path string) error {
+	f, err := os.Open(path)
 	if err != nil {
 		return err
 	}

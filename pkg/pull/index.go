@@ -184,7 +184,7 @@ func (pl *Puller) mountIndex(data string, layout *index.Layout, src *lazySource)
 // unmountIndex takes down an index mounted at data that no step saw, and
 // lets go of its blob.
 func (pl *Puller) unmountIndex(data string, blob *fill.Blob) {
-	if err := unix.Unmount(data, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
+	if err := overlay.UnmountIndex(data); err != nil {
 		klog.ErrorS(err, "Unmounting an index no step saw", "dir", data)
 	}
 	if err := blob.Close(); err != nil {

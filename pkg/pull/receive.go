@@ -120,7 +120,7 @@ func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, vouch volu
 		}
 	}
 	if when == SyncBefore {
-		if err := overlay.SyncDir(filepath.Dir(data)); err != nil {
+		if err := overlay.Sync(filepath.Dir(data)); err != nil {
 			return cache.Volume{}, err
 		}
 	}

@@ -9,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/pkg/cache"
@@ -52,12 +51,6 @@ func isIndex(data string) bool {
 	return err == nil && st.IsDir()
 }
 
-// indexMounted says whether an index is mounted at data.
-func indexMounted(data string) bool {
-	var st unix.Statfs_t
-	return unix.Statfs(data, &st) == nil && st.Type == unix.EROFS_SUPER_MAGIC_V1
-}
-
 // learnt keeps the layout of the whole index at data for its copy.
 func (w *WholeIndexes) learnt(data string, layout *index.Layout) {
 	w.mu.Lock()
@@ -84,7 +77,7 @@ func (w *WholeIndexes) ready() map[string]cache.Volume {
 // mounted.
 func (w *WholeIndexes) Remount() (mounted int) {
 	for data, v := range w.ready() {
-		if indexMounted(data) {
+		if overlay.IndexMounted(data) {
 			continue
 		}
 		dir := cache.IndexDir(data)
@@ -106,10 +99,10 @@ func (w *WholeIndexes) Remount() (mounted int) {
 // it again (Remount). It says how many it detached.
 func (w *WholeIndexes) Unmount() (detached int) {
 	for data, v := range w.ready() {
-		if !indexMounted(data) {
+		if !overlay.IndexMounted(data) {
 			continue
 		}
-		if err := unix.Unmount(data, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
+		if err := overlay.UnmountIndex(data); err != nil {
 			klog.ErrorS(err, "Detaching a whole index as the node stops", "volume", v.Ref())
 			continue
 		}
@@ -205,7 +198,7 @@ func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.C
 	if err := os.Link(w.store.StubsPath(v), w.store.StubsPath(plain)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		klog.ErrorS(err, "Keeping a whole index's stub tree for its plain copy failed; a peer's pull walks the copy", "volume", v.Ref())
 	}
-	if err := overlay.SyncDir(filepath.Dir(dst)); err != nil {
+	if err := overlay.Sync(filepath.Dir(dst)); err != nil {
 		return stats, errors.Join(err, overlay.RemoveTree(dst), removeMissing(w.store.StubsPath(plain)))
 	}
 	if err := w.store.SwapLayer(v.Ref(), v.Layer, layer); err != nil {
@@ -226,24 +219,14 @@ func removeMissing(path string) error {
 	return nil
 }
 
-// syncIndex writes a whole index's image and blob, in dir, to disk: a
-// volume is recorded ready as its index only once a reboot cannot tear it.
+// syncIndex writes a whole index's image and blob, in dir, to disk, and
+// the dirs that name them: a volume is recorded ready as its index only
+// once a reboot cannot tear it.
 func syncIndex(dir string) error {
-	for _, name := range []string{indexImage, indexBlob} {
-		f, err := os.Open(filepath.Join(dir, name))
-		if err != nil {
-			return err
-		}
-		err = f.Sync()
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return fmt.Errorf("syncing a whole index's %s: %w", name, err)
+	for _, p := range []string{filepath.Join(dir, indexImage), filepath.Join(dir, indexBlob), dir, filepath.Dir(dir)} {
+		if err := overlay.Sync(p); err != nil {
+			return fmt.Errorf("syncing a whole index: %w", err)
 		}
 	}
-	if err := overlay.SyncDir(dir); err != nil {
-		return err
-	}
-	return overlay.SyncDir(filepath.Dir(dir)) // where the index's dir is named
+	return nil
 }
