@@ -41,11 +41,18 @@ func (f *indexCopyFailures) recent(data string, now time.Time) bool {
 	return ok && now.Sub(at) < indexCopyRetry
 }
 
+// note records data's copy failing at now, and forgets failures old
+// enough to be tried again (of layers since destroyed, or copied).
 func (f *indexCopyFailures) note(data string, now time.Time) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.at == nil {
 		f.at = map[string]time.Time{}
+	}
+	for d, at := range f.at {
+		if now.Sub(at) >= indexCopyRetry {
+			delete(f.at, d)
+		}
 	}
 	f.at[data] = now
 }
