@@ -157,14 +157,20 @@ type forwarder struct {
 	o    KubeOptions
 }
 
-// leader is the pod to reach: the Lease's holder, or else a ready pod the
-// selector finds.
+// leader is the pod to reach: the Lease's holder, or else (no Lease: one
+// replica, no election) a ready pod the selector finds. A Lease with no
+// holder is a failover under way (the leader let it go, and no replica
+// has taken it yet): that is an error, retried, never a ready follower,
+// which would answer every call Unavailable for as long as the
+// connection lasts.
 func (f *forwarder) leader(ctx context.Context) (string, error) {
 	lease, err := f.kube.CoordinationV1().Leases(f.o.Namespace).Get(ctx, f.o.Lease, metav1.GetOptions{})
 	switch {
 	case err == nil && lease.Spec.HolderIdentity != nil && *lease.Spec.HolderIdentity != "":
 		return *lease.Spec.HolderIdentity, nil
-	case err != nil && !apierrors.IsNotFound(err):
+	case err == nil:
+		return "", fmt.Errorf("the controller's Lease %s/%s has no holder: a leader is being chosen; retry", f.o.Namespace, f.o.Lease)
+	case !apierrors.IsNotFound(err):
 		return "", fmt.Errorf("finding the controller's leader (Lease %s/%s): %w", f.o.Namespace, f.o.Lease, err)
 	}
 	pods, err := f.kube.CoreV1().Pods(f.o.Namespace).List(ctx, metav1.ListOptions{LabelSelector: f.o.Selector})
