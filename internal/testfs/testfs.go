@@ -5,11 +5,13 @@
 package testfs
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/concourse/cowvol/internal/tb"
 	"golang.org/x/sys/unix"
@@ -151,12 +153,27 @@ func mount(tb tb.TB, kind Kind, size int64, mkfsExtra []string, options string, 
 		return "", err
 	}
 	tb.Cleanup(func() {
-		if err := unix.Unmount(mnt, 0); err != nil {
+		if err := unmountSettled(mnt); err != nil {
 			tb.Errorf("unmounting test %s at %s: %v (a leaked mount?)", kind, mnt, err)
 			_ = unix.Unmount(mnt, unix.MNT_DETACH)
 		}
 	})
 	return mnt, nil
+}
+
+// unmountSettled unmounts mnt, trying again for a few seconds while it is
+// busy: a file-backed mount (an index) detached lazily from a dir on it
+// lets go of its files a moment after, not as the detach returns (seen
+// under a loaded make test). A mount still busy after that is a leak.
+func unmountSettled(mnt string) error {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		err := unix.Unmount(mnt, 0)
+		if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // DeepTree makes a chain of dirs under root whose full path is longer than
