@@ -7,7 +7,9 @@
 //
 // It owns only the walking and the calls made on descriptors it hands out
 // (opening beneath a dir, reading, writing, setting times); what is done
-// with each entry is its callers'.
+// with each entry is its callers'. Beside them, the two file calls every
+// tree writer needs: a scratch file no name reaches, and a range copy made
+// in the kernel where it can be.
 package fdtree
 
 import (

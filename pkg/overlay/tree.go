@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path"
 	"path/filepath"
@@ -425,26 +424,9 @@ func copySparse(data fileData, out *os.File, size int64) error {
 	return out.Truncate(size)
 }
 
-// copyRange copies n bytes at off of the data to off in out, in the
-// kernel where it can, and through user space where copy_file_range
-// refuses (across filesystem types).
+// copyRange copies n bytes at off of the data to off in out.
 func copyRange(data fileData, out *os.File, off, n int64) error {
-	for n > 0 {
-		src, dst := data.at+off, off
-		w, err := unix.CopyFileRange(int(data.file.Fd()), &src, int(out.Fd()), &dst, int(n), 0)
-		switch {
-		case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EOPNOTSUPP):
-			_, err = io.Copy(io.NewOffsetWriter(out, off), io.NewSectionReader(data.file, data.at+off, n))
-			return err
-		case err != nil:
-			return err
-		case w == 0:
-			return io.ErrUnexpectedEOF
-		}
-		off += int64(w)
-		n -= int64(w)
-	}
-	return nil
+	return fdtree.CopyRange(out, off, data.file, data.at+off, n)
 }
 
 // xattrs reads and writes one entry's extended attributes: through its
