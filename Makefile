@@ -98,6 +98,8 @@ test: build
 	$(GO) test -run '^$$' -fuzz FuzzIndexRecords -fuzztime 20000x -parallel 2 ./pkg/streamer
 	# The index's EROFS images of random trees against go-erofs's reader.
 	$(GO) test -run '^$$' -fuzz FuzzImage -fuzztime 3000x -parallel 2 ./pkg/index
+	# A layout read back from an image torn or changed anywhere: read or refused.
+	$(GO) test -run '^$$' -fuzz FuzzReadLayout -fuzztime 20000x -parallel 2 ./pkg/index
 	# The controller's reading of nodes' reports against the generated types'.
 	$(GO) test -run '^$$' -fuzz FuzzDecodeReport -fuzztime 20000x -parallel 2 ./pkg/controller
 

@@ -128,16 +128,12 @@ func indexedStubs(b *testing.B, files int, lim streamer.Limits, sb *strings.Buil
 // its image and a sparse blob holding the small files under work, and
 // mounts it at work/mnt, as a pull would. It returns the image's size.
 func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work string) int64 {
-	tree, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, streamer.StubInline)
-	if err != nil {
-		b.Fatal(err)
-	}
 	image, err := os.Create(filepath.Join(work, "index"))
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer image.Close()
-	layout, err := tree.Write(image)
+	layout, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, streamer.StubInline, image)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -150,7 +146,7 @@ func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work st
 		b.Fatal(err)
 	}
 	for i, data := range layout.TakeInline() {
-		if _, err := blob.WriteAt(data, layout.Extents[i].Offset); err != nil {
+		if _, err := blob.WriteAt(data, layout.Extent(i).Offset); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -159,9 +159,9 @@ func TestLazyPullOfALayerNoIndexCanSay(t *testing.T) {
 // A volume ready as its whole index whose mount went (a reboot, a
 // restarted plugin's new mount namespace) is mounted again before any
 // view is made over it, and reads A's bytes; once nothing mounts it, it is
-// made a plain layer (copied from the mount: the new process never learnt
-// where the blob holds each file) that keeps A's sums. One whose index is
-// lost is failed, never shown empty.
+// made a plain layer (cloned out of the blob by the layout read back from
+// the image, which the new process never learnt) that keeps A's sums. One
+// whose index is lost is failed, never shown empty.
 func TestAWholeIndexAcrossARestart(t *testing.T) {
 	form := pullForm{name: "index", index: true}
 	a, b, _ := lazyNodesAs(t, form, 0)
@@ -200,6 +200,8 @@ func TestAWholeIndexAcrossARestart(t *testing.T) {
 
 	eventually(t, "no index mounted once nothing mounts it", func() bool { return len(erofsMountsUnder(t, b.p.StateDir)) == 0 })
 	require.Equal(t, 1.0, metricValue(t, b, `cowvol_index_copies_total{result="ok"}`))
+	require.Regexp(t, fmt.Sprintf(`"Made a whole index a plain layer" .*cloned=%d `, len(sums)), b.p.Log(),
+		"every file cloned out of the blob, by the layout read back from the image")
 	require.Equal(t, "ready", volumeState(t, b, "src"))
 	b.read("src", func(dir string) {
 		for name, sum := range sums {

@@ -125,19 +125,6 @@ func (s *Store) layerSums(r volume.Ref, layer string) (filesum.Table, error) {
 	return table, nil
 }
 
-// KeepLayerSums keeps t as the file sums of r's layer, which its maker
-// knew without reading the layer back (a layer copied out of a whole
-// index, whose every file was checked against them as it arrived): read
-// back from now on, as computed ones are.
-func (s *Store) KeepLayerSums(r volume.Ref, layer string, t filesum.Table) error {
-	path := s.sumsPath(r, layer)
-	if err := t.WriteFile(path); err != nil {
-		return err
-	}
-	s.sums.Put(path, t, time.Now())
-	return nil
-}
-
 // Vouch keeps the digests computed from a volume's layer after its capture
 // (Volume.Vouch), if it is still ready with that layer and has none yet.
 func (s *Store) Vouch(r volume.Ref, layer string, d volume.Digests) error {

@@ -10,7 +10,6 @@ package filesum
 import (
 	"bufio"
 	"bytes"
-	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
@@ -20,13 +19,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"runtime"
-	"slices"
-	"sync"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/concourse/cowvol/internal/batch"
 	"github.com/concourse/cowvol/internal/fdtree"
 )
 
@@ -99,14 +94,23 @@ var emptySum = Sum(sha256.Sum256(nil))
 // of them carries. A file known under none of the names walked before it
 // is read. The caller answers for known: its sums are not checked here.
 func OfTreeKnowing(ctx context.Context, root string, known func(path string) (Sum, bool)) (Table, error) {
+	t := Table{}
+	if err := walkSums(ctx, root, known, func(path string, sum Sum) error { t[path] = sum; return nil }); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// walkSums hands visit each regular file of the tree at root with its sum,
+// as OfTreeKnowing takes it, in the walk's order.
+func walkSums(ctx context.Context, root string, known func(path string) (Sum, bool), visit func(path string, sum Sum) error) error {
 	rootFD, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("opening %s: %w", root, err)
+		return fmt.Errorf("opening %s: %w", root, err)
 	}
 	defer unix.Close(rootFD)
-	t := Table{}
 	linked := map[[2]uint64]Sum{} // the sums of files of several names, by inode
-	err = fdtree.Walk(rootFD, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
+	return fdtree.Walk(rootFD, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 		if err := ctx.Err(); err != nil {
 			return false, err
 		}
@@ -122,6 +126,7 @@ func OfTreeKnowing(ctx context.Context, root string, known func(path string) (Su
 			sum, ok = known(e.Path)
 		}
 		if !ok {
+			var err error
 			if sum, err = fileSum(e); err != nil {
 				return false, err
 			}
@@ -129,13 +134,8 @@ func OfTreeKnowing(ctx context.Context, root string, known func(path string) (Su
 		if e.Stat.Nlink > 1 {
 			linked[inode] = sum
 		}
-		t[e.Path] = sum
-		return true, nil
+		return true, visit(e.Path, sum)
 	}})
-	if err != nil {
-		return nil, err
-	}
-	return t, nil
 }
 
 // fileSum reads the regular file e and sums it.
@@ -164,25 +164,78 @@ var fileHeader = []byte("cowvol file sums v1\n")
 // WriteFile keeps t at path: written beside it, synced, then renamed over
 // it, so that a crash leaves the old file or the new one.
 func (t Table) WriteFile(path string) error {
-	var buf bytes.Buffer
-	buf.Write(fileHeader)
-	for p, sum := range t {
-		buf.Write(sum[:])
-		buf.Write(binary.AppendUvarint(nil, uint64(len(p))))
-		buf.WriteString(p)
+	return writeTableFile(path, func(emit func(string, Sum) error) error {
+		for p, sum := range t {
+			if err := emit(p, sum); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, nil)
+}
+
+// WriteTreeFile keeps the table of the tree at root, as OfTreeKnowing
+// sums it, at path as WriteFile does, without holding it: each file's
+// record is written as the walk meets it, and the table's digest taken
+// from a listing spilled beside path (a run of 4 MiB in memory, whatever
+// the file count). It is kept only if its digest is want, else nothing is
+// (ErrMismatch).
+func WriteTreeFile(ctx context.Context, root string, known func(path string) (Sum, bool), path string, want Sum) error {
+	spill, err := fdtree.Unnamed(filepath.Dir(path), "a listing's runs")
+	if err != nil {
+		return err
 	}
-	whole := sha256.Sum256(buf.Bytes())
-	buf.Write(whole[:])
+	defer spill.Close()
+	var listing Listing
+	listing.Spill(spill)
+	files := 0
+	return writeTableFile(path, func(emit func(string, Sum) error) error {
+		return walkSums(ctx, root, known, func(p string, sum Sum) error {
+			files++
+			listing.File(p, sum)
+			return emit(p, sum)
+		})
+	}, func() error {
+		got, err := listing.Digest()
+		if err == nil && got != want {
+			err = fmt.Errorf("the table of %s (%d files): %w", root, files, ErrMismatch)
+		}
+		return err
+	})
+}
+
+// writeTableFile writes the records records emits to a file beside path,
+// as a table is kept (its header, each record, the SHA-256 of all that),
+// syncs it and, if check (if any) says so, renames it over path.
+func writeTableFile(path string, records func(emit func(string, Sum) error) error, check func() error) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), ".sums-*")
 	if err != nil {
 		return err
 	}
-	_, err = tmp.Write(buf.Bytes())
+	h := sha256.New()
+	bw := bufio.NewWriterSize(io.MultiWriter(tmp, h), 1<<20)
+	bw.Write(fileHeader)
+	var length [binary.MaxVarintLen64]byte
+	err = records(func(p string, sum Sum) error {
+		bw.Write(sum[:])
+		bw.Write(length[:binary.PutUvarint(length[:], uint64(len(p)))])
+		_, err := bw.WriteString(p)
+		return err
+	})
+	if err == nil {
+		err = bw.Flush()
+	}
+	if err == nil {
+		_, err = tmp.Write(h.Sum(nil))
+	}
 	if err == nil {
 		err = tmp.Sync()
 	}
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
+	}
+	if err == nil && check != nil {
+		err = check()
 	}
 	if err == nil {
 		err = os.Rename(tmp.Name(), path)
@@ -231,116 +284,6 @@ func ReadFile(path string) (Table, error) {
 	}
 }
 
-// A table's digest stands for the whole of it in one sum, so that the node
-// that captured a layer can vouch for it to the fleet: the SHA-256 of its
-// files' records, each the SHA-256 of the file's path followed by the
-// file's sum, sorted. A puller computes it from a stream's records as they
-// come, in any order (Listing), keeping 64 bytes a file and no path.
-type record [2 * sha256.Size]byte
-
-func recordOf(path string, sum Sum) record {
-	var r record
-	p := sha256.Sum256([]byte(path))
-	copy(r[:sha256.Size], p[:])
-	copy(r[sha256.Size:], sum[:])
-	return r
-}
-
-// compareRecords orders records as bytes.Compare does, the first eight
-// bytes (of a path's hash: they differ but for one pair in 2^64) first.
-func compareRecords(a, b *record) int {
-	if x, y := binary.BigEndian.Uint64(a[:8]), binary.BigEndian.Uint64(b[:8]); x != y {
-		return cmp.Compare(x, y)
-	}
-	return bytes.Compare(a[:], b[:])
-}
-
-func sortRecords(records []record) {
-	slices.SortFunc(records, func(a, b record) int { return compareRecords(&a, &b) })
-}
-
-// sortRuns sorts each of runs in place, as many at once as there are
-// CPUs.
-func sortRuns(runs ...[]record) {
-	work := make(chan []record)
-	var wg sync.WaitGroup
-	for range min(len(runs), runtime.GOMAXPROCS(0)) - 1 {
-		wg.Go(func() {
-			for run := range work {
-				sortRecords(run)
-			}
-		})
-	}
-	for _, run := range runs {
-		select {
-		case work <- run:
-		default: // every worker busy: sort it here
-			sortRecords(run)
-		}
-	}
-	close(work)
-	wg.Wait()
-}
-
-// digestOf is the digest of the records of runs, each sorted, in sorted
-// order: hashed as the runs are merged.
-func digestOf(runs ...[]record) Sum {
-	h := sha256.New()
-	h.Write([]byte("cowvol file table v1\n"))
-	// Written to the hash 32 KiB at a time: a write per record costs more
-	// than the hashing of its 64 bytes.
-	buf := make([]byte, 0, 512*len(record{}))
-	mergeRuns(runs, func(r *record) {
-		if buf = append(buf, r[:]...); len(buf) == cap(buf) {
-			h.Write(buf)
-			buf = buf[:0]
-		}
-	})
-	h.Write(buf)
-	var s Sum
-	h.Sum(s[:0])
-	return s
-}
-
-// mergeRuns calls emit with the records of sorted runs in sorted order:
-// a heap of the runs by their first record.
-func mergeRuns(runs [][]record, emit func(*record)) {
-	heads := make([][]record, 0, len(runs))
-	for _, run := range runs {
-		if len(run) > 0 {
-			heads = append(heads, run)
-		}
-	}
-	less := func(i, j int) bool { return compareRecords(&heads[i][0], &heads[j][0]) < 0 }
-	down := func(i int) {
-		for {
-			least := i
-			if c := 2*i + 1; c < len(heads) && less(c, least) {
-				least = c
-			}
-			if c := 2*i + 2; c < len(heads) && less(c, least) {
-				least = c
-			}
-			if least == i {
-				return
-			}
-			heads[i], heads[least] = heads[least], heads[i]
-			i = least
-		}
-	}
-	for i := len(heads)/2 - 1; i >= 0; i-- {
-		down(i)
-	}
-	for len(heads) > 0 {
-		emit(&heads[0][0])
-		if heads[0] = heads[0][1:]; len(heads[0]) == 0 {
-			heads[0] = heads[len(heads)-1]
-			heads = heads[:len(heads)-1]
-		}
-		down(0)
-	}
-}
-
 // Digest is the table's digest.
 func (t Table) Digest() Sum {
 	records := make([]record, 0, len(t))
@@ -376,113 +319,4 @@ func LayerDigest(base string, table Sum) Sum {
 	var s Sum
 	h.Sum(s[:0])
 	return s
-}
-
-// Listing gathers a table's digest from a stream's files as they come (any
-// order, from several goroutines): each regular file with its sum, each
-// hardlink with the file it names, which takes that file's sum under its
-// own path, as a walk of the tree finds it. Its files are kept in runs of
-// a fixed size, not one slice: a million files are 64 MB, which a slice
-// that grows by doubling would copy again and again, and hold twice over
-// as it does, at the peak of a pull.
-type Listing struct {
-	mu    sync.Mutex
-	files [][]record             // runs of listingRun, each full but the last
-	links [][2][sha256.Size]byte // the link's path's hash, its target's
-}
-
-// listingRun is how many files a Listing keeps in one run: 4 MiB of them,
-// 16 runs a million files for Digest's merge to choose between.
-const listingRun = 1 << 16
-
-// File lists a regular file. A run it fills it sorts (Digest finds it
-// sorted): a pull's sorting is done as its files come, not after.
-func (l *Listing) File(path string, sum Sum) {
-	r := recordOf(path, sum)
-	l.mu.Lock()
-	if n := len(l.files); n == 0 || len(l.files[n-1]) == listingRun {
-		l.files = append(l.files, make([]record, 0, listingRun))
-	}
-	last := &l.files[len(l.files)-1]
-	*last = append(*last, r)
-	full := *last
-	l.mu.Unlock()
-	if len(full) == listingRun {
-		sortRecords(full) // (no File appends to a full run, and Digest comes after every File)
-	}
-}
-
-// Lister lists files into a Listing from a goroutine of its own, in
-// batches: a stream's reader hands each file over and moves on, the
-// hashing of its path done beside it.
-type Lister struct{ w *batch.Worker[listed] }
-
-type listed struct {
-	path string
-	sum  Sum
-}
-
-// Lister starts a Lister into l. Close it before l's Digest.
-func (l *Listing) Lister() *Lister {
-	return &Lister{w: batch.Start(1024, func(files []listed) {
-		for _, f := range files {
-			l.File(f.path, f.sum)
-		}
-	})}
-}
-
-// File lists a regular file, as Listing.File does.
-func (ls *Lister) File(path string, sum Sum) { ls.w.Add(listed{path, sum}) }
-
-// Close returns once every file handed over is listed. Twice is once.
-func (ls *Lister) Close() { ls.w.Close() }
-
-// Link lists a hardlink at path to the regular file at target.
-func (l *Listing) Link(path, target string) {
-	link := [2][sha256.Size]byte{sha256.Sum256([]byte(path)), sha256.Sum256([]byte(target))}
-	l.mu.Lock()
-	l.links = append(l.links, link)
-	l.mu.Unlock()
-}
-
-// Digest is the digest of the table listed. A link to a file not listed
-// fails it (an extraction refuses such a link before). It sorts the
-// files listed in place, which lists them no differently: a listing of a
-// million files is 64 MB, not to be copied at the peak of a pull. Only
-// the last run is sorted here: File sorted every full one.
-func (l *Listing) Digest() (Sum, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if n := len(l.files); n > 0 && len(l.files[n-1]) < listingRun {
-		sortRecords(l.files[n-1])
-	}
-	if len(l.links) == 0 {
-		return digestOf(l.files...), nil
-	}
-	linked := make([]record, 0, len(l.links))
-	for _, link := range l.links {
-		target, ok := l.lookup(link[1])
-		if !ok {
-			return Sum{}, errors.New("a hardlink to a file the stream did not carry")
-		}
-		var r record
-		copy(r[:sha256.Size], link[0][:])
-		copy(r[sha256.Size:], target[sha256.Size:])
-		linked = append(linked, r)
-	}
-	sortRecords(linked)
-	return digestOf(append(slices.Clip(l.files), linked)...), nil
-}
-
-// lookup is the record of the file whose path hashes to path, in runs
-// sorted already.
-func (l *Listing) lookup(path [sha256.Size]byte) (*record, bool) {
-	for _, run := range l.files {
-		if i, ok := slices.BinarySearchFunc(run, path, func(r record, target [sha256.Size]byte) int {
-			return bytes.Compare(r[:sha256.Size], target[:])
-		}); ok {
-			return &run[i], true
-		}
-	}
-	return nil, false
 }

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -99,6 +101,36 @@ func TestTableKnowing(t *testing.T) {
 		require.Equal(t, wrong, taken[name], "%s: a name of the file known as d/link", name)
 	}
 	require.NotContains(t, asked, "y", "the file was known by the name walked first")
+}
+
+// A table written as its tree is walked is the table OfTreeKnowing makes,
+// kept as WriteFile keeps it, and only where its digest is the one asked
+// for: else nothing is left beside where it would be.
+func TestWriteTreeFile(t *testing.T) {
+	root := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(root, "d"), 0o755))
+	for name, data := range map[string]string{"a": "alpha", "d/b": "beta", "d/empty": "", "z": "zeta"} {
+		require.NoError(t, os.WriteFile(filepath.Join(root, name), []byte(data), 0o644))
+	}
+	require.NoError(t, os.Link(filepath.Join(root, "z"), filepath.Join(root, "d/link")))
+	known := func(p string) (Sum, bool) { return Sum{9}, p == "a" } // taken, not read
+	want, err := OfTreeKnowing(t.Context(), root, known)
+	require.NoError(t, err)
+	require.Equal(t, Sum{9}, want["a"])
+
+	dir := t.TempDir()
+	path := filepath.Join(dir, "layer.sums")
+	require.NoError(t, WriteTreeFile(t.Context(), root, known, path, want.Digest()))
+	got, err := ReadFile(path)
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+
+	other := filepath.Join(dir, "other.sums")
+	err = WriteTreeFile(t.Context(), root, nil, other, want.Digest())
+	require.ErrorIs(t, err, ErrMismatch, "read, a is not the sum known")
+	left, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Len(t, left, 1, "only the table kept: %v", left)
 }
 
 // What a layer's sums cost: a tree of 20,000 files, 1 GiB in all, on
@@ -241,4 +273,72 @@ func TestDigestOfMany(t *testing.T) {
 	got, err = listing.Digest()
 	require.NoError(t, err)
 	require.Equal(t, table.Digest(), got)
+}
+
+// A listing that spills keeps one run in memory, whatever it lists, and
+// says the digest one that keeps them all says, links and all (their
+// targets in spilled runs and in the one kept), again when asked again;
+// a spill that fails fails the digest.
+func TestListingSpilled(t *testing.T) {
+	table := Table{}
+	spilled := &Listing{}
+	spill, err := os.Create(filepath.Join(t.TempDir(), "spill"))
+	require.NoError(t, err)
+	defer spill.Close()
+	spilled.Spill(spill)
+	lister := spilled.Lister()
+	for i := range 3*listingRun + 40 {
+		p := fmt.Sprintf("d-%d/f-%d", i%97, i)
+		table[p] = Sum{byte(i), byte(i >> 8), 1}
+		lister.File(p, table[p])
+	}
+	lister.Close()
+	for i, target := range []string{"d-0/f-0", fmt.Sprintf("d-%d/f-%d", 2*listingRun%97, 2*listingRun), fmt.Sprintf("d-%d/f-%d", (3*listingRun+39)%97, 3*listingRun+39)} {
+		table[fmt.Sprintf("links/%d", i)] = table[target]
+		spilled.Link(fmt.Sprintf("links/%d", i), target)
+	}
+	inMemory := 0
+	for _, run := range spilled.files {
+		if run != nil {
+			inMemory++
+		}
+	}
+	require.Equal(t, 1, inMemory, "one run in memory: the last, not full")
+	require.Len(t, spilled.files, 4)
+	for range 2 {
+		got, err := spilled.Digest()
+		require.NoError(t, err)
+		require.Equal(t, table.Digest(), got)
+	}
+	spilled.Link("dangling", "nowhere")
+	_, err = spilled.Digest()
+	require.Error(t, err, "a link to a file not listed")
+
+	failed := &Listing{}
+	closed, err := os.Create(filepath.Join(t.TempDir(), "closed"))
+	require.NoError(t, err)
+	require.NoError(t, closed.Close())
+	failed.Spill(closed)
+	for i := range listingRun {
+		failed.File(fmt.Sprint(i), Sum{})
+	}
+	_, err = failed.Digest()
+	require.ErrorIs(t, err, os.ErrClosed)
+}
+
+// Records sort as bytes.Compare sorts them, those whose first eight bytes
+// are one key too, whatever order they come in.
+func TestSortRecords(t *testing.T) {
+	var records []record
+	for i := range 1000 {
+		var r record
+		binary.BigEndian.PutUint64(r[:], uint64(i%7)) // keys shared by many
+		r[8], r[63] = byte(i*31), byte(i)
+		records = append(records, r)
+	}
+	rand.New(rand.NewPCG(1, 2)).Shuffle(len(records), func(i, j int) { records[i], records[j] = records[j], records[i] })
+	want := slices.Clone(records)
+	slices.SortFunc(want, func(a, b record) int { return bytes.Compare(a[:], b[:]) })
+	sortRecords(records)
+	require.Equal(t, want, records)
 }

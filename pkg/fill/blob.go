@@ -111,8 +111,8 @@ func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch, cor
 	if err != nil {
 		return nil, err
 	}
-	b := &Blob{g: g, file: -1, layout: layout, fetch: fetch, corrupt: corrupt, state: make([]extentState, len(layout.Extents)),
-		waiters: map[int][]*blobReader{}, left: len(layout.Extents), done: make(chan struct{})}
+	b := &Blob{g: g, file: -1, layout: layout, fetch: fetch, corrupt: corrupt, state: make([]extentState, layout.Len()),
+		waiters: map[int][]*blobReader{}, left: layout.Len(), done: make(chan struct{})}
 	b.ctx, b.cancel = context.WithCancel(context.Background())
 	if err := b.open(rel); err != nil {
 		b.cancel()
@@ -143,8 +143,9 @@ func (b *Blob) open(rel string) error {
 	}
 	b.key = fileKey{dev: st.Dev, ino: st.Ino}
 	for i, data := range b.layout.TakeInline() {
-		if _, err := b.file.WriteAt(data, b.layout.Extents[i].Offset); err != nil {
-			return fmt.Errorf("%s: %w", b.layout.Extents[i].Path, err)
+		e := b.layout.Extent(i)
+		if _, err := b.file.WriteAt(data, e.Offset); err != nil {
+			return fmt.Errorf("%s: %w", e.Path, err)
 		}
 		b.state[i] = extentInPlace
 		b.left--
@@ -247,12 +248,12 @@ func (b *Blob) Reached() []string {
 // mu.
 func (b *Blob) reach(first, end int) {
 	if b.seen == nil {
-		b.seen = make([]bool, len(b.layout.Extents))
+		b.seen = make([]bool, b.layout.Len())
 	}
 	for i := first; i < end; i++ {
 		if !b.seen[i] {
 			b.seen[i] = true
-			b.reached = append(b.reached, b.layout.Extents[i].Path)
+			b.reached = append(b.reached, b.layout.Extent(i).Path)
 		}
 	}
 }
@@ -291,12 +292,17 @@ const blobFetchTries = 3
 // as a stub's is), checks it and answers its waiters.
 func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 	defer b.fills.Done()
-	e := b.layout.Extents[i]
+	e := b.layout.Extent(i)
+	sum, err := b.layout.SumOf(i)
+	if err != nil {
+		b.finish(i, fmt.Errorf("%s: %w", e.Path, err))
+		return
+	}
 	fresh := true // the extent is a hole until a try writes it
 	attempt := func(write func(w io.WriterAt) error) error {
 		var w io.WriterAt = extentWriter{file: b.file, extent: e}
 		var landing *filesum.Landing
-		if fresh && e.Sum != (filesum.Sum{}) { // (an extent with no sum is not checked)
+		if fresh && sum != (filesum.Sum{}) { // (an extent with no sum is not checked)
 			landing = filesum.NewLanding(w)
 			w = landing
 		}
@@ -304,9 +310,9 @@ func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 		if err := write(w); err != nil {
 			return err
 		}
-		return b.check(e, landing)
+		return b.check(e, sum, landing)
 	}
-	err := errors.New("no stream")
+	err = errors.New("no stream")
 	if write != nil {
 		err = attempt(write)
 		b.tell(e, FromStream, err)
@@ -353,7 +359,7 @@ func (b *Blob) Prefetch(workers int) {
 			}
 		}()
 	}
-	for i := range b.layout.Extents {
+	for i := range b.layout.Len() {
 		b.mu.Lock()
 		stop := b.closed || b.err != nil
 		mine := !stop && b.state[i] == extentMissing
@@ -373,19 +379,20 @@ func (b *Blob) Prefetch(workers int) {
 	wg.Wait()
 }
 
-// check says whether extent e, as written, is its sum: a wrong byte never
-// reaches a reader. Where the try that wrote it was the first (landing not
-// nil), its bytes were summed as they were written, unless they came out
-// of order; else, or then, the extent is read back through the clone.
-func (b *Blob) check(e index.Extent, landing *filesum.Landing) error {
-	if e.Sum == (filesum.Sum{}) {
+// check says whether extent e, as written, is sum (zeros: e has none): a
+// wrong byte never reaches a reader. Where the try that wrote it was the
+// first (landing not nil), its bytes were summed as they were written,
+// unless they came out of order; else, or then, the extent is read back
+// through the clone.
+func (b *Blob) check(e index.Extent, sum filesum.Sum, landing *filesum.Landing) error {
+	if sum == (filesum.Sum{}) {
 		return nil
 	}
 	back := io.NewSectionReader(b.file, e.Offset, e.Size)
 	if landing == nil {
-		return filesum.Check(back, e.Sum)
+		return filesum.Check(back, sum)
 	}
-	return landing.Check(e.Size, e.Sum, back)
+	return landing.Check(e.Size, sum, back)
 }
 
 // finish records how extent i's fill ended and answers the readers it

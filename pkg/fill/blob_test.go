@@ -94,13 +94,11 @@ func buildIndexed(t *testing.T, makeLayer func(layer string)) *indexed {
 	root, err := unix.Open(ix.layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	require.NoError(t, err)
 	t.Cleanup(func() { unix.Close(root) })
-	var img bytes.Buffer
-	ix.layout, err = index.Build(root, &img, index.Options{})
+	img, err := os.Create(filepath.Join(ix.work, "index"))
 	require.NoError(t, err)
-	for i := range ix.layout.Extents {
-		ix.layout.Extents[i].Sum = sums[ix.layout.Extents[i].Path]
-	}
-	require.NoError(t, os.WriteFile(filepath.Join(ix.work, "index"), img.Bytes(), 0o600))
+	ix.layout, err = index.Build(root, img, index.Options{Sums: sums})
+	require.NoError(t, errors.Join(err, img.Close()))
+	t.Cleanup(func() { require.NoError(t, ix.layout.Close()) }) // before the filesystem goes
 	f, err := os.Create(filepath.Join(ix.work, "blob"))
 	require.NoError(t, err)
 	require.NoError(t, f.Truncate(ix.layout.Size))
@@ -215,7 +213,8 @@ func TestBlobFillsAnIndexOnDemand(t *testing.T) {
 		t.Fatal("every extent was read, and the blob is not done")
 	}
 	require.NoError(t, ix.blob.Err())
-	for _, e := range ix.layout.Extents {
+	for i := range ix.layout.Len() {
+		e := ix.layout.Extent(i)
 		require.LessOrEqual(t, ix.fetches(e.Path), 1, "%s fetched again", e.Path)
 	}
 }
@@ -553,7 +552,11 @@ func holdBlobAndWait(root, socket, layer, blob string) {
 	if err != nil {
 		fail(err)
 	}
-	layout, err := index.Build(dir, io.Discard, index.Options{})
+	image, err := os.CreateTemp(filepath.Dir(blob), "image-")
+	if err != nil {
+		fail(err)
+	}
+	layout, err := index.Build(dir, image, index.Options{})
 	if err != nil {
 		fail(err)
 	}

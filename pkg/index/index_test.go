@@ -3,6 +3,7 @@ package index
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -50,11 +51,13 @@ func index(t *testing.T, layer, work string, opt Options) (indexPath, blobPath s
 	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	require.NoError(t, err)
 	defer unix.Close(root)
-	var img bytes.Buffer
-	l, err = Build(root, &img, opt)
-	require.NoError(t, err)
 	indexPath, blobPath = filepath.Join(work, "index"), filepath.Join(work, "blob")
-	require.NoError(t, os.WriteFile(indexPath, img.Bytes(), 0o600))
+	img, err := os.Create(indexPath)
+	require.NoError(t, err)
+	defer img.Close()
+	l, err = Build(root, img, opt)
+	require.NoError(t, err)
+	requireLayoutReadBack(t, img, l)
 	f, err := os.Create(blobPath)
 	require.NoError(t, err)
 	defer f.Close()
@@ -135,10 +138,10 @@ func TestBlobReadsTheLayer(t *testing.T) {
 	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	require.NoError(t, err)
 	defer unix.Close(root)
-	var img bytes.Buffer
-	l, err := Build(root, &img, Options{})
+	l, err := Build(root, tempImage(t), Options{})
 	require.NoError(t, err)
-	require.Equal(t, []Extent{{Path: "a", Size: 5}, {Path: "b", Offset: blockSize, Size: blockSize + 1}}, l.Extents)
+	require.Equal(t, 2, l.Len())
+	require.Equal(t, []Extent{{Path: "a", Size: 5}, {Path: "b", Offset: blockSize, Size: blockSize + 1}}, []Extent{l.Extent(0), l.Extent(1)})
 	require.Equal(t, int64(3*blockSize), l.Size)
 	require.Equal(t, -1, l.Find(5), "padding")
 	require.Equal(t, 1, l.Find(2*blockSize))
@@ -184,7 +187,7 @@ func TestUnindexable(t *testing.T) {
 			root, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 			require.NoError(t, err)
 			defer unix.Close(root)
-			_, err = Build(root, io.Discard, Options{})
+			_, err = Build(root, tempImage(t), Options{})
 			require.ErrorIs(t, err, ErrUnindexable)
 		})
 	}
@@ -210,32 +213,221 @@ func TestLayoutLookup(t *testing.T) {
 	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	require.NoError(t, err)
 	defer unix.Close(root)
-	layout, err := Build(root, io.Discard, Options{})
+	layout, err := Build(root, tempImage(t), Options{Sums: filesum.Table{"a.c": {3}, "empty": {4}}})
 	require.NoError(t, err)
-	require.Len(t, layout.Extents, 10, "every file with data, a hard link's once")
-	for i, e := range layout.Extents {
+	require.Equal(t, 10, layout.Len(), "every file with data, a hard link's once")
+	for i := range layout.Len() {
+		e := layout.Extent(i)
 		require.Equal(t, i, layout.Lookup(e.Path), e.Path)
 		off, ok := layout.Offset(e.Path)
 		require.True(t, ok)
 		require.Equal(t, e.Offset, off)
-		_, ok = layout.Sum(e.Path)
-		require.False(t, ok, "Build says no sums")
+		sum, ok := layout.Sum(e.Path)
+		require.Equal(t, e.Path == "a.c", ok, "Build says the sums it is given: %s", e.Path)
+		byExtent, err := layout.SumOf(i)
+		require.NoError(t, err)
+		require.Equal(t, byExtent, sum)
 	}
 	for _, name := range []string{"a/b.x/y", "empty", "a", "a/", "dir", "dir/a", "b", "", "zz", "a/b/c"} {
 		require.Equal(t, -1, layout.Lookup(name), "%q has no extent", name)
 		_, ok := layout.Offset(name)
 		require.False(t, ok, name)
 	}
-	layout.Extents[3].Sum = filesum.Sum{3}
-	sum, ok := layout.Sum(layout.Extents[3].Path)
+	sum, ok := layout.Sum("a.c")
 	require.True(t, ok)
 	require.Equal(t, filesum.Sum{3}, sum, "an extent's sum, by its file's first name")
+	_, ok = layout.Sum("empty")
+	require.False(t, ok, "a file of no bytes has no extent")
 }
 
-// A node is what a pull holds of each entry until its image is written,
-// and an extent what it holds of each file until the blob is whole: a
-// million of them must not grow unnoticed.
-func TestNodeSize(t *testing.T) {
-	require.LessOrEqual(t, unsafe.Sizeof(node{}), uintptr(112), "a node in the allocator's class of 112 bytes")
-	require.LessOrEqual(t, unsafe.Sizeof(Extent{}), uintptr(64))
+// A layout's paths are kept each as what it does not share with the one
+// before, every pathRestart-th whole, in chunks of pathChunk: any path is
+// read back, and found, across restarts and chunks, and nothing else is.
+func TestPathList(t *testing.T) {
+	var p pathList
+	var paths []string
+	for i := range 3000 { // in the walk's order, sharing a few bytes each: over 3 MB, in chunks of 1 MiB
+		paths = append(paths, fmt.Sprintf("%04d/%s", i, strings.Repeat("x", 1000+i%7)))
+		p.add(paths[i])
+	}
+	paths = append(paths, strings.Repeat("z", 2*pathChunk)) // a path longer than a chunk
+	p.add(paths[len(paths)-1])
+	require.Greater(t, len(p.chunks), 3)
+	for i, path := range paths {
+		require.Equal(t, path, p.path(i))
+		require.Equal(t, i, p.lookup(path))
+	}
+	for _, absent := range []string{"", "a", "0000", "0000/", paths[5] + "x", paths[5][:len(paths[5])-1], "2999/y", "zz"} {
+		require.Equal(t, -1, p.lookup(absent), absent)
+	}
+}
+
+// A span is what a pull holds of each file until the blob is whole, its
+// path apart: a million of them must not grow unnoticed.
+func TestSpanSize(t *testing.T) {
+	require.LessOrEqual(t, unsafe.Sizeof(span{}), uintptr(48))
+}
+
+// tempImage is an empty file for an image.
+func tempImage(t *testing.T) *os.File {
+	f, err := os.Create(filepath.Join(t.TempDir(), "image"))
+	require.NoError(t, err)
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// A hard link whose file's directory the walk has left is found in the
+// image (a binary search of that directory's blocks, then of a block's
+// names): links to the first, a middle and the last name of a directory
+// of several blocks, and to a file two directories down, mount as one
+// inode with its link count.
+func TestLinksIntoDirectoriesLeft(t *testing.T) {
+	fs, layer, mnt := layerAndMountPoint(t)
+	require.NoError(t, os.MkdirAll(filepath.Join(layer, "a", "deep", "er"), 0o755))
+	var names []string
+	for i := range 900 { // 900 names of 12 to 40 bytes: several blocks
+		name := fmt.Sprintf("%03d-%s", i, strings.Repeat("n", i%29))
+		names = append(names, name)
+		require.NoError(t, os.WriteFile(filepath.Join(layer, "a", name), []byte(name), 0o644))
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(layer, "a", "deep", "er", "f"), []byte("deep"), 0o644))
+	require.NoError(t, os.Mkdir(filepath.Join(layer, "b"), 0o755))
+	targets := []string{"a/" + names[0], "a/" + names[450], "a/" + names[899], "a/deep/er/f"}
+	for i, target := range targets {
+		require.NoError(t, os.Link(filepath.Join(layer, target), filepath.Join(layer, "b", fmt.Sprint(i))))
+		require.NoError(t, os.Link(filepath.Join(layer, target), filepath.Join(layer, "b", fmt.Sprint(i, "-again"))))
+	}
+	indexPath, blobPath, _ := index(t, layer, fs, Options{})
+	mountIndex(t, indexPath, blobPath, mnt)
+	require.Equal(t, testfs.Describe(t, layer), testfs.Describe(t, mnt))
+	for i, target := range targets {
+		var want, got, again unix.Stat_t
+		require.NoError(t, unix.Lstat(filepath.Join(mnt, target), &want))
+		require.NoError(t, unix.Lstat(filepath.Join(mnt, "b", fmt.Sprint(i)), &got))
+		require.NoError(t, unix.Lstat(filepath.Join(mnt, "b", fmt.Sprint(i, "-again")), &again))
+		require.Equal(t, want.Ino, got.Ino, target)
+		require.Equal(t, want.Ino, again.Ino, target)
+		require.Equal(t, uint64(3), got.Nlink, target)
+	}
+}
+
+// A layout keeps 8 bytes an extent and its sums in a file: each extent's
+// offset and size come back exact whatever its size against the block
+// (one byte, a block, a block and one), padding holds no extent, the
+// sums come back by extent from the first that has one, and once the
+// layout lets go of its sums they fail to read rather than read as none
+// (a fill would then leave bytes unchecked).
+func TestLayoutExtentsAndSums(t *testing.T) {
+	sizes := []int64{1, blockSize, blockSize + 1, 3*blockSize - 1, 7}
+	sums := []filesum.Sum{{}, {1}, {}, {3}, {4}}
+	w, err := NewWriter(tempImage(t), Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+	require.NoError(t, err)
+	for i, size := range sizes {
+		require.NoError(t, w.Add(Entry{Name: fmt.Sprintf("f%d", i), Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: size}, Sum: sums[i]}))
+	}
+	layout, err := w.Close()
+	require.NoError(t, err)
+	_, err = w.Close()
+	require.Error(t, err, "a writer closes once")
+
+	var at, data int64
+	require.Equal(t, len(sizes), layout.Len())
+	for i, size := range sizes {
+		e := layout.Extent(i)
+		require.Equal(t, Extent{Path: fmt.Sprintf("f%d", i), Offset: at, Size: size}, e)
+		require.Equal(t, i, layout.Find(at))
+		require.Equal(t, i, layout.Find(at+size-1))
+		if size%blockSize != 0 {
+			require.Equal(t, -1, layout.Find(at+size), "padding")
+		}
+		first, end := layout.Touching(at, size)
+		require.Equal(t, [2]int{i, i + 1}, [2]int{first, end})
+		sum, err := layout.SumOf(i)
+		require.NoError(t, err)
+		require.Equal(t, sums[i], sum)
+		at += roundUp(size, blockSize)
+		data += size
+	}
+	require.Equal(t, at, layout.Size)
+	require.Equal(t, data, layout.Data())
+	first, end := layout.Touching(0, layout.Size)
+	require.Equal(t, [2]int{0, len(sizes)}, [2]int{first, end})
+
+	require.NoError(t, layout.Close())
+	_, err = layout.SumOf(3)
+	require.Error(t, err, "a sum let go of is not read as none")
+	sum, err := layout.SumOf(0)
+	require.NoError(t, err, "an extent before the first sum has none")
+	require.Equal(t, filesum.Sum{}, sum)
+	_, ok := layout.Sum("f1")
+	require.False(t, ok)
+	off, ok := layout.Offset("f4")
+	require.True(t, ok, "a layout's extents outlive its sums")
+	require.Equal(t, layout.Extent(4).Offset, off)
+}
+
+// A layout with no sums makes no file of them: nothing holds its
+// filesystem.
+func TestLayoutWithoutSums(t *testing.T) {
+	image := tempImage(t)
+	w, err := NewWriter(image, Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+	require.NoError(t, err)
+	require.NoError(t, w.Add(Entry{Name: "f", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 3}}))
+	layout, err := w.Close()
+	require.NoError(t, err)
+	require.Nil(t, layout.sums)
+	sum, err := layout.SumOf(0)
+	require.NoError(t, err)
+	require.Equal(t, filesum.Sum{}, sum)
+}
+
+// A layout whose sums cannot be kept fails the writer's Close: an index
+// whose extents would go unchecked is not one a fill may use.
+func TestLayoutSumsNotKeptFailsTheIndex(t *testing.T) {
+	dir := t.TempDir()
+	image, err := os.Create(filepath.Join(dir, "image"))
+	require.NoError(t, err)
+	defer image.Close()
+	w, err := NewWriter(image, Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+	require.NoError(t, err)
+	require.NoError(t, os.Remove(image.Name()))
+	require.NoError(t, os.Remove(dir)) // where the sums' file would be made
+	require.NoError(t, w.Add(Entry{Name: "f", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 3}, Sum: filesum.Sum{1}}))
+	_, err = w.Close()
+	require.ErrorContains(t, err, "file sums")
+}
+
+// requireLayoutReadBack checks that ReadLayout reads back from image the
+// layout its Writer made: the same extents, at the same first names.
+func requireLayoutReadBack(t testing.TB, image *os.File, want *Layout) {
+	t.Helper()
+	got, err := ReadLayout(image)
+	require.NoError(t, err)
+	require.Equal(t, want.Size, got.Size)
+	require.Equal(t, want.Len(), got.Len())
+	for i := range want.Len() {
+		require.Equal(t, want.Extent(i), got.Extent(i))
+	}
+	require.Equal(t, want.Data(), got.Data())
+}
+
+// ReadLayout refuses what is not an image this package laid out.
+func TestReadLayoutRefuses(t *testing.T) {
+	tests := []struct {
+		name  string
+		image []byte
+	}{
+		{name: "empty", image: nil},
+		{name: "no superblock", image: make([]byte, 2*blockSize)},
+		{name: "one block of garbage", image: bytes.Repeat([]byte{0xa5}, blockSize)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := tempImage(t)
+			_, err := f.Write(tc.image)
+			require.NoError(t, err)
+			_, err = ReadLayout(f)
+			require.ErrorIs(t, err, ErrNotLaidOut)
+		})
+	}
 }

@@ -54,8 +54,8 @@ func TestCopyIndex(t *testing.T) {
 			var blobSt unix.Stat_t
 			require.NoError(t, unix.Stat(blob, &blobSt))
 			withBlocks, underABlock := 0, 0
-			for _, e := range layout.Extents {
-				switch {
+			for i := range layout.Len() {
+				switch e := layout.Extent(i); {
 				case e.Size >= int64(blobSt.Blksize):
 					withBlocks++
 				case e.Size > 0:

@@ -50,20 +50,23 @@ func IndexSupported(stateDir string) error {
 			klog.ErrorS(err, "Removing the index probe", "dir", dir)
 		}
 	}()
-	tree, err := index.NewTree(index.Options{}, index.Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
-	if err == nil {
-		err = tree.Add(index.Entry{Name: "probe", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 5}, Data: []byte("probe")})
-	}
+	image, err := createIndex(filepath.Join(dir, "index"))
 	if err != nil {
 		return err
 	}
-	layout, err := writeIndex(tree, filepath.Join(dir, "index"))
+	layout, err := writeProbe(image)
+	if cerr := image.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = makeBlob(filepath.Join(dir, "index"), layout)
+	}
 	if err != nil {
 		return err
 	}
 	blob, err := os.OpenFile(filepath.Join(dir, "index", indexBlob), os.O_WRONLY, 0)
 	if err == nil {
-		_, err = blob.WriteAt(layout.Inline(0), layout.Extents[0].Offset)
+		_, err = blob.WriteAt(layout.Inline(0), layout.Extent(0).Offset)
 		err = errors.Join(err, blob.Close())
 	}
 	if err != nil {
@@ -83,32 +86,37 @@ func IndexSupported(stateDir string) error {
 	return err
 }
 
-// writeIndex writes the image of tree and an empty blob of its size into
-// dir, which it makes.
-func writeIndex(tree *index.Tree, dir string) (*index.Layout, error) {
+// writeProbe writes the index of a tree of one small file into image.
+func writeProbe(image *os.File) (*index.Layout, error) {
+	w, err := index.NewWriter(image, index.Options{}, index.Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+	if err != nil {
+		return nil, err
+	}
+	err = w.Add(index.Entry{Name: "probe", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 5}, Data: []byte("probe")})
+	layout, cerr := w.Close()
+	return layout, errors.Join(err, cerr)
+}
+
+// createIndex makes dir, an index's, and its image, empty, for an
+// index.Writer to write.
+func createIndex(dir string) (*os.File, error) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, err
 	}
-	image, err := os.OpenFile(filepath.Join(dir, indexImage), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	layout, err := tree.Write(image)
-	if cerr := image.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return nil, fmt.Errorf("writing the index's image: %w", err)
-	}
+	return os.OpenFile(filepath.Join(dir, indexImage), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+}
+
+// makeBlob makes the blob of the index in dir: empty, of layout's size.
+func makeBlob(dir string, layout *index.Layout) error {
 	blob, err := os.OpenFile(filepath.Join(dir, indexBlob), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	err = blob.Truncate(layout.Size)
 	if cerr := blob.Close(); err == nil {
 		err = cerr
 	}
-	return layout, err
+	return err
 }
 
 // pullIndex pulls a layer's stub tree as an index, mounted at the layer's
@@ -124,7 +132,17 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 	var vol cache.Volume
 	err := pl.inSwarm(pl.ctx, client, s, top, l, true, func(from *streamer.Client, sw streamer.Swarmed, done func(streamer.Summary) error) (err error) {
 		vol, err = Receive(pl.store, pl.kind, l, want, p.id, func(tree, _ string) (streamer.Summary, error) {
-			t, sum, err := from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress)
+			closeLayout(layout) // a try from another holder
+			layout = nil
+			image, err := createIndex(cache.IndexDir(tree))
+			if err != nil {
+				return streamer.Summary{}, err
+			}
+			var sum streamer.Summary
+			layout, sum, err = from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress, image)
+			if cerr := image.Close(); err == nil {
+				err = cerr
+			}
 			if err == nil {
 				err = pl.checkVouched(l, want, sum)
 			}
@@ -133,7 +151,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 			}
 			if err == nil {
 				files = sum.Files
-				layout, err = writeIndex(t, cache.IndexDir(tree))
+				err = makeBlob(cache.IndexDir(tree), layout)
 			}
 			if err == nil && layout.Data() > pl.cfg.Limits.Bytes {
 				err = overLimit(l.Ref, pl.cfg.Limits.Bytes) // bounded as a stub tree's stubs are
@@ -157,6 +175,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 		return err
 	})
 	if err != nil {
+		closeLayout(layout)
 		return cache.Volume{}, err
 	}
 	pods, profiles := pl.askers(p)
@@ -208,6 +227,7 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		}
 		blob.Prefetch(prefetchWorkers)
 	}, func() (cache.Volume, error) {
+		defer closeLayout(layout) // its sums are kept, or the fill failed
 		if err := blob.Err(); err != nil {
 			return cache.Volume{}, err
 		}
@@ -219,48 +239,40 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		if err := syncIndex(cache.IndexDir(data)); err != nil {
 			return cache.Volume{}, err
 		}
-		sums, err := layerSums(pl.ctx, data, layout.Sum, files)
-		if err != nil {
+		if err := keepLayerSums(pl.ctx, data, layout.Sum, files, cache.SumsFile(data)); err != nil {
 			return cache.Volume{}, err
 		}
-		vol, err := pl.store.Filled(r)
-		if err != nil {
-			return vol, err
-		}
-		keepSums(pl.store, r, v.Layer, sums)
-		pl.indexes.learnt(data, layout)
-		return vol, nil
+		return pl.store.Filled(r)
 	})
 }
 
-// layerSums is the table of a lazily pulled layer's tree, filled: each
-// file's sum as known says (the sum its data was checked against as it
-// arrived: an index's extent's, a stub's), a file of no bytes's, or read
-// where known says none. The table must be the one the layer's stub tree
-// carried, whose digest is files; nil if that is unknown (the layer is
-// summed when first asked, as before).
-func layerSums(ctx context.Context, tree string, known func(path string) (filesum.Sum, bool), files filesum.Sum) (filesum.Table, error) {
-	if files == (filesum.Sum{}) {
-		return nil, nil
-	}
-	table, err := filesum.OfTreeKnowing(ctx, tree, known)
-	if err != nil {
-		return nil, fmt.Errorf("the file sums of a lazily pulled layer: %w", err)
-	}
-	if table.Digest() != files {
-		return nil, fmt.Errorf("a lazily pulled layer does not hold the files its stub tree said (%d files): %w", len(table), filesum.ErrMismatch)
-	}
-	return table, nil
-}
-
-// keepSums keeps sums (layerSums'; nil: none known) as the file sums of
-// r's layer, now filled. A failure costs only a read of the layer, when
-// they are first asked for.
-func keepSums(store *cache.Store, r volume.Ref, layer string, sums filesum.Table) {
-	if sums == nil {
+// closeLayout lets go of the sums of layout, if any: once its extents are
+// checked and its sums kept, or once the pull failed. Its extents stay
+// (WholeIndexes.MakePlain clones by them).
+func closeLayout(layout *index.Layout) {
+	if layout == nil {
 		return
 	}
-	if err := store.KeepLayerSums(r, layer, sums); err != nil {
-		klog.ErrorS(err, "Keeping the file sums of a lazily pulled layer failed; they are computed from it when asked", "volume", r, "layer", layer)
+	if err := layout.Close(); err != nil {
+		klog.ErrorS(err, "Letting go of an index's file sums")
 	}
+}
+
+// keepLayerSums keeps the file sums of a lazily pulled layer's tree,
+// filled, at sums (the layer's sums file, cache.SumsFile): each file's sum
+// as known says (the sum its data was checked against as it arrived: an
+// index's extent's, a stub's), a file of no bytes's, or read where known
+// says none. They are written as the tree is walked, never whole in
+// memory, and kept only if they are the table the layer's stub tree
+// carried, whose digest is files: else the layer is refused
+// (filesum.ErrMismatch). With no digest known nothing is kept (the layer
+// is summed when first asked, as before).
+func keepLayerSums(ctx context.Context, tree string, known func(path string) (filesum.Sum, bool), files filesum.Sum, sums string) error {
+	if files == (filesum.Sum{}) {
+		return nil
+	}
+	if err := filesum.WriteTreeFile(ctx, tree, known, sums, files); err != nil {
+		return fmt.Errorf("the file sums of a lazily pulled layer: %w", err)
+	}
+	return nil
 }

@@ -2,6 +2,7 @@ package pull
 
 import (
 	"errors"
+	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
@@ -11,7 +12,6 @@ import (
 
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/filesum"
-	"github.com/concourse/cowvol/pkg/index"
 	"github.com/concourse/cowvol/pkg/overlay"
 )
 
@@ -63,10 +63,11 @@ func TestIndexSupported(t *testing.T) {
 
 // A lazily pulled layer, filled (here: copied out of a whole index), is
 // summed from the sums its data was checked against (here: its layout's),
-// not read (a sum said wrong shows it was taken), and only where the table
-// comes out as the digest its stub tree carried: else the layer is
-// refused; with no digest known it is left to be read when asked.
-func TestLayerSumsOfAnIndexCopy(t *testing.T) {
+// not read (a sum said wrong shows it was taken), and kept only where the
+// table comes out as the digest its stub tree carried: else the layer is
+// refused, and nothing is kept; with no digest known it is left to be
+// read when asked.
+func TestKeepLayerSums(t *testing.T) {
 	tree := t.TempDir()
 	for name, data := range map[string]string{"a": "alpha", "b": "beta", "empty": ""} {
 		require.NoError(t, os.WriteFile(filepath.Join(tree, name), []byte(data), 0o644))
@@ -76,14 +77,19 @@ func TestLayerSumsOfAnIndexCopy(t *testing.T) {
 	require.NoError(t, err)
 	rotted := maps.Clone(read)
 	rotted["b"], rotted["c"] = filesum.Sum{1}, filesum.Sum{1}
-	layout := func(sums filesum.Table) *index.Layout {
-		return &index.Layout{Extents: []index.Extent{{Path: "a", Size: 5, Sum: sums["a"]}, {Path: "b", Offset: 5, Size: 4, Sum: sums["b"]}}}
+	// What a layout of a and b says (the hard link c, and the empty
+	// file, have no extent of their own).
+	layout := func(sums filesum.Table) func(string) (filesum.Sum, bool) {
+		return func(path string) (filesum.Sum, bool) {
+			sum, ok := sums[path]
+			return sum, ok && (path == "a" || path == "b")
+		}
 	}
 	tests := []struct {
 		name    string
-		layout  *index.Layout
+		layout  func(string) (filesum.Sum, bool)
 		files   filesum.Sum
-		want    filesum.Table
+		want    filesum.Table // kept; nil: none
 		wantErr error
 	}{
 		{name: "the records' table", layout: layout(read), files: read.Digest(), want: read},
@@ -94,8 +100,14 @@ func TestLayerSumsOfAnIndexCopy(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := layerSums(t.Context(), tree, tc.layout.Sum, tc.files)
-			require.ErrorIs(t, err, tc.wantErr)
+			sums := filepath.Join(t.TempDir(), "layer.sums")
+			require.ErrorIs(t, keepLayerSums(t.Context(), tree, tc.layout, tc.files, sums), tc.wantErr)
+			got, err := filesum.ReadFile(sums)
+			if tc.want == nil {
+				require.ErrorIs(t, err, fs.ErrNotExist, "nothing kept")
+				return
+			}
+			require.NoError(t, err)
 			require.Equal(t, tc.want, got)
 		})
 	}

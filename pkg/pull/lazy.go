@@ -104,15 +104,11 @@ func (pl *Puller) fillInBackground(r volume.Ref, layer *fill.Layer, files filesu
 		if err != nil {
 			return cache.Volume{}, err
 		}
-		sums, err := layerSums(pl.ctx, pl.store.DataPath(v), layer.Sum, files)
-		if err != nil {
+		data := pl.store.DataPath(v)
+		if err := keepLayerSums(pl.ctx, data, layer.Sum, files, cache.SumsFile(data)); err != nil {
 			return cache.Volume{}, err
 		}
-		vol, err := pl.store.Filled(r)
-		if err == nil {
-			keepSums(pl.store, r, vol.Layer, sums)
-		}
-		return vol, err
+		return pl.store.Filled(r)
 	})
 }
 

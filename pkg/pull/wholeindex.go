@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"sync"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -27,21 +26,16 @@ import (
 // into a plain layer once no view mounts it (MakePlain), so that a node
 // does not keep a mount per volume it ever pulled and flattens clone
 // plain files. It owns the index's files once whole; not the volume's
-// metadata beyond swapping its layer, not the views.
+// metadata beyond swapping its layer, not the views. It holds nothing of
+// an index in memory: the copy reads the blob's layout back from the
+// image, whoever pulled it (this process or one before a restart).
 type WholeIndexes struct {
 	store *cache.Store
-	mu    sync.Mutex
-	// layouts are the layouts this process learnt of the whole indexes
-	// it pulled, by layer dir, until each is made plain: what says where
-	// each file's data lies in its blob, so that the copy clones it. An
-	// index not in it (pulled by an earlier process) is copied from its
-	// mount.
-	layouts map[string]*index.Layout
 }
 
 // NewWholeIndexes tracks the whole indexes of store's volumes.
 func NewWholeIndexes(store *cache.Store) *WholeIndexes {
-	return &WholeIndexes{store: store, layouts: map[string]*index.Layout{}}
+	return &WholeIndexes{store: store}
 }
 
 // isIndex says whether data, a volume's layer dir, is an index (the dir
@@ -49,13 +43,6 @@ func NewWholeIndexes(store *cache.Store) *WholeIndexes {
 func isIndex(data string) bool {
 	st, err := os.Lstat(cache.IndexDir(data))
 	return err == nil && st.IsDir()
-}
-
-// learnt keeps the layout of the whole index at data for its copy.
-func (w *WholeIndexes) learnt(data string, layout *index.Layout) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.layouts[data] = layout
 }
 
 // ready lists the ready volumes whose layer is an index, by layer dir.
@@ -112,8 +99,7 @@ func (w *WholeIndexes) Unmount() (detached int) {
 }
 
 // Idle lists the ready volumes whose layer is a whole index that no view
-// mounts and no step image runs on, and forgets the layouts of indexes
-// that are gone.
+// mounts and no step image runs on.
 func (w *WholeIndexes) Idle() []cache.Volume {
 	mounted := map[string]bool{}
 	for _, view := range w.store.ListViews() {
@@ -126,13 +112,6 @@ func (w *WholeIndexes) Idle() []cache.Volume {
 	for data, v := range ready {
 		if !mounted[data] && len(w.store.Holders(v.Ref()).Images) == 0 {
 			idle = append(idle, v)
-		}
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	for data := range w.layouts {
-		if _, ok := ready[data]; !ok {
-			delete(w.layouts, data)
 		}
 	}
 	return idle
@@ -151,13 +130,7 @@ const plainLayerPrefix = "p"
 // is left alone (cache.ErrUnusable).
 func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.CopyStats, error) {
 	data := w.store.DataPath(v)
-	w.mu.Lock()
-	layout := w.layouts[data]
-	w.mu.Unlock()
-	at := func(string) (int64, bool) { return 0, false }
-	if layout != nil {
-		at = layout.Offset
-	}
+	at := blobOffsets(v, filepath.Join(cache.IndexDir(data), indexImage))
 	var known func(string) (filesum.Sum, bool)
 	var files filesum.Sum
 	if table, err := w.store.LayerSums(v); err == nil {
@@ -182,14 +155,16 @@ func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.C
 	if err != nil {
 		return stats, fmt.Errorf("copying a whole index into a layer: %w", err)
 	}
-	sums, err := layerSums(ctx, tree, known, files)
-	if err != nil {
+	if err := keepLayerSums(ctx, tree, known, files, cache.SumsFile(tree)); err != nil {
 		return stats, err
 	}
 	layer := fmt.Sprintf("%s%x", plainLayerPrefix, time.Now().UnixNano())
 	dst := w.store.LayerPath(v.Ref(), layer)
 	if err := os.Rename(tree, dst); err != nil {
 		return stats, err
+	}
+	if err := os.Rename(cache.SumsFile(tree), cache.SumsFile(dst)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return stats, errors.Join(err, overlay.RemoveTree(dst))
 	}
 	plain := v
 	plain.Layer = layer
@@ -199,16 +174,38 @@ func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.C
 		klog.ErrorS(err, "Keeping a whole index's stub tree for its plain copy failed; a peer's pull walks the copy", "volume", v.Ref())
 	}
 	if err := overlay.Sync(filepath.Dir(dst)); err != nil {
-		return stats, errors.Join(err, overlay.RemoveTree(dst), removeMissing(w.store.StubsPath(plain)))
+		return stats, errors.Join(err, w.unstage(dst, plain))
 	}
 	if err := w.store.SwapLayer(v.Ref(), v.Layer, layer); err != nil {
-		return stats, errors.Join(err, overlay.RemoveTree(dst), removeMissing(w.store.StubsPath(plain)))
+		return stats, errors.Join(err, w.unstage(dst, plain))
 	}
-	keepSums(w.store, v.Ref(), layer, sums)
-	w.mu.Lock()
-	delete(w.layouts, data)
-	w.mu.Unlock()
 	return stats, nil
+}
+
+// blobOffsets says where each file's data starts in the blob of the
+// index whose image is at image, by its first name: the layout read back
+// from the image. An image whose layout cannot be read says none (the
+// copy reads every file through the mount then: slower, and as right).
+func blobOffsets(v cache.Volume, image string) func(path string) (int64, bool) {
+	none := func(string) (int64, bool) { return 0, false }
+	f, err := os.Open(image)
+	if err != nil {
+		klog.InfoS("A whole index's image could not be opened to clone its files; they are copied from its mount", "volume", v.Ref(), "err", err)
+		return none
+	}
+	defer f.Close()
+	layout, err := index.ReadLayout(f)
+	if err != nil {
+		klog.InfoS("A whole index's layout could not be read back; its files are copied from its mount", "volume", v.Ref(), "err", err)
+		return none
+	}
+	return layout.Offset
+}
+
+// unstage removes the plain layer at dst that was not swapped in for the
+// index, with what lies beside it: its sums, and plain's stub tree.
+func (w *WholeIndexes) unstage(dst string, plain cache.Volume) error {
+	return errors.Join(overlay.RemoveTree(dst), removeMissing(cache.SumsFile(dst)), removeMissing(w.store.StubsPath(plain)))
 }
 
 // removeMissing removes path, which may be missing.

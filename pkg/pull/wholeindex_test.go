@@ -32,31 +32,28 @@ func TestMakePlain(t *testing.T) {
 	}
 	tests := []struct {
 		name    string
-		learnt  bool
 		meddle  func(t *testing.T, s *cache.Store, r volume.Ref)
 		wantErr error
 	}{
-		{name: "layout learnt", learnt: true},
-		{name: "layout not known (a restart)"},
-		{name: "destroyed meanwhile", learnt: true, wantErr: cache.ErrUnusable,
+		{name: "cloned by the layout read back from the image"},
+		{name: "destroyed meanwhile", wantErr: cache.ErrUnusable,
 			meddle: func(t *testing.T, s *cache.Store, r volume.Ref) { require.NoError(t, s.Destroy(r)) }},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			store := openStore(t)
-			v, layout := wholeIndex(t, store)
+			store, err := cache.Open(testfs.Mount(t, testfs.XFS, 1<<30)) // (a filesystem that clones)
+			require.NoError(t, err)
+			t.Cleanup(func() { store.Close() })
+			v, _ := wholeIndex(t, store)
 			data := store.DataPath(v)
 			want := testfs.Describe(t, data)
 			table, err := filesum.OfTree(t.Context(), data)
 			require.NoError(t, err)
 			require.Contains(t, table, "big")
 			table["big"] = filesum.Sum{7} // wrong: taken, not read
-			require.NoError(t, store.KeepLayerSums(v.Ref(), v.Layer, table))
+			require.NoError(t, table.WriteFile(cache.SumsFile(data)))
 			require.NoError(t, os.WriteFile(store.StubsPath(v), []byte("kept tree"), 0o600))
 			w := NewWholeIndexes(store)
-			if tc.learnt {
-				w.learnt(data, layout)
-			}
 			if tc.meddle != nil {
 				tc.meddle(t, store, v.Ref())
 			}
@@ -93,11 +90,38 @@ func TestMakePlain(t *testing.T) {
 			kept, err := os.ReadFile(store.StubsPath(cur))
 			require.NoError(t, err)
 			require.Equal(t, "kept tree", string(kept))
-			if !tc.learnt {
-				require.Zero(t, stats.Cloned, "nothing to clone from without the layout")
-			}
+			require.Positive(t, stats.Cloned, "files cloned out of the blob, by the layout in the image")
 			require.Positive(t, stats.Files)
 		})
+	}
+}
+
+// blobOffsets reads the layout back from a whole index's image, and says
+// no offset (the copy reads through the mount) where it cannot.
+func TestBlobOffsets(t *testing.T) {
+	testfs.Need(t)
+	if err := IndexSupported(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	store := openStore(t)
+	v, layout := wholeIndex(t, store)
+	image := filepath.Join(cache.IndexDir(store.DataPath(v)), indexImage)
+	at := blobOffsets(v, image)
+	require.Positive(t, layout.Len())
+	for i := range layout.Len() {
+		e := layout.Extent(i)
+		off, ok := at(e.Path)
+		require.True(t, ok, e.Path)
+		require.Equal(t, e.Offset, off, e.Path)
+	}
+
+	torn := filepath.Join(t.TempDir(), "torn")
+	whole, err := os.ReadFile(image)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(torn, whole[:len(whole)/2], 0o600))
+	for _, bad := range []string{torn, filepath.Join(t.TempDir(), "missing")} {
+		_, ok := blobOffsets(v, bad)(layout.Extent(0).Path)
+		require.False(t, ok, bad)
 	}
 }
 

@@ -4,12 +4,13 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,31 +18,46 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/batch"
+	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/index"
 )
 
 // IndexStubs reads a stub tree, a StubRecords stream or a StubTar one (a
 // holder that knows no records sends the tar; their first bytes tell
-// them apart), as UnpackStubs reads a StubTar, but makes nothing on disk:
-// it learns the tree into an index.Tree, which its caller writes as the
-// image it mounts, whatever the tree's file count. It checks every entry
-// as an extraction does (names, xattrs, links to files before them,
-// devices, the small files inline asked for and their sums), and takes
-// only a packer's stream, its root first. The tree's small files carry
-// their data, and its regular files their sums where lim.Summed.
-func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inline Inline) (*index.Tree, Summary, error) {
+// them apart), as UnpackStubs reads a StubTar, but makes nothing on disk
+// but the index: it writes the tree's index into image (an empty file) as
+// its entries come, which its caller mounts, whatever the tree's file
+// count. It checks every entry as an extraction does (names, xattrs,
+// links to files before them, devices, the small files inline asked for
+// and their sums), takes only a packer's stream (its root first, then a
+// walk's order: index.Writer's), and says where the tree's files lie in
+// the index's blob: its small files with their data, and its regular
+// files with their sums where lim.Summed. A tree the index cannot say
+// fails it with index.ErrUnindexable; the image is then not whole.
+func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inline Inline, image *os.File) (*index.Layout, Summary, error) {
 	if lim.Strict {
 		return nil, Summary{}, errors.New("a stub tree is a peer's stream, never strict")
 	}
-	x := &indexer{lim: lim, inline: inline}
+	x := &indexer{lim: lim, inline: inline, image: image}
 	if lim.Summed {
+		// The listing's runs are spilled beside the image: 64 MB a
+		// million files, which need not be in memory until the digest.
+		spill, err := fdtree.Unnamed(filepath.Dir(image.Name()), "a listing's runs")
+		if err != nil {
+			return nil, Summary{}, err
+		}
+		defer spill.Close()
+		x.listing.Spill(spill)
 		x.lister = x.listing.Lister()
 		defer x.lister.Close()
 	}
 	defer func() {
 		if x.adder != nil {
 			x.adder.Close()
+		}
+		if x.writer != nil {
+			x.writer.Abandon() // (failed)
 		}
 	}()
 	sum, err := readDecoded(r, enc, lim, func(in io.Reader) (int64, error) {
@@ -53,7 +69,7 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 		}
 		return readTar(ctx, br, lim, x.entry)
 	})
-	if err == nil && x.tree == nil {
+	if err == nil && x.writer == nil {
 		err = refused("an empty stub tree")
 	}
 	if err == nil {
@@ -62,37 +78,39 @@ func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inli
 			err = *failed
 		}
 	}
+	var layout *index.Layout
 	if err == nil {
-		// The listing's digest is taken while the tree is sealed: a pull
-		// of a million files waits on both.
+		// The listing's digest is taken while the index is finished: a
+		// pull of a million files waits on both.
 		var digestErr error
 		var digesting sync.WaitGroup
 		if lim.Summed {
 			x.lister.Close()
 			digesting.Go(func() {
 				sum.Files, digestErr = x.listing.Digest()
-				x.listing = filesum.Listing{} // (64 bytes a file) not held with the layout Seal makes
+				x.listing = filesum.Listing{} // (a run of them) not held with the layout
 			})
 		}
-		// Sealed here, where a peer's stream is refused: a name twice is
-		// found once the whole tree is known.
-		if _, err = x.tree.Seal(); err != nil && !errors.Is(err, index.ErrUnindexable) {
-			err = refused("%v", err)
-		}
+		layout, err = x.writer.Close()
+		x.writer = nil
 		digesting.Wait()
-		err = cmp.Or(digestErr, err)
+		if err == nil && digestErr != nil {
+			err = digestErr
+			layout.Close()
+		}
 	}
 	if err != nil {
 		return nil, Summary{}, err
 	}
 	sum.Inlined = x.inlined
-	return x.tree, sum, nil
+	return layout, sum, nil
 }
 
-// indexer learns a stub tree's entries into an index.Tree.
+// indexer learns a stub tree's entries into an index.Writer.
 type indexer struct {
-	tree *index.Tree
-	// adder adds the entries read and checked to tree on a goroutine of
+	image  *os.File
+	writer *index.Writer
+	// adder adds the entries read and checked to writer on a goroutine of
 	// its own, while the next ones are read and checked; failed is its
 	// first error, which stops it and the reading.
 	adder   *batch.Worker[learnt]
@@ -113,7 +131,7 @@ func (x *indexer) records(ctx context.Context, br *bufio.Reader) (int64, error) 
 // record learns one record, checked as entry checks a tar's.
 func (x *indexer) record(rec *record) error {
 	name := rec.name
-	if x.tree == nil && name == "" && rec.kind == recDir {
+	if x.writer == nil && name == "" && rec.kind == recDir {
 		name = rootName
 	} else if err := x.started(name); err != nil {
 		return err
@@ -218,11 +236,11 @@ func (x *indexer) entry(hdr *tar.Header, body io.Reader) error {
 
 // root starts the tree at its root, the stream's first entry.
 func (x *indexer) root(e index.Entry) error {
-	if x.tree != nil {
+	if x.writer != nil {
 		return refused("a root entry (%q) that is not the first", rootName)
 	}
 	var err error
-	if x.tree, err = index.NewTree(index.Options{KeepSetuid: x.lim.KeepSetuid}, e); err == nil {
+	if x.writer, err = index.NewWriter(x.image, index.Options{KeepSetuid: x.lim.KeepSetuid}, e); err == nil {
 		x.adder = batch.Start(learntBatch, x.learn)
 	}
 	return err
@@ -231,7 +249,7 @@ func (x *indexer) root(e index.Entry) error {
 // started refuses an entry before the root: every entry but the root
 // checks it first.
 func (x *indexer) started(name string) error {
-	if x.tree == nil {
+	if x.writer == nil {
 		return refused("a stub tree whose first entry, %q, is not its root", name)
 	}
 	return nil
@@ -268,8 +286,9 @@ func (x *indexer) link(name, target string) error {
 	return nil
 }
 
-// learn adds a batch of entries to the tree, on the adder's goroutine,
-// until one fails.
+// learn adds a batch of entries to the index, on the adder's goroutine,
+// until one fails: refused, but for what an index cannot say, which the
+// caller falls back on another way for.
 func (x *indexer) learn(batch []learnt) {
 	if x.failed.Load() != nil {
 		return
@@ -277,12 +296,14 @@ func (x *indexer) learn(batch []learnt) {
 	for _, l := range batch {
 		var err error
 		if l.linkTo != "" {
-			err = x.tree.Link(l.e.Name, l.linkTo)
+			err = x.writer.Link(l.e.Name, l.linkTo)
 		} else {
-			err = x.tree.Add(l.e)
+			err = x.writer.Add(l.e)
 		}
 		if err != nil {
-			err = refused("%v", err)
+			if !errors.Is(err, index.ErrUnindexable) {
+				err = refused("%v", err)
+			}
 			x.failed.Store(&err)
 			return
 		}

@@ -54,27 +54,28 @@ func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 		lim := DefaultLimits
 		lim.Summed, lim.KeepSetuid = true, keepSetuid
 		wire := stubs.Bytes()
-		tree, sum, err := IndexStubs(t.Context(), bytes.NewReader(wire), Raw, lim, inline)
+		fromStream, fromDisk := tempImage(t), tempImage(t)
+		got, sum, err := IndexStubs(t.Context(), bytes.NewReader(wire), Raw, lim, inline, fromStream)
 		require.NoError(t, err)
 		require.Equal(t, sums.Digest(), sum.Files, "the stub tree's table")
-		var fromStream, fromDisk bytes.Buffer
-		got, err := tree.Write(&fromStream)
-		require.NoError(t, err)
 
 		root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 		require.NoError(t, err)
-		want, err := index.Build(root, &fromDisk, index.Options{KeepSetuid: keepSetuid})
+		want, err := index.Build(root, fromDisk, index.Options{KeepSetuid: keepSetuid})
 		unix.Close(root)
 		require.NoError(t, err)
-		require.True(t, bytes.Equal(fromDisk.Bytes(), fromStream.Bytes()), "the image from the %s is the holder's (KeepSetuid %v)", form.shape, keepSetuid)
+		require.Equal(t, fileBytes(t, fromDisk), fileBytes(t, fromStream), "the image from the %s is the holder's (KeepSetuid %v)", form.shape, keepSetuid)
 		require.Equal(t, want.Size, got.Size)
-		require.Len(t, got.Extents, len(want.Extents))
+		require.Equal(t, want.Len(), got.Len())
 		inlined := 0
-		for i, e := range got.Extents {
-			require.Equal(t, want.Extents[i].Path, e.Path)
-			require.Equal(t, want.Extents[i].Offset, e.Offset)
-			require.Equal(t, want.Extents[i].Size, e.Size)
-			require.Equal(t, sums[e.Path], e.Sum, e.Path)
+		for i := range got.Len() {
+			e := got.Extent(i)
+			require.Equal(t, want.Extent(i).Path, e.Path)
+			require.Equal(t, want.Extent(i).Offset, e.Offset)
+			require.Equal(t, want.Extent(i).Size, e.Size)
+			sum, err := got.SumOf(i)
+			require.NoError(t, err)
+			require.Equal(t, sums[e.Path], sum, e.Path)
 			if got.Inline(i) != nil {
 				inlined++
 				data, err := os.ReadFile(filepath.Join(layer, e.Path))
@@ -133,6 +134,10 @@ func TestIndexStubsRefuses(t *testing.T) {
 		{name: "through a symlink", entries: []entry{root,
 			{hdr: tar.Header{Name: "link", Typeflag: tar.TypeSymlink, Linkname: "/etc"}}, stub("link/passwd", "1")}, wantErr: "its directory was not added"},
 		{name: "a name twice", entries: []entry{root, stub("f", "1"), dir("f")}, wantErr: "added twice"},
+		{name: "out of a walk's order", entries: []entry{root, stub("b", "1"), stub("a", "1")}, wantErr: "not in a walk's order"},
+		{name: "back in a dir left", entries: []entry{root, dir("d"), stub("d/f", "1"), stub("e", "1"), stub("d/g", "1")},
+			wantErr: "not in a walk's order"},
+		{name: "a dir's entries before it", entries: []entry{root, stub("d/f", "1"), dir("d")}, wantErr: "its directory was not added"},
 		{name: "a name too long", entries: []entry{root, stub(strings.Repeat("n", 256), "1")}, wantErr: "entry name"},
 		{name: "a hard link to nothing yet", entries: []entry{root,
 			{hdr: tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "later"}}, stub("later", "1")}, wantErr: "not a regular file added before it"},
@@ -164,7 +169,7 @@ func TestIndexStubsRefuses(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			lim := DefaultLimits
 			lim.Summed = tc.summed
-			_, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, tc.entries...)), Raw, lim, tc.inline)
+			_, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, tc.entries...)), Raw, lim, tc.inline, tempImage(t))
 			require.ErrorContains(t, err, tc.wantErr)
 			if tc.wantErr == "corrupt" {
 				require.ErrorIs(t, err, ErrCorrupt)
@@ -175,12 +180,34 @@ func TestIndexStubsRefuses(t *testing.T) {
 	}
 	lim := DefaultLimits
 	lim.Summed = true
-	tree, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, root, summed(file("f", "whole"), sum.String()))), Raw, lim, Inline{Max: 100, Budget: 100})
+	l, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, root, summed(file("f", "whole"), sum.String()))), Raw, lim,
+		Inline{Max: 100, Budget: 100}, tempImage(t))
 	require.NoError(t, err, "a small file that is its sum")
-	l, err := tree.Write(&bytes.Buffer{})
-	require.NoError(t, err)
 	require.Equal(t, []byte("whole"), l.Inline(0))
 	lim.Strict = true
-	_, _, err = IndexStubs(context.Background(), bytes.NewReader(craft(t, root)), Raw, lim, Inline{})
+	_, _, err = IndexStubs(context.Background(), bytes.NewReader(craft(t, root)), Raw, lim, Inline{}, tempImage(t))
 	require.ErrorContains(t, err, "never strict", "an upload is extracted, not indexed")
+}
+
+// tempImage is an empty file for an index's image.
+func tempImage(t testing.TB) *os.File {
+	f, err := os.Create(filepath.Join(t.TempDir(), "image"))
+	require.NoError(t, err)
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// fileBytes is what f holds.
+func fileBytes(t *testing.T, f *os.File) []byte {
+	b, err := os.ReadFile(f.Name())
+	require.NoError(t, err)
+	return b
+}
+
+// zeroReader reads zeros.
+type zeroReader struct{}
+
+func (zeroReader) ReadAt(p []byte, _ int64) (int, error) {
+	clear(p)
+	return len(p), nil
 }

@@ -696,22 +696,22 @@ func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, 
 }
 
 // PullLayerIndex pulls a layer's stub tree as PullLayerStubs does (s's
-// shape is StubRecords, or StubTar), but makes nothing on disk: it learns
-// the tree into an index.Tree (see IndexStubs), which the caller writes as
-// the image it mounts.
-func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64)) (*index.Tree, Summary, error) {
-	var tree *index.Tree
+// shape is StubRecords, or StubTar), but makes nothing on disk but its
+// index: it writes the tree's index into image as it comes (see
+// IndexStubs), which the caller mounts.
+func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64), image *os.File) (*index.Layout, Summary, error) {
+	var layout *index.Layout
 	sum, err := c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
 		lim.Summed, lim.Swarmed = true, sw.swarmed()
 		var err error
 		var sum Summary
-		tree, sum, err = IndexStubs(ctx, in, s.Encoding, lim, s.Inline)
+		layout, sum, err = IndexStubs(ctx, in, s.Encoding, lim, s.Inline, image)
 		return sum, err
 	})
 	if err != nil {
 		return nil, sum, err
 	}
-	return tree, sum, nil
+	return layout, sum, nil
 }
 
 // PullLayerFiles streams a volume's own layer's files' data (s's shape is

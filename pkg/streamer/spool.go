@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/fdtree"
 )
 
 // Spool is a puller's copy of a layer's wire stream as it arrives, kept so
@@ -58,11 +60,11 @@ var (
 // NewSpool makes an empty spool in dir for a stream encoded as enc;
 // onClose (if any) is called once its file is closed.
 func NewSpool(dir string, enc Encoding, onClose func()) (*Spool, error) {
-	fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	f, err := fdtree.Unnamed(dir, "a spool")
 	if err != nil {
-		return nil, fmt.Errorf("a spool in %s: %w", dir, err)
+		return nil, err
 	}
-	return &Spool{enc: enc, f: os.NewFile(uintptr(fd), "spool"), onClose: onClose, changed: make(chan struct{})}, nil
+	return &Spool{enc: enc, f: f, onClose: onClose, changed: make(chan struct{})}, nil
 }
 
 // Encoding is what the spooled stream is encoded as.

@@ -1,0 +1,366 @@
+package index
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/pkg/filesum"
+)
+
+// layout.go: where each regular file's data lies in the blob, which a
+// fill holds until the blob is whole, a million files' worth. What stays
+// in memory is 8 bytes an extent, in chunks that never move (a layout
+// that grew by doubling was copied again and again, and held twice over
+// as it grew, at a pull's peak), and the paths apart, each as what it
+// does not share with the path before it (the walk's order makes
+// neighbours share most of theirs). The extents' sums, 32 bytes each and
+// read once each (as an extent is checked, and as the filled layer's
+// sums are kept), lie in a file no name reaches beside the image: a
+// million of them were 32 MB of a fill's heap, and twice that of its RSS
+// with the collector's headroom; in the page cache they are the kernel's
+// to write back under pressure.
+
+// Extent is where one regular file's data lies in the blob. Hard links
+// share one.
+type Extent struct {
+	// Path is the file's first name in the layer, slash-separated.
+	Path         string
+	Offset, Size int64
+}
+
+// span is what a Layout keeps in memory of an extent but its path: its
+// first block in the blob and how many bytes of its last block are
+// padding. Extents lie one after the other, each at a block of its own,
+// so an extent's size is the blocks up to the next one's (the blob's end,
+// for the last) less its padding.
+type span struct {
+	block uint32
+	pad   uint16
+}
+
+func (s span) offset() int64 { return int64(s.block) * blockSize }
+
+// spanChunk is how many spans a Layout keeps in one chunk (128 KiB).
+const spanChunk = 1 << 14
+
+// sumSize is what an extent's sum takes in a Layout's file of sums.
+const sumSize = len(filesum.Sum{})
+
+// Layout is the blob of an index: each regular file's extent, in offset
+// order (its first name's order in the walk), and the blob's size. The
+// Writer that makes it lays it out (add) and finishes it (flush); what
+// reads it after may do so from several goroutines.
+type Layout struct {
+	Size  int64
+	n     int
+	spans [][]span // of spanChunk each, but the last
+	paths pathList
+	// inline is the bytes of the extents whose Entries carried them (a
+	// stream's small files), by extent: a few of a large tree's files,
+	// which is why they are not a field of every span.
+	inline map[int][]byte
+	// sums is each extent's sum (Entry.Sum; zeros where it had none), in
+	// extent order, from the first extent that has one: nil till then,
+	// and where none has.
+	sums      *appender
+	sumsFrom  int
+	sumsDir   string // where the file of sums is made
+	sumsError error  // why the sums could not be kept, if they could not
+}
+
+// Len is how many extents the blob holds.
+func (l *Layout) Len() int { return l.n }
+
+// Extent is extent i.
+func (l *Layout) Extent(i int) Extent {
+	off, size := l.extent(i)
+	return Extent{Path: l.paths.path(i), Offset: off, Size: size}
+}
+
+// extent is extent i's offset and size.
+func (l *Layout) extent(i int) (off, size int64) {
+	s := l.span(i)
+	end := l.Size
+	if i+1 < l.n {
+		end = l.span(i + 1).offset()
+	}
+	off = s.offset()
+	return off, end - off - int64(s.pad)
+}
+
+func (l *Layout) span(i int) *span { return &l.spans[i/spanChunk][i%spanChunk] }
+
+// add lays out the next extent, of size bytes, after the last one, the
+// file's data bytes where its Entry carried them (nil if not) and its sum
+// (zeros: none), and says which it is. The caller has checked that the
+// blob can address it.
+func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) int {
+	if l.n%spanChunk == 0 {
+		l.spans = append(l.spans, make([]span, 0, spanChunk))
+	}
+	last := &l.spans[len(l.spans)-1]
+	padded := roundUp(size, blockSize)
+	*last = append(*last, span{block: uint32(l.Size / blockSize), pad: uint16(padded - size)})
+	l.Size += padded
+	l.paths.add(path)
+	if data != nil {
+		if l.inline == nil {
+			l.inline = map[int][]byte{}
+		}
+		l.inline[l.n] = data
+	}
+	l.addSum(sum)
+	l.n++
+	return l.n - 1
+}
+
+// addSum writes the next extent's sum to the file of sums, which the
+// first sum that is not zeros makes. A file that cannot be made or
+// written leaves the layout with no sums (sumsError says why).
+func (l *Layout) addSum(sum filesum.Sum) {
+	if l.sums == nil {
+		if sum == (filesum.Sum{}) || l.sumsError != nil {
+			return
+		}
+		f, err := fdtree.Unnamed(l.sumsDir, "an index's file sums")
+		if err != nil {
+			l.sumsError = err
+			return
+		}
+		l.sums, l.sumsFrom = newAppender(f, 0, sumsBuffer), l.n
+	}
+	l.sums.write(sum[:])
+}
+
+// sumsBuffer is how much of the file of sums a Writer buffers.
+const sumsBuffer = 64 << 10
+
+// flush writes the sums buffered, and says whether they are kept.
+func (l *Layout) flush() error {
+	if l.sums != nil {
+		if err := l.sums.flush(); err != nil {
+			return fmt.Errorf("an index's file sums: %w", err)
+		}
+		l.sums.buf = nil
+	}
+	if l.sumsError != nil {
+		return fmt.Errorf("an index's file sums: %w", l.sumsError)
+	}
+	return nil
+}
+
+// SumOf says what extent i's data hashes to, where its Entry said (a
+// stream's files): what a range fetched into the blob is checked
+// against. Zeros where none did. An error is the file of sums failing a
+// read (or let go of: Close).
+func (l *Layout) SumOf(i int) (filesum.Sum, error) {
+	var sum filesum.Sum
+	if l.sums == nil || i < l.sumsFrom {
+		return sum, nil
+	}
+	if _, err := l.sums.f.ReadAt(sum[:], int64(i-l.sumsFrom)*int64(sumSize)); err != nil {
+		return filesum.Sum{}, fmt.Errorf("reading extent %d's sum: %w", i, err)
+	}
+	return sum, nil
+}
+
+// Close lets go of the extents' sums (SumOf fails after it); the rest
+// stays. The sums' file is also let go of by the collector, should a
+// layout be dropped unclosed.
+func (l *Layout) Close() error {
+	if l.sums == nil {
+		return nil
+	}
+	return l.sums.f.Close()
+}
+
+// Inline is the bytes of extent i where its Entry carried them (a
+// stream's small files), nil if it did not: its range needs no fetch.
+func (l *Layout) Inline(i int) []byte { return l.inline[i] }
+
+// TakeInline is every extent's bytes that Inline says, by extent, which
+// the layout lets go of: they need not live as long as it does.
+func (l *Layout) TakeInline() map[int][]byte {
+	inline := l.inline
+	l.inline = nil
+	return inline
+}
+
+// Data is how many bytes of data the files hold: the blob's size, less
+// the padding to each extent's last block.
+func (l *Layout) Data() int64 {
+	n := l.Size
+	for _, chunk := range l.spans {
+		for _, s := range chunk {
+			n -= int64(s.pad)
+		}
+	}
+	return n
+}
+
+// Lookup is the extent of the file whose first name (Extent.Path) is
+// path, -1 if none: a search of the paths, which lie in the walk's order
+// (comparePaths), not a map, which a fill of a million files would hold
+// as 50 MB more.
+func (l *Layout) Lookup(path string) int {
+	return l.paths.lookup(path)
+}
+
+// Sum says what the data of the file whose first name is path hashes to,
+// if it has an extent whose Entry said (see SumOf) and its sum can be
+// read.
+func (l *Layout) Sum(path string) (filesum.Sum, bool) {
+	if i := l.Lookup(path); i >= 0 {
+		sum, err := l.SumOf(i)
+		return sum, err == nil && sum != (filesum.Sum{})
+	}
+	return filesum.Sum{}, false
+}
+
+// Offset says where the data of the file whose first name is path starts
+// in the blob, if it has an extent.
+func (l *Layout) Offset(path string) (int64, bool) {
+	if i := l.Lookup(path); i >= 0 {
+		return l.span(i).offset(), true
+	}
+	return 0, false
+}
+
+// Find is the extent holding the blob's byte off (-1: none, padding).
+func (l *Layout) Find(off int64) int {
+	if i := l.from(off); i < l.n {
+		if start, _ := l.extent(i); start <= off {
+			return i
+		}
+	}
+	return -1
+}
+
+// Touching are the extents [first, end) that hold a byte of the blob's
+// range of n bytes at off.
+func (l *Layout) Touching(off, n int64) (first, end int) {
+	first = l.from(off)
+	end = first
+	for end < l.n && l.span(end).offset() < off+n {
+		end++
+	}
+	return first, end
+}
+
+// from is the first extent that ends past off: the one holding off if it
+// starts at or before it, else the next.
+func (l *Layout) from(off int64) int {
+	return sort.Search(l.n, func(i int) bool { start, size := l.extent(i); return start+size > off })
+}
+
+// pathList keeps paths in the order they are added (the walk's), each
+// as the length of the prefix it shares with the path before it and the
+// rest (uvarints, then the rest's bytes), every pathRestart-th whole:
+// where a read starts. Its bytes lie in chunks that never move, a path
+// never across two.
+type pathList struct {
+	chunks   [][]byte
+	restarts []pathAt // of every pathRestart-th path
+	last     []byte   // the path added last
+	n        int
+}
+
+// pathAt is where a path's bytes start.
+type pathAt struct{ chunk, off uint32 }
+
+const (
+	pathRestart = 16
+	pathChunk   = 1 << 20
+)
+
+func (p *pathList) add(path string) {
+	shared := 0
+	if p.n%pathRestart != 0 {
+		for shared < min(len(p.last), len(path)) && p.last[shared] == path[shared] {
+			shared++
+		}
+	}
+	var head [2 * binary.MaxVarintLen64]byte
+	h := binary.PutUvarint(head[:], uint64(shared))
+	h += binary.PutUvarint(head[h:], uint64(len(path)-shared))
+	size := h + len(path) - shared
+	if len(p.chunks) == 0 || len(p.chunks[len(p.chunks)-1])+size > cap(p.chunks[len(p.chunks)-1]) {
+		p.chunks = append(p.chunks, make([]byte, 0, max(pathChunk, size)))
+	}
+	chunk := &p.chunks[len(p.chunks)-1]
+	if p.n%pathRestart == 0 {
+		p.restarts = append(p.restarts, pathAt{chunk: uint32(len(p.chunks) - 1), off: uint32(len(*chunk))})
+	}
+	*chunk = append(append(*chunk, head[:h]...), path[shared:]...)
+	p.last = append(p.last[:0], path...)
+	p.n++
+}
+
+// pathReader reads a pathList's paths in order from a restart on.
+type pathReader struct {
+	p    *pathList
+	at   pathAt
+	i    int
+	path []byte // the last read; the next read reuses it
+}
+
+func (p *pathList) from(r int) pathReader {
+	return pathReader{p: p, at: p.restarts[r], i: r * pathRestart}
+}
+
+// next reads the next path, false past the last.
+func (r *pathReader) next() bool {
+	if r.i >= r.p.n {
+		return false
+	}
+	chunk := r.p.chunks[r.at.chunk]
+	if int(r.at.off) == len(chunk) {
+		r.at = pathAt{chunk: r.at.chunk + 1}
+		chunk = r.p.chunks[r.at.chunk]
+	}
+	b := chunk[r.at.off:]
+	shared, n := binary.Uvarint(b)
+	rest, m := binary.Uvarint(b[n:])
+	r.path = append(r.path[:shared], b[n+m:n+m+int(rest)]...)
+	r.at.off += uint32(n + m + int(rest))
+	r.i++
+	return true
+}
+
+// path is path i.
+func (p *pathList) path(i int) string {
+	r := p.from(i / pathRestart)
+	for r.next() && r.i <= i {
+	}
+	return string(r.path)
+}
+
+// restart is the path restart r starts with, whole where it lies.
+func (p *pathList) restart(r int) []byte {
+	at := p.restarts[r]
+	b := p.chunks[at.chunk][at.off:]
+	_, n := binary.Uvarint(b) // 0: nothing shared
+	rest, m := binary.Uvarint(b[n:])
+	return b[n+m : n+m+int(rest)]
+}
+
+// lookup is the index of path, -1 if it is not in the list: the last
+// restart whose path is not past it, then the paths after it.
+func (p *pathList) lookup(path string) int {
+	r := sort.Search(len(p.restarts), func(r int) bool { return comparePaths(p.restart(r), path) > 0 }) - 1
+	if r < 0 {
+		return -1
+	}
+	rd := p.from(r)
+	for k := 0; k < pathRestart && rd.next(); k++ {
+		switch c := comparePaths(rd.path, path); {
+		case c == 0:
+			return rd.i - 1
+		case c > 0:
+			return -1
+		}
+	}
+	return -1
+}
