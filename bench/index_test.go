@@ -145,10 +145,8 @@ func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work st
 	if err := blob.Truncate(layout.Size); err != nil {
 		b.Fatal(err)
 	}
-	for i, data := range layout.TakeInline() {
-		if _, err := blob.WriteAt(data, layout.Extent(i).Offset); err != nil {
-			b.Fatal(err)
-		}
+	if err := layout.WriteInline(blob, func(int) {}); err != nil {
+		b.Fatal(err)
 	}
 	if err := overlay.MountIndex(image.Name(), blob.Name(), filepath.Join(work, "mnt")); err != nil {
 		b.Fatal(err)

@@ -100,8 +100,8 @@ type blobReader struct {
 
 // OpenBlob holds the readers of the blob at path (below the group's root,
 // made by the caller, of layout.Size bytes), whose extents layout says,
-// from now on: every extent that carries its data (Layout.Inline) is
-// written in place at once (and its data dropped from layout), and every
+// from now on: every extent that carries its data is written in place at
+// once (Layout.WriteInline), and every
 // other one is fetched with fetch
 // when a read first touches it, or offered by a stream (Offer), or
 // prefetched (Prefetch). Bytes that are not an extent's sum are told to
@@ -125,9 +125,8 @@ func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch, cor
 }
 
 // open opens the blob through the group's clone, writes the extents that
-// carry their data (and lets go of it: the layout is the fill's, and a
-// small file's bytes need not live as long) and marks the blob for the
-// rest.
+// carry their data (which the layout then lets go of) and marks the blob
+// for the rest.
 func (b *Blob) open(rel string) error {
 	file, err := fdtree.OpenFileBeneath(b.g.tree, rel, unix.O_RDWR)
 	if err != nil {
@@ -142,13 +141,11 @@ func (b *Blob) open(rel string) error {
 		return fmt.Errorf("the blob %s: mode %o, %d bytes: want a regular file of %d", rel, st.Mode, st.Size, b.layout.Size)
 	}
 	b.key = fileKey{dev: st.Dev, ino: st.Ino}
-	for i, data := range b.layout.TakeInline() {
-		e := b.layout.Extent(i)
-		if _, err := b.file.WriteAt(data, e.Offset); err != nil {
-			return fmt.Errorf("%s: %w", e.Path, err)
-		}
+	if err := b.layout.WriteInline(b.file, func(i int) {
 		b.state[i] = extentInPlace
 		b.left--
+	}); err != nil {
+		return fmt.Errorf("the blob %s: %w", rel, err)
 	}
 	if b.left == 0 {
 		b.end()

@@ -366,8 +366,8 @@ func TestLayoutExtentsAndSums(t *testing.T) {
 	require.Equal(t, layout.Extent(4).Offset, off)
 }
 
-// A layout with no sums makes no file of them: nothing holds its
-// filesystem.
+// A layout with no sums and no inline bytes makes no file of them:
+// nothing holds its filesystem.
 func TestLayoutWithoutSums(t *testing.T) {
 	image := tempImage(t)
 	w, err := NewWriter(image, Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
@@ -375,26 +375,86 @@ func TestLayoutWithoutSums(t *testing.T) {
 	require.NoError(t, w.Add(Entry{Name: "f", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 3}}))
 	layout, err := w.Close()
 	require.NoError(t, err)
-	require.Nil(t, layout.sums)
+	require.False(t, layout.sums.started())
+	require.False(t, layout.inline.started())
 	sum, err := layout.SumOf(0)
 	require.NoError(t, err)
 	require.Equal(t, filesum.Sum{}, sum)
 }
 
-// A layout whose sums cannot be kept fails the writer's Close: an index
-// whose extents would go unchecked is not one a fill may use.
-func TestLayoutSumsNotKeptFailsTheIndex(t *testing.T) {
-	dir := t.TempDir()
-	image, err := os.Create(filepath.Join(dir, "image"))
-	require.NoError(t, err)
-	defer image.Close()
-	w, err := NewWriter(image, Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
-	require.NoError(t, err)
-	require.NoError(t, os.Remove(image.Name()))
-	require.NoError(t, os.Remove(dir)) // where the sums' file would be made
-	require.NoError(t, w.Add(Entry{Name: "f", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 3}, Sum: filesum.Sum{1}}))
-	_, err = w.Close()
-	require.ErrorContains(t, err, "file sums")
+// A layout whose sums or inline bytes cannot be kept fails the writer's
+// Close: an index whose extents would go unchecked, or unwritten, is not
+// one a fill may use.
+func TestLayoutAsideNotKeptFailsTheIndex(t *testing.T) {
+	tests := []struct {
+		name    string
+		file    Entry
+		wantErr string
+	}{
+		{name: "sums", file: Entry{Name: "f", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 3}, Sum: filesum.Sum{1}}, wantErr: "file sums"},
+		{name: "inline bytes", file: Entry{Name: "f", Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: 3}, Data: []byte("abc")}, wantErr: "inline bytes"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			image, err := os.Create(filepath.Join(dir, "image"))
+			require.NoError(t, err)
+			defer image.Close()
+			w, err := NewWriter(image, Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+			require.NoError(t, err)
+			require.NoError(t, os.Remove(image.Name()))
+			require.NoError(t, os.Remove(dir)) // where the file would be made
+			require.NoError(t, w.Add(tc.file))
+			_, err = w.Close()
+			require.ErrorContains(t, err, tc.wantErr)
+		})
+	}
+}
+
+// The bytes Entries carried (a stream's small files) are written into the
+// blob at their extents, told in extent order, once: not the others', and
+// none after the layout let go of them.
+func TestLayoutWriteInline(t *testing.T) {
+	files := []struct {
+		size int64
+		data []byte
+	}{{size: 5, data: []byte("small")}, {size: 3}, {size: blockSize + 2, data: bytes.Repeat([]byte{7}, blockSize+2)}}
+	layoutOf := func() *Layout {
+		w, err := NewWriter(tempImage(t), Options{}, Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+		require.NoError(t, err)
+		for i, f := range files {
+			require.NoError(t, w.Add(Entry{Name: fmt.Sprintf("f%d", i), Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: f.size}, Data: f.data}))
+		}
+		layout, err := w.Close()
+		require.NoError(t, err)
+		return layout
+	}
+	layout := layoutOf()
+	blob := make(blobBytes, layout.Size)
+	var written []int
+	require.NoError(t, layout.WriteInline(blob, func(i int) { written = append(written, i) }))
+	require.Equal(t, []int{0, 2}, written)
+	want := make(blobBytes, layout.Size)
+	for _, i := range written {
+		copy(want[layout.Extent(i).Offset:], files[i].data)
+	}
+	require.Equal(t, want, blob)
+	require.NoError(t, layout.WriteInline(blob, func(i int) { t.Errorf("extent %d written twice", i) }))
+	require.NoError(t, layout.Close())
+
+	layout = layoutOf()
+	require.NoError(t, layout.Close())
+	require.NoError(t, layout.WriteInline(blob, func(i int) { t.Errorf("extent %d written after Close", i) }))
+}
+
+// blobBytes is a blob in memory.
+type blobBytes []byte
+
+func (b blobBytes) WriteAt(p []byte, off int64) (int, error) {
+	if off < 0 || off+int64(len(p)) > int64(len(b)) {
+		return 0, io.ErrShortWrite
+	}
+	return copy(b[off:], p), nil
 }
 
 // requireLayoutReadBack checks that ReadLayout reads back from image the

@@ -2,7 +2,10 @@ package index
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"io"
+	"os"
 	"sort"
 
 	"github.com/concourse/cowvol/internal/fdtree"
@@ -20,7 +23,10 @@ import (
 // sums are kept), lie in a file no name reaches beside the image: a
 // million of them were 32 MB of a fill's heap, and twice that of its RSS
 // with the collector's headroom; in the page cache they are the kernel's
-// to write back under pressure.
+// to write back under pressure. So do the small files' bytes a stream
+// carries (up to its budget, 16 MiB), until they are written into the
+// blob: held on the heap from the first record to the blob's making, they
+// were a third of a million-file pull's peak heap.
 
 // Extent is where one regular file's data lies in the blob. Hard links
 // share one.
@@ -58,16 +64,22 @@ type Layout struct {
 	spans [][]span // of spanChunk each, but the last
 	paths pathList
 	// inline is the bytes of the extents whose Entries carried them (a
-	// stream's small files), by extent: a few of a large tree's files,
-	// which is why they are not a field of every span.
-	inline map[int][]byte
+	// stream's small files), one after the other, and inlined which
+	// extents those are, in order: a few of a large tree's files, which
+	// is why they are not a field of every span.
+	inline  aside
+	inlined []uint32
 	// sums is each extent's sum (Entry.Sum; zeros where it had none), in
-	// extent order, from the first extent that has one: nil till then,
-	// and where none has.
-	sums      *appender
-	sumsFrom  int
-	sumsDir   string // where the file of sums is made
-	sumsError error  // why the sums could not be kept, if they could not
+	// extent order, from the first extent that has one: not made till
+	// then, and where none has.
+	sums     aside
+	sumsFrom int
+}
+
+// newLayout is an empty layout whose files of sums and inline bytes are
+// made in dir.
+func newLayout(dir string) *Layout {
+	return &Layout{sums: aside{what: "an index's file sums", dir: dir}, inline: aside{what: "an index's inline bytes", dir: dir}}
 }
 
 // Len is how many extents the blob holds.
@@ -106,10 +118,8 @@ func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) int 
 	l.Size += padded
 	l.paths.add(path)
 	if data != nil {
-		if l.inline == nil {
-			l.inline = map[int][]byte{}
-		}
-		l.inline[l.n] = data
+		l.inline.append(data)
+		l.inlined = append(l.inlined, uint32(l.n))
 	}
 	l.addSum(sum)
 	l.n++
@@ -117,38 +127,21 @@ func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) int 
 }
 
 // addSum writes the next extent's sum to the file of sums, which the
-// first sum that is not zeros makes. A file that cannot be made or
-// written leaves the layout with no sums (sumsError says why).
+// first sum that is not zeros makes.
 func (l *Layout) addSum(sum filesum.Sum) {
-	if l.sums == nil {
-		if sum == (filesum.Sum{}) || l.sumsError != nil {
+	if !l.sums.started() {
+		if sum == (filesum.Sum{}) {
 			return
 		}
-		f, err := fdtree.Unnamed(l.sumsDir, "an index's file sums")
-		if err != nil {
-			l.sumsError = err
-			return
-		}
-		l.sums, l.sumsFrom = newAppender(f, 0, sumsBuffer), l.n
+		l.sumsFrom = l.n
 	}
-	l.sums.write(sum[:])
+	l.sums.append(sum[:])
 }
 
-// sumsBuffer is how much of the file of sums a Writer buffers.
-const sumsBuffer = 64 << 10
-
-// flush writes the sums buffered, and says whether they are kept.
+// flush writes what is buffered of the sums and the inline bytes, and
+// says whether they are kept.
 func (l *Layout) flush() error {
-	if l.sums != nil {
-		if err := l.sums.flush(); err != nil {
-			return fmt.Errorf("an index's file sums: %w", err)
-		}
-		l.sums.buf = nil
-	}
-	if l.sumsError != nil {
-		return fmt.Errorf("an index's file sums: %w", l.sumsError)
-	}
-	return nil
+	return errors.Join(l.sums.flush(), l.inline.flush())
 }
 
 // SumOf says what extent i's data hashes to, where its Entry said (a
@@ -157,35 +150,51 @@ func (l *Layout) flush() error {
 // read (or let go of: Close).
 func (l *Layout) SumOf(i int) (filesum.Sum, error) {
 	var sum filesum.Sum
-	if l.sums == nil || i < l.sumsFrom {
+	if !l.sums.started() || i < l.sumsFrom {
 		return sum, nil
 	}
-	if _, err := l.sums.f.ReadAt(sum[:], int64(i-l.sumsFrom)*int64(sumSize)); err != nil {
+	if _, err := l.sums.readAt(sum[:], int64(i-l.sumsFrom)*int64(sumSize)); err != nil {
 		return filesum.Sum{}, fmt.Errorf("reading extent %d's sum: %w", i, err)
 	}
 	return sum, nil
 }
 
-// Close lets go of the extents' sums (SumOf fails after it); the rest
-// stays. The sums' file is also let go of by the collector, should a
+// Close lets go of the extents' sums (SumOf fails after it) and of the
+// inline bytes not yet written (WriteInline writes none after it); the
+// rest stays. Their files are also let go of by the collector, should a
 // layout be dropped unclosed.
 func (l *Layout) Close() error {
-	if l.sums == nil {
-		return nil
-	}
-	return l.sums.f.Close()
+	l.inlined = nil
+	return errors.Join(l.sums.close(), l.inline.close())
 }
 
-// Inline is the bytes of extent i where its Entry carried them (a
-// stream's small files), nil if it did not: its range needs no fetch.
-func (l *Layout) Inline(i int) []byte { return l.inline[i] }
-
-// TakeInline is every extent's bytes that Inline says, by extent, which
-// the layout lets go of: they need not live as long as it does.
-func (l *Layout) TakeInline() map[int][]byte {
-	inline := l.inline
-	l.inline = nil
-	return inline
+// WriteInline writes through w (the blob), at each one's offset, the
+// bytes of every extent whose Entry carried them (a stream's small
+// files: their ranges need no fetch), and tells written which extents
+// those are, in order; then it lets go of them: a second call writes
+// none.
+func (l *Layout) WriteInline(w io.WriterAt, written func(i int)) error {
+	inlined := l.inlined
+	l.inlined = nil
+	defer l.inline.close()
+	if len(inlined) == 0 {
+		return nil
+	}
+	buf := make([]byte, 64<<10)
+	var at int64 // in the file of inline bytes
+	for _, i := range inlined {
+		off, size := l.extent(int(i))
+		n, err := io.CopyBuffer(io.NewOffsetWriter(w, off), io.NewSectionReader(l.inline.file(), at, size), buf)
+		if err == nil && n != size {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil {
+			return fmt.Errorf("writing %s's inline bytes into the blob: %w", l.paths.path(int(i)), err)
+		}
+		at += size
+		written(int(i))
+	}
+	return nil
 }
 
 // Data is how many bytes of data the files hold: the blob's size, less
@@ -363,4 +372,70 @@ func (p *pathList) lookup(path string) int {
 		}
 	}
 	return -1
+}
+
+// aside is a file no name reaches, beside the image, that a Layout
+// appends to as its Writer lays extents out, made by the first append:
+// what a fill reads back once or twice rather than holds. One that cannot
+// be made or written fails the index (flush).
+type aside struct {
+	what string // what it holds, for errors
+	dir  string // where it is made
+	*appender
+	err    error // why it could not be made
+	closed bool
+}
+
+// asideBuffer is how much of an aside file a Writer buffers.
+const asideBuffer = 64 << 10
+
+// started says whether anything was appended.
+func (a *aside) started() bool { return a.appender != nil || a.err != nil }
+
+func (a *aside) append(p []byte) {
+	if a.appender == nil {
+		if a.err != nil {
+			return
+		}
+		f, err := fdtree.Unnamed(a.dir, a.what)
+		if err != nil {
+			a.err = err
+			return
+		}
+		a.appender = newAppender(f, 0, asideBuffer)
+	}
+	a.write(p)
+}
+
+// flush writes what is buffered, and lets go of the buffer.
+func (a *aside) flush() error {
+	if a.appender != nil {
+		if err := a.appender.flush(); err != nil {
+			return fmt.Errorf("%s: %w", a.what, err)
+		}
+		a.buf = nil
+	}
+	if a.err != nil {
+		return fmt.Errorf("%s: %w", a.what, a.err)
+	}
+	return nil
+}
+
+// file is the file, nil if nothing was appended.
+func (a *aside) file() *os.File {
+	if a.appender == nil {
+		return nil
+	}
+	return a.f
+}
+
+func (a *aside) readAt(p []byte, off int64) (int, error) { return a.file().ReadAt(p, off) }
+
+// close lets go of the file; reads of it fail after.
+func (a *aside) close() error {
+	if a.appender == nil || a.closed {
+		return nil
+	}
+	a.closed = true
+	return a.f.Close()
 }

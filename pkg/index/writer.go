@@ -107,7 +107,7 @@ func NewWriter(image *os.File, opt Options, root Entry) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Writer{opt: opt, image: image, layout: &Layout{sumsDir: filepath.Dir(image.Name())},
+	w := &Writer{opt: opt, image: image, layout: newLayout(filepath.Dir(image.Name())),
 		dirs: newAppender(image, blockSize, appendBuffer), inodes: newAppender(inodes, 0, appendBuffer)}
 	// The root's inode is not the first 32 bytes: a nid of 0 would be an
 	// inode number of 0, which readers of a directory skip.
@@ -610,8 +610,8 @@ func (w *Writer) Close() (*Layout, error) {
 }
 
 // Abandon lets go of what a Writer holds (its inodes' file, its layout's
-// sums) where its index will not be finished: a pull that failed. It
-// does nothing to a Writer closed.
+// sums and inline bytes) where its index will not be finished: a pull
+// that failed. It does nothing to a Writer closed.
 func (w *Writer) Abandon() {
 	if w.closed {
 		return
@@ -743,7 +743,7 @@ type Entry struct {
 	// Target is a symlink's.
 	Target string
 	// Data is a regular file's bytes, where the stream carried them
-	// whole (a small file): its extent needs no fetch (Layout.Inline).
+	// whole (a small file): its extent needs no fetch (Layout.WriteInline).
 	Data []byte
 	// Sum is what a regular file's bytes hash to, where known.
 	Sum filesum.Sum

@@ -66,8 +66,7 @@ func IndexSupported(stateDir string) error {
 	}
 	blob, err := os.OpenFile(filepath.Join(dir, "index", indexBlob), os.O_WRONLY, 0)
 	if err == nil {
-		_, err = blob.WriteAt(layout.Inline(0), layout.Extent(0).Offset)
-		err = errors.Join(err, blob.Close())
+		err = errors.Join(layout.WriteInline(blob, func(int) {}), blob.Close())
 	}
 	if err != nil {
 		return err

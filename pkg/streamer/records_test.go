@@ -174,7 +174,7 @@ func TestIndexRecordsRefuses(t *testing.T) {
 		Inline{Max: 100, Budget: 100}, tempImage(t))
 	require.NoError(t, err, "a small file that is its sum")
 	require.Equal(t, "f", got.Inlined)
-	require.Equal(t, []byte("whole"), l.Inline(0))
+	require.Equal(t, map[int][]byte{0: []byte("whole")}, inlineBytes(t, l))
 }
 
 // A layer whose file rotted since its sums were taken is not made
