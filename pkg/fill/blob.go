@@ -101,8 +101,7 @@ type blobReader struct {
 // OpenBlob holds the readers of the blob at path (below the group's root,
 // made by the caller, of layout.Size bytes), whose extents layout says,
 // from now on: every extent that carries its data is written in place at
-// once (Layout.WriteInline), and every
-// other one is fetched with fetch
+// once (Layout.WriteInline), and every other one is fetched with fetch
 // when a read first touches it, or offered by a stream (Offer), or
 // prefetched (Prefetch). Bytes that are not an extent's sum are told to
 // corrupt (if not nil) and fetched again, a few times at most.
