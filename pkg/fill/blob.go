@@ -288,15 +288,17 @@ const blobFetchTries = 3
 // as a stub's is), checks it and answers its waiters.
 func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 	defer b.fills.Done()
-	e := b.layout.Extent(i)
 	sum, err := b.layout.SumOf(i)
 	if err != nil {
-		b.finish(i, fmt.Errorf("%s: %w", e.Path, err))
+		b.finish(i, fmt.Errorf("%s: %w", b.layout.Extent(i).Path, err))
 		return
 	}
+	// Its range, not its path: a path is decoded only where it is said.
+	ew := extentWriter{file: b.file}
+	ew.off, ew.size = b.layout.Range(i)
 	fresh := true // the extent is a hole until a try writes it
 	attempt := func(write func(w io.WriterAt) error) error {
-		var w io.WriterAt = extentWriter{file: b.file, extent: e}
+		var w io.WriterAt = ew
 		var landing *filesum.Landing
 		if fresh && sum != (filesum.Sum{}) { // (an extent with no sum is not checked)
 			landing = filesum.NewLanding(w)
@@ -306,37 +308,38 @@ func (b *Blob) fill(i int, write func(w io.WriterAt) error) {
 		if err := write(w); err != nil {
 			return err
 		}
-		return b.check(e, sum, landing)
+		return b.check(ew, sum, landing)
 	}
 	err = errors.New("no stream")
 	if write != nil {
 		err = attempt(write)
-		b.tell(e, FromStream, err)
+		b.tell(i, FromStream, err)
 	}
 	for try := 0; err != nil && try < blobFetchTries && b.ctx.Err() == nil; try++ {
+		e := b.layout.Extent(i)
 		err = attempt(func(w io.WriterAt) error {
 			return fetchWatched(b.ctx, b.g.stall, w, func(ctx context.Context, w io.WriterAt) error { return b.fetch(ctx, e, w) })
 		})
 		if !errors.Is(err, filesum.ErrMismatch) {
 			break
 		}
-		b.tell(e, FromHolder, err)
+		b.tell(i, FromHolder, err)
 	}
 	if err != nil {
-		err = fmt.Errorf("%s: %w", e.Path, err)
+		err = fmt.Errorf("%s: %w", b.layout.Extent(i).Path, err)
 	}
 	b.finish(i, err)
 }
 
-// tell says what came of an extent's bytes from a source of kind from
+// tell says what came of extent i's bytes from a source of kind from
 // that failed: wrong bytes to the CorruptFunc, the rest to the log.
-func (b *Blob) tell(e index.Extent, from string, err error) {
+func (b *Blob) tell(i int, from string, err error) {
 	switch {
 	case err == nil || b.ctx.Err() != nil:
 	case errors.Is(err, filesum.ErrMismatch) && b.corrupt != nil:
-		b.corrupt(e.Path, from, err)
+		b.corrupt(b.layout.Extent(i).Path, from, err)
 	default:
-		klog.V(2).InfoS("An extent of an index's blob did not arrive whole; fetching it", "path", e.Path, "from", from, "err", err)
+		klog.V(2).InfoS("An extent of an index's blob did not arrive whole; fetching it", "path", b.layout.Extent(i).Path, "from", from, "err", err)
 	}
 }
 
@@ -375,20 +378,20 @@ func (b *Blob) Prefetch(workers int) {
 	wg.Wait()
 }
 
-// check says whether extent e, as written, is sum (zeros: e has none): a
+// check says whether the extent ew wrote is sum (zeros: it has none): a
 // wrong byte never reaches a reader. Where the try that wrote it was the
 // first (landing not nil), its bytes were summed as they were written,
 // unless they came out of order; else, or then, the extent is read back
 // through the clone.
-func (b *Blob) check(e index.Extent, sum filesum.Sum, landing *filesum.Landing) error {
+func (b *Blob) check(ew extentWriter, sum filesum.Sum, landing *filesum.Landing) error {
 	if sum == (filesum.Sum{}) {
 		return nil
 	}
-	back := io.NewSectionReader(b.file, e.Offset, e.Size)
+	back := io.NewSectionReader(b.file, ew.off, ew.size)
 	if landing == nil {
 		return filesum.Check(back, sum)
 	}
-	return landing.Check(e.Size, sum, back)
+	return landing.Check(ew.size, sum, back)
 }
 
 // finish records how extent i's fill ended and answers the readers it
@@ -520,13 +523,13 @@ func (b *Blob) Close() error {
 // extentWriter writes an extent's bytes into the blob, at offsets in its
 // file, and refuses any past its end.
 type extentWriter struct {
-	file   fdtree.File
-	extent index.Extent
+	file      fdtree.File
+	off, size int64 // the extent's, in the blob
 }
 
 func (w extentWriter) WriteAt(p []byte, off int64) (int, error) {
-	if off < 0 || off > w.extent.Size || int64(len(p)) > w.extent.Size-off {
-		return 0, fmt.Errorf("%d bytes at %d of a file of %d: %w", len(p), off, w.extent.Size, unix.EINVAL)
+	if off < 0 || off > w.size || int64(len(p)) > w.size-off {
+		return 0, fmt.Errorf("%d bytes at %d of a file of %d: %w", len(p), off, w.size, unix.EINVAL)
 	}
-	return w.file.WriteAt(p, w.extent.Offset+off)
+	return w.file.WriteAt(p, w.off+off)
 }

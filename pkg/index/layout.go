@@ -87,12 +87,13 @@ func (l *Layout) Len() int { return l.n }
 
 // Extent is extent i.
 func (l *Layout) Extent(i int) Extent {
-	off, size := l.extent(i)
+	off, size := l.Range(i)
 	return Extent{Path: l.paths.path(i), Offset: off, Size: size}
 }
 
-// extent is extent i's offset and size.
-func (l *Layout) extent(i int) (off, size int64) {
+// Range is extent i's offset and size: Extent but its path, which a
+// fill's hot path need not decode.
+func (l *Layout) Range(i int) (off, size int64) {
 	s := l.span(i)
 	end := l.Size
 	if i+1 < l.n {
@@ -106,9 +107,8 @@ func (l *Layout) span(i int) *span { return &l.spans[i/spanChunk][i%spanChunk] }
 
 // add lays out the next extent, of size bytes, after the last one, the
 // file's data bytes where its Entry carried them (nil if not) and its sum
-// (zeros: none), and says which it is. The caller has checked that the
-// blob can address it.
-func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) int {
+// (zeros: none). The caller has checked that the blob can address it.
+func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) {
 	if l.n%spanChunk == 0 {
 		l.spans = append(l.spans, make([]span, 0, spanChunk))
 	}
@@ -123,7 +123,6 @@ func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) int 
 	}
 	l.addSum(sum)
 	l.n++
-	return l.n - 1
 }
 
 // addSum writes the next extent's sum to the file of sums, which the
@@ -183,7 +182,7 @@ func (l *Layout) WriteInline(w io.WriterAt, written func(i int)) error {
 	buf := make([]byte, 64<<10)
 	var at int64 // in the file of inline bytes
 	for _, i := range inlined {
-		off, size := l.extent(int(i))
+		off, size := l.Range(int(i))
 		n, err := io.CopyBuffer(io.NewOffsetWriter(w, off), io.NewSectionReader(l.inline.file(), at, size), buf)
 		if err == nil && n != size {
 			err = io.ErrUnexpectedEOF
@@ -240,7 +239,7 @@ func (l *Layout) Offset(path string) (int64, bool) {
 // Find is the extent holding the blob's byte off (-1: none, padding).
 func (l *Layout) Find(off int64) int {
 	if i := l.from(off); i < l.n {
-		if start, _ := l.extent(i); start <= off {
+		if start, _ := l.Range(i); start <= off {
 			return i
 		}
 	}
@@ -261,7 +260,7 @@ func (l *Layout) Touching(off, n int64) (first, end int) {
 // from is the first extent that ends past off: the one holding off if it
 // starts at or before it, else the next.
 func (l *Layout) from(off int64) int {
-	return sort.Search(l.n, func(i int) bool { start, size := l.extent(i); return start+size > off })
+	return sort.Search(l.n, func(i int) bool { start, size := l.Range(i); return start+size > off })
 }
 
 // pathList keeps paths in the order they are added (the walk's), each

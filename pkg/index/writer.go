@@ -594,8 +594,8 @@ func writeDir(d *openDir, block []byte, emit func([]byte)) (int64, error) {
 // counts of the files named more than once, appends the inodes to the
 // image and writes its first block. It says where each regular file's
 // data lies in the blob. It lets go of the inodes' file whatever happens,
-// and of the layout's sums where it fails; an image it fails is not
-// whole.
+// and of the layout's sums and inline bytes where it fails; an image it
+// fails is not whole.
 func (w *Writer) Close() (*Layout, error) {
 	if w.closed {
 		return nil, errors.New("an index writer closed twice")

@@ -245,15 +245,15 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 	})
 }
 
-// closeLayout lets go of the sums of layout, if any: once its extents are
-// checked and its sums kept, or once the pull failed. Its extents stay
-// (WholeIndexes.MakePlain clones by them).
+// closeLayout lets go of the sums and inline bytes of layout, if any:
+// once its extents are checked and its sums kept, or once the pull
+// failed. Its extents stay.
 func closeLayout(layout *index.Layout) {
 	if layout == nil {
 		return
 	}
 	if err := layout.Close(); err != nil {
-		klog.ErrorS(err, "Letting go of an index's file sums")
+		klog.ErrorS(err, "Letting go of an index's file sums and inline bytes")
 	}
 }
 
