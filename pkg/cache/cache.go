@@ -159,7 +159,7 @@ type Store struct {
 	live liveHolds
 	// sums are layers' file sums read or computed lately (sums.go), by
 	// their file; summing computes each once.
-	sums    *ttlcache.Cache[string, filesum.Table]
+	sums    *ttlcache.Cache[string, *filesum.Table]
 	summing singleflight.Group
 }
 

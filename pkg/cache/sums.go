@@ -59,8 +59,8 @@ func layerBeside(name string) string {
 	return ""
 }
 
-func newSumsCache() *ttlcache.Cache[string, filesum.Table] {
-	return ttlcache.New[string, filesum.Table](sumsKeptFor, sumsKept)
+func newSumsCache() *ttlcache.Cache[string, *filesum.Table] {
+	return ttlcache.New[string, *filesum.Table](sumsKeptFor, sumsKept)
 }
 
 func (s *Store) sumsPath(r volume.Ref, layer string) string {
@@ -74,14 +74,14 @@ func SumsFile(layerPath string) string { return layerPath + sumsSuffix }
 // LayerSums answers the file sums of v's own layer: those kept, or computed
 // now from the layer and kept (once, whoever else asks meanwhile). The
 // layer must be held while they are computed.
-func (s *Store) LayerSums(v Volume) (filesum.Table, error) {
+func (s *Store) LayerSums(v Volume) (*filesum.Table, error) {
 	return s.layerSums(v.Ref(), v.Layer)
 }
 
 // LayerSumsAt is LayerSums of the layer of r at dir, as a chain read
 // (ChainOf) named it: the layer it read, which a flatten since may have
 // replaced (held, it is not pruned).
-func (s *Store) LayerSumsAt(r volume.Ref, dir string) (filesum.Table, error) {
+func (s *Store) LayerSumsAt(r volume.Ref, dir string) (*filesum.Table, error) {
 	layer := filepath.Base(dir)
 	if s.LayerPath(r, layer) != dir {
 		return nil, fmt.Errorf("%s is not a layer of volume %s", dir, r)
@@ -89,7 +89,7 @@ func (s *Store) LayerSumsAt(r volume.Ref, dir string) (filesum.Table, error) {
 	return s.layerSums(r, layer)
 }
 
-func (s *Store) layerSums(r volume.Ref, layer string) (filesum.Table, error) {
+func (s *Store) layerSums(r volume.Ref, layer string) (*filesum.Table, error) {
 	path := s.sumsPath(r, layer)
 	if t, ok := s.sums.Get(path, time.Now()); ok {
 		return t, nil
@@ -114,13 +114,13 @@ func (s *Store) layerSums(r volume.Ref, layer string) (filesum.Table, error) {
 			// that computes them once these are forgotten.
 			klog.ErrorS(err, "Keeping a layer's file sums failed; they are kept in memory", "volume", r, "layer", layer)
 		}
-		klog.V(2).InfoS("Computed a layer's file sums", "volume", r, "layer", layer, "files", len(t), "duration", time.Since(start))
+		klog.V(2).InfoS("Computed a layer's file sums", "volume", r, "layer", layer, "files", t.Len(), "duration", time.Since(start))
 		return t, nil
 	})
 	if err != nil {
 		return nil, err
 	}
-	table := t.(filesum.Table)
+	table := t.(*filesum.Table)
 	s.sums.Put(path, table, time.Now())
 	return table, nil
 }

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"maps"
 	"os"
 	"path/filepath"
 	"testing"
@@ -23,13 +24,13 @@ func TestLayerSumsAreKeptWithTheirLayer(t *testing.T) {
 	require.NoError(t, err)
 	want, err := filesum.OfTree(t.Context(), s.DataPath(v))
 	require.NoError(t, err)
-	require.Equal(t, want, sums)
+	require.Equal(t, maps.Collect(want.All()), maps.Collect(sums.All()))
 
 	require.NoError(t, os.WriteFile(filepath.Join(s.DataPath(v), "f"), []byte("rotted!!"), 0o644))
 	s.sums = newSumsCache() // as after a restart: read from the file, not computed
 	again, err := s.LayerSums(v)
 	require.NoError(t, err)
-	require.Equal(t, want, again, "the capture's sums, not the disk's now")
+	require.Equal(t, maps.Collect(want.All()), maps.Collect(again.All()), "the capture's sums, not the disk's now")
 
 	kept := s.StubsPath(v)
 	require.NoError(t, os.WriteFile(kept, []byte("its stub tree"), 0o600))
@@ -58,5 +59,5 @@ func TestLayerSumsAnsweredWhenTheyCannotBeKept(t *testing.T) {
 	require.NoError(t, os.MkdirAll(filepath.Join(s.sumsPath(v.Ref(), v.Layer), "in-the-way"), 0o755))
 	sums, err := s.LayerSums(v)
 	require.NoError(t, err)
-	require.Len(t, sums, 1)
+	require.Equal(t, 1, sums.Len())
 }

@@ -24,7 +24,7 @@ import (
 // memory or spilled to a file.
 type record [2 * sha256.Size]byte
 
-func recordOf(path string, sum Sum) record {
+func recordOf[P string | []byte](path P, sum Sum) record {
 	var r record
 	p := sha256.Sum256([]byte(path))
 	copy(r[:sha256.Size], p[:])

@@ -8,17 +8,13 @@
 package filesum
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -41,16 +37,6 @@ func Parse(s string) (Sum, error) {
 		return Sum{}, fmt.Errorf("a file sum: %w", err)
 	}
 	return sum, nil
-}
-
-// Table is a layer's regular files' sums, by their slash-separated path in
-// the layer.
-type Table map[string]Sum
-
-// Sum is the sum the table has for path, if any.
-func (t Table) Sum(path string) (Sum, bool) {
-	s, ok := t[path]
-	return s, ok
 }
 
 // ErrMismatch says bytes are not what their sum says.
@@ -81,7 +67,7 @@ func Check(r io.Reader, want Sum) error {
 
 // OfTree computes the table of the tree at root: every regular file's sum,
 // read through a descriptor opened beneath its dir.
-func OfTree(ctx context.Context, root string) (Table, error) {
+func OfTree(ctx context.Context, root string) (*Table, error) {
 	return OfTreeKnowing(ctx, root, nil)
 }
 
@@ -93,12 +79,12 @@ var emptySum = Sum(sha256.Sum256(nil))
 // the sums a pull checked the bytes against as they landed, which a copy
 // of them carries. A file known under none of the names walked before it
 // is read. The caller answers for known: its sums are not checked here.
-func OfTreeKnowing(ctx context.Context, root string, known func(path string) (Sum, bool)) (Table, error) {
-	t := Table{}
-	if err := walkSums(ctx, root, known, func(path string, sum Sum) error { t[path] = sum; return nil }); err != nil {
+func OfTreeKnowing(ctx context.Context, root string, known func(path string) (Sum, bool)) (*Table, error) {
+	var b TableBuilder
+	if err := walkSums(ctx, root, known, func(path string, sum Sum) error { b.Add(path, sum); return nil }); err != nil {
 		return nil, err
 	}
-	return t, nil
+	return b.Table(), nil
 }
 
 // walkSums hands visit each regular file of the tree at root with its sum,
@@ -154,156 +140,6 @@ func fileSum(e *fdtree.Entry) (Sum, error) {
 		return Sum{}, fmt.Errorf("%s: %w", e.Path, err)
 	}
 	return sum, nil
-}
-
-// The file a table is kept in: a header, then each file as its sum, its
-// path's length (uvarint) and its path, in no order; then the SHA-256 of
-// all that, so that a file torn or rotted reads as none.
-var fileHeader = []byte("cowvol file sums v1\n")
-
-// WriteFile keeps t at path: written beside it, synced, then renamed over
-// it, so that a crash leaves the old file or the new one.
-func (t Table) WriteFile(path string) error {
-	return writeTableFile(path, func(emit func(string, Sum) error) error {
-		for p, sum := range t {
-			if err := emit(p, sum); err != nil {
-				return err
-			}
-		}
-		return nil
-	}, nil)
-}
-
-// WriteTreeFile keeps the table of the tree at root, as OfTreeKnowing
-// sums it, at path as WriteFile does, without holding it: each file's
-// record is written as the walk meets it, and the table's digest taken
-// from a listing spilled beside path (a run of 4 MiB in memory, whatever
-// the file count). It is kept only if its digest is want, else nothing is
-// (ErrMismatch).
-func WriteTreeFile(ctx context.Context, root string, known func(path string) (Sum, bool), path string, want Sum) error {
-	spill, err := fdtree.Unnamed(filepath.Dir(path), "a listing's runs")
-	if err != nil {
-		return err
-	}
-	defer spill.Close()
-	var listing Listing
-	listing.Spill(spill)
-	files := 0
-	return writeTableFile(path, func(emit func(string, Sum) error) error {
-		return walkSums(ctx, root, known, func(p string, sum Sum) error {
-			files++
-			listing.File(p, sum)
-			return emit(p, sum)
-		})
-	}, func() error {
-		got, err := listing.Digest()
-		if err == nil && got != want {
-			err = fmt.Errorf("the table of %s (%d files): %w", root, files, ErrMismatch)
-		}
-		return err
-	})
-}
-
-// writeTableFile writes the records records emits to a file beside path,
-// as a table is kept (its header, each record, the SHA-256 of all that),
-// syncs it and, if check (if any) says so, renames it over path.
-func writeTableFile(path string, records func(emit func(string, Sum) error) error, check func() error) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), ".sums-*")
-	if err != nil {
-		return err
-	}
-	h := sha256.New()
-	bw := bufio.NewWriterSize(io.MultiWriter(tmp, h), 1<<20)
-	bw.Write(fileHeader)
-	var length [binary.MaxVarintLen64]byte
-	err = records(func(p string, sum Sum) error {
-		bw.Write(sum[:])
-		bw.Write(length[:binary.PutUvarint(length[:], uint64(len(p)))])
-		_, err := bw.WriteString(p)
-		return err
-	})
-	if err == nil {
-		err = bw.Flush()
-	}
-	if err == nil {
-		_, err = tmp.Write(h.Sum(nil))
-	}
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil && check != nil {
-		err = check()
-	}
-	if err == nil {
-		err = os.Rename(tmp.Name(), path)
-	}
-	if err != nil {
-		os.Remove(tmp.Name())
-		return fmt.Errorf("keeping file sums at %s: %w", path, err)
-	}
-	return nil
-}
-
-// ErrBadFile says a table's file is torn or rotted.
-var ErrBadFile = errors.New("a file of sums that does not read whole")
-
-// ReadFile reads a table kept at path.
-func ReadFile(path string) (Table, error) {
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	if len(raw) < len(fileHeader)+sha256.Size || !bytes.HasPrefix(raw, fileHeader) {
-		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-	}
-	body, whole := raw[:len(raw)-sha256.Size], raw[len(raw)-sha256.Size:]
-	if sha256.Sum256(body) != [sha256.Size]byte(whole) {
-		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-	}
-	t := Table{}
-	r := bufio.NewReader(bytes.NewReader(body[len(fileHeader):]))
-	for {
-		var sum Sum
-		if _, err := io.ReadFull(r, sum[:]); errors.Is(err, io.EOF) {
-			return t, nil
-		} else if err != nil {
-			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-		}
-		n, err := binary.ReadUvarint(r)
-		if err != nil || n > uint64(len(body)) {
-			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-		}
-		p := make([]byte, n)
-		if _, err := io.ReadFull(r, p); err != nil {
-			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-		}
-		t[string(p)] = sum
-	}
-}
-
-// Digest is the table's digest.
-func (t Table) Digest() Sum {
-	records := make([]record, 0, len(t))
-	for p, sum := range t {
-		records = append(records, recordOf(p, sum))
-	}
-	runs := runsOf(records)
-	sortRuns(runs...)
-	return digestOf(runs...)
-}
-
-// runsOf cuts records into runs of listingRun, which sortRuns sorts at
-// once.
-func runsOf(records []record) [][]record {
-	var runs [][]record
-	for len(records) > listingRun {
-		runs = append(runs, records[:listingRun:listingRun])
-		records = records[listingRun:]
-	}
-	return append(runs, records)
 }
 
 // LayerDigest is the digest of a layer that is a diff over the volume

@@ -6,14 +6,18 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/concourse/cowvol/internal/walkorder"
 )
 
 // A tree's table names each regular file's sum by its path, follows no
@@ -28,12 +32,18 @@ func TestTable(t *testing.T) {
 	require.NoError(t, os.Symlink("/etc/passwd", filepath.Join(root, "link")))
 	table, err := OfTree(t.Context(), root)
 	require.NoError(t, err)
-	require.Len(t, table, 3)
+	require.Equal(t, 3, table.Len())
 	want, err := Of(strings.NewReader("beta"))
 	require.NoError(t, err)
-	require.Equal(t, want, table["d/e/b"])
-	require.NoError(t, Check(strings.NewReader("beta"), table["d/e/b"]))
-	require.ErrorIs(t, Check(strings.NewReader("betA"), table["d/e/b"]), ErrMismatch)
+	got, ok := table.Sum("d/e/b")
+	require.True(t, ok)
+	require.Equal(t, want, got)
+	require.NoError(t, Check(strings.NewReader("beta"), got))
+	require.ErrorIs(t, Check(strings.NewReader("betA"), got), ErrMismatch)
+	for _, absent := range []string{"d/empty/", "d/e", "link", "b", ""} {
+		_, ok := table.Sum(absent)
+		require.False(t, ok, absent)
+	}
 	parsed, err := Parse(want.String())
 	require.NoError(t, err)
 	require.Equal(t, want, parsed)
@@ -46,7 +56,7 @@ func TestTable(t *testing.T) {
 	require.NoError(t, table.WriteFile(kept))
 	back, err := ReadFile(kept)
 	require.NoError(t, err)
-	require.Equal(t, table, back)
+	require.Equal(t, maps.Collect(table.All()), maps.Collect(back.All()))
 	raw, err := os.ReadFile(kept)
 	require.NoError(t, err)
 	for name, broken := range map[string][]byte{
@@ -75,30 +85,32 @@ func TestTableKnowing(t *testing.T) {
 	}
 	read, err := OfTree(t.Context(), root)
 	require.NoError(t, err)
-	require.Len(t, read, 6)
-	require.Equal(t, read["z"], read["y"])
+	require.Equal(t, 6, read.Len())
+	sums := maps.Collect(read.All())
+	require.Equal(t, sums["z"], sums["y"])
 
 	var asked []string
-	knowing := func(known Table) func(string) (Sum, bool) {
+	knowing := func(known map[string]Sum) func(string) (Sum, bool) {
 		return func(p string) (Sum, bool) {
 			asked = append(asked, p)
 			s, ok := known[p]
 			return s, ok
 		}
 	}
-	same, err := OfTreeKnowing(t.Context(), root, knowing(Table{"a": read["a"], "y": read["y"]}))
+	same, err := OfTreeKnowing(t.Context(), root, knowing(map[string]Sum{"a": sums["a"], "y": sums["y"]}))
 	require.NoError(t, err)
-	require.Equal(t, read, same)
+	require.Equal(t, sums, maps.Collect(same.All()))
 	require.NotContains(t, asked, "d/empty", "a file of no bytes is summed without asking")
 
 	wrong := Sum{1}
 	asked = nil
-	taken, err := OfTreeKnowing(t.Context(), root, knowing(Table{"a": wrong, "d/link": wrong}))
+	taken, err := OfTreeKnowing(t.Context(), root, knowing(map[string]Sum{"a": wrong, "d/link": wrong}))
 	require.NoError(t, err)
-	require.Equal(t, wrong, taken["a"])
-	require.Equal(t, read["d/b"], taken["d/b"])
+	takenSums := maps.Collect(taken.All())
+	require.Equal(t, wrong, takenSums["a"])
+	require.Equal(t, sums["d/b"], takenSums["d/b"])
 	for _, name := range []string{"d/link", "y", "z"} {
-		require.Equal(t, wrong, taken[name], "%s: a name of the file known as d/link", name)
+		require.Equal(t, wrong, takenSums[name], "%s: a name of the file known as d/link", name)
 	}
 	require.NotContains(t, asked, "y", "the file was known by the name walked first")
 }
@@ -116,14 +128,14 @@ func TestWriteTreeFile(t *testing.T) {
 	known := func(p string) (Sum, bool) { return Sum{9}, p == "a" } // taken, not read
 	want, err := OfTreeKnowing(t.Context(), root, known)
 	require.NoError(t, err)
-	require.Equal(t, Sum{9}, want["a"])
+	require.Equal(t, Sum{9}, maps.Collect(want.All())["a"])
 
 	dir := t.TempDir()
 	path := filepath.Join(dir, "layer.sums")
 	require.NoError(t, WriteTreeFile(t.Context(), root, known, path, want.Digest()))
 	got, err := ReadFile(path)
 	require.NoError(t, err)
-	require.Equal(t, want, got)
+	require.Equal(t, maps.Collect(want.All()), maps.Collect(got.All()))
 
 	other := filepath.Join(dir, "other.sums")
 	err = WriteTreeFile(t.Context(), root, nil, other, want.Digest())
@@ -170,7 +182,7 @@ func TestDigest(t *testing.T) {
 		require.NoError(t, err)
 		return got
 	}
-	table := Table{"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum("")}
+	table := TableOf(map[string]Sum{"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum("")})
 	want := table.Digest()
 
 	forward, backward := &Listing{}, &Listing{}
@@ -191,14 +203,14 @@ func TestDigest(t *testing.T) {
 		require.Equal(t, want, again, "a listing digested (sorted in place) says the same again")
 	}
 
-	for name, other := range map[string]Table{
+	for name, other := range map[string]map[string]Sum{
 		"a file less":    {"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta")},
 		"a file more":    {"a": sum("alpha"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum(""), "f": sum("")},
 		"a file renamed": {"a": sum("alpha"), "d/b": sum("beta"), "d/x": sum("beta"), "e": sum("")},
 		"a byte changed": {"a": sum("alphA"), "d/b": sum("beta"), "d/c": sum("beta"), "e": sum("")},
 		"sums swapped":   {"a": sum("beta"), "d/b": sum("alpha"), "d/c": sum("beta"), "e": sum("")},
 	} {
-		require.NotEqual(t, want, other.Digest(), name)
+		require.NotEqual(t, want, TableOf(other).Digest(), name)
 	}
 
 	dangling := &Listing{}
@@ -209,16 +221,17 @@ func TestDigest(t *testing.T) {
 
 	empty, err := (&Listing{}).Digest()
 	require.NoError(t, err)
-	require.Equal(t, Table{}.Digest(), empty)
+	require.Equal(t, (*Table)(nil).Digest(), empty)
+	require.Equal(t, TableOf(nil).Digest(), empty)
 	require.NotEqual(t, LayerDigest("", want), LayerDigest("ns/base", want))
-	require.NotEqual(t, LayerDigest("ns/base", want), LayerDigest("ns/base", Table{}.Digest()))
+	require.NotEqual(t, LayerDigest("ns/base", want), LayerDigest("ns/base", empty))
 }
 
 // A table of many files is hashed in its sorted order, though its runs
 // are sorted apart and merged: the same digest as one sort's, whatever
 // order the files came in, in runs of any length.
 func TestDigestOfMany(t *testing.T) {
-	table := Table{}
+	table := map[string]Sum{}
 	for i := range 3*listingRun + 40 {
 		table[fmt.Sprintf("d-%d/f-%d", i%97, i)] = Sum{byte(i), byte(i >> 8)}
 	}
@@ -234,7 +247,7 @@ func TestDigestOfMany(t *testing.T) {
 	}
 	var want Sum
 	h.Sum(want[:0])
-	require.Equal(t, want, table.Digest())
+	require.Equal(t, want, TableOf(table).Digest())
 	slices.Reverse(records)
 	one := slices.Clone(records)
 	sortRuns(one)
@@ -272,7 +285,7 @@ func TestDigestOfMany(t *testing.T) {
 	}
 	got, err = listing.Digest()
 	require.NoError(t, err)
-	require.Equal(t, table.Digest(), got)
+	require.Equal(t, TableOf(table).Digest(), got)
 }
 
 // A listing that spills keeps one run in memory, whatever it lists, and
@@ -280,7 +293,7 @@ func TestDigestOfMany(t *testing.T) {
 // targets in spilled runs and in the one kept), again when asked again;
 // a spill that fails fails the digest.
 func TestListingSpilled(t *testing.T) {
-	table := Table{}
+	table := map[string]Sum{}
 	spilled := &Listing{}
 	spill, err := os.Create(filepath.Join(t.TempDir(), "spill"))
 	require.NoError(t, err)
@@ -308,7 +321,7 @@ func TestListingSpilled(t *testing.T) {
 	for range 2 {
 		got, err := spilled.Digest()
 		require.NoError(t, err)
-		require.Equal(t, table.Digest(), got)
+		require.Equal(t, TableOf(table).Digest(), got)
 	}
 	spilled.Link("dangling", "nowhere")
 	_, err = spilled.Digest()
@@ -341,4 +354,116 @@ func TestSortRecords(t *testing.T) {
 	slices.SortFunc(want, func(a, b record) int { return bytes.Compare(a[:], b[:]) })
 	sortRecords(records)
 	require.Equal(t, want, records)
+}
+
+// A table is made of files in any order: those that come in a walk's
+// order are kept as they come, and once one does not, all are sorted;
+// a path added twice has the sum added last; a hardlink takes its
+// target's sum, added before it or after, and one to nothing is not in
+// it. However made, it is found by path, walked in the walk's order, and
+// kept and read back the same.
+func TestTableBuilder(t *testing.T) {
+	type add struct {
+		path, target string // target: a hardlink
+		sum          Sum
+	}
+	tests := []struct {
+		name string
+		adds []add
+		want map[string]Sum
+	}{
+		{name: "none", want: map[string]Sum{}},
+		{name: "in a walk's order", adds: []add{{path: "a", sum: Sum{1}}, {path: "a/b", sum: Sum{2}}, {path: "a.c", sum: Sum{3}}},
+			want: map[string]Sum{"a": {1}, "a/b": {2}, "a.c": {3}}},
+		{name: "in no order", adds: []add{{path: "a.c", sum: Sum{3}}, {path: "a/b", sum: Sum{2}}, {path: "a", sum: Sum{1}}},
+			want: map[string]Sum{"a": {1}, "a/b": {2}, "a.c": {3}}},
+		{name: "a path twice", adds: []add{{path: "a", sum: Sum{1}}, {path: "b", sum: Sum{2}}, {path: "a", sum: Sum{9}}},
+			want: map[string]Sum{"a": {9}, "b": {2}}},
+		{name: "the same path at once again", adds: []add{{path: "a", sum: Sum{1}}, {path: "a", sum: Sum{9}}},
+			want: map[string]Sum{"a": {9}}},
+		{name: "links", adds: []add{{path: "d/l1", target: "z"}, {path: "z", sum: Sum{5}}, {path: "l2", target: "z"}, {path: "dangling", target: "nowhere"}},
+			want: map[string]Sum{"d/l1": {5}, "l2": {5}, "z": {5}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var b TableBuilder
+			for _, a := range tc.adds {
+				if a.target != "" {
+					b.Link(a.path, a.target)
+				} else {
+					b.Add(a.path, a.sum)
+				}
+			}
+			table := b.Table()
+			require.Equal(t, tc.want, maps.Collect(table.All()))
+			require.Equal(t, len(tc.want), table.Len())
+			var walked []string
+			for p, sum := range table.All() {
+				walked = append(walked, p)
+				got, ok := table.Sum(p)
+				require.True(t, ok, p)
+				require.Equal(t, sum, got, p)
+			}
+			require.True(t, slices.IsSortedFunc(walked, walkorder.Compare[string, string]), "%q", walked)
+			_, ok := table.Sum("nowhere")
+			require.False(t, ok)
+			require.Equal(t, 0, b.Table().Len(), "a builder is emptied by its table")
+
+			kept := filepath.Join(t.TempDir(), "sums")
+			require.NoError(t, table.WriteFile(kept))
+			back, err := ReadFile(kept)
+			require.NoError(t, err)
+			require.Equal(t, tc.want, maps.Collect(back.All()))
+			require.Equal(t, table.Digest(), back.Digest())
+		})
+	}
+}
+
+// A file of sums written in no order (as tables kept before they were
+// kept in a walk's order were) reads back whole.
+func TestReadFileInNoOrder(t *testing.T) {
+	want := map[string]Sum{}
+	var body bytes.Buffer
+	body.Write(fileHeader)
+	for i := range 1000 {
+		p := fmt.Sprintf("d%d/f%d", (i*7919)%13, (i*104729)%1000)
+		sum := Sum{byte(i), byte(i >> 8)}
+		want[p] = sum
+		body.Write(sum[:])
+		body.Write(binary.AppendUvarint(nil, uint64(len(p))))
+		body.WriteString(p)
+	}
+	whole := sha256.Sum256(body.Bytes())
+	body.Write(whole[:])
+	kept := filepath.Join(t.TempDir(), "sums")
+	require.NoError(t, os.WriteFile(kept, body.Bytes(), 0o600))
+	got, err := ReadFile(kept)
+	require.NoError(t, err)
+	require.Equal(t, want, maps.Collect(got.All()))
+	for p, sum := range want {
+		s, ok := got.Sum(p)
+		require.True(t, ok, p)
+		require.Equal(t, sum, s, p)
+	}
+}
+
+// A table of many files is what its sums and a few bytes of each path
+// take, not a map's 127 bytes a file: it is what a node keeps of each of
+// the layers peers pull.
+func TestTableSize(t *testing.T) {
+	const files = 200_000
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var b TableBuilder
+	for i := range files {
+		b.Add(fmt.Sprintf("d%04d/f%06d", i/1000, i), Sum{byte(i)})
+	}
+	table := b.Table()
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	perFile := float64(after.HeapAlloc-before.HeapAlloc) / files
+	t.Logf("%.1f bytes a file", perFile)
+	require.Less(t, perFile, 44.0)
+	require.Equal(t, files, table.Len())
 }

@@ -16,7 +16,6 @@
 package index
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -37,7 +36,7 @@ type Options struct {
 	// Sums are the sums of the layer's files where Build's caller knows
 	// them, by path: laid out with their extents, as a stream's entries
 	// carry theirs (Entry.Sum).
-	Sums filesum.Table
+	Sums *filesum.Table
 }
 
 // ErrUnindexable says a layer holds what an index cannot say (files past
@@ -73,12 +72,14 @@ func Build(root int, image *os.File, opt Options) (*Layout, error) {
 		return nil, err
 	}
 	firstNames := map[[2]uint64]string{} // of files with hard links
+	sums := opt.Sums.Finder()            // (asked in the walk's order)
 	err = fdtree.Walk(root, fdtree.Visitor{Visit: func(e *fdtree.Entry) (bool, error) {
 		id := [2]uint64{e.Stat.Dev, e.Stat.Ino}
 		if first, ok := firstNames[id]; ok && !e.IsDir() {
 			return false, w.Link(e.Path, first)
 		}
-		entry := Entry{Name: e.Path, Stat: e.Stat, Sum: opt.Sums[e.Path]}
+		sum, _ := sums.Sum(e.Path) // (a file not in it has no sum said)
+		entry := Entry{Name: e.Path, Stat: e.Stat, Sum: sum}
 		var err error
 		if entry.Xattrs, err = fdtree.Xattrs(e.Parent, e.Name); err != nil {
 			return false, fmt.Errorf("%s: xattrs: %w", e.Path, err)
@@ -98,25 +99,6 @@ func Build(root int, image *os.File, opt Options) (*Layout, error) {
 		return nil, err
 	}
 	return w.Close()
-}
-
-// comparePaths orders slash-separated paths as a walk meets them
-// (Writer's order): depth first, each directory's names in byte order.
-// That is byte order with "/" before every other byte: a name ends there,
-// and a name sorts before the longer names it starts.
-func comparePaths[A, B string | []byte](a A, b B) int {
-	for i := range min(len(a), len(b)) {
-		switch x, y := a[i], b[i]; {
-		case x == y:
-		case x == '/':
-			return -1
-		case y == '/':
-			return 1
-		default:
-			return cmp.Compare(x, y)
-		}
-	}
-	return cmp.Compare(len(a), len(b))
 }
 
 func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }

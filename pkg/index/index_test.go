@@ -213,7 +213,7 @@ func TestLayoutLookup(t *testing.T) {
 	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	require.NoError(t, err)
 	defer unix.Close(root)
-	layout, err := Build(root, tempImage(t), Options{Sums: filesum.Table{"a.c": {3}, "empty": {4}}})
+	layout, err := Build(root, tempImage(t), Options{Sums: filesum.TableOf(map[string]filesum.Sum{"a.c": {3}, "empty": {4}})})
 	require.NoError(t, err)
 	require.Equal(t, 10, layout.Len(), "every file with data, a hard link's once")
 	for i := range layout.Len() {
@@ -238,28 +238,6 @@ func TestLayoutLookup(t *testing.T) {
 	require.Equal(t, filesum.Sum{3}, sum, "an extent's sum, by its file's first name")
 	_, ok = layout.Sum("empty")
 	require.False(t, ok, "a file of no bytes has no extent")
-}
-
-// A layout's paths are kept each as what it does not share with the one
-// before, every pathRestart-th whole, in chunks of pathChunk: any path is
-// read back, and found, across restarts and chunks, and nothing else is.
-func TestPathList(t *testing.T) {
-	var p pathList
-	var paths []string
-	for i := range 3000 { // in the walk's order, sharing a few bytes each: over 3 MB, in chunks of 1 MiB
-		paths = append(paths, fmt.Sprintf("%04d/%s", i, strings.Repeat("x", 1000+i%7)))
-		p.add(paths[i])
-	}
-	paths = append(paths, strings.Repeat("z", 2*pathChunk)) // a path longer than a chunk
-	p.add(paths[len(paths)-1])
-	require.Greater(t, len(p.chunks), 3)
-	for i, path := range paths {
-		require.Equal(t, path, p.path(i))
-		require.Equal(t, i, p.lookup(path))
-	}
-	for _, absent := range []string{"", "a", "0000", "0000/", paths[5] + "x", paths[5][:len(paths[5])-1], "2999/y", "zz"} {
-		require.Equal(t, -1, p.lookup(absent), absent)
-	}
 }
 
 // A span is what a pull holds of each file until the blob is whole, its

@@ -1,7 +1,6 @@
 package index
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +8,7 @@ import (
 	"sort"
 
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/walkorder"
 	"github.com/concourse/cowvol/pkg/filesum"
 )
 
@@ -62,7 +62,7 @@ type Layout struct {
 	Size  int64
 	n     int
 	spans [][]span // of spanChunk each, but the last
-	paths pathList
+	paths walkorder.List
 	// inline is the bytes of the extents whose Entries carried them (a
 	// stream's small files), one after the other, and inlined which
 	// extents those are, in order: a few of a large tree's files, which
@@ -88,7 +88,7 @@ func (l *Layout) Len() int { return l.n }
 // Extent is extent i.
 func (l *Layout) Extent(i int) Extent {
 	off, size := l.Range(i)
-	return Extent{Path: l.paths.path(i), Offset: off, Size: size}
+	return Extent{Path: l.paths.Path(i), Offset: off, Size: size}
 }
 
 // Range is extent i's offset and size: Extent but its path, which a
@@ -116,7 +116,7 @@ func (l *Layout) add(path string, size int64, data []byte, sum filesum.Sum) {
 	padded := roundUp(size, blockSize)
 	*last = append(*last, span{block: uint32(l.Size / blockSize), pad: uint16(padded - size)})
 	l.Size += padded
-	l.paths.add(path)
+	l.paths.Add(path)
 	if data != nil {
 		l.inline.append(data)
 		l.inlined = append(l.inlined, uint32(l.n))
@@ -188,7 +188,7 @@ func (l *Layout) WriteInline(w io.WriterAt, written func(i int)) error {
 			err = io.ErrUnexpectedEOF
 		}
 		if err != nil {
-			return fmt.Errorf("writing %s's inline bytes into the blob: %w", l.paths.path(int(i)), err)
+			return fmt.Errorf("writing %s's inline bytes into the blob: %w", l.paths.Path(int(i)), err)
 		}
 		at += size
 		written(int(i))
@@ -210,10 +210,10 @@ func (l *Layout) Data() int64 {
 
 // Lookup is the extent of the file whose first name (Extent.Path) is
 // path, -1 if none: a search of the paths, which lie in the walk's order
-// (comparePaths), not a map, which a fill of a million files would hold
+// (walkorder.Compare), not a map, which a fill of a million files would hold
 // as 50 MB more.
 func (l *Layout) Lookup(path string) int {
-	return l.paths.lookup(path)
+	return l.paths.Lookup(path)
 }
 
 // Sum says what the data of the file whose first name is path hashes to,
@@ -261,116 +261,6 @@ func (l *Layout) Touching(off, n int64) (first, end int) {
 // starts at or before it, else the next.
 func (l *Layout) from(off int64) int {
 	return sort.Search(l.n, func(i int) bool { start, size := l.Range(i); return start+size > off })
-}
-
-// pathList keeps paths in the order they are added (the walk's), each
-// as the length of the prefix it shares with the path before it and the
-// rest (uvarints, then the rest's bytes), every pathRestart-th whole:
-// where a read starts. Its bytes lie in chunks that never move, a path
-// never across two.
-type pathList struct {
-	chunks   [][]byte
-	restarts []pathAt // of every pathRestart-th path
-	last     []byte   // the path added last
-	n        int
-}
-
-// pathAt is where a path's bytes start.
-type pathAt struct{ chunk, off uint32 }
-
-const (
-	pathRestart = 16
-	pathChunk   = 1 << 20
-)
-
-func (p *pathList) add(path string) {
-	shared := 0
-	if p.n%pathRestart != 0 {
-		for shared < min(len(p.last), len(path)) && p.last[shared] == path[shared] {
-			shared++
-		}
-	}
-	var head [2 * binary.MaxVarintLen64]byte
-	h := binary.PutUvarint(head[:], uint64(shared))
-	h += binary.PutUvarint(head[h:], uint64(len(path)-shared))
-	size := h + len(path) - shared
-	if len(p.chunks) == 0 || len(p.chunks[len(p.chunks)-1])+size > cap(p.chunks[len(p.chunks)-1]) {
-		p.chunks = append(p.chunks, make([]byte, 0, max(pathChunk, size)))
-	}
-	chunk := &p.chunks[len(p.chunks)-1]
-	if p.n%pathRestart == 0 {
-		p.restarts = append(p.restarts, pathAt{chunk: uint32(len(p.chunks) - 1), off: uint32(len(*chunk))})
-	}
-	*chunk = append(append(*chunk, head[:h]...), path[shared:]...)
-	p.last = append(p.last[:0], path...)
-	p.n++
-}
-
-// pathReader reads a pathList's paths in order from a restart on.
-type pathReader struct {
-	p    *pathList
-	at   pathAt
-	i    int
-	path []byte // the last read; the next read reuses it
-}
-
-func (p *pathList) from(r int) pathReader {
-	return pathReader{p: p, at: p.restarts[r], i: r * pathRestart}
-}
-
-// next reads the next path, false past the last.
-func (r *pathReader) next() bool {
-	if r.i >= r.p.n {
-		return false
-	}
-	chunk := r.p.chunks[r.at.chunk]
-	if int(r.at.off) == len(chunk) {
-		r.at = pathAt{chunk: r.at.chunk + 1}
-		chunk = r.p.chunks[r.at.chunk]
-	}
-	b := chunk[r.at.off:]
-	shared, n := binary.Uvarint(b)
-	rest, m := binary.Uvarint(b[n:])
-	r.path = append(r.path[:shared], b[n+m:n+m+int(rest)]...)
-	r.at.off += uint32(n + m + int(rest))
-	r.i++
-	return true
-}
-
-// path is path i.
-func (p *pathList) path(i int) string {
-	r := p.from(i / pathRestart)
-	for r.next() && r.i <= i {
-	}
-	return string(r.path)
-}
-
-// restart is the path restart r starts with, whole where it lies.
-func (p *pathList) restart(r int) []byte {
-	at := p.restarts[r]
-	b := p.chunks[at.chunk][at.off:]
-	_, n := binary.Uvarint(b) // 0: nothing shared
-	rest, m := binary.Uvarint(b[n:])
-	return b[n+m : n+m+int(rest)]
-}
-
-// lookup is the index of path, -1 if it is not in the list: the last
-// restart whose path is not past it, then the paths after it.
-func (p *pathList) lookup(path string) int {
-	r := sort.Search(len(p.restarts), func(r int) bool { return comparePaths(p.restart(r), path) > 0 }) - 1
-	if r < 0 {
-		return -1
-	}
-	rd := p.from(r)
-	for k := 0; k < pathRestart && rd.next(); k++ {
-		switch c := comparePaths(rd.path, path); {
-		case c == 0:
-			return rd.i - 1
-		case c > 0:
-			return -1
-		}
-	}
-	return -1
 }
 
 // aside is a file no name reaches, beside the image, that a Layout

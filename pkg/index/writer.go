@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/walkorder"
 	"github.com/concourse/cowvol/pkg/filesum"
 )
 
@@ -250,7 +251,7 @@ func (w *Writer) enter(name string) (*openDir, string, error) {
 	if !ok {
 		return nil, "", fmt.Errorf("entry name %q", name)
 	}
-	switch c := comparePaths(w.last, name); {
+	switch c := walkorder.Compare(w.last, name); {
 	case c == 0:
 		return nil, "", fmt.Errorf("%q: added twice", name)
 	case c > 0:

@@ -797,7 +797,7 @@ func (e *Engine) vouchFailed(vol cache.Volume, err error) {
 // being its layer's table: of the layer over its base, and of the merged
 // view of its chain, from the tables of the chain's layers and the names
 // of those above the lowest (no data is read again).
-func (e *Engine) vouch(vol cache.Volume, own filesum.Table) error {
+func (e *Engine) vouch(vol cache.Volume, own *filesum.Table) error {
 	files := own.Digest()
 	d := volume.Digests{Layer: cache.LayerDigest(vol.Base, files), View: volume.Digest(files), FirstHand: true}
 	if !vol.Base.IsZero() {
@@ -809,7 +809,7 @@ func (e *Engine) vouch(vol cache.Volume, own filesum.Table) error {
 		if refs[0] != vol.Ref() || dirs[0] != e.store.DataPath(vol) || len(refs) < 2 {
 			return fmt.Errorf("its chain changed meanwhile: %w", cache.ErrUnusable)
 		}
-		tables := []filesum.Table{own}
+		tables := []*filesum.Table{own}
 		for i, r := range refs[1:] {
 			// The layer the chain was read with: a flatten of r since
 			// made another, and the names walked are this one's.

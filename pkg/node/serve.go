@@ -114,7 +114,7 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.Lay
 	if errors.Is(err, cache.ErrNotFound) || (err == nil && !servable) {
 		err = notHeld(r, namespace)
 	}
-	var sums filesum.Table
+	var sums *filesum.Table
 	if err == nil {
 		if sums, err = h.e.store.LayerSums(v); err != nil {
 			err = fmt.Errorf("volume %s: its files' sums: %w", r, err)
@@ -206,13 +206,13 @@ const keptStubsMin = 4096
 
 // keepsStubs says whether the stub tree of a layer whose file sums are
 // sums is kept.
-func keepsStubs(sums filesum.Table) bool { return len(sums) >= keptStubsMin }
+func keepsStubs(sums *filesum.Table) bool { return sums.Len() >= keptStubsMin }
 
 // keepStubs keeps the stub tree of v's layer (whose file sums are sums) as
 // a stream beside it, if it is big enough and not kept yet: what the pulls
 // of its stubs (lazy and index pulls) are served from, without the walk
 // that was most of their publish. The layer is held while it is read.
-func (e *Engine) keepStubs(v cache.Volume, sums filesum.Table) {
+func (e *Engine) keepStubs(v cache.Volume, sums *filesum.Table) {
 	path := e.store.StubsPath(v)
 	if !keepsStubs(sums) {
 		return

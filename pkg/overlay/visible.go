@@ -25,20 +25,20 @@ import (
 // beneath its path. Xattr whiteouts are not looked for: the kernel makes
 // none in the upper dirs of cowvol's mounts, and a step cannot write
 // trusted.overlay.* through one.
-func VisibleFiles(ctx context.Context, layers []string, tables []filesum.Table) (filesum.Table, error) {
+func VisibleFiles(ctx context.Context, layers []string, tables []*filesum.Table) (*filesum.Table, error) {
 	if len(layers) != len(tables) || len(layers) == 0 {
 		return nil, fmt.Errorf("%d layers and %d tables", len(layers), len(tables))
 	}
 	// taken are the paths a layer above has an entry at (a whiteout
 	// too); covered are those beneath which it hides everything.
 	taken, covered := map[string]struct{}{}, map[string]struct{}{}
-	out := filesum.Table{}
+	var out filesum.TableBuilder
 	for i, table := range tables {
-		for p, sum := range table {
+		for p, sum := range table.All() {
 			if hidden(p, taken, covered) {
 				continue
 			}
-			out[p] = sum
+			out.Add(p, sum)
 		}
 		if i == len(tables)-1 {
 			break // nothing lies beneath the lowest
@@ -50,7 +50,7 @@ func VisibleFiles(ctx context.Context, layers []string, tables []filesum.Table) 
 			return nil, err
 		}
 	}
-	return out, nil
+	return out.Table(), nil
 }
 
 // hidden says whether a layer's file at p is hidden by the layers above.

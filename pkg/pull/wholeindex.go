@@ -134,7 +134,7 @@ func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.C
 	var known func(string) (filesum.Sum, bool)
 	var files filesum.Sum
 	if table, err := w.store.LayerSums(v); err == nil {
-		known, files = table.Sum, table.Digest()
+		known, files = table.Finder().Sum, table.Digest() // (asked in the walk's order)
 	} else {
 		klog.V(2).InfoS("A whole index's kept sums could not be read; its plain copy is summed when first asked", "volume", v.Ref(), "err", err)
 	}

@@ -50,7 +50,7 @@ type Summary struct {
 	Inlined string
 	// Table is, for an extraction Limits.Tabled, the sums of the files
 	// it made: the table filesum.OfTree would compute of its tree.
-	Table filesum.Table
+	Table *filesum.Table
 }
 
 // counter hashes and counts the tar bytes as they pass. Between a holder
@@ -199,7 +199,7 @@ type Limits struct {
 	Summed bool
 	// Tabled: a Summed extraction also says the sums it checked the
 	// files against, by path (Summary.Table): the table of the layer it
-	// made, which then need not be read back to be known. (A map of the
+	// made, which then need not be read back to be known. (A list of the
 	// layer's files, held until the extraction ends: asked for only where
 	// the table is kept.)
 	Tabled bool

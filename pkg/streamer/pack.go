@@ -207,7 +207,7 @@ func pack(layer LayerFiles, w io.Writer, enc Encoding, shape Shape, add func(pk 
 	buf := bufpool.Get(streamBuffer)
 	defer bufpool.Put(buf)
 	c := newCounter(layer.swarm)
-	pk := &packer{tw: newTarWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1, sums: layer.Sums}
+	pk := &packer{tw: newTarWriter(io.MultiWriter(ew, c)), seen: map[[2]uint64]string{}, shape: shape, buf: buf, dir: -1, sums: layer.Sums, find: layer.Sums.Finder()}
 	defer pk.closeDir()
 	defer pk.discard()
 	rootFd, err := unix.Open(layer.Dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -268,7 +268,8 @@ type packer struct {
 	inlineLeft int64
 	entries    int64 // made so far
 	// sums are the layer's files' (nil: none go with them).
-	sums filesum.Table
+	sums *filesum.Table
+	find *filesum.Finder // of sums
 }
 
 // inlines says whether a StubTar carries the regular file of size bytes
@@ -317,6 +318,8 @@ type aheadEntry struct {
 	file     fdtree.File // -1: no data
 	segments [][2]int64  // where its data is (nil: all of it)
 	size     int64       // the file's, holes and all
+	sum      filesum.Sum // the layer's sum of it, if summed
+	summed   bool
 }
 
 // The entries a packer keeps ahead of the one it writes: a tree's files
@@ -435,15 +438,17 @@ func (pk *packer) make(dir int, base, name string, st *unix.Stat_t) (aheadEntry,
 			pk.seen[key] = name
 		}
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
+		// (Looked up as the walk meets it, where the finder is quick;
+		// write checks what it sends against it.)
+		e.sum, e.summed = pk.find.Sum(name)
 		if pk.sums != nil && (pk.shape == SparseTar || pk.shape == StubTar) {
-			sum, ok := pk.sums[name]
-			if !ok {
-				return e, fmt.Errorf("%s has no sum among the layer's (%d): they are not this layer's", name, len(pk.sums))
+			if !e.summed {
+				return e, fmt.Errorf("%s has no sum among the layer's (%d): they are not this layer's", name, pk.sums.Len())
 			}
 			if hdr.PAXRecords == nil {
 				hdr.PAXRecords = map[string]string{}
 			}
-			hdr.PAXRecords[paxSum] = sum.String()
+			hdr.PAXRecords[paxSum] = e.sum.String()
 		}
 		if pk.shape == StubTar && !pk.inlines(st.Size) {
 			if st.Size > 0 {
@@ -501,7 +506,7 @@ func (pk *packer) write(e aheadEntry) error {
 	// holder whose disk rotted learns it here (the puller refuses the
 	// bytes anyway).
 	var h hash.Hash
-	want, check := pk.sums[e.name]
+	want, check := e.sum, e.summed
 	if check {
 		h = sha256.New()
 	}

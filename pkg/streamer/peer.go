@@ -84,7 +84,7 @@ type Holder interface {
 // and which the puller checks its bytes against.
 type LayerFiles struct {
 	Dir  string
-	Sums filesum.Table
+	Sums *filesum.Table
 	// Kept is where the layer's stub tree may be kept as a stream
 	// (KeepStubs): a pull of its stubs is served from there if it is.
 	Kept string

@@ -51,7 +51,7 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	x := &extractor{root: root, copier: newCopier(), strict: lim.Strict, summed: lim.Summed,
 		keepSetuid: lim.KeepSetuid, unprivileged: os.Geteuid() != 0, stub: stub, inline: inline}
 	if lim.Summed && lim.Tabled && stub == nil { // (a stub's sum is not what it holds yet)
-		x.table = filesum.Table{}
+		x.table = &filesum.TableBuilder{}
 	}
 	x.startMakers(makersPerExtraction())
 	defer x.close()
@@ -62,7 +62,9 @@ func unpack(ctx context.Context, r io.Reader, enc Encoding, dir string, lim Limi
 	sum.Inlined = x.inlined
 	if err == nil && x.summed {
 		sum.Files, err = x.listing.Digest()
-		sum.Table = x.table
+		if x.table != nil {
+			sum.Table = x.table.Table()
+		}
 	}
 	if err != nil {
 		return Summary{}, err
@@ -235,7 +237,7 @@ type extractor struct {
 	summed  bool
 	listing filesum.Listing
 	tableMu sync.Mutex
-	table   filesum.Table
+	table   *filesum.TableBuilder
 	// unprivileged: extracting as a user (kubectl cowvol cp), who keeps
 	// the files and sets only user.* xattrs.
 	unprivileged bool
@@ -257,7 +259,7 @@ type extractor struct {
 func (x *extractor) tableFile(name string, sum filesum.Sum) {
 	if x.table != nil {
 		x.tableMu.Lock()
-		x.table[name] = sum
+		x.table.Add(name, sum)
 		x.tableMu.Unlock()
 	}
 }
@@ -267,7 +269,7 @@ func (x *extractor) tableFile(name string, sum filesum.Sum) {
 func (x *extractor) tableLink(name, target string) {
 	if x.table != nil {
 		x.tableMu.Lock()
-		x.table[name] = x.table[target]
+		x.table.Link(name, target)
 		x.tableMu.Unlock()
 	}
 }

@@ -1,0 +1,374 @@
+package filesum
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"iter"
+	"os"
+	"path/filepath"
+	"slices"
+	"unsafe"
+
+	"github.com/concourse/cowvol/internal/fdtree"
+	"github.com/concourse/cowvol/internal/walkorder"
+)
+
+// Table is a layer's regular files' sums, by their slash-separated path in
+// the layer, kept in the order a walk meets the paths (walkorder): each
+// path as what it does not share with the one before, the sums in chunks
+// beside them: about 37 bytes a file (TestTableSize), where a map of them
+// took 127, and a node keeps the tables of up to 16 layers in memory
+// (those peers pull). A Table is made by a TableBuilder and never
+// changed after; a nil *Table is empty.
+type Table struct {
+	paths walkorder.List
+	sums  [][]Sum // chunks of sumChunk, each full but the last
+}
+
+// sumChunk is how many sums a chunk of a Table holds: 2 MiB of them.
+const sumChunk = 1 << 16
+
+// Len is how many files t has.
+func (t *Table) Len() int {
+	if t == nil {
+		return 0
+	}
+	return t.paths.Len()
+}
+
+// Sum is the sum t has for path, if any.
+func (t *Table) Sum(path string) (Sum, bool) {
+	if t == nil {
+		return Sum{}, false
+	}
+	i := t.paths.Lookup(path)
+	if i < 0 {
+		return Sum{}, false
+	}
+	return t.sum(i), true
+}
+
+// Finder finds sums in a Table for one goroutine, at a few nanoseconds a
+// path asked in the walk's order (a packer's, a copy's), where Sum
+// searches the whole table (a microsecond at a million files).
+type Finder struct {
+	t *Table
+	f *walkorder.Finder
+}
+
+// Finder is a Finder of t's sums.
+func (t *Table) Finder() *Finder {
+	if t == nil {
+		return &Finder{}
+	}
+	return &Finder{t: t, f: t.paths.Finder()}
+}
+
+// Sum is the sum the table has for path, if any.
+func (f *Finder) Sum(path string) (Sum, bool) {
+	if f.t == nil {
+		return Sum{}, false
+	}
+	i := f.f.Find(path)
+	if i < 0 {
+		return Sum{}, false
+	}
+	return f.t.sum(i), true
+}
+
+func (t *Table) sum(i int) Sum { return t.sums[i/sumChunk][i%sumChunk] }
+
+// add adds path, which comes after every path in t, with its sum.
+func (t *Table) add(path string, sum Sum) {
+	if n := len(t.sums); n == 0 || len(t.sums[n-1]) == sumChunk {
+		t.sums = append(t.sums, make([]Sum, 0, min(sumChunk, max(16, t.Len()))))
+	}
+	k := len(t.sums) - 1
+	t.sums[k] = append(t.sums[k], sum)
+	t.paths.Add(path)
+}
+
+// files hands visit each of t's files in order, its path valid for the
+// call only.
+func (t *Table) files(visit func(path []byte, sum Sum) bool) {
+	if t == nil {
+		return
+	}
+	for r := t.paths.From(0); r.Next(); {
+		if !visit(r.Path(), t.sum(r.Index())) {
+			return
+		}
+	}
+}
+
+// All is t's files in the order a walk meets them.
+func (t *Table) All() iter.Seq2[string, Sum] {
+	return func(yield func(string, Sum) bool) {
+		t.files(func(path []byte, sum Sum) bool { return yield(string(path), sum) })
+	}
+}
+
+// TableOf is the table of the files of m.
+func TableOf(m map[string]Sum) *Table {
+	var b TableBuilder
+	for p, sum := range m {
+		b.Add(p, sum)
+	}
+	return b.Table()
+}
+
+// TableBuilder gathers a table's files in any order, for one goroutine at
+// a time: in the table's own form while they come in a walk's order, as
+// a list to sort once one does not.
+type TableBuilder struct {
+	t     Table
+	loose []looseFile // every file added, once one came out of order
+	links [][2]string // a hardlink's path, its target's
+}
+
+type looseFile struct {
+	path string
+	sum  Sum
+}
+
+// Add adds the regular file at path with its sum. A path added again
+// takes the sum added last.
+func (b *TableBuilder) Add(path string, sum Sum) {
+	if inOrder(b, path) {
+		b.t.add(path, sum)
+		return
+	}
+	if b.loose == nil {
+		b.loose = make([]looseFile, 0, b.t.Len()+1)
+		b.t.files(func(p []byte, sum Sum) bool { b.loose = append(b.loose, looseFile{string(p), sum}); return true })
+		b.t = Table{}
+	}
+	b.loose = append(b.loose, looseFile{path, sum})
+}
+
+// inOrder says whether path comes after every path added, which are all
+// in the walk's order.
+func inOrder[P string | []byte](b *TableBuilder, path P) bool {
+	return b.loose == nil && (b.t.Len() == 0 || walkorder.Compare(b.t.paths.Last(), path) < 0)
+}
+
+// Link adds a hardlink at path to the regular file at target, which takes
+// its sum (added before or after). A link to a file not added is not in
+// the table.
+func (b *TableBuilder) Link(path, target string) {
+	b.links = append(b.links, [2]string{path, target})
+}
+
+// Table is the table of the files added, and empties b.
+func (b *TableBuilder) Table() *Table {
+	t := b.t
+	if b.loose != nil {
+		t = tableOfLoose(b.loose)
+	}
+	if len(b.links) > 0 {
+		loose := make([]looseFile, 0, t.Len()+len(b.links))
+		t.files(func(p []byte, sum Sum) bool { loose = append(loose, looseFile{string(p), sum}); return true })
+		for _, link := range b.links {
+			if sum, ok := t.Sum(link[1]); ok {
+				loose = append(loose, looseFile{link[0], sum})
+			}
+		}
+		t = tableOfLoose(loose)
+	}
+	*b = TableBuilder{}
+	t.trim()
+	return &t
+}
+
+// trim lets go of what t's last chunk of sums holds past its end (up to
+// 2 MiB: a table of a few files is small).
+func (t *Table) trim() {
+	if n := len(t.sums); n > 0 && cap(t.sums[n-1]) > len(t.sums[n-1]) {
+		t.sums[n-1] = slices.Clone(t.sums[n-1])
+	}
+}
+
+// tableOfLoose sorts files in place, and makes their table (of the last
+// of each path added twice).
+func tableOfLoose(files []looseFile) Table {
+	slices.SortStableFunc(files, func(a, b looseFile) int { return walkorder.Compare(a.path, b.path) })
+	var t Table
+	for i, f := range files {
+		if i+1 < len(files) && files[i+1].path == f.path {
+			continue
+		}
+		t.add(f.path, f.sum)
+	}
+	return t
+}
+
+// Digest is the table's digest.
+func (t *Table) Digest() Sum {
+	records := make([]record, 0, t.Len())
+	t.files(func(p []byte, sum Sum) bool { records = append(records, recordOf(p, sum)); return true })
+	runs := runsOf(records)
+	sortRuns(runs...)
+	return digestOf(runs...)
+}
+
+// runsOf cuts records into runs of listingRun, which sortRuns sorts at
+// once.
+func runsOf(records []record) [][]record {
+	var runs [][]record
+	for len(records) > listingRun {
+		runs = append(runs, records[:listingRun:listingRun])
+		records = records[listingRun:]
+	}
+	return append(runs, records)
+}
+
+// The file a table is kept in: a header, then each file as its sum, its
+// path's length (uvarint) and its path, in the walk's order (a file
+// written before it was, in any order, is read all the same); then the
+// SHA-256 of all that, so that a file torn or rotted reads as none.
+var fileHeader = []byte("cowvol file sums v1\n")
+
+// WriteFile keeps t at path: written beside it, synced, then renamed over
+// it, so that a crash leaves the old file or the new one.
+func (t *Table) WriteFile(path string) error {
+	return writeTableFile(path, func(emit func([]byte, Sum) error) error {
+		var err error
+		t.files(func(p []byte, sum Sum) bool { err = emit(p, sum); return err == nil })
+		return err
+	}, nil)
+}
+
+// WriteTreeFile keeps the table of the tree at root, as OfTreeKnowing
+// sums it, at path as WriteFile does, without holding it: each file's
+// record is written as the walk meets it, and the table's digest taken
+// from a listing spilled beside path (a run of 4 MiB in memory, whatever
+// the file count). It is kept only if its digest is want, else nothing is
+// (ErrMismatch).
+func WriteTreeFile(ctx context.Context, root string, known func(path string) (Sum, bool), path string, want Sum) error {
+	spill, err := fdtree.Unnamed(filepath.Dir(path), "a listing's runs")
+	if err != nil {
+		return err
+	}
+	defer spill.Close()
+	var listing Listing
+	listing.Spill(spill)
+	files := 0
+	return writeTableFile(path, func(emit func([]byte, Sum) error) error {
+		return walkSums(ctx, root, known, func(p string, sum Sum) error {
+			files++
+			listing.File(p, sum)
+			return emit([]byte(p), sum)
+		})
+	}, func() error {
+		got, err := listing.Digest()
+		if err == nil && got != want {
+			err = fmt.Errorf("the table of %s (%d files): %w", root, files, ErrMismatch)
+		}
+		return err
+	})
+}
+
+// writeTableFile writes the records records emits to a file beside path,
+// as a table is kept (its header, each record, the SHA-256 of all that),
+// syncs it and, if check (if any) says so, renames it over path.
+func writeTableFile(path string, records func(emit func([]byte, Sum) error) error, check func() error) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".sums-*")
+	if err != nil {
+		return err
+	}
+	h := sha256.New()
+	bw := bufio.NewWriterSize(io.MultiWriter(tmp, h), 1<<20)
+	bw.Write(fileHeader)
+	var head [sha256.Size + binary.MaxVarintLen64]byte // (one for all, as ReadFile's)
+	err = records(func(p []byte, sum Sum) error {
+		copy(head[:], sum[:])
+		bw.Write(head[:sha256.Size+binary.PutUvarint(head[sha256.Size:], uint64(len(p)))])
+		_, err := bw.Write(p)
+		return err
+	})
+	if err == nil {
+		err = bw.Flush()
+	}
+	if err == nil {
+		_, err = tmp.Write(h.Sum(nil))
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && check != nil {
+		err = check()
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), path)
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("keeping file sums at %s: %w", path, err)
+	}
+	return nil
+}
+
+// ErrBadFile says a table's file is torn or rotted.
+var ErrBadFile = errors.New("a file of sums that does not read whole")
+
+// ReadFile reads a table kept at path, as it reads it: the file whole is
+// never held, and the table is made in place as its records come in the
+// walk's order. Nothing of it is answered unless its last 32 bytes are
+// the SHA-256 of all before.
+func ReadFile(path string) (*Table, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	body := st.Size() - sha256.Size
+	if body < int64(len(fileHeader)) {
+		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	}
+	h := sha256.New()
+	r := bufio.NewReaderSize(io.TeeReader(io.LimitReader(f, body), h), 1<<20)
+	header := make([]byte, len(fileHeader))
+	if _, err := io.ReadFull(r, header); err != nil || string(header) != string(fileHeader) {
+		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	}
+	var b TableBuilder
+	var p []byte
+	var sum Sum // (one for all: a read into it moves it to the heap)
+	for {
+		if _, err := io.ReadFull(r, sum[:]); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		}
+		n, err := binary.ReadUvarint(r)
+		if err != nil || n > uint64(body) {
+			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		}
+		p = slices.Grow(p[:0], int(n))[:n]
+		if _, err := io.ReadFull(r, p); err != nil {
+			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		}
+		if inOrder(&b, p) {
+			b.t.add(unsafe.String(unsafe.SliceData(p), len(p)), sum) // (kept as a copy: no string made a file)
+		} else {
+			b.Add(string(p), sum)
+		}
+	}
+	var whole Sum
+	if _, err := io.ReadFull(f, whole[:]); err != nil || Sum(h.Sum(nil)) != whole {
+		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	}
+	return b.Table(), nil
+}
