@@ -228,8 +228,8 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 // its layer, as before it kept them), indexRounds times each, taking
 // turns, each on a fresh B (a new state dir, page caches dropped); then
 // how long until the volume is ready (every byte here; an index is ready
-// as it is, made a plain layer later, once idle), and B's peak RSS by the publish's end (the
-// learnt tree's, mostly) and over the whole pull. Medians; the ratios are the index's over the stub tree's, and the kept
+// as it is, made a plain layer later, once idle), and B's peak RSS by the publish's end and
+// over the whole pull (until B has kept the filled layer's stub tree, the last work it makes). Medians; the ratios are the index's over the stub tree's, and the kept
 // stream's over the walk's. Also what keeping the stub tree cost A: its
 // time after the capture and its size a file.
 //
@@ -255,20 +255,27 @@ func BenchmarkIndexPublish(b *testing.B) {
 // keptLog is the plugin's line for a stub tree it kept.
 var keptLog = regexp.MustCompile(`"Kept a layer's stub tree" .* duration="([^"]+)"`)
 
+// keptStubs waits up to within for n to keep a layer's stub tree (the
+// last work a capture, or the fill of a pull, makes a node do), and says
+// how long keeping it took.
+func (n *node) keptStubs(within time.Duration) string {
+	for deadline := time.Now().Add(within); ; time.Sleep(100 * time.Millisecond) {
+		if m := keptLog.FindStringSubmatch(n.p.Log()); m != nil {
+			return m[1]
+		}
+		if time.Now().After(deadline) {
+			n.b.Fatalf("%s kept no stub tree: %s", n.p.NodeID, n.p.Log())
+		}
+	}
+}
+
 // indexPublish is one size of BenchmarkIndexPublish.
 func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 	peerA := plugintest.FreeAddr(b)
 	a := &node{b: b, p: plugintest.Start(b, plugintest.Config{Backend: "overlay", NodeID: "a", StateDir: testfs.Mount(b, testfs.XFS, 8<<30),
 		Args: []string{"--peer-address=" + peerA}})}
 	a.capture("", "tree", func(dir string) { genTree(b, dir, files, 1<<30) })
-	var keptFor string
-	for deadline := time.Now().Add(10 * time.Minute); keptFor == ""; time.Sleep(100 * time.Millisecond) {
-		if m := keptLog.FindStringSubmatch(a.p.Log()); m != nil {
-			keptFor = m[1]
-		} else if time.Now().After(deadline) {
-			b.Fatalf("A kept no stub tree: %s", a.p.Log())
-		}
-	}
+	keptFor := a.keptStubs(10 * time.Minute)
 	kept, err := filepath.Glob(filepath.Join(a.p.StateDir, "volumes", "ci", "tree", "*.stubs"))
 	if err != nil || len(kept) != 1 {
 		b.Fatalf("A's kept stub tree: %v %v", kept, err)
@@ -332,6 +339,9 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 				time.Sleep(20 * time.Millisecond)
 			}
 			ready[i] = append(ready[i], time.Since(start))
+			// The pull's last work on B: the filled layer's table of
+			// sums read, and its stub tree kept for B's own peers.
+			bn.keptStubs(2 * time.Minute)
 			peak[i] = max(peak[i], vmKiB(b, bn.p.PID(), "VmHWM"))
 			bn.timed(bn.p.Unpublish, v)
 			bn.p.Stop()
