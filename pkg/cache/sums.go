@@ -21,8 +21,9 @@ import (
 // capture in the background and at the latest when a peer first asks, and
 // read back after; they go with the layer (a destroy removes the volume's
 // dir, a prune the replaced layer's, recovery whatever names no layer of
-// its volume). A few tables are kept in memory: a lazy pull asks for one
-// file at a time.
+// its volume). A few tables are kept in memory (a lazy pull asks for one
+// file at a time): their paths, their sums read from their file as asked
+// (filesum.ReadFile), which a table does not hold open.
 
 // sumsSuffix names a layer's sums beside it.
 const sumsSuffix = ".sums"
@@ -113,6 +114,8 @@ func (s *Store) layerSums(r volume.Ref, layer string) (*filesum.Table, error) {
 			// the sums are kept in memory, and written by the next asker
 			// that computes them once these are forgotten.
 			klog.ErrorS(err, "Keeping a layer's file sums failed; they are kept in memory", "volume", r, "layer", layer)
+		} else if kept, err := filesum.ReadFile(path); err == nil {
+			t = kept // (its sums left in the file, not held)
 		}
 		klog.V(2).InfoS("Computed a layer's file sums", "volume", r, "layer", layer, "files", t.Len(), "duration", time.Since(start))
 		return t, nil

@@ -447,9 +447,8 @@ func TestReadFileInNoOrder(t *testing.T) {
 	}
 }
 
-// A table of many files is what its sums and a few bytes of each path
-// take, not a map's 127 bytes a file: it is what a node keeps of each of
-// the layers peers pull.
+// A table of many files made in memory (a walk's, a stream's) is what its
+// sums and a few bytes of each path take, not a map's 127 bytes a file.
 func TestTableSize(t *testing.T) {
 	const files = 200_000
 	var before, after runtime.MemStats
@@ -466,4 +465,96 @@ func TestTableSize(t *testing.T) {
 	t.Logf("%.1f bytes a file", perFile)
 	require.Less(t, perFile, 44.0)
 	require.Equal(t, files, table.Len())
+}
+
+// A table read from its file in the walk's order leaves its sums there,
+// about 5 bytes a file in memory: each is read as asked for, by Sum and
+// by a Finder asked in order or not, and by a walk of the table. Once the
+// file is no longer what was read (a path changed in place, the file cut
+// short, another file in its place, none), a sum that cannot be read is
+// none, and the zero Sum to a walk: the table's digest is no longer the
+// one read, and a check fails closed.
+func TestTableReadFromItsFile(t *testing.T) {
+	const files = 100_000
+	var b TableBuilder
+	want := map[string]Sum{}
+	for i := range files {
+		p := fmt.Sprintf("d%03d/f%06d", i/1000, i)
+		sum := Sum{byte(i), byte(i >> 8), byte(i >> 16), 7}
+		want[p] = sum
+		b.Add(p, sum)
+	}
+	kept := filepath.Join(t.TempDir(), "sums")
+	require.NoError(t, b.Table().WriteFile(kept))
+
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	table, err := ReadFile(kept)
+	require.NoError(t, err)
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	perFile := float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / files
+	t.Logf("%.1f bytes a file", perFile)
+	require.Less(t, perFile, 8.0, "the sums left in the file")
+	require.NotNil(t, table.kept)
+
+	require.Equal(t, want, maps.Collect(table.All()))
+	digest := table.Digest()
+	require.Equal(t, TableOf(want).Digest(), digest)
+	inOrder, asked := table.Finder(), table.Finder()
+	for i := range files {
+		p := fmt.Sprintf("d%03d/f%06d", i/1000, i)
+		sum, ok := inOrder.Sum(p)
+		require.True(t, ok, p)
+		require.Equal(t, want[p], sum, p)
+		if i%997 == 0 {
+			q := fmt.Sprintf("d%03d/f%06d", (i*7919%files)/1000, i*7919%files)
+			sum, ok := asked.Sum(q)
+			require.True(t, ok, q)
+			require.Equal(t, want[q], sum, q)
+			sum, ok = table.Sum(q)
+			require.True(t, ok, q)
+			require.Equal(t, want[q], sum, q)
+		}
+	}
+	_, ok := inOrder.Sum("d000/f")
+	require.False(t, ok)
+
+	// A path changed in place, where the table's walk and a lookup read it.
+	raw, err := os.ReadFile(kept)
+	require.NoError(t, err)
+	at := bytes.Index(raw, []byte("d050/f050000"))
+	require.Positive(t, at)
+	f, err := os.OpenFile(kept, os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, err = f.WriteAt([]byte("X"), int64(at))
+	require.NoError(t, err)
+	_, ok = table.Sum("d050/f050000")
+	require.False(t, ok, "a path that is not there any more")
+	_, ok = table.Finder().Sum("d050/f050000")
+	require.False(t, ok)
+	require.Equal(t, Sum{}, maps.Collect(table.All())["d050/f050000"], "the zero Sum, to a walk")
+	require.NotEqual(t, digest, table.Digest())
+	require.NoError(t, Check(strings.NewReader(""), emptySum))
+	require.ErrorIs(t, Check(strings.NewReader(""), Sum{}), ErrMismatch, "no bytes have the zero Sum")
+
+	// The file cut short.
+	require.NoError(t, f.Truncate(int64(at)))
+	require.NoError(t, f.Close())
+	_, ok = table.Sum("d099/f099999")
+	require.False(t, ok)
+	sum, ok := table.Sum("d000/f000001")
+	require.True(t, ok, "what is still there reads")
+	require.Equal(t, want["d000/f000001"], sum)
+
+	// Another file in its place, the same bytes: not the file read. Then
+	// none.
+	require.NoError(t, os.WriteFile(kept+".new", raw, 0o600))
+	require.NoError(t, os.Rename(kept+".new", kept))
+	_, ok = table.Sum("d000/f000001")
+	require.False(t, ok, "a file renamed over it")
+	require.NoError(t, os.Remove(kept))
+	_, ok = table.Finder().Sum("d000/f000001")
+	require.False(t, ok, "the file gone")
 }

@@ -2,17 +2,22 @@ package filesum
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"iter"
 	"os"
 	"path/filepath"
 	"slices"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/internal/fdtree"
 	"github.com/concourse/cowvol/internal/walkorder"
@@ -20,14 +25,18 @@ import (
 
 // Table is a layer's regular files' sums, by their slash-separated path in
 // the layer, kept in the order a walk meets the paths (walkorder): each
-// path as what it does not share with the one before, the sums in chunks
-// beside them: about 37 bytes a file (TestTableSize), where a map of them
-// took 127, and a node keeps the tables of up to 16 layers in memory
-// (those peers pull). A Table is made by a TableBuilder and never
-// changed after; a nil *Table is empty.
+// path as what it does not share with the one before, and the sums in
+// chunks beside them, or, for a table read from its file, left there and
+// read as they are asked for. In memory, about 37 bytes a file
+// (TestTableSize), where a map of them took 127; read from its file,
+// about 5 (a million files of 12-byte paths: 5 MB, not 36). A node keeps
+// the tables of up to 16 layers (those its peers pull). A Table is made
+// by a TableBuilder or ReadFile and never changed after; a nil *Table is
+// empty.
 type Table struct {
 	paths walkorder.List
-	sums  [][]Sum // chunks of sumChunk, each full but the last
+	sums  [][]Sum   // in memory: chunks of sumChunk, each full but the last
+	kept  *keptSums // or, if not nil, in the file the table was read from
 }
 
 // sumChunk is how many sums a chunk of a Table holds: 2 MiB of them.
@@ -41,7 +50,10 @@ func (t *Table) Len() int {
 	return t.paths.Len()
 }
 
-// Sum is the sum t has for path, if any.
+// Sum is the sum t has for path, if any. A sum that cannot be read from
+// the table's file is none, and said in the log: what asks for it fails
+// closed (a walk of the table, Digest and All, has it as the zero Sum,
+// which no bytes have).
 func (t *Table) Sum(path string) (Sum, bool) {
 	if t == nil {
 		return Sum{}, false
@@ -50,15 +62,20 @@ func (t *Table) Sum(path string) (Sum, bool) {
 	if i < 0 {
 		return Sum{}, false
 	}
-	return t.sum(i), true
+	if t.kept == nil {
+		return t.sum(i), true
+	}
+	return sumOf(t.kept.from(i, 4<<10), i, path)
 }
 
 // Finder finds sums in a Table for one goroutine, at a few nanoseconds a
 // path asked in the walk's order (a packer's, a copy's), where Sum
-// searches the whole table (a microsecond at a million files).
+// searches the whole table (a microsecond at a million files) and, for a
+// table read from its file, reads its sum there.
 type Finder struct {
 	t *Table
 	f *walkorder.Finder
+	r *keptReader // at the table's file, where its sums lie
 }
 
 // Finder is a Finder of t's sums.
@@ -69,7 +86,7 @@ func (t *Table) Finder() *Finder {
 	return &Finder{t: t, f: t.paths.Finder()}
 }
 
-// Sum is the sum the table has for path, if any.
+// Sum is the sum the table has for path, if any, as Table.Sum says.
 func (f *Finder) Sum(path string) (Sum, bool) {
 	if f.t == nil {
 		return Sum{}, false
@@ -78,9 +95,16 @@ func (f *Finder) Sum(path string) (Sum, bool) {
 	if i < 0 {
 		return Sum{}, false
 	}
-	return f.t.sum(i), true
+	if f.t.kept == nil {
+		return f.t.sum(i), true
+	}
+	if f.r == nil || f.r.next != i {
+		f.r = f.t.kept.from(i, 8<<10) // (a lazy peer's request asks for one)
+	}
+	return sumOf(f.r, i, path)
 }
 
+// sum is sum i of a table whose sums are in memory.
 func (t *Table) sum(i int) Sum { return t.sums[i/sumChunk][i%sumChunk] }
 
 // add adds path, which comes after every path in t, with its sum.
@@ -99,8 +123,18 @@ func (t *Table) files(visit func(path []byte, sum Sum) bool) {
 	if t == nil {
 		return
 	}
+	var kept *keptReader
+	if t.kept != nil {
+		kept = t.kept.from(0, 1<<20)
+	}
 	for r := t.paths.From(0); r.Next(); {
-		if !visit(r.Path(), t.sum(r.Index())) {
+		sum := Sum{}
+		if kept == nil {
+			sum = t.sum(r.Index())
+		} else {
+			sum, _ = sumOf(kept, r.Index(), r.Path())
+		}
+		if !visit(r.Path(), sum) {
 			return
 		}
 	}
@@ -319,56 +353,182 @@ func writeTableFile(path string, records func(emit func([]byte, Sum) error) erro
 // ErrBadFile says a table's file is torn or rotted.
 var ErrBadFile = errors.New("a file of sums that does not read whole")
 
-// ReadFile reads a table kept at path, as it reads it: the file whole is
-// never held, and the table is made in place as its records come in the
-// walk's order. Nothing of it is answered unless its last 32 bytes are
-// the SHA-256 of all before.
+// ReadFile reads a table kept at path, as it reads it (the file whole is
+// never held), and answers nothing unless its last 32 bytes are the
+// SHA-256 of all before. A file in the walk's order (as every table is
+// written now) leaves the table's sums where they are: the table reads
+// each from it as it is asked for (a record whose path is not the one
+// asked for, in a file that is not the one read, answers none). One kept
+// in no order (before tables were kept in the walk's) is read into
+// memory whole.
 func ReadFile(path string) (*Table, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return nil, err
 	}
-	body := st.Size() - sha256.Size
+	t := &Table{kept: &keptSums{path: path, id: [2]uint64{st.Dev, st.Ino}}}
+	inOrder := true
+	err = readRecords(f, st.Size, func(off int64, p []byte, _ Sum) {
+		switch {
+		case !inOrder:
+		case t.Len() > 0 && walkorder.Compare(t.paths.Last(), p) >= 0:
+			inOrder = false
+		default:
+			if t.Len()%walkorder.Restart == 0 {
+				t.kept.at = append(t.kept.at, off)
+			}
+			t.paths.Add(unsafe.String(unsafe.SliceData(p), len(p))) // (kept as a copy: no string made a file)
+		}
+	})
+	if err == nil && !inOrder {
+		var b TableBuilder
+		err = readRecords(f, st.Size, func(_ int64, p []byte, sum Sum) { b.Add(string(p), sum) })
+		t = b.Table()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if t.Len() == 0 {
+		t.kept = nil // (nothing to read there)
+	}
+	return t, nil
+}
+
+// readRecords hands visit each record of the table kept in f (of size
+// bytes), with where it starts, then checks the file's trailer: what
+// visit was handed counts only if that says nil.
+func readRecords(f *os.File, size int64, visit func(off int64, path []byte, sum Sum)) error {
+	body := size - sha256.Size
 	if body < int64(len(fileHeader)) {
-		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+		return ErrBadFile
 	}
 	h := sha256.New()
-	r := bufio.NewReaderSize(io.TeeReader(io.LimitReader(f, body), h), 1<<20)
+	r := keptReader{r: bufio.NewReaderSize(io.TeeReader(io.NewSectionReader(f, 0, body), h), 1<<20), limit: body}
 	header := make([]byte, len(fileHeader))
-	if _, err := io.ReadFull(r, header); err != nil || string(header) != string(fileHeader) {
-		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	if _, err := io.ReadFull(r.r, header); err != nil || !bytes.Equal(header, fileHeader) {
+		return ErrBadFile
 	}
-	var b TableBuilder
-	var p []byte
-	var sum Sum // (one for all: a read into it moves it to the heap)
+	r.off = int64(len(header))
 	for {
-		if _, err := io.ReadFull(r, sum[:]); errors.Is(err, io.EOF) {
+		off := r.off
+		if err := r.record(); errors.Is(err, io.EOF) {
 			break
 		} else if err != nil {
-			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+			return err
 		}
-		n, err := binary.ReadUvarint(r)
-		if err != nil || n > uint64(body) {
-			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-		}
-		p = slices.Grow(p[:0], int(n))[:n]
-		if _, err := io.ReadFull(r, p); err != nil {
-			return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
-		}
-		if inOrder(&b, p) {
-			b.t.add(unsafe.String(unsafe.SliceData(p), len(p)), sum) // (kept as a copy: no string made a file)
-		} else {
-			b.Add(string(p), sum)
-		}
+		visit(off, r.rec.path, r.rec.sum)
 	}
 	var whole Sum
-	if _, err := io.ReadFull(f, whole[:]); err != nil || Sum(h.Sum(nil)) != whole {
-		return nil, fmt.Errorf("%s: %w", path, ErrBadFile)
+	if _, err := f.ReadAt(whole[:], body); err != nil || Sum(h.Sum(nil)) != whole {
+		return ErrBadFile
 	}
-	return b.Table(), nil
+	return nil
+}
+
+// keptSums are the sums of a table read from its file, left there. The
+// file is opened for each read, never held: a layer removed meanwhile
+// frees its blocks at once, and its filesystem is never kept busy.
+type keptSums struct {
+	path string
+	id   [2]uint64 // the file's device and inode, as it was read
+	at   []int64   // where the record of each Restart-th path starts
+}
+
+// keptFile reads a table's kept file from off on, a read at a time.
+type keptFile struct {
+	k   *keptSums
+	off int64
+}
+
+// Read reads the file at r.off, opened for the read: not the file the
+// table was read from (replaced, or gone) is ErrBadFile.
+func (r *keptFile) Read(p []byte) (int, error) {
+	f, err := os.Open(r.k.path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, ErrBadFile
+	} else if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, err
+	}
+	if [2]uint64{st.Dev, st.Ino} != r.k.id {
+		return 0, ErrBadFile
+	}
+	n, err := f.ReadAt(p, r.off)
+	r.off += int64(n)
+	if n > 0 && errors.Is(err, io.EOF) {
+		err = nil
+	}
+	return n, err
+}
+
+// keptReader reads the records of a kept table in order.
+type keptReader struct {
+	r     *bufio.Reader
+	off   int64 // where the next record starts
+	next  int   // the index of the next record, where it reads a table's
+	limit int64 // no path is longer
+	rec   struct {
+		sum  Sum
+		path []byte
+	}
+}
+
+// from reads k's records from record i's restart on, buffer bytes at a
+// time.
+func (k *keptSums) from(i, buffer int) *keptReader {
+	r := i / walkorder.Restart
+	at := k.at[r]
+	return &keptReader{r: bufio.NewReaderSize(&keptFile{k: k, off: at}, buffer), off: at, next: r * walkorder.Restart, limit: 1 << 62}
+}
+
+// record reads the next record: io.EOF where none starts.
+func (r *keptReader) record() error {
+	if _, err := io.ReadFull(r.r, r.rec.sum[:]); errors.Is(err, io.EOF) {
+		return io.EOF
+	} else if err != nil {
+		return ErrBadFile
+	}
+	n, err := binary.ReadUvarint(r.r)
+	if err != nil || n > uint64(r.limit) {
+		return ErrBadFile
+	}
+	r.rec.path = slices.Grow(r.rec.path[:0], int(n))[:n]
+	if _, err := io.ReadFull(r.r, r.rec.path); err != nil {
+		return ErrBadFile
+	}
+	r.off += int64(len(r.rec.sum)) + int64(uvarintLen(n)) + int64(n)
+	r.next++
+	return nil
+}
+
+func uvarintLen(n uint64) int {
+	var b [binary.MaxVarintLen64]byte
+	return binary.PutUvarint(b[:], n)
+}
+
+// sumOf reads on from r to record i, whose path is want, and says its sum:
+// none (said in the log) if the file no longer reads so (it changed since
+// the table was read from it, or cannot be read).
+func sumOf[P string | []byte](r *keptReader, i int, want P) (Sum, bool) {
+	var err error
+	for err == nil && r.next <= i {
+		err = r.record()
+	}
+	if errors.Is(err, io.EOF) || err == nil && walkorder.Compare(r.rec.path, want) != 0 {
+		err = ErrBadFile // (cut short, or changed)
+	}
+	if err != nil {
+		klog.ErrorS(err, "A layer's file sums could not be read from their file; the file's sum is taken as none", "file", string(want))
+		return Sum{}, false
+	}
+	return r.rec.sum, true
 }
