@@ -100,6 +100,8 @@ test: build
 	$(GO) test -run '^$$' -fuzz FuzzImage -fuzztime 3000x -parallel 2 ./pkg/index
 	# A layout read back from an image torn or changed anywhere: read or refused.
 	$(GO) test -run '^$$' -fuzz FuzzReadLayout -fuzztime 20000x -parallel 2 ./pkg/index
+	# A layer's file of sums changed anywhere, then again under the table read from it.
+	$(GO) test -run '^$$' -fuzz FuzzReadTableFile -fuzztime 10000x -parallel 2 ./pkg/filesum
 	# The controller's reading of nodes' reports against the generated types'.
 	$(GO) test -run '^$$' -fuzz FuzzDecodeReport -fuzztime 20000x -parallel 2 ./pkg/controller
 

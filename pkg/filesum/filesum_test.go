@@ -539,6 +539,15 @@ func TestTableReadFromItsFile(t *testing.T) {
 	require.NoError(t, Check(strings.NewReader(""), emptySum))
 	require.ErrorIs(t, Check(strings.NewReader(""), Sum{}), ErrMismatch, "no bytes have the zero Sum")
 
+	// A path's length changed in place into a terabyte's: not read, not
+	// allocated.
+	lengthAt := bytes.Index(raw, []byte("d060/f060000")) - 1
+	require.Equal(t, byte(12), raw[lengthAt], "a path's length, in one byte before it")
+	_, err = f.WriteAt(binary.AppendUvarint(nil, 1<<40), int64(lengthAt))
+	require.NoError(t, err)
+	_, ok = table.Sum("d060/f060000")
+	require.False(t, ok)
+
 	// The file cut short.
 	require.NoError(t, f.Truncate(int64(at)))
 	require.NoError(t, f.Close())

@@ -382,6 +382,7 @@ func ReadFile(path string) (*Table, error) {
 			if t.Len()%walkorder.Restart == 0 {
 				t.kept.at = append(t.kept.at, off)
 			}
+			t.kept.longest = max(t.kept.longest, int64(len(p)))
 			t.paths.Add(unsafe.String(unsafe.SliceData(p), len(p))) // (kept as a copy: no string made a file)
 		}
 	})
@@ -437,6 +438,10 @@ type keptSums struct {
 	path string
 	id   [2]uint64 // the file's device and inode, as it was read
 	at   []int64   // where the record of each Restart-th path starts
+	// longest is the longest path the file held as it was read: a
+	// record that says a longer one since is not read (a length rotted
+	// into a terabyte must not be allocated).
+	longest int64
 }
 
 // keptFile reads a table's kept file from off on, a read at a time.
@@ -487,7 +492,7 @@ type keptReader struct {
 func (k *keptSums) from(i, buffer int) *keptReader {
 	r := i / walkorder.Restart
 	at := k.at[r]
-	return &keptReader{r: bufio.NewReaderSize(&keptFile{k: k, off: at}, buffer), off: at, next: r * walkorder.Restart, limit: 1 << 62}
+	return &keptReader{r: bufio.NewReaderSize(&keptFile{k: k, off: at}, buffer), off: at, next: r * walkorder.Restart, limit: k.longest}
 }
 
 // record reads the next record: io.EOF where none starts.
