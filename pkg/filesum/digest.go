@@ -268,8 +268,9 @@ func (l *Listing) Spill(f *os.File) { l.spill = f }
 // File lists a regular file. A run it fills it sorts (Digest finds it
 // sorted), and spills where asked: a pull's sorting is done as its files
 // come, not after.
-func (l *Listing) File(path string, sum Sum) {
-	r := recordOf(path, sum)
+func (l *Listing) File(path string, sum Sum) { l.add(recordOf(path, sum)) }
+
+func (l *Listing) add(r record) {
 	l.mu.Lock()
 	if n := len(l.files); n == 0 || l.files[n-1] == nil || len(l.files[n-1]) == listingRun { // (nil: full, and spilled)
 		run := l.free

@@ -469,11 +469,12 @@ func TestTableSize(t *testing.T) {
 
 // A table read from its file in the walk's order leaves its sums there,
 // about 5 bytes a file in memory: each is read as asked for, by Sum and
-// by a Finder asked in order or not, and by a walk of the table. Once the
-// file is no longer what was read (a path changed in place, the file cut
-// short, another file in its place, none), a sum that cannot be read is
-// none, and the zero Sum to a walk: the table's digest is no longer the
-// one read, and a check fails closed.
+// by a Finder asked in order or not, and by a walk of the table (its
+// digest's runs spilled beside the file). Once the file is no longer what
+// was read (a path changed in place, a length rotted, the file cut short,
+// another file in its place, none), a sum that cannot be read is none,
+// and the zero Sum to a walk: the table's digest is no longer the one
+// read, and a check fails closed.
 func TestTableReadFromItsFile(t *testing.T) {
 	const files = 100_000
 	var b TableBuilder
@@ -502,6 +503,9 @@ func TestTableReadFromItsFile(t *testing.T) {
 	require.Equal(t, want, maps.Collect(table.All()))
 	digest := table.Digest()
 	require.Equal(t, TableOf(want).Digest(), digest)
+	spilled, err := table.spilledDigest() // (what Digest took: its runs beside the file)
+	require.NoError(t, err)
+	require.Equal(t, digest, spilled)
 	inOrder, asked := table.Finder(), table.Finder()
 	for i := range files {
 		p := fmt.Sprintf("d%03d/f%06d", i/1000, i)

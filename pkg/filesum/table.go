@@ -241,13 +241,37 @@ func tableOfLoose(files []looseFile) Table {
 	return t
 }
 
-// Digest is the table's digest.
+// Digest is the table's digest. A table read from its file sorts its
+// records in runs spilled beside the file (a run of 4 MiB in memory,
+// where a million files' records are 64 MB), or in memory where it
+// cannot.
 func (t *Table) Digest() Sum {
+	if t.Len() > listingRun && t.kept != nil {
+		sum, err := t.spilledDigest()
+		if err == nil {
+			return sum
+		}
+		klog.V(2).InfoS("A table's digest could not spill its runs beside its file; taken in memory", "file", t.kept.path, "err", err)
+	}
 	records := make([]record, 0, t.Len())
 	t.files(func(p []byte, sum Sum) bool { records = append(records, recordOf(p, sum)); return true })
 	runs := runsOf(records)
 	sortRuns(runs...)
 	return digestOf(runs...)
+}
+
+// spilledDigest is the digest of a table read from its file, its runs
+// spilled beside the file.
+func (t *Table) spilledDigest() (Sum, error) {
+	spill, err := fdtree.Unnamed(filepath.Dir(t.kept.path), "a table's digest's runs")
+	if err != nil {
+		return Sum{}, err
+	}
+	defer spill.Close()
+	var listing Listing
+	listing.Spill(spill)
+	t.files(func(p []byte, sum Sum) bool { listing.add(recordOf(p, sum)); return true })
+	return listing.Digest()
 }
 
 // runsOf cuts records into runs of listingRun, which sortRuns sorts at
