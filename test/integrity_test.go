@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -50,10 +51,10 @@ func requireKeptSums(t *testing.T, holder, puller *env, handle, name string) {
 	require.NoError(t, err)
 	kept, err := filesum.ReadFile(sumsPuller)
 	require.NoError(t, err)
-	require.Equal(t, want, kept, "the puller keeps the holder's sums")
+	require.Equal(t, maps.Collect(want.All()), maps.Collect(kept.All()), "the puller keeps the holder's sums")
 	read, err := filesum.OfTree(t.Context(), strings.TrimSuffix(sumsPuller, ".sums"))
 	require.NoError(t, err)
-	require.Equal(t, read, kept, "what the puller's layer holds")
+	require.Equal(t, maps.Collect(read.All()), maps.Collect(kept.All()), "what the puller's layer holds")
 }
 
 // rot flips one bit of a file in place, keeping its size and times: what a
