@@ -153,20 +153,26 @@ func (l *List) restart(r int) []byte {
 // restart whose path is not past it, then the paths after it. The paths
 // must have been added in Compare's order.
 func (l *List) Lookup(path string) int {
+	_, i := l.find(path)
+	return i
+}
+
+// find is Lookup, and a Reader that read the path found.
+func (l *List) find(path string) (Reader, int) {
 	r := sort.Search(len(l.restarts), func(r int) bool { return Compare(l.restart(r), path) > 0 }) - 1
 	if r < 0 {
-		return -1
+		return Reader{}, -1
 	}
 	rd := l.From(r)
 	for k := 0; k < Restart && rd.Next(); k++ {
 		switch c := Compare(rd.path, path); {
 		case c == 0:
-			return rd.Index()
+			return rd, rd.Index()
 		case c > 0:
-			return -1
+			return Reader{}, -1
 		}
 	}
-	return -1
+	return Reader{}, -1
 }
 
 // Finder looks paths up in a List for one goroutine, fastest when asked
@@ -186,11 +192,7 @@ func (f *Finder) Find(path string) int {
 	if f.at && f.r.Next() && Compare(f.r.path, path) == 0 {
 		return f.r.Index()
 	}
-	i := f.l.Lookup(path)
-	if f.at = i >= 0; f.at {
-		f.r = f.l.From(i / Restart)
-		for f.r.Next() && f.r.Index() < i {
-		}
-	}
+	r, i := f.l.find(path)
+	f.r, f.at = r, i >= 0
 	return i
 }
