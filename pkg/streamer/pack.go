@@ -537,9 +537,12 @@ func (pk *packer) write(e aheadEntry) error {
 // with: its disk changed it since.
 var ErrRotten = errors.New("this node's copy of the layer is not what it was captured with")
 
+// zeros is what writeZeros writes from, never written to: one on its stack
+// escaped to the heap, 8 KiB made for every file a holder sent.
+var zeros [4096]byte
+
 // writeZeros writes n zeros to w (a hole's, into a sum).
 func writeZeros(w io.Writer, n int64) {
-	var zeros [4096]byte
 	for n > 0 {
 		k := min(n, int64(len(zeros)))
 		_, _ = w.Write(zeros[:k])
