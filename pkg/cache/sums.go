@@ -105,17 +105,23 @@ func (s *Store) layerSums(r volume.Ref, layer string) (*filesum.Table, error) {
 		}
 		start := time.Now()
 		// Not the asker's context: the sums are the layer's, kept for
-		// every later asker, whoever gave up meanwhile.
-		if t, err = filesum.OfTree(context.Background(), s.LayerPath(r, layer)); err != nil {
-			return nil, err
+		// every later asker, whoever gave up meanwhile. Written as the
+		// layer is walked, then read back small (their sums left in
+		// the file): a table of a million files is never held whole.
+		dir := s.LayerPath(r, layer)
+		err = filesum.KeepTreeFile(context.Background(), dir, path)
+		if err == nil {
+			t, err = filesum.ReadFile(path)
 		}
-		if err := t.WriteFile(path); err != nil {
+		if err != nil {
 			// A full disk must not stop the node serving what it holds:
 			// the sums are kept in memory, and written by the next asker
-			// that computes them once these are forgotten.
-			klog.ErrorS(err, "Keeping a layer's file sums failed; they are kept in memory", "volume", r, "layer", layer)
-		} else if kept, err := filesum.ReadFile(path); err == nil {
-			t = kept // (its sums left in the file, not held)
+			// that computes them once these are forgotten (the layer
+			// read twice, only while they cannot be kept).
+			klog.ErrorS(err, "Keeping a layer's file sums failed; computing them in memory", "volume", r, "layer", layer)
+			if t, err = filesum.OfTree(context.Background(), dir); err != nil {
+				return nil, err
+			}
 		}
 		klog.V(2).InfoS("Computed a layer's file sums", "volume", r, "layer", layer, "files", t.Len(), "duration", time.Since(start))
 		return t, nil

@@ -4,6 +4,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -50,14 +51,41 @@ func TestLayerSumsAreKeptWithTheirLayer(t *testing.T) {
 	}
 }
 
-// Sums that cannot be written (a full disk, here a dir in their place) are
-// still answered: the node goes on serving what it holds.
-func TestLayerSumsAnsweredWhenTheyCannotBeKept(t *testing.T) {
-	s := openStore(t)
-	v := ready(t, s, "ci", "unkept", volume.Ref{}, volume.ScopeNamespace, nil)
-	require.NoError(t, os.WriteFile(filepath.Join(s.DataPath(v), "f"), []byte("data"), 0o644))
-	require.NoError(t, os.MkdirAll(filepath.Join(s.sumsPath(v.Ref(), v.Layer), "in-the-way"), 0o755))
-	sums, err := s.LayerSums(v)
-	require.NoError(t, err)
-	require.Equal(t, 1, sums.Len())
+// A layer's sums are read back from the file they were written to as the
+// layer was walked, their sums left there (a file gone under them answers
+// none); sums that cannot be written (a full disk, here a dir in their
+// place) are still answered, from memory: the node goes on serving what it
+// holds.
+func TestLayerSumsLeftInTheirFile(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		cannotBeKept bool
+	}{
+		{"kept", false},
+		{"cannot be kept", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := openStore(t)
+			v := ready(t, s, "ci", "summed", volume.Ref{}, volume.ScopeNamespace, nil)
+			require.NoError(t, os.WriteFile(filepath.Join(s.DataPath(v), "f"), []byte("data"), 0o644))
+			path := s.sumsPath(v.Ref(), v.Layer)
+			if tc.cannotBeKept {
+				require.NoError(t, os.MkdirAll(filepath.Join(path, "in-the-way"), 0o755))
+			}
+			sums, err := s.LayerSums(v)
+			require.NoError(t, err)
+			require.Equal(t, 1, sums.Len())
+			want, err := filesum.Of(strings.NewReader("data"))
+			require.NoError(t, err)
+
+			require.NoError(t, os.RemoveAll(path))
+			got, ok := sums.Sum("f")
+			if tc.cannotBeKept {
+				require.True(t, ok, "held in memory")
+				require.Equal(t, want, got)
+			} else {
+				require.False(t, ok, "read from the file, which is gone")
+			}
+		})
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"io/fs"
 	"maps"
 	"math/rand/v2"
 	"os"
@@ -143,6 +144,25 @@ func TestWriteTreeFile(t *testing.T) {
 	left, err := os.ReadDir(dir)
 	require.NoError(t, err)
 	require.Len(t, left, 1, "only the table kept: %v", left)
+
+	// With nothing known, every file is read: OfTree's table, kept in
+	// the walk's order (read back, its sums left in the file).
+	read, err := OfTree(t.Context(), root)
+	require.NoError(t, err)
+	require.NoError(t, KeepTreeFile(t.Context(), root, other))
+	got, err = ReadFile(other)
+	require.NoError(t, err)
+	require.NotNil(t, got.kept)
+	require.Equal(t, maps.Collect(read.All()), maps.Collect(got.All()))
+	require.Equal(t, read.Digest(), got.Digest())
+
+	inTheWay := filepath.Join(dir, "in-the-way.sums")
+	require.NoError(t, os.MkdirAll(filepath.Join(inTheWay, "x"), 0o755))
+	require.Error(t, KeepTreeFile(t.Context(), root, inTheWay))
+	require.ErrorIs(t, KeepTreeFile(t.Context(), filepath.Join(root, "gone"), filepath.Join(dir, "gone.sums")), fs.ErrNotExist)
+	left, err = os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Len(t, left, 3, "the two tables and what was in the way, nothing half written: %v", left)
 }
 
 // What a layer's sums cost: a tree of 20,000 files, 1 GiB in all, on

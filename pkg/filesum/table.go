@@ -301,12 +301,18 @@ func (t *Table) WriteFile(path string) error {
 	}, nil)
 }
 
-// WriteTreeFile keeps the table of the tree at root, as OfTreeKnowing
-// sums it, at path as WriteFile does, without holding it: each file's
-// record is written as the walk meets it, and the table's digest taken
-// from a listing spilled beside path (a run of 4 MiB in memory, whatever
-// the file count). It is kept only if its digest is want, else nothing is
-// (ErrMismatch).
+// KeepTreeFile keeps the table of the tree at root, as OfTree sums it, at
+// path as WriteFile does, without holding it: each file's record is
+// written as the walk meets it (a capture's table, which nothing before it
+// vouched for).
+func KeepTreeFile(ctx context.Context, root, path string) error {
+	return writeTableFile(path, treeRecords(ctx, root, nil, func(string, Sum) {}), nil)
+}
+
+// WriteTreeFile is KeepTreeFile taking sums from known as OfTreeKnowing
+// does, with the table's digest taken from a listing spilled beside path
+// (a run of 4 MiB in memory, whatever the file count). It is kept only if
+// its digest is want, else nothing is (ErrMismatch).
 func WriteTreeFile(ctx context.Context, root string, known func(path string) (Sum, bool), path string, want Sum) error {
 	spill, err := fdtree.Unnamed(filepath.Dir(path), "a listing's runs")
 	if err != nil {
@@ -316,19 +322,28 @@ func WriteTreeFile(ctx context.Context, root string, known func(path string) (Su
 	var listing Listing
 	listing.Spill(spill)
 	files := 0
-	return writeTableFile(path, func(emit func([]byte, Sum) error) error {
-		return walkSums(ctx, root, known, func(p string, sum Sum) error {
-			files++
-			listing.File(p, sum)
-			return emit([]byte(p), sum)
-		})
-	}, func() error {
+	return writeTableFile(path, treeRecords(ctx, root, known, func(p string, sum Sum) {
+		files++
+		listing.File(p, sum)
+	}), func() error {
 		got, err := listing.Digest()
 		if err == nil && got != want {
 			err = fmt.Errorf("the table of %s (%d files): %w", root, files, ErrMismatch)
 		}
 		return err
 	})
+}
+
+// treeRecords emits the record of each regular file of the tree at root,
+// summed as OfTreeKnowing sums it, in the walk's order, showing each to
+// seen first.
+func treeRecords(ctx context.Context, root string, known func(path string) (Sum, bool), seen func(path string, sum Sum)) func(emit func([]byte, Sum) error) error {
+	return func(emit func([]byte, Sum) error) error {
+		return walkSums(ctx, root, known, func(p string, sum Sum) error {
+			seen(p, sum)
+			return emit([]byte(p), sum)
+		})
+	}
 }
 
 // writeTableFile writes the records records emits to a file beside path,
