@@ -47,7 +47,7 @@ var ErrMismatch = errors.New("not the bytes the volume was captured with")
 func Of(r io.Reader) (Sum, error) {
 	// A buffer of the pool's, read into by hand: io.Copy from an
 	// *os.File goes through its WriteTo, which makes a new 32 KiB buffer
-	// for each file (a million-file layer's table allocated 32 GB).
+	// for each file (a 300,000-file layer's table allocated 9.95 GB).
 	buf := bufpool.Get(sumBuffer)
 	defer bufpool.Put(buf)
 	h := sha256.New()
