@@ -9,7 +9,6 @@ import (
 	"errors"
 	"io"
 	"os"
-	"runtime"
 	"slices"
 	"sync"
 
@@ -88,29 +87,6 @@ type recordKey struct {
 	at  uint32
 }
 
-// sortRuns sorts each of runs in place, as many at once as there are
-// CPUs.
-func sortRuns(runs ...[]record) {
-	work := make(chan []record)
-	var wg sync.WaitGroup
-	for range min(len(runs), runtime.GOMAXPROCS(0)) - 1 {
-		wg.Go(func() {
-			for run := range work {
-				sortRecords(run)
-			}
-		})
-	}
-	for _, run := range runs {
-		select {
-		case work <- run:
-		default: // every worker busy: sort it here
-			sortRecords(run)
-		}
-	}
-	close(work)
-	wg.Wait()
-}
-
 // run is a sorted run of records, read in order by a merge: in memory
 // (memRun) or spilled to a file (fileRun).
 type run interface {
@@ -167,21 +143,8 @@ func (r *fileRun) advance() {
 	}
 }
 
-func memRuns(runs [][]record) []run {
-	out := make([]run, len(runs))
-	for i := range runs {
-		r := memRun(runs[i])
-		out[i] = &r
-	}
-	return out
-}
-
-// digestOf is the digest of the records of runs, each sorted, in sorted
+// digestRuns is the digest of the records of runs, each sorted, in sorted
 // order: hashed as the runs are merged.
-func digestOf(runs ...[]record) Sum {
-	return digestRuns(memRuns(runs))
-}
-
 func digestRuns(runs []run) Sum {
 	h := sha256.New()
 	h.Write([]byte("cowvol file table v1\n"))

@@ -241,9 +241,10 @@ func tableOfLoose(files []looseFile) Table {
 	return t
 }
 
-// Digest is the table's digest. A table read from its file sorts its
-// records in runs spilled beside the file (a run of 4 MiB in memory,
-// where a million files' records are 64 MB), or in memory where it
+// Digest is the table's digest, taken as a Listing takes a stream's: its
+// records in runs, each sorted as it fills. A table read from its file
+// spills its runs beside the file (a run of 4 MiB in memory, where a
+// million files' records are 64 MB), or keeps them in memory where it
 // cannot.
 func (t *Table) Digest() Sum {
 	if t.Len() > listingRun && t.kept != nil {
@@ -253,11 +254,8 @@ func (t *Table) Digest() Sum {
 		}
 		klog.V(2).InfoS("A table's digest could not spill its runs beside its file; taken in memory", "file", t.kept.path, "err", err)
 	}
-	records := make([]record, 0, t.Len())
-	t.files(func(p []byte, sum Sum) bool { records = append(records, recordOf(p, sum)); return true })
-	runs := runsOf(records)
-	sortRuns(runs...)
-	return digestOf(runs...)
+	sum, _ := t.listedDigest(nil) // (in memory, with no links: it cannot fail)
+	return sum
 }
 
 // spilledDigest is the digest of a table read from its file, its runs
@@ -268,21 +266,18 @@ func (t *Table) spilledDigest() (Sum, error) {
 		return Sum{}, err
 	}
 	defer spill.Close()
-	var listing Listing
-	listing.Spill(spill)
-	t.files(func(p []byte, sum Sum) bool { listing.add(recordOf(p, sum)); return true })
-	return listing.Digest()
+	return t.listedDigest(spill)
 }
 
-// runsOf cuts records into runs of listingRun, which sortRuns sorts at
-// once.
-func runsOf(records []record) [][]record {
-	var runs [][]record
-	for len(records) > listingRun {
-		runs = append(runs, records[:listingRun:listingRun])
-		records = records[listingRun:]
+// listedDigest is the digest of the table's records listed, their runs
+// spilled to spill if not nil.
+func (t *Table) listedDigest(spill *os.File) (Sum, error) {
+	var listing Listing
+	if spill != nil {
+		listing.Spill(spill)
 	}
-	return append(runs, records)
+	t.files(func(p []byte, sum Sum) bool { listing.add(recordOf(p, sum)); return true })
+	return listing.Digest()
 }
 
 // The file a table is kept in: a header, then each file as its sum, its
