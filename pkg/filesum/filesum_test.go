@@ -170,6 +170,9 @@ func TestWriteTreeFile(t *testing.T) {
 // make anew for each file: summing a tree reads one file after another
 // (io.Copy's buffer, made for every *os.File, was 32 KiB a file).
 func TestOfReusesItsBuffer(t *testing.T) {
+	if raceDetector {
+		t.Skip("under the race detector a sync.Pool drops a quarter of what is put back, so a buffer is made for many files; make test's plain run has this test")
+	}
 	data := make([]byte, 3*sumBuffer+5)
 	for i := range data {
 		data[i] = byte(i * 7)
