@@ -569,3 +569,103 @@ func holdBlobAndWait(root, socket, layer, blob string) {
 	fmt.Println("holding")
 	select {}
 }
+
+// The bytes an index's Entries carried (a stream's small files) are
+// written into the blob behind its mark, not before OpenBlob returns: a
+// reader that reaches one first waits for it, none is fetched, and the
+// rest is fetched as ever. A write that fails (a full disk) fails the
+// blob: the readers of what is not in place get EIO, never the blob's
+// holes.
+func TestBlobWritesCarriedBytesBehindItsReaders(t *testing.T) {
+	const carried = 3000
+	small := func(i int) []byte { return []byte(strings.Repeat(fmt.Sprintf("small file %d;", i), 1+i%7)) }
+	big := random(t, 1<<20)
+	for _, tc := range []struct {
+		name     string
+		diskFull bool
+	}{{"written", false}, {"disk full", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			testfs.Need(t)
+			fs := testfs.Mount(t, testfs.XFS, 512<<20)
+			if err := Supported(fs); err != nil {
+				t.Skip(err)
+			}
+			work, mnt := filepath.Join(fs, "work"), filepath.Join(fs, "mnt")
+			require.NoError(t, os.Mkdir(work, 0o755))
+			require.NoError(t, os.Mkdir(mnt, 0o755))
+			img, err := os.Create(filepath.Join(work, "index"))
+			require.NoError(t, err)
+			w, err := index.NewWriter(img, index.Options{}, index.Entry{Stat: unix.Stat_t{Mode: unix.S_IFDIR | 0o755}})
+			require.NoError(t, err)
+			file := func(name string, data []byte, carried bool) index.Entry {
+				e := index.Entry{Name: name, Stat: unix.Stat_t{Mode: unix.S_IFREG | 0o644, Size: int64(len(data))}, Sum: filesum.Sum(sha256.Sum256(data))}
+				if carried {
+					e.Data = data
+				}
+				return e
+			}
+			require.NoError(t, w.Add(file("big", big, false)))
+			for i := range carried {
+				require.NoError(t, w.Add(file(fmt.Sprintf("f%04d", i), small(i), true)))
+			}
+			layout, err := w.Close()
+			require.NoError(t, errors.Join(err, img.Close()))
+			t.Cleanup(func() { require.NoError(t, layout.Close()) })
+			blobPath := filepath.Join(work, "blob")
+			f, err := os.Create(blobPath)
+			require.NoError(t, err)
+			require.NoError(t, errors.Join(f.Truncate(layout.Size), f.Close()))
+			if tc.diskFull {
+				var st unix.Statfs_t
+				require.NoError(t, unix.Statfs(fs, &st))
+				filler, err := os.Create(filepath.Join(fs, "filler"))
+				require.NoError(t, err)
+				defer filler.Close()
+				require.NoError(t, unix.Fallocate(int(filler.Fd()), 0, 0, int64(st.Bavail)*st.Bsize-(1<<20)))
+			}
+
+			g, err := Open(fs, time.Minute)
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, g.Close()) })
+			var mu sync.Mutex
+			fetched := map[string]int{}
+			blob, err := g.OpenBlob(blobPath, layout, func(_ context.Context, e index.Extent, w io.WriterAt) error {
+				mu.Lock()
+				fetched[e.Path]++
+				mu.Unlock()
+				_, err := w.WriteAt(big, 0)
+				return err
+			}, nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, blob.Close()) })
+			err = overlay.MountIndex(filepath.Join(work, "index"), blobPath, mnt)
+			if errors.Is(err, overlay.ErrNoIndexMounts) {
+				t.Skip(err)
+			}
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, unix.Unmount(mnt, unix.MNT_DETACH)) })
+
+			last := fmt.Sprintf("f%04d", carried-1)
+			if tc.diskFull {
+				_, err := os.ReadFile(filepath.Join(mnt, last))
+				require.ErrorIs(t, err, syscall.EIO, "not in place: never the blob's hole")
+				<-blob.Done()
+				require.ErrorIs(t, blob.Err(), syscall.ENOSPC)
+				return
+			}
+			for i := carried - 1; i >= 0; i-- { // the last written first, which a reader may reach before it is
+				data, err := os.ReadFile(filepath.Join(mnt, fmt.Sprintf("f%04d", i)))
+				require.NoError(t, err)
+				require.Equal(t, small(i), data)
+			}
+			data, err := os.ReadFile(filepath.Join(mnt, "big"))
+			require.NoError(t, err)
+			require.Equal(t, big, data)
+			<-blob.Done()
+			require.NoError(t, blob.Err())
+			mu.Lock()
+			defer mu.Unlock()
+			require.Equal(t, map[string]int{"big": 1}, fetched, "the carried bytes are written, not fetched")
+		})
+	}
+}

@@ -2,6 +2,7 @@ package index
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -423,6 +424,19 @@ func TestLayoutWriteInline(t *testing.T) {
 	layout = layoutOf()
 	require.NoError(t, layout.Close())
 	require.NoError(t, layout.WriteInline(blob, func(i int) { t.Errorf("extent %d written after Close", i) }))
+
+	// Taken, they are the writer's, and Write stops once its context is
+	// done: a blob that failed is not written on.
+	layout = layoutOf()
+	inline := layout.TakeInline()
+	require.NoError(t, layout.WriteInline(blob, func(i int) { t.Errorf("extent %d written after it was taken", i) }))
+	require.NoError(t, layout.Close())
+	require.Equal(t, []uint32{0, 2}, inline.Extents(), "the layout's Close lets go of the rest, not of what was taken")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.ErrorIs(t, inline.Write(ctx, blob, func(i int) { t.Errorf("extent %d written after its context ended", i) }), context.Canceled)
+	require.Empty(t, inline.Extents(), "let go of once written")
+	require.NoError(t, inline.Close())
 }
 
 // blobBytes is a blob in memory.

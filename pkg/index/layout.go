@@ -1,6 +1,7 @@
 package index
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -173,27 +174,62 @@ func (l *Layout) Close() error {
 // those are, in order; then it lets go of them: a second call writes
 // none.
 func (l *Layout) WriteInline(w io.WriterAt, written func(i int)) error {
-	inlined := l.inlined
-	l.inlined = nil
-	defer l.inline.close()
-	if len(inlined) == 0 {
+	return l.TakeInline().Write(context.Background(), w, written)
+}
+
+// InlineBytes are the bytes of the extents of a layout whose Entries
+// carried them, taken from it (TakeInline) to be written into the blob:
+// by whoever took them, on a goroutine of their own if they like, the
+// layout no longer touching them (its Close lets go of the rest, not of
+// these).
+type InlineBytes struct {
+	l       *Layout // (read only: its ranges and paths)
+	extents []uint32
+	file    aside
+}
+
+// TakeInline hands over the bytes the layout's Entries carried; it keeps
+// none: a second call takes none, nor one after Close.
+func (l *Layout) TakeInline() *InlineBytes {
+	in := &InlineBytes{l: l, extents: l.inlined, file: l.inline}
+	l.inlined, l.inline = nil, aside{}
+	return in
+}
+
+// Extents are the extents whose bytes in carries, in order.
+func (in *InlineBytes) Extents() []uint32 { return in.extents }
+
+// Write writes the bytes through w as WriteInline says, then lets go of
+// them (as Close does). It stops, with ctx's error, once ctx is done.
+func (in *InlineBytes) Write(ctx context.Context, w io.WriterAt, written func(i int)) error {
+	defer in.Close()
+	if len(in.extents) == 0 {
 		return nil
 	}
 	buf := make([]byte, 64<<10)
 	var at int64 // in the file of inline bytes
-	for _, i := range inlined {
-		off, size := l.Range(int(i))
-		n, err := io.CopyBuffer(io.NewOffsetWriter(w, off), io.NewSectionReader(l.inline.file(), at, size), buf)
+	for _, i := range in.extents {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		off, size := in.l.Range(int(i))
+		n, err := io.CopyBuffer(io.NewOffsetWriter(w, off), io.NewSectionReader(in.file.file(), at, size), buf)
 		if err == nil && n != size {
 			err = io.ErrUnexpectedEOF
 		}
 		if err != nil {
-			return fmt.Errorf("writing %s's inline bytes into the blob: %w", l.paths.Path(int(i)), err)
+			return fmt.Errorf("writing %s's inline bytes into the blob: %w", in.l.paths.Path(int(i)), err)
 		}
 		at += size
 		written(int(i))
 	}
 	return nil
+}
+
+// Close lets go of the bytes not written. Twice is once.
+func (in *InlineBytes) Close() error {
+	in.extents = nil
+	return in.file.close()
 }
 
 // Data is how many bytes of data the files hold: the blob's size, less

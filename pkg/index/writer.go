@@ -744,7 +744,7 @@ type Entry struct {
 	// Target is a symlink's.
 	Target string
 	// Data is a regular file's bytes, where the stream carried them
-	// whole (a small file): its extent needs no fetch (Layout.WriteInline).
+	// whole (a small file): its extent needs no fetch (Layout.TakeInline).
 	Data []byte
 	// Sum is what a regular file's bytes hash to, where known.
 	Sum filesum.Sum
