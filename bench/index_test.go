@@ -255,6 +255,10 @@ func BenchmarkIndexPublish(b *testing.B) {
 // keptLog is the plugin's line for a stub tree it kept.
 var keptLog = regexp.MustCompile(`"Kept a layer's stub tree" .* duration="([^"]+)"`)
 
+// summedLog is the plugin's line for a layer's table of sums it computed
+// (after a capture, before it keeps the layer's stub tree).
+var summedLog = regexp.MustCompile(`"Computed a layer's file sums" .* duration="([^"]+)"`)
+
 // keptStubs waits up to within for n to keep a layer's stub tree (the
 // last work a capture, or the fill of a pull, makes a node do), and says
 // how long keeping it took.
@@ -276,6 +280,10 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 		Args: []string{"--peer-address=" + peerA}})}
 	a.capture("", "tree", func(dir string) { genTree(b, dir, files, 1<<30) })
 	keptFor := a.keptStubs(10 * time.Minute)
+	summedFor := "-"
+	if m := summedLog.FindStringSubmatch(a.p.Log()); m != nil {
+		summedFor = m[1]
+	}
 	kept, err := filepath.Glob(filepath.Join(a.p.StateDir, "volumes", "ci", "tree", "*.stubs"))
 	if err != nil || len(kept) != 1 {
 		b.Fatalf("A's kept stub tree: %v %v", kept, err)
@@ -377,7 +385,7 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 		b.ReportMetric(pub, fmt.Sprintf("%s-publish-%dk", r.name, files/1000))
 		b.ReportMetric(rdy, fmt.Sprintf("%s-ready-%dk", r.name, files/1000))
 	}
-	fmt.Fprintf(sb, "%-10d kept by A in %s, %.1f bytes a file\n", files, keptFor, float64(keptSt.Size())/float64(files))
+	fmt.Fprintf(sb, "%-10d summed by A in %s, kept by A in %s, %.1f bytes a file\n", files, summedFor, keptFor, float64(keptSt.Size())/float64(files))
 	for i, form := range forms {
 		if len(publish[i]) > 0 {
 			b.ReportMetric(p50(publish[i]).Seconds(), fmt.Sprintf("%s-publish-%dk-s", form.name, files/1000))
