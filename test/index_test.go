@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -19,6 +20,7 @@ import (
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/pkg/streamer"
 )
 
 // pullForm is a form a lazy pull takes on B: a stub per file, or an index
@@ -246,4 +248,70 @@ func TestAWholeIndexServedToPeers(t *testing.T) {
 	}
 	b.umount(keep)
 	form.settled(t, b)
+}
+
+// A node that pulls a big layer as an index keeps the stub tree's records
+// as they came (no walk of the tree it made), as soon as the pull is
+// checked, and serves them to its own peers' index pulls; a peer that asks
+// for what they are not (a StubTar: a stub pull) has the layer walked
+// once, after which the node keeps the tree whole.
+func TestAPulledIndexServesTheRecordsItReceived(t *testing.T) {
+	form := pullForm{name: "index", index: true}
+	bAddr := plugintest.FreeAddr(t)
+	a, b, _ := lazyNodesAs(t, form, 0, "--peer-address="+bAddr)
+	a.step("", "src", func(dir string) {
+		for i := range keptStubsMin {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, strconv.Itoa(i)), []byte(strconv.Itoa(i*i)), 0o644))
+		}
+		randomFile(t, dir, "big", 4<<20, 1)
+	})
+	var want testfs.Tree
+	a.read("src", func(dir string) { want = testfs.Describe(t, dir) })
+	bigSum := fileDigestOf(t, &peerNode{env: a}, "src", "big")
+	eventually(t, "A to keep the source's stub tree", func() bool { return keptStubs(t, a, "src") })
+
+	// received says whether B keeps the source's stub tree as received
+	// (and no other: a layer's copy out of its index keeps the same file).
+	received := func() bool {
+		matches, err := filepath.Glob(filepath.Join(b.p.StateDir, "volumes", "ci", "src", "*.stubs"))
+		require.NoError(t, err)
+		return len(matches) == 1 && streamer.KeptReceived(matches[0])
+	}
+	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
+	require.NoError(t, b.publishWaiting(v))
+	require.True(t, received(), "B keeps the records as received as its publish returns")
+	require.Equal(t, strconv.Itoa(77*77), readFile(t, v.Target, "77"))
+	b.umount(v)
+	eventually(t, "B to hold it ready", func() bool { return volumeState(t, b, "src") == "ready" })
+	eventually(t, "the fill counted", func() bool { return metricValue(t, b, `cowvol_lazy_fills_total{result="ok"}`) > 0 })
+	form.settled(t, b)
+	eventually(t, "the index's layer pruned", func() bool {
+		matches, err := filepath.Glob(filepath.Join(b.p.StateDir, "volumes", "ci", "src", "*.index"))
+		require.NoError(t, err)
+		return len(matches) == 0
+	})
+	require.True(t, received(), "not walked for once filled, nor once copied out of its index")
+	a.p.Stop() // B alone holds it
+
+	for _, c := range []struct {
+		form  pullForm
+		walks float64 // B's walks of the layer for it
+	}{{form, 0}, {pullForm{name: "stubs"}, 1}} {
+		t.Run(c.form.name, func(t *testing.T) {
+			node := newEnv(t, plugintest.Config{Backend: "overlay", NodeID: "node-c", StateDir: testfs.Mount(t, testfs.XFS, 1<<30),
+				Args: append([]string{"--peers=node-b=" + bAddr, "--pull-wait=1s", "--pull-mode=lazy"}, c.form.args()...)})
+			c.form.require(t, node)
+			v := node.volume(map[string]string{driver.AttrSource: "src"}, true)
+			require.NoError(t, node.publishWaiting(v))
+			require.Equal(t, 1-c.walks, metricValue(t, b, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="kept"}`, c.form.stubTree())))
+			require.Equal(t, c.walks, metricValue(t, b, fmt.Sprintf(`cowvol_peer_stub_trees_served_total{form=%q,source="walked"}`, c.form.stubTree())))
+			require.NoError(t, readsAs(filepath.Join(v.Target, "big"), bigSum))
+			node.umount(v)
+			eventually(t, "C to hold it ready", func() bool { return volumeState(t, node, "src") == "ready" })
+			node.read("src", func(dir string) { require.Equal(t, want, testfs.Describe(t, dir)) })
+			c.form.settled(t, node)
+			node.p.Stop()
+		})
+	}
+	eventually(t, "B to keep the tree whole once a stub pull walked it", func() bool { return keptStubs(t, b, "src") && !received() })
 }

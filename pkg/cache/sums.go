@@ -43,7 +43,11 @@ const indexSuffix = ".index"
 const stubsSuffix = ".stubs"
 
 // StubsPath is where v's layer's stub tree is kept, if it is.
-func (s *Store) StubsPath(v Volume) string { return s.DataPath(v) + stubsSuffix }
+func (s *Store) StubsPath(v Volume) string { return StubsFile(s.DataPath(v)) }
+
+// StubsFile is where the stub tree of the layer dir at layerPath is kept,
+// if it is: beside it, as its sums are.
+func StubsFile(layerPath string) string { return layerPath + stubsSuffix }
 
 // IndexDir is where the image and blob of the index mounted at the layer
 // dir at layerPath lie: beside it, so that they go with it as its sums do.

@@ -127,9 +127,10 @@ func (h peerHolder) OpenLayer(namespace string, r, via volume.Ref) (streamer.Lay
 	layer := streamer.LayerFiles{Dir: h.e.store.DataPath(v), Sums: sums, Kept: h.e.store.StubsPath(v)}
 	if keepsStubs(sums) {
 		// A layer whose tree was not kept after it was made (made
-		// before trees were kept, flattened, or its kept tree removed)
-		// is kept once a pull of its stubs has walked it.
-		layer.Walked = func() { h.e.goBackground(func() { _ = h.e.sumLayer(v, false) }) }
+		// before trees were kept, flattened, or its kept tree removed),
+		// or was kept as records a pull received, is kept once a pull
+		// of its stubs has walked it.
+		layer.Walked = func() { h.e.goBackground(func() { h.e.keepWalked(v) }) }
 	}
 	return layer, func() {
 		release()
@@ -198,15 +199,23 @@ func wakeAfterStream(v cache.Volume, err error, overHigh bool) (reap, tidy bool)
 	return v.State != volume.StateReady || overHigh, len(v.OldLayers) > 0
 }
 
-// keptStubsMin is the fewest regular files a layer has for its stub tree
-// to be kept (streamer.KeepStubs): below it, a holder walks the tree in
-// well under 0.1 s, cold, and a kept stream would be disk spent for
-// nothing.
-const keptStubsMin = 4096
-
 // keepsStubs says whether the stub tree of a layer whose file sums are
-// sums is kept.
-func keepsStubs(sums *filesum.Table) bool { return sums.Len() >= keptStubsMin }
+// sums is kept (streamer.KeepsStubs).
+func keepsStubs(sums *filesum.Table) bool { return streamer.KeepsStubs(sums.Len()) }
+
+// keepWalked keeps v's stub tree once a pull of its stubs walked the
+// layer, nothing kept serving it: records a pull of it received
+// (streamer.KeptReceived), which serve no StubTar, are replaced by the
+// tree kept whole.
+func (e *Engine) keepWalked(v cache.Volume) {
+	if path := e.store.StubsPath(v); streamer.KeptReceived(path) {
+		if err := os.Remove(path); err != nil {
+			klog.ErrorS(err, "Removing a layer's stub records kept as received, to keep its tree whole", "volume", v.Ref())
+			return
+		}
+	}
+	_ = e.sumLayer(v, false)
+}
 
 // keepStubs keeps the stub tree of v's layer (whose file sums are sums) as
 // a stream beside it, if it is big enough and not kept yet: what the pulls
@@ -218,6 +227,7 @@ func (e *Engine) keepStubs(v cache.Volume, sums *filesum.Table) {
 		return
 	}
 	if _, err := os.Stat(path); err == nil {
+		klog.V(4).InfoS("A layer's stub tree is kept already", "volume", v.Ref(), "asReceived", streamer.KeptReceived(path))
 		return
 	}
 	release := e.store.Hold(v.Ref(), cache.HoldStream)

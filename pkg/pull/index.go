@@ -137,8 +137,10 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 			if err != nil {
 				return streamer.Summary{}, err
 			}
+			records := receiveRecords(l.Ref, tree)
+			defer records.Abandon()
 			var sum streamer.Summary
-			layout, sum, err = from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress, image)
+			layout, sum, err = from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress, image, records)
 			if cerr := image.Close(); err == nil {
 				err = cerr
 			}
@@ -154,6 +156,9 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 			}
 			if err == nil && layout.Data() > pl.cfg.Limits.Bytes {
 				err = overLimit(l.Ref, pl.cfg.Limits.Bytes) // bounded as a stub tree's stubs are
+			}
+			if err == nil {
+				keepRecords(l.Ref, records, s.Inline, sum, layout)
 			}
 			if sum.Inlined != "" {
 				src.inlined = streamer.Inline{Max: streamer.StubInline.Max, Through: sum.Inlined}
@@ -243,6 +248,34 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 		}
 		return pl.store.Filled(r)
 	})
+}
+
+// receiveRecords starts receiving the records of the stub tree of layer
+// r, pulled into the layer dir tree, to keep them beside it as its own
+// peers' pulls are served (streamer.ReceiveRecords); nil where it cannot
+// (said in the log: the filled layer is walked for them, as before).
+func receiveRecords(r volume.Ref, tree string) *streamer.ReceivedRecords {
+	records, err := streamer.ReceiveRecords(cache.StubsFile(tree))
+	if err != nil {
+		klog.ErrorS(err, "Receiving a pulled layer's stub records to keep them; its tree is walked for them once filled", "volume", r)
+	}
+	return records
+}
+
+// keepRecords keeps the stub records received of layer r (if any), their
+// pull checked as sum says, if its tree is big enough for a holder to
+// keep (layout's files, streamer.KeepsStubs); else, or if they cannot be
+// kept, the node keeps the tree once filled, from a walk of it, as it
+// keeps a capture's.
+func keepRecords(r volume.Ref, records *streamer.ReceivedRecords, inline streamer.Inline, sum streamer.Summary, layout *index.Layout) {
+	if records == nil || !streamer.KeepsStubs(layout.Len()) {
+		return
+	}
+	if err := records.Keep(inline, sum); err != nil {
+		klog.V(2).InfoS("A pulled layer's stub records were not kept as received; its tree is walked for them once filled", "volume", r, "err", err)
+		return
+	}
+	klog.V(2).InfoS("Kept a pulled layer's stub records as received", "volume", r, "entries", sum.Entries, "bytes", sum.Bytes)
 }
 
 // closeLayout lets go of the sums and inline bytes of layout, if any:

@@ -112,9 +112,10 @@ func Receive(store *cache.Store, kind overlay.Kind, l streamer.Layer, vouch volu
 	if err := os.Rename(tree, data); err != nil {
 		return cache.Volume{}, err
 	}
-	// A layer received as an index has it beside it (IndexDir), and one
-	// received with its table its sums (SumsFile).
-	for _, beside := range []func(string) string{cache.IndexDir, cache.SumsFile} {
+	// A layer received as an index has it beside it (IndexDir), one
+	// received with its table its sums (SumsFile), and one whose stub
+	// tree's records are kept as received those (StubsFile).
+	for _, beside := range []func(string) string{cache.IndexDir, cache.SumsFile, cache.StubsFile} {
 		if err := os.Rename(beside(tree), beside(data)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return cache.Volume{}, err
 		}

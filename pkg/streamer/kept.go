@@ -11,6 +11,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/klauspost/compress/s2"
@@ -37,6 +38,16 @@ import (
 // before a byte of it is sent: a kept stream that rotted on disk is
 // dropped and the tree packed as before, and never half sent. Last come
 // the footer's length, its own XXH64 and keptMagic.
+//
+// A puller that received a big layer's records (an index pull) keeps them
+// as they came (ReceiveRecords), once its pull is checked: the same file
+// with no StubTar and only the digest its pull had (its stream's, a
+// swarm's or not), ended by keptMagicReceived. It serves those records
+// alone: a request it cannot serve walks the layer, and the puller keeps
+// the tree whole then (KeptReceived says which it holds). Before, the
+// puller walked the layer it had just made to keep them, and again to
+// make the StubTar they came from: at 1,000,000 files, as long as the
+// holder's own keeping (about 10 s).
 
 // StubInline is which small files a pull's stub tree carries whole: those
 // of at most 8 KiB, in the walk's order, 16 MiB of them at most. A file
@@ -51,11 +62,14 @@ var StubInline = Inline{Max: 8 << 10, Budget: 16 << 20}
 // Inline, or the one kept did not read whole): pack the tree instead.
 var ErrNotKept = errors.New("no kept stub tree serves this request")
 
-// keptMagic ends a kept stream's file. keptMagicV1 ended those of a file
-// with the StubTar alone, which is replaced.
+// keptMagic ends a kept stream's file, keptMagicReceived one of records
+// a pull received (an earlier version takes it for no kept stream, and
+// walks). keptMagicV1 ended those of a file with the StubTar alone, which
+// is replaced.
 const (
-	keptMagic   = "cowvolK2"
-	keptMagicV1 = "cowvolK1"
+	keptMagic         = "cowvolK2"
+	keptMagicReceived = "cowvolK3"
+	keptMagicV1       = "cowvolK1"
 )
 
 // maxKeptFooter bounds the footer a reader takes (it is a few hundred
@@ -68,6 +82,9 @@ type keptFooter struct {
 	InlineBudget int64      `json:"inlineBudget"`
 	Tar          keptStream `json:"tar"`
 	Records      keptStream `json:"records"`
+	// received: the records a pull received, and no StubTar (its
+	// magic says so).
+	received bool
 }
 
 // keptStream is one stream of a kept file.
@@ -117,25 +134,33 @@ func KeepStubs(ctx context.Context, layer LayerFiles, inline Inline, path string
 	if err != nil {
 		return Summary{}, err
 	}
-	footer, err := json.Marshal(foot)
-	if err != nil {
-		return Summary{}, err
-	}
-	footer = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(footer, uint32(len(footer))), xxhash.Sum64(footer))
-	if _, err := f.Write(append(footer, keptMagic...)); err != nil {
-		return Summary{}, err
-	}
-	if err := f.Sync(); err != nil {
-		return Summary{}, err
-	}
-	if err := f.Close(); err != nil {
-		return Summary{}, err
-	}
-	if err := os.Rename(f.Name(), path); err != nil {
+	if err := finishKept(f, foot, keptMagic, path); err != nil {
 		return Summary{}, err
 	}
 	f = nil
 	return sum, nil
+}
+
+// finishKept appends foot and magic to f, a kept file written aside, closes
+// it and renames it to path.
+func finishKept(f *os.File, foot keptFooter, magic, path string) error {
+	footer, err := json.Marshal(foot)
+	if err != nil {
+		return err
+	}
+	footer = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(footer, uint32(len(footer))), xxhash.Sum64(footer))
+	if _, err := f.Write(append(footer, magic...)); err != nil {
+		return err
+	}
+	if magic == keptMagic { // (a received one is not: see Keep)
+		if err := f.Sync(); err != nil {
+			return err
+		}
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(f.Name(), path)
 }
 
 // keepStream appends to f, at offset, the stream write writes (raw, and
@@ -194,6 +219,13 @@ func ServeKept(path string, inline Inline, shape Shape, w io.Writer, enc Encodin
 	if shape == StubRecords {
 		kept = foot.Records
 	}
+	digest := kept.XXH64
+	if swarm {
+		digest = kept.SHA256
+	}
+	if err == nil && digest == "" { // received records: no StubTar, one digest
+		return Summary{}, ErrNotKept
+	}
 	buf := bufpool.Get(streamBuffer)
 	defer bufpool.Put(buf)
 	body := io.NewSectionReader(f, kept.Offset, kept.Body)
@@ -207,10 +239,7 @@ func ServeKept(path string, inline Inline, shape Shape, w io.Writer, enc Encodin
 		}
 		return Summary{}, ErrNotKept
 	}
-	sum := Summary{Bytes: kept.Bytes, Entries: kept.Entries, Digest: kept.XXH64}
-	if swarm {
-		sum.Digest = kept.SHA256
-	}
+	sum := Summary{Bytes: kept.Bytes, Entries: kept.Entries, Digest: digest}
 	if enc == S2 {
 		_, err := io.CopyBuffer(w, body, buf)
 		return sum, err
@@ -262,6 +291,8 @@ func readKept(f *os.File) (keptFooter, error) {
 	}
 	switch string(end[12:]) {
 	case keptMagic:
+	case keptMagicReceived:
+		foot.received = true
 	case keptMagicV1:
 		return foot, errKeptV1
 	default:
@@ -282,6 +313,9 @@ func readKept(f *os.File) (keptFooter, error) {
 		return foot, err
 	}
 	t, r := foot.Tar, foot.Records
+	if foot.received && t != (keptStream{}) {
+		return foot, errors.New("received records with a StubTar")
+	}
 	if t.Offset != 0 || t.Body < 0 || r.Offset != t.Body || r.Body < 0 || r.Offset+r.Body != st.Size()-tail-size ||
 		t.Bytes < 0 || t.Entries < 0 || r.Bytes < 0 || r.Entries < 0 {
 		return foot, fmt.Errorf("a footer that says streams of %d and %d bytes at %d and %d (%d and %d bytes decoded, %d and %d entries), in a file of %d",
@@ -306,4 +340,116 @@ func encodeTo(w io.Writer, enc Encoding, write func(raw io.Writer) error) error 
 		return err
 	}
 	return bw.Flush()
+}
+
+// KeptReceived says whether the stub tree kept at path is records a pull
+// received (ReceiveRecords), which serve those records alone.
+func KeptReceived(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	foot, err := readKept(f)
+	return err == nil && foot.received
+}
+
+// KeepsStubs says whether the stub tree of a layer of files regular files
+// is kept: below 4,096, a holder walks the tree in well under 0.1 s, cold,
+// and a kept stream would be disk spent for nothing.
+func KeepsStubs(files int) bool { return files >= 4096 }
+
+// ReceivedRecords is the records of a layer's stub tree as a pull of them
+// receives them (PullLayerIndex), written aside as they arrive: the wire's
+// s2 bytes as they come, which a kept file holds (nothing is encoded, or
+// hashed but by XXH64). Keep keeps them once the pull is checked; a
+// stream in another encoding, or one that could not be written, is not
+// kept (the layer is walked for them later, as before).
+type ReceivedRecords struct {
+	path string
+	f    *os.File
+	body *counter // of the s2 bytes written
+	err  error
+}
+
+// ReceiveRecords starts receiving records to keep at path (a file written
+// aside in its dir until they are kept).
+func ReceiveRecords(path string) (*ReceivedRecords, error) {
+	f, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".tmp*")
+	if err != nil {
+		return nil, err
+	}
+	return &ReceivedRecords{path: path, f: f, body: newCounter(false)}, nil
+}
+
+// tee is the tee (see pullLayer) of a pull of stream s that also writes
+// each wire chunk to k, then hands it to next (if any).
+func (k *ReceivedRecords) tee(s LayerStream, next func([]byte)) func([]byte) {
+	if s.Encoding != S2 || s.Shape != StubRecords {
+		k.err = fmt.Errorf("a stream of %s in %s is not kept as received", s.Shape, s.Encoding)
+		return next
+	}
+	return func(chunk []byte) {
+		if k.err == nil {
+			if _, err := k.f.Write(chunk); err != nil {
+				k.err = err
+			} else {
+				_, _ = k.body.Write(chunk)
+			}
+		}
+		if next != nil {
+			next(chunk)
+		}
+	}
+}
+
+// Keep keeps the records received as the stub tree of their layer, made
+// with inline, sum being what their pull checked them against (their
+// size, entries and digest, a swarm's or not): written aside, then renamed
+// to their path. Not synced, on a publish's path: a file a crash tore
+// does not read whole, and ServeKept removes it and has the layer walked.
+// Records that do not decode as such (a holder that sent a StubTar) are
+// refused. The file aside is gone either way.
+func (k *ReceivedRecords) Keep(inline Inline, sum Summary) error {
+	defer k.Abandon()
+	if k.err != nil {
+		return k.err
+	}
+	head := make([]byte, len(recordsMagic))
+	sr, release := fromPool[*s2.Reader](&s2Readers, io.Reader(io.NewSectionReader(k.f, 0, k.body.n)))
+	_, err := io.ReadFull(sr, head)
+	release()
+	switch {
+	case err != nil:
+		return fmt.Errorf("reading the records received: %w", err)
+	case string(head) != recordsMagic:
+		return errors.New("received a StubTar, not records")
+	}
+	records := keptStream{Body: k.body.n, BodyXXH64: k.body.summary(0).Digest, Bytes: sum.Bytes, Entries: sum.Entries}
+	switch algo, _, _ := strings.Cut(sum.Digest, ":"); algo {
+	case "sha256":
+		records.SHA256 = sum.Digest
+	case "xxh64":
+		records.XXH64 = sum.Digest
+	default:
+		return fmt.Errorf("records of digest %q", sum.Digest)
+	}
+	foot := keptFooter{InlineMax: inline.Max, InlineBudget: inline.Budget, Records: records}
+	if err := finishKept(k.f, foot, keptMagicReceived, k.path); err != nil {
+		return err
+	}
+	k.f = nil
+	return nil
+}
+
+// Abandon lets go of the records received, kept or not.
+func (k *ReceivedRecords) Abandon() {
+	if k == nil || k.f == nil {
+		return
+	}
+	k.f.Close()
+	if err := os.Remove(k.f.Name()); err != nil {
+		klog.ErrorS(err, "Removing a stub tree's records received and not kept", "path", k.f.Name())
+	}
+	k.f = nil
 }

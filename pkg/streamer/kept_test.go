@@ -9,10 +9,12 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/concourse/cowvol/internal/testfs"
@@ -216,4 +218,109 @@ func FuzzServeKept(f *testing.F) {
 			require.Zero(t, wire.Len(), "sent something, then said nothing was kept")
 		}
 	})
+}
+
+// receive hands wire (a pull's stream of s) to a ReceivedRecords kept at
+// path in chunks, as a pull's tee does, and keeps them as sum says.
+func receive(t *testing.T, s LayerStream, wire []byte, sum Summary, path string) error {
+	t.Helper()
+	k, err := ReceiveRecords(path)
+	require.NoError(t, err)
+	var teed int
+	tee := k.tee(s, func(chunk []byte) { teed += len(chunk) })
+	for chunk := range slices.Chunk(wire, 1000) {
+		tee(chunk)
+	}
+	require.Equal(t, len(wire), teed, "the pull's own tee is handed every chunk")
+	return k.Keep(keptInline, sum)
+}
+
+// Records a pull received are kept as they came and served as the very
+// stream a walk of the layer makes, in any encoding, with the digest the
+// pull checked them against; a request for what they do not hold (a
+// StubTar, the other kind of digest) is not served from them, and they
+// stay. The walk's file serves everything, and is not taken for them.
+func TestReceivedRecordsAreServed(t *testing.T) {
+	layer, walkKept := keepLayer(t)
+	require.False(t, KeptReceived(walkKept))
+	for _, swarm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("swarm=%v", swarm), func(t *testing.T) {
+			walked := layer
+			walked.swarm = swarm
+			var wire bytes.Buffer
+			sum, err := PackRecords(t.Context(), walked, &wire, S2, keptInline)
+			require.NoError(t, err)
+			path := filepath.Join(t.TempDir(), "layer.stubs")
+			require.NoError(t, receive(t, LayerStream{Encoding: S2, Shape: StubRecords}, wire.Bytes(), sum, path))
+			require.True(t, KeptReceived(path))
+			for _, enc := range []Encoding{S2, Raw, Zstd} {
+				var got bytes.Buffer
+				gotSum, err := ServeKept(path, keptInline, StubRecords, &got, enc, swarm)
+				require.NoError(t, err, enc)
+				require.Equal(t, sum, gotSum, enc)
+				require.Equal(t, decoded(t, wire.Bytes(), S2), decoded(t, got.Bytes(), enc), enc)
+			}
+			for _, req := range []struct {
+				shape Shape
+				swarm bool
+			}{{StubTar, swarm}, {StubRecords, !swarm}} {
+				var got bytes.Buffer
+				_, err := ServeKept(path, keptInline, req.shape, &got, S2, req.swarm)
+				require.ErrorIs(t, err, ErrNotKept, req)
+				require.Zero(t, got.Len(), "nothing sent")
+			}
+			matches, err := filepath.Glob(path + "*")
+			require.NoError(t, err)
+			require.Equal(t, []string{path}, matches, "kept, nothing left aside")
+		})
+	}
+}
+
+// What is not records, or not s2 as they lie, or not written whole, is
+// not kept, and nothing is left aside.
+func TestReceivedRecordsRefused(t *testing.T) {
+	layer := keptLayer(t)
+	var records, tar, raw bytes.Buffer
+	recordsSum, err := PackRecords(t.Context(), layer, &records, S2, keptInline)
+	require.NoError(t, err)
+	tarSum, err := PackFirst(t.Context(), layer, nil, &tar, S2, StubTar, keptInline)
+	require.NoError(t, err)
+	rawSum, err := PackRecords(t.Context(), layer, &raw, Raw, keptInline)
+	require.NoError(t, err)
+	full := t.TempDir()
+	require.NoError(t, unix.Mount("tmpfs", full, "tmpfs", 0, "size=4k"))
+	t.Cleanup(func() { require.NoError(t, unix.Unmount(full, 0)) })
+	require.NoError(t, os.WriteFile(filepath.Join(full, "filler"), make([]byte, 4096), 0o600))
+
+	tests := []struct {
+		name    string
+		s       LayerStream
+		wire    []byte
+		sum     Summary
+		dir     string // a temp dir where unset
+		wantErr string
+	}{
+		{name: "a StubTar", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: tar.Bytes(), sum: tarSum, wantErr: "received a StubTar"},
+		{name: "a StubTar asked for", s: LayerStream{Encoding: S2, Shape: StubTar}, wire: tar.Bytes(), sum: tarSum, wantErr: "is not kept"},
+		{name: "raw", s: LayerStream{Encoding: Raw, Shape: StubRecords}, wire: raw.Bytes(), sum: rawSum, wantErr: "is not kept"},
+		{name: "a full disk", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: records.Bytes(), sum: recordsSum, dir: full,
+			wantErr: "no space left"},
+		{name: "cut short", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: records.Bytes()[:4], sum: recordsSum,
+			wantErr: "reading the records received"},
+		{name: "no digest", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: records.Bytes(), wantErr: "digest"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := tc.dir
+			if dir == "" {
+				dir = t.TempDir()
+			}
+			path := filepath.Join(dir, "layer.stubs")
+			err := receive(t, tc.s, tc.wire, tc.sum, path)
+			require.ErrorContains(t, err, tc.wantErr)
+			matches, err := filepath.Glob(path + "*")
+			require.NoError(t, err)
+			require.Empty(t, matches, "nothing kept, nothing left aside")
+		})
+	}
 }

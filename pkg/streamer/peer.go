@@ -698,10 +698,16 @@ func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, 
 // PullLayerIndex pulls a layer's stub tree as PullLayerStubs does (s's
 // shape is StubRecords, or StubTar), but makes nothing on disk but its
 // index: it writes the tree's index into image as it comes (see
-// IndexStubs), which the caller mounts.
-func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64), image *os.File) (*index.Layout, Summary, error) {
+// IndexStubs), which the caller mounts. keep (if any) is handed the
+// stream as it arrives, for the caller to keep once it is checked.
+func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64), image *os.File,
+	keep *ReceivedRecords) (*index.Layout, Summary, error) {
 	var layout *index.Layout
-	sum, err := c.pullLayer(ctx, s.request(sw, nil), progress, sw.tee(), func(ctx context.Context, in io.Reader) (Summary, error) {
+	tee := sw.tee()
+	if keep != nil {
+		tee = keep.tee(s, tee)
+	}
+	sum, err := c.pullLayer(ctx, s.request(sw, nil), progress, tee, func(ctx context.Context, in io.Reader) (Summary, error) {
 		lim.Summed, lim.Swarmed = true, sw.swarmed()
 		var err error
 		var sum Summary
