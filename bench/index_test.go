@@ -229,7 +229,9 @@ func indexToLayer(b *testing.B, files int, sb *strings.Builder) {
 // turns, each on a fresh B (a new state dir, page caches dropped); then
 // how long until the volume is ready (every byte here; an index is ready
 // as it is, made a plain layer later, once idle), and B's peak RSS by the publish's end and
-// over the whole pull (until B has kept the filled layer's stub tree, the last work it makes). Medians; the ratios are the index's over the stub tree's, and the kept
+// over the whole pull (until B has kept the filled layer's stub tree, the last work it makes), with
+// B's CPU time over the pull and how long keeping that stub tree took it ("-": kept as an index
+// pull received it, no walk). Medians; the ratios are the index's over the stub tree's, and the kept
 // stream's over the walk's. Also what keeping the stub tree cost A: its
 // time after the capture and its size a file.
 //
@@ -249,11 +251,13 @@ func BenchmarkIndexPublish(b *testing.B) {
 			counts = append(counts, n)
 		}
 	}
-	byFileCount(b, counts, fmt.Sprintf("%-10s %-7s %12s %12s %16s %12s", "files", "form", "publish", "ready", "RSS at publish", "peak RSS"), indexPublish)
+	byFileCount(b, counts, fmt.Sprintf("%-10s %-7s %12s %12s %16s %12s %10s %12s", "files", "form", "publish", "ready", "RSS at publish", "peak RSS",
+		"B's CPU", "B kept in"), indexPublish)
 }
 
-// keptLog is the plugin's line for a stub tree it kept.
-var keptLog = regexp.MustCompile(`"Kept a layer's stub tree" .* duration="([^"]+)"`)
+// keptLog is the plugin's line for a stub tree it kept, or found kept
+// (the records an index pull received, kept as it was published): "-".
+var keptLog = regexp.MustCompile(`"Kept a layer's stub tree" .* duration="([^"]+)"|"A layer's stub tree is kept already"`)
 
 // summedLog is the plugin's line for a layer's table of sums it computed
 // (after a capture, before it keeps the layer's stub tree).
@@ -265,7 +269,7 @@ var summedLog = regexp.MustCompile(`"Computed a layer's file sums" .* duration="
 func (n *node) keptStubs(within time.Duration) string {
 	for deadline := time.Now().Add(within); ; time.Sleep(100 * time.Millisecond) {
 		if m := keptLog.FindStringSubmatch(n.p.Log()); m != nil {
-			return m[1]
+			return cmp.Or(m[1], "-")
 		}
 		if time.Now().After(deadline) {
 			n.b.Fatalf("%s kept no stub tree: %s", n.p.NodeID, n.p.Log())
@@ -308,8 +312,9 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 			b.Fatalf("COWVOL_INDEX_PUBLISH_ROUNDS: %v", err)
 		}
 	}
-	publish, ready := make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms))
+	publish, ready, cpu := make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms)), make([][]time.Duration, len(forms))
 	peak, atPublish := make([]int64, len(forms)), make([]int64, len(forms))
+	keptBy := make([]string, len(forms))
 	for round := range rounds {
 		for i, form := range forms {
 			if !slices.Contains(chosen, form.name) {
@@ -329,6 +334,7 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 			}
 			dropCaches(b)
 			resetPeak(b, bn.p.PID())
+			startCPU := cpuTime(b, bn.p.PID())
 			v := bn.volume(map[string]string{driver.AttrSource: "tree"}, true)
 			start := time.Now()
 			publish[i] = append(publish[i], bn.timed(bn.p.Publish, v))
@@ -348,9 +354,11 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 			}
 			ready[i] = append(ready[i], time.Since(start))
 			// The pull's last work on B: the filled layer's table of
-			// sums read, and its stub tree kept for B's own peers.
-			bn.keptStubs(2 * time.Minute)
+			// sums read, and its stub tree kept for B's own peers (an
+			// index pull's kept as it was received).
+			keptBy[i] = bn.keptStubs(2 * time.Minute)
 			peak[i] = max(peak[i], vmKiB(b, bn.p.PID(), "VmHWM"))
+			cpu[i] = append(cpu[i], cpuTime(b, bn.p.PID())-startCPU)
 			bn.timed(bn.p.Unpublish, v)
 			bn.p.Stop()
 			for _, dir := range []string{state, state + "-kubelet"} {
@@ -367,8 +375,8 @@ func indexPublish(b *testing.B, files int, sb *strings.Builder) {
 	}
 	for i, form := range forms {
 		if len(publish[i]) > 0 {
-			fmt.Fprintf(sb, "%-10d %-7s %12s %12s %12.1f MiB %8.1f MiB\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])),
-				float64(atPublish[i])/1024, float64(peak[i])/1024)
+			fmt.Fprintf(sb, "%-10d %-7s %12s %12s %12.1f MiB %8.1f MiB %8.2f s %12s\n", files, form.name, ms(p50(publish[i])), ms(p50(ready[i])),
+				float64(atPublish[i])/1024, float64(peak[i])/1024, p50(cpu[i]).Seconds(), keptBy[i])
 		}
 	}
 	ratio := func(x, y []time.Duration) float64 { return float64(p50(x)) / float64(p50(y)) }
