@@ -2,6 +2,7 @@ package streamer
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -224,8 +225,15 @@ func FuzzServeKept(f *testing.F) {
 // path in chunks, as a pull's tee does, and keeps them as sum says.
 func receive(t *testing.T, s LayerStream, wire []byte, sum Summary, path string) error {
 	t.Helper()
+	return receiveUpTo(t, s, wire, sum, path, maxReceivedRecords)
+}
+
+// receiveUpTo is receive with max s2 bytes written aside.
+func receiveUpTo(t *testing.T, s LayerStream, wire []byte, sum Summary, path string, max int64) error {
+	t.Helper()
 	k, err := ReceiveRecords(path)
 	require.NoError(t, err)
+	k.max = max
 	var teed int
 	tee := k.tee(s, func(chunk []byte) { teed += len(chunk) })
 	for chunk := range slices.Chunk(wire, 1000) {
@@ -287,6 +295,8 @@ func TestReceivedRecordsRefused(t *testing.T) {
 	require.NoError(t, err)
 	rawSum, err := PackRecords(t.Context(), layer, &raw, Raw, keptInline)
 	require.NoError(t, err)
+	require.Equal(t, decoded(t, records.Bytes(), S2), decoded(t, padded(records.Bytes(), 4, 64<<10), S2),
+		"a padded stream reads as the records")
 	full := t.TempDir()
 	require.NoError(t, unix.Mount("tmpfs", full, "tmpfs", 0, "size=4k"))
 	t.Cleanup(func() { require.NoError(t, unix.Unmount(full, 0)) })
@@ -298,6 +308,7 @@ func TestReceivedRecordsRefused(t *testing.T) {
 		wire    []byte
 		sum     Summary
 		dir     string // a temp dir where unset
+		max     int64  // maxReceivedRecords where unset
 		wantErr string
 	}{
 		{name: "a StubTar", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: tar.Bytes(), sum: tarSum, wantErr: "received a StubTar"},
@@ -307,7 +318,14 @@ func TestReceivedRecordsRefused(t *testing.T) {
 			wantErr: "no space left"},
 		{name: "cut short", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: records.Bytes()[:4], sum: recordsSum,
 			wantErr: "reading the records received"},
-		{name: "no digest", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: records.Bytes(), wantErr: "digest"},
+		{name: "no digest", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: records.Bytes(), sum: Summary{Bytes: recordsSum.Bytes},
+			wantErr: "digest"},
+		// s2's padding chunks (type 0xfe) decode to nothing: the stream
+		// reads as the records, but is not what they need.
+		{name: "padded", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: padded(records.Bytes(), 4, 64<<10), sum: recordsSum,
+			wantErr: "padded"},
+		{name: "past the bound", s: LayerStream{Encoding: S2, Shape: StubRecords}, wire: padded(records.Bytes(), 2, 64<<10),
+			sum: recordsSum, max: int64(records.Len()) + 64<<10, wantErr: "records past"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -316,11 +334,22 @@ func TestReceivedRecordsRefused(t *testing.T) {
 				dir = t.TempDir()
 			}
 			path := filepath.Join(dir, "layer.stubs")
-			err := receive(t, tc.s, tc.wire, tc.sum, path)
+			err := receiveUpTo(t, tc.s, tc.wire, tc.sum, path, cmp.Or(tc.max, maxReceivedRecords))
 			require.ErrorContains(t, err, tc.wantErr)
 			matches, err := filepath.Glob(path + "*")
 			require.NoError(t, err)
 			require.Empty(t, matches, "nothing kept, nothing left aside")
 		})
 	}
+}
+
+// padded is an s2 stream with n padding chunks of size bytes each after
+// its own chunks.
+func padded(stream []byte, n, size int) []byte {
+	out := bytes.Clone(stream)
+	chunk := append([]byte{0xfe, byte(size), byte(size >> 8), byte(size >> 16)}, make([]byte, size)...)
+	for range n {
+		out = append(out, chunk...)
+	}
+	return out
 }
