@@ -227,7 +227,7 @@ func (e *Engine) keepStubs(v cache.Volume, sums *filesum.Table) {
 		return
 	}
 	if _, err := os.Stat(path); err == nil {
-		klog.V(4).InfoS("A layer's stub tree is kept already", "volume", v.Ref(), "asReceived", streamer.KeptReceived(path))
+		klog.V(4).InfoS("A layer's stub tree is kept already", "volume", v.Ref())
 		return
 	}
 	release := e.store.Hold(v.Ref(), cache.HoldStream)

@@ -133,16 +133,16 @@ func KeepStubs(ctx context.Context, layer LayerFiles, inline Inline, path string
 	if err != nil {
 		return Summary{}, err
 	}
-	if err := finishKept(f, foot, keptMagic, path); err != nil {
+	if err := finishKept(f, foot, keptMagic, path, true); err != nil {
 		return Summary{}, err
 	}
 	f = nil
 	return sum, nil
 }
 
-// finishKept appends foot and magic to f, a kept file written aside, closes
-// it and renames it to path.
-func finishKept(f *os.File, foot keptFooter, magic, path string) error {
+// finishKept appends foot and magic to f, a kept file written aside,
+// syncs it if sync says, closes it and renames it to path.
+func finishKept(f *os.File, foot keptFooter, magic, path string, sync bool) error {
 	footer, err := json.Marshal(foot)
 	if err != nil {
 		return err
@@ -151,7 +151,7 @@ func finishKept(f *os.File, foot keptFooter, magic, path string) error {
 	if _, err := f.Write(append(footer, magic...)); err != nil {
 		return err
 	}
-	if magic == keptMagic { // (a received one is not: see Keep)
+	if sync {
 		if err := f.Sync(); err != nil {
 			return err
 		}
@@ -447,7 +447,8 @@ func (k *ReceivedRecords) Keep(inline Inline, sum Summary) error {
 		return fmt.Errorf("records of digest %q", sum.Digest)
 	}
 	foot := keptFooter{InlineMax: inline.Max, InlineBudget: inline.Budget, Records: records}
-	if err := finishKept(k.f, foot, keptMagicReceived, k.path); err != nil {
+	// Not synced: on the publish's path (above).
+	if err := finishKept(k.f, foot, keptMagicReceived, k.path, false); err != nil {
 		return err
 	}
 	k.f = nil
