@@ -475,6 +475,79 @@ func TestTableBuilder(t *testing.T) {
 	}
 }
 
+// A table written as its files come keeps what a builder of the same
+// files makes, its hard links given their targets' sums from the file.
+func TestTableWriter(t *testing.T) {
+	type add struct {
+		path, target string // target: a hardlink
+		sum          Sum
+	}
+	tests := []struct {
+		name    string
+		adds    []add
+		want    map[string]Sum
+		wantErr string
+	}{
+		{name: "none", want: map[string]Sum{}},
+		{name: "in a walk's order", adds: []add{{path: "a", sum: Sum{1}}, {path: "a/b", sum: Sum{2}}, {path: "a.c", sum: Sum{3}}},
+			want: map[string]Sum{"a": {1}, "a/b": {2}, "a.c": {3}}},
+		{name: "links", adds: []add{{path: "a", sum: emptySum}, {path: "b/f", sum: Sum{5}}, {path: "b/l1", target: "b/f"},
+			{path: "c", sum: Sum{6}}, {path: "d/a", target: "a"}, {path: "e", target: "b/f"}},
+			want: map[string]Sum{"a": emptySum, "b/f": {5}, "b/l1": {5}, "c": {6}, "d/a": emptySum, "e": {5}}},
+		{name: "a link to a link", adds: []add{{path: "a", sum: Sum{1}}, {path: "b", target: "a"}, {path: "c", target: "b"}}, wantErr: "a hard link to"},
+		{name: "a link before its target", adds: []add{{path: "a", target: "b"}, {path: "b", sum: Sum{1}}}, wantErr: "a hard link to"},
+		{name: "a link to nothing", adds: []add{{path: "a", sum: Sum{1}}, {path: "b", target: "nowhere"}}, wantErr: "a hard link to"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			kept := filepath.Join(dir, "sums")
+			w, err := CreateTableFile(kept)
+			require.NoError(t, err)
+			var b TableBuilder
+			for _, a := range tc.adds {
+				if a.target != "" {
+					w.Link(a.path, a.target)
+					b.Link(a.path, a.target)
+				} else {
+					w.File(a.path, a.sum)
+					b.Add(a.path, a.sum)
+				}
+			}
+			err = w.Keep()
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				entries, err := os.ReadDir(dir)
+				require.NoError(t, err)
+				require.Empty(t, entries, "a table not kept leaves nothing")
+				return
+			}
+			require.NoError(t, err)
+			w.Abandon() // (kept: nothing to do)
+			back, err := ReadFile(kept)
+			require.NoError(t, err)
+			require.Equal(t, tc.want, maps.Collect(back.All()))
+			require.Equal(t, b.Table().Digest(), back.Digest())
+			if len(tc.want) > 0 {
+				require.NotNil(t, back.kept, "kept in the walk's order, its sums read from the file")
+			}
+			entries, err := os.ReadDir(dir)
+			require.NoError(t, err)
+			require.Len(t, entries, 1, "only the table")
+		})
+	}
+	t.Run("abandoned", func(t *testing.T) {
+		dir := t.TempDir()
+		w, err := CreateTableFile(filepath.Join(dir, "sums"))
+		require.NoError(t, err)
+		w.File("a", Sum{1})
+		w.Abandon()
+		entries, err := os.ReadDir(dir)
+		require.NoError(t, err)
+		require.Empty(t, entries)
+	})
+}
+
 // A file of sums written in no order (as tables kept before they were
 // kept in a walk's order were) reads back whole.
 func TestReadFileInNoOrder(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash"
 	"io"
 	"io/fs"
 	"iter"
@@ -345,43 +346,174 @@ func treeRecords(ctx context.Context, root string, known func(path string) (Sum,
 // as a table is kept (its header, each record, the SHA-256 of all that),
 // syncs it and, if check (if any) says so, renames it over path.
 func writeTableFile(path string, records func(emit func([]byte, Sum) error) error, check func() error) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), ".sums-*")
+	w, err := CreateTableFile(path)
 	if err != nil {
 		return err
 	}
-	h := sha256.New()
-	bw := bufio.NewWriterSize(io.MultiWriter(tmp, h), 1<<20)
-	bw.Write(fileHeader)
-	var head [sha256.Size + binary.MaxVarintLen64]byte // (one for all, as ReadFile's)
-	err = records(func(p []byte, sum Sum) error {
-		copy(head[:], sum[:])
-		bw.Write(head[:sha256.Size+binary.PutUvarint(head[sha256.Size:], uint64(len(p)))])
-		_, err := bw.Write(p)
-		return err
-	})
+	err = records(func(p []byte, sum Sum) error { w.add(p, sum); return w.err })
 	if err == nil {
-		err = bw.Flush()
+		err = w.keep(true, check)
+	}
+	if err != nil {
+		w.Abandon()
+		return fmt.Errorf("keeping file sums at %s: %w", path, err)
+	}
+	return nil
+}
+
+// TableWriter writes a table's file as its files come, never holding the
+// table: a capture's walk's (KeepTreeFile), or a pull's, whose stream
+// said each file's sum as it came (and whose digest the pull checked).
+// Files come in the walk's order, a hard link's name after its target's
+// (a file in another order is kept all the same; ReadFile reads it whole).
+// It is written beside its path and renamed there once kept; what is not
+// kept is removed (Abandon).
+type TableWriter struct {
+	path string
+	f    *os.File
+	h    hash.Hash // of all written, while no link waits for its sum
+	w    *bufio.Writer
+	head [sha256.Size + binary.MaxVarintLen64]byte // a record's sum and path length
+	off  int64                                     // where the next record starts
+	// links are the records written with no sum yet: hard links, whose
+	// target's sum Keep reads back from the file.
+	links []pendingLink
+	err   error
+}
+
+// pendingLink is a hard link's record, at off in the file, whose sum is
+// its target's.
+type pendingLink struct {
+	off    int64
+	target string
+}
+
+// CreateTableFile starts the table to be kept at path.
+func CreateTableFile(path string) (*TableWriter, error) {
+	f, err := os.CreateTemp(filepath.Dir(path), ".sums-*")
+	if err != nil {
+		return nil, err
+	}
+	w := &TableWriter{path: path, f: f, h: sha256.New()}
+	w.w = bufio.NewWriterSize(io.MultiWriter(f, w.h), 1<<20)
+	w.w.Write(fileHeader)
+	w.off = int64(len(fileHeader))
+	return w, nil
+}
+
+// File writes the record of the regular file at path, whose data hashes
+// to sum.
+func (w *TableWriter) File(path string, sum Sum) { w.add([]byte(path), sum) }
+
+// Link writes the record of path, a hard link to target, a regular file
+// written before it by File (a link's name is not one, as a Listing
+// says): its sum is target's.
+func (w *TableWriter) Link(path, target string) {
+	w.links = append(w.links, pendingLink{off: w.off, target: target})
+	w.add([]byte(path), Sum{})
+}
+
+func (w *TableWriter) add(p []byte, sum Sum) {
+	if w.err != nil {
+		return
+	}
+	copy(w.head[:], sum[:])
+	n := sha256.Size + binary.PutUvarint(w.head[sha256.Size:], uint64(len(p)))
+	w.w.Write(w.head[:n])
+	_, w.err = w.w.Write(p)
+	w.off += int64(n + len(p))
+}
+
+// Keep gives each hard link its target's sum, ends the file with its
+// trailer and renames it to its path, not synced (the caller syncs it
+// before the layer is made ready): a file a crash tore reads as none
+// (ErrBadFile), and its layer is summed again from its data. A link whose
+// target is not before it fails it. It lets go of the file either way.
+func (w *TableWriter) Keep() error {
+	if err := w.keep(false, nil); err != nil {
+		w.Abandon()
+		return fmt.Errorf("keeping file sums at %s: %w", w.path, err)
+	}
+	return nil
+}
+
+func (w *TableWriter) keep(sync bool, check func() error) error {
+	err := w.err
+	if err == nil {
+		err = w.w.Flush()
+	}
+	if err == nil && len(w.links) > 0 {
+		err = w.linkSums()
 	}
 	if err == nil {
-		_, err = tmp.Write(h.Sum(nil))
+		_, err = w.f.Write(w.h.Sum(nil))
 	}
-	if err == nil {
-		err = tmp.Sync()
+	if err == nil && sync {
+		err = w.f.Sync()
 	}
-	if cerr := tmp.Close(); err == nil {
+	if cerr := w.f.Close(); err == nil {
 		err = cerr
 	}
 	if err == nil && check != nil {
 		err = check()
 	}
 	if err == nil {
-		err = os.Rename(tmp.Name(), path)
+		err = os.Rename(w.f.Name(), w.path)
 	}
-	if err != nil {
-		os.Remove(tmp.Name())
-		return fmt.Errorf("keeping file sums at %s: %w", path, err)
+	if err == nil {
+		w.f = nil
 	}
-	return nil
+	return err
+}
+
+// linkSums writes each link's record's sum, its target's, read back from
+// the file as the records before it, then hashes the file again.
+func (w *TableWriter) linkSums() error {
+	targets := make(map[string]*Sum, len(w.links))
+	for _, l := range w.links {
+		targets[l.target] = nil
+	}
+	r := keptReader{r: bufio.NewReaderSize(io.NewSectionReader(w.f, 0, w.off), 1<<20), limit: w.off}
+	if _, err := r.r.Discard(len(fileHeader)); err != nil {
+		return err
+	}
+	r.off = int64(len(fileHeader))
+	links := w.links
+	for len(links) > 0 {
+		off := r.off
+		if err := r.record(); err != nil {
+			return err
+		}
+		if off == links[0].off {
+			target := targets[links[0].target]
+			if target == nil {
+				return fmt.Errorf("%s: a hard link to %q, no file before it", r.rec.path, links[0].target)
+			}
+			if _, err := w.f.WriteAt(target[:], off); err != nil {
+				return err
+			}
+			links = links[1:]
+		} else if known, ok := targets[string(r.rec.path)]; ok && known == nil {
+			sum := r.rec.sum
+			targets[string(r.rec.path)] = &sum
+		}
+	}
+	w.h.Reset()
+	_, err := io.Copy(w.h, io.NewSectionReader(w.f, 0, w.off))
+	return err
+}
+
+// Abandon removes the file of a table not kept. After Keep it does
+// nothing.
+func (w *TableWriter) Abandon() {
+	if w == nil || w.f == nil {
+		return
+	}
+	w.f.Close()
+	if err := os.Remove(w.f.Name()); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		klog.ErrorS(err, "Removing a table of file sums not kept", "path", w.f.Name())
+	}
+	w.f = nil
 }
 
 // ErrBadFile says a table's file is torn or rotted.
