@@ -133,7 +133,7 @@ func mountIndexFromStubs(b *testing.B, wire []byte, lim streamer.Limits, work st
 		b.Fatal(err)
 	}
 	defer image.Close()
-	layout, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, streamer.StubInline, image)
+	layout, _, err := streamer.IndexStubs(context.Background(), bytes.NewReader(wire), streamer.Raw, lim, streamer.StubInline, image, nil)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -19,6 +20,7 @@ import (
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/driver"
+	"github.com/concourse/cowvol/pkg/filesum"
 	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/streamer"
 )
@@ -280,9 +282,17 @@ func TestAPulledIndexServesTheRecordsItReceived(t *testing.T) {
 	v := b.volume(map[string]string{driver.AttrSource: "src"}, true)
 	require.NoError(t, b.publishWaiting(v))
 	require.True(t, received(), "B keeps the records as received as its publish returns")
+	// B keeps the layer's table of sums as its records came: A's, there
+	// as the publish returns, and not made again once the layer is filled.
+	aSums, bSums := layerSums(t, a, "src"), layerSums(t, b, "src")
+	require.Equal(t, maps.Collect(aSums.table.All()), maps.Collect(bSums.table.All()), "B's table, kept as its pull came, is A's")
+	require.Equal(t, aSums.table.Digest(), bSums.table.Digest())
 	require.Equal(t, strconv.Itoa(77*77), readFile(t, v.Target, "77"))
 	b.umount(v)
 	eventually(t, "B to hold it ready", func() bool { return volumeState(t, b, "src") == "ready" })
+	var filled unix.Stat_t
+	require.NoError(t, unix.Stat(bSums.path, &filled))
+	require.Equal(t, bSums.ino, filled.Ino, "the table kept as the pull came is the filled layer's (no walk wrote another)")
 	eventually(t, "the fill counted", func() bool { return metricValue(t, b, `cowvol_lazy_fills_total{result="ok"}`) > 0 })
 	form.settled(t, b)
 	eventually(t, "the index's layer pruned", func() bool {
@@ -314,4 +324,25 @@ func TestAPulledIndexServesTheRecordsItReceived(t *testing.T) {
 		})
 	}
 	eventually(t, "B to keep the tree whole once a stub pull walked it", func() bool { return keptStubs(t, b, "src") && !received() })
+}
+
+// keptSums is the table of sums a node keeps beside a volume's layer.
+type keptSums struct {
+	table *filesum.Table
+	path  string
+	ino   uint64
+}
+
+// layerSums reads the table of sums e keeps beside the layer of volume
+// handle, its only one.
+func layerSums(t *testing.T, e *env, handle string) keptSums {
+	t.Helper()
+	matches, err := filepath.Glob(filepath.Join(e.p.StateDir, "volumes", "ci", handle, "*.sums"))
+	require.NoError(t, err)
+	require.Len(t, matches, 1, "one layer's sums")
+	table, err := filesum.ReadFile(matches[0])
+	require.NoError(t, err)
+	var st unix.Stat_t
+	require.NoError(t, unix.Stat(matches[0], &st))
+	return keptSums{table: table, path: matches[0], ino: st.Ino}
 }

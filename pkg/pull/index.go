@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -139,8 +140,10 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 			}
 			records := receiveRecords(l.Ref, tree)
 			defer records.Abandon()
+			table := tableAside(l.Ref, tree)
+			defer table.Abandon()
 			var sum streamer.Summary
-			layout, sum, err = from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress, image, records)
+			layout, sum, err = from.PullLayerIndex(pl.ctx, s, sw, pl.cfg.Limits, progress, image, streamer.IndexAside{Records: records, Sums: table})
 			if cerr := image.Close(); err == nil {
 				err = cerr
 			}
@@ -159,6 +162,7 @@ func (pl *Puller) pullIndex(p *pull, client *streamer.Client, top, l streamer.La
 			}
 			if err == nil {
 				keepRecords(l.Ref, records, s.Inline, sum, layout)
+				keepTable(l.Ref, table)
 			}
 			if sum.Inlined != "" {
 				src.inlined = streamer.Inline{Max: streamer.StubInline.Max, Through: sum.Inlined}
@@ -240,10 +244,10 @@ func (pl *Puller) fillIndexInBackground(r volume.Ref, blob *fill.Blob, layout *i
 			return cache.Volume{}, err
 		}
 		data := pl.store.DataPath(v)
-		if err := syncIndex(cache.IndexDir(data)); err != nil {
+		if err := syncTable(pl.ctx, data, layout, files); err != nil {
 			return cache.Volume{}, err
 		}
-		if err := keepLayerSums(pl.ctx, data, layout.Sum, files, cache.SumsFile(data)); err != nil {
+		if err := syncIndex(cache.IndexDir(data)); err != nil {
 			return cache.Volume{}, err
 		}
 		return pl.store.Filled(r)
@@ -260,6 +264,47 @@ func receiveRecords(r volume.Ref, tree string) *streamer.ReceivedRecords {
 		klog.ErrorS(err, "Receiving a pulled layer's stub records to keep them; its tree is walked for them once filled", "volume", r)
 	}
 	return records
+}
+
+// tableAside starts the table of sums of layer r, pulled into the layer
+// dir tree, to be written as the pull's records come and kept beside it
+// (keepTable); nil where it cannot (said in the log: the filled layer is
+// walked for it, as before).
+func tableAside(r volume.Ref, tree string) *filesum.TableWriter {
+	table, err := filesum.CreateTableFile(cache.SumsFile(tree))
+	if err != nil {
+		klog.ErrorS(err, "Writing a pulled layer's file sums as they come; its tree is walked for them once filled", "volume", r)
+	}
+	return table
+}
+
+// keepTable keeps the table of sums of layer r written as its pull came,
+// the pull checked (its listing's digest is the one vouched for, and
+// the table is what was listed); not synced on the publish's path
+// (syncTable syncs it once the layer is filled). If it cannot be, the
+// layer is walked for it once filled.
+func keepTable(r volume.Ref, table *filesum.TableWriter) {
+	if table == nil {
+		return
+	}
+	if err := table.Keep(); err != nil {
+		klog.ErrorS(err, "A pulled layer's file sums were not kept as they came; its tree is walked for them once filled", "volume", r)
+	}
+}
+
+// syncTable syncs the table of sums of the filled index-pulled layer at
+// data, kept as its records came (keepTable); where none was, it keeps
+// one from a walk of the layer (keepLayerSums, sums from layout's
+// extents), whose digest must be files.
+func syncTable(ctx context.Context, data string, layout *index.Layout, files filesum.Sum) error {
+	err := overlay.Sync(cache.SumsFile(data))
+	if errors.Is(err, fs.ErrNotExist) {
+		return keepLayerSums(ctx, data, layout.Sum, files, cache.SumsFile(data))
+	}
+	if err != nil {
+		return fmt.Errorf("syncing a pulled layer's file sums: %w", err)
+	}
+	return nil
 }
 
 // keepRecords keeps the stub records received of layer r (if any), their

@@ -33,13 +33,19 @@ import (
 // and their sums), takes only a packer's stream (its root first, then a
 // walk's order: index.Writer's), and says where the tree's files lie in
 // the index's blob: its small files with their data, and its regular
-// files with their sums where lim.Summed. A tree the index cannot say
-// fails it with index.ErrUnindexable; the image is then not whole.
-func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inline Inline, image *os.File) (*index.Layout, Summary, error) {
+// files with their sums where lim.Summed, each also written to sums (if
+// not nil) as it comes: the layer's table, which its caller keeps once
+// the stream is checked, and no walk of the filled layer then makes.
+// A tree the index cannot say fails it with index.ErrUnindexable; the
+// image is then not whole.
+func IndexStubs(ctx context.Context, r io.Reader, enc Encoding, lim Limits, inline Inline, image *os.File, sums *filesum.TableWriter) (*index.Layout, Summary, error) {
 	if lim.Strict {
 		return nil, Summary{}, errors.New("a stub tree is a peer's stream, never strict")
 	}
-	x := &indexer{lim: lim, inline: inline, image: image}
+	if !lim.Summed {
+		sums = nil // (a table of no sums)
+	}
+	x := &indexer{lim: lim, inline: inline, image: image, sums: sums}
 	if lim.Summed {
 		// The listing's runs are spilled beside the image: 64 MB a
 		// million files, which need not be in memory until the digest.
@@ -119,7 +125,8 @@ type indexer struct {
 	inline  Inline
 	inlined string
 	listing filesum.Listing
-	lister  *filesum.Lister // into listing, where lim.Summed
+	lister  *filesum.Lister      // into listing, where lim.Summed
+	sums    *filesum.TableWriter // the table, where lim.Summed and asked for
 }
 
 // records learns the records of br, past their magic, to their end.
@@ -283,6 +290,9 @@ func (x *indexer) link(name, target string) error {
 	if x.lim.Summed {
 		x.listing.Link(name, target)
 	}
+	if x.sums != nil {
+		x.sums.Link(name, target)
+	}
 	return nil
 }
 
@@ -315,6 +325,9 @@ func (x *indexer) learn(batch []learnt) {
 func (x *indexer) regular(e *index.Entry, data func([]byte) error) error {
 	if x.lim.Summed {
 		x.lister.File(e.Name, e.Sum)
+	}
+	if x.sums != nil {
+		x.sums.File(e.Name, e.Sum)
 	}
 	if data == nil {
 		return nil

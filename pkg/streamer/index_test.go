@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -21,7 +22,8 @@ import (
 // the index its holder builds from the layer on disk: the same image and
 // the same blob, so that the puller mounts an image it made itself and
 // fetches the holder's ranges. Each extent carries its file's sum, and
-// the small files the stream carried whole, their bytes.
+// the small files the stream carried whole, their bytes; the table
+// written as the stream comes is the holder's.
 func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 	testfs.Need(t)
 	fs := testfs.Mount(t, testfs.XFS, 1<<30)
@@ -55,9 +57,17 @@ func TestIndexStubsIsTheLayersIndex(t *testing.T) {
 		lim.Summed, lim.KeepSetuid = true, keepSetuid
 		wire := stubs.Bytes()
 		fromStream, fromDisk := tempImage(t), tempImage(t)
-		got, sum, err := IndexStubs(t.Context(), bytes.NewReader(wire), Raw, lim, inline, fromStream)
+		keptSums := filepath.Join(t.TempDir(), "sums")
+		table, err := filesum.CreateTableFile(keptSums)
+		require.NoError(t, err)
+		got, sum, err := IndexStubs(t.Context(), bytes.NewReader(wire), Raw, lim, inline, fromStream, table)
 		require.NoError(t, err)
 		require.Equal(t, sums.Digest(), sum.Files, "the stub tree's table")
+		require.NoError(t, table.Keep())
+		kept, err := filesum.ReadFile(keptSums)
+		require.NoError(t, err)
+		require.Equal(t, maps.Collect(sums.All()), maps.Collect(kept.All()), "the table written as the %s came", form.shape)
+		require.Equal(t, sums.Digest(), kept.Digest())
 
 		root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 		require.NoError(t, err)
@@ -170,7 +180,7 @@ func TestIndexStubsRefuses(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			lim := DefaultLimits
 			lim.Summed = tc.summed
-			_, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, tc.entries...)), Raw, lim, tc.inline, tempImage(t))
+			_, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, tc.entries...)), Raw, lim, tc.inline, tempImage(t), nil)
 			require.ErrorContains(t, err, tc.wantErr)
 			if tc.wantErr == "corrupt" {
 				require.ErrorIs(t, err, ErrCorrupt)
@@ -182,11 +192,11 @@ func TestIndexStubsRefuses(t *testing.T) {
 	lim := DefaultLimits
 	lim.Summed = true
 	l, _, err := IndexStubs(context.Background(), bytes.NewReader(craft(t, root, summed(file("f", "whole"), sum.String()))), Raw, lim,
-		Inline{Max: 100, Budget: 100}, tempImage(t))
+		Inline{Max: 100, Budget: 100}, tempImage(t), nil)
 	require.NoError(t, err, "a small file that is its sum")
 	require.Equal(t, map[int][]byte{0: []byte("whole")}, inlineBytes(t, l))
 	lim.Strict = true
-	_, _, err = IndexStubs(context.Background(), bytes.NewReader(craft(t, root)), Raw, lim, Inline{}, tempImage(t))
+	_, _, err = IndexStubs(context.Background(), bytes.NewReader(craft(t, root)), Raw, lim, Inline{}, tempImage(t), nil)
 	require.ErrorContains(t, err, "never strict", "an upload is extracted, not indexed")
 }
 

@@ -698,26 +698,34 @@ func (c *Client) PullLayerStubs(ctx context.Context, s LayerStream, sw Swarmed, 
 // PullLayerIndex pulls a layer's stub tree as PullLayerStubs does (s's
 // shape is StubRecords, or StubTar), but makes nothing on disk but its
 // index: it writes the tree's index into image as it comes (see
-// IndexStubs), which the caller mounts. keep (if any) is handed the
-// stream as it arrives, for the caller to keep once it is checked.
+// IndexStubs), which the caller mounts, and what aside asks for beside it.
 func (c *Client) PullLayerIndex(ctx context.Context, s LayerStream, sw Swarmed, lim Limits, progress func(int64), image *os.File,
-	keep *ReceivedRecords) (*index.Layout, Summary, error) {
+	aside IndexAside) (*index.Layout, Summary, error) {
 	var layout *index.Layout
 	tee := sw.tee()
-	if keep != nil {
-		tee = keep.tee(s, tee)
+	if aside.Records != nil {
+		tee = aside.Records.tee(s, tee)
 	}
 	sum, err := c.pullLayer(ctx, s.request(sw, nil), progress, tee, func(ctx context.Context, in io.Reader) (Summary, error) {
 		lim.Summed, lim.Swarmed = true, sw.swarmed()
 		var err error
 		var sum Summary
-		layout, sum, err = IndexStubs(ctx, in, s.Encoding, lim, s.Inline, image)
+		layout, sum, err = IndexStubs(ctx, in, s.Encoding, lim, s.Inline, image, aside.Sums)
 		return sum, err
 	})
 	if err != nil {
 		return nil, sum, err
 	}
 	return layout, sum, nil
+}
+
+// IndexAside is what an index pull writes aside as its stream arrives, for
+// its caller to keep once the pull is checked (either may be nil): the
+// stream's records, as received (Records), and the layer's table of sums,
+// as its records said them (Sums).
+type IndexAside struct {
+	Records *ReceivedRecords
+	Sums    *filesum.TableWriter
 }
 
 // PullLayerFiles streams a volume's own layer's files' data (s's shape is

@@ -153,7 +153,7 @@ func TestIndexRecordsRefuses(t *testing.T) {
 			if tc.entries > 0 {
 				lim.Entries = tc.entries
 			}
-			_, _, err := IndexStubs(context.Background(), bytes.NewReader(tc.stream), Raw, lim, tc.inline, tempImage(t))
+			_, _, err := IndexStubs(context.Background(), bytes.NewReader(tc.stream), Raw, lim, tc.inline, tempImage(t), nil)
 			require.ErrorContains(t, err, tc.wantErr)
 			if tc.wantErr == "corrupt" {
 				require.ErrorIs(t, err, ErrCorrupt)
@@ -165,13 +165,13 @@ func TestIndexRecordsRefuses(t *testing.T) {
 
 	cut := records(true, root, dir("d"))
 	for n := len(recordsMagic); n < len(cut); n++ {
-		_, _, err := IndexStubs(context.Background(), bytes.NewReader(cut[:n]), Raw, DefaultLimits, Inline{}, tempImage(t))
+		_, _, err := IndexStubs(context.Background(), bytes.NewReader(cut[:n]), Raw, DefaultLimits, Inline{}, tempImage(t), nil)
 		require.Error(t, err, "records cut to %d of %d bytes", n, len(cut))
 	}
 	lim := DefaultLimits
 	lim.Summed = true
 	l, got, err := IndexStubs(context.Background(), bytes.NewReader(records(true, root, whole("f", "whole", sum))), Raw, lim,
-		Inline{Max: 100, Budget: 100}, tempImage(t))
+		Inline{Max: 100, Budget: 100}, tempImage(t), nil)
 	require.NoError(t, err, "a small file that is its sum")
 	require.Equal(t, "f", got.Inlined)
 	require.Equal(t, map[int][]byte{0: []byte("whole")}, inlineBytes(t, l))
@@ -203,7 +203,7 @@ func FuzzIndexRecords(f *testing.F) {
 		lim := DefaultLimits
 		lim.Summed = true
 		image := tempImage(t)
-		layout, _, err := IndexStubs(context.Background(), bytes.NewReader(stream), Raw, lim, Inline{Max: 100, Budget: 1000}, image)
+		layout, _, err := IndexStubs(context.Background(), bytes.NewReader(stream), Raw, lim, Inline{Max: 100, Budget: 1000}, image, nil)
 		if err != nil {
 			return
 		}
