@@ -7,11 +7,13 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -285,15 +287,72 @@ func (p *Plugin) Restart(extraEnv ...string) {
 }
 
 // FreePort is a loopback TCP port nothing listens on now (for a plugin's
-// API, metrics or peer address).
+// API, metrics or peer address), held for tb by no other test on this
+// machine. A port the kernel picks and frees is from its ephemeral range,
+// which every outgoing connection takes ports from too: one was taken
+// between the pick and the plugin's bind (CI, "address already in use").
+// So it is picked below that range (ports [20000, 30000): under
+// NodePorts' too), claimed until tb ends by a lock every test process
+// takes the same way, and free when picked; the kernel picks where no
+// such range is.
 func FreePort(tb tb.TB) int {
 	tb.Helper()
+	if port, ok := claimPort(tb); ok {
+		return port
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
+}
+
+// The ports FreePort claims, and where their locks are.
+const (
+	claimedPortsFrom, claimedPortsTo = 20000, 30000
+	claimedPortsDir                  = "cowvol-test-ports"
+)
+
+// claimPort claims a port of [claimedPortsFrom, claimedPortsTo) below the
+// kernel's ephemeral range, free as it is claimed, for tb's length. Its
+// lock file stays (empty): one removed while another process opened it
+// would let two lock two files of one name.
+func claimPort(tb tb.TB) (int, bool) {
+	to := claimedPortsTo
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if lo, _, ok := strings.Cut(strings.TrimSpace(string(b)), "\t"); ok {
+			if n, err := strconv.Atoi(strings.TrimSpace(lo)); err == nil {
+				to = min(to, n)
+			}
+		}
+	}
+	dir := filepath.Join(os.TempDir(), claimedPortsDir)
+	if to-claimedPortsFrom < 1000 || os.MkdirAll(dir, 0o700) != nil {
+		return 0, false
+	}
+	n := to - claimedPortsFrom
+	start := rand.IntN(n)
+	for i := range n {
+		port := claimedPortsFrom + (start+i)%n
+		lock, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(port)), os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			return 0, false
+		}
+		if syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
+			lock.Close() // another test's
+			continue
+		}
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			lock.Close() // something else's
+			continue
+		}
+		l.Close()
+		tb.Cleanup(func() { lock.Close() }) // (its lock with it)
+		return port, true
+	}
+	return 0, false
 }
 
 // FreeAddr is FreePort as a host:port.
