@@ -419,25 +419,21 @@ func TestSortRecords(t *testing.T) {
 // it. However made, it is found by path, walked in the walk's order, and
 // kept and read back the same.
 func TestTableBuilder(t *testing.T) {
-	type add struct {
-		path, target string // target: a hardlink
-		sum          Sum
-	}
 	tests := []struct {
 		name string
-		adds []add
+		adds []tableFile
 		want map[string]Sum
 	}{
 		{name: "none", want: map[string]Sum{}},
-		{name: "in a walk's order", adds: []add{{path: "a", sum: Sum{1}}, {path: "a/b", sum: Sum{2}}, {path: "a.c", sum: Sum{3}}},
+		{name: "in a walk's order", adds: []tableFile{{path: "a", sum: Sum{1}}, {path: "a/b", sum: Sum{2}}, {path: "a.c", sum: Sum{3}}},
 			want: map[string]Sum{"a": {1}, "a/b": {2}, "a.c": {3}}},
-		{name: "in no order", adds: []add{{path: "a.c", sum: Sum{3}}, {path: "a/b", sum: Sum{2}}, {path: "a", sum: Sum{1}}},
+		{name: "in no order", adds: []tableFile{{path: "a.c", sum: Sum{3}}, {path: "a/b", sum: Sum{2}}, {path: "a", sum: Sum{1}}},
 			want: map[string]Sum{"a": {1}, "a/b": {2}, "a.c": {3}}},
-		{name: "a path twice", adds: []add{{path: "a", sum: Sum{1}}, {path: "b", sum: Sum{2}}, {path: "a", sum: Sum{9}}},
+		{name: "a path twice", adds: []tableFile{{path: "a", sum: Sum{1}}, {path: "b", sum: Sum{2}}, {path: "a", sum: Sum{9}}},
 			want: map[string]Sum{"a": {9}, "b": {2}}},
-		{name: "the same path at once again", adds: []add{{path: "a", sum: Sum{1}}, {path: "a", sum: Sum{9}}},
+		{name: "the same path at once again", adds: []tableFile{{path: "a", sum: Sum{1}}, {path: "a", sum: Sum{9}}},
 			want: map[string]Sum{"a": {9}}},
-		{name: "links", adds: []add{{path: "d/l1", target: "z"}, {path: "z", sum: Sum{5}}, {path: "l2", target: "z"}, {path: "dangling", target: "nowhere"}},
+		{name: "links", adds: []tableFile{{path: "d/l1", target: "z"}, {path: "z", sum: Sum{5}}, {path: "l2", target: "z"}, {path: "dangling", target: "nowhere"}},
 			want: map[string]Sum{"d/l1": {5}, "l2": {5}, "z": {5}}},
 	}
 	for _, tc := range tests {
@@ -478,25 +474,21 @@ func TestTableBuilder(t *testing.T) {
 // A table written as its files come keeps what a builder of the same
 // files makes, its hard links given their targets' sums from the file.
 func TestTableWriter(t *testing.T) {
-	type add struct {
-		path, target string // target: a hardlink
-		sum          Sum
-	}
 	tests := []struct {
 		name    string
-		adds    []add
+		adds    []tableFile
 		want    map[string]Sum
 		wantErr string
 	}{
 		{name: "none", want: map[string]Sum{}},
-		{name: "in a walk's order", adds: []add{{path: "a", sum: Sum{1}}, {path: "a/b", sum: Sum{2}}, {path: "a.c", sum: Sum{3}}},
+		{name: "in a walk's order", adds: []tableFile{{path: "a", sum: Sum{1}}, {path: "a/b", sum: Sum{2}}, {path: "a.c", sum: Sum{3}}},
 			want: map[string]Sum{"a": {1}, "a/b": {2}, "a.c": {3}}},
-		{name: "links", adds: []add{{path: "a", sum: emptySum}, {path: "b/f", sum: Sum{5}}, {path: "b/l1", target: "b/f"},
+		{name: "links", adds: []tableFile{{path: "a", sum: emptySum}, {path: "b/f", sum: Sum{5}}, {path: "b/l1", target: "b/f"},
 			{path: "c", sum: Sum{6}}, {path: "d/a", target: "a"}, {path: "e", target: "b/f"}},
 			want: map[string]Sum{"a": emptySum, "b/f": {5}, "b/l1": {5}, "c": {6}, "d/a": emptySum, "e": {5}}},
-		{name: "a link to a link", adds: []add{{path: "a", sum: Sum{1}}, {path: "b", target: "a"}, {path: "c", target: "b"}}, wantErr: "a hard link to"},
-		{name: "a link before its target", adds: []add{{path: "a", target: "b"}, {path: "b", sum: Sum{1}}}, wantErr: "a hard link to"},
-		{name: "a link to nothing", adds: []add{{path: "a", sum: Sum{1}}, {path: "b", target: "nowhere"}}, wantErr: "a hard link to"},
+		{name: "a link to a link", adds: []tableFile{{path: "a", sum: Sum{1}}, {path: "b", target: "a"}, {path: "c", target: "b"}}, wantErr: "a hard link to"},
+		{name: "a link before its target", adds: []tableFile{{path: "a", target: "b"}, {path: "b", sum: Sum{1}}}, wantErr: "a hard link to"},
+		{name: "a link to nothing", adds: []tableFile{{path: "a", sum: Sum{1}}, {path: "b", target: "nowhere"}}, wantErr: "a hard link to"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -699,4 +691,11 @@ func TestTableReadFromItsFile(t *testing.T) {
 	require.NoError(t, os.Remove(kept))
 	_, ok = table.Finder().Sum("d000/f000001")
 	require.False(t, ok, "the file gone")
+}
+
+// tableFile is a file a test adds to a table: a hard link to target where
+// that is set.
+type tableFile struct {
+	path, target string
+	sum          Sum
 }
