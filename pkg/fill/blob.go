@@ -145,16 +145,17 @@ func (b *Blob) open(rel string) error {
 		b.end()
 		return nil
 	}
-	if err := b.mark(rel); err != nil {
-		return err
-	}
 	// The bytes the layout carries are written behind the marked blob,
 	// not before the mount: a million-file index's first 16 MB of small
 	// files, one write each, were a fifth of its publish. A reader that
-	// reaches one first waits for it as for a fetch.
+	// reaches one first waits for it as for a fetch: their extents are
+	// fetching before the mark shows the blob to the group's dispatch.
 	inline := b.layout.TakeInline()
 	for _, i := range inline.Extents() {
 		b.state[i] = extentFetching
+	}
+	if err := b.mark(rel); err != nil {
+		return errors.Join(err, inline.Close())
 	}
 	b.fills.Add(1)
 	go b.writeInline(inline)
