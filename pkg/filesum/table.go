@@ -350,15 +350,10 @@ func writeTableFile(path string, records func(emit func([]byte, Sum) error) erro
 	if err != nil {
 		return err
 	}
-	err = records(func(p []byte, sum Sum) error { w.add(p, sum); return w.err })
-	if err == nil {
-		err = w.keep(true, check)
+	if err := records(func(p []byte, sum Sum) error { w.add(p, sum); return w.err }); err != nil && w.err == nil {
+		w.err = err // (a walk's: nothing is kept)
 	}
-	if err != nil {
-		w.Abandon()
-		return fmt.Errorf("keeping file sums at %s: %w", path, err)
-	}
-	return nil
+	return w.keep(true, check)
 }
 
 // TableWriter writes a table's file as its files come, never holding the
@@ -371,7 +366,7 @@ func writeTableFile(path string, records func(emit func([]byte, Sum) error) erro
 type TableWriter struct {
 	path string
 	f    *os.File
-	h    hash.Hash // of all written, while no link waits for its sum
+	h    hash.Hash // of all written (hashed again where links were: linkSums)
 	w    *bufio.Writer
 	head [sha256.Size + binary.MaxVarintLen64]byte // a record's sum and path length
 	off  int64                                     // where the next record starts
@@ -429,15 +424,19 @@ func (w *TableWriter) add(p []byte, sum Sum) {
 // before the layer is made ready): a file a crash tore reads as none
 // (ErrBadFile), and its layer is summed again from its data. A link whose
 // target is not before it fails it. It lets go of the file either way.
-func (w *TableWriter) Keep() error {
-	if err := w.keep(false, nil); err != nil {
+func (w *TableWriter) Keep() error { return w.keep(false, nil) }
+
+// keep is Keep, syncing the file first if sync says, and renaming it only
+// if check (if any) says so.
+func (w *TableWriter) keep(sync bool, check func() error) error {
+	if err := w.finish(sync, check); err != nil {
 		w.Abandon()
 		return fmt.Errorf("keeping file sums at %s: %w", w.path, err)
 	}
 	return nil
 }
 
-func (w *TableWriter) keep(sync bool, check func() error) error {
+func (w *TableWriter) finish(sync bool, check func() error) error {
 	err := w.err
 	if err == nil {
 		err = w.w.Flush()
