@@ -111,6 +111,46 @@ func TestIndexIsTheLayer(t *testing.T) {
 }
 
 // With KeepSetuid the bits and capabilities stay.
+// An image written on a filesystem that shares extents (XFS) is in the
+// page cache whole as Build returns: the step's first lookups through
+// its mount read inodes from memory, not from disk a page at a time, as
+// they did when the inodes were appended by copy_file_range (a reflink
+// of the writer's spill file, whose pages the image does not share).
+func TestIndexImageIsInThePageCache(t *testing.T) {
+	fs, layer, _ := layerAndMountPoint(t)
+	for d := range 10 {
+		dir := filepath.Join(layer, fmt.Sprintf("d%d", d))
+		require.NoError(t, os.Mkdir(dir, 0o755))
+		for i := range 500 { // 5,000 inodes: over a hundred blocks of them
+			require.NoError(t, os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%d", i)), []byte("x"), 0o644))
+		}
+	}
+	root, err := unix.Open(layer, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(root)
+	img, err := os.Create(filepath.Join(fs, "image"))
+	require.NoError(t, err)
+	defer img.Close()
+	l, err := Build(root, img, Options{})
+	require.NoError(t, err)
+	defer l.Close()
+	st, err := img.Stat()
+	require.NoError(t, err)
+	require.Greater(t, st.Size(), int64(100*blockSize))
+	mem, err := unix.Mmap(int(img.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	require.NoError(t, err)
+	defer unix.Munmap(mem)
+	resident := make([]byte, (len(mem)+os.Getpagesize()-1)/os.Getpagesize())
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&resident[0]))); errno != 0 {
+		t.Fatal(errno)
+	}
+	missing := 0
+	for _, r := range resident {
+		missing += int(r&1 ^ 1)
+	}
+	require.Zero(t, missing, "pages of the %d-page image not in the page cache", len(resident))
+}
+
 func TestIndexKeepsSetuidWhenAsked(t *testing.T) {
 	fs, layer, mnt := layerAndMountPoint(t)
 	require.NoError(t, os.WriteFile(filepath.Join(layer, "setuid"), []byte("x"), 0o755))
