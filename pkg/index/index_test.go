@@ -110,7 +110,6 @@ func TestIndexIsTheLayer(t *testing.T) {
 	require.Equal(t, 0, l.Find(0))
 }
 
-// With KeepSetuid the bits and capabilities stay.
 // An image written on a filesystem that shares extents (XFS) is in the
 // page cache whole as Build returns: the step's first lookups through
 // its mount read inodes from memory, not from disk a page at a time, as
@@ -151,6 +150,7 @@ func TestIndexImageIsInThePageCache(t *testing.T) {
 	require.Zero(t, missing, "pages of the %d-page image not in the page cache", len(resident))
 }
 
+// With KeepSetuid the bits and capabilities stay.
 func TestIndexKeepsSetuidWhenAsked(t *testing.T) {
 	fs, layer, mnt := layerAndMountPoint(t)
 	require.NoError(t, os.WriteFile(filepath.Join(layer, "setuid"), []byte("x"), 0o755))
