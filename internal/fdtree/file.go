@@ -21,6 +21,18 @@ func Unnamed(dir, what string) (*os.File, error) {
 	return os.NewFile(uintptr(fd), what), nil
 }
 
+// CopyThrough copies n bytes at srcOff of src to dstOff of dst through
+// buf (nil: a buffer of io.CopyBuffer's), in user space: dst's pages are
+// written through the page cache and share no extent with src's. A source
+// that ends before n bytes is io.ErrUnexpectedEOF.
+func CopyThrough(dst *os.File, dstOff int64, src *os.File, srcOff, n int64, buf []byte) error {
+	copied, err := io.CopyBuffer(io.NewOffsetWriter(dst, dstOff), io.NewSectionReader(src, srcOff, n), buf)
+	if err == nil && copied < n {
+		err = io.ErrUnexpectedEOF
+	}
+	return err
+}
+
 // CopyRange copies n bytes at srcOff of src to dstOff of dst, in the
 // kernel where it can, and through user space where copy_file_range
 // refuses (across filesystem types). A source that ends before n bytes is
@@ -31,11 +43,7 @@ func CopyRange(dst *os.File, dstOff int64, src *os.File, srcOff, n int64) error 
 		w, err := unix.CopyFileRange(int(src.Fd()), &in, int(dst.Fd()), &out, int(n), 0)
 		switch {
 		case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EOPNOTSUPP):
-			w, err := io.Copy(io.NewOffsetWriter(dst, dstOff), io.NewSectionReader(src, srcOff, n))
-			if err == nil && w < n {
-				err = io.ErrUnexpectedEOF
-			}
-			return err
+			return CopyThrough(dst, dstOff, src, srcOff, n, nil)
 		case err != nil:
 			return err
 		case w == 0:

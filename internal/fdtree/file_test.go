@@ -2,6 +2,7 @@ package fdtree
 
 import (
 	"bytes"
+	"io"
 	"os"
 	"testing"
 
@@ -25,12 +26,17 @@ func TestUnnamedLeavesNoName(t *testing.T) {
 
 func TestCopyRange(t *testing.T) {
 	src := bytes.Repeat([]byte("0123456789abcdef"), 70_000) // over 1 MiB
+	through := func(dst *os.File, dstOff int64, src *os.File, srcOff, n int64) error {
+		return CopyThrough(dst, dstOff, src, srcOff, n, make([]byte, 4096))
+	}
 	tests := []struct {
 		name  string
 		dstIn string // where the copy lands; another filesystem takes the fallback
+		copy  func(dst *os.File, dstOff int64, src *os.File, srcOff, n int64) error
 	}{
-		{name: "same filesystem", dstIn: ""},
-		{name: "across filesystems", dstIn: "/dev/shm"},
+		{name: "same filesystem", dstIn: "", copy: CopyRange},
+		{name: "across filesystems", dstIn: "/dev/shm", copy: CopyRange},
+		{name: "through user space, a buffer of its own", dstIn: "", copy: through},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -52,13 +58,13 @@ func TestCopyRange(t *testing.T) {
 			defer out.Close()
 
 			const at, from, n = 4096 + 7, 13, 1 << 20
-			require.NoError(t, CopyRange(out, at, in, from, n))
+			require.NoError(t, tc.copy(out, at, in, from, n))
 			got := make([]byte, n)
 			_, err = out.ReadAt(got, at)
 			require.NoError(t, err)
 			require.Equal(t, src[from:from+n], got)
 
-			require.Error(t, CopyRange(out, 0, in, int64(len(src))-10, 20), "a source that ends early is an error")
+			require.ErrorIs(t, tc.copy(out, 0, in, int64(len(src))-10, 20), io.ErrUnexpectedEOF, "a source that ends early is an error")
 		})
 	}
 }

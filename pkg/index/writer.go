@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -653,7 +652,14 @@ func (w *Writer) finish(root *openDir) error {
 	}
 	meta := 1 + w.dirs.end()/blockSize
 	inodes := w.inodes.end()
-	if err := appendThrough(w.image, meta*blockSize, w.inodes.f, inodes, w.inodes.buf[:cap(w.inodes.buf)]); err != nil {
+	// Through user space, so that the image's pages are in the page cache
+	// as a mount's first lookups want them: copy_file_range would make
+	// them a reflink of the spill on a filesystem that shares extents
+	// (XFS, btrfs), which writes the spill back first and leaves the
+	// image's pages uncached, so that every block of inodes a step reached
+	// first was read from disk, a page at a time (1.4 s of a 50,000-file
+	// lazy read, bench/RESULTS.md, 12-02).
+	if err := fdtree.CopyThrough(w.image, meta*blockSize, w.inodes.f, 0, inodes, w.inodes.buf[:cap(w.inodes.buf)]); err != nil {
 		return fmt.Errorf("appending the inodes to the index: %w", err)
 	}
 	blocks := meta + roundUp(inodes, blockSize)/blockSize
@@ -664,21 +670,6 @@ func (w *Writer) finish(root *openDir) error {
 	putSuperblock(head, superblock{root: root.nid, mtime: root.st, inodes: uint64(w.count), blocks: uint32(blocks), meta: uint32(meta),
 		blobBlocks: uint32(w.layout.Size / blockSize)})
 	_, err := w.image.WriteAt(head, 0)
-	return err
-}
-
-// appendThrough copies the first n bytes of src to off of dst through
-// buf, in user space: dst's pages are then in the page cache, as a
-// mount's first lookups want them. copy_file_range would make them a
-// reflink of src on a filesystem that shares extents (XFS, btrfs), which
-// writes src back first and leaves dst's pages uncached, so that every
-// block of inodes a step reaches first was read from disk, a page at a
-// time (1.4 s of a 50,000-file lazy read, bench/RESULTS.md, 12-02).
-func appendThrough(dst *os.File, off int64, src *os.File, n int64, buf []byte) error {
-	copied, err := io.CopyBuffer(io.NewOffsetWriter(dst, off), io.NewSectionReader(src, 0, n), buf)
-	if err == nil && copied < n {
-		err = io.ErrUnexpectedEOF
-	}
 	return err
 }
 
