@@ -83,8 +83,14 @@ build:
 # tree with a 256 MiB sparse file (30 s, reading its zeros; the index
 # starts no goroutine): the plain run has them, and the copier's and the
 # streams' concurrency is raced by the others.
+# The plain run's output is kept in bin/test.log: a failed test dumps its
+# plugins' and controller's logs after its --- FAIL line, which pushes why
+# it failed above the end of the output CI keeps, so a failed run ends by
+# repeating why (hack/test-failures).
 test: build
-	COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) CGO_ENABLED=0 $(GO) test -trimpath -count=1 -timeout 12m ./...
+	{ COWVOL_PLUGIN_BINARY=$(CURDIR)/$(BIN) COWVOL_KUBECTL_BINARY=$(CURDIR)/$(CLI) CGO_ENABLED=0 $(GO) test -trimpath -count=1 -timeout 12m ./... ; \
+		echo $$? > bin/test.status; } 2>&1 | tee bin/test.log
+	hack/test-failures bin/test.log bin/test.status
 	$(GO) test -count=1 -race -timeout 5m -skip '^(TestCopyTreeIsFaithful|TestRoundTripKeepsALayer|TestTarReaderReadsWhatAPackerWrites|TestIndexIsTheLayer)$$' ./pkg/...
 	# The archive extractor against mutated archives, bounded by count (a
 	# time bound stalls Go's fuzzer on this machine).
