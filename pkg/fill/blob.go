@@ -62,6 +62,11 @@ type Blob struct {
 	// recording: the first reads of each extent are noted (reached, in
 	// order; seen by extent), see RecordReaches.
 	recording atomic.Bool
+	// placed marks the blocks of the extents in place (nil: none is
+	// kept), which the group's fill keeper reads while shared, to answer
+	// the reads of those itself (placed.go).
+	placed *placedBlocks
+	shared atomic.Bool
 
 	mu      sync.Mutex
 	reached []string
@@ -119,6 +124,9 @@ func (g *Group) OpenBlob(path string, layout *index.Layout, fetch BlobFetch, cor
 		if b.file >= 0 {
 			unix.Close(int(b.file))
 		}
+		if b.placed != nil {
+			_ = b.placed.close()
+		}
 		return nil, err
 	}
 	return b, nil
@@ -154,12 +162,48 @@ func (b *Blob) open(rel string) error {
 	for _, i := range inline.Extents() {
 		b.state[i] = extentFetching
 	}
+	b.share() // (before the mark: a fill started by a reader sets its bits)
 	if err := b.mark(rel); err != nil {
+		b.unshare()
 		return errors.Join(err, inline.Close())
 	}
 	b.fills.Add(1)
 	go b.writeInline(inline)
 	return nil
+}
+
+// share has the group's fill keeper, if it can, answer the reads of the
+// blob's blocks in place (placed.go), which the Blob marks from now on
+// (b.placed is set before any fill can run). Where it cannot, every read
+// goes through this process, as without a keeper.
+func (b *Blob) share() {
+	kc := b.g.keeper.Load()
+	if kc == nil || !kc.answersPlaced || b.recording.Load() {
+		return
+	}
+	placed, fd, err := newPlacedBlocks(b.layout.Size)
+	if err != nil {
+		klog.V(2).InfoS("The fill keeper is not told which blocks of a blob are in place; its reads all come here", "err", err)
+		return
+	}
+	defer unix.Close(fd)
+	b.placed = placed
+	if err := kc.shareBlob(b.key, placed.blocks, fd); err != nil {
+		klog.ErrorS(err, "Telling the fill keeper which blocks of a blob are in place; its reads all come here")
+		return
+	}
+	b.shared.Store(true)
+}
+
+// unshare has the keeper hand every read of the blob to this process
+// again, and returns once it does.
+func (b *Blob) unshare() {
+	if !b.shared.CompareAndSwap(true, false) {
+		return
+	}
+	if kc := b.g.keeper.Load(); kc != nil && kc.forgetBlob(b.key) == nil {
+		kc.sync()
+	}
 }
 
 // mark has the group hold the readers of the blob, at rel.
@@ -256,7 +300,10 @@ func (b *Blob) dispatch(ev event) {
 // readers reach first, in that order (Reached): what a read profile
 // records, and a later pull streams first. A read reaches the extents its
 // range touches, the kernel's read-ahead of the blob included.
-func (b *Blob) RecordReaches() { b.recording.Store(true) }
+func (b *Blob) RecordReaches() {
+	b.recording.Store(true)
+	b.unshare() // the keeper's answers would not be seen
+}
 
 // Recording says RecordReaches was called.
 func (b *Blob) Recording() bool { return b.recording.Load() }
@@ -433,6 +480,9 @@ func (b *Blob) finish(i int, err error) {
 	delete(b.waiters, i)
 	b.state[i] = extentInPlace
 	var allow, deny []event
+	if err == nil && b.placed != nil {
+		b.placed.set(blockSpan(b.layout.Range(i)))
+	}
 	if err != nil {
 		b.state[i] = extentFailed
 		if !b.closed {
@@ -485,6 +535,7 @@ func (b *Blob) end() {
 // unmark drops the blob's mark and the group's knowledge of it: its
 // readers go through from now on.
 func (b *Blob) unmark() {
+	b.unshare()
 	g := b.g
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -547,6 +598,9 @@ func (b *Blob) Close() error {
 		b.Fail()
 		b.unmark()
 		b.closeErr = unix.Close(int(b.file))
+		if b.placed != nil { // (no fill sets a bit once Fail returned)
+			b.closeErr = errors.Join(b.closeErr, b.placed.close())
+		}
 	})
 	return b.closeErr
 }

@@ -470,21 +470,14 @@ func TestBlobTakesExtentsFromAStream(t *testing.T) {
 // holds the blob again and fills it.
 func TestABlobsReadersOutliveTheirPlugin(t *testing.T) {
 	if root := os.Getenv("COWVOL_BLOB_ROOT"); root != "" {
-		holdBlobAndWait(root, os.Getenv("COWVOL_BLOB_KEEPER"), os.Getenv("COWVOL_BLOB_LAYER"), os.Getenv("COWVOL_BLOB"))
+		holdBlobAndWait(root, os.Getenv("COWVOL_BLOB_KEEPER"), os.Getenv("COWVOL_BLOB_LAYER"), os.Getenv("COWVOL_BLOB"), "")
 		return
 	}
 	ix := buildIndexed(t, func(layer string) {
 		require.NoError(t, os.WriteFile(filepath.Join(layer, "f"), []byte("the bytes of f"), 0o644))
 		require.NoError(t, os.WriteFile(filepath.Join(layer, "g"), []byte("the bytes of g"), 0o644))
 	})
-	sock := filepath.Join(t.TempDir(), "keeper.sock")
-	ctx, cancel := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- ServeKeeper(ctx, sock, time.Minute) }()
-	defer func() {
-		cancel()
-		require.NoError(t, <-served)
-	}()
+	sock := serveKeeper(t)
 
 	plugin := exec.Command(os.Args[0], "-test.run", "^TestABlobsReadersOutliveTheirPlugin$")
 	plugin.Env = append(os.Environ(), "COWVOL_BLOB_ROOT="+ix.fs, "COWVOL_BLOB_KEEPER="+sock, "COWVOL_BLOB_LAYER="+ix.layer,
@@ -535,11 +528,31 @@ func TestABlobsReadersOutliveTheirPlugin(t *testing.T) {
 	require.Equal(t, 1, ix.fetches("f"))
 }
 
+// serveKeeper serves a fill keeper (a minute's grace) in this process
+// until the test ends, and returns its socket once it listens.
+func serveKeeper(t *testing.T) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "keeper.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- ServeKeeper(ctx, sock, time.Minute) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-served)
+	})
+	require.Eventually(t, func() bool {
+		st, err := os.Stat(sock)
+		return err == nil && st.Mode().Type() == os.ModeSocket
+	}, 10*time.Second, 5*time.Millisecond, "the keeper to listen")
+	return sock
+}
+
 // holdBlobAndWait is the plugin of TestABlobsReadersOutliveTheirPlugin: it
 // holds the readers of the blob of the index of layer, in the group kept
 // by the keeper at socket, with a fetch that never ends, and waits to be
-// killed.
-func holdBlobAndWait(root, socket, layer, blob string) {
+// killed. Unless missing is "", every extent but that file's is put in
+// place (from layer) first.
+func holdBlobAndWait(root, socket, layer, blob, missing string) {
 	fail := func(err error) {
 		fmt.Println(err)
 		os.Exit(3)
@@ -560,14 +573,141 @@ func holdBlobAndWait(root, socket, layer, blob string) {
 	if err != nil {
 		fail(err)
 	}
-	if _, err := g.OpenBlob(blob, layout, func(ctx context.Context, _ index.Extent, _ io.WriterAt) error {
+	b, err := g.OpenBlob(blob, layout, func(ctx context.Context, _ index.Extent, _ io.WriterAt) error {
 		<-ctx.Done()
 		return ctx.Err()
-	}, nil); err != nil {
+	}, nil)
+	if err != nil {
 		fail(err)
 	}
+	for i := range layout.Len() {
+		if e := layout.Extent(i); missing != "" && e.Path != missing {
+			err := b.Offer(e.Path, func(w io.WriterAt) error {
+				p := make([]byte, e.Size)
+				if _, err := (index.Blob{Root: dir, Layout: layout}).ReadAt(p, e.Offset); err != nil {
+					return err
+				}
+				_, err := w.WriteAt(p, 0)
+				return err
+			})
+			if err != nil {
+				fail(err)
+			}
+		}
+	}
+	g.Settle() // (the keeper has taken every message before it)
 	fmt.Println("holding")
 	select {}
+}
+
+// Through the fill keeper, a read of an index's blob whose blocks are all
+// in place is answered by the keeper itself: it goes on while the plugin
+// is stopped (SIGSTOP), where a read of a block not in place waits for the
+// plugin. Which blocks are in place is the plugin's to say: the next
+// plugin answers EIO to the readers of a blob left unfinished, those of
+// blocks in place too.
+func TestTheKeeperAnswersReadsOfBlocksInPlace(t *testing.T) {
+	if root := os.Getenv("COWVOL_PLACED_ROOT"); root != "" {
+		holdBlobAndWait(root, os.Getenv("COWVOL_BLOB_KEEPER"), os.Getenv("COWVOL_BLOB_LAYER"), os.Getenv("COWVOL_BLOB"), "missing")
+		return
+	}
+	ix := buildIndexed(t, func(layer string) {
+		for _, name := range []string{"a", "b", "c", "missing"} {
+			// Over a block each, so that a read spans blocks and words of
+			// the bitmap differ by file.
+			data := bytes.Repeat([]byte("the bytes of "+name+" "), 1000)
+			require.NoError(t, os.WriteFile(filepath.Join(layer, name), data, 0o644))
+		}
+	})
+	sock := serveKeeper(t)
+	plugin := exec.Command(os.Args[0], "-test.run", "^TestTheKeeperAnswersReadsOfBlocksInPlace$")
+	plugin.Env = append(os.Environ(), "COWVOL_PLACED_ROOT="+ix.fs, "COWVOL_BLOB_KEEPER="+sock, "COWVOL_BLOB_LAYER="+ix.layer,
+		"COWVOL_BLOB="+filepath.Join(ix.work, "blob"))
+	out, err := plugin.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, plugin.Start())
+	defer func() {
+		_ = plugin.Process.Kill()
+		_ = plugin.Wait()
+	}()
+	line := make([]byte, 8)
+	_, err = io.ReadFull(out, line)
+	require.NoError(t, err, "the plugin never held the blob")
+	require.Equal(t, "holding\n", string(line))
+	ix.mount(t)
+
+	read := func(name string) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			data, err := os.ReadFile(filepath.Join(ix.mnt, name))
+			if err == nil && !bytes.Equal(data, bytes.Repeat([]byte("the bytes of "+name+" "), 1000)) {
+				err = fmt.Errorf("%s read %d bytes not its own", name, len(data))
+			}
+			done <- err
+		}()
+		return done
+	}
+	require.NoError(t, plugin.Process.Signal(syscall.SIGSTOP))
+	for _, name := range []string{"a", "b"} {
+		select {
+		case err := <-read(name):
+			require.NoError(t, err, "bytes in place read whole, while the plugin is stopped")
+		case <-time.After(10 * time.Second):
+			t.Fatalf("a read of %s, in place, waited for the stopped plugin", name)
+		}
+	}
+	held := read("missing")
+	select {
+	case err := <-held:
+		t.Fatalf("a read of what is not in place went on without the plugin: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+
+	require.NoError(t, plugin.Process.Kill())
+	_ = plugin.Wait()
+	g, err := OpenKept(ix.fs, time.Minute, Kept{Socket: sock, Unfinished: func() []string { return []string{ix.work} }})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, g.Close()) }()
+	inPlace := read("c") // (not read yet: no page of it in the index's cache)
+	for _, r := range []<-chan error{held, inPlace} {
+		select {
+		case err := <-r:
+			require.ErrorIs(t, err, syscall.EIO, "a blob left unfinished gives EIO, never its holes")
+		case <-time.After(10 * time.Second):
+			t.Fatal("the next plugin left a reader of a blob left unfinished held")
+		}
+	}
+}
+
+// A blob whose reads are recorded (RecordReaches) has every read come to
+// the plugin, the keeper's answers included: what is in place is noted as
+// what is not.
+func TestRecordedReadsOfABlobPassTheKeeper(t *testing.T) {
+	ix := buildIndexed(t, func(layer string) {
+		for _, name := range []string{"a", "b"} {
+			require.NoError(t, os.WriteFile(filepath.Join(layer, name), bytes.Repeat([]byte(name), 9000), 0o644))
+		}
+	})
+	sock := serveKeeper(t)
+	g, err := OpenKept(ix.fs, time.Minute, Kept{Socket: sock})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, g.Close()) })
+	require.True(t, g.keeper.Load().answersPlaced)
+	ix.hold(t, g, nil)
+	require.True(t, ix.blob.shared.Load(), "the keeper is told which blocks are in place")
+	require.NoError(t, ix.blob.Offer("a", func(w io.WriterAt) error {
+		return ix.layerBytes(context.Background(), ix.layout.Extent(ix.layout.Lookup("a")), w)
+	}))
+	ix.blob.RecordReaches()
+	require.False(t, ix.blob.shared.Load())
+	g.Settle() // (every message to the keeper before it is taken)
+	ix.mount(t)
+	for _, name := range []string{"a", "b"} {
+		data, err := os.ReadFile(filepath.Join(ix.mnt, name))
+		require.NoError(t, err)
+		require.Equal(t, bytes.Repeat([]byte(name), 9000), data)
+	}
+	require.Equal(t, []string{"a", "b"}, ix.blob.Reached(), "the read of a, in place, was seen")
 }
 
 // The bytes an index's Entries carried (a stream's small files) are

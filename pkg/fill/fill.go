@@ -29,7 +29,9 @@
 // in place; layer.go the Layer its caller drives; watch.go the watcher of
 // filled files; handle.go XFS's open by handle; keeper.go the process that
 // keeps the group, and its held readers, while the plugin restarts;
-// blob.go the blob of a mounted index, filled by extent.
+// blob.go the blob of a mounted index, filled by extent; placed.go which
+// of its blocks are in place, shared with the keeper, which answers the
+// reads of those itself.
 //
 // It owns the fanotify groups, the marks and the writes into stubs. It does
 // not know where bytes come from (a FetchFunc brings them), nor the cache's

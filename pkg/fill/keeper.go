@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -26,17 +27,27 @@ import (
 // readers' events stay with the keeper: the next plugin gets them, or,
 // once the keeper's grace passes without one, every reader gets EIO.
 //
+// The keeper also answers, on its own, the reads of an index's blob whose
+// blocks are all in place (placed.go): the plugin shares a bitmap of them
+// per blob, and is handed only the reads that wait for data.
+//
 // The wire is a SOCK_SEQPACKET unix socket, one message a packet: an op
 // byte, little-endian fields, and at most one descriptor beside it.
 const (
 	opHello  = 'H' // plugin: the group, if one is kept
-	opGroup  = 'G' // keeper: [group fd]
-	opNone   = 'N' // keeper: none kept yet
+	opGroup  = 'G' // keeper: features uint64 [group fd]
+	opNone   = 'N' // keeper: features uint64: none kept yet
 	opPut    = 'P' // plugin: [group fd] keep this one
 	opEvent  = 'E' // keeper: id int32, offset, count int64 [event fd]: a held reader, the range it reads
 	opAnswer = 'A' // plugin: id int32, response uint32
 	opSync   = 'S' // either: seq uint64, sent back once every answer before it is written
+	opBlob   = 'B' // plugin: dev, ino, blocks uint64 [memfd]: the blocks in place of that blob (placed.go)
+	opForget = 'F' // plugin: dev, ino uint64: answer no read of that blob any more
 )
+
+// keeperAnswersPlaced is the feature bit of a keeper that takes opBlob
+// (one that does not drops a plugin that sends it).
+const keeperAnswersPlaced = 1
 
 // sendPacket sends op and fields, with fd beside them (-1: none).
 func sendPacket(c *net.UnixConn, fd int, op byte, fields ...uint64) error {
@@ -110,6 +121,12 @@ type Keeper struct {
 	// timer of an earlier loss does nothing.
 	expired bool
 	losses  int
+	// placed are the blobs whose reads of blocks in place the keeper
+	// answers itself, by key: the current plugin's, dropped when it goes
+	// (the next one says again which are its own). blobs counts them, to
+	// read without mu whether an event's file is worth a stat.
+	placed map[fileKey]*placedBlocks
+	blobs  atomic.Int32
 }
 
 // ServeKeeper keeps the group for the plugins that connect to socket until
@@ -127,7 +144,7 @@ func ServeKeeper(ctx context.Context, socket string, grace time.Duration) error 
 	if err := os.Chmod(socket, 0o600); err != nil {
 		return err
 	}
-	k := &Keeper{grace: grace, pending: map[int32]event{}}
+	k := &Keeper{grace: grace, pending: map[int32]event{}, placed: map[fileKey]*placedBlocks{}}
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
 	klog.InfoS("Keeping the fanotify group of lazy fills for the plugin", "socket", socket, "grace", grace)
@@ -160,6 +177,10 @@ func (k *Keeper) serve(c *net.UnixConn) {
 			fd = -1
 		case op == opAnswer && len(fields) == 2:
 			k.answer(c, int32(fields[0]), uint32(fields[1]))
+		case op == opBlob && len(fields) == 3 && fd >= 0:
+			k.blob(c, fileKey{dev: fields[0], ino: fields[1]}, int64(fields[2]), fd)
+		case op == opForget && len(fields) == 2:
+			k.forget(c, fileKey{dev: fields[0], ino: fields[1]})
 		case op == opSync && len(fields) == 1:
 			// Answers are written as they are read, in order: every one
 			// before this message is.
@@ -188,11 +209,12 @@ func (k *Keeper) hello(c *net.UnixConn) {
 		k.plugin.Close()
 	}
 	k.plugin, k.expired = c, false
+	k.dropPlaced() // (an earlier plugin's)
 	if k.group == nil {
-		_ = sendPacket(c, -1, opNone)
+		_ = sendPacket(c, -1, opNone, keeperAnswersPlaced)
 		return
 	}
-	if err := sendPacket(c, k.groupFD, opGroup); err != nil {
+	if err := sendPacket(c, k.groupFD, opGroup, keeperAnswersPlaced); err != nil {
 		return // (its serve sees it gone)
 	}
 	for _, ev := range k.pending {
@@ -234,10 +256,20 @@ func (k *Keeper) read(group *os.File) {
 }
 
 func (k *Keeper) event(ev event) {
+	key, keyed := fileKey{}, false
+	if k.blobs.Load() > 0 && ev.n > 0 {
+		var err error
+		key, err = keyOf(int(ev.fd))
+		keyed = err == nil
+	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.expired {
 		k.respond(ev.fd, denyEIO)
+		return
+	}
+	if p := k.placed[key]; keyed && p != nil && p.has(blockSpan(ev.off, ev.n)) {
+		k.respond(ev.fd, unix.FAN_ALLOW) // its bytes are in place, and were checked
 		return
 	}
 	k.pending[ev.fd] = ev
@@ -259,6 +291,48 @@ func (k *Keeper) answer(c *net.UnixConn, id int32, response uint32) {
 		return // (answered, or an earlier plugin's: the current one answers it)
 	}
 	k.respond(id, response)
+}
+
+// blob has the keeper answer the reads of the blob key whose blocks the
+// plugin c marks in place in the bitmap of blocks blocks in memfd fd.
+func (k *Keeper) blob(c *net.UnixConn, key fileKey, blocks int64, fd int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if c != k.plugin {
+		return
+	}
+	p, err := mapPlacedBlocks(fd, blocks, unix.PROT_READ)
+	if err != nil {
+		klog.ErrorS(err, "A blob's bitmap of blocks in place the keeper cannot map; its reads go to the plugin")
+		return
+	}
+	if old := k.placed[key]; old != nil {
+		_ = old.close()
+	} else {
+		k.blobs.Add(1)
+	}
+	k.placed[key] = p
+}
+
+// forget has the keeper hand every read of the blob key to the plugin c
+// again.
+func (k *Keeper) forget(c *net.UnixConn, key fileKey) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if p := k.placed[key]; p != nil && c == k.plugin {
+		_ = p.close()
+		delete(k.placed, key)
+		k.blobs.Add(-1)
+	}
+}
+
+// dropPlaced forgets every blob's bitmap. The caller holds mu.
+func (k *Keeper) dropPlaced() {
+	for key, p := range k.placed {
+		_ = p.close()
+		delete(k.placed, key)
+	}
+	k.blobs.Store(0)
 }
 
 // respond answers the reader of event fd and lets go of its descriptor.
@@ -283,6 +357,10 @@ func (k *Keeper) gone(c *net.UnixConn) {
 	k.plugin = nil
 	k.losses++
 	loss := k.losses
+	// Which blocks are in place is the plugin's to say: while none is
+	// here, its readers wait for the next, whose volumes left unfinished
+	// are failed (their readers get EIO).
+	k.dropPlaced()
 	klog.InfoS("The plugin went; its held readers wait for the next one", "heldReaders", len(k.pending), "grace", k.grace)
 	time.AfterFunc(k.grace, func() {
 		k.mu.Lock()
@@ -302,6 +380,8 @@ func (k *Keeper) gone(c *net.UnixConn) {
 type keeperConn struct {
 	c  *net.UnixConn
 	mu sync.Mutex // one message at a time
+	// answersPlaced: the keeper answers reads of blocks in place (opBlob).
+	answersPlaced bool
 	// syncMu serializes syncs, numbered by seq; synced hears the
 	// keeper's replies.
 	syncMu sync.Mutex
@@ -320,7 +400,7 @@ func dialKeeper(socket string) (*keeperConn, int, error) {
 		return nil, -1, fmt.Errorf("reaching the fill keeper at %s: %w: %w", socket, ErrNoKeeper, err)
 	}
 	kc := &keeperConn{c: c, synced: make(chan uint64, 1)}
-	op, _, fd, err := func() (byte, []uint64, int, error) {
+	op, fields, fd, err := func() (byte, []uint64, int, error) {
 		if err := sendPacket(c, -1, opHello); err != nil {
 			return 0, nil, -1, err
 		}
@@ -328,6 +408,9 @@ func dialKeeper(socket string) (*keeperConn, int, error) {
 		defer c.SetReadDeadline(time.Time{})
 		return readPacket(c)
 	}()
+	if len(fields) > 0 {
+		kc.answersPlaced = fields[0]&keeperAnswersPlaced != 0
+	}
 	switch {
 	case err != nil:
 	case op == opGroup && fd >= 0:
@@ -346,6 +429,22 @@ func (kc *keeperConn) put(fd int) error {
 	kc.mu.Lock()
 	defer kc.mu.Unlock()
 	return sendPacket(kc.c, fd, opPut)
+}
+
+// shareBlob has the keeper answer the reads of the blob key whose blocks
+// are set in the bitmap of blocks blocks in memfd fd.
+func (kc *keeperConn) shareBlob(key fileKey, blocks int64, fd int) error {
+	kc.mu.Lock()
+	defer kc.mu.Unlock()
+	return sendPacket(kc.c, fd, opBlob, key.dev, key.ino, uint64(blocks))
+}
+
+// forgetBlob has the keeper hand every read of the blob key to the plugin
+// again.
+func (kc *keeperConn) forgetBlob(key fileKey) error {
+	kc.mu.Lock()
+	defer kc.mu.Unlock()
+	return sendPacket(kc.c, -1, opForget, key.dev, key.ino)
 }
 
 // answer answers the held reader the keeper knows as id.
