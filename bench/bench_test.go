@@ -232,6 +232,26 @@ func startLogged(b *testing.B, cmd *exec.Cmd, log string) {
 	})
 }
 
+// startFillKeeper runs `cowvol-plugin fill-keeper` in dir, as the node
+// plugin pod's sidecar does, until the bench ends, and returns its socket
+// once it listens.
+func startFillKeeper(b *testing.B, dir string) string {
+	b.Helper()
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	sock := filepath.Join(dir, "keeper.sock")
+	startLogged(b, exec.Command(plugintest.Binary(b), "fill-keeper", "--socket="+sock, "--grace=60s"), filepath.Join(dir, "log"))
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+		if st, err := os.Stat(sock); err == nil && st.Mode().Type() == os.ModeSocket {
+			return sock
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("the fill keeper did not listen in a minute")
+		}
+	}
+}
+
 type row struct{ what, value, vs string }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d.Microseconds())/1000) }
