@@ -479,29 +479,9 @@ func TestABlobsReadersOutliveTheirPlugin(t *testing.T) {
 	})
 	sock := serveKeeper(t)
 
-	plugin := exec.Command(os.Args[0], "-test.run", "^TestABlobsReadersOutliveTheirPlugin$")
-	plugin.Env = append(os.Environ(), "COWVOL_BLOB_ROOT="+ix.fs, "COWVOL_BLOB_KEEPER="+sock, "COWVOL_BLOB_LAYER="+ix.layer,
-		"COWVOL_BLOB="+filepath.Join(ix.work, "blob"))
-	out, err := plugin.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, plugin.Start())
-	line := make([]byte, 8)
-	_, err = io.ReadFull(out, line)
-	require.NoError(t, err, "the plugin never held the blob")
-	require.Equal(t, "holding\n", string(line))
+	plugin := startBlobHolder(t, ix, sock, "TestABlobsReadersOutliveTheirPlugin", "COWVOL_BLOB_ROOT")
 	ix.mount(t)
-
-	read := func(name string) <-chan error {
-		done := make(chan error, 1)
-		go func() {
-			data, err := os.ReadFile(filepath.Join(ix.mnt, name))
-			if err == nil && string(data) != "the bytes of "+name {
-				err = fmt.Errorf("read %q", data)
-			}
-			done <- err
-		}()
-		return done
-	}
+	read := readsOf(ix.mnt, func(name string) []byte { return []byte("the bytes of " + name) })
 	held := read("f")
 	held2 := read("f")
 	require.NoError(t, plugin.Process.Kill())
@@ -526,6 +506,45 @@ func TestABlobsReadersOutliveTheirPlugin(t *testing.T) {
 	ix.hold(t, g, nil)
 	require.NoError(t, <-read("f"), "held again, the blob is filled")
 	require.Equal(t, 1, ix.fetches("f"))
+}
+
+// startBlobHolder runs this test binary's test as the plugin that holds
+// ix's blob in the group kept by the keeper at sock (holdBlobAndWait,
+// which the test runs when rootEnv is set), and returns once it holds it;
+// it is killed when the test ends, if it is not before.
+func startBlobHolder(t *testing.T, ix *indexed, sock, test, rootEnv string) *exec.Cmd {
+	t.Helper()
+	plugin := exec.Command(os.Args[0], "-test.run", "^"+test+"$")
+	plugin.Env = append(os.Environ(), rootEnv+"="+ix.fs, "COWVOL_BLOB_KEEPER="+sock, "COWVOL_BLOB_LAYER="+ix.layer,
+		"COWVOL_BLOB="+filepath.Join(ix.work, "blob"))
+	out, err := plugin.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, plugin.Start())
+	t.Cleanup(func() {
+		_ = plugin.Process.Kill()
+		_ = plugin.Wait()
+	})
+	line := make([]byte, 8)
+	_, err = io.ReadFull(out, line)
+	require.NoError(t, err, "the plugin never held the blob")
+	require.Equal(t, "holding\n", string(line))
+	return plugin
+}
+
+// readsOf starts a read of a file under mnt, whose result comes on the
+// channel: an error unless it read want(name).
+func readsOf(mnt string, want func(name string) []byte) func(name string) <-chan error {
+	return func(name string) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			data, err := os.ReadFile(filepath.Join(mnt, name))
+			if err == nil && !bytes.Equal(data, want(name)) {
+				err = fmt.Errorf("%s read %d bytes not its own", name, len(data))
+			}
+			done <- err
+		}()
+		return done
+	}
 }
 
 // serveKeeper serves a fill keeper (a minute's grace) in this process
@@ -620,33 +639,9 @@ func TestTheKeeperAnswersReadsOfBlocksInPlace(t *testing.T) {
 		}
 	})
 	sock := serveKeeper(t)
-	plugin := exec.Command(os.Args[0], "-test.run", "^TestTheKeeperAnswersReadsOfBlocksInPlace$")
-	plugin.Env = append(os.Environ(), "COWVOL_PLACED_ROOT="+ix.fs, "COWVOL_BLOB_KEEPER="+sock, "COWVOL_BLOB_LAYER="+ix.layer,
-		"COWVOL_BLOB="+filepath.Join(ix.work, "blob"))
-	out, err := plugin.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, plugin.Start())
-	defer func() {
-		_ = plugin.Process.Kill()
-		_ = plugin.Wait()
-	}()
-	line := make([]byte, 8)
-	_, err = io.ReadFull(out, line)
-	require.NoError(t, err, "the plugin never held the blob")
-	require.Equal(t, "holding\n", string(line))
+	plugin := startBlobHolder(t, ix, sock, "TestTheKeeperAnswersReadsOfBlocksInPlace", "COWVOL_PLACED_ROOT")
 	ix.mount(t)
-
-	read := func(name string) <-chan error {
-		done := make(chan error, 1)
-		go func() {
-			data, err := os.ReadFile(filepath.Join(ix.mnt, name))
-			if err == nil && !bytes.Equal(data, bytes.Repeat([]byte("the bytes of "+name+" "), 1000)) {
-				err = fmt.Errorf("%s read %d bytes not its own", name, len(data))
-			}
-			done <- err
-		}()
-		return done
-	}
+	read := readsOf(ix.mnt, func(name string) []byte { return bytes.Repeat([]byte("the bytes of "+name+" "), 1000) })
 	require.NoError(t, plugin.Process.Signal(syscall.SIGSTOP))
 	for _, name := range []string{"a", "b"} {
 		select {
