@@ -36,7 +36,8 @@ import (
 // is), its page cache dropped. The figures the targets name (reading all
 // of 1 GiB lazily, with and without a recorded order, against eagerly and
 // against a raw TCP copy of the tree into a plain dir on B, tar | tar over
-// the same veths, followed by the same read) are then taken lazyRounds
+// the same veths, followed by the same read; and lazily with B's
+// fanotify group kept by a fill keeper, as deployed) are then taken lazyRounds
 // more times, with A's copy in the page cache (B's dropped), taking
 // turns, and reported as the
 // median of the rounds' ratios, each round's shown: one sample of each
@@ -240,7 +241,7 @@ func BenchmarkLazyPull(b *testing.B) {
 			}
 			fmt.Fprintf(&sb, "reading all of 1 GiB, %d rounds taking turns: p50 lazy %s, with a fill keeper %s, recorded %s, eager %s, raw TCP copy then read %s\n",
 				lazyRounds, ms(p50(took["lazy"])), ms(p50(took["lazy-kept"])), ms(p50(took["lazy-recorded"])), ms(p50(took["eager"])), ms(p50(took["raw-tcp"])))
-			// A round's four run within seconds of each other, under the
+			// A round's five run within seconds of each other, under the
 			// same load: its ratio is the figure, and the median of the
 			// rounds' ratios the target's. The ratio of the medians, which
 			// may pair a round's slow lazy pull with another's fast eager
