@@ -477,7 +477,7 @@ func TestABlobsReadersOutliveTheirPlugin(t *testing.T) {
 		require.NoError(t, os.WriteFile(filepath.Join(layer, "f"), []byte("the bytes of f"), 0o644))
 		require.NoError(t, os.WriteFile(filepath.Join(layer, "g"), []byte("the bytes of g"), 0o644))
 	})
-	sock := serveKeeper(t)
+	sock := serveKeeper(t, time.Minute)
 
 	plugin := startBlobHolder(t, ix, sock, "TestABlobsReadersOutliveTheirPlugin", "COWVOL_BLOB_ROOT")
 	ix.mount(t)
@@ -547,14 +547,14 @@ func readsOf(mnt string, want func(name string) []byte) func(name string) <-chan
 	}
 }
 
-// serveKeeper serves a fill keeper (a minute's grace) in this process
-// until the test ends, and returns its socket once it listens.
-func serveKeeper(t *testing.T) string {
+// serveKeeper serves a fill keeper with grace in this process until the
+// test ends, and returns its socket once it listens.
+func serveKeeper(t *testing.T, grace time.Duration) string {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "keeper.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
-	go func() { served <- ServeKeeper(ctx, sock, time.Minute) }()
+	go func() { served <- ServeKeeper(ctx, sock, grace) }()
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, <-served)
@@ -638,7 +638,7 @@ func TestTheKeeperAnswersReadsOfBlocksInPlace(t *testing.T) {
 			require.NoError(t, os.WriteFile(filepath.Join(layer, name), data, 0o644))
 		}
 	})
-	sock := serveKeeper(t)
+	sock := serveKeeper(t, time.Minute)
 	plugin := startBlobHolder(t, ix, sock, "TestTheKeeperAnswersReadsOfBlocksInPlace", "COWVOL_PLACED_ROOT")
 	ix.mount(t)
 	read := readsOf(ix.mnt, func(name string) []byte { return bytes.Repeat([]byte("the bytes of "+name+" "), 1000) })
@@ -683,7 +683,7 @@ func TestRecordedReadsOfABlobPassTheKeeper(t *testing.T) {
 			require.NoError(t, os.WriteFile(filepath.Join(layer, name), bytes.Repeat([]byte(name), 9000), 0o644))
 		}
 	})
-	sock := serveKeeper(t)
+	sock := serveKeeper(t, time.Minute)
 	g, err := OpenKept(ix.fs, time.Minute, Kept{Socket: sock})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, g.Close()) })

@@ -1,10 +1,8 @@
 package fill
 
 import (
-	"context"
 	"net"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -17,17 +15,8 @@ import (
 // a put from a plugin that is not the current one is refused, and the
 // next plugin is answered as the first was.
 func TestKeeperTakesNoNonsense(t *testing.T) {
-	dir, err := os.MkdirTemp("", "keeper-")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	sock := filepath.Join(dir, "k.sock")
-	ctx, cancel := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- ServeKeeper(ctx, sock, time.Second) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-served)
-	})
+	sock := serveKeeper(t, time.Second)
+	var err error
 	dial := func() *net.UnixConn {
 		var c *net.UnixConn
 		require.Eventually(t, func() bool {

@@ -7,6 +7,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/pkg/index"
 )
 
 // placed.go: which blocks of an index's blob are in place, in memory the
@@ -26,8 +28,9 @@ import (
 // The plugin sets bits; the keeper only reads them.
 
 // blobBlock is the unit of the bitmap: the index's block, which every
-// extent starts at a multiple of (pkg/index).
-const blobBlock = 4096
+// extent starts at a multiple of, so that a block set in place holds no
+// byte of another extent.
+const blobBlock = index.BlockSize
 
 // maxPlacedBlocks bounds the bitmap (16 MiB, a blob of 512 GiB): a larger
 // blob's reads all go through the plugin, as without a keeper.

@@ -16,6 +16,10 @@ import (
 // target), and directories' blocks of entries. See the kernel's
 // Documentation/filesystems/erofs.rst and fs/erofs/erofs_fs.h.
 
+// BlockSize is the image's block: every extent of a blob starts at a
+// multiple of it, so a block of the blob holds one extent's bytes at most.
+const BlockSize = blockSize
+
 const (
 	blockBits = 12
 	blockSize = 1 << blockBits
