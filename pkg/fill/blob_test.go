@@ -173,14 +173,7 @@ func TestBlobFillsAnIndexOnDemand(t *testing.T) {
 		return
 	}
 	ix := newIndexed(t, func(layer string) {
-		testfs.LayerTree(t, layer)
-		// Its sparse file of 256 MiB made smaller: reading its zeros to
-		// leave them holes takes half a minute under the race detector.
-		f, err := os.Create(filepath.Join(layer, "sparse"))
-		require.NoError(t, err)
-		_, err = f.WriteAt([]byte("tail"), 8<<20)
-		require.NoError(t, err)
-		require.NoError(t, f.Close())
+		layerTree(t, layer)
 		require.NoError(t, os.Mkdir(filepath.Join(layer, "many"), 0o755))
 		for i := range 300 {
 			require.NoError(t, os.WriteFile(filepath.Join(layer, "many", strings.Repeat("f", 1+i%7)+string(rune('a'+i%26))+strings.Repeat("g", i/26)),
@@ -251,6 +244,18 @@ func mapAndSum(name string) {
 	}
 	fmt.Printf("%x\n", sha256.Sum256(mapped))
 	os.Exit(0)
+}
+
+// layerTree is testfs.LayerTree with its sparse file of 256 MiB made
+// smaller: reading its zeros through an index to leave them holes takes
+// half a minute under the race detector.
+func layerTree(t *testing.T, layer string) {
+	testfs.LayerTree(t, layer)
+	f, err := os.Create(filepath.Join(layer, "sparse"))
+	require.NoError(t, err)
+	_, err = f.WriteAt([]byte("tail"), 8<<20)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
 }
 
 // withoutCaps is a described file without its file capabilities, which
@@ -801,6 +806,43 @@ func TestBlobWritesCarriedBytesBehindItsReaders(t *testing.T) {
 			mu.Lock()
 			defer mu.Unlock()
 			require.Equal(t, map[string]int{"big": 1}, fetched, "the carried bytes are written, not fetched")
+		})
+	}
+}
+
+// A pod with a user namespace of its own (hostUsers: false) has its volumes
+// idmapped by its runtime, which cannot idmap an overlay mount, so an
+// overlay node makes its views with the reflink backend. Over an index
+// still filling: a read-only view is a bind of the index's mount, which the
+// runtime idmaps and whose reads wait for their extents as any reader's do;
+// a writable one is a tree of its own copied through the mount (nothing
+// clones out of EROFS), each extent fetched once as the copy reads it. Both
+// hold the layer's tree, and the runtime can idmap both.
+func TestIdmappedViewsOfAFillingIndex(t *testing.T) {
+	for _, readOnly := range []bool{true, false} {
+		t.Run(fmt.Sprintf("read-only=%t", readOnly), func(t *testing.T) {
+			ix := newIndexed(t, func(layer string) { layerTree(t, layer) }, nil)
+			b, err := overlay.New(overlay.KindReflink, overlay.NewSysMounter(), nil)
+			require.NoError(t, err)
+			s := overlay.Spec{Dir: filepath.Join(ix.fs, "view"), Target: filepath.Join(ix.fs, "target"), Lowers: []string{ix.mnt},
+				Attrs: overlay.Attrs{ReadOnly: readOnly}, Idmapped: true}
+			require.NoError(t, os.Mkdir(s.Target, 0o755))
+			require.NoError(t, b.Prepare(t.Context(), s))
+			t.Cleanup(func() { require.NoError(t, overlay.Unmount(overlay.NewSysMounter(), s)) }) // before the index's
+			require.NoError(t, testfs.Idmap(t, s.Target), "the runtime can idmap the view")
+
+			want := testfs.Describe(t, ix.layer)
+			want["cap"] = withoutCaps(t, want["cap"])
+			require.Equal(t, want, testfs.Describe(t, s.Target))
+			for i := range ix.layout.Len() {
+				e := ix.layout.Extent(i)
+				require.LessOrEqual(t, ix.fetches(e.Path), 1, "%s fetched again", e.Path)
+			}
+			if !readOnly {
+				require.NoError(t, os.WriteFile(filepath.Join(s.Target, "new"), []byte("written"), 0o644))
+				_, err := os.Lstat(filepath.Join(ix.mnt, "new"))
+				require.ErrorIs(t, err, os.ErrNotExist, "a write lands in the view's own tree")
+			}
 		})
 	}
 }

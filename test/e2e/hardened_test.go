@@ -193,7 +193,10 @@ func TestHardenedSteps(t *testing.T) {
 			c.pluginDuration(`"Published step volume"`, `pod="ci/no-fsgroup"`)))
 	})
 
-	c.scenario("a step on a node without its input starts over a lazy pull, reads its bytes and runs its program", func() {
-		c.pullFromAnotherNode("lazy") // overlay on XFS: lazy where the kernel has pre-content events
+	// A user-namespace step first: overlay mounts cannot be idmapped, so its
+	// writable view is a tree of its own, copied from the pulled index as
+	// its extents arrive; a host-users step reads the same input after it.
+	c.scenario("steps on a node without their input, one in a user namespace of its own, start over a lazy pull, read its bytes and run its program", func() {
+		c.pullFromAnotherNode("lazy", userNamespace) // overlay on XFS: lazy where the kernel has pre-content events
 	})
 }
