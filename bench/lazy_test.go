@@ -63,18 +63,21 @@ func BenchmarkLazyPull(b *testing.B) {
 			Wrap: hostA.Command, Args: append(append([]string{"--peer-address=" + peerA}, tlsArgs...), fleetArgs...)})}
 		var sb strings.Builder
 		fmt.Fprintf(&sb, "\n%-46s %12s %12s %12s %12s\n", "a step on a node without its input", "publish", "read 5%", "read all", "run a program")
-		// COWVOL_LAZY_ROUNDS_ONLY: only the targets' rounds, at 1 GiB.
+		// COWVOL_LAZY_ROUNDS_ONLY: only the targets' rounds, at 1 GiB, or
+		// in the shape COWVOL_LAZY_ROUNDS_SHAPE says (MiB/files: issue
+		// 51 states its target against an eager pull at 1536/30000).
 		roundsOnly := os.Getenv("COWVOL_LAZY_ROUNDS_ONLY") != ""
-		sizes := []int64{100 << 20, 1 << 30, 4 << 30}
+		sizes, files, roundsSize := []int64{100 << 20, 1 << 30, 4 << 30}, treeFiles, int64(1<<30)
 		if roundsOnly {
-			sizes = []int64{1 << 30}
+			roundsSize, files = roundsShape(b)
+			sizes = []int64{roundsSize}
 		}
 		for _, size := range sizes {
 			// At 4 GiB only the publishes: the reads would say what 1 GiB's do.
-			publishOnly := size > 1<<30
+			publishOnly := size > roundsSize
 			handle := fmt.Sprintf("tree-%d", size>>20)
 			a.capture("", handle, func(dir string) {
-				genMixedTree(b, dir, treeFiles, size)
+				genMixedTree(b, dir, files, size)
 				copyFile(b, prog, filepath.Join(dir, "bin", "true"))
 			})
 			a.settle()
@@ -192,11 +195,13 @@ func BenchmarkLazyPull(b *testing.B) {
 					})
 				}
 			}
-			if size != 1<<30 {
+			if size != roundsSize {
 				continue
 			}
-			// The targets: reading all of 1 GiB lazily at most 1.2x an
-			// eager pull, 1.1x with a recorded order; from the publish to
+			// The targets: reading all of 1 GiB (or the rounds' shape)
+			// lazily at most 1.2x an eager pull, 1.1x with a recorded
+			// order (issue 51: 1.1x without one, at 1.5 GiB in 30,000
+			// files); from the publish to
 			// the last byte read, lazily at most 0.75x a raw TCP copy of
 			// the tree into a plain dir on B followed by the same read.
 			// Each round runs the four in turn, starting with another,
@@ -239,8 +244,8 @@ func BenchmarkLazyPull(b *testing.B) {
 					took[k.key] = append(took[k.key], k.run())
 				}
 			}
-			fmt.Fprintf(&sb, "reading all of 1 GiB, %d rounds taking turns: p50 lazy %s, with a fill keeper %s, recorded %s, eager %s, raw TCP copy then read %s\n",
-				lazyRounds, ms(p50(took["lazy"])), ms(p50(took["lazy-kept"])), ms(p50(took["lazy-recorded"])), ms(p50(took["eager"])), ms(p50(took["raw-tcp"])))
+			fmt.Fprintf(&sb, "reading all of %d MiB in %d files, %d rounds taking turns: p50 lazy %s, with a fill keeper %s, recorded %s, eager %s, raw TCP copy then read %s\n",
+				size>>20, files, lazyRounds, ms(p50(took["lazy"])), ms(p50(took["lazy-kept"])), ms(p50(took["lazy-recorded"])), ms(p50(took["eager"])), ms(p50(took["raw-tcp"])))
 			// A round's five run within seconds of each other, under the
 			// same load: its ratio is the figure, and the median of the
 			// rounds' ratios the target's. The ratio of the medians, which
@@ -259,9 +264,9 @@ func BenchmarkLazyPull(b *testing.B) {
 				b.ReportMetric(r, c.k+"-vs-"+c.vs+"-read-all-p50")
 			}
 			for _, k := range []string{"lazy", "lazy-kept", "lazy-recorded", "raw-tcp"} {
-				b.ReportMetric(float64(p50(took[k]).Milliseconds()), k+"-1024MiB-read-all-p50-ms")
+				b.ReportMetric(float64(p50(took[k]).Milliseconds()), fmt.Sprintf("%s-%dMiB-read-all-p50-ms", k, size>>20))
 			}
-			b.ReportMetric(float64(p50(took["eager"]).Milliseconds()), "eager-1024MiB-read-all-p50-ms")
+			b.ReportMetric(float64(p50(took["eager"]).Milliseconds()), fmt.Sprintf("eager-%dMiB-read-all-p50-ms", size>>20))
 		}
 		fmt.Print(sb.String())
 		if roundsOnly {
@@ -345,6 +350,21 @@ func benchCopy(b *testing.B, a *node, ctl benchController, start func() *node) s
 	b.ReportMetric(float64(copied.Milliseconds()), "copy-1024MiB-ms")
 	return fmt.Sprintf("copies: 2 of 1 GiB, capture to a second holder listed %s; an eager pull of it %s (%.2fx)",
 		ms(copied), ms(pulled), float64(copied)/float64(pulled))
+}
+
+// roundsShape is the size and file count of BenchmarkLazyPull's rounds
+// alone: COWVOL_LAZY_ROUNDS_SHAPE's MiB/files, else 1 GiB in treeFiles.
+func roundsShape(b *testing.B) (int64, int) {
+	shape := os.Getenv("COWVOL_LAZY_ROUNDS_SHAPE")
+	if shape == "" {
+		return 1 << 30, treeFiles
+	}
+	var mib int64
+	var files int
+	if n, err := fmt.Sscanf(shape, "%d/%d", &mib, &files); err != nil || n != 2 || mib <= 0 || files <= 0 || mib > 4<<10 {
+		b.Fatalf("COWVOL_LAZY_ROUNDS_SHAPE=%q: want MiB/files, at most 4096 MiB (e.g. 1536/30000)", shape)
+	}
+	return mib << 20, files
 }
 
 // lazyRounds is how many times BenchmarkLazyPull takes the figures its
