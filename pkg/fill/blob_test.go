@@ -812,12 +812,13 @@ func TestBlobWritesCarriedBytesBehindItsReaders(t *testing.T) {
 
 // A pod with a user namespace of its own (hostUsers: false) has its volumes
 // idmapped by its runtime, which cannot idmap an overlay mount, so an
-// overlay node makes its views with the reflink backend. Over an index
-// still filling: a read-only view is a bind of the index's mount, which the
-// runtime idmaps and whose reads wait for their extents as any reader's do;
-// a writable one is a tree of its own copied through the mount (nothing
-// clones out of EROFS), each extent fetched once as the copy reads it. Both
-// hold the layer's tree, and the runtime can idmap both.
+// overlay node makes its views with the reflink backend: a read-only view
+// of an index is a bind of the index's mount, which the runtime idmaps, and
+// a writable one a tree of its own copied through the mount (nothing clones
+// out of EROFS). The engine makes them once the index is whole (such a
+// view needs its whole chain); made over one still filling, as here, each
+// extent is fetched once as the copy or the reader reaches it. Both hold
+// the layer's tree, and the runtime can idmap both.
 func TestIdmappedViewsOfAFillingIndex(t *testing.T) {
 	for _, readOnly := range []bool{true, false} {
 		t.Run(fmt.Sprintf("read-only=%t", readOnly), func(t *testing.T) {

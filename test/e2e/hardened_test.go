@@ -194,8 +194,9 @@ func TestHardenedSteps(t *testing.T) {
 	})
 
 	// A user-namespace step first: overlay mounts cannot be idmapped, so its
-	// writable view is a tree of its own, copied from the pulled index as
-	// its extents arrive; a host-users step reads the same input after it.
+	// writable view is a tree of its own, copied from the pulled index once
+	// the index is whole (its publish is retried until then); a host-users
+	// step reads the same input after it.
 	c.scenario("steps on a node without their input, one in a user namespace of its own, start over a lazy pull, read its bytes and run its program", func() {
 		c.pullFromAnotherNode("lazy", userNamespace) // overlay on XFS: lazy where the kernel has pre-content events
 	})

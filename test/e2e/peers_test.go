@@ -84,7 +84,7 @@ func (c *cluster) pullFromAnotherNode(mode string, firstOpts ...podOpt) {
 	}
 	if len(firstOpts) > 0 {
 		report(t, fmt.Sprintf("a step pod with a user namespace of its own wrote over a 64 MiB input held only by another node: "+
-			"its view (a tree of its own, copied as the input arrived) published in %s\n",
+			"its view (a tree of its own, copied from the index once whole) published in %s\n",
 			c.pluginDuration(`"Published step volume"`, `pod="ci/`+puller+`"`)))
 	}
 	report(t, fmt.Sprintf("a step pod used a 64 MiB volume held only by another node: the pod succeeded %s after it was created (%s; %s)\n",
