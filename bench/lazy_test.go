@@ -63,13 +63,17 @@ func BenchmarkLazyPull(b *testing.B) {
 			Wrap: hostA.Command, Args: append(append([]string{"--peer-address=" + peerA}, tlsArgs...), fleetArgs...)})}
 		var sb strings.Builder
 		fmt.Fprintf(&sb, "\n%-46s %12s %12s %12s %12s\n", "a step on a node without its input", "publish", "read 5%", "read all", "run a program")
-		// COWVOL_LAZY_ROUNDS_ONLY: only the targets' rounds, at 1 GiB, or
-		// in the shape COWVOL_LAZY_ROUNDS_SHAPE says (MiB/files: issue
-		// 51 states its target against an eager pull at 1536/30000).
+		// COWVOL_LAZY_ROUNDS_ONLY: only the targets' rounds, at 1 GiB in
+		// treeFiles, or in the shape COWVOL_LAZY_ROUNDS_SHAPE says
+		// (MiB/files: issue 51 states its target against an eager pull
+		// at 1536/30000).
 		roundsOnly := os.Getenv("COWVOL_LAZY_ROUNDS_ONLY") != ""
-		sizes, files, roundsSize := []int64{100 << 20, 1 << 30, 4 << 30}, treeFiles, int64(1<<30)
+		roundsSize, files := int64(1<<30), treeFiles
+		sizes := []int64{100 << 20, roundsSize, 4 << 30}
 		if roundsOnly {
-			roundsSize, files = roundsShape(b)
+			if shape := os.Getenv("COWVOL_LAZY_ROUNDS_SHAPE"); shape != "" {
+				roundsSize, files = roundsShape(b, shape)
+			}
 			sizes = []int64{roundsSize}
 		}
 		for _, size := range sizes {
@@ -352,13 +356,9 @@ func benchCopy(b *testing.B, a *node, ctl benchController, start func() *node) s
 		ms(copied), ms(pulled), float64(copied)/float64(pulled))
 }
 
-// roundsShape is the size and file count of BenchmarkLazyPull's rounds
-// alone: COWVOL_LAZY_ROUNDS_SHAPE's MiB/files, else 1 GiB in treeFiles.
-func roundsShape(b *testing.B) (int64, int) {
-	shape := os.Getenv("COWVOL_LAZY_ROUNDS_SHAPE")
-	if shape == "" {
-		return 1 << 30, treeFiles
-	}
+// roundsShape is the size and file count that COWVOL_LAZY_ROUNDS_SHAPE's
+// shape (MiB/files) gives BenchmarkLazyPull's rounds.
+func roundsShape(b *testing.B, shape string) (int64, int) {
 	var mib int64
 	var files int
 	if n, err := fmt.Sscanf(shape, "%d/%d", &mib, &files); err != nil || n != 2 || mib <= 0 || files <= 0 || mib > 4<<10 {
