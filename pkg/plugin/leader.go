@@ -111,6 +111,9 @@ type leadership struct {
 	// awaitNodes, if set, tells the view which nodes to wait for before
 	// this replica serves as the leader.
 	awaitNodes func(context.Context)
+	// callers, if set, are the API's connections: while this replica
+	// does not lead, the one a refused call came on is closed.
+	callers *callerConns
 }
 
 // cacheMethods are the Cache API's; its ListNodes answers while the view
@@ -129,6 +132,7 @@ func (l *leadership) interceptor(prefix string) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if strings.HasPrefix(info.FullMethod, prefix) {
 			if err := l.refuse(info.FullMethod); err != nil {
+				l.sendOn(ctx)
 				return nil, err
 			}
 		}
@@ -141,10 +145,20 @@ func (l *leadership) streamInterceptor(prefix string) grpc.StreamServerIntercept
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		if strings.HasPrefix(info.FullMethod, prefix) {
 			if err := l.refuse(info.FullMethod); err != nil {
+				l.sendOn(ss.Context())
 				return err
 			}
 		}
 		return handler(srv, ss)
+	}
+}
+
+// sendOn has a caller this follower refused reach the leader: the
+// connection its call came on is closed (callerConns says why). A leader
+// whose view still settles keeps its callers.
+func (l *leadership) sendOn(ctx context.Context) {
+	if l.callers != nil && !l.leading.Load() {
+		l.callers.closeSoon(ctx)
 	}
 }
 

@@ -1,10 +1,19 @@
 package plugin
 
 import (
+	"context"
+	"net"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	controllerv1 "github.com/concourse/cowvol/api/controller/v1"
@@ -45,4 +54,62 @@ func TestLeadershipRefuses(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestFollowerClosesRefusedCallersConnections: over real TCP, a follower
+// closes the connection of a call it refused, so that the caller's next
+// call dials again (and a Service sends it to the leader); a leader keeps
+// its callers' connections.
+func TestFollowerClosesRefusedCallersConnections(t *testing.T) {
+	tests := []struct {
+		name      string
+		leading   bool
+		wantCode  codes.Code
+		wantConns int32
+	}{
+		{name: "follower", wantCode: codes.Unavailable, wantConns: 3},
+		{name: "leader", leading: true, wantCode: codes.OK, wantConns: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			l := &leadership{self: "controller-1", callers: newCallerConns()}
+			l.leading.Store(tt.leading)
+			l.leader.Store("controller-0")
+			var accepted atomic.Int32
+			lis, err := l.callers.listen(func() (net.Listener, error) {
+				inner, err := net.Listen("tcp", "127.0.0.1:0")
+				return &countingListener{Listener: inner, accepted: &accepted}, err
+			})()
+			require.NoError(t, err)
+			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(l.interceptor("/grpc.health.v1.")))
+			healthpb.RegisterHealthServer(srv, health.NewServer())
+			go func() { _ = srv.Serve(lis) }()
+			t.Cleanup(srv.Stop)
+			conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+			require.NoError(t, err)
+			t.Cleanup(func() { conn.Close() })
+			for range 3 {
+				_, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+				require.Equal(t, tt.wantCode, status.Code(err), "%v", err)
+				time.Sleep(3 * callerCloseDelay)
+			}
+			assert.Equal(t, tt.wantConns, accepted.Load(), "connections the server accepted for 3 calls")
+			l.callers.mu.Lock()
+			defer l.callers.mu.Unlock()
+			assert.LessOrEqual(t, len(l.callers.conns), 1, "closed connections are forgotten")
+		})
+	}
+}
+
+type countingListener struct {
+	net.Listener
+	accepted *atomic.Int32
+}
+
+func (l *countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.accepted.Add(1)
+	}
+	return c, err
 }

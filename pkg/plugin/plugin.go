@@ -144,7 +144,7 @@ func New(opts Options, deps Deps) (*Driver, error) {
 	if opts.Mode != ModeNode {
 		d.view = fleet.NewView(opts.Controller.StalledAfter, opts.Controller.ForgetStalledAfter)
 		d.view.LimitCopies(opts.Controller.Copies)
-		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod}
+		d.leader = &leadership{self: opts.LeaderElection.Identity, followersReady: opts.LeaderElection.LabelPod, callers: newCallerConns()}
 		d.leader.leading.Store(!opts.LeaderElection.Enabled)
 		d.controller = driver.NewController(d.view)
 		d.ctlMetrics = fleet.NewMetrics(d.view)
@@ -471,9 +471,10 @@ func (d *Driver) runners() ([]runner, error) {
 // apiConnectionAge is how long a caller keeps one connection to the
 // controller before it is asked (GOAWAY) to open another: a node reaches
 // the leader through its Service, whose choice holds for a connection's
-// life, so a connection that ended up on a follower (TestFleet saw one,
-// after a rolling update, answered Unavailable every second for minutes)
-// moves to the leader within this. Calls in flight may run on for an hour.
+// life. A follower closes a connection as it refuses a call on it
+// (callerConns); this bounds what that misses (TestFleet once saw a
+// connection, after a rolling update, answered Unavailable every second
+// for minutes). Calls in flight may run on for an hour.
 const apiConnectionAge = time.Minute
 
 // metricsRunner serves /metrics, the probes and, if asked, profiles. /readyz answers 503 on a
@@ -528,7 +529,7 @@ func (d *Driver) controllerRunners() ([]runner, error) {
 		MaxConnectionAge: apiConnectionAge, MaxConnectionAgeGrace: time.Hour}))...)
 	controller.Register(api, controller.Services{View: d.view, Orders: d.readOrders, FullReports: d.fullReports, Metrics: d.ctlMetrics,
 		Events: d.nodeEvents, Dial: link.dialer(d.opts.Peers.PullWait), PeerCA: peerCA})
-	apiRunner := logged(grpcRunner("serving the controller's APIs", api, tcpListener(d.opts.Controller.APIAddress), stopGracefully(0)),
+	apiRunner := logged(grpcRunner("serving the controller's APIs", api, d.leader.callers.listen(tcpListener(d.opts.Controller.APIAddress)), stopGracefully(0)),
 		"Serving the controller's Registry and Cache APIs", "address", d.opts.Controller.APIAddress,
 		"tls", d.opts.Controller.TLSCertFile != "", "tokens", d.opts.Controller.TokensFile != "",
 		"stalledAfter", d.opts.Controller.StalledAfter, "forgetStalledAfter", d.opts.Controller.ForgetStalledAfter)
