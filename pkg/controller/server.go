@@ -443,7 +443,7 @@ func (s *cacheServer) DestroyVolumes(ctx context.Context, req *controllerv1.Dest
 	if err != nil {
 		return nil, code(err)
 	}
-	out := s.view.Destroy(refs)
+	out := s.view.Destroy(refs, time.Now())
 	klog.V(2).InfoS("Destroying volumes on the nodes holding them", "volumes", len(out), "caller", CallerFrom(ctx).User)
 	s.metrics.Commands.WithLabelValues("destroy").Add(float64(len(out)))
 	return &controllerv1.DestroyVolumesResponse{Volumes: toWireVolumeNodes(out)}, nil

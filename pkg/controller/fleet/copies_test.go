@@ -60,7 +60,7 @@ func TestCopies(t *testing.T) {
 	require.Equal(t, []string{"out"}, report(later, "b", 5000))
 
 	// Destroyed, it is copied nowhere.
-	v.Destroy([]volume.Ref{ref("out")})
+	v.Destroy([]volume.Ref{ref("out")}, later)
 	require.Empty(t, report(later, "b", 5000))
 
 	// A node over its high watermark, or without room, takes none.
@@ -140,7 +140,7 @@ func TestCopyLimits(t *testing.T) {
 
 	// five goes: its two extra copies come back, and more, short of
 	// them, gets them on the next pass.
-	f.v.Destroy([]volume.Ref{{Namespace: "ci", Handle: "five"}})
+	f.v.Destroy([]volume.Ref{{Namespace: "ci", Handle: "five"}}, now)
 	_, err := f.v.Report(Report{NodeID: "a", StoreID: "a", Revision: f.revs["a"] + 1, BaseRevision: f.revs["a"],
 		Deletes: []volume.Ref{{Namespace: "ci", Handle: "five"}}, BytesFree: 1 << 20, PeerAddress: "a:7443"}, now)
 	require.NoError(t, err)

@@ -86,6 +86,14 @@ type View struct {
 	// until then its view lacks their volumes, and it says so.
 	awaiting   map[string]bool
 	awaitUntil time.Time
+	// unheard are the volumes destroyed while some node was still
+	// awaited: it may hold one (a destroy then reaches no node of it),
+	// and its first whole inventory is answered with the destroy of each
+	// it names. They are forgotten once no node is awaited, or
+	// forgetStalledAfter after the wait: a node silent so long brings its
+	// volumes back as they were, as a forgotten node does.
+	unheard      map[volume.Ref]struct{}
+	unheardUntil time.Time
 	// lacking are the volumes held ready on fewer nodes than they were
 	// granted, with the nodes asked to pull them (copies.go); nodesGrew:
 	// a node came since the last pass, which looks at every one of them.
@@ -389,6 +397,7 @@ func (v *View) AwaitReports(nodes []string, until time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.awaiting, v.awaitUntil = map[string]bool{}, until
+	v.unheard, v.unheardUntil = nil, until.Add(v.forgetStalledAfter)
 	for _, id := range nodes {
 		if n := v.nodes[id]; n == nil || n.syncs == 0 {
 			v.awaiting[id] = true
@@ -520,7 +529,12 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 		} else {
 			n.nextSync()
 		}
-		delete(v.awaiting, n.id)
+		if v.awaiting[n.id] {
+			v.destroyUnheard(n, upserts, now)
+			if delete(v.awaiting, n.id); len(v.awaiting) == 0 {
+				v.unheard = nil
+			}
+		}
 	case n.revision == 0 || req.BaseRevision != n.revision:
 		return Answer{Resync: true, Revision: n.revision}, nil
 	default:
@@ -828,9 +842,48 @@ func (v *View) pendingPins(n *nodeState) []PinCommand {
 }
 
 // Destroy hides each volume from lookups at once and asks every node that
-// reported it to destroy it, saying which nodes were asked.
-func (v *View) Destroy(refs []volume.Ref) []VolumeNodes {
-	return v.command(refs, destroyOn)
+// reported it to destroy it, saying which nodes were asked. While a node
+// is awaited (AwaitReports), the view also asks it, in answer to its first
+// whole inventory, to destroy any of refs it names there.
+func (v *View) Destroy(refs []volume.Ref, now time.Time) []VolumeNodes {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.stillUnheard(now) {
+		if v.unheard == nil {
+			v.unheard = map[volume.Ref]struct{}{}
+		}
+		for _, r := range refs {
+			v.unheard[r] = struct{}{}
+		}
+	}
+	return v.commandLocked(refs, destroyOn)
+}
+
+// stillUnheard says whether some node is still awaited, and the view
+// keeps what was destroyed meanwhile; it forgets that once it is not.
+// The caller holds the lock.
+func (v *View) stillUnheard(now time.Time) bool {
+	if len(v.awaiting) > 0 && now.Before(v.unheardUntil) {
+		return true
+	}
+	v.unheard = nil
+	return false
+}
+
+// destroyUnheard asks n, awaited until this whole inventory of upserts, to
+// destroy those destroyed while it was (unheard). The caller holds the
+// lock.
+func (v *View) destroyUnheard(n *nodeState, upserts []upsert, now time.Time) {
+	if !v.stillUnheard(now) || len(v.unheard) == 0 {
+		return
+	}
+	for _, u := range upserts {
+		if _, ok := v.unheard[u.ref]; ok {
+			if e := v.find(u.ref); e != nil {
+				destroyOn(n, e)
+			}
+		}
+	}
 }
 
 // destroyOn asks n to destroy e, which leaves every answer at once.

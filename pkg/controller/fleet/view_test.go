@@ -92,6 +92,64 @@ func TestAwaitReports(t *testing.T) {
 	require.Empty(t, v.Unsettled(now))
 }
 
+// A destroy made while a node is still awaited (a controller that began to
+// lead, past its wait, serves without that node's inventory) reaches the
+// node when its first whole inventory comes: the volumes it names there
+// are destroyed and never shown. Only that inventory: what the node
+// captures later under a handle destroyed before is its own. Once every
+// awaited node has reported, or forgetStalledAfter after the wait, the
+// view remembers none.
+func TestDestroysReachNodesNotYetHeard(t *testing.T) {
+	v := NewView(30*time.Second, 10*time.Minute)
+	now := time.Now()
+	revs := map[string]uint64{}
+	report := func(at time.Time, node string, full bool, vols ...Held) Answer {
+		base := revs[node]
+		revs[node]++
+		resp, err := v.Report(Report{NodeID: node, StoreID: "s-" + node, Revision: revs[node], BaseRevision: base, Full: full, Upserts: vols}, at)
+		require.NoError(t, err)
+		return resp
+	}
+	found := func(at time.Time, h string) bool { return v.Lookup([]volume.Ref{ref(h)}, 0, at)[0].Found }
+
+	report(now, "n1", true, vol("held-by-n1", "ready", 1))
+	v.AwaitReports([]string{"n1", "n2", "n3", "dead"}, now.Add(30*time.Second))
+	served := now.Add(31 * time.Second) // the wait is over: the view serves
+	require.Empty(t, v.Unsettled(served))
+	out := v.Destroy([]volume.Ref{ref("held-by-n1"), ref("held-by-n2"), ref("later-again")}, served)
+	require.Equal(t, []string{"n1"}, out[0].Nodes)
+	require.Empty(t, out[1].Nodes, "the view does not know n2 holds it")
+
+	resp := report(served.Add(time.Second), "n2", true, vol("held-by-n2", "ready", 1), vol("kept", "ready", 1))
+	require.Equal(t, []volume.Ref{ref("held-by-n2")}, resp.Destroy, "n2's first inventory is answered with the destroy made before it")
+	require.False(t, found(served.Add(time.Second), "held-by-n2"), "and the volume is never shown")
+	require.True(t, found(served.Add(time.Second), "kept"))
+
+	resp = report(served.Add(2*time.Second), "n2", false, vol("later-again", "ready", 1))
+	require.Equal(t, []volume.Ref{ref("held-by-n2")}, resp.Destroy, "asked until done; a volume n2 captured after its first inventory is its own")
+	require.True(t, found(served.Add(2*time.Second), "later-again"))
+
+	// dead never reports: what is destroyed now is remembered until
+	// forgetStalledAfter after the wait, and then no more.
+	v.Destroy([]volume.Ref{ref("gone-while-n3-was-away")}, served.Add(time.Minute))
+	resp = report(served.Add(2*time.Minute), "n3", true, vol("gone-while-n3-was-away", "ready", 1))
+	require.Equal(t, []volume.Ref{ref("gone-while-n3-was-away")}, resp.Destroy)
+	late := now.Add(30*time.Second + 10*time.Minute + time.Second)
+	v.Destroy([]volume.Ref{ref("too-late")}, late)
+	resp = report(late, "dead", true, vol("too-late", "ready", 1))
+	require.Empty(t, resp.Destroy, "past forgetStalledAfter, a node back brings its volumes as they were")
+	require.True(t, found(late, "too-late"))
+
+	// Every awaited node has reported: none is remembered.
+	v.AwaitReports([]string{"n4"}, late.Add(time.Second))
+	v.Destroy([]volume.Ref{ref("before-n4")}, late)
+	require.Len(t, v.unheard, 1)
+	report(late, "n4", true)
+	require.Nil(t, v.unheard, "forgotten once no node is awaited")
+	resp = report(late, "n5", true, vol("before-n4", "ready", 1))
+	require.Empty(t, resp.Destroy, "n5 was never awaited")
+}
+
 // A node's full report that says what the view has of it already is found
 // so under the read lock and leaves the view as it is; one that differs in
 // anything a record or an entry keeps is applied, as the first was.
@@ -222,7 +280,7 @@ func TestDestroyAndPinCommands(t *testing.T) {
 	report("a", 1, true, 0, []Held{vol("x", "ready", 1), vol("y", "ready", 1)})
 	report("b", 1, true, 0, []Held{vol("x", "ready", 1)})
 
-	out := v.Destroy([]volume.Ref{ref("x"), ref("nope")})
+	out := v.Destroy([]volume.Ref{ref("x"), ref("nope")}, now)
 	require.Equal(t, []string{"a", "b"}, out[0].Nodes)
 	require.Empty(t, out[1].Nodes)
 	locs := v.Lookup([]volume.Ref{ref("x")}, 0, now)
