@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io/fs"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -624,7 +625,9 @@ func (s *soak) checkNothingLeft() {
 			}
 		}
 		require.NoError(f.T, err)
-		require.Empty(f.T, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s", n.Name, kept)
+		if len(left) > 0 {
+			require.Empty(f.T, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s\n%s", n.Name, kept, s.whyLeft(n, left))
+		}
 		require.Empty(f.T, kept, "%s's plugin keeps soak volumes, destroyed ones included", n.Name)
 		out := f.MustKubectl("", "get", "pods", "-A", "--field-selector", "spec.nodeName="+n.Name, "-o", "jsonpath={.items[*].metadata.uid}")
 		live := strings.Fields(out)
@@ -691,6 +694,76 @@ func nodeKeeps(n localcluster.Node) (string, error) {
 		}
 	}
 	return kept.String(), nil
+}
+
+// whyLeft gathers what may say why a node kept what the soak left there,
+// for the failure's message (the only part of a failed CI run's output
+// that is sure to be read): the controller's word on the node, its
+// plugin's restarts, and the lines of the plugin's logs (this run's and
+// the one before), of the controller's and of the soak's own that name a
+// volume left.
+func (s *soak) whyLeft(n localcluster.Node, left []string) string {
+	f := s.f
+	handles := map[string]bool{}
+	for _, l := range left {
+		switch fields := strings.Fields(l); {
+		case fields[0] == "volume" && len(fields) > 1:
+			handles[fields[1]] = true
+		case strings.HasPrefix(l, "volumes/ci/"):
+			handles[strings.TrimPrefix(l, "volumes/ci/")] = true
+		}
+	}
+	var b strings.Builder
+	if nodes, err := f.Cache.Nodes(context.Background()); err != nil {
+		fmt.Fprintf(&b, "the controller's nodes: %v\n", err)
+	} else {
+		for _, st := range nodes {
+			if st.GetNodeId() == n.Name {
+				fmt.Fprintf(&b, "the controller: %s is %s, its last report %s ago, at revision %d, %d volumes\n", n.Name, st.GetState(),
+					time.Since(st.GetLastReport().AsTime()).Round(time.Second), st.GetRevision(), st.GetVolumes())
+			}
+		}
+	}
+	pod, err := f.Kubectl("", "get", "pods", "-n", "cowvol", "-l", "app=cowvol-node", "--field-selector", "spec.nodeName="+n.Name,
+		"-o", `jsonpath={.items[0].metadata.name}`)
+	if err != nil || pod == "" {
+		return b.String() + fmt.Sprintf("its plugin's pod: %q %v\n", pod, err)
+	}
+	status, _ := f.Kubectl("", "get", "pod", "-n", "cowvol", pod, "-o",
+		`jsonpath={range .status.containerStatuses[?(@.name=="cowvol")]}restarts {.restartCount}, running since {.state.running.startedAt}, the last ended {.lastState.terminated.finishedAt} ({.lastState.terminated.reason}, exit {.lastState.terminated.exitCode}){end}`)
+	fmt.Fprintf(&b, "its plugin (%s): %s\n", pod, status)
+	// Besides the volumes' names: whom the node reported to, and who led.
+	markers := []string{"Reporting to the controller", "Leading: serving", "Forgot a node"}
+	naming := func(what, text string, err error) {
+		if err != nil {
+			fmt.Fprintf(&b, "---- %s: %v\n", what, err)
+			return
+		}
+		var lines []string
+		for _, line := range strings.Split(text, "\n") {
+			if slices.ContainsFunc(append(slices.Collect(maps.Keys(handles)), markers...), func(m string) bool { return strings.Contains(line, m) }) {
+				lines = append(lines, line)
+			}
+		}
+		fmt.Fprintf(&b, "---- %s: %d lines name %v or say whom a node reports to, the last 15:\n%s\n", what, len(lines),
+			slices.Sorted(maps.Keys(handles)), strings.Join(lines[max(0, len(lines)-15):], "\n"))
+	}
+	for _, previous := range []bool{false, true} {
+		args := []string{"logs", "-n", "cowvol", pod, "-c", "cowvol", "--tail=-1"}
+		if previous {
+			args = append(args, "--previous")
+		}
+		out, err := f.Kubectl("", args...)
+		if err != nil && previous {
+			continue // it did not restart
+		}
+		naming(fmt.Sprintf("its plugin's log (previous: %t)", previous), out, err)
+	}
+	out, err := f.Kubectl("", "logs", "-n", "cowvol", "-l", "app=cowvol-controller", "-c", "cowvol", "--tail=-1", "--prefix")
+	naming("the controllers' logs", out, err)
+	soakLog, err := os.ReadFile(s.log.Name())
+	naming("the soak's log", string(soakLog), err)
+	return b.String()
 }
 
 // soakLeft is what the soak left on a node: the soak volumes the
