@@ -733,7 +733,7 @@ func (s *soak) whyLeft(n localcluster.Node, left []string) string {
 		`jsonpath={range .status.containerStatuses[?(@.name=="cowvol")]}restarts {.restartCount}, running since {.state.running.startedAt}, the last ended {.lastState.terminated.finishedAt} ({.lastState.terminated.reason}, exit {.lastState.terminated.exitCode}){end}`)
 	fmt.Fprintf(&b, "its plugin (%s): %s\n", pod, status)
 	// Besides the volumes' names: whom the node reported to, and who led.
-	markers := []string{"Reporting to the controller", "Leading: serving", "Forgot a node"}
+	needles := append(slices.Collect(maps.Keys(handles)), "Reporting to the controller", "Leading: serving", "Forgot a node")
 	naming := func(what, text string, err error) {
 		if err != nil {
 			fmt.Fprintf(&b, "---- %s: %v\n", what, err)
@@ -741,7 +741,7 @@ func (s *soak) whyLeft(n localcluster.Node, left []string) string {
 		}
 		var lines []string
 		for _, line := range strings.Split(text, "\n") {
-			if slices.ContainsFunc(append(slices.Collect(maps.Keys(handles)), markers...), func(m string) bool { return strings.Contains(line, m) }) {
+			if slices.ContainsFunc(needles, func(n string) bool { return strings.Contains(line, n) }) {
 				lines = append(lines, line)
 			}
 		}
