@@ -463,7 +463,7 @@ func (s *cacheServer) PinVolumes(ctx context.Context, req *controllerv1.PinVolum
 	if err != nil {
 		return nil, code(err)
 	}
-	out := s.view.Pin(refs, req.GetUnpin(), untilFromWire(req.GetUntil()))
+	out := s.view.Pin(refs, req.GetUnpin(), untilFromWire(req.GetUntil()), time.Now())
 	s.metrics.Commands.WithLabelValues(map[bool]string{false: "pin", true: "unpin"}[req.GetUnpin()]).Add(float64(len(out)))
 	return &controllerv1.PinVolumesResponse{Volumes: toWireVolumeNodes(out)}, nil
 }

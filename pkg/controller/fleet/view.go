@@ -86,13 +86,14 @@ type View struct {
 	// until then its view lacks their volumes, and it says so.
 	awaiting   map[string]bool
 	awaitUntil time.Time
-	// unheard are the volumes destroyed while some node was still
-	// awaited: it may hold one (a destroy then reaches no node of it),
-	// and its first whole inventory is answered with the destroy of each
-	// it names. They are forgotten once no node is awaited, or
-	// forgetStalledAfter after the wait: a node silent so long brings its
-	// volumes back as they were, as a forgotten node does.
-	unheard      map[volume.Ref]struct{}
+	// unheard are what schedulers asked of volumes (destroys, pins) while
+	// some node was still awaited: it may hold one (the command then
+	// reaches no node of it), and its first whole inventory is answered
+	// with the command for each volume it names. They are forgotten once
+	// no node is awaited, or forgetStalledAfter after the wait: a node
+	// silent so long brings its volumes back as they were, as a forgotten
+	// node does.
+	unheard      map[volume.Ref]unheardCommand
 	unheardUntil time.Time
 	// lacking are the volumes held ready on fewer nodes than they were
 	// granted, with the nodes asked to pull them (copies.go); nodesGrew:
@@ -530,7 +531,7 @@ func (v *View) Report(req Report, now time.Time) (Answer, error) {
 			n.nextSync()
 		}
 		if v.awaiting[n.id] {
-			v.destroyUnheard(n, upserts, now)
+			v.tellUnheard(n, upserts, now)
 			if delete(v.awaiting, n.id); len(v.awaiting) == 0 {
 				v.unheard = nil
 			}
@@ -848,20 +849,36 @@ func (v *View) pendingPins(n *nodeState) []PinCommand {
 func (v *View) Destroy(refs []volume.Ref, now time.Time) []VolumeNodes {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	if v.stillUnheard(now) {
-		if v.unheard == nil {
-			v.unheard = map[volume.Ref]struct{}{}
-		}
-		for _, r := range refs {
-			v.unheard[r] = struct{}{}
-		}
-	}
+	v.remember(refs, now, func(c *unheardCommand) { c.destroy = true })
 	return v.commandLocked(refs, destroyOn)
 }
 
+// unheardCommand is what was last asked of a volume while a node was
+// unheard: its destroy (which no pin undoes), or a pin or an unpin.
+type unheardCommand struct {
+	destroy bool
+	pin     *PinCommand
+}
+
+// remember notes ask of each of refs while some node is still awaited,
+// and forgets what it noted once none is. The caller holds the lock.
+func (v *View) remember(refs []volume.Ref, now time.Time, ask func(*unheardCommand)) {
+	if !v.stillUnheard(now) {
+		return
+	}
+	if v.unheard == nil {
+		v.unheard = map[volume.Ref]unheardCommand{}
+	}
+	for _, r := range refs {
+		c := v.unheard[r]
+		ask(&c)
+		v.unheard[r] = c
+	}
+}
+
 // stillUnheard says whether some node is still awaited, and the view
-// keeps what was destroyed meanwhile; it forgets that once it is not.
-// The caller holds the lock.
+// keeps what was asked meanwhile; it forgets that once it is not. The
+// caller holds the lock.
 func (v *View) stillUnheard(now time.Time) bool {
 	if len(v.awaiting) > 0 && now.Before(v.unheardUntil) {
 		return true
@@ -870,18 +887,21 @@ func (v *View) stillUnheard(now time.Time) bool {
 	return false
 }
 
-// destroyUnheard asks n, awaited until this whole inventory of upserts, to
-// destroy those destroyed while it was (unheard). The caller holds the
-// lock.
-func (v *View) destroyUnheard(n *nodeState, upserts []upsert, now time.Time) {
+// tellUnheard asks n, awaited until this whole inventory of upserts, what
+// was asked meanwhile of the volumes it names. The caller holds the lock.
+func (v *View) tellUnheard(n *nodeState, upserts []upsert, now time.Time) {
 	if !v.stillUnheard(now) || len(v.unheard) == 0 {
 		return
 	}
 	for _, u := range upserts {
-		if _, ok := v.unheard[u.ref]; ok {
-			if e := v.find(u.ref); e != nil {
-				destroyOn(n, e)
-			}
+		c, ok := v.unheard[u.ref]
+		e := v.find(u.ref)
+		switch {
+		case !ok || e == nil:
+		case c.destroy:
+			destroyOn(n, e)
+		case c.pin != nil:
+			n.pins[e] = PinCommand{Ref: e.ref, Unpin: c.pin.Unpin, Until: c.pin.Until}
 		}
 	}
 }
@@ -916,9 +936,14 @@ func (n *nodeState) takeOwnedDestroys() []OwnedDestroy {
 }
 
 // Pin asks every node that reported each volume to pin (until until, or
-// for good: zero) or unpin it.
-func (v *View) Pin(refs []volume.Ref, unpin bool, until time.Time) []VolumeNodes {
-	return v.command(refs, func(n *nodeState, e *entry) {
+// for good: zero) or unpin it; a node still awaited is asked with its
+// first whole inventory, as for Destroy.
+func (v *View) Pin(refs []volume.Ref, unpin bool, until, now time.Time) []VolumeNodes {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	pin := PinCommand{Unpin: unpin, Until: until}
+	v.remember(refs, now, func(c *unheardCommand) { c.pin = &pin })
+	return v.commandLocked(refs, func(n *nodeState, e *entry) {
 		n.pins[e] = PinCommand{Ref: e.ref, Unpin: unpin, Until: until}
 	})
 }

@@ -95,11 +95,12 @@ func TestAwaitReports(t *testing.T) {
 // A destroy made while a node is still awaited (a controller that began to
 // lead, past its wait, serves without that node's inventory) reaches the
 // node when its first whole inventory comes: the volumes it names there
-// are destroyed and never shown. Only that inventory: what the node
-// captures later under a handle destroyed before is its own. Once every
-// awaited node has reported, or forgetStalledAfter after the wait, the
-// view remembers none.
-func TestDestroysReachNodesNotYetHeard(t *testing.T) {
+// are destroyed and never shown. So does a pin, which no pin undoes
+// a destroy. Only that inventory: what the node captures later under a
+// handle destroyed before is its own. Once every awaited node has
+// reported, or forgetStalledAfter after the wait, the view remembers
+// none.
+func TestCommandsReachNodesNotYetHeard(t *testing.T) {
 	v := NewView(30*time.Second, 10*time.Minute)
 	now := time.Now()
 	revs := map[string]uint64{}
@@ -119,11 +120,14 @@ func TestDestroysReachNodesNotYetHeard(t *testing.T) {
 	out := v.Destroy([]volume.Ref{ref("held-by-n1"), ref("held-by-n2"), ref("later-again")}, served)
 	require.Equal(t, []string{"n1"}, out[0].Nodes)
 	require.Empty(t, out[1].Nodes, "the view does not know n2 holds it")
+	until := served.Add(time.Hour)
+	v.Pin([]volume.Ref{ref("kept"), ref("held-by-n2")}, false, until, served)
 
 	resp := report(served.Add(time.Second), "n2", true, vol("held-by-n2", "ready", 1), vol("kept", "ready", 1))
 	require.Equal(t, []volume.Ref{ref("held-by-n2")}, resp.Destroy, "n2's first inventory is answered with the destroy made before it")
 	require.False(t, found(served.Add(time.Second), "held-by-n2"), "and the volume is never shown")
 	require.True(t, found(served.Add(time.Second), "kept"))
+	require.Equal(t, []PinCommand{{Ref: ref("kept"), Until: until}}, resp.Pins, "and with the pin: a pin after a destroy does not undo it")
 
 	resp = report(served.Add(2*time.Second), "n2", false, vol("later-again", "ready", 1))
 	require.Equal(t, []volume.Ref{ref("held-by-n2")}, resp.Destroy, "asked until done; a volume n2 captured after its first inventory is its own")
@@ -292,7 +296,7 @@ func TestDestroyAndPinCommands(t *testing.T) {
 	require.Empty(t, resp.Destroy, "done once the node reports it gone")
 	require.NotEmpty(t, report("b", 1, false, 1, nil).Destroy, "b has not done it yet")
 
-	v.Pin([]volume.Ref{ref("y")}, false, time.Time{})
+	v.Pin([]volume.Ref{ref("y")}, false, time.Time{}, now)
 	resp = report("a", 2, false, 2, nil)
 	require.Len(t, resp.Pins, 1)
 	pinned := vol("y", "ready", 1)
