@@ -10,7 +10,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io/fs"
-	"maps"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -609,9 +608,9 @@ func (s *soak) checkNothingLeft() {
 		return err == nil && strings.TrimSpace(out) == ""
 	})
 	for _, n := range f.Nodes {
-		var left []string
+		var left, handles []string
 		for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(time.Second) {
-			if left = soakLeft(f, n); len(left) == 0 || time.Now().After(deadline) {
+			if left, handles = soakLeft(f, n); len(left) == 0 || time.Now().After(deadline) {
 				break
 			}
 		}
@@ -626,7 +625,7 @@ func (s *soak) checkNothingLeft() {
 		}
 		require.NoError(f.T, err)
 		if len(left) > 0 {
-			require.Empty(f.T, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s\n%s", n.Name, kept, s.whyLeft(n, left))
+			require.Empty(f.T, left, "left on %s 3 minutes after the builds ended; its plugin keeps (none: a dir no record names):\n%s\n%s", n.Name, kept, s.whyLeft(n, handles))
 		}
 		require.Empty(f.T, kept, "%s's plugin keeps soak volumes, destroyed ones included", n.Name)
 		out := f.MustKubectl("", "get", "pods", "-A", "--field-selector", "spec.nodeName="+n.Name, "-o", "jsonpath={.items[*].metadata.uid}")
@@ -700,19 +699,10 @@ func nodeKeeps(n localcluster.Node) (string, error) {
 // for the failure's message (the only part of a failed CI run's output
 // that is sure to be read): the controller's word on the node, its
 // plugin's restarts, and the lines of the plugin's logs (this run's and
-// the one before), of the controller's and of the soak's own that name a
-// volume left.
-func (s *soak) whyLeft(n localcluster.Node, left []string) string {
+// the one before), of the controller's and of the soak's own that name
+// one of the volumes left, handles.
+func (s *soak) whyLeft(n localcluster.Node, handles []string) string {
 	f := s.f
-	handles := map[string]bool{}
-	for _, l := range left {
-		switch fields := strings.Fields(l); {
-		case fields[0] == "volume" && len(fields) > 1:
-			handles[fields[1]] = true
-		case strings.HasPrefix(l, "volumes/ci/"):
-			handles[strings.TrimPrefix(l, "volumes/ci/")] = true
-		}
-	}
 	var b strings.Builder
 	if nodes, err := f.Cache.Nodes(context.Background()); err != nil {
 		fmt.Fprintf(&b, "the controller's nodes: %v\n", err)
@@ -733,7 +723,7 @@ func (s *soak) whyLeft(n localcluster.Node, left []string) string {
 		`jsonpath={range .status.containerStatuses[?(@.name=="cowvol")]}restarts {.restartCount}, running since {.state.running.startedAt}, the last ended {.lastState.terminated.finishedAt} ({.lastState.terminated.reason}, exit {.lastState.terminated.exitCode}){end}`)
 	fmt.Fprintf(&b, "its plugin (%s): %s\n", pod, status)
 	// Besides the volumes' names: whom the node reported to, and who led.
-	needles := append(slices.Collect(maps.Keys(handles)), "Reporting to the controller", "Leading: serving", "Forgot a node")
+	needles := append(slices.Clone(handles), "Reporting to the controller", "Leading: serving", "Forgot a node")
 	naming := func(what, text string, err error) {
 		if err != nil {
 			fmt.Fprintf(&b, "---- %s: %v\n", what, err)
@@ -746,7 +736,7 @@ func (s *soak) whyLeft(n localcluster.Node, left []string) string {
 			}
 		}
 		fmt.Fprintf(&b, "---- %s: %d lines name %v or say whom a node reports to, the last 15:\n%s\n", what, len(lines),
-			slices.Sorted(maps.Keys(handles)), strings.Join(lines[max(0, len(lines)-15):], "\n"))
+			handles, strings.Join(lines[max(0, len(lines)-15):], "\n"))
 	}
 	for _, previous := range []bool{false, true} {
 		args := []string{"logs", "-n", "cowvol", pod, "-c", "cowvol", "--tail=-1"}
@@ -768,34 +758,40 @@ func (s *soak) whyLeft(n localcluster.Node, left []string) string {
 
 // soakLeft is what the soak left on a node: the soak volumes the
 // controller lists there (in any state), the volume dirs and step views
-// in its state dir, and the CSI mounts in its mount namespace.
-func soakLeft(f *fleet, n localcluster.Node) []string {
-	var left []string
+// in its state dir, and the CSI mounts in its mount namespace; and the
+// handles of the volumes among them, sorted.
+func soakLeft(f *fleet, n localcluster.Node) (left, handles []string) {
 	vols, err := f.Cache.List(context.Background(), &controllerv1.ListVolumesRequest{Namespace: "ci", NodeId: n.Name})
 	if err != nil {
-		return []string{"listing its volumes: " + err.Error()}
+		return []string{"listing its volumes: " + err.Error()}, nil
 	}
 	for _, v := range vols {
-		if strings.HasPrefix(v.GetRef().GetHandle(), "soak-") {
-			left = append(left, "volume "+v.GetRef().GetHandle()+" "+v.GetState())
+		if h := v.GetRef().GetHandle(); strings.HasPrefix(h, "soak-") {
+			left = append(left, "volume "+h+" "+v.GetState())
+			handles = append(handles, h)
 		}
 	}
 	for _, dir := range []string{"volumes/ci", "views"} {
 		entries, _ := os.ReadDir(filepath.Join(n.State, dir))
 		for _, e := range entries {
 			left = append(left, dir+"/"+e.Name())
+			if dir == "volumes/ci" {
+				handles = append(handles, e.Name())
+			}
 		}
 	}
+	slices.Sort(handles)
+	handles = slices.Compact(handles)
 	mountinfo, err := os.ReadFile(strings.TrimSuffix(n.Mountns, "ns/mnt") + "mountinfo")
 	if err != nil {
-		return append(left, "reading its mounts: "+err.Error())
+		return append(left, "reading its mounts: "+err.Error()), handles
 	}
 	for _, line := range strings.Split(string(mountinfo), "\n") {
 		if strings.Contains(line, "kubernetes.io~csi") || strings.Contains(line, "/cowvol/views/") {
 			left = append(left, "mount "+strings.Fields(line)[4])
 		}
 	}
-	return left
+	return left, handles
 }
 
 // report prints the soak's counts.
