@@ -895,13 +895,15 @@ func (v *View) tellUnheard(n *nodeState, upserts []upsert, now time.Time) {
 	}
 	for _, u := range upserts {
 		c, ok := v.unheard[u.ref]
-		e := v.find(u.ref)
-		switch {
-		case !ok || e == nil:
+		if !ok {
+			continue
+		}
+		switch e := v.find(u.ref); {
+		case e == nil:
 		case c.destroy:
 			destroyOn(n, e)
 		case c.pin != nil:
-			n.pins[e] = PinCommand{Ref: e.ref, Unpin: c.pin.Unpin, Until: c.pin.Until}
+			c.pin.askOf(n, e)
 		}
 	}
 }
@@ -943,9 +945,13 @@ func (v *View) Pin(refs []volume.Ref, unpin bool, until, now time.Time) []Volume
 	defer v.mu.Unlock()
 	pin := PinCommand{Unpin: unpin, Until: until}
 	v.remember(refs, now, func(c *unheardCommand) { c.pin = &pin })
-	return v.commandLocked(refs, func(n *nodeState, e *entry) {
-		n.pins[e] = PinCommand{Ref: e.ref, Unpin: unpin, Until: until}
-	})
+	return v.commandLocked(refs, pin.askOf)
+}
+
+// askOf asks n to pin or unpin e as p says. The caller holds the lock.
+func (p PinCommand) askOf(n *nodeState, e *entry) {
+	p.Ref = e.ref
+	n.pins[e] = p
 }
 
 // command runs ask on every node holding each volume (live or stalled: a
