@@ -870,11 +870,22 @@ func (v *View) remember(refs []volume.Ref, now time.Time, ask func(*unheardComma
 		v.unheard = map[volume.Ref]unheardCommand{}
 	}
 	for _, r := range refs {
-		c := v.unheard[r]
+		c, ok := v.unheard[r]
+		if !ok && len(v.unheard) >= maxUnheard {
+			continue
+		}
 		ask(&c)
 		v.unheard[r] = c
 	}
 }
+
+// maxUnheard bounds the volumes the view remembers commands for while a
+// node is unheard (a dead node whose CSINode stays is awaited for the
+// whole of forgetStalledAfter): a caller allowed to destroy or pin, asking
+// of volumes by the thousand all that while, is not to grow the
+// controller's memory without end. Past it, a command reaches the nodes
+// that reported the volume, as without the wait.
+const maxUnheard = 1 << 18
 
 // stillUnheard says whether some node is still awaited, and the view
 // keeps what was asked meanwhile; it forgets that once it is not. The

@@ -144,6 +144,20 @@ func TestCommandsReachNodesNotYetHeard(t *testing.T) {
 	require.Empty(t, resp.Destroy, "past forgetStalledAfter, a node back brings its volumes as they were")
 	require.True(t, found(late, "too-late"))
 
+	// A caller asking of volumes by the thousand while a node is unheard
+	// grows the view's memory only up to maxUnheard.
+	v.AwaitReports([]string{"n4"}, late.Add(time.Second))
+	refs := make([]volume.Ref, 1000)
+	for i := 0; i < maxUnheard/len(refs)+2; i++ {
+		for j := range refs {
+			refs[j] = ref(fmt.Sprintf("junk-%d-%d", i, j))
+		}
+		v.Destroy(refs, late)
+	}
+	require.Equal(t, maxUnheard, len(v.unheard), "remembered past the bound")
+	v.Pin([]volume.Ref{ref("junk-0-0")}, false, time.Time{}, late)
+	require.NotNil(t, v.unheard[ref("junk-0-0")].pin, "a volume remembered takes commands past the bound")
+
 	// Every awaited node has reported: none is remembered.
 	v.AwaitReports([]string{"n4"}, late.Add(time.Second))
 	v.Destroy([]volume.Ref{ref("before-n4")}, late)
