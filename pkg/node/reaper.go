@@ -74,19 +74,27 @@ func (e *Engine) DestroyIfOwned(r volume.Ref, ownerUID string) (bool, error) {
 // Pin protects a volume from TTL expiry and eviction, until until (zero:
 // for good). Idempotent.
 func (e *Engine) Pin(r volume.Ref, until time.Time) (VolumeInfo, error) {
-	if _, err := e.store.SetPin(r, true, until); err != nil {
-		return VolumeInfo{}, err
-	}
-	return e.Volume(r)
+	return e.setPin(r, true, until)
 }
 
 // Unpin lifts a volume's pin. Idempotent.
 func (e *Engine) Unpin(r volume.Ref) (VolumeInfo, error) {
-	if _, err := e.store.SetPin(r, false, time.Time{}); err != nil {
+	info, err := e.setPin(r, false, time.Time{})
+	if err == nil {
+		e.kick(e.reaper)
+	}
+	return info, err
+}
+
+// setPin pins or unpins a volume, answering the record the change left:
+// read again, it could already be destroyed by the reaper the unpin
+// wakes (in CI, an unpin that had worked answered NotFound so).
+func (e *Engine) setPin(r volume.Ref, pinned bool, until time.Time) (VolumeInfo, error) {
+	v, err := e.store.SetPin(r, pinned, until)
+	if err != nil {
 		return VolumeInfo{}, err
 	}
-	e.kick(e.reaper)
-	return e.Volume(r)
+	return VolumeInfo{Volume: v, Holders: e.store.Holders(r)}, nil
 }
 
 // reapRound does the reaper's work once: failed and expired volumes are
