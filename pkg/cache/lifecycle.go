@@ -109,6 +109,16 @@ func (v Volume) BeingPulled() bool {
 // destroyed, or destroyed while it was being made or filled.
 func (v Volume) Hidden() bool { return v.State == volume.StateDestroying || v.DestroyOnCommit }
 
+// ReadableAs says whether a reader for namespace (a read of its files, a
+// new container's rootfs, a peer's pull for a pod) may have v, with as
+// much of its data here as need asks: one it may read, present, and not
+// destroyed. Every lookup that answers "not held here" otherwise asks this
+// one question, so a volume destroyed while it fills is gone to all of
+// them alike, as it is to a step's publish (mountable).
+func (v Volume) ReadableAs(namespace string, need volume.Need) bool {
+	return need.Present(v.State) && v.ReadableBy(namespace) && !v.Hidden()
+}
+
 // mountable says whether a pod of namespace may publish a step volume from
 // v, and if not, why: the same NotFound for a volume it may not see and
 // for one that is not there.

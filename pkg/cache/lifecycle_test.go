@@ -105,6 +105,8 @@ func TestWhatAStateAllows(t *testing.T) {
 		top    bool  // mountable as the top of a chain
 		below  bool  // mountable as a layer below the top
 		copyOK bool  // copyable out as the top of a chain
+		tree   bool  // readable with its data arriving (volume.NeedTree)
+		whole  bool  // readable with all its data here (volume.NeedWhole)
 		serve  bool
 		reap   bool
 		evict  bool
@@ -112,15 +114,15 @@ func TestWhatAStateAllows(t *testing.T) {
 	}{
 		{name: "creating", v: volumeIn(volume.StateCreating, false), mount: ErrNotReady, told: volume.StateCreating},
 		{name: "creating, destroyed meanwhile", v: volumeIn(volume.StateCreating, true), mount: ErrNotFound, told: volume.StateCreating},
-		{name: "filling", v: volumeIn(volume.StateFilling, false), holds: fillHold, top: true, below: true, told: volume.StateCreating},
-		{name: "filling, no filler", v: volumeIn(volume.StateFilling, false), top: true, below: true, told: volume.StateCreating},
+		{name: "filling", v: volumeIn(volume.StateFilling, false), holds: fillHold, top: true, below: true, tree: true, told: volume.StateCreating},
+		{name: "filling, no filler", v: volumeIn(volume.StateFilling, false), top: true, below: true, tree: true, told: volume.StateCreating},
 		{name: "filling, destroyed meanwhile", v: volumeIn(volume.StateFilling, true), holds: childHold, mount: ErrNotFound,
 			top: true, below: true, told: volume.StateCreating},
-		{name: "ready", v: volumeIn(volume.StateReady, false), top: true, below: true, copyOK: true, serve: true, evict: true, told: volume.StateReady},
-		{name: "ready, mounted", v: volumeIn(volume.StateReady, false), holds: viewHold, top: true, below: true, copyOK: true, serve: true, told: volume.StateReady},
-		{name: "ready, streaming", v: volumeIn(volume.StateReady, false), holds: streamHold, top: true, below: true, copyOK: true, serve: true, told: volume.StateReady},
+		{name: "ready", v: volumeIn(volume.StateReady, false), top: true, below: true, copyOK: true, tree: true, whole: true, serve: true, evict: true, told: volume.StateReady},
+		{name: "ready, mounted", v: volumeIn(volume.StateReady, false), holds: viewHold, top: true, below: true, copyOK: true, tree: true, whole: true, serve: true, told: volume.StateReady},
+		{name: "ready, streaming", v: volumeIn(volume.StateReady, false), holds: streamHold, top: true, below: true, copyOK: true, tree: true, whole: true, serve: true, told: volume.StateReady},
 		{name: "ready, pinned", v: func() Volume { v := volumeIn(volume.StateReady, false); v.Pin = Pin{Pinned: true}; return v }(),
-			top: true, below: true, copyOK: true, serve: true, told: volume.StateReady},
+			top: true, below: true, copyOK: true, tree: true, whole: true, serve: true, told: volume.StateReady},
 		{name: "failed", v: volumeIn(volume.StateFailed, false), mount: ErrUnusable, evict: true, told: volume.StateFailed},
 		{name: "destroying", v: volumeIn(volume.StateDestroying, false), mount: ErrNotFound, below: true, reap: true, told: volume.StateDestroying},
 		{name: "destroying, a base", v: volumeIn(volume.StateDestroying, false), holds: childHold, mount: ErrNotFound, below: true, serve: true, told: volume.StateDestroying},
@@ -139,6 +141,9 @@ func TestWhatAStateAllows(t *testing.T) {
 			require.Equal(t, tc.top, v.layerMountable(true), "mountable as the top")
 			require.Equal(t, tc.below, v.layerMountable(false), "mountable below the top")
 			require.Equal(t, tc.copyOK, v.layerComplete(true), "copyable as the top")
+			require.Equal(t, tc.tree, v.ReadableAs("ci", volume.NeedTree), "readable as its data arrives")
+			require.Equal(t, tc.whole, v.ReadableAs("ci", volume.NeedWhole), "readable whole")
+			require.False(t, v.ReadableAs("other", volume.NeedTree), "another namespace never reads it")
 			require.Equal(t, tc.serve, v.Servable(tc.holds), "servable")
 			require.Equal(t, tc.reap, v.reapable(tc.holds), "reapable")
 			require.Equal(t, tc.evict, v.evictable(tc.holds, now), "evictable")

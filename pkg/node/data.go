@@ -92,7 +92,7 @@ func (e *Engine) OpenVolume(namespace string, r volume.Ref, path string, format 
 // other fails as one the node does not hold.
 func (e *Engine) readable(namespace string, r volume.Ref, need volume.Need) (cache.Volume, error) {
 	v, err := e.store.Get(r)
-	if errors.Is(err, cache.ErrNotFound) || (err == nil && (!need.Present(v.State) || !v.ReadableBy(namespace))) {
+	if errors.Is(err, cache.ErrNotFound) || (err == nil && !v.ReadableAs(namespace, need)) {
 		return cache.Volume{}, notHeld(r, namespace)
 	}
 	return v, err

@@ -21,7 +21,7 @@ func (e *Engine) ImageRootfs(holder, namespace string, r volume.Ref, version str
 	chain, err := e.store.HoldImage(holder, r, func(v cache.Volume) error {
 		// A container may start on a volume still filling, as a step's
 		// view may: reads wait for the data they touch.
-		if !volume.NeedTree.Present(v.State) || !v.ReadableBy(namespace) || versionOf(r, v) != version {
+		if !v.ReadableAs(namespace, volume.NeedTree) || versionOf(r, v) != version {
 			return notHeld(r, namespace)
 		}
 		return nil

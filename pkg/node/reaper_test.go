@@ -13,6 +13,7 @@ import (
 
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
+	"github.com/concourse/cowvol/pkg/streamer"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -83,6 +84,38 @@ func TestDestroyWaitsForAStreamAndNoLonger(t *testing.T) {
 		_, err := os.Stat(dir)
 		return errors.Is(err, os.ErrNotExist)
 	}, reapInterval/4, 10*time.Millisecond, "freed as the stream ended")
+}
+
+// A volume destroyed while it fills is gone to every reader that names it
+// (a read of its files, a step image's rootfs, a peer's pull), as it is
+// to a step's publish: a destroy hides it at once, whatever still holds
+// its data.
+func TestAVolumeDestroyedWhileItFillsIsGoneToReaders(t *testing.T) {
+	f := newFixture(t)
+	r := ref("ci", "src")
+	v, err := f.store.ReservePull(cache.Volume{Namespace: "ci", Handle: "src", Scope: volume.ScopeNamespace}, "pull-src")
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(f.store.DataPath(v), 0o755))
+	_, err = f.store.CommitPullFilling(r, "pull-src", 10)
+	require.NoError(t, err)
+	version, err := f.engine.VolumeVersion("ci", r, volume.NeedTree)
+	require.NoError(t, err, "read as it fills")
+	_, err = f.engine.VolumeVersion("other", r, volume.NeedTree)
+	require.ErrorIs(t, err, streamer.ErrNotHeld, "never to another namespace")
+
+	require.NoError(t, f.engine.Destroy(r))
+	got, err := f.store.Get(r)
+	require.NoError(t, err)
+	require.Equal(t, volume.StateFilling, got.State, "its data stays while its fill runs")
+	_, err = f.engine.VolumeVersion("ci", r, volume.NeedTree)
+	require.ErrorIs(t, err, streamer.ErrNotHeld, "a read of its files")
+	_, err = f.engine.OpenVolume("ci", r, "", streamer.FormatTar, volume.NeedTree)
+	require.ErrorIs(t, err, streamer.ErrNotHeld, "a read of its files")
+	_, err = f.engine.ImageRootfs("k8s.io/1/container", "ci", r, version)
+	require.ErrorIs(t, err, streamer.ErrNotHeld, "a step image's rootfs")
+	_, err = f.engine.PeerHolder().Chain("ci", r)
+	require.ErrorIs(t, err, streamer.ErrNotHeld, "a peer's pull")
+	require.ErrorIs(t, f.publish(f.volume("ci", "src", "")), cache.ErrNotFound, "a step's publish")
 }
 
 // A destroyed volume that only a fill (or a stream) holds keeps the

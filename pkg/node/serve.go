@@ -59,10 +59,7 @@ func notHeld(r volume.Ref, namespace string) error {
 // whole chain on this node, so a pull for it brings the whole chain. (It
 // sees a volume under its own only merged, as here.)
 func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, error) {
-	v, err := h.e.store.Get(r)
-	if errors.Is(err, cache.ErrNotFound) || (err == nil && (v.State != volume.StateReady || !v.ReadableBy(namespace))) {
-		return nil, notHeld(r, namespace)
-	}
+	v, err := h.e.readable(namespace, r, volume.NeedWhole)
 	if err != nil {
 		return nil, err
 	}
