@@ -258,7 +258,7 @@ func New(cfg Config, store *cache.Store, m overlay.Mounter, events PodEvents) (*
 		e.kick(e.planter)
 	}
 	e.goBackground(e.retryQuarantined)
-	e.Go(e.reapLoop)
+	e.goBackground(func() { e.reapLoop(e.bgCtx) })
 	e.tidy()
 	e.kick(e.syncer)
 	return e, nil
@@ -311,9 +311,8 @@ func (e *Engine) PullLabel() string {
 	return e.puller.Label()
 }
 
-// Go runs fn in the background until the engine stops; Close waits for it.
-func (e *Engine) Go(fn func(ctx context.Context)) { e.goBackground(func() { fn(e.bgCtx) }) }
-
+// goBackground runs fn in the background; Close cancels e.bgCtx, which fn
+// watches, and waits for it to return.
 func (e *Engine) goBackground(fn func()) {
 	e.bg.Add(1)
 	go func() {
