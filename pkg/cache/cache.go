@@ -274,6 +274,26 @@ func (s *Store) VolumeDir(r volume.Ref) string {
 	return filepath.Join(s.dir, "volumes", r.Namespace, r.Handle)
 }
 
+// LayerKind says what made a volume's layer; it starts the layer's name.
+type LayerKind byte
+
+const (
+	// LayerCaptured is a step's output, captured.
+	LayerCaptured LayerKind = 'l'
+	// LayerPulled is a layer pulled from a peer, or made plain of a whole
+	// index pulled so.
+	LayerPulled LayerKind = 'p'
+	// LayerFlattened is a chain flattened into one root layer.
+	LayerFlattened LayerKind = 'f'
+)
+
+// NewLayerName names a new data dir of a volume: its kind and the moment
+// it is made, so that a volume's new layer never takes the name of an old
+// one still read (OldLayers). Nothing parses it back.
+func NewLayerName(kind LayerKind, now time.Time) string {
+	return fmt.Sprintf("%c%x", kind, now.UnixNano())
+}
+
 // LayerPath is where a volume's data dir named layer lives.
 func (s *Store) LayerPath(r volume.Ref, layer string) string {
 	return filepath.Join(s.VolumeDir(r), layer)

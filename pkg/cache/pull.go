@@ -59,7 +59,7 @@ func (s *Store) ReservePull(v Volume, pullID string) (Volume, error) {
 				return err
 			}
 		}
-		v.Layer = fmt.Sprintf("p%x", now.UnixNano())
+		v.Layer = NewLayerName(LayerPulled, now)
 		v.State, v.Lease = volume.StateCreating, pullLease(pullID)
 		v.SizeBytes, v.Inodes, v.CreatedAt, v.LastUsed = -1, -1, now, now
 		v.OldLayers, v.Pin, v.Synced = nil, Pin{}, false

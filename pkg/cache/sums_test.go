@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -87,5 +88,22 @@ func TestLayerSumsLeftInTheirFile(t *testing.T) {
 				require.False(t, ok, "read from the file, which is gone")
 			}
 		})
+	}
+}
+
+// A new layer's name is one path element, never taken for what lies
+// beside a layer (which recovery keeps only with its layer), and never an
+// earlier layer's of the same volume.
+func TestNewLayerNames(t *testing.T) {
+	now := time.Now()
+	seen := map[string]bool{}
+	for _, kind := range []LayerKind{LayerCaptured, LayerPulled, LayerFlattened} {
+		name := NewLayerName(kind, now)
+		require.Equal(t, filepath.Base(name), name)
+		require.Empty(t, layerBeside(name), "%s is not beside a layer", name)
+		require.Equal(t, byte(kind), name[0], "its kind starts it")
+		require.False(t, seen[name])
+		seen[name] = true
+		require.NotEqual(t, name, NewLayerName(kind, now.Add(time.Nanosecond)), "a later layer of its kind")
 	}
 }

@@ -155,7 +155,7 @@ func (s *Store) Publish(v View) (View, error) {
 				return fmt.Errorf("capture handle %q is taken in namespace %q (volume is %s): %w", c.Handle, c.Namespace, old.State, ErrExists)
 			}
 			reserved := Volume{
-				Namespace: c.Namespace, Handle: c.Handle, Parent: v.Source, Layer: fmt.Sprintf("l%x", now.UnixNano()),
+				Namespace: c.Namespace, Handle: c.Handle, Parent: v.Source, Layer: NewLayerName(LayerCaptured, now),
 				State: volume.StateCreating, Scope: v.Scope, Properties: v.Properties, TTL: v.TTL,
 				SizeBytes: -1, Inodes: -1, CreatedAt: now, LastUsed: now, Lease: viewLease(v.VolumeID), Copies: v.Copies,
 			}

@@ -869,9 +869,6 @@ func (e *Engine) afterCapture(vol cache.Volume, origin bool) {
 		"files", stats.Files, "cloned", stats.Cloned, "copied", stats.Copied, "duration", time.Since(start))
 }
 
-// flattenedLayerPrefix starts the names of root layers flattening makes.
-const flattenedLayerPrefix = "f"
-
 // flatten copies (reflinking where it can) the merged tree of a chain into a
 // new root layer, staged out of sight, then swaps it in with one rename and
 // one transaction.
@@ -894,7 +891,7 @@ func (e *Engine) flatten(r volume.Ref, chain []string) (overlay.CopyStats, error
 	if err := overlay.SyncFS(tree); err != nil {
 		return stats, err
 	}
-	layer := fmt.Sprintf("%s%x", flattenedLayerPrefix, time.Now().UnixNano())
+	layer := cache.NewLayerName(cache.LayerFlattened, time.Now())
 	dst := e.store.LayerPath(r, layer)
 	if err := os.Rename(tree, dst); err != nil {
 		return stats, err

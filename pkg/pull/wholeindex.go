@@ -117,9 +117,6 @@ func (w *WholeIndexes) Idle() []cache.Volume {
 	return idle
 }
 
-// plainLayerPrefix starts the names of the layers made of whole indexes.
-const plainLayerPrefix = "p"
-
 // MakePlain copies the ready volume v's layer, a whole index, into a
 // plain layer of its own, synced, and swaps it in (cache.SwapLayer); the
 // index goes once no view mounts it (cache.Store.PruneLayers). Each file's
@@ -158,7 +155,7 @@ func (w *WholeIndexes) MakePlain(ctx context.Context, v cache.Volume) (overlay.C
 	if err := keepLayerSums(ctx, tree, known, files, cache.SumsFile(tree)); err != nil {
 		return stats, err
 	}
-	layer := fmt.Sprintf("%s%x", plainLayerPrefix, time.Now().UnixNano())
+	layer := cache.NewLayerName(cache.LayerPulled, time.Now())
 	dst := w.store.LayerPath(v.Ref(), layer)
 	if err := os.Rename(tree, dst); err != nil {
 		return stats, err
