@@ -264,3 +264,49 @@ func TestXattrsBeneathADescriptor(t *testing.T) {
 	}
 	noXattrAt.Store(false)
 }
+
+// What a listxattr call reads becomes names, read again if the list grew
+// between its sizing and its read (ERANGE), which a real file changes
+// only in a race, so the calls here are made up.
+func TestXattrNames(t *testing.T) {
+	const one, two = "user.a\x00", "user.a\x00trusted.overlay.opaque\x00"
+	tests := []struct {
+		name    string
+		answers []string // what each call lists, in turn
+		fail    error    // what every call answers, if not nil
+		want    []string
+		wantErr error
+	}{
+		{name: "none", answers: []string{""}},
+		{name: "one", answers: []string{one, one}, want: []string{"user.a"}},
+		{name: "grown since it was sized", answers: []string{one, two, two, two},
+			want: []string{"user.a", "trusted.overlay.opaque"}},
+		{name: "no xattrs on the filesystem", fail: unix.ENOTSUP},
+		{name: "a failure", fail: unix.EIO, wantErr: unix.EIO},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			calls := 0
+			list := func(buf []byte) (int, error) {
+				if tc.fail != nil {
+					return 0, tc.fail
+				}
+				answer := tc.answers[calls]
+				calls++
+				if buf == nil {
+					return len(answer), nil
+				}
+				if len(buf) < len(answer) {
+					return 0, unix.ERANGE
+				}
+				return copy(buf, answer), nil
+			}
+			got, err := XattrNames(list)
+			require.ErrorIs(t, err, tc.wantErr)
+			require.Equal(t, tc.want, got)
+			if tc.fail == nil {
+				require.Equal(t, len(tc.answers), calls, "every answer asked for")
+			}
+		})
+	}
+}

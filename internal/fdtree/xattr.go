@@ -41,33 +41,68 @@ func XattrTravels(name string) bool {
 // Xattrs are the extended attributes that travel of name, in the
 // directory open as dir (nil: none, or a filesystem without xattrs).
 func Xattrs(dir int, name string) (map[string]string, error) {
-	size, err := ListXattrs(dir, name, nil)
-	if err != nil || size == 0 {
-		if errors.Is(err, unix.ENOTSUP) {
-			err = nil
-		}
-		return nil, err
-	}
-	buf := make([]byte, size)
-	if size, err = ListXattrs(dir, name, buf); err != nil {
+	names, err := XattrNames(func(buf []byte) (int, error) { return ListXattrs(dir, name, buf) })
+	if err != nil || names == nil {
 		return nil, err
 	}
 	out := map[string]string{}
-	for _, attr := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
+	for _, attr := range names {
 		if !XattrTravels(attr) {
 			continue
 		}
-		vsize, err := GetXattr(dir, name, attr, nil)
+		val, err := XattrValue(func(buf []byte) (int, error) { return GetXattr(dir, name, attr, buf) })
 		if err != nil {
 			return nil, err
 		}
-		val := make([]byte, vsize)
-		if vsize, err = GetXattr(dir, name, attr, val); err != nil {
-			return nil, err
-		}
-		out[attr] = string(val[:vsize])
+		out[attr] = string(val)
 	}
 	return out, nil
+}
+
+// XattrNames lists the names list reads, list being a listxattr call of
+// any form (into buf, or with none the size it needs): nil for none, or
+// on a filesystem without xattrs.
+func XattrNames(list func(buf []byte) (int, error)) ([]string, error) {
+	buf, err := readSized(list)
+	if errors.Is(err, unix.ENOTSUP) {
+		return nil, nil
+	}
+	if err != nil || len(buf) == 0 {
+		return nil, err
+	}
+	var names []string
+	for name := range strings.SplitSeq(string(buf), "\x00") {
+		if name != "" {
+			names = append(names, name)
+		}
+	}
+	return names, nil
+}
+
+// XattrValue reads the value get reads, get being a getxattr call of any
+// form (into buf, or with none the size it needs).
+func XattrValue(get func(buf []byte) (int, error)) ([]byte, error) { return readSized(get) }
+
+// readSized reads what read returns into a buffer of the size it first
+// says (a call with no buffer), sized again where it grew meanwhile
+// (ERANGE). The first call costs no allocation where there is nothing, as
+// for most files.
+func readSized(read func(buf []byte) (int, error)) ([]byte, error) {
+	for {
+		size, err := read(nil)
+		if err != nil || size == 0 {
+			return nil, err
+		}
+		buf := make([]byte, size)
+		n, err := read(buf)
+		if errors.Is(err, unix.ERANGE) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return buf[:n], nil
+	}
 }
 
 // noXattrAt is set once the *xattrat calls are found missing or blocked.

@@ -455,63 +455,20 @@ func nameXattrs(path string) xattrs {
 }
 
 func copyXattrs(src, dst xattrs) error {
-	names, err := src.names()
+	names, err := fdtree.XattrNames(src.list)
 	if err != nil {
-		return err
+		return fmt.Errorf("listing xattrs: %w", err)
 	}
 	for _, name := range names {
-		val, err := src.value(name)
+		val, err := fdtree.XattrValue(func(buf []byte) (int, error) { return src.get(name, buf) })
 		if err != nil {
-			return err
+			return fmt.Errorf("reading xattr %s: %w", name, err)
 		}
 		if err := dst.set(name, val); err != nil {
 			return fmt.Errorf("setting xattr %s: %w", name, err)
 		}
 	}
 	return nil
-}
-
-func (x xattrs) names() ([]string, error) {
-	buf := make([]byte, 256)
-	for {
-		n, err := x.list(buf)
-		if errors.Is(err, unix.ERANGE) {
-			buf = make([]byte, len(buf)*4)
-			continue
-		}
-		if errors.Is(err, unix.ENOTSUP) {
-			return nil, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("listing xattrs: %w", err)
-		}
-		var names []string
-		start := 0
-		for i := 0; i < n; i++ {
-			if buf[i] == 0 {
-				if i > start {
-					names = append(names, string(buf[start:i]))
-				}
-				start = i + 1
-			}
-		}
-		return names, nil
-	}
-}
-
-func (x xattrs) value(name string) ([]byte, error) {
-	buf := make([]byte, 256)
-	for {
-		n, err := x.get(name, buf)
-		if errors.Is(err, unix.ERANGE) {
-			buf = make([]byte, len(buf)*4)
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("reading xattr %s: %w", name, err)
-		}
-		return buf[:n], nil
-	}
 }
 
 // Usage sums what a tree holds on disk: allocated bytes (hardlinks once) and
