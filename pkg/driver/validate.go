@@ -39,8 +39,6 @@ var kubeletKeys = map[string]bool{
 	volume.KeyServiceAccount: true, volume.KeySATokens: true,
 }
 
-const knownKeys = "source, sourceNamespace, capture, scope, sizeLimit, ttl, copies, owner, readProfile, property.<key>, cache, cachePromote, cacheMaxSize, cacheFrom"
-
 // Limits on caller-chosen strings.
 const (
 	maxIDLen   = 1024
@@ -137,148 +135,197 @@ func validateCapability(c *csi.VolumeCapability) (readOnly bool, err error) {
 // attribute is a typo that would otherwise silently change what the step
 // gets.
 func parseVolumeContext(vc map[string]string) (volumeRequest, error) {
+	pod, err := podOf(vc)
+	if err != nil {
+		return volumeRequest{}, err
+	}
+	p := contextParse{r: volumeRequest{Scope: volume.ScopeNamespace, Pod: pod}}
+	for k, v := range vc {
+		if err := p.attr(k, v); err != nil {
+			return p.r, err
+		}
+	}
+	return p.r, p.check()
+}
+
+// podOf is the pod the kubelet says the volume is published for.
+func podOf(vc map[string]string) (volume.Pod, error) {
 	if vc[volume.KeyEphemeral] != "true" {
-		return volumeRequest{}, noPodInfo(volume.KeyEphemeral + `: "true"`)
+		return volume.Pod{}, noPodInfo(volume.KeyEphemeral + `: "true"`)
 	}
 	for _, k := range []string{volume.KeyPodNamespace, volume.KeyPodName, volume.KeyPodUID} {
 		if vc[k] == "" {
-			return volumeRequest{}, noPodInfo(k)
+			return volume.Pod{}, noPodInfo(k)
 		}
 	}
-	r := volumeRequest{
-		Scope: volume.ScopeNamespace,
-		Pod:   volume.Pod{Name: vc[volume.KeyPodName], Namespace: vc[volume.KeyPodNamespace], UID: vc[volume.KeyPodUID]},
+	pod := volume.Pod{Name: vc[volume.KeyPodName], Namespace: vc[volume.KeyPodNamespace], UID: vc[volume.KeyPodUID]}
+	if err := pod.Validate(); err != nil {
+		return volume.Pod{}, invalid("the kubelet's pod info is malformed: %v", err)
 	}
-	if err := r.Pod.Validate(); err != nil {
-		return r, invalid("the kubelet's pod info is malformed: %v", err)
+	return pod, nil
+}
+
+// contextParse is a volume context being parsed: the request so far, and
+// what the checks across attributes need to know of how it was asked.
+type contextParse struct {
+	r                  volumeRequest
+	scopeSet, cacheSet bool
+	sourceNS           string
+}
+
+// attr parses attribute k of value v into the request, or refuses it.
+func (p *contextParse) attr(k, v string) error {
+	if kubeletKeys[k] {
+		return nil
 	}
-	scopeSet, cacheSet := false, false
-	sourceNS := ""
-	for k, v := range vc {
-		switch {
-		case kubeletKeys[k]:
-		case k == AttrSource:
-			if err := volume.ValidateHandle(v); err != nil {
-				return r, invalid("attribute source: %v", err)
-			}
-			r.Source.Handle = v
-		case k == AttrSourceNamespace:
-			if err := volume.ValidateNamespace(v); err != nil {
-				return r, invalid("attribute sourceNamespace: %v", err)
-			}
-			sourceNS = v
-		case k == AttrCapture:
-			if err := volume.ValidateHandle(v); err != nil {
-				return r, invalid("attribute capture: %v", err)
-			}
-			r.Capture = v
-		case k == AttrScope:
-			sc, err := volume.ParseScope(v)
-			if err != nil {
-				return r, invalid("attribute %v", err)
-			}
-			r.Scope, scopeSet = sc, true
-		case k == AttrTTL:
-			d, err := time.ParseDuration(v)
-			if err != nil || d <= 0 {
-				return r, invalid("attribute ttl %s is invalid: want a positive duration such as 72h", volume.Quote(v))
-			}
-			r.TTL = d
-		case k == AttrCopies:
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 1 || n > volume.MaxCopies {
-				return r, invalid("attribute copies %s is invalid: want 1 to %d nodes", volume.Quote(v), volume.MaxCopies)
-			}
-			r.Copies = n
-		case k == AttrOwner:
-			if v != volume.OwnerController {
-				return r, invalid("attribute owner %s is invalid: want %s (the object that controls the pod)", volume.Quote(v), volume.OwnerController)
-			}
-			r.OwnedByController = true
-		case k == AttrReadProfile:
-			if err := volume.ValidateReadProfile(v); err != nil {
-				return r, invalid("attribute readProfile: %v", err)
-			}
-			r.ReadProfile = v
-		case k == AttrCache:
-			if err := volume.ValidateCacheKey(v); err != nil {
-				return r, invalid("attribute cache: %v", err)
-			}
-			r.Cache.Key = v
-		case k == AttrCachePromote:
-			switch v {
-			case volume.CachePromoteOnSuccess:
-			case volume.CachePromoteAlways:
-				r.Cache.PromoteAlways = true
-			default:
-				return r, invalid("attribute cachePromote %s is invalid: want %s (the default) or %s", volume.Quote(v),
-					volume.CachePromoteOnSuccess, volume.CachePromoteAlways)
-			}
-			cacheSet = true
-		case k == AttrCacheFrom:
-			switch v {
-			case volume.CacheFromFleet:
-			case volume.CacheFromNode:
-				r.Cache.FromNode = true
-			default:
-				return r, invalid("attribute cacheFrom %s is invalid: want %s (the default: the newest version any node holds) or %s "+
-					"(this node's own, at once, where it has one)", volume.Quote(v), volume.CacheFromFleet, volume.CacheFromNode)
-			}
-			cacheSet = true
-		case k == AttrCacheMaxSize:
-			q, err := resource.ParseQuantity(v)
-			if err != nil || q.Sign() <= 0 {
-				return r, invalid("attribute cacheMaxSize %s is invalid: want a positive quantity such as 20Gi", volume.Quote(v))
-			}
-			r.Cache.MaxBytes, cacheSet = q.Value(), true
-		case k == AttrSizeLimit:
-			q, err := resource.ParseQuantity(v)
-			if err != nil || q.Sign() <= 0 {
-				return r, invalid("attribute sizeLimit %s is invalid: want a positive quantity such as 10Gi", volume.Quote(v))
-			}
-			r.SizeLimit = q.Value()
-		case strings.HasPrefix(k, AttrPropertyPrefix):
-			key := strings.TrimPrefix(k, AttrPropertyPrefix)
-			if err := volume.ValidateUserProperty(key, v); err != nil {
-				return r, invalid("%v", err)
-			}
-			if r.Properties == nil {
-				r.Properties = map[string]string{}
-			}
-			r.Properties[key] = v
+	if key, ok := strings.CutPrefix(k, AttrPropertyPrefix); ok {
+		if err := volume.ValidateUserProperty(key, v); err != nil {
+			return invalid("%v", err)
+		}
+		if p.r.Properties == nil {
+			p.r.Properties = map[string]string{}
+		}
+		p.r.Properties[key] = v
+		return nil
+	}
+	parse, ok := attrParsers[k]
+	if !ok {
+		return invalid("unknown volume attribute %s: known attributes are %s", volume.Quote(k), knownKeys)
+	}
+	return parse(p, v)
+}
+
+// attrParsers parse each attribute a step pod may set (but the
+// property.<key> ones) into the request, refusing a malformed value.
+var attrParsers = map[string]func(p *contextParse, v string) error{
+	AttrSource:          checkedBy(AttrSource, volume.ValidateHandle, func(p *contextParse, v string) { p.r.Source.Handle = v }),
+	AttrSourceNamespace: checkedBy(AttrSourceNamespace, volume.ValidateNamespace, func(p *contextParse, v string) { p.sourceNS = v }),
+	AttrCapture:         checkedBy(AttrCapture, volume.ValidateHandle, func(p *contextParse, v string) { p.r.Capture = v }),
+	AttrScope: func(p *contextParse, v string) error {
+		sc, err := volume.ParseScope(v)
+		if err != nil {
+			return invalid("attribute %v", err)
+		}
+		p.r.Scope, p.scopeSet = sc, true
+		return nil
+	},
+	AttrTTL: func(p *contextParse, v string) error {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return invalid("attribute ttl %s is invalid: want a positive duration such as 72h", volume.Quote(v))
+		}
+		p.r.TTL = d
+		return nil
+	},
+	AttrCopies: func(p *contextParse, v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > volume.MaxCopies {
+			return invalid("attribute copies %s is invalid: want 1 to %d nodes", volume.Quote(v), volume.MaxCopies)
+		}
+		p.r.Copies = n
+		return nil
+	},
+	AttrOwner: func(p *contextParse, v string) error {
+		if v != volume.OwnerController {
+			return invalid("attribute owner %s is invalid: want %s (the object that controls the pod)", volume.Quote(v), volume.OwnerController)
+		}
+		p.r.OwnedByController = true
+		return nil
+	},
+	AttrReadProfile: checkedBy(AttrReadProfile, volume.ValidateReadProfile, func(p *contextParse, v string) { p.r.ReadProfile = v }),
+	AttrCache:       checkedBy(AttrCache, volume.ValidateCacheKey, func(p *contextParse, v string) { p.r.Cache.Key = v }),
+	AttrCachePromote: cacheChoice(AttrCachePromote, word{volume.CachePromoteOnSuccess, " (the default)"}, word{volume.CachePromoteAlways, ""},
+		func(p *contextParse) { p.r.Cache.PromoteAlways = true }),
+	AttrCacheFrom: cacheChoice(AttrCacheFrom, word{volume.CacheFromFleet, " (the default: the newest version any node holds)"},
+		word{volume.CacheFromNode, " (this node's own, at once, where it has one)"}, func(p *contextParse) { p.r.Cache.FromNode = true }),
+	AttrCacheMaxSize: positiveQuantity(AttrCacheMaxSize, "20Gi", func(p *contextParse, n int64) { p.r.Cache.MaxBytes, p.cacheSet = n, true }),
+	AttrSizeLimit:    positiveQuantity(AttrSizeLimit, "10Gi", func(p *contextParse, n int64) { p.r.SizeLimit = n }),
+}
+
+// checkedBy parses attribute attr, set as it is once validate accepts it.
+func checkedBy(attr string, validate func(string) error, set func(p *contextParse, v string)) func(*contextParse, string) error {
+	return func(p *contextParse, v string) error {
+		if err := validate(v); err != nil {
+			return invalid("attribute %s: %v", attr, err)
+		}
+		set(p, v)
+		return nil
+	}
+}
+
+// word is one value an attribute may take, and what it means, said in a
+// refusal.
+type word struct{ is, means string }
+
+// cacheChoice parses a cache attribute that is one of two words: the
+// default (which sets nothing), or the other, which set records.
+func cacheChoice(attr string, byDefault, other word, set func(p *contextParse)) func(*contextParse, string) error {
+	return func(p *contextParse, v string) error {
+		switch v {
+		case byDefault.is:
+		case other.is:
+			set(p)
 		default:
-			return r, invalid("unknown volume attribute %s: known attributes are %s", volume.Quote(k), knownKeys)
+			return invalid("attribute %s %s is invalid: want %s%s or %s%s", attr, volume.Quote(v),
+				byDefault.is, byDefault.means, other.is, other.means)
 		}
+		p.cacheSet = true
+		return nil
 	}
+}
+
+// positiveQuantity parses attribute attr, a positive quantity of bytes
+// such as example.
+func positiveQuantity(attr, example string, set func(p *contextParse, n int64)) func(*contextParse, string) error {
+	return func(p *contextParse, v string) error {
+		q, err := resource.ParseQuantity(v)
+		if err != nil || q.Sign() <= 0 {
+			return invalid("attribute %s %s is invalid: want a positive quantity such as %s", attr, volume.Quote(v), example)
+		}
+		set(p, q.Value())
+		return nil
+	}
+}
+
+// knownKeys lists, for a refusal, the attributes a step pod may set, in
+// the order a pod's author meets them (the volumes' docs): every key of
+// attrParsers, and the properties (TestEveryAttributeHasItsParser).
+var knownKeys = strings.Join([]string{AttrSource, AttrSourceNamespace, AttrCapture, AttrScope, AttrSizeLimit, AttrTTL, AttrCopies,
+	AttrOwner, AttrReadProfile, AttrPropertyPrefix + "<key>", AttrCache, AttrCachePromote, AttrCacheMaxSize, AttrCacheFrom}, ", ")
+
+// check checks the parsed attributes against each other, and says the
+// source's namespace.
+func (p *contextParse) check() error {
+	r := &p.r
 	if len(r.Properties) > volume.MaxProperties {
-		return r, invalid("%d properties given: at most %d", len(r.Properties), volume.MaxProperties)
+		return invalid("%d properties given: at most %d", len(r.Properties), volume.MaxProperties)
 	}
-	if err := validateCache(r, scopeSet, cacheSet, sourceNS); err != nil {
-		return r, err
+	if err := validateCache(*r, p.scopeSet, p.cacheSet, p.sourceNS); err != nil {
+		return err
 	}
-	if r.Capture == "" && r.Cache.Key == "" && (scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0 || r.OwnedByController) {
-		return r, invalid("attributes scope, ttl, copies, owner and property.* describe a captured volume: they need capture")
+	if r.Capture == "" && r.Cache.Key == "" && (p.scopeSet || r.Properties != nil || r.TTL != 0 || r.Copies != 0 || r.OwnedByController) {
+		return invalid("attributes scope, ttl, copies, owner and property.* describe a captured volume: they need capture")
 	}
 	if r.ReadProfile != "" && r.Source.IsZero() {
-		return r, invalid("attribute readProfile names the order the step reads its source in: it needs source")
+		return invalid("attribute readProfile names the order the step reads its source in: it needs source")
 	}
-	if sourceNS != "" && r.Source.IsZero() {
-		return r, invalid("attribute sourceNamespace names the namespace of source: it needs source")
+	if p.sourceNS != "" && r.Source.IsZero() {
+		return invalid("attribute sourceNamespace names the namespace of source: it needs source")
 	}
 	if !r.Source.IsZero() {
 		r.Source.Namespace = r.Pod.Namespace
-		if sourceNS != "" {
-			r.Source.Namespace = sourceNS
+		if p.sourceNS != "" {
+			r.Source.Namespace = p.sourceNS
 		}
 	}
 	if volume.IsCacheHandle(r.Source.Handle) || volume.IsCacheHandle(r.Capture) {
-		return r, invalid("handles starting %s are a cache's versions: a step names a cache by its key (attribute cache)",
+		return invalid("handles starting %s are a cache's versions: a step names a cache by its key (attribute cache)",
 			volume.Quote(volume.CacheHandlePrefix))
 	}
 	if r.Capture != "" && r.Source == (volume.Ref{Namespace: r.Pod.Namespace, Handle: r.Capture}) {
-		return r, invalid("capture handle %q equals the source: a cached volume is immutable", r.Capture)
+		return invalid("capture handle %q equals the source: a cached volume is immutable", r.Capture)
 	}
-	return r, nil
+	return nil
 }
 
 // validateCache checks a cache volume's attributes against the others: its

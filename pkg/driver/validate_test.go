@@ -1,6 +1,8 @@
 package driver
 
 import (
+	"maps"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -143,6 +145,17 @@ func TestParseVolumeContext(t *testing.T) {
 			tc.want.Pod = volume.Pod{Namespace: "ci", Name: "step-1", UID: testUID}
 			require.Equal(t, tc.want, got)
 		})
+	}
+}
+
+// Every attribute a pod may set has its parser, and a refusal of an
+// unknown one names each of them once, and the properties.
+func TestEveryAttributeHasItsParser(t *testing.T) {
+	listed := strings.Split(knownKeys, ", ")
+	require.ElementsMatch(t, append(slices.Collect(maps.Keys(attrParsers)), AttrPropertyPrefix+"<key>"), listed)
+	for _, k := range []string{AttrSource, AttrSourceNamespace, AttrCapture, AttrScope, AttrSizeLimit, AttrTTL, AttrCopies,
+		AttrReadProfile, AttrOwner, AttrCache, AttrCachePromote, AttrCacheMaxSize, AttrCacheFrom} {
+		require.Contains(t, attrParsers, k)
 	}
 }
 
