@@ -19,6 +19,7 @@ import (
 
 	nodev1 "github.com/concourse/cowvol/api/node/v1"
 	"github.com/concourse/cowvol/internal/kubeletsim"
+	"github.com/concourse/cowvol/internal/mountid"
 	"github.com/concourse/cowvol/internal/plugintest"
 	"github.com/concourse/cowvol/pkg/driver"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -177,7 +178,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 // view mounted again gets a new one.
 func mountID(t *testing.T, path string) uint64 {
 	t.Helper()
-	id, root, err := overlay.MountOf(path)
+	id, root, err := mountid.Of(path)
 	require.NoError(t, err)
 	if !root {
 		return 0

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/mountid"
 	"github.com/concourse/cowvol/internal/testfs"
 	"github.com/concourse/cowvol/pkg/cache"
 	"github.com/concourse/cowvol/pkg/overlay"
@@ -489,7 +490,7 @@ func TestPublishRecordsItsMountAfterwards(t *testing.T) {
 	f.capture("ci", "src")
 	v := f.volume("ci", "src", "out")
 	require.NoError(t, f.publish(v))
-	id, root, err := overlay.MountOf(v.Target.Full)
+	id, root, err := mountid.Of(v.Target.Full)
 	require.NoError(t, err)
 	require.True(t, root)
 	require.Eventually(t, func() bool {

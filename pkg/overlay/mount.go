@@ -9,6 +9,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/concourse/cowvol/internal/mountid"
 )
 
 // Attrs are the mount attributes of a step volume. Every cowvol mount is
@@ -279,32 +281,9 @@ func (m *SysMounter) Unmount(target string) error {
 // IsMountPoint implements Mounter. Unlike a device-number comparison it sees
 // bind mounts of the same filesystem, which is what most of ours are.
 func (m *SysMounter) IsMountPoint(path string) (bool, error) {
-	_, root, err := MountOf(path)
+	_, root, err := mountid.Of(path)
 	return root, err
 }
-
-// MountOf says which mount path is on (its unique ID where the kernel has
-// them) and whether path is that mount's root. A symlink at path is not
-// followed; a missing path is on no mount.
-func MountOf(path string) (id uint64, root bool, err error) {
-	var stx unix.Statx_t
-	err = unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW|unix.AT_NO_AUTOMOUNT,
-		unix.STATX_MNT_ID_UNIQUE|unix.STATX_MNT_ID, &stx)
-	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) {
-		return 0, false, nil
-	}
-	if err != nil {
-		return 0, false, fmt.Errorf("statx %s: %w", path, err)
-	}
-	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT == 0 {
-		return 0, false, fmt.Errorf("statx %s: the kernel does not say whether it is a mount root (cowvol needs Linux 5.8 or later)", path)
-	}
-	return stx.Mnt_id, stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
-}
-
-// RootID names a mount's root (or any dir) by device and inode: the same
-// in every mount namespace, where a mount's copies have IDs of their own.
-func RootID(st *unix.Stat_t) string { return fmt.Sprintf("%d:%d", st.Dev, st.Ino) }
 
 // Holds says whether the mount on top at path, whose root is root, is
 // what backend b mounts for s: how the plugin recognises a mount it made
@@ -313,7 +292,7 @@ func RootID(st *unix.Stat_t) string { return fmt.Sprintf("%d:%d", st.Dev, st.Ino
 func Holds(b Backend, s Spec, path, root string) bool {
 	sameRoot := func(dir string) bool {
 		var st unix.Stat_t
-		return unix.Stat(dir, &st) == nil && RootID(&st) == root
+		return unix.Stat(dir, &st) == nil && mountid.Root(&st) == root
 	}
 	if mountsLowers(b, s) {
 		switch len(s.Lowers) {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/mountid"
 	"github.com/concourse/cowvol/internal/testfs"
 )
 
@@ -248,7 +249,7 @@ func TestMountAttrs(t *testing.T) {
 			for _, n := range tc.not {
 				require.NotContains(t, got, n)
 			}
-			_, root, err := MountOf(target)
+			_, root, err := mountid.Of(target)
 			require.NoError(t, err)
 			require.True(t, root)
 			require.NoError(t, m.Unmount(target))
@@ -259,7 +260,7 @@ func TestMountAttrs(t *testing.T) {
 		victim := t.TempDir()
 		require.NoError(t, os.Symlink(victim, link))
 		require.Error(t, m.Bind(src, link, Attrs{}), "move_mount must not follow the symlink")
-		_, root, err := MountOf(victim)
+		_, root, err := mountid.Of(victim)
 		require.NoError(t, err)
 		require.False(t, root, "nothing was mounted where the symlink points")
 		require.NoError(t, m.Unmount(link), "unmounting a symlink is a no-op, never a follow")
@@ -355,7 +356,7 @@ func TestHoldsRecognisesItsMounts(t *testing.T) {
 			defer func() { require.NoError(t, Unmount(m, s)) }()
 			var st unix.Stat_t
 			require.NoError(t, unix.Stat(target, &st))
-			require.True(t, Holds(b, s, target, RootID(&st)), "its own mount")
+			require.True(t, Holds(b, s, target, mountid.Root(&st)), "its own mount")
 			mounts, err := MountsUnder(root)
 			require.NoError(t, err)
 			require.Contains(t, mounts, target)
@@ -366,7 +367,7 @@ func TestHoldsRecognisesItsMounts(t *testing.T) {
 			} else if len(s.Lowers) == 1 {
 				other.Lowers = []string{l2}
 			}
-			require.False(t, Holds(b, other, target, RootID(&st)), "another volume's spec")
+			require.False(t, Holds(b, other, target, mountid.Root(&st)), "another volume's spec")
 		})
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/mountid"
 	"github.com/concourse/cowvol/internal/testfs"
 )
 
@@ -117,7 +118,7 @@ func TestStage(t *testing.T) {
 			require.FileExists(t, filepath.Join(upper, "new"), "the step writes into the view's own upper dir")
 			require.NoFileExists(t, filepath.Join(lower, "new"))
 			require.NoError(t, unix.Stat(target, &st))
-			require.True(t, Holds(b, s, target, RootID(&st)), "recognised as the view's mount")
+			require.True(t, Holds(b, s, target, mountid.Root(&st)), "recognised as the view's mount")
 		})
 	}
 }

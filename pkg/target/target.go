@@ -19,7 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/concourse/cowvol/pkg/overlay"
+	"github.com/concourse/cowvol/internal/mountid"
 	"github.com/concourse/cowvol/pkg/volume"
 )
 
@@ -126,13 +126,13 @@ func (d *Dir) Stat() (State, error) {
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return State{Exists: true}, fmt.Errorf("target %s is not a directory: %w", d.path.Full, ErrUnsafe)
 	}
-	id, root, err := overlay.MountOf(d.MountPath())
+	id, root, err := mountid.Of(d.MountPath())
 	if err != nil {
 		return State{}, err
 	}
 	s := State{Exists: true, Mounted: root, MountID: id}
 	if root {
-		s.Root = overlay.RootID(&st)
+		s.Root = mountid.Root(&st)
 	} else {
 		s.Empty, err = d.empty()
 	}

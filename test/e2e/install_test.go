@@ -17,9 +17,9 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/concourse/cowvol/internal/mountid"
 	"github.com/concourse/cowvol/internal/netlab"
 	"github.com/concourse/cowvol/internal/ociimage"
-	"github.com/concourse/cowvol/pkg/overlay"
 	"github.com/concourse/cowvol/pkg/plugin"
 	"github.com/concourse/cowvol/test/localcluster"
 )
@@ -326,7 +326,7 @@ func TestInstall(t *testing.T) {
 	require.Equal(t, "v1\n", c.mustSucceed("ci", "reads-across-upgrade"))
 	readerTarget := filepath.Join(c.KubeletDir, "pods", readerUID, "volumes", "kubernetes.io~csi", "in", "mount")
 	c.Until("the new plugin to unpublish the old one's read-only volume", 60*time.Second, func() bool {
-		_, mounted, err := overlay.MountOf(readerTarget)
+		_, mounted, err := mountid.Of(readerTarget)
 		return err == nil && !mounted
 	})
 
