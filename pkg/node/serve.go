@@ -85,10 +85,10 @@ func (h peerHolder) Chain(namespace string, r volume.Ref) ([]streamer.Layer, err
 // inChainOf says whether r is a layer of via's chain, via being a ready
 // volume namespace may read: what a pull for a pod that uses via may take.
 func (h peerHolder) inChainOf(namespace string, r, via volume.Ref) bool {
-	if v, err := h.e.store.Get(via); err != nil || !v.ReadableBy(namespace) {
+	if _, err := h.e.readable(namespace, via, volume.NeedWhole); err != nil {
 		return false
 	}
-	refs, _, err := h.e.store.ChainOf(via, volume.NeedWhole) // via's own first; ready, or an error
+	refs, _, err := h.e.store.ChainOf(via, volume.NeedWhole) // via's own first
 	return err == nil && slices.Contains(refs[1:], r)
 }
 
