@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -281,6 +282,7 @@ func TestXattrNames(t *testing.T) {
 		{name: "one", answers: []string{one, one}, want: []string{"user.a"}},
 		{name: "grown since it was sized", answers: []string{one, two, two, two},
 			want: []string{"user.a", "trusted.overlay.opaque"}},
+		{name: "growing on every read", answers: slices.Repeat([]string{one, two}, readSizedTries), wantErr: unix.ERANGE},
 		{name: "no xattrs on the filesystem", fail: unix.ENOTSUP},
 		{name: "a failure", fail: unix.EIO, wantErr: unix.EIO},
 	}

@@ -85,17 +85,19 @@ func XattrValue(get func(buf []byte) (int, error)) ([]byte, error) { return read
 
 // readSized reads what read returns into a buffer of the size it first
 // says (a call with no buffer), sized again where it grew meanwhile
-// (ERANGE). The first call costs no allocation where there is nothing, as
+// (ERANGE), up to readSizedTries times: a file whose attributes someone
+// grows faster than they are read fails with ERANGE, never holds its
+// reader. The first call costs no allocation where there is nothing, as
 // for most files.
 func readSized(read func(buf []byte) (int, error)) ([]byte, error) {
-	for {
+	for try := 1; ; try++ {
 		size, err := read(nil)
 		if err != nil || size == 0 {
 			return nil, err
 		}
 		buf := make([]byte, size)
 		n, err := read(buf)
-		if errors.Is(err, unix.ERANGE) {
+		if errors.Is(err, unix.ERANGE) && try < readSizedTries {
 			continue
 		}
 		if err != nil {
@@ -104,6 +106,9 @@ func readSized(read func(buf []byte) (int, error)) ([]byte, error) {
 		return buf[:n], nil
 	}
 }
+
+// readSizedTries bounds readSized's reads of what keeps growing.
+const readSizedTries = 8
 
 // noXattrAt is set once the *xattrat calls are found missing or blocked.
 var noXattrAt atomic.Bool
