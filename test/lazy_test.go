@@ -729,10 +729,7 @@ func startFillKeeper(t *testing.T, grace time.Duration) string {
 		log.Close()
 		os.RemoveAll(dir)
 	})
-	eventually(t, "the fill keeper to listen", func() bool {
-		st, err := os.Stat(sock)
-		return err == nil && st.Mode().Type() == os.ModeSocket
-	})
+	eventually(t, "the fill keeper to listen", func() bool { return testfs.Listening(sock) })
 	return sock
 }
 

@@ -564,10 +564,7 @@ func serveKeeper(t *testing.T, grace time.Duration) string {
 		cancel()
 		require.NoError(t, <-served)
 	})
-	require.Eventually(t, func() bool {
-		st, err := os.Stat(sock)
-		return err == nil && st.Mode().Type() == os.ModeSocket
-	}, 10*time.Second, 5*time.Millisecond, "the keeper to listen")
+	require.Eventually(t, func() bool { return testfs.Listening(sock) }, 10*time.Second, 5*time.Millisecond, "the keeper to listen")
 	return sock
 }
 
